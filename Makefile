@@ -1,0 +1,45 @@
+# strata: the two commands a user needs.
+#   make demo   install deps, build (Release), plan GPT-3 175B on 1024 A100s and estimate the published plan
+#   make test   install deps, build, run every test; then the same tests under ASan + UBSan
+# Extra targets: build, bench (Google Benchmark binaries), calibration (the per-row accuracy table), clean.
+
+JOBS      ?= 2
+BUILD     ?= build
+SANBUILD  ?= build-asan
+CMAKE_ARGS ?=
+
+.PHONY: all deps build demo test test-fast test-sanitize bench calibration clean
+
+all: build
+
+deps:
+	bash scripts/install-deps.sh
+
+build: deps
+	cmake -S . -B $(BUILD) -DCMAKE_BUILD_TYPE=Release $(CMAKE_ARGS)
+	cmake --build $(BUILD) -j $(JOBS)
+
+demo: build
+	@echo; echo "== strata plan: GPT-3 175B on 1024 A100 80GB, global batch 1536 =="
+	$(BUILD)/strata plan --model gpt3-175b --cluster dgx-a100-80g --gpus 1024 --global-batch-size 1536 --top 5
+	@echo; echo "== strata estimate: the published Megatron-LM plan (TP8 PP16 DP8, MBS1, full recompute; 32 s measured) =="
+	$(BUILD)/strata estimate --model gpt3-175b --cluster dgx-a100-80g --plan tp=8,pp=16,dp=8,mbs=1,gbs=1536,recompute=full,precision=fp16,zero=0
+
+test-fast: build
+	cd $(BUILD) && ctest --output-on-failure -j $(JOBS)
+
+test-sanitize: deps
+	cmake -S . -B $(SANBUILD) -DCMAKE_BUILD_TYPE=Debug -DSTRATA_SANITIZE=ON $(CMAKE_ARGS)
+	cmake --build $(SANBUILD) -j $(JOBS)
+	cd $(SANBUILD) && ctest --output-on-failure -j $(JOBS)
+
+test: test-fast test-sanitize
+
+bench: build
+	$(BUILD)/planner_bench
+
+calibration: build
+	$(BUILD)/calibration_test --gtest_filter='*PublishedRuns*'
+
+clean:
+	rm -rf $(BUILD) $(SANBUILD)

@@ -1,0 +1,70 @@
+// Flag parsing; see args.h.
+#include "cli/args.h"
+
+#include <cctype>
+
+#include <fmt/format.h>
+
+#include "costmodel/json_input.h"
+
+namespace strata {
+
+Args::Args(const std::vector<std::string>& argv, const std::string& command, const std::set<std::string>& value_flags,
+           const std::set<std::string>& bool_flags)
+    : command_(command) {
+  for (size_t i = 0; i < argv.size(); ++i) {
+    std::string a = argv[i];
+    if (a.rfind("--", 0) != 0 || a.size() < 3)
+      throw InputError(fmt::format("strata {}: unexpected argument '{}' (flags start with --; see strata {} --help)",
+                                   command, a, command));
+    std::string name = a.substr(2), value;
+    bool inline_value = false;
+    if (const size_t eq = name.find('='); eq != std::string::npos) {
+      value = name.substr(eq + 1);
+      name = name.substr(0, eq);
+      inline_value = true;
+    }
+    if (bool_flags.count(name)) {
+      if (inline_value) throw InputError(fmt::format("strata {}: --{} takes no value", command, name));
+      value = "1";
+    } else if (value_flags.count(name)) {
+      if (!inline_value) {
+        if (i + 1 >= argv.size())
+          throw InputError(fmt::format("strata {}: --{} needs a value", command, name));
+        value = argv[++i];
+      }
+      if (value.empty()) throw InputError(fmt::format("strata {}: --{} needs a non-empty value", command, name));
+    } else {
+      throw InputError(fmt::format("strata {}: unknown flag --{} (see strata {} --help)", command, name, command));
+    }
+    if (values_.count(name)) throw InputError(fmt::format("strata {}: --{} given twice", command, name));
+    values_[name] = value;
+  }
+}
+
+std::string Args::get(const std::string& flag, const std::string& fallback) const {
+  auto it = values_.find(flag);
+  return it == values_.end() ? fallback : it->second;
+}
+
+std::string Args::required(const std::string& flag, const std::string& what) const {
+  auto it = values_.find(flag);
+  if (it == values_.end()) throw InputError(fmt::format("strata {}: --{} is required ({})", command_, flag, what));
+  return it->second;
+}
+
+int64_t Args::integer(const std::string& flag, int64_t fallback, int64_t lo, int64_t hi) const {
+  auto it = values_.find(flag);
+  if (it == values_.end()) return fallback;
+  const std::string& s = it->second;
+  bool ok = !s.empty() && s.size() <= 18;
+  for (size_t i = 0; i < s.size() && ok; ++i)
+    ok = std::isdigit(static_cast<unsigned char>(s[i])) || (i == 0 && s[i] == '-' && s.size() > 1);
+  const std::string rule = fmt::format("must be an integer in [{}, {}]", lo, hi);
+  if (!ok) fail_field("--" + flag, "'" + s + "'", rule);
+  const int64_t v = std::stoll(s);
+  if (v < lo || v > hi) fail_field("--" + flag, s, rule);
+  return v;
+}
+
+}  // namespace strata

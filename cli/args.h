@@ -1,0 +1,28 @@
+// Command-line flags of one subcommand: "--name value", "--name=value" and boolean
+// "--name". Unknown flags, missing values and malformed numbers are InputErrors that name
+// the flag, so every subcommand reports bad usage the same way (exit code 2).
+#pragma once
+
+#include <cstdint>
+#include <map>
+#include <set>
+#include <string>
+#include <vector>
+
+namespace strata {
+
+class Args {
+ public:
+  Args(const std::vector<std::string>& argv, const std::string& command, const std::set<std::string>& value_flags,
+       const std::set<std::string>& bool_flags);
+  bool has(const std::string& flag) const { return values_.count(flag) > 0; }
+  std::string get(const std::string& flag, const std::string& fallback = "") const;
+  std::string required(const std::string& flag, const std::string& what) const;
+  int64_t integer(const std::string& flag, int64_t fallback, int64_t lo, int64_t hi) const;
+
+ private:
+  std::string command_;
+  std::map<std::string, std::string> values_;
+};
+
+}  // namespace strata

@@ -1,0 +1,255 @@
+// strata: the subcommands of SPEC.md. Parses flags, loads the three inputs, calls the cost
+// model or the planner, formats text / JSON / traces / exports. Exit codes: 0 success,
+// 2 invalid input (message names the field, value and rule), 3 nothing feasible,
+// 1 internal error.
+#include <cstdio>
+#include <iostream>
+#include <string>
+#include <vector>
+
+#include <fmt/format.h>
+
+#include "cli/args.h"
+#include "costmodel/estimate.h"
+#include "costmodel/report.h"
+#include "planner/export.h"
+#include "planner/search.h"
+
+namespace strata {
+namespace {
+
+constexpr int kExitOk = 0, kExitInternal = 1, kExitInput = 2, kExitInfeasible = 3;
+
+const char* kUsage = R"(strata: plan and prove distributed training of large transformer models
+
+usage:
+  strata plan      --model M --cluster C --gpus N --global-batch-size B [--top K] [--json]
+                   [--export megatron|deepspeed] [--fix tp=8,pp=4,...] [--pareto] [--trace FILE]
+                   [--precision bf16|fp16|fp8|fp32] [--seq-length S] [--compare PLAN]
+  strata estimate  --model M --cluster C --plan P [--json] [--trace FILE] [--seq-length S] [--ops]
+  strata plan --list-models | --list-clusters
+
+  M  a preset (strata plan --list-models), a model JSON or a Hugging Face config.json
+  C  a preset (strata plan --list-clusters) or a cluster JSON (schema: hw_profiles/README.md)
+  P  a plan JSON or inline pairs: tp=8,pp=8,dp=16,mbs=1,vp=3,zero=1,recompute=selective,sp=1
+
+  profile, train and validate (SPEC.md) are not part of this build yet.
+exit codes: 0 ok, 2 invalid input, 3 nothing feasible, 1 internal error
+)";
+
+void list_presets(bool models) {
+  if (models) {
+    for (const auto& n : model_preset_names()) {
+      ModelSpec m;
+      find_model_preset(n, &m);
+      fmt::print("{:<14} {:>9} params  L={:<4} H={:<6} A={:<4} G={:<4} F={:<6} V={:<7} S={:<6} {} {}\n", n,
+                 human_count(m.total_params()), m.L, m.H, m.A, m.G, m.F, m.V, m.S, to_string(m.activation),
+                 to_string(m.normalization));
+    }
+  } else {
+    for (const auto& n : cluster_preset_names()) {
+      const Cluster c = load_cluster(n);
+      fmt::print("{:<16} {:<20} {:>7.1f} GiB  {:>7.1f} bf16 TFLOP/s  {:>6.0f} GB/s HBM  {} per node\n", n,
+                 c.device.name, c.device.memory_bytes / (1024.0 * 1024 * 1024), c.device.peak_bf16_flops / 1e12,
+                 c.device.memory_bandwidth_bytes_per_s / 1e9, c.devices_per_node);
+    }
+  }
+}
+
+Precision parse_precision(const std::string& s) {
+  if (s == "bf16") return Precision::bf16;
+  if (s == "fp16") return Precision::fp16;
+  if (s == "fp8") return Precision::fp8;
+  if (s == "fp32") return Precision::fp32;
+  fail_field("--precision", "'" + s + "'", "must be one of bf16, fp16, fp8, fp32");
+}
+
+void write_trace(const std::string& path, const ModelSpec& m, const Cluster& cl, const Plan& p) {
+  if (static_cast<double>(p.microbatches()) * static_cast<double>(p.p * p.v) > 4e6)
+    throw InputError(fmt::format("--trace: {} pipeline steps are too many to write as a trace (limit 4M)",
+                                 p.microbatches() * p.p * p.v * 2));
+  EstimateOptions eo;
+  eo.record_events = true;
+  EstimateDetail d;
+  const Estimate e = estimate(m, cl, p, eo, &d);
+  write_text_file(path, trace_json(m, e, d).dump() + "\n", "--trace");
+}
+
+int cmd_estimate(const std::vector<std::string>& argv) {
+  const Args a(argv, "estimate", {"model", "cluster", "plan", "trace", "seq-length", "gpus"},
+               {"json", "ops", "list-models", "list-clusters", "help"});
+  if (a.has("help")) return fmt::print("{}", kUsage), kExitOk;
+  if (a.has("list-models") || a.has("list-clusters")) return list_presets(a.has("list-models")), kExitOk;
+  const ModelSpec m = load_model(a.required("model", "a preset or a model JSON"), a.integer("seq-length", 0, 1, 1 << 24));
+  const Cluster cl = load_cluster(a.required("cluster", "a preset or a cluster JSON"));
+  const Plan p = load_plan(a.required("plan", "a plan JSON or tp=..,pp=..,dp=.. pairs"));
+  if (a.has("gpus") && a.integer("gpus", 1, 1, 1 << 24) != p.world_size())
+    fail_field("--gpus", a.get("gpus"),
+               fmt::format("must equal tp*pp*dp*cp = {} of the plan", p.world_size()));
+  EstimateOptions eo;
+  eo.want_ops = true;
+  EstimateDetail d;
+  const Estimate e = estimate(m, cl, p, eo, &d);
+  if (!e.valid) {
+    std::string msg;
+    for (const auto& r : e.reasons) msg += (msg.empty() ? "" : "; ") + r.message;
+    throw InputError("plan: " + msg);
+  }
+  if (a.has("trace")) write_trace(a.get("trace"), m, cl, p);
+  if (a.has("json")) {
+    fmt::print("{}\n", estimate_to_json(e).dump(2));
+  } else {
+    fmt::print("{}", format_estimate(m, cl, e, &d));
+    if (a.has("ops")) fmt::print("{}", format_layer_ops(d));
+    if (a.has("trace")) fmt::print("\ntrace written to {}\n", a.get("trace"));
+  }
+  return kExitOk;
+}
+
+std::string plan_row(const Estimate& e, int rank) {
+  const Plan& p = e.plan;
+  return fmt::format("{:>3}  {:>3} {:>3} {:>4} {:>3} {:>3} {:>4} {:>4} {:>9} {:>3} {:>6}  {:>9.3f} {:>11.0f} {:>6.1f}% {:>9.1f} {:>7.1f}%",
+                     rank, p.t, p.p, p.d, p.c, p.v, p.mbs, p.zero, to_string(p.recompute), p.sp ? "y" : "n",
+                     to_string(p.schedule()), e.step_time_s, e.tokens_per_s, 100.0 * e.mfu,
+                     e.memory.peak / (1024.0 * 1024 * 1024), 100.0 * e.time.pipeline_bubble / e.step_time_s);
+}
+
+const char* kPlanHeader =
+    "  #   tp  pp   dp  cp  vp  mbs zero recompute  sp  sched     step_s    tokens/s    MFU  mem_GiB  bubble";
+
+// Why `best` beats `other`: the terms that differ, largest saving first.
+std::string explain(const Estimate& best, const Estimate& other) {
+  struct Term {
+    const char* name;
+    double a, b;
+  };
+  const TimeBreakdown &x = best.time, &y = other.time;
+  std::vector<Term> terms = {{"forward", x.forward, y.forward},       {"backward", x.backward, y.backward},
+                             {"recompute", x.recompute, y.recompute}, {"tp_comm", x.tp_comm, y.tp_comm},
+                             {"cp_comm", x.cp_comm, y.cp_comm},       {"pp_comm", x.pp_comm, y.pp_comm},
+                             {"dp_comm", x.dp_comm, y.dp_comm},       {"pipeline_bubble", x.pipeline_bubble, y.pipeline_bubble},
+                             {"optimizer", x.optimizer, y.optimizer}, {"overhead", x.overhead, y.overhead}};
+  std::string o = fmt::format("\nbest plan against {}:\n", plan_to_inline(other.plan));
+  o += fmt::format("  {:<18}{:>12}{:>12}{:>12}\n", "term (s)", "best", "compared", "difference");
+  for (const auto& t : terms)
+    o += fmt::format("  {:<18}{:>12.3f}{:>12.3f}{:>+12.3f}\n", t.name, t.a, t.b, t.a - t.b);
+  o += fmt::format("  {:<18}{:>12.3f}{:>12.3f}{:>+12.3f}   ({:+.1f}%)\n", "step", best.step_time_s, other.step_time_s,
+                   best.step_time_s - other.step_time_s, 100.0 * (best.step_time_s / other.step_time_s - 1.0));
+  std::sort(terms.begin(), terms.end(), [](const Term& a, const Term& b) { return (a.a - a.b) < (b.a - b.b); });
+  std::string why;
+  for (const auto& t : terms)
+    if (t.a - t.b < -0.005 * other.step_time_s)
+      why += fmt::format("{}{} {:.2f} s less", why.empty() ? "" : ", ", t.name, t.b - t.a);
+  std::string cost;
+  for (const auto& t : terms)
+    if (t.a - t.b > 0.005 * other.step_time_s)
+      cost += fmt::format("{}{} {:.2f} s more", cost.empty() ? "" : ", ", t.name, t.a - t.b);
+  o += fmt::format("  why: {}{}\n", why.empty() ? "no term differs by more than 0.5%" : why,
+                   cost.empty() ? "" : "; paid for with " + cost);
+  return o;
+}
+
+int cmd_plan(const std::vector<std::string>& argv) {
+  const Args a(argv, "plan",
+               {"model", "cluster", "gpus", "global-batch-size", "top", "export", "fix", "trace", "precision",
+                "seq-length", "compare"},
+               {"json", "pareto", "list-models", "list-clusters", "help"});
+  if (a.has("help")) return fmt::print("{}", kUsage), kExitOk;
+  if (a.has("list-models") || a.has("list-clusters")) return list_presets(a.has("list-models")), kExitOk;
+  const ModelSpec m = load_model(a.required("model", "a preset or a model JSON"), a.integer("seq-length", 0, 1, 1 << 24));
+  const Cluster cl = load_cluster(a.required("cluster", "a preset or a cluster JSON"));
+  SearchOptions so;
+  so.gpus = a.integer("gpus", 0, 1, 1 << 24);
+  if (!a.has("gpus")) a.required("gpus", "the number of GPUs to plan for");
+  so.gbs = a.integer("global-batch-size", 0, 1, int64_t{1} << 30);
+  if (!a.has("global-batch-size")) a.required("global-batch-size", "sequences per optimizer step");
+  so.top_k = static_cast<int>(a.integer("top", 10, 1, 1000));
+  so.precision = parse_precision(a.get("precision", "bf16"));
+  so.pareto = a.has("pareto");
+  if (a.has("fix")) so.fixed = parse_fixed(a.get("fix"));
+  const std::string exp = a.get("export");
+  if (!exp.empty() && exp != "megatron" && exp != "deepspeed")
+    fail_field("--export", "'" + exp + "'", "must be megatron or deepspeed");
+  Plan compare;
+  if (a.has("compare")) compare = load_plan(a.get("compare"));
+
+  const SearchResult r = search(m, cl, so);
+  if (r.plans.empty()) {
+    std::string why;
+    for (const auto& [k, v] : r.rejected) why += fmt::format("{}{} {}", why.empty() ? "" : ", ", k, v);
+    fmt::print(stderr, "strata plan: no feasible plan among {} candidates for {} on {} x {}; rejected: {}\n",
+               r.candidates_evaluated, m.name, so.gpus, cl.name, why);
+    if (a.has("json")) fmt::print("{}\n", search_to_json(r).dump(2));
+    return kExitInfeasible;
+  }
+  const Estimate& best = r.plans.front();
+  if (a.has("trace")) write_trace(a.get("trace"), m, cl, best.plan);
+  if (exp == "megatron") return fmt::print("{}", export_megatron(m, best.plan)), kExitOk;
+  if (exp == "deepspeed") return fmt::print("{}", export_deepspeed(m, best.plan)), kExitOk;
+  if (a.has("json")) {
+    Json j = search_to_json(r);
+    if (a.has("compare")) j["compared"] = estimate_to_json(estimate(m, cl, compare));
+    return fmt::print("{}\n", j.dump(2)), kExitOk;
+  }
+  std::string rej;
+  for (const auto& [k, v] : r.rejected) rej += fmt::format("{}{} {}", rej.empty() ? "" : ", ", k, v);
+  fmt::print("strata plan: {} ({} parameters) on {} x {}, global batch {} x {} tokens, {}\n", m.name,
+             human_count(m.total_params()), so.gpus, cl.name, so.gbs, m.S, to_string(so.precision));
+  fmt::print("searched {} candidates in {:.3f} s: {} feasible, {} simulated; rejected: {}\n\n", r.candidates_evaluated,
+             r.search_time_s, r.feasible, r.simulated, rej.empty() ? "none" : rej);
+  fmt::print("{}\n", kPlanHeader);
+  for (size_t i = 0; i < r.plans.size(); ++i) fmt::print("{}\n", plan_row(r.plans[i], static_cast<int>(i + 1)));
+  if (so.pareto) {
+    fmt::print("\nmemory / throughput frontier (no plan is both faster and smaller):\n{}\n", kPlanHeader);
+    for (size_t i = 0; i < r.pareto.size(); ++i) fmt::print("{}\n", plan_row(r.pareto[i], static_cast<int>(i + 1)));
+  }
+  EstimateDetail d;
+  EstimateOptions eo;
+  const Estimate detailed = estimate(m, cl, best.plan, eo, &d);
+  fmt::print("\nbest plan:\n{}", format_estimate(m, cl, detailed, &d));
+  if (a.has("compare")) {
+    const Estimate other = estimate(m, cl, compare);
+    if (!other.valid) {
+      std::string msg;
+      for (const auto& x : other.reasons) msg += (msg.empty() ? "" : "; ") + x.message;
+      throw InputError("--compare: " + msg);
+    }
+    if (compare.world_size() != so.gpus)
+      fail_field("--compare", plan_to_inline(compare), fmt::format("must use {} GPUs like the search", so.gpus));
+    fmt::print("{}", explain(best, other));
+  }
+  if (a.has("trace")) fmt::print("\ntrace of the best plan written to {}\n", a.get("trace"));
+  return kExitOk;
+}
+
+int run(int argc, char** argv) {
+  if (argc < 2) {
+    fmt::print(stderr, "{}", kUsage);
+    return kExitInput;
+  }
+  const std::string cmd = argv[1];
+  const std::vector<std::string> rest(argv + 2, argv + argc);
+  if (cmd == "--help" || cmd == "-h" || cmd == "help") return fmt::print("{}", kUsage), kExitOk;
+  if (cmd == "plan") return cmd_plan(rest);
+  if (cmd == "estimate") return cmd_estimate(rest);
+  if (cmd == "profile" || cmd == "train" || cmd == "validate")
+    throw InputError(fmt::format("strata {}: not part of this build yet (this version implements plan and estimate)", cmd));
+  throw InputError(fmt::format("strata: unknown subcommand '{}' (plan, estimate; see strata --help)", cmd));
+}
+
+}  // namespace
+}  // namespace strata
+
+int main(int argc, char** argv) {
+  try {
+    return strata::run(argc, argv);
+  } catch (const strata::InputError& e) {
+    std::fflush(stdout);
+    fmt::print(stderr, "strata: error: {}\n", e.what());
+    return strata::kExitInput;
+  } catch (const std::exception& e) {
+    std::fflush(stdout);
+    fmt::print(stderr, "strata: internal error: {}\n", e.what());
+    return strata::kExitInternal;
+  }
+}

@@ -1,0 +1,51 @@
+// Collective times; see comm.h.
+#include "costmodel/comm.h"
+
+#include <algorithm>
+#include <cmath>
+
+namespace strata {
+
+GroupSpan group_span(int64_t size, int64_t stride, int64_t devices_per_node) {
+  GroupSpan g;
+  g.size = size;
+  if (size <= 1) return g;
+  if (stride >= devices_per_node) {
+    g.per_node = 1;
+  } else {
+    g.per_node = std::min(size, std::max<int64_t>(1, devices_per_node / stride));
+  }
+  g.nodes = (size + g.per_node - 1) / g.per_node;
+  return g;
+}
+
+double bus_factor(Collective c, int64_t n) {
+  if (n <= 1) return 0;
+  const double nd = static_cast<double>(n);
+  switch (c) {
+    case Collective::all_reduce: return 2.0 * (nd - 1) / nd;
+    case Collective::all_gather:
+    case Collective::reduce_scatter: return (nd - 1) / nd;
+    case Collective::send_recv: return 1.0;
+  }
+  return 1.0;
+}
+
+double bus_bandwidth(const Cluster& cl, const GroupSpan& g, Collective c) {
+  const double intra = cl.intra.bandwidth_bytes_per_s * cl.intra.efficiency(c);
+  if (g.nodes <= 1) return intra;
+  // The node's NICs are shared by the devices_per_node / per_node groups of this kind.
+  const double share = cl.inter.bandwidth_bytes_per_s * static_cast<double>(g.per_node) /
+                       static_cast<double>(cl.devices_per_node);
+  return std::min(intra, share * cl.inter.efficiency(c));
+}
+
+double collective_time(const Cluster& cl, const GroupSpan& g, Collective c, double bytes) {
+  if (g.size <= 1 || bytes <= 0) return 0;
+  const double steps = c == Collective::send_recv ? 1.0
+                       : std::ceil(std::log2(static_cast<double>(g.size))) * (c == Collective::all_reduce ? 2.0 : 1.0);
+  const double latency = (g.nodes > 1 ? cl.inter.latency_s : cl.intra.latency_s) * steps;
+  return latency + bytes * bus_factor(c, g.size) / bus_bandwidth(cl, g, c);
+}
+
+}  // namespace strata

@@ -1,0 +1,416 @@
+// Op-by-op compute model; see compute.h. Every byte count below is per GPU and per
+// micro-batch; e is the activation element size, 1-byte dropout masks.
+#include "costmodel/compute.h"
+
+#include <algorithm>
+#include <cmath>
+
+#include "costmodel/comm.h"
+
+namespace strata {
+
+const char* to_string(Phase ph) {
+  switch (ph) {
+    case Phase::forward: return "forward";
+    case Phase::backward: return "backward";
+    case Phase::recompute: return "recompute";
+  }
+  return "?";
+}
+
+const char* to_string(OpKind k) {
+  switch (k) {
+    case OpKind::gemm: return "gemm";
+    case OpKind::memory: return "memory";
+    case OpKind::tp_comm: return "tp_comm";
+    case OpKind::cp_comm: return "cp_comm";
+    case OpKind::dp_comm: return "dp_comm";
+  }
+  return "?";
+}
+
+Work& Work::operator+=(const Work& o) {
+  compute_s += o.compute_s;
+  tp_comm_s += o.tp_comm_s;
+  cp_comm_s += o.cp_comm_s;
+  dp_comm_s += o.dp_comm_s;
+  tp_comm_all_s += o.tp_comm_all_s;
+  return *this;
+}
+
+Work operator*(double k, const Work& w) {
+  Work r;
+  r.compute_s = k * w.compute_s;
+  r.tp_comm_s = k * w.tp_comm_s;
+  r.cp_comm_s = k * w.cp_comm_s;
+  r.dp_comm_s = k * w.dp_comm_s;
+  r.tp_comm_all_s = k * w.tp_comm_all_s;
+  return r;
+}
+
+double gemm_time(const Device& dev, double peak_flops, double M, double N, double K, double elem_bytes) {
+  const double flops = 2.0 * M * N * K;
+  const double bytes = elem_bytes * (M * K + K * N + M * N);
+  const double t_compute = flops / (peak_flops * dev.gemm_efficiency.at(flops));
+  const double t_memory = memory_time(dev, bytes);
+  return std::max({t_compute, t_memory, dev.kernel_launch_s});
+}
+
+double memory_time(const Device& dev, double bytes) {
+  if (bytes <= 0) return 0;
+  const double t = bytes / (dev.memory_bandwidth_bytes_per_s * dev.memory_efficiency.at(bytes));
+  return std::max(t, dev.kernel_launch_s);
+}
+
+ComputeSetup compute_setup(const ModelSpec& m, const Cluster& cl, const Plan& p) {
+  ComputeSetup cs;
+  cs.attention = resolve_attention(m, cl, p);
+  cs.e = bytes_of(p.precision);
+  cs.T = static_cast<double>(p.mbs) * static_cast<double>(m.S) / static_cast<double>(p.c);
+  cs.Tn = p.sp ? cs.T / static_cast<double>(p.t) : cs.T;
+  // Gradients are accumulated and reduced in fp32 except in fp16 training (Megatron's
+  // defaults: accumulate_allreduce_grads_in_fp32 for bf16, fp16 grads for fp16).
+  cs.grad_bytes = p.precision == Precision::fp16 ? 2.0 : 4.0;
+  cs.weight_bytes = p.precision == Precision::fp32 ? 4.0 : 2.0;
+  return cs;
+}
+
+namespace {
+
+// Accumulates the ops of one piece of work into a LayerCost.
+struct Acc {
+  const ModelSpec& m;
+  const Cluster& cl;
+  const Plan& p;
+  const ComputeSetup& cs;
+  std::vector<OpCost>* ops;
+  GroupSpan tp, cp, dp;
+  double peak_linear, peak_attn;  // FLOP/s for the linear layers and the attention core
+  double lin_bytes;               // bytes per linear-GEMM operand element
+  LayerCost lc;
+
+  Acc(const ModelSpec& m_, const Cluster& cl_, const Plan& p_, const ComputeSetup& cs_, std::vector<OpCost>* ops_)
+      : m(m_), cl(cl_), p(p_), cs(cs_), ops(ops_) {
+    const int64_t N = cl.devices_per_node;
+    tp = group_span(p.t, 1, N);
+    cp = group_span(p.c, p.t, N);
+    dp = group_span(p.d, p.t * p.c, N);
+    const Device& dev = cl.device;
+    peak_attn = p.precision == Precision::fp8 ? dev.peak_bf16_flops : dev.peak_flops(p.precision);
+    peak_linear = dev.peak_flops(p.precision);
+    lin_bytes = p.precision == Precision::fp8 ? 1.0 : cs.e;
+  }
+
+  Work& w(Phase ph) {
+    return ph == Phase::forward ? lc.forward : ph == Phase::backward ? lc.backward : lc.recompute;
+  }
+  void record(const char* name, Phase ph, OpKind k, double flops, double bytes, double t, double exposed) {
+    if (ops) ops->push_back(OpCost{name, ph, k, flops, bytes, t, exposed});
+  }
+  double gemm(const char* name, Phase ph, double M, double N, double K, double peak, double eb) {
+    const double t = gemm_time(cl.device, peak, M, N, K, eb);
+    w(ph).compute_s += t;
+    record(name, ph, OpKind::gemm, 2 * M * N * K, eb * (M * K + K * N + M * N), t, t);
+    return t;
+  }
+  // A linear layer y = x W with x (M x K), W (K x N). Backward: dgrad (M x N)(N x K) and
+  // wgrad (K x M)(M x N) accumulated into the fp32 main gradient.
+  double linear(const char* name, Phase ph, double M, double N, double K) {
+    double t = 0;
+    if (p.precision == Precision::fp8) t += mem("fp8_cast", ph, 3.0 * M * K);
+    if (ph != Phase::backward) return t + gemm(name, ph, M, N, K, peak_linear, lin_bytes);
+    if (p.precision == Precision::fp8) t += mem("fp8_cast", ph, 3.0 * M * N);
+    t += gemm(name, ph, M, K, N, peak_linear, lin_bytes);   // dgrad
+    t += gemm(name, ph, K, N, M, peak_linear, lin_bytes);   // wgrad
+    return t;
+  }
+  double mem(const char* name, Phase ph, double bytes) {
+    const double t = memory_time(cl.device, bytes);
+    w(ph).compute_s += t;
+    record(name, ph, OpKind::memory, 0, bytes, t, t);
+    return t;
+  }
+  // A collective, `hidden_s` of which overlaps compute issued alongside it.
+  double comm(const char* name, Phase ph, OpKind kind, const GroupSpan& g, Collective c, double bytes,
+              double hidden_s = 0) {
+    const double t = collective_time(cl, g, c, bytes);
+    const double exposed = std::max(0.0, t - hidden_s);
+    if (kind == OpKind::tp_comm) {
+      w(ph).tp_comm_s += exposed;
+      w(ph).tp_comm_all_s += t;
+    }
+    else if (kind == OpKind::cp_comm) w(ph).cp_comm_s += exposed;
+    else w(ph).dp_comm_s += exposed;
+    if (t > 0) record(name, ph, kind, 0, bytes, t, exposed);
+    return t;
+  }
+  // f / g of Megatron: the collective after a row-parallel layer (forward) or before a
+  // column-parallel one (backward) on the activation (T x H).
+  void tp_reduce(const char* name, Phase ph) {
+    if (p.t == 1) return;
+    const double bytes = cs.e * cs.T * static_cast<double>(m.H);
+    comm(name, ph, OpKind::tp_comm, tp, p.sp ? Collective::reduce_scatter : Collective::all_reduce, bytes);
+  }
+  void tp_gather(const char* name, Phase ph, double hidden_s = 0) {
+    if (p.t == 1 || !p.sp) return;
+    comm(name, ph, OpKind::tp_comm, tp, Collective::all_gather, cs.e * cs.T * static_cast<double>(m.H), hidden_s);
+  }
+};
+
+}  // namespace
+
+double grad_accumulation_bytes(Precision prec) {
+  switch (prec) {
+    case Precision::fp16: return 4.0;   // fp16 .grad read and written (GEMM beta = 1)
+    case Precision::fp32: return 8.0;   // fp32 .grad read and written
+    case Precision::bf16:
+    case Precision::fp8: return 12.0;   // bf16 grad written and read, fp32 accumulator read and written
+  }
+  return 12.0;
+}
+
+namespace {
+
+double dropout_bytes(double elems, double rate, int e, bool with_residual) {
+  // bias + dropout + residual add (Megatron's fused bias_dropout_add): read x and the
+  // residual, write y, write a 1-byte mask when dropout is on.
+  return elems * ((with_residual ? 3.0 : 2.0) * e + (rate > 0 ? 1.0 : 0.0));
+}
+
+// Attention core forward (after QKV, before the output projection).
+double attention_core_forward(Acc& a, Phase ph) {
+  const ModelSpec& m = a.m;
+  const Plan& p = a.p;
+  const double e = a.cs.e;
+  const double heads = static_cast<double>(p.mbs) * static_cast<double>(m.A / p.t);  // Bh
+  const double Sq = static_cast<double>(m.S) / static_cast<double>(p.c), Sk = static_cast<double>(m.S);
+  const double D = static_cast<double>(m.D());
+  double t = 0;
+  if (a.cs.attention == AttentionKernel::flash) {
+    // Causal: half of the S x S blocks (load-balanced across context-parallel ranks too).
+    const double flops = 4.0 * heads * Sq * Sk * D * 0.5;
+    const double bytes = e * a.cs.T * static_cast<double>(2 * m.H + 2 * m.G * m.D()) / static_cast<double>(p.t);
+    t = std::max({flops / (a.peak_attn * a.cl.device.flash_fwd_efficiency), memory_time(a.cl.device, bytes),
+                  a.cl.device.kernel_launch_s});
+    a.w(ph).compute_s += t;
+    a.record("flash_attention", ph, OpKind::gemm, flops, bytes, t, t);
+  } else {
+    const double n_s = heads * Sq * Sk;  // attention score elements
+    // QK^T and AV as batched GEMMs: Bh products of (Sq x D)(D x Sk) and (Sq x Sk)(Sk x D).
+    const double flops = 2.0 * heads * Sq * Sk * D;
+    auto batched = [&](const char* name, double bytes) {
+      const double tt = std::max({flops / (a.peak_attn * a.cl.device.gemm_efficiency.at(flops)),
+                                  memory_time(a.cl.device, bytes), a.cl.device.kernel_launch_s});
+      a.w(ph).compute_s += tt;
+      a.record(name, ph, OpKind::gemm, flops, bytes, tt, tt);
+      return tt;
+    };
+    t += batched("attn_scores", e * (heads * (Sq * D + Sk * D) + n_s));
+    t += a.mem("softmax", ph, 2.0 * e * n_s);  // fused scale + mask + softmax
+    if (m.attention_dropout > 0) t += a.mem("attn_dropout", ph, (2.0 * e + 1.0) * n_s);
+    t += batched("attn_context", e * (n_s + heads * (Sk * D + Sq * D)));
+  }
+  // Context parallel: ring exchange of K and V, (c-1) steps, hidden behind the core.
+  if (p.c > 1) {
+    const double kv_bytes = e * a.cs.T * static_cast<double>(2 * m.G * m.D()) / static_cast<double>(p.t);
+    a.comm("cp_kv_exchange", ph, OpKind::cp_comm, a.cp, Collective::send_recv,
+           kv_bytes * static_cast<double>(p.c - 1), t);
+  }
+  return t;
+}
+
+double attention_core_backward(Acc& a) {
+  const ModelSpec& m = a.m;
+  const Plan& p = a.p;
+  const double e = a.cs.e;
+  const double heads = static_cast<double>(p.mbs) * static_cast<double>(m.A / p.t);
+  const double Sq = static_cast<double>(m.S) / static_cast<double>(p.c), Sk = static_cast<double>(m.S);
+  const double D = static_cast<double>(m.D());
+  const Phase ph = Phase::backward;
+  double t = 0;
+  if (a.cs.attention == AttentionKernel::flash) {
+    // FlashAttention-2 backward: five S x S x D products against two in forward.
+    const double flops = 10.0 * heads * Sq * Sk * D * 0.5;
+    const double bytes = 2.0 * e * a.cs.T * static_cast<double>(2 * m.H + 2 * m.G * m.D()) / static_cast<double>(p.t);
+    t = std::max({flops / (a.peak_attn * a.cl.device.flash_bwd_efficiency), memory_time(a.cl.device, bytes),
+                  a.cl.device.kernel_launch_s});
+    a.w(ph).compute_s += t;
+    a.record("flash_attention", ph, OpKind::gemm, flops, bytes, t, t);
+  } else {
+    const double n_s = heads * Sq * Sk;
+    const double flops = 2.0 * heads * Sq * Sk * D;
+    auto batched = [&](const char* name, double bytes) {
+      const double tt = std::max({flops / (a.peak_attn * a.cl.device.gemm_efficiency.at(flops)),
+                                  memory_time(a.cl.device, bytes), a.cl.device.kernel_launch_s});
+      a.w(ph).compute_s += tt;
+      a.record(name, ph, OpKind::gemm, flops, bytes, tt, tt);
+      return tt;
+    };
+    const double small = e * heads * (Sk * D + Sq * D);
+    t += batched("attn_context", e * n_s + small);   // dP = dO V^T
+    t += batched("attn_context", e * n_s + small);   // dV = P^T dO
+    if (m.attention_dropout > 0) t += a.mem("attn_dropout", ph, (2.0 * e + 1.0) * n_s);
+    t += a.mem("softmax", ph, 3.0 * e * n_s);         // read y and dy, write dx
+    t += batched("attn_scores", e * n_s + small);    // dQ = dS K
+    t += batched("attn_scores", e * n_s + small);    // dK = dS^T Q
+  }
+  if (p.c > 1) {
+    // K, V travel again and their gradients travel back.
+    const double kv_bytes = e * a.cs.T * static_cast<double>(2 * m.G * m.D()) / static_cast<double>(p.t);
+    a.comm("cp_kv_exchange", ph, OpKind::cp_comm, a.cp, Collective::send_recv,
+           2.0 * kv_bytes * static_cast<double>(p.c - 1), t);
+  }
+  return t;
+}
+
+// The forward of one layer (also replayed by full recompute).
+double layer_forward(Acc& a, Phase ph) {
+  const ModelSpec& m = a.m;
+  const Plan& p = a.p;
+  const double e = a.cs.e, T = a.cs.T, Tn = a.cs.Tn, H = static_cast<double>(m.H);
+  const double t = static_cast<double>(p.t);
+  const double qkv_cols = static_cast<double>(m.H + 2 * m.G * m.D()) / t;
+  const double fc1_cols = static_cast<double>(m.activation == Activation::swiglu ? 2 * m.F : m.F) / t;
+  const double Ft = static_cast<double>(m.F) / t;
+  const double before = a.w(ph).total();
+  a.mem("norm1", ph, 2.0 * e * Tn * H);
+  a.tp_gather("sp_all_gather", ph);
+  a.linear("qkv", ph, T, qkv_cols, H);
+  if (m.position == Position::rope) a.mem("rope", ph, 2.0 * e * T * static_cast<double>(m.H + m.G * m.D()) / t);
+  attention_core_forward(a, ph);
+  a.linear("attn_proj", ph, T, H, H / t);
+  a.tp_reduce(p.sp ? "sp_reduce_scatter" : "tp_all_reduce", ph);
+  a.mem("bias_dropout_add", ph, dropout_bytes(Tn * H, m.hidden_dropout, a.cs.e, true));
+  a.mem("norm2", ph, 2.0 * e * Tn * H);
+  a.tp_gather("sp_all_gather", ph);
+  a.linear("fc1", ph, T, fc1_cols, H);
+  a.mem(m.activation == Activation::swiglu ? "swiglu" : "gelu", ph,
+        (m.activation == Activation::swiglu ? 3.0 : 2.0) * e * T * Ft);
+  a.linear("fc2", ph, T, H, Ft);
+  a.tp_reduce(p.sp ? "sp_reduce_scatter" : "tp_all_reduce", ph);
+  a.mem("bias_dropout_add", ph, dropout_bytes(Tn * H, m.hidden_dropout, a.cs.e, true));
+  return a.w(ph).total() - before;
+}
+
+void layer_backward(Acc& a) {
+  const ModelSpec& m = a.m;
+  const Plan& p = a.p;
+  const Phase ph = Phase::backward;
+  const double e = a.cs.e, T = a.cs.T, Tn = a.cs.Tn, H = static_cast<double>(m.H);
+  const double t = static_cast<double>(p.t);
+  const double qkv_cols = static_cast<double>(m.H + 2 * m.G * m.D()) / t;
+  const double fc1_cols = static_cast<double>(m.activation == Activation::swiglu ? 2 * m.F : m.F) / t;
+  const double Ft = static_cast<double>(m.F) / t;
+  const double mask = m.hidden_dropout > 0 ? 1.0 : 0.0;
+  // MLP block, in reverse.
+  a.mem("bias_dropout_add", ph, (2.0 * e + mask) * Tn * H);
+  a.tp_gather("sp_all_gather", ph);  // backward of the reduce-scatter after fc2
+  a.linear("fc2", ph, T, H, Ft);
+  a.mem(m.activation == Activation::swiglu ? "swiglu" : "gelu", ph,
+        (m.activation == Activation::swiglu ? 5.0 : 3.0) * e * T * Ft);
+  // fc1: the sequence-parallel input is gathered again for wgrad, behind dgrad.
+  const double fc1_dgrad = gemm_time(a.cl.device, a.peak_linear, T, H, fc1_cols, a.lin_bytes);
+  a.tp_gather("sp_all_gather", ph, fc1_dgrad);
+  a.linear("fc1", ph, T, fc1_cols, H);
+  a.tp_reduce(p.sp ? "sp_reduce_scatter" : "tp_all_reduce", ph);
+  a.mem("norm2", ph, 3.0 * e * Tn * H);
+  // Attention block, in reverse.
+  a.mem("bias_dropout_add", ph, (2.0 * e + mask) * Tn * H);
+  a.tp_gather("sp_all_gather", ph);
+  a.linear("attn_proj", ph, T, H, H / t);
+  attention_core_backward(a);
+  if (m.position == Position::rope) a.mem("rope", ph, 2.0 * e * T * static_cast<double>(m.H + m.G * m.D()) / t);
+  const double qkv_dgrad = gemm_time(a.cl.device, a.peak_linear, T, H, qkv_cols, a.lin_bytes);
+  a.tp_gather("sp_all_gather", ph, qkv_dgrad);
+  a.linear("qkv", ph, T, qkv_cols, H);
+  a.tp_reduce(p.sp ? "sp_reduce_scatter" : "tp_all_reduce", ph);
+  a.mem("norm1", ph, 3.0 * e * Tn * H);
+  a.mem("grad_accumulation", ph, grad_accumulation_bytes(p.precision) * static_cast<double>(m.layer_params(p.t)));
+}
+
+}  // namespace
+
+LayerCost layer_cost(const ModelSpec& m, const Cluster& cl, const Plan& p, const ComputeSetup& cs,
+                     std::vector<OpCost>* ops) {
+  Acc a(m, cl, p, cs, ops);
+  const double fwd = layer_forward(a, Phase::forward);
+  if (p.recompute == Recompute::full) layer_forward(a, Phase::recompute);
+  if (p.recompute == Recompute::selective) attention_core_forward(a, Phase::recompute);
+  layer_backward(a);
+  if (p.zero == 3 && p.d > 1) {
+    // Parameters gathered before the forward and again before the backward, gradients
+    // reduce-scattered after it, each prefetched behind the layer's compute.
+    const double params = static_cast<double>(m.layer_params(p.t));
+    a.comm("zero3_all_gather", Phase::forward, OpKind::dp_comm, a.dp, Collective::all_gather,
+           cs.weight_bytes * params, fwd);
+    const double bwd = a.lc.backward.compute_s + a.lc.recompute.compute_s;
+    const double ag = collective_time(cl, a.dp, Collective::all_gather, cs.weight_bytes * params);
+    a.comm("zero3_all_gather", Phase::backward, OpKind::dp_comm, a.dp, Collective::all_gather,
+           cs.weight_bytes * params, bwd);
+    a.comm("zero3_reduce_scatter", Phase::backward, OpKind::dp_comm, a.dp, Collective::reduce_scatter,
+           cs.grad_bytes * params, std::max(0.0, bwd - ag));
+  }
+  return a.lc;
+}
+
+LayerCost embedding_cost(const ModelSpec& m, const Cluster& cl, const Plan& p, const ComputeSetup& cs,
+                         std::vector<OpCost>* ops) {
+  Acc a(m, cl, p, cs, ops);
+  const double e = cs.e, T = cs.T, H = static_cast<double>(m.H);
+  // Vocab-parallel lookup: each tp rank writes the rows it owns, then the partial sums are
+  // reduced (all-reduce, or reduce-scatter onto sequence shards).
+  double bytes = 2.0 * e * T * H;
+  if (m.position == Position::learned) bytes += 2.0 * e * T * H;
+  a.mem("embedding", Phase::forward, bytes);
+  a.tp_reduce(p.sp ? "sp_reduce_scatter" : "tp_all_reduce", Phase::forward);
+  if (m.hidden_dropout > 0) a.mem("embedding_dropout", Phase::forward, dropout_bytes(cs.Tn * H, m.hidden_dropout, cs.e, false));
+  a.tp_gather("sp_all_gather", Phase::backward);
+  // Scatter-add of the output gradient into the fp32 embedding gradient rows.
+  a.mem("embedding", Phase::backward, (e + 2.0 * cs.grad_bytes) * T * H);
+  a.mem("grad_accumulation", Phase::backward,
+        grad_accumulation_bytes(p.precision) * static_cast<double>(m.word_embedding_params(p.t)));
+  return a.lc;
+}
+
+LayerCost head_cost(const ModelSpec& m, const Cluster& cl, const Plan& p, const ComputeSetup& cs,
+                    std::vector<OpCost>* ops) {
+  Acc a(m, cl, p, cs, ops);
+  const double e = cs.e, T = cs.T, H = static_cast<double>(m.H);
+  const double Vt = static_cast<double>(m.padded_vocab(p.t)) / static_cast<double>(p.t);
+  const double peak = p.precision == Precision::fp8 ? cl.device.peak_bf16_flops : cl.device.peak_flops(p.precision);
+  const double eb = cs.e;
+  a.mem("final_norm", Phase::forward, 2.0 * e * cs.Tn * H);
+  a.tp_gather("sp_all_gather", Phase::forward);
+  a.gemm("lm_head", Phase::forward, T, Vt, H, peak, eb);
+  // Vocab-parallel cross-entropy (Megatron's) on the T x V/t logits, bytes per element:
+  // cast to fp32 (e + 4), max (4), subtract (8), exp (8), sum (4), normalise in place and
+  // keep for backward (8) = e + 36; three all-reduces of T floats (max, sum, target logit).
+  a.mem("cross_entropy", Phase::forward, (e + 36.0) * T * Vt);
+  if (p.t > 1)
+    for (int i = 0; i < 3; ++i)
+      a.comm("ce_all_reduce", Phase::forward, OpKind::tp_comm, a.tp, Collective::all_reduce, 4.0 * T);
+  // Backward: copy the softmax (8), subtract the one-hot and scale (8), cast back (4 + e).
+  a.mem("cross_entropy", Phase::backward, (20.0 + e) * T * Vt);
+  a.mem("grad_accumulation", Phase::backward, grad_accumulation_bytes(p.precision) * H * Vt);
+  a.gemm("lm_head", Phase::backward, T, H, Vt, peak, eb);   // dgrad
+  a.gemm("lm_head", Phase::backward, H, Vt, T, peak, eb);   // wgrad
+  a.tp_reduce(p.sp ? "sp_reduce_scatter" : "tp_all_reduce", Phase::backward);
+  a.mem("final_norm", Phase::backward, 3.0 * e * cs.Tn * H);
+  return a.lc;
+}
+
+double optimizer_time(const Device& dev, const Plan& p, double params_updated, double params_local) {
+  // Memory passes per updated parameter (Megatron's optimizer step, each a kernel over the
+  // local shard):
+  //   fp16: copy fp16 grads into fp32 main grads (2 read + 4 write), unscale and check for
+  //         inf/nan (4 + 4), global norm (4), clip (4 + 4), Adam (grad 4, master 4+4, m 4+4,
+  //         v 4+4), copy master to fp16 weights (4 + 2)                         = 60 bytes
+  //   bf16/fp8: grads are fp32 already: no copy, no unscale                      = 46 bytes
+  //   fp32: norm, clip, Adam on the weights themselves                           = 40 bytes
+  // then one pass zeroing the local gradient buffer.
+  const double per_param = p.precision == Precision::fp16 ? 60.0 : p.precision == Precision::fp32 ? 40.0 : 46.0;
+  const double grad = p.precision == Precision::fp16 ? 2.0 : 4.0;
+  return memory_time(dev, per_param * params_updated) + memory_time(dev, grad * params_local);
+}
+
+}  // namespace strata

@@ -1,0 +1,85 @@
+// Time of the work of one transformer layer, the embedding and the output layer on one
+// GPU for one micro-batch, op by op: every GEMM from the device peak and the efficiency
+// curve (capped by the bytes it moves), every memory-bound op (norms, activations,
+// dropout, softmax, cross-entropy) from its bytes over the achieved bandwidth, and the
+// tensor- and context-parallel communication that sits between them. Backward is its own
+// GEMMs (dgrad and wgrad); recompute replays the forward ops it needs.
+//
+// Names: T = B*S/c tokens on this GPU, Tn = T/t when sequence parallel (norms, dropout and
+// residual work on a sequence shard) else T, e = bytes per activation element.
+#pragma once
+
+#include <string>
+#include <vector>
+
+#include "costmodel/hardware.h"
+#include "costmodel/model_spec.h"
+#include "costmodel/plan.h"
+
+namespace strata {
+
+enum class Phase { forward, backward, recompute };
+enum class OpKind { gemm, memory, tp_comm, cp_comm, dp_comm };
+
+// One op of a layer; filled only when a caller asks for the list (breakdown, trace, tests).
+struct OpCost {
+  std::string name;
+  Phase phase;
+  OpKind kind;
+  double flops = 0;
+  double bytes = 0;
+  double time_s = 0;     // its duration
+  double exposed_s = 0;  // for communication: the part not hidden behind compute
+};
+
+// Time of one piece of work on one GPU, split by what the SPEC time terms call it.
+struct Work {
+  double compute_s = 0;  // kernels
+  double tp_comm_s = 0;  // exposed tensor-parallel collectives
+  double cp_comm_s = 0;  // exposed context-parallel exchange
+  double dp_comm_s = 0;  // exposed ZeRO-3 parameter gathers / gradient reduce-scatters
+  double tp_comm_all_s = 0;  // tensor-parallel communication before overlap (for reports)
+  double total() const { return compute_s + tp_comm_s + cp_comm_s + dp_comm_s; }
+  Work& operator+=(const Work& o);
+};
+Work operator*(double k, const Work& w);
+
+struct LayerCost {
+  Work forward, backward, recompute;
+};
+
+// What the compute model needs besides the model, cluster and plan: resolved once.
+struct ComputeSetup {
+  AttentionKernel attention;
+  int e;            // bytes per activation element
+  double T;         // tokens per GPU per micro-batch
+  double Tn;        // tokens of norm / dropout / residual work
+  double grad_bytes;  // bytes per gradient element as reduced and accumulated
+  double weight_bytes;  // bytes per parameter as stored for compute
+};
+ComputeSetup compute_setup(const ModelSpec& m, const Cluster& cl, const Plan& p);
+
+// GEMM of an (M x K) by (K x N) product in the plan's precision: peak x efficiency(flops),
+// at least the time to move its operands, at least a kernel launch.
+double gemm_time(const Device& dev, double peak_flops, double M, double N, double K, double elem_bytes);
+// A memory-bound kernel moving `bytes`.
+double memory_time(const Device& dev, double bytes);
+
+// One transformer layer (per micro-batch, per GPU). `ops` receives the op list if given.
+LayerCost layer_cost(const ModelSpec& m, const Cluster& cl, const Plan& p, const ComputeSetup& cs,
+                     std::vector<OpCost>* ops = nullptr);
+// Word embedding lookup (first stage) and output layer + loss (last stage).
+LayerCost embedding_cost(const ModelSpec& m, const Cluster& cl, const Plan& p, const ComputeSetup& cs,
+                         std::vector<OpCost>* ops = nullptr);
+LayerCost head_cost(const ModelSpec& m, const Cluster& cl, const Plan& p, const ComputeSetup& cs,
+                    std::vector<OpCost>* ops = nullptr);
+// Bytes per parameter per micro-batch to add one micro-batch's weight gradients into the
+// gradient accumulation buffer (gradient accumulation across micro-batches).
+double grad_accumulation_bytes(Precision prec);
+// Adam step over `params_updated` parameters, plus zeroing/unscaling the `params_local` gradients.
+double optimizer_time(const Device& dev, const Plan& p, double params_updated, double params_local);
+
+const char* to_string(Phase ph);
+const char* to_string(OpKind k);
+
+}  // namespace strata

@@ -1,0 +1,255 @@
+// The estimate; see estimate.h.
+#include "costmodel/estimate.h"
+
+#include <algorithm>
+#include <cmath>
+
+#include "costmodel/comm.h"
+#include "costmodel/schedule.h"
+
+namespace strata {
+
+InFlight in_flight(ScheduleKind kind, int64_t p, int64_t v, int64_t m) {
+  InFlight f;
+  if (kind == ScheduleKind::gpipe) {
+    f.all.assign(static_cast<size_t>(p), m);
+    f.first = f.all;
+    f.last = f.all;
+    return f;
+  }
+  // Past a few rounds of p the warm-up depth no longer grows; walk a capped schedule.
+  int64_t mm = std::min(m, 4 * p + 4);
+  if (kind == ScheduleKind::interleaved) mm = std::max<int64_t>(p, (mm / p) * p);
+  if (kind == ScheduleKind::interleaved && m == p) mm = m;  // all-warm-up special case
+  const Schedule sc = make_schedule(kind, p, v, mm);
+  f.all = peak_in_flight(sc);
+  f.first = peak_in_flight_of_chunk(sc, 0);
+  f.last = peak_in_flight_of_chunk(sc, static_cast<int32_t>(sc.v - 1));
+  return f;
+}
+
+size_t stages_memory(const ModelSpec& m, const Cluster& cl, const Plan& p, const StageLayout& lay,
+                     const ComputeSetup& cs, const InFlight& fl, std::vector<MemoryBreakdown>* out) {
+  out->resize(static_cast<size_t>(p.p));
+  size_t worst = 0;
+  for (int64_t s = 0; s < p.p; ++s) {
+    const size_t i = static_cast<size_t>(s);
+    (*out)[i] = stage_memory(m, cl, p, lay, cs, s, fl.all[i], fl.first[i], fl.last[i]);
+    if ((*out)[i].peak > (*out)[worst].peak) worst = i;
+  }
+  return worst;
+}
+
+double p2p_time(const ModelSpec& m, const Cluster& cl, const Plan& p, const ComputeSetup& cs) {
+  if (p.p <= 1) return 0;
+  const double bytes = cs.e * cs.T * static_cast<double>(m.H);
+  const GroupSpan pp = group_span(p.p, p.t * p.c * p.d, cl.devices_per_node);
+  if (pp.per_node > 1) {  // neighbours share a node
+    const GroupSpan pair{2, 2, 1};
+    return collective_time(cl, pair, Collective::send_recv, p.sp ? bytes / static_cast<double>(p.t) : bytes);
+  }
+  // Across nodes: every GPU of the node sends at once, so each gets its NIC share.
+  const GroupSpan pair{2, 1, 2};
+  const double shard = bytes / static_cast<double>(p.t);
+  double t = collective_time(cl, pair, Collective::send_recv, shard);
+  if (!p.sp && p.t > 1) t += collective_time(cl, group_span(p.t, 1, cl.devices_per_node), Collective::all_gather, bytes);
+  return t;
+}
+
+double model_flops_per_step(const ModelSpec& m, const Plan& p) { return 3.0 * m.forward_flops(p.gbs); }
+
+double hardware_flops_per_step(const ModelSpec& m, const Plan& p) {
+  double f = model_flops_per_step(m, p);
+  const double L = static_cast<double>(m.L);
+  if (p.recompute == Recompute::full) f += L * m.layer_forward_flops(p.gbs);
+  if (p.recompute == Recompute::selective)
+    f += L * 4.0 * static_cast<double>(p.gbs) * static_cast<double>(m.S) * static_cast<double>(m.S) *
+         static_cast<double>(m.H);
+  return f;
+}
+
+Estimate estimate(const ModelSpec& m, const Cluster& cl, const Plan& p, const EstimateOptions& opt,
+                  EstimateDetail* detail) {
+  Estimate est;
+  est.plan = p;
+  est.reasons = check_plan(m, cl, p);
+  if (!est.reasons.empty()) return est;
+  est.valid = true;
+
+  const ComputeSetup cs = compute_setup(m, cl, p);
+  est.attention = cs.attention;
+  const StageLayout lay = make_layout(m.L, p.p, p.v);
+  const ScheduleKind kind = p.schedule();
+  const int64_t mbs_per_step = p.microbatches();
+  est.microbatches = mbs_per_step;
+
+  std::vector<OpCost> layer_ops;
+  const LayerCost layer = opt.pre.layer && !opt.want_ops ? *opt.pre.layer
+                                                         : layer_cost(m, cl, p, cs, opt.want_ops ? &layer_ops : nullptr);
+  const LayerCost emb = opt.pre.embedding ? *opt.pre.embedding : embedding_cost(m, cl, p, cs);
+  const LayerCost head = opt.pre.head ? *opt.pre.head : head_cost(m, cl, p, cs);
+
+  // Per-stage, per-chunk durations of one micro-batch.
+  StageTimes st;
+  st.p = p.p;
+  st.v = lay.v;
+  st.fwd.assign(static_cast<size_t>(p.p * lay.v), 0.0);
+  st.bwd.assign(static_cast<size_t>(p.p * lay.v), 0.0);
+  std::vector<Work> fwd_w(static_cast<size_t>(p.p)), bwd_w(static_cast<size_t>(p.p)), rec_w(static_cast<size_t>(p.p));
+  for (int64_t s = 0; s < p.p; ++s) {
+    for (int64_t c = 0; c < lay.v; ++c) {
+      const double n = static_cast<double>(lay.chunk_layers(s, c));
+      Work f = n * layer.forward, b = n * layer.backward, r = n * layer.recompute;
+      if (lay.has_embedding(s, c)) {
+        f += emb.forward;
+        b += emb.backward;
+      }
+      if (lay.has_head(s, c)) {
+        f += head.forward;
+        b += head.backward;
+      }
+      st.fwd[static_cast<size_t>(c * p.p + s)] = f.total();
+      st.bwd[static_cast<size_t>(c * p.p + s)] = b.total() + r.total();
+      fwd_w[static_cast<size_t>(s)] += f;
+      bwd_w[static_cast<size_t>(s)] += b;
+      rec_w[static_cast<size_t>(s)] += r;
+    }
+  }
+  st.send.assign(static_cast<size_t>(p.p), p2p_time(m, cl, p, cs));
+
+  // Memory per stage.
+  const InFlight fl_local = opt.pre.in_flight ? InFlight{} : in_flight(kind, p.p, lay.v, mbs_per_step);
+  const InFlight& fl = opt.pre.in_flight ? *opt.pre.in_flight : fl_local;
+  std::vector<MemoryBreakdown> mem;
+  const size_t worst = stages_memory(m, cl, p, lay, cs, fl, &mem);
+  est.memory = mem[worst];
+  est.fits = est.memory.peak <= cl.device.memory_bytes;
+
+  // Pipeline.
+  SimResult sim = simulate_pipeline(kind, mbs_per_step, st, opt.record_events);
+
+  // Data-parallel reduction and the optimizer, per stage, after its last backward.
+  const GroupSpan dp = group_span(p.d, p.t * p.c, cl.devices_per_node);
+  const double grad_comm_bytes = cs.grad_bytes;
+  std::vector<double> dp_exposed(static_cast<size_t>(p.p), 0.0), dp_total(static_cast<size_t>(p.p), 0.0),
+      opt_s(static_cast<size_t>(p.p), 0.0), finish(static_cast<size_t>(p.p), 0.0);
+  constexpr double kBucketParams = 40e6;  // Megatron-core's default gradient bucket
+  for (int64_t s = 0; s < p.p; ++s) {
+    const size_t i = static_cast<size_t>(s);
+    const double P = mem[i].params;
+    double reduce = 0, gather = 0;
+    if (p.d > 1 && p.zero == 0) reduce = collective_time(cl, dp, Collective::all_reduce, grad_comm_bytes * P);
+    if (p.d > 1 && (p.zero == 1 || p.zero == 2)) {
+      reduce = collective_time(cl, dp, Collective::reduce_scatter, grad_comm_bytes * P);
+      gather = collective_time(cl, dp, Collective::all_gather, cs.weight_bytes * P);
+    }
+    // The reduction overlaps the backward of the last micro-batch, bucket by bucket; the
+    // last bucket is always exposed.
+    double window = 0;
+    for (int64_t c = 0; c < lay.v; ++c) window += st.b(s, c);
+    const double last_bucket = reduce * std::min(1.0, kBucketParams / std::max(P, 1.0));
+    double exposed = p.overlap_grad_reduce ? std::max(reduce - window, last_bucket) : reduce;
+    exposed += p.overlap_param_gather ? std::max(0.0, gather - st.f(s, 0)) : gather;
+    // Tied embeddings across stages: the first and last stage sum their copies' gradients.
+    if (m.tie_embeddings && p.p > 1 && (s == 0 || s == p.p - 1)) {
+      const GroupSpan pair = group_span(2, p.t * p.c * p.d * (p.p - 1), cl.devices_per_node);
+      const double t_emb = collective_time(cl, pair, Collective::all_reduce,
+                                           grad_comm_bytes * static_cast<double>(m.word_embedding_params(p.t)));
+      exposed += t_emb;
+      reduce += t_emb;
+    }
+    dp_exposed[i] = exposed;
+    dp_total[i] = reduce + gather;
+    opt_s[i] = optimizer_time(cl.device, p, p.zero >= 1 ? P / static_cast<double>(p.d) : P, P);
+    finish[i] = sim.end_s[i] + exposed + opt_s[i];
+  }
+  size_t crit = 0;
+  for (size_t i = 1; i < finish.size(); ++i)
+    if (finish[i] > finish[crit]) crit = i;
+  est.critical_stage = static_cast<int64_t>(crit);
+  est.step_time_s = finish[crit] + cl.step_overhead_s;
+
+  // Breakdown on the critical stage.
+  const double mb = static_cast<double>(mbs_per_step);
+  TimeBreakdown& tb = est.time;
+  const Work& F = fwd_w[crit];
+  const Work& Bw = bwd_w[crit];
+  const Work& R = rec_w[crit];
+  tb.forward = mb * F.compute_s;
+  tb.backward = mb * Bw.compute_s;
+  tb.recompute = mb * R.compute_s;
+  tb.tp_comm = mb * (F.tp_comm_s + Bw.tp_comm_s + R.tp_comm_s);
+  tb.cp_comm = mb * (F.cp_comm_s + Bw.cp_comm_s + R.cp_comm_s);
+  tb.dp_comm = mb * (F.dp_comm_s + Bw.dp_comm_s + R.dp_comm_s) + dp_exposed[crit];
+  tb.pp_comm = sim.p2p_s[crit];
+  tb.optimizer = opt_s[crit];
+  tb.overhead = cl.step_overhead_s;
+  tb.pipeline_bubble = 0;
+  tb.pipeline_bubble = std::max(0.0, est.step_time_s - tb.sum());
+  est.dp_comm_total_s = dp_total[crit];
+  est.tp_comm_total_s = mb * (F.tp_comm_all_s + Bw.tp_comm_all_s + R.tp_comm_all_s);
+
+  const double world = static_cast<double>(p.world_size());
+  const double mfu_peak = p.precision == Precision::fp8 ? cl.device.peak_bf16_flops : cl.device.peak_flops(p.precision);
+  est.tokens_per_s = static_cast<double>(p.gbs) * static_cast<double>(m.S) / est.step_time_s;
+  est.model_tflops_per_gpu = model_flops_per_step(m, p) / est.step_time_s / world / 1e12;
+  est.hardware_tflops_per_gpu = hardware_flops_per_step(m, p) / est.step_time_s / world / 1e12;
+  est.mfu = est.model_tflops_per_gpu * 1e12 / mfu_peak;
+
+  if (detail) {
+    detail->layout = lay;
+    detail->stage_times = st;
+    detail->sim = std::move(sim);
+    detail->stage_memory = mem;
+    detail->stage_dp_exposed_s = dp_exposed;
+    detail->stage_dp_total_s = dp_total;
+    detail->stage_optimizer_s = opt_s;
+    detail->stage_finish_s = finish;
+    detail->layer = layer;
+    detail->embedding = emb;
+    detail->head = head;
+    detail->layer_ops = std::move(layer_ops);
+  }
+  return est;
+}
+
+Json estimate_to_json(const Estimate& e) {
+  Json j;
+  j["plan"] = plan_to_json(e.plan);
+  if (!e.valid) {
+    j["valid"] = false;
+    j["fits"] = false;
+    Json r = Json::array();
+    for (const auto& x : e.reasons) r.push_back({{"reason", x.key}, {"message", x.message}});
+    j["reasons"] = r;
+    return j;
+  }
+  const TimeBreakdown& t = e.time;
+  const MemoryBreakdown& mm = e.memory;
+  j["fits"] = e.fits;
+  j["step_time_s"] = e.step_time_s;
+  j["tokens_per_s"] = e.tokens_per_s;
+  j["model_tflops_per_gpu"] = e.model_tflops_per_gpu;
+  j["hardware_tflops_per_gpu"] = e.hardware_tflops_per_gpu;
+  j["mfu"] = e.mfu;
+  j["time_s"] = {{"forward", t.forward},     {"backward", t.backward}, {"recompute", t.recompute},
+                 {"optimizer", t.optimizer}, {"tp_comm", t.tp_comm},   {"cp_comm", t.cp_comm},
+                 {"pp_comm", t.pp_comm},     {"dp_comm", t.dp_comm},   {"pipeline_bubble", t.pipeline_bubble},
+                 {"overhead", t.overhead}};
+  j["memory_bytes"] = {{"weights", mm.weights},
+                       {"gradients", mm.gradients},
+                       {"optimizer_states", mm.optimizer_states},
+                       {"activations", mm.activations},
+                       {"comm_buffers", mm.comm_buffers},
+                       {"framework_overhead", mm.framework_overhead},
+                       {"peak", mm.peak}};
+  j["memory_stage"] = mm.stage;
+  j["critical_stage"] = e.critical_stage;
+  j["microbatches"] = e.microbatches;
+  j["attention"] = to_string(e.attention);
+  j["schedule"] = to_string(e.plan.schedule());
+  j["comm_before_overlap_s"] = {{"tp_comm", e.tp_comm_total_s}, {"dp_comm", e.dp_comm_total_s}};
+  return j;
+}
+
+}  // namespace strata

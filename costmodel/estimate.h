@@ -1,0 +1,98 @@
+// Estimate estimate(ModelSpec, Cluster, Plan): step time by SPEC term and memory by SPEC
+// term for one plan. Pure: walks the plan's pipeline schedule with per-stage times from
+// compute.h, adds the data-parallel reduction and the optimizer per stage, and reports
+// the stage that finishes last (time) and the most loaded stage (memory).
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "costmodel/compute.h"
+#include "costmodel/hardware.h"
+#include "costmodel/layout.h"
+#include "costmodel/memory.h"
+#include "costmodel/model_spec.h"
+#include "costmodel/plan.h"
+#include "costmodel/simulate.h"
+
+namespace strata {
+
+// Exposed seconds of one step on the critical stage; they sum to step_time_s.
+struct TimeBreakdown {
+  double forward = 0, backward = 0, recompute = 0, optimizer = 0, tp_comm = 0, cp_comm = 0, pp_comm = 0,
+         dp_comm = 0, pipeline_bubble = 0, overhead = 0;
+  double sum() const {
+    return forward + backward + recompute + optimizer + tp_comm + cp_comm + pp_comm + dp_comm + pipeline_bubble +
+           overhead;
+  }
+};
+
+struct Estimate {
+  Plan plan;
+  bool valid = false;             // false: reasons say why the plan cannot run at all
+  std::vector<Reason> reasons;
+  bool fits = false;              // peak memory within the device's memory
+  double step_time_s = 0, tokens_per_s = 0, model_tflops_per_gpu = 0, hardware_tflops_per_gpu = 0, mfu = 0;
+  TimeBreakdown time;
+  MemoryBreakdown memory;         // the most loaded stage
+  int64_t critical_stage = 0;     // the stage whose finish sets the step time
+  int64_t microbatches = 0;
+  AttentionKernel attention = AttentionKernel::flash;
+  double dp_comm_total_s = 0;     // data-parallel communication before overlap (critical stage)
+  double tp_comm_total_s = 0;     // tensor-parallel communication before overlap (critical stage)
+};
+
+// What a caller may want beyond the numbers (traces, tests, the readable breakdown).
+struct EstimateDetail {
+  StageLayout layout;
+  StageTimes stage_times;
+  SimResult sim;                  // with events when record_events
+  std::vector<MemoryBreakdown> stage_memory;
+  std::vector<double> stage_dp_exposed_s, stage_dp_total_s, stage_optimizer_s, stage_finish_s;
+  LayerCost layer, embedding, head;
+  std::vector<OpCost> layer_ops;  // one layer, per micro-batch
+};
+
+// The micro-batches in flight per stage (all chunks, first chunk, last chunk), from the
+// schedule itself; saturates after a few multiples of p so long schedules are not walked.
+struct InFlight {
+  std::vector<int64_t> all, first, last;
+};
+
+// Work a caller (the planner) computed once for many plans and hands in; any null member
+// is computed here. The values must be those of the same model, cluster and plan.
+struct Precomputed {
+  const LayerCost* layer = nullptr;
+  const LayerCost* embedding = nullptr;
+  const LayerCost* head = nullptr;
+  const InFlight* in_flight = nullptr;
+};
+
+struct EstimateOptions {
+  bool record_events = false;     // keep every simulated step (for --trace)
+  bool want_ops = false;          // keep the op list of one layer
+  Precomputed pre;
+};
+
+Estimate estimate(const ModelSpec& m, const Cluster& cl, const Plan& p, const EstimateOptions& opt = {},
+                  EstimateDetail* detail = nullptr);
+
+InFlight in_flight(ScheduleKind kind, int64_t p, int64_t v, int64_t m);
+
+// Memory of every stage; returns the index of the most loaded one.
+size_t stages_memory(const ModelSpec& m, const Cluster& cl, const Plan& p, const StageLayout& lay,
+                     const ComputeSetup& cs, const InFlight& fl, std::vector<MemoryBreakdown>* out);
+
+// One point-to-point transfer of a micro-batch's activations between adjacent stages
+// (Megatron's scatter/gather: each tensor-parallel rank sends 1/t of it across nodes,
+// then the receivers all-gather it over NVLink).
+double p2p_time(const ModelSpec& m, const Cluster& cl, const Plan& p, const ComputeSetup& cs);
+
+// Model FLOPs of one step (3x forward: every GEMM, attention over the full S x S, logits).
+double model_flops_per_step(const ModelSpec& m, const Plan& p);
+double hardware_flops_per_step(const ModelSpec& m, const Plan& p);
+
+Json estimate_to_json(const Estimate& e);
+
+}  // namespace strata

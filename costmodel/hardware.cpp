@@ -1,0 +1,222 @@
+// Cluster loading and curves; see hardware.h and hw_profiles/README.md for the schema.
+#include "costmodel/hardware.h"
+
+#include <algorithm>
+#include <cmath>
+#include <filesystem>
+
+#include <fmt/format.h>
+
+namespace strata {
+
+const char* to_string(Precision p) {
+  switch (p) {
+    case Precision::fp32: return "fp32";
+    case Precision::bf16: return "bf16";
+    case Precision::fp16: return "fp16";
+    case Precision::fp8: return "fp8";
+  }
+  return "?";
+}
+
+const char* to_string(Collective c) {
+  switch (c) {
+    case Collective::all_reduce: return "all_reduce";
+    case Collective::all_gather: return "all_gather";
+    case Collective::reduce_scatter: return "reduce_scatter";
+    case Collective::send_recv: return "send_recv";
+  }
+  return "?";
+}
+
+const char* to_string(AttentionKernel a) { return a == AttentionKernel::flash ? "flash" : "unfused"; }
+
+int bytes_of(Precision p) { return p == Precision::fp32 ? 4 : 2; }
+
+double Curve::at(double x) const {
+  if (points.empty()) return 1.0;
+  if (x <= points.front().first) return points.front().second;
+  if (x >= points.back().first) return points.back().second;
+  const double lx = std::log10(x);
+  for (size_t i = 1; i < points.size(); ++i) {
+    if (x <= points[i].first) {
+      const double x0 = std::log10(points[i - 1].first), x1 = std::log10(points[i].first);
+      const double w = (lx - x0) / (x1 - x0);
+      return points[i - 1].second + w * (points[i].second - points[i - 1].second);
+    }
+  }
+  return points.back().second;
+}
+
+double Device::peak_flops(Precision p) const {
+  switch (p) {
+    case Precision::fp32: return peak_fp32_flops;
+    case Precision::bf16: return peak_bf16_flops;
+    case Precision::fp16: return peak_fp16_flops;
+    case Precision::fp8: return peak_fp8_flops;
+  }
+  return 0;
+}
+
+double LinkTier::efficiency(Collective c) const {
+  switch (c) {
+    case Collective::all_reduce: return eff_all_reduce;
+    case Collective::all_gather: return eff_all_gather;
+    case Collective::reduce_scatter: return eff_reduce_scatter;
+    case Collective::send_recv: return eff_send_recv;
+  }
+  return 1;
+}
+
+namespace {
+
+Curve read_curve(Fields& f, const std::string& key, double max_y) {
+  const Json& a = f.array(key);
+  Curve c;
+  const std::string field = f.path_of(key);
+  if (a.empty() || a.size() > 64) fail_field(field, show_value(a), "must hold 1 to 64 [size, efficiency] pairs");
+  for (size_t i = 0; i < a.size(); ++i) {
+    const Json& p = a[i];
+    const std::string fi = fmt::format("{}[{}]", field, i);
+    if (!p.is_array() || p.size() != 2 || !p[0].is_number() || !p[1].is_number())
+      fail_field(fi, show_value(p), "must be a pair [size, efficiency] of numbers");
+    const double x = p[0].get<double>(), y = p[1].get<double>();
+    if (!std::isfinite(x) || x <= 0) fail_field(fi, show_value(p), "size must be a positive number");
+    if (!std::isfinite(y) || y <= 0 || y > max_y)
+      fail_field(fi, show_value(p), fmt::format("efficiency must be in (0, {}]", max_y));
+    if (!c.points.empty() && x <= c.points.back().first)
+      fail_field(fi, show_value(p), "sizes must increase strictly");
+    c.points.emplace_back(x, y);
+  }
+  return c;
+}
+
+LinkTier read_link(const Json& j, const std::string& path) {
+  Fields f(j, path);
+  LinkTier l;
+  l.bandwidth_bytes_per_s = f.real("bandwidth_gbps", 1e-6, 1e6) * 1e9;
+  l.latency_s = f.real("latency_us", 0, 1e6) * 1e-6;
+  Fields e(f.object("efficiency"), f.path_of("efficiency"));
+  l.eff_all_reduce = e.real("all_reduce", 1e-3, 1.0);
+  l.eff_all_gather = e.real("all_gather", 1e-3, 1.0);
+  l.eff_reduce_scatter = e.real("reduce_scatter", 1e-3, 1.0);
+  l.eff_send_recv = e.real("send_recv", 1e-3, 1.0);
+  e.reject_unknown();
+  f.ignore("description");
+  f.ignore("_source");
+  f.reject_unknown();
+  return l;
+}
+
+}  // namespace
+
+Cluster cluster_from_json(const Json& j, const std::string& source) {
+  Fields f(j, source);
+  Cluster c;
+  c.name = f.string_or("name", std::filesystem::path(source).stem().string());
+  c.description = f.string_or("description", "");
+  f.ignore("_source");
+  {
+    Fields d(f.object("device"), f.path_of("device"));
+    c.device.name = d.string("name");
+    c.device.memory_bytes = d.real("memory_bytes", 1e6, 1e15);
+    Fields p(d.object("peak_tflops"), d.path_of("peak_tflops"));
+    c.device.peak_fp32_flops = p.real("fp32", 1e-6, 1e6) * 1e12;
+    c.device.peak_tf32_flops = p.real_or("tf32", c.device.peak_fp32_flops / 1e12, 1e-6, 1e6) * 1e12;
+    c.device.peak_bf16_flops = p.real("bf16", 0, 1e6) * 1e12;  // 0: not supported (V100)
+    c.device.peak_fp16_flops = p.real("fp16", 0, 1e6) * 1e12;
+    c.device.peak_fp8_flops = p.real_or("fp8", 0, 0, 1e6) * 1e12;
+    p.reject_unknown();
+    c.device.memory_bandwidth_bytes_per_s = d.real("memory_bandwidth_gbps", 1e-3, 1e6) * 1e9;
+    c.device.gemm_efficiency = read_curve(d, "gemm_efficiency", 1.0);
+    c.device.memory_efficiency = read_curve(d, "memory_efficiency", 1.0);
+    Fields fa(d.object("flash_attention_efficiency"), d.path_of("flash_attention_efficiency"));
+    c.device.flash_fwd_efficiency = fa.real("forward", 1e-3, 1.0);
+    c.device.flash_bwd_efficiency = fa.real("backward", 1e-3, 1.0);
+    fa.reject_unknown();
+    c.device.kernel_launch_s = d.real_or("kernel_launch_us", 0, 0, 1e5) * 1e-6;
+    d.ignore("description");
+    d.ignore("_source");
+    d.reject_unknown();
+  }
+  c.devices_per_node = f.integer("devices_per_node", 1, 1 << 16);
+  {
+    Fields l(f.object("links"), f.path_of("links"));
+    c.intra = read_link(l.object("intra_node"), l.path_of("intra_node"));
+    c.inter = read_link(l.object("inter_node"), l.path_of("inter_node"));
+    l.reject_unknown();
+  }
+  {
+    Fields w(f.object("framework"), f.path_of("framework"));
+    c.framework_overhead_bytes = w.real("overhead_bytes", 0, 1e15);
+    c.allocator_fragmentation = w.real("allocator_fragmentation", 0, 10);
+    c.step_overhead_s = w.real("step_overhead_s", 0, 1e4);
+    const std::string a = w.choice_or("default_attention", "flash", {"flash", "unfused"});
+    c.default_attention = a == "flash" ? AttentionKernel::flash : AttentionKernel::unfused;
+    w.ignore("description");
+    w.reject_unknown();
+  }
+  f.reject_unknown();
+  if (c.device.peak_fp8_flops <= 0) c.device.peak_fp8_flops = 0;
+  return c;
+}
+
+Json cluster_to_json(const Cluster& c) {
+  auto curve = [](const Curve& cv) {
+    Json a = Json::array();
+    for (const auto& [x, y] : cv.points) a.push_back({x, y});
+    return a;
+  };
+  auto link = [](const LinkTier& l) {
+    return Json{{"bandwidth_gbps", l.bandwidth_bytes_per_s / 1e9},
+                {"latency_us", l.latency_s * 1e6},
+                {"efficiency",
+                 {{"all_reduce", l.eff_all_reduce},
+                  {"all_gather", l.eff_all_gather},
+                  {"reduce_scatter", l.eff_reduce_scatter},
+                  {"send_recv", l.eff_send_recv}}}};
+  };
+  const Device& d = c.device;
+  return Json{
+      {"name", c.name},
+      {"description", c.description},
+      {"device",
+       {{"name", d.name},
+        {"memory_bytes", d.memory_bytes},
+        {"peak_tflops",
+         {{"fp32", d.peak_fp32_flops / 1e12}, {"tf32", d.peak_tf32_flops / 1e12}, {"bf16", d.peak_bf16_flops / 1e12},
+          {"fp16", d.peak_fp16_flops / 1e12}, {"fp8", d.peak_fp8_flops / 1e12}}},
+        {"memory_bandwidth_gbps", d.memory_bandwidth_bytes_per_s / 1e9},
+        {"gemm_efficiency", curve(d.gemm_efficiency)},
+        {"memory_efficiency", curve(d.memory_efficiency)},
+        {"flash_attention_efficiency", {{"forward", d.flash_fwd_efficiency}, {"backward", d.flash_bwd_efficiency}}},
+        {"kernel_launch_us", d.kernel_launch_s * 1e6}}},
+      {"devices_per_node", c.devices_per_node},
+      {"links", {{"intra_node", link(c.intra)}, {"inter_node", link(c.inter)}}},
+      {"framework",
+       {{"overhead_bytes", c.framework_overhead_bytes},
+        {"allocator_fragmentation", c.allocator_fragmentation},
+        {"step_overhead_s", c.step_overhead_s},
+        {"default_attention", to_string(c.default_attention)}}}};
+}
+
+std::vector<std::string> cluster_preset_names() {
+  std::vector<std::string> names;
+  for (const auto& p : embedded_profiles()) names.emplace_back(p.name);
+  return names;
+}
+
+Cluster load_cluster(const std::string& name_or_path) {
+  for (const auto& p : embedded_profiles()) {
+    if (name_or_path == p.name) return cluster_from_json(parse_json_text(p.json, p.name), std::string("cluster ") + p.name);
+  }
+  std::error_code ec;
+  if (!std::filesystem::is_regular_file(name_or_path, ec)) {
+    std::string names;
+    for (const auto& n : cluster_preset_names()) names += (names.empty() ? "" : ", ") + n;
+    throw InputError(fmt::format("--cluster: '{}' is neither a preset ({}) nor a readable file", name_or_path, names));
+  }
+  return cluster_from_json(read_json_file(name_or_path, "--cluster"), "cluster");
+}
+
+}  // namespace strata

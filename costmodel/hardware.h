@@ -1,0 +1,75 @@
+// Cluster: one device type (peaks per precision, memory, efficiency curves), how many
+// devices a node holds, the two link tiers (intra-node, inter-node) with per-collective
+// efficiency, and the framework-level constants of the software stack on it (memory
+// overhead, allocator fragmentation, default attention kernel). Loaded from the JSON of
+// hw_profiles/ (schema: hw_profiles/README.md); presets are embedded at build time.
+#pragma once
+
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "costmodel/json_input.h"
+
+namespace strata {
+
+enum class Precision { fp32, bf16, fp16, fp8 };
+enum class Collective { all_reduce, all_gather, reduce_scatter, send_recv };
+enum class AttentionKernel { unfused, flash };
+
+// y(x) by linear interpolation in log10(x) between points sorted by x, clamped at the ends.
+struct Curve {
+  std::vector<std::pair<double, double>> points;
+  double at(double x) const;
+};
+
+struct Device {
+  std::string name;
+  double memory_bytes = 0;
+  double peak_fp32_flops = 0, peak_tf32_flops = 0, peak_bf16_flops = 0, peak_fp16_flops = 0, peak_fp8_flops = 0;
+  double memory_bandwidth_bytes_per_s = 0;
+  Curve gemm_efficiency;    // x: FLOPs of one GEMM, y: fraction of peak
+  Curve memory_efficiency;  // x: bytes one kernel moves, y: fraction of memory bandwidth
+  double flash_fwd_efficiency = 0.5, flash_bwd_efficiency = 0.4;  // fraction of the matmul peak
+  double kernel_launch_s = 0;  // the least time any kernel takes
+
+  double peak_flops(Precision p) const;
+};
+
+struct LinkTier {
+  double bandwidth_bytes_per_s = 0;  // intra: per device, one direction; inter: per node, all NICs
+  double latency_s = 0;              // per step of a collective's algorithm
+  double eff_all_reduce = 1, eff_all_gather = 1, eff_reduce_scatter = 1, eff_send_recv = 1;
+  double efficiency(Collective c) const;
+};
+
+struct Cluster {
+  std::string name;
+  std::string description;
+  Device device;
+  int64_t devices_per_node = 1;
+  LinkTier intra, inter;
+  double framework_overhead_bytes = 0;   // CUDA context, library workspaces, NCCL buffers
+  double allocator_fragmentation = 0;    // reserved beyond live tensors, as a fraction of them
+  double step_overhead_s = 0;            // per step: data loading, logging, launch gaps
+  AttentionKernel default_attention = AttentionKernel::flash;
+};
+
+struct EmbeddedProfile {
+  const char* name;
+  const char* json;
+};
+const std::vector<EmbeddedProfile>& embedded_profiles();  // generated from hw_profiles/*.json
+
+Cluster cluster_from_json(const Json& j, const std::string& source);
+Json cluster_to_json(const Cluster& c);
+// A preset name or a path to a cluster JSON.
+Cluster load_cluster(const std::string& name_or_path);
+std::vector<std::string> cluster_preset_names();
+
+const char* to_string(Precision p);
+const char* to_string(Collective c);
+const char* to_string(AttentionKernel a);
+int bytes_of(Precision p);  // bytes of one activation / weight element in compute precision
+
+}  // namespace strata

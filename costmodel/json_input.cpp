@@ -1,0 +1,164 @@
+// Checked JSON reading; see json_input.h.
+#include "costmodel/json_input.h"
+
+#include <cmath>
+#include <fstream>
+#include <sstream>
+
+#include <fmt/format.h>
+
+namespace strata {
+
+void fail_field(const std::string& field, const std::string& value, const std::string& rule) {
+  throw InputError(fmt::format("{}: {} is invalid: {}", field, value, rule));
+}
+
+Json parse_json_text(const std::string& text, const std::string& source) {
+  try {
+    return Json::parse(text);
+  } catch (const Json::parse_error& e) {
+    throw InputError(fmt::format("{}: malformed JSON at byte {}: {}", source, e.byte, e.what()));
+  }
+}
+
+Json read_json_file(const std::string& path, const std::string& what) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in) throw InputError(fmt::format("{}: cannot open file '{}'", what, path));
+  in.seekg(0, std::ios::end);
+  const auto size = static_cast<int64_t>(in.tellg());
+  constexpr int64_t kMaxJsonBytes = 64ll << 20;
+  if (size < 0) throw InputError(fmt::format("{}: cannot read file '{}'", what, path));
+  if (size > kMaxJsonBytes)
+    throw InputError(fmt::format("{}: file '{}' has {} bytes; the limit for a JSON input is {}", what,
+                                 path, size, kMaxJsonBytes));
+  in.seekg(0);
+  std::stringstream ss;
+  ss << in.rdbuf();
+  return parse_json_text(ss.str(), fmt::format("{} '{}'", what, path));
+}
+
+std::string show_value(const Json& v) {
+  std::string s = v.dump();
+  if (s.size() > 60) s = s.substr(0, 57) + "...";
+  return s;
+}
+
+Fields::Fields(const Json& object, std::string path) : obj_(object), path_(std::move(path)) {
+  if (!obj_.is_object())
+    throw InputError(fmt::format("{}: {} is invalid: must be a JSON object", path_, show_value(obj_)));
+}
+
+std::string Fields::path_of(const std::string& key) const { return path_ + "." + key; }
+
+bool Fields::has(const std::string& key) const { return obj_.contains(key) && !obj_.at(key).is_null(); }
+
+const Json& Fields::get(const std::string& key, const char* expected_type) {
+  seen_.insert(key);
+  if (!obj_.contains(key))
+    throw InputError(fmt::format("{}: missing: a {} is required", path_of(key), expected_type));
+  return obj_.at(key);
+}
+
+void Fields::ignore(const std::string& key) { seen_.insert(key); }
+
+int64_t Fields::integer(const std::string& key, int64_t lo, int64_t hi) {
+  const Json& v = get(key, "integer");
+  const std::string rule = fmt::format("must be an integer in [{}, {}]", lo, hi);
+  if (v.is_number_integer() || v.is_number_unsigned()) {
+    if (v.is_number_unsigned() && v.get<uint64_t>() > static_cast<uint64_t>(hi))
+      fail_field(path_of(key), show_value(v), rule);
+    const int64_t x = v.is_number_unsigned() ? static_cast<int64_t>(v.get<uint64_t>()) : v.get<int64_t>();
+    if (x < lo || x > hi) fail_field(path_of(key), show_value(v), rule);
+    return x;
+  }
+  if (v.is_number_float()) {
+    const double d = v.get<double>();
+    if (std::isfinite(d) && d == std::floor(d) && d >= static_cast<double>(lo) && d <= static_cast<double>(hi))
+      return static_cast<int64_t>(d);
+  }
+  fail_field(path_of(key), show_value(v), rule);
+}
+
+int64_t Fields::integer_or(const std::string& key, int64_t fallback, int64_t lo, int64_t hi) {
+  if (!has(key)) {
+    seen_.insert(key);
+    return fallback;
+  }
+  return integer(key, lo, hi);
+}
+
+double Fields::real(const std::string& key, double lo, double hi) {
+  const Json& v = get(key, "number");
+  if (!v.is_number())
+    fail_field(path_of(key), show_value(v), fmt::format("must be a number in [{}, {}]", lo, hi));
+  const double d = v.get<double>();
+  if (!std::isfinite(d) || d < lo || d > hi)
+    fail_field(path_of(key), show_value(v), fmt::format("must be a number in [{}, {}]", lo, hi));
+  return d;
+}
+
+double Fields::real_or(const std::string& key, double fallback, double lo, double hi) {
+  if (!has(key)) {
+    seen_.insert(key);
+    return fallback;
+  }
+  return real(key, lo, hi);
+}
+
+bool Fields::boolean_or(const std::string& key, bool fallback) {
+  if (!has(key)) {
+    seen_.insert(key);
+    return fallback;
+  }
+  const Json& v = get(key, "boolean");
+  if (v.is_boolean()) return v.get<bool>();
+  if (v.is_number_integer() && (v.get<int64_t>() == 0 || v.get<int64_t>() == 1)) return v.get<int64_t>() == 1;
+  fail_field(path_of(key), show_value(v), "must be true or false");
+}
+
+std::string Fields::string(const std::string& key) {
+  const Json& v = get(key, "string");
+  if (!v.is_string()) fail_field(path_of(key), show_value(v), "must be a string");
+  return v.get<std::string>();
+}
+
+std::string Fields::string_or(const std::string& key, const std::string& fallback) {
+  if (!has(key)) {
+    seen_.insert(key);
+    return fallback;
+  }
+  return string(key);
+}
+
+std::string Fields::choice_or(const std::string& key, const std::string& fallback,
+                              std::initializer_list<const char*> allowed) {
+  const std::string s = string_or(key, fallback);
+  std::string list;
+  for (const char* a : allowed) {
+    if (s == a) return s;
+    list += (list.empty() ? "" : ", ") + std::string("\"") + a + "\"";
+  }
+  fail_field(path_of(key), show_value(Json(s)), "must be one of " + list);
+}
+
+const Json& Fields::object(const std::string& key) {
+  const Json& v = get(key, "object");
+  if (!v.is_object()) fail_field(path_of(key), show_value(v), "must be a JSON object");
+  return v;
+}
+
+const Json& Fields::array(const std::string& key) {
+  const Json& v = get(key, "array");
+  if (!v.is_array()) fail_field(path_of(key), show_value(v), "must be a JSON array");
+  return v;
+}
+
+void Fields::reject_unknown() const {
+  for (auto it = obj_.begin(); it != obj_.end(); ++it) {
+    if (!seen_.count(it.key()))
+      throw InputError(fmt::format("{}: unknown field (check the spelling; see the schema in README.md)",
+                                   path_of(it.key())));
+  }
+}
+
+}  // namespace strata

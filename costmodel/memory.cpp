@@ -1,0 +1,153 @@
+// Memory model; see memory.h. The per-layer activation derivation, for tokens T = B*S/c on
+// this GPU, Tn = T/t with sequence parallelism (else T), e bytes per element, masks 1 byte:
+//   norms' inputs            2 * e*Tn*H
+//   QKV input                e*Tn*H          (sequence-parallel: stored sharded, re-gathered)
+//   Q and K                  e*T*(H + G*D)/t
+//   V                        e*T*G*D/t
+//   unfused core             softmax out e*n, dropout mask n and dropout out e*n,
+//                            n = B*(A/t)*(S/c)*S                  (only with attention dropout)
+//   flash core               log-sum-exp 4*B*(A/t)*(S/c)
+//   projection input         e*T*H/t
+//   MLP input                e*Tn*H
+//   activation input         e*T*F/t (GeLU) or 2*e*T*F/t (SwiGLU gate and up)
+//   fc2 input                e*T*F/t
+//   dropout masks            2 * Tn*H                              (only with hidden dropout)
+// For GPT-3 style (e = 2, G = A, F = 4H, dropout, c = 1) this is Korthikanti's
+// s*b*h*(10 + 24/t + 5*a*s/(h*t)), and s*b*h*(34/t + 5*a*s/(h*t)) with sequence parallelism.
+#include "costmodel/memory.h"
+
+#include <algorithm>
+
+namespace strata {
+
+StateBytes state_bytes(Precision prec) {
+  switch (prec) {
+    // fp32 weights are the master copy; gradients fp32; Adam m and v.
+    case Precision::fp32: return {4, 4, 8};
+    // fp16 weights and gradients; optimizer: fp32 master, fp32 gradient copy, m, v
+    // (Megatron's "20 bytes per parameter", 4 + 16/d with the distributed optimizer).
+    case Precision::fp16: return {2, 2, 16};
+    // bf16 weights; bf16 gradients plus the fp32 accumulation buffer they are summed into
+    // (BLOOM's bf16 optimizer; unsharded below ZeRO-2); optimizer fp32 master, m, v.
+    case Precision::bf16: return {2, 6, 12};
+    // As bf16, plus the fp8 copy of the weights the linear layers read.
+    case Precision::fp8: return {3, 6, 12};
+  }
+  return {2, 6, 12};
+}
+
+double layer_activation_bytes(const ModelSpec& m, const Plan& p, const ComputeSetup& cs) {
+  const double e = cs.e, T = cs.T, Tn = cs.Tn, H = static_cast<double>(m.H);
+  const double t = static_cast<double>(p.t);
+  const double GD = static_cast<double>(m.G * m.D());
+  if (p.recompute == Recompute::full) return e * Tn * H;  // the layer's input only
+  double bytes = 2.0 * e * Tn * H                  // norm inputs
+                 + e * Tn * H                      // QKV input
+                 + e * T * (H + GD) / t            // Q, K
+                 + e * T * GD / t                  // V
+                 + e * T * H / t                   // projection input
+                 + e * Tn * H                      // MLP input
+                 + e * T * static_cast<double>(m.activation == Activation::swiglu ? 2 * m.F : m.F) / t
+                 + e * T * static_cast<double>(m.F) / t;  // fc2 input
+  if (m.hidden_dropout > 0) bytes += 2.0 * Tn * H;
+  const double heads = static_cast<double>(p.mbs) * static_cast<double>(m.A / p.t);
+  const double Sq = static_cast<double>(m.S) / static_cast<double>(p.c);
+  if (cs.attention == AttentionKernel::unfused) {
+    const double n = heads * Sq * static_cast<double>(m.S);
+    if (p.recompute == Recompute::none) bytes += (m.attention_dropout > 0 ? 2.0 * e + 1.0 : e) * n;
+  } else {
+    if (p.recompute == Recompute::none) bytes += 4.0 * heads * Sq;
+    else bytes -= e * T * H / t;  // selective with flash: the core's output is recomputed
+  }
+  return bytes;
+}
+
+double layer_full_activation_bytes(const ModelSpec& m, const Plan& p, const ComputeSetup& cs) {
+  Plan q = p;
+  q.recompute = Recompute::none;
+  return layer_activation_bytes(m, q, cs);
+}
+
+double embedding_activation_bytes(const ModelSpec& m, const Plan&, const ComputeSetup& cs) {
+  return m.hidden_dropout > 0 ? cs.Tn * static_cast<double>(m.H) : 0.0;  // dropout mask
+}
+
+double head_activation_bytes(const ModelSpec& m, const Plan& p, const ComputeSetup& cs) {
+  const double H = static_cast<double>(m.H);
+  const double Vt = static_cast<double>(m.padded_vocab(p.t)) / static_cast<double>(p.t);
+  // Final norm input and output (the output layer's input), fp32 softmax kept for backward.
+  return 2.0 * cs.e * cs.Tn * H + 4.0 * cs.T * Vt;
+}
+
+double head_working_bytes(const ModelSpec& m, const Plan& p, const ComputeSetup& cs) {
+  const double Vt = static_cast<double>(m.padded_vocab(p.t)) / static_cast<double>(p.t);
+  // The half-precision logits being cast, then the fp32 gradient of the logits.
+  return (cs.e + 4.0) * cs.T * Vt;
+}
+
+double stage_params(const ModelSpec& m, const Plan& p, const StageLayout& lay, int64_t s) {
+  double n = static_cast<double>(lay.stage_layers(s)) * static_cast<double>(m.layer_params(p.t));
+  const double emb = static_cast<double>(m.word_embedding_params(p.t));
+  if (s == 0) n += emb + static_cast<double>(m.position_params());
+  if (s == p.p - 1) {
+    n += static_cast<double>(m.final_norm_params());
+    if (!m.tie_embeddings || p.p > 1) n += emb;  // untied output layer, or the tied copy
+  }
+  return n;
+}
+
+MemoryBreakdown stage_memory(const ModelSpec& m, const Cluster& cl, const Plan& p, const StageLayout& lay,
+                             const ComputeSetup& cs, int64_t s, int64_t in_flight, int64_t in_flight_first,
+                             int64_t in_flight_last) {
+  MemoryBreakdown mb;
+  mb.stage = s;
+  const double P = stage_params(m, p, lay, s);
+  mb.params = P;
+  const double d = static_cast<double>(p.d);
+  const StateBytes sb = state_bytes(p.precision);
+  mb.weights = sb.weights * P / (p.zero >= 3 ? d : 1.0);
+  mb.gradients = sb.gradients * P / (p.zero >= 2 ? d : 1.0);
+  mb.optimizer_states = sb.optimizer_states * P / (p.zero >= 1 ? d : 1.0);
+
+  // Activations: layers of the stage's chunks times the chunk-microbatches in flight.
+  const double per_layer = layer_activation_bytes(m, p, cs);
+  const double layers_per_chunk = static_cast<double>(lay.stage_layers(s)) / static_cast<double>(lay.v);
+  double act = static_cast<double>(in_flight) * layers_per_chunk * per_layer;
+  if (s == 0) act += static_cast<double>(in_flight_first) * embedding_activation_bytes(m, p, cs);
+  if (s == p.p - 1) act += static_cast<double>(in_flight_last) * head_activation_bytes(m, p, cs);
+  // Working set of the layer running its backward: the gradients of its largest
+  // activations (fc1 output, activation output, two of width H) and, when recomputed, the
+  // whole layer's activations rebuilt for it. The loss adds its own on the last stage.
+  double working = 0;
+  if (lay.stage_layers(s) > 0) {
+    const double fc1_cols = static_cast<double>(m.activation == Activation::swiglu ? 2 * m.F : m.F);
+    working = cs.e * cs.T * ((fc1_cols + static_cast<double>(m.F)) / static_cast<double>(p.t) +
+                             2.0 * static_cast<double>(m.H));
+    if (p.recompute == Recompute::full) working += layer_full_activation_bytes(m, p, cs);
+  }
+  if (s == p.p - 1) working = std::max(working, head_working_bytes(m, p, cs));
+  mb.activations = act + working;
+
+  // Communication buffers: pipeline send/recv in both directions; ZeRO-3's gathered layer
+  // and its prefetched successor, and one layer of gradients to reduce-scatter.
+  double comm = 0;
+  if (p.p > 1) comm += 4.0 * cs.e * cs.Tn * static_cast<double>(m.H);
+  if ((p.zero == 1 || p.zero == 2) && p.d > 1) {
+    // Sharded optimizers stage gradients and parameters through flat buckets: DeepSpeed's
+    // reduce_bucket_size and allgather_bucket_size default to 5e8 elements each.
+    constexpr double kBucketParams = 5e8;
+    comm += std::min(P, kBucketParams) * (cs.grad_bytes + cs.weight_bytes);
+  }
+  if (p.zero >= 3 && p.d > 1) {
+    const double lp = static_cast<double>(m.layer_params(p.t));
+    comm += 2.0 * cs.weight_bytes * lp + cs.grad_bytes * lp;
+  }
+  mb.comm_buffers = comm;
+  // The framework's own memory (CUDA context, library workspaces, communicator buffers) and
+  // what the caching allocator reserves beyond the live tensors, as a fraction of them.
+  mb.framework_overhead = cl.framework_overhead_bytes + cl.allocator_fragmentation * (mb.activations + mb.gradients);
+  mb.peak = mb.weights + mb.gradients + mb.optimizer_states + mb.activations + mb.comm_buffers + mb.framework_overhead;
+  return mb;
+}
+
+}  // namespace strata

@@ -1,0 +1,53 @@
+// Bytes per GPU by SPEC term for one pipeline stage: weights, gradients and optimizer
+// states (divided across data-parallel ranks per ZeRO stage), activations (Korthikanti et
+// al. 2022, generalised to GQA, SwiGLU, dropout-free models, FlashAttention and context
+// parallelism) times the micro-batches the schedule keeps in flight, communication
+// buffers, and the framework overhead of the cluster profile.
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+#include "costmodel/compute.h"
+#include "costmodel/hardware.h"
+#include "costmodel/layout.h"
+#include "costmodel/model_spec.h"
+#include "costmodel/plan.h"
+
+namespace strata {
+
+struct MemoryBreakdown {
+  int64_t stage = 0;
+  double params = 0;  // parameters held by this GPU (before ZeRO-3 sharding)
+  double weights = 0, gradients = 0, optimizer_states = 0, activations = 0, comm_buffers = 0,
+         framework_overhead = 0, peak = 0;
+};
+
+// Bytes per parameter of each state, before dividing by d.
+struct StateBytes {
+  double weights, gradients, optimizer_states;
+};
+StateBytes state_bytes(Precision prec);
+
+// Activations one transformer layer keeps for its backward, per micro-batch, per GPU.
+double layer_activation_bytes(const ModelSpec& m, const Plan& p, const ComputeSetup& cs);
+// Everything one layer holds while it runs its forward or backward with nothing recomputed
+// (the working set of a fully recomputed layer).
+double layer_full_activation_bytes(const ModelSpec& m, const Plan& p, const ComputeSetup& cs);
+double embedding_activation_bytes(const ModelSpec& m, const Plan& p, const ComputeSetup& cs);
+double head_activation_bytes(const ModelSpec& m, const Plan& p, const ComputeSetup& cs);
+// Transient bytes while the loss and its gradient are formed (the last stage).
+double head_working_bytes(const ModelSpec& m, const Plan& p, const ComputeSetup& cs);
+
+// Parameters held by one GPU of stage s (tensor-parallel shard, embedding on the first
+// stage, output layer on the last, tied copies on both when p > 1).
+double stage_params(const ModelSpec& m, const Plan& p, const StageLayout& lay, int64_t s);
+
+// in_flight[s]: chunk-microbatch activation sets alive at once on stage s (schedule.h);
+// in_flight_first[s], in_flight_last[s]: the same for the stage's first and last chunk
+// (where the embedding and the output layer live).
+MemoryBreakdown stage_memory(const ModelSpec& m, const Cluster& cl, const Plan& p, const StageLayout& lay,
+                             const ComputeSetup& cs, int64_t s, int64_t in_flight, int64_t in_flight_first,
+                             int64_t in_flight_last);
+
+}  // namespace strata

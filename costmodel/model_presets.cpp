@@ -1,0 +1,71 @@
+// The model presets of SPEC.md, with the published dimensions of each model.
+#include <map>
+
+#include "costmodel/model_spec.h"
+
+namespace strata {
+
+namespace {
+
+ModelSpec gpt(const char* name, int64_t L, int64_t H, int64_t A, int64_t V, int64_t S) {
+  ModelSpec m;
+  m.name = name;
+  m.L = L; m.H = H; m.A = A; m.G = A; m.F = 4 * H; m.V = V; m.S = S;
+  return m;  // gelu, layernorm, learned positions, tied, biases, dropout 0.1 (the struct defaults)
+}
+
+ModelSpec llama(const char* name, int64_t L, int64_t H, int64_t A, int64_t G, int64_t F, int64_t V, int64_t S) {
+  ModelSpec m;
+  m.name = name;
+  m.L = L; m.H = H; m.A = A; m.G = G; m.F = F; m.V = V; m.S = S;
+  m.activation = Activation::swiglu;
+  m.normalization = Norm::rmsnorm;
+  m.position = Position::rope;
+  m.tie_embeddings = false;
+  m.bias = false;
+  m.attention_dropout = 0.0;
+  m.hidden_dropout = 0.0;
+  return m;
+}
+
+const std::map<std::string, ModelSpec>& presets() {
+  static const std::map<std::string, ModelSpec> p = [] {
+    std::map<std::string, ModelSpec> m;
+    auto add = [&](ModelSpec s) { m[s.name] = s; };
+    // GPT-2 (Radford et al. 2019; HF gpt2 and gpt2-xl configs).
+    add(gpt("gpt2-124m", 12, 768, 12, 50257, 1024));
+    add(gpt("gpt2-1.5b", 48, 1600, 25, 50257, 1024));
+    // GPT-3 175B (Brown et al. 2020) with Megatron's padded GPT-2 vocabulary.
+    add(gpt("gpt3-175b", 96, 12288, 96, 51200, 2048));
+    // Llama 2 (Touvron et al. 2023, HF configs), Llama 3 / 3.1 (Dubey et al. 2024).
+    add(llama("llama2-7b", 32, 4096, 32, 32, 11008, 32000, 4096));
+    add(llama("llama2-70b", 80, 8192, 64, 8, 28672, 32000, 4096));
+    add(llama("llama3-8b", 32, 4096, 32, 8, 14336, 128256, 8192));
+    add(llama("llama3-70b", 80, 8192, 64, 8, 28672, 128256, 8192));
+    add(llama("llama3-405b", 126, 16384, 128, 8, 53248, 128256, 8192));
+    // Tiny models for the CPU executor: a few million parameters, a step well under a
+    // second on one core. Vocabulary 512 (the synthetic token source).
+    ModelSpec tg = gpt("tiny-gpt", 4, 256, 4, 512, 128);
+    add(tg);
+    add(llama("tiny-llama", 4, 256, 8, 2, llama_ffn_size(256, 64), 512, 128));
+    return m;
+  }();
+  return p;
+}
+
+}  // namespace
+
+std::vector<std::string> model_preset_names() {
+  std::vector<std::string> names;
+  for (const auto& [k, v] : presets()) names.push_back(k);
+  return names;
+}
+
+bool find_model_preset(const std::string& name, ModelSpec* out) {
+  auto it = presets().find(name);
+  if (it == presets().end()) return false;
+  *out = it->second;
+  return true;
+}
+
+}  // namespace strata

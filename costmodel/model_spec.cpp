@@ -1,0 +1,254 @@
+// ModelSpec counts and loaders; see model_spec.h.
+#include "costmodel/model_spec.h"
+
+#include <filesystem>
+
+#include <fmt/format.h>
+
+namespace strata {
+
+namespace {
+// Limits that keep every count finite and every later allocation bounded. A model past
+// them is refused as input, before anything is sized from it.
+constexpr int64_t kMaxLayers = 100000;
+constexpr int64_t kMaxHidden = 1 << 20;
+constexpr int64_t kMaxHeads = 1 << 16;
+constexpr int64_t kMaxFfn = 1 << 24;
+constexpr int64_t kMaxVocab = 1 << 28;
+constexpr int64_t kMaxSeq = 1 << 24;
+}  // namespace
+
+const char* to_string(Activation a) { return a == Activation::gelu ? "gelu" : "swiglu"; }
+const char* to_string(Norm n) { return n == Norm::layernorm ? "layernorm" : "rmsnorm"; }
+const char* to_string(Position p) {
+  switch (p) {
+    case Position::learned: return "learned";
+    case Position::rope: return "rope";
+    case Position::alibi: return "alibi";
+    case Position::none: return "none";
+  }
+  return "?";
+}
+
+int64_t llama_ffn_size(int64_t H, int64_t multiple_of) {
+  const int64_t raw = (8 * H) / 3;
+  return multiple_of * ((raw + multiple_of - 1) / multiple_of);
+}
+
+int64_t ModelSpec::padded_vocab(int64_t t) const {
+  const int64_t m = vocab_divisor * t;
+  return ((V + m - 1) / m) * m;
+}
+
+int64_t ModelSpec::layer_norm_params() const {
+  return normalization == Norm::layernorm ? 4 * H : 2 * H;
+}
+
+int64_t ModelSpec::layer_params(int64_t t) const {
+  const int64_t qkv_out = H + 2 * G * D();              // columns of the fused QKV matrix
+  const int64_t fc1_out = activation == Activation::swiglu ? 2 * F : F;
+  int64_t n = (H * qkv_out + H * H + H * fc1_out + F * H) / t;  // the four split matrices
+  if (bias) n += (qkv_out + fc1_out) / t + 2 * H;     // column biases split, row biases replicated
+  return n + layer_norm_params();
+}
+
+int64_t ModelSpec::word_embedding_params(int64_t t) const { return padded_vocab(t) * H / t; }
+
+int64_t ModelSpec::position_params() const { return position == Position::learned ? S * H : 0; }
+
+int64_t ModelSpec::final_norm_params() const { return normalization == Norm::layernorm ? 2 * H : H; }
+
+double ModelSpec::total_params() const {
+  const double emb = static_cast<double>(word_embedding_params(1)) * (tie_embeddings ? 1 : 2);
+  return static_cast<double>(L) * static_cast<double>(layer_params(1)) + emb +
+         static_cast<double>(position_params()) + static_cast<double>(final_norm_params());
+}
+
+double ModelSpec::layer_forward_flops(int64_t B) const {
+  const double tokens = static_cast<double>(B) * static_cast<double>(S);
+  const double h = static_cast<double>(H);
+  const double qkv_out = static_cast<double>(H + 2 * G * D());
+  const double fc1_out = static_cast<double>(activation == Activation::swiglu ? 2 * F : F);
+  const double gemms = 2.0 * tokens * (h * qkv_out + h * h + h * fc1_out + static_cast<double>(F) * h);
+  const double attention = 4.0 * tokens * static_cast<double>(S) * h;  // QK^T and AV, full S x S
+  return gemms + attention;
+}
+
+double ModelSpec::logits_forward_flops(int64_t B) const {
+  return 2.0 * static_cast<double>(B) * static_cast<double>(S) * static_cast<double>(H) *
+         static_cast<double>(padded_vocab(1));
+}
+
+double ModelSpec::forward_flops(int64_t B) const {
+  return static_cast<double>(L) * layer_forward_flops(B) + logits_forward_flops(B);
+}
+
+void validate_model(const ModelSpec& m, const std::string& src) {
+  auto range = [&](const char* field, int64_t v, int64_t lo, int64_t hi) {
+    if (v < lo || v > hi)
+      fail_field(src + "." + field, std::to_string(v), fmt::format("must be an integer in [{}, {}]", lo, hi));
+  };
+  range("num_layers", m.L, 1, kMaxLayers);
+  range("hidden_size", m.H, 1, kMaxHidden);
+  range("num_attention_heads", m.A, 1, kMaxHeads);
+  range("num_query_groups", m.G, 1, kMaxHeads);
+  range("ffn_hidden_size", m.F, 1, kMaxFfn);
+  range("vocab_size", m.V, 1, kMaxVocab);
+  range("seq_length", m.S, 1, kMaxSeq);
+  if (m.H % m.A != 0)
+    fail_field(src + ".hidden_size", std::to_string(m.H),
+               fmt::format("must be divisible by num_attention_heads ({})", m.A));
+  if (m.G > m.A || m.A % m.G != 0)
+    fail_field(src + ".num_query_groups", std::to_string(m.G),
+               fmt::format("must divide num_attention_heads ({})", m.A));
+  if (m.attention_dropout < 0 || m.attention_dropout >= 1)
+    fail_field(src + ".attention_dropout", fmt::format("{}", m.attention_dropout), "must be in [0, 1)");
+  if (m.hidden_dropout < 0 || m.hidden_dropout >= 1)
+    fail_field(src + ".hidden_dropout", fmt::format("{}", m.hidden_dropout), "must be in [0, 1)");
+  if (m.vocab_divisor < 1 || m.vocab_divisor > 65536)
+    fail_field(src + ".make_vocab_size_divisible_by", std::to_string(m.vocab_divisor),
+               "must be an integer in [1, 65536]");
+  if (m.position == Position::learned && m.S * m.H > (int64_t{1} << 40))
+    fail_field(src + ".seq_length", std::to_string(m.S), "learned position table seq_length*hidden_size exceeds 2^40");
+}
+
+ModelSpec model_from_json(const Json& j, const std::string& source) {
+  Fields f(j, source);
+  ModelSpec m;
+  m.name = f.string_or("name", std::filesystem::path(source).stem().string());
+  m.L = f.integer("num_layers", 1, kMaxLayers);
+  m.H = f.integer("hidden_size", 1, kMaxHidden);
+  m.A = f.integer("num_attention_heads", 1, kMaxHeads);
+  m.G = f.integer_or("num_query_groups", m.A, 1, kMaxHeads);
+  const std::string act = f.choice_or("activation", "gelu", {"gelu", "swiglu"});
+  m.activation = act == "gelu" ? Activation::gelu : Activation::swiglu;
+  const bool llama = m.activation == Activation::swiglu;
+  m.F = f.integer_or("ffn_hidden_size", llama ? llama_ffn_size(m.H) : 4 * m.H, 1, kMaxFfn);
+  m.V = f.integer("vocab_size", 1, kMaxVocab);
+  m.S = f.integer("seq_length", 1, kMaxSeq);
+  const std::string norm = f.choice_or("normalization", llama ? "rmsnorm" : "layernorm", {"layernorm", "rmsnorm"});
+  m.normalization = norm == "layernorm" ? Norm::layernorm : Norm::rmsnorm;
+  const std::string pos =
+      f.choice_or("position_embedding", llama ? "rope" : "learned", {"learned", "rope", "alibi", "none"});
+  m.position = pos == "learned" ? Position::learned : pos == "rope" ? Position::rope
+             : pos == "alibi" ? Position::alibi : Position::none;
+  m.tie_embeddings = f.boolean_or("tie_embeddings", !llama);
+  m.bias = f.boolean_or("add_bias_linear", !llama);
+  m.attention_dropout = f.real_or("attention_dropout", llama ? 0.0 : 0.1, 0.0, 0.999);
+  m.hidden_dropout = f.real_or("hidden_dropout", llama ? 0.0 : 0.1, 0.0, 0.999);
+  m.vocab_divisor = f.integer_or("make_vocab_size_divisible_by", 128, 1, 65536);
+  f.ignore("description");
+  f.ignore("_source");
+  f.reject_unknown();
+  validate_model(m, source);
+  return m;
+}
+
+// Hugging Face config.json: LlamaConfig / MistralConfig / Qwen2 keys, GPT2Config keys.
+ModelSpec model_from_hf_config(const Json& j, const std::string& source) {
+  if (!j.is_object()) throw InputError(source + ": must be a JSON object");
+  auto get_int = [&](std::initializer_list<const char*> keys, int64_t lo, int64_t hi, bool required,
+                     int64_t fallback) -> int64_t {
+    for (const char* k : keys) {
+      if (j.contains(k) && !j.at(k).is_null()) {
+        Fields f(j, source);
+        return f.integer(k, lo, hi);
+      }
+    }
+    if (required) throw InputError(fmt::format("{}.{}: missing: an integer is required", source, *keys.begin()));
+    return fallback;
+  };
+  ModelSpec m;
+  m.name = std::filesystem::path(source).parent_path().filename().string();
+  if (j.contains("_name_or_path") && j["_name_or_path"].is_string()) m.name = j["_name_or_path"].get<std::string>();
+  if (m.name.empty()) m.name = "hf-model";
+  std::string model_type = j.value("model_type", std::string());
+  if (!j.contains("model_type") || !j["model_type"].is_string()) model_type.clear();
+  const bool gpt2 = model_type == "gpt2" || j.contains("n_layer");
+  m.L = get_int({"num_hidden_layers", "n_layer"}, 1, kMaxLayers, true, 0);
+  m.H = get_int({"hidden_size", "n_embd"}, 1, kMaxHidden, true, 0);
+  m.A = get_int({"num_attention_heads", "n_head"}, 1, kMaxHeads, true, 0);
+  m.G = get_int({"num_key_value_heads"}, 1, kMaxHeads, false, m.A);
+  m.V = get_int({"vocab_size"}, 1, kMaxVocab, true, 0);
+  m.S = get_int({"max_position_embeddings", "n_positions", "n_ctx"}, 1, kMaxSeq, true, 0);
+  std::string act = "gelu";
+  for (const char* k : {"hidden_act", "activation_function"}) {
+    if (j.contains(k)) {
+      if (!j[k].is_string()) fail_field(source + "." + k, show_value(j[k]), "must be a string");
+      act = j[k].get<std::string>();
+      break;
+    }
+  }
+  if (act == "silu" || act == "swish" || act == "swiglu") {
+    m.activation = Activation::swiglu;
+  } else if (act.rfind("gelu", 0) == 0) {
+    m.activation = Activation::gelu;
+  } else {
+    fail_field(source + ".hidden_act", show_value(Json(act)), "must be silu (SwiGLU MLP) or a gelu variant");
+  }
+  const bool llama = m.activation == Activation::swiglu;
+  m.F = get_int({"intermediate_size", "n_inner"}, 1, kMaxFfn, false, llama ? llama_ffn_size(m.H) : 4 * m.H);
+  m.normalization = (j.contains("rms_norm_eps") || llama) && !gpt2 ? Norm::rmsnorm : Norm::layernorm;
+  m.position = gpt2 ? Position::learned : Position::rope;
+  m.tie_embeddings = gpt2;
+  if (j.contains("tie_word_embeddings")) {
+    if (!j["tie_word_embeddings"].is_boolean())
+      fail_field(source + ".tie_word_embeddings", show_value(j["tie_word_embeddings"]), "must be true or false");
+    m.tie_embeddings = j["tie_word_embeddings"].get<bool>();
+  }
+  m.bias = gpt2 || (j.contains("attention_bias") && j["attention_bias"].is_boolean() && j["attention_bias"].get<bool>());
+  auto dropout = [&](std::initializer_list<const char*> keys, double fallback) {
+    for (const char* k : keys)
+      if (j.contains(k) && !j.at(k).is_null()) {
+        Fields f(j, source);
+        return f.real(k, 0.0, 0.999);
+      }
+    return fallback;
+  };
+  m.attention_dropout = dropout({"attention_dropout", "attn_pdrop"}, gpt2 ? 0.1 : 0.0);
+  m.hidden_dropout = dropout({"hidden_dropout", "resid_pdrop"}, gpt2 ? 0.1 : 0.0);
+  validate_model(m, source);
+  return m;
+}
+
+Json model_to_json(const ModelSpec& m) {
+  return Json{{"name", m.name},
+              {"num_layers", m.L},
+              {"hidden_size", m.H},
+              {"num_attention_heads", m.A},
+              {"num_query_groups", m.G},
+              {"ffn_hidden_size", m.F},
+              {"vocab_size", m.V},
+              {"seq_length", m.S},
+              {"activation", to_string(m.activation)},
+              {"normalization", to_string(m.normalization)},
+              {"position_embedding", to_string(m.position)},
+              {"tie_embeddings", m.tie_embeddings},
+              {"add_bias_linear", m.bias},
+              {"attention_dropout", m.attention_dropout},
+              {"hidden_dropout", m.hidden_dropout},
+              {"make_vocab_size_divisible_by", m.vocab_divisor}};
+}
+
+ModelSpec load_model(const std::string& name_or_path, int64_t seq_length_override) {
+  ModelSpec m;
+  if (!find_model_preset(name_or_path, &m)) {
+    std::error_code ec;
+    if (!std::filesystem::is_regular_file(name_or_path, ec)) {
+      std::string names;
+      for (const auto& n : model_preset_names()) names += (names.empty() ? "" : ", ") + n;
+      throw InputError(fmt::format("--model: '{}' is neither a preset ({}) nor a readable file", name_or_path, names));
+    }
+    const Json j = read_json_file(name_or_path, "--model");
+    const bool hf = j.is_object() && (j.contains("num_hidden_layers") || j.contains("n_layer") ||
+                                      j.contains("architectures") || j.contains("model_type"));
+    m = hf ? model_from_hf_config(j, "model '" + name_or_path + "'") : model_from_json(j, "model");
+  }
+  if (seq_length_override > 0) {
+    m.S = seq_length_override;
+    validate_model(m, "--seq-length");
+  }
+  return m;
+}
+
+}  // namespace strata

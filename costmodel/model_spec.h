@@ -1,0 +1,83 @@
+// ModelSpec: the dimensions of a decoder-only transformer and its parameter and FLOP
+// counts. Loads the model JSON of SPEC.md, Hugging Face config.json files and presets.
+// Owns no parallelism beyond dividing a count by the tensor parallel size t.
+//
+// Dimension letters (used in costmodel/ and executor/ alike):
+//   B micro-batch, S sequence, H hidden, A heads, G query groups, D = H/A head dim,
+//   F ffn hidden, V vocab (padded), L layers; t p d c v the parallel degrees.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "costmodel/json_input.h"
+
+namespace strata {
+
+enum class Activation { gelu, swiglu };
+enum class Norm { layernorm, rmsnorm };
+enum class Position { learned, rope, alibi, none };
+
+struct ModelSpec {
+  std::string name;
+  int64_t L = 0;  // num_layers
+  int64_t H = 0;  // hidden_size
+  int64_t A = 0;  // num_attention_heads
+  int64_t G = 0;  // num_query_groups (key/value heads)
+  int64_t F = 0;  // ffn_hidden_size
+  int64_t V = 0;  // vocab_size as given (padded per t by padded_vocab)
+  int64_t S = 0;  // seq_length
+  Activation activation = Activation::gelu;
+  Norm normalization = Norm::layernorm;
+  Position position = Position::learned;
+  bool tie_embeddings = true;
+  bool bias = true;                      // add_bias_linear (GPT: true, Llama: false)
+  double attention_dropout = 0.1;        // Megatron defaults for GPT; Llama trains with 0
+  double hidden_dropout = 0.1;
+  int64_t vocab_divisor = 128;           // make_vocab_size_divisible_by
+
+  int64_t D() const { return H / A; }
+  // Megatron pads the vocabulary to a multiple of vocab_divisor * t.
+  int64_t padded_vocab(int64_t t) const;
+
+  // Parameters of one transformer layer held by one tensor-parallel rank: the split
+  // matrices and biases divided by t, the norms and row-parallel biases replicated.
+  int64_t layer_params(int64_t t) const;
+  int64_t layer_norm_params() const;     // replicated on every tp rank (both norms)
+  // Word embedding per tp rank (vocab-parallel, padded vocab). The output layer has as
+  // many again when embeddings are untied.
+  int64_t word_embedding_params(int64_t t) const;
+  int64_t position_params() const;       // learned positions: S*H, replicated
+  int64_t final_norm_params() const;
+  // Total parameters of the model (t = 1, padded vocab of t = 1).
+  double total_params() const;
+
+  // Model FLOPs of one forward pass over B sequences: every GEMM (2 per MAC),
+  // attention over the full S x S (Megatron's convention), logits. No recompute.
+  double forward_flops(int64_t B) const;
+  double layer_forward_flops(int64_t B) const;
+  double logits_forward_flops(int64_t B) const;
+};
+
+// Loads a model from a preset name, a model JSON path or a Hugging Face config.json path.
+// seq_length_override > 0 replaces the sequence length.
+ModelSpec load_model(const std::string& name_or_path, int64_t seq_length_override = 0);
+ModelSpec model_from_json(const Json& j, const std::string& source);
+ModelSpec model_from_hf_config(const Json& j, const std::string& source);
+// Checks every field and cross-field rule; throws InputError naming the field.
+void validate_model(const ModelSpec& m, const std::string& source);
+Json model_to_json(const ModelSpec& m);
+
+// Presets (model_presets.cpp).
+std::vector<std::string> model_preset_names();
+bool find_model_preset(const std::string& name, ModelSpec* out);
+
+// Llama's FFN size rule: multiple_of * ceil((8H/3) / multiple_of).
+int64_t llama_ffn_size(int64_t H, int64_t multiple_of = 256);
+
+const char* to_string(Activation a);
+const char* to_string(Norm n);
+const char* to_string(Position p);
+
+}  // namespace strata

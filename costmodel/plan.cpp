@@ -1,0 +1,220 @@
+// Plan loading, normalisation and checks; see plan.h.
+#include "costmodel/plan.h"
+
+#include <filesystem>
+#include <map>
+
+#include <fmt/format.h>
+
+namespace strata {
+
+const char* to_string(Recompute r) {
+  switch (r) {
+    case Recompute::none: return "none";
+    case Recompute::selective: return "selective";
+    case Recompute::full: return "full";
+  }
+  return "?";
+}
+
+const char* to_string(ScheduleKind s) {
+  switch (s) {
+    case ScheduleKind::gpipe: return "gpipe";
+    case ScheduleKind::one_f_one_b: return "1f1b";
+    case ScheduleKind::interleaved: return "interleaved";
+  }
+  return "?";
+}
+
+namespace {
+
+constexpr int64_t kMaxDegree = 1 << 20;
+constexpr int64_t kMaxWorld = 1 << 24;
+constexpr int64_t kMaxBatch = int64_t{1} << 30;
+
+// Long name -> short alias (SPEC.md lists both).
+const std::vector<std::pair<const char*, const char*>>& aliases() {
+  static const std::vector<std::pair<const char*, const char*>> a = {
+      {"tensor_parallel", "tp"},          {"pipeline_parallel", "pp"},  {"data_parallel", "dp"},
+      {"context_parallel", "cp"},         {"virtual_pipeline_stages", "vp"}, {"micro_batch_size", "mbs"},
+      {"global_batch_size", "gbs"},       {"zero_stage", "zero"},       {"sequence_parallel", "sp"},
+      {"pipeline_schedule", "schedule"}};
+  return a;
+}
+
+}  // namespace
+
+Plan plan_from_json(const Json& in, const std::string& source) {
+  if (!in.is_object()) throw InputError(fmt::format("{}: {} is invalid: must be a JSON object", source, show_value(in)));
+  // Fold short keys onto long ones; both present is an error.
+  Json j = in;
+  for (const auto& [lng, shrt] : aliases()) {
+    if (j.contains(shrt)) {
+      if (j.contains(lng))
+        throw InputError(fmt::format("{}.{}: given twice (as '{}' and '{}'): keep one", source, lng, lng, shrt));
+      j[lng] = j[shrt];
+      j.erase(shrt);
+    }
+  }
+  Fields f(j, source);
+  Plan p;
+  p.t = f.integer_or("tensor_parallel", 1, 1, kMaxDegree);
+  p.p = f.integer_or("pipeline_parallel", 1, 1, kMaxDegree);
+  p.d = f.integer_or("data_parallel", 1, 1, kMaxDegree);
+  p.c = f.integer_or("context_parallel", 1, 1, kMaxDegree);
+  p.v = f.integer_or("virtual_pipeline_stages", 1, 1, kMaxDegree);
+  p.mbs = f.integer_or("micro_batch_size", 1, 1, kMaxBatch);
+  p.gbs = f.integer_or("global_batch_size", 0, 0, kMaxBatch);
+  p.zero = static_cast<int>(f.integer_or("zero_stage", 0, 0, 3));
+  const std::string rc = f.choice_or("recompute", "none", {"none", "selective", "full"});
+  p.recompute = rc == "none" ? Recompute::none : rc == "selective" ? Recompute::selective : Recompute::full;
+  p.sp = f.boolean_or("sequence_parallel", false);
+  const std::string pr = f.choice_or("precision", "bf16", {"fp32", "bf16", "fp16", "fp8"});
+  p.precision = pr == "fp32" ? Precision::fp32 : pr == "bf16" ? Precision::bf16
+              : pr == "fp16" ? Precision::fp16 : Precision::fp8;
+  const std::string sc = f.choice_or("pipeline_schedule", "1f1b", {"1f1b", "gpipe", "interleaved"});
+  p.gpipe = sc == "gpipe";
+  if (sc == "interleaved" && p.v < 2)
+    fail_field(source + ".pipeline_schedule", "\"interleaved\"", "needs virtual_pipeline_stages >= 2");
+  if (p.gpipe && p.v > 1)
+    fail_field(source + ".pipeline_schedule", "\"gpipe\"", "cannot be combined with virtual_pipeline_stages > 1");
+  const std::string at = f.choice_or("attention", "auto", {"auto", "flash", "unfused"});
+  p.attention = at == "auto" ? AttentionChoice::automatic : at == "flash" ? AttentionChoice::flash : AttentionChoice::unfused;
+  p.overlap_grad_reduce = f.boolean_or("overlap_grad_reduce", false);
+  p.overlap_param_gather = f.boolean_or("overlap_param_gather", false);
+  f.ignore("num_gpus");
+  f.ignore("description");
+  f.reject_unknown();
+  const double world = static_cast<double>(p.t) * static_cast<double>(p.p) * static_cast<double>(p.d) *
+                       static_cast<double>(p.c);
+  if (world > static_cast<double>(kMaxWorld))
+    fail_field(source + ".tensor_parallel*pipeline_parallel*data_parallel*context_parallel",
+               fmt::format("{}", world), fmt::format("must be at most {} GPUs", kMaxWorld));
+  if (p.gbs == 0) p.gbs = p.mbs * p.d;
+  if (p.t == 1) p.sp = false;  // sequence parallelism is a no-op without tensor parallelism
+  return p;
+}
+
+Json parse_inline_pairs(const std::string& text, const std::string& what) {
+  Json j = Json::object();
+  size_t pos = 0;
+  if (text.empty()) throw InputError(what + ": empty; expected key=value pairs such as tp=8,pp=4");
+  while (pos <= text.size()) {
+    const size_t comma = text.find(',', pos);
+    const std::string item = text.substr(pos, comma == std::string::npos ? std::string::npos : comma - pos);
+    pos = comma == std::string::npos ? text.size() + 1 : comma + 1;
+    if (item.empty()) continue;
+    const size_t eq = item.find('=');
+    if (eq == std::string::npos || eq == 0 || eq + 1 == item.size())
+      throw InputError(fmt::format("{}: '{}' is invalid: must be key=value", what, item));
+    const std::string key = item.substr(0, eq), val = item.substr(eq + 1);
+    if (j.contains(key)) throw InputError(fmt::format("{}: key '{}' given twice", what, key));
+    bool is_int = !val.empty() && val.size() <= 18;
+    for (size_t i = 0; i < val.size(); ++i)
+      if (!(std::isdigit(static_cast<unsigned char>(val[i])) || (i == 0 && val[i] == '-' && val.size() > 1))) is_int = false;
+    if (is_int) {
+      j[key] = std::stoll(val);
+    } else if (val == "true" || val == "false") {
+      j[key] = val == "true";
+    } else {
+      j[key] = val;
+    }
+  }
+  return j;
+}
+
+Plan load_plan(const std::string& s) {
+  std::error_code ec;
+  if (s.find('=') == std::string::npos) {
+    if (!std::filesystem::is_regular_file(s, ec))
+      throw InputError(fmt::format("--plan: '{}' is neither key=value pairs (tp=8,pp=4,...) nor a readable file", s));
+    return plan_from_json(read_json_file(s, "--plan"), "plan");
+  }
+  return plan_from_json(parse_inline_pairs(s, "--plan"), "plan");
+}
+
+Json plan_to_json(const Plan& p) {
+  return Json{{"tensor_parallel", p.t},
+              {"pipeline_parallel", p.p},
+              {"data_parallel", p.d},
+              {"context_parallel", p.c},
+              {"virtual_pipeline_stages", p.v},
+              {"micro_batch_size", p.mbs},
+              {"global_batch_size", p.gbs},
+              {"zero_stage", p.zero},
+              {"recompute", to_string(p.recompute)},
+              {"sequence_parallel", p.sp},
+              {"precision", to_string(p.precision)},
+              {"pipeline_schedule", p.gpipe ? "gpipe" : "1f1b"},
+              {"attention", p.attention == AttentionChoice::automatic ? "auto"
+                            : p.attention == AttentionChoice::flash ? "flash" : "unfused"},
+              {"overlap_grad_reduce", p.overlap_grad_reduce},
+              {"overlap_param_gather", p.overlap_param_gather},
+              {"num_gpus", p.world_size()},
+              {"gradient_accumulation_steps", p.mbs * p.d > 0 ? p.gbs / (p.mbs * p.d) : 0}};
+}
+
+std::string plan_to_inline(const Plan& p) {
+  std::string s = fmt::format("tp={},pp={},dp={}", p.t, p.p, p.d);
+  if (p.c > 1) s += fmt::format(",cp={}", p.c);
+  if (p.v > 1) s += fmt::format(",vp={}", p.v);
+  s += fmt::format(",mbs={},gbs={},zero={},recompute={}", p.mbs, p.gbs, p.zero, to_string(p.recompute));
+  if (p.sp) s += ",sp=1";
+  s += fmt::format(",precision={}", to_string(p.precision));
+  if (p.gpipe) s += ",schedule=gpipe";
+  if (p.attention != AttentionChoice::automatic)
+    s += p.attention == AttentionChoice::flash ? ",attention=flash" : ",attention=unfused";
+  return s;
+}
+
+AttentionKernel resolve_attention(const ModelSpec& m, const Cluster& cl, const Plan& p) {
+  if (p.attention == AttentionChoice::flash) return AttentionKernel::flash;
+  if (p.attention == AttentionChoice::unfused) return AttentionKernel::unfused;
+  if (cl.default_attention == AttentionKernel::flash || p.c > 1 || m.position == Position::rope)
+    return AttentionKernel::flash;
+  return AttentionKernel::unfused;
+}
+
+std::vector<Reason> check_plan(const ModelSpec& m, const Cluster& cl, const Plan& p, bool messages) {
+  std::vector<Reason> r;
+  // Messages are built only when asked for: the planner checks millions of plans.
+  auto add_impl = [&](const char* key, auto&& make) {
+    r.push_back({key, messages ? std::string(make()) : std::string()});
+  };
+#define add(key, ...) add_impl(key, [&] { return __VA_ARGS__; })
+  if (m.A % p.t != 0 || m.G % p.t != 0)
+    add("tp_heads", fmt::format("tensor_parallel={} must divide num_attention_heads={} and num_query_groups={}",
+                                p.t, m.A, m.G));
+  if (m.F % p.t != 0)
+    add("tp_ffn", fmt::format("tensor_parallel={} must divide ffn_hidden_size={}", p.t, m.F));
+  if (p.c > 1 && m.S % (2 * p.c) != 0)
+    add("cp_seq", fmt::format("context_parallel={} needs seq_length={} divisible by 2*context_parallel "
+                              "(load-balanced causal attention)", p.c, m.S));
+  if (p.c > 1 && p.attention == AttentionChoice::unfused)
+    add("cp_attention", "context_parallel > 1 needs attention=flash (ring attention over fused kernels)");
+  if (p.sp && p.t > 1 && (m.S / p.c) % p.t != 0)
+    add("sp_seq", fmt::format("sequence_parallel needs seq_length/context_parallel={} divisible by tensor_parallel={}",
+                              m.S / p.c, p.t));
+  if (p.v > 1) {
+    if (p.p < 2) add("vp_needs_pp", fmt::format("virtual_pipeline_stages={} needs pipeline_parallel >= 2", p.v));
+    if (m.L % (p.p * p.v) != 0)
+      add("layers_vp", fmt::format("num_layers={} must be divisible by pipeline_parallel*virtual_pipeline_stages={}",
+                                   m.L, p.p * p.v));
+  } else if (p.p > m.L) {
+    add("layers_pp", fmt::format("pipeline_parallel={} exceeds num_layers={}", p.p, m.L));
+  } else if (m.L % p.p != 0 && (m.L + 2) % p.p == 0 && (m.L + 2) / p.p < 2) {
+    add("layers_pp", fmt::format("pipeline_parallel={} leaves the first and last stage without a layer", p.p));
+  }
+  if (p.gbs % (p.mbs * p.d) != 0)
+    add("batch_divisible", fmt::format("global_batch_size={} must be divisible by micro_batch_size*data_parallel={}",
+                                       p.gbs, p.mbs * p.d));
+  else if (p.v > 1 && p.microbatches() % p.p != 0)
+    add("vp_microbatches", fmt::format("interleaved schedule needs the micro-batches per step ({}) divisible by "
+                                       "pipeline_parallel={}", p.microbatches(), p.p));
+  if (cl.device.peak_flops(p.precision) <= 0)
+    add("precision", fmt::format("precision={} is not supported by {}", to_string(p.precision), cl.device.name));
+#undef add
+  return r;
+}
+
+}  // namespace strata

@@ -1,0 +1,72 @@
+// Plan: one parallel training strategy (SPEC.md "Plan JSON"), read from JSON or from
+// inline key=value pairs, normalised (long names, derived defaults) and checked against a
+// model and a cluster. A plan that cannot run yields reasons (data), never an exception;
+// only malformed input (unknown key, wrong type) throws InputError.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "costmodel/hardware.h"
+#include "costmodel/json_input.h"
+#include "costmodel/model_spec.h"
+
+namespace strata {
+
+enum class Recompute { none, selective, full };
+enum class ScheduleKind { gpipe, one_f_one_b, interleaved };
+enum class AttentionChoice { automatic, unfused, flash };
+
+struct Plan {
+  int64_t t = 1;  // tensor_parallel
+  int64_t p = 1;  // pipeline_parallel
+  int64_t d = 1;  // data_parallel
+  int64_t c = 1;  // context_parallel
+  int64_t v = 1;  // virtual_pipeline_stages (interleaved 1F1B when > 1)
+  int64_t mbs = 1;
+  int64_t gbs = 0;  // 0: one micro-batch per data-parallel rank (mbs * d)
+  int zero = 0;     // 0..3; Megatron's distributed optimizer is 1
+  Recompute recompute = Recompute::none;
+  bool sp = false;  // sequence_parallel
+  Precision precision = Precision::bf16;
+  bool gpipe = false;  // pipeline_schedule "gpipe"; otherwise 1F1B (interleaved when v > 1)
+  // Extensions (Megatron-LM names):
+  AttentionChoice attention = AttentionChoice::automatic;
+  bool overlap_grad_reduce = false;   // DP reduction overlaps the last micro-batch's backward
+  bool overlap_param_gather = false;  // ZeRO-1/2 parameter all-gather overlaps the next forward
+
+  int64_t world_size() const { return t * p * d * c; }
+  int64_t microbatches() const { return gbs / (mbs * d); }  // per pipeline, per step
+  ScheduleKind schedule() const {
+    return gpipe ? ScheduleKind::gpipe : (v > 1 ? ScheduleKind::interleaved : ScheduleKind::one_f_one_b);
+  }
+};
+
+// Reads a plan from a JSON object (long or short keys); fills gbs = mbs * d when absent.
+Plan plan_from_json(const Json& j, const std::string& source);
+// "tp=8,pp=8,dp=16,mbs=1" or a path to a plan JSON file.
+Plan load_plan(const std::string& inline_or_path);
+// Parses "k=v,k=v" into a JSON object (integers become numbers, true/false booleans).
+Json parse_inline_pairs(const std::string& text, const std::string& what);
+Json plan_to_json(const Plan& p);
+std::string plan_to_inline(const Plan& p);
+
+// Why a plan cannot run this model on this cluster; empty when it can. Each reason has a
+// short key (counted by the planner) and a message naming the field, value and rule.
+struct Reason {
+  std::string key;
+  std::string message;
+};
+// With messages = false only the keys are filled (the planner's hot loop).
+std::vector<Reason> check_plan(const ModelSpec& m, const Cluster& cl, const Plan& p, bool messages = true);
+
+// The attention kernel the plan runs: the plan's choice, or for "auto" FlashAttention
+// when the cluster's stack defaults to it, the model is Llama-style (RoPE) or context
+// parallel is on (Megatron's CP requires the fused kernel); otherwise unfused softmax.
+AttentionKernel resolve_attention(const ModelSpec& m, const Cluster& cl, const Plan& p);
+
+const char* to_string(Recompute r);
+const char* to_string(ScheduleKind s);
+
+}  // namespace strata

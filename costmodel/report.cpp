@@ -1,0 +1,174 @@
+// Readable breakdown and Chrome trace; see report.h.
+#include "costmodel/report.h"
+
+#include <cmath>
+#include <fstream>
+
+#include <fmt/format.h>
+
+namespace strata {
+
+std::string human_bytes(double b) {
+  const double g = 1024.0 * 1024.0 * 1024.0;
+  if (std::fabs(b) >= g) return fmt::format("{:.2f} GiB", b / g);
+  if (std::fabs(b) >= 1024.0 * 1024.0) return fmt::format("{:.1f} MiB", b / (1024.0 * 1024.0));
+  if (std::fabs(b) >= 1024.0) return fmt::format("{:.1f} KiB", b / 1024.0);
+  return fmt::format("{:.0f} B", b);
+}
+
+std::string human_seconds(double s) {
+  if (s >= 1.0) return fmt::format("{:.3f} s", s);
+  if (s >= 1e-3) return fmt::format("{:.3f} ms", s * 1e3);
+  return fmt::format("{:.1f} us", s * 1e6);
+}
+
+std::string human_count(double n) {
+  if (n >= 1e12) return fmt::format("{:.2f}T", n / 1e12);
+  if (n >= 1e9) return fmt::format("{:.2f}B", n / 1e9);
+  if (n >= 1e6) return fmt::format("{:.2f}M", n / 1e6);
+  if (n >= 1e3) return fmt::format("{:.1f}K", n / 1e3);
+  return fmt::format("{:.0f}", n);
+}
+
+std::string format_estimate(const ModelSpec& m, const Cluster& cl, const Estimate& e, const EstimateDetail* d) {
+  std::string o;
+  const Plan& p = e.plan;
+  o += fmt::format("model    {} ({} parameters: L={} H={} A={} G={} F={} V={} S={})\n", m.name,
+                   human_count(m.total_params()), m.L, m.H, m.A, m.G, m.F, m.padded_vocab(p.t), m.S);
+  o += fmt::format("cluster  {} ({}, {} per node), {} GPUs\n", cl.name, cl.device.name, cl.devices_per_node,
+                   p.world_size());
+  o += fmt::format("plan     {}\n", plan_to_inline(p));
+  if (!e.valid) {
+    o += "invalid plan:\n";
+    for (const auto& r : e.reasons) o += fmt::format("  - {}\n", r.message);
+    return o;
+  }
+  o += fmt::format("         schedule {}, {} micro-batches per step, {} gradient accumulation steps, attention {}\n",
+                   to_string(p.schedule()), e.microbatches, p.gbs / (p.mbs * p.d), to_string(e.attention));
+  o += fmt::format("\nstep time {}   {:.0f} tokens/s   {:.1f} model TFLOP/s per GPU ({:.1f} hardware)   MFU {:.1f}%\n",
+                   human_seconds(e.step_time_s), e.tokens_per_s, e.model_tflops_per_gpu, e.hardware_tflops_per_gpu,
+                   100.0 * e.mfu);
+  o += fmt::format("memory    {} of {} on stage {}: {}\n", human_bytes(e.memory.peak), human_bytes(cl.device.memory_bytes),
+                   e.memory.stage, e.fits ? "fits" : "DOES NOT FIT");
+  const TimeBreakdown& t = e.time;
+  o += fmt::format("\n{:<22}{:>12}{:>8}   (stage {} finishes last; exposed time only)\n", "time per step", "seconds", "%",
+                   e.critical_stage);
+  auto row = [&](const char* name, double v) {
+    o += fmt::format("  {:<20}{:>12.4f}{:>7.1f}%\n", name, v, 100.0 * v / e.step_time_s);
+  };
+  row("forward", t.forward);
+  row("backward", t.backward);
+  row("recompute", t.recompute);
+  row("tp_comm", t.tp_comm);
+  row("cp_comm", t.cp_comm);
+  row("pp_comm", t.pp_comm);
+  row("dp_comm", t.dp_comm);
+  row("pipeline_bubble", t.pipeline_bubble);
+  row("optimizer", t.optimizer);
+  if (t.overhead > 0) row("overhead", t.overhead);
+  o += fmt::format("  {:<20}{:>12.4f}\n", "step", e.step_time_s);
+  o += fmt::format("  communication before overlap: tp {}, dp {}\n", human_seconds(e.tp_comm_total_s),
+                   human_seconds(e.dp_comm_total_s));
+  const MemoryBreakdown& mm = e.memory;
+  o += fmt::format("\n{:<22}{:>12}   (stage {}, {} parameters on this GPU)\n", "memory per GPU", "", mm.stage,
+                   human_count(mm.params));
+  auto mrow = [&](const char* name, double v) { o += fmt::format("  {:<20}{:>12}\n", name, human_bytes(v)); };
+  mrow("weights", mm.weights);
+  mrow("gradients", mm.gradients);
+  mrow("optimizer_states", mm.optimizer_states);
+  mrow("activations", mm.activations);
+  mrow("comm_buffers", mm.comm_buffers);
+  mrow("framework_overhead", mm.framework_overhead);
+  mrow("peak", mm.peak);
+  if (d && d->stage_memory.size() > 1) {
+    o += "\nper stage               layers    peak memory    finishes at\n";
+    for (size_t s = 0; s < d->stage_memory.size(); ++s) {
+      o += fmt::format("  stage {:<14}{:>8}{:>15}{:>15}\n", s, d->layout.stage_layers(static_cast<int64_t>(s)),
+                       human_bytes(d->stage_memory[s].peak), human_seconds(d->stage_finish_s[s]));
+      if (d->stage_memory.size() > 12 && s == 4) {
+        o += "  ...\n";
+        s = d->stage_memory.size() - 4;
+      }
+    }
+  }
+  return o;
+}
+
+Json trace_json(const ModelSpec& m, const Estimate& e, const EstimateDetail& d) {
+  Json ev = Json::array();
+  const double us = 1e6;
+  const Plan& p = e.plan;
+  for (int64_t s = 0; s < p.p; ++s) {
+    ev.push_back({{"name", "process_name"}, {"ph", "M"}, {"pid", s},
+                  {"args", {{"name", fmt::format("stage {} (predicted, {} ranks)", s, p.t * p.c * p.d)}}}});
+    ev.push_back({{"name", "thread_name"}, {"ph", "M"}, {"pid", s}, {"tid", 0}, {"args", {{"name", "compute"}}}});
+    ev.push_back({{"name", "thread_name"}, {"ph", "M"}, {"pid", s}, {"tid", 1}, {"args", {{"name", "p2p"}}}});
+  }
+  // Layers of chunk c on stage s, for the args.
+  auto layer_range = [&](int64_t s, int64_t c) {
+    int64_t first = 0;
+    for (int64_t cc = 0; cc <= c; ++cc)
+      for (int64_t ss = 0; ss < p.p; ++ss) {
+        if (cc == c && ss == s) return fmt::format("{}-{}", first, first + d.layout.chunk_layers(s, c) - 1);
+        first += d.layout.chunk_layers(ss, cc);
+      }
+    return std::string("?");
+  };
+  const double rec_per_layer = d.layer.recompute.total();
+  for (const SimEvent& x : d.sim.events) {
+    const int64_t n = d.layout.chunk_layers(x.stage, x.chunk);
+    Json args = {{"microbatch", x.mb}, {"chunk", x.chunk}, {"layers", layer_range(x.stage, x.chunk)}};
+    double start = x.start_s;
+    if (!x.forward && rec_per_layer > 0) {
+      const double rec = rec_per_layer * static_cast<double>(n);
+      ev.push_back({{"name", "recompute"}, {"ph", "X"}, {"pid", x.stage}, {"tid", 0}, {"ts", start * us},
+                    {"dur", rec * us}, {"args", args}});
+      start += rec;
+    }
+    ev.push_back({{"name", x.forward ? "forward" : "backward"}, {"ph", "X"}, {"pid", x.stage}, {"tid", 0},
+                  {"ts", start * us}, {"dur", (x.end_s - start) * us}, {"args", args}});
+    if (x.send_end_s > x.end_s)
+      ev.push_back({{"name", x.forward ? "send activations" : "send gradients"}, {"ph", "X"}, {"pid", x.stage},
+                    {"tid", 1}, {"ts", x.end_s * us}, {"dur", (x.send_end_s - x.end_s) * us}, {"args", args}});
+  }
+  for (int64_t s = 0; s < p.p; ++s) {
+    const size_t i = static_cast<size_t>(s);
+    double t0 = d.sim.end_s[i];
+    if (d.stage_dp_exposed_s[i] > 0) {
+      ev.push_back({{"name", "dp_comm (exposed)"}, {"ph", "X"}, {"pid", s}, {"tid", 0}, {"ts", t0 * us},
+                    {"dur", d.stage_dp_exposed_s[i] * us}, {"args", {{"total_s", d.stage_dp_total_s[i]}}}});
+      t0 += d.stage_dp_exposed_s[i];
+    }
+    ev.push_back({{"name", "optimizer"}, {"ph", "X"}, {"pid", s}, {"tid", 0}, {"ts", t0 * us},
+                  {"dur", d.stage_optimizer_s[i] * us}, {"args", Json::object()}});
+  }
+  return Json{{"traceEvents", ev},
+              {"displayTimeUnit", "ms"},
+              {"otherData", {{"model", m.name}, {"plan", plan_to_inline(p)}, {"step_time_s", e.step_time_s},
+                             {"source", "strata estimate (simulated)"}}}};
+}
+
+std::string format_layer_ops(const EstimateDetail& d) {
+  std::string o = fmt::format("\none layer, one micro-batch, one GPU:\n  {:<10}{:<20}{:<9}{:>12}{:>12}{:>11}{:>11}{:>9}\n",
+                              "phase", "op", "kind", "GFLOP", "MB", "time_ms", "exposed", "TFLOP/s");
+  double tot[3] = {0, 0, 0};
+  for (const OpCost& op : d.layer_ops) {
+    o += fmt::format("  {:<10}{:<20}{:<9}{:>12.2f}{:>12.2f}{:>11.4f}{:>11.4f}{:>9.1f}\n", to_string(op.phase), op.name,
+                     to_string(op.kind), op.flops / 1e9, op.bytes / 1e6, op.time_s * 1e3, op.exposed_s * 1e3,
+                     op.flops > 0 ? op.flops / op.time_s / 1e12 : 0.0);
+    tot[static_cast<int>(op.phase)] += op.exposed_s;
+  }
+  o += fmt::format("  exposed total: forward {:.4f} ms, backward {:.4f} ms, recompute {:.4f} ms\n", tot[0] * 1e3,
+                   tot[1] * 1e3, tot[2] * 1e3);
+  return o;
+}
+
+void write_text_file(const std::string& path, const std::string& text, const std::string& what) {
+  std::ofstream out(path, std::ios::binary | std::ios::trunc);
+  if (!out) throw InputError(fmt::format("{}: cannot write file '{}'", what, path));
+  out << text;
+  out.close();
+  if (!out) throw InputError(fmt::format("{}: writing '{}' failed", what, path));
+}
+
+}  // namespace strata

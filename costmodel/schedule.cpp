@@ -1,0 +1,76 @@
+// Pipeline schedules; see schedule.h.
+#include "costmodel/schedule.h"
+
+#include <algorithm>
+
+namespace strata {
+
+namespace {
+
+Step interleaved_step(int64_t k, int64_t p, int64_t v, bool forward) {
+  const int64_t group = k % (p * v);
+  const int64_t chunk = group / p;
+  Step st;
+  st.chunk = static_cast<int32_t>(forward ? chunk : v - 1 - chunk);
+  st.mb = static_cast<int32_t>((k / (p * v)) * p + k % p);
+  st.forward = forward;
+  return st;
+}
+
+}  // namespace
+
+Schedule make_schedule(ScheduleKind kind, int64_t p, int64_t v, int64_t m) {
+  Schedule sc;
+  sc.kind = kind;
+  sc.p = p;
+  sc.v = kind == ScheduleKind::interleaved ? v : 1;
+  sc.m = m;
+  sc.stages.resize(static_cast<size_t>(p));
+  for (int64_t s = 0; s < p; ++s) {
+    auto& out = sc.stages[static_cast<size_t>(s)];
+    out.reserve(static_cast<size_t>(2 * m * sc.v));
+    auto F = [&](int64_t mb) { out.push_back(Step{0, static_cast<int32_t>(mb), true}); };
+    auto B = [&](int64_t mb) { out.push_back(Step{0, static_cast<int32_t>(mb), false}); };
+    if (kind == ScheduleKind::gpipe) {
+      for (int64_t i = 0; i < m; ++i) F(i);
+      for (int64_t i = 0; i < m; ++i) B(i);
+    } else if (kind == ScheduleKind::one_f_one_b) {
+      const int64_t warmup = std::min(p - s - 1, m);
+      for (int64_t i = 0; i < warmup; ++i) F(i);
+      for (int64_t i = 0; i < m - warmup; ++i) {
+        F(warmup + i);
+        B(i);
+      }
+      for (int64_t i = m - warmup; i < m; ++i) B(i);
+    } else {
+      const int64_t total = m * sc.v;
+      int64_t warmup = (p - s - 1) * 2 + (sc.v - 1) * p;
+      if (m == p) warmup = total;
+      warmup = std::min(warmup, total);
+      for (int64_t k = 0; k < warmup; ++k) out.push_back(interleaved_step(k, p, sc.v, true));
+      for (int64_t i = 0; i < total - warmup; ++i) {
+        out.push_back(interleaved_step(warmup + i, p, sc.v, true));
+        out.push_back(interleaved_step(i, p, sc.v, false));
+      }
+      for (int64_t k = total - warmup; k < total; ++k) out.push_back(interleaved_step(k, p, sc.v, false));
+    }
+  }
+  return sc;
+}
+
+std::vector<int64_t> peak_in_flight_of_chunk(const Schedule& sc, int32_t chunk) {
+  std::vector<int64_t> peak(static_cast<size_t>(sc.p), 0);
+  for (size_t s = 0; s < sc.stages.size(); ++s) {
+    int64_t live = 0;
+    for (const Step& st : sc.stages[s]) {
+      if (chunk >= 0 && st.chunk != chunk) continue;
+      live += st.forward ? 1 : -1;
+      peak[s] = std::max(peak[s], live);
+    }
+  }
+  return peak;
+}
+
+std::vector<int64_t> peak_in_flight(const Schedule& sc) { return peak_in_flight_of_chunk(sc, -1); }
+
+}  // namespace strata

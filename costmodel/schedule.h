@@ -1,0 +1,39 @@
+// Pipeline schedules as data: for each stage, the ordered list of (chunk, micro-batch,
+// forward|backward) steps it runs in one training step. The simulator (simulate.h) and the
+// executor walk these same lists.
+//   GPipe:       all m forwards, then all m backwards.
+//   1F1B:        warm-up of min(p - s - 1, m) forwards, steady state of one forward and
+//                one backward, cool-down of the remaining backwards (Narayanan et al. 2021).
+//   Interleaved: v model chunks per stage; forward k runs chunk (k mod pv) / p of
+//                micro-batch (k / pv) * p + k mod p, backwards the chunks in reverse;
+//                warm-up (p - s - 1) * 2 + (v - 1) * p, all forwards when m == p
+//                (Megatron-LM's schedules.py).
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+#include "costmodel/plan.h"
+
+namespace strata {
+
+struct Step {
+  int32_t chunk = 0;
+  int32_t mb = 0;
+  bool forward = true;
+};
+
+struct Schedule {
+  ScheduleKind kind = ScheduleKind::one_f_one_b;
+  int64_t p = 1, v = 1, m = 1;
+  std::vector<std::vector<Step>> stages;  // (p, 2*m*v)
+};
+
+Schedule make_schedule(ScheduleKind kind, int64_t p, int64_t v, int64_t m);
+// Most (chunk, micro-batch) activation sets alive at once on each stage: forwards run
+// minus backwards run, maximised along the stage's order.
+std::vector<int64_t> peak_in_flight(const Schedule& s);
+// Same, for one chunk of each stage.
+std::vector<int64_t> peak_in_flight_of_chunk(const Schedule& s, int32_t chunk);
+
+}  // namespace strata

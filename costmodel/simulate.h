@@ -1,0 +1,47 @@
+// Discrete-event walk of a pipeline schedule: each stage runs its step list in order on
+// one compute stream; a step starts when the stage is free and its input has arrived (the
+// previous stage's forward, the next stage's backward, plus the point-to-point transfer).
+// Sends are synchronous, as in Megatron-LM: the sending stage is busy for the transfer.
+// Gives each stage's finishing time and busy time; the bubble is what is left.
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+#include "costmodel/schedule.h"
+
+namespace strata {
+
+struct StageTimes {
+  int64_t p = 1, v = 1;
+  std::vector<double> fwd, bwd;  // (v, p): one micro-batch of chunk c on stage s, at [c*p + s]
+  std::vector<double> send;      // (p): one point-to-point transfer out of stage s
+  double f(int64_t s, int64_t c) const { return fwd[static_cast<size_t>(c * p + s)]; }
+  double b(int64_t s, int64_t c) const { return bwd[static_cast<size_t>(c * p + s)]; }
+};
+
+struct SimEvent {
+  int32_t stage, chunk, mb;
+  bool forward;
+  double start_s, end_s;   // compute
+  double send_end_s;       // end of the synchronous send that follows (== end_s when none)
+};
+
+struct SimResult {
+  std::vector<double> end_s;           // per stage: when its last step (and send) finishes
+  std::vector<double> compute_s;       // per stage: time spent in forward/backward steps
+  std::vector<double> p2p_s;           // per stage: time spent sending
+  double makespan_s = 0;
+  bool extrapolated = false;
+  std::vector<SimEvent> events;        // filled when asked for
+};
+
+// Walks the schedule exactly. Throws std::logic_error if the schedule deadlocks.
+SimResult simulate(const Schedule& sc, const StageTimes& st, bool record_events);
+
+// The step time of a pipeline with m micro-batches. With many micro-batches (and no events
+// asked for) it walks two shorter schedules in the periodic steady state and extends the
+// finishing times linearly in m; tests check this against the full walk.
+SimResult simulate_pipeline(ScheduleKind kind, int64_t m, const StageTimes& st, bool record_events);
+
+}  // namespace strata

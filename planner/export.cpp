@@ -1,0 +1,100 @@
+// Exports; see export.h.
+#include "planner/export.h"
+
+#include <fmt/format.h>
+
+namespace strata {
+
+std::string export_megatron(const ModelSpec& m, const Plan& p) {
+  std::string notes, f;
+  auto flag = [&](const std::string& s) { f += (f.empty() ? "" : " \\\n    ") + s; };
+  flag(fmt::format("--tensor-model-parallel-size {}", p.t));
+  flag(fmt::format("--pipeline-model-parallel-size {}", p.p));
+  if (p.v > 1) flag(fmt::format("--num-layers-per-virtual-pipeline-stage {}", m.L / (p.p * p.v)));
+  if (p.c > 1) flag(fmt::format("--context-parallel-size {}", p.c));
+  flag(fmt::format("--micro-batch-size {}", p.mbs));
+  flag(fmt::format("--global-batch-size {}", p.gbs));
+  if (p.sp) flag("--sequence-parallel");
+  if (p.zero == 1) flag("--use-distributed-optimizer");
+  if (p.zero == 2) {
+    flag("--use-distributed-optimizer");
+    notes += "# zero_stage=2: Megatron-LM shards optimizer states (distributed optimizer) but keeps full gradient\n"
+             "# buffers; for ZeRO-2 proper use --export deepspeed.\n";
+  }
+  if (p.zero == 3) {
+    flag("--use-torch-fsdp2");
+    notes += "# zero_stage=3: Megatron-LM's FSDP2 path (--use-torch-fsdp2) shards parameters, gradients and optimizer states.\n";
+  }
+  if (p.recompute == Recompute::full) {
+    flag("--recompute-granularity full");
+    flag("--recompute-method uniform");
+    flag("--recompute-num-layers 1");
+  } else if (p.recompute == Recompute::selective) {
+    flag("--recompute-granularity selective");
+  }
+  switch (p.precision) {
+    case Precision::bf16: flag("--bf16"); break;
+    case Precision::fp16: flag("--fp16"); break;
+    case Precision::fp8: flag("--bf16"); flag("--fp8-format hybrid"); break;
+    case Precision::fp32: break;
+  }
+  if (p.overlap_grad_reduce && p.d > 1) flag("--overlap-grad-reduce");
+  if (p.overlap_param_gather && p.d > 1 && p.zero >= 1) flag("--overlap-param-gather");
+  if (p.gpipe)
+    notes += "# pipeline_schedule=gpipe: Megatron-LM runs 1F1B only; the flags below give its 1F1B schedule.\n";
+  // The model.
+  flag(fmt::format("--num-layers {}", m.L));
+  flag(fmt::format("--hidden-size {}", m.H));
+  flag(fmt::format("--num-attention-heads {}", m.A));
+  if (m.G != m.A) {
+    flag("--group-query-attention");
+    flag(fmt::format("--num-query-groups {}", m.G));
+  }
+  flag(fmt::format("--ffn-hidden-size {}", m.F));
+  flag(fmt::format("--seq-length {}", m.S));
+  flag(fmt::format("--max-position-embeddings {}", m.S));
+  if (m.activation == Activation::swiglu) flag("--swiglu");
+  if (m.normalization == Norm::rmsnorm) flag("--normalization RMSNorm");
+  if (m.position == Position::rope) flag("--position-embedding-type rope");
+  if (!m.tie_embeddings) flag("--untie-embeddings-and-output-weights");
+  if (!m.bias) flag("--disable-bias-linear");
+  flag(fmt::format("--attention-dropout {}", m.attention_dropout));
+  flag(fmt::format("--hidden-dropout {}", m.hidden_dropout));
+  return fmt::format("# Megatron-LM flags for {} ({} GPUs: tp {} x pp {} x dp {} x cp {})\n{}{}\n", m.name,
+                     p.world_size(), p.t, p.p, p.d, p.c, notes, f);
+}
+
+std::string export_deepspeed(const ModelSpec& m, const Plan& p) {
+  Json j;
+  j["train_batch_size"] = p.gbs;
+  j["train_micro_batch_size_per_gpu"] = p.mbs;
+  j["gradient_accumulation_steps"] = p.gbs / (p.mbs * p.d);
+  j["gradient_clipping"] = 1.0;
+  Json z = {{"stage", p.zero}, {"overlap_comm", p.overlap_grad_reduce}, {"contiguous_gradients", true}};
+  if (p.zero == 3) {
+    z["stage3_prefetch_bucket_size"] = m.layer_params(p.t);
+    z["stage3_param_persistence_threshold"] = 0;
+  }
+  j["zero_optimization"] = z;
+  if (p.precision == Precision::bf16 || p.precision == Precision::fp8) j["bf16"] = {{"enabled", true}};
+  if (p.precision == Precision::fp16)
+    j["fp16"] = {{"enabled", true}, {"loss_scale", 0}, {"initial_scale_power", 16}, {"loss_scale_window", 1000},
+                 {"hysteresis", 2}, {"min_loss_scale", 1}};
+  if (p.recompute != Recompute::none)
+    j["activation_checkpointing"] = {{"partition_activations", p.sp},
+                                     {"contiguous_memory_optimization", false},
+                                     {"number_checkpoints", m.L}};
+  // DeepSpeed's config has no field for the model-parallel layout: Megatron-DeepSpeed takes
+  // it on its command line. It is recorded here for the launcher.
+  j["strata_parallel_layout"] = {{"tensor_model_parallel_size", p.t},
+                                 {"pipeline_model_parallel_size", p.p},
+                                 {"data_parallel_size", p.d},
+                                 {"context_parallel_size", p.c},
+                                 {"virtual_pipeline_stages", p.v},
+                                 {"sequence_parallel", p.sp},
+                                 {"recompute", to_string(p.recompute)},
+                                 {"precision", to_string(p.precision)}};
+  return j.dump(2) + "\n";
+}
+
+}  // namespace strata

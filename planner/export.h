@@ -1,0 +1,15 @@
+// A plan in the words of the frameworks that run it: Megatron-LM command-line flags and a
+// DeepSpeed config JSON. What a framework cannot express is said in a comment line.
+#pragma once
+
+#include <string>
+
+#include "costmodel/model_spec.h"
+#include "costmodel/plan.h"
+
+namespace strata {
+
+std::string export_megatron(const ModelSpec& m, const Plan& p);
+std::string export_deepspeed(const ModelSpec& m, const Plan& p);
+
+}  // namespace strata

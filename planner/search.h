@@ -1,0 +1,50 @@
+// The search: every tensor, pipeline, data and context parallel degree, virtual stages,
+// micro-batch size, ZeRO stage, recompute mode, sequence parallelism and pipeline schedule
+// consistent with the model and the GPU count; each rejected with a counted reason or
+// estimated and ranked by step time. Pruning never changes the answer: a plan is skipped
+// only when a lower bound on its step time (its busiest stage's work, no bubble) cannot
+// reach the top K, or, for --pareto, when a known plan dominates it.
+#pragma once
+
+#include <cstdint>
+#include <map>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "costmodel/estimate.h"
+
+namespace strata {
+
+// Dimensions the user pinned with --fix (unset: searched).
+struct FixedDims {
+  std::optional<int64_t> t, p, d, c, v, mbs;
+  std::optional<int> zero;
+  std::optional<Recompute> recompute;
+  std::optional<bool> sp, gpipe;
+};
+FixedDims parse_fixed(const std::string& text);  // "tp=8,pp=4,recompute=full"
+
+struct SearchOptions {
+  int64_t gpus = 1;
+  int64_t gbs = 1;
+  int top_k = 10;
+  Precision precision = Precision::bf16;
+  bool pareto = false;
+  FixedDims fixed;
+};
+
+struct SearchResult {
+  int64_t candidates_evaluated = 0;  // every plan the loops produced
+  int64_t feasible = 0;              // valid and fits in memory
+  int64_t simulated = 0;             // pipeline walks actually run
+  std::map<std::string, int64_t> rejected;
+  double search_time_s = 0;
+  std::vector<Estimate> plans;       // best first, at most top_k
+  std::vector<Estimate> pareto;      // memory vs step-time frontier, by memory (with --pareto)
+};
+
+SearchResult search(const ModelSpec& m, const Cluster& cl, const SearchOptions& opt);
+Json search_to_json(const SearchResult& r);
+
+}  // namespace strata
