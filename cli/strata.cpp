@@ -26,6 +26,7 @@ usage:
   strata plan      --model M --cluster C --gpus N --global-batch-size B [--top K] [--json]
                    [--export megatron|deepspeed] [--fix tp=8,pp=4,...] [--pareto] [--trace FILE]
                    [--precision bf16|fp16|fp8|fp32] [--seq-length S] [--compare PLAN]
+                   [--attention auto|flash|unfused]
   strata estimate  --model M --cluster C --plan P [--json] [--trace FILE] [--seq-length S] [--ops]
   strata plan --list-models | --list-clusters
 
@@ -152,7 +153,7 @@ std::string explain(const Estimate& best, const Estimate& other) {
 int cmd_plan(const std::vector<std::string>& argv) {
   const Args a(argv, "plan",
                {"model", "cluster", "gpus", "global-batch-size", "top", "export", "fix", "trace", "precision",
-                "seq-length", "compare"},
+                "seq-length", "compare", "attention"},
                {"json", "pareto", "list-models", "list-clusters", "help"});
   if (a.has("help")) return fmt::print("{}", kUsage), kExitOk;
   if (a.has("list-models") || a.has("list-clusters")) return list_presets(a.has("list-models")), kExitOk;
@@ -166,6 +167,11 @@ int cmd_plan(const std::vector<std::string>& argv) {
   so.top_k = static_cast<int>(a.integer("top", 10, 1, 1000));
   so.precision = parse_precision(a.get("precision", "bf16"));
   so.pareto = a.has("pareto");
+  const std::string att = a.get("attention", "auto");
+  if (att != "auto" && att != "flash" && att != "unfused")
+    fail_field("--attention", "'" + att + "'", "must be auto, flash or unfused");
+  so.attention = att == "flash" ? AttentionChoice::flash : att == "unfused" ? AttentionChoice::unfused
+                                                                            : AttentionChoice::automatic;
   if (a.has("fix")) so.fixed = parse_fixed(a.get("fix"));
   const std::string exp = a.get("export");
   if (!exp.empty() && exp != "megatron" && exp != "deepspeed")

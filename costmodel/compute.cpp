@@ -134,7 +134,9 @@ struct Acc {
   double comm(const char* name, Phase ph, OpKind kind, const GroupSpan& g, Collective c, double bytes,
               double hidden_s = 0) {
     const double t = collective_time(cl, g, c, bytes);
-    const double exposed = std::max(0.0, t - hidden_s);
+    // What overlaps still costs: the collective's kernels take SMs and memory bandwidth
+    // from the compute running beside it.
+    const double exposed = std::max(0.0, t - hidden_s) + cl.overlap_slowdown * std::min(t, hidden_s);
     if (kind == OpKind::tp_comm) {
       w(ph).tp_comm_s += exposed;
       w(ph).tp_comm_all_s += t;
@@ -146,10 +148,10 @@ struct Acc {
   }
   // f / g of Megatron: the collective after a row-parallel layer (forward) or before a
   // column-parallel one (backward) on the activation (T x H).
-  void tp_reduce(const char* name, Phase ph) {
+  void tp_reduce(const char* name, Phase ph, double hidden_s = 0) {
     if (p.t == 1) return;
     const double bytes = cs.e * cs.T * static_cast<double>(m.H);
-    comm(name, ph, OpKind::tp_comm, tp, p.sp ? Collective::reduce_scatter : Collective::all_reduce, bytes);
+    comm(name, ph, OpKind::tp_comm, tp, p.sp ? Collective::reduce_scatter : Collective::all_reduce, bytes, hidden_s);
   }
   void tp_gather(const char* name, Phase ph, double hidden_s = 0) {
     if (p.t == 1 || !p.sp) return;
@@ -175,6 +177,12 @@ double dropout_bytes(double elems, double rate, int e, bool with_residual) {
   // bias + dropout + residual add (Megatron's fused bias_dropout_add): read x and the
   // residual, write y, write a 1-byte mask when dropout is on.
   return elems * ((with_residual ? 3.0 : 2.0) * e + (rate > 0 ? 1.0 : 0.0));
+}
+
+// With tp_comm_overlap, the input-gradient collective of a column-parallel layer runs
+// beside its weight-gradient GEMM (Megatron's async all-reduce / reduce-scatter).
+double wgrad_overlap(const Acc& a, double M, double N, double K) {
+  return a.p.tp_comm_overlap ? gemm_time(a.cl.device, a.peak_linear, K, N, M, a.lin_bytes) : 0.0;
 }
 
 // Attention core forward (after QKV, before the output projection).
@@ -312,7 +320,7 @@ void layer_backward(Acc& a) {
   const double fc1_dgrad = gemm_time(a.cl.device, a.peak_linear, T, H, fc1_cols, a.lin_bytes);
   a.tp_gather("sp_all_gather", ph, fc1_dgrad);
   a.linear("fc1", ph, T, fc1_cols, H);
-  a.tp_reduce(p.sp ? "sp_reduce_scatter" : "tp_all_reduce", ph);
+  a.tp_reduce(p.sp ? "sp_reduce_scatter" : "tp_all_reduce", ph, wgrad_overlap(a, T, fc1_cols, H));
   a.mem("norm2", ph, 3.0 * e * Tn * H);
   // Attention block, in reverse.
   a.mem("bias_dropout_add", ph, (2.0 * e + mask) * Tn * H);
@@ -323,7 +331,7 @@ void layer_backward(Acc& a) {
   const double qkv_dgrad = gemm_time(a.cl.device, a.peak_linear, T, H, qkv_cols, a.lin_bytes);
   a.tp_gather("sp_all_gather", ph, qkv_dgrad);
   a.linear("qkv", ph, T, qkv_cols, H);
-  a.tp_reduce(p.sp ? "sp_reduce_scatter" : "tp_all_reduce", ph);
+  a.tp_reduce(p.sp ? "sp_reduce_scatter" : "tp_all_reduce", ph, wgrad_overlap(a, T, qkv_cols, H));
   a.mem("norm1", ph, 3.0 * e * Tn * H);
   a.mem("grad_accumulation", ph, grad_accumulation_bytes(p.precision) * static_cast<double>(m.layer_params(p.t)));
 }

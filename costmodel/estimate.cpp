@@ -148,8 +148,17 @@ Estimate estimate(const ModelSpec& m, const Cluster& cl, const Plan& p, const Es
     double window = 0;
     for (int64_t c = 0; c < lay.v; ++c) window += st.b(s, c);
     const double last_bucket = reduce * std::min(1.0, kBucketParams / std::max(P, 1.0));
-    double exposed = p.overlap_grad_reduce ? std::max(reduce - window, last_bucket) : reduce;
-    exposed += p.overlap_param_gather ? std::max(0.0, gather - st.f(s, 0)) : gather;
+    double exposed = reduce;
+    if (p.overlap_grad_reduce) {
+      exposed = std::max(reduce - window, last_bucket);
+      exposed += cl.overlap_slowdown * (reduce - exposed);
+    }
+    if (p.overlap_param_gather) {
+      const double hidden = std::min(gather, st.f(s, 0));
+      exposed += gather - hidden + cl.overlap_slowdown * hidden;
+    } else {
+      exposed += gather;
+    }
     // Tied embeddings across stages: the first and last stage sum their copies' gradients.
     if (m.tie_embeddings && p.p > 1 && (s == 0 || s == p.p - 1)) {
       const GroupSpan pair = group_span(2, p.t * p.c * p.d * (p.p - 1), cl.devices_per_node);

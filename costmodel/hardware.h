@@ -52,6 +52,7 @@ struct Cluster {
   double framework_overhead_bytes = 0;   // CUDA context, library workspaces, NCCL buffers
   double allocator_fragmentation = 0;    // reserved beyond live tensors, as a fraction of them
   double step_overhead_s = 0;            // per step: data loading, logging, launch gaps
+  double overlap_slowdown = 0;           // compute time lost per second of communication hidden behind it
   AttentionKernel default_attention = AttentionKernel::flash;
 };
 

@@ -82,15 +82,33 @@ Plan plan_from_json(const Json& in, const std::string& source) {
   p.attention = at == "auto" ? AttentionChoice::automatic : at == "flash" ? AttentionChoice::flash : AttentionChoice::unfused;
   p.overlap_grad_reduce = f.boolean_or("overlap_grad_reduce", false);
   p.overlap_param_gather = f.boolean_or("overlap_param_gather", false);
-  f.ignore("num_gpus");
-  f.ignore("description");
-  f.reject_unknown();
+  p.tp_comm_overlap = f.boolean_or("tp_comm_overlap", false);
   const double world = static_cast<double>(p.t) * static_cast<double>(p.p) * static_cast<double>(p.d) *
                        static_cast<double>(p.c);
   if (world > static_cast<double>(kMaxWorld))
     fail_field(source + ".tensor_parallel*pipeline_parallel*data_parallel*context_parallel",
                fmt::format("{}", world), fmt::format("must be at most {} GPUs", kMaxWorld));
+  // Derived fields (as estimate --json prints them) are accepted when consistent.
+  const int64_t gas = f.integer_or("gradient_accumulation_steps", 0, 0, kMaxBatch);
+  const int64_t gpus = f.integer_or("num_gpus", 0, 0, kMaxWorld);
+  f.ignore("description");
+  f.reject_unknown();
+  if (gas > 0) {
+    if (static_cast<double>(gas) * static_cast<double>(p.mbs) * static_cast<double>(p.d) > static_cast<double>(kMaxBatch))
+      fail_field(source + ".gradient_accumulation_steps", std::to_string(gas),
+                 fmt::format("gives a global batch above {}", kMaxBatch));
+    if (p.gbs == 0) p.gbs = gas * p.mbs * p.d;
+    else if (p.gbs != gas * p.mbs * p.d)
+      fail_field(source + ".gradient_accumulation_steps", std::to_string(gas),
+                 fmt::format("must equal global_batch_size / (micro_batch_size * data_parallel) = {}/{}", p.gbs,
+                             p.mbs * p.d));
+  }
+  if (gpus > 0 && gpus != p.t * p.p * p.d * p.c)
+    fail_field(source + ".num_gpus", std::to_string(gpus),
+               fmt::format("must equal tensor*pipeline*data*context parallel = {}", p.t * p.p * p.d * p.c));
   if (p.gbs == 0) p.gbs = p.mbs * p.d;
+  if (p.gbs > kMaxBatch)
+    fail_field(source + ".global_batch_size", std::to_string(p.gbs), fmt::format("must be at most {}", kMaxBatch));
   if (p.t == 1) p.sp = false;  // sequence parallelism is a no-op without tensor parallelism
   return p;
 }
@@ -150,6 +168,7 @@ Json plan_to_json(const Plan& p) {
                             : p.attention == AttentionChoice::flash ? "flash" : "unfused"},
               {"overlap_grad_reduce", p.overlap_grad_reduce},
               {"overlap_param_gather", p.overlap_param_gather},
+              {"tp_comm_overlap", p.tp_comm_overlap},
               {"num_gpus", p.world_size()},
               {"gradient_accumulation_steps", p.mbs * p.d > 0 ? p.gbs / (p.mbs * p.d) : 0}};
 }

@@ -35,6 +35,7 @@ struct Plan {
   AttentionChoice attention = AttentionChoice::automatic;
   bool overlap_grad_reduce = false;   // DP reduction overlaps the last micro-batch's backward
   bool overlap_param_gather = false;  // ZeRO-1/2 parameter all-gather overlaps the next forward
+  bool tp_comm_overlap = false;       // backward TP collectives overlap the weight-gradient GEMMs
 
   int64_t world_size() const { return t * p * d * c; }
   int64_t microbatches() const { return gbs / (mbs * d); }  // per pipeline, per step

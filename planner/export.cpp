@@ -40,6 +40,7 @@ std::string export_megatron(const ModelSpec& m, const Plan& p) {
   }
   if (p.overlap_grad_reduce && p.d > 1) flag("--overlap-grad-reduce");
   if (p.overlap_param_gather && p.d > 1 && p.zero >= 1) flag("--overlap-param-gather");
+  if (p.tp_comm_overlap && p.t > 1) flag("--tp-comm-overlap");
   if (p.gpipe)
     notes += "# pipeline_schedule=gpipe: Megatron-LM runs 1F1B only; the flags below give its 1F1B schedule.\n";
   // The model.

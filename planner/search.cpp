@@ -125,6 +125,12 @@ SearchResult search(const ModelSpec& m, const Cluster& cl, const SearchOptions& 
   };
 
   const Recompute recomputes[] = {Recompute::none, Recompute::selective, Recompute::full};
+  AttentionChoice attention = opt.attention;
+  if (attention == AttentionChoice::automatic) {
+    Plan probe;
+    attention = resolve_attention(m, cl, probe) == AttentionKernel::flash ? AttentionChoice::flash
+                                                                           : AttentionChoice::unfused;
+  }
   for (int64_t t : divisors(N)) {
     if (!allowed(fx.t, t)) continue;
     for (int64_t p : divisors(N / t)) {
@@ -160,6 +166,7 @@ SearchResult search(const ModelSpec& m, const Cluster& cl, const SearchOptions& 
                     pl.t = t; pl.p = p; pl.d = d; pl.c = c; pl.v = v; pl.mbs = mbs; pl.gbs = opt.gbs;
                     pl.zero = zero; pl.recompute = rc; pl.sp = sp == 1; pl.precision = opt.precision;
                     pl.gpipe = gp == 1;
+                    pl.attention = attention;
                     // Uneven pipelines are searched only in the (L+2)/p embedding-slot form.
                     if (v == 1 && p > 1 && m.L % p != 0 && (m.L + 2) % p != 0) {
                       reject("layers_pp");

@@ -31,6 +31,10 @@ struct SearchOptions {
   int top_k = 10;
   Precision precision = Precision::bf16;
   bool pareto = false;
+  // One attention kernel for every candidate, so plans compare like for like. "auto"
+  // resolves as for a plan without context parallelism; context-parallel candidates then
+  // need flash and are rejected (reason cp_attention) when it resolves to unfused.
+  AttentionChoice attention = AttentionChoice::automatic;
   FixedDims fixed;
 };
 

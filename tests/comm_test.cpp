@@ -1,0 +1,66 @@
+// Collective times against hand-computed numbers on the round cluster (test_cluster.h).
+#include <gtest/gtest.h>
+
+#include "costmodel/comm.h"
+#include "test_cluster.h"
+
+namespace strata {
+namespace {
+
+TEST(Comm, GroupPlacement) {
+  // Tensor parallel (stride 1) of 8 fills one node of 8.
+  GroupSpan g = group_span(8, 1, 8);
+  EXPECT_EQ(g.per_node, 8);
+  EXPECT_EQ(g.nodes, 1);
+  // Data parallel of 32 with t = 8: one member per node, 32 nodes.
+  g = group_span(32, 8, 8);
+  EXPECT_EQ(g.per_node, 1);
+  EXPECT_EQ(g.nodes, 32);
+  // Data parallel of 8 with t = 4: two members per node, 4 nodes.
+  g = group_span(8, 4, 8);
+  EXPECT_EQ(g.per_node, 2);
+  EXPECT_EQ(g.nodes, 4);
+  EXPECT_EQ(group_span(1, 1, 8).nodes, 1);
+}
+
+TEST(Comm, BusFactorsOfNcclTests) {
+  EXPECT_DOUBLE_EQ(bus_factor(Collective::all_reduce, 8), 2.0 * 7 / 8);
+  EXPECT_DOUBLE_EQ(bus_factor(Collective::all_gather, 8), 7.0 / 8);
+  EXPECT_DOUBLE_EQ(bus_factor(Collective::reduce_scatter, 4), 3.0 / 4);
+  EXPECT_DOUBLE_EQ(bus_factor(Collective::send_recv, 2), 1.0);
+  EXPECT_DOUBLE_EQ(bus_factor(Collective::all_reduce, 1), 0.0);
+}
+
+TEST(Comm, AllReduceInsideANode) {
+  // 1 GB over 8 GPUs of one node: busbw 200 GB/s x 0.75 = 150 GB/s; bytes moved per GPU
+  // 2*7/8 GB -> 11.6667 ms; latency 2*log2(8) = 6 steps of 5 us = 30 us.
+  const Cluster c = testing::round_cluster();
+  const double t = collective_time(c, group_span(8, 1, 8), Collective::all_reduce, 1e9);
+  EXPECT_NEAR(t, 30e-6 + 1e9 * 1.75 / 150e9, 1e-12);
+}
+
+TEST(Comm, AllReduceAcrossNodesSharesTheNics) {
+  // 32 ranks, one per node (t = 8): each group gets 1/8 of the node's 100 GB/s, at 80 %:
+  // 10 GB/s. 1 GB: 2*31/32 GB / 10 GB/s = 193.75 ms; latency 2*5 steps of 10 us.
+  const Cluster c = testing::round_cluster();
+  const GroupSpan g = group_span(32, 8, 8);
+  EXPECT_DOUBLE_EQ(bus_bandwidth(c, g, Collective::all_reduce), 10e9);
+  EXPECT_NEAR(collective_time(c, g, Collective::all_reduce, 1e9), 100e-6 + 2.0 * 31 / 32 / 10.0, 1e-12);
+  // Two members per node (t = 4): a quarter of the node each, 20 GB/s.
+  EXPECT_DOUBLE_EQ(bus_bandwidth(c, group_span(8, 4, 8), Collective::reduce_scatter), 20e9);
+  // A whole node per group: 80 GB/s of NICs, below NVLink's 150.
+  EXPECT_DOUBLE_EQ(bus_bandwidth(c, group_span(64, 1, 8), Collective::all_gather), 80e9);
+}
+
+TEST(Comm, GatherScatterAndSend) {
+  const Cluster c = testing::round_cluster();
+  // All-gather of 800 MB output over 4 in a node: 3/4 * 0.8 GB / 150 GB/s + 2 steps * 5 us.
+  EXPECT_NEAR(collective_time(c, group_span(4, 1, 8), Collective::all_gather, 8e8), 10e-6 + 0.6e9 / 150e9, 1e-12);
+  // Send of 100 MB between two nodes (one member each, NIC share 12.5 GB/s x 0.8 = 10):
+  // 10 ms + 10 us.
+  EXPECT_NEAR(collective_time(c, GroupSpan{2, 1, 2}, Collective::send_recv, 1e8), 10e-6 + 1e8 / 10e9, 1e-12);
+  EXPECT_EQ(collective_time(c, group_span(1, 1, 8), Collective::all_reduce, 1e9), 0.0);
+}
+
+}  // namespace
+}  // namespace strata

@@ -1,0 +1,133 @@
+// The op-by-op compute model: roofline of one GEMM, memory-bound ops, the op list of a
+// layer (its GEMM FLOPs add up to the model's FLOP count), recompute and tensor-parallel
+// communication per layer, and the optimizer's passes.
+#include <gtest/gtest.h>
+
+#include <map>
+
+#include "costmodel/compute.h"
+#include "costmodel/memory.h"
+#include "test_cluster.h"
+
+namespace strata {
+namespace {
+
+TEST(Compute, GemmRoofline) {
+  const Cluster c = testing::round_cluster();
+  // 4096^3: 2*4096^3 = 1.374e11 FLOPs at 50 % of 100 TFLOP/s = 2.749 ms; it moves
+  // 2*3*4096^2 = 100.7 MB, 0.1 ms at 1 TB/s: compute-bound.
+  const double n = 4096;
+  EXPECT_NEAR(gemm_time(c.device, 100e12, n, n, n, 2), 2 * n * n * n / 50e12, 1e-12);
+  // A matrix-vector product (M = 1) is memory-bound: 2*(8192 + 8192^2 + 8192) bytes.
+  const double k = 8192;
+  EXPECT_NEAR(gemm_time(c.device, 100e12, 1, k, k, 2), 2 * (k + k * k + k) / 1e12, 1e-12);
+  EXPECT_NEAR(memory_time(c.device, 5e8), 5e-4, 1e-15);
+}
+
+struct Sums {
+  double gemm_flops[3] = {0, 0, 0};
+  std::map<std::string, int> comm_count;
+  double comm_bytes = 0;
+};
+
+Sums sum_ops(const std::vector<OpCost>& ops) {
+  Sums s;
+  for (const auto& o : ops) {
+    if (o.kind == OpKind::gemm) s.gemm_flops[static_cast<int>(o.phase)] += o.flops;
+    if (o.kind == OpKind::tp_comm) {
+      s.comm_count[std::string(to_string(o.phase)) + ":" + o.name] += 1;
+      s.comm_bytes = o.bytes;
+    }
+  }
+  return s;
+}
+
+TEST(Compute, LayerGemmFlopsAddUpToTheModelCount) {
+  const Cluster c = testing::round_cluster();
+  const ModelSpec m = load_model("gpt3-175b");
+  for (const char* plan : {"tp=8,mbs=2,recompute=full", "tp=4,mbs=1,recompute=selective,sp=1", "tp=1,mbs=1"}) {
+    const Plan p = load_plan(plan);
+    std::vector<OpCost> ops;
+    layer_cost(m, c, p, compute_setup(m, c, p), &ops);
+    const Sums s = sum_ops(ops);
+    const double fwd = m.layer_forward_flops(p.mbs) / static_cast<double>(p.t);
+    EXPECT_NEAR(s.gemm_flops[0] / fwd, 1.0, 1e-12) << plan;
+    EXPECT_NEAR(s.gemm_flops[1] / (2 * fwd), 1.0, 1e-12) << plan;  // dgrad + wgrad
+    double rec = 0;
+    if (p.recompute == Recompute::full) rec = fwd;
+    if (p.recompute == Recompute::selective)  // QK^T and AV: 4 B S^2 H / t
+      rec = 4.0 * p.mbs * m.S * static_cast<double>(m.S) * m.H / p.t;
+    EXPECT_NEAR(s.gemm_flops[2], rec, 1e-6 * fwd) << plan;
+  }
+}
+
+TEST(Compute, TensorParallelCollectivesPerLayer) {
+  const Cluster c = testing::round_cluster();
+  const ModelSpec m = load_model("gpt3-175b");
+  // Without sequence parallelism: an all-reduce after attention and after the MLP in
+  // forward (f), and one before each column-parallel layer in backward (g), each of
+  // B*S*H*2 bytes = 50,331,648 for B = 1.
+  {
+    const Plan p = load_plan("tp=8,mbs=1,precision=fp16");
+    std::vector<OpCost> ops;
+    layer_cost(m, c, p, compute_setup(m, c, p), &ops);
+    const Sums s = sum_ops(ops);
+    EXPECT_EQ(s.comm_count.at("forward:tp_all_reduce"), 2);
+    EXPECT_EQ(s.comm_count.at("backward:tp_all_reduce"), 2);
+    EXPECT_EQ(s.comm_count.size(), 2u);
+    EXPECT_DOUBLE_EQ(s.comm_bytes, 2048.0 * 12288 * 2);
+  }
+  // With sequence parallelism: all-gather before and reduce-scatter after each block in
+  // forward; in backward the conjugates plus the re-gather of each column-parallel input.
+  {
+    const Plan p = load_plan("tp=8,mbs=1,sp=1,precision=fp16");
+    std::vector<OpCost> ops;
+    layer_cost(m, c, p, compute_setup(m, c, p), &ops);
+    const Sums s = sum_ops(ops);
+    EXPECT_EQ(s.comm_count.at("forward:sp_all_gather"), 2);
+    EXPECT_EQ(s.comm_count.at("forward:sp_reduce_scatter"), 2);
+    EXPECT_EQ(s.comm_count.at("backward:sp_all_gather"), 4);
+    EXPECT_EQ(s.comm_count.at("backward:sp_reduce_scatter"), 2);
+  }
+}
+
+TEST(Compute, WorkSplitsExposedCommunication) {
+  const Cluster c = testing::round_cluster();
+  const ModelSpec m = load_model("gpt3-175b");
+  const Plan p = load_plan("tp=8,mbs=1,precision=fp16");
+  std::vector<OpCost> ops;
+  const LayerCost lc = layer_cost(m, c, p, compute_setup(m, c, p), &ops);
+  double compute = 0, tp = 0;
+  for (const auto& o : ops) {
+    if (o.phase != Phase::forward) continue;
+    (o.kind == OpKind::tp_comm ? tp : compute) += o.exposed_s;
+  }
+  EXPECT_NEAR(lc.forward.compute_s, compute, 1e-15);
+  EXPECT_NEAR(lc.forward.tp_comm_s, tp, 1e-15);
+  // Each all-reduce: 50.3 MB * 2*7/8 / 150 GB/s + 30 us.
+  EXPECT_NEAR(tp, 2 * (30e-6 + 2048.0 * 12288 * 2 * 1.75 / 150e9), 1e-12);
+}
+
+TEST(Compute, OptimizerPasses) {
+  const Cluster c = testing::round_cluster();
+  // bf16: 46 bytes per updated parameter (norm, clip, Adam, copy to bf16) and 4 per local
+  // gradient zeroed; 1e9 parameters sharded 8 ways at 1 TB/s: 46/8 ms + 4 ms.
+  Plan p = load_plan("dp=8,zero=1");
+  EXPECT_NEAR(optimizer_time(c.device, p, 1e9 / 8, 1e9), 46e9 / 8 / 1e12 + 4e9 / 1e12, 1e-15);
+  // fp16 adds the copy into fp32 main gradients and the unscale / overflow check: 60 bytes.
+  p.precision = Precision::fp16;
+  EXPECT_NEAR(optimizer_time(c.device, p, 1e9, 1e9), 60e9 / 1e12 + 2e9 / 1e12, 1e-15);
+}
+
+TEST(Compute, FlashAttentionIsCheaperThanUnfusedForLongSequences) {
+  const Cluster c = testing::round_cluster();
+  const ModelSpec m = load_model("llama2-7b", 8192);
+  Plan pu = load_plan("tp=1,attention=unfused"), pf = load_plan("tp=1,attention=flash");
+  const LayerCost u = layer_cost(m, c, pu, compute_setup(m, c, pu));
+  const LayerCost f = layer_cost(m, c, pf, compute_setup(m, c, pf));
+  EXPECT_LT(f.forward.total(), u.forward.total());
+  EXPECT_LT(f.backward.total(), u.backward.total());
+}
+
+}  // namespace
+}  // namespace strata

@@ -1,0 +1,144 @@
+// estimate(): the SPEC terms add up to the step time, simple cases reduce to sums of
+// their parts, and the memory and time trends every planner relies on hold.
+#include <gtest/gtest.h>
+
+#include "costmodel/estimate.h"
+#include "costmodel/report.h"
+#include "test_cluster.h"
+
+namespace strata {
+namespace {
+
+TEST(Estimate, TermsSumToTheStepTime) {
+  const Cluster a100 = load_cluster("dgx-a100-80g"), h100 = load_cluster("dgx-h100-80g");
+  const ModelSpec gpt = load_model("gpt3-175b"), llama = load_model("llama3-70b");
+  const char* plans[] = {"tp=8,pp=16,dp=8,mbs=1,gbs=1536,recompute=full",
+                         "tp=8,pp=8,dp=16,vp=2,mbs=1,gbs=1024,recompute=selective,sp=1,zero=1",
+                         "tp=4,dp=256,mbs=2,gbs=1024,zero=3,recompute=selective,sp=1",
+                         "tp=8,pp=4,cp=2,dp=4,mbs=1,gbs=256,zero=1,sp=1,overlap_grad_reduce=1",
+                         "tp=2,pp=4,dp=8,mbs=2,gbs=256,schedule=gpipe,recompute=full"};
+  for (const char* s : plans) {
+    for (const Cluster* cl : {&a100, &h100}) {
+      for (const ModelSpec* m : {&gpt, &llama}) {
+        const Estimate e = estimate(*m, *cl, load_plan(s));
+        ASSERT_TRUE(e.valid) << s;
+        EXPECT_NEAR(e.time.sum(), e.step_time_s, 1e-9 * e.step_time_s) << s;
+        EXPECT_GE(e.time.pipeline_bubble, 0.0);
+        EXPECT_NEAR(e.tokens_per_s, static_cast<double>(e.plan.gbs) * m->S / e.step_time_s, 1e-6 * e.tokens_per_s);
+        EXPECT_GT(e.mfu, 0.0);
+        EXPECT_LT(e.mfu, 1.0);
+      }
+    }
+  }
+}
+
+TEST(Estimate, SingleGpuIsASumOfItsParts) {
+  const Cluster c = testing::round_cluster();
+  const ModelSpec m = load_model("tiny-gpt");
+  EstimateDetail d;
+  const Estimate e = estimate(m, c, load_plan("mbs=4,gbs=8"), {}, &d);
+  // Two micro-batches of (L layers + embedding + head) forward and backward, then Adam.
+  const double fwd = 4 * d.layer.forward.total() + d.embedding.forward.total() + d.head.forward.total();
+  const double bwd = 4 * d.layer.backward.total() + d.embedding.backward.total() + d.head.backward.total();
+  EXPECT_NEAR(e.step_time_s, 2 * (fwd + bwd) + e.time.optimizer, 1e-12);
+  EXPECT_EQ(e.time.tp_comm + e.time.pp_comm + e.time.dp_comm + e.time.pipeline_bubble, 0.0);
+  EXPECT_EQ(e.microbatches, 2);
+}
+
+TEST(Estimate, MemoryTrends) {
+  const Cluster c = load_cluster("dgx-a100-80g");
+  const ModelSpec m = load_model("gpt3-175b");
+  auto peak = [&](const char* s) { return estimate(m, c, load_plan(s)).memory.peak; };
+  // GPipe keeps every micro-batch; 1F1B at most p.
+  EXPECT_GT(peak("tp=8,pp=16,dp=8,gbs=512,schedule=gpipe"), peak("tp=8,pp=16,dp=8,gbs=512"));
+  // Recompute and sequence parallelism shrink activations.
+  EXPECT_GT(peak("tp=8,pp=16,dp=8,gbs=512"), peak("tp=8,pp=16,dp=8,gbs=512,recompute=selective"));
+  EXPECT_GT(peak("tp=8,pp=16,dp=8,gbs=512,recompute=selective"), peak("tp=8,pp=16,dp=8,gbs=512,recompute=full"));
+  EXPECT_GT(peak("tp=8,pp=16,dp=8,gbs=512"), peak("tp=8,pp=16,dp=8,gbs=512,sp=1"));
+  // More pipeline stages: fewer layers per GPU.
+  EXPECT_GT(peak("tp=8,pp=8,dp=16,gbs=512,recompute=full"), peak("tp=8,pp=16,dp=8,gbs=512,recompute=full"));
+  // The interleaved schedule keeps more in flight than 1F1B.
+  EXPECT_GT(estimate(m, c, load_plan("tp=8,pp=16,dp=8,gbs=512,vp=2")).memory.activations,
+            estimate(m, c, load_plan("tp=8,pp=16,dp=8,gbs=512")).memory.activations);
+}
+
+TEST(Estimate, TimeTrends) {
+  const Cluster c = load_cluster("dgx-a100-80g");
+  const ModelSpec m = load_model("gpt3-175b");
+  auto step = [&](const char* s) { return estimate(m, c, load_plan(s)).step_time_s; };
+  // More micro-batches per step amortise the bubble; interleaving shrinks it.
+  const Estimate few = estimate(m, c, load_plan("tp=8,pp=16,dp=8,gbs=128"));
+  const Estimate many = estimate(m, c, load_plan("tp=8,pp=16,dp=8,gbs=1024"));
+  EXPECT_GT(few.time.pipeline_bubble / few.step_time_s, many.time.pipeline_bubble / many.step_time_s);
+  EXPECT_LT(estimate(m, c, load_plan("tp=8,pp=16,dp=8,gbs=512,vp=2")).time.pipeline_bubble,
+            estimate(m, c, load_plan("tp=8,pp=16,dp=8,gbs=512")).time.pipeline_bubble);
+  // Recompute costs time.
+  EXPECT_LT(step("tp=8,pp=16,dp=8,gbs=512"), step("tp=8,pp=16,dp=8,gbs=512,recompute=full"));
+  EXPECT_LT(step("tp=8,pp=16,dp=8,gbs=512,recompute=selective"), step("tp=8,pp=16,dp=8,gbs=512,recompute=full"));
+  // Overlapping the gradient reduction never makes a step slower.
+  EXPECT_LE(step("tp=8,pp=8,dp=16,gbs=512,overlap_grad_reduce=1"), step("tp=8,pp=8,dp=16,gbs=512"));
+  // Tensor parallelism across nodes is slower than inside one.
+  EXPECT_LT(step("tp=8,pp=16,dp=8,gbs=512"), step("tp=16,pp=8,dp=8,gbs=512"));
+}
+
+TEST(Estimate, InvalidPlansCarryReasons) {
+  const Estimate e = estimate(load_model("gpt3-175b"), load_cluster("dgx-a100-80g"), load_plan("tp=7"));
+  EXPECT_FALSE(e.valid);
+  ASSERT_FALSE(e.reasons.empty());
+  EXPECT_EQ(e.reasons[0].key, "tp_heads");
+  EXPECT_EQ(estimate_to_json(e)["valid"], false);
+}
+
+TEST(Estimate, OutOfMemoryIsReportedNotHidden) {
+  const Estimate e = estimate(load_model("gpt3-175b"), load_cluster("dgx-a100-80g"), load_plan("tp=8"));
+  EXPECT_TRUE(e.valid);
+  EXPECT_FALSE(e.fits);
+  EXPECT_GT(e.memory.peak, 80.0 * (1 << 30));
+}
+
+TEST(Estimate, JsonHasTheSpecFields) {
+  const Estimate e = estimate(load_model("llama2-7b"), load_cluster("dgx-h100-80g"), load_plan("tp=2,dp=4,gbs=64"));
+  const Json j = estimate_to_json(e);
+  for (const char* k : {"plan", "fits", "step_time_s", "tokens_per_s", "model_tflops_per_gpu",
+                        "hardware_tflops_per_gpu", "mfu", "time_s", "memory_bytes"})
+    EXPECT_TRUE(j.contains(k)) << k;
+  for (const char* k : {"forward", "backward", "recompute", "optimizer", "tp_comm", "cp_comm", "pp_comm", "dp_comm",
+                        "pipeline_bubble"})
+    EXPECT_TRUE(j["time_s"].contains(k)) << k;
+  for (const char* k : {"weights", "gradients", "optimizer_states", "activations", "comm_buffers",
+                        "framework_overhead", "peak"})
+    EXPECT_TRUE(j["memory_bytes"].contains(k)) << k;
+  for (const char* k : {"tensor_parallel", "pipeline_parallel", "data_parallel", "context_parallel",
+                        "virtual_pipeline_stages", "micro_batch_size", "global_batch_size", "zero_stage", "recompute",
+                        "sequence_parallel", "precision", "pipeline_schedule"})
+    EXPECT_TRUE(j["plan"].contains(k)) << k;
+}
+
+TEST(Estimate, TraceHasOneSlicePerStepAndStage) {
+  const ModelSpec m = load_model("gpt3-175b");
+  const Cluster c = load_cluster("dgx-a100-80g");
+  EstimateOptions o;
+  o.record_events = true;
+  EstimateDetail d;
+  const Estimate e = estimate(m, c, load_plan("tp=8,pp=4,dp=2,gbs=16,recompute=selective"), o, &d);
+  const Json t = trace_json(m, e, d);
+  int fwd = 0, bwd = 0, rec = 0, opt = 0;
+  for (const auto& ev : t["traceEvents"]) {
+    const std::string n = ev["name"];
+    fwd += n == "forward";
+    bwd += n == "backward";
+    rec += n == "recompute";
+    opt += n == "optimizer";
+    if (ev["ph"] == "X") {
+      EXPECT_GE(ev["dur"].get<double>(), 0.0);
+      EXPECT_TRUE(ev.contains("args"));
+    }
+  }
+  EXPECT_EQ(fwd, 4 * 8);  // p stages x m micro-batches
+  EXPECT_EQ(bwd, 4 * 8);
+  EXPECT_EQ(rec, 4 * 8);
+  EXPECT_EQ(opt, 4);
+}
+
+}  // namespace
+}  // namespace strata

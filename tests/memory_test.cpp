@@ -1,0 +1,115 @@
+// Memory terms against Korthikanti et al. 2022 (Table 2 and Eq. 5) and hand-derived
+// state bytes, parameter placement and in-flight micro-batches.
+#include <gtest/gtest.h>
+
+#include "costmodel/estimate.h"
+#include "costmodel/memory.h"
+#include "test_cluster.h"
+
+namespace strata {
+namespace {
+
+// GPT-3 175B: s = 2048, h = 12288, a = 96; b = 1, t = 8; 16-bit activations.
+struct Korthikanti : ::testing::Test {
+  ModelSpec m = load_model("gpt3-175b");
+  Cluster c = testing::round_cluster();
+  double s = 2048, b = 1, h = 12288, a = 96, t = 8;
+  double per_layer(const std::string& plan) {
+    const Plan p = load_plan(plan);
+    return layer_activation_bytes(m, p, compute_setup(m, c, p));
+  }
+};
+
+TEST_F(Korthikanti, TensorParallel) {
+  EXPECT_DOUBLE_EQ(per_layer("tp=8,precision=fp16"), s * b * h * (10 + 24 / t + 5 * a * s / (h * t)));
+}
+TEST_F(Korthikanti, TensorAndSequenceParallel) {
+  EXPECT_DOUBLE_EQ(per_layer("tp=8,sp=1,precision=fp16"), s * b * h * (34 / t + 5 * a * s / (h * t)));
+}
+TEST_F(Korthikanti, SelectiveRecompute) {
+  EXPECT_DOUBLE_EQ(per_layer("tp=8,recompute=selective,precision=fp16"), s * b * h * (10 + 24 / t));
+  EXPECT_DOUBLE_EQ(per_layer("tp=8,sp=1,recompute=selective,precision=fp16"), s * b * h * 34 / t);
+}
+TEST_F(Korthikanti, FullRecomputeKeepsOnlyTheInput) {
+  EXPECT_DOUBLE_EQ(per_layer("tp=8,recompute=full,precision=fp16"), 2 * s * b * h);
+  EXPECT_DOUBLE_EQ(per_layer("tp=8,sp=1,recompute=full,precision=fp16"), 2 * s * b * h / t);
+}
+TEST_F(Korthikanti, NoParallelism) {
+  EXPECT_DOUBLE_EQ(per_layer("tp=1,precision=fp16"), s * b * h * (34 + 5 * a * s / h));
+}
+TEST_F(Korthikanti, FlashAttentionKeepsOnlyTheLogSumExp) {
+  // The S x S terms are replaced by the fp32 log-sum-exp per query and head: 4 b (a/t) s.
+  EXPECT_DOUBLE_EQ(per_layer("tp=8,attention=flash,precision=fp16"), s * b * h * (10 + 24 / t) + 4 * b * (a / t) * s);
+}
+
+TEST(Memory, StateBytesPerParameter) {
+  // Megatron's table: fp16 params and grads 20 bytes without sharding (4 + 16/d sharded);
+  // bf16 here: 2 + 6 (bf16 grads + fp32 accumulation) + 12.
+  const StateBytes f16 = state_bytes(Precision::fp16), b16 = state_bytes(Precision::bf16);
+  EXPECT_DOUBLE_EQ(f16.weights + f16.gradients + f16.optimizer_states, 20);
+  EXPECT_DOUBLE_EQ(b16.weights + b16.gradients + b16.optimizer_states, 20);
+  EXPECT_DOUBLE_EQ(state_bytes(Precision::fp32).optimizer_states, 8);
+}
+
+TEST(Memory, StageParametersPlaceEmbeddingsAndTheTiedCopy) {
+  const ModelSpec m = load_model("gpt3-175b");
+  const double layer = static_cast<double>(m.layer_params(8)), emb = 51200.0 * 12288 / 8;
+  Plan p = load_plan("tp=8,pp=16");
+  const StageLayout lay = make_layout(m.L, 16, 1);
+  EXPECT_DOUBLE_EQ(stage_params(m, p, lay, 0), 6 * layer + emb + 2048.0 * 12288);
+  EXPECT_DOUBLE_EQ(stage_params(m, p, lay, 5), 6 * layer);
+  EXPECT_DOUBLE_EQ(stage_params(m, p, lay, 15), 6 * layer + emb + 2.0 * 12288);  // tied copy + final norm
+  p = load_plan("tp=8");
+  EXPECT_DOUBLE_EQ(stage_params(m, p, make_layout(m.L, 1, 1), 0),
+                   96 * layer + emb + 2048.0 * 12288 + 2.0 * 12288);  // one shared copy
+}
+
+TEST(Memory, ZeroStagesDivideTheirStates) {
+  const ModelSpec m = load_model("llama2-7b");
+  const Cluster c = testing::round_cluster();
+  const StageLayout lay = make_layout(m.L, 1, 1);
+  double prev = 1e300;
+  for (int z = 0; z <= 3; ++z) {
+    Plan p = load_plan("dp=8");
+    p.zero = z;
+    const ComputeSetup cs = compute_setup(m, c, p);
+    const MemoryBreakdown mb = stage_memory(m, c, p, lay, cs, 0, 1, 1, 1);
+    const double P = mb.params;
+    EXPECT_DOUBLE_EQ(mb.optimizer_states, 12 * P / (z >= 1 ? 8 : 1));
+    EXPECT_DOUBLE_EQ(mb.gradients, 6 * P / (z >= 2 ? 8 : 1));
+    EXPECT_DOUBLE_EQ(mb.weights, 2 * P / (z >= 3 ? 8 : 1));
+    EXPECT_LT(mb.weights + mb.gradients + mb.optimizer_states, prev);
+    prev = mb.weights + mb.gradients + mb.optimizer_states;
+  }
+}
+
+TEST(Memory, MicrobatchesInFlight) {
+  // 1F1B: stage s holds min(p - s, m); GPipe: all m; interleaved (Megatron): stage s holds
+  // (p - s - 1) * 2 + (v - 1) * p + 1 chunk-microbatches, so stage 0 holds p*v + p - 1,
+  // Korthikanti's factor 1 + (p-1)/(p v) over p micro-batches of L/p layers.
+  InFlight f = in_flight(ScheduleKind::one_f_one_b, 4, 1, 8);
+  EXPECT_EQ(f.all, (std::vector<int64_t>{4, 3, 2, 1}));
+  f = in_flight(ScheduleKind::one_f_one_b, 4, 1, 2);
+  EXPECT_EQ(f.all, (std::vector<int64_t>{2, 2, 2, 1}));
+  f = in_flight(ScheduleKind::gpipe, 4, 1, 8);
+  EXPECT_EQ(f.all, (std::vector<int64_t>{8, 8, 8, 8}));
+  f = in_flight(ScheduleKind::interleaved, 4, 2, 8);
+  EXPECT_EQ(f.all, (std::vector<int64_t>{11, 9, 7, 5}));
+  EXPECT_DOUBLE_EQ(11.0 / 8.0, 1.0 + 3.0 / 8.0);  // stage 0 in units of p micro-batches of L/p layers
+  f = in_flight(ScheduleKind::interleaved, 4, 2, 400);  // long schedules saturate
+  EXPECT_EQ(f.all, (std::vector<int64_t>{11, 9, 7, 5}));
+}
+
+TEST(Memory, FrameworkOverheadAndPeak) {
+  const ModelSpec m = load_model("tiny-gpt");
+  Cluster c = testing::round_cluster();
+  c.allocator_fragmentation = 0.5;
+  const Plan p = load_plan("tp=1");
+  const MemoryBreakdown mb = stage_memory(m, c, p, make_layout(m.L, 1, 1), compute_setup(m, c, p), 0, 1, 1, 1);
+  EXPECT_DOUBLE_EQ(mb.framework_overhead, 1e9 + 0.5 * (mb.activations + mb.gradients));
+  EXPECT_DOUBLE_EQ(mb.peak, mb.weights + mb.gradients + mb.optimizer_states + mb.activations + mb.comm_buffers +
+                                mb.framework_overhead);
+}
+
+}  // namespace
+}  // namespace strata

@@ -1,0 +1,136 @@
+// ModelSpec: parameter and FLOP counts against published numbers and hand derivations,
+// vocabulary padding, presets, model JSON and Hugging Face config loading.
+#include <gtest/gtest.h>
+
+#include "costmodel/estimate.h"
+#include "costmodel/model_spec.h"
+
+namespace strata {
+namespace {
+
+TEST(ModelSpec, Gpt3ParamsMatchNarayananEq2) {
+  // Eq. 2 of Narayanan et al. 2021: P = 12 l h^2 (1 + 13/(12h) + (V + s)/(12 l h))
+  //   = 12 l h^2 + 13 l h + (V + s) h. Per layer: QKV 3h^2 + 3h, projection h^2 + h,
+  //   MLP 4h^2 + 4h + 4h^2 + h, two LayerNorms 4h: 12h^2 + 13h. strata also counts the
+  //   final LayerNorm (2h), which Eq. 2 leaves out.
+  const ModelSpec m = load_model("gpt3-175b");
+  const int64_t l = 96, h = 12288, V = 51200, s = 2048;
+  EXPECT_EQ(m.layer_params(1), 12 * h * h + 13 * h);
+  const double eq2 = 12.0 * l * h * h + 13.0 * l * h + static_cast<double>(V + s) * h;
+  EXPECT_DOUBLE_EQ(m.total_params(), eq2 + 2.0 * h);
+  EXPECT_NEAR(m.total_params() / 1e9, 174.6, 0.05);  // "175B"
+}
+
+TEST(ModelSpec, LlamaParamsMatchHuggingFaceCounts) {
+  // Llama 2 7B: per layer QKV 4096*(4096+2*32*128) = 50,331,648, output 16,777,216, SwiGLU
+  // 3*4096*11008 = 135,266,304, two RMSNorms 8,192: 202,383,360; x32 = 6,476,267,520;
+  // untied embedding and output 2*32000*4096 = 262,144,000; final norm 4,096.
+  const ModelSpec a = load_model("llama2-7b");
+  EXPECT_EQ(a.layer_params(1), 202383360);
+  EXPECT_DOUBLE_EQ(a.total_params(), 6738415616.0);  // the parameter count HF reports
+  // Llama 3 8B with GQA (8 KV heads): QKV 4096*(4096+2*8*128) = 25,165,824, output
+  // 16,777,216, MLP 3*4096*14336 = 176,160,768, norms 8,192: 218,112,000; x32
+  // = 6,979,584,000; 2*128256*4096 = 1,050,673,152; + 4,096.
+  const ModelSpec b = load_model("llama3-8b");
+  EXPECT_EQ(b.layer_params(1), 218112000);
+  EXPECT_DOUBLE_EQ(b.total_params(), 8030261248.0);
+}
+
+TEST(ModelSpec, TensorParallelShardOfALayer) {
+  // GPT-3 on t = 8: the four matrices (12h^2) and the column biases (3h + 4h) split, the
+  // row biases (2h) and both LayerNorms (4h) replicated.
+  const ModelSpec m = load_model("gpt3-175b");
+  const int64_t h = 12288;
+  EXPECT_EQ(m.layer_params(8), 12 * h * h / 8 + 7 * h / 8 + 2 * h + 4 * h);
+}
+
+TEST(ModelSpec, VocabularyPaddedTheMegatronWay) {
+  // Megatron pads V to a multiple of 128 * t: GPT-2's 50257 becomes 50304 on one GPU and
+  // 51200 with t = 8 (a multiple of 1024).
+  const ModelSpec m = load_model("gpt2-124m");
+  EXPECT_EQ(m.padded_vocab(1), 50304);
+  EXPECT_EQ(m.padded_vocab(8), 51200);
+  EXPECT_EQ(m.word_embedding_params(8), 51200 * 768 / 8);
+}
+
+TEST(ModelSpec, ForwardFlopsMatchKorthikantiEq7) {
+  // Model FLOPs per step (3 x forward) = 72 B L s h^2 (1 + s/(6h) + V/(12 h L)) for GPT-3.
+  const ModelSpec m = load_model("gpt3-175b");
+  Plan p;
+  p.gbs = 1536;
+  const double B = 1536, L = 96, s = 2048, h = 12288, V = 51200;
+  const double eq7 = 72.0 * B * L * s * h * h * (1.0 + s / (6.0 * h) + V / (12.0 * h * L));
+  EXPECT_NEAR(model_flops_per_step(m, p) / eq7, 1.0, 1e-12);
+  // Full recompute adds one more forward of every layer: Eq. 3's 96 B s l h^2 (1 + s/(6h)
+  // + V/(16 l h)).
+  p.recompute = Recompute::full;
+  const double eq3 = 96.0 * B * s * L * h * h * (1.0 + s / (6.0 * h) + V / (16.0 * L * h));
+  EXPECT_NEAR(hardware_flops_per_step(m, p) / eq3, 1.0, 1e-12);
+}
+
+TEST(ModelSpec, LlamaFfnRule) {
+  EXPECT_EQ(llama_ffn_size(4096), 11008);  // Llama 2 7B
+  EXPECT_EQ(llama_ffn_size(256, 64), 704);
+}
+
+TEST(ModelSpec, ModelJsonDefaultsFollowTheActivation) {
+  const ModelSpec g = model_from_json(Json::parse(R"({"num_layers":2,"hidden_size":64,"num_attention_heads":4,
+      "vocab_size":100,"seq_length":32})"), "model");
+  EXPECT_EQ(g.F, 256);
+  EXPECT_EQ(g.G, 4);
+  EXPECT_EQ(g.activation, Activation::gelu);
+  EXPECT_TRUE(g.tie_embeddings);
+  const ModelSpec l = model_from_json(Json::parse(R"({"num_layers":2,"hidden_size":4096,"num_attention_heads":32,
+      "num_query_groups":8,"vocab_size":100,"seq_length":32,"activation":"swiglu"})"), "model");
+  EXPECT_EQ(l.F, 11008);
+  EXPECT_EQ(l.normalization, Norm::rmsnorm);
+  EXPECT_FALSE(l.tie_embeddings);
+  EXPECT_FALSE(l.bias);
+  EXPECT_EQ(l.position, Position::rope);
+}
+
+TEST(ModelSpec, HuggingFaceLlamaConfig) {
+  const Json hf = Json::parse(R"({"architectures":["LlamaForCausalLM"],"model_type":"llama","hidden_size":4096,
+      "intermediate_size":14336,"num_attention_heads":32,"num_hidden_layers":32,"num_key_value_heads":8,
+      "vocab_size":128256,"max_position_embeddings":8192,"hidden_act":"silu","rms_norm_eps":1e-05,
+      "tie_word_embeddings":false,"rope_theta":500000.0,"torch_dtype":"bfloat16"})");
+  const ModelSpec m = model_from_hf_config(hf, "config.json");
+  const ModelSpec ref = load_model("llama3-8b");
+  EXPECT_DOUBLE_EQ(m.total_params(), ref.total_params());
+  EXPECT_EQ(m.S, 8192);
+  EXPECT_EQ(m.activation, Activation::swiglu);
+  EXPECT_EQ(m.normalization, Norm::rmsnorm);
+}
+
+TEST(ModelSpec, HuggingFaceGpt2Config) {
+  const Json hf = Json::parse(R"({"model_type":"gpt2","n_layer":12,"n_embd":768,"n_head":12,"n_positions":1024,
+      "vocab_size":50257,"activation_function":"gelu_new","resid_pdrop":0.1,"attn_pdrop":0.1})");
+  const ModelSpec m = model_from_hf_config(hf, "config.json");
+  const ModelSpec ref = load_model("gpt2-124m");
+  EXPECT_DOUBLE_EQ(m.total_params(), ref.total_params());
+  EXPECT_NEAR(m.total_params() / 1e6, 124.4, 0.1);  // 124M with the padded vocabulary
+  EXPECT_TRUE(m.tie_embeddings);
+  EXPECT_EQ(m.position, Position::learned);
+}
+
+TEST(ModelSpec, EveryPresetIsValidAndTinyModelsAreTiny) {
+  for (const auto& n : model_preset_names()) {
+    ModelSpec m;
+    ASSERT_TRUE(find_model_preset(n, &m));
+    EXPECT_NO_THROW(validate_model(m, n)) << n;
+    EXPECT_NO_THROW(model_from_json(model_to_json(m), n)) << n;  // round trip
+  }
+  for (const char* n : {"tiny-gpt", "tiny-llama"}) {
+    const ModelSpec m = load_model(n);
+    EXPECT_GT(m.total_params(), 1e6) << n;
+    EXPECT_LT(m.total_params(), 1e7) << n;
+  }
+}
+
+TEST(ModelSpec, SequenceLengthOverride) {
+  EXPECT_EQ(load_model("llama3-8b", 4096).S, 4096);
+  EXPECT_THROW(load_model("llama3-8b", int64_t{1} << 30), InputError);
+}
+
+}  // namespace
+}  // namespace strata

@@ -1,0 +1,107 @@
+// Plan: inline and JSON forms, short and long keys, normalisation, and every rule of
+// check_plan with the reason key it reports.
+#include <gtest/gtest.h>
+
+#include "costmodel/plan.h"
+
+namespace strata {
+namespace {
+
+TEST(Plan, InlinePairsWithShortKeys) {
+  const Plan p = load_plan("tp=8,pp=8,dp=16,mbs=1,vp=3,zero=1,recompute=selective,sp=1,gbs=512");
+  EXPECT_EQ(p.t, 8);
+  EXPECT_EQ(p.p, 8);
+  EXPECT_EQ(p.d, 16);
+  EXPECT_EQ(p.v, 3);
+  EXPECT_EQ(p.zero, 1);
+  EXPECT_EQ(p.recompute, Recompute::selective);
+  EXPECT_TRUE(p.sp);
+  EXPECT_EQ(p.world_size(), 1024);
+  EXPECT_EQ(p.microbatches(), 32);  // 512 / (1 * 16)
+  EXPECT_EQ(p.schedule(), ScheduleKind::interleaved);
+}
+
+TEST(Plan, JsonLongKeysAndDefaults) {
+  const Plan p = plan_from_json(Json::parse(R"({"tensor_parallel":2,"data_parallel":4,"micro_batch_size":2})"), "plan");
+  EXPECT_EQ(p.gbs, 8);  // one micro-batch per data-parallel rank
+  EXPECT_EQ(p.precision, Precision::bf16);
+  EXPECT_EQ(p.schedule(), ScheduleKind::one_f_one_b);
+  EXPECT_FALSE(p.sp);
+  const Plan g = load_plan("pp=4,schedule=gpipe");
+  EXPECT_EQ(g.schedule(), ScheduleKind::gpipe);
+}
+
+TEST(Plan, SequenceParallelIsDroppedWithoutTensorParallel) { EXPECT_FALSE(load_plan("tp=1,sp=1").sp); }
+
+TEST(Plan, RoundTripThroughJsonAndInline) {
+  const Plan p = load_plan("tp=4,pp=2,dp=2,cp=2,vp=2,mbs=2,gbs=64,zero=2,recompute=full,sp=1,precision=fp16");
+  const Plan q = plan_from_json(plan_to_json(p), "plan");
+  const Plan r = load_plan(plan_to_inline(p));
+  for (const Plan* x : {&q, &r}) {
+    EXPECT_EQ(x->t, 4);
+    EXPECT_EQ(x->c, 2);
+    EXPECT_EQ(x->v, 2);
+    EXPECT_EQ(x->gbs, 64);
+    EXPECT_EQ(x->zero, 2);
+    EXPECT_EQ(x->precision, Precision::fp16);
+    EXPECT_TRUE(x->sp);
+  }
+}
+
+TEST(Plan, MalformedInputThrowsNamingTheField) {
+  auto message = [](const std::string& s) {
+    try {
+      load_plan(s);
+    } catch (const InputError& e) {
+      return std::string(e.what());
+    }
+    return std::string("no error");
+  };
+  EXPECT_NE(message("tp=0").find("tensor_parallel"), std::string::npos);
+  EXPECT_NE(message("tp=-2").find("tensor_parallel"), std::string::npos);
+  EXPECT_NE(message("tp=two").find("tensor_parallel"), std::string::npos);
+  EXPECT_NE(message("tq=2").find("tq"), std::string::npos);
+  EXPECT_NE(message("tp=2,tensor_parallel=2").find("twice"), std::string::npos);
+  EXPECT_NE(message("zero=4").find("zero_stage"), std::string::npos);
+  EXPECT_NE(message("recompute=some").find("recompute"), std::string::npos);
+  EXPECT_NE(message("tp=1024,pp=1024,dp=1024").find("GPUs"), std::string::npos);
+  EXPECT_NE(message("schedule=gpipe,vp=2,pp=2").find("pipeline_schedule"), std::string::npos);
+}
+
+std::vector<std::string> keys(const ModelSpec& m, const Plan& p) {
+  const Cluster cl = load_cluster("dgx-a100-80g");
+  std::vector<std::string> k;
+  for (const auto& r : check_plan(m, cl, p)) {
+    EXPECT_FALSE(r.message.empty());
+    k.push_back(r.key);
+  }
+  return k;
+}
+
+TEST(Plan, CheckRulesReportTheirReasons) {
+  const ModelSpec m = load_model("gpt3-175b");  // A = G = 96, L = 96, S = 2048
+  EXPECT_TRUE(keys(m, load_plan("tp=8,pp=8,dp=2,gbs=16")).empty());
+  EXPECT_EQ(keys(m, load_plan("tp=64")), std::vector<std::string>{"tp_heads"});
+  EXPECT_EQ(keys(m, load_plan("dp=4,mbs=3,gbs=16")), std::vector<std::string>{"batch_divisible"});
+  EXPECT_EQ(keys(m, load_plan("pp=2,vp=5,gbs=2")), std::vector<std::string>{"layers_vp"});
+  EXPECT_EQ(keys(m, load_plan("pp=4,vp=2,gbs=6")), std::vector<std::string>{"vp_microbatches"});
+  EXPECT_EQ(keys(m, load_plan("pp=97")), std::vector<std::string>{"layers_pp"});
+  EXPECT_EQ(keys(m, load_plan("cp=3")), std::vector<std::string>{"cp_seq"});
+  EXPECT_EQ(keys(m, load_plan("cp=2,attention=unfused")), std::vector<std::string>{"cp_attention"});
+  EXPECT_EQ(keys(m, load_plan("precision=fp8")), std::vector<std::string>{"precision"});  // A100: no fp8
+  // Uneven pipelines: 96 layers on 7 stages is allowed for estimates (as even as possible).
+  EXPECT_TRUE(keys(m, load_plan("pp=7")).empty());
+}
+
+TEST(Plan, AutoAttentionResolution) {
+  const Cluster a100 = load_cluster("dgx-a100-80g"), h100 = load_cluster("dgx-h100-80g");
+  const ModelSpec gpt = load_model("gpt3-175b"), llama = load_model("llama2-7b");
+  EXPECT_EQ(resolve_attention(gpt, a100, load_plan("tp=1")), AttentionKernel::unfused);
+  EXPECT_EQ(resolve_attention(gpt, h100, load_plan("tp=1")), AttentionKernel::flash);
+  EXPECT_EQ(resolve_attention(llama, a100, load_plan("tp=1")), AttentionKernel::flash);
+  EXPECT_EQ(resolve_attention(gpt, a100, load_plan("cp=2")), AttentionKernel::flash);
+  EXPECT_EQ(resolve_attention(gpt, h100, load_plan("attention=unfused")), AttentionKernel::unfused);
+}
+
+}  // namespace
+}  // namespace strata

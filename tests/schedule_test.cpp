@@ -1,0 +1,68 @@
+// Pipeline schedules as data: the order each stage runs, and that every (chunk,
+// micro-batch) forward and backward appears exactly once, forward before backward.
+#include <gtest/gtest.h>
+
+#include <set>
+#include <string>
+
+#include "costmodel/schedule.h"
+
+namespace strata {
+namespace {
+
+std::string order(const Schedule& sc, size_t s) {
+  std::string o;
+  for (const Step& st : sc.stages[s]) {
+    if (!o.empty()) o += ' ';
+    o += (st.forward ? "F" : "B") + (sc.v > 1 ? std::to_string(st.chunk) + "." : "") + std::to_string(st.mb);
+  }
+  return o;
+}
+
+TEST(Schedule, OneFOneBPhases) {
+  // p = 4, m = 6: stage 1 warms up with p - s - 1 = 2 forwards, alternates, cools down.
+  const Schedule sc = make_schedule(ScheduleKind::one_f_one_b, 4, 1, 6);
+  EXPECT_EQ(order(sc, 1), "F0 F1 F2 B0 F3 B1 F4 B2 F5 B3 B4 B5");
+  EXPECT_EQ(order(sc, 3), "F0 B0 F1 B1 F2 B2 F3 B3 F4 B4 F5 B5");
+  EXPECT_EQ(order(sc, 0), "F0 F1 F2 F3 B0 F4 B1 F5 B2 B3 B4 B5");
+}
+
+TEST(Schedule, GPipe) {
+  const Schedule sc = make_schedule(ScheduleKind::gpipe, 2, 1, 3);
+  EXPECT_EQ(order(sc, 0), "F0 F1 F2 B0 B1 B2");
+  EXPECT_EQ(order(sc, 1), "F0 F1 F2 B0 B1 B2");
+}
+
+TEST(Schedule, InterleavedMegatronOrder) {
+  // p = 2, v = 2, m = 4. Forward k runs chunk (k mod 4) / 2 of micro-batch (k/4)*2 + k%2;
+  // stage 0 warms up (2-0-1)*2 + (2-1)*2 = 4 chunk-forwards; backwards visit chunks in
+  // reverse.
+  const Schedule sc = make_schedule(ScheduleKind::interleaved, 2, 2, 4);
+  EXPECT_EQ(order(sc, 0), "F0.0 F0.1 F1.0 F1.1 F0.2 B1.0 F0.3 B1.1 F1.2 B0.0 F1.3 B0.1 B1.2 B1.3 B0.2 B0.3");
+  EXPECT_EQ(order(sc, 1), "F0.0 F0.1 F1.0 B1.0 F1.1 B1.1 F0.2 B0.0 F0.3 B0.1 F1.2 B1.2 F1.3 B1.3 B0.2 B0.3");
+}
+
+TEST(Schedule, EveryStepExactlyOnceForwardFirst) {
+  for (auto kind : {ScheduleKind::gpipe, ScheduleKind::one_f_one_b, ScheduleKind::interleaved}) {
+    for (int64_t p : {1, 2, 3, 4, 8}) {
+      for (int64_t m : {1, 2, 5, 8, 16, 24}) {
+        const int64_t v = kind == ScheduleKind::interleaved ? 3 : 1;
+        if (kind == ScheduleKind::interleaved && (p < 2 || m % p != 0)) continue;
+        const Schedule sc = make_schedule(kind, p, v, m);
+        for (const auto& list : sc.stages) {
+          ASSERT_EQ(static_cast<int64_t>(list.size()), 2 * m * v);
+          std::set<std::tuple<int, int, bool>> seen;
+          for (const Step& st : list) {
+            EXPECT_TRUE(seen.insert({st.chunk, st.mb, st.forward}).second);
+            if (!st.forward) {
+              EXPECT_TRUE(seen.count({st.chunk, st.mb, true})) << "backward before its forward";
+            }
+          }
+        }
+      }
+    }
+  }
+}
+
+}  // namespace
+}  // namespace strata

@@ -1,0 +1,84 @@
+// The discrete-event walk against closed forms where they exist (uniform stages, no
+// communication: (m + p - 1)(F + B) for GPipe and 1F1B, (m v + p - 1)(f + b) for the
+// interleaved schedule with per-chunk f, b), and the long-schedule extrapolation against
+// the full walk.
+#include <gtest/gtest.h>
+
+#include <random>
+
+#include "costmodel/simulate.h"
+
+namespace strata {
+namespace {
+
+StageTimes uniform(int64_t p, int64_t v, double f, double b, double send) {
+  StageTimes st;
+  st.p = p;
+  st.v = v;
+  st.fwd.assign(static_cast<size_t>(p * v), f);
+  st.bwd.assign(static_cast<size_t>(p * v), b);
+  st.send.assign(static_cast<size_t>(p), send);
+  return st;
+}
+
+TEST(Simulate, ClosedFormBubbles) {
+  for (int64_t p : {1, 2, 4, 8}) {
+    for (int64_t m : {1, 4, 8, 32}) {
+      const double F = 1.0, B = 2.0;
+      for (auto kind : {ScheduleKind::one_f_one_b, ScheduleKind::gpipe}) {
+        const SimResult r = simulate(make_schedule(kind, p, 1, m), uniform(p, 1, F, B, 0), false);
+        EXPECT_DOUBLE_EQ(r.makespan_s, static_cast<double>(m + p - 1) * (F + B)) << to_string(kind) << p << " " << m;
+        EXPECT_DOUBLE_EQ(r.compute_s[0], static_cast<double>(m) * (F + B));
+      }
+      if (p >= 2 && m % p == 0) {
+        const int64_t v = 2;
+        const double f = 0.5, b = 1.0;  // per chunk
+        const SimResult r = simulate(make_schedule(ScheduleKind::interleaved, p, v, m), uniform(p, v, f, b, 0), false);
+        EXPECT_DOUBLE_EQ(r.makespan_s, static_cast<double>(m * v + p - 1) * (f + b)) << p << " " << m;
+      }
+    }
+  }
+}
+
+TEST(Simulate, SendsLengthenTheCriticalPath) {
+  // Two stages, one micro-batch: F0, send, F1, B1, send, B0.
+  const SimResult r = simulate(make_schedule(ScheduleKind::one_f_one_b, 2, 1, 1), uniform(2, 1, 1, 2, 0.25), true);
+  EXPECT_DOUBLE_EQ(r.makespan_s, 1 + 0.25 + 1 + 2 + 0.25 + 2);
+  EXPECT_DOUBLE_EQ(r.p2p_s[0], 0.25);
+  EXPECT_DOUBLE_EQ(r.p2p_s[1], 0.25);
+  ASSERT_EQ(r.events.size(), 4u);
+}
+
+TEST(Simulate, ExtrapolationMatchesTheFullWalk) {
+  std::mt19937 rng(7);
+  std::uniform_real_distribution<double> u(0.5, 1.5);
+  for (auto kind : {ScheduleKind::one_f_one_b, ScheduleKind::gpipe, ScheduleKind::interleaved}) {
+    for (int64_t p : {2, 3, 4, 8}) {
+      for (int64_t m : {96, 128, 200, 480}) {
+        const int64_t v = kind == ScheduleKind::interleaved ? 2 : 1;
+        if (kind == ScheduleKind::interleaved && m % p != 0) continue;
+        StageTimes st = uniform(p, v, 1, 2, 0.05);
+        for (auto& x : st.fwd) x = u(rng);
+        for (auto& x : st.bwd) x = 2 * u(rng);
+        for (auto& x : st.send) x = 0.1 * u(rng);
+        const SimResult full = simulate(make_schedule(kind, p, v, m), st, false);
+        const SimResult fast = simulate_pipeline(kind, m, st, false);
+        EXPECT_TRUE(fast.extrapolated);
+        EXPECT_NEAR(fast.makespan_s / full.makespan_s, 1.0, 1e-9) << to_string(kind) << " p=" << p << " m=" << m;
+        for (size_t s = 0; s < static_cast<size_t>(p); ++s) {
+          EXPECT_NEAR(fast.end_s[s] / full.end_s[s], 1.0, 1e-9);
+          EXPECT_NEAR(fast.compute_s[s] / full.compute_s[s], 1.0, 1e-9);
+        }
+      }
+    }
+  }
+}
+
+TEST(Simulate, DeadlockIsReported) {
+  Schedule sc = make_schedule(ScheduleKind::one_f_one_b, 2, 1, 2);
+  std::swap(sc.stages[1][0], sc.stages[1][1]);  // stage 1 would run B0 before F0
+  EXPECT_THROW(simulate(sc, uniform(2, 1, 1, 1, 0), false), std::logic_error);
+}
+
+}  // namespace
+}  // namespace strata

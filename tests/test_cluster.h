@@ -1,0 +1,41 @@
+// A synthetic cluster with round numbers, so hand-derived expectations do not move when
+// the presets are re-measured: 100 TFLOP/s, GEMMs at 50 % of peak, 1 TB/s at 100 %,
+// 8 devices per node, NVLink 200 GB/s at 75 %, 100 GB/s of NICs per node at 80 %.
+#pragma once
+
+#include "costmodel/hardware.h"
+
+namespace strata::testing {
+
+inline Cluster round_cluster() {
+  Cluster c;
+  c.name = "round";
+  c.device.name = "round-gpu";
+  c.device.memory_bytes = 80e9;
+  c.device.peak_fp32_flops = 25e12;
+  c.device.peak_tf32_flops = 50e12;
+  c.device.peak_bf16_flops = 100e12;
+  c.device.peak_fp16_flops = 100e12;
+  c.device.peak_fp8_flops = 200e12;
+  c.device.memory_bandwidth_bytes_per_s = 1e12;
+  c.device.gemm_efficiency.points = {{1.0, 0.5}};
+  c.device.memory_efficiency.points = {{1.0, 1.0}};
+  c.device.flash_fwd_efficiency = 0.5;
+  c.device.flash_bwd_efficiency = 0.4;
+  c.device.kernel_launch_s = 0;
+  c.devices_per_node = 8;
+  c.intra.bandwidth_bytes_per_s = 200e9;
+  c.intra.latency_s = 5e-6;
+  c.intra.eff_all_reduce = c.intra.eff_all_gather = c.intra.eff_reduce_scatter = c.intra.eff_send_recv = 0.75;
+  c.inter.bandwidth_bytes_per_s = 100e9;
+  c.inter.latency_s = 10e-6;
+  c.inter.eff_all_reduce = c.inter.eff_all_gather = c.inter.eff_reduce_scatter = c.inter.eff_send_recv = 0.8;
+  c.framework_overhead_bytes = 1e9;
+  c.allocator_fragmentation = 0.0;
+  c.step_overhead_s = 0;
+  c.overlap_slowdown = 0;
+  c.default_attention = AttentionKernel::unfused;
+  return c;
+}
+
+}  // namespace strata::testing
