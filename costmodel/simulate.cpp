@@ -2,6 +2,7 @@
 #include "costmodel/simulate.h"
 
 #include <algorithm>
+#include <cmath>
 #include <stdexcept>
 
 namespace strata {
@@ -84,36 +85,65 @@ SimResult simulate(const Schedule& sc, const StageTimes& st, bool record_events)
 
 SimResult simulate_pipeline(ScheduleKind kind, int64_t m, const StageTimes& st, bool record_events) {
   const int64_t p = st.p, v = kind == ScheduleKind::interleaved ? st.v : 1;
-  // Long enough to reach the periodic steady state of every schedule here.
-  const int64_t cap = std::max<int64_t>(32, ((3 * p + p - 1) / p) * p * 2);
-  if (record_events || m <= cap + p || p == 1) {
-    if (p == 1) {
-      // A single stage has no dependencies between steps: the walk is a sum.
-      SimResult r;
-      double total = 0;
-      for (int64_t c = 0; c < v; ++c) total += static_cast<double>(m) * (st.f(0, c) + st.b(0, c));
-      if (record_events) return simulate(make_schedule(kind, p, v, m), st, true);
-      r.end_s = {total};
-      r.compute_s = {total};
-      r.p2p_s = {0.0};
-      r.makespan_s = total;
-      return r;
+  if (p == 1 && !record_events) {
+    // A single stage has no dependencies between steps: the walk is a sum.
+    double total = 0;
+    for (int64_t c = 0; c < v; ++c) total += static_cast<double>(m) * (st.f(0, c) + st.b(0, c));
+    SimResult r;
+    r.end_s = {total};
+    r.compute_s = {total};
+    r.p2p_s = {0.0};
+    r.makespan_s = total;
+    return r;
+  }
+  // The long-run growth of the step per micro-batch is the largest cycle mean of the
+  // schedule's dependency graph. It is at least the bottleneck's work per micro-batch, and
+  // for 1F1B (whose warm-up covers every round trip) and GPipe at most that: the busiest
+  // stage's forward + backward + sends (1F1B), the slowest forward plus the slowest
+  // backward (GPipe). So: walk schedules p micro-batches apart; once every stage's
+  // finishing time grows by exactly that bound twice in a row, the walk is in its final
+  // periodic regime and each further micro-batch adds the bound. Otherwise double the
+  // length and try again, down to the full walk. The interleaved schedule's shorter
+  // warm-up does not bound its cycles that way: it is always walked in full.
+  double bound = 0;
+  {
+    double max_f = 0, max_b = 0;
+    for (int64_t s = 0; s < p; ++s) {
+      double f = 0, b = 0;
+      for (int64_t c = 0; c < v; ++c) f += st.f(s, c), b += st.b(s, c);
+      const double sends = p > 1 ? st.send[static_cast<size_t>(s)] : 0.0;
+      f += sends * static_cast<double>(v - (s == p - 1 ? 1 : 0));
+      b += sends * static_cast<double>(v - (s == 0 ? 1 : 0));
+      max_f = std::max(max_f, f);
+      max_b = std::max(max_b, b);
+      bound = std::max(bound, f + b);
     }
-    return simulate(make_schedule(kind, p, v, m), st, record_events);
+    if (kind == ScheduleKind::gpipe) bound = max_f + max_b;
   }
-  const int64_t m2 = (cap / p) * p, m1 = m2 - p;
-  const SimResult a = simulate(make_schedule(kind, p, v, m1), st, false);
-  SimResult b = simulate(make_schedule(kind, p, v, m2), st, false);
-  const double k = static_cast<double>(m - m2) / static_cast<double>(p);
-  b.makespan_s = 0;
-  for (size_t s = 0; s < b.end_s.size(); ++s) {
-    b.end_s[s] += k * (b.end_s[s] - a.end_s[s]);
-    b.compute_s[s] += k * (b.compute_s[s] - a.compute_s[s]);
-    b.p2p_s[s] += k * (b.p2p_s[s] - a.p2p_s[s]);
-    b.makespan_s = std::max(b.makespan_s, b.end_s[s]);
+  const bool bounded = kind != ScheduleKind::interleaved;
+  for (int64_t m2 = std::max<int64_t>(8, 2 * p) / p * p; bounded && !record_events && m2 + 2 * p < m; m2 *= 2) {
+    const SimResult a = simulate(make_schedule(kind, p, v, m2 - p), st, false);
+    const SimResult b = simulate(make_schedule(kind, p, v, m2), st, false);
+    SimResult c = simulate(make_schedule(kind, p, v, m2 + p), st, false);
+    const double step = bound * static_cast<double>(p);
+    bool periodic = true;
+    for (size_t s = 0; s < c.end_s.size() && periodic; ++s) {
+      const double tol = 1e-12 * c.end_s[s];
+      periodic = std::fabs((b.end_s[s] - a.end_s[s]) - step) <= tol && std::fabs((c.end_s[s] - b.end_s[s]) - step) <= tol;
+    }
+    if (!periodic) continue;
+    const double k = static_cast<double>(m - (m2 + p)) / static_cast<double>(p);
+    c.makespan_s = 0;
+    for (size_t s = 0; s < c.end_s.size(); ++s) {
+      c.end_s[s] += k * step;
+      c.compute_s[s] += k * (c.compute_s[s] - b.compute_s[s]);
+      c.p2p_s[s] += k * (c.p2p_s[s] - b.p2p_s[s]);
+      c.makespan_s = std::max(c.makespan_s, c.end_s[s]);
+    }
+    c.extrapolated = true;
+    return c;
   }
-  b.extrapolated = true;
-  return b;
+  return simulate(make_schedule(kind, p, v, m), st, record_events);
 }
 
 }  // namespace strata

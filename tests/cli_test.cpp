@@ -1,0 +1,259 @@
+// The strata binary end to end: JSON outputs parse and carry the SPEC fields, exports and
+// traces are written, infeasible searches exit 3, and more than fifty kinds of bad input
+// each exit 2 with one message naming the field, on stderr, with nothing crashing.
+#include <gtest/gtest.h>
+#include <sys/wait.h>
+
+#include <cstdio>
+#include <algorithm>
+#include <filesystem>
+#include <functional>
+#include <fstream>
+#include <sstream>
+
+#include "costmodel/estimate.h"
+
+namespace strata {
+namespace {
+
+namespace fs = std::filesystem;
+
+struct Outcome {
+  int code = -1;
+  std::string out, err;
+};
+
+std::string slurp(const fs::path& p) {
+  std::ifstream in(p);
+  std::stringstream ss;
+  ss << in.rdbuf();
+  return ss.str();
+}
+
+fs::path scratch() {
+  static const fs::path dir = [] {
+    fs::path d = fs::temp_directory_path() / ("strata_cli_test_" + std::to_string(::getpid()));
+    fs::create_directories(d);
+    return d;
+  }();
+  return dir;
+}
+
+// Runs `strata <args>` through the shell (args are quoted by the caller where needed).
+Outcome strata(const std::string& args) {
+  const fs::path out = scratch() / "stdout", err = scratch() / "stderr";
+  const std::string cmd = std::string(STRATA_BINARY) + " " + args + " >" + out.string() + " 2>" + err.string();
+  const int status = std::system(cmd.c_str());
+  Outcome r;
+  r.code = WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
+  r.out = slurp(out);
+  r.err = slurp(err);
+  return r;
+}
+
+std::string write(const std::string& name, const std::string& text) {
+  const fs::path p = scratch() / name;
+  std::ofstream(p) << text;
+  return p.string();
+}
+
+TEST(Cli, EstimateJsonMatchesTheLibrary) {
+  const Outcome r = strata("estimate --model gpt3-175b --cluster dgx-a100-80g --plan tp=8,pp=16,dp=8,gbs=1536,"
+                       "recompute=full,precision=fp16 --json");
+  ASSERT_EQ(r.code, 0) << r.err;
+  const Json j = Json::parse(r.out);  // stdout holds one JSON document and nothing else
+  const Estimate e = estimate(load_model("gpt3-175b"), load_cluster("dgx-a100-80g"),
+                              load_plan("tp=8,pp=16,dp=8,gbs=1536,recompute=full,precision=fp16"));
+  EXPECT_DOUBLE_EQ(j["step_time_s"].get<double>(), e.step_time_s);
+  EXPECT_EQ(j["fits"], true);
+  EXPECT_EQ(j["plan"]["pipeline_parallel"], 16);
+}
+
+TEST(Cli, EstimateReadsFilesAndHuggingFaceConfigs) {
+  const std::string model = write("m.json", R"({"name":"small","num_layers":4,"hidden_size":512,
+      "num_attention_heads":8,"vocab_size":1000,"seq_length":256})");
+  const std::string plan = write("p.json", R"({"tp":2,"dp":2,"micro_batch_size":2,"global_batch_size":16})");
+  const std::string hf = write("config.json", R"({"model_type":"llama","num_hidden_layers":2,"hidden_size":512,
+      "num_attention_heads":8,"num_key_value_heads":2,"intermediate_size":1376,"vocab_size":1000,
+      "max_position_embeddings":256,"hidden_act":"silu","rms_norm_eps":1e-5})");
+  EXPECT_EQ(strata("estimate --model " + model + " --cluster dgx-h100-80g --plan " + plan).code, 0);
+  const Outcome r = strata("estimate --model " + hf + " --cluster dgx-h100-80g --plan " + plan + " --json");
+  ASSERT_EQ(r.code, 0) << r.err;
+  EXPECT_EQ(Json::parse(r.out)["attention"], "flash");
+  // A cluster JSON written from a preset is an interchangeable input.
+  const std::string cl = write("cluster.json", cluster_to_json(load_cluster("dgx-a100-80g")).dump());
+  const Outcome a = strata("estimate --model gpt3-175b --cluster " + cl + " --plan tp=8,pp=8,gbs=64 --json");
+  const Outcome b = strata("estimate --model gpt3-175b --cluster dgx-a100-80g --plan tp=8,pp=8,gbs=64 --json");
+  ASSERT_EQ(a.code, 0) << a.err;
+  EXPECT_EQ(Json::parse(a.out)["step_time_s"], Json::parse(b.out)["step_time_s"]);
+}
+
+TEST(Cli, PlanJsonExportsAndTrace) {
+  const Outcome r = strata("plan --model llama3-8b --cluster dgx-h100-80g --gpus 64 --global-batch-size 512 --top 3 --json");
+  ASSERT_EQ(r.code, 0) << r.err;
+  const Json j = Json::parse(r.out);
+  for (const char* k : {"candidates_evaluated", "feasible", "rejected", "search_time_s", "plans"})
+    EXPECT_TRUE(j.contains(k)) << k;
+  EXPECT_EQ(j["plans"].size(), 3u);
+  EXPECT_LE(j["plans"][0]["step_time_s"].get<double>(), j["plans"][1]["step_time_s"].get<double>());
+
+  const Outcome mg = strata("plan --model llama3-8b --cluster dgx-h100-80g --gpus 64 --global-batch-size 512 --export megatron");
+  ASSERT_EQ(mg.code, 0) << mg.err;
+  EXPECT_NE(mg.out.find("--tensor-model-parallel-size"), std::string::npos);
+  EXPECT_NE(mg.out.find("--global-batch-size 512"), std::string::npos);
+  const Outcome ds = strata("plan --model llama3-8b --cluster dgx-h100-80g --gpus 64 --global-batch-size 512 --export deepspeed");
+  ASSERT_EQ(ds.code, 0) << ds.err;
+  EXPECT_EQ(Json::parse(ds.out)["train_batch_size"], 512);
+
+  const std::string trace = (scratch() / "t.json").string();
+  const Outcome tr = strata("estimate --model gpt3-175b --cluster dgx-a100-80g --plan tp=8,pp=4,dp=2,gbs=16 --trace " + trace);
+  ASSERT_EQ(tr.code, 0) << tr.err;
+  const Json t = Json::parse(slurp(trace));
+  EXPECT_GT(t["traceEvents"].size(), 64u);
+}
+
+TEST(Cli, PlanExplainsAgainstAComparedPlan) {
+  const Outcome r = strata("plan --model gpt3-175b --cluster dgx-a100-80g --gpus 1024 --global-batch-size 1536 --top 3 "
+                       "--compare tp=8,pp=16,dp=8,mbs=1,gbs=1536,recompute=full,precision=fp16 --precision fp16");
+  ASSERT_EQ(r.code, 0) << r.err;
+  EXPECT_NE(r.out.find("why:"), std::string::npos);
+  EXPECT_NE(r.out.find("best plan against"), std::string::npos);
+}
+
+TEST(Cli, NothingFeasibleExits3WithCounts) {
+  const Outcome r = strata("plan --model gpt3-175b --cluster dgx-a100-80g --gpus 2 --global-batch-size 8");
+  EXPECT_EQ(r.code, 3);
+  EXPECT_NE(r.err.find("no feasible plan"), std::string::npos);
+  EXPECT_NE(r.err.find("out_of_memory"), std::string::npos);
+}
+
+TEST(Cli, ListsPresets) {
+  const Outcome m = strata("plan --list-models"), c = strata("plan --list-clusters");
+  for (const char* n : {"gpt2-124m", "gpt2-1.5b", "gpt3-175b", "llama2-7b", "llama2-70b", "llama3-8b", "llama3-70b",
+                        "llama3-405b", "tiny-gpt", "tiny-llama"})
+    EXPECT_NE(m.out.find(n), std::string::npos) << n;
+  for (const char* n : {"dgx2-v100-32g", "dgx-a100-40g", "dgx-a100-80g", "dgx-h100-80g", "dgx-h200-141g",
+                        "dgx-b200-180g", "local-cpu"})
+    EXPECT_NE(c.out.find(n), std::string::npos) << n;
+}
+
+struct Bad {
+  std::string args;
+  std::string names;  // the message must contain this (the field, flag or value)
+};
+
+TEST(Cli, BadInputExits2NamingTheField) {
+  const std::string E = "estimate --cluster dgx-a100-80g --plan tp=1 --model ";
+  auto model = [&](const std::string& name, const std::string& text) { return E + write(name, text); };
+  const std::string ok_model = R"("hidden_size":64,"num_attention_heads":4,"vocab_size":100,"seq_length":32)";
+  auto cluster_with = [&](const std::string& name, const std::function<void(Json&)>& edit) {
+    Json j = cluster_to_json(load_cluster("dgx-a100-80g"));
+    edit(j);
+    return "estimate --model gpt3-175b --plan tp=8,pp=8 --cluster " + write(name, j.dump());
+  };
+  const std::string P = "estimate --model gpt3-175b --cluster dgx-a100-80g --plan ";
+  const std::string S = "plan --model gpt3-175b --cluster dgx-a100-80g ";
+  const std::string hf_ok = R"("model_type":"llama","num_hidden_layers":2,"num_attention_heads":4,"vocab_size":100,)"
+                            R"("max_position_embeddings":32,"hidden_act":"silu")";
+  const std::vector<Bad> cases = {
+      // Model JSON
+      {model("m1.json", R"({"num_layers": 2,)"), "malformed JSON"},
+      {model("m2.json", "[1, 2]"), "JSON object"},
+      {model("m3.json", "{" + ok_model + "}"), "num_layers"},
+      {model("m4.json", R"({"num_layers":0,)" + ok_model + "}"), "num_layers"},
+      {model("m5.json", R"({"num_layers":-3,)" + ok_model + "}"), "num_layers"},
+      {model("m6.json", R"({"num_layers":2.5,)" + ok_model + "}"), "num_layers"},
+      {model("m7.json", R"({"num_layers":"12",)" + ok_model + "}"), "num_layers"},
+      {model("m8.json", R"({"num_layers":1000000000000,)" + ok_model + "}"), "num_layers"},
+      {model("m9.json", R"({"num_layers":2,"hidden_size":0,"num_attention_heads":4,"vocab_size":100,"seq_length":32})"), "hidden_size"},
+      {model("m10.json", R"({"num_layers":2,"hidden_size":66,"num_attention_heads":4,"vocab_size":100,"seq_length":32})"), "hidden_size"},
+      {model("m11.json", R"({"num_layers":2,"num_query_groups":3,)" + ok_model + "}"), "num_query_groups"},
+      {model("m12.json", R"({"num_layers":2,"hidden_size":64,"num_attention_heads":4,"seq_length":32})"), "vocab_size"},
+      {model("m13.json", R"({"num_layers":2,"hidden_size":64,"num_attention_heads":4,"vocab_size":100,"seq_length":1000000000})"), "seq_length"},
+      {model("m14.json", R"({"num_layers":2,"activation":"relu",)" + ok_model + "}"), "activation"},
+      {model("m15.json", R"({"num_layers":2,"normalization":"batchnorm",)" + ok_model + "}"), "normalization"},
+      {model("m16.json", R"({"num_layer":2,"num_layers":2,)" + ok_model + "}"), "num_layer"},
+      {model("m17.json", R"({"num_layers":2,"tie_embeddings":"yes",)" + ok_model + "}"), "tie_embeddings"},
+      {model("m18.json", R"({"num_layers":2,"attention_dropout":1.5,)" + ok_model + "}"), "attention_dropout"},
+      {model("m19.json", ""), "malformed JSON"},
+      {model("m20.json", R"({"num_layers":2,"ffn_hidden_size":-1,)" + ok_model + "}"), "ffn_hidden_size"},
+      {model("m21.json", R"({"num_layers":2,"vocab_size":0,"hidden_size":64,"num_attention_heads":4,"seq_length":32})"), "vocab_size"},
+      {model("m22.json", R"({"num_layers":2,"num_attention_heads":0,"hidden_size":64,"vocab_size":100,"seq_length":32})"), "num_attention_heads"},
+      // Hugging Face config.json
+      {model("h1.json", "{" + hf_ok + "}"), "hidden_size"},
+      {model("h2.json", R"({"hidden_size":64,)" + hf_ok.substr(0, hf_ok.size()) + R"(,"hidden_act":"relu"})"), "hidden_act"},
+      {model("h3.json", R"({"hidden_size":64,"num_key_value_heads":0,)" + hf_ok + "}"), "num_key_value_heads"},
+      {model("h4.json", R"({"hidden_size":64,"num_hidden_layers":-2,"model_type":"llama","num_attention_heads":4,"vocab_size":100,"max_position_embeddings":32})"), "num_hidden_layers"},
+      // Plans
+      {P + "tp=0", "tensor_parallel"},
+      {P + "tp=-1", "tensor_parallel"},
+      {P + "tp=abc", "tensor_parallel"},
+      {P + "foo=1", "foo"},
+      {P + "zero=5", "zero_stage"},
+      {P + "recompute=partial", "recompute"},
+      {P + "precision=int8", "precision"},
+      {P + "tp=2,tp=2", "twice"},
+      {P + write("p1.json", "{\"tp\": }"), "malformed JSON"},
+      {P + "tp=7", "tensor_parallel=7"},
+      {P + "dp=2,mbs=3,gbs=8", "global_batch_size"},
+      {P + "pp=200", "pipeline_parallel"},
+      {P + "pp=2,vp=5", "num_layers"},
+      {P + "cp=3", "context_parallel"},
+      {P + "precision=fp8", "precision"},
+      {P + "tp=1048576,pp=1048576", "GPUs"},
+      {P + "tp=8=3", "tensor_parallel"},
+      {P + "tp=8,=3", "key=value"},
+      {P + "mbs=0", "micro_batch_size"},
+      {P + "gbs=-4", "global_batch_size"},
+      {P + "sp=maybe", "sequence_parallel"},
+      {P + "schedule=zigzag", "pipeline_schedule"},
+      {P + "num_gpus=3,tp=2", "num_gpus"},
+      {P + "/nonexistent/plan.json", "--plan"},
+      // Clusters
+      {"estimate --model gpt3-175b --plan tp=8 --cluster dgx-z100", "--cluster"},
+      {"estimate --model gpt3-175b --plan tp=8 --cluster " + write("c1.json", "{{"), "malformed JSON"},
+      {cluster_with("c2.json", [](Json& j) { j.erase("device"); }), "device"},
+      {cluster_with("c3.json", [](Json& j) { j["device"]["memory_bytes"] = 0; }), "memory_bytes"},
+      {cluster_with("c4.json", [](Json& j) { j["device"]["gemm_efficiency"] = Json::parse("[[1e9,0.5],[1e8,0.6]]"); }), "gemm_efficiency"},
+      {cluster_with("c5.json", [](Json& j) { j["device"]["gemm_efficiency"] = Json::parse("[[1e9,1.5]]"); }), "gemm_efficiency"},
+      {cluster_with("c6.json", [](Json& j) { j["devices_per_node"] = 0; }), "devices_per_node"},
+      {cluster_with("c7.json", [](Json& j) { j["links"]["intra_node"]["speed"] = 1; }), "speed"},
+      {cluster_with("c8.json", [](Json& j) { j["links"]["inter_node"]["bandwidth_gbps"] = -5; }), "bandwidth_gbps"},
+      {cluster_with("c9.json", [](Json& j) { j["device"]["peak_tflops"]["bf16"] = "fast"; }), "bf16"},
+      {cluster_with("c10.json", [](Json& j) { j["framework"]["default_attention"] = "sparse"; }), "default_attention"},
+      // Command line
+      {S + "--global-batch-size 8", "--gpus"},
+      {S + "--gpus 0 --global-batch-size 8", "--gpus"},
+      {S + "--gpus abc --global-batch-size 8", "--gpus"},
+      {S + "--gpus 8 --global-batch-size -5", "--global-batch-size"},
+      {S + "--gpus 8 --global-batch-size 8 --top 0", "--top"},
+      {S + "--gpus 8 --global-batch-size 8 --export pytorch", "--export"},
+      {S + "--gpus 8 --global-batch-size 8 --foo", "--foo"},
+      {"frobnicate", "frobnicate"},
+      {S + "--gpus 8 --global-batch-size 8 --fix tp=abc", "--fix"},
+      {S + "--gpus 8 --global-batch-size 8 --fix bogus=1", "bogus"},
+      {S + "--gpus 8 --global-batch-size 8 --precision fp4", "--precision"},
+      {S + "--gpus 8 --global-batch-size 8 --attention sparse", "--attention"},
+      {"estimate --model gpt5 --cluster dgx-a100-80g --plan tp=1", "--model"},
+      {"estimate --model /nonexistent/model.json --cluster dgx-a100-80g --plan tp=1", "--model"},
+      {P + "tp=8 --seq-length 0", "--seq-length"},
+      {P + "tp=8,pp=2 --gpus 8", "--gpus"},
+      {P + "tp=8 --trace /nonexistent/dir/trace.json", "--trace"},
+      {P + "tp=8 --json --json", "twice"},
+      {P + "", "--plan"},
+      {"estimate --cluster dgx-a100-80g --plan tp=1", "--model"},
+      {"train --model tiny-gpt --plan tp=1 --steps 2", "train"},
+  };
+  ASSERT_GE(cases.size(), 50u);
+  for (const Bad& b : cases) {
+    const Outcome r = strata(b.args);
+    EXPECT_EQ(r.code, 2) << b.args << "\nstderr: " << r.err;
+    EXPECT_EQ(r.err.rfind("strata: error: ", 0), 0u) << b.args << "\nstderr: " << r.err;
+    EXPECT_NE(r.err.find(b.names), std::string::npos) << b.args << "\nwanted '" << b.names << "' in: " << r.err;
+    EXPECT_EQ(std::count(r.err.begin(), r.err.end(), '\n'), 1) << "one message: " << r.err;
+  }
+  std::printf("%zu bad inputs, each exit 2 with the field named\n", cases.size());
+}
+
+}  // namespace
+}  // namespace strata
