@@ -190,8 +190,8 @@ int cmd_plan(const std::vector<std::string>& argv) {
   }
   const Estimate& best = r.plans.front();
   if (a.has("trace")) write_trace(a.get("trace"), m, cl, best.plan);
-  if (exp == "megatron") return fmt::print("{}", export_megatron(m, best.plan)), kExitOk;
-  if (exp == "deepspeed") return fmt::print("{}", export_deepspeed(m, best.plan)), kExitOk;
+  if (exp == "megatron") return fmt::print("{}", export_megatron(m, best.plan, best.stack)), kExitOk;
+  if (exp == "deepspeed") return fmt::print("{}", export_deepspeed(m, best.plan, best.stack)), kExitOk;
   if (a.has("json")) {
     Json j = search_to_json(r);
     if (a.has("compare")) j["compared"] = estimate_to_json(estimate(m, cl, compare));

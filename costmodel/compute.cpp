@@ -48,10 +48,17 @@ Work operator*(double k, const Work& w) {
   return r;
 }
 
+double gemm_efficiency(const Device& dev, double peak_flops, double flops) {
+  // The curve is measured in the 16-bit precision; a kernel at another peak runs for as
+  // long as a 16-bit one of flops * (bf16 peak / its peak), and fixed costs are in time.
+  const double ref = dev.peak_bf16_flops > 0 ? dev.peak_bf16_flops : dev.peak_fp16_flops;
+  return dev.gemm_efficiency.at(ref > 0 ? flops * ref / peak_flops : flops);
+}
+
 double gemm_time(const Device& dev, double peak_flops, double M, double N, double K, double elem_bytes) {
   const double flops = 2.0 * M * N * K;
   const double bytes = elem_bytes * (M * K + K * N + M * N);
-  const double t_compute = flops / (peak_flops * dev.gemm_efficiency.at(flops));
+  const double t_compute = flops / (peak_flops * gemm_efficiency(dev, peak_flops, flops));
   const double t_memory = memory_time(dev, bytes);
   return std::max({t_compute, t_memory, dev.kernel_launch_s});
 }
@@ -64,7 +71,8 @@ double memory_time(const Device& dev, double bytes) {
 
 ComputeSetup compute_setup(const ModelSpec& m, const Cluster& cl, const Plan& p) {
   ComputeSetup cs;
-  cs.attention = resolve_attention(m, cl, p);
+  cs.stack = resolve_stack(m, cl, p);
+  cs.attention = cs.stack.attention;
   cs.e = bytes_of(p.precision);
   cs.T = static_cast<double>(p.mbs) * static_cast<double>(m.S) / static_cast<double>(p.c);
   cs.Tn = p.sp ? cs.T / static_cast<double>(p.t) : cs.T;
@@ -94,7 +102,7 @@ struct Acc {
     const int64_t N = cl.devices_per_node;
     tp = group_span(p.t, 1, N);
     cp = group_span(p.c, p.t, N);
-    dp = group_span(p.d, p.t * p.c, N);
+    dp = group_span(p.replicas(), p.t, N);  // parameter replicas: data x context parallel
     const Device& dev = cl.device;
     peak_attn = p.precision == Precision::fp8 ? dev.peak_bf16_flops : dev.peak_flops(p.precision);
     peak_linear = dev.peak_flops(p.precision);
@@ -113,6 +121,18 @@ struct Acc {
     record(name, ph, OpKind::gemm, 2 * M * N * K, eb * (M * K + K * N + M * N), t, t);
     return t;
   }
+  // A weight-gradient GEMM. With fused accumulation it adds into the fp32 main gradient
+  // (reading and writing 8 bytes per weight); otherwise accumulation is its own pass
+  // (grad_accumulation ops).
+  double wgrad(const char* name, Phase ph, double M, double N, double K, double peak, double eb) {
+    if (!cs.stack.grad_accumulation_fusion) return gemm(name, ph, M, N, K, peak, eb);
+    const double flops = 2 * M * N * K, bytes = eb * (M * K + K * N) + 8.0 * M * N;
+    const double t = std::max({flops / (peak * gemm_efficiency(cl.device, peak, flops)), memory_time(cl.device, bytes),
+                               cl.device.kernel_launch_s});
+    w(ph).compute_s += t;
+    record(name, ph, OpKind::gemm, flops, bytes, t, t);
+    return t;
+  }
   // A linear layer y = x W with x (M x K), W (K x N). Backward: dgrad (M x N)(N x K) and
   // wgrad (K x M)(M x N) accumulated into the fp32 main gradient.
   double linear(const char* name, Phase ph, double M, double N, double K) {
@@ -121,7 +141,7 @@ struct Acc {
     if (ph != Phase::backward) return t + gemm(name, ph, M, N, K, peak_linear, lin_bytes);
     if (p.precision == Precision::fp8) t += mem("fp8_cast", ph, 3.0 * M * N);
     t += gemm(name, ph, M, K, N, peak_linear, lin_bytes);   // dgrad
-    t += gemm(name, ph, K, N, M, peak_linear, lin_bytes);   // wgrad
+    t += wgrad(name, ph, K, N, M, peak_linear, lin_bytes);  // wgrad
     return t;
   }
   double mem(const char* name, Phase ph, double bytes) {
@@ -182,7 +202,7 @@ double dropout_bytes(double elems, double rate, int e, bool with_residual) {
 // With tp_comm_overlap, the input-gradient collective of a column-parallel layer runs
 // beside its weight-gradient GEMM (Megatron's async all-reduce / reduce-scatter).
 double wgrad_overlap(const Acc& a, double M, double N, double K) {
-  return a.p.tp_comm_overlap ? gemm_time(a.cl.device, a.peak_linear, K, N, M, a.lin_bytes) : 0.0;
+  return a.cs.stack.tp_comm_overlap ? gemm_time(a.cl.device, a.peak_linear, K, N, M, a.lin_bytes) : 0.0;
 }
 
 // Attention core forward (after QKV, before the output projection).
@@ -207,7 +227,7 @@ double attention_core_forward(Acc& a, Phase ph) {
     // QK^T and AV as batched GEMMs: Bh products of (Sq x D)(D x Sk) and (Sq x Sk)(Sk x D).
     const double flops = 2.0 * heads * Sq * Sk * D;
     auto batched = [&](const char* name, double bytes) {
-      const double tt = std::max({flops / (a.peak_attn * a.cl.device.gemm_efficiency.at(flops)),
+      const double tt = std::max({flops / (a.peak_attn * gemm_efficiency(a.cl.device, a.peak_attn, flops)),
                                   memory_time(a.cl.device, bytes), a.cl.device.kernel_launch_s});
       a.w(ph).compute_s += tt;
       a.record(name, ph, OpKind::gemm, flops, bytes, tt, tt);
@@ -248,7 +268,7 @@ double attention_core_backward(Acc& a) {
     const double n_s = heads * Sq * Sk;
     const double flops = 2.0 * heads * Sq * Sk * D;
     auto batched = [&](const char* name, double bytes) {
-      const double tt = std::max({flops / (a.peak_attn * a.cl.device.gemm_efficiency.at(flops)),
+      const double tt = std::max({flops / (a.peak_attn * gemm_efficiency(a.cl.device, a.peak_attn, flops)),
                                   memory_time(a.cl.device, bytes), a.cl.device.kernel_launch_s});
       a.w(ph).compute_s += tt;
       a.record(name, ph, OpKind::gemm, flops, bytes, tt, tt);
@@ -333,7 +353,8 @@ void layer_backward(Acc& a) {
   a.linear("qkv", ph, T, qkv_cols, H);
   a.tp_reduce(p.sp ? "sp_reduce_scatter" : "tp_all_reduce", ph, wgrad_overlap(a, T, qkv_cols, H));
   a.mem("norm1", ph, 3.0 * e * Tn * H);
-  a.mem("grad_accumulation", ph, grad_accumulation_bytes(p.precision) * static_cast<double>(m.layer_params(p.t)));
+  if (!a.cs.stack.grad_accumulation_fusion)
+    a.mem("grad_accumulation", ph, grad_accumulation_bytes(p.precision) * static_cast<double>(m.layer_params(p.t)));
 }
 
 }  // namespace
@@ -345,7 +366,7 @@ LayerCost layer_cost(const ModelSpec& m, const Cluster& cl, const Plan& p, const
   if (p.recompute == Recompute::full) layer_forward(a, Phase::recompute);
   if (p.recompute == Recompute::selective) attention_core_forward(a, Phase::recompute);
   layer_backward(a);
-  if (p.zero == 3 && p.d > 1) {
+  if (p.zero == 3 && p.replicas() > 1) {
     // Parameters gathered before the forward and again before the backward, gradients
     // reduce-scattered after it, each prefetched behind the layer's compute.
     const double params = static_cast<double>(m.layer_params(p.t));
@@ -375,8 +396,9 @@ LayerCost embedding_cost(const ModelSpec& m, const Cluster& cl, const Plan& p, c
   a.tp_gather("sp_all_gather", Phase::backward);
   // Scatter-add of the output gradient into the fp32 embedding gradient rows.
   a.mem("embedding", Phase::backward, (e + 2.0 * cs.grad_bytes) * T * H);
-  a.mem("grad_accumulation", Phase::backward,
-        grad_accumulation_bytes(p.precision) * static_cast<double>(m.word_embedding_params(p.t)));
+  if (!cs.stack.grad_accumulation_fusion)
+    a.mem("grad_accumulation", Phase::backward,
+          grad_accumulation_bytes(p.precision) * static_cast<double>(m.word_embedding_params(p.t)));
   return a.lc;
 }
 
@@ -399,9 +421,10 @@ LayerCost head_cost(const ModelSpec& m, const Cluster& cl, const Plan& p, const 
       a.comm("ce_all_reduce", Phase::forward, OpKind::tp_comm, a.tp, Collective::all_reduce, 4.0 * T);
   // Backward: copy the softmax (8), subtract the one-hot and scale (8), cast back (4 + e).
   a.mem("cross_entropy", Phase::backward, (20.0 + e) * T * Vt);
-  a.mem("grad_accumulation", Phase::backward, grad_accumulation_bytes(p.precision) * H * Vt);
+  if (!cs.stack.grad_accumulation_fusion)
+    a.mem("grad_accumulation", Phase::backward, grad_accumulation_bytes(p.precision) * H * Vt);
   a.gemm("lm_head", Phase::backward, T, H, Vt, peak, eb);   // dgrad
-  a.gemm("lm_head", Phase::backward, H, Vt, T, peak, eb);   // wgrad
+  a.wgrad("lm_head", Phase::backward, H, Vt, T, peak, eb);  // wgrad
   a.tp_reduce(p.sp ? "sp_reduce_scatter" : "tp_all_reduce", Phase::backward);
   a.mem("final_norm", Phase::backward, 3.0 * e * cs.Tn * H);
   return a.lc;

@@ -50,6 +50,7 @@ struct LayerCost {
 
 // What the compute model needs besides the model, cluster and plan: resolved once.
 struct ComputeSetup {
+  Stack stack;      // the software stack, every auto setting resolved
   AttentionKernel attention;
   int e;            // bytes per activation element
   double T;         // tokens per GPU per micro-batch
@@ -62,6 +63,9 @@ ComputeSetup compute_setup(const ModelSpec& m, const Cluster& cl, const Plan& p)
 // GEMM of an (M x K) by (K x N) product in the plan's precision: peak x efficiency(flops),
 // at least the time to move its operands, at least a kernel launch.
 double gemm_time(const Device& dev, double peak_flops, double M, double N, double K, double elem_bytes);
+// Fraction of `peak_flops` a GEMM of `flops` reaches (the device curve, looked up at the
+// 16-bit-equivalent size).
+double gemm_efficiency(const Device& dev, double peak_flops, double flops);
 // A memory-bound kernel moving `bytes`.
 double memory_time(const Device& dev, double bytes);
 

@@ -78,6 +78,7 @@ Estimate estimate(const ModelSpec& m, const Cluster& cl, const Plan& p, const Es
 
   const ComputeSetup cs = compute_setup(m, cl, p);
   est.attention = cs.attention;
+  est.stack = cs.stack;
   const StageLayout lay = make_layout(m.L, p.p, p.v);
   const ScheduleKind kind = p.schedule();
   const int64_t mbs_per_step = p.microbatches();
@@ -129,7 +130,7 @@ Estimate estimate(const ModelSpec& m, const Cluster& cl, const Plan& p, const Es
   SimResult sim = simulate_pipeline(kind, mbs_per_step, st, opt.record_events);
 
   // Data-parallel reduction and the optimizer, per stage, after its last backward.
-  const GroupSpan dp = group_span(p.d, p.t * p.c, cl.devices_per_node);
+  const GroupSpan dp = group_span(p.replicas(), p.t, cl.devices_per_node);
   const double grad_comm_bytes = cs.grad_bytes;
   std::vector<double> dp_exposed(static_cast<size_t>(p.p), 0.0), dp_total(static_cast<size_t>(p.p), 0.0),
       opt_s(static_cast<size_t>(p.p), 0.0), finish(static_cast<size_t>(p.p), 0.0);
@@ -138,8 +139,8 @@ Estimate estimate(const ModelSpec& m, const Cluster& cl, const Plan& p, const Es
     const size_t i = static_cast<size_t>(s);
     const double P = mem[i].params;
     double reduce = 0, gather = 0;
-    if (p.d > 1 && p.zero == 0) reduce = collective_time(cl, dp, Collective::all_reduce, grad_comm_bytes * P);
-    if (p.d > 1 && (p.zero == 1 || p.zero == 2)) {
+    if (dp.size > 1 && p.zero == 0) reduce = collective_time(cl, dp, Collective::all_reduce, grad_comm_bytes * P);
+    if (dp.size > 1 && (p.zero == 1 || p.zero == 2)) {
       reduce = collective_time(cl, dp, Collective::reduce_scatter, grad_comm_bytes * P);
       gather = collective_time(cl, dp, Collective::all_gather, cs.weight_bytes * P);
     }
@@ -149,11 +150,11 @@ Estimate estimate(const ModelSpec& m, const Cluster& cl, const Plan& p, const Es
     for (int64_t c = 0; c < lay.v; ++c) window += st.b(s, c);
     const double last_bucket = reduce * std::min(1.0, kBucketParams / std::max(P, 1.0));
     double exposed = reduce;
-    if (p.overlap_grad_reduce) {
+    if (cs.stack.overlap_grad_reduce) {
       exposed = std::max(reduce - window, last_bucket);
       exposed += cl.overlap_slowdown * (reduce - exposed);
     }
-    if (p.overlap_param_gather) {
+    if (cs.stack.overlap_param_gather) {
       const double hidden = std::min(gather, st.f(s, 0));
       exposed += gather - hidden + cl.overlap_slowdown * hidden;
     } else {
@@ -169,7 +170,7 @@ Estimate estimate(const ModelSpec& m, const Cluster& cl, const Plan& p, const Es
     }
     dp_exposed[i] = exposed;
     dp_total[i] = reduce + gather;
-    opt_s[i] = optimizer_time(cl.device, p, p.zero >= 1 ? P / static_cast<double>(p.d) : P, P);
+    opt_s[i] = optimizer_time(cl.device, p, p.zero >= 1 ? P / static_cast<double>(p.replicas()) : P, P);
     finish[i] = sim.end_s[i] + exposed + opt_s[i];
   }
   size_t crit = 0;
@@ -256,6 +257,7 @@ Json estimate_to_json(const Estimate& e) {
   j["critical_stage"] = e.critical_stage;
   j["microbatches"] = e.microbatches;
   j["attention"] = to_string(e.attention);
+  j["stack"] = stack_to_json(e.stack);
   j["schedule"] = to_string(e.plan.schedule());
   j["comm_before_overlap_s"] = {{"tp_comm", e.tp_comm_total_s}, {"dp_comm", e.dp_comm_total_s}};
   return j;

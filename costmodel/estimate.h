@@ -39,6 +39,7 @@ struct Estimate {
   int64_t critical_stage = 0;     // the stage whose finish sets the step time
   int64_t microbatches = 0;
   AttentionKernel attention = AttentionKernel::flash;
+  Stack stack;                    // the software stack the plan resolved to
   double dp_comm_total_s = 0;     // data-parallel communication before overlap (critical stage)
   double tp_comm_total_s = 0;     // tensor-parallel communication before overlap (critical stage)
 };

@@ -152,8 +152,7 @@ Cluster cluster_from_json(const Json& j, const std::string& source) {
     c.allocator_fragmentation = w.real("allocator_fragmentation", 0, 10);
     c.step_overhead_s = w.real("step_overhead_s", 0, 1e4);
     c.overlap_slowdown = w.real_or("overlap_slowdown", 0, 0, 1);
-    const std::string a = w.choice_or("default_attention", "flash", {"flash", "unfused"});
-    c.default_attention = a == "flash" ? AttentionKernel::flash : AttentionKernel::unfused;
+    c.modern_stack = w.choice_or("software_stack", "modern", {"modern", "legacy"}) == "modern";
     w.ignore("description");
     w.reject_unknown();
   }
@@ -199,7 +198,7 @@ Json cluster_to_json(const Cluster& c) {
         {"allocator_fragmentation", c.allocator_fragmentation},
         {"step_overhead_s", c.step_overhead_s},
         {"overlap_slowdown", c.overlap_slowdown},
-        {"default_attention", to_string(c.default_attention)}}}};
+        {"software_stack", c.modern_stack ? "modern" : "legacy"}}}};
 }
 
 std::vector<std::string> cluster_preset_names() {

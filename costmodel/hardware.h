@@ -53,7 +53,10 @@ struct Cluster {
   double allocator_fragmentation = 0;    // reserved beyond live tensors, as a fraction of them
   double step_overhead_s = 0;            // per step: data loading, logging, launch gaps
   double overlap_slowdown = 0;           // compute time lost per second of communication hidden behind it
-  AttentionKernel default_attention = AttentionKernel::flash;
+  // The software stack published runs on this hardware use: modern (Megatron-core / TE /
+  // FSDP: FlashAttention, fused fp32 gradient accumulation, overlapped communication) or
+  // legacy (the 2020-2022 Megatron-LM and DeepSpeed of the V100/A100 era). See resolve_stack.
+  bool modern_stack = true;
 };
 
 struct EmbeddedProfile {

@@ -50,6 +50,10 @@ Fields::Fields(const Json& object, std::string path) : obj_(object), path_(std::
 
 std::string Fields::path_of(const std::string& key) const { return path_ + "." + key; }
 
+const Json* Fields::peek(const std::string& key) const {
+  return obj_.contains(key) ? &obj_.at(key) : nullptr;
+}
+
 bool Fields::has(const std::string& key) const { return obj_.contains(key) && !obj_.at(key).is_null(); }
 
 const Json& Fields::get(const std::string& key, const char* expected_type) {

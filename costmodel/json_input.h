@@ -35,6 +35,8 @@ class Fields {
   Fields(const Json& object, std::string path);
 
   bool has(const std::string& key) const;
+  // The raw value, or null when absent (does not mark the key as read).
+  const Json* peek(const std::string& key) const;
   // Integers: JSON numbers with no fractional part, within [lo, hi].
   int64_t integer(const std::string& key, int64_t lo, int64_t hi);
   int64_t integer_or(const std::string& key, int64_t fallback, int64_t lo, int64_t hi);

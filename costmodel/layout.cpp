@@ -18,12 +18,14 @@ StageLayout make_layout(int64_t L, int64_t p, int64_t v) {
     for (auto& x : out.layers) x = L / (p * v);
     return out;
   }
-  // Uneven cases only arise with v == 1 (check_plan refuses the others).
-  if (p >= 2 && (L + 2) % p == 0) {
-    const int64_t per = (L + 2) / p;
-    for (int64_t s = 0; s < p; ++s) out.layers[static_cast<size_t>(s)] = (s == 0 || s == p - 1) ? per - 1 : per;
+  if (p >= 2 && (L + 2) % (p * v) == 0) {
+    const int64_t per = (L + 2) / (p * v);
+    for (auto& x : out.layers) x = per;
+    out.layers.front() = per - 1;  // stage 0, chunk 0: the embedding's slot
+    out.layers.back() = per - 1;   // stage p-1, chunk v-1: the output layer's slot
     return out;
   }
+  // Other uneven cases only arise with v == 1 (check_plan refuses the rest).
   const int64_t base = L / p, extra = L % p;
   for (int64_t s = 0; s < p; ++s) out.layers[static_cast<size_t>(s)] = base;
   // Give the extra layers to the middle stages first (the ends carry embedding and head).

@@ -1,10 +1,11 @@
 // Which layers each pipeline stage and virtual chunk holds, and where the embedding and
-// the output layer live. Rule (Megatron, and Megatron-DeepSpeed's
-// 'type:transformer|embedding' partition used by BLOOM and Llama 3 405B):
-//   L divisible by p*v:        L/(p*v) layers per chunk;
-//   else (L+2) divisible by p: embedding and output layer each take a layer's slot, so the
-//                              first and the last stage hold (L+2)/p - 1 layers;
-//   else:                      as even as possible, the extra layers on the middle stages.
+// the output layer live. Rule (Megatron; Megatron-DeepSpeed's 'type:transformer|embedding'
+// partition used by BLOOM; Llama 3 405B's first and last stage one layer short):
+//   L divisible by p*v:          L/(p*v) layers per chunk;
+//   else (L+2) divisible by p*v: embedding and output layer each take a layer's slot, so
+//                                the first chunk of the first stage and the last chunk of
+//                                the last stage hold (L+2)/(p*v) - 1 layers;
+//   else (v = 1):                as even as possible, extra layers on the middle stages.
 #pragma once
 
 #include <cstdint>

@@ -20,18 +20,19 @@
 
 namespace strata {
 
-StateBytes state_bytes(Precision prec) {
+StateBytes state_bytes(Precision prec, bool fused) {
   switch (prec) {
     // fp32 weights are the master copy; gradients fp32; Adam m and v.
     case Precision::fp32: return {4, 4, 8};
     // fp16 weights and gradients; optimizer: fp32 master, fp32 gradient copy, m, v
     // (Megatron's "20 bytes per parameter", 4 + 16/d with the distributed optimizer).
     case Precision::fp16: return {2, 2, 16};
-    // bf16 weights; bf16 gradients plus the fp32 accumulation buffer they are summed into
-    // (BLOOM's bf16 optimizer; unsharded below ZeRO-2); optimizer fp32 master, m, v.
-    case Precision::bf16: return {2, 6, 12};
+    // bf16 weights; fp32 main gradients, plus (legacy stacks: DeepSpeed's bf16 optimizer,
+    // Megatron without gradient-accumulation fusion) the bf16 gradients summed into them;
+    // optimizer fp32 master, m, v. Megatron's "6 + 12/d" with fusion, BLOOM's "2 + 2 + 4".
+    case Precision::bf16: return {2, fused ? 4.0 : 6.0, 12};
     // As bf16, plus the fp8 copy of the weights the linear layers read.
-    case Precision::fp8: return {3, 6, 12};
+    case Precision::fp8: return {3, fused ? 4.0 : 6.0, 12};
   }
   return {2, 6, 12};
 }
@@ -75,14 +76,16 @@ double embedding_activation_bytes(const ModelSpec& m, const Plan&, const Compute
 double head_activation_bytes(const ModelSpec& m, const Plan& p, const ComputeSetup& cs) {
   const double H = static_cast<double>(m.H);
   const double Vt = static_cast<double>(m.padded_vocab(p.t)) / static_cast<double>(p.t);
-  // Final norm input and output (the output layer's input), fp32 softmax kept for backward.
-  return 2.0 * cs.e * cs.Tn * H + 4.0 * cs.T * Vt;
+  // Final norm input and output (the output layer's input), and what the loss keeps for
+  // backward: legacy stacks an fp32 softmax, modern fused cross-entropy the logits as they are.
+  return 2.0 * cs.e * cs.Tn * H + (cs.stack.modern ? cs.e : 4.0) * cs.T * Vt;
 }
 
 double head_working_bytes(const ModelSpec& m, const Plan& p, const ComputeSetup& cs) {
   const double Vt = static_cast<double>(m.padded_vocab(p.t)) / static_cast<double>(p.t);
-  // The half-precision logits being cast, then the fp32 gradient of the logits.
-  return (cs.e + 4.0) * cs.T * Vt;
+  // Legacy: the half-precision logits being cast, then the fp32 gradient of the logits.
+  // Modern fused cross-entropy: the gradient of the logits in place of the logits.
+  return (cs.stack.modern ? cs.e : cs.e + 4.0) * cs.T * Vt;
 }
 
 double stage_params(const ModelSpec& m, const Plan& p, const StageLayout& lay, int64_t s) {
@@ -103,8 +106,8 @@ MemoryBreakdown stage_memory(const ModelSpec& m, const Cluster& cl, const Plan& 
   mb.stage = s;
   const double P = stage_params(m, p, lay, s);
   mb.params = P;
-  const double d = static_cast<double>(p.d);
-  const StateBytes sb = state_bytes(p.precision);
+  const double d = static_cast<double>(p.replicas());
+  const StateBytes sb = state_bytes(p.precision, cs.stack.grad_accumulation_fusion);
   mb.weights = sb.weights * P / (p.zero >= 3 ? d : 1.0);
   mb.gradients = sb.gradients * P / (p.zero >= 2 ? d : 1.0);
   mb.optimizer_states = sb.optimizer_states * P / (p.zero >= 1 ? d : 1.0);
@@ -132,20 +135,25 @@ MemoryBreakdown stage_memory(const ModelSpec& m, const Cluster& cl, const Plan& 
   // and its prefetched successor, and one layer of gradients to reduce-scatter.
   double comm = 0;
   if (p.p > 1) comm += 4.0 * cs.e * cs.Tn * static_cast<double>(m.H);
-  if ((p.zero == 1 || p.zero == 2) && p.d > 1) {
-    // Sharded optimizers stage gradients and parameters through flat buckets: DeepSpeed's
-    // reduce_bucket_size and allgather_bucket_size default to 5e8 elements each.
+  if ((p.zero == 1 || p.zero == 2) && p.replicas() > 1 && !cs.stack.modern) {
+    // Legacy sharded optimizers stage gradients and parameters through flat buckets:
+    // DeepSpeed's reduce_bucket_size and allgather_bucket_size default to 5e8 elements
+    // each. (Megatron-core's distributed optimizer works in place in its buffers.)
     constexpr double kBucketParams = 5e8;
     comm += std::min(P, kBucketParams) * (cs.grad_bytes + cs.weight_bytes);
   }
-  if (p.zero >= 3 && p.d > 1) {
+  if (p.zero >= 3 && p.replicas() > 1) {
     const double lp = static_cast<double>(m.layer_params(p.t));
     comm += 2.0 * cs.weight_bytes * lp + cs.grad_bytes * lp;
   }
   mb.comm_buffers = comm;
   // The framework's own memory (CUDA context, library workspaces, communicator buffers) and
   // what the caching allocator reserves beyond the live tensors, as a fraction of them.
-  mb.framework_overhead = cl.framework_overhead_bytes + cl.allocator_fragmentation * (mb.activations + mb.gradients);
+  // Fragmentation hits what is allocated and freed during the step: activations, and on
+  // legacy stacks the per-parameter gradients autograd allocates (modern stacks keep them
+  // in one contiguous buffer).
+  const double churn = mb.activations + (cs.stack.modern ? 0.0 : mb.gradients);
+  mb.framework_overhead = cl.framework_overhead_bytes + cl.allocator_fragmentation * churn;
   mb.peak = mb.weights + mb.gradients + mb.optimizer_states + mb.activations + mb.comm_buffers + mb.framework_overhead;
   return mb;
 }

@@ -27,7 +27,8 @@ struct MemoryBreakdown {
 struct StateBytes {
   double weights, gradients, optimizer_states;
 };
-StateBytes state_bytes(Precision prec);
+// fused: gradients accumulate straight into fp32 main gradients (no half-precision copy).
+StateBytes state_bytes(Precision prec, bool fused);
 
 // Activations one transformer layer keeps for its backward, per micro-batch, per GPU.
 double layer_activation_bytes(const ModelSpec& m, const Plan& p, const ComputeSetup& cs);

@@ -80,9 +80,18 @@ Plan plan_from_json(const Json& in, const std::string& source) {
     fail_field(source + ".pipeline_schedule", "\"gpipe\"", "cannot be combined with virtual_pipeline_stages > 1");
   const std::string at = f.choice_or("attention", "auto", {"auto", "flash", "unfused"});
   p.attention = at == "auto" ? AttentionChoice::automatic : at == "flash" ? AttentionChoice::flash : AttentionChoice::unfused;
-  p.overlap_grad_reduce = f.boolean_or("overlap_grad_reduce", false);
-  p.overlap_param_gather = f.boolean_or("overlap_param_gather", false);
-  p.tp_comm_overlap = f.boolean_or("tp_comm_overlap", false);
+  auto tristate = [&](const char* key) {
+    const Json* v = f.peek(key);
+    if (!v || v->is_null() || (v->is_string() && *v == "auto")) {
+      f.ignore(key);
+      return Tristate::automatic;
+    }
+    return f.boolean_or(key, false) ? Tristate::on : Tristate::off;
+  };
+  p.overlap_grad_reduce = tristate("overlap_grad_reduce");
+  p.overlap_param_gather = tristate("overlap_param_gather");
+  p.tp_comm_overlap = tristate("tp_comm_overlap");
+  p.grad_accumulation_fusion = tristate("grad_accumulation_fusion");
   const double world = static_cast<double>(p.t) * static_cast<double>(p.p) * static_cast<double>(p.d) *
                        static_cast<double>(p.c);
   if (world > static_cast<double>(kMaxWorld))
@@ -151,6 +160,10 @@ Plan load_plan(const std::string& s) {
   return plan_from_json(parse_inline_pairs(s, "--plan"), "plan");
 }
 
+namespace {
+Json tristate_json(Tristate t) { return t == Tristate::automatic ? Json("auto") : Json(t == Tristate::on); }
+}  // namespace
+
 Json plan_to_json(const Plan& p) {
   return Json{{"tensor_parallel", p.t},
               {"pipeline_parallel", p.p},
@@ -166,9 +179,10 @@ Json plan_to_json(const Plan& p) {
               {"pipeline_schedule", p.gpipe ? "gpipe" : "1f1b"},
               {"attention", p.attention == AttentionChoice::automatic ? "auto"
                             : p.attention == AttentionChoice::flash ? "flash" : "unfused"},
-              {"overlap_grad_reduce", p.overlap_grad_reduce},
-              {"overlap_param_gather", p.overlap_param_gather},
-              {"tp_comm_overlap", p.tp_comm_overlap},
+              {"overlap_grad_reduce", tristate_json(p.overlap_grad_reduce)},
+              {"overlap_param_gather", tristate_json(p.overlap_param_gather)},
+              {"tp_comm_overlap", tristate_json(p.tp_comm_overlap)},
+              {"grad_accumulation_fusion", tristate_json(p.grad_accumulation_fusion)},
               {"num_gpus", p.world_size()},
               {"gradient_accumulation_steps", p.mbs * p.d > 0 ? p.gbs / (p.mbs * p.d) : 0}};
 }
@@ -183,15 +197,42 @@ std::string plan_to_inline(const Plan& p) {
   if (p.gpipe) s += ",schedule=gpipe";
   if (p.attention != AttentionChoice::automatic)
     s += p.attention == AttentionChoice::flash ? ",attention=flash" : ",attention=unfused";
+  auto tri = [&](const char* k, Tristate t) {
+    if (t != Tristate::automatic) s += fmt::format(",{}={}", k, t == Tristate::on ? 1 : 0);
+  };
+  tri("overlap_grad_reduce", p.overlap_grad_reduce);
+  tri("overlap_param_gather", p.overlap_param_gather);
+  tri("tp_comm_overlap", p.tp_comm_overlap);
+  tri("grad_accumulation_fusion", p.grad_accumulation_fusion);
+  return s;
+}
+
+Stack resolve_stack(const ModelSpec& m, const Cluster& cl, const Plan& p) {
+  Stack s;
+  s.modern = cl.modern_stack || m.position == Position::rope || p.c > 1 || p.precision == Precision::fp8;
+  auto pick = [&](Tristate t) { return t == Tristate::automatic ? s.modern : t == Tristate::on; };
+  s.attention = p.attention == AttentionChoice::flash     ? AttentionKernel::flash
+                : p.attention == AttentionChoice::unfused ? AttentionKernel::unfused
+                : s.modern                                ? AttentionKernel::flash
+                                                          : AttentionKernel::unfused;
+  s.overlap_grad_reduce = pick(p.overlap_grad_reduce);
+  s.overlap_param_gather = pick(p.overlap_param_gather);
+  s.tp_comm_overlap = pick(p.tp_comm_overlap);
+  s.grad_accumulation_fusion = pick(p.grad_accumulation_fusion);
   return s;
 }
 
 AttentionKernel resolve_attention(const ModelSpec& m, const Cluster& cl, const Plan& p) {
-  if (p.attention == AttentionChoice::flash) return AttentionKernel::flash;
-  if (p.attention == AttentionChoice::unfused) return AttentionKernel::unfused;
-  if (cl.default_attention == AttentionKernel::flash || p.c > 1 || m.position == Position::rope)
-    return AttentionKernel::flash;
-  return AttentionKernel::unfused;
+  return resolve_stack(m, cl, p).attention;
+}
+
+Json stack_to_json(const Stack& s) {
+  return Json{{"software_stack", s.modern ? "modern" : "legacy"},
+              {"attention", to_string(s.attention)},
+              {"overlap_grad_reduce", s.overlap_grad_reduce},
+              {"overlap_param_gather", s.overlap_param_gather},
+              {"tp_comm_overlap", s.tp_comm_overlap},
+              {"grad_accumulation_fusion", s.grad_accumulation_fusion}};
 }
 
 std::vector<Reason> check_plan(const ModelSpec& m, const Cluster& cl, const Plan& p, bool messages) {
@@ -216,8 +257,9 @@ std::vector<Reason> check_plan(const ModelSpec& m, const Cluster& cl, const Plan
                               m.S / p.c, p.t));
   if (p.v > 1) {
     if (p.p < 2) add("vp_needs_pp", fmt::format("virtual_pipeline_stages={} needs pipeline_parallel >= 2", p.v));
-    if (m.L % (p.p * p.v) != 0)
-      add("layers_vp", fmt::format("num_layers={} must be divisible by pipeline_parallel*virtual_pipeline_stages={}",
+    if (m.L % (p.p * p.v) != 0 && (m.L + 2) % (p.p * p.v) != 0)
+      add("layers_vp", fmt::format("num_layers={} (or num_layers + 2, with the embedding and output layer in a "
+                                   "layer's slot) must be divisible by pipeline_parallel*virtual_pipeline_stages={}",
                                    m.L, p.p * p.v));
   } else if (p.p > m.L) {
     add("layers_pp", fmt::format("pipeline_parallel={} exceeds num_layers={}", p.p, m.L));

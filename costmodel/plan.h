@@ -17,6 +17,8 @@ namespace strata {
 enum class Recompute { none, selective, full };
 enum class ScheduleKind { gpipe, one_f_one_b, interleaved };
 enum class AttentionChoice { automatic, unfused, flash };
+// A setting whose default comes from the software stack (resolve_stack).
+enum class Tristate { automatic, off, on };
 
 struct Plan {
   int64_t t = 1;  // tensor_parallel
@@ -31,13 +33,17 @@ struct Plan {
   bool sp = false;  // sequence_parallel
   Precision precision = Precision::bf16;
   bool gpipe = false;  // pipeline_schedule "gpipe"; otherwise 1F1B (interleaved when v > 1)
-  // Extensions (Megatron-LM names):
+  // Extensions (Megatron-LM names); "auto" follows the software stack (resolve_stack).
   AttentionChoice attention = AttentionChoice::automatic;
-  bool overlap_grad_reduce = false;   // DP reduction overlaps the last micro-batch's backward
-  bool overlap_param_gather = false;  // ZeRO-1/2 parameter all-gather overlaps the next forward
-  bool tp_comm_overlap = false;       // backward TP collectives overlap the weight-gradient GEMMs
+  Tristate overlap_grad_reduce = Tristate::automatic;       // DP reduction beside the last backward
+  Tristate overlap_param_gather = Tristate::automatic;      // ZeRO-1/2 parameter all-gather beside the next forward
+  Tristate tp_comm_overlap = Tristate::automatic;           // backward TP collectives beside the wgrad GEMMs
+  Tristate grad_accumulation_fusion = Tristate::automatic;  // wgrad GEMMs accumulate into fp32 main grads
 
   int64_t world_size() const { return t * p * d * c; }
+  // Ranks holding the same parameters: data x context parallel (Megatron's data-parallel
+  // group with context parallelism). Gradients are reduced and ZeRO shards across them.
+  int64_t replicas() const { return d * c; }
   int64_t microbatches() const { return gbs / (mbs * d); }  // per pipeline, per step
   ScheduleKind schedule() const {
     return gpipe ? ScheduleKind::gpipe : (v > 1 ? ScheduleKind::interleaved : ScheduleKind::one_f_one_b);
@@ -62,10 +68,23 @@ struct Reason {
 // With messages = false only the keys are filled (the planner's hot loop).
 std::vector<Reason> check_plan(const ModelSpec& m, const Cluster& cl, const Plan& p, bool messages = true);
 
-// The attention kernel the plan runs: the plan's choice, or for "auto" FlashAttention
-// when the cluster's stack defaults to it, the model is Llama-style (RoPE) or context
-// parallel is on (Megatron's CP requires the fused kernel); otherwise unfused softmax.
+// The software stack a plan runs on, every "auto" setting resolved. Modern (Megatron-core
+// with Transformer Engine, FSDP, torchtitan) when the cluster's published runs use it, the
+// model is Llama-style (RoPE: every published Llama-family run), context parallelism is on
+// (it needs fused attention) or the precision is fp8 (Transformer Engine): FlashAttention,
+// gradient accumulation fused into fp32 main gradients, data- and tensor-parallel
+// communication overlapped. Legacy (2020-2022 Megatron-LM, DeepSpeed): unfused softmax,
+// bf16 gradients accumulated into a separate fp32 buffer, communication exposed. Each
+// setting the plan gives explicitly wins.
+struct Stack {
+  bool modern = false;
+  AttentionKernel attention = AttentionKernel::unfused;
+  bool overlap_grad_reduce = false, overlap_param_gather = false, tp_comm_overlap = false,
+       grad_accumulation_fusion = false;
+};
+Stack resolve_stack(const ModelSpec& m, const Cluster& cl, const Plan& p);
 AttentionKernel resolve_attention(const ModelSpec& m, const Cluster& cl, const Plan& p);
+Json stack_to_json(const Stack& s);
 
 const char* to_string(Recompute r);
 const char* to_string(ScheduleKind s);

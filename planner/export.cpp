@@ -5,7 +5,7 @@
 
 namespace strata {
 
-std::string export_megatron(const ModelSpec& m, const Plan& p) {
+std::string export_megatron(const ModelSpec& m, const Plan& p, const Stack& stack) {
   std::string notes, f;
   auto flag = [&](const std::string& s) { f += (f.empty() ? "" : " \\\n    ") + s; };
   flag(fmt::format("--tensor-model-parallel-size {}", p.t));
@@ -38,9 +38,11 @@ std::string export_megatron(const ModelSpec& m, const Plan& p) {
     case Precision::fp8: flag("--bf16"); flag("--fp8-format hybrid"); break;
     case Precision::fp32: break;
   }
-  if (p.overlap_grad_reduce && p.d > 1) flag("--overlap-grad-reduce");
-  if (p.overlap_param_gather && p.d > 1 && p.zero >= 1) flag("--overlap-param-gather");
-  if (p.tp_comm_overlap && p.t > 1) flag("--tp-comm-overlap");
+  if (stack.overlap_grad_reduce && p.d > 1) flag("--overlap-grad-reduce");
+  if (stack.overlap_param_gather && p.d > 1 && p.zero >= 1) flag("--overlap-param-gather");
+  if (stack.tp_comm_overlap && p.t > 1) flag("--tp-comm-overlap");
+  if (!stack.grad_accumulation_fusion) flag("--no-gradient-accumulation-fusion");
+  flag(stack.attention == AttentionKernel::flash ? "--attention-backend flash" : "--attention-backend unfused");
   if (p.gpipe)
     notes += "# pipeline_schedule=gpipe: Megatron-LM runs 1F1B only; the flags below give its 1F1B schedule.\n";
   // The model.
@@ -65,13 +67,13 @@ std::string export_megatron(const ModelSpec& m, const Plan& p) {
                      p.world_size(), p.t, p.p, p.d, p.c, notes, f);
 }
 
-std::string export_deepspeed(const ModelSpec& m, const Plan& p) {
+std::string export_deepspeed(const ModelSpec& m, const Plan& p, const Stack& stack) {
   Json j;
   j["train_batch_size"] = p.gbs;
   j["train_micro_batch_size_per_gpu"] = p.mbs;
   j["gradient_accumulation_steps"] = p.gbs / (p.mbs * p.d);
   j["gradient_clipping"] = 1.0;
-  Json z = {{"stage", p.zero}, {"overlap_comm", p.overlap_grad_reduce}, {"contiguous_gradients", true}};
+  Json z = {{"stage", p.zero}, {"overlap_comm", stack.overlap_grad_reduce}, {"contiguous_gradients", true}};
   if (p.zero == 3) {
     z["stage3_prefetch_bucket_size"] = m.layer_params(p.t);
     z["stage3_param_persistence_threshold"] = 0;

@@ -9,7 +9,8 @@
 
 namespace strata {
 
-std::string export_megatron(const ModelSpec& m, const Plan& p);
-std::string export_deepspeed(const ModelSpec& m, const Plan& p);
+// `stack` is the plan's resolved software stack (resolve_stack).
+std::string export_megatron(const ModelSpec& m, const Plan& p, const Stack& stack);
+std::string export_deepspeed(const ModelSpec& m, const Plan& p, const Stack& stack);
 
 }  // namespace strata

@@ -125,12 +125,14 @@ SearchResult search(const ModelSpec& m, const Cluster& cl, const SearchOptions& 
   };
 
   const Recompute recomputes[] = {Recompute::none, Recompute::selective, Recompute::full};
-  AttentionChoice attention = opt.attention;
-  if (attention == AttentionChoice::automatic) {
-    Plan probe;
-    attention = resolve_attention(m, cl, probe) == AttentionKernel::flash ? AttentionChoice::flash
-                                                                           : AttentionChoice::unfused;
-  }
+  // One software stack for every candidate: resolved for a plan without context
+  // parallelism, then pinned, so a context-parallel candidate does not buy a different
+  // stack (it needs flash attention; with an unfused stack it is rejected).
+  Plan probe;
+  probe.precision = opt.precision;
+  probe.attention = opt.attention;
+  const Stack stack = resolve_stack(m, cl, probe);
+  auto pin = [](bool b) { return b ? Tristate::on : Tristate::off; };
   for (int64_t t : divisors(N)) {
     if (!allowed(fx.t, t)) continue;
     for (int64_t p : divisors(N / t)) {
@@ -139,11 +141,15 @@ SearchResult search(const ModelSpec& m, const Cluster& cl, const SearchOptions& 
         if (!allowed(fx.c, c)) continue;
         const int64_t d = N / (t * p * c);
         if (!allowed(fx.d, d)) continue;
-        // Virtual stages: divisors of the layers per stage (only 1 for uneven layouts).
+        // Virtual stages: divisors of the layers per stage, or of the layer slots per stage
+        // when the embedding and output layer take one each ((L+2)/p).
         std::vector<int64_t> vs = {1};
         if (p > 1 && m.L % p == 0)
           for (int64_t v : divisors(m.L / p))
             if (v > 1) vs.push_back(v);
+        if (p > 1 && (m.L + 2) % p == 0)
+          for (int64_t v : divisors((m.L + 2) / p))
+            if (v > 1 && (m.L + 2) / (p * v) >= 2 && std::find(vs.begin(), vs.end(), v) == vs.end()) vs.push_back(v);
         std::vector<int64_t> mbss;
         if (opt.gbs % d == 0) mbss = divisors(opt.gbs / d);
         for (int64_t v : vs) {
@@ -166,7 +172,12 @@ SearchResult search(const ModelSpec& m, const Cluster& cl, const SearchOptions& 
                     pl.t = t; pl.p = p; pl.d = d; pl.c = c; pl.v = v; pl.mbs = mbs; pl.gbs = opt.gbs;
                     pl.zero = zero; pl.recompute = rc; pl.sp = sp == 1; pl.precision = opt.precision;
                     pl.gpipe = gp == 1;
-                    pl.attention = attention;
+                    pl.attention = stack.attention == AttentionKernel::flash ? AttentionChoice::flash
+                                                                             : AttentionChoice::unfused;
+                    pl.overlap_grad_reduce = pin(stack.overlap_grad_reduce);
+                    pl.overlap_param_gather = pin(stack.overlap_param_gather);
+                    pl.tp_comm_overlap = pin(stack.tp_comm_overlap);
+                    pl.grad_accumulation_fusion = pin(stack.grad_accumulation_fusion);
                     // Uneven pipelines are searched only in the (L+2)/p embedding-slot form.
                     if (v == 1 && p > 1 && m.L % p != 0 && (m.L + 2) % p != 0) {
                       reject("layers_pp");

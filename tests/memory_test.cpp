@@ -45,10 +45,13 @@ TEST_F(Korthikanti, FlashAttentionKeepsOnlyTheLogSumExp) {
 TEST(Memory, StateBytesPerParameter) {
   // Megatron's table: fp16 params and grads 20 bytes without sharding (4 + 16/d sharded);
   // bf16 here: 2 + 6 (bf16 grads + fp32 accumulation) + 12.
-  const StateBytes f16 = state_bytes(Precision::fp16), b16 = state_bytes(Precision::bf16);
+  const StateBytes f16 = state_bytes(Precision::fp16, false), b16 = state_bytes(Precision::bf16, false);
   EXPECT_DOUBLE_EQ(f16.weights + f16.gradients + f16.optimizer_states, 20);
   EXPECT_DOUBLE_EQ(b16.weights + b16.gradients + b16.optimizer_states, 20);
-  EXPECT_DOUBLE_EQ(state_bytes(Precision::fp32).optimizer_states, 8);
+  // With gradient-accumulation fusion: Megatron's "6 + 12/d" for bf16.
+  const StateBytes fused = state_bytes(Precision::bf16, true);
+  EXPECT_DOUBLE_EQ(fused.weights + fused.gradients, 6);
+  EXPECT_DOUBLE_EQ(state_bytes(Precision::fp32, false).optimizer_states, 8);
 }
 
 TEST(Memory, StageParametersPlaceEmbeddingsAndTheTiedCopy) {
@@ -64,6 +67,29 @@ TEST(Memory, StageParametersPlaceEmbeddingsAndTheTiedCopy) {
                    96 * layer + emb + 2048.0 * 12288 + 2.0 * 12288);  // one shared copy
 }
 
+TEST(Memory, LayoutsGiveEmbeddingAndHeadALayerSlot) {
+  // Llama 3 405B: 126 layers on 16 stages, first and last one layer short (128 = 16 * 8).
+  StageLayout lay = make_layout(126, 16, 1);
+  EXPECT_EQ(lay.stage_layers(0), 7);
+  EXPECT_EQ(lay.stage_layers(5), 8);
+  EXPECT_EQ(lay.stage_layers(15), 7);
+  // Interleaved: 128 slots in 16 x 4 chunks of 2; the embedding's and the head's chunks hold 1.
+  lay = make_layout(126, 16, 4);
+  EXPECT_EQ(lay.chunk_layers(0, 0), 1);
+  EXPECT_EQ(lay.chunk_layers(15, 3), 1);
+  EXPECT_EQ(lay.chunk_layers(0, 1), 2);
+  int64_t total = 0;
+  for (int64_t s = 0; s < 16; ++s) total += lay.stage_layers(s);
+  EXPECT_EQ(total, 126);
+  // BLOOM 176B: 70 layers + 2 on 12 stages.
+  lay = make_layout(70, 12, 1);
+  EXPECT_EQ(lay.stage_layers(0), 5);
+  EXPECT_EQ(lay.stage_layers(1), 6);
+  // Neither divides: as even as possible.
+  lay = make_layout(10, 4, 1);
+  EXPECT_EQ(lay.stage_layers(0) + lay.stage_layers(1) + lay.stage_layers(2) + lay.stage_layers(3), 10);
+}
+
 TEST(Memory, ZeroStagesDivideTheirStates) {
   const ModelSpec m = load_model("llama2-7b");
   const Cluster c = testing::round_cluster();
@@ -76,11 +102,20 @@ TEST(Memory, ZeroStagesDivideTheirStates) {
     const MemoryBreakdown mb = stage_memory(m, c, p, lay, cs, 0, 1, 1, 1);
     const double P = mb.params;
     EXPECT_DOUBLE_EQ(mb.optimizer_states, 12 * P / (z >= 1 ? 8 : 1));
-    EXPECT_DOUBLE_EQ(mb.gradients, 6 * P / (z >= 2 ? 8 : 1));
+    EXPECT_DOUBLE_EQ(mb.gradients, 4 * P / (z >= 2 ? 8 : 1));  // Llama: modern stack, fp32 main grads only
     EXPECT_DOUBLE_EQ(mb.weights, 2 * P / (z >= 3 ? 8 : 1));
     EXPECT_LT(mb.weights + mb.gradients + mb.optimizer_states, prev);
     prev = mb.weights + mb.gradients + mb.optimizer_states;
   }
+}
+
+TEST(Memory, ContextParallelRanksShareTheShards) {
+  // cp = 2, dp = 4: eight ranks hold the same parameters, so ZeRO divides by 8.
+  const ModelSpec m = load_model("llama3-8b");
+  const Cluster c = testing::round_cluster();
+  const Plan p = load_plan("cp=2,dp=4,zero=1");
+  const MemoryBreakdown mb = stage_memory(m, c, p, make_layout(m.L, 1, 1), compute_setup(m, c, p), 0, 1, 1, 1);
+  EXPECT_DOUBLE_EQ(mb.optimizer_states, 12 * mb.params / 8);
 }
 
 TEST(Memory, MicrobatchesInFlight) {
@@ -106,7 +141,12 @@ TEST(Memory, FrameworkOverheadAndPeak) {
   c.allocator_fragmentation = 0.5;
   const Plan p = load_plan("tp=1");
   const MemoryBreakdown mb = stage_memory(m, c, p, make_layout(m.L, 1, 1), compute_setup(m, c, p), 0, 1, 1, 1);
-  EXPECT_DOUBLE_EQ(mb.framework_overhead, 1e9 + 0.5 * (mb.activations + mb.gradients));
+  EXPECT_DOUBLE_EQ(mb.framework_overhead, 1e9 + 0.5 * (mb.activations + mb.gradients));  // legacy stack
+  Cluster modern = c;
+  modern.modern_stack = true;
+  const MemoryBreakdown mm =
+      stage_memory(m, modern, p, make_layout(m.L, 1, 1), compute_setup(m, modern, p), 0, 1, 1, 1);
+  EXPECT_DOUBLE_EQ(mm.framework_overhead, 1e9 + 0.5 * mm.activations);
   EXPECT_DOUBLE_EQ(mb.peak, mb.weights + mb.gradients + mb.optimizer_states + mb.activations + mb.comm_buffers +
                                 mb.framework_overhead);
 }

@@ -101,6 +101,15 @@ TEST(Plan, AutoAttentionResolution) {
   EXPECT_EQ(resolve_attention(llama, a100, load_plan("tp=1")), AttentionKernel::flash);
   EXPECT_EQ(resolve_attention(gpt, a100, load_plan("cp=2")), AttentionKernel::flash);
   EXPECT_EQ(resolve_attention(gpt, h100, load_plan("attention=unfused")), AttentionKernel::unfused);
+  EXPECT_EQ(resolve_attention(gpt, a100, load_plan("precision=fp16")), AttentionKernel::unfused);
+  // The rest of the stack follows, and explicit settings win.
+  const Stack legacy = resolve_stack(gpt, a100, load_plan("tp=8"));
+  EXPECT_FALSE(legacy.modern || legacy.overlap_grad_reduce || legacy.tp_comm_overlap || legacy.grad_accumulation_fusion);
+  const Stack modern = resolve_stack(llama, a100, load_plan("tp=8"));
+  EXPECT_TRUE(modern.modern && modern.overlap_grad_reduce && modern.tp_comm_overlap && modern.grad_accumulation_fusion);
+  const Stack mixed = resolve_stack(gpt, a100, load_plan("tp=8,overlap_grad_reduce=1,grad_accumulation_fusion=auto"));
+  EXPECT_TRUE(mixed.overlap_grad_reduce);
+  EXPECT_FALSE(mixed.grad_accumulation_fusion);
 }
 
 }  // namespace

@@ -102,13 +102,14 @@ TEST(Planner, NothingFeasibleCountsReasons) {
 TEST(Planner, Exports) {
   const ModelSpec m = load_model("llama3-70b");
   const Plan p = load_plan("tp=8,pp=4,dp=8,vp=5,mbs=1,gbs=512,zero=1,recompute=selective,sp=1,precision=bf16");
-  const std::string mg = export_megatron(m, p);
+  const Stack st = resolve_stack(m, load_cluster("dgx-h100-80g"), p);
+  const std::string mg = export_megatron(m, p, st);
   for (const char* f : {"--tensor-model-parallel-size 8", "--pipeline-model-parallel-size 4",
                         "--num-layers-per-virtual-pipeline-stage 4", "--micro-batch-size 1", "--global-batch-size 512",
                         "--sequence-parallel", "--use-distributed-optimizer", "--recompute-granularity selective",
                         "--bf16", "--group-query-attention", "--num-query-groups 8", "--swiglu"})
     EXPECT_NE(mg.find(f), std::string::npos) << f;
-  const Json ds = Json::parse(export_deepspeed(m, p));
+  const Json ds = Json::parse(export_deepspeed(m, p, st));
   EXPECT_EQ(ds["train_micro_batch_size_per_gpu"], 1);
   EXPECT_EQ(ds["gradient_accumulation_steps"], 64);
   EXPECT_EQ(ds["zero_optimization"]["stage"], 1);

@@ -34,7 +34,7 @@ inline Cluster round_cluster() {
   c.allocator_fragmentation = 0.0;
   c.step_overhead_s = 0;
   c.overlap_slowdown = 0;
-  c.default_attention = AttentionKernel::unfused;
+  c.modern_stack = false;
   return c;
 }
 
