@@ -124,12 +124,9 @@ std::string explain(const Estimate& best, const Estimate& other) {
     const char* name;
     double a, b;
   };
-  const TimeBreakdown &x = best.time, &y = other.time;
-  std::vector<Term> terms = {{"forward", x.forward, y.forward},       {"backward", x.backward, y.backward},
-                             {"recompute", x.recompute, y.recompute}, {"tp_comm", x.tp_comm, y.tp_comm},
-                             {"cp_comm", x.cp_comm, y.cp_comm},       {"pp_comm", x.pp_comm, y.pp_comm},
-                             {"dp_comm", x.dp_comm, y.dp_comm},       {"pipeline_bubble", x.pipeline_bubble, y.pipeline_bubble},
-                             {"optimizer", x.optimizer, y.optimizer}, {"overhead", x.overhead, y.overhead}};
+  std::vector<Term> terms;
+  const Terms x = time_terms(best.time), y = time_terms(other.time);
+  for (size_t i = 0; i < x.size(); ++i) terms.push_back({x[i].first, x[i].second, y[i].second});
   std::string o = fmt::format("\nbest plan against {}:\n", plan_to_inline(other.plan));
   o += fmt::format("  {:<18}{:>12}{:>12}{:>12}\n", "term (s)", "best", "compared", "difference");
   for (const auto& t : terms)

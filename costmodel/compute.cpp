@@ -55,12 +55,14 @@ double gemm_efficiency(const Device& dev, double peak_flops, double flops) {
   return dev.gemm_efficiency.at(ref > 0 ? flops * ref / peak_flops : flops);
 }
 
+double roofline_time(const Device& dev, double flops, double bytes, double rate) {
+  return std::max({flops / rate, memory_time(dev, bytes), dev.kernel_launch_s});
+}
+
 double gemm_time(const Device& dev, double peak_flops, double M, double N, double K, double elem_bytes) {
   const double flops = 2.0 * M * N * K;
-  const double bytes = elem_bytes * (M * K + K * N + M * N);
-  const double t_compute = flops / (peak_flops * gemm_efficiency(dev, peak_flops, flops));
-  const double t_memory = memory_time(dev, bytes);
-  return std::max({t_compute, t_memory, dev.kernel_launch_s});
+  return roofline_time(dev, flops, elem_bytes * (M * K + K * N + M * N),
+                       peak_flops * gemm_efficiency(dev, peak_flops, flops));
 }
 
 double memory_time(const Device& dev, double bytes) {
@@ -115,23 +117,29 @@ struct Acc {
   void record(const char* name, Phase ph, OpKind k, double flops, double bytes, double t, double exposed) {
     if (ops) ops->push_back(OpCost{name, ph, k, flops, bytes, t, exposed});
   }
-  double gemm(const char* name, Phase ph, double M, double N, double K, double peak, double eb) {
-    const double t = gemm_time(cl.device, peak, M, N, K, eb);
-    w(ph).compute_s += t;
-    record(name, ph, OpKind::gemm, 2 * M * N * K, eb * (M * K + K * N + M * N), t, t);
-    return t;
-  }
-  // A weight-gradient GEMM. With fused accumulation it adds into the fp32 main gradient
-  // (reading and writing 8 bytes per weight); otherwise accumulation is its own pass
-  // (grad_accumulation ops).
-  double wgrad(const char* name, Phase ph, double M, double N, double K, double peak, double eb) {
-    if (!cs.stack.grad_accumulation_fusion) return gemm(name, ph, M, N, K, peak, eb);
-    const double flops = 2 * M * N * K, bytes = eb * (M * K + K * N) + 8.0 * M * N;
-    const double t = std::max({flops / (peak * gemm_efficiency(cl.device, peak, flops)), memory_time(cl.device, bytes),
-                               cl.device.kernel_launch_s});
+  // A compute kernel of `flops` at `rate` FLOP/s moving `bytes` (roofline).
+  double kernel(const char* name, Phase ph, double flops, double bytes, double rate) {
+    const double t = roofline_time(cl.device, flops, bytes, rate);
     w(ph).compute_s += t;
     record(name, ph, OpKind::gemm, flops, bytes, t, t);
     return t;
+  }
+  // An (M x K)(K x N) GEMM; `out_bytes` per output element (the output written, or with
+  // fused accumulation an fp32 main gradient read and written).
+  double gemm(const char* name, Phase ph, double M, double N, double K, double peak, double eb, double out_bytes = -1) {
+    const double flops = 2 * M * N * K;
+    const double bytes = eb * (M * K + K * N) + (out_bytes < 0 ? eb : out_bytes) * M * N;
+    return kernel(name, ph, flops, bytes, peak * gemm_efficiency(cl.device, peak, flops));
+  }
+  // A weight-gradient GEMM. With fused accumulation it adds into the fp32 main gradient
+  // (8 bytes per weight read and written); otherwise accumulation is its own pass
+  // (grad_accumulation ops).
+  double wgrad(const char* name, Phase ph, double M, double N, double K, double peak, double eb) {
+    return gemm(name, ph, M, N, K, peak, eb, cs.stack.grad_accumulation_fusion ? 8.0 : -1.0);
+  }
+  // The attention core's batched GEMMs (QK^T, AV and their gradients) of `flops`.
+  double batched(const char* name, Phase ph, double flops, double bytes) {
+    return kernel(name, ph, flops, bytes, peak_attn * gemm_efficiency(cl.device, peak_attn, flops));
   }
   // A linear layer y = x W with x (M x K), W (K x N). Backward: dgrad (M x N)(N x K) and
   // wgrad (K x M)(M x N) accumulated into the fp32 main gradient.
@@ -218,25 +226,15 @@ double attention_core_forward(Acc& a, Phase ph) {
     // Causal: half of the S x S blocks (load-balanced across context-parallel ranks too).
     const double flops = 4.0 * heads * Sq * Sk * D * 0.5;
     const double bytes = e * a.cs.T * static_cast<double>(2 * m.H + 2 * m.G * m.D()) / static_cast<double>(p.t);
-    t = std::max({flops / (a.peak_attn * a.cl.device.flash_fwd_efficiency), memory_time(a.cl.device, bytes),
-                  a.cl.device.kernel_launch_s});
-    a.w(ph).compute_s += t;
-    a.record("flash_attention", ph, OpKind::gemm, flops, bytes, t, t);
+    t = a.kernel("flash_attention", ph, flops, bytes, a.peak_attn * a.cl.device.flash_fwd_efficiency);
   } else {
     const double n_s = heads * Sq * Sk;  // attention score elements
     // QK^T and AV as batched GEMMs: Bh products of (Sq x D)(D x Sk) and (Sq x Sk)(Sk x D).
     const double flops = 2.0 * heads * Sq * Sk * D;
-    auto batched = [&](const char* name, double bytes) {
-      const double tt = std::max({flops / (a.peak_attn * gemm_efficiency(a.cl.device, a.peak_attn, flops)),
-                                  memory_time(a.cl.device, bytes), a.cl.device.kernel_launch_s});
-      a.w(ph).compute_s += tt;
-      a.record(name, ph, OpKind::gemm, flops, bytes, tt, tt);
-      return tt;
-    };
-    t += batched("attn_scores", e * (heads * (Sq * D + Sk * D) + n_s));
+    t += a.batched("attn_scores", ph, flops, e * (heads * (Sq * D + Sk * D) + n_s));
     t += a.mem("softmax", ph, 2.0 * e * n_s);  // fused scale + mask + softmax
     if (m.attention_dropout > 0) t += a.mem("attn_dropout", ph, (2.0 * e + 1.0) * n_s);
-    t += batched("attn_context", e * (n_s + heads * (Sk * D + Sq * D)));
+    t += a.batched("attn_context", ph, flops, e * (n_s + heads * (Sk * D + Sq * D)));
   }
   // Context parallel: ring exchange of K and V, (c-1) steps, hidden behind the core.
   if (p.c > 1) {
@@ -260,27 +258,17 @@ double attention_core_backward(Acc& a) {
     // FlashAttention-2 backward: five S x S x D products against two in forward.
     const double flops = 10.0 * heads * Sq * Sk * D * 0.5;
     const double bytes = 2.0 * e * a.cs.T * static_cast<double>(2 * m.H + 2 * m.G * m.D()) / static_cast<double>(p.t);
-    t = std::max({flops / (a.peak_attn * a.cl.device.flash_bwd_efficiency), memory_time(a.cl.device, bytes),
-                  a.cl.device.kernel_launch_s});
-    a.w(ph).compute_s += t;
-    a.record("flash_attention", ph, OpKind::gemm, flops, bytes, t, t);
+    t = a.kernel("flash_attention", ph, flops, bytes, a.peak_attn * a.cl.device.flash_bwd_efficiency);
   } else {
     const double n_s = heads * Sq * Sk;
     const double flops = 2.0 * heads * Sq * Sk * D;
-    auto batched = [&](const char* name, double bytes) {
-      const double tt = std::max({flops / (a.peak_attn * gemm_efficiency(a.cl.device, a.peak_attn, flops)),
-                                  memory_time(a.cl.device, bytes), a.cl.device.kernel_launch_s});
-      a.w(ph).compute_s += tt;
-      a.record(name, ph, OpKind::gemm, flops, bytes, tt, tt);
-      return tt;
-    };
-    const double small = e * heads * (Sk * D + Sq * D);
-    t += batched("attn_context", e * n_s + small);   // dP = dO V^T
-    t += batched("attn_context", e * n_s + small);   // dV = P^T dO
+    const double bytes = e * n_s + e * heads * (Sk * D + Sq * D);
+    t += a.batched("attn_context", ph, flops, bytes);  // dP = dO V^T
+    t += a.batched("attn_context", ph, flops, bytes);  // dV = P^T dO
     if (m.attention_dropout > 0) t += a.mem("attn_dropout", ph, (2.0 * e + 1.0) * n_s);
-    t += a.mem("softmax", ph, 3.0 * e * n_s);         // read y and dy, write dx
-    t += batched("attn_scores", e * n_s + small);    // dQ = dS K
-    t += batched("attn_scores", e * n_s + small);    // dK = dS^T Q
+    t += a.mem("softmax", ph, 3.0 * e * n_s);           // read y and dy, write dx
+    t += a.batched("attn_scores", ph, flops, bytes);   // dQ = dS K
+    t += a.batched("attn_scores", ph, flops, bytes);   // dK = dS^T Q
   }
   if (p.c > 1) {
     // K, V travel again and their gradients travel back.

@@ -60,6 +60,8 @@ struct ComputeSetup {
 };
 ComputeSetup compute_setup(const ModelSpec& m, const Cluster& cl, const Plan& p);
 
+// Roofline: the slower of computing `flops` at `rate` FLOP/s and moving `bytes`, at least a launch.
+double roofline_time(const Device& dev, double flops, double bytes, double rate);
 // GEMM of an (M x K) by (K x N) product in the plan's precision: peak x efficiency(flops),
 // at least the time to move its operands, at least a kernel launch.
 double gemm_time(const Device& dev, double peak_flops, double M, double N, double K, double elem_bytes);

@@ -223,6 +223,20 @@ Estimate estimate(const ModelSpec& m, const Cluster& cl, const Plan& p, const Es
   return est;
 }
 
+Terms time_terms(const TimeBreakdown& t) {
+  return {{"forward", t.forward},     {"backward", t.backward}, {"recompute", t.recompute},
+          {"tp_comm", t.tp_comm},     {"cp_comm", t.cp_comm},   {"pp_comm", t.pp_comm},
+          {"dp_comm", t.dp_comm},     {"pipeline_bubble", t.pipeline_bubble},
+          {"optimizer", t.optimizer}, {"overhead", t.overhead}};
+}
+
+Terms memory_terms(const MemoryBreakdown& m) {
+  return {{"weights", m.weights},           {"gradients", m.gradients},
+          {"optimizer_states", m.optimizer_states}, {"activations", m.activations},
+          {"comm_buffers", m.comm_buffers}, {"framework_overhead", m.framework_overhead},
+          {"peak", m.peak}};
+}
+
 Json estimate_to_json(const Estimate& e) {
   Json j;
   j["plan"] = plan_to_json(e.plan);
@@ -234,26 +248,15 @@ Json estimate_to_json(const Estimate& e) {
     j["reasons"] = r;
     return j;
   }
-  const TimeBreakdown& t = e.time;
-  const MemoryBreakdown& mm = e.memory;
   j["fits"] = e.fits;
   j["step_time_s"] = e.step_time_s;
   j["tokens_per_s"] = e.tokens_per_s;
   j["model_tflops_per_gpu"] = e.model_tflops_per_gpu;
   j["hardware_tflops_per_gpu"] = e.hardware_tflops_per_gpu;
   j["mfu"] = e.mfu;
-  j["time_s"] = {{"forward", t.forward},     {"backward", t.backward}, {"recompute", t.recompute},
-                 {"optimizer", t.optimizer}, {"tp_comm", t.tp_comm},   {"cp_comm", t.cp_comm},
-                 {"pp_comm", t.pp_comm},     {"dp_comm", t.dp_comm},   {"pipeline_bubble", t.pipeline_bubble},
-                 {"overhead", t.overhead}};
-  j["memory_bytes"] = {{"weights", mm.weights},
-                       {"gradients", mm.gradients},
-                       {"optimizer_states", mm.optimizer_states},
-                       {"activations", mm.activations},
-                       {"comm_buffers", mm.comm_buffers},
-                       {"framework_overhead", mm.framework_overhead},
-                       {"peak", mm.peak}};
-  j["memory_stage"] = mm.stage;
+  for (const auto& [k, v] : time_terms(e.time)) j["time_s"][k] = v;
+  for (const auto& [k, v] : memory_terms(e.memory)) j["memory_bytes"][k] = v;
+  j["memory_stage"] = e.memory.stage;
   j["critical_stage"] = e.critical_stage;
   j["microbatches"] = e.microbatches;
   j["attention"] = to_string(e.attention);

@@ -94,6 +94,12 @@ double p2p_time(const ModelSpec& m, const Cluster& cl, const Plan& p, const Comp
 double model_flops_per_step(const ModelSpec& m, const Plan& p);
 double hardware_flops_per_step(const ModelSpec& m, const Plan& p);
 
+// The SPEC names of the time and memory terms with their values, in report order: the one
+// list the JSON, the text reports and the executor's measurements use.
+using Terms = std::vector<std::pair<const char*, double>>;
+Terms time_terms(const TimeBreakdown& t);
+Terms memory_terms(const MemoryBreakdown& m);  // ends with "peak"
+
 Json estimate_to_json(const Estimate& e);
 
 }  // namespace strata

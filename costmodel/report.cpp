@@ -56,30 +56,15 @@ std::string format_estimate(const ModelSpec& m, const Cluster& cl, const Estimat
   auto row = [&](const char* name, double v) {
     o += fmt::format("  {:<20}{:>12.4f}{:>7.1f}%\n", name, v, 100.0 * v / e.step_time_s);
   };
-  row("forward", t.forward);
-  row("backward", t.backward);
-  row("recompute", t.recompute);
-  row("tp_comm", t.tp_comm);
-  row("cp_comm", t.cp_comm);
-  row("pp_comm", t.pp_comm);
-  row("dp_comm", t.dp_comm);
-  row("pipeline_bubble", t.pipeline_bubble);
-  row("optimizer", t.optimizer);
-  if (t.overhead > 0) row("overhead", t.overhead);
+  for (const auto& [name, v] : time_terms(t))
+    if (v > 0 || std::string(name) != "overhead") row(name, v);
   o += fmt::format("  {:<20}{:>12.4f}\n", "step", e.step_time_s);
   o += fmt::format("  communication before overlap: tp {}, dp {}\n", human_seconds(e.tp_comm_total_s),
                    human_seconds(e.dp_comm_total_s));
   const MemoryBreakdown& mm = e.memory;
   o += fmt::format("\n{:<22}{:>12}   (stage {}, {} parameters on this GPU)\n", "memory per GPU", "", mm.stage,
                    human_count(mm.params));
-  auto mrow = [&](const char* name, double v) { o += fmt::format("  {:<20}{:>12}\n", name, human_bytes(v)); };
-  mrow("weights", mm.weights);
-  mrow("gradients", mm.gradients);
-  mrow("optimizer_states", mm.optimizer_states);
-  mrow("activations", mm.activations);
-  mrow("comm_buffers", mm.comm_buffers);
-  mrow("framework_overhead", mm.framework_overhead);
-  mrow("peak", mm.peak);
+  for (const auto& [name, v] : memory_terms(mm)) o += fmt::format("  {:<20}{:>12}\n", name, human_bytes(v));
   if (d && d->stage_memory.size() > 1) {
     o += "\nper stage               layers    peak memory    finishes at\n";
     for (size_t s = 0; s < d->stage_memory.size(); ++s) {
