@@ -14,6 +14,25 @@ void fail_field(const std::string& field, const std::string& value, const std::s
 }
 
 Json parse_json_text(const std::string& text, const std::string& source) {
+  // The parser recurses per nesting level: refuse absurd depth before it starts.
+  constexpr int kMaxDepth = 256;
+  int depth = 0;
+  bool in_string = false, escaped = false;
+  for (size_t i = 0; i < text.size(); ++i) {
+    const char ch = text[i];
+    if (in_string) {
+      if (escaped) escaped = false;
+      else if (ch == '\\') escaped = true;
+      else if (ch == '"') in_string = false;
+    } else if (ch == '"') {
+      in_string = true;
+    } else if (ch == '[' || ch == '{') {
+      if (++depth > kMaxDepth)
+        throw InputError(fmt::format("{}: JSON nested deeper than {} levels at byte {}", source, kMaxDepth, i));
+    } else if (ch == ']' || ch == '}') {
+      --depth;
+    }
+  }
   try {
     return Json::parse(text);
   } catch (const Json::parse_error& e) {

@@ -272,6 +272,12 @@ std::vector<Reason> check_plan(const ModelSpec& m, const Cluster& cl, const Plan
   else if (p.v > 1 && p.microbatches() % p.p != 0)
     add("vp_microbatches", fmt::format("interleaved schedule needs the micro-batches per step ({}) divisible by "
                                        "pipeline_parallel={}", p.microbatches(), p.p));
+  if (p.v > 1 && p.gbs % (p.mbs * p.d) == 0 &&
+      2.0 * static_cast<double>(p.p) * static_cast<double>(p.v) * static_cast<double>(p.microbatches()) >
+          static_cast<double>(int64_t{1} << 22))
+    add("schedule_too_long", fmt::format("interleaved schedule of {} micro-batches x {} stages x {} chunks is longer "
+                                         "than the 4M steps strata walks; raise micro_batch_size",
+                                         p.microbatches(), p.p, p.v));
   if (cl.device.peak_flops(p.precision) <= 0)
     add("precision", fmt::format("precision={} is not supported by {}", to_string(p.precision), cl.device.name));
 #undef add

@@ -121,6 +121,7 @@ SimResult simulate_pipeline(ScheduleKind kind, int64_t m, const StageTimes& st, 
     if (kind == ScheduleKind::gpipe) bound = max_f + max_b;
   }
   const bool bounded = kind != ScheduleKind::interleaved;
+  auto steps = [&](int64_t mm) { return 2 * p * v * mm; };
   for (int64_t m2 = std::max<int64_t>(8, 2 * p) / p * p; bounded && !record_events && m2 + 2 * p < m; m2 *= 2) {
     const SimResult a = simulate(make_schedule(kind, p, v, m2 - p), st, false);
     const SimResult b = simulate(make_schedule(kind, p, v, m2), st, false);
@@ -131,7 +132,10 @@ SimResult simulate_pipeline(ScheduleKind kind, int64_t m, const StageTimes& st, 
       const double tol = 1e-12 * c.end_s[s];
       periodic = std::fabs((b.end_s[s] - a.end_s[s]) - step) <= tol && std::fabs((c.end_s[s] - b.end_s[s]) - step) <= tol;
     }
-    if (!periodic) continue;
+    // Not periodic yet: walk longer while the walk limit allows (the next window, or the
+    // whole schedule). Past it, extend from here with the long-run slope, which is exact
+    // for these schedules: only the rest of the transient is approximated.
+    if (!periodic && (steps(m) <= kMaxWalkSteps || steps(2 * m2 + p) <= kMaxWalkSteps)) continue;
     const double k = static_cast<double>(m - (m2 + p)) / static_cast<double>(p);
     c.makespan_s = 0;
     for (size_t s = 0; s < c.end_s.size(); ++s) {

@@ -209,6 +209,8 @@ TEST(Cli, BadInputExits2NamingTheField) {
       {P + "schedule=zigzag", "pipeline_schedule"},
       {P + "num_gpus=3,tp=2", "num_gpus"},
       {P + "/nonexistent/plan.json", "--plan"},
+      {P + "tp=8,pp=16,dp=8,vp=2,gbs=1073741824", "micro-batches"},
+      {E + write("deep.json", std::string(100000, '[')), "nested deeper"},
       // Clusters
       {"estimate --model gpt3-175b --plan tp=8 --cluster dgx-z100", "--cluster"},
       {"estimate --model gpt3-175b --plan tp=8 --cluster " + write("c1.json", "{{"), "malformed JSON"},
