@@ -1,5 +1,5 @@
 # strata: the two commands a user needs.
-#   make demo   install deps, build (Release), plan GPT-3 175B on 1024 A100s and estimate the published plan
+#   make demo   install deps, build (Release), estimate the published GPT-3 175B plan, then search its space
 #   make test   install deps, build, run every test; then the same tests under ASan + UBSan
 # Extra targets: build, bench (Google Benchmark binaries), calibration (the per-row accuracy table), clean.
 
@@ -20,10 +20,14 @@ build: deps
 	cmake --build $(BUILD) -j $(JOBS)
 
 demo: build
-	@echo; echo "== strata plan: GPT-3 175B on 1024 A100 80GB, global batch 1536 =="
-	$(BUILD)/strata plan --model gpt3-175b --cluster dgx-a100-80g --gpus 1024 --global-batch-size 1536 --top 5
-	@echo; echo "== strata estimate: the published Megatron-LM plan (TP8 PP16 DP8, MBS1, full recompute; 32 s measured) =="
-	$(BUILD)/strata estimate --model gpt3-175b --cluster dgx-a100-80g --plan tp=8,pp=16,dp=8,mbs=1,gbs=1536,recompute=full,precision=fp16,zero=0
+	@echo; echo "== strata estimate: the published Megatron-LM plan for GPT-3 175B on 1024 A100 (about 32 s measured) =="
+	$(BUILD)/strata estimate --model gpt3-175b --cluster dgx-a100-80g --plan examples/megatron-gpt3-1024.plan.json
+	@echo; echo "== strata plan: the whole space for the same model, GPUs and batch, against the published plan =="
+	$(BUILD)/strata plan --model gpt3-175b --cluster dgx-a100-80g --gpus 1024 --global-batch-size 1536 \
+	    --precision fp16 --top 5 --compare examples/megatron-gpt3-1024.plan.json
+	@echo; echo "== the Megatron-LM flags of that best plan =="
+	$(BUILD)/strata plan --model gpt3-175b --cluster dgx-a100-80g --gpus 1024 --global-batch-size 1536 \
+	    --precision fp16 --export megatron
 
 test-fast: build
 	cd $(BUILD) && ctest --output-on-failure -j $(JOBS)

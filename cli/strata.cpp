@@ -109,14 +109,14 @@ int cmd_estimate(const std::vector<std::string>& argv) {
 
 std::string plan_row(const Estimate& e, int rank) {
   const Plan& p = e.plan;
-  return fmt::format("{:>3}  {:>3} {:>3} {:>4} {:>3} {:>3} {:>4} {:>4} {:>9} {:>3} {:>6}  {:>9.3f} {:>11.0f} {:>6.1f}% {:>9.1f} {:>7.1f}%",
+  return fmt::format("{:>3}  {:>3} {:>3} {:>4} {:>3} {:>3} {:>4} {:>4} {:>9} {:>3} {:>11}  {:>9.3f} {:>11.0f} {:>6.1f}% {:>9.1f} {:>7.1f}%",
                      rank, p.t, p.p, p.d, p.c, p.v, p.mbs, p.zero, to_string(p.recompute), p.sp ? "y" : "n",
                      to_string(p.schedule()), e.step_time_s, e.tokens_per_s, 100.0 * e.mfu,
                      e.memory.peak / (1024.0 * 1024 * 1024), 100.0 * e.time.pipeline_bubble / e.step_time_s);
 }
 
 const char* kPlanHeader =
-    "  #   tp  pp   dp  cp  vp  mbs zero recompute  sp  sched     step_s    tokens/s    MFU  mem_GiB  bubble";
+    "  #   tp  pp   dp  cp  vp  mbs zero recompute  sp       sched     step_s    tokens/s    MFU  mem_GiB  bubble";
 
 // Why `best` beats `other`: the terms that differ, largest saving first.
 std::string explain(const Estimate& best, const Estimate& other) {
@@ -203,8 +203,16 @@ int cmd_plan(const std::vector<std::string>& argv) {
   fmt::print("{}\n", kPlanHeader);
   for (size_t i = 0; i < r.plans.size(); ++i) fmt::print("{}\n", plan_row(r.plans[i], static_cast<int>(i + 1)));
   if (so.pareto) {
-    fmt::print("\nmemory / throughput frontier (no plan is both faster and smaller):\n{}\n", kPlanHeader);
-    for (size_t i = 0; i < r.pareto.size(); ++i) fmt::print("{}\n", plan_row(r.pareto[i], static_cast<int>(i + 1)));
+    // The frontier runs down to plans many times slower; the table keeps those within 2x of
+    // the fastest (--json has them all).
+    fmt::print("\nmemory / throughput frontier (no plan is both faster and smaller), within 2x of the fastest:\n{}\n",
+               kPlanHeader);
+    int shown = 0;
+    for (const auto& e : r.pareto)
+      if (e.step_time_s <= 2.0 * r.plans.front().step_time_s) fmt::print("{}\n", plan_row(e, ++shown));
+    if (static_cast<size_t>(shown) < r.pareto.size())
+      fmt::print("  ({} slower frontier plans down to {} per GPU in --json)\n", r.pareto.size() - shown,
+                 human_bytes(r.pareto.front().memory.peak));
   }
   EstimateDetail d;
   EstimateOptions eo;

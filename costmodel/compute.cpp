@@ -35,6 +35,7 @@ Work& Work::operator+=(const Work& o) {
   cp_comm_s += o.cp_comm_s;
   dp_comm_s += o.dp_comm_s;
   tp_comm_all_s += o.tp_comm_all_s;
+  dp_comm_all_s += o.dp_comm_all_s;
   return *this;
 }
 
@@ -45,6 +46,7 @@ Work operator*(double k, const Work& w) {
   r.cp_comm_s = k * w.cp_comm_s;
   r.dp_comm_s = k * w.dp_comm_s;
   r.tp_comm_all_s = k * w.tp_comm_all_s;
+  r.dp_comm_all_s = k * w.dp_comm_all_s;
   return r;
 }
 
@@ -170,7 +172,10 @@ struct Acc {
       w(ph).tp_comm_all_s += t;
     }
     else if (kind == OpKind::cp_comm) w(ph).cp_comm_s += exposed;
-    else w(ph).dp_comm_s += exposed;
+    else {
+      w(ph).dp_comm_s += exposed;
+      w(ph).dp_comm_all_s += t;
+    }
     if (t > 0) record(name, ph, kind, 0, bytes, t, exposed);
     return t;
   }

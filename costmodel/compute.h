@@ -39,6 +39,7 @@ struct Work {
   double cp_comm_s = 0;  // exposed context-parallel exchange
   double dp_comm_s = 0;  // exposed ZeRO-3 parameter gathers / gradient reduce-scatters
   double tp_comm_all_s = 0;  // tensor-parallel communication before overlap (for reports)
+  double dp_comm_all_s = 0;  // ZeRO-3 gathers and reduce-scatters before overlap (for reports)
   double total() const { return compute_s + tp_comm_s + cp_comm_s + dp_comm_s; }
   Work& operator+=(const Work& o);
 };

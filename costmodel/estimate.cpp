@@ -196,7 +196,7 @@ Estimate estimate(const ModelSpec& m, const Cluster& cl, const Plan& p, const Es
   tb.overhead = cl.step_overhead_s;
   tb.pipeline_bubble = 0;
   tb.pipeline_bubble = std::max(0.0, est.step_time_s - tb.sum());
-  est.dp_comm_total_s = dp_total[crit];
+  est.dp_comm_total_s = dp_total[crit] + mb * (F.dp_comm_all_s + Bw.dp_comm_all_s + R.dp_comm_all_s);
   est.tp_comm_total_s = mb * (F.tp_comm_all_s + Bw.tp_comm_all_s + R.tp_comm_all_s);
 
   const double world = static_cast<double>(p.world_size());

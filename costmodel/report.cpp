@@ -62,8 +62,8 @@ std::string format_estimate(const ModelSpec& m, const Cluster& cl, const Estimat
   o += fmt::format("  communication before overlap: tp {}, dp {}\n", human_seconds(e.tp_comm_total_s),
                    human_seconds(e.dp_comm_total_s));
   const MemoryBreakdown& mm = e.memory;
-  o += fmt::format("\n{:<22}{:>12}   (stage {}, {} parameters on this GPU)\n", "memory per GPU", "", mm.stage,
-                   human_count(mm.params));
+  o += fmt::format("\n{:<22}{:>12}   (stage {}: {} parameters per tensor-parallel shard{})\n", "memory per GPU", "",
+                   mm.stage, human_count(mm.params), p.zero == 3 ? ", 1/d of them kept by ZeRO-3" : "");
   for (const auto& [name, v] : memory_terms(mm)) o += fmt::format("  {:<20}{:>12}\n", name, human_bytes(v));
   if (d && d->stage_memory.size() > 1) {
     o += "\nper stage               layers    peak memory    finishes at\n";

@@ -125,14 +125,13 @@ SearchResult search(const ModelSpec& m, const Cluster& cl, const SearchOptions& 
   };
 
   const Recompute recomputes[] = {Recompute::none, Recompute::selective, Recompute::full};
-  // One software stack for every candidate: resolved for a plan without context
-  // parallelism, then pinned, so a context-parallel candidate does not buy a different
-  // stack (it needs flash attention; with an unfused stack it is rejected).
+  // One software stack for every candidate, so plans compare like for like. Only context
+  // parallelism could change what "auto" resolves to (it needs fused attention): on a
+  // legacy stack such candidates carry attention=unfused and are rejected (cp_attention).
   Plan probe;
   probe.precision = opt.precision;
   probe.attention = opt.attention;
   const Stack stack = resolve_stack(m, cl, probe);
-  auto pin = [](bool b) { return b ? Tristate::on : Tristate::off; };
   for (int64_t t : divisors(N)) {
     if (!allowed(fx.t, t)) continue;
     for (int64_t p : divisors(N / t)) {
@@ -172,12 +171,8 @@ SearchResult search(const ModelSpec& m, const Cluster& cl, const SearchOptions& 
                     pl.t = t; pl.p = p; pl.d = d; pl.c = c; pl.v = v; pl.mbs = mbs; pl.gbs = opt.gbs;
                     pl.zero = zero; pl.recompute = rc; pl.sp = sp == 1; pl.precision = opt.precision;
                     pl.gpipe = gp == 1;
-                    pl.attention = stack.attention == AttentionKernel::flash ? AttentionChoice::flash
-                                                                             : AttentionChoice::unfused;
-                    pl.overlap_grad_reduce = pin(stack.overlap_grad_reduce);
-                    pl.overlap_param_gather = pin(stack.overlap_param_gather);
-                    pl.tp_comm_overlap = pin(stack.tp_comm_overlap);
-                    pl.grad_accumulation_fusion = pin(stack.grad_accumulation_fusion);
+                    pl.attention = opt.attention;
+                    if (c > 1 && !stack.modern) pl.attention = AttentionChoice::unfused;
                     // Uneven pipelines are searched only in the (L+2)/p embedding-slot form.
                     if (v == 1 && p > 1 && m.L % p != 0 && (m.L + 2) % p != 0) {
                       reject("layers_pp");
