@@ -11,8 +11,12 @@ namespace strata {
 
 InFlight in_flight(ScheduleKind kind, int64_t p, int64_t v, int64_t m) {
   InFlight f;
-  if (kind == ScheduleKind::gpipe) {
-    f.all.assign(static_cast<size_t>(p), m);
+  if (kind != ScheduleKind::interleaved) {
+    // GPipe keeps all m; 1F1B's warm-up leaves min(p - s, m) on stage s (schedule.h).
+    // memory_test checks both against the walk below.
+    f.all.resize(static_cast<size_t>(p));
+    for (int64_t s = 0; s < p; ++s)
+      f.all[static_cast<size_t>(s)] = kind == ScheduleKind::gpipe ? m : std::min(p - s, m);
     f.first = f.all;
     f.last = f.all;
     return f;

@@ -142,3 +142,63 @@ TEST(Estimate, TraceHasOneSlicePerStepAndStage) {
 
 }  // namespace
 }  // namespace strata
+
+namespace strata {
+namespace {
+
+// Hand-derived terms on the round cluster (test_cluster.h, legacy stack): GPT-3 175B.
+struct RoundGpt3 : ::testing::Test {
+  ModelSpec m = load_model("gpt3-175b");
+  Cluster c = testing::round_cluster();
+  double h = 12288, s = 2048;
+};
+
+TEST_F(RoundGpt3, CommunicationBuffers) {
+  // Pipeline: send and receive buffers in both directions, 4 x e*T*H = 4*2*2048*12288.
+  Plan p = load_plan("tp=8,pp=2");
+  EXPECT_DOUBLE_EQ(estimate(m, c, p).memory.comm_buffers, 4.0 * 2 * s * h);
+  // ZeRO-3: the gathered layer and its prefetched successor in bf16, one layer of fp32
+  // gradients to reduce-scatter.
+  p = load_plan("tp=8,dp=8,zero=3");
+  const double lp = static_cast<double>(m.layer_params(8));
+  EXPECT_DOUBLE_EQ(estimate(m, c, p).memory.comm_buffers, 2.0 * 2 * lp + 4.0 * lp);
+  // ZeRO-1 on a legacy stack: DeepSpeed's reduce and all-gather buckets of 5e8 elements
+  // (fp32 gradients, bf16 parameters).
+  p = load_plan("tp=8,pp=16,dp=8,zero=1");
+  EXPECT_DOUBLE_EQ(estimate(m, c, p).memory.comm_buffers, 4.0 * 2 * s * h + 5e8 * (4 + 2));
+}
+
+TEST_F(RoundGpt3, PipelineSendAcrossNodes) {
+  // t = 8, d = 8: neighbouring stages are 64 ranks apart, on different nodes. Each tensor-
+  // parallel rank sends 1/8 of the 2*2048*12288-byte activation over its NIC share
+  // (100 GB/s / 8 x 80 % = 10 GB/s, 10 us), then the eight all-gather it over NVLink
+  // (7/8 of it at 150 GB/s, 3 steps of 5 us).
+  const Plan p = load_plan("tp=8,pp=2,dp=8,gbs=8");
+  const double act = 2.0 * s * h;
+  const double expect = 10e-6 + act / 8 / 10e9 + 15e-6 + act * 7 / 8 / 150e9;
+  EXPECT_NEAR(p2p_time(m, c, p, compute_setup(m, c, p)), expect, 1e-15);
+}
+
+TEST_F(RoundGpt3, ExposedDataParallelReductionAndShardedOptimizer) {
+  // One stage, tp 8 x dp 8 = 64 GPUs: the data-parallel group has one member per node.
+  // Legacy stack: the fp32 gradients (4 bytes) of every parameter on the GPU are
+  // all-reduced after the last backward, fully exposed: busbw 10 GB/s, 2*7/8 of the bytes,
+  // latency 2*3 steps of 10 us.
+  Plan p = load_plan("tp=8,dp=8,gbs=8");
+  Estimate e = estimate(m, c, p);
+  const double P = e.memory.params;
+  EXPECT_NEAR(e.time.dp_comm, 60e-6 + 4.0 * P * 1.75 / 10e9, 1e-9);
+  EXPECT_NEAR(e.time.optimizer, optimizer_time(c.device, p, P, P), 1e-15);
+  // ZeRO-1: reduce-scatter of the gradients, all-gather of the bf16 weights, Adam on 1/8.
+  p = load_plan("tp=8,dp=8,gbs=8,zero=1");
+  e = estimate(m, c, p);
+  EXPECT_NEAR(e.time.dp_comm, 2 * 30e-6 + (4.0 + 2.0) * P * 0.875 / 10e9, 1e-9);
+  EXPECT_NEAR(e.time.optimizer, optimizer_time(c.device, p, P / 8, P), 1e-15);
+  // Overlapped (explicitly): what the last micro-batch's backward hides is gone, less the
+  // 10 %-of-hidden contention cost the round cluster sets to zero.
+  p = load_plan("tp=8,dp=8,gbs=8,overlap_grad_reduce=1");
+  EXPECT_LT(estimate(m, c, p).time.dp_comm, 60e-6 + 4.0 * P * 1.75 / 10e9);
+}
+
+}  // namespace
+}  // namespace strata

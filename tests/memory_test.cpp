@@ -133,6 +133,13 @@ TEST(Memory, MicrobatchesInFlight) {
   EXPECT_DOUBLE_EQ(11.0 / 8.0, 1.0 + 3.0 / 8.0);  // stage 0 in units of p micro-batches of L/p layers
   f = in_flight(ScheduleKind::interleaved, 4, 2, 400);  // long schedules saturate
   EXPECT_EQ(f.all, (std::vector<int64_t>{11, 9, 7, 5}));
+  // The closed forms used for GPipe and 1F1B agree with walking their schedules.
+  for (auto kind : {ScheduleKind::gpipe, ScheduleKind::one_f_one_b})
+    for (int64_t p : {1, 2, 5, 8})
+      for (int64_t m : {1, 3, 8, 40}) {
+        const Schedule sc = make_schedule(kind, p, 1, m);
+        EXPECT_EQ(in_flight(kind, p, 1, m).all, peak_in_flight(sc)) << p << " " << m;
+      }
 }
 
 TEST(Memory, FrameworkOverheadAndPeak) {
