@@ -238,49 +238,47 @@ Json stack_to_json(const Stack& s) {
 std::vector<Reason> check_plan(const ModelSpec& m, const Cluster& cl, const Plan& p, bool messages) {
   std::vector<Reason> r;
   // Messages are built only when asked for: the planner checks millions of plans.
-  auto add_impl = [&](const char* key, auto&& make) {
-    r.push_back({key, messages ? std::string(make()) : std::string()});
+  auto add = [&](const char* key, const auto& message) {
+    r.push_back({key, messages ? std::string(message()) : std::string()});
   };
-#define add(key, ...) add_impl(key, [&] { return __VA_ARGS__; })
   if (m.A % p.t != 0 || m.G % p.t != 0)
-    add("tp_heads", fmt::format("tensor_parallel={} must divide num_attention_heads={} and num_query_groups={}",
-                                p.t, m.A, m.G));
+    add("tp_heads", [&] { return fmt::format("tensor_parallel={} must divide num_attention_heads={} and num_query_groups={}",
+                                p.t, m.A, m.G); });
   if (m.F % p.t != 0)
-    add("tp_ffn", fmt::format("tensor_parallel={} must divide ffn_hidden_size={}", p.t, m.F));
+    add("tp_ffn", [&] { return fmt::format("tensor_parallel={} must divide ffn_hidden_size={}", p.t, m.F); });
   if (p.c > 1 && m.S % (2 * p.c) != 0)
-    add("cp_seq", fmt::format("context_parallel={} needs seq_length={} divisible by 2*context_parallel "
-                              "(load-balanced causal attention)", p.c, m.S));
+    add("cp_seq", [&] { return fmt::format("context_parallel={} needs seq_length={} divisible by 2*context_parallel "
+                              "(load-balanced causal attention)", p.c, m.S); });
   if (p.c > 1 && p.attention == AttentionChoice::unfused)
-    add("cp_attention", "context_parallel > 1 needs attention=flash (ring attention over fused kernels)");
+    add("cp_attention", [&] { return "context_parallel > 1 needs attention=flash (ring attention over fused kernels)"; });
   if (p.sp && p.t > 1 && (m.S / p.c) % p.t != 0)
-    add("sp_seq", fmt::format("sequence_parallel needs seq_length/context_parallel={} divisible by tensor_parallel={}",
-                              m.S / p.c, p.t));
+    add("sp_seq", [&] { return fmt::format("sequence_parallel needs seq_length/context_parallel={} divisible by tensor_parallel={}",
+                              m.S / p.c, p.t); });
   if (p.v > 1) {
-    if (p.p < 2) add("vp_needs_pp", fmt::format("virtual_pipeline_stages={} needs pipeline_parallel >= 2", p.v));
+    if (p.p < 2) add("vp_needs_pp", [&] { return fmt::format("virtual_pipeline_stages={} needs pipeline_parallel >= 2", p.v); });
     if (m.L % (p.p * p.v) != 0 && (m.L + 2) % (p.p * p.v) != 0)
-      add("layers_vp", fmt::format("num_layers={} (or num_layers + 2, with the embedding and output layer in a "
+      add("layers_vp", [&] { return fmt::format("num_layers={} (or num_layers + 2, with the embedding and output layer in a "
                                    "layer's slot) must be divisible by pipeline_parallel*virtual_pipeline_stages={}",
-                                   m.L, p.p * p.v));
+                                   m.L, p.p * p.v); });
   } else if (p.p > m.L) {
-    add("layers_pp", fmt::format("pipeline_parallel={} exceeds num_layers={}", p.p, m.L));
+    add("layers_pp", [&] { return fmt::format("pipeline_parallel={} exceeds num_layers={}", p.p, m.L); });
   } else if (m.L % p.p != 0 && (m.L + 2) % p.p == 0 && (m.L + 2) / p.p < 2) {
-    add("layers_pp", fmt::format("pipeline_parallel={} leaves the first and last stage without a layer", p.p));
+    add("layers_pp", [&] { return fmt::format("pipeline_parallel={} leaves the first and last stage without a layer", p.p); });
   }
   if (p.gbs % (p.mbs * p.d) != 0)
-    add("batch_divisible", fmt::format("global_batch_size={} must be divisible by micro_batch_size*data_parallel={}",
-                                       p.gbs, p.mbs * p.d));
+    add("batch_divisible", [&] { return fmt::format("global_batch_size={} must be divisible by micro_batch_size*data_parallel={}",
+                                       p.gbs, p.mbs * p.d); });
   else if (p.v > 1 && p.microbatches() % p.p != 0)
-    add("vp_microbatches", fmt::format("interleaved schedule needs the micro-batches per step ({}) divisible by "
-                                       "pipeline_parallel={}", p.microbatches(), p.p));
+    add("vp_microbatches", [&] { return fmt::format("interleaved schedule needs the micro-batches per step ({}) divisible by "
+                                       "pipeline_parallel={}", p.microbatches(), p.p); });
   if (p.v > 1 && p.gbs % (p.mbs * p.d) == 0 &&
       2.0 * static_cast<double>(p.p) * static_cast<double>(p.v) * static_cast<double>(p.microbatches()) >
           static_cast<double>(int64_t{1} << 22))
-    add("schedule_too_long", fmt::format("interleaved schedule of {} micro-batches x {} stages x {} chunks is longer "
+    add("schedule_too_long", [&] { return fmt::format("interleaved schedule of {} micro-batches x {} stages x {} chunks is longer "
                                          "than the 4M steps strata walks; raise micro_batch_size",
-                                         p.microbatches(), p.p, p.v));
+                                         p.microbatches(), p.p, p.v); });
   if (cl.device.peak_flops(p.precision) <= 0)
-    add("precision", fmt::format("precision={} is not supported by {}", to_string(p.precision), cl.device.name));
-#undef add
+    add("precision", [&] { return fmt::format("precision={} is not supported by {}", to_string(p.precision), cl.device.name); });
   return r;
 }
 
