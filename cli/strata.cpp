@@ -110,7 +110,9 @@ int cmd_estimate(const std::vector<std::string>& argv) {
 std::string plan_row(const Estimate& e, int rank) {
   const Plan& p = e.plan;
   return fmt::format("{:>3}  {:>3} {:>3} {:>4} {:>3} {:>3} {:>4} {:>4} {:>9} {:>3} {:>11}  {:>9.3f} {:>11.0f} {:>6.1f}% {:>9.1f} {:>7.1f}%",
-                     rank, p.t, p.p, p.d, p.c, p.v, p.mbs, p.zero, to_string(p.recompute), p.sp ? "y" : "n",
+                     rank, p.t, p.p, p.d, p.c, p.v, p.mbs, p.zero,
+                     p.recompute_layers > 0 ? fmt::format("full/{}", p.recompute_layers) : to_string(p.recompute),
+                     p.sp ? "y" : "n",
                      to_string(p.schedule()), e.step_time_s, e.tokens_per_s, 100.0 * e.mfu,
                      e.memory.peak / (1024.0 * 1024 * 1024), 100.0 * e.time.pipeline_bubble / e.step_time_s);
 }

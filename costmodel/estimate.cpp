@@ -65,7 +65,13 @@ double model_flops_per_step(const ModelSpec& m, const Plan& p) { return 3.0 * m.
 double hardware_flops_per_step(const ModelSpec& m, const Plan& p) {
   double f = model_flops_per_step(m, p);
   const double L = static_cast<double>(m.L);
-  if (p.recompute == Recompute::full) f += L * m.layer_forward_flops(p.gbs);
+  if (p.recompute == Recompute::full) {
+    const StageLayout lay = make_layout(m.L, p.p, p.v);
+    double recomputed = 0;
+    for (int64_t s = 0; s < p.p; ++s)
+      for (int64_t c = 0; c < lay.v; ++c) recomputed += static_cast<double>(p.recomputed_layers(lay.chunk_layers(s, c)));
+    f += recomputed * m.layer_forward_flops(p.gbs);
+  }
   if (p.recompute == Recompute::selective)
     f += L * 4.0 * static_cast<double>(p.gbs) * static_cast<double>(m.S) * static_cast<double>(m.S) *
          static_cast<double>(m.H);
@@ -91,6 +97,15 @@ Estimate estimate(const ModelSpec& m, const Cluster& cl, const Plan& p, const Es
   std::vector<OpCost> layer_ops;
   const LayerCost layer = opt.pre.layer && !opt.want_ops ? *opt.pre.layer
                                                          : layer_cost(m, cl, p, cs, opt.want_ops ? &layer_ops : nullptr);
+  // With partial recompute (recompute_num_layers), the other layers keep everything: their
+  // backward is that of a plan without recompute.
+  LayerCost plain = layer;
+  if (p.recompute == Recompute::full && p.recompute_layers > 0) {
+    Plan q = p;
+    q.recompute = Recompute::none;
+    q.recompute_layers = 0;
+    plain = opt.pre.plain_layer ? *opt.pre.plain_layer : layer_cost(m, cl, q, cs);
+  }
   const LayerCost emb = opt.pre.embedding ? *opt.pre.embedding : embedding_cost(m, cl, p, cs);
   const LayerCost head = opt.pre.head ? *opt.pre.head : head_cost(m, cl, p, cs);
 
@@ -103,8 +118,11 @@ Estimate estimate(const ModelSpec& m, const Cluster& cl, const Plan& p, const Es
   std::vector<Work> fwd_w(static_cast<size_t>(p.p)), bwd_w(static_cast<size_t>(p.p)), rec_w(static_cast<size_t>(p.p));
   for (int64_t s = 0; s < p.p; ++s) {
     for (int64_t c = 0; c < lay.v; ++c) {
-      const double n = static_cast<double>(lay.chunk_layers(s, c));
-      Work f = n * layer.forward, b = n * layer.backward, r = n * layer.recompute;
+      const int64_t layers = lay.chunk_layers(s, c);
+      const double n = static_cast<double>(layers), k = static_cast<double>(p.recomputed_layers(layers));
+      Work f = n * layer.forward, r = (p.recompute == Recompute::full ? k : n) * layer.recompute;
+      Work b = p.recompute == Recompute::full ? k * layer.backward : n * layer.backward;
+      if (p.recompute == Recompute::full) b += (n - k) * plain.backward;
       if (lay.has_embedding(s, c)) {
         f += emb.forward;
         b += emb.backward;

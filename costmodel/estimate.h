@@ -65,6 +65,7 @@ struct InFlight {
 // is computed here. The values must be those of the same model, cluster and plan.
 struct Precomputed {
   const LayerCost* layer = nullptr;
+  const LayerCost* plain_layer = nullptr;  // the plan without recompute (partial recompute only)
   const LayerCost* embedding = nullptr;
   const LayerCost* head = nullptr;
   const InFlight* in_flight = nullptr;

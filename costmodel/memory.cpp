@@ -112,10 +112,18 @@ MemoryBreakdown stage_memory(const ModelSpec& m, const Cluster& cl, const Plan& 
   mb.gradients = sb.gradients * P / (p.zero >= 2 ? d : 1.0);
   mb.optimizer_states = sb.optimizer_states * P / (p.zero >= 1 ? d : 1.0);
 
-  // Activations: layers of the stage's chunks times the chunk-microbatches in flight.
+  // Activations: the layers of an average chunk of the stage times the chunk-microbatches
+  // in flight. With partial recompute, the recomputed layers keep their input only.
   const double per_layer = layer_activation_bytes(m, p, cs);
-  const double layers_per_chunk = static_cast<double>(lay.stage_layers(s)) / static_cast<double>(lay.v);
-  double act = static_cast<double>(in_flight) * layers_per_chunk * per_layer;
+  const double per_full_layer = layer_full_activation_bytes(m, p, cs);
+  double per_chunk = 0;
+  for (int64_t c = 0; c < lay.v; ++c) {
+    const int64_t n = lay.chunk_layers(s, c);
+    const int64_t k = p.recompute == Recompute::full ? p.recomputed_layers(n) : n;
+    per_chunk += static_cast<double>(k) * per_layer + static_cast<double>(n - k) * per_full_layer;
+  }
+  per_chunk /= static_cast<double>(lay.v);
+  double act = static_cast<double>(in_flight) * per_chunk;
   if (s == 0) act += static_cast<double>(in_flight_first) * embedding_activation_bytes(m, p, cs);
   if (s == p.p - 1) act += static_cast<double>(in_flight_last) * head_activation_bytes(m, p, cs);
   // Working set of the layer running its backward: the gradients of its largest

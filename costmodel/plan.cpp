@@ -68,6 +68,7 @@ Plan plan_from_json(const Json& in, const std::string& source) {
   p.zero = static_cast<int>(f.integer_or("zero_stage", 0, 0, 3));
   const std::string rc = f.choice_or("recompute", "none", {"none", "selective", "full"});
   p.recompute = rc == "none" ? Recompute::none : rc == "selective" ? Recompute::selective : Recompute::full;
+  p.recompute_layers = f.integer_or("recompute_num_layers", 0, 0, 100000);
   p.sp = f.boolean_or("sequence_parallel", false);
   const std::string pr = f.choice_or("precision", "bf16", {"fp32", "bf16", "fp16", "fp8"});
   p.precision = pr == "fp32" ? Precision::fp32 : pr == "bf16" ? Precision::bf16
@@ -174,6 +175,7 @@ Json plan_to_json(const Plan& p) {
               {"global_batch_size", p.gbs},
               {"zero_stage", p.zero},
               {"recompute", to_string(p.recompute)},
+              {"recompute_num_layers", p.recompute_layers},
               {"sequence_parallel", p.sp},
               {"precision", to_string(p.precision)},
               {"pipeline_schedule", p.gpipe ? "gpipe" : "1f1b"},
@@ -192,6 +194,7 @@ std::string plan_to_inline(const Plan& p) {
   if (p.c > 1) s += fmt::format(",cp={}", p.c);
   if (p.v > 1) s += fmt::format(",vp={}", p.v);
   s += fmt::format(",mbs={},gbs={},zero={},recompute={}", p.mbs, p.gbs, p.zero, to_string(p.recompute));
+  if (p.recompute_layers > 0) s += fmt::format(",recompute_num_layers={}", p.recompute_layers);
   if (p.sp) s += ",sp=1";
   s += fmt::format(",precision={}", to_string(p.precision));
   if (p.gpipe) s += ",schedule=gpipe";
@@ -244,6 +247,8 @@ std::vector<Reason> check_plan(const ModelSpec& m, const Cluster& cl, const Plan
   if (m.A % p.t != 0 || m.G % p.t != 0)
     add("tp_heads", [&] { return fmt::format("tensor_parallel={} must divide num_attention_heads={} and num_query_groups={}",
                                 p.t, m.A, m.G); });
+  if (p.recompute_layers > 0 && p.recompute != Recompute::full)
+    add("recompute_layers", [&] { return fmt::format("recompute_num_layers={} needs recompute=full", p.recompute_layers); });
   if (m.F % p.t != 0)
     add("tp_ffn", [&] { return fmt::format("tensor_parallel={} must divide ffn_hidden_size={}", p.t, m.F); });
   if (p.c > 1 && m.S % (2 * p.c) != 0)

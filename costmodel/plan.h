@@ -30,6 +30,9 @@ struct Plan {
   int64_t gbs = 0;  // 0: one micro-batch per data-parallel rank (mbs * d)
   int zero = 0;     // 0..3; Megatron's distributed optimizer is 1
   Recompute recompute = Recompute::none;
+  int64_t recompute_layers = 0;  // recompute_num_layers: with full recompute, how many layers of
+                                 // each model chunk are recomputed (Megatron's block method);
+                                 // 0 = all of them
   bool sp = false;  // sequence_parallel
   Precision precision = Precision::bf16;
   bool gpipe = false;  // pipeline_schedule "gpipe"; otherwise 1F1B (interleaved when v > 1)
@@ -41,6 +44,11 @@ struct Plan {
   Tristate grad_accumulation_fusion = Tristate::automatic;  // wgrad GEMMs accumulate into fp32 main grads
 
   int64_t world_size() const { return t * p * d * c; }
+  // Layers of a chunk of `chunk_layers` that are recomputed in full.
+  int64_t recomputed_layers(int64_t chunk_layers) const {
+    if (recompute != Recompute::full) return 0;
+    return recompute_layers == 0 || recompute_layers > chunk_layers ? chunk_layers : recompute_layers;
+  }
   // Ranks holding the same parameters: data x context parallel (Megatron's data-parallel
   // group with context parallelism). Gradients are reduced and ZeRO shards across them.
   int64_t replicas() const { return d * c; }

@@ -25,7 +25,11 @@ std::string export_megatron(const ModelSpec& m, const Plan& p, const Stack& stac
     flag("--use-torch-fsdp2");
     notes += "# zero_stage=3: Megatron-LM's FSDP2 path (--use-torch-fsdp2) shards parameters, gradients and optimizer states.\n";
   }
-  if (p.recompute == Recompute::full) {
+  if (p.recompute == Recompute::full && p.recompute_layers > 0) {
+    flag("--recompute-granularity full");
+    flag("--recompute-method block");
+    flag(fmt::format("--recompute-num-layers {}", p.recompute_layers));
+  } else if (p.recompute == Recompute::full) {
     flag("--recompute-granularity full");
     flag("--recompute-method uniform");
     flag("--recompute-num-layers 1");

@@ -28,6 +28,7 @@ FixedDims parse_fixed(const std::string& text) {
     else if (k == "vp" || k == "virtual_pipeline_stages") f.v = integer(1, 1 << 20);
     else if (k == "mbs" || k == "micro_batch_size") f.mbs = integer(1, 1 << 30);
     else if (k == "zero" || k == "zero_stage") f.zero = static_cast<int>(integer(0, 3));
+    else if (k == "recompute_num_layers") f.recompute_layers = integer(0, 100000);
     else if (k == "sp" || k == "sequence_parallel") {
       if (v.is_boolean()) f.sp = v.get<bool>();
       else f.sp = integer(0, 1) == 1;
@@ -44,7 +45,7 @@ FixedDims parse_fixed(const std::string& text) {
       else fail_field("--fix schedule", show_value(v), "must be one of 1f1b, gpipe, interleaved");
     } else {
       fail_field("--fix " + k, show_value(v),
-                 "unknown key: use tp, pp, dp, cp, vp, mbs, zero, recompute, sp or schedule");
+                 "unknown key: use tp, pp, dp, cp, vp, mbs, zero, recompute, recompute_num_layers, sp or schedule");
     }
   }
   return f;
@@ -115,16 +116,6 @@ SearchResult search(const ModelSpec& m, const Cluster& cl, const SearchOptions& 
   const FixedDims& fx = opt.fixed;
   const int64_t N = opt.gpus;
 
-  // Layer costs depend on (t, c, d, mbs, sp, recompute, zero == 3); cache them.
-  using CostKey = std::tuple<int64_t, int64_t, int64_t, int64_t, bool, int, bool>;
-  std::map<CostKey, std::array<LayerCost, 3>> costs;
-  std::map<std::tuple<int, int64_t, int64_t, int64_t>, InFlight> flights;
-  auto reject = [&](const std::string& key, int64_t n = 1) {
-    res.rejected[key] += n;
-    res.candidates_evaluated += n;
-  };
-
-  const Recompute recomputes[] = {Recompute::none, Recompute::selective, Recompute::full};
   // One software stack for every candidate, so plans compare like for like. Only context
   // parallelism could change what "auto" resolves to (it needs fused attention): on a
   // legacy stack such candidates carry attention=unfused and are rejected (cp_attention).
@@ -132,6 +123,80 @@ SearchResult search(const ModelSpec& m, const Cluster& cl, const SearchOptions& 
   probe.precision = opt.precision;
   probe.attention = opt.attention;
   const Stack stack = resolve_stack(m, cl, probe);
+
+  // Layer costs depend on (t, c, d for ZeRO-3, mbs, sp, recompute, ZeRO-3): cached.
+  using CostKey = std::tuple<int64_t, int64_t, int64_t, int64_t, bool, int, bool>;
+  std::map<CostKey, std::array<LayerCost, 3>> costs;
+  auto costs_of = [&](const Plan& pl, const ComputeSetup& cs) -> const std::array<LayerCost, 3>& {
+    const CostKey key{pl.t, pl.c, pl.zero == 3 ? pl.d : 0, pl.mbs, pl.sp, static_cast<int>(pl.recompute), pl.zero == 3};
+    auto it = costs.find(key);
+    if (it == costs.end())
+      it = costs.emplace(key, std::array<LayerCost, 3>{layer_cost(m, cl, pl, cs), embedding_cost(m, cl, pl, cs),
+                                                       head_cost(m, cl, pl, cs)}).first;
+    return it->second;
+  };
+  std::map<std::tuple<int, int64_t, int64_t, int64_t>, InFlight> flights;
+  auto reject = [&](const std::string& key) {
+    res.rejected[key] += 1;
+    res.candidates_evaluated += 1;
+  };
+
+  // One candidate: rejected with its reason, out of memory, bounded out of the top K (and
+  // the frontier), or estimated.
+  auto consider = [&](const Plan& pl, const StageLayout& lay) {
+    const std::vector<Reason> why = check_plan(m, cl, pl, false);
+    if (!why.empty()) return reject(why.front().key);
+    ++res.candidates_evaluated;
+    const ComputeSetup cs = compute_setup(m, cl, pl);
+    const int64_t mb_count = pl.microbatches();
+    const ScheduleKind kind = pl.schedule();
+    const auto fkey = std::make_tuple(static_cast<int>(kind), pl.p, pl.v,
+                                      kind == ScheduleKind::gpipe ? mb_count : std::min(mb_count, 4 * pl.p + 4));
+    auto fit = flights.find(fkey);
+    if (fit == flights.end()) fit = flights.emplace(fkey, in_flight(kind, pl.p, pl.v, mb_count)).first;
+    std::vector<MemoryBreakdown> mem;
+    const size_t worst = stages_memory(m, cl, pl, lay, cs, fit->second, &mem);
+    if (mem[worst].peak > cl.device.memory_bytes) {
+      res.rejected["out_of_memory"] += 1;
+      return;
+    }
+    ++res.feasible;
+    const auto& lc = costs_of(pl, cs);
+    const LayerCost* plain = &lc[0];
+    if (pl.recompute == Recompute::full && pl.recompute_layers > 0) {
+      Plan q = pl;
+      q.recompute = Recompute::none;
+      q.recompute_layers = 0;
+      plain = &costs_of(q, cs)[0];
+    }
+    // Lower bound: the busiest stage's work with no bubble and no tail.
+    double lb = 0;
+    for (int64_t s = 0; s < pl.p; ++s) {
+      double w = 0;
+      for (int64_t c = 0; c < lay.v; ++c) {
+        const int64_t n = lay.chunk_layers(s, c);
+        const int64_t k = pl.recompute == Recompute::full ? pl.recomputed_layers(n) : n;
+        w += static_cast<double>(n) * lc[0].forward.total() +
+             static_cast<double>(k) * (lc[0].backward.total() + lc[0].recompute.total()) +
+             static_cast<double>(n - k) * plain->backward.total();
+      }
+      if (s == 0) w += lc[1].forward.total() + lc[1].backward.total();
+      if (s == pl.p - 1) w += lc[2].forward.total() + lc[2].backward.total();
+      lb = std::max(lb, w);
+    }
+    lb *= static_cast<double>(mb_count);
+    const bool need_top = lb < top.bound();
+    const bool need_front = opt.pareto && !front.dominated(mem[worst].peak, lb);
+    if (!need_top && !need_front) return;
+    EstimateOptions eo;
+    eo.pre = Precomputed{&lc[0], plain, &lc[1], &lc[2], &fit->second};
+    Estimate e = estimate(m, cl, pl, eo);
+    ++res.simulated;
+    if (opt.pareto) front.add(e);
+    top.add(std::move(e));
+  };
+
+  const Recompute recomputes[] = {Recompute::none, Recompute::selective, Recompute::full};
   for (int64_t t : divisors(N)) {
     if (!allowed(fx.t, t)) continue;
     for (int64_t p : divisors(N / t)) {
@@ -157,6 +222,13 @@ SearchResult search(const ModelSpec& m, const Cluster& cl, const SearchOptions& 
             reject("batch_divisible");
             continue;
           }
+          // Uneven pipelines are searched only in the (L+2)/p embedding-slot form.
+          if (v == 1 && p > 1 && m.L % p != 0 && (m.L + 2) % p != 0) {
+            reject("layers_pp");
+            continue;
+          }
+          const StageLayout lay = make_layout(m.L, p, v);
+          const int64_t chunk_max = *std::max_element(lay.layers.begin(), lay.layers.end());
           for (int64_t mbs : mbss) {
             if (!allowed(fx.mbs, mbs)) continue;
             for (int gp = 0; gp < (v > 1 ? 1 : 2); ++gp) {
@@ -165,66 +237,20 @@ SearchResult search(const ModelSpec& m, const Cluster& cl, const SearchOptions& 
                 if (!allowed(fx.sp, sp == 1)) continue;
                 for (Recompute rc : recomputes) {
                   if (!allowed(fx.recompute, rc)) continue;
-                  for (int zero = 0; zero <= (d > 1 ? 3 : 0); ++zero) {
-                    if (!allowed(fx.zero, zero)) continue;
-                    Plan pl;
-                    pl.t = t; pl.p = p; pl.d = d; pl.c = c; pl.v = v; pl.mbs = mbs; pl.gbs = opt.gbs;
-                    pl.zero = zero; pl.recompute = rc; pl.sp = sp == 1; pl.precision = opt.precision;
-                    pl.gpipe = gp == 1;
-                    pl.attention = opt.attention;
-                    if (c > 1 && !stack.modern) pl.attention = AttentionChoice::unfused;
-                    // Uneven pipelines are searched only in the (L+2)/p embedding-slot form.
-                    if (v == 1 && p > 1 && m.L % p != 0 && (m.L + 2) % p != 0) {
-                      reject("layers_pp");
-                      continue;
+                  // Full recompute of every layer of a chunk (0), or of the first k (block).
+                  const int64_t partial = rc == Recompute::full ? chunk_max - 1 : 0;
+                  for (int64_t rl = 0; rl <= partial; ++rl) {
+                    if (!allowed(fx.recompute_layers, rl)) continue;
+                    for (int zero = 0; zero <= (d > 1 ? 3 : 0); ++zero) {
+                      if (!allowed(fx.zero, zero)) continue;
+                      Plan pl;
+                      pl.t = t; pl.p = p; pl.d = d; pl.c = c; pl.v = v; pl.mbs = mbs; pl.gbs = opt.gbs;
+                      pl.zero = zero; pl.recompute = rc; pl.recompute_layers = rl; pl.sp = sp == 1;
+                      pl.precision = opt.precision; pl.gpipe = gp == 1;
+                      pl.attention = opt.attention;
+                      if (c > 1 && !stack.modern) pl.attention = AttentionChoice::unfused;
+                      consider(pl, lay);
                     }
-                    const std::vector<Reason> why = check_plan(m, cl, pl, false);
-                    if (!why.empty()) {
-                      reject(why.front().key);
-                      continue;
-                    }
-                    ++res.candidates_evaluated;
-                    const ComputeSetup cs = compute_setup(m, cl, pl);
-                    const StageLayout lay = make_layout(m.L, p, v);
-                    const int64_t mb_count = pl.microbatches();
-                    const auto fkey = std::make_tuple(static_cast<int>(pl.schedule()), p, v,
-                                                      pl.schedule() == ScheduleKind::gpipe ? mb_count
-                                                                                           : std::min(mb_count, 4 * p + 4));
-                    auto fit = flights.find(fkey);
-                    if (fit == flights.end()) fit = flights.emplace(fkey, in_flight(pl.schedule(), p, v, mb_count)).first;
-                    std::vector<MemoryBreakdown> mem;
-                    const size_t worst = stages_memory(m, cl, pl, lay, cs, fit->second, &mem);
-                    if (mem[worst].peak > cl.device.memory_bytes) {
-                      res.rejected["out_of_memory"] += 1;
-                      continue;
-                    }
-                    ++res.feasible;
-                    const CostKey ck{t, c, zero == 3 ? d : 0, mbs, pl.sp, static_cast<int>(rc), zero == 3};
-                    auto cit = costs.find(ck);
-                    if (cit == costs.end())
-                      cit = costs.emplace(ck, std::array<LayerCost, 3>{layer_cost(m, cl, pl, cs),
-                                                                       embedding_cost(m, cl, pl, cs),
-                                                                       head_cost(m, cl, pl, cs)}).first;
-                    const auto& lc = cit->second;
-                    // Lower bound: the busiest stage's work with no bubble and no tail.
-                    double lb = 0;
-                    for (int64_t s = 0; s < p; ++s) {
-                      double w = static_cast<double>(lay.stage_layers(s)) *
-                                 (lc[0].forward.total() + lc[0].backward.total() + lc[0].recompute.total());
-                      if (s == 0) w += lc[1].forward.total() + lc[1].backward.total();
-                      if (s == p - 1) w += lc[2].forward.total() + lc[2].backward.total();
-                      lb = std::max(lb, w);
-                    }
-                    lb *= static_cast<double>(mb_count);
-                    const bool need_top = lb < top.bound();
-                    const bool need_front = opt.pareto && !front.dominated(mem[worst].peak, lb);
-                    if (!need_top && !need_front) continue;
-                    EstimateOptions eo;
-                    eo.pre = Precomputed{&lc[0], &lc[1], &lc[2], &fit->second};
-                    Estimate e = estimate(m, cl, pl, eo);
-                    ++res.simulated;
-                    if (opt.pareto) front.add(e);
-                    top.add(std::move(e));
                   }
                 }
               }

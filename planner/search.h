@@ -18,7 +18,7 @@ namespace strata {
 
 // Dimensions the user pinned with --fix (unset: searched).
 struct FixedDims {
-  std::optional<int64_t> t, p, d, c, v, mbs;
+  std::optional<int64_t> t, p, d, c, v, mbs, recompute_layers;
   std::optional<int> zero;
   std::optional<Recompute> recompute;
   std::optional<bool> sp, gpipe;
