@@ -175,8 +175,22 @@ int cmd_plan(const std::vector<std::string>& argv) {
   const std::string exp = a.get("export");
   if (!exp.empty() && exp != "megatron" && exp != "deepspeed")
     fail_field("--export", "'" + exp + "'", "must be megatron or deepspeed");
+  // The compared plan is checked before anything is printed.
   Plan compare;
-  if (a.has("compare")) compare = load_plan(a.get("compare"));
+  Estimate compared;
+  if (a.has("compare")) {
+    compare = load_plan(a.get("compare"));
+    if (compare.world_size() != so.gpus)
+      fail_field("--compare", plan_to_inline(compare), fmt::format("must use {} GPUs like the search", so.gpus));
+    if (compare.gbs != so.gbs)
+      fail_field("--compare", plan_to_inline(compare), fmt::format("must use global batch {} like the search", so.gbs));
+    compared = estimate(m, cl, compare);
+    if (!compared.valid) {
+      std::string msg;
+      for (const auto& x : compared.reasons) msg += (msg.empty() ? "" : "; ") + x.message;
+      throw InputError("--compare: " + msg);
+    }
+  }
 
   const SearchResult r = search(m, cl, so);
   if (r.plans.empty()) {
@@ -189,13 +203,16 @@ int cmd_plan(const std::vector<std::string>& argv) {
   }
   const Estimate& best = r.plans.front();
   if (a.has("trace")) write_trace(a.get("trace"), m, cl, best.plan);
-  if (exp == "megatron") return fmt::print("{}", export_megatron(m, best.plan, best.stack)), kExitOk;
-  if (exp == "deepspeed") return fmt::print("{}", export_deepspeed(m, best.plan, best.stack)), kExitOk;
-  if (a.has("json")) {
+  std::string exported;
+  if (exp == "megatron") exported = export_megatron(m, best.plan, best.stack);
+  if (exp == "deepspeed") exported = export_deepspeed(m, best.plan, best.stack);
+  if (a.has("json")) {  // one JSON document: the export, if asked for, goes inside it
     Json j = search_to_json(r);
-    if (a.has("compare")) j["compared"] = estimate_to_json(estimate(m, cl, compare));
+    if (a.has("compare")) j["compared"] = estimate_to_json(compared);
+    if (!exported.empty()) j["export"] = {{"format", exp}, {"text", exported}};
     return fmt::print("{}\n", j.dump(2)), kExitOk;
   }
+  if (!exported.empty()) return fmt::print("{}", exported), kExitOk;
   std::string rej;
   for (const auto& [k, v] : r.rejected) rej += fmt::format("{}{} {}", rej.empty() ? "" : ", ", k, v);
   fmt::print("strata plan: {} ({} parameters) on {} x {}, global batch {} x {} tokens, {}\n", m.name,
@@ -220,17 +237,7 @@ int cmd_plan(const std::vector<std::string>& argv) {
   EstimateOptions eo;
   const Estimate detailed = estimate(m, cl, best.plan, eo, &d);
   fmt::print("\nbest plan:\n{}", format_estimate(m, cl, detailed, &d));
-  if (a.has("compare")) {
-    const Estimate other = estimate(m, cl, compare);
-    if (!other.valid) {
-      std::string msg;
-      for (const auto& x : other.reasons) msg += (msg.empty() ? "" : "; ") + x.message;
-      throw InputError("--compare: " + msg);
-    }
-    if (compare.world_size() != so.gpus)
-      fail_field("--compare", plan_to_inline(compare), fmt::format("must use {} GPUs like the search", so.gpus));
-    fmt::print("{}", explain(best, other));
-  }
+  if (a.has("compare")) fmt::print("{}", explain(best, compared));
   if (a.has("trace")) fmt::print("\ntrace of the best plan written to {}\n", a.get("trace"));
   return kExitOk;
 }

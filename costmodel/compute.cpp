@@ -230,7 +230,7 @@ double attention_core_forward(Acc& a, Phase ph) {
   if (a.cs.attention == AttentionKernel::flash) {
     // Causal: half of the S x S blocks (load-balanced across context-parallel ranks too).
     const double flops = 4.0 * heads * Sq * Sk * D * 0.5;
-    const double bytes = e * a.cs.T * static_cast<double>(2 * m.H + 2 * m.G * m.D()) / static_cast<double>(p.t);
+    const double bytes = e * a.cs.T * static_cast<double>(2 * m.AD() + 2 * m.G * m.D()) / static_cast<double>(p.t);
     t = a.kernel("flash_attention", ph, flops, bytes, a.peak_attn * a.cl.device.flash_fwd_efficiency);
   } else {
     const double n_s = heads * Sq * Sk;  // attention score elements
@@ -262,7 +262,7 @@ double attention_core_backward(Acc& a) {
   if (a.cs.attention == AttentionKernel::flash) {
     // FlashAttention-2 backward: five S x S x D products against two in forward.
     const double flops = 10.0 * heads * Sq * Sk * D * 0.5;
-    const double bytes = 2.0 * e * a.cs.T * static_cast<double>(2 * m.H + 2 * m.G * m.D()) / static_cast<double>(p.t);
+    const double bytes = 2.0 * e * a.cs.T * static_cast<double>(2 * m.AD() + 2 * m.G * m.D()) / static_cast<double>(p.t);
     t = a.kernel("flash_attention", ph, flops, bytes, a.peak_attn * a.cl.device.flash_bwd_efficiency);
   } else {
     const double n_s = heads * Sq * Sk;
@@ -290,23 +290,24 @@ double layer_forward(Acc& a, Phase ph) {
   const Plan& p = a.p;
   const double e = a.cs.e, T = a.cs.T, Tn = a.cs.Tn, H = static_cast<double>(m.H);
   const double t = static_cast<double>(p.t);
-  const double qkv_cols = static_cast<double>(m.H + 2 * m.G * m.D()) / t;
-  const double fc1_cols = static_cast<double>(m.activation == Activation::swiglu ? 2 * m.F : m.F) / t;
+  const double qkv_cols = static_cast<double>(m.AD() + 2 * m.G * m.D()) / t;
+  const double ADt = static_cast<double>(m.AD()) / t;  // attention output width on this rank
+  const double fc1_cols = static_cast<double>(m.fc1_out()) / t;
   const double Ft = static_cast<double>(m.F) / t;
   const double before = a.w(ph).total();
   a.mem("norm1", ph, 2.0 * e * Tn * H);
   a.tp_gather("sp_all_gather", ph);
   a.linear("qkv", ph, T, qkv_cols, H);
-  if (m.position == Position::rope) a.mem("rope", ph, 2.0 * e * T * static_cast<double>(m.H + m.G * m.D()) / t);
+  if (m.position == Position::rope) a.mem("rope", ph, 2.0 * e * T * static_cast<double>(m.AD() + m.G * m.D()) / t);
   attention_core_forward(a, ph);
-  a.linear("attn_proj", ph, T, H, H / t);
+  a.linear("attn_proj", ph, T, H, ADt);
   a.tp_reduce(p.sp ? "sp_reduce_scatter" : "tp_all_reduce", ph);
   a.mem("bias_dropout_add", ph, dropout_bytes(Tn * H, m.hidden_dropout, a.cs.e, true));
   a.mem("norm2", ph, 2.0 * e * Tn * H);
   a.tp_gather("sp_all_gather", ph);
   a.linear("fc1", ph, T, fc1_cols, H);
-  a.mem(m.activation == Activation::swiglu ? "swiglu" : "gelu", ph,
-        (m.activation == Activation::swiglu ? 3.0 : 2.0) * e * T * Ft);
+  a.mem(to_string(m.activation), ph,
+        (m.gated() ? 3.0 : 2.0) * e * T * Ft);
   a.linear("fc2", ph, T, H, Ft);
   a.tp_reduce(p.sp ? "sp_reduce_scatter" : "tp_all_reduce", ph);
   a.mem("bias_dropout_add", ph, dropout_bytes(Tn * H, m.hidden_dropout, a.cs.e, true));
@@ -319,16 +320,17 @@ void layer_backward(Acc& a) {
   const Phase ph = Phase::backward;
   const double e = a.cs.e, T = a.cs.T, Tn = a.cs.Tn, H = static_cast<double>(m.H);
   const double t = static_cast<double>(p.t);
-  const double qkv_cols = static_cast<double>(m.H + 2 * m.G * m.D()) / t;
-  const double fc1_cols = static_cast<double>(m.activation == Activation::swiglu ? 2 * m.F : m.F) / t;
+  const double qkv_cols = static_cast<double>(m.AD() + 2 * m.G * m.D()) / t;
+  const double ADt = static_cast<double>(m.AD()) / t;  // attention output width on this rank
+  const double fc1_cols = static_cast<double>(m.fc1_out()) / t;
   const double Ft = static_cast<double>(m.F) / t;
   const double mask = m.hidden_dropout > 0 ? 1.0 : 0.0;
   // MLP block, in reverse.
   a.mem("bias_dropout_add", ph, (2.0 * e + mask) * Tn * H);
   a.tp_gather("sp_all_gather", ph);  // backward of the reduce-scatter after fc2
   a.linear("fc2", ph, T, H, Ft);
-  a.mem(m.activation == Activation::swiglu ? "swiglu" : "gelu", ph,
-        (m.activation == Activation::swiglu ? 5.0 : 3.0) * e * T * Ft);
+  a.mem(to_string(m.activation), ph,
+        (m.gated() ? 5.0 : 3.0) * e * T * Ft);
   // fc1: the sequence-parallel input is gathered again for wgrad, behind dgrad.
   const double fc1_dgrad = gemm_time(a.cl.device, a.peak_linear, T, H, fc1_cols, a.lin_bytes);
   a.tp_gather("sp_all_gather", ph, fc1_dgrad);
@@ -338,9 +340,9 @@ void layer_backward(Acc& a) {
   // Attention block, in reverse.
   a.mem("bias_dropout_add", ph, (2.0 * e + mask) * Tn * H);
   a.tp_gather("sp_all_gather", ph);
-  a.linear("attn_proj", ph, T, H, H / t);
+  a.linear("attn_proj", ph, T, H, ADt);
   attention_core_backward(a);
-  if (m.position == Position::rope) a.mem("rope", ph, 2.0 * e * T * static_cast<double>(m.H + m.G * m.D()) / t);
+  if (m.position == Position::rope) a.mem("rope", ph, 2.0 * e * T * static_cast<double>(m.AD() + m.G * m.D()) / t);
   const double qkv_dgrad = gemm_time(a.cl.device, a.peak_linear, T, H, qkv_cols, a.lin_bytes);
   a.tp_gather("sp_all_gather", ph, qkv_dgrad);
   a.linear("qkv", ph, T, qkv_cols, H);
@@ -348,6 +350,20 @@ void layer_backward(Acc& a) {
   a.mem("norm1", ph, 3.0 * e * Tn * H);
   if (!a.cs.stack.grad_accumulation_fusion)
     a.mem("grad_accumulation", ph, grad_accumulation_bytes(p.precision) * static_cast<double>(m.layer_params(p.t)));
+}
+
+// ZeRO-3: the parameters of a piece of work are gathered before its forward and again
+// before its backward, its gradients reduce-scattered after, each prefetched behind the
+// piece's own compute (`fwd_s` and what the LayerCost holds for backward and recompute).
+void zero3_traffic(Acc& a, double params, double fwd_s) {
+  if (a.p.zero != 3 || a.p.replicas() <= 1 || params <= 0) return;
+  const double w = a.cs.weight_bytes * params;
+  a.comm("zero3_all_gather", Phase::forward, OpKind::dp_comm, a.dp, Collective::all_gather, w, fwd_s);
+  const double bwd = a.lc.backward.compute_s + a.lc.recompute.compute_s;
+  const double ag = collective_time(a.cl, a.dp, Collective::all_gather, w);
+  a.comm("zero3_all_gather", Phase::backward, OpKind::dp_comm, a.dp, Collective::all_gather, w, bwd);
+  a.comm("zero3_reduce_scatter", Phase::backward, OpKind::dp_comm, a.dp, Collective::reduce_scatter,
+         a.cs.grad_bytes * params, std::max(0.0, bwd - ag));
 }
 
 }  // namespace
@@ -359,19 +375,7 @@ LayerCost layer_cost(const ModelSpec& m, const Cluster& cl, const Plan& p, const
   if (p.recompute == Recompute::full) layer_forward(a, Phase::recompute);
   if (p.recompute == Recompute::selective) attention_core_forward(a, Phase::recompute);
   layer_backward(a);
-  if (p.zero == 3 && p.replicas() > 1) {
-    // Parameters gathered before the forward and again before the backward, gradients
-    // reduce-scattered after it, each prefetched behind the layer's compute.
-    const double params = static_cast<double>(m.layer_params(p.t));
-    a.comm("zero3_all_gather", Phase::forward, OpKind::dp_comm, a.dp, Collective::all_gather,
-           cs.weight_bytes * params, fwd);
-    const double bwd = a.lc.backward.compute_s + a.lc.recompute.compute_s;
-    const double ag = collective_time(cl, a.dp, Collective::all_gather, cs.weight_bytes * params);
-    a.comm("zero3_all_gather", Phase::backward, OpKind::dp_comm, a.dp, Collective::all_gather,
-           cs.weight_bytes * params, bwd);
-    a.comm("zero3_reduce_scatter", Phase::backward, OpKind::dp_comm, a.dp, Collective::reduce_scatter,
-           cs.grad_bytes * params, std::max(0.0, bwd - ag));
-  }
+  zero3_traffic(a, static_cast<double>(m.layer_params(p.t)), fwd);
   return a.lc;
 }
 
@@ -392,6 +396,7 @@ LayerCost embedding_cost(const ModelSpec& m, const Cluster& cl, const Plan& p, c
   if (!cs.stack.grad_accumulation_fusion)
     a.mem("grad_accumulation", Phase::backward,
           grad_accumulation_bytes(p.precision) * static_cast<double>(m.word_embedding_params(p.t)));
+  zero3_traffic(a, static_cast<double>(m.word_embedding_params(p.t) + m.position_params()), a.lc.forward.compute_s);
   return a.lc;
 }
 
@@ -420,6 +425,11 @@ LayerCost head_cost(const ModelSpec& m, const Cluster& cl, const Plan& p, const 
   a.wgrad("lm_head", Phase::backward, H, Vt, T, peak, eb);  // wgrad
   a.tp_reduce(p.sp ? "sp_reduce_scatter" : "tp_all_reduce", Phase::backward);
   a.mem("final_norm", Phase::backward, 3.0 * e * cs.Tn * H);
+  // The output layer's own weights: untied, or the tied copy on the last stage when p > 1
+  // (with p = 1 the embedding's gather serves both).
+  const bool own = !m.tie_embeddings || p.p > 1;
+  zero3_traffic(a, static_cast<double>((own ? m.word_embedding_params(p.t) : 0) + m.final_norm_params()),
+                a.lc.forward.compute_s);
   return a.lc;
 }
 

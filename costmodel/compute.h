@@ -15,6 +15,7 @@
 #include "costmodel/hardware.h"
 #include "costmodel/model_spec.h"
 #include "costmodel/plan.h"
+#include "costmodel/stack.h"
 
 namespace strata {
 

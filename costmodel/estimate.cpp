@@ -74,7 +74,7 @@ double hardware_flops_per_step(const ModelSpec& m, const Plan& p) {
   }
   if (p.recompute == Recompute::selective)
     f += L * 4.0 * static_cast<double>(p.gbs) * static_cast<double>(m.S) * static_cast<double>(m.S) *
-         static_cast<double>(m.H);
+         static_cast<double>(m.AD());
   return f;
 }
 
@@ -192,7 +192,8 @@ Estimate estimate(const ModelSpec& m, const Cluster& cl, const Plan& p, const Es
     }
     dp_exposed[i] = exposed;
     dp_total[i] = reduce + gather;
-    opt_s[i] = optimizer_time(cl.device, p, p.zero >= 1 ? P / static_cast<double>(p.replicas()) : P, P);
+    const double shard = P / static_cast<double>(p.replicas());
+    opt_s[i] = optimizer_time(cl.device, p, p.zero >= 1 ? shard : P, p.zero >= 2 ? shard : P);
     finish[i] = sim.end_s[i] + exposed + opt_s[i];
   }
   size_t crit = 0;

@@ -2,14 +2,14 @@
 // this GPU, Tn = T/t with sequence parallelism (else T), e bytes per element, masks 1 byte:
 //   norms' inputs            2 * e*Tn*H
 //   QKV input                e*Tn*H          (sequence-parallel: stored sharded, re-gathered)
-//   Q and K                  e*T*(H + G*D)/t
+//   Q and K                  e*T*(A*D + G*D)/t
 //   V                        e*T*G*D/t
 //   unfused core             softmax out e*n, dropout mask n and dropout out e*n,
 //                            n = B*(A/t)*(S/c)*S                  (only with attention dropout)
 //   flash core               log-sum-exp 4*B*(A/t)*(S/c)
-//   projection input         e*T*H/t
+//   projection input         e*T*A*D/t
 //   MLP input                e*Tn*H
-//   activation input         e*T*F/t (GeLU) or 2*e*T*F/t (SwiGLU gate and up)
+//   activation input         e*T*F/t (GeLU) or 2*e*T*F/t (gated: SwiGLU, GeGLU)
 //   fc2 input                e*T*F/t
 //   dropout masks            2 * Tn*H                              (only with hidden dropout)
 // For GPT-3 style (e = 2, G = A, F = 4H, dropout, c = 1) this is Korthikanti's
@@ -40,15 +40,15 @@ StateBytes state_bytes(Precision prec, bool fused) {
 double layer_activation_bytes(const ModelSpec& m, const Plan& p, const ComputeSetup& cs) {
   const double e = cs.e, T = cs.T, Tn = cs.Tn, H = static_cast<double>(m.H);
   const double t = static_cast<double>(p.t);
-  const double GD = static_cast<double>(m.G * m.D());
+  const double GD = static_cast<double>(m.G * m.D()), AD = static_cast<double>(m.AD());
   if (p.recompute == Recompute::full) return e * Tn * H;  // the layer's input only
   double bytes = 2.0 * e * Tn * H                  // norm inputs
                  + e * Tn * H                      // QKV input
-                 + e * T * (H + GD) / t            // Q, K
+                 + e * T * (AD + GD) / t           // Q, K
                  + e * T * GD / t                  // V
-                 + e * T * H / t                   // projection input
+                 + e * T * AD / t                  // projection input
                  + e * Tn * H                      // MLP input
-                 + e * T * static_cast<double>(m.activation == Activation::swiglu ? 2 * m.F : m.F) / t
+                 + e * T * static_cast<double>(m.fc1_out()) / t
                  + e * T * static_cast<double>(m.F) / t;  // fc2 input
   if (m.hidden_dropout > 0) bytes += 2.0 * Tn * H;
   const double heads = static_cast<double>(p.mbs) * static_cast<double>(m.A / p.t);
@@ -56,9 +56,10 @@ double layer_activation_bytes(const ModelSpec& m, const Plan& p, const ComputeSe
   if (cs.attention == AttentionKernel::unfused) {
     const double n = heads * Sq * static_cast<double>(m.S);
     if (p.recompute == Recompute::none) bytes += (m.attention_dropout > 0 ? 2.0 * e + 1.0 : e) * n;
-  } else {
-    if (p.recompute == Recompute::none) bytes += 4.0 * heads * Sq;
-    else bytes -= e * T * H / t;  // selective with flash: the core's output is recomputed
+  } else if (p.recompute == Recompute::none) {
+    // Selective recompute of a fused core saves only its log-sum-exp: the output it
+    // recomputes is the projection's input, which the projection keeps anyway.
+    bytes += 4.0 * heads * Sq;
   }
   return bytes;
 }
@@ -131,7 +132,7 @@ MemoryBreakdown stage_memory(const ModelSpec& m, const Cluster& cl, const Plan& 
   // whole layer's activations rebuilt for it. The loss adds its own on the last stage.
   double working = 0;
   if (lay.stage_layers(s) > 0) {
-    const double fc1_cols = static_cast<double>(m.activation == Activation::swiglu ? 2 * m.F : m.F);
+    const double fc1_cols = static_cast<double>(m.fc1_out());
     working = cs.e * cs.T * ((fc1_cols + static_cast<double>(m.F)) / static_cast<double>(p.t) +
                              2.0 * static_cast<double>(m.H));
     if (p.recompute == Recompute::full) working += layer_full_activation_bytes(m, p, cs);

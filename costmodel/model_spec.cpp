@@ -18,7 +18,14 @@ constexpr int64_t kMaxVocab = 1 << 28;
 constexpr int64_t kMaxSeq = 1 << 24;
 }  // namespace
 
-const char* to_string(Activation a) { return a == Activation::gelu ? "gelu" : "swiglu"; }
+const char* to_string(Activation a) {
+  switch (a) {
+    case Activation::gelu: return "gelu";
+    case Activation::swiglu: return "swiglu";
+    case Activation::geglu: return "geglu";
+  }
+  return "?";
+}
 const char* to_string(Norm n) { return n == Norm::layernorm ? "layernorm" : "rmsnorm"; }
 const char* to_string(Position p) {
   switch (p) {
@@ -45,10 +52,10 @@ int64_t ModelSpec::layer_norm_params() const {
 }
 
 int64_t ModelSpec::layer_params(int64_t t) const {
-  const int64_t qkv_out = H + 2 * G * D();              // columns of the fused QKV matrix
-  const int64_t fc1_out = activation == Activation::swiglu ? 2 * F : F;
-  int64_t n = (H * qkv_out + H * H + H * fc1_out + F * H) / t;  // the four split matrices
-  if (bias) n += (qkv_out + fc1_out) / t + 2 * H;     // column biases split, row biases replicated
+  const int64_t qkv_out = AD() + 2 * G * D();           // columns of the fused QKV matrix
+  const int64_t fc1 = fc1_out();
+  int64_t n = (H * qkv_out + AD() * H + H * fc1 + F * H) / t;  // the four split matrices
+  if (bias) n += (qkv_out + fc1) / t + 2 * H;         // column biases split, row biases replicated
   return n + layer_norm_params();
 }
 
@@ -67,10 +74,10 @@ double ModelSpec::total_params() const {
 double ModelSpec::layer_forward_flops(int64_t B) const {
   const double tokens = static_cast<double>(B) * static_cast<double>(S);
   const double h = static_cast<double>(H);
-  const double qkv_out = static_cast<double>(H + 2 * G * D());
-  const double fc1_out = static_cast<double>(activation == Activation::swiglu ? 2 * F : F);
-  const double gemms = 2.0 * tokens * (h * qkv_out + h * h + h * fc1_out + static_cast<double>(F) * h);
-  const double attention = 4.0 * tokens * static_cast<double>(S) * h;  // QK^T and AV, full S x S
+  const double qkv_out = static_cast<double>(AD() + 2 * G * D());
+  const double fc1 = static_cast<double>(fc1_out());
+  const double gemms = 2.0 * tokens * (h * qkv_out + static_cast<double>(AD()) * h + h * fc1 + static_cast<double>(F) * h);
+  const double attention = 4.0 * tokens * static_cast<double>(S) * static_cast<double>(AD());  // QK^T, AV, full S x S
   return gemms + attention;
 }
 
@@ -95,9 +102,13 @@ void validate_model(const ModelSpec& m, const std::string& src) {
   range("ffn_hidden_size", m.F, 1, kMaxFfn);
   range("vocab_size", m.V, 1, kMaxVocab);
   range("seq_length", m.S, 1, kMaxSeq);
-  if (m.H % m.A != 0)
+  if (m.kv_channels < 0 || m.kv_channels > kMaxHidden)
+    fail_field(src + ".kv_channels", std::to_string(m.kv_channels), fmt::format("must be an integer in [0, {}]", kMaxHidden));
+  if (m.kv_channels == 0 && m.H % m.A != 0)
     fail_field(src + ".hidden_size", std::to_string(m.H),
-               fmt::format("must be divisible by num_attention_heads ({})", m.A));
+               fmt::format("must be divisible by num_attention_heads ({}), or give kv_channels", m.A));
+  if (m.A * m.D() > (int64_t{1} << 24))
+    fail_field(src + ".kv_channels", std::to_string(m.D()), "num_attention_heads * kv_channels exceeds 2^24");
   if (m.G > m.A || m.A % m.G != 0)
     fail_field(src + ".num_query_groups", std::to_string(m.G),
                fmt::format("must divide num_attention_heads ({})", m.A));
@@ -120,9 +131,9 @@ ModelSpec model_from_json(const Json& j, const std::string& source) {
   m.H = f.integer("hidden_size", 1, kMaxHidden);
   m.A = f.integer("num_attention_heads", 1, kMaxHeads);
   m.G = f.integer_or("num_query_groups", m.A, 1, kMaxHeads);
-  const std::string act = f.choice_or("activation", "gelu", {"gelu", "swiglu"});
-  m.activation = act == "gelu" ? Activation::gelu : Activation::swiglu;
-  const bool llama = m.activation == Activation::swiglu;
+  const std::string act = f.choice_or("activation", "gelu", {"gelu", "swiglu", "geglu"});
+  m.activation = act == "gelu" ? Activation::gelu : act == "swiglu" ? Activation::swiglu : Activation::geglu;
+  const bool llama = m.gated();
   m.F = f.integer_or("ffn_hidden_size", llama ? llama_ffn_size(m.H) : 4 * m.H, 1, kMaxFfn);
   m.V = f.integer("vocab_size", 1, kMaxVocab);
   m.S = f.integer("seq_length", 1, kMaxSeq);
@@ -137,6 +148,7 @@ ModelSpec model_from_json(const Json& j, const std::string& source) {
   m.attention_dropout = f.real_or("attention_dropout", llama ? 0.0 : 0.1, 0.0, 0.999);
   m.hidden_dropout = f.real_or("hidden_dropout", llama ? 0.0 : 0.1, 0.0, 0.999);
   m.vocab_divisor = f.integer_or("make_vocab_size_divisible_by", 128, 1, 65536);
+  m.kv_channels = f.integer_or("kv_channels", 0, 0, kMaxHidden);
   f.ignore("description");
   f.ignore("_source");
   f.reject_unknown();
@@ -159,11 +171,10 @@ ModelSpec model_from_hf_config(const Json& j, const std::string& source) {
     return fallback;
   };
   ModelSpec m;
-  m.name = std::filesystem::path(source).parent_path().filename().string();
+  std::string model_type;
+  if (j.contains("model_type") && j["model_type"].is_string()) model_type = j["model_type"].get<std::string>();
   if (j.contains("_name_or_path") && j["_name_or_path"].is_string()) m.name = j["_name_or_path"].get<std::string>();
-  if (m.name.empty()) m.name = "hf-model";
-  std::string model_type = j.value("model_type", std::string());
-  if (!j.contains("model_type") || !j["model_type"].is_string()) model_type.clear();
+  if (m.name.empty()) m.name = model_type.empty() ? "hf-model" : model_type;
   const bool gpt2 = model_type == "gpt2" || j.contains("n_layer");
   m.L = get_int({"num_hidden_layers", "n_layer"}, 1, kMaxLayers, true, 0);
   m.H = get_int({"hidden_size", "n_embd"}, 1, kMaxHidden, true, 0);
@@ -171,7 +182,9 @@ ModelSpec model_from_hf_config(const Json& j, const std::string& source) {
   m.G = get_int({"num_key_value_heads"}, 1, kMaxHeads, false, m.A);
   m.V = get_int({"vocab_size"}, 1, kMaxVocab, true, 0);
   m.S = get_int({"max_position_embeddings", "n_positions", "n_ctx"}, 1, kMaxSeq, true, 0);
-  std::string act = "gelu";
+  // Transformers' defaults when the key is absent: GPT-2 "gelu_new", the rest (Llama,
+  // Mistral, Qwen2, ...) "silu".
+  std::string act = gpt2 ? "gelu_new" : "silu";
   for (const char* k : {"hidden_act", "activation_function"}) {
     if (j.contains(k)) {
       if (!j[k].is_string()) fail_field(source + "." + k, show_value(j[k]), "must be a string");
@@ -179,18 +192,21 @@ ModelSpec model_from_hf_config(const Json& j, const std::string& source) {
       break;
     }
   }
+  const bool gemma = model_type.rfind("gemma", 0) == 0;  // Gemma's MLP is a gated GELU
   if (act == "silu" || act == "swish" || act == "swiglu") {
     m.activation = Activation::swiglu;
   } else if (act.rfind("gelu", 0) == 0) {
-    m.activation = Activation::gelu;
+    m.activation = gemma ? Activation::geglu : Activation::gelu;
   } else {
     fail_field(source + ".hidden_act", show_value(Json(act)), "must be silu (SwiGLU MLP) or a gelu variant");
   }
-  const bool llama = m.activation == Activation::swiglu;
+  const bool llama = m.gated();
   m.F = get_int({"intermediate_size", "n_inner"}, 1, kMaxFfn, false, llama ? llama_ffn_size(m.H) : 4 * m.H);
+  m.kv_channels = get_int({"head_dim"}, 0, kMaxHidden, false, 0);
+  if (m.kv_channels * m.A == m.H) m.kv_channels = 0;
   m.normalization = (j.contains("rms_norm_eps") || llama) && !gpt2 ? Norm::rmsnorm : Norm::layernorm;
-  m.position = gpt2 ? Position::learned : Position::rope;
-  m.tie_embeddings = gpt2;
+  m.position = gpt2 ? Position::learned : Position::rope;  // sets the modern stack for Llama-family
+  m.tie_embeddings = gpt2 || gemma;
   if (j.contains("tie_word_embeddings")) {
     if (!j["tie_word_embeddings"].is_boolean())
       fail_field(source + ".tie_word_embeddings", show_value(j["tie_word_embeddings"]), "must be true or false");
@@ -227,7 +243,8 @@ Json model_to_json(const ModelSpec& m) {
               {"add_bias_linear", m.bias},
               {"attention_dropout", m.attention_dropout},
               {"hidden_dropout", m.hidden_dropout},
-              {"make_vocab_size_divisible_by", m.vocab_divisor}};
+              {"make_vocab_size_divisible_by", m.vocab_divisor},
+              {"kv_channels", m.kv_channels}};
 }
 
 ModelSpec load_model(const std::string& name_or_path, int64_t seq_length_override) {

@@ -3,7 +3,8 @@
 // Owns no parallelism beyond dividing a count by the tensor parallel size t.
 //
 // Dimension letters (used in costmodel/ and executor/ alike):
-//   B micro-batch, S sequence, H hidden, A heads, G query groups, D = H/A head dim,
+//   B micro-batch, S sequence, H hidden, A heads, G query groups, D head dim (H/A unless
+//   kv_channels says otherwise; the attention is A*D wide),
 //   F ffn hidden, V vocab (padded), L layers; t p d c v the parallel degrees.
 #pragma once
 
@@ -15,7 +16,7 @@
 
 namespace strata {
 
-enum class Activation { gelu, swiglu };
+enum class Activation { gelu, swiglu, geglu };  // swiglu and geglu are gated: fc1 is 2F wide
 enum class Norm { layernorm, rmsnorm };
 enum class Position { learned, rope, alibi, none };
 
@@ -36,8 +37,12 @@ struct ModelSpec {
   double attention_dropout = 0.1;        // Megatron defaults for GPT; Llama trains with 0
   double hidden_dropout = 0.1;
   int64_t vocab_divisor = 128;           // make_vocab_size_divisible_by
+  int64_t kv_channels = 0;               // head dim D when it is not H/A (Gemma); 0 = H/A
 
-  int64_t D() const { return H / A; }
+  int64_t D() const { return kv_channels > 0 ? kv_channels : H / A; }
+  int64_t AD() const { return A * D(); }  // width of the queries and of the attention output
+  bool gated() const { return activation != Activation::gelu; }
+  int64_t fc1_out() const { return gated() ? 2 * F : F; }  // columns of the first MLP matrix
   // Megatron pads the vocabulary to a multiple of vocab_divisor * t.
   int64_t padded_vocab(int64_t t) const;
 

@@ -210,34 +210,6 @@ std::string plan_to_inline(const Plan& p) {
   return s;
 }
 
-Stack resolve_stack(const ModelSpec& m, const Cluster& cl, const Plan& p) {
-  Stack s;
-  s.modern = cl.modern_stack || m.position == Position::rope || p.c > 1 || p.precision == Precision::fp8;
-  auto pick = [&](Tristate t) { return t == Tristate::automatic ? s.modern : t == Tristate::on; };
-  s.attention = p.attention == AttentionChoice::flash     ? AttentionKernel::flash
-                : p.attention == AttentionChoice::unfused ? AttentionKernel::unfused
-                : s.modern                                ? AttentionKernel::flash
-                                                          : AttentionKernel::unfused;
-  s.overlap_grad_reduce = pick(p.overlap_grad_reduce);
-  s.overlap_param_gather = pick(p.overlap_param_gather);
-  s.tp_comm_overlap = pick(p.tp_comm_overlap);
-  s.grad_accumulation_fusion = pick(p.grad_accumulation_fusion);
-  return s;
-}
-
-AttentionKernel resolve_attention(const ModelSpec& m, const Cluster& cl, const Plan& p) {
-  return resolve_stack(m, cl, p).attention;
-}
-
-Json stack_to_json(const Stack& s) {
-  return Json{{"software_stack", s.modern ? "modern" : "legacy"},
-              {"attention", to_string(s.attention)},
-              {"overlap_grad_reduce", s.overlap_grad_reduce},
-              {"overlap_param_gather", s.overlap_param_gather},
-              {"tp_comm_overlap", s.tp_comm_overlap},
-              {"grad_accumulation_fusion", s.grad_accumulation_fusion}};
-}
-
 std::vector<Reason> check_plan(const ModelSpec& m, const Cluster& cl, const Plan& p, bool messages) {
   std::vector<Reason> r;
   // Messages are built only when asked for: the planner checks millions of plans.
@@ -282,7 +254,10 @@ std::vector<Reason> check_plan(const ModelSpec& m, const Cluster& cl, const Plan
     add("schedule_too_long", [&] { return fmt::format("interleaved schedule of {} micro-batches x {} stages x {} chunks is longer "
                                          "than the 4M steps strata walks; raise micro_batch_size",
                                          p.microbatches(), p.p, p.v); });
-  if (cl.device.peak_flops(p.precision) <= 0)
+  if (p.precision == Precision::fp8 && cl.device.peak_bf16_flops <= 0)
+    add("precision", [&] { return fmt::format("precision=fp8 runs attention and the output layer in bf16, which {} "
+                                              "does not support", cl.device.name); });
+  else if (cl.device.peak_flops(p.precision) <= 0)
     add("precision", [&] { return fmt::format("precision={} is not supported by {}", to_string(p.precision), cl.device.name); });
   return r;
 }

@@ -76,23 +76,7 @@ struct Reason {
 // With messages = false only the keys are filled (the planner's hot loop).
 std::vector<Reason> check_plan(const ModelSpec& m, const Cluster& cl, const Plan& p, bool messages = true);
 
-// The software stack a plan runs on, every "auto" setting resolved. Modern (Megatron-core
-// with Transformer Engine, FSDP, torchtitan) when the cluster's published runs use it, the
-// model is Llama-style (RoPE: every published Llama-family run), context parallelism is on
-// (it needs fused attention) or the precision is fp8 (Transformer Engine): FlashAttention,
-// gradient accumulation fused into fp32 main gradients, data- and tensor-parallel
-// communication overlapped. Legacy (2020-2022 Megatron-LM, DeepSpeed): unfused softmax,
-// bf16 gradients accumulated into a separate fp32 buffer, communication exposed. Each
-// setting the plan gives explicitly wins.
-struct Stack {
-  bool modern = false;
-  AttentionKernel attention = AttentionKernel::unfused;
-  bool overlap_grad_reduce = false, overlap_param_gather = false, tp_comm_overlap = false,
-       grad_accumulation_fusion = false;
-};
-Stack resolve_stack(const ModelSpec& m, const Cluster& cl, const Plan& p);
-AttentionKernel resolve_attention(const ModelSpec& m, const Cluster& cl, const Plan& p);
-Json stack_to_json(const Stack& s);
+
 
 const char* to_string(Recompute r);
 const char* to_string(ScheduleKind s);

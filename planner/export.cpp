@@ -10,7 +10,18 @@ std::string export_megatron(const ModelSpec& m, const Plan& p, const Stack& stac
   auto flag = [&](const std::string& s) { f += (f.empty() ? "" : " \\\n    ") + s; };
   flag(fmt::format("--tensor-model-parallel-size {}", p.t));
   flag(fmt::format("--pipeline-model-parallel-size {}", p.p));
-  if (p.v > 1) flag(fmt::format("--num-layers-per-virtual-pipeline-stage {}", m.L / (p.p * p.v)));
+  // Layer split (layout.h): even, or with the embedding and the loss in a layer's slot each.
+  const bool even = m.L % (p.p * p.v) == 0;
+  const bool slots = !even && p.p > 1 && (m.L + 2) % (p.p * p.v) == 0;
+  if (p.v > 1) flag(fmt::format("--num-layers-per-virtual-pipeline-stage {}", (slots ? m.L + 2 : m.L) / (p.p * p.v)));
+  if (slots) {
+    flag("--account-for-embedding-in-pipeline-split");
+    flag("--account-for-loss-in-pipeline-split");
+  } else if (!even && p.p > 1) {
+    notes += fmt::format("# {} layers do not split evenly over {} stages: strata assumed the extra layers on the middle\n"
+                         "# stages; give Megatron the same split with --decoder-first/last-pipeline-num-layers.\n",
+                         m.L, p.p);
+  }
   if (p.c > 1) flag(fmt::format("--context-parallel-size {}", p.c));
   flag(fmt::format("--micro-batch-size {}", p.mbs));
   flag(fmt::format("--global-batch-size {}", p.gbs));
@@ -42,8 +53,8 @@ std::string export_megatron(const ModelSpec& m, const Plan& p, const Stack& stac
     case Precision::fp8: flag("--bf16"); flag("--fp8-format hybrid"); break;
     case Precision::fp32: break;
   }
-  if (stack.overlap_grad_reduce && p.d > 1) flag("--overlap-grad-reduce");
-  if (stack.overlap_param_gather && p.d > 1 && p.zero >= 1) flag("--overlap-param-gather");
+  if (stack.overlap_grad_reduce && p.replicas() > 1) flag("--overlap-grad-reduce");
+  if (stack.overlap_param_gather && p.replicas() > 1 && p.zero >= 1) flag("--overlap-param-gather");
   if (stack.tp_comm_overlap && p.t > 1) flag("--tp-comm-overlap");
   if (!stack.grad_accumulation_fusion) flag("--no-gradient-accumulation-fusion");
   flag(stack.attention == AttentionKernel::flash ? "--attention-backend flash" : "--attention-backend unfused");
@@ -58,9 +69,11 @@ std::string export_megatron(const ModelSpec& m, const Plan& p, const Stack& stac
     flag(fmt::format("--num-query-groups {}", m.G));
   }
   flag(fmt::format("--ffn-hidden-size {}", m.F));
+  if (m.kv_channels > 0) flag(fmt::format("--kv-channels {}", m.kv_channels));
   flag(fmt::format("--seq-length {}", m.S));
   flag(fmt::format("--max-position-embeddings {}", m.S));
   if (m.activation == Activation::swiglu) flag("--swiglu");
+  if (m.activation == Activation::geglu) notes += "# geglu MLP: Megatron-LM needs a gated-GELU activation function (no flag).\n";
   if (m.normalization == Norm::rmsnorm) flag("--normalization RMSNorm");
   if (m.position == Position::rope) flag("--position-embedding-type rope");
   if (!m.tie_embeddings) flag("--untie-embeddings-and-output-weights");

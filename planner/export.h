@@ -6,6 +6,7 @@
 
 #include "costmodel/model_spec.h"
 #include "costmodel/plan.h"
+#include "costmodel/stack.h"
 
 namespace strata {
 

@@ -116,9 +116,10 @@ SearchResult search(const ModelSpec& m, const Cluster& cl, const SearchOptions& 
   const FixedDims& fx = opt.fixed;
   const int64_t N = opt.gpus;
 
-  // One software stack for every candidate, so plans compare like for like. Only context
-  // parallelism could change what "auto" resolves to (it needs fused attention): on a
-  // legacy stack such candidates carry attention=unfused and are rejected (cp_attention).
+  // One attention kernel for every candidate, so plans compare like for like: context
+  // parallelism turns "auto" into FlashAttention (it needs a fused kernel), so on a stack
+  // whose "auto" is unfused, context-parallel candidates keep the unfused kernel of the
+  // others and are rejected (cp_attention); --attention flash searches them all with flash.
   Plan probe;
   probe.precision = opt.precision;
   probe.attention = opt.attention;
@@ -241,14 +242,16 @@ SearchResult search(const ModelSpec& m, const Cluster& cl, const SearchOptions& 
                   const int64_t partial = rc == Recompute::full ? chunk_max - 1 : 0;
                   for (int64_t rl = 0; rl <= partial; ++rl) {
                     if (!allowed(fx.recompute_layers, rl)) continue;
-                    for (int zero = 0; zero <= (d > 1 ? 3 : 0); ++zero) {
+                    for (int zero = 0; zero <= (d * c > 1 ? 3 : 0); ++zero) {
                       if (!allowed(fx.zero, zero)) continue;
                       Plan pl;
                       pl.t = t; pl.p = p; pl.d = d; pl.c = c; pl.v = v; pl.mbs = mbs; pl.gbs = opt.gbs;
                       pl.zero = zero; pl.recompute = rc; pl.recompute_layers = rl; pl.sp = sp == 1;
                       pl.precision = opt.precision; pl.gpipe = gp == 1;
                       pl.attention = opt.attention;
-                      if (c > 1 && !stack.modern) pl.attention = AttentionChoice::unfused;
+                      if (c > 1 && opt.attention == AttentionChoice::automatic &&
+                          stack.attention == AttentionKernel::unfused)
+                        pl.attention = AttentionChoice::unfused;
                       consider(pl, lay);
                     }
                   }

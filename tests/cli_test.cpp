@@ -97,6 +97,12 @@ TEST(Cli, PlanJsonExportsAndTrace) {
   EXPECT_EQ(j["plans"].size(), 3u);
   EXPECT_LE(j["plans"][0]["step_time_s"].get<double>(), j["plans"][1]["step_time_s"].get<double>());
 
+  const Outcome both = strata("plan --model llama3-8b --cluster dgx-h100-80g --gpus 64 --global-batch-size 512 "
+                              "--export megatron --json");
+  ASSERT_EQ(both.code, 0) << both.err;
+  EXPECT_NE(Json::parse(both.out)["export"]["text"].get<std::string>().find("--tensor-model-parallel-size"),
+            std::string::npos);
+
   const Outcome mg = strata("plan --model llama3-8b --cluster dgx-h100-80g --gpus 64 --global-batch-size 512 --export megatron");
   ASSERT_EQ(mg.code, 0) << mg.err;
   EXPECT_NE(mg.out.find("--tensor-model-parallel-size"), std::string::npos);
@@ -245,6 +251,9 @@ TEST(Cli, BadInputExits2NamingTheField) {
       {P + "", "--plan"},
       {"estimate --cluster dgx-a100-80g --plan tp=1", "--model"},
       {"train --model tiny-gpt --plan tp=1 --steps 2", "train"},
+      {S + "--gpus 8 --global-batch-size 8 --compare tp=4", "--compare"},
+      {S + "--gpus 8 --global-batch-size 8 --compare tp=8,gbs=16", "--compare"},
+      {S + "--gpus 8 --global-batch-size 8 --compare tp=7,dp=1,pp=1,cp=8,gbs=8", "--compare"},
   };
   ASSERT_GE(cases.size(), 50u);
   for (const Bad& b : cases) {

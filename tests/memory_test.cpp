@@ -38,8 +38,10 @@ TEST_F(Korthikanti, NoParallelism) {
   EXPECT_DOUBLE_EQ(per_layer("tp=1,precision=fp16"), s * b * h * (34 + 5 * a * s / h));
 }
 TEST_F(Korthikanti, FlashAttentionKeepsOnlyTheLogSumExp) {
-  // The S x S terms are replaced by the fp32 log-sum-exp per query and head: 4 b (a/t) s.
+  // The S x S terms are replaced by the fp32 log-sum-exp per query and head: 4 b (a/t) s,
+  // which is all that selective recompute then saves.
   EXPECT_DOUBLE_EQ(per_layer("tp=8,attention=flash,precision=fp16"), s * b * h * (10 + 24 / t) + 4 * b * (a / t) * s);
+  EXPECT_DOUBLE_EQ(per_layer("tp=8,attention=flash,recompute=selective,precision=fp16"), s * b * h * (10 + 24 / t));
 }
 
 TEST(Memory, StateBytesPerParameter) {

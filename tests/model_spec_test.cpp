@@ -102,6 +102,31 @@ TEST(ModelSpec, HuggingFaceLlamaConfig) {
   EXPECT_EQ(m.normalization, Norm::rmsnorm);
 }
 
+TEST(ModelSpec, HuggingFaceGemmaConfigWithHeadDim) {
+  // Gemma 7B: 16 heads of 256 (attention 4096 wide on a 3072 hidden size), gated GELU,
+  // tied 256000-token embedding. Per layer: QKV 3072*(4096+2*16*256) = 37,748,736, output
+  // 4096*3072 = 12,582,912, MLP 3*3072*24576 = 226,492,416, norms 6,144: 276,830,208;
+  // x28 = 7,751,245,824; embedding 256000*3072 = 786,432,000; final norm 3,072:
+  // 8,537,680,896, the "8.54B" Google reports.
+  const Json hf = Json::parse(R"({"architectures":["GemmaForCausalLM"],"model_type":"gemma","hidden_size":3072,
+      "intermediate_size":24576,"num_attention_heads":16,"num_key_value_heads":16,"head_dim":256,
+      "num_hidden_layers":28,"vocab_size":256000,"max_position_embeddings":8192,"hidden_act":"gelu_pytorch_tanh",
+      "rms_norm_eps":1e-06})");
+  const ModelSpec m = model_from_hf_config(hf, "config.json");
+  EXPECT_EQ(m.activation, Activation::geglu);
+  EXPECT_EQ(m.D(), 256);
+  EXPECT_EQ(m.layer_params(1), 276830208);
+  EXPECT_DOUBLE_EQ(m.total_params(), 8537680896.0);
+  EXPECT_EQ(m.name, "gemma");
+}
+
+TEST(ModelSpec, HuggingFaceLlamaWithoutHiddenActIsSilu) {
+  const Json hf = Json::parse(R"({"model_type":"llama","hidden_size":4096,"intermediate_size":14336,
+      "num_attention_heads":32,"num_hidden_layers":32,"num_key_value_heads":8,"vocab_size":128256,
+      "max_position_embeddings":8192})");
+  EXPECT_DOUBLE_EQ(model_from_hf_config(hf, "config.json").total_params(), load_model("llama3-8b").total_params());
+}
+
 TEST(ModelSpec, HuggingFaceGpt2Config) {
   const Json hf = Json::parse(R"({"model_type":"gpt2","n_layer":12,"n_embd":768,"n_head":12,"n_positions":1024,
       "vocab_size":50257,"activation_function":"gelu_new","resid_pdrop":0.1,"attn_pdrop":0.1})");

@@ -3,6 +3,7 @@
 #include <gtest/gtest.h>
 
 #include "costmodel/plan.h"
+#include "costmodel/stack.h"
 
 namespace strata {
 namespace {
@@ -107,6 +108,10 @@ TEST(Plan, AutoAttentionResolution) {
   EXPECT_FALSE(legacy.modern || legacy.overlap_grad_reduce || legacy.tp_comm_overlap || legacy.grad_accumulation_fusion);
   const Stack modern = resolve_stack(llama, a100, load_plan("tp=8"));
   EXPECT_TRUE(modern.modern && modern.overlap_grad_reduce && modern.tp_comm_overlap && modern.grad_accumulation_fusion);
+  // Context parallelism needs fused attention and changes nothing else.
+  const Stack cp = resolve_stack(gpt, a100, load_plan("tp=8,cp=2"));
+  EXPECT_EQ(cp.attention, AttentionKernel::flash);
+  EXPECT_FALSE(cp.modern || cp.overlap_grad_reduce || cp.grad_accumulation_fusion);
   const Stack mixed = resolve_stack(gpt, a100, load_plan("tp=8,overlap_grad_reduce=1,grad_accumulation_fusion=auto"));
   EXPECT_TRUE(mixed.overlap_grad_reduce);
   EXPECT_FALSE(mixed.grad_accumulation_fusion);

@@ -109,6 +109,12 @@ TEST(Planner, Exports) {
                         "--sequence-parallel", "--use-distributed-optimizer", "--recompute-granularity selective",
                         "--bf16", "--group-query-attention", "--num-query-groups 8", "--swiglu"})
     EXPECT_NE(mg.find(f), std::string::npos) << f;
+  // 126 layers on 16 stages x 4 chunks: 128 slots of 2, the embedding and the loss in one each.
+  const ModelSpec big = load_model("llama3-405b");
+  const Plan bp = load_plan("tp=8,pp=16,dp=8,vp=4,gbs=512");
+  const std::string bg = export_megatron(big, bp, resolve_stack(big, load_cluster("dgx-h100-80g"), bp));
+  EXPECT_NE(bg.find("--num-layers-per-virtual-pipeline-stage 2"), std::string::npos);
+  EXPECT_NE(bg.find("--account-for-embedding-in-pipeline-split"), std::string::npos);
   const Json ds = Json::parse(export_deepspeed(m, p, st));
   EXPECT_EQ(ds["train_micro_batch_size_per_gpu"], 1);
   EXPECT_EQ(ds["gradient_accumulation_steps"], 64);

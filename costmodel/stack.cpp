@@ -1,0 +1,34 @@
+// Software-stack resolution; see stack.h.
+#include "costmodel/stack.h"
+
+namespace strata {
+
+Stack resolve_stack(const ModelSpec& m, const Cluster& cl, const Plan& p) {
+  Stack s;
+  s.modern = cl.modern_stack || m.position == Position::rope || p.precision == Precision::fp8;
+  auto pick = [&](Tristate t) { return t == Tristate::automatic ? s.modern : t == Tristate::on; };
+  s.attention = p.attention == AttentionChoice::flash     ? AttentionKernel::flash
+                : p.attention == AttentionChoice::unfused ? AttentionKernel::unfused
+                : s.modern || p.c > 1                     ? AttentionKernel::flash
+                                                          : AttentionKernel::unfused;
+  s.overlap_grad_reduce = pick(p.overlap_grad_reduce);
+  s.overlap_param_gather = pick(p.overlap_param_gather);
+  s.tp_comm_overlap = pick(p.tp_comm_overlap);
+  s.grad_accumulation_fusion = pick(p.grad_accumulation_fusion);
+  return s;
+}
+
+AttentionKernel resolve_attention(const ModelSpec& m, const Cluster& cl, const Plan& p) {
+  return resolve_stack(m, cl, p).attention;
+}
+
+Json stack_to_json(const Stack& s) {
+  return Json{{"software_stack", s.modern ? "modern" : "legacy"},
+              {"attention", to_string(s.attention)},
+              {"overlap_grad_reduce", s.overlap_grad_reduce},
+              {"overlap_param_gather", s.overlap_param_gather},
+              {"tp_comm_overlap", s.tp_comm_overlap},
+              {"grad_accumulation_fusion", s.grad_accumulation_fusion}};
+}
+
+}  // namespace strata
