@@ -3,6 +3,7 @@
 // 2 invalid input (message names the field, value and rule), 3 nothing feasible,
 // 1 internal error.
 #include <cstdio>
+#include <fstream>
 #include <iostream>
 #include <string>
 #include <vector>
@@ -65,15 +66,21 @@ Precision parse_precision(const std::string& s) {
   fail_field("--precision", "'" + s + "'", "must be one of bf16, fp16, fp8, fp32");
 }
 
-void write_trace(const std::string& path, const ModelSpec& m, const Cluster& cl, const Plan& p) {
-  if (static_cast<double>(p.microbatches()) * static_cast<double>(p.p * p.v) > 4e6)
-    throw InputError(fmt::format("--trace: {} pipeline steps are too many to write as a trace (limit 4M)",
-                                 p.microbatches() * p.p * p.v * 2));
+void trace_to_file(const std::string& path, const ModelSpec& m, const Cluster& cl, const Plan& p) {
+  const double steps = 2.0 * static_cast<double>(p.microbatches()) * static_cast<double>(p.p * p.v);
+  if (steps > static_cast<double>(kMaxTraceSteps))
+    throw InputError(fmt::format("--trace: {:.0f} pipeline steps are too many to write as a trace (limit {}); "
+                                 "trace a smaller global_batch_size",
+                                 steps, kMaxTraceSteps));
   EstimateOptions eo;
   eo.record_events = true;
   EstimateDetail d;
   const Estimate e = estimate(m, cl, p, eo, &d);
-  write_text_file(path, trace_json(m, e, d).dump() + "\n", "--trace");
+  std::ofstream out(path, std::ios::binary | std::ios::trunc);
+  if (!out) throw InputError(fmt::format("--trace: cannot write file '{}'", path));
+  write_trace(out, m, e, d);
+  out.close();
+  if (!out) throw InputError(fmt::format("--trace: writing '{}' failed", path));
 }
 
 int cmd_estimate(const std::vector<std::string>& argv) {
@@ -96,7 +103,7 @@ int cmd_estimate(const std::vector<std::string>& argv) {
     for (const auto& r : e.reasons) msg += (msg.empty() ? "" : "; ") + r.message;
     throw InputError("plan: " + msg);
   }
-  if (a.has("trace")) write_trace(a.get("trace"), m, cl, p);
+  if (a.has("trace")) trace_to_file(a.get("trace"), m, cl, p);
   if (a.has("json")) {
     fmt::print("{}\n", estimate_to_json(e).dump(2));
   } else {
@@ -202,7 +209,7 @@ int cmd_plan(const std::vector<std::string>& argv) {
     return kExitInfeasible;
   }
   const Estimate& best = r.plans.front();
-  if (a.has("trace")) write_trace(a.get("trace"), m, cl, best.plan);
+  if (a.has("trace")) trace_to_file(a.get("trace"), m, cl, best.plan);
   std::string exported;
   if (exp == "megatron") exported = export_megatron(m, best.plan, best.stack);
   if (exp == "deepspeed") exported = export_deepspeed(m, best.plan, best.stack);

@@ -1,6 +1,8 @@
 // Plan loading, normalisation and checks; see plan.h.
 #include "costmodel/plan.h"
 
+#include "costmodel/schedule.h"
+
 #include <filesystem>
 #include <map>
 
@@ -233,9 +235,10 @@ std::vector<Reason> check_plan(const ModelSpec& m, const Cluster& cl, const Plan
                               m.S / p.c, p.t); });
   if (p.v > 1) {
     if (p.p < 2) add("vp_needs_pp", [&] { return fmt::format("virtual_pipeline_stages={} needs pipeline_parallel >= 2", p.v); });
-    if (m.L % (p.p * p.v) != 0 && (m.L + 2) % (p.p * p.v) != 0)
+    if (m.L % (p.p * p.v) != 0 && ((m.L + 2) % (p.p * p.v) != 0 || (m.L + 2) / (p.p * p.v) < 2))
       add("layers_vp", [&] { return fmt::format("num_layers={} (or num_layers + 2, with the embedding and output layer in a "
-                                   "layer's slot) must be divisible by pipeline_parallel*virtual_pipeline_stages={}",
+                                   "layer's slot, at least 2 per chunk) must be divisible by "
+                                   "pipeline_parallel*virtual_pipeline_stages={}",
                                    m.L, p.p * p.v); });
   } else if (p.p > m.L) {
     add("layers_pp", [&] { return fmt::format("pipeline_parallel={} exceeds num_layers={}", p.p, m.L); });
@@ -248,12 +251,13 @@ std::vector<Reason> check_plan(const ModelSpec& m, const Cluster& cl, const Plan
   else if (p.v > 1 && p.microbatches() % p.p != 0)
     add("vp_microbatches", [&] { return fmt::format("interleaved schedule needs the micro-batches per step ({}) divisible by "
                                        "pipeline_parallel={}", p.microbatches(), p.p); });
-  if (p.v > 1 && p.gbs % (p.mbs * p.d) == 0 &&
-      2.0 * static_cast<double>(p.p) * static_cast<double>(p.v) * static_cast<double>(p.microbatches()) >
-          static_cast<double>(int64_t{1} << 22))
-    add("schedule_too_long", [&] { return fmt::format("interleaved schedule of {} micro-batches x {} stages x {} chunks is longer "
-                                         "than the 4M steps strata walks; raise micro_batch_size",
-                                         p.microbatches(), p.p, p.v); });
+  if (p.gbs % (p.mbs * p.d) == 0 &&
+      walk_steps(p.schedule(), p.p, p.v, p.microbatches()) > static_cast<double>(kMaxWalkSteps))
+    add("schedule_too_long", [&] {
+      return fmt::format("a {} schedule of {} micro-batches x {} stages x {} chunks is longer than the {} steps "
+                         "strata walks; use fewer pipeline stages, fewer chunks or a larger micro_batch_size",
+                         to_string(p.schedule()), p.microbatches(), p.p, p.v, kMaxWalkSteps);
+    });
   if (p.precision == Precision::fp8 && cl.device.peak_bf16_flops <= 0)
     add("precision", [&] { return fmt::format("precision=fp8 runs attention and the output layer in bf16, which {} "
                                               "does not support", cl.device.name); });

@@ -79,58 +79,62 @@ std::string format_estimate(const ModelSpec& m, const Cluster& cl, const Estimat
   return o;
 }
 
-Json trace_json(const ModelSpec& m, const Estimate& e, const EstimateDetail& d) {
-  Json ev = Json::array();
+void write_trace(std::ostream& out, const ModelSpec& m, const Estimate& e, const EstimateDetail& d) {
   const double us = 1e6;
   const Plan& p = e.plan;
+  bool first = true;
+  auto event = [&](const std::string& json) {
+    out << (first ? "\n" : ",\n") << json;
+    first = false;
+  };
+  out << "{\"displayTimeUnit\": \"ms\", \"otherData\": "
+      << Json{{"model", m.name}, {"plan", plan_to_inline(p)}, {"step_time_s", e.step_time_s},
+              {"source", "strata estimate (simulated)"}}.dump()
+      << ", \"traceEvents\": [";
   for (int64_t s = 0; s < p.p; ++s) {
-    ev.push_back({{"name", "process_name"}, {"ph", "M"}, {"pid", s},
-                  {"args", {{"name", fmt::format("stage {} (predicted, {} ranks)", s, p.t * p.c * p.d)}}}});
-    ev.push_back({{"name", "thread_name"}, {"ph", "M"}, {"pid", s}, {"tid", 0}, {"args", {{"name", "compute"}}}});
-    ev.push_back({{"name", "thread_name"}, {"ph", "M"}, {"pid", s}, {"tid", 1}, {"args", {{"name", "p2p"}}}});
+    event(fmt::format(R"j({{"name": "process_name", "ph": "M", "pid": {}, "args": {{"name": "stage {} (predicted, {} ranks)"}}}})j",
+                      s, s, p.t * p.c * p.d));
+    event(fmt::format(R"j({{"name": "thread_name", "ph": "M", "pid": {}, "tid": 0, "args": {{"name": "compute"}}}})j", s));
+    event(fmt::format(R"j({{"name": "thread_name", "ph": "M", "pid": {}, "tid": 1, "args": {{"name": "p2p"}}}})j", s));
   }
-  // Layers of chunk c on stage s, for the args.
-  auto layer_range = [&](int64_t s, int64_t c) {
-    int64_t first = 0;
-    for (int64_t cc = 0; cc <= c; ++cc)
-      for (int64_t ss = 0; ss < p.p; ++ss) {
-        if (cc == c && ss == s) return fmt::format("{}-{}", first, first + d.layout.chunk_layers(s, c) - 1);
-        first += d.layout.chunk_layers(ss, cc);
-      }
-    return std::string("?");
+  // First layer of each (stage, chunk), for the args.
+  std::vector<int64_t> first_layer(static_cast<size_t>(p.p * d.layout.v), 0);
+  int64_t next = 0;
+  for (int64_t c = 0; c < d.layout.v; ++c)
+    for (int64_t s = 0; s < p.p; ++s) {
+      first_layer[static_cast<size_t>(c * p.p + s)] = next;
+      next += d.layout.chunk_layers(s, c);
+    }
+  auto slice = [&](const char* name, int64_t pid, int tid, double start_s, double dur_s, const std::string& args) {
+    event(fmt::format(R"j({{"name": "{}", "ph": "X", "pid": {}, "tid": {}, "ts": {:.3f}, "dur": {:.3f}, "args": {}}})j",
+                      name, pid, tid, start_s * us, dur_s * us, args));
   };
   const double rec_per_layer = d.layer.recompute.total();
   for (const SimEvent& x : d.sim.events) {
     const int64_t n = d.layout.chunk_layers(x.stage, x.chunk);
-    Json args = {{"microbatch", x.mb}, {"chunk", x.chunk}, {"layers", layer_range(x.stage, x.chunk)}};
+    const int64_t l0 = first_layer[static_cast<size_t>(x.chunk * p.p + x.stage)];
+    const std::string args =
+        fmt::format(R"j({{"microbatch": {}, "chunk": {}, "layers": "{}-{}"}})j", x.mb, x.chunk, l0, l0 + n - 1);
     double start = x.start_s;
     if (!x.forward && rec_per_layer > 0) {
-      const double rec = rec_per_layer * static_cast<double>(n);
-      ev.push_back({{"name", "recompute"}, {"ph", "X"}, {"pid", x.stage}, {"tid", 0}, {"ts", start * us},
-                    {"dur", rec * us}, {"args", args}});
+      const double rec = rec_per_layer * static_cast<double>(p.recompute == Recompute::full ? p.recomputed_layers(n) : n);
+      slice("recompute", x.stage, 0, start, rec, args);
       start += rec;
     }
-    ev.push_back({{"name", x.forward ? "forward" : "backward"}, {"ph", "X"}, {"pid", x.stage}, {"tid", 0},
-                  {"ts", start * us}, {"dur", (x.end_s - start) * us}, {"args", args}});
+    slice(x.forward ? "forward" : "backward", x.stage, 0, start, x.end_s - start, args);
     if (x.send_end_s > x.end_s)
-      ev.push_back({{"name", x.forward ? "send activations" : "send gradients"}, {"ph", "X"}, {"pid", x.stage},
-                    {"tid", 1}, {"ts", x.end_s * us}, {"dur", (x.send_end_s - x.end_s) * us}, {"args", args}});
+      slice(x.forward ? "send activations" : "send gradients", x.stage, 1, x.end_s, x.send_end_s - x.end_s, args);
   }
   for (int64_t s = 0; s < p.p; ++s) {
     const size_t i = static_cast<size_t>(s);
     double t0 = d.sim.end_s[i];
     if (d.stage_dp_exposed_s[i] > 0) {
-      ev.push_back({{"name", "dp_comm (exposed)"}, {"ph", "X"}, {"pid", s}, {"tid", 0}, {"ts", t0 * us},
-                    {"dur", d.stage_dp_exposed_s[i] * us}, {"args", {{"total_s", d.stage_dp_total_s[i]}}}});
+      slice("dp_comm (exposed)", s, 0, t0, d.stage_dp_exposed_s[i], fmt::format(R"j({{"total_s": {}}})j", d.stage_dp_total_s[i]));
       t0 += d.stage_dp_exposed_s[i];
     }
-    ev.push_back({{"name", "optimizer"}, {"ph", "X"}, {"pid", s}, {"tid", 0}, {"ts", t0 * us},
-                  {"dur", d.stage_optimizer_s[i] * us}, {"args", Json::object()}});
+    slice("optimizer", s, 0, t0, d.stage_optimizer_s[i], "{}");
   }
-  return Json{{"traceEvents", ev},
-              {"displayTimeUnit", "ms"},
-              {"otherData", {{"model", m.name}, {"plan", plan_to_inline(p)}, {"step_time_s", e.step_time_s},
-                             {"source", "strata estimate (simulated)"}}}};
+  out << "\n]}\n";
 }
 
 std::string format_layer_ops(const EstimateDetail& d) {

@@ -2,6 +2,7 @@
 // simulated timeline as Chrome trace-event JSON (Perfetto, chrome://tracing).
 #pragma once
 
+#include <ostream>
 #include <string>
 
 #include "costmodel/estimate.h"
@@ -12,8 +13,10 @@ std::string format_estimate(const ModelSpec& m, const Cluster& cl, const Estimat
 // One track per pipeline stage ("stage s", standing for its t*c*d ranks) with a compute
 // and a p2p stream; slices for forward / recompute / backward of each micro-batch and
 // chunk (args: microbatch, chunk, layers), sends, the data-parallel reduction and the
-// optimizer.
-Json trace_json(const ModelSpec& m, const Estimate& e, const EstimateDetail& d);
+// optimizer. Written event by event (a trace can hold millions).
+void write_trace(std::ostream& out, const ModelSpec& m, const Estimate& e, const EstimateDetail& d);
+// The most pipeline steps a trace is written for (its file grows ~100 bytes a step).
+constexpr int64_t kMaxTraceSteps = 200000;
 // The ops of one transformer layer for one micro-batch (the detail behind the breakdown).
 std::string format_layer_ops(const EstimateDetail& d);
 void write_text_file(const std::string& path, const std::string& text, const std::string& what);

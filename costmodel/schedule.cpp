@@ -58,6 +58,12 @@ Schedule make_schedule(ScheduleKind kind, int64_t p, int64_t v, int64_t m) {
   return sc;
 }
 
+double walk_steps(ScheduleKind kind, int64_t p, int64_t v, int64_t m) {
+  const double pd = static_cast<double>(p), md = static_cast<double>(m);
+  if (kind == ScheduleKind::interleaved) return 2.0 * pd * static_cast<double>(v) * md;
+  return 2.0 * pd * std::min(md, 10.0 * pd + 24.0);
+}
+
 std::vector<int64_t> peak_in_flight_of_chunk(const Schedule& sc, int32_t chunk) {
   std::vector<int64_t> peak(static_cast<size_t>(sc.p), 0);
   for (size_t s = 0; s < sc.stages.size(); ++s) {

@@ -30,6 +30,13 @@ struct Schedule {
 };
 
 Schedule make_schedule(ScheduleKind kind, int64_t p, int64_t v, int64_t m);
+
+// The most steps the simulator walks for one plan (memory and time stay bounded), and the
+// steps a plan needs: the whole interleaved schedule; for 1F1B and GPipe, whose long
+// schedules are extended from their steady state, the walks that find it (about 10 p
+// micro-batches).
+constexpr int64_t kMaxWalkSteps = int64_t{1} << 22;
+double walk_steps(ScheduleKind kind, int64_t p, int64_t v, int64_t m);
 // Most (chunk, micro-batch) activation sets alive at once on each stage: forwards run
 // minus backwards run, maximised along the stage's order.
 std::vector<int64_t> peak_in_flight(const Schedule& s);

@@ -36,10 +36,6 @@ struct SimResult {
   std::vector<SimEvent> events;        // filled when asked for
 };
 
-// The most steps a walk may take (2 * p * v * m); plans past it are refused (check_plan)
-// or, for 1F1B and GPipe, extended from their steady state.
-constexpr int64_t kMaxWalkSteps = int64_t{1} << 22;
-
 // Walks the schedule exactly. Throws std::logic_error if the schedule deadlocks.
 SimResult simulate(const Schedule& sc, const StageTimes& st, bool record_events);
 

@@ -4,6 +4,7 @@
 #include <algorithm>
 #include <chrono>
 #include <map>
+#include <set>
 #include <tuple>
 
 #include <fmt/format.h>
@@ -137,18 +138,18 @@ SearchResult search(const ModelSpec& m, const Cluster& cl, const SearchOptions& 
     return it->second;
   };
   std::map<std::tuple<int, int64_t, int64_t, int64_t>, InFlight> flights;
-  auto reject = [&](const std::string& key) {
-    res.rejected[key] += 1;
-    res.candidates_evaluated += 1;
+  auto reject = [&](const std::string& key, int64_t n) {
+    res.rejected[key] += n;
+    res.candidates_evaluated += n;
   };
 
-  // One candidate: rejected with its reason, out of memory, bounded out of the top K (and
-  // the frontier), or estimated.
-  auto consider = [&](const Plan& pl, const StageLayout& lay) {
-    const std::vector<Reason> why = check_plan(m, cl, pl, false);
-    if (!why.empty()) return reject(why.front().key);
-    ++res.candidates_evaluated;
-    const ComputeSetup cs = compute_setup(m, cl, pl);
+  // Memory of a candidate that passed check_plan: the peak of its most loaded stage.
+  struct Fit {
+    bool fits;
+    double peak;
+    const InFlight* flight;
+  };
+  auto memory_of = [&](const Plan& pl, const StageLayout& lay, const ComputeSetup& cs) {
     const int64_t mb_count = pl.microbatches();
     const ScheduleKind kind = pl.schedule();
     const auto fkey = std::make_tuple(static_cast<int>(kind), pl.p, pl.v,
@@ -157,11 +158,17 @@ SearchResult search(const ModelSpec& m, const Cluster& cl, const SearchOptions& 
     if (fit == flights.end()) fit = flights.emplace(fkey, in_flight(kind, pl.p, pl.v, mb_count)).first;
     std::vector<MemoryBreakdown> mem;
     const size_t worst = stages_memory(m, cl, pl, lay, cs, fit->second, &mem);
-    if (mem[worst].peak > cl.device.memory_bytes) {
-      res.rejected["out_of_memory"] += 1;
-      return;
-    }
-    ++res.feasible;
+    return Fit{mem[worst].peak <= cl.device.memory_bytes, mem[worst].peak, &fit->second};
+  };
+
+  // Estimate a feasible candidate unless a lower bound on its step time keeps it out of the
+  // top K and off the frontier. The bound: any stage b runs m micro-batches of its work
+  // (forward F_b, backward and recompute B_b), cannot start before the first forward
+  // reaches it through the stages before it, and cannot finish before its last backward
+  // drains back through them:
+  //   step >= sum_{s<b} (F_s + send) + m (F_b + B_b) + sum_{s<b} (B_s + send).
+  // For equal stages and b = p - 1 this is the exact 1F1B and GPipe step (m + p - 1)(F + B).
+  auto evaluate = [&](const Plan& pl, const StageLayout& lay, const ComputeSetup& cs, const Fit& f) {
     const auto& lc = costs_of(pl, cs);
     const LayerCost* plain = &lc[0];
     if (pl.recompute == Recompute::full && pl.recompute_layers > 0) {
@@ -170,31 +177,89 @@ SearchResult search(const ModelSpec& m, const Cluster& cl, const SearchOptions& 
       q.recompute_layers = 0;
       plain = &costs_of(q, cs)[0];
     }
-    // Lower bound: the busiest stage's work with no bubble and no tail.
-    double lb = 0;
+    const double send = p2p_time(m, cl, pl, cs), mbs_per_step = static_cast<double>(pl.microbatches());
+    double lb = 0, fill = 0;  // fill: forward and backward of chunk 0 on the stages before b
     for (int64_t s = 0; s < pl.p; ++s) {
-      double w = 0;
+      double work = 0, first_f = 0, first_b = 0;
       for (int64_t c = 0; c < lay.v; ++c) {
         const int64_t n = lay.chunk_layers(s, c);
         const int64_t k = pl.recompute == Recompute::full ? pl.recomputed_layers(n) : n;
-        w += static_cast<double>(n) * lc[0].forward.total() +
-             static_cast<double>(k) * (lc[0].backward.total() + lc[0].recompute.total()) +
-             static_cast<double>(n - k) * plain->backward.total();
+        const double f = static_cast<double>(n) * lc[0].forward.total();
+        const double b = static_cast<double>(k) * (lc[0].backward.total() + lc[0].recompute.total()) +
+                         static_cast<double>(n - k) * plain->backward.total();
+        work += f + b;
+        if (c == 0) first_f = f, first_b = b;
       }
-      if (s == 0) w += lc[1].forward.total() + lc[1].backward.total();
-      if (s == pl.p - 1) w += lc[2].forward.total() + lc[2].backward.total();
-      lb = std::max(lb, w);
+      if (s == 0) work += lc[1].forward.total() + lc[1].backward.total();
+      if (s == pl.p - 1) work += lc[2].forward.total() + lc[2].backward.total();
+      lb = std::max(lb, fill + mbs_per_step * work);
+      fill += first_f + first_b + 2.0 * send;
     }
-    lb *= static_cast<double>(mb_count);
-    const bool need_top = lb < top.bound();
-    const bool need_front = opt.pareto && !front.dominated(mem[worst].peak, lb);
-    if (!need_top && !need_front) return;
+    if (lb >= top.bound() && !(opt.pareto && !front.dominated(f.peak, lb))) return;
     EstimateOptions eo;
-    eo.pre = Precomputed{&lc[0], plain, &lc[1], &lc[2], &fit->second};
+    eo.pre = Precomputed{&lc[0], plain, &lc[1], &lc[2], f.flight};
     Estimate e = estimate(m, cl, pl, eo);
     ++res.simulated;
     if (opt.pareto) front.add(e);
     top.add(std::move(e));
+  };
+
+  // One candidate: rejected with its reason, out of memory, or evaluated.
+  auto consider = [&](const Plan& pl, const StageLayout& lay) {
+    const std::vector<Reason> why = check_plan(m, cl, pl, false);
+    if (!why.empty()) return reject(why.front().key, 1);
+    ++res.candidates_evaluated;
+    const ComputeSetup cs = compute_setup(m, cl, pl);
+    const Fit f = memory_of(pl, lay, cs);
+    if (!f.fits) {
+      res.rejected["out_of_memory"] += 1;
+      return;
+    }
+    ++res.feasible;
+    evaluate(pl, lay, cs, f);
+  };
+
+  // Full recompute of the first k layers of each chunk, k = 1 .. chunk_max (chunk_max: all
+  // of them, recompute_num_layers = 0). Memory falls and time grows with k, so the fastest
+  // plan that fits recomputes the fewest layers: bisect for it; every smaller k is out of
+  // memory and every larger one slower (counted feasible, evaluated only for --pareto).
+  auto consider_partial = [&](Plan pl, const StageLayout& lay, int64_t chunk_max) {
+    auto at = [&](int64_t k) {
+      pl.recompute_layers = k >= chunk_max ? 0 : k;
+      return pl;
+    };
+    const std::vector<Reason> why = check_plan(m, cl, at(chunk_max), false);
+    if (!why.empty()) return reject(why.front().key, chunk_max);
+    res.candidates_evaluated += chunk_max;
+    const ComputeSetup cs = compute_setup(m, cl, pl);
+    auto fits = [&](int64_t k) { return memory_of(at(k), lay, cs); };
+    if (!fits(chunk_max).fits) {
+      res.rejected["out_of_memory"] += chunk_max;
+      return;
+    }
+    int64_t lo = 1, hi = chunk_max;  // the smallest fitting k lies in [lo, hi]
+    while (lo < hi) {
+      const int64_t mid = lo + (hi - lo) / 2;
+      if (fits(mid).fits) hi = mid;
+      else lo = mid + 1;
+    }
+    res.rejected["out_of_memory"] += lo - 1;
+    res.feasible += chunk_max - lo + 1;
+    const int64_t stride = opt.pareto ? std::max<int64_t>(1, (chunk_max - lo) / 16) : chunk_max;
+    for (int64_t k = lo; k <= chunk_max; k += stride) {
+      const Plan q = at(k);
+      evaluate(q, lay, cs, fits(k));
+      if (!opt.pareto) break;
+    }
+  };
+
+  // Rules that depend only on (t, p, c, v) reject every candidate below them at once.
+  const std::set<std::string> structural = {"tp_heads", "tp_ffn", "cp_seq", "cp_attention", "layers_vp",
+                                            "layers_pp", "vp_needs_pp", "precision"};
+  auto count = [](const auto& values, const auto& fixed) {
+    int64_t n = 0;
+    for (const auto& x : values) n += allowed(fixed, x) ? 1 : 0;
+    return n;
   };
 
   const Recompute recomputes[] = {Recompute::none, Recompute::selective, Recompute::full};
@@ -217,42 +282,57 @@ SearchResult search(const ModelSpec& m, const Cluster& cl, const SearchOptions& 
             if (v > 1 && (m.L + 2) / (p * v) >= 2 && std::find(vs.begin(), vs.end(), v) == vs.end()) vs.push_back(v);
         std::vector<int64_t> mbss;
         if (opt.gbs % d == 0) mbss = divisors(opt.gbs / d);
+        const std::vector<int> zeros = d * c > 1 ? std::vector<int>{0, 1, 2, 3} : std::vector<int>{0};
         for (int64_t v : vs) {
           if (!allowed(fx.v, v)) continue;
           if (mbss.empty()) {
-            reject("batch_divisible");
+            reject("batch_divisible", 1);
             continue;
           }
-          // Uneven pipelines are searched only in the (L+2)/p embedding-slot form.
+          // Uneven pipelines are searched only in the (L+2)/p embedding-slot form (estimate
+          // also takes the as-even-as-possible split).
           if (v == 1 && p > 1 && m.L % p != 0 && (m.L + 2) % p != 0) {
-            reject("layers_pp");
+            reject("layers_uneven", 1);
             continue;
           }
           const StageLayout lay = make_layout(m.L, p, v);
           const int64_t chunk_max = *std::max_element(lay.layers.begin(), lay.layers.end());
+          Plan probe_tpcv;
+          probe_tpcv.t = t; probe_tpcv.p = p; probe_tpcv.d = d; probe_tpcv.c = c; probe_tpcv.v = v;
+          probe_tpcv.mbs = mbss.front(); probe_tpcv.gbs = opt.gbs; probe_tpcv.precision = opt.precision;
+          probe_tpcv.attention = opt.attention;
+          if (c > 1 && opt.attention == AttentionChoice::automatic && stack.attention == AttentionKernel::unfused)
+            probe_tpcv.attention = AttentionChoice::unfused;
+          const std::vector<Reason> why = check_plan(m, cl, probe_tpcv, false);
+          if (!why.empty() && structural.count(why.front().key)) {
+            int64_t recompute_choices = 0;
+            for (Recompute rc : recomputes)
+              if (allowed(fx.recompute, rc)) recompute_choices += rc == Recompute::full ? chunk_max : 1;
+            reject(why.front().key, count(mbss, fx.mbs) *
+                                        (v > 1 || p == 1 ? 1 : count(std::vector<bool>{false, true}, fx.gpipe)) *
+                                        (t > 1 ? count(std::vector<bool>{false, true}, fx.sp) : 1) *
+                                        recompute_choices * count(zeros, fx.zero));
+            continue;
+          }
           for (int64_t mbs : mbss) {
             if (!allowed(fx.mbs, mbs)) continue;
-            for (int gp = 0; gp < (v > 1 ? 1 : 2); ++gp) {
+            for (int gp = 0; gp < (v > 1 || p == 1 ? 1 : 2); ++gp) {  // GPipe = 1F1B without a pipeline
               if (!allowed(fx.gpipe, gp == 1)) continue;
               for (int sp = 0; sp < (t > 1 ? 2 : 1); ++sp) {
                 if (!allowed(fx.sp, sp == 1)) continue;
                 for (Recompute rc : recomputes) {
                   if (!allowed(fx.recompute, rc)) continue;
-                  // Full recompute of every layer of a chunk (0), or of the first k (block).
-                  const int64_t partial = rc == Recompute::full ? chunk_max - 1 : 0;
-                  for (int64_t rl = 0; rl <= partial; ++rl) {
-                    if (!allowed(fx.recompute_layers, rl)) continue;
-                    for (int zero = 0; zero <= (d * c > 1 ? 3 : 0); ++zero) {
-                      if (!allowed(fx.zero, zero)) continue;
-                      Plan pl;
-                      pl.t = t; pl.p = p; pl.d = d; pl.c = c; pl.v = v; pl.mbs = mbs; pl.gbs = opt.gbs;
-                      pl.zero = zero; pl.recompute = rc; pl.recompute_layers = rl; pl.sp = sp == 1;
-                      pl.precision = opt.precision; pl.gpipe = gp == 1;
-                      pl.attention = opt.attention;
-                      if (c > 1 && opt.attention == AttentionChoice::automatic &&
-                          stack.attention == AttentionKernel::unfused)
-                        pl.attention = AttentionChoice::unfused;
+                  for (int zero : zeros) {
+                    if (!allowed(fx.zero, zero)) continue;
+                    Plan pl = probe_tpcv;
+                    pl.mbs = mbs; pl.zero = zero; pl.recompute = rc; pl.sp = sp == 1; pl.gpipe = gp == 1;
+                    if (rc != Recompute::full) {
                       consider(pl, lay);
+                    } else if (fx.recompute_layers) {
+                      pl.recompute_layers = *fx.recompute_layers;
+                      consider(pl, lay);
+                    } else {
+                      consider_partial(pl, lay, chunk_max);
                     }
                   }
                 }

@@ -247,6 +247,9 @@ TEST(Cli, BadInputExits2NamingTheField) {
       {P + "tp=8 --seq-length 0", "--seq-length"},
       {P + "tp=8,pp=2 --gpus 8", "--gpus"},
       {P + "tp=8 --trace /nonexistent/dir/trace.json", "--trace"},
+      {P + "tp=8,pp=16,dp=1,gbs=250000 --trace " + (scratch() / "big.json").string(), "--trace"},
+      {"estimate --cluster dgx-a100-80g --model " + write("deep_pp.json", R"({"num_layers":8192,"hidden_size":64,"num_attention_heads":4,"vocab_size":100,)"
+                                 R"("seq_length":32})") + " --plan pp=8192,gbs=24576", "schedule"},
       {P + "tp=8 --json --json", "twice"},
       {P + "", "--plan"},
       {"estimate --cluster dgx-a100-80g --plan tp=1", "--model"},

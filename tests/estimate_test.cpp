@@ -2,6 +2,8 @@
 // their parts, and the memory and time trends every planner relies on hold.
 #include <gtest/gtest.h>
 
+#include <sstream>
+
 #include "costmodel/estimate.h"
 #include "costmodel/report.h"
 #include "test_cluster.h"
@@ -121,7 +123,9 @@ TEST(Estimate, TraceHasOneSlicePerStepAndStage) {
   o.record_events = true;
   EstimateDetail d;
   const Estimate e = estimate(m, c, load_plan("tp=8,pp=4,dp=2,gbs=16,recompute=selective"), o, &d);
-  const Json t = trace_json(m, e, d);
+  std::stringstream ss;
+  write_trace(ss, m, e, d);
+  const Json t = Json::parse(ss.str());
   int fwd = 0, bwd = 0, rec = 0, opt = 0;
   for (const auto& ev : t["traceEvents"]) {
     const std::string n = ev["name"];
