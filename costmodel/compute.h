@@ -54,7 +54,7 @@ struct LayerCost {
 struct ComputeSetup {
   Stack stack;      // the software stack, every auto setting resolved
   AttentionKernel attention;
-  int e;            // bytes per activation element
+  int act_bytes;    // bytes per activation element (e in the formulas)
   double T;         // tokens per GPU per micro-batch
   double Tn;        // tokens of norm / dropout / residual work
   double grad_bytes;  // bytes per gradient element as reduced and accumulated

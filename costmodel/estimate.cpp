@@ -46,7 +46,7 @@ size_t stages_memory(const ModelSpec& m, const Cluster& cl, const Plan& p, const
 
 double p2p_time(const ModelSpec& m, const Cluster& cl, const Plan& p, const ComputeSetup& cs) {
   if (p.p <= 1) return 0;
-  const double bytes = cs.e * cs.T * static_cast<double>(m.H);
+  const double bytes = cs.act_bytes * cs.T * static_cast<double>(m.H);
   const GroupSpan pp = group_span(p.p, p.t * p.c * p.d, cl.devices_per_node);
   if (pp.per_node > 1) {  // neighbours share a node
     const GroupSpan pair{2, 2, 1};
@@ -77,6 +77,51 @@ double hardware_flops_per_step(const ModelSpec& m, const Plan& p) {
          static_cast<double>(m.AD());
   return f;
 }
+
+namespace {
+
+// What data parallelism adds after a stage's last backward: the gradient reduction
+// (all-reduce, or with ZeRO-1/2 a reduce-scatter and, after the optimizer, the parameter
+// all-gather), and between the first and last stage the tied-embedding all-reduce. When the
+// stack overlaps them, the reduction runs bucket by bucket beside the last micro-batch's
+// backward (its last bucket always exposed) and the gather beside the next forward.
+struct DpTail {
+  double exposed_s = 0, total_s = 0;
+};
+
+DpTail data_parallel_tail(const ModelSpec& m, const Cluster& cl, const Plan& p, const ComputeSetup& cs, int64_t stage,
+                          double params, double last_backward_s, double first_forward_s) {
+  constexpr double kMegatronGradBucketParams = 40e6;  // Megatron-core's default bucket
+  const GroupSpan dp = group_span(p.replicas(), p.t, cl.devices_per_node);
+  double reduce = 0, gather = 0;
+  if (dp.size > 1 && p.zero == 0) reduce = collective_time(cl, dp, Collective::all_reduce, cs.grad_bytes * params);
+  if (dp.size > 1 && (p.zero == 1 || p.zero == 2)) {
+    reduce = collective_time(cl, dp, Collective::reduce_scatter, cs.grad_bytes * params);
+    gather = collective_time(cl, dp, Collective::all_gather, cs.weight_bytes * params);
+  }
+  double exposed = reduce;
+  if (cs.stack.overlap_grad_reduce) {
+    const double last_bucket = reduce * std::min(1.0, kMegatronGradBucketParams / std::max(params, 1.0));
+    exposed = std::max(reduce - last_backward_s, last_bucket);
+    exposed += cl.overlap_slowdown * (reduce - exposed);
+  }
+  if (cs.stack.overlap_param_gather) {
+    const double hidden = std::min(gather, first_forward_s);
+    exposed += gather - hidden + cl.overlap_slowdown * hidden;
+  } else {
+    exposed += gather;
+  }
+  if (m.tie_embeddings && p.p > 1 && (stage == 0 || stage == p.p - 1)) {
+    const GroupSpan pair = group_span(2, p.t * p.c * p.d * (p.p - 1), cl.devices_per_node);
+    const double t_emb = collective_time(cl, pair, Collective::all_reduce,
+                                         cs.grad_bytes * static_cast<double>(m.word_embedding_params(p.t)));
+    exposed += t_emb;
+    reduce += t_emb;
+  }
+  return DpTail{exposed, reduce + gather};
+}
+
+}  // namespace
 
 Estimate estimate(const ModelSpec& m, const Cluster& cl, const Plan& p, const EstimateOptions& opt,
                   EstimateDetail* detail) {
@@ -113,8 +158,8 @@ Estimate estimate(const ModelSpec& m, const Cluster& cl, const Plan& p, const Es
   StageTimes st;
   st.p = p.p;
   st.v = lay.v;
-  st.fwd.assign(static_cast<size_t>(p.p * lay.v), 0.0);
-  st.bwd.assign(static_cast<size_t>(p.p * lay.v), 0.0);
+  st.fwd_s.assign(static_cast<size_t>(p.p * lay.v), 0.0);
+  st.bwd_s.assign(static_cast<size_t>(p.p * lay.v), 0.0);
   std::vector<Work> fwd_w(static_cast<size_t>(p.p)), bwd_w(static_cast<size_t>(p.p)), rec_w(static_cast<size_t>(p.p));
   for (int64_t s = 0; s < p.p; ++s) {
     for (int64_t c = 0; c < lay.v; ++c) {
@@ -131,14 +176,14 @@ Estimate estimate(const ModelSpec& m, const Cluster& cl, const Plan& p, const Es
         f += head.forward;
         b += head.backward;
       }
-      st.fwd[static_cast<size_t>(c * p.p + s)] = f.total();
-      st.bwd[static_cast<size_t>(c * p.p + s)] = b.total() + r.total();
+      st.fwd_s[static_cast<size_t>(c * p.p + s)] = f.total();
+      st.bwd_s[static_cast<size_t>(c * p.p + s)] = b.total() + r.total();
       fwd_w[static_cast<size_t>(s)] += f;
       bwd_w[static_cast<size_t>(s)] += b;
       rec_w[static_cast<size_t>(s)] += r;
     }
   }
-  st.send.assign(static_cast<size_t>(p.p), p2p_time(m, cl, p, cs));
+  st.send_s.assign(static_cast<size_t>(p.p), p2p_time(m, cl, p, cs));
 
   // Memory per stage.
   const InFlight fl_local = opt.pre.in_flight ? InFlight{} : in_flight(kind, p.p, lay.v, mbs_per_step);
@@ -152,49 +197,19 @@ Estimate estimate(const ModelSpec& m, const Cluster& cl, const Plan& p, const Es
   SimResult sim = simulate_pipeline(kind, mbs_per_step, st, opt.record_events);
 
   // Data-parallel reduction and the optimizer, per stage, after its last backward.
-  const GroupSpan dp = group_span(p.replicas(), p.t, cl.devices_per_node);
-  const double grad_comm_bytes = cs.grad_bytes;
   std::vector<double> dp_exposed(static_cast<size_t>(p.p), 0.0), dp_total(static_cast<size_t>(p.p), 0.0),
       opt_s(static_cast<size_t>(p.p), 0.0), finish(static_cast<size_t>(p.p), 0.0);
-  constexpr double kBucketParams = 40e6;  // Megatron-core's default gradient bucket
   for (int64_t s = 0; s < p.p; ++s) {
     const size_t i = static_cast<size_t>(s);
     const double P = mem[i].params;
-    double reduce = 0, gather = 0;
-    if (dp.size > 1 && p.zero == 0) reduce = collective_time(cl, dp, Collective::all_reduce, grad_comm_bytes * P);
-    if (dp.size > 1 && (p.zero == 1 || p.zero == 2)) {
-      reduce = collective_time(cl, dp, Collective::reduce_scatter, grad_comm_bytes * P);
-      gather = collective_time(cl, dp, Collective::all_gather, cs.weight_bytes * P);
-    }
-    // The reduction overlaps the backward of the last micro-batch, bucket by bucket; the
-    // last bucket is always exposed.
-    double window = 0;
-    for (int64_t c = 0; c < lay.v; ++c) window += st.b(s, c);
-    const double last_bucket = reduce * std::min(1.0, kBucketParams / std::max(P, 1.0));
-    double exposed = reduce;
-    if (cs.stack.overlap_grad_reduce) {
-      exposed = std::max(reduce - window, last_bucket);
-      exposed += cl.overlap_slowdown * (reduce - exposed);
-    }
-    if (cs.stack.overlap_param_gather) {
-      const double hidden = std::min(gather, st.f(s, 0));
-      exposed += gather - hidden + cl.overlap_slowdown * hidden;
-    } else {
-      exposed += gather;
-    }
-    // Tied embeddings across stages: the first and last stage sum their copies' gradients.
-    if (m.tie_embeddings && p.p > 1 && (s == 0 || s == p.p - 1)) {
-      const GroupSpan pair = group_span(2, p.t * p.c * p.d * (p.p - 1), cl.devices_per_node);
-      const double t_emb = collective_time(cl, pair, Collective::all_reduce,
-                                           grad_comm_bytes * static_cast<double>(m.word_embedding_params(p.t)));
-      exposed += t_emb;
-      reduce += t_emb;
-    }
-    dp_exposed[i] = exposed;
-    dp_total[i] = reduce + gather;
+    double last_backward = 0;
+    for (int64_t c = 0; c < lay.v; ++c) last_backward += st.b(s, c);
+    const DpTail tail = data_parallel_tail(m, cl, p, cs, s, P, last_backward, st.f(s, 0));
+    dp_exposed[i] = tail.exposed_s;
+    dp_total[i] = tail.total_s;
     const double shard = P / static_cast<double>(p.replicas());
     opt_s[i] = optimizer_time(cl.device, p, p.zero >= 1 ? shard : P, p.zero >= 2 ? shard : P);
-    finish[i] = sim.end_s[i] + exposed + opt_s[i];
+    finish[i] = sim.end_s[i] + tail.exposed_s + opt_s[i];
   }
   size_t crit = 0;
   for (size_t i = 1; i < finish.size(); ++i)

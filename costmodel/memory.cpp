@@ -38,7 +38,7 @@ StateBytes state_bytes(Precision prec, bool fused) {
 }
 
 double layer_activation_bytes(const ModelSpec& m, const Plan& p, const ComputeSetup& cs) {
-  const double e = cs.e, T = cs.T, Tn = cs.Tn, H = static_cast<double>(m.H);
+  const double e = cs.act_bytes, T = cs.T, Tn = cs.Tn, H = static_cast<double>(m.H);
   const double t = static_cast<double>(p.t);
   const double GD = static_cast<double>(m.G * m.D()), AD = static_cast<double>(m.AD());
   if (p.recompute == Recompute::full) return e * Tn * H;  // the layer's input only
@@ -79,14 +79,14 @@ double head_activation_bytes(const ModelSpec& m, const Plan& p, const ComputeSet
   const double Vt = static_cast<double>(m.padded_vocab(p.t)) / static_cast<double>(p.t);
   // Final norm input and output (the output layer's input), and what the loss keeps for
   // backward: legacy stacks an fp32 softmax, modern fused cross-entropy the logits as they are.
-  return 2.0 * cs.e * cs.Tn * H + (cs.stack.modern ? cs.e : 4.0) * cs.T * Vt;
+  return 2.0 * cs.act_bytes * cs.Tn * H + (cs.stack.modern ? cs.act_bytes : 4.0) * cs.T * Vt;
 }
 
 double head_working_bytes(const ModelSpec& m, const Plan& p, const ComputeSetup& cs) {
   const double Vt = static_cast<double>(m.padded_vocab(p.t)) / static_cast<double>(p.t);
   // Legacy: the half-precision logits being cast, then the fp32 gradient of the logits.
   // Modern fused cross-entropy: the gradient of the logits in place of the logits.
-  return (cs.stack.modern ? cs.e : cs.e + 4.0) * cs.T * Vt;
+  return (cs.stack.modern ? cs.act_bytes : cs.act_bytes + 4.0) * cs.T * Vt;
 }
 
 double stage_params(const ModelSpec& m, const Plan& p, const StageLayout& lay, int64_t s) {
@@ -133,7 +133,7 @@ MemoryBreakdown stage_memory(const ModelSpec& m, const Cluster& cl, const Plan& 
   double working = 0;
   if (lay.stage_layers(s) > 0) {
     const double fc1_cols = static_cast<double>(m.fc1_out());
-    working = cs.e * cs.T * ((fc1_cols + static_cast<double>(m.F)) / static_cast<double>(p.t) +
+    working = cs.act_bytes * cs.T * ((fc1_cols + static_cast<double>(m.F)) / static_cast<double>(p.t) +
                              2.0 * static_cast<double>(m.H));
     if (p.recompute == Recompute::full) working += layer_full_activation_bytes(m, p, cs);
   }
@@ -143,13 +143,13 @@ MemoryBreakdown stage_memory(const ModelSpec& m, const Cluster& cl, const Plan& 
   // Communication buffers: pipeline send/recv in both directions; ZeRO-3's gathered layer
   // and its prefetched successor, and one layer of gradients to reduce-scatter.
   double comm = 0;
-  if (p.p > 1) comm += 4.0 * cs.e * cs.Tn * static_cast<double>(m.H);
+  if (p.p > 1) comm += 4.0 * cs.act_bytes * cs.Tn * static_cast<double>(m.H);
   if ((p.zero == 1 || p.zero == 2) && p.replicas() > 1 && !cs.stack.modern) {
     // Legacy sharded optimizers stage gradients and parameters through flat buckets:
     // DeepSpeed's reduce_bucket_size and allgather_bucket_size default to 5e8 elements
     // each. (Megatron-core's distributed optimizer works in place in its buffers.)
-    constexpr double kBucketParams = 5e8;
-    comm += std::min(P, kBucketParams) * (cs.grad_bytes + cs.weight_bytes);
+    constexpr double kDeepSpeedBucketElements = 5e8;
+    comm += std::min(P, kDeepSpeedBucketElements) * (cs.grad_bytes + cs.weight_bytes);
   }
   if (p.zero >= 3 && p.replicas() > 1) {
     const double lp = static_cast<double>(m.layer_params(p.t));

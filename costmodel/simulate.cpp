@@ -57,7 +57,7 @@ SimResult simulate(const Schedule& sc, const StageTimes& st, bool record_events)
       const double end = start + dur;
       // Does the output leave this stage?
       const bool sends = step.forward ? !(s == p - 1 && c == v - 1) : !(s == 0 && c == 0);
-      const double send = (sends && p > 1) ? st.send[static_cast<size_t>(s)] : 0.0;
+      const double send = (sends && p > 1) ? st.send_s[static_cast<size_t>(s)] : 0.0;
       free_at[static_cast<size_t>(s)] = end + send;
       r.compute_s[static_cast<size_t>(s)] += dur;
       r.p2p_s[static_cast<size_t>(s)] += send;
@@ -111,7 +111,7 @@ SimResult simulate_pipeline(ScheduleKind kind, int64_t m, const StageTimes& st, 
     for (int64_t s = 0; s < p; ++s) {
       double f = 0, b = 0;
       for (int64_t c = 0; c < v; ++c) f += st.f(s, c), b += st.b(s, c);
-      const double sends = p > 1 ? st.send[static_cast<size_t>(s)] : 0.0;
+      const double sends = p > 1 ? st.send_s[static_cast<size_t>(s)] : 0.0;
       f += sends * static_cast<double>(v - (s == p - 1 ? 1 : 0));
       b += sends * static_cast<double>(v - (s == 0 ? 1 : 0));
       max_f = std::max(max_f, f);

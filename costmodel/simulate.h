@@ -14,10 +14,10 @@ namespace strata {
 
 struct StageTimes {
   int64_t p = 1, v = 1;
-  std::vector<double> fwd, bwd;  // (v, p): one micro-batch of chunk c on stage s, at [c*p + s]
-  std::vector<double> send;      // (p): one point-to-point transfer out of stage s
-  double f(int64_t s, int64_t c) const { return fwd[static_cast<size_t>(c * p + s)]; }
-  double b(int64_t s, int64_t c) const { return bwd[static_cast<size_t>(c * p + s)]; }
+  std::vector<double> fwd_s, bwd_s;  // (v, p): one micro-batch of chunk c on stage s, at [c*p + s]
+  std::vector<double> send_s;        // (p): one point-to-point transfer out of stage s
+  double f(int64_t s, int64_t c) const { return fwd_s[static_cast<size_t>(c * p + s)]; }
+  double b(int64_t s, int64_t c) const { return bwd_s[static_cast<size_t>(c * p + s)]; }
 };
 
 struct SimEvent {

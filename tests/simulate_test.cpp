@@ -16,9 +16,9 @@ StageTimes uniform(int64_t p, int64_t v, double f, double b, double send) {
   StageTimes st;
   st.p = p;
   st.v = v;
-  st.fwd.assign(static_cast<size_t>(p * v), f);
-  st.bwd.assign(static_cast<size_t>(p * v), b);
-  st.send.assign(static_cast<size_t>(p), send);
+  st.fwd_s.assign(static_cast<size_t>(p * v), f);
+  st.bwd_s.assign(static_cast<size_t>(p * v), b);
+  st.send_s.assign(static_cast<size_t>(p), send);
   return st;
 }
 
@@ -61,9 +61,9 @@ TEST(Simulate, ExtrapolationMatchesTheFullWalk) {
         const int64_t v = kind == ScheduleKind::interleaved ? (p % 2 ? 3 : 2) : 1;
         if (kind == ScheduleKind::interleaved && m % p != 0) continue;
         StageTimes st = uniform(p, v, 1, 2, 0.05);
-        for (auto& x : st.fwd) x = u(rng);
-        for (auto& x : st.bwd) x = 2 * u(rng);
-        for (auto& x : st.send) x = 0.1 * u(rng);
+        for (auto& x : st.fwd_s) x = u(rng);
+        for (auto& x : st.bwd_s) x = 2 * u(rng);
+        for (auto& x : st.send_s) x = 0.1 * u(rng);
         const SimResult full = simulate(make_schedule(kind, p, v, m), st, false);
         const SimResult fast = simulate_pipeline(kind, m, st, false);
         extrapolated += fast.extrapolated;
@@ -84,9 +84,9 @@ TEST(Simulate, UniformPipelinesAreExtrapolatedEarly) {
   // Stages alike except the ends (embedding, output layer): periodic after ~2p.
   for (auto kind : {ScheduleKind::one_f_one_b, ScheduleKind::gpipe}) {
     StageTimes st = uniform(16, 1, 1, 2, 0.01);
-    st.fwd.back() += 0.1;
-    st.bwd.back() += 0.2;
-    st.fwd.front() += 0.02;
+    st.fwd_s.back() += 0.1;
+    st.bwd_s.back() += 0.2;
+    st.fwd_s.front() += 0.02;
     const SimResult fast = simulate_pipeline(kind, 192, st, false);
     const SimResult full = simulate(make_schedule(kind, 16, st.v, 192), st, false);
     EXPECT_TRUE(fast.extrapolated);
