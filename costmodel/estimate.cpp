@@ -163,11 +163,13 @@ Estimate estimate(const ModelSpec& m, const Cluster& cl, const Plan& p, const Es
   std::vector<Work> fwd_w(static_cast<size_t>(p.p)), bwd_w(static_cast<size_t>(p.p)), rec_w(static_cast<size_t>(p.p));
   for (int64_t s = 0; s < p.p; ++s) {
     for (int64_t c = 0; c < lay.v; ++c) {
+      // k layers run the plan's backward and recompute; with partial recompute the other
+      // n - k run the backward of a plan without recompute.
       const int64_t layers = lay.chunk_layers(s, c);
-      const double n = static_cast<double>(layers), k = static_cast<double>(p.recomputed_layers(layers));
-      Work f = n * layer.forward, r = (p.recompute == Recompute::full ? k : n) * layer.recompute;
-      Work b = p.recompute == Recompute::full ? k * layer.backward : n * layer.backward;
-      if (p.recompute == Recompute::full) b += (n - k) * plain.backward;
+      const double n = static_cast<double>(layers);
+      const double k = static_cast<double>(p.recompute == Recompute::full ? p.recomputed_layers(layers) : layers);
+      Work f = n * layer.forward, r = k * layer.recompute, b = k * layer.backward;
+      b += (n - k) * plain.backward;
       if (lay.has_embedding(s, c)) {
         f += emb.forward;
         b += emb.backward;
