@@ -33,19 +33,19 @@ const char* to_string(AttentionKernel a) { return a == AttentionKernel::flash ? 
 
 int bytes_of(Precision p) { return p == Precision::fp32 ? 4 : 2; }
 
+Curve::Curve(std::vector<std::pair<double, double>> points) : points_(std::move(points)) {
+  log_x_.reserve(points_.size());
+  for (const auto& p : points_) log_x_.push_back(std::log(p.first));
+}
+
 double Curve::at(double x) const {
-  if (points.empty()) return 1.0;
-  if (x <= points.front().first) return points.front().second;
-  if (x >= points.back().first) return points.back().second;
-  const double lx = std::log10(x);
-  for (size_t i = 1; i < points.size(); ++i) {
-    if (x <= points[i].first) {
-      const double x0 = std::log10(points[i - 1].first), x1 = std::log10(points[i].first);
-      const double w = (lx - x0) / (x1 - x0);
-      return points[i - 1].second + w * (points[i].second - points[i - 1].second);
-    }
-  }
-  return points.back().second;
+  if (points_.empty()) return 1.0;
+  if (x <= points_.front().first) return points_.front().second;
+  if (x >= points_.back().first) return points_.back().second;
+  size_t i = 1;
+  while (x > points_[i].first) ++i;
+  const double w = (std::log(x) - log_x_[i - 1]) / (log_x_[i] - log_x_[i - 1]);
+  return points_[i - 1].second + w * (points_[i].second - points_[i - 1].second);
 }
 
 double Device::peak_flops(Precision p) const {
@@ -72,7 +72,7 @@ namespace {
 
 Curve read_curve(Fields& f, const std::string& key, double max_y) {
   const Json& a = f.array(key);
-  Curve c;
+  std::vector<std::pair<double, double>> c;
   const std::string field = f.path_of(key);
   if (a.empty() || a.size() > 64) fail_field(field, show_value(a), "must hold 1 to 64 [size, efficiency] pairs");
   for (size_t i = 0; i < a.size(); ++i) {
@@ -84,11 +84,10 @@ Curve read_curve(Fields& f, const std::string& key, double max_y) {
     if (!std::isfinite(x) || x <= 0) fail_field(fi, show_value(p), "size must be a positive number");
     if (!std::isfinite(y) || y <= 0 || y > max_y)
       fail_field(fi, show_value(p), fmt::format("efficiency must be in (0, {}]", max_y));
-    if (!c.points.empty() && x <= c.points.back().first)
-      fail_field(fi, show_value(p), "sizes must increase strictly");
-    c.points.emplace_back(x, y);
+    if (!c.empty() && x <= c.back().first) fail_field(fi, show_value(p), "sizes must increase strictly");
+    c.emplace_back(x, y);
   }
-  return c;
+  return Curve(std::move(c));
 }
 
 LinkTier read_link(const Json& j, const std::string& path) {
@@ -164,7 +163,7 @@ Cluster cluster_from_json(const Json& j, const std::string& source) {
 Json cluster_to_json(const Cluster& c) {
   auto curve = [](const Curve& cv) {
     Json a = Json::array();
-    for (const auto& [x, y] : cv.points) a.push_back({x, y});
+    for (const auto& [x, y] : cv.points()) a.push_back({x, y});
     return a;
   };
   auto link = [](const LinkTier& l) {

@@ -17,10 +17,18 @@ enum class Precision { fp32, bf16, fp16, fp8 };
 enum class Collective { all_reduce, all_gather, reduce_scatter, send_recv };
 enum class AttentionKernel { unfused, flash };
 
-// y(x) by linear interpolation in log10(x) between points sorted by x, clamped at the ends.
-struct Curve {
-  std::vector<std::pair<double, double>> points;
+// y(x) by linear interpolation in log(x) between points sorted by x, clamped at the ends.
+// The logarithms of the points are kept, so a lookup takes one.
+class Curve {
+ public:
+  Curve() = default;
+  explicit Curve(std::vector<std::pair<double, double>> points);
   double at(double x) const;
+  const std::vector<std::pair<double, double>>& points() const { return points_; }
+
+ private:
+  std::vector<std::pair<double, double>> points_;  // (x, y), x increasing
+  std::vector<double> log_x_;                      // log(x) of each point
 };
 
 struct Device {

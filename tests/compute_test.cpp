@@ -3,6 +3,7 @@
 // communication per layer, and the optimizer's passes.
 #include <gtest/gtest.h>
 
+#include <cmath>
 #include <map>
 
 #include "costmodel/compute.h"
@@ -11,6 +12,15 @@
 
 namespace strata {
 namespace {
+
+TEST(Compute, EfficiencyCurveInterpolatesInLogSize) {
+  const Curve c({{1e9, 0.4}, {1e11, 0.6}, {1e12, 0.7}});
+  EXPECT_DOUBLE_EQ(c.at(1e8), 0.4);   // clamped below
+  EXPECT_NEAR(c.at(1e10), 0.5, 1e-12);  // halfway in log10 between 1e9 and 1e11
+  EXPECT_NEAR(c.at(std::sqrt(1e11 * 1e12)), 0.65, 1e-12);
+  EXPECT_DOUBLE_EQ(c.at(1e13), 0.7);  // clamped above
+  EXPECT_DOUBLE_EQ(Curve().at(5.0), 1.0);
+}
 
 TEST(Compute, GemmRoofline) {
   const Cluster c = testing::round_cluster();

@@ -18,8 +18,8 @@ inline Cluster round_cluster() {
   c.device.peak_fp16_flops = 100e12;
   c.device.peak_fp8_flops = 200e12;
   c.device.memory_bandwidth_bytes_per_s = 1e12;
-  c.device.gemm_efficiency.points = {{1.0, 0.5}};
-  c.device.memory_efficiency.points = {{1.0, 1.0}};
+  c.device.gemm_efficiency = Curve({{1.0, 0.5}});
+  c.device.memory_efficiency = Curve({{1.0, 1.0}});
   c.device.flash_fwd_efficiency = 0.5;
   c.device.flash_bwd_efficiency = 0.4;
   c.device.kernel_launch_s = 0;
