@@ -31,8 +31,9 @@ StateBytes state_bytes(Precision prec, bool fused) {
     // Megatron without gradient-accumulation fusion) the bf16 gradients summed into them;
     // optimizer fp32 master, m, v. Megatron's "6 + 12/d" with fusion, BLOOM's "2 + 2 + 4".
     case Precision::bf16: return {2, fused ? 4.0 : 6.0, 12};
-    // As bf16, plus the fp8 copy of the weights the linear layers read.
-    case Precision::fp8: return {3, fused ? 4.0 : 6.0, 12};
+    // fp8 parameters (Transformer Engine with Megatron's --fp8-param-gather: the model holds
+    // fp8 weights, the optimizer the fp32 master), gradients and optimizer as bf16.
+    case Precision::fp8: return {1, fused ? 4.0 : 6.0, 12};
   }
   return {2, 6, 12};
 }

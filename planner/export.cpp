@@ -50,7 +50,11 @@ std::string export_megatron(const ModelSpec& m, const Plan& p, const Stack& stac
   switch (p.precision) {
     case Precision::bf16: flag("--bf16"); break;
     case Precision::fp16: flag("--fp16"); break;
-    case Precision::fp8: flag("--bf16"); flag("--fp8-format hybrid"); break;
+    case Precision::fp8:
+      flag("--bf16");
+      flag("--fp8-format hybrid");
+      flag("--fp8-param-gather");
+      break;
     case Precision::fp32: break;
   }
   if (stack.overlap_grad_reduce && p.replicas() > 1) flag("--overlap-grad-reduce");
