@@ -145,12 +145,8 @@ Estimate estimate(const ModelSpec& m, const Cluster& cl, const Plan& p, const Es
   // With partial recompute (recompute_num_layers), the other layers keep everything: their
   // backward is that of a plan without recompute.
   LayerCost plain = layer;
-  if (p.recompute == Recompute::full && p.recompute_layers > 0) {
-    Plan q = p;
-    q.recompute = Recompute::none;
-    q.recompute_layers = 0;
-    plain = opt.pre.plain_layer ? *opt.pre.plain_layer : layer_cost(m, cl, q, cs);
-  }
+  if (p.recompute == Recompute::full && p.recompute_layers > 0)
+    plain = opt.pre.plain_layer ? *opt.pre.plain_layer : layer_cost(m, cl, p.without_recompute(), cs);
   const LayerCost emb = opt.pre.embedding ? *opt.pre.embedding : embedding_cost(m, cl, p, cs);
   const LayerCost head = opt.pre.head ? *opt.pre.head : head_cost(m, cl, p, cs);
 

@@ -66,9 +66,7 @@ double layer_activation_bytes(const ModelSpec& m, const Plan& p, const ComputeSe
 }
 
 double layer_full_activation_bytes(const ModelSpec& m, const Plan& p, const ComputeSetup& cs) {
-  Plan q = p;
-  q.recompute = Recompute::none;
-  return layer_activation_bytes(m, q, cs);
+  return layer_activation_bytes(m, p.without_recompute(), cs);
 }
 
 double embedding_activation_bytes(const ModelSpec& m, const Plan&, const ComputeSetup& cs) {

@@ -44,6 +44,13 @@ struct Plan {
   Tristate grad_accumulation_fusion = Tristate::automatic;  // wgrad GEMMs accumulate into fp32 main grads
 
   int64_t world_size() const { return t * p * d * c; }
+  // The same plan with nothing recomputed (what partial recompute's other layers run).
+  Plan without_recompute() const {
+    Plan q = *this;
+    q.recompute = Recompute::none;
+    q.recompute_layers = 0;
+    return q;
+  }
   // Layers of a chunk of `chunk_layers` that are recomputed in full.
   int64_t recomputed_layers(int64_t chunk_layers) const {
     if (recompute != Recompute::full) return 0;

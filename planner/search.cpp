@@ -171,12 +171,7 @@ SearchResult search(const ModelSpec& m, const Cluster& cl, const SearchOptions& 
   auto evaluate = [&](const Plan& pl, const StageLayout& lay, const ComputeSetup& cs, const Fit& f) {
     const auto& lc = costs_of(pl, cs);
     const LayerCost* plain = &lc[0];
-    if (pl.recompute == Recompute::full && pl.recompute_layers > 0) {
-      Plan q = pl;
-      q.recompute = Recompute::none;
-      q.recompute_layers = 0;
-      plain = &costs_of(q, cs)[0];
-    }
+    if (pl.recompute == Recompute::full && pl.recompute_layers > 0) plain = &costs_of(pl.without_recompute(), cs)[0];
     const double send = p2p_time(m, cl, pl, cs), mbs_per_step = static_cast<double>(pl.microbatches());
     double lb = 0, fill = 0;  // fill: forward and backward of chunk 0 on the stages before b
     for (int64_t s = 0; s < pl.p; ++s) {
