@@ -11,6 +11,7 @@
 #include <fmt/format.h>
 
 #include "cli/args.h"
+#include "cli/commands.h"
 #include "costmodel/estimate.h"
 #include "costmodel/report.h"
 #include "planner/export.h"
@@ -29,13 +30,17 @@ usage:
                    [--precision bf16|fp16|fp8|fp32] [--seq-length S] [--compare PLAN]
                    [--attention auto|flash|unfused]
   strata estimate  --model M --cluster C --plan P [--json] [--trace FILE] [--seq-length S] [--ops]
+  strata train     --model M --plan P --steps S [--data synthetic|synthetic:STATES|FILE] [--seed N]
+                   [--json FILE|-] [--trace FILE] [--lr X] [--min-lr X] [--lr-warmup-iters N]
+                   [--weight-decay X] [--clip-grad X] [--loss-scale X] [--loss-scale-window N]
+                   [--dump-params FILE] [--quiet]          (under mpirun -np tp*pp*dp)
   strata plan --list-models | --list-clusters
 
   M  a preset (strata plan --list-models), a model JSON or a Hugging Face config.json
   C  a preset (strata plan --list-clusters) or a cluster JSON (schema: hw_profiles/README.md)
   P  a plan JSON or inline pairs: tp=8,pp=8,dp=16,mbs=1,vp=3,zero=1,recompute=selective,sp=1
 
-  profile, train and validate (SPEC.md) are not part of this build yet.
+  profile and validate (SPEC.md) are not part of this build yet.
 exit codes: 0 ok, 2 invalid input, 3 nothing feasible, 1 internal error
 )";
 
@@ -259,9 +264,10 @@ int run(int argc, char** argv) {
   if (cmd == "--help" || cmd == "-h" || cmd == "help") return fmt::print("{}", kUsage), kExitOk;
   if (cmd == "plan") return cmd_plan(rest);
   if (cmd == "estimate") return cmd_estimate(rest);
-  if (cmd == "profile" || cmd == "train" || cmd == "validate")
-    throw InputError(fmt::format("strata {}: not part of this build yet (this version implements plan and estimate)", cmd));
-  throw InputError(fmt::format("strata: unknown subcommand '{}' (plan, estimate; see strata --help)", cmd));
+  if (cmd == "train") return cmd_train(rest);
+  if (cmd == "profile" || cmd == "validate")
+    throw InputError(fmt::format("strata {}: not part of this build yet (this version implements plan, estimate and train)", cmd));
+  throw InputError(fmt::format("strata: unknown subcommand '{}' (plan, estimate, train; see strata --help)", cmd));
 }
 
 }  // namespace

@@ -42,7 +42,9 @@ fs::path scratch() {
 // Runs `strata <args>` through the shell (args are quoted by the caller where needed).
 Outcome strata(const std::string& args) {
   const fs::path out = scratch() / "stdout", err = scratch() / "stderr";
-  const std::string cmd = std::string(STRATA_BINARY) + " " + args + " >" + out.string() + " 2>" + err.string();
+  // strata train runs Open MPI, whose allocations live until exit (see CMakeLists.txt).
+  const std::string env = args.rfind("train", 0) == 0 ? "ASAN_OPTIONS=detect_leaks=0 " : "";
+  const std::string cmd = env + STRATA_BINARY + " " + args + " >" + out.string() + " 2>" + err.string();
   const int status = std::system(cmd.c_str());
   Outcome r;
   r.code = WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
@@ -253,7 +255,14 @@ TEST(Cli, BadInputExits2NamingTheField) {
       {P + "tp=8 --json --json", "twice"},
       {P + "", "--plan"},
       {"estimate --cluster dgx-a100-80g --plan tp=1", "--model"},
-      {"train --model tiny-gpt --plan tp=1 --steps 2", "train"},
+      {"train --model tiny-gpt --plan tp=1 --steps 0", "--steps"},
+      {"train --model tiny-gpt --plan tp=2 --steps 2", "mpirun -np 2"},
+      {"train --model tiny-gpt --plan tp=1 --steps 2 --backend tpu", "--backend"},
+      {"train --model tiny-gpt --plan tp=1 --steps 2 --lr fast", "--lr"},
+      {"train --model tiny-gpt --plan tp=1 --steps 2 --data synthetic:100000", "synthetic"},
+      {"train --model tiny-gpt --plan tp=1,precision=fp8 --steps 2", "fp8"},
+      {"train --model tiny-gpt --plan pp=8 --steps 2", "mpirun"},
+      {"train --model gpt3-175b --plan tp=1 --steps 2", "GB of parameters"},
       {S + "--gpus 8 --global-batch-size 8 --compare tp=4", "--compare"},
       {S + "--gpus 8 --global-batch-size 8 --compare tp=8,gbs=16", "--compare"},
       {S + "--gpus 8 --global-batch-size 8 --compare tp=7,dp=1,pp=1,cp=8,gbs=8", "--compare"},

@@ -90,7 +90,9 @@ TEST(Planner, PlansAreValidFittingAndSorted) {
     EXPECT_TRUE(e.fits);
     EXPECT_EQ(e.plan.world_size(), 256);
     EXPECT_EQ(e.plan.gbs, 512);
-    if (i) EXPECT_LE(r.plans[i - 1].step_time_s, e.step_time_s);
+    if (i) {
+      EXPECT_LE(r.plans[i - 1].step_time_s, e.step_time_s);
+    }
     // The planner's estimate equals a fresh one of the same plan.
     EXPECT_DOUBLE_EQ(estimate(m, c, e.plan).step_time_s, e.step_time_s);
   }

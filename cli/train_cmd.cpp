@@ -1,0 +1,114 @@
+// `strata train`: loads the model and plan, checks them on every rank (a failure on any
+// rank makes every rank print an error and exit 2, so nothing hangs), runs the executor
+// and writes the SPEC training JSON (rank 0).
+#include <mpi.h>
+
+#include <cstdio>
+#include <fstream>
+#include <iostream>
+
+#include <fmt/format.h>
+
+#include "cli/args.h"
+#include "cli/commands.h"
+#include "executor/data.h"
+#include "executor/param_layout.h"
+#include "executor/train.h"
+
+namespace strata {
+
+int cmd_train(const std::vector<std::string>& argv) {
+  int initialised = 0;
+  MPI_Init_thread(nullptr, nullptr, MPI_THREAD_SINGLE, &initialised);
+  int rank = 0, size = 1;
+  MPI_Comm_rank(MPI_COMM_WORLD, &rank);
+  MPI_Comm_size(MPI_COMM_WORLD, &size);
+  ModelSpec m;
+  Plan plan;
+  TrainOptions o;
+  std::string json_path, error;
+  try {
+    const Args a(argv, "train",
+                 {"model", "plan", "steps", "backend", "data", "seed", "json", "trace", "lr", "min-lr", "lr-warmup-iters",
+                  "weight-decay", "clip-grad", "loss-scale", "loss-scale-window", "dump-params", "seq-length"},
+                 {"quiet"});
+    m = load_model(a.required("model", "a preset, model JSON or config.json"), a.integer("seq-length", 0, 0, 1 << 20));
+    plan = load_plan(a.required("plan", "a plan JSON or inline pairs tp=2,dp=2,..."));
+    o.steps = a.integer("steps", 10, 1, 100000000);
+    const std::string backend = a.get("backend", "cpu");
+    if (backend != "cpu")
+      throw InputError("--backend: '" + backend + "': this build runs the cpu backend (cuda comes with the CUDA backend)");
+    o.data = a.get("data", "synthetic");
+    o.seed = static_cast<uint64_t>(a.integer("seed", 1234, 0, INT64_MAX));
+    auto real = [&](const char* flag, double fallback, double lo, double hi) {
+      if (!a.has(flag)) return fallback;
+      const std::string s = a.get(flag);
+      size_t used = 0;
+      double x = 0;
+      try {
+        x = std::stod(s, &used);
+      } catch (...) {
+        used = 0;
+      }
+      if (used != s.size() || !(x >= lo && x <= hi))
+        throw InputError(fmt::format("--{}: '{}' must be a number in [{}, {}]", flag, s, lo, hi));
+      return x;
+    };
+    o.lr = real("lr", o.lr, 0.0, 10.0);
+    o.min_lr = real("min-lr", std::min(o.min_lr, o.lr), 0.0, o.lr);
+    o.warmup = a.integer("lr-warmup-iters", -1, -1, 100000000);
+    o.weight_decay = real("weight-decay", o.weight_decay, 0.0, 10.0);
+    o.clip_grad = real("clip-grad", o.clip_grad, 0.0, 1e9);
+    o.loss_scale = real("loss-scale", o.loss_scale, 1.0, 1e30);
+    o.loss_scale_window = a.integer("loss-scale-window", o.loss_scale_window, 1, 100000000);
+    o.trace_path = a.get("trace");
+    o.dump_params_path = a.get("dump-params");
+    o.progress = !a.has("quiet");
+    json_path = a.get("json");
+    validate_train_plan(m, plan, size);
+    TokenSource check(o.data, executor_vocab(m), m.S, o.seed);  // a missing or bad token file fails here
+  } catch (const InputError& e) {
+    error = e.what();
+  }
+  int bad = error.empty() ? 0 : 1;
+  MPI_Allreduce(MPI_IN_PLACE, &bad, 1, MPI_INT, MPI_MAX, MPI_COMM_WORLD);
+  if (bad) {
+    if (error.empty()) error = "another rank found invalid input (see its message)";
+    fmt::print(stderr, "strata: error: rank {} of {}: {}\n", rank, size, error);
+    MPI_Finalize();
+    return 2;
+  }
+  try {
+    std::unique_ptr<Comm> comm = make_mpi_comm();
+    std::unique_ptr<Backend> be = make_cpu_backend();
+    const TrainResult r = train(m, plan, o, *comm, *be);
+    if (rank == 0) {
+      const Json j = train_result_to_json(r);
+      if (json_path == "-") {
+        std::cout << j.dump(2) << "\n";
+      } else if (!json_path.empty()) {
+        std::ofstream f(json_path);
+        f << j.dump(2) << "\n";
+        if (!f) throw InputError("--json: cannot write '" + json_path + "'");
+      }
+      if (json_path != "-") {
+        fmt::print("trained {} steps of {} with {} on {} rank(s): loss {:.4f} -> {:.4f}", r.steps.size(), m.name,
+                   plan_to_inline(plan), r.world_size, r.steps.front().loss, r.steps.back().loss);
+        if (r.entropy_rate_nats >= 0) fmt::print(" (source entropy rate {:.4f} nats)", r.entropy_rate_nats);
+        fmt::print(", median step {:.4f} s\n", r.median_step_time_s);
+      }
+    }
+  } catch (const InputError& e) {
+    fmt::print(stderr, "strata: error: rank {} of {}: {}\n", rank, size, e.what());
+    MPI_Abort(MPI_COMM_WORLD, 2);
+    return 2;
+  } catch (const std::exception& e) {
+    fmt::print(stderr, "strata: internal error: rank {} of {}: {}\n", rank, size, e.what());
+    MPI_Abort(MPI_COMM_WORLD, 1);
+    return 1;
+  }
+  MPI_Finalize();
+  return 0;
+}
+
+}  // namespace strata

@@ -1,0 +1,55 @@
+// The ops every backend implements, on float buffers of that backend's memory; the model
+// (gpt.cpp) is written against this interface only. Row-major throughout. Dimension
+// letters as in costmodel/model_spec.h; N = rows of tokens (S*B in the (S, B, ...) order
+// the executor keeps, as Megatron does). Backward ops ACCUMULATE into parameter
+// gradients (dw, db) and into dx where noted; layers_ref.h holds the naive twins.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+
+#include "costmodel/hardware.h"
+#include "costmodel/model_spec.h"
+
+namespace strata {
+
+class Backend {
+ public:
+  virtual ~Backend() = default;
+  virtual const char* name() const = 0;
+
+  // C(M, N) = alpha * op(A) op(B) + beta * C, op(A) (M, K), op(B) (K, N); ld* = row strides.
+  virtual void gemm(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K, float alpha,
+                    const float* A, int64_t lda, const float* B, int64_t ldb, float beta, float* C,
+                    int64_t ldc) = 0;
+  // out, x (N, H); mean, rstd (N); w, b (H). Backward: dx +=, dw +=, db +=.
+  virtual void layernorm_forward(float* out, float* mean, float* rstd, const float* x, const float* w,
+                                 const float* b, int64_t N, int64_t H) = 0;
+  virtual void layernorm_backward(float* dx, float* dw, float* db, const float* dout, const float* x,
+                                  const float* mean, const float* rstd, const float* w, int64_t N,
+                                  int64_t H) = 0;
+  virtual void rmsnorm_forward(float* out, float* rstd, const float* x, const float* w, int64_t N,
+                               int64_t H) = 0;
+  virtual void rmsnorm_backward(float* dx, float* dw, const float* dout, const float* x, const float* rstd,
+                                const float* w, int64_t N, int64_t H) = 0;
+  // u (N, F) for gelu, (N, 2F) = [gate | up] for swiglu/geglu; out (N, F). Backward: du =.
+  virtual void activation_forward(Activation a, float* out, const float* u, int64_t N, int64_t F) = 0;
+  virtual void activation_backward(Activation a, float* du, const float* dout, const float* u, int64_t N,
+                                   int64_t F) = 0;
+  // Rotates heads [0, heads) of each row of x (S*B rows of stride ld, D per head), row
+  // s*B + b at position s; inverse = true applies the transpose (the backward).
+  virtual void rope(float* x, int64_t S, int64_t B, int64_t heads, int64_t D, int64_t ld, bool inverse) = 0;
+  // qkv (S, B, (A+2G)*D): q heads, k groups, v groups; out (S, B, A*D); probs (B, A, S, S)
+  // or null (then backward recomputes them). Causal, scale 1/sqrt(D). Backward: dqkv =.
+  virtual void attention_forward(float* out, float* probs, const float* qkv, int64_t S, int64_t B, int64_t A,
+                                 int64_t G, int64_t D) = 0;
+  virtual void attention_backward(float* dqkv, const float* dout, const float* probs, const float* qkv,
+                                  int64_t S, int64_t B, int64_t A, int64_t G, int64_t D) = 0;
+  // Rounds n values to the nearest value of `p` (bf16, fp16; fp32 leaves them), as the
+  // inputs of a low-precision GEMM are. fp16 overflows to inf.
+  virtual void round_to(float* x, int64_t n, Precision p) = 0;
+};
+
+std::unique_ptr<Backend> make_cpu_backend();
+
+}  // namespace strata

@@ -1,0 +1,285 @@
+// The CPU backend: Eigen GEMMs (one core), plain loops for the rest. Attention is one
+// pair of GEMMs per (micro-batch row, head) on strided views of the (S, B, ...) buffers.
+#include <Eigen/Dense>
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <vector>
+
+#include "executor/backend.h"
+
+namespace strata {
+namespace {
+
+using RowMat = Eigen::Matrix<float, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>;
+using CMap = Eigen::Map<const RowMat, 0, Eigen::OuterStride<>>;
+using MMap = Eigen::Map<RowMat, 0, Eigen::OuterStride<>>;
+
+constexpr float kEps = 1e-5f;
+constexpr float kGeluK = 0.7978845608028654f;  // sqrt(2/pi)
+
+float gelu(float x) { return 0.5f * x * (1.0f + std::tanh(kGeluK * (x + 0.044715f * x * x * x))); }
+float gelu_grad(float x) {
+  const float th = std::tanh(kGeluK * (x + 0.044715f * x * x * x));
+  return 0.5f * (1.0f + th) + 0.5f * x * (1.0f - th * th) * kGeluK * (1.0f + 3.0f * 0.044715f * x * x);
+}
+float sigmoid(float x) { return 1.0f / (1.0f + std::exp(-x)); }
+
+float round_bf16(float x) {
+  uint32_t u;
+  std::memcpy(&u, &x, 4);
+  if ((u & 0x7f800000u) == 0x7f800000u) return x;  // inf, nan
+  u += 0x7fffu + ((u >> 16) & 1u);                 // round to nearest even
+  u &= 0xffff0000u;
+  std::memcpy(&x, &u, 4);
+  return x;
+}
+float round_fp16(float x) { return static_cast<float>(static_cast<_Float16>(x)); }
+
+// Head h's queries and its group's keys and values: (S, D) views of the (S, B, ...) rows
+// of micro-batch row b.
+struct HeadViews {
+  CMap q, k, v;
+  HeadViews(const float* qkv, int64_t b, int64_t h, int64_t S, int64_t B, int64_t A, int64_t G, int64_t D)
+      : q(qkv + b * (A + 2 * G) * D + h * D, S, D, Eigen::OuterStride<>(B * (A + 2 * G) * D)),
+        k(qkv + b * (A + 2 * G) * D + (A + h / (A / G)) * D, S, D, Eigen::OuterStride<>(B * (A + 2 * G) * D)),
+        v(qkv + b * (A + 2 * G) * D + (A + G + h / (A / G)) * D, S, D, Eigen::OuterStride<>(B * (A + 2 * G) * D)) {}
+};
+
+class CpuBackend final : public Backend {
+ public:
+  const char* name() const override { return "cpu"; }
+
+  void gemm(bool ta, bool tb, int64_t M, int64_t N, int64_t K, float alpha, const float* A, int64_t lda,
+            const float* B, int64_t ldb, float beta, float* C, int64_t ldc) override {
+    CMap a(A, ta ? K : M, ta ? M : K, Eigen::OuterStride<>(lda));
+    CMap b(B, tb ? N : K, tb ? K : N, Eigen::OuterStride<>(ldb));
+    MMap c(C, M, N, Eigen::OuterStride<>(ldc));
+    if (beta == 0.0f) c.setZero();
+    else if (beta != 1.0f) c *= beta;
+    if (!ta && !tb) c.noalias() += alpha * (a * b);
+    else if (!ta && tb) c.noalias() += alpha * (a * b.transpose());
+    else if (ta && !tb) c.noalias() += alpha * (a.transpose() * b);
+    else c.noalias() += alpha * (a.transpose() * b.transpose());
+  }
+
+  void layernorm_forward(float* out, float* mean, float* rstd, const float* x, const float* w, const float* b,
+                         int64_t N, int64_t H) override {
+    for (int64_t i = 0; i < N; ++i) {
+      const float* xi = x + i * H;
+      double s = 0, s2 = 0;
+      for (int64_t j = 0; j < H; ++j) s += xi[j];
+      const float mu = static_cast<float>(s / static_cast<double>(H));
+      for (int64_t j = 0; j < H; ++j) s2 += static_cast<double>((xi[j] - mu) * (xi[j] - mu));
+      const float rs = 1.0f / std::sqrt(static_cast<float>(s2 / static_cast<double>(H)) + kEps);
+      mean[i] = mu;
+      rstd[i] = rs;
+      float* oi = out + i * H;
+      for (int64_t j = 0; j < H; ++j) oi[j] = (xi[j] - mu) * rs * w[j] + b[j];
+    }
+  }
+  void layernorm_backward(float* dx, float* dw, float* db, const float* dout, const float* x, const float* mean,
+                          const float* rstd, const float* w, int64_t N, int64_t H) override {
+    for (int64_t i = 0; i < N; ++i) {
+      const float* xi = x + i * H;
+      const float* gi = dout + i * H;
+      const float mu = mean[i], rs = rstd[i];
+      float m1 = 0, m2 = 0;
+      for (int64_t j = 0; j < H; ++j) {
+        const float xhat = (xi[j] - mu) * rs, dn = gi[j] * w[j];
+        m1 += dn;
+        m2 += dn * xhat;
+        dw[j] += gi[j] * xhat;
+        db[j] += gi[j];
+      }
+      m1 /= static_cast<float>(H);
+      m2 /= static_cast<float>(H);
+      float* dxi = dx + i * H;
+      for (int64_t j = 0; j < H; ++j) {
+        const float xhat = (xi[j] - mu) * rs;
+        dxi[j] += rs * (gi[j] * w[j] - m1 - xhat * m2);
+      }
+    }
+  }
+  void rmsnorm_forward(float* out, float* rstd, const float* x, const float* w, int64_t N, int64_t H) override {
+    for (int64_t i = 0; i < N; ++i) {
+      const float* xi = x + i * H;
+      double s2 = 0;
+      for (int64_t j = 0; j < H; ++j) s2 += static_cast<double>(xi[j] * xi[j]);
+      const float rs = 1.0f / std::sqrt(static_cast<float>(s2 / static_cast<double>(H)) + kEps);
+      rstd[i] = rs;
+      float* oi = out + i * H;
+      for (int64_t j = 0; j < H; ++j) oi[j] = xi[j] * rs * w[j];
+    }
+  }
+  void rmsnorm_backward(float* dx, float* dw, const float* dout, const float* x, const float* rstd, const float* w,
+                        int64_t N, int64_t H) override {
+    for (int64_t i = 0; i < N; ++i) {
+      const float* xi = x + i * H;
+      const float* gi = dout + i * H;
+      const float rs = rstd[i];
+      float m = 0;
+      for (int64_t j = 0; j < H; ++j) {
+        m += gi[j] * w[j] * xi[j];
+        dw[j] += gi[j] * xi[j] * rs;
+      }
+      m /= static_cast<float>(H);
+      float* dxi = dx + i * H;
+      for (int64_t j = 0; j < H; ++j) dxi[j] += rs * (gi[j] * w[j] - xi[j] * rs * rs * m);
+    }
+  }
+
+  void activation_forward(Activation act, float* out, const float* u, int64_t N, int64_t F) override {
+    if (act == Activation::gelu) {
+      for (int64_t i = 0; i < N * F; ++i) out[i] = gelu(u[i]);
+      return;
+    }
+    for (int64_t i = 0; i < N; ++i) {
+      const float* g = u + i * 2 * F;
+      const float* up = g + F;
+      float* o = out + i * F;
+      for (int64_t j = 0; j < F; ++j)
+        o[j] = (act == Activation::swiglu ? g[j] * sigmoid(g[j]) : gelu(g[j])) * up[j];
+    }
+  }
+  void activation_backward(Activation act, float* du, const float* dout, const float* u, int64_t N,
+                           int64_t F) override {
+    if (act == Activation::gelu) {
+      for (int64_t i = 0; i < N * F; ++i) du[i] = dout[i] * gelu_grad(u[i]);
+      return;
+    }
+    for (int64_t i = 0; i < N; ++i) {
+      const float* g = u + i * 2 * F;
+      const float* up = g + F;
+      const float* d = dout + i * F;
+      float* dg = du + i * 2 * F;
+      float* dup = dg + F;
+      for (int64_t j = 0; j < F; ++j) {
+        float a, da;
+        if (act == Activation::swiglu) {
+          const float s = sigmoid(g[j]);
+          a = g[j] * s;
+          da = s * (1.0f + g[j] * (1.0f - s));
+        } else {
+          a = gelu(g[j]);
+          da = gelu_grad(g[j]);
+        }
+        dg[j] = d[j] * up[j] * da;
+        dup[j] = d[j] * a;
+      }
+    }
+  }
+
+  void rope(float* x, int64_t S, int64_t B, int64_t heads, int64_t D, int64_t ld, bool inverse) override {
+    const int64_t half = D / 2;
+    std::vector<float> cs(static_cast<size_t>(half)), sn(static_cast<size_t>(half));
+    for (int64_t s = 0; s < S; ++s) {
+      for (int64_t i = 0; i < half; ++i) {
+        const double freq = std::pow(10000.0, -2.0 * static_cast<double>(i) / static_cast<double>(D));
+        const double ang = static_cast<double>(s) * freq;
+        cs[static_cast<size_t>(i)] = static_cast<float>(std::cos(ang));
+        sn[static_cast<size_t>(i)] = static_cast<float>(inverse ? -std::sin(ang) : std::sin(ang));
+      }
+      for (int64_t b = 0; b < B; ++b) {
+        float* row = x + (s * B + b) * ld;
+        for (int64_t h = 0; h < heads; ++h) {
+          float* v = row + h * D;
+          for (int64_t i = 0; i < half; ++i) {
+            const float x1 = v[i], x2 = v[i + half];
+            const float c = cs[static_cast<size_t>(i)], sgn = sn[static_cast<size_t>(i)];
+            v[i] = x1 * c - x2 * sgn;
+            v[i + half] = x2 * c + x1 * sgn;
+          }
+        }
+      }
+    }
+  }
+
+  void attention_forward(float* out, float* probs, const float* qkv, int64_t S, int64_t B, int64_t A, int64_t G,
+                         int64_t D) override {
+    const int64_t ldo = A * D;
+    const float scale = 1.0f / std::sqrt(static_cast<float>(D));
+    RowMat p_local;
+    for (int64_t b = 0; b < B; ++b) {
+      for (int64_t h = 0; h < A; ++h) {
+        const HeadViews hv(qkv, b, h, S, B, A, G, D);
+        const CMap &q = hv.q, &k = hv.k, &v = hv.v;
+        float* pp = probs ? probs + (b * A + h) * S * S : nullptr;
+        if (!pp) {
+          p_local.resize(S, S);
+          pp = p_local.data();
+        }
+        MMap p(pp, S, S, Eigen::OuterStride<>(S));
+        p.noalias() = scale * (q * k.transpose());
+        softmax_causal(pp, S);
+        MMap o(out + b * ldo + h * D, S, D, Eigen::OuterStride<>(B * ldo));
+        o.noalias() = p * v;
+      }
+    }
+  }
+  void attention_backward(float* dqkv, const float* dout, const float* probs, const float* qkv, int64_t S,
+                          int64_t B, int64_t A, int64_t G, int64_t D) override {
+    const int64_t ld = (A + 2 * G) * D, ldo = A * D;
+    const float scale = 1.0f / std::sqrt(static_cast<float>(D));
+    for (int64_t i = 0; i < S * B; ++i) std::fill(dqkv + i * ld, dqkv + i * ld + ld, 0.0f);
+    RowMat p_local(S, S), dp(S, S);
+    for (int64_t b = 0; b < B; ++b) {
+      for (int64_t h = 0; h < A; ++h) {
+        const int64_t g = h / (A / G);
+        const HeadViews hv(qkv, b, h, S, B, A, G, D);
+        const CMap &q = hv.q, &k = hv.k, &v = hv.v;
+        MMap dq(dqkv + b * ld + h * D, S, D, Eigen::OuterStride<>(B * ld));
+        MMap dk(dqkv + b * ld + (A + g) * D, S, D, Eigen::OuterStride<>(B * ld));
+        MMap dv(dqkv + b * ld + (A + G + g) * D, S, D, Eigen::OuterStride<>(B * ld));
+        CMap dout_h(dout + b * ldo + h * D, S, D, Eigen::OuterStride<>(B * ldo));
+        const float* pp = probs ? probs + (b * A + h) * S * S : nullptr;
+        if (!pp) {  // recompute the attention probabilities (selective recompute)
+          p_local.noalias() = scale * (q * k.transpose());
+          softmax_causal(p_local.data(), S);
+          pp = p_local.data();
+        }
+        CMap p(pp, S, S, Eigen::OuterStride<>(S));
+        dv.noalias() += p.transpose() * dout_h;
+        dp.noalias() = dout_h * v.transpose();
+        for (int64_t i = 0; i < S; ++i) {  // dS = P * (dP - rowsum(dP * P))
+          float dot = 0;
+          for (int64_t j = 0; j <= i; ++j) dot += dp(i, j) * pp[i * S + j];
+          for (int64_t j = 0; j < S; ++j) dp(i, j) = j <= i ? pp[i * S + j] * (dp(i, j) - dot) * scale : 0.0f;
+        }
+        dq.noalias() += dp * k;
+        dk.noalias() += dp.transpose() * q;
+      }
+    }
+  }
+
+  void round_to(float* x, int64_t n, Precision p) override {
+    if (p == Precision::bf16 || p == Precision::fp8) {
+      for (int64_t i = 0; i < n; ++i) x[i] = round_bf16(x[i]);
+    } else if (p == Precision::fp16) {
+      for (int64_t i = 0; i < n; ++i) x[i] = round_fp16(x[i]);
+    }
+  }
+
+ private:
+  static void softmax_causal(float* p, int64_t S) {
+    for (int64_t i = 0; i < S; ++i) {
+      float* row = p + i * S;
+      float mx = row[0];
+      for (int64_t j = 1; j <= i; ++j) mx = std::max(mx, row[j]);
+      float sum = 0;
+      for (int64_t j = 0; j <= i; ++j) {
+        row[j] = std::exp(row[j] - mx);
+        sum += row[j];
+      }
+      const float inv = 1.0f / sum;
+      for (int64_t j = 0; j <= i; ++j) row[j] *= inv;
+      for (int64_t j = i + 1; j < S; ++j) row[j] = 0.0f;
+    }
+  }
+};
+
+}  // namespace
+
+std::unique_ptr<Backend> make_cpu_backend() { return std::make_unique<CpuBackend>(); }
+
+}  // namespace strata

@@ -1,0 +1,168 @@
+// Comm on Open MPI: one MPI communicator per group kind (MPI_Comm_split of the world),
+// requests kept in slots. Every MPI call goes through MPI_CHECK, which prints the call,
+// file and line and aborts every rank.
+#include <mpi.h>
+
+#include <cstdio>
+#include <string>
+#include <vector>
+
+#include "executor/comm.h"
+
+#define MPI_CHECK(call)                                                                  \
+  do {                                                                                   \
+    int mpi_check_rc_ = (call);                                                          \
+    if (mpi_check_rc_ != MPI_SUCCESS) {                                                  \
+      char mpi_check_msg_[MPI_MAX_ERROR_STRING];                                         \
+      int mpi_check_len_ = 0;                                                            \
+      MPI_Error_string(mpi_check_rc_, mpi_check_msg_, &mpi_check_len_);                  \
+      std::fprintf(stderr, "strata: %s failed at %s:%d: %s\n", #call, __FILE__, __LINE__, \
+                   mpi_check_msg_);                                                      \
+      MPI_Abort(MPI_COMM_WORLD, 1);                                                      \
+    }                                                                                    \
+  } while (0)
+
+namespace strata {
+namespace {
+
+class MpiComm final : public Comm {
+ public:
+  MpiComm() {
+    MPI_CHECK(MPI_Comm_rank(MPI_COMM_WORLD, &rank_));
+    MPI_CHECK(MPI_Comm_size(MPI_COMM_WORLD, &size_));
+    comms_.assign(8, MPI_COMM_NULL);
+    comms_[kWorld] = MPI_COMM_WORLD;
+  }
+  ~MpiComm() override {
+    for (size_t i = 1; i < comms_.size(); ++i)
+      if (comms_[i] != MPI_COMM_NULL) MPI_Comm_free(&comms_[i]);
+  }
+  int rank() const override { return rank_; }
+  int size() const override { return size_; }
+
+  void setup(const ProcessGrid& grid) override {
+    for (int kind : {kTensor, kData, kPipeline, kEmbedding, kModel}) {
+      const auto groups = grid.all_groups(static_cast<GroupKind>(kind));
+      int color = MPI_UNDEFINED;
+      for (size_t i = 0; i < groups.size(); ++i)
+        for (int r : groups[i])
+          if (r == rank_) color = static_cast<int>(i);
+      // Key = rank: the new communicator orders ranks as the group lists them (ascending).
+      MPI_CHECK(MPI_Comm_split(MPI_COMM_WORLD, color, rank_, &comms_[static_cast<size_t>(kind)]));
+    }
+  }
+
+  void all_reduce(float* buf, int64_t n, const Group& g, ReduceOp op) override {
+    if (g.size() == 1) return;
+    MPI_CHECK(MPI_Allreduce(MPI_IN_PLACE, buf, count(n), MPI_FLOAT, mpi_op(op), comm(g)));
+  }
+  void all_reduce(double* buf, int64_t n, const Group& g, ReduceOp op) override {
+    if (g.size() == 1) return;
+    MPI_CHECK(MPI_Allreduce(MPI_IN_PLACE, buf, count(n), MPI_DOUBLE, mpi_op(op), comm(g)));
+  }
+  void reduce_scatter(const float* in, float* out, int64_t n_out, const Group& g) override {
+    MPI_CHECK(MPI_Reduce_scatter_block(in, out, count(n_out), MPI_FLOAT, MPI_SUM, comm(g)));
+  }
+  void all_gather(const float* in, float* out, int64_t n_in, const Group& g) override {
+    const void* src = in == out + static_cast<int64_t>(g.me) * n_in ? MPI_IN_PLACE : in;
+    MPI_CHECK(MPI_Allgather(src, count(n_in), MPI_FLOAT, out, count(n_in), MPI_FLOAT, comm(g)));
+  }
+  void broadcast(float* buf, int64_t n, int root_index, const Group& g) override {
+    MPI_CHECK(MPI_Bcast(buf, count(n), MPI_FLOAT, root_index, comm(g)));
+  }
+  void barrier(const Group& g) override { MPI_CHECK(MPI_Barrier(comm(g))); }
+
+  Request isend(const float* buf, int64_t n, int peer, int tag) override {
+    Request r = slot();
+    MPI_CHECK(MPI_Isend(buf, count(n), MPI_FLOAT, peer, tag, MPI_COMM_WORLD, &reqs_[static_cast<size_t>(r.slot)]));
+    return r;
+  }
+  Request irecv(float* buf, int64_t n, int peer, int tag) override {
+    Request r = slot();
+    MPI_CHECK(MPI_Irecv(buf, count(n), MPI_FLOAT, peer, tag, MPI_COMM_WORLD, &reqs_[static_cast<size_t>(r.slot)]));
+    return r;
+  }
+  Request iall_reduce(float* buf, int64_t n, const Group& g) override {
+    Request r = slot();
+    MPI_CHECK(MPI_Iallreduce(MPI_IN_PLACE, buf, count(n), MPI_FLOAT, MPI_SUM, comm(g),
+                             &reqs_[static_cast<size_t>(r.slot)]));
+    return r;
+  }
+  Request ireduce_scatter(const float* in, float* out, int64_t n_out, const Group& g) override {
+    Request r = slot();
+    MPI_CHECK(MPI_Ireduce_scatter_block(in, out, count(n_out), MPI_FLOAT, MPI_SUM, comm(g),
+                                        &reqs_[static_cast<size_t>(r.slot)]));
+    return r;
+  }
+  Request iall_gather(const float* in, float* out, int64_t n_in, const Group& g) override {
+    Request r = slot();
+    const void* src = in == out + static_cast<int64_t>(g.me) * n_in ? MPI_IN_PLACE : in;
+    MPI_CHECK(MPI_Iallgather(src, count(n_in), MPI_FLOAT, out, count(n_in), MPI_FLOAT, comm(g),
+                             &reqs_[static_cast<size_t>(r.slot)]));
+    return r;
+  }
+  bool test(Request& r) override {
+    if (!r.pending()) return true;
+    int done = 0;
+    MPI_CHECK(MPI_Test(&reqs_[static_cast<size_t>(r.slot)], &done, MPI_STATUS_IGNORE));
+    if (done) free_slot(r);
+    return done != 0;
+  }
+  void wait(Request& r) override {
+    if (!r.pending()) return;
+    MPI_CHECK(MPI_Wait(&reqs_[static_cast<size_t>(r.slot)], MPI_STATUS_IGNORE));
+    free_slot(r);
+  }
+  double wtime() const override { return MPI_Wtime(); }
+  std::vector<std::string> gather_strings(const std::string& s, int root) override {
+    int len = static_cast<int>(s.size());
+    std::vector<int> lens(static_cast<size_t>(size_)), displs(static_cast<size_t>(size_));
+    MPI_CHECK(MPI_Gather(&len, 1, MPI_INT, lens.data(), 1, MPI_INT, root, MPI_COMM_WORLD));
+    int total = 0;
+    for (int i = 0; i < size_; ++i) {
+      displs[static_cast<size_t>(i)] = total;
+      total += lens[static_cast<size_t>(i)];
+    }
+    std::string all(static_cast<size_t>(rank_ == root ? total : 0), '\0');
+    MPI_CHECK(MPI_Gatherv(s.data(), len, MPI_CHAR, all.data(), lens.data(), displs.data(), MPI_CHAR, root,
+                          MPI_COMM_WORLD));
+    std::vector<std::string> out;
+    if (rank_ == root)
+      for (int i = 0; i < size_; ++i)
+        out.push_back(all.substr(static_cast<size_t>(displs[static_cast<size_t>(i)]),
+                                 static_cast<size_t>(lens[static_cast<size_t>(i)])));
+    return out;
+  }
+
+ private:
+  static int count(int64_t n) { return static_cast<int>(n); }  // callers keep n < 2^31
+  static MPI_Op mpi_op(ReduceOp op) { return op == ReduceOp::max ? MPI_MAX : MPI_SUM; }
+  MPI_Comm comm(const Group& g) const { return comms_[static_cast<size_t>(g.id)]; }
+  Request slot() {
+    Request r;
+    if (!free_.empty()) {
+      r.slot = free_.back();
+      free_.pop_back();
+    } else {
+      r.slot = static_cast<int64_t>(reqs_.size());
+      reqs_.push_back(MPI_REQUEST_NULL);
+    }
+    return r;
+  }
+  void free_slot(Request& r) {
+    reqs_[static_cast<size_t>(r.slot)] = MPI_REQUEST_NULL;
+    free_.push_back(r.slot);
+    r.slot = -1;
+  }
+
+  int rank_ = 0, size_ = 1;
+  std::vector<MPI_Comm> comms_;
+  std::vector<MPI_Request> reqs_;
+  std::vector<int64_t> free_;
+};
+
+}  // namespace
+
+std::unique_ptr<Comm> make_mpi_comm() { return std::make_unique<MpiComm>(); }
+
+}  // namespace strata

@@ -1,0 +1,359 @@
+// Forward and backward of the embedding, a transformer layer and the head, written by
+// hand for one tensor-parallel rank (Megatron's column/row-parallel split; the f and g
+// operators are the gathers, reduce-scatters and all-reduces below). Backward mirrors
+// forward in reverse and accumulates parameter gradients with +=.
+#include "executor/gpt.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <limits>
+
+namespace strata {
+namespace {
+
+void timed(const ModelCtx& c, auto&& fn) {
+  const double t0 = c.comm->wtime();
+  fn();
+  if (c.tp_comm_s) *c.tp_comm_s += c.comm->wtime() - t0;
+}
+
+// (n, H) rows of every tp rank -> (N, H): sequence-parallel all-gather.
+Buf gather_rows(const ModelCtx& c, const Buf& in, int64_t H) {
+  Buf out = c.act(c.N() * H);
+  timed(c, [&] { c.comm->all_gather(in.data(), out.data(), c.n() * H, c.tp); });
+  return out;
+}
+
+// (N, H) partial sums -> this rank's (n, H) rows of the sum: sequence-parallel reduce-scatter.
+Buf reduce_scatter_rows(const ModelCtx& c, const Buf& in, int64_t H) {
+  Buf out = c.f32(c.n() * H);
+  timed(c, [&] { c.comm->reduce_scatter(in.data(), out.data(), c.n() * H, c.tp); });
+  return out;
+}
+
+// Sums the partial (N, H) over tp: to (n, H) with sequence parallelism, in place without.
+Buf reduce_rows(const ModelCtx& c, Buf in, int64_t H) {
+  if (c.t == 1) return in;
+  if (c.sp) return reduce_scatter_rows(c, in, H);
+  timed(c, [&] { c.comm->all_reduce(in.data(), in.size(), c.tp); });
+  return in;
+}
+
+// (n, H) -> (N, H) input of a column-parallel GEMM: gathered with sequence parallelism,
+// else a copy (the caller rounds it).
+Buf gemm_input_rows(const ModelCtx& c, const Buf& in, int64_t H) {
+  if (c.sp && c.t > 1) return gather_rows(c, in, H);
+  Buf out = c.act(in.size());
+  std::copy(in.data(), in.data() + in.size(), out.data());
+  return out;
+}
+
+void add_bias(float* y, const float* b, int64_t N, int64_t F) {
+  if (!b) return;
+  for (int64_t i = 0; i < N; ++i)
+    for (int64_t j = 0; j < F; ++j) y[i * F + j] += b[j];
+}
+
+void bias_grad(float* db, const float* dy, int64_t N, int64_t F) {
+  if (!db) return;
+  for (int64_t i = 0; i < N; ++i)
+    for (int64_t j = 0; j < F; ++j) db[j] += dy[i * F + j];
+}
+
+void norm_forward(const ModelCtx& c, const float* w, const float* b, const Buf& x, Buf* out, Buf* mean, Buf* rstd) {
+  const int64_t n = c.n(), H = c.m->H;
+  *out = c.act(n * H);
+  *rstd = c.f32(n);
+  if (c.m->normalization == Norm::layernorm) {
+    *mean = c.f32(n);
+    c.be->layernorm_forward(out->data(), mean->data(), rstd->data(), x.data(), w, b, n, H);
+  } else {
+    c.be->rmsnorm_forward(out->data(), rstd->data(), x.data(), w, n, H);
+  }
+}
+
+void norm_backward(const ModelCtx& c, float* dx, float* dw, float* db, const Buf& dout, const Buf& x,
+                   const Buf& mean, const Buf& rstd, const float* w) {
+  const int64_t n = c.n(), H = c.m->H;
+  if (c.m->normalization == Norm::layernorm)
+    c.be->layernorm_backward(dx, dw, db, dout.data(), x.data(), mean.data(), rstd.data(), w, n, H);
+  else
+    c.be->rmsnorm_backward(dx, dw, dout.data(), x.data(), rstd.data(), w, n, H);
+}
+
+void round(const ModelCtx& c, Buf& b) { c.be->round_to(b.data(), b.size(), c.precision); }
+
+Buf copy_of(const ModelCtx& c, const Buf& b) {
+  Buf out = c.f32(b.size());
+  std::copy(b.data(), b.data() + b.size(), out.data());
+  return out;
+}
+
+// The forward of layer l keeping every saved tensor; returns the output.
+Buf forward_all(const ModelCtx& c, const UnitView& u, int64_t l, LayerActs* a) {
+  const ModelSpec& m = *c.m;
+  const int64_t H = m.H, D = m.D(), At = m.A / c.t, Gt = m.G / c.t, Q = (At + 2 * Gt) * D;
+  const int64_t Ft = m.F / c.t, F1 = m.fc1_out() / c.t, N = c.N(), n = c.n();
+  // Attention block.
+  norm_forward(c, u.weight(TensorKind::ln1_w, l), u.weight_or_null(TensorKind::ln1_b, l), a->x, &a->h1, &a->mean1,
+               &a->rstd1);
+  round(c, a->h1);
+  if (c.sp && c.t > 1) a->g1 = gather_rows(c, a->h1, H);
+  const float* g1 = (c.sp && c.t > 1) ? a->g1.data() : a->h1.data();
+  a->qkv = c.act(N * Q);
+  c.be->gemm(false, true, N, Q, H, 1.0f, g1, H, u.weight(TensorKind::qkv_w, l), H, 0.0f, a->qkv.data(), Q);
+  c.tick();
+  add_bias(a->qkv.data(), u.weight_or_null(TensorKind::qkv_b, l), N, Q);
+  if (m.position == Position::rope) {
+    c.be->rope(a->qkv.data(), c.S, c.B, At, D, Q, false);
+    c.be->rope(a->qkv.data() + At * D, c.S, c.B, Gt, D, Q, false);
+  }
+  round(c, a->qkv);
+  a->att = c.act(N * At * D);
+  if (c.recompute == Recompute::none) a->probs = c.act(c.B * At * c.S * c.S);
+  c.be->attention_forward(a->att.data(), a->probs.empty() ? nullptr : a->probs.data(), a->qkv.data(), c.S, c.B, At,
+                          Gt, D);
+  round(c, a->att);
+  Buf o = c.f32(N * H);
+  c.be->gemm(false, true, N, H, At * D, 1.0f, a->att.data(), At * D, u.weight(TensorKind::proj_w, l), At * D, 0.0f,
+             o.data(), H);
+             c.tick();
+  o = reduce_rows(c, std::move(o), H);
+  add_bias(o.data(), u.weight_or_null(TensorKind::proj_b, l), n, H);
+  a->x2 = c.act(n * H);
+  for (int64_t i = 0; i < n * H; ++i) a->x2[i] = a->x[i] + o[i];
+  o.release();
+  // MLP block.
+  norm_forward(c, u.weight(TensorKind::ln2_w, l), u.weight_or_null(TensorKind::ln2_b, l), a->x2, &a->h2, &a->mean2,
+               &a->rstd2);
+  round(c, a->h2);
+  if (c.sp && c.t > 1) a->g2 = gather_rows(c, a->h2, H);
+  const float* g2 = (c.sp && c.t > 1) ? a->g2.data() : a->h2.data();
+  a->u = c.act(N * F1);
+  c.be->gemm(false, true, N, F1, H, 1.0f, g2, H, u.weight(TensorKind::fc1_w, l), H, 0.0f, a->u.data(), F1);
+  c.tick();
+  add_bias(a->u.data(), u.weight_or_null(TensorKind::fc1_b, l), N, F1);
+  a->a = c.act(N * Ft);
+  c.be->activation_forward(m.activation, a->a.data(), a->u.data(), N, Ft);
+  round(c, a->a);
+  Buf y = c.f32(N * H);
+  c.be->gemm(false, true, N, H, Ft, 1.0f, a->a.data(), Ft, u.weight(TensorKind::fc2_w, l), Ft, 0.0f, y.data(), H);
+  c.tick();
+  y = reduce_rows(c, std::move(y), H);
+  add_bias(y.data(), u.weight_or_null(TensorKind::fc2_b, l), n, H);
+  Buf out = c.act(n * H);
+  for (int64_t i = 0; i < n * H; ++i) out[i] = a->x2[i] + y[i];
+  return out;
+}
+
+}  // namespace
+
+Buf embedding_forward(const ModelCtx& c, const UnitView& wte, const UnitView* wpe, const int32_t* tokens) {
+  const ModelSpec& m = *c.m;
+  const int64_t H = m.H, N = c.N(), Vt = executor_vocab(m) / c.t, lo = c.r * Vt;
+  const float* W = wte.weight(TensorKind::wte);
+  Buf x = c.f32(N * H);
+  for (int64_t s = 0; s < c.S; ++s) {
+    for (int64_t b = 0; b < c.B; ++b) {
+      const int64_t tok = tokens[b * c.S + s];
+      if (tok >= lo && tok < lo + Vt) std::memcpy(x.data() + (s * c.B + b) * H, W + (tok - lo) * H, sizeof(float) * static_cast<size_t>(H));
+    }
+  }
+  x = reduce_rows(c, std::move(x), H);
+  Buf out = c.act(c.n() * H);
+  const int64_t row0 = c.sp ? c.r * c.n() : 0;
+  const float* P = wpe ? wpe->weight(TensorKind::wpe) : nullptr;
+  for (int64_t i = 0; i < c.n(); ++i) {
+    const int64_t s = (row0 + i) / c.B;
+    for (int64_t j = 0; j < H; ++j) out[i * H + j] = x[i * H + j] + (P ? P[s * H + j] : 0.0f);
+  }
+  return out;
+}
+
+void embedding_backward(const ModelCtx& c, const UnitView& wte, const UnitView* wpe, const int32_t* tokens,
+                        const Buf& dx) {
+  const ModelSpec& m = *c.m;
+  const int64_t H = m.H, Vt = executor_vocab(m) / c.t, lo = c.r * Vt;
+  if (wpe) {  // positions of this rank's rows (partial over tp with sequence parallelism)
+    float* dP = wpe->grad(TensorKind::wpe);
+    const int64_t row0 = c.sp ? c.r * c.n() : 0;
+    for (int64_t i = 0; i < c.n(); ++i) {
+      const int64_t s = (row0 + i) / c.B;
+      for (int64_t j = 0; j < H; ++j) dP[s * H + j] += dx[i * H + j];
+    }
+  }
+  Buf full;
+  const Buf* d = &dx;
+  if (c.sp && c.t > 1) {
+    full = gather_rows(c, dx, H);
+    d = &full;
+  }
+  float* dW = wte.grad(TensorKind::wte);
+  for (int64_t s = 0; s < c.S; ++s) {
+    for (int64_t b = 0; b < c.B; ++b) {
+      const int64_t tok = tokens[b * c.S + s];
+      if (tok < lo || tok >= lo + Vt) continue;
+      const float* row = d->data() + (s * c.B + b) * H;
+      float* g = dW + (tok - lo) * H;
+      for (int64_t j = 0; j < H; ++j) g[j] += row[j];
+    }
+  }
+}
+
+Buf layer_forward(const ModelCtx& c, const UnitView& u, int64_t l, Buf x, LayerActs* a) {
+  a->x = std::move(x);
+  Buf out = forward_all(c, u, l, a);
+  if (c.recompute == Recompute::full) {  // keep the input only
+    Buf keep = std::move(a->x);
+    *a = LayerActs{};
+    a->x = std::move(keep);
+  }
+  return out;
+}
+
+Buf layer_backward(const ModelCtx& c, const UnitView& u, int64_t l, LayerActs* a, const Buf& dout) {
+  if (c.recompute == Recompute::full) {  // run the forward again, with every tensor kept
+    ModelCtx again = c;
+    again.recompute = Recompute::none;
+    const double t0 = c.comm->wtime();
+    forward_all(again, u, l, a);
+    if (c.recompute_s) *c.recompute_s += c.comm->wtime() - t0;
+  }
+  const ModelSpec& m = *c.m;
+  const int64_t H = m.H, D = m.D(), At = m.A / c.t, Gt = m.G / c.t, Q = (At + 2 * Gt) * D;
+  const int64_t Ft = m.F / c.t, F1 = m.fc1_out() / c.t, N = c.N(), n = c.n();
+  const bool gathered = c.sp && c.t > 1;
+  Buf dx = copy_of(c, dout);  // (n, H) gradient of the residual stream
+  // MLP block: out = x2 + fc2(act(fc1(norm2(x2)))).
+  bias_grad(u.grad_or_null(TensorKind::fc2_b, l), dout.data(), n, H);
+  Buf dy = gemm_input_rows(c, dout, H);
+  round(c, dy);
+  Buf da = c.f32(N * Ft);
+  c.be->gemm(false, false, N, Ft, H, 1.0f, dy.data(), H, u.weight(TensorKind::fc2_w, l), Ft, 0.0f, da.data(), Ft);
+  c.tick();
+  c.be->gemm(true, false, H, Ft, N, 1.0f, dy.data(), H, a->a.data(), Ft, 1.0f, u.grad(TensorKind::fc2_w, l), Ft);
+  c.tick();
+  dy.release();
+  Buf du = c.f32(N * F1);
+  c.be->activation_backward(m.activation, du.data(), da.data(), a->u.data(), N, Ft);
+  da.release();
+  round(c, du);
+  const float* g2 = gathered ? a->g2.data() : a->h2.data();
+  c.be->gemm(true, false, F1, H, N, 1.0f, du.data(), F1, g2, H, 1.0f, u.grad(TensorKind::fc1_w, l), H);
+  c.tick();
+  bias_grad(u.grad_or_null(TensorKind::fc1_b, l), du.data(), N, F1);
+  Buf dg2 = c.f32(N * H);
+  c.be->gemm(false, false, N, H, F1, 1.0f, du.data(), F1, u.weight(TensorKind::fc1_w, l), H, 0.0f, dg2.data(), H);
+  c.tick();
+  du.release();
+  Buf dh2 = reduce_rows(c, std::move(dg2), H);
+  norm_backward(c, dx.data(), u.grad(TensorKind::ln2_w, l), u.grad_or_null(TensorKind::ln2_b, l), dh2, a->x2, a->mean2,
+                a->rstd2, u.weight(TensorKind::ln2_w, l));
+  dh2.release();
+  if (c.mlp_grads_done) c.mlp_grads_done(l);
+  // Attention block: x2 = x + proj(attention(qkv(norm1(x)))).
+  bias_grad(u.grad_or_null(TensorKind::proj_b, l), dx.data(), n, H);
+  Buf dO = gemm_input_rows(c, dx, H);
+  round(c, dO);
+  Buf datt = c.f32(N * At * D);
+  c.be->gemm(false, false, N, At * D, H, 1.0f, dO.data(), H, u.weight(TensorKind::proj_w, l), At * D, 0.0f,
+             datt.data(), At * D);
+             c.tick();
+  c.be->gemm(true, false, H, At * D, N, 1.0f, dO.data(), H, a->att.data(), At * D, 1.0f,
+             u.grad(TensorKind::proj_w, l), At * D);
+             c.tick();
+  dO.release();
+  round(c, datt);
+  Buf dqkv = c.f32(N * Q);
+  c.be->attention_backward(dqkv.data(), datt.data(), a->probs.empty() ? nullptr : a->probs.data(), a->qkv.data(),
+                           c.S, c.B, At, Gt, D);
+  datt.release();
+  if (m.position == Position::rope) {
+    c.be->rope(dqkv.data(), c.S, c.B, At, D, Q, true);
+    c.be->rope(dqkv.data() + At * D, c.S, c.B, Gt, D, Q, true);
+  }
+  round(c, dqkv);
+  const float* g1 = gathered ? a->g1.data() : a->h1.data();
+  c.be->gemm(true, false, Q, H, N, 1.0f, dqkv.data(), Q, g1, H, 1.0f, u.grad(TensorKind::qkv_w, l), H);
+  c.tick();
+  bias_grad(u.grad_or_null(TensorKind::qkv_b, l), dqkv.data(), N, Q);
+  Buf dg1 = c.f32(N * H);
+  c.be->gemm(false, false, N, H, Q, 1.0f, dqkv.data(), Q, u.weight(TensorKind::qkv_w, l), H, 0.0f, dg1.data(), H);
+  c.tick();
+  dqkv.release();
+  Buf dh1 = reduce_rows(c, std::move(dg1), H);
+  norm_backward(c, dx.data(), u.grad(TensorKind::ln1_w, l), u.grad_or_null(TensorKind::ln1_b, l), dh1, a->x, a->mean1,
+                a->rstd1, u.weight(TensorKind::ln1_w, l));
+  *a = LayerActs{};
+  return dx;
+}
+
+double head_forward(const ModelCtx& c, const UnitView& fu, const float* out_w, Buf x, const int32_t* targets,
+                    HeadActs* h) {
+  const ModelSpec& m = *c.m;
+  const int64_t H = m.H, N = c.N(), Vt = executor_vocab(m) / c.t, lo = c.r * Vt;
+  h->x = std::move(x);
+  norm_forward(c, fu.weight(TensorKind::lnf_w), fu.weight_or_null(TensorKind::lnf_b), h->x, &h->hf, &h->mean, &h->rstd);
+  round(c, h->hf);
+  if (c.sp && c.t > 1) h->hf_full = gather_rows(c, h->hf, H);
+  const float* hf = (c.sp && c.t > 1) ? h->hf_full.data() : h->hf.data();
+  h->probs = c.f32(N * Vt);
+  float* z = h->probs.data();
+  c.be->gemm(false, true, N, Vt, H, 1.0f, hf, H, out_w, H, 0.0f, z, Vt);
+  c.tick();
+  // Vocab-parallel cross-entropy: the row maximum, then the sum of exponentials and the
+  // target's logit, each reduced over tp.
+  h->targets.assign(static_cast<size_t>(N), 0);
+  std::vector<float> mx(static_cast<size_t>(N)), st(static_cast<size_t>(2 * N), 0.0f);
+  for (int64_t s = 0; s < c.S; ++s)
+    for (int64_t b = 0; b < c.B; ++b) h->targets[static_cast<size_t>(s * c.B + b)] = targets[b * c.S + s];
+  for (int64_t i = 0; i < N; ++i) mx[static_cast<size_t>(i)] = *std::max_element(z + i * Vt, z + (i + 1) * Vt);
+  if (c.t > 1) timed(c, [&] { c.comm->all_reduce(mx.data(), N, c.tp, ReduceOp::max); });
+  for (int64_t i = 0; i < N; ++i) {
+    const int64_t tg = h->targets[static_cast<size_t>(i)];
+    if (tg >= lo && tg < lo + Vt) st[static_cast<size_t>(2 * i + 1)] = z[i * Vt + (tg - lo)] - mx[static_cast<size_t>(i)];
+    float sum = 0;
+    for (int64_t j = 0; j < Vt; ++j) {
+      z[i * Vt + j] = std::exp(z[i * Vt + j] - mx[static_cast<size_t>(i)]);
+      sum += z[i * Vt + j];
+    }
+    st[static_cast<size_t>(2 * i)] = sum;
+  }
+  if (c.t > 1) timed(c, [&] { c.comm->all_reduce(st.data(), 2 * N, c.tp); });
+  double loss = 0;
+  for (int64_t i = 0; i < N; ++i) {
+    const float sum = st[static_cast<size_t>(2 * i)];
+    loss += std::log(static_cast<double>(sum)) - static_cast<double>(st[static_cast<size_t>(2 * i + 1)]);
+    const float inv = 1.0f / sum;
+    for (int64_t j = 0; j < Vt; ++j) z[i * Vt + j] *= inv;
+  }
+  return loss;
+}
+
+Buf head_backward(const ModelCtx& c, const UnitView& fu, const float* out_w, float* out_grad, HeadActs* h,
+                  float dloss_scale) {
+  const ModelSpec& m = *c.m;
+  const int64_t H = m.H, N = c.N(), Vt = executor_vocab(m) / c.t, lo = c.r * Vt;
+  float* z = h->probs.data();  // becomes dlogits
+  for (int64_t i = 0; i < N; ++i) {
+    const int64_t tg = h->targets[static_cast<size_t>(i)];
+    if (tg >= lo && tg < lo + Vt) z[i * Vt + (tg - lo)] -= 1.0f;
+    for (int64_t j = 0; j < Vt; ++j) z[i * Vt + j] *= dloss_scale;
+  }
+  round(c, h->probs);
+  const float* hf = (c.sp && c.t > 1) ? h->hf_full.data() : h->hf.data();
+  c.be->gemm(true, false, Vt, H, N, 1.0f, z, Vt, hf, H, 1.0f, out_grad, H);
+  c.tick();
+  Buf dhf = c.f32(N * H);
+  c.be->gemm(false, false, N, H, Vt, 1.0f, z, Vt, out_w, H, 0.0f, dhf.data(), H);
+  c.tick();
+  dhf = reduce_rows(c, std::move(dhf), H);
+  Buf dx = c.f32(c.n() * H);
+  norm_backward(c, dx.data(), fu.grad(TensorKind::lnf_w), fu.grad_or_null(TensorKind::lnf_b), dhf, h->x, h->mean,
+                h->rstd, fu.weight(TensorKind::lnf_w));
+  *h = HeadActs{};
+  return dx;
+}
+
+}  // namespace strata

@@ -1,0 +1,114 @@
+// The transformer, forward and backward by hand, one free function per part and
+// direction, for one tensor-parallel rank: the vocab-parallel embedding, a layer
+// (column-parallel QKV and fc1, row-parallel proj and fc2, optional sequence parallelism,
+// selective or full recompute), and the head (final norm, vocab-parallel logits and
+// cross-entropy). Weights are read and gradients accumulated through UnitViews, so the
+// caller decides where a unit lives (the flat buffer, or a ZeRO-3 gathered copy).
+// Activations are kept in (S, B, H) order, as Megatron does; with sequence parallelism a
+// rank holds rows [r*n, (r+1)*n) of the N = S*B rows, n = N/t.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <vector>
+
+#include "costmodel/model_spec.h"
+#include "costmodel/plan.h"
+#include "executor/backend.h"
+#include "executor/comm.h"
+#include "executor/memory_tracker.h"
+#include "executor/param_layout.h"
+
+namespace strata {
+
+// Weights and gradients of one unit: w and g point at the unit's first element.
+struct UnitView {
+  const ParamLayout* lay = nullptr;
+  int64_t begin = 0;  // the unit's begin in the layout
+  const float* w = nullptr;
+  float* g = nullptr;
+  const float* weight(TensorKind k, int64_t layer = -1) const { return w + (lay->at(k, layer).offset - begin); }
+  float* grad(TensorKind k, int64_t layer = -1) const { return g + (lay->at(k, layer).offset - begin); }
+  const float* weight_or_null(TensorKind k, int64_t layer = -1) const {
+    return lay->has(k, layer) ? weight(k, layer) : nullptr;
+  }
+  float* grad_or_null(TensorKind k, int64_t layer = -1) const { return lay->has(k, layer) ? grad(k, layer) : nullptr; }
+};
+
+// What the model functions need besides the weights. Seconds spent in tensor-parallel
+// collectives are added to *tp_comm_s.
+struct ModelCtx {
+  const ModelSpec* m = nullptr;
+  Backend* be = nullptr;
+  Comm* comm = nullptr;
+  Group tp;
+  int64_t t = 1, r = 0;  // tensor-parallel size and rank
+  bool sp = false;
+  Recompute recompute = Recompute::none;
+  Precision precision = Precision::fp32;
+  MemoryTracker* mem = nullptr;
+  int64_t B = 1, S = 1;  // micro-batch and sequence
+  double* tp_comm_s = nullptr;
+  double* recompute_s = nullptr;  // seconds of the full-recompute forwards run in backward
+  // Called between the GEMMs of a layer, so non-blocking data-parallel reductions make
+  // progress while the layer computes (MPI progresses only inside its calls).
+  std::function<void()> poll;
+  void tick() const {
+    if (poll) poll();
+  }
+  // Called by layer_backward once the MLP block's gradients (ln2, fc1, fc2) of `layer`
+  // are complete, so their data-parallel reduction can start before the attention block's.
+  std::function<void(int64_t layer)> mlp_grads_done;
+
+  int64_t N() const { return S * B; }
+  int64_t n() const { return sp ? S * B / t : S * B; }  // rows this rank holds between layers
+  int act_bytes() const { return precision == Precision::fp32 ? 4 : 2; }
+  Buf act(int64_t count) const { return Buf(mem, MemCategory::activations, count, act_bytes()); }
+  Buf f32(int64_t count) const { return Buf(mem, MemCategory::activations, count, 4); }
+};
+
+// Saved tensors of one layer for one micro-batch. With full recompute only x is kept
+// until the backward runs the forward again.
+struct LayerActs {
+  Buf x;                   // (n, H) layer input
+  Buf h1, mean1, rstd1;    // (n, H), (n), (n)
+  Buf g1;                  // (N, H) gathered h1 (sequence parallel only)
+  Buf qkv;                 // (N, (A+2G)*D/t), q and k after rope
+  Buf probs;               // (B, A/t, S, S); empty with selective recompute
+  Buf att;                 // (N, A*D/t)
+  Buf x2;                  // (n, H) after the attention residual
+  Buf h2, mean2, rstd2;    // (n, H), (n), (n)
+  Buf g2;                  // (N, H) gathered h2 (sequence parallel only)
+  Buf u;                   // (N, fc1_out/t)
+  Buf a;                   // (N, F/t)
+};
+
+struct HeadActs {
+  Buf x;              // (n, H) input of the final norm
+  Buf hf, mean, rstd; // (n, H), (n), (n)
+  Buf hf_full;        // (N, H) gathered (sequence parallel only)
+  Buf probs;          // (N, V/t) softmax of the logits (fp32)
+  std::vector<int32_t> targets;  // (N) in (S, B) order
+};
+
+// x (n, H) = wte[tokens] (vocab-parallel, reduced over tp) + wpe[positions].
+// tokens: (B, S) as the data gives them.
+Buf embedding_forward(const ModelCtx& c, const UnitView& wte, const UnitView* wpe, const int32_t* tokens);
+// dx (n, H): accumulates into the wte and wpe gradients.
+void embedding_backward(const ModelCtx& c, const UnitView& wte, const UnitView* wpe, const int32_t* tokens,
+                        const Buf& dx);
+
+// Runs layer `layer` on x (moved into acts), returns the output (n, H).
+Buf layer_forward(const ModelCtx& c, const UnitView& u, int64_t layer, Buf x, LayerActs* acts);
+// dout (n, H) -> dx (n, H); accumulates the layer's gradients; releases acts.
+Buf layer_backward(const ModelCtx& c, const UnitView& u, int64_t layer, LayerActs* acts, const Buf& dout);
+
+// Final norm, logits against `out_w` (wte when tied, else lm_head; (V/t, H)), and the sum
+// of the token losses of the micro-batch (identical on every tp rank). targets (B, S).
+double head_forward(const ModelCtx& c, const UnitView& final_unit, const float* out_w, Buf x,
+                    const int32_t* targets, HeadActs* acts);
+// dloss_scale multiplies d(sum of token losses); out_grad accumulates (V/t, H). Returns dx.
+Buf head_backward(const ModelCtx& c, const UnitView& final_unit, const float* out_w, float* out_grad,
+                  HeadActs* acts, float dloss_scale);
+
+}  // namespace strata

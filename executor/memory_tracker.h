@@ -1,0 +1,61 @@
+// The executor's allocator: every buffer is a Buf charged to one of the SPEC memory
+// categories, and the tracker keeps live and peak bytes per category and in total, so a
+// measured run compares term by term with the cost model's memory_bytes. Bytes are
+// counted at the element size of the precision the buffer holds (the CPU backend keeps
+// bf16/fp16 values in float storage, rounded).
+#pragma once
+
+#include <array>
+#include <cstddef>
+#include <cstdint>
+#include <vector>
+
+namespace strata {
+
+enum class MemCategory { weights, gradients, optimizer_states, activations, comm_buffers };
+constexpr int kMemCategories = 5;
+const char* to_string(MemCategory c);
+
+class MemoryTracker {
+ public:
+  void add(MemCategory c, int64_t bytes);
+  void sub(MemCategory c, int64_t bytes);
+  int64_t live(MemCategory c) const { return live_[static_cast<size_t>(c)]; }
+  int64_t peak(MemCategory c) const { return peak_[static_cast<size_t>(c)]; }
+  int64_t live_total() const { return live_total_; }
+  int64_t peak_total() const { return peak_total_; }
+
+ private:
+  std::array<int64_t, kMemCategories> live_{}, peak_{};
+  int64_t live_total_ = 0, peak_total_ = 0;
+};
+
+// A float buffer charged to a category; movable, not copyable. element_bytes is the size
+// of the value type it stands for (4 fp32, 2 bf16/fp16).
+class Buf {
+ public:
+  Buf() = default;
+  Buf(MemoryTracker* tracker, MemCategory c, int64_t n, int element_bytes = 4);
+  ~Buf() { release(); }
+  Buf(Buf&& o) noexcept { *this = static_cast<Buf&&>(o); }
+  Buf& operator=(Buf&& o) noexcept;
+  Buf(const Buf&) = delete;
+  Buf& operator=(const Buf&) = delete;
+
+  float* data() { return v_.data(); }
+  const float* data() const { return v_.data(); }
+  int64_t size() const { return static_cast<int64_t>(v_.size()); }
+  bool empty() const { return v_.empty(); }
+  float& operator[](int64_t i) { return v_[static_cast<size_t>(i)]; }
+  float operator[](int64_t i) const { return v_[static_cast<size_t>(i)]; }
+  void zero();
+  void release();
+
+ private:
+  std::vector<float> v_;
+  MemoryTracker* tracker_ = nullptr;
+  MemCategory cat_ = MemCategory::activations;
+  int64_t bytes_ = 0;
+};
+
+}  // namespace strata

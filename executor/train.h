@@ -1,0 +1,69 @@
+// `strata train`: runs a plan for real on this rank's share of the model. Sets up the
+// process grid, the rank's parameter units and ZeRO shards, walks the cost model's
+// pipeline schedule (costmodel/schedule.h) micro-batch by micro-batch, reduces
+// gradients per unit during the backward (polled, so MPI progresses), clips, steps
+// AdamW, and measures time per phase and memory per category.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "costmodel/json_input.h"
+#include "costmodel/model_spec.h"
+#include "costmodel/plan.h"
+#include "executor/backend.h"
+#include "executor/comm.h"
+
+namespace strata {
+
+struct TrainOptions {
+  int64_t steps = 10;
+  std::string data = "synthetic";
+  uint64_t seed = 1234;
+  double lr = 1e-3, min_lr = 1e-4;
+  int64_t warmup = -1;  // -1: steps / 10, at least 10 (a short run stays in warm-up)
+  double weight_decay = 0.1, clip_grad = 1.0;
+  double loss_scale = 65536.0;      // fp16 initial dynamic loss scale
+  int64_t loss_scale_window = 1000; // good steps before the scale doubles
+  std::string trace_path;
+  std::string dump_params_path;     // rank 0 writes the gathered global fp32 parameters
+  bool progress = true;             // a line per step on stderr (rank 0)
+};
+
+struct StepRecord {
+  int64_t step = 0;
+  double loss = 0, step_time_s = 0, tokens_per_s = 0, grad_norm = 0, loss_scale = 1;
+  bool skipped = false;
+};
+
+struct TrainResult {
+  Plan plan;
+  int world_size = 1;
+  std::vector<StepRecord> steps;
+  double median_step_time_s = 0;
+  // Per rank maxima over the world (the most loaded rank), bytes.
+  int64_t peak_weights = 0, peak_gradients = 0, peak_optimizer = 0, peak_activations = 0, peak_comm = 0, peak_total = 0;
+  // Mean per step (after the first when there are several), seconds; max over ranks.
+  // Exposed time only, except dp_comm_total_s: the union of the intervals in which a
+  // data-parallel collective was in flight (launch to the poll that saw it done).
+  double forward_s = 0, backward_s = 0, recompute_s = 0, optimizer_s = 0, tp_comm_s = 0, pp_comm_s = 0, dp_comm_s = 0,
+         dp_comm_total_s = 0, pipeline_bubble_s = 0;
+  // One step's data-parallel collectives run back to back with nothing to hide behind.
+  double dp_comm_standalone_s = 0;
+  // The part of dp_comm_s spent waiting for a slower replica to finish its backward.
+  double dp_skew_s = 0;
+  double replica_max_abs_diff = 0;  // parameters across data-parallel replicas after training
+  double entropy_rate_nats = -1;    // the synthetic source's loss floor; -1 for files
+  double model_flops_per_step = 0;  // 6*N*tokens + attention, no recompute (Megatron's)
+};
+
+// Throws InputError (exit 2) naming the field and the rule: world size, divisibility of
+// heads, groups, ffn, vocabulary, sequence, layers, batch.
+void validate_train_plan(const ModelSpec& m, const Plan& p, int world_size);
+
+TrainResult train(const ModelSpec& m, const Plan& p, const TrainOptions& o, Comm& comm, Backend& be);
+
+Json train_result_to_json(const TrainResult& r);
+
+}  // namespace strata

@@ -1,0 +1,47 @@
+// Shard offsets per unit, AdamW and the learning-rate schedule.
+#include "executor/zero.h"
+
+#include <algorithm>
+#include <cmath>
+
+namespace strata {
+
+Sharding make_sharding(const ParamLayout& lay, int64_t dz, int64_t me) {
+  Sharding s;
+  s.dz = dz;
+  s.me = me;
+  for (const Unit& u : lay.units) {
+    const int64_t sh = (u.size() + dz - 1) / dz;
+    s.full_off.push_back(s.full_size);
+    s.shard.push_back(sh);
+    s.shard_off.push_back(s.shard_size);
+    s.full_size += sh * dz;
+    s.shard_size += sh;
+  }
+  return s;
+}
+
+void adamw_update(float* p, const float* g, float* m, float* v, const uint8_t* decay, int64_t n, const AdamW& opt,
+                  double lr, int64_t step, float grad_mul) {
+  const double bc1 = 1.0 - std::pow(opt.beta1, static_cast<double>(step));
+  const double bc2 = 1.0 - std::pow(opt.beta2, static_cast<double>(step));
+  const float b1 = static_cast<float>(opt.beta1), b2 = static_cast<float>(opt.beta2);
+  const float step_size = static_cast<float>(lr / bc1), inv_bc2 = static_cast<float>(1.0 / bc2);
+  const float eps = static_cast<float>(opt.eps), wd = static_cast<float>(lr * opt.weight_decay);
+  for (int64_t i = 0; i < n; ++i) {
+    const float gi = g[i] * grad_mul;
+    m[i] = b1 * m[i] + (1.0f - b1) * gi;
+    v[i] = b2 * v[i] + (1.0f - b2) * gi * gi;
+    if (decay[i]) p[i] -= wd * p[i];
+    p[i] -= step_size * m[i] / (std::sqrt(v[i] * inv_bc2) + eps);
+  }
+}
+
+double learning_rate(int64_t k, int64_t warmup, int64_t total, double lr, double min_lr) {
+  if (k < warmup) return lr * static_cast<double>(k + 1) / static_cast<double>(warmup);
+  if (total <= warmup) return lr;
+  const double progress = std::min(1.0, static_cast<double>(k - warmup) / static_cast<double>(total - warmup));
+  return min_lr + 0.5 * (lr - min_lr) * (1.0 + std::cos(M_PI * progress));
+}
+
+}  // namespace strata

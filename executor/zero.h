@@ -1,0 +1,43 @@
+// ZeRO bookkeeping: each unit of the flat buffer is padded to a multiple of the shard
+// count dz (d with ZeRO 1-3, else 1), so a unit's gradient reduce-scatters and its
+// parameters all-gather in equal blocks; data-parallel rank `me` owns block `me` of
+// every unit. Also AdamW with decoupled weight decay on an owned range.
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+#include "executor/param_layout.h"
+
+namespace strata {
+
+struct Sharding {
+  int64_t dz = 1, me = 0;
+  std::vector<int64_t> full_off;    // (units) offset of unit u in the padded full buffer
+  std::vector<int64_t> shard;       // (units) floats per block: ceil(size / dz)
+  std::vector<int64_t> shard_off;   // (units) offset of unit u's block in the shard buffer
+  int64_t full_size = 0, shard_size = 0;
+  int64_t padded(size_t u) const { return shard[u] * dz; }
+  // Layout offset -> padded full buffer offset.
+  int64_t full_index(const ParamLayout& lay, size_t u, int64_t layout_offset) const {
+    return full_off[u] + (layout_offset - lay.units[u].begin);
+  }
+};
+
+Sharding make_sharding(const ParamLayout& lay, int64_t dz, int64_t me);
+
+struct AdamW {
+  double lr = 1e-3, beta1 = 0.9, beta2 = 0.95, eps = 1e-8, weight_decay = 0.1;
+};
+
+// One AdamW step on n elements: p master weights, g gradients (already unscaled and
+// clipped by `grad_mul`), m and v moments, decay[i] != 0 where weight decay applies.
+// step is 1-based (bias correction).
+void adamw_update(float* p, const float* g, float* m, float* v, const uint8_t* decay, int64_t n, const AdamW& opt,
+                  double lr, int64_t step, float grad_mul);
+
+// Learning rate at 0-based step k: linear warm-up over `warmup` steps to lr, then cosine
+// decay to min_lr at `total` steps (Megatron's --lr-warmup-iters / --lr-decay-style cosine).
+double learning_rate(int64_t k, int64_t warmup, int64_t total, double lr, double min_lr);
+
+}  // namespace strata

@@ -1,0 +1,499 @@
+// The executor's fast paths against their slow twins, on one process: every CPU backend
+// op against layers_ref (double) with one error metric, the whole float model's loss and
+// every gradient against ref::model_forward_backward (whose backward is checked against
+// finite differences in layers_ref_test), plus the process grid, parameter layout, data,
+// ZeRO sharding, AdamW and the memory tracker. Error metric: max |fast - ref| / max |ref|.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <fstream>
+#include <map>
+#include <random>
+#include <set>
+
+#include "costmodel/json_input.h"
+#include "executor/backend.h"
+#include "executor/comm.h"
+#include "executor/data.h"
+#include "executor/gpt.h"
+#include "executor/layers_ref.h"
+#include "executor/memory_tracker.h"
+#include "executor/param_layout.h"
+#include "executor/process_grid.h"
+#include "executor/zero.h"
+
+namespace strata {
+namespace {
+
+using Vec = std::vector<double>;
+
+double rel_err(const float* fast, const double* ref, int64_t n) {
+  double num = 0, den = 0;
+  for (int64_t i = 0; i < n; ++i) {
+    num = std::max(num, std::fabs(static_cast<double>(fast[i]) - ref[i]));
+    den = std::max(den, std::fabs(ref[i]));
+  }
+  return den > 0 ? num / den : num;
+}
+
+struct Rand {
+  std::mt19937_64 gen{42};
+  std::vector<float> normal(int64_t n, double sd = 1.0) {
+    std::normal_distribution<double> d(0.0, sd);
+    std::vector<float> v(static_cast<size_t>(n));
+    for (float& x : v) x = static_cast<float>(d(gen));
+    return v;
+  }
+};
+
+Vec as_double(const std::vector<float>& v) { return Vec(v.begin(), v.end()); }
+
+// Float tolerance for one op: a few float roundings relative to the largest value.
+constexpr double kOpTol = 2e-5;
+
+TEST(CpuBackend, GemmMatchesReferenceMatmul) {
+  auto be = make_cpu_backend();
+  Rand r;
+  const int64_t N = 7, I = 13, O = 5;
+  auto x = r.normal(N * I), W = r.normal(O * I), b = r.normal(O);
+  std::vector<float> y(static_cast<size_t>(N * O));
+  be->gemm(false, true, N, O, I, 1.0f, x.data(), I, W.data(), I, 0.0f, y.data(), O);
+  for (int64_t i = 0; i < N; ++i)
+    for (int64_t j = 0; j < O; ++j) y[static_cast<size_t>(i * O + j)] += b[static_cast<size_t>(j)];
+  Vec xd = as_double(x), Wd = as_double(W), bd = as_double(b), yd(static_cast<size_t>(N * O));
+  ref::matmul_forward(yd.data(), xd.data(), Wd.data(), bd.data(), N, I, O);
+  EXPECT_LT(rel_err(y.data(), yd.data(), N * O), kOpTol);
+  // The backward GEMMs: dx = dy W, dW += dy^T x.
+  auto dy = r.normal(N * O);
+  std::vector<float> dx(static_cast<size_t>(N * I)), dW(static_cast<size_t>(O * I), 0.0f);
+  be->gemm(false, false, N, I, O, 1.0f, dy.data(), O, W.data(), I, 0.0f, dx.data(), I);
+  be->gemm(true, false, O, I, N, 1.0f, dy.data(), O, x.data(), I, 1.0f, dW.data(), I);
+  Vec dxd(static_cast<size_t>(N * I), 0.0), dWd(static_cast<size_t>(O * I), 0.0), dyd = as_double(dy);
+  ref::matmul_backward(dxd.data(), dWd.data(), nullptr, dyd.data(), xd.data(), Wd.data(), N, I, O);
+  EXPECT_LT(rel_err(dx.data(), dxd.data(), N * I), kOpTol);
+  EXPECT_LT(rel_err(dW.data(), dWd.data(), O * I), kOpTol);
+}
+
+TEST(CpuBackend, NormsMatchReference) {
+  auto be = make_cpu_backend();
+  Rand r;
+  const int64_t N = 6, H = 32;
+  auto x = r.normal(N * H, 2.0), w = r.normal(H), b = r.normal(H), dout = r.normal(N * H);
+  Vec xd = as_double(x), wd = as_double(w), bd = as_double(b), dd = as_double(dout);
+  {  // layernorm
+    std::vector<float> out(static_cast<size_t>(N * H)), mean(static_cast<size_t>(N)), rstd(static_cast<size_t>(N));
+    be->layernorm_forward(out.data(), mean.data(), rstd.data(), x.data(), w.data(), b.data(), N, H);
+    Vec o(static_cast<size_t>(N * H)), md(static_cast<size_t>(N)), rd(static_cast<size_t>(N));
+    ref::layernorm_forward(o.data(), md.data(), rd.data(), xd.data(), wd.data(), bd.data(), N, H);
+    EXPECT_LT(rel_err(out.data(), o.data(), N * H), kOpTol);
+    std::vector<float> dx(static_cast<size_t>(N * H), 0.0f), dw(static_cast<size_t>(H), 0.0f), db(static_cast<size_t>(H), 0.0f);
+    be->layernorm_backward(dx.data(), dw.data(), db.data(), dout.data(), x.data(), mean.data(), rstd.data(), w.data(), N, H);
+    Vec dxd(static_cast<size_t>(N * H), 0.0), dwd(static_cast<size_t>(H), 0.0), dbd(static_cast<size_t>(H), 0.0);
+    ref::layernorm_backward(dxd.data(), dwd.data(), dbd.data(), dd.data(), xd.data(), md.data(), rd.data(), wd.data(), N, H);
+    EXPECT_LT(rel_err(dx.data(), dxd.data(), N * H), kOpTol);
+    EXPECT_LT(rel_err(dw.data(), dwd.data(), H), kOpTol);
+    EXPECT_LT(rel_err(db.data(), dbd.data(), H), kOpTol);
+  }
+  {  // rmsnorm
+    std::vector<float> out(static_cast<size_t>(N * H)), rstd(static_cast<size_t>(N));
+    be->rmsnorm_forward(out.data(), rstd.data(), x.data(), w.data(), N, H);
+    Vec o(static_cast<size_t>(N * H)), rd(static_cast<size_t>(N));
+    ref::rmsnorm_forward(o.data(), rd.data(), xd.data(), wd.data(), N, H);
+    EXPECT_LT(rel_err(out.data(), o.data(), N * H), kOpTol);
+    std::vector<float> dx(static_cast<size_t>(N * H), 0.0f), dw(static_cast<size_t>(H), 0.0f);
+    be->rmsnorm_backward(dx.data(), dw.data(), dout.data(), x.data(), rstd.data(), w.data(), N, H);
+    Vec dxd(static_cast<size_t>(N * H), 0.0), dwd(static_cast<size_t>(H), 0.0);
+    ref::rmsnorm_backward(dxd.data(), dwd.data(), dd.data(), xd.data(), rd.data(), wd.data(), N, H);
+    EXPECT_LT(rel_err(dx.data(), dxd.data(), N * H), kOpTol);
+    EXPECT_LT(rel_err(dw.data(), dwd.data(), H), kOpTol);
+  }
+}
+
+TEST(CpuBackend, ActivationsMatchReference) {
+  auto be = make_cpu_backend();
+  Rand r;
+  const int64_t N = 5, F = 24;
+  for (Activation act : {Activation::gelu, Activation::swiglu, Activation::geglu}) {
+    const int64_t W = act == Activation::gelu ? F : 2 * F;
+    auto u = r.normal(N * W, 2.0), dout = r.normal(N * F);
+    std::vector<float> out(static_cast<size_t>(N * F)), du(static_cast<size_t>(N * W));
+    be->activation_forward(act, out.data(), u.data(), N, F);
+    be->activation_backward(act, du.data(), dout.data(), u.data(), N, F);
+    Vec ud = as_double(u), dd = as_double(dout), o(static_cast<size_t>(N * F)), dud(static_cast<size_t>(N * W), 0.0);
+    if (act == Activation::gelu) {
+      ref::gelu_forward(o.data(), ud.data(), N, F);
+      ref::gelu_backward(dud.data(), dd.data(), ud.data(), N, F);
+    } else if (act == Activation::swiglu) {
+      ref::swiglu_forward(o.data(), ud.data(), N, F);
+      ref::swiglu_backward(dud.data(), dd.data(), ud.data(), N, F);
+    } else {
+      ref::geglu_forward(o.data(), ud.data(), N, F);
+      ref::geglu_backward(dud.data(), dd.data(), ud.data(), N, F);
+    }
+    EXPECT_LT(rel_err(out.data(), o.data(), N * F), kOpTol) << to_string(act);
+    EXPECT_LT(rel_err(du.data(), dud.data(), N * W), kOpTol) << to_string(act);
+  }
+}
+
+// (S, B, heads*D rows of stride ld) <-> the reference's (B, S, heads, D).
+Vec to_bshd(const float* x, int64_t S, int64_t B, int64_t heads, int64_t D, int64_t ld) {
+  Vec out(static_cast<size_t>(B * S * heads * D));
+  for (int64_t s = 0; s < S; ++s)
+    for (int64_t b = 0; b < B; ++b)
+      for (int64_t i = 0; i < heads * D; ++i)
+        out[static_cast<size_t>((b * S + s) * heads * D + i)] = x[(s * B + b) * ld + i];
+  return out;
+}
+
+TEST(CpuBackend, RopeAndAttentionMatchReference) {
+  auto be = make_cpu_backend();
+  Rand r;
+  const int64_t S = 9, B = 2, A = 4, G = 2, D = 8, Q = (A + 2 * G) * D;
+  auto qkv = r.normal(S * B * Q);
+  // rope on the q heads of the packed rows.
+  std::vector<float> roped = qkv;
+  be->rope(roped.data(), S, B, A, D, Q, false);
+  Vec q = to_bshd(qkv.data(), S, B, A, D, Q), qr(q.size());
+  ref::rope_forward(qr.data(), q.data(), B, S, A, D);
+  Vec got = to_bshd(roped.data(), S, B, A, D, Q);
+  std::vector<float> gotf(got.begin(), got.end());
+  EXPECT_LT(rel_err(gotf.data(), qr.data(), static_cast<int64_t>(qr.size())), kOpTol);
+  std::vector<float> back = roped;  // the inverse rotation undoes it
+  be->rope(back.data(), S, B, A, D, Q, true);
+  for (size_t i = 0; i < back.size(); ++i) EXPECT_NEAR(back[i], qkv[i], 1e-5);
+  // attention forward and backward, with and without saved probabilities.
+  std::vector<float> out(static_cast<size_t>(S * B * A * D)), probs(static_cast<size_t>(B * A * S * S));
+  be->attention_forward(out.data(), probs.data(), qkv.data(), S, B, A, G, D);
+  Vec qd = to_bshd(qkv.data(), S, B, A, D, Q), kd = to_bshd(qkv.data() + A * D, S, B, G, D, Q),
+      vd = to_bshd(qkv.data() + (A + G) * D, S, B, G, D, Q);
+  Vec od(static_cast<size_t>(B * S * A * D)), pd(static_cast<size_t>(B * A * S * S));
+  ref::attention_forward(od.data(), pd.data(), qd.data(), kd.data(), vd.data(), B, S, A, G, D);
+  Vec outd = to_bshd(out.data(), S, B, A, D, A * D);
+  std::vector<float> outf(outd.begin(), outd.end());
+  EXPECT_LT(rel_err(outf.data(), od.data(), static_cast<int64_t>(od.size())), kOpTol);
+  auto dout = r.normal(S * B * A * D);
+  Vec doutd = to_bshd(dout.data(), S, B, A, D, A * D);
+  Vec dq(qd.size(), 0.0), dk(kd.size(), 0.0), dv(vd.size(), 0.0);
+  ref::attention_backward(dq.data(), dk.data(), dv.data(), doutd.data(), pd.data(), qd.data(), kd.data(), vd.data(), B,
+                          S, A, G, D);
+  for (bool saved : {true, false}) {
+    std::vector<float> dqkv(static_cast<size_t>(S * B * Q));
+    be->attention_backward(dqkv.data(), dout.data(), saved ? probs.data() : nullptr, qkv.data(), S, B, A, G, D);
+    for (auto [off, heads, want] : {std::tuple{int64_t{0}, A, &dq}, std::tuple{A * D, G, &dk}, std::tuple{(A + G) * D, G, &dv}}) {
+      Vec g = to_bshd(dqkv.data() + off, S, B, heads, D, Q);
+      std::vector<float> gf(g.begin(), g.end());
+      EXPECT_LT(rel_err(gf.data(), want->data(), static_cast<int64_t>(want->size())), kOpTol) << "saved " << saved;
+    }
+  }
+}
+
+TEST(CpuBackend, RoundingToBf16AndFp16) {
+  auto be = make_cpu_backend();
+  std::vector<float> x = {1.0f, 1.0f + 1.0f / 256.0f, 1.0f + 3.0f / 256.0f, 70000.0f, -3.14159265f};
+  std::vector<float> b = x, h = x;
+  be->round_to(b.data(), 5, Precision::bf16);
+  EXPECT_EQ(b[0], 1.0f);
+  EXPECT_EQ(b[1], 1.0f);                   // a tie rounds to even (7 mantissa bits)
+  EXPECT_EQ(b[2], 1.0f + 4.0f / 256.0f);   // 1 + 3/256 is a tie too, to the even 1 + 4/256
+  EXPECT_EQ(b[4], -3.140625f);
+  be->round_to(h.data(), 5, Precision::fp16);
+  EXPECT_EQ(h[1], 1.0f + 1.0f / 256.0f);   // fp16 keeps 10 mantissa bits
+  EXPECT_TRUE(std::isinf(h[3]));           // beyond 65504 overflows
+}
+
+// ---- The whole model on one rank: the float executor against the double reference.
+
+ModelSpec spec_gpt() {
+  ModelSpec m;
+  m.name = "exec-gpt";
+  m.L = 2; m.H = 32; m.A = 4; m.G = 4; m.F = 64; m.V = 128; m.S = 16;
+  return m;
+}
+
+ModelSpec spec_llama() {
+  ModelSpec m = spec_gpt();
+  m.name = "exec-llama";
+  m.G = 2; m.F = 48;
+  m.activation = Activation::swiglu;
+  m.normalization = Norm::rmsnorm;
+  m.position = Position::rope;
+  m.tie_embeddings = false;
+  m.bias = false;
+  return m;
+}
+
+ModelSpec spec_mixed() {  // geglu, layernorm, rope, untied, biases, G = 1, D = 16 != H/A
+  ModelSpec m = spec_llama();
+  m.name = "exec-mixed";
+  m.G = 1;
+  m.kv_channels = 16;
+  m.activation = Activation::geglu;
+  m.normalization = Norm::layernorm;
+  m.bias = true;
+  return m;
+}
+
+// One forward and backward of the executor's model functions over the global layout.
+double executor_loss_and_grads(const ModelSpec& m, Recompute rc, const std::vector<float>& params,
+                               const std::vector<int32_t>& tokens, const std::vector<int32_t>& targets, int64_t B,
+                               std::vector<float>* grads) {
+  auto comm = make_local_comm();
+  auto be = make_cpu_backend();
+  MemoryTracker mem;
+  const ParamLayout lay = global_param_layout(m);
+  grads->assign(static_cast<size_t>(lay.size), 0.0f);
+  ModelCtx c;
+  c.m = &m;
+  c.be = be.get();
+  c.comm = comm.get();
+  c.tp = Group{{comm->rank()}, 0, kTensor};
+  c.recompute = rc;
+  c.precision = Precision::fp32;
+  c.mem = &mem;
+  c.B = B;
+  c.S = m.S;
+  auto view = [&](size_t u) {
+    return UnitView{&lay, lay.units[u].begin, params.data() + lay.units[u].begin, grads->data() + lay.units[u].begin};
+  };
+  const UnitView wte = view(0);
+  const bool learned = m.position == Position::learned;
+  const UnitView wpe = learned ? view(1) : UnitView{};
+  const size_t first_layer = learned ? 2 : 1;
+  const UnitView fin = view(lay.units.size() - 1);
+  const TensorKind out_kind = m.tie_embeddings ? TensorKind::wte : TensorKind::lm_head;
+  const float* out_w = params.data() + lay.at(out_kind).offset;
+  float* out_g = grads->data() + lay.at(out_kind).offset;
+  std::vector<LayerActs> acts(static_cast<size_t>(m.L));
+  Buf x = embedding_forward(c, wte, learned ? &wpe : nullptr, tokens.data());
+  for (int64_t l = 0; l < m.L; ++l) x = layer_forward(c, view(first_layer + static_cast<size_t>(l)), l, std::move(x), &acts[static_cast<size_t>(l)]);
+  HeadActs h;
+  const double loss_sum = head_forward(c, fin, out_w, std::move(x), targets.data(), &h);
+  const float scale = 1.0f / static_cast<float>(B * m.S);
+  Buf dx = head_backward(c, fin, out_w, out_g, &h, scale);
+  for (int64_t l = m.L; l-- > 0;) dx = layer_backward(c, view(first_layer + static_cast<size_t>(l)), l, &acts[static_cast<size_t>(l)], dx);
+  embedding_backward(c, wte, learned ? &wpe : nullptr, tokens.data(), dx);
+  dx.release();
+  EXPECT_EQ(mem.live(MemCategory::activations), 0) << "every activation released after the backward";
+  return loss_sum / static_cast<double>(B * m.S);
+}
+
+void check_against_reference(const ModelSpec& m, Recompute rc) {
+  const ParamLayout lay = global_param_layout(m);
+  std::vector<float> params(static_cast<size_t>(lay.size));
+  initialise(m, lay, 7, params.data());
+  std::mt19937_64 gen(3);
+  std::normal_distribution<float> nd(0.0f, 0.2f);
+  for (const TensorSlot& s : lay.tensors)  // norms and biases away from 1 and 0
+    if (s.cols == 1)
+      for (int64_t i = 0; i < s.size(); ++i) params[static_cast<size_t>(s.offset + i)] += nd(gen);
+  const int64_t B = 3, V = executor_vocab(m);
+  std::vector<int32_t> tokens(static_cast<size_t>(B * m.S)), targets(tokens.size());
+  for (auto& t : tokens) t = static_cast<int32_t>(gen() % static_cast<uint64_t>(V));
+  for (auto& t : targets) t = static_cast<int32_t>(gen() % static_cast<uint64_t>(V));
+  std::vector<float> g;
+  const double loss = executor_loss_and_grads(m, rc, params, tokens, targets, B, &g);
+  Vec gd;
+  const double ref_loss =
+      ref::model_forward_backward(m, Vec(params.begin(), params.end()), tokens.data(), targets.data(), B, m.S, &gd);
+  EXPECT_NEAR(loss, ref_loss, 1e-5 * ref_loss);
+  double worst = 0;
+  for (const TensorSlot& s : lay.tensors) {
+    const double e = rel_err(g.data() + s.offset, gd.data() + s.offset, s.size());
+    worst = std::max(worst, e);
+    EXPECT_LT(e, 1e-4) << m.name << " " << to_string(s.kind) << " layer " << s.layer;
+  }
+  std::printf("  %s recompute=%s: loss %.7f vs reference %.7f; largest gradient error %.2e\n", m.name.c_str(),
+              to_string(rc), loss, ref_loss, worst);
+}
+
+TEST(ExecutorModel, GptMatchesReference) {
+  for (Recompute rc : {Recompute::none, Recompute::selective, Recompute::full}) check_against_reference(spec_gpt(), rc);
+}
+TEST(ExecutorModel, LlamaMatchesReference) {
+  for (Recompute rc : {Recompute::none, Recompute::selective, Recompute::full}) check_against_reference(spec_llama(), rc);
+}
+TEST(ExecutorModel, MixedMatchesReference) { check_against_reference(spec_mixed(), Recompute::none); }
+
+// ---- Process grid, layout, data, sharding, optimizer, memory.
+
+TEST(ProcessGrid, MegatronOrderExample) {
+  ProcessGrid g;
+  g.t = 2; g.d = 2; g.p = 2;
+  EXPECT_EQ(g.group(kTensor, 5).ranks, (std::vector<int>{4, 5}));
+  EXPECT_EQ(g.group(kData, 5).ranks, (std::vector<int>{5, 7}));
+  EXPECT_EQ(g.group(kPipeline, 5).ranks, (std::vector<int>{1, 5}));
+  EXPECT_EQ(g.group(kEmbedding, 3).ranks, (std::vector<int>{3, 7}));
+  EXPECT_EQ(g.group(kModel, 2).ranks, (std::vector<int>{2, 3, 6, 7}));
+  EXPECT_EQ(g.group(kPipeline, 5).me, 1);
+  for (int64_t r = 0; r < g.world(); ++r) EXPECT_EQ(g.rank_of(g.coords(r)), r);
+  EXPECT_EQ(g.all_groups(kData).size(), 4u);
+  ProcessGrid h;  // a middle stage is in no embedding group
+  h.p = 3;
+  EXPECT_EQ(h.group(kEmbedding, 1).me, -1);
+}
+
+TEST(ParamLayout, TensorParallelShardsCoverTheGlobalTensorsOnce) {
+  for (const ModelSpec& m : {spec_gpt(), spec_llama(), spec_mixed()}) {
+    const ParamLayout g = global_param_layout(m);
+    for (int64_t t : {2, 4}) {
+      if (m.G % t) continue;
+      std::vector<int> hits(static_cast<size_t>(g.size), 0);
+      for (int64_t r = 0; r < t; ++r) {
+        std::vector<int64_t> layers;
+        for (int64_t l = 0; l < m.L; ++l) layers.push_back(l);
+        const ParamLayout lay = make_param_layout(m, t, r, true, layers, true);
+        for (const TensorSlot& s : lay.tensors) {
+          if (s.tp_replicated && r > 0) continue;
+          const TensorSlot& gs = g.at(s.kind, s.layer);
+          for (int64_t i = 0; i < s.rows; ++i)
+            for (int64_t j = 0; j < s.cols; ++j) {
+              int64_t gi = 0, gj = 0;
+              global_coords(m, s, t, r, i, j, &gi, &gj);
+              ASSERT_LT(gi, gs.rows);
+              ASSERT_LT(gj, gs.cols);
+              ++hits[static_cast<size_t>(gs.offset + gi * gs.cols + gj)];
+            }
+        }
+      }
+      for (int h : hits) ASSERT_EQ(h, 1) << m.name << " t=" << t;
+    }
+  }
+}
+
+TEST(ParamLayout, TiedCopyOnTheLastStage) {
+  const ModelSpec m = spec_gpt();
+  const ParamLayout last = make_param_layout(m, 1, 0, false, {1}, true);
+  EXPECT_TRUE(last.has(TensorKind::wte));
+  EXPECT_EQ(last.units.back().layer, -1);  // the copy is a unit of its own
+  EXPECT_EQ(last.units.back().size(), executor_vocab(m) * m.H);
+}
+
+TEST(Data, MarkovChainIsStationaryAndItsEntropyRateIsExact) {
+  const MarkovChain c = make_markov_chain(16, 3, 9);
+  double sum = 0;
+  for (double p : c.stationary) sum += p;
+  EXPECT_NEAR(sum, 1.0, 1e-12);
+  std::vector<double> next(16, 0.0);
+  for (int64_t i = 0; i < 16; ++i)
+    for (int64_t k = 0; k < 3; ++k)
+      next[static_cast<size_t>(c.next[static_cast<size_t>(i * 3 + k)])] += c.stationary[static_cast<size_t>(i)] * c.prob[static_cast<size_t>(i * 3 + k)];
+  for (int64_t i = 0; i < 16; ++i) EXPECT_NEAR(next[static_cast<size_t>(i)], c.stationary[static_cast<size_t>(i)], 1e-12);
+  EXPECT_GT(c.entropy_rate_nats, 0.0);
+  EXPECT_LT(c.entropy_rate_nats, std::log(3.0));
+  // The empirical conditional entropy of a long sample approaches the entropy rate.
+  TokenSource src("synthetic:16", 128, 256, 5);
+  std::map<std::pair<int, int>, double> pair_count;
+  std::map<int, double> from_count;
+  std::vector<int32_t> seq(257);
+  for (int64_t g = 0; g < 400; ++g) {
+    src.sample(g, seq.data());
+    for (size_t i = 0; i + 1 < seq.size(); ++i) {
+      pair_count[{seq[i], seq[i + 1]}] += 1;
+      from_count[seq[i]] += 1;
+    }
+  }
+  double total = 0, h = 0;
+  for (auto& [k, n] : pair_count) total += n;
+  for (auto& [k, n] : pair_count) h -= n / total * std::log(n / from_count[k.first]);
+  std::printf("  synthetic:16: entropy rate %.4f nats, empirical %.4f over %.0f transitions\n",
+              src.chain().entropy_rate_nats, h, total);
+  EXPECT_NEAR(h, src.chain().entropy_rate_nats, 0.02);
+}
+
+TEST(Data, DataParallelShardsPartitionTheGlobalBatch) {
+  TokenSource a("synthetic", 512, 32, 1), b("synthetic", 512, 32, 1);
+  const int64_t gbs = 8, d = 2, B = 2;
+  std::vector<int32_t> in, tg, all;
+  for (int64_t dp = 0; dp < d; ++dp)
+    for (int64_t j = 0; j < gbs / (B * d); ++j) {
+      a.micro_batch(3, gbs, d, dp, j, B, &in, &tg);
+      all.insert(all.end(), in.begin(), in.end());
+    }
+  std::vector<int32_t> single;
+  for (int64_t j = 0; j < gbs / B; ++j) {
+    b.micro_batch(3, gbs, 1, 0, j, B, &in, &tg);
+    single.insert(single.end(), in.begin(), in.end());
+  }
+  EXPECT_EQ(all, single);  // the same global batch in the same order
+  a.micro_batch(0, gbs, 1, 0, 0, 1, &in, &tg);
+  for (size_t i = 0; i + 1 < in.size(); ++i) EXPECT_EQ(in[i + 1], tg[i]);  // targets are the next tokens
+}
+
+TEST(Data, TokenFilesAndTheirErrors) {
+  const std::string dir = ::testing::TempDir();
+  auto write = [&](const std::string& name, const std::vector<uint16_t>& toks, bool odd) {
+    std::ofstream f(dir + name, std::ios::binary);
+    f.write(reinterpret_cast<const char*>(toks.data()), static_cast<std::streamsize>(toks.size() * 2));
+    if (odd) f.put('x');
+    return dir + name;
+  };
+  std::vector<uint16_t> toks(1000);
+  for (size_t i = 0; i < toks.size(); ++i) toks[i] = static_cast<uint16_t>(i % 97);
+  TokenSource ok(write("ok.bin", toks, false), 128, 10, 1);
+  EXPECT_EQ(ok.samples(), 99);
+  std::vector<int32_t> s(11);
+  std::set<int64_t> firsts;
+  for (int64_t g = 0; g < 99; ++g) {  // one epoch visits every sample once
+    ok.sample(g, s.data());
+    for (int i = 0; i < 10; ++i) EXPECT_EQ((s[static_cast<size_t>(i)] + 1) % 97, s[static_cast<size_t>(i) + 1]);
+    firsts.insert(s[0]);
+  }
+  EXPECT_GE(firsts.size(), 97u);  // sample k starts at token 10k mod 97: 97 distinct starts
+  EXPECT_THROW(TokenSource(dir + "missing.bin", 128, 10, 1), InputError);
+  EXPECT_THROW(TokenSource(write("odd.bin", toks, true), 128, 10, 1), InputError);
+  EXPECT_THROW(TokenSource(write("short.bin", {1, 2, 3}, false), 128, 10, 1), InputError);
+  EXPECT_THROW(TokenSource(write("big.bin", toks, false), 64, 10, 1), InputError);  // token 96 >= V 64
+  EXPECT_THROW(TokenSource("synthetic:1", 128, 10, 1), InputError);
+}
+
+TEST(Zero, ShardsPadEveryUnit) {
+  const ModelSpec m = spec_gpt();
+  const ParamLayout lay = global_param_layout(m);
+  const Sharding s = make_sharding(lay, 3, 2);
+  int64_t covered = 0;
+  for (size_t u = 0; u < lay.units.size(); ++u) {
+    EXPECT_GE(s.shard[u] * 3, lay.units[u].size());
+    EXPECT_LT(s.shard[u] * 3 - lay.units[u].size(), 3);
+    covered += s.shard[u];
+  }
+  EXPECT_EQ(covered, s.shard_size);
+  EXPECT_EQ(s.full_size, 3 * s.shard_size);
+}
+
+TEST(Zero, AdamWStepByHand) {
+  // Step 1 with g = 2: m = 0.1*2 = 0.2, v = 0.05*4 = 0.2; bias-corrected m/(1-0.9) = 2,
+  // v/(1-0.95) = 4, update = lr * 2 / (2 + eps) = lr. Decay first: p -= lr*wd*p.
+  float p[2] = {1.0f, 1.0f}, g[2] = {2.0f, 2.0f}, mo[2] = {0, 0}, v[2] = {0, 0};
+  const uint8_t decay[2] = {1, 0};
+  AdamW opt;
+  opt.beta2 = 0.95;
+  opt.weight_decay = 0.1;
+  adamw_update(p, g, mo, v, decay, 2, opt, 0.01, 1, 1.0f);
+  EXPECT_NEAR(p[0], 1.0 - 0.01 * 0.1 - 0.01, 1e-6);
+  EXPECT_NEAR(p[1], 1.0 - 0.01, 1e-6);
+  EXPECT_NEAR(learning_rate(0, 10, 100, 1.0, 0.1), 0.1, 1e-12);   // warm-up 1/10
+  EXPECT_NEAR(learning_rate(9, 10, 100, 1.0, 0.1), 1.0, 1e-12);
+  EXPECT_NEAR(learning_rate(55, 10, 100, 1.0, 0.1), 0.55, 1e-12);  // half way down the cosine
+  EXPECT_NEAR(learning_rate(100, 10, 100, 1.0, 0.1), 0.1, 1e-12);
+}
+
+TEST(MemoryTracker, LiveAndPeakPerCategory) {
+  MemoryTracker t;
+  {
+    Buf a(&t, MemCategory::weights, 100, 2);
+    Buf b(&t, MemCategory::activations, 10);
+    EXPECT_EQ(t.live(MemCategory::weights), 200);
+    EXPECT_EQ(t.live_total(), 240);
+    Buf c = std::move(b);
+    EXPECT_EQ(t.live(MemCategory::activations), 40);
+  }
+  EXPECT_EQ(t.live_total(), 0);
+  EXPECT_EQ(t.peak_total(), 240);
+  EXPECT_EQ(t.peak(MemCategory::weights), 200);
+}
+
+}  // namespace
+}  // namespace strata
+
