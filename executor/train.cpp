@@ -22,13 +22,7 @@
 #include <unistd.h>
 
 #include "costmodel/layout.h"
-#include "costmodel/schedule.h"
-#include "executor/data.h"
-#include "executor/gpt.h"
-#include "executor/memory_tracker.h"
-#include "executor/param_layout.h"
-#include "executor/process_grid.h"
-#include "executor/zero.h"
+#include "executor/engine.h"
 
 namespace strata {
 
@@ -69,168 +63,52 @@ void validate_train_plan(const ModelSpec& m, const Plan& p, int world_size) {
          "; this machine has " + std::to_string(static_cast<int64_t>(ram / 1e9)) + " GB (the CPU executor trains small models)");
 }
 
-namespace {
-
-struct TraceEvent {
-  std::string name;
-  int tid = 0;  // 0 compute, 1 communication
-  double ts = 0, dur = 0;
-  int64_t mb = -1, chunk = -1;
-};
-
-struct Pending {  // a data-parallel reduction or a send in flight
-  Request req;
-  double start = 0;
-  Buf keep;  // a send's buffer, alive until the send completes
-};
-
-struct MicroState {
-  std::vector<LayerActs> layers;
-  HeadActs head;
-  std::vector<int32_t> tokens, targets;  // (B, S)
-};
-
-class Engine {
- public:
-  Engine(const ModelSpec& m, const Plan& p, const TrainOptions& o, Comm& comm, Backend& be)
-      : m_(m), plan_(p), o_(o), comm_(comm), be_(be), data_(o.data, executor_vocab(m), m.S, o.seed) {
-    grid_.t = p.t;
-    grid_.c = p.c;
-    grid_.d = p.d;
-    grid_.p = p.p;
-    comm_.setup(grid_);
-    me_ = grid_.coords(comm_.rank());
-    tp_ = grid_.group(kTensor, comm_.rank());
-    dp_ = grid_.group(kData, comm_.rank());
-    pp_ = grid_.group(kPipeline, comm_.rank());
-    emb_ = grid_.group(kEmbedding, comm_.rank());
-    world_ = grid_.group(kWorld, comm_.rank());
-    mb_count_ = p.microbatches();
-    schedule_ = make_schedule(p.schedule(), p.p, p.v, mb_count_);
-    const StageLayout sl = make_layout(m.L, p.p, p.v);
-    // Layers of each chunk of this stage: virtual stage c*p + s holds the next layers.
-    std::vector<int64_t> first(static_cast<size_t>(p.p * p.v) + 1, 0);
-    for (int64_t vs = 0; vs < p.p * p.v; ++vs)
-      first[static_cast<size_t>(vs) + 1] = first[static_cast<size_t>(vs)] + sl.layers[static_cast<size_t>(vs)];
-    std::vector<int64_t> mine;
-    for (int64_t c = 0; c < p.v; ++c) {
-      std::vector<int64_t> ls;
-      const int64_t vs = c * p.p + me_.pp;
-      for (int64_t l = first[static_cast<size_t>(vs)]; l < first[static_cast<size_t>(vs) + 1]; ++l) ls.push_back(l);
-      chunk_layers_.push_back(ls);
-      mine.insert(mine.end(), ls.begin(), ls.end());
-    }
-    const bool emb = me_.pp == 0, head = me_.pp == p.p - 1;
-    lay_ = make_param_layout(m, p.t, me_.tp, emb, mine, head);
-    zero_ = p.zero;
-    sh_ = make_sharding(lay_, zero_ > 0 ? p.d : 1, zero_ > 0 ? me_.dp : 0);
-    for (size_t u = 0; u < lay_.units.size(); ++u) {
-      const Unit& un = lay_.units[u];
-      if (un.layer >= 0) layer_unit_[un.layer] = static_cast<int>(u);
-      else if (un.layer == -2) final_unit_ = static_cast<int>(u);
-      else {
-        const TensorKind k = tensor_of(u).kind;
-        if (k == TensorKind::wpe) wpe_unit_ = static_cast<int>(u);
-        else if (emb && wte_unit_ < 0) wte_unit_ = static_cast<int>(u);
-        else tied_copy_unit_ = static_cast<int>(u);
-      }
-    }
-    if (head) head_w_unit_ = m.tie_embeddings ? (emb ? wte_unit_ : tied_copy_unit_) : final_unit_;
-    for (size_t u = 0; u < lay_.units.size(); ++u) unit_chunk_.push_back(chunk_of_unit(u));
-    allocate();
+Engine::Engine(const ModelSpec& m, const Plan& p, const TrainOptions& o, Comm& comm, Backend& be)
+    : m_(m), plan_(p), o_(o), comm_(comm), be_(be), data_(o.data, executor_vocab(m), m.S, o.seed) {
+  grid_.t = p.t;
+  grid_.c = p.c;
+  grid_.d = p.d;
+  grid_.p = p.p;
+  comm_.setup(grid_);
+  me_ = grid_.coords(comm_.rank());
+  tp_ = grid_.group(kTensor, comm_.rank());
+  dp_ = grid_.group(kData, comm_.rank());
+  pp_ = grid_.group(kPipeline, comm_.rank());
+  emb_ = grid_.group(kEmbedding, comm_.rank());
+  world_ = grid_.group(kWorld, comm_.rank());
+  mb_count_ = p.microbatches();
+  schedule_ = make_schedule(p.schedule(), p.p, p.v, mb_count_);
+  const StageLayout sl = make_layout(m.L, p.p, p.v);
+  // Layers of each chunk of this stage: virtual stage c*p + s holds the next layers.
+  std::vector<int64_t> first(static_cast<size_t>(p.p * p.v) + 1, 0);
+  for (int64_t vs = 0; vs < p.p * p.v; ++vs)
+    first[static_cast<size_t>(vs) + 1] = first[static_cast<size_t>(vs)] + sl.layers[static_cast<size_t>(vs)];
+  std::vector<int64_t> mine;
+  for (int64_t c = 0; c < p.v; ++c) {
+    std::vector<int64_t> ls;
+    const int64_t vs = c * p.p + me_.pp;
+    for (int64_t l = first[static_cast<size_t>(vs)]; l < first[static_cast<size_t>(vs) + 1]; ++l) ls.push_back(l);
+    chunk_layers_.push_back(ls);
+    mine.insert(mine.end(), ls.begin(), ls.end());
   }
-
-  TrainResult run();
-
- private:
-  const TensorSlot& tensor_of(size_t u) const {
-    for (const TensorSlot& s : lay_.tensors)
-      if (s.offset == lay_.units[u].begin) return s;
-    return lay_.tensors.front();
-  }
-  int chunk_of_unit(size_t u) const {
+  const bool emb = me_.pp == 0, head = me_.pp == p.p - 1;
+  lay_ = make_param_layout(m, p.t, me_.tp, emb, mine, head);
+  zero_ = p.zero;
+  sh_ = make_sharding(lay_, zero_ > 0 ? p.d : 1, zero_ > 0 ? me_.dp : 0);
+  for (size_t u = 0; u < lay_.units.size(); ++u) {
     const Unit& un = lay_.units[u];
-    if (un.layer >= 0) {
-      for (size_t c = 0; c < chunk_layers_.size(); ++c)
-        for (int64_t l : chunk_layers_[c])
-          if (l == un.layer) return static_cast<int>(c);
+    if (un.layer >= 0) layer_unit_[un.layer] = static_cast<int>(u);
+    else if (un.layer == -2) final_unit_ = static_cast<int>(u);
+    else {
+      const TensorKind k = tensor_of(u).kind;
+      if (k == TensorKind::wpe) wpe_unit_ = static_cast<int>(u);
+      else if (emb && wte_unit_ < 0) wte_unit_ = static_cast<int>(u);
+      else tied_copy_unit_ = static_cast<int>(u);
     }
-    if (static_cast<int>(u) == wte_unit_ || static_cast<int>(u) == wpe_unit_) return 0;
-    return static_cast<int>(plan_.v - 1);
   }
-  int elem_bytes() const { return plan_.precision == Precision::fp32 ? 4 : 2; }
-  bool mixed() const { return plan_.precision != Precision::fp32; }
-
-  void allocate();
-  const float* weights(int u);
-  float* grads(int u);
-  void release_weights(int u);
-  void prefetch(int u);
-  void unit_done(int u);
-  void mlp_done(int64_t layer);
-  void poll();
-  void idle() {  // waiting for a peer: progress MPI, and give the core away when oversubscribed
-    poll();
-    std::this_thread::yield();
-  }
-  void wait_pending(std::vector<Pending>* list, double* exposed);
-  ModelCtx ctx();
-  UnitView view(int u) { return UnitView{&lay_, lay_.units[static_cast<size_t>(u)].begin, weights(u), grads(u)}; }
-  double run_step(int64_t k, StepRecord* rec);
-  void forward_step(int64_t k, const Step& st, double* loss_sum);
-  void backward_step(const Step& st);
-  void finish_gradients();
-  void optimizer_step(int64_t k, StepRecord* rec);
-  float* master_block(size_t u);
-  std::vector<float> full_fp32_params();
-  std::vector<float> global_params(const std::vector<float>& full);
-  void event(const std::string& name, int tid, double t0, double t1, int64_t mb = -1, int64_t chunk = -1) {
-    if (!o_.trace_path.empty()) trace_.push_back({name, tid, t0 - t_origin_, t1 - t0, mb, chunk});
-  }
-
-  const ModelSpec& m_;
-  Plan plan_;
-  TrainOptions o_;
-  Comm& comm_;
-  Backend& be_;
-  TokenSource data_;
-  ProcessGrid grid_;
-  Coords me_;
-  Group tp_, dp_, pp_, emb_, world_;
-  int64_t mb_count_ = 1;
-  Schedule schedule_;
-  std::vector<std::vector<int64_t>> chunk_layers_;  // (v) global layers of each chunk here
-  ParamLayout lay_;
-  int zero_ = 0;
-  Sharding sh_;
-  std::map<int64_t, int> layer_unit_;
-  int wte_unit_ = -1, wpe_unit_ = -1, final_unit_ = -1, tied_copy_unit_ = -1, head_w_unit_ = -1;
-  std::vector<int> unit_chunk_;
-  MemoryTracker mem_;
-  Buf work_;        // (full) working weights, zero < 3
-  Buf work_shard_;  // (shard) working weights, zero 3
-  Buf master_;      // (shard) fp32 master weights, mixed precision
-  Buf adam_m_, adam_v_;
-  Buf grad_full_;   // (full) zero < 2
-  Buf grad_shard_;  // (shard) zero >= 1
-  std::vector<uint8_t> decay_, counted_;  // (shard) AdamW decay; counted in the global norm
-  std::map<int, Buf> gathered_;           // zero 3: resident units
-  std::map<int, Request> prefetching_;
-  std::map<int, Buf> grad_tmp_;           // zero >= 2: a unit's gradient of one micro-batch
-  std::vector<int64_t> done_count_;
-  std::vector<int64_t> early_split_;  // (units) reduced early from this offset on; 0 = not
-  std::vector<Pending> dp_pending_, sends_;
-  std::map<std::pair<int64_t, int64_t>, MicroState> micro_;
-  double loss_scale_ = 1.0;
-  int64_t good_steps_ = 0;
-  // Per-step phase seconds.
-  double dp_skew_s_ = 0;
-  double forward_s_ = 0, backward_s_ = 0, recompute_s_ = 0, optimizer_s_ = 0, tp_s_ = 0, pp_s_ = 0, dp_s_ = 0,
-         dp_total_s_ = 0, bubble_s_ = 0;
-  std::vector<std::pair<double, double>> dp_intervals_;
-  double t_origin_ = 0;
-  std::vector<TraceEvent> trace_;
-};
+  if (head) head_w_unit_ = m.tie_embeddings ? (emb ? wte_unit_ : tied_copy_unit_) : final_unit_;
+  allocate();
+}
 
 void Engine::allocate() {
   const int64_t full = sh_.full_size, shard = sh_.shard_size;
@@ -288,123 +166,6 @@ void Engine::allocate() {
   loss_scale_ = plan_.precision == Precision::fp16 ? o_.loss_scale : 1.0;
 }
 
-const float* Engine::weights(int u) {
-  const size_t su = static_cast<size_t>(u);
-  if (zero_ < 3) return work_.data() + sh_.full_off[su];
-  auto it = gathered_.find(u);
-  if (it != gathered_.end()) {
-    auto pf = prefetching_.find(u);
-    if (pf != prefetching_.end()) {
-      const double t0 = comm_.wtime();
-      comm_.wait(pf->second);
-      dp_s_ += comm_.wtime() - t0;
-      prefetching_.erase(pf);
-    }
-    return it->second.data();
-  }
-  Buf b(&mem_, MemCategory::comm_buffers, sh_.padded(su), elem_bytes());
-  const double t0 = comm_.wtime();
-  comm_.all_gather(work_shard_.data() + sh_.shard_off[su], b.data(), sh_.shard[su], dp_);
-  const double t1 = comm_.wtime();
-  dp_s_ += t1 - t0;
-  dp_intervals_.push_back({t0, t1});
-  event("all_gather params", 1, t0, t1);
-  return gathered_.emplace(u, std::move(b)).first->second.data();
-}
-
-void Engine::prefetch(int u) {
-  if (zero_ < 3 || u < 0 || u >= static_cast<int>(lay_.units.size()) || gathered_.count(u)) return;
-  const size_t su = static_cast<size_t>(u);
-  Buf b(&mem_, MemCategory::comm_buffers, sh_.padded(su), elem_bytes());
-  prefetching_[u] = comm_.iall_gather(work_shard_.data() + sh_.shard_off[su], b.data(), sh_.shard[su], dp_);
-  gathered_.emplace(u, std::move(b));
-}
-
-void Engine::release_weights(int u) {
-  if (zero_ < 3) return;
-  auto pf = prefetching_.find(u);
-  if (pf != prefetching_.end()) {
-    comm_.wait(pf->second);
-    prefetching_.erase(pf);
-  }
-  gathered_.erase(u);
-}
-
-float* Engine::grads(int u) {
-  const size_t su = static_cast<size_t>(u);
-  if (zero_ < 2) return grad_full_.data() + sh_.full_off[su];
-  auto it = grad_tmp_.find(u);
-  if (it == grad_tmp_.end()) it = grad_tmp_.emplace(u, Buf(&mem_, MemCategory::comm_buffers, sh_.padded(su), 4)).first;
-  return it->second.data();
-}
-
-void Engine::poll() {
-  for (Pending& p : dp_pending_)
-    for (int i = 0; i < 16 && p.req.pending(); ++i)
-      if (comm_.test(p.req)) dp_intervals_.push_back({p.start, comm_.wtime()});
-  for (Pending& p : sends_)
-    if (p.req.pending() && comm_.test(p.req)) p.keep.release();
-}
-
-void Engine::wait_pending(std::vector<Pending>* list, double* exposed) {
-  if (list->empty()) return;
-  const double t0 = comm_.wtime();
-  for (Pending& p : *list) {
-    if (!p.req.pending()) continue;
-    comm_.wait(p.req);
-    if (list == &dp_pending_) dp_intervals_.push_back({p.start, comm_.wtime()});
-  }
-  list->clear();
-  *exposed += comm_.wtime() - t0;
-  if (list == &dp_pending_) event("wait dp reduction", 1, t0, comm_.wtime());
-}
-
-// A unit's gradient of one micro-batch is complete.
-void Engine::unit_done(int u) {
-  const size_t su = static_cast<size_t>(u);
-  if (zero_ >= 2) {  // reduce-scatter this micro-batch's gradient into the owned block
-    Buf& g = grad_tmp_.at(u);
-    std::vector<float> block(static_cast<size_t>(sh_.shard[su]));
-    const double t0 = comm_.wtime();
-    comm_.reduce_scatter(g.data(), block.data(), sh_.shard[su], dp_);
-    const double t1 = comm_.wtime();
-    dp_s_ += t1 - t0;
-    dp_intervals_.push_back({t0, t1});
-    event("reduce_scatter grads", 1, t0, t1);
-    float* dst = grad_shard_.data() + sh_.shard_off[su];
-    for (int64_t i = 0; i < sh_.shard[su]; ++i) dst[i] += block[static_cast<size_t>(i)];
-    grad_tmp_.erase(u);
-    return;
-  }
-  if (++done_count_[su] < mb_count_ || plan_.d == 1) {
-    if (done_count_[su] == mb_count_ && zero_ == 1)  // d == 1: the block is the whole unit
-      std::copy(grad_full_.data() + sh_.full_off[su], grad_full_.data() + sh_.full_off[su] + sh_.shard[su],
-                grad_shard_.data() + sh_.shard_off[su]);
-    return;
-  }
-  Pending p;
-  p.start = comm_.wtime();
-  float* g = grad_full_.data() + sh_.full_off[su];
-  if (zero_ == 0) p.req = comm_.iall_reduce(g, early_split_[su] > 0 ? early_split_[su] : sh_.padded(su), dp_);
-  else p.req = comm_.ireduce_scatter(g, grad_shard_.data() + sh_.shard_off[su], sh_.shard[su], dp_);
-  dp_pending_.push_back(std::move(p));
-}
-
-// Without ZeRO, a layer's MLP gradients (the end of its unit) start their all-reduce as
-// soon as the last micro-batch's MLP backward is done; unit_done reduces the rest.
-void Engine::mlp_done(int64_t layer) {
-  const int u = layer_unit_.at(layer);
-  const size_t su = static_cast<size_t>(u);
-  if (zero_ != 0 || plan_.d == 1 || done_count_[su] + 1 < mb_count_) return;
-  const int64_t split = lay_.at(TensorKind::ln2_w, layer).offset - lay_.units[su].begin;
-  Pending p;
-  p.start = comm_.wtime();
-  float* g = grad_full_.data() + sh_.full_off[su];
-  p.req = comm_.iall_reduce(g + split, sh_.padded(su) - split, dp_);
-  dp_pending_.push_back(std::move(p));
-  early_split_[su] = split;
-}
-
 ModelCtx Engine::ctx() {
   ModelCtx c;
   c.m = &m_;
@@ -424,304 +185,6 @@ ModelCtx Engine::ctx() {
   c.poll = [this] { poll(); };
   c.mlp_grads_done = [this](int64_t layer) { mlp_done(layer); };
   return c;
-}
-
-namespace {
-int tag_of(int64_t mb, int64_t chunk, int64_t v, bool backward) {
-  return static_cast<int>(((mb * v + chunk) * 2) + (backward ? 1 : 0));
-}
-}  // namespace
-
-void Engine::forward_step(int64_t k, const Step& st, double* loss_sum) {
-  const ModelCtx c = ctx();
-  const int64_t p = plan_.p, v = plan_.v, vs = st.chunk * p + me_.pp, last = p * v - 1;
-  MicroState& ms = micro_[{st.chunk, st.mb}];
-  const int64_t H = m_.H, rows = c.n();
-  Buf x;
-  if (vs == 0 || vs == last) data_.micro_batch(k, plan_.gbs, plan_.d, me_.dp, st.mb, plan_.mbs, &ms.tokens, &ms.targets);
-  if (vs == 0) {
-    const double t0 = comm_.wtime(), tp0 = tp_s_;
-    UnitView wpe;
-    if (wpe_unit_ >= 0) wpe = view(wpe_unit_);
-    x = embedding_forward(c, view(wte_unit_), wpe_unit_ >= 0 ? &wpe : nullptr, ms.tokens.data());
-    release_weights(wte_unit_);
-    if (wpe_unit_ >= 0) release_weights(wpe_unit_);
-    forward_s_ += comm_.wtime() - t0 - (tp_s_ - tp0);
-  } else {
-    x = c.act(rows * H);
-    const int64_t src = (me_.pp + p - 1) % p;
-    const double t0 = comm_.wtime();
-    Request r = comm_.irecv(x.data(), rows * H, pp_.ranks[static_cast<size_t>(src)], tag_of(st.mb, st.chunk, v, false));
-    while (!comm_.test(r)) idle();
-    bubble_s_ += comm_.wtime() - t0;
-    event("recv activations", 1, t0, comm_.wtime(), st.mb, st.chunk);
-  }
-  const auto& layers = chunk_layers_[static_cast<size_t>(st.chunk)];
-  ms.layers.resize(layers.size());
-  const double t0 = comm_.wtime(), tp0 = tp_s_;
-  for (size_t i = 0; i < layers.size(); ++i) {
-    const int u = layer_unit_.at(layers[i]);
-    weights(u);
-    if (i + 1 < layers.size()) prefetch(layer_unit_.at(layers[i + 1]));
-    x = layer_forward(c, view(u), layers[i], std::move(x), &ms.layers[i]);
-    release_weights(u);
-    poll();
-  }
-  if (vs == last) {
-    const float* w = weights(head_w_unit_);
-    const TensorKind k_out = m_.tie_embeddings ? TensorKind::wte : TensorKind::lm_head;
-    const float* out_w = w + (lay_.at(k_out).offset - lay_.units[static_cast<size_t>(head_w_unit_)].begin);
-    *loss_sum += head_forward(c, view(final_unit_), out_w, std::move(x), ms.targets.data(), &ms.head);
-    release_weights(final_unit_);
-    release_weights(head_w_unit_);
-  }
-  const double t1 = comm_.wtime();
-  forward_s_ += t1 - t0 - (tp_s_ - tp0);
-  event("forward", 0, t0, t1, st.mb, st.chunk);
-  if (vs != last) {
-    const int64_t dst = (me_.pp + 1) % p, dchunk = st.chunk + (me_.pp == p - 1 ? 1 : 0);
-    const double s0 = comm_.wtime();
-    Pending snd;
-    snd.req = comm_.isend(x.data(), x.size(), pp_.ranks[static_cast<size_t>(dst)], tag_of(st.mb, dchunk, v, false));
-    snd.keep = std::move(x);
-    sends_.push_back(std::move(snd));
-    pp_s_ += comm_.wtime() - s0;
-  }
-}
-
-void Engine::backward_step(const Step& st) {
-  const ModelCtx c = ctx();
-  const int64_t p = plan_.p, v = plan_.v, vs = st.chunk * p + me_.pp, last = p * v - 1;
-  MicroState& ms = micro_.at({st.chunk, st.mb});
-  const int64_t H = m_.H, rows = c.n();
-  const float dloss = static_cast<float>(loss_scale_ / static_cast<double>(plan_.gbs * m_.S));
-  Buf dx;
-  double t0 = comm_.wtime(), tp0 = tp_s_;
-  const double rc0 = recompute_s_;
-  if (vs == last) {
-    const float* w = weights(head_w_unit_);
-    const TensorKind k_out = m_.tie_embeddings ? TensorKind::wte : TensorKind::lm_head;
-    const int64_t rel = lay_.at(k_out).offset - lay_.units[static_cast<size_t>(head_w_unit_)].begin;
-    float* gw = grads(head_w_unit_) + rel;
-    dx = head_backward(c, view(final_unit_), w + rel, gw, &ms.head, dloss);
-    release_weights(final_unit_);
-    release_weights(head_w_unit_);
-    unit_done(final_unit_);
-    if (head_w_unit_ != final_unit_ && head_w_unit_ != wte_unit_) unit_done(head_w_unit_);
-  } else {
-    dx = c.f32(rows * H);
-    const int64_t src = (me_.pp + 1) % p;
-    const double r0 = comm_.wtime();
-    Request r = comm_.irecv(dx.data(), rows * H, pp_.ranks[static_cast<size_t>(src)], tag_of(st.mb, st.chunk, v, true));
-    while (!comm_.test(r)) idle();
-    bubble_s_ += comm_.wtime() - r0;
-    event("recv gradients", 1, r0, comm_.wtime(), st.mb, st.chunk);
-    t0 = comm_.wtime();
-    tp0 = tp_s_;
-  }
-  const auto& layers = chunk_layers_[static_cast<size_t>(st.chunk)];
-  for (size_t i = layers.size(); i-- > 0;) {
-    const int u = layer_unit_.at(layers[i]);
-    weights(u);
-    if (i > 0) prefetch(layer_unit_.at(layers[i - 1]));
-    dx = layer_backward(c, view(u), layers[i], &ms.layers[i], dx);
-    release_weights(u);
-    unit_done(u);
-    poll();
-  }
-  if (vs == 0) {
-    UnitView wpe;
-    if (wpe_unit_ >= 0) wpe = view(wpe_unit_);
-    embedding_backward(c, view(wte_unit_), wpe_unit_ >= 0 ? &wpe : nullptr, ms.tokens.data(), dx);
-    release_weights(wte_unit_);
-    if (wpe_unit_ >= 0) release_weights(wpe_unit_);
-    unit_done(wte_unit_);
-    if (wpe_unit_ >= 0) unit_done(wpe_unit_);
-  }
-  const double t1 = comm_.wtime();
-  backward_s_ += t1 - t0 - (tp_s_ - tp0) - (recompute_s_ - rc0);
-  event("backward", 0, t0, t1, st.mb, st.chunk);
-  if (vs != 0) {
-    const int64_t dst = (me_.pp + p - 1) % p, dchunk = st.chunk - (me_.pp == 0 ? 1 : 0);
-    Pending snd;
-    snd.req = comm_.isend(dx.data(), dx.size(), pp_.ranks[static_cast<size_t>(dst)], tag_of(st.mb, dchunk, v, true));
-    snd.keep = std::move(dx);
-    sends_.push_back(std::move(snd));
-  }
-  micro_.erase({st.chunk, st.mb});
-}
-
-float* Engine::master_block(size_t u) {
-  if (mixed()) return master_.data() + sh_.shard_off[u];
-  if (zero_ == 3) return work_shard_.data() + sh_.shard_off[u];
-  return work_.data() + sh_.full_off[u] + sh_.me * sh_.shard[u];
-}
-
-// The reduced gradient of every owned block: grad_shard_, or grad_full_ without ZeRO.
-void Engine::finish_gradients() {
-  wait_pending(&dp_pending_, &dp_s_);
-  float* g = zero_ == 0 ? grad_full_.data() : grad_shard_.data();
-  // Tied embeddings: the first and last stage each hold a wte; sum their gradients.
-  if (plan_.p > 1 && m_.tie_embeddings && (wte_unit_ >= 0 || tied_copy_unit_ >= 0)) {
-    const size_t u = static_cast<size_t>(wte_unit_ >= 0 ? wte_unit_ : tied_copy_unit_);
-    const double t0 = comm_.wtime();
-    comm_.all_reduce(g + sh_.shard_off[u], sh_.shard[u], emb_);
-    pp_s_ += comm_.wtime() - t0;
-  }
-  // Sequence parallelism leaves the replicated tensors' gradients partial per tp rank.
-  if (plan_.sp && plan_.t > 1) {
-    const double t0 = comm_.wtime();
-    for (size_t u = 0; u < lay_.units.size(); ++u) {
-      const int64_t lo = sh_.me * sh_.shard[u], b = lay_.units[u].begin;
-      for (const TensorSlot& s : lay_.tensors) {
-        if (!s.tp_replicated || s.offset < b || s.offset >= lay_.units[u].end) continue;
-        const int64_t a = std::max(lo, s.offset - b), e = std::min(lo + sh_.shard[u], s.offset - b + s.size());
-        if (a < e) comm_.all_reduce(g + sh_.shard_off[u] + (a - lo), e - a, tp_);
-      }
-    }
-    tp_s_ += comm_.wtime() - t0;
-  }
-}
-
-void Engine::optimizer_step(int64_t k, StepRecord* rec) {
-  const double t0 = comm_.wtime();
-  const float* g = zero_ == 0 ? grad_full_.data() : grad_shard_.data();
-  double acc[2] = {0.0, 0.0};  // sum of squares, non-finite count
-  for (int64_t i = 0; i < sh_.shard_size; ++i) {
-    const double x = g[i];
-    if (!std::isfinite(x)) acc[1] += 1;
-    else if (counted_[static_cast<size_t>(i)]) acc[0] += x * x;
-  }
-  comm_.all_reduce(acc, 2, world_);
-  const double norm = std::sqrt(acc[0]) / loss_scale_;
-  rec->loss_scale = loss_scale_;
-  rec->grad_norm = norm;
-  if (acc[1] > 0) {  // fp16 overflow: skip the step, halve the scale
-    rec->skipped = true;
-    rec->grad_norm = std::numeric_limits<double>::quiet_NaN();
-    loss_scale_ = std::max(1.0, loss_scale_ / 2.0);
-    good_steps_ = 0;
-    optimizer_s_ += comm_.wtime() - t0;
-    return;
-  }
-  if (plan_.precision == Precision::fp16 && ++good_steps_ % o_.loss_scale_window == 0) loss_scale_ *= 2.0;
-  const double clip = o_.clip_grad > 0 && norm > o_.clip_grad ? o_.clip_grad / (norm + 1e-6) : 1.0;
-  const float mul = static_cast<float>(clip / rec->loss_scale);
-  const int64_t warmup = o_.warmup >= 0 ? o_.warmup : std::max<int64_t>(10, o_.steps / 10);
-  const double lr = learning_rate(k, warmup, o_.steps, o_.lr, o_.min_lr);
-  AdamW opt;
-  opt.weight_decay = o_.weight_decay;
-  for (size_t u = 0; u < lay_.units.size(); ++u) {
-    const int64_t off = sh_.shard_off[u];
-    const float* gu = zero_ == 0 ? g + sh_.full_off[u] : g + off;
-    adamw_update(master_block(u), gu, adam_m_.data() + off, adam_v_.data() + off, decay_.data() + off, sh_.shard[u],
-                 opt, lr, k + 1, mul);
-  }
-  // Working weights: round the owned block (mixed precision), then all-gather it (ZeRO 1, 2).
-  if (mixed()) {
-    for (size_t u = 0; u < lay_.units.size(); ++u) {
-      float* dst = zero_ == 3 ? work_shard_.data() + sh_.shard_off[u] : work_.data() + sh_.full_off[u] + sh_.me * sh_.shard[u];
-      std::copy(master_.data() + sh_.shard_off[u], master_.data() + sh_.shard_off[u] + sh_.shard[u], dst);
-      be_.round_to(dst, sh_.shard[u], plan_.precision);
-    }
-  }
-  const double t1 = comm_.wtime();
-  optimizer_s_ += t1 - t0;
-  event("optimizer", 0, t0, t1);
-  if ((zero_ == 1 || zero_ == 2) && plan_.d > 1) {
-    for (size_t u = 0; u < lay_.units.size(); ++u) {
-      float* full = work_.data() + sh_.full_off[u];
-      comm_.all_gather(full + sh_.me * sh_.shard[u], full, sh_.shard[u], dp_);
-    }
-    const double t2 = comm_.wtime();
-    dp_s_ += t2 - t1;
-    dp_intervals_.push_back({t1, t2});
-    event("all_gather params", 1, t1, t2);
-  }
-}
-
-double Engine::run_step(int64_t k, StepRecord* rec) {
-  forward_s_ = backward_s_ = recompute_s_ = optimizer_s_ = tp_s_ = pp_s_ = dp_s_ = bubble_s_ = 0;
-  dp_intervals_.clear();
-  const double t_start = comm_.wtime();  // the step starts from a barrier on every rank
-  if (zero_ < 2) grad_full_.zero();
-  if (zero_ >= 1) grad_shard_.zero();
-  std::fill(done_count_.begin(), done_count_.end(), 0);
-  early_split_.assign(lay_.units.size(), 0);
-  double loss_sum = 0;
-  for (const Step& st : schedule_.stages[static_cast<size_t>(me_.pp)]) {
-    if (st.forward) forward_step(k, st, &loss_sum);
-    else backward_step(st);
-  }
-  wait_pending(&sends_, &pp_s_);
-  const double arrive = comm_.wtime() - t_start;  // this rank's backward is done
-  const double dp0 = dp_s_;
-  finish_gradients();
-  const double final_wait = dp_s_ - dp0;
-  optimizer_step(k, rec);
-  // Skew: the last data-parallel replica to finish its backward sets when the last
-  // reduction can end; the part of this rank's final wait spent before that is load
-  // imbalance, not communication.
-  double latest = arrive;
-  comm_.all_reduce(&latest, 1, dp_, ReduceOp::max);
-  dp_skew_s_ = std::min(final_wait, latest - arrive);
-  // Union of the intervals in which a data-parallel collective was in flight.
-  std::sort(dp_intervals_.begin(), dp_intervals_.end());
-  dp_total_s_ = 0;
-  double cur_a = -1, cur_b = -1;
-  for (const auto& [a, b] : dp_intervals_) {
-    if (a > cur_b) {
-      if (cur_b > cur_a) dp_total_s_ += cur_b - cur_a;
-      cur_a = a;
-      cur_b = b;
-    } else {
-      cur_b = std::max(cur_b, b);
-    }
-  }
-  if (cur_b > cur_a) dp_total_s_ += cur_b - cur_a;
-  // The loss: the last stage's tp rank 0 holds each pipeline's sum.
-  double l = (me_.pp == plan_.p - 1 && me_.tp == 0) ? loss_sum : 0.0;
-  comm_.all_reduce(&l, 1, world_);
-  return l / static_cast<double>(plan_.gbs * m_.S);
-}
-
-std::vector<float> Engine::full_fp32_params() {
-  std::vector<float> full(static_cast<size_t>(sh_.full_size), 0.0f);
-  for (size_t u = 0; u < lay_.units.size(); ++u) {
-    const float* src = master_block(u);
-    std::copy(src, src + sh_.shard[u], full.begin() + sh_.full_off[u] + sh_.me * sh_.shard[u]);
-    if (sh_.dz > 1) {
-      float* f = full.data() + sh_.full_off[u];
-      comm_.all_gather(f + sh_.me * sh_.shard[u], f, sh_.shard[u], dp_);
-    }
-  }
-  return full;
-}
-
-std::vector<float> Engine::global_params(const std::vector<float>& full) {
-  const ParamLayout g = global_param_layout(m_);
-  std::vector<float> out(static_cast<size_t>(g.size), 0.0f);
-  const bool writer = me_.dp == 0;
-  if (writer) {
-    for (size_t u = 0; u < lay_.units.size(); ++u) {
-      if (static_cast<int>(u) == tied_copy_unit_) continue;
-      const Unit& un = lay_.units[u];
-      for (const TensorSlot& s : lay_.tensors) {
-        if (s.offset < un.begin || s.offset >= un.end) continue;
-        if (s.tp_replicated && me_.tp != 0) continue;
-        const TensorSlot& gs = g.at(s.kind, s.layer);
-        for (int64_t i = 0; i < s.rows; ++i)
-          for (int64_t j = 0; j < s.cols; ++j) {
-            int64_t gi = 0, gj = 0;
-            global_coords(m_, s, plan_.t, me_.tp, i, j, &gi, &gj);
-            out[static_cast<size_t>(gs.offset + gi * gs.cols + gj)] =
-                full[static_cast<size_t>(sh_.full_off[u] + (s.offset - un.begin) + i * s.cols + j)];
-          }
-      }
-    }
-  }
-  comm_.all_reduce(out.data(), static_cast<int64_t>(out.size()), world_);
-  return out;
 }
 
 TrainResult Engine::run() {
@@ -849,7 +312,6 @@ TrainResult Engine::run() {
   return res;
 }
 
-}  // namespace
 
 TrainResult train(const ModelSpec& m, const Plan& p, const TrainOptions& o, Comm& comm, Backend& be) {
   validate_train_plan(m, p, comm.size());

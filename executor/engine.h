@@ -1,0 +1,129 @@
+// The training engine of one rank, shared by its three files: train.cpp (set-up, the
+// step loop, measurements, output), pipeline.cpp (the schedule walk: forward and
+// backward of each (chunk, micro-batch), sends and receives) and data_parallel.cpp
+// (gradient reductions, ZeRO shards and gathers, the optimizer step). Internal to the
+// executor; train.h is the interface.
+#pragma once
+
+#include <map>
+#include <string>
+#include <thread>
+#include <utility>
+#include <vector>
+
+#include "costmodel/schedule.h"
+#include "executor/data.h"
+#include "executor/gpt.h"
+#include "executor/memory_tracker.h"
+#include "executor/param_layout.h"
+#include "executor/process_grid.h"
+#include "executor/train.h"
+#include "executor/zero.h"
+
+namespace strata {
+
+struct TraceEvent {
+  std::string name;
+  int tid = 0;  // 0 compute, 1 communication
+  double ts = 0, dur = 0;
+  int64_t mb = -1, chunk = -1;
+};
+
+struct Pending {  // a data-parallel reduction or a send in flight
+  Request req;
+  double start = 0;
+  Buf keep;  // a send's buffer, alive until the send completes
+};
+
+struct MicroState {
+  std::vector<LayerActs> layers;
+  HeadActs head;
+  std::vector<int32_t> tokens, targets;  // (B, S)
+};
+
+class Engine {
+ public:
+  Engine(const ModelSpec& m, const Plan& p, const TrainOptions& o, Comm& comm, Backend& be);
+
+  TrainResult run();
+
+ private:
+  const TensorSlot& tensor_of(size_t u) const {
+    for (const TensorSlot& s : lay_.tensors)
+      if (s.offset == lay_.units[u].begin) return s;
+    return lay_.tensors.front();
+  }
+  int elem_bytes() const { return plan_.precision == Precision::fp32 ? 4 : 2; }
+  bool mixed() const { return plan_.precision != Precision::fp32; }
+
+  void allocate();
+  const float* weights(int u);
+  float* grads(int u);
+  void release_weights(int u);
+  void prefetch(int u);
+  void unit_done(int u);
+  void mlp_done(int64_t layer);
+  void poll();
+  void idle() {  // waiting for a peer: progress MPI, and give the core away when oversubscribed
+    poll();
+    std::this_thread::yield();
+  }
+  void wait_pending(std::vector<Pending>* list, double* exposed);
+  ModelCtx ctx();
+  UnitView view(int u) { return UnitView{&lay_, lay_.units[static_cast<size_t>(u)].begin, weights(u), grads(u)}; }
+  double run_step(int64_t k, StepRecord* rec);
+  void forward_step(int64_t k, const Step& st, double* loss_sum);
+  void backward_step(const Step& st);
+  void finish_gradients();
+  void optimizer_step(int64_t k, StepRecord* rec);
+  float* master_block(size_t u);
+  std::vector<float> full_fp32_params();
+  std::vector<float> global_params(const std::vector<float>& full);
+  void event(const std::string& name, int tid, double t0, double t1, int64_t mb = -1, int64_t chunk = -1) {
+    if (!o_.trace_path.empty()) trace_.push_back({name, tid, t0 - t_origin_, t1 - t0, mb, chunk});
+  }
+
+  const ModelSpec& m_;
+  Plan plan_;
+  TrainOptions o_;
+  Comm& comm_;
+  Backend& be_;
+  TokenSource data_;
+  ProcessGrid grid_;
+  Coords me_;
+  Group tp_, dp_, pp_, emb_, world_;
+  int64_t mb_count_ = 1;
+  Schedule schedule_;
+  std::vector<std::vector<int64_t>> chunk_layers_;  // (v) global layers of each chunk here
+  ParamLayout lay_;
+  int zero_ = 0;
+  Sharding sh_;
+  std::map<int64_t, int> layer_unit_;
+  int wte_unit_ = -1, wpe_unit_ = -1, final_unit_ = -1, tied_copy_unit_ = -1, head_w_unit_ = -1;
+  MemoryTracker mem_;
+  Buf work_;        // (full) working weights, zero < 3
+  Buf work_shard_;  // (shard) working weights, zero 3
+  Buf master_;      // (shard) fp32 master weights, mixed precision
+  Buf adam_m_, adam_v_;
+  Buf grad_full_;   // (full) zero < 2
+  Buf grad_shard_;  // (shard) zero >= 1
+  std::vector<uint8_t> decay_, counted_;  // (shard) AdamW decay; counted in the global norm
+  std::map<int, Buf> gathered_;           // zero 3: resident units
+  std::map<int, Request> prefetching_;
+  std::map<int, Buf> grad_tmp_;           // zero >= 2: a unit's gradient of one micro-batch
+  std::vector<int64_t> done_count_;
+  std::vector<int64_t> early_split_;  // (units) reduced early from this offset on; 0 = not
+  std::vector<Pending> dp_pending_, sends_;
+  std::map<std::pair<int64_t, int64_t>, MicroState> micro_;
+  double loss_scale_ = 1.0;
+  int64_t good_steps_ = 0;
+  // Per-step phase seconds.
+  double dp_skew_s_ = 0;
+  double forward_s_ = 0, backward_s_ = 0, recompute_s_ = 0, optimizer_s_ = 0, tp_s_ = 0, pp_s_ = 0, dp_s_ = 0,
+         dp_total_s_ = 0, bubble_s_ = 0;
+  std::vector<std::pair<double, double>> dp_intervals_;
+  double t_origin_ = 0;
+  std::vector<TraceEvent> trace_;
+};
+
+}  // namespace strata

@@ -1,0 +1,185 @@
+// The pipeline walk of the engine: one step is this stage's list of the cost model's
+// schedule (costmodel/schedule.h), each entry the forward or backward of one (chunk,
+// micro-batch): receive the input from the previous stage (or embed the tokens), run the
+// chunk's layers, send the output on (or compute the loss). Messages are tagged by
+// (micro-batch, chunk, direction), sends are non-blocking and kept until done.
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <limits>
+
+#include "executor/engine.h"
+
+namespace strata {
+
+namespace {
+int tag_of(int64_t mb, int64_t chunk, int64_t v, bool backward) {
+  return static_cast<int>(((mb * v + chunk) * 2) + (backward ? 1 : 0));
+}
+}  // namespace
+
+void Engine::forward_step(int64_t k, const Step& st, double* loss_sum) {
+  const ModelCtx c = ctx();
+  const int64_t p = plan_.p, v = plan_.v, vs = st.chunk * p + me_.pp, last = p * v - 1;
+  MicroState& ms = micro_[{st.chunk, st.mb}];
+  const int64_t H = m_.H, rows = c.n();
+  Buf x;
+  if (vs == 0 || vs == last) data_.micro_batch(k, plan_.gbs, plan_.d, me_.dp, st.mb, plan_.mbs, &ms.tokens, &ms.targets);
+  if (vs == 0) {
+    const double t0 = comm_.wtime(), tp0 = tp_s_;
+    UnitView wpe;
+    if (wpe_unit_ >= 0) wpe = view(wpe_unit_);
+    x = embedding_forward(c, view(wte_unit_), wpe_unit_ >= 0 ? &wpe : nullptr, ms.tokens.data());
+    release_weights(wte_unit_);
+    if (wpe_unit_ >= 0) release_weights(wpe_unit_);
+    forward_s_ += comm_.wtime() - t0 - (tp_s_ - tp0);
+  } else {
+    x = c.act(rows * H);
+    const int64_t src = (me_.pp + p - 1) % p;
+    const double t0 = comm_.wtime();
+    Request r = comm_.irecv(x.data(), rows * H, pp_.ranks[static_cast<size_t>(src)], tag_of(st.mb, st.chunk, v, false));
+    while (!comm_.test(r)) idle();
+    bubble_s_ += comm_.wtime() - t0;
+    event("recv activations", 1, t0, comm_.wtime(), st.mb, st.chunk);
+  }
+  const auto& layers = chunk_layers_[static_cast<size_t>(st.chunk)];
+  ms.layers.resize(layers.size());
+  const double t0 = comm_.wtime(), tp0 = tp_s_;
+  for (size_t i = 0; i < layers.size(); ++i) {
+    const int u = layer_unit_.at(layers[i]);
+    weights(u);
+    if (i + 1 < layers.size()) prefetch(layer_unit_.at(layers[i + 1]));
+    x = layer_forward(c, view(u), layers[i], std::move(x), &ms.layers[i]);
+    release_weights(u);
+    poll();
+  }
+  if (vs == last) {
+    const float* w = weights(head_w_unit_);
+    const TensorKind k_out = m_.tie_embeddings ? TensorKind::wte : TensorKind::lm_head;
+    const float* out_w = w + (lay_.at(k_out).offset - lay_.units[static_cast<size_t>(head_w_unit_)].begin);
+    *loss_sum += head_forward(c, view(final_unit_), out_w, std::move(x), ms.targets.data(), &ms.head);
+    release_weights(final_unit_);
+    release_weights(head_w_unit_);
+  }
+  const double t1 = comm_.wtime();
+  forward_s_ += t1 - t0 - (tp_s_ - tp0);
+  event("forward", 0, t0, t1, st.mb, st.chunk);
+  if (vs != last) {
+    const int64_t dst = (me_.pp + 1) % p, dchunk = st.chunk + (me_.pp == p - 1 ? 1 : 0);
+    const double s0 = comm_.wtime();
+    Pending snd;
+    snd.req = comm_.isend(x.data(), x.size(), pp_.ranks[static_cast<size_t>(dst)], tag_of(st.mb, dchunk, v, false));
+    snd.keep = std::move(x);
+    sends_.push_back(std::move(snd));
+    pp_s_ += comm_.wtime() - s0;
+  }
+}
+
+void Engine::backward_step(const Step& st) {
+  const ModelCtx c = ctx();
+  const int64_t p = plan_.p, v = plan_.v, vs = st.chunk * p + me_.pp, last = p * v - 1;
+  MicroState& ms = micro_.at({st.chunk, st.mb});
+  const int64_t H = m_.H, rows = c.n();
+  const float dloss = static_cast<float>(loss_scale_ / static_cast<double>(plan_.gbs * m_.S));
+  Buf dx;
+  double t0 = comm_.wtime(), tp0 = tp_s_;
+  const double rc0 = recompute_s_;
+  if (vs == last) {
+    const float* w = weights(head_w_unit_);
+    const TensorKind k_out = m_.tie_embeddings ? TensorKind::wte : TensorKind::lm_head;
+    const int64_t rel = lay_.at(k_out).offset - lay_.units[static_cast<size_t>(head_w_unit_)].begin;
+    float* gw = grads(head_w_unit_) + rel;
+    dx = head_backward(c, view(final_unit_), w + rel, gw, &ms.head, dloss);
+    release_weights(final_unit_);
+    release_weights(head_w_unit_);
+    unit_done(final_unit_);
+    if (head_w_unit_ != final_unit_ && head_w_unit_ != wte_unit_) unit_done(head_w_unit_);
+  } else {
+    dx = c.f32(rows * H);
+    const int64_t src = (me_.pp + 1) % p;
+    const double r0 = comm_.wtime();
+    Request r = comm_.irecv(dx.data(), rows * H, pp_.ranks[static_cast<size_t>(src)], tag_of(st.mb, st.chunk, v, true));
+    while (!comm_.test(r)) idle();
+    bubble_s_ += comm_.wtime() - r0;
+    event("recv gradients", 1, r0, comm_.wtime(), st.mb, st.chunk);
+    t0 = comm_.wtime();
+    tp0 = tp_s_;
+  }
+  const auto& layers = chunk_layers_[static_cast<size_t>(st.chunk)];
+  for (size_t i = layers.size(); i-- > 0;) {
+    const int u = layer_unit_.at(layers[i]);
+    weights(u);
+    if (i > 0) prefetch(layer_unit_.at(layers[i - 1]));
+    dx = layer_backward(c, view(u), layers[i], &ms.layers[i], dx);
+    release_weights(u);
+    unit_done(u);
+    poll();
+  }
+  if (vs == 0) {
+    UnitView wpe;
+    if (wpe_unit_ >= 0) wpe = view(wpe_unit_);
+    embedding_backward(c, view(wte_unit_), wpe_unit_ >= 0 ? &wpe : nullptr, ms.tokens.data(), dx);
+    release_weights(wte_unit_);
+    if (wpe_unit_ >= 0) release_weights(wpe_unit_);
+    unit_done(wte_unit_);
+    if (wpe_unit_ >= 0) unit_done(wpe_unit_);
+  }
+  const double t1 = comm_.wtime();
+  backward_s_ += t1 - t0 - (tp_s_ - tp0) - (recompute_s_ - rc0);
+  event("backward", 0, t0, t1, st.mb, st.chunk);
+  if (vs != 0) {
+    const int64_t dst = (me_.pp + p - 1) % p, dchunk = st.chunk - (me_.pp == 0 ? 1 : 0);
+    Pending snd;
+    snd.req = comm_.isend(dx.data(), dx.size(), pp_.ranks[static_cast<size_t>(dst)], tag_of(st.mb, dchunk, v, true));
+    snd.keep = std::move(dx);
+    sends_.push_back(std::move(snd));
+  }
+  micro_.erase({st.chunk, st.mb});
+}
+
+double Engine::run_step(int64_t k, StepRecord* rec) {
+  forward_s_ = backward_s_ = recompute_s_ = optimizer_s_ = tp_s_ = pp_s_ = dp_s_ = bubble_s_ = 0;
+  dp_intervals_.clear();
+  const double t_start = comm_.wtime();  // the step starts from a barrier on every rank
+  if (zero_ < 2) grad_full_.zero();
+  if (zero_ >= 1) grad_shard_.zero();
+  std::fill(done_count_.begin(), done_count_.end(), 0);
+  early_split_.assign(lay_.units.size(), 0);
+  double loss_sum = 0;
+  for (const Step& st : schedule_.stages[static_cast<size_t>(me_.pp)]) {
+    if (st.forward) forward_step(k, st, &loss_sum);
+    else backward_step(st);
+  }
+  wait_pending(&sends_, &pp_s_);
+  const double arrive = comm_.wtime() - t_start;  // this rank's backward is done
+  const double dp0 = dp_s_;
+  finish_gradients();
+  const double final_wait = dp_s_ - dp0;
+  optimizer_step(k, rec);
+  // Skew: the last data-parallel replica to finish its backward sets when the last
+  // reduction can end; the part of this rank's final wait spent before that is load
+  // imbalance, not communication.
+  double latest = arrive;
+  comm_.all_reduce(&latest, 1, dp_, ReduceOp::max);
+  dp_skew_s_ = std::min(final_wait, latest - arrive);
+  // Union of the intervals in which a data-parallel collective was in flight.
+  std::sort(dp_intervals_.begin(), dp_intervals_.end());
+  dp_total_s_ = 0;
+  double cur_a = -1, cur_b = -1;
+  for (const auto& [a, b] : dp_intervals_) {
+    if (a > cur_b) {
+      if (cur_b > cur_a) dp_total_s_ += cur_b - cur_a;
+      cur_a = a;
+      cur_b = b;
+    } else {
+      cur_b = std::max(cur_b, b);
+    }
+  }
+  if (cur_b > cur_a) dp_total_s_ += cur_b - cur_a;
+  // The loss: the last stage's tp rank 0 holds each pipeline's sum.
+  double l = (me_.pp == plan_.p - 1 && me_.tp == 0) ? loss_sum : 0.0;
+  comm_.all_reduce(&l, 1, world_);
+  return l / static_cast<double>(plan_.gbs * m_.S);
+}
+
+}  // namespace strata
