@@ -10,7 +10,7 @@ BUILD     ?= build
 SANBUILD  ?= build-asan
 CMAKE_ARGS ?=
 
-.PHONY: all deps build demo test test-fast test-sanitize bench bench-executor calibration clean
+.PHONY: all deps build demo test test-fast test-sanitize bench bench-executor bench-profile calibration clean
 
 all: build
 
@@ -49,6 +49,10 @@ bench: build
 
 bench-executor: build
 	scripts/bench-executor.sh $(BUILD)
+
+bench-profile: build
+	scripts/bench-profile.sh $(BUILD) 2
+	scripts/bench-profile.sh $(BUILD) 4
 
 calibration: build
 	$(BUILD)/calibration_test --gtest_filter='*PublishedRuns*'

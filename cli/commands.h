@@ -7,5 +7,6 @@
 namespace strata {
 
 int cmd_train(const std::vector<std::string>& argv);
+int cmd_profile(const std::vector<std::string>& argv);
 
 }  // namespace strata

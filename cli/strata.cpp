@@ -34,13 +34,15 @@ usage:
                    [--json FILE|-] [--trace FILE] [--lr X] [--min-lr X] [--lr-warmup-iters N]
                    [--weight-decay X] [--clip-grad X] [--loss-scale X] [--loss-scale-window N]
                    [--dump-params FILE] [--quiet]          (under mpirun -np tp*pp*dp)
+  strata profile   [--backend cpu] [--out FILE] [--quick] [--json] [--max-bytes N]
+                                                          (under mpirun: one rank per core to use)
   strata plan --list-models | --list-clusters
 
   M  a preset (strata plan --list-models), a model JSON or a Hugging Face config.json
   C  a preset (strata plan --list-clusters) or a cluster JSON (schema: hw_profiles/README.md)
   P  a plan JSON or inline pairs: tp=8,pp=8,dp=16,mbs=1,vp=3,zero=1,recompute=selective,sp=1
 
-  profile and validate (SPEC.md) are not part of this build yet.
+  validate (SPEC.md) is not part of this build yet.
 exit codes: 0 ok, 2 invalid input, 3 nothing feasible, 1 internal error
 )";
 
@@ -265,9 +267,10 @@ int run(int argc, char** argv) {
   if (cmd == "plan") return cmd_plan(rest);
   if (cmd == "estimate") return cmd_estimate(rest);
   if (cmd == "train") return cmd_train(rest);
-  if (cmd == "profile" || cmd == "validate")
-    throw InputError(fmt::format("strata {}: not part of this build yet (this version implements plan, estimate and train)", cmd));
-  throw InputError(fmt::format("strata: unknown subcommand '{}' (plan, estimate, train; see strata --help)", cmd));
+  if (cmd == "profile") return cmd_profile(rest);
+  if (cmd == "validate")
+    throw InputError(fmt::format("strata {}: not part of this build yet (this version implements plan, estimate, profile and train)", cmd));
+  throw InputError(fmt::format("strata: unknown subcommand '{}' (plan, estimate, profile, train; see strata --help)", cmd));
 }
 
 }  // namespace

@@ -1,0 +1,75 @@
+// `strata profile`: measures this machine on every rank at once (run it under mpirun with
+// as many ranks as training will use) and writes a cluster JSON in the preset schema.
+#include <mpi.h>
+#include <unistd.h>
+
+#include <cstdio>
+#include <fstream>
+#include <iostream>
+
+#include <fmt/format.h>
+
+#include "cli/args.h"
+#include "cli/commands.h"
+#include "hw_profiles/profiler.h"
+
+namespace strata {
+
+int cmd_profile(const std::vector<std::string>& argv) {
+  int provided = 0;
+  MPI_Init_thread(nullptr, nullptr, MPI_THREAD_SINGLE, &provided);
+  int rank = 0, size = 1;
+  MPI_Comm_rank(MPI_COMM_WORLD, &rank);
+  MPI_Comm_size(MPI_COMM_WORLD, &size);
+  std::string error, out_path;
+  ProfileOptions o;
+  bool json = false;
+  try {
+    const Args a(argv, "profile", {"backend", "out", "max-bytes"}, {"quick", "json"});
+    const std::string backend = a.get("backend", "cpu");
+    if (backend != "cpu")
+      throw InputError("--backend: '" + backend + "': this build profiles the cpu backend (cuda comes with the CUDA backend)");
+    out_path = a.get("out");
+    o.quick = a.has("quick");
+    if (o.quick) o.min_time_s = 0.01;
+    o.max_message_bytes = a.integer("max-bytes", o.max_message_bytes, 4096, int64_t{1} << 30);
+    json = a.has("json");
+  } catch (const InputError& e) {
+    error = e.what();
+  }
+  int bad = error.empty() ? 0 : 1;
+  MPI_Allreduce(MPI_IN_PLACE, &bad, 1, MPI_INT, MPI_MAX, MPI_COMM_WORLD);
+  if (bad) {
+    if (error.empty()) error = "another rank found invalid input (see its message)";
+    fmt::print(stderr, "strata: error: rank {} of {}: {}\n", rank, size, error);
+    MPI_Finalize();
+    return 2;
+  }
+  auto comm = make_mpi_comm();
+  auto be = make_cpu_backend();
+  const bool tty = isatty(2) != 0;
+  o.progress = [tty](const std::string& line) {
+    if (tty) fmt::print(stderr, "\r\033[K  profiling: {}", line);
+    else fmt::print(stderr, "  profiling: {}\n", line);
+  };
+  const ProfileResult r = run_profile(*comm, *be, o);
+  if (rank == 0) {
+    if (tty) fmt::print(stderr, "\n");
+    const Json j = cluster_to_json(r.cluster);
+    if (json) std::cout << j.dump(2) << "\n";
+    else fmt::print("{}", format_profile_summary(r));
+    if (!out_path.empty()) {
+      std::ofstream f(out_path);
+      f << j.dump(2) << "\n";
+      if (!f) {
+        fmt::print(stderr, "strata: error: --out: cannot write '{}'\n", out_path);
+        MPI_Abort(MPI_COMM_WORLD, 2);
+      }
+      if (!json) fmt::print("\ncluster profile written to {} (use it as --cluster {})\n", out_path, out_path);
+    }
+  }
+  MPI_Finalize();
+  return 0;
+}
+
+}  // namespace strata

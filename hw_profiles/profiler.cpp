@@ -1,0 +1,271 @@
+// The profiler's sweeps, checks and fits (see profiler.h).
+#include "hw_profiles/profiler.h"
+
+#include <unistd.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+
+#include <fmt/format.h>
+
+namespace strata {
+namespace {
+
+const Group& world_of(Comm& comm) {
+  static thread_local Group g;
+  g.ranks.clear();
+  for (int r = 0; r < comm.size(); ++r) g.ranks.push_back(r);
+  g.me = comm.rank();
+  g.id = kWorld;
+  return g;
+}
+
+// Runs fn() enough times for min_time_s (every rank the same count); returns the mean
+// seconds per call on the slowest rank.
+double time_calls(Comm& comm, double min_time_s, const std::function<void()>& fn) {
+  const Group& w = world_of(comm);
+  fn();  // warm-up
+  comm.barrier(w);
+  double t0 = comm.wtime();
+  fn();
+  double one = comm.wtime() - t0;
+  comm.all_reduce(&one, 1, w, ReduceOp::max);
+  const int64_t iters = std::clamp<int64_t>(static_cast<int64_t>(min_time_s / std::max(one, 1e-9)), 3, 2000);
+  comm.barrier(w);
+  t0 = comm.wtime();
+  for (int64_t i = 0; i < iters; ++i) fn();
+  double mean = (comm.wtime() - t0) / static_cast<double>(iters);
+  comm.all_reduce(&mean, 1, w, ReduceOp::max);
+  return mean;
+}
+
+const char* op_name(Collective c) {
+  switch (c) {
+    case Collective::all_reduce: return "all_reduce";
+    case Collective::all_gather: return "all_gather";
+    case Collective::reduce_scatter: return "reduce_scatter";
+    case Collective::send_recv: return "sendrecv";
+  }
+  return "?";
+}
+
+// One collective at one size: fills the buffers with exact small integers, runs it,
+// counts wrong elements, then times it.
+CollectiveRow measure(Comm& comm, Collective op, int64_t bytes, double min_time_s) {
+  const Group& w = world_of(comm);
+  const int n = comm.size(), me = comm.rank();
+  CollectiveRow row;
+  row.op = op;
+  // Per-rank element counts: the gathered output and the scattered input hold n blocks.
+  const bool blocks = op == Collective::all_gather || op == Collective::reduce_scatter;
+  const int64_t block = std::max<int64_t>(1, bytes / 4 / (blocks ? n : 1));
+  row.count = blocks ? block * n : block;
+  row.bytes = row.count * 4;
+  std::vector<float> in(static_cast<size_t>(blocks ? block * n : block)), out(in.size());
+  auto fill = [&] {
+    for (size_t i = 0; i < in.size(); ++i) {
+      if (op == Collective::all_gather) in[i] = static_cast<float>(me * 1000 + static_cast<int>(i % 17));
+      else if (op == Collective::send_recv) in[i] = static_cast<float>(me * 100 + static_cast<int>(i % 19));
+      else in[i] = static_cast<float>(me + 1 + static_cast<int>(i % 13));
+    }
+  };
+  const int next = (me + 1) % n, prev = (me + n - 1) % n;
+  auto run = [&] {
+    switch (op) {
+      case Collective::all_reduce:
+        std::copy(in.begin(), in.begin() + block, out.begin());
+        comm.all_reduce(out.data(), block, w);
+        break;
+      case Collective::all_gather: comm.all_gather(in.data(), out.data(), block, w); break;
+      case Collective::reduce_scatter: comm.reduce_scatter(in.data(), out.data(), block, w); break;
+      case Collective::send_recv: {
+        Request r = comm.irecv(out.data(), block, prev, 77);
+        Request s = comm.isend(in.data(), block, next, 77);
+        comm.wait(r);
+        comm.wait(s);
+        break;
+      }
+    }
+  };
+  fill();
+  run();
+  int64_t wrong = 0;
+  const float tri = static_cast<float>(n * (n + 1) / 2);
+  for (int64_t i = 0; i < (op == Collective::all_gather ? block * n : block); ++i) {
+    float want = 0;
+    switch (op) {
+      case Collective::all_reduce: want = tri + static_cast<float>(n * static_cast<int>(i % 13)); break;
+      case Collective::all_gather: want = static_cast<float>((i / block) * 1000 + (i % block) % 17); break;
+      case Collective::reduce_scatter:
+        want = tri + static_cast<float>(n * static_cast<int>((me * block + i) % 13));
+        break;
+      case Collective::send_recv: want = static_cast<float>(prev * 100 + static_cast<int>(i % 19)); break;
+    }
+    if (out[static_cast<size_t>(i)] != want) ++wrong;
+  }
+  double wr = static_cast<double>(wrong);
+  comm.all_reduce(&wr, 1, w);
+  row.wrong = static_cast<int64_t>(wr);
+  row.time_s = time_calls(comm, min_time_s, run);
+  row.algbw_gbps = static_cast<double>(row.bytes) / row.time_s / 1e9;
+  row.busbw_gbps = row.algbw_gbps * bus_factor_of(op, n);
+  return row;
+}
+
+// Least squares of time = alpha + x * beta weighted by 1 / time^2 (relative errors),
+// x = bytes * bus factor.
+CollectiveFit fit(Collective op, const std::vector<CollectiveRow>& rows, int n) {
+  double sw = 0, swx = 0, swxx = 0, swt = 0, swxt = 0;
+  for (const CollectiveRow& r : rows) {
+    if (r.op != op) continue;
+    const double x = static_cast<double>(r.bytes) * bus_factor_of(op, n), t = r.time_s, w = 1.0 / (t * t);
+    sw += w;
+    swx += w * x;
+    swxx += w * x * x;
+    swt += w * t;
+    swxt += w * x * t;
+  }
+  CollectiveFit f;
+  f.op = op;
+  const double det = sw * swxx - swx * swx;
+  if (det <= 0) return f;
+  double beta = (sw * swxt - swx * swt) / det, alpha = (swt - beta * swx) / sw;
+  if (alpha < 0) {  // refit through the origin
+    alpha = 0;
+    beta = swxt / swxx;
+  }
+  f.latency_s = alpha;
+  f.busbw_bytes_per_s = beta > 0 ? 1.0 / beta : 0;
+  return f;
+}
+
+}  // namespace
+
+double bus_factor_of(Collective c, int n) {
+  switch (c) {
+    case Collective::all_reduce: return 2.0 * (n - 1) / n;
+    case Collective::all_gather:
+    case Collective::reduce_scatter: return static_cast<double>(n - 1) / n;
+    case Collective::send_recv: return 1.0;
+  }
+  return 1.0;
+}
+
+ProfileResult run_profile(Comm& comm, Backend& be, const ProfileOptions& o) {
+  ProfileResult res;
+  res.ranks = comm.size();
+  const int n = comm.size();
+  auto say = [&](const std::string& s) {
+    if (o.progress && comm.rank() == 0) o.progress(s);
+  };
+  // GEMM: square N x N x N and the (N, 4N) x (4N, N) shape of an MLP, each rank at once.
+  const std::vector<int64_t> sizes = o.quick ? std::vector<int64_t>{32, 128, 256, 512, 1024}
+                                             : std::vector<int64_t>{16, 32, 64, 128, 256, 384, 512, 768, 1024, 1536, 2048};
+  for (int64_t N : sizes) {
+    for (int64_t k : {int64_t{1}, int64_t{4}}) {
+      const int64_t M = N, K = N * k, Nc = N;
+      std::vector<float> a(static_cast<size_t>(M * K), 0.5f), b(static_cast<size_t>(K * Nc), 0.25f),
+          c(static_cast<size_t>(M * Nc));
+      const double t = time_calls(comm, o.min_time_s, [&] {
+        be.gemm(false, true, M, Nc, K, 1.0f, a.data(), K, b.data(), K, 0.0f, c.data(), Nc);
+      });
+      const double flops = 2.0 * static_cast<double>(M * K * Nc);
+      res.gemm.push_back({flops, flops / t});
+      say(fmt::format("gemm {}x{}x{}: {:.1f} GFLOP/s per rank", M, Nc, K, flops / t / 1e9));
+    }
+  }
+  std::sort(res.gemm.begin(), res.gemm.end());
+  // Memory: STREAM triad a = b + s * c, 12 bytes per element.
+  for (int64_t bytes = int64_t{12} << 8; bytes <= (o.quick ? int64_t{12} << 22 : int64_t{12} << 24); bytes *= 4) {
+    const int64_t e = bytes / 12;
+    std::vector<float> a(static_cast<size_t>(e)), b(static_cast<size_t>(e), 1.0f), c(static_cast<size_t>(e), 2.0f);
+    const double t = time_calls(comm, o.min_time_s, [&] {
+      for (int64_t i = 0; i < e; ++i) a[static_cast<size_t>(i)] = b[static_cast<size_t>(i)] + 0.5f * c[static_cast<size_t>(i)];
+    });
+    res.memory.push_back({static_cast<double>(bytes), static_cast<double>(bytes) / t});
+    say(fmt::format("triad {} bytes: {:.1f} GB/s per rank", bytes, static_cast<double>(bytes) / t / 1e9));
+  }
+  // Collectives.
+  if (n > 1) {
+    const int64_t lo = o.quick ? int64_t{4} << 10 : int64_t{1} << 10;
+    const int64_t hi = o.quick ? std::min<int64_t>(o.max_message_bytes, int64_t{4} << 20) : o.max_message_bytes;
+    for (Collective op : {Collective::all_reduce, Collective::all_gather, Collective::reduce_scatter, Collective::send_recv}) {
+      for (int64_t bytes = lo; bytes <= hi; bytes *= (o.quick ? 4 : 2)) {
+        res.rows.push_back(measure(comm, op, bytes, o.min_time_s));
+        say(fmt::format("{} {} bytes: busbw {:.2f} GB/s", op_name(op), res.rows.back().bytes, res.rows.back().busbw_gbps));
+      }
+      res.fits.push_back(fit(op, res.rows, n));
+    }
+  }
+  // The cluster: local-cpu's framework constants, every measured field replaced.
+  Cluster c = load_cluster("local-cpu");
+  c.name = "measured-cpu";
+  c.description = fmt::format("measured by strata profile on {} rank(s) of this machine, all ranks at once", n);
+  double peak = 0;
+  for (const auto& [f, r] : res.gemm) peak = std::max(peak, r);
+  std::vector<std::pair<double, double>> ge;
+  for (const auto& [f, r] : res.gemm) {
+    if (!ge.empty() && ge.back().first == f) ge.back().second = std::max(ge.back().second, r / peak);
+    else ge.push_back({f, r / peak});
+  }
+  c.device.name = "CPU core per rank (Eigen fp32), measured";
+  c.device.peak_fp32_flops = c.device.peak_tf32_flops = c.device.peak_bf16_flops = c.device.peak_fp16_flops = peak;
+  c.device.peak_fp8_flops = 0;
+  c.device.gemm_efficiency = Curve(ge);
+  double bw = 0;
+  for (const auto& [b, r] : res.memory) bw = std::max(bw, r);
+  std::vector<std::pair<double, double>> me;
+  for (const auto& [b, r] : res.memory) me.push_back({b, r / bw});
+  c.device.memory_bandwidth_bytes_per_s = bw;
+  c.device.memory_efficiency = Curve(me);
+  const double ram = static_cast<double>(sysconf(_SC_PHYS_PAGES)) * static_cast<double>(sysconf(_SC_PAGE_SIZE));
+  c.device.memory_bytes = ram / n;
+  c.devices_per_node = n;
+  if (n > 1) {
+    double link = 0;
+    for (const CollectiveFit& f : res.fits) link = std::max(link, f.busbw_bytes_per_s);
+    c.intra.bandwidth_bytes_per_s = link;
+    const double steps = 2.0 * std::log2(static_cast<double>(n));
+    c.intra.latency_s = std::max(1e-7, res.fits[0].latency_s / std::max(1.0, steps));
+    for (const CollectiveFit& f : res.fits) {
+      const double e = link > 0 ? std::max(0.01, f.busbw_bytes_per_s / link) : 1.0;
+      if (f.op == Collective::all_reduce) c.intra.eff_all_reduce = e;
+      if (f.op == Collective::all_gather) c.intra.eff_all_gather = e;
+      if (f.op == Collective::reduce_scatter) c.intra.eff_reduce_scatter = e;
+      if (f.op == Collective::send_recv) c.intra.eff_send_recv = e;
+    }
+  }
+  res.cluster = c;
+  return res;
+}
+
+std::string format_collective_table(const std::vector<CollectiveRow>& rows, int ranks) {
+  std::string s = fmt::format("# {} ranks, float, sum; time per call on the slowest rank\n", ranks);
+  s += fmt::format("# {:>14} {:>12} {:>6} {:>15} {:>10} {:>8} {:>8} {:>7}\n", "collective", "size(B)", "count", "type",
+                   "time(us)", "algbw", "busbw", "#wrong");
+  s += fmt::format("# {:>14} {:>12} {:>6} {:>15} {:>10} {:>8} {:>8} {:>7}\n", "", "", "", "", "", "(GB/s)", "(GB/s)", "");
+  for (const CollectiveRow& r : rows)
+    s += fmt::format("  {:>14} {:>12} {:>6} {:>15} {:>10.1f} {:>8.2f} {:>8.2f} {:>7}\n", op_name(r.op), r.bytes, r.count,
+                     "float", r.time_s * 1e6, r.algbw_gbps, r.busbw_gbps, r.wrong);
+  return s;
+}
+
+std::string format_profile_summary(const ProfileResult& r) {
+  std::string s;
+  s += "GEMM (per rank, all ranks at once)\n";
+  for (const auto& [f, rate] : r.gemm) s += fmt::format("  {:>12.3g} FLOPs  {:>8.1f} GFLOP/s\n", f, rate / 1e9);
+  s += "memory, STREAM triad (per rank, all ranks at once)\n";
+  for (const auto& [b, bw] : r.memory) s += fmt::format("  {:>12.3g} bytes  {:>8.2f} GB/s\n", b, bw / 1e9);
+  if (!r.rows.empty()) {
+    s += "\n";
+    s += format_collective_table(r.rows, r.ranks);
+    s += "\nfit: time = latency + size * bus factor / busbw\n";
+    for (const CollectiveFit& f : r.fits)
+      s += fmt::format("  {:<15} latency {:>7.1f} us   busbw {:>7.2f} GB/s\n", op_name(f.op), f.latency_s * 1e6,
+                       f.busbw_bytes_per_s / 1e9);
+  }
+  return s;
+}
+
+}  // namespace strata

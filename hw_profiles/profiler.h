@@ -1,0 +1,60 @@
+// strata profile: measures this machine the way the cost model describes it. Every rank
+// runs the sweeps at the same time, so ranks that share cores or memory bandwidth are
+// measured sharing them. GEMM rate by size (the backend's own GEMM), memory bandwidth of
+// a STREAM-triad kernel by size, and the collectives nccl-tests measures (all-reduce,
+// all-gather, reduce-scatter, send/recv) by message size with every result checked; then
+// latency + size/bandwidth fitted per collective, and a cluster JSON in the preset schema.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <string>
+#include <vector>
+
+#include "costmodel/hardware.h"
+#include "executor/backend.h"
+#include "executor/comm.h"
+
+namespace strata {
+
+struct ProfileOptions {
+  bool quick = false;            // fewer sizes and shorter timings (tests, demos)
+  double min_time_s = 0.05;      // per measured point, at least
+  int64_t max_message_bytes = int64_t{64} << 20;
+  std::function<void(const std::string&)> progress;  // a line per finished sweep point (rank 0)
+};
+
+// One row of the nccl-tests table. bytes: all-reduce and send/recv the buffer, all-gather
+// the gathered output, reduce-scatter the input (nccl-tests' "size").
+struct CollectiveRow {
+  Collective op = Collective::all_reduce;
+  int64_t bytes = 0, count = 0;  // count: floats per rank's buffer as nccl-tests counts it
+  double time_s = 0;             // mean per call, the slowest rank
+  double algbw_gbps = 0, busbw_gbps = 0;
+  int64_t wrong = 0;             // elements that differ from the exact expected value, all ranks
+};
+
+struct CollectiveFit {
+  Collective op = Collective::all_reduce;
+  double latency_s = 0;          // alpha: time of a zero-byte call
+  double busbw_bytes_per_s = 0;  // 1 / beta of time = alpha + bytes * factor * beta
+};
+
+struct ProfileResult {
+  int ranks = 1;
+  std::vector<std::pair<double, double>> gemm;    // (FLOPs of one GEMM, FLOP/s), slowest rank
+  std::vector<std::pair<double, double>> memory;  // (bytes one kernel moves, bytes/s), slowest rank
+  std::vector<CollectiveRow> rows;
+  std::vector<CollectiveFit> fits;
+  Cluster cluster;  // local-cpu's constants with every measured field replaced
+};
+
+ProfileResult run_profile(Comm& comm, Backend& be, const ProfileOptions& o);
+
+// nccl-tests' bus bandwidth factor: 2(n-1)/n all-reduce, (n-1)/n all-gather and
+// reduce-scatter, 1 send/recv.
+double bus_factor_of(Collective c, int n);
+std::string format_collective_table(const std::vector<CollectiveRow>& rows, int ranks);
+std::string format_profile_summary(const ProfileResult& r);
+
+}  // namespace strata

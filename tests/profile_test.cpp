@@ -1,0 +1,86 @@
+// strata profile end to end on 2 ranks (--quick): every collective result is checked
+// (#wrong = 0 in every row of the nccl-tests table), the written cluster JSON loads with
+// the preset loader and is accepted by estimate; plus the bus factors and the fit on
+// synthetic rows. Bandwidth accuracy is a benchmark (scripts/bench-profile.sh), not a test.
+#include <gtest/gtest.h>
+#include <sys/wait.h>
+
+#include <cstdlib>
+#include <fstream>
+#include <set>
+#include <sstream>
+#include <string>
+
+#include "costmodel/hardware.h"
+#include "hw_profiles/profiler.h"
+
+namespace strata {
+namespace {
+
+std::string slurp(const std::string& path) {
+  std::ifstream f(path);
+  std::stringstream ss;
+  ss << f.rdbuf();
+  return ss.str();
+}
+
+int sh(const std::string& cmd) {
+  const int status = std::system(cmd.c_str());
+  return WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+}
+
+const std::string kMpi = std::string("OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 ") +
+                         "ASAN_OPTIONS=detect_leaks=0 timeout 300 " + STRATA_MPIEXEC + " -np 2 " + STRATA_BINARY;
+
+TEST(Profile, TwoRanksTableIsCheckedAndTheProfileLoads) {
+  const std::string dir = ::testing::TempDir(), out = dir + "strata_profile.json", txt = dir + "strata_profile.txt";
+  ASSERT_EQ(sh(kMpi + " profile --quick --out " + out + " > " + txt + " 2> " + dir + "strata_profile.err"), 0)
+      << slurp(dir + "strata_profile.err");
+  // The nccl-tests table: every row's #wrong column (the last) is 0; all four collectives.
+  std::istringstream in(slurp(txt));
+  std::string line;
+  int rows = 0;
+  std::set<std::string> ops;
+  while (std::getline(in, line)) {
+    std::istringstream ls(line);
+    std::string op, type;
+    long long bytes = 0, count = 0, wrong = -1;
+    double time_us = 0, algbw = 0, busbw = 0;
+    if (!(ls >> op >> bytes >> count >> type >> time_us >> algbw >> busbw >> wrong) || type != "float") continue;
+    ++rows;
+    ops.insert(op);
+    EXPECT_EQ(wrong, 0) << line;
+    EXPECT_GT(busbw, 0) << line;
+  }
+  EXPECT_GE(rows, 20);
+  EXPECT_EQ(ops, (std::set<std::string>{"all_reduce", "all_gather", "reduce_scatter", "sendrecv"}));
+  // The profile is a cluster like any preset.
+  const Cluster c = load_cluster(out);
+  EXPECT_EQ(c.devices_per_node, 2);
+  EXPECT_GT(c.device.peak_fp32_flops, 1e9);
+  EXPECT_GT(c.device.memory_bandwidth_bytes_per_s, 1e8);
+  EXPECT_GT(c.intra.bandwidth_bytes_per_s, 1e7);
+  EXPECT_LE(c.device.gemm_efficiency.at(1e12), 1.0);
+  EXPECT_EQ(sh(std::string(STRATA_BINARY) + " estimate --model tiny-gpt --cluster " + out +
+               " --plan dp=2,mbs=2,gbs=8 --json > " + dir + "strata_profile_est.json"),
+            0);
+}
+
+TEST(Profile, BusFactorsAreNcclTests) {
+  EXPECT_DOUBLE_EQ(bus_factor_of(Collective::all_reduce, 4), 1.5);
+  EXPECT_DOUBLE_EQ(bus_factor_of(Collective::all_gather, 4), 0.75);
+  EXPECT_DOUBLE_EQ(bus_factor_of(Collective::reduce_scatter, 2), 0.5);
+  EXPECT_DOUBLE_EQ(bus_factor_of(Collective::send_recv, 8), 1.0);
+}
+
+TEST(Profile, BadBackendExitsTwoOnEveryRank) {
+  const std::string err = ::testing::TempDir() + "strata_profile_bad.err";
+  EXPECT_EQ(sh(kMpi + " profile --backend tpu > /dev/null 2> " + err), 2);
+  const std::string e = slurp(err);
+  size_t n = 0, at = 0;
+  while ((at = e.find("strata: error", at)) != std::string::npos) ++n, ++at;
+  EXPECT_EQ(n, 2u) << e;
+}
+
+}  // namespace
+}  // namespace strata
