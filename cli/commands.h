@@ -9,4 +9,9 @@ namespace strata {
 int cmd_train(const std::vector<std::string>& argv);
 int cmd_profile(const std::vector<std::string>& argv);
 
+// For subcommands under mpirun: every rank checks its input, then they agree. When any
+// rank rejected it (error non-empty there), every rank prints one line naming its rank
+// (the message, or that another rank failed), finalises MPI and returns true: exit 2.
+bool any_rank_rejected_input(const std::string& error);
+
 }  // namespace strata

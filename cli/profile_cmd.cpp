@@ -37,14 +37,7 @@ int cmd_profile(const std::vector<std::string>& argv) {
   } catch (const InputError& e) {
     error = e.what();
   }
-  int bad = error.empty() ? 0 : 1;
-  MPI_Allreduce(MPI_IN_PLACE, &bad, 1, MPI_INT, MPI_MAX, MPI_COMM_WORLD);
-  if (bad) {
-    if (error.empty()) error = "another rank found invalid input (see its message)";
-    fmt::print(stderr, "strata: error: rank {} of {}: {}\n", rank, size, error);
-    MPI_Finalize();
-    return 2;
-  }
+  if (any_rank_rejected_input(error)) return 2;
   auto comm = make_mpi_comm();
   auto be = make_cpu_backend();
   const bool tty = isatty(2) != 0;

@@ -70,14 +70,7 @@ int cmd_train(const std::vector<std::string>& argv) {
   } catch (const InputError& e) {
     error = e.what();
   }
-  int bad = error.empty() ? 0 : 1;
-  MPI_Allreduce(MPI_IN_PLACE, &bad, 1, MPI_INT, MPI_MAX, MPI_COMM_WORLD);
-  if (bad) {
-    if (error.empty()) error = "another rank found invalid input (see its message)";
-    fmt::print(stderr, "strata: error: rank {} of {}: {}\n", rank, size, error);
-    MPI_Finalize();
-    return 2;
-  }
+  if (any_rank_rejected_input(error)) return 2;
   try {
     std::unique_ptr<Comm> comm = make_mpi_comm();
     std::unique_ptr<Backend> be = make_cpu_backend();
