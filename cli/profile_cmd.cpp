@@ -25,7 +25,7 @@ int cmd_profile(const std::vector<std::string>& argv) {
   ProfileOptions o;
   bool json = false;
   try {
-    const Args a(argv, "profile", {"backend", "out", "max-bytes"}, {"quick", "json"});
+    const Args a(argv, "profile", {"backend", "out", "max-bytes", "model", "tp"}, {"quick", "json"});
     const std::string backend = a.get("backend", "cpu");
     if (backend != "cpu")
       throw InputError("--backend: '" + backend + "': this build profiles the cpu backend (cuda comes with the CUDA backend)");
@@ -34,6 +34,13 @@ int cmd_profile(const std::vector<std::string>& argv) {
     if (o.quick) o.min_time_s = 0.01;
     o.max_message_bytes = a.integer("max-bytes", o.max_message_bytes, 4096, int64_t{1} << 30);
     json = a.has("json");
+    if (a.has("model")) {  // the GEMM shapes this model runs, at its tensor-parallel size
+      const ModelSpec m = load_model(a.get("model"));
+      const int64_t t = a.integer("tp", 1, 1, 1024);
+      if (m.A % t || m.G % t || m.F % t)
+        throw InputError("--tp: " + std::to_string(t) + " does not divide the heads, query groups and ffn of " + m.name);
+      o.extra_gemms = model_gemm_shapes(m, t);
+    }
   } catch (const InputError& e) {
     error = e.what();
   }
@@ -41,9 +48,13 @@ int cmd_profile(const std::vector<std::string>& argv) {
   auto comm = make_mpi_comm();
   auto be = make_cpu_backend();
   const bool tty = isatty(2) != 0;
-  o.progress = [tty](const std::string& line) {
-    if (tty) fmt::print(stderr, "\r\033[K  profiling: {}", line);
-    else fmt::print(stderr, "  profiling: {}\n", line);
+  o.progress = [tty](const std::string& line, int done, int total, double elapsed, double eta) {
+    const int width = 24, filled = total > 0 ? done * width / total : width;
+    if (tty)  // a bar redrawn in place
+      fmt::print(stderr, "\r\033[K  [{}{}] {}/{}  {:.0f} s, ETA {:.0f} s  {}", std::string(static_cast<size_t>(filled), '#'),
+                 std::string(static_cast<size_t>(width - filled), '.'), done, total, elapsed, eta, line);
+    else  // plain lines, one per point
+      fmt::print(stderr, "  profile {}/{} ({:.0f} s, ETA {:.0f} s): {}\n", done, total, elapsed, eta, line);
   };
   const ProfileResult r = run_profile(*comm, *be, o);
   if (rank == 0) {

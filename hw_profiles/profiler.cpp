@@ -152,32 +152,63 @@ double bus_factor_of(Collective c, int n) {
   return 1.0;
 }
 
+std::vector<GemmShape> model_gemm_shapes(const ModelSpec& m, int64_t t) {
+  std::vector<GemmShape> out;
+  const int64_t H = m.H, D = m.D();
+  for (int64_t B : {1, 2, 4}) {
+    const int64_t N = B * m.S;
+    out.push_back({N, (m.A + 2 * m.G) * D / t, H});
+    out.push_back({N, H, m.A * D / t});
+    out.push_back({N, m.fc1_out() / t, H});
+    out.push_back({N, H, m.F / t});
+    out.push_back({N, m.padded_vocab(t) / t, H});
+  }
+  return out;
+}
+
 ProfileResult run_profile(Comm& comm, Backend& be, const ProfileOptions& o) {
   ProfileResult res;
   res.ranks = comm.size();
   const int n = comm.size();
-  auto say = [&](const std::string& s) {
-    if (o.progress && comm.rank() == 0) o.progress(s);
-  };
-  // GEMM: square N x N x N and the (N, 4N) x (4N, N) shape of an MLP, each rank at once.
+  // The sweep points, counted first so progress can show an ETA.
+  std::vector<GemmShape> shapes;
   const std::vector<int64_t> sizes = o.quick ? std::vector<int64_t>{32, 128, 256, 512, 1024}
                                              : std::vector<int64_t>{16, 32, 64, 128, 256, 384, 512, 768, 1024, 1536, 2048};
-  for (int64_t N : sizes) {
-    for (int64_t k : {int64_t{1}, int64_t{4}}) {
-      const int64_t M = N, K = N * k, Nc = N;
-      std::vector<float> a(static_cast<size_t>(M * K), 0.5f), b(static_cast<size_t>(K * Nc), 0.25f),
-          c(static_cast<size_t>(M * Nc));
-      const double t = time_calls(comm, o.min_time_s, [&] {
-        be.gemm(false, true, M, Nc, K, 1.0f, a.data(), K, b.data(), K, 0.0f, c.data(), Nc);
-      });
-      const double flops = 2.0 * static_cast<double>(M * K * Nc);
-      res.gemm.push_back({flops, flops / t});
-      say(fmt::format("gemm {}x{}x{}: {:.1f} GFLOP/s per rank", M, Nc, K, flops / t / 1e9));
-    }
+  for (int64_t N : sizes) {  // square, and the (N, 4N) x (4N, N) shape of an MLP
+    shapes.push_back({N, N, N});
+    shapes.push_back({N, N, 4 * N});
+  }
+  shapes.insert(shapes.end(), o.extra_gemms.begin(), o.extra_gemms.end());
+  std::vector<int64_t> triad_bytes;
+  for (int64_t bytes = int64_t{12} << 8; bytes <= (o.quick ? int64_t{12} << 22 : int64_t{12} << 24); bytes *= 4)
+    triad_bytes.push_back(bytes);
+  const int64_t lo = o.quick ? int64_t{4} << 10 : int64_t{1} << 10;
+  const int64_t hi = o.quick ? std::min<int64_t>(o.max_message_bytes, int64_t{4} << 20) : o.max_message_bytes;
+  std::vector<int64_t> message_bytes;
+  for (int64_t bytes = lo; n > 1 && bytes <= hi; bytes *= (o.quick ? 4 : 2)) message_bytes.push_back(bytes);
+  const int total = static_cast<int>(shapes.size() + triad_bytes.size() + 4 * message_bytes.size());
+  int done = 0;
+  const double t_begin = comm.wtime();
+  auto say = [&](const std::string& s) {
+    ++done;
+    if (!o.progress || comm.rank() != 0) return;
+    const double el = comm.wtime() - t_begin;
+    o.progress(s, done, total, el, el / done * (total - done));
+  };
+  // GEMM, every rank at once.
+  for (const GemmShape& g : shapes) {
+    std::vector<float> a(static_cast<size_t>(g.M * g.K), 0.5f), b(static_cast<size_t>(g.K * g.N), 0.25f),
+        c(static_cast<size_t>(g.M * g.N));
+    const double t = time_calls(comm, o.min_time_s, [&] {
+      be.gemm(false, true, g.M, g.N, g.K, 1.0f, a.data(), g.K, b.data(), g.K, 0.0f, c.data(), g.N);
+    });
+    const double flops = 2.0 * static_cast<double>(g.M * g.K * g.N);
+    res.gemm.push_back({flops, flops / t});
+    say(fmt::format("gemm {}x{}x{}: {:.1f} GFLOP/s per rank", g.M, g.N, g.K, flops / t / 1e9));
   }
   std::sort(res.gemm.begin(), res.gemm.end());
   // Memory: STREAM triad a = b + s * c, 12 bytes per element.
-  for (int64_t bytes = int64_t{12} << 8; bytes <= (o.quick ? int64_t{12} << 22 : int64_t{12} << 24); bytes *= 4) {
+  for (int64_t bytes : triad_bytes) {
     const int64_t e = bytes / 12;
     std::vector<float> a(static_cast<size_t>(e)), b(static_cast<size_t>(e), 1.0f), c(static_cast<size_t>(e), 2.0f);
     const double t = time_calls(comm, o.min_time_s, [&] {
@@ -188,10 +219,8 @@ ProfileResult run_profile(Comm& comm, Backend& be, const ProfileOptions& o) {
   }
   // Collectives.
   if (n > 1) {
-    const int64_t lo = o.quick ? int64_t{4} << 10 : int64_t{1} << 10;
-    const int64_t hi = o.quick ? std::min<int64_t>(o.max_message_bytes, int64_t{4} << 20) : o.max_message_bytes;
     for (Collective op : {Collective::all_reduce, Collective::all_gather, Collective::reduce_scatter, Collective::send_recv}) {
-      for (int64_t bytes = lo; bytes <= hi; bytes *= (o.quick ? 4 : 2)) {
+      for (int64_t bytes : message_bytes) {
         res.rows.push_back(measure(comm, op, bytes, o.min_time_s));
         say(fmt::format("{} {} bytes: busbw {:.2f} GB/s", op_name(op), res.rows.back().bytes, res.rows.back().busbw_gbps));
       }

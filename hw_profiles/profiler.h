@@ -12,16 +12,29 @@
 #include <vector>
 
 #include "costmodel/hardware.h"
+#include "costmodel/model_spec.h"
 #include "executor/backend.h"
 #include "executor/comm.h"
 
 namespace strata {
 
+// A GEMM of the sweep: C (M, N) = A (M, K) B^T.
+struct GemmShape {
+  int64_t M = 0, N = 0, K = 0;
+};
+
+// The forward GEMMs one tensor-parallel rank of model m runs at micro-batches 1, 2 and 4
+// (QKV, proj, fc1, fc2, logits; the backward GEMMs have the same FLOPs).
+std::vector<GemmShape> model_gemm_shapes(const ModelSpec& m, int64_t t);
+
 struct ProfileOptions {
   bool quick = false;            // fewer sizes and shorter timings (tests, demos)
+  std::vector<GemmShape> extra_gemms;  // e.g. model_gemm_shapes of the model to be trained
   double min_time_s = 0.05;      // per measured point, at least
   int64_t max_message_bytes = int64_t{64} << 20;
-  std::function<void(const std::string&)> progress;  // a line per finished sweep point (rank 0)
+  // A line per finished sweep point on rank 0: what was measured, points done and total,
+  // seconds elapsed and the estimated seconds left.
+  std::function<void(const std::string&, int done, int total, double elapsed_s, double eta_s)> progress;
 };
 
 // One row of the nccl-tests table. bytes: all-reduce and send/recv the buffer, all-gather

@@ -66,6 +66,20 @@ TEST(Profile, TwoRanksTableIsCheckedAndTheProfileLoads) {
             0);
 }
 
+TEST(Profile, ModelShapesAndProgressLines) {
+  // --model adds the GEMMs the model runs (tiny-gpt QKV at micro-batch 1: 128 x 768 x 256);
+  // without a terminal, progress is one plain line per point with done/total and an ETA.
+  const std::string dir = ::testing::TempDir(), err = dir + "strata_profile_model.err";
+  ASSERT_EQ(sh(kMpi + " profile --quick --model tiny-gpt --json > " + dir + "strata_profile_model.json 2> " + err), 0)
+      << slurp(err);
+  const std::string e = slurp(err);
+  EXPECT_NE(e.find("gemm 128x768x256"), std::string::npos) << e;
+  EXPECT_NE(e.find("profile 1/"), std::string::npos) << e;
+  EXPECT_NE(e.find("ETA"), std::string::npos) << e;
+  const Cluster c = load_cluster(dir + "strata_profile_model.json");  // --json prints the profile itself
+  EXPECT_GT(c.device.peak_fp32_flops, 1e9);
+}
+
 TEST(Profile, BusFactorsAreNcclTests) {
   EXPECT_DOUBLE_EQ(bus_factor_of(Collective::all_reduce, 4), 1.5);
   EXPECT_DOUBLE_EQ(bus_factor_of(Collective::all_gather, 4), 0.75);
@@ -80,6 +94,8 @@ TEST(Profile, BadBackendExitsTwoOnEveryRank) {
   size_t n = 0, at = 0;
   while ((at = e.find("strata: error", at)) != std::string::npos) ++n, ++at;
   EXPECT_EQ(n, 2u) << e;
+  EXPECT_EQ(sh(kMpi + " profile --quick --model tiny-gpt --tp 3 > /dev/null 2> " + err), 2);
+  EXPECT_NE(slurp(err).find("--tp: 3"), std::string::npos) << slurp(err);
 }
 
 }  // namespace
