@@ -57,6 +57,16 @@ int cmd_profile(const std::vector<std::string>& argv) {
       fmt::print(stderr, "  profile {}/{} ({:.0f} s, ETA {:.0f} s): {}\n", done, total, elapsed, eta, line);
   };
   const ProfileResult r = run_profile(*comm, *be, o);
+  int64_t wrong = 0;
+  for (const CollectiveRow& row : r.rows) wrong += row.wrong;
+  if (wrong > 0) {  // a collective returned wrong data: no profile is written from it
+    if (rank == 0) {
+      fmt::print("{}", format_collective_table(r.rows, r.ranks));
+      fmt::print(stderr, "strata: error: {} collective results were wrong (#wrong column); no profile written\n", wrong);
+    }
+    MPI_Finalize();
+    return 1;
+  }
   if (rank == 0) {
     if (tty) fmt::print(stderr, "\n");
     const Json j = cluster_to_json(r.cluster);

@@ -77,11 +77,14 @@ TokenSource::TokenSource(const std::string& spec, int64_t V, int64_t S, uint64_t
   if (spec == "synthetic" || spec.rfind("synthetic:", 0) == 0) {
     int64_t states = std::min<int64_t>(V, 64);
     if (spec.size() > 10) {
+      size_t used = 0;
       try {
-        states = std::stoll(spec.substr(10));
+        states = std::stoll(spec.substr(10), &used);
       } catch (...) {
-        throw InputError("--data: '" + spec + "' must be synthetic or synthetic:STATES with STATES an integer");
+        used = 0;
       }
+      if (used == 0 || used != spec.size() - 10)
+        throw InputError("--data: '" + spec + "' must be synthetic or synthetic:STATES with STATES an integer");
       if (states < 2 || states > V)
         throw InputError("--data: synthetic:" + std::to_string(states) + " needs 2 <= STATES <= vocab size " +
                          std::to_string(V));

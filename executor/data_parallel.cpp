@@ -161,7 +161,7 @@ void Engine::finish_gradients() {
   }
 }
 
-void Engine::optimizer_step(int64_t k, StepRecord* rec) {
+void Engine::optimizer_step(StepRecord* rec) {
   const double t0 = comm_.wtime();
   const float* g = zero_ == 0 ? grad_full_.data() : grad_shard_.data();
   double acc[2] = {0.0, 0.0};  // sum of squares, non-finite count
@@ -183,17 +183,20 @@ void Engine::optimizer_step(int64_t k, StepRecord* rec) {
     return;
   }
   if (plan_.precision == Precision::fp16 && ++good_steps_ % o_.loss_scale_window == 0) loss_scale_ *= 2.0;
+  ++adam_step_;
   const double clip = o_.clip_grad > 0 && norm > o_.clip_grad ? o_.clip_grad / (norm + 1e-6) : 1.0;
   const float mul = static_cast<float>(clip / rec->loss_scale);
   const int64_t warmup = o_.warmup >= 0 ? o_.warmup : std::max<int64_t>(10, o_.steps / 10);
-  const double lr = learning_rate(k, warmup, o_.steps, o_.lr, o_.min_lr);
+  // Like Megatron's scheduler, the learning rate advances with the updates applied: a step
+  // skipped for fp16 overflow moves neither the schedule nor Adam's bias correction.
+  const double lr = learning_rate(adam_step_ - 1, warmup, o_.steps, o_.lr, o_.min_lr);
   AdamW opt;
   opt.weight_decay = o_.weight_decay;
   for (size_t u = 0; u < lay_.units.size(); ++u) {
     const int64_t off = sh_.shard_off[u];
     const float* gu = zero_ == 0 ? g + sh_.full_off[u] : g + off;
     adamw_update(master_block(u), gu, adam_m_.data() + off, adam_v_.data() + off, decay_.data() + off, sh_.shard[u],
-                 opt, lr, k + 1, mul);
+                 opt, lr, adam_step_, mul);
   }
   // Working weights: round the owned block (mixed precision), then all-gather it (ZeRO 1, 2).
   if (mixed()) {

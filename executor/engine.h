@@ -71,11 +71,15 @@ class Engine {
   void wait_pending(std::vector<Pending>* list, double* exposed);
   ModelCtx ctx();
   UnitView view(int u) { return UnitView{&lay_, lay_.units[static_cast<size_t>(u)].begin, weights(u), grads(u)}; }
+  // The forward reads weights only (no ZeRO-2/3 gradient buffer is created for it).
+  UnitView weights_view(int u) {
+    return UnitView{&lay_, lay_.units[static_cast<size_t>(u)].begin, weights(u), nullptr};
+  }
   double run_step(int64_t k, StepRecord* rec);
   void forward_step(int64_t k, const Step& st, double* loss_sum);
   void backward_step(const Step& st);
   void finish_gradients();
-  void optimizer_step(int64_t k, StepRecord* rec);
+  void optimizer_step(StepRecord* rec);
   float* master_block(size_t u);
   std::vector<float> full_fp32_params();
   std::vector<float> global_params(const std::vector<float>& full);
@@ -116,6 +120,7 @@ class Engine {
   std::vector<Pending> dp_pending_, sends_;
   std::map<std::pair<int64_t, int64_t>, MicroState> micro_;
   double loss_scale_ = 1.0;
+  int64_t adam_step_ = 0;  // updates applied (skipped fp16 steps do not count)
   int64_t good_steps_ = 0;
   // Per-step phase seconds.
   double dp_skew_s_ = 0;

@@ -216,9 +216,10 @@ Buf layer_backward(const ModelCtx& c, const UnitView& u, int64_t l, LayerActs* a
   if (c.recompute == Recompute::full) {  // run the forward again, with every tensor kept
     ModelCtx again = c;
     again.recompute = Recompute::none;
-    const double t0 = c.comm->wtime();
+    const double t0 = c.comm->wtime(), tp0 = c.tp_comm_s ? *c.tp_comm_s : 0.0;
     forward_all(again, u, l, a);
-    if (c.recompute_s) *c.recompute_s += c.comm->wtime() - t0;
+    // Its tensor-parallel collectives stay in tp_comm; recompute is the compute.
+    if (c.recompute_s) *c.recompute_s += c.comm->wtime() - t0 - ((c.tp_comm_s ? *c.tp_comm_s : 0.0) - tp0);
   }
   const ModelSpec& m = *c.m;
   const int64_t H = m.H, D = m.D(), At = m.A / c.t, Gt = m.G / c.t, Q = (At + 2 * Gt) * D;

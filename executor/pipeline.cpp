@@ -26,13 +26,13 @@ void Engine::forward_step(int64_t k, const Step& st, double* loss_sum) {
   Buf x;
   if (vs == 0 || vs == last) data_.micro_batch(k, plan_.gbs, plan_.d, me_.dp, st.mb, plan_.mbs, &ms.tokens, &ms.targets);
   if (vs == 0) {
-    const double t0 = comm_.wtime(), tp0 = tp_s_;
+    const double t0 = comm_.wtime(), tp0 = tp_s_, dp0 = dp_s_;
     UnitView wpe;
-    if (wpe_unit_ >= 0) wpe = view(wpe_unit_);
-    x = embedding_forward(c, view(wte_unit_), wpe_unit_ >= 0 ? &wpe : nullptr, ms.tokens.data());
+    if (wpe_unit_ >= 0) wpe = weights_view(wpe_unit_);
+    x = embedding_forward(c, weights_view(wte_unit_), wpe_unit_ >= 0 ? &wpe : nullptr, ms.tokens.data());
     release_weights(wte_unit_);
     if (wpe_unit_ >= 0) release_weights(wpe_unit_);
-    forward_s_ += comm_.wtime() - t0 - (tp_s_ - tp0);
+    forward_s_ += comm_.wtime() - t0 - (tp_s_ - tp0) - (dp_s_ - dp0);
   } else {
     x = c.act(rows * H);
     const int64_t src = (me_.pp + p - 1) % p;
@@ -44,12 +44,12 @@ void Engine::forward_step(int64_t k, const Step& st, double* loss_sum) {
   }
   const auto& layers = chunk_layers_[static_cast<size_t>(st.chunk)];
   ms.layers.resize(layers.size());
-  const double t0 = comm_.wtime(), tp0 = tp_s_;
+  const double t0 = comm_.wtime(), tp0 = tp_s_, dp0 = dp_s_;
   for (size_t i = 0; i < layers.size(); ++i) {
     const int u = layer_unit_.at(layers[i]);
     weights(u);
     if (i + 1 < layers.size()) prefetch(layer_unit_.at(layers[i + 1]));
-    x = layer_forward(c, view(u), layers[i], std::move(x), &ms.layers[i]);
+    x = layer_forward(c, weights_view(u), layers[i], std::move(x), &ms.layers[i]);
     release_weights(u);
     poll();
   }
@@ -57,12 +57,12 @@ void Engine::forward_step(int64_t k, const Step& st, double* loss_sum) {
     const float* w = weights(head_w_unit_);
     const TensorKind k_out = m_.tie_embeddings ? TensorKind::wte : TensorKind::lm_head;
     const float* out_w = w + (lay_.at(k_out).offset - lay_.units[static_cast<size_t>(head_w_unit_)].begin);
-    *loss_sum += head_forward(c, view(final_unit_), out_w, std::move(x), ms.targets.data(), &ms.head);
+    *loss_sum += head_forward(c, weights_view(final_unit_), out_w, std::move(x), ms.targets.data(), &ms.head);
     release_weights(final_unit_);
     release_weights(head_w_unit_);
   }
   const double t1 = comm_.wtime();
-  forward_s_ += t1 - t0 - (tp_s_ - tp0);
+  forward_s_ += t1 - t0 - (tp_s_ - tp0) - (dp_s_ - dp0);
   event("forward", 0, t0, t1, st.mb, st.chunk);
   if (vs != last) {
     const int64_t dst = (me_.pp + 1) % p, dchunk = st.chunk + (me_.pp == p - 1 ? 1 : 0);
@@ -82,7 +82,7 @@ void Engine::backward_step(const Step& st) {
   const int64_t H = m_.H, rows = c.n();
   const float dloss = static_cast<float>(loss_scale_ / static_cast<double>(plan_.gbs * m_.S));
   Buf dx;
-  double t0 = comm_.wtime(), tp0 = tp_s_;
+  double t0 = comm_.wtime(), tp0 = tp_s_, dp0 = dp_s_;
   const double rc0 = recompute_s_;
   if (vs == last) {
     const float* w = weights(head_w_unit_);
@@ -104,6 +104,7 @@ void Engine::backward_step(const Step& st) {
     event("recv gradients", 1, r0, comm_.wtime(), st.mb, st.chunk);
     t0 = comm_.wtime();
     tp0 = tp_s_;
+    dp0 = dp_s_;
   }
   const auto& layers = chunk_layers_[static_cast<size_t>(st.chunk)];
   for (size_t i = layers.size(); i-- > 0;) {
@@ -125,7 +126,8 @@ void Engine::backward_step(const Step& st) {
     if (wpe_unit_ >= 0) unit_done(wpe_unit_);
   }
   const double t1 = comm_.wtime();
-  backward_s_ += t1 - t0 - (tp_s_ - tp0) - (recompute_s_ - rc0);
+  // Compute only: tensor- and data-parallel calls and the recompute are their own terms.
+  backward_s_ += t1 - t0 - (tp_s_ - tp0) - (dp_s_ - dp0) - (recompute_s_ - rc0);
   event("backward", 0, t0, t1, st.mb, st.chunk);
   if (vs != 0) {
     const int64_t dst = (me_.pp + p - 1) % p, dchunk = st.chunk - (me_.pp == 0 ? 1 : 0);
@@ -155,7 +157,7 @@ double Engine::run_step(int64_t k, StepRecord* rec) {
   const double dp0 = dp_s_;
   finish_gradients();
   const double final_wait = dp_s_ - dp0;
-  optimizer_step(k, rec);
+  optimizer_step(rec);
   // Skew: the last data-parallel replica to finish its backward sets when the last
   // reduction can end; the part of this rank's final wait spent before that is load
   // imbalance, not communication.

@@ -14,6 +14,7 @@
 #include <cmath>
 #include <cstdio>
 #include <fstream>
+#include <iomanip>
 #include <map>
 #include <numeric>
 #include <sstream>
@@ -216,7 +217,7 @@ TrainResult Engine::run() {
     if (o_.progress && comm_.rank() == 0)
       std::fprintf(stderr, "step %lld/%lld  loss %.5f  %.3f s  %.0f tokens/s  grad norm %.3f%s\n",
                    static_cast<long long>(k + 1), static_cast<long long>(o_.steps), rec.loss, dt, rec.tokens_per_s,
-                   rec.grad_norm, rec.skipped ? "  (skipped: fp16 overflow)" : "");
+                   rec.grad_norm, rec.skipped ? "  (skipped: non-finite gradients)" : "");
   }
   std::vector<double> times(res.steps.size());
   for (size_t i = 0; i < times.size(); ++i) times[i] = res.steps[i].step_time_s;
@@ -279,7 +280,10 @@ TrainResult Engine::run() {
     comm_.all_reduce(hi.data(), static_cast<int64_t>(hi.size()), dp_, ReduceOp::max);
     comm_.all_reduce(lo.data(), static_cast<int64_t>(lo.size()), dp_, ReduceOp::max);
     double spread = 0;
-    for (size_t i = 0; i < hi.size(); ++i) spread = std::max(spread, static_cast<double>(hi[i] + lo[i]));
+    for (size_t i = 0; i < hi.size(); ++i) {
+      const double d = static_cast<double>(hi[i] + lo[i]);
+      if (!(d <= spread)) spread = d;  // NaN propagates
+    }
     comm_.all_reduce(&spread, 1, world_, ReduceOp::max);
     res.replica_max_abs_diff = spread;
   }
@@ -293,6 +297,7 @@ TrainResult Engine::run() {
   }
   if (!o_.trace_path.empty()) {
     std::ostringstream os;
+    os << std::fixed << std::setprecision(3);  // microseconds with ns digits, at any run length
     for (const TraceEvent& e : trace_) {
       os << ",\n{\"name\":\"" << e.name << "\",\"ph\":\"X\",\"pid\":" << comm_.rank() << ",\"tid\":" << e.tid
          << ",\"ts\":" << e.ts * 1e6 << ",\"dur\":" << e.dur * 1e6 << ",\"args\":{\"microbatch\":" << e.mb
@@ -346,7 +351,7 @@ Json train_result_to_json(const TrainResult& r) {
                  {"dp_comm", r.dp_comm_s},   {"dp_comm_in_flight", r.dp_comm_total_s},
                  {"dp_comm_standalone", r.dp_comm_standalone_s}, {"dp_skew", r.dp_skew_s},
                  {"pipeline_bubble", r.pipeline_bubble_s}};
-  j["replica_max_abs_diff"] = r.replica_max_abs_diff;
+  j["replica_max_abs_diff"] = std::isfinite(r.replica_max_abs_diff) ? Json(r.replica_max_abs_diff) : Json(nullptr);
   if (r.entropy_rate_nats >= 0) j["entropy_rate_nats"] = r.entropy_rate_nats;
   j["model_flops_per_step"] = r.model_flops_per_step;
   const double med = r.median_step_time_s > 0 ? r.median_step_time_s : 1.0;

@@ -251,7 +251,12 @@ ProfileResult run_profile(Comm& comm, Backend& be, const ProfileOptions& o) {
   const double ram = static_cast<double>(sysconf(_SC_PHYS_PAGES)) * static_cast<double>(sysconf(_SC_PAGE_SIZE));
   c.device.memory_bytes = ram / n;
   c.devices_per_node = n;
-  if (n > 1) {
+  bool fitted = n > 1 && message_bytes.size() >= 3;
+  for (const CollectiveFit& f : res.fits) fitted = fitted && f.busbw_bytes_per_s > 0;
+  if (n > 1 && !fitted && o.progress && comm.rank() == 0)
+    o.progress("too few message sizes (or a non-positive slope) to fit the links: local-cpu's link values kept", total,
+               total, comm.wtime() - t_begin, 0.0);
+  if (fitted) {
     double link = 0;
     for (const CollectiveFit& f : res.fits) link = std::max(link, f.busbw_bytes_per_s);
     c.intra.bandwidth_bytes_per_s = link;

@@ -3,6 +3,7 @@
 // file and line and aborts every rank.
 #include <mpi.h>
 
+#include <climits>
 #include <cstdio>
 #include <string>
 #include <vector>
@@ -118,11 +119,12 @@ class MpiComm final : public Comm {
     int len = static_cast<int>(s.size());
     std::vector<int> lens(static_cast<size_t>(size_)), displs(static_cast<size_t>(size_));
     MPI_CHECK(MPI_Gather(&len, 1, MPI_INT, lens.data(), 1, MPI_INT, root, MPI_COMM_WORLD));
-    int total = 0;
+    int64_t total64 = 0;
     for (int i = 0; i < size_; ++i) {
-      displs[static_cast<size_t>(i)] = total;
-      total += lens[static_cast<size_t>(i)];
+      displs[static_cast<size_t>(i)] = count(total64);
+      total64 += lens[static_cast<size_t>(i)];
     }
+    const int total = rank_ == root ? count(total64) : 0;
     std::string all(static_cast<size_t>(rank_ == root ? total : 0), '\0');
     MPI_CHECK(MPI_Gatherv(s.data(), len, MPI_CHAR, all.data(), lens.data(), displs.data(), MPI_CHAR, root,
                           MPI_COMM_WORLD));
@@ -135,7 +137,13 @@ class MpiComm final : public Comm {
   }
 
  private:
-  static int count(int64_t n) { return static_cast<int>(n); }  // callers keep n < 2^31
+  static int count(int64_t n) {  // MPI counts are int: refuse what would wrap
+    if (n > INT_MAX) {
+      std::fprintf(stderr, "strata: internal error: %lld elements in one MPI call exceed INT_MAX\n", static_cast<long long>(n));
+      MPI_Abort(MPI_COMM_WORLD, 1);
+    }
+    return static_cast<int>(n);
+  }
   static MPI_Op mpi_op(ReduceOp op) { return op == ReduceOp::max ? MPI_MAX : MPI_SUM; }
   MPI_Comm comm(const Group& g) const { return comms_[static_cast<size_t>(g.id)]; }
   Request slot() {
