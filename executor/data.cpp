@@ -8,16 +8,11 @@
 #include <numeric>
 
 #include "costmodel/json_input.h"
+#include "executor/hash.h"
 
 namespace strata {
 namespace {
 
-uint64_t mix(uint64_t x) {
-  x += 0x9e3779b97f4a7c15ULL;
-  x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ULL;
-  x = (x ^ (x >> 27)) * 0x94d049bb133111ebULL;
-  return x ^ (x >> 31);
-}
 double uniform(uint64_t h) { return static_cast<double>(mix(h) >> 11) / 9007199254740992.0; }  // [0, 1)
 
 constexpr int64_t kSyntheticSamples = 1 << 16;

@@ -2,6 +2,8 @@
 // seeded initialisation that makes every plan start from the same model.
 #include "executor/param_layout.h"
 
+#include "executor/hash.h"
+
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
@@ -143,17 +145,6 @@ void global_coords(const ModelSpec& m, const TensorSlot& s, int64_t t, int64_t r
     default: break;
   }
 }
-
-namespace {
-
-uint64_t mix(uint64_t x) {  // splitmix64 finaliser
-  x += 0x9e3779b97f4a7c15ULL;
-  x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ULL;
-  x = (x ^ (x >> 27)) * 0x94d049bb133111ebULL;
-  return x ^ (x >> 31);
-}
-
-}  // namespace
 
 float initial_value(const ModelSpec& m, uint64_t seed, TensorKind kind, int64_t layer, int64_t grow,
                     int64_t gcol) {

@@ -12,19 +12,16 @@
 namespace strata {
 namespace {
 
-const Group& world_of(Comm& comm) {
-  static thread_local Group g;
-  g.ranks.clear();
-  for (int r = 0; r < comm.size(); ++r) g.ranks.push_back(r);
-  g.me = comm.rank();
-  g.id = kWorld;
-  return g;
+Group world_of(const Comm& comm) {
+  ProcessGrid grid;
+  grid.d = comm.size();
+  return grid.group(kWorld, comm.rank());
 }
 
 // Runs fn() enough times for min_time_s (every rank the same count); returns the mean
 // seconds per call on the slowest rank.
 double time_calls(Comm& comm, double min_time_s, const std::function<void()>& fn) {
-  const Group& w = world_of(comm);
+  const Group w = world_of(comm);
   fn();  // warm-up
   comm.barrier(w);
   double t0 = comm.wtime();
@@ -53,7 +50,7 @@ const char* op_name(Collective c) {
 // One collective at one size: fills the buffers with exact small integers, runs it,
 // counts wrong elements, then times it.
 CollectiveRow measure(Comm& comm, Collective op, int64_t bytes, double min_time_s) {
-  const Group& w = world_of(comm);
+  const Group w = world_of(comm);
   const int n = comm.size(), me = comm.rank();
   CollectiveRow row;
   row.op = op;
