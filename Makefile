@@ -1,6 +1,6 @@
 # strata: the two commands a user needs.
-#   make demo   install deps, build (Release), estimate the published GPT-3 175B plan, search its space,
-#               then train tiny-llama for real on 4 MPI ranks
+#   make demo   install deps, build (Release), plan GPT-3 175B on 1024 A100s, then profile this machine,
+#               validate tiny-gpt on 2 MPI ranks (predicted against measured) and say where the report is
 #   make test   install deps, build, run every test; then the same tests under ASan + UBSan
 # Extra targets: build, bench (planner), bench-executor (executor speed table), calibration (the per-row
 # accuracy table), clean.
@@ -22,17 +22,15 @@ build: deps
 	cmake --build $(BUILD) -j $(JOBS)
 
 demo: build
-	@echo; echo "== strata estimate: the published Megatron-LM plan for GPT-3 175B on 1024 A100 (about 32 s measured) =="
-	$(BUILD)/strata estimate --model gpt3-175b --cluster dgx-a100-80g --plan examples/megatron-gpt3-1024.plan.json
-	@echo; echo "== strata plan: the whole space for the same model, GPUs and batch, against the published plan =="
+	@echo; echo "== 1. strata plan: GPT-3 175B on 1024 A100-80GB, global batch 1536: the whole space searched, best plans =="
 	$(BUILD)/strata plan --model gpt3-175b --cluster dgx-a100-80g --gpus 1024 --global-batch-size 1536 \
 	    --precision fp16 --top 5 --compare examples/megatron-gpt3-1024.plan.json
-	@echo; echo "== the Megatron-LM flags of that best plan =="
-	$(BUILD)/strata plan --model gpt3-175b --cluster dgx-a100-80g --gpus 1024 --global-batch-size 1536 \
-	    --precision fp16 --export megatron
-	@echo; echo "== strata train: tiny-llama for real on 4 CPU ranks, tensor x pipeline parallel with sequence parallelism =="
-	OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 mpirun -np 4 --oversubscribe $(BUILD)/strata train \
-	    --model tiny-llama --plan tp=2,pp=2,mbs=2,gbs=8,sp=1 --steps 8
+	@echo; echo "== 2+3. strata validate: profile this machine (GEMMs, memory, MPI collectives on 2 ranks), choose the best"
+	@echo "==      tiny-gpt plans plus one per mechanism, train each for real under mpirun, compare with the prediction =="
+	OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 $(BUILD)/strata validate --model tiny-gpt \
+	    --cluster measure --ranks 2 --report strata-report
+	@echo; echo "== the report: strata-report/report.md (SVG charts beside it; predicted and measured Chrome traces of"
+	@echo "   every plan under strata-report/plans/, open them in https://ui.perfetto.dev) =="
 
 test-fast: build
 	cd $(BUILD) && ctest --output-on-failure -j $(JOBS)

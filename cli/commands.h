@@ -8,6 +8,7 @@ namespace strata {
 
 int cmd_train(const std::vector<std::string>& argv);
 int cmd_profile(const std::vector<std::string>& argv);
+int cmd_validate(const std::vector<std::string>& argv);
 
 // For subcommands under mpirun: every rank checks its input, then they agree. When any
 // rank rejected it (error non-empty there), every rank prints one line naming its rank

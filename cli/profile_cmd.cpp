@@ -10,6 +10,7 @@
 #include <fmt/format.h>
 
 #include "cli/args.h"
+#include "cli/progress.h"
 #include "cli/commands.h"
 #include "hw_profiles/profiler.h"
 
@@ -47,14 +48,10 @@ int cmd_profile(const std::vector<std::string>& argv) {
   if (any_rank_rejected_input(error)) return 2;
   auto comm = make_mpi_comm();
   auto be = make_cpu_backend();
-  const bool tty = isatty(2) != 0;
-  o.progress = [tty](const std::string& line, int done, int total, double elapsed, double eta) {
-    const int width = 24, filled = total > 0 ? done * width / total : width;
-    if (tty)  // a bar redrawn in place
-      fmt::print(stderr, "\r\033[K  [{}{}] {}/{}  {:.0f} s, ETA {:.0f} s  {}", std::string(static_cast<size_t>(filled), '#'),
-                 std::string(static_cast<size_t>(width - filled), '.'), done, total, elapsed, eta, line);
-    else  // plain lines, one per point
-      fmt::print(stderr, "  profile {}/{} ({:.0f} s, ETA {:.0f} s): {}\n", done, total, elapsed, eta, line);
+  Progress bar("profile", 1);
+  o.progress = [&bar](const std::string& line, int done, int total, double, double) {
+    bar.set_total(total);
+    bar.update(done, line);
   };
   const ProfileResult r = run_profile(*comm, *be, o);
   int64_t wrong = 0;
@@ -68,7 +65,7 @@ int cmd_profile(const std::vector<std::string>& argv) {
     return 1;
   }
   if (rank == 0) {
-    if (tty) fmt::print(stderr, "\n");
+    bar.finish();
     const Json j = cluster_to_json(r.cluster);
     if (json) std::cout << j.dump(2) << "\n";
     else fmt::print("{}", format_profile_summary(r));

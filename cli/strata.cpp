@@ -42,7 +42,9 @@ usage:
   C  a preset (strata plan --list-clusters) or a cluster JSON (schema: hw_profiles/README.md)
   P  a plan JSON or inline pairs: tp=8,pp=8,dp=16,mbs=1,vp=3,zero=1,recompute=selective,sp=1
 
-  validate (SPEC.md) is not part of this build yet.
+  strata validate  --model M --cluster C|measure --ranks N [--plans K] [--steps S] [--report DIR]
+                   [--global-batch-size B] [--precision fp32|bf16|fp16] [--seq-length S] [--json]
+                   [--no-spread] [--quick-profile] [--mpirun PATH]     (runs mpirun itself)
 exit codes: 0 ok, 2 invalid input, 3 nothing feasible, 1 internal error
 )";
 
@@ -268,9 +270,8 @@ int run(int argc, char** argv) {
   if (cmd == "estimate") return cmd_estimate(rest);
   if (cmd == "train") return cmd_train(rest);
   if (cmd == "profile") return cmd_profile(rest);
-  if (cmd == "validate")
-    throw InputError(fmt::format("strata {}: not part of this build yet (this version implements plan, estimate, profile and train)", cmd));
-  throw InputError(fmt::format("strata: unknown subcommand '{}' (plan, estimate, profile, train; see strata --help)", cmd));
+  if (cmd == "validate") return cmd_validate(rest);
+  throw InputError(fmt::format("strata: unknown subcommand '{}' (plan, estimate, profile, train, validate; see strata --help)", cmd));
 }
 
 }  // namespace

@@ -10,6 +10,7 @@
 #include <fmt/format.h>
 
 #include "cli/args.h"
+#include "cli/progress.h"
 #include "cli/commands.h"
 #include "executor/data.h"
 #include "executor/param_layout.h"
@@ -63,7 +64,16 @@ int cmd_train(const std::vector<std::string>& argv) {
     o.loss_scale_window = a.integer("loss-scale-window", o.loss_scale_window, 1, 100000000);
     o.trace_path = a.get("trace");
     o.dump_params_path = a.get("dump-params");
-    o.progress = !a.has("quiet");
+    if (!a.has("quiet")) {
+      auto bar = std::make_shared<Progress>("train", o.steps);
+      o.on_step = [bar](const StepRecord& r, int64_t steps) {
+        bar->update(r.step,
+                    fmt::format("step {}/{}  loss {:.5f}  {:.3f} s  {:.0f} tokens/s  grad norm {:.3f}{}", r.step, steps,
+                                r.loss, r.step_time_s, r.tokens_per_s, r.grad_norm,
+                                r.skipped ? "  (skipped: non-finite gradients)" : ""));
+        if (r.step == steps) bar->finish();
+      };
+    }
     json_path = a.get("json");
     validate_train_plan(m, plan, size);
     TokenSource check(o.data, executor_vocab(m), m.S, o.seed);  // a missing or bad token file fails here

@@ -20,6 +20,7 @@
 #include <sstream>
 #include <thread>
 
+#include <malloc.h>
 #include <unistd.h>
 
 #include "costmodel/layout.h"
@@ -66,6 +67,12 @@ void validate_train_plan(const ModelSpec& m, const Plan& p, int world_size) {
 
 Engine::Engine(const ModelSpec& m, const Plan& p, const TrainOptions& o, Comm& comm, Backend& be)
     : m_(m), plan_(p), o_(o), comm_(comm), be_(be), data_(o.data, executor_vocab(m), m.S, o.seed) {
+  // Activations are allocated and freed every micro-batch. glibc maps every block above
+  // its mmap threshold afresh (and trims freed heap), so each step would page-fault and
+  // zero all of them again; keep freed blocks in the heap instead, as the caching
+  // allocators of GPU frameworks do. The memory tracker counts live bytes either way.
+  mallopt(M_MMAP_THRESHOLD, 1 << 30);
+  mallopt(M_TRIM_THRESHOLD, 1 << 30);
   grid_.t = p.t;
   grid_.c = p.c;
   grid_.d = p.d;
@@ -214,10 +221,7 @@ TrainResult Engine::run() {
                              bubble_s_, 1.0, dp_skew_s_};
       for (int i = 0; i < 11; ++i) sums[static_cast<size_t>(i)] += ph[i];
     }
-    if (o_.progress && comm_.rank() == 0)
-      std::fprintf(stderr, "step %lld/%lld  loss %.5f  %.3f s  %.0f tokens/s  grad norm %.3f%s\n",
-                   static_cast<long long>(k + 1), static_cast<long long>(o_.steps), rec.loss, dt, rec.tokens_per_s,
-                   rec.grad_norm, rec.skipped ? "  (skipped: non-finite gradients)" : "");
+    if (o_.on_step && comm_.rank() == 0) o_.on_step(rec, o_.steps);
   }
   std::vector<double> times(res.steps.size());
   for (size_t i = 0; i < times.size(); ++i) times[i] = res.steps[i].step_time_s;

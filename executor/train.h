@@ -6,6 +6,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <string>
 #include <vector>
 
@@ -16,6 +17,12 @@
 #include "executor/comm.h"
 
 namespace strata {
+
+struct StepRecord {
+  int64_t step = 0;
+  double loss = 0, step_time_s = 0, tokens_per_s = 0, grad_norm = 0, loss_scale = 1;
+  bool skipped = false;
+};
 
 struct TrainOptions {
   int64_t steps = 10;
@@ -28,14 +35,10 @@ struct TrainOptions {
   int64_t loss_scale_window = 1000; // good steps before the scale doubles
   std::string trace_path;
   std::string dump_params_path;     // rank 0 writes the gathered global fp32 parameters
-  bool progress = true;             // a line per step on stderr (rank 0)
+  // Called on rank 0 after every step with the step's record (the CLI draws progress).
+  std::function<void(const StepRecord&, int64_t steps)> on_step;
 };
 
-struct StepRecord {
-  int64_t step = 0;
-  double loss = 0, step_time_s = 0, tokens_per_s = 0, grad_norm = 0, loss_scale = 1;
-  bool skipped = false;
-};
 
 struct TrainResult {
   Plan plan;

@@ -34,7 +34,6 @@ void train_steps(benchmark::State& state, const char* model, const char* plan) {
   const ModelSpec m = load_model(model);
   const Plan p = load_plan(plan);
   TrainOptions o;
-  o.progress = false;
   auto comm = make_mpi_comm();
   auto be = make_cpu_backend();
   double flops = 0, seconds = 0;

@@ -18,12 +18,26 @@ using MMap = Eigen::Map<RowMat, 0, Eigen::OuterStride<>>;
 constexpr float kEps = 1e-5f;
 constexpr float kGeluK = 0.7978845608028654f;  // sqrt(2/pi)
 
-float gelu(float x) { return 0.5f * x * (1.0f + std::tanh(kGeluK * (x + 0.044715f * x * x * x))); }
-float gelu_grad(float x) {
-  const float th = std::tanh(kGeluK * (x + 0.044715f * x * x * x));
-  return 0.5f * (1.0f + th) + 0.5f * x * (1.0f - th * th) * kGeluK * (1.0f + 3.0f * 0.044715f * x * x);
+using CAMap = Eigen::Map<const Eigen::ArrayXf>;
+using AMap = Eigen::Map<Eigen::ArrayXf>;
+
+// GELU (tanh form) of n values, and its derivative into `grad` when given. Eigen's tanh
+// and exp are vectorised rational / polynomial approximations (a few ulp from libm's),
+// which keeps these element-wise kernels near memory speed instead of 10+ ns per value.
+void gelu_row(float* out, const float* x_, int64_t n, float* grad) {
+  const CAMap x(x_, n);
+  const Eigen::ArrayXf th = (kGeluK * (x + 0.044715f * x.cube())).tanh();
+  if (grad)
+    AMap(grad, n) = 0.5f * (1.0f + th) + 0.5f * x * (1.0f - th.square()) * kGeluK * (1.0f + 3.0f * 0.044715f * x.square());
+  AMap(out, n) = 0.5f * x * (1.0f + th);
 }
-float sigmoid(float x) { return 1.0f / (1.0f + std::exp(-x)); }
+// SiLU x * sigmoid(x) and its derivative s * (1 + x (1 - s)).
+void silu_row(float* out, const float* x_, int64_t n, float* grad) {
+  const CAMap x(x_, n);
+  const Eigen::ArrayXf s = 1.0f / (1.0f + (-x).exp());
+  if (grad) AMap(grad, n) = s * (1.0f + x * (1.0f - s));
+  AMap(out, n) = x * s;
+}
 
 float round_bf16(float x) {
   uint32_t u;
@@ -131,42 +145,34 @@ class CpuBackend final : public Backend {
 
   void activation_forward(Activation act, float* out, const float* u, int64_t N, int64_t F) override {
     if (act == Activation::gelu) {
-      for (int64_t i = 0; i < N * F; ++i) out[i] = gelu(u[i]);
+      for (int64_t i = 0; i < N; ++i) gelu_row(out + i * F, u + i * F, F, nullptr);
       return;
     }
+    std::vector<float> a(static_cast<size_t>(F));
     for (int64_t i = 0; i < N; ++i) {
       const float* g = u + i * 2 * F;
-      const float* up = g + F;
-      float* o = out + i * F;
-      for (int64_t j = 0; j < F; ++j)
-        o[j] = (act == Activation::swiglu ? g[j] * sigmoid(g[j]) : gelu(g[j])) * up[j];
+      if (act == Activation::swiglu) silu_row(a.data(), g, F, nullptr);
+      else gelu_row(a.data(), g, F, nullptr);
+      AMap(out + i * F, F) = CAMap(a.data(), F) * CAMap(g + F, F);
     }
   }
   void activation_backward(Activation act, float* du, const float* dout, const float* u, int64_t N,
                            int64_t F) override {
+    std::vector<float> a(static_cast<size_t>(F)), da(static_cast<size_t>(F));
     if (act == Activation::gelu) {
-      for (int64_t i = 0; i < N * F; ++i) du[i] = dout[i] * gelu_grad(u[i]);
+      for (int64_t i = 0; i < N; ++i) {
+        gelu_row(a.data(), u + i * F, F, da.data());
+        AMap(du + i * F, F) = CAMap(dout + i * F, F) * CAMap(da.data(), F);
+      }
       return;
     }
     for (int64_t i = 0; i < N; ++i) {
       const float* g = u + i * 2 * F;
-      const float* up = g + F;
-      const float* d = dout + i * F;
-      float* dg = du + i * 2 * F;
-      float* dup = dg + F;
-      for (int64_t j = 0; j < F; ++j) {
-        float a, da;
-        if (act == Activation::swiglu) {
-          const float s = sigmoid(g[j]);
-          a = g[j] * s;
-          da = s * (1.0f + g[j] * (1.0f - s));
-        } else {
-          a = gelu(g[j]);
-          da = gelu_grad(g[j]);
-        }
-        dg[j] = d[j] * up[j] * da;
-        dup[j] = d[j] * a;
-      }
+      const CAMap up(g + F, F), d(dout + i * F, F);
+      if (act == Activation::swiglu) silu_row(a.data(), g, F, da.data());
+      else gelu_row(a.data(), g, F, da.data());
+      AMap(du + i * 2 * F, F) = d * up * CAMap(da.data(), F);
+      AMap(du + i * 2 * F + F, F) = d * CAMap(a.data(), F);
     }
   }
 
@@ -266,13 +272,9 @@ class CpuBackend final : public Backend {
       float* row = p + i * S;
       float mx = row[0];
       for (int64_t j = 1; j <= i; ++j) mx = std::max(mx, row[j]);
-      float sum = 0;
-      for (int64_t j = 0; j <= i; ++j) {
-        row[j] = std::exp(row[j] - mx);
-        sum += row[j];
-      }
-      const float inv = 1.0f / sum;
-      for (int64_t j = 0; j <= i; ++j) row[j] *= inv;
+      AMap r(row, i + 1);
+      r = (r - mx).exp();
+      r *= 1.0f / r.sum();
       for (int64_t j = i + 1; j < S; ++j) row[j] = 0.0f;
     }
   }

@@ -1,0 +1,42 @@
+// The files `strata validate` writes into its report folder: validation.json (SPEC.md
+// "Validation output"), report.md, and three SVG charts (predicted against measured step
+// time with the y = x line; time by term, predicted beside measured; memory by term).
+// Formatting only: the numbers come from planner/validation.h.
+#pragma once
+
+#include <string>
+#include <vector>
+
+#include "costmodel/json_input.h"
+#include "planner/validation.h"
+
+namespace strata {
+
+struct ValidatedRun {
+  ValidationPlan choice;
+  std::string dir;        // relative to the report folder: plans/NN-...
+  bool ok = false;        // the training run finished and its JSON parsed
+  std::string failure;    // why not
+  Json measured;          // strata train --json
+  RunComparison cmp;
+};
+
+struct ValidationSummary {
+  std::string model, cluster, cluster_description;
+  int64_t ranks = 0, steps = 0;
+  std::vector<ValidatedRun> runs;
+  double median_abs_step_error = 0, max_abs_step_error = 0, spearman_step_time = 0;
+  double median_abs_memory_error = 0, max_abs_memory_term_error = 0;
+};
+
+// Fills the summary statistics from the runs that finished.
+void summarise(ValidationSummary& s);
+
+Json validation_to_json(const ValidationSummary& s);
+std::string format_validation_table(const ValidationSummary& s);  // the stdout table
+std::string validation_markdown(const ValidationSummary& s);
+std::string svg_step_time(const ValidationSummary& s);
+std::string svg_time_breakdown(const ValidationSummary& s);
+std::string svg_memory(const ValidationSummary& s);
+
+}  // namespace strata

@@ -1,0 +1,144 @@
+// Plan choice and predicted-vs-measured arithmetic for `strata validate`; see validation.h.
+#include "planner/validation.h"
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <numeric>
+
+#include "planner/search.h"
+
+namespace strata {
+
+const std::vector<Mechanism>& validation_mechanisms() {
+  static const std::vector<Mechanism> mechs = {
+      {"dp", [](const Plan& p) { return p.d > 1; }},
+      {"tp", [](const Plan& p) { return p.t > 1 && !p.sp; }},
+      {"sp", [](const Plan& p) { return p.t > 1 && p.sp; }},
+      {"pp gpipe", [](const Plan& p) { return p.p > 1 && p.schedule() == ScheduleKind::gpipe; }},
+      {"pp 1f1b", [](const Plan& p) { return p.p > 1 && p.schedule() == ScheduleKind::one_f_one_b; }},
+      {"pp interleaved", [](const Plan& p) { return p.p > 1 && p.schedule() == ScheduleKind::interleaved; }},
+      {"zero1", [](const Plan& p) { return p.d > 1 && p.zero == 1; }},
+      {"zero2", [](const Plan& p) { return p.d > 1 && p.zero == 2; }},
+      {"zero3", [](const Plan& p) { return p.d > 1 && p.zero == 3; }},
+      {"recompute selective", [](const Plan& p) { return p.recompute == Recompute::selective; }},
+      {"recompute full", [](const Plan& p) { return p.recompute == Recompute::full; }},
+      {"accumulation", [](const Plan& p) { return p.microbatches() > 1; }},
+  };
+  return mechs;
+}
+
+std::vector<ValidationPlan> choose_validation_plans(const ModelSpec& m, const Cluster& cl,
+                                                    const ValidationChoiceOptions& o) {
+  SearchOptions so;
+  so.gpus = o.ranks;
+  so.gbs = o.gbs;
+  so.precision = o.precision;
+  so.top_k = std::numeric_limits<int>::max();  // every feasible plan, ranked
+  const SearchResult r = search(m, cl, so);
+  std::vector<const Estimate*> ok;
+  for (const Estimate& e : r.plans)
+    if (e.plan.c == 1 && (!o.runnable || o.runnable(e.plan).empty())) ok.push_back(&e);
+  std::vector<ValidationPlan> out;
+  std::vector<bool> taken(ok.size(), false);
+  for (size_t i = 0; i < ok.size() && static_cast<int>(out.size()) < o.best; ++i) {
+    out.push_back({ok[i]->plan, *ok[i], "best " + std::to_string(i + 1)});
+    taken[i] = true;
+  }
+  if (!o.spread) return out;
+  for (const Mechanism& mech : validation_mechanisms()) {
+    bool covered = false;
+    for (const ValidationPlan& v : out) covered = covered || mech.uses(v.plan);
+    if (covered) continue;
+    // The best-ranked plan that uses it; prefer one that differs from the chosen ones in
+    // this mechanism only where possible (the ranking already favours simple plans).
+    for (size_t i = 0; i < ok.size(); ++i) {
+      if (taken[i] || !mech.uses(ok[i]->plan)) continue;
+      out.push_back({ok[i]->plan, *ok[i], std::string("exercises ") + mech.name});
+      taken[i] = true;
+      break;
+    }
+  }
+  return out;
+}
+
+double relative_error(double predicted, double measured) {
+  if (measured == 0) return std::numeric_limits<double>::quiet_NaN();
+  return (predicted - measured) / measured;
+}
+
+double median(std::vector<double> v) {
+  v.erase(std::remove_if(v.begin(), v.end(), [](double x) { return std::isnan(x); }), v.end());
+  if (v.empty()) return std::numeric_limits<double>::quiet_NaN();
+  std::sort(v.begin(), v.end());
+  const size_t n = v.size();
+  return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
+}
+
+namespace {
+
+std::vector<double> ranks_of(const std::vector<double>& x) {
+  std::vector<size_t> idx(x.size());
+  std::iota(idx.begin(), idx.end(), 0);
+  std::sort(idx.begin(), idx.end(), [&](size_t a, size_t b) { return x[a] < x[b]; });
+  std::vector<double> r(x.size());
+  for (size_t i = 0; i < idx.size();) {
+    size_t j = i;
+    while (j + 1 < idx.size() && x[idx[j + 1]] == x[idx[i]]) ++j;
+    const double avg = 0.5 * static_cast<double>(i + j) + 1.0;  // ties share the mean rank
+    for (size_t k = i; k <= j; ++k) r[idx[k]] = avg;
+    i = j + 1;
+  }
+  return r;
+}
+
+}  // namespace
+
+double spearman(const std::vector<double>& a, const std::vector<double>& b) {
+  const size_t n = std::min(a.size(), b.size());
+  if (n < 2) return std::numeric_limits<double>::quiet_NaN();
+  const std::vector<double> ra = ranks_of(std::vector<double>(a.begin(), a.begin() + static_cast<long>(n)));
+  const std::vector<double> rb = ranks_of(std::vector<double>(b.begin(), b.begin() + static_cast<long>(n)));
+  // Pearson correlation of the ranks (exact with ties, unlike 1 - 6 sum d^2 / ...).
+  const double ma = std::accumulate(ra.begin(), ra.end(), 0.0) / static_cast<double>(n);
+  const double mb = std::accumulate(rb.begin(), rb.end(), 0.0) / static_cast<double>(n);
+  double sab = 0, saa = 0, sbb = 0;
+  for (size_t i = 0; i < n; ++i) {
+    sab += (ra[i] - ma) * (rb[i] - mb);
+    saa += (ra[i] - ma) * (ra[i] - ma);
+    sbb += (rb[i] - mb) * (rb[i] - mb);
+  }
+  if (saa == 0 || sbb == 0) return std::numeric_limits<double>::quiet_NaN();
+  return sab / std::sqrt(saa * sbb);
+}
+
+RunComparison compare_run(const Estimate& predicted, const Json& measured) {
+  RunComparison c;
+  c.predicted_step_s = predicted.step_time_s;
+  c.measured_step_s = measured.at("median_step_time_s").get<double>();
+  c.step_time_error = relative_error(c.predicted_step_s, c.measured_step_s);
+  const Json& mt = measured.at("time_s");
+  for (const auto& [name, value] : time_terms(predicted.time)) {
+    if (!mt.contains(name)) continue;  // a term the executor does not have (cp_comm, overhead)
+    const double meas = mt.at(name).get<double>();
+    c.time.push_back({name, value, meas, relative_error(value, meas)});
+  }
+  const Json& mm = measured.at("peak_memory_bytes");
+  // The executor tracks the bytes of live tensors by term; the framework overhead of a
+  // profile (runtime, library buffers) is not a tensor, so the peaks compare without it.
+  for (const auto& [name, value] : memory_terms(predicted.memory)) {
+    const std::string key = std::string(name) == "peak" ? "total" : name;
+    if (!mm.contains(key)) continue;
+    const double pred = key == "total" ? value - predicted.memory.framework_overhead : value;
+    const double meas = mm.at(key).get<double>();
+    c.memory.push_back({key == "total" ? "peak" : name, pred, meas, relative_error(pred, meas)});
+    if (key == "total") {
+      c.predicted_memory_bytes = pred;
+      c.measured_memory_bytes = meas;
+      c.memory_error = relative_error(pred, meas);
+    }
+  }
+  return c;
+}
+
+}  // namespace strata

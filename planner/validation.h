@@ -1,0 +1,63 @@
+// What `strata validate` decides and computes without running anything: which plans to
+// train (the K best feasible ones, then a spread that exercises every mechanism the
+// executor has at least once) and how predicted and measured compare (relative errors per
+// time and memory term, median / max, Spearman rank correlation). Pure; the running and
+// the report files live in cli/.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <string>
+#include <vector>
+
+#include "costmodel/estimate.h"
+
+namespace strata {
+
+struct ValidationPlan {
+  Plan plan;
+  Estimate predicted;
+  std::string why;  // "best 1", "exercises zero3", ...
+};
+
+struct ValidationChoiceOptions {
+  int64_t ranks = 2;
+  int64_t gbs = 16;
+  Precision precision = Precision::fp32;
+  int best = 3;         // the K best feasible plans
+  bool spread = true;   // then one plan per mechanism not yet exercised
+  // The executor's own rules (beyond the cost model's): empty string when it can run p.
+  std::function<std::string(const Plan&)> runnable;
+};
+
+// The mechanisms the spread covers, in order, with the predicate that says a plan uses it.
+struct Mechanism {
+  const char* name;
+  std::function<bool(const Plan&)> uses;
+};
+const std::vector<Mechanism>& validation_mechanisms();
+
+// Feasible plans ranked by predicted step time, then the spread. Deterministic.
+std::vector<ValidationPlan> choose_validation_plans(const ModelSpec& m, const Cluster& cl,
+                                                    const ValidationChoiceOptions& o);
+
+// Predicted against measured for one run. Errors are (predicted - measured) / measured;
+// NaN where the measured value is zero (a term the run did not have).
+struct TermError {
+  std::string term;
+  double predicted = 0, measured = 0, error = 0;
+};
+struct RunComparison {
+  double predicted_step_s = 0, measured_step_s = 0, step_time_error = 0;
+  double predicted_memory_bytes = 0, measured_memory_bytes = 0, memory_error = 0;  // peak, tracked terms
+  std::vector<TermError> time, memory;
+};
+// `measured` is the JSON `strata train --json` writes.
+RunComparison compare_run(const Estimate& predicted, const Json& measured);
+
+double relative_error(double predicted, double measured);
+double median(std::vector<double> v);
+// Spearman's rank correlation (average ranks for ties); NaN for fewer than 2 points.
+double spearman(const std::vector<double>& a, const std::vector<double>& b);
+
+}  // namespace strata

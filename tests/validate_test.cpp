@@ -1,0 +1,161 @@
+// strata validate: the arithmetic (Spearman, median, errors per term), the choice of plans
+// (the K best plus one plan per mechanism), and a short run end to end on 2 MPI ranks whose
+// report files must exist and parse. Accuracy itself is a benchmark (README), not asserted.
+#include <gtest/gtest.h>
+#include <sys/wait.h>
+
+#include <cmath>
+#include <filesystem>
+#include <fstream>
+#include <set>
+#include <sstream>
+
+#include "costmodel/estimate.h"
+#include "executor/train.h"
+#include "planner/validation.h"
+
+namespace strata {
+namespace {
+
+namespace fs = std::filesystem;
+
+std::string slurp(const fs::path& p) {
+  std::ifstream in(p);
+  std::stringstream ss;
+  ss << in.rdbuf();
+  return ss.str();
+}
+
+TEST(Validation, SpearmanAndMedian) {
+  EXPECT_DOUBLE_EQ(spearman({1, 2, 3, 4}, {10, 20, 30, 40}), 1.0);
+  EXPECT_DOUBLE_EQ(spearman({1, 2, 3, 4}, {4, 3, 2, 1}), -1.0);
+  // Monotone but not linear: still 1.
+  EXPECT_DOUBLE_EQ(spearman({1, 2, 3, 4, 5}, {1, 4, 9, 16, 1000}), 1.0);
+  // Hand-computed with ties: ranks a = (1, 2.5, 2.5, 4), b = (1, 2, 3, 4): r = 4.5 / sqrt(4.5 * 5).
+  EXPECT_NEAR(spearman({1, 2, 2, 3}, {1, 2, 3, 4}), 4.5 / std::sqrt(4.5 * 5.0), 1e-12);
+  EXPECT_TRUE(std::isnan(spearman({1}, {2})));
+  EXPECT_DOUBLE_EQ(median({3, 1, 2}), 2.0);
+  EXPECT_DOUBLE_EQ(median({4, 1, 3, 2}), 2.5);
+  EXPECT_DOUBLE_EQ(median({NAN, 5, 1}), 3.0);  // NaN (a term a run did not have) is left out
+  EXPECT_DOUBLE_EQ(relative_error(90, 100), -0.1);
+  EXPECT_TRUE(std::isnan(relative_error(1, 0)));
+}
+
+TEST(Validation, CompareRunMatchesTermsByName) {
+  const ModelSpec m = load_model("tiny-gpt");
+  const Cluster cl = load_cluster("local-cpu");
+  Plan p = load_plan("dp=2,mbs=2,gbs=8,precision=fp32");
+  const Estimate e = estimate(m, cl, p);
+  ASSERT_TRUE(e.valid);
+  Json meas;
+  meas["median_step_time_s"] = e.step_time_s * 2;
+  meas["time_s"] = {{"forward", e.time.forward * 2}, {"backward", e.time.backward}, {"dp_comm_in_flight", 1.0}};
+  meas["peak_memory_bytes"] = {{"weights", e.memory.weights}, {"activations", e.memory.activations / 2},
+                               {"total", e.memory.peak - e.memory.framework_overhead}};
+  const RunComparison c = compare_run(e, meas);
+  EXPECT_DOUBLE_EQ(c.step_time_error, -0.5);
+  ASSERT_EQ(c.time.size(), 2u);  // only the terms both sides have
+  EXPECT_EQ(c.time[0].term, "forward");
+  EXPECT_DOUBLE_EQ(c.time[0].error, -0.5);
+  EXPECT_NEAR(c.time[1].error, 0.0, 1e-12);
+  ASSERT_EQ(c.memory.size(), 3u);
+  EXPECT_EQ(c.memory[1].term, "activations");
+  EXPECT_NEAR(c.memory[1].error, 1.0, 1e-12);
+  EXPECT_EQ(c.memory[2].term, "peak");  // without the framework overhead, which is no tensor
+  EXPECT_NEAR(c.memory_error, 0.0, 1e-12);
+}
+
+TEST(Validation, ChoiceHasTheBestThenEveryMechanism) {
+  const ModelSpec m = load_model("tiny-gpt");
+  const Cluster cl = load_cluster("local-cpu");
+  ValidationChoiceOptions o;
+  o.ranks = 2;
+  o.gbs = 16;
+  o.best = 3;
+  o.runnable = [&](const Plan& p) {
+    try {
+      validate_train_plan(m, p, 2);
+      return std::string();
+    } catch (const InputError& e) {
+      return std::string(e.what());
+    }
+  };
+  const std::vector<ValidationPlan> v = choose_validation_plans(m, cl, o);
+  ASSERT_GE(v.size(), 6u);
+  for (int i = 0; i + 1 < 3; ++i) EXPECT_LE(v[i].predicted.step_time_s, v[i + 1].predicted.step_time_s);
+  for (const Mechanism& mech : validation_mechanisms()) {
+    bool used = false;
+    for (const ValidationPlan& x : v) used = used || mech.uses(x.plan);
+    EXPECT_TRUE(used) << mech.name << " is exercised by no chosen plan";
+  }
+  std::set<std::string> distinct;
+  for (const ValidationPlan& x : v) distinct.insert(plan_to_inline(x.plan));
+  EXPECT_EQ(distinct.size(), v.size());
+}
+
+int run_strata(const std::string& args, std::string* err) {
+  const fs::path e = fs::temp_directory_path() / ("strata_validate_err_" + std::to_string(::getpid()));
+  const std::string cmd = std::string("ASAN_OPTIONS=detect_leaks=0 ") + STRATA_BINARY + " " + args + " >/dev/null 2>" + e.string();
+  const int st = std::system(cmd.c_str());
+  *err = slurp(e);
+  fs::remove(e);
+  return WIFEXITED(st) ? WEXITSTATUS(st) : 128 + WTERMSIG(st);
+}
+
+TEST(Validation, EndToEndOnTwoRanksWritesAReportThatParses) {
+  const fs::path dir = fs::temp_directory_path() / ("strata_validate_" + std::to_string(::getpid()));
+  fs::remove_all(dir);
+  std::string err;
+  // Two best plans and one per mechanism, 2 steps each, on a 32-token sequence: short.
+  const int rc = run_strata("validate --model tiny-gpt --cluster local-cpu --ranks 2 --plans 2 --steps 2 "
+                            "--seq-length 32 --global-batch-size 8 --report " + dir.string(),
+                            &err);
+  ASSERT_EQ(rc, 0) << err;
+  const Json v = Json::parse(slurp(dir / "validation.json"));
+  EXPECT_EQ(v.at("model"), "tiny-gpt");
+  EXPECT_EQ(v.at("ranks"), 2);
+  const Json& runs = v.at("runs");
+  ASSERT_GE(runs.size(), 6u);
+  for (const Json& r : runs) {
+    ASSERT_TRUE(r.at("ok").get<bool>()) << r.dump();
+    EXPECT_GT(r.at("measured").at("median_step_time_s").get<double>(), 0);
+    EXPECT_GT(r.at("predicted").at("step_time_s").get<double>(), 0);
+    EXPECT_TRUE(r.at("step_time_error").is_number());
+    EXPECT_TRUE(r.at("time_terms_s").contains("forward"));
+    EXPECT_TRUE(r.at("memory_terms_bytes").contains("weights"));
+    const fs::path pd = dir / r.at("report_dir").get<std::string>();
+    for (const char* f : {"plan.json", "predicted.json", "measured.json", "predicted.trace.json", "measured.trace.json"}) {
+      ASSERT_TRUE(fs::exists(pd / f)) << (pd / f);
+      const Json j = Json::parse(slurp(pd / f));  // throws (fails the test) when malformed
+      if (std::string(f).find("trace") != std::string::npos) EXPECT_GT(j.at("traceEvents").size(), 2u) << f;
+    }
+  }
+  EXPECT_TRUE(v.at("spearman_step_time").is_number());
+  EXPECT_TRUE(v.at("median_abs_step_time_error").is_number());
+  for (const char* f : {"step_time.svg", "time_breakdown.svg", "memory.svg"}) {
+    const std::string s = slurp(dir / f);
+    EXPECT_EQ(s.rfind("<svg xmlns=\"http://www.w3.org/2000/svg\"", 0), 0u) << f;
+    EXPECT_NE(s.find("</svg>"), std::string::npos) << f;
+    EXPECT_GE(std::count(s.begin(), s.end(), '<'), 20) << f;  // drew something
+  }
+  EXPECT_NE(slurp(dir / "step_time.svg").find("<circle"), std::string::npos);
+  const std::string md = slurp(dir / "report.md");
+  EXPECT_NE(md.find("| # | plan |"), std::string::npos);
+  EXPECT_NE(md.find("step_time.svg"), std::string::npos);
+  fs::remove_all(dir);
+}
+
+TEST(Validation, BadInputExitsTwo) {
+  std::string err;
+  EXPECT_EQ(run_strata("validate --model tiny-gpt --cluster local-cpu", &err), 2);
+  EXPECT_NE(err.find("--ranks"), std::string::npos) << err;
+  EXPECT_EQ(run_strata("validate --model tiny-gpt --cluster local-cpu --ranks 2 --precision fp8", &err), 2);
+  EXPECT_NE(err.find("--precision"), std::string::npos) << err;
+  EXPECT_EQ(run_strata("validate --model nope --cluster local-cpu --ranks 2", &err), 2);
+  EXPECT_EQ(run_strata("validate --model tiny-gpt --cluster local-cpu --ranks 2 --steps 1", &err), 2);
+  EXPECT_NE(err.find("--steps"), std::string::npos) << err;
+  EXPECT_EQ(run_strata("validate --model tiny-gpt --cluster no-such-cluster --ranks 2", &err), 2);
+}
+
+}  // namespace
+}  // namespace strata
