@@ -66,8 +66,22 @@ void Engine::poll() {
   for (Pending& p : dp_pending_)
     for (int i = 0; i < 16 && p.req.pending(); ++i)
       if (comm_.test(p.req)) dp_intervals_.push_back({p.start, comm_.wtime()});
+  add_completed_blocks();
   for (Pending& p : sends_)
     if (p.req.pending() && comm_.test(p.req)) p.keep.release();
+}
+
+// Adds finished ZeRO-2/3 blocks into the owned gradient shard, oldest first, stopping at
+// the first one still in flight; frees what they held.
+void Engine::add_completed_blocks() {
+  for (Pending& p : dp_pending_) {
+    if (!p.into || p.added) continue;
+    if (p.req.pending()) return;
+    for (size_t i = 0; i < p.block.size(); ++i) p.into[i] += p.block[i];
+    p.added = true;
+    p.keep.release();
+    std::vector<float>().swap(p.block);
+  }
 }
 
 void Engine::wait_pending(std::vector<Pending>* list, double* exposed) {
@@ -78,6 +92,7 @@ void Engine::wait_pending(std::vector<Pending>* list, double* exposed) {
     comm_.wait(p.req);
     if (list == &dp_pending_) dp_intervals_.push_back({p.start, comm_.wtime()});
   }
+  if (list == &dp_pending_) add_completed_blocks();
   list->clear();
   *exposed += comm_.wtime() - t0;
   if (list == &dp_pending_) event("wait dp reduction", 1, t0, comm_.wtime());
@@ -87,17 +102,16 @@ void Engine::wait_pending(std::vector<Pending>* list, double* exposed) {
 void Engine::unit_done(int u) {
   const size_t su = static_cast<size_t>(u);
   if (zero_ >= 2) {  // reduce-scatter this micro-batch's gradient into the owned block
-    Buf& g = grad_tmp_.at(u);
-    std::vector<float> block(static_cast<size_t>(sh_.shard[su]));
-    const double t0 = comm_.wtime();
-    comm_.reduce_scatter(g.data(), block.data(), sh_.shard[su], dp_);
-    const double t1 = comm_.wtime();
-    dp_s_ += t1 - t0;
-    dp_intervals_.push_back({t0, t1});
-    event("reduce_scatter grads", 1, t0, t1);
-    float* dst = grad_shard_.data() + sh_.shard_off[su];
-    for (int64_t i = 0; i < sh_.shard[su]; ++i) dst[i] += block[static_cast<size_t>(i)];
+    // Started now, progressed by poll() between the GEMMs of the layers before it, and
+    // added into the owned block when done (add_completed_blocks).
+    Pending p;
+    p.start = comm_.wtime();
+    p.keep = std::move(grad_tmp_.at(u));
     grad_tmp_.erase(u);
+    p.block.assign(static_cast<size_t>(sh_.shard[su]), 0.0f);
+    p.into = grad_shard_.data() + sh_.shard_off[su];
+    p.req = comm_.ireduce_scatter(p.keep.data(), p.block.data(), sh_.shard[su], dp_);
+    dp_pending_.push_back(std::move(p));
     return;
   }
   if (++done_count_[su] < mb_count_ || plan_.d == 1) {
@@ -165,11 +179,7 @@ void Engine::optimizer_step(StepRecord* rec) {
   const double t0 = comm_.wtime();
   const float* g = zero_ == 0 ? grad_full_.data() : grad_shard_.data();
   double acc[2] = {0.0, 0.0};  // sum of squares, non-finite count
-  for (int64_t i = 0; i < sh_.shard_size; ++i) {
-    const double x = g[i];
-    if (!std::isfinite(x)) acc[1] += 1;
-    else if (counted_[static_cast<size_t>(i)]) acc[0] += x * x;
-  }
+  grad_norm_terms(g, counted_.data(), sh_.shard_size, acc);
   comm_.all_reduce(acc, 2, world_);
   const double norm = std::sqrt(acc[0]) / loss_scale_;
   rec->loss_scale = loss_scale_;

@@ -32,7 +32,12 @@ struct TraceEvent {
 struct Pending {  // a data-parallel reduction or a send in flight
   Request req;
   double start = 0;
-  Buf keep;  // a send's buffer, alive until the send completes
+  Buf keep;  // a send's buffer or a reduction's input, alive until it completes
+  // ZeRO-2/3: a micro-batch's reduce-scattered block, added into `into` (n floats) once
+  // complete, in the order the reductions were started (so sums are deterministic).
+  std::vector<float> block;
+  float* into = nullptr;
+  bool added = false;
 };
 
 struct MicroState {
@@ -64,6 +69,7 @@ class Engine {
   void unit_done(int u);
   void mlp_done(int64_t layer);
   void poll();
+  void add_completed_blocks();
   void idle() {  // waiting for a peer: progress MPI, and give the core away when oversubscribed
     poll();
     std::this_thread::yield();

@@ -45,6 +45,7 @@ struct ModelCtx {
   int64_t t = 1, r = 0;  // tensor-parallel size and rank
   bool sp = false;
   Recompute recompute = Recompute::none;
+  int64_t recompute_layers = 0;  // full recompute: layers of each chunk recomputed (0 = all); see pipeline.cpp
   Precision precision = Precision::fp32;
   MemoryTracker* mem = nullptr;
   int64_t B = 1, S = 1;  // micro-batch and sequence

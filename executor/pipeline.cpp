@@ -13,6 +13,20 @@
 namespace strata {
 
 namespace {
+
+// The context of the i-th layer of a model chunk: with full recompute of
+// recompute_num_layers = k > 0, Megatron's block method recomputes the first k layers of
+// every chunk and keeps everything of the others (as costmodel/estimate.cpp counts them).
+ModelCtx chunk_layer_ctx(const ModelCtx& c, size_t i) {
+  ModelCtx ci = c;
+  if (c.recompute == Recompute::full && c.recompute_layers > 0 && static_cast<int64_t>(i) >= c.recompute_layers)
+    ci.recompute = Recompute::none;
+  return ci;
+}
+
+}  // namespace
+
+namespace {
 int tag_of(int64_t mb, int64_t chunk, int64_t v, bool backward) {
   return static_cast<int>(((mb * v + chunk) * 2) + (backward ? 1 : 0));
 }
@@ -49,7 +63,7 @@ void Engine::forward_step(int64_t k, const Step& st, double* loss_sum) {
     const int u = layer_unit_.at(layers[i]);
     weights(u);
     if (i + 1 < layers.size()) prefetch(layer_unit_.at(layers[i + 1]));
-    x = layer_forward(c, weights_view(u), layers[i], std::move(x), &ms.layers[i]);
+    x = layer_forward(chunk_layer_ctx(c, i), weights_view(u), layers[i], std::move(x), &ms.layers[i]);
     release_weights(u);
     poll();
   }
@@ -111,7 +125,7 @@ void Engine::backward_step(const Step& st) {
     const int u = layer_unit_.at(layers[i]);
     weights(u);
     if (i > 0) prefetch(layer_unit_.at(layers[i - 1]));
-    dx = layer_backward(c, view(u), layers[i], &ms.layers[i], dx);
+    dx = layer_backward(chunk_layer_ctx(c, i), view(u), layers[i], &ms.layers[i], dx);
     release_weights(u);
     unit_done(u);
     poll();
@@ -152,7 +166,9 @@ double Engine::run_step(int64_t k, StepRecord* rec) {
     if (st.forward) forward_step(k, st, &loss_sum);
     else backward_step(st);
   }
-  wait_pending(&sends_, &pp_s_);
+  // The last sends complete when their receivers reach the matching step: idle time
+  // waiting on a peer (the cool-down of the schedule), so it counts as bubble.
+  wait_pending(&sends_, &bubble_s_);
   const double arrive = comm_.wtime() - t_start;  // this rank's backward is done
   const double dp0 = dp_s_;
   finish_gradients();

@@ -184,6 +184,7 @@ ModelCtx Engine::ctx() {
   c.r = me_.tp;
   c.sp = plan_.sp;
   c.recompute = plan_.recompute;
+  c.recompute_layers = plan_.recompute_layers;
   c.precision = plan_.precision;
   c.mem = &mem_;
   c.B = plan_.mbs;

@@ -37,6 +37,14 @@ void adamw_update(float* p, const float* g, float* m, float* v, const uint8_t* d
   }
 }
 
+void grad_norm_terms(const float* g, const uint8_t* counted, int64_t n, double acc[2]) {
+  for (int64_t i = 0; i < n; ++i) {
+    const double x = g[i];
+    if (!std::isfinite(x)) acc[1] += 1;
+    else if (counted[i]) acc[0] += x * x;
+  }
+}
+
 double learning_rate(int64_t k, int64_t warmup, int64_t total, double lr, double min_lr) {
   if (k < warmup) return lr * static_cast<double>(k + 1) / static_cast<double>(warmup);
   if (total <= warmup) return lr;

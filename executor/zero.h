@@ -36,6 +36,11 @@ struct AdamW {
 void adamw_update(float* p, const float* g, float* m, float* v, const uint8_t* decay, int64_t n, const AdamW& opt,
                   double lr, int64_t step, float grad_mul);
 
+// The clipping norm's inputs over n gradients: acc[0] += the sum of squares of the
+// finite ones with counted[i] != 0 (each parameter counted once across replicas), acc[1] +=
+// the number of non-finite ones.
+void grad_norm_terms(const float* g, const uint8_t* counted, int64_t n, double acc[2]);
+
 // Learning rate at 0-based step k: linear warm-up over `warmup` steps to lr, then cosine
 // decay to min_lr at `total` steps (Megatron's --lr-warmup-iters / --lr-decay-style cosine).
 double learning_rate(int64_t k, int64_t warmup, int64_t total, double lr, double min_lr);

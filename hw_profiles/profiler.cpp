@@ -9,6 +9,8 @@
 
 #include <fmt/format.h>
 
+#include "executor/zero.h"
+
 namespace strata {
 namespace {
 
@@ -137,6 +139,57 @@ CollectiveFit fit(Collective op, const std::vector<CollectiveRow>& rows, int n) 
   return f;
 }
 
+// One memory-bound kernel of the executor on buffers of its size; seconds per call on the
+// slowest rank.
+double time_kernel(Comm& comm, Backend& be, const MemoryKernel& k, double min_time_s) {
+  const int64_t n = k.rows * k.width;
+  const bool gated = k.act != Activation::gelu;
+  const size_t un = static_cast<size_t>(gated && (k.kind == KernelKind::activation_forward ||
+                                                  k.kind == KernelKind::activation_backward) ? 2 * n : n);
+  std::vector<float> x(un), y(un), dy(static_cast<size_t>(n), 0.01f), w(static_cast<size_t>(k.width), 1.0f),
+      bias(static_cast<size_t>(k.width), 0.0f), dw(static_cast<size_t>(k.width)), db(static_cast<size_t>(k.width)),
+      mean(static_cast<size_t>(k.rows)), rstd(static_cast<size_t>(k.rows));
+  for (size_t i = 0; i < un; ++i) x[i] = 0.001f * static_cast<float>(static_cast<int64_t>(i % 2001) - 1000);
+  const bool ln = k.norm == Norm::layernorm;
+  if (k.kind == KernelKind::norm_backward) {  // the statistics the backward reads
+    if (ln) be.layernorm_forward(y.data(), mean.data(), rstd.data(), x.data(), w.data(), bias.data(), k.rows, k.width);
+    else be.rmsnorm_forward(y.data(), rstd.data(), x.data(), w.data(), k.rows, k.width);
+  }
+  std::vector<float> m, v;
+  std::vector<uint8_t> decay, counted;
+  if (k.kind == KernelKind::optimizer) {
+    m.assign(static_cast<size_t>(n), 0.0f);
+    v.assign(static_cast<size_t>(n), 0.0f);
+    decay.assign(static_cast<size_t>(n), 1);
+    counted.assign(static_cast<size_t>(n), 1);
+  }
+  int64_t step = 0;
+  return time_calls(comm, min_time_s, [&] {
+    switch (k.kind) {
+      case KernelKind::norm_forward:
+        if (ln) be.layernorm_forward(y.data(), mean.data(), rstd.data(), x.data(), w.data(), bias.data(), k.rows, k.width);
+        else be.rmsnorm_forward(y.data(), rstd.data(), x.data(), w.data(), k.rows, k.width);
+        break;
+      case KernelKind::norm_backward:
+        if (ln)
+          be.layernorm_backward(y.data(), dw.data(), db.data(), dy.data(), x.data(), mean.data(), rstd.data(), w.data(),
+                                k.rows, k.width);
+        else be.rmsnorm_backward(y.data(), dw.data(), dy.data(), x.data(), rstd.data(), w.data(), k.rows, k.width);
+        break;
+      case KernelKind::activation_forward: be.activation_forward(k.act, y.data(), x.data(), k.rows, k.width); break;
+      case KernelKind::activation_backward:
+        be.activation_backward(k.act, y.data(), dy.data(), x.data(), k.rows, k.width);
+        break;
+      case KernelKind::optimizer: {  // what Engine::optimizer_step runs per parameter
+        double acc[2] = {0, 0};
+        grad_norm_terms(x.data(), counted.data(), n, acc);
+        adamw_update(y.data(), x.data(), m.data(), v.data(), decay.data(), n, AdamW{}, 1e-4, ++step, 1.0f);
+        break;
+      }
+    }
+  });
+}
+
 }  // namespace
 
 double bus_factor_of(Collective c, int n) {
@@ -147,6 +200,45 @@ double bus_factor_of(Collective c, int n) {
     case Collective::send_recv: return 1.0;
   }
   return 1.0;
+}
+
+double kernel_bytes(const MemoryKernel& k) {
+  const double n = static_cast<double>(k.rows) * static_cast<double>(k.width), e = 4.0;
+  const bool gated = k.act != Activation::gelu;
+  switch (k.kind) {
+    case KernelKind::norm_forward: return 2.0 * e * n;
+    case KernelKind::norm_backward: return 3.0 * e * n;
+    case KernelKind::activation_forward: return (gated ? 3.0 : 2.0) * e * n;
+    case KernelKind::activation_backward: return (gated ? 5.0 : 3.0) * e * n;
+    case KernelKind::optimizer: return 40.0 * static_cast<double>(k.width);
+  }
+  return 0;
+}
+
+const char* kernel_name(KernelKind k) {
+  switch (k) {
+    case KernelKind::norm_forward: return "norm forward";
+    case KernelKind::norm_backward: return "norm backward";
+    case KernelKind::activation_forward: return "activation forward";
+    case KernelKind::activation_backward: return "activation backward";
+    case KernelKind::optimizer: return "optimizer";
+  }
+  return "?";
+}
+
+std::vector<MemoryKernel> model_memory_kernels(const ModelSpec& m, int64_t t) {
+  std::vector<MemoryKernel> out;
+  for (int64_t B : {1, 2, 4}) {
+    const int64_t N = B * m.S;
+    for (KernelKind k : {KernelKind::norm_forward, KernelKind::norm_backward})
+      out.push_back({k, N, m.H, m.normalization, m.activation});
+    for (KernelKind k : {KernelKind::activation_forward, KernelKind::activation_backward})
+      out.push_back({k, N, m.F / t, m.normalization, m.activation});
+  }
+  const int64_t layer = m.layer_params(t), all = std::min<int64_t>(m.total_params() / t, int64_t{1} << 26);
+  out.push_back({KernelKind::optimizer, 1, layer, m.normalization, m.activation});
+  if (all > 2 * layer) out.push_back({KernelKind::optimizer, 1, all, m.normalization, m.activation});
+  return out;
 }
 
 std::vector<GemmShape> model_gemm_shapes(const ModelSpec& m, int64_t t) {
@@ -183,7 +275,15 @@ ProfileResult run_profile(Comm& comm, Backend& be, const ProfileOptions& o) {
   const int64_t hi = o.quick ? std::min<int64_t>(o.max_message_bytes, int64_t{4} << 20) : o.max_message_bytes;
   std::vector<int64_t> message_bytes;
   for (int64_t bytes = lo; n > 1 && bytes <= hi; bytes *= (o.quick ? 4 : 2)) message_bytes.push_back(bytes);
-  const int total = static_cast<int>(shapes.size() + triad_bytes.size() + 4 * message_bytes.size());
+  std::vector<MemoryKernel> kernels = o.kernels;
+  if (kernels.empty()) {  // a generic GPT: hidden 1024, 2048-token micro-batches
+    ModelSpec g = load_model("gpt2-124m");
+    g.H = 1024;
+    g.F = 4096;
+    g.S = 512;
+    kernels = model_memory_kernels(g, 1);
+  }
+  const int total = static_cast<int>(shapes.size() + triad_bytes.size() + kernels.size() + 4 * message_bytes.size());
   int done = 0;
   const double t_begin = comm.wtime();
   auto say = [&](const std::string& s) {
@@ -194,10 +294,18 @@ ProfileResult run_profile(Comm& comm, Backend& be, const ProfileOptions& o) {
   };
   // GEMM, every rank at once.
   for (const GemmShape& g : shapes) {
-    std::vector<float> a(static_cast<size_t>(g.M * g.K), 0.5f), b(static_cast<size_t>(g.K * g.N), 0.25f),
-        c(static_cast<size_t>(g.M * g.N));
+    // Operands rotate through several copies, at least kColdBytes in all, so each call
+    // finds them in memory rather than in the caches, as a training step does.
+    constexpr int64_t kColdBytes = int64_t{64} << 20;
+    const int64_t one = 4 * (g.M * g.K + g.K * g.N + g.M * g.N);
+    const int64_t copies = std::clamp<int64_t>(kColdBytes / std::max<int64_t>(one, 1), 1, 64);
+    std::vector<float> a(static_cast<size_t>(copies * g.M * g.K), 0.5f), b(static_cast<size_t>(copies * g.K * g.N), 0.25f),
+        c(static_cast<size_t>(copies * g.M * g.N));
+    int64_t next = 0;
     const double t = time_calls(comm, o.min_time_s, [&] {
-      be.gemm(false, true, g.M, g.N, g.K, 1.0f, a.data(), g.K, b.data(), g.K, 0.0f, c.data(), g.N);
+      const int64_t i = next++ % copies;
+      be.gemm(false, true, g.M, g.N, g.K, 1.0f, a.data() + i * g.M * g.K, g.K, b.data() + i * g.K * g.N, g.K, 0.0f,
+              c.data() + i * g.M * g.N, g.N);
     });
     const double flops = 2.0 * static_cast<double>(g.M * g.K * g.N);
     res.gemm.push_back({flops, flops / t});
@@ -213,6 +321,13 @@ ProfileResult run_profile(Comm& comm, Backend& be, const ProfileOptions& o) {
     });
     res.memory.push_back({static_cast<double>(bytes), static_cast<double>(bytes) / t});
     say(fmt::format("triad {} bytes: {:.1f} GB/s per rank", bytes, static_cast<double>(bytes) / t / 1e9));
+  }
+  // The executor's memory-bound kernels, in the cost model's bytes.
+  for (const MemoryKernel& k : kernels) {
+    const double bytes = kernel_bytes(k);
+    const double t = time_kernel(comm, be, k, o.min_time_s);
+    res.kernels.push_back({k, bytes, bytes / t});
+    say(fmt::format("{} {}x{}: {:.1f} GB/s per rank", kernel_name(k.kind), k.rows, k.width, bytes / t / 1e9));
   }
   // Collectives.
   if (n > 1) {
@@ -241,8 +356,21 @@ ProfileResult run_profile(Comm& comm, Backend& be, const ProfileOptions& o) {
   c.device.gemm_efficiency = Curve(ge);
   double bw = 0;
   for (const auto& [b, r] : res.memory) bw = std::max(bw, r);
+  // The efficiency curve is that of the kernels training runs (the triad gives the peak):
+  // points at the same size are averaged.
   std::vector<std::pair<double, double>> me;
-  for (const auto& [b, r] : res.memory) me.push_back({b, r / bw});
+  std::vector<std::pair<double, double>> kp;
+  for (const auto& k : res.kernels) kp.push_back({k.bytes, k.bytes_per_s / bw});
+  std::sort(kp.begin(), kp.end());
+  for (size_t i = 0; i < kp.size();) {
+    size_t j = i;
+    double sum = 0;
+    while (j < kp.size() && kp[j].first <= kp[i].first * 1.01) sum += kp[j++].second;
+    me.push_back({kp[i].first, sum / static_cast<double>(j - i)});
+    i = j;
+  }
+  if (me.empty())
+    for (const auto& [b, r] : res.memory) me.push_back({b, r / bw});
   c.device.memory_bandwidth_bytes_per_s = bw;
   c.device.memory_efficiency = Curve(me);
   const double ram = static_cast<double>(sysconf(_SC_PHYS_PAGES)) * static_cast<double>(sysconf(_SC_PAGE_SIZE));
@@ -288,6 +416,10 @@ std::string format_profile_summary(const ProfileResult& r) {
   for (const auto& [f, rate] : r.gemm) s += fmt::format("  {:>12.3g} FLOPs  {:>8.1f} GFLOP/s\n", f, rate / 1e9);
   s += "memory, STREAM triad (per rank, all ranks at once)\n";
   for (const auto& [b, bw] : r.memory) s += fmt::format("  {:>12.3g} bytes  {:>8.2f} GB/s\n", b, bw / 1e9);
+  s += "memory-bound kernels of the executor, in the cost model's bytes (per rank, all ranks at once)\n";
+  for (const auto& k : r.kernels)
+    s += fmt::format("  {:<20} {:>7} x {:<7} {:>12.3g} bytes  {:>8.2f} GB/s\n", kernel_name(k.kernel.kind), k.kernel.rows,
+                     k.kernel.width, k.bytes, k.bytes_per_s / 1e9);
   if (!r.rows.empty()) {
     s += "\n";
     s += format_collective_table(r.rows, r.ranks);

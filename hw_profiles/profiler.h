@@ -1,7 +1,9 @@
 // strata profile: measures this machine the way the cost model describes it. Every rank
 // runs the sweeps at the same time, so ranks that share cores or memory bandwidth are
-// measured sharing them. GEMM rate by size (the backend's own GEMM), memory bandwidth of
-// a STREAM-triad kernel by size, and the collectives nccl-tests measures (all-reduce,
+// measured sharing them. GEMM rate by size (the backend's own GEMM, operands rotated
+// through more memory than the caches hold, as in a training step), peak memory bandwidth
+// (STREAM triad) and the achieved bandwidth of the executor's own memory-bound kernels
+// (norms, activations, optimizer) at the model's sizes, and the collectives nccl-tests measures (all-reduce,
 // all-gather, reduce-scatter, send/recv) by message size with every result checked; then
 // latency + size/bandwidth fitted per collective, and a cluster JSON in the preset schema.
 #pragma once
@@ -27,9 +29,29 @@ struct GemmShape {
 // (QKV, proj, fc1, fc2, logits; the backward GEMMs have the same FLOPs).
 std::vector<GemmShape> model_gemm_shapes(const ModelSpec& m, int64_t t);
 
+// A memory-bound kernel of the executor, measured at a size training runs it: norm and
+// activation forward / backward over (rows, width), or the optimizer step (gradient norm
+// terms + AdamW) over `width` parameters.
+enum class KernelKind { norm_forward, norm_backward, activation_forward, activation_backward, optimizer };
+struct MemoryKernel {
+  KernelKind kind = KernelKind::norm_forward;
+  int64_t rows = 1, width = 0;
+  Norm norm = Norm::layernorm;
+  Activation act = Activation::gelu;
+};
+// The bytes the cost model charges the kernel in fp32 (costmodel/compute.cpp: norms 2 and
+// 3 passes, activations 2 / 3 (gated 3 / 5), the fp32 optimizer 40 bytes per parameter),
+// so achieved bandwidth is measured in the cost model's own units.
+double kernel_bytes(const MemoryKernel& k);
+const char* kernel_name(KernelKind k);
+// The kernels of model m on one tensor-parallel rank at micro-batches 1, 2 and 4, and the
+// optimizer over one layer's and over the whole model's parameters.
+std::vector<MemoryKernel> model_memory_kernels(const ModelSpec& m, int64_t t);
+
 struct ProfileOptions {
   bool quick = false;            // fewer sizes and shorter timings (tests, demos)
   std::vector<GemmShape> extra_gemms;  // e.g. model_gemm_shapes of the model to be trained
+  std::vector<MemoryKernel> kernels;   // memory-bound kernels; empty: those of a generic model
   double min_time_s = 0.05;      // per measured point, at least
   int64_t max_message_bytes = int64_t{64} << 20;
   // A line per finished sweep point on rank 0: what was measured, points done and total,
@@ -56,7 +78,12 @@ struct CollectiveFit {
 struct ProfileResult {
   int ranks = 1;
   std::vector<std::pair<double, double>> gemm;    // (FLOPs of one GEMM, FLOP/s), slowest rank
-  std::vector<std::pair<double, double>> memory;  // (bytes one kernel moves, bytes/s), slowest rank
+  std::vector<std::pair<double, double>> memory;  // STREAM triad: (bytes one kernel moves, bytes/s), slowest rank
+  struct KernelPoint {
+    MemoryKernel kernel;
+    double bytes = 0, bytes_per_s = 0;  // the cost model's bytes, slowest rank
+  };
+  std::vector<KernelPoint> kernels;
   std::vector<CollectiveRow> rows;
   std::vector<CollectiveFit> fits;
   Cluster cluster;  // local-cpu's constants with every measured field replaced
