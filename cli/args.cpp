@@ -26,7 +26,7 @@ Args::Args(const std::vector<std::string>& argv, const std::string& command, con
     }
     if (bool_flags.count(name)) {
       if (inline_value) throw InputError(fmt::format("strata {}: --{} takes no value", command, name));
-      value = "1";
+      value.assign(1, '1');
     } else if (value_flags.count(name)) {
       if (!inline_value) {
         if (i + 1 >= argv.size())

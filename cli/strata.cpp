@@ -44,7 +44,7 @@ usage:
 
   strata validate  --model M --cluster C|measure --ranks N [--plans K] [--steps S] [--report DIR]
                    [--global-batch-size B] [--precision fp32|bf16|fp16] [--seq-length S] [--json]
-                   [--no-spread] [--quick-profile] [--mpirun PATH]     (runs mpirun itself)
+                   [--no-spread] [--quick-profile] [--calibrate] [--mpirun PATH]   (runs mpirun itself)
 exit codes: 0 ok, 2 invalid input, 3 nothing feasible, 1 internal error
 )";
 
@@ -97,8 +97,9 @@ int cmd_estimate(const std::vector<std::string>& argv) {
                {"json", "ops", "list-models", "list-clusters", "help"});
   if (a.has("help")) return fmt::print("{}", kUsage), kExitOk;
   if (a.has("list-models") || a.has("list-clusters")) return list_presets(a.has("list-models")), kExitOk;
-  const ModelSpec m = load_model(a.required("model", "a preset or a model JSON"), a.integer("seq-length", 0, 1, 1 << 24));
   const Cluster cl = load_cluster(a.required("cluster", "a preset or a cluster JSON"));
+  const ModelSpec m = model_on_stack(
+      load_model(a.required("model", "a preset or a model JSON"), a.integer("seq-length", 0, 1, 1 << 24)), cl);
   const Plan p = load_plan(a.required("plan", "a plan JSON or tp=..,pp=..,dp=.. pairs"));
   if (a.has("gpus") && a.integer("gpus", 1, 1, 1 << 24) != p.world_size())
     fail_field("--gpus", a.get("gpus"),
@@ -172,8 +173,9 @@ int cmd_plan(const std::vector<std::string>& argv) {
                {"json", "pareto", "list-models", "list-clusters", "help"});
   if (a.has("help")) return fmt::print("{}", kUsage), kExitOk;
   if (a.has("list-models") || a.has("list-clusters")) return list_presets(a.has("list-models")), kExitOk;
-  const ModelSpec m = load_model(a.required("model", "a preset or a model JSON"), a.integer("seq-length", 0, 1, 1 << 24));
   const Cluster cl = load_cluster(a.required("cluster", "a preset or a cluster JSON"));
+  const ModelSpec m = model_on_stack(
+      load_model(a.required("model", "a preset or a model JSON"), a.integer("seq-length", 0, 1, 1 << 24)), cl);
   SearchOptions so;
   so.gpus = a.integer("gpus", 0, 1, 1 << 24);
   if (!a.has("gpus")) a.required("gpus", "the number of GPUs to plan for");

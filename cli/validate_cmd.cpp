@@ -95,10 +95,10 @@ int cmd_validate(const std::vector<std::string>& argv) {
   const Args a(argv, "validate",
                {"model", "cluster", "ranks", "plans", "steps", "report", "global-batch-size", "precision", "seq-length",
                 "mpirun"},
-               {"json", "no-spread", "quick-profile"});
+               {"json", "no-spread", "quick-profile", "calibrate"});
   const std::string model_arg = a.required("model", "a preset, model JSON or config.json");
   const int64_t seq = a.integer("seq-length", 0, 0, 1 << 20);
-  const ModelSpec m = load_model(model_arg, seq);
+  const ModelSpec model = load_model(model_arg, seq);
   const std::string cluster_arg = a.required("cluster", "a preset, a cluster JSON or 'measure'");
   const int64_t ranks = a.integer("ranks", 0, 1, 64);
   if (!a.has("ranks")) fail_field("--ranks", "(missing)", "is required: the number of MPI ranks to train on");
@@ -130,6 +130,7 @@ int cmd_validate(const std::vector<std::string>& argv) {
       throw std::runtime_error(fmt::format("strata profile failed (exit {}): {}", rc, tail_of(report / "profile.log", 600)));
   }
   const Cluster cl = load_cluster(cluster_path);
+  const ModelSpec m = model_on_stack(model, cl);  // as the executor trains it
 
   ValidationChoiceOptions vo;
   vo.ranks = ranks;
@@ -198,6 +199,11 @@ int cmd_validate(const std::vector<std::string>& argv) {
   bar.update(static_cast<int64_t>(chosen.size()), "done");
   bar.finish();
   summarise(sum);
+  if (a.has("calibrate")) {  // fit the profile to these runs; held-out errors before and after
+    calibrate(sum, m, cl);
+    sum.calibrated_cluster_file = (report / "calibrated.json").string();
+    write_file(report / "calibrated.json", cluster_to_json(apply_calibration(cl, sum.calibration)).dump(2) + "\n");
+  }
   const Json j = validation_to_json(sum);
   write_file(report / "validation.json", j.dump(2) + "\n");
   write_file(report / "report.md", validation_markdown(sum));
@@ -209,6 +215,7 @@ int cmd_validate(const std::vector<std::string>& argv) {
   } else {
     fmt::print("strata validate: {} on {} rank(s), cluster {}, {} steps per plan\n\n", m.name, ranks, cl.name, steps);
     fmt::print("{}", format_validation_table(sum));
+    if (sum.calibrated) fmt::print("\n{}", format_calibration(sum));
     fmt::print("\nreport: {}/report.md (charts: step_time.svg, time_breakdown.svg, memory.svg; traces per plan under "
                "{}/plans)\n",
                report.string(), report.string());

@@ -119,6 +119,39 @@ void summarise(ValidationSummary& s) {
   s.max_abs_memory_term_error = max_term;
 }
 
+void calibrate(ValidationSummary& s, const ModelSpec& m, const Cluster& cl) {
+  std::vector<MeasuredRun> runs;
+  std::vector<double> before;
+  for (const ValidatedRun& r : s.runs) {
+    if (!r.ok) continue;
+    runs.push_back({r.choice.plan, r.cmp.measured_step_s});
+    before.push_back(std::fabs(r.cmp.step_time_error));
+  }
+  s.calibrated = true;
+  s.calibration = fit_calibration(m, cl, runs);
+  s.held_out_error = held_out_errors(m, cl, runs);
+  std::vector<double> after;
+  for (double e : s.held_out_error) after.push_back(std::fabs(e));
+  s.median_abs_before = median(before);
+  s.median_abs_after = median(after);
+  s.max_abs_before = before.empty() ? NAN : *std::max_element(before.begin(), before.end());
+  s.max_abs_after = after.empty() ? NAN : *std::max_element(after.begin(), after.end());
+}
+
+std::string format_calibration(const ValidationSummary& s) {
+  if (!s.calibrated) return "";
+  const Calibration& c = s.calibration;
+  std::string o = fmt::format(
+      "calibration (fitted to all {} runs): GEMM efficiency x{:.3f}, memory-bound kernels x{:.3f}, link bandwidth "
+      "x{:.3f}, step overhead +{:.2f} ms\n",
+      s.held_out_error.size(), c.gemm, c.memory, c.link, 1e3 * c.overhead_s);
+  o += fmt::format("held out (each run predicted by a profile fitted to the others): median |error| {} -> {}, max "
+                   "|error| {} -> {}\n",
+                   pct(s.median_abs_before), pct(s.median_abs_after), pct(s.max_abs_before), pct(s.max_abs_after));
+  if (!s.calibrated_cluster_file.empty()) o += "calibrated cluster written to " + s.calibrated_cluster_file + "\n";
+  return o;
+}
+
 Json validation_to_json(const ValidationSummary& s) {
   Json j;
   j["cluster"] = s.cluster;
@@ -154,6 +187,18 @@ Json validation_to_json(const ValidationSummary& s) {
   j["spearman_step_time"] = num(s.spearman_step_time);
   j["median_abs_memory_error"] = num(s.median_abs_memory_error);
   j["max_abs_memory_term_error"] = num(s.max_abs_memory_term_error);
+  if (s.calibrated) {
+    Json c = calibration_to_json(s.calibration);
+    Json held = Json::array();
+    for (double e : s.held_out_error) held.push_back(num(e));
+    j["calibration"] = {{"factors", c},
+                        {"held_out_step_time_error", held},
+                        {"median_abs_step_time_error_before", num(s.median_abs_before)},
+                        {"median_abs_step_time_error_after", num(s.median_abs_after)},
+                        {"max_abs_step_time_error_before", num(s.max_abs_before)},
+                        {"max_abs_step_time_error_after", num(s.max_abs_after)},
+                        {"cluster_file", s.calibrated_cluster_file}};
+  }
   return j;
 }
 
@@ -190,6 +235,7 @@ std::string validation_markdown(const ValidationSummary& s) {
   o += fmt::format("- memory (tracked peak, without the framework overhead): median |error| **{}**; largest |error| "
                    "of any memory term **{}**\n\n",
                    pct(s.median_abs_memory_error), pct(s.max_abs_memory_term_error));
+  if (s.calibrated) o += "## Calibration\n\n```\n" + format_calibration(s) + "```\n\n";
   o += "![predicted against measured step time](step_time.svg)\n\n![time by term](time_breakdown.svg)\n\n"
        "![memory by term](memory.svg)\n\n";
   o += "| # | plan | why | predicted ms | measured ms | error | predicted MiB | measured MiB | error |\n"

@@ -27,7 +27,18 @@ struct ValidationSummary {
   std::vector<ValidatedRun> runs;
   double median_abs_step_error = 0, max_abs_step_error = 0, spearman_step_time = 0;
   double median_abs_memory_error = 0, max_abs_memory_term_error = 0;
+  // --calibrate: factors fitted to every finished run, and each run's step-time error when
+  // predicted by a profile fitted to the other runs only (leave-one-out).
+  bool calibrated = false;
+  Calibration calibration;
+  std::vector<double> held_out_error;  // per finished run, in order
+  double median_abs_before = 0, median_abs_after = 0, max_abs_before = 0, max_abs_after = 0;
+  std::string calibrated_cluster_file;
 };
+
+// Fits the calibration (leave-one-out and on all runs) and fills the fields above.
+void calibrate(ValidationSummary& s, const ModelSpec& m, const Cluster& cl);
+std::string format_calibration(const ValidationSummary& s);
 
 // Fills the summary statistics from the runs that finished.
 void summarise(ValidationSummary& s);

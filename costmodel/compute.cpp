@@ -82,7 +82,8 @@ ComputeSetup compute_setup(const ModelSpec& m, const Cluster& cl, const Plan& p)
   cs.Tn = p.sp ? cs.T / static_cast<double>(p.t) : cs.T;
   // Gradients are accumulated and reduced in fp32 except in fp16 training (Megatron's
   // defaults: accumulate_allreduce_grads_in_fp32 for bf16, fp16 grads for fp16).
-  cs.grad_bytes = p.precision == Precision::fp16 ? 2.0 : 4.0;
+  // The strata executor keeps fp32 gradients in every precision.
+  cs.grad_bytes = p.precision == Precision::fp16 && !cs.stack.strata ? 2.0 : 4.0;
   cs.weight_bytes = p.precision == Precision::fp32 ? 4.0 : p.precision == Precision::fp8 ? 1.0 : 2.0;
   return cs;
 }

@@ -151,7 +151,9 @@ Cluster cluster_from_json(const Json& j, const std::string& source) {
     c.allocator_fragmentation = w.real("allocator_fragmentation", 0, 10);
     c.step_overhead_s = w.real("step_overhead_s", 0, 1e4);
     c.overlap_slowdown = w.real_or("overlap_slowdown", 0, 0, 1);
-    c.modern_stack = w.choice_or("software_stack", "modern", {"modern", "legacy"}) == "modern";
+    const std::string stack = w.choice_or("software_stack", "modern", {"modern", "legacy", "strata"});
+    c.modern_stack = stack == "modern";
+    c.strata_stack = stack == "strata";
     w.ignore("description");
     w.reject_unknown();
   }
@@ -197,7 +199,7 @@ Json cluster_to_json(const Cluster& c) {
         {"allocator_fragmentation", c.allocator_fragmentation},
         {"step_overhead_s", c.step_overhead_s},
         {"overlap_slowdown", c.overlap_slowdown},
-        {"software_stack", c.modern_stack ? "modern" : "legacy"}}}};
+        {"software_stack", c.strata_stack ? "strata" : c.modern_stack ? "modern" : "legacy"}}}};
 }
 
 std::vector<std::string> cluster_preset_names() {

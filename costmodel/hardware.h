@@ -65,6 +65,9 @@ struct Cluster {
   // FSDP: FlashAttention, fused fp32 gradient accumulation, overlapped communication) or
   // legacy (the 2020-2022 Megatron-LM and DeepSpeed of the V100/A100 era). See resolve_stack.
   bool modern_stack = true;
+  // "strata": the stack is this repository's own executor (the CPU backend): what it
+  // overlaps and what it allocates, so its measured runs can be predicted (stack.h).
+  bool strata_stack = false;
 };
 
 struct EmbeddedProfile {

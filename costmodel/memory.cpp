@@ -17,6 +17,7 @@
 #include "costmodel/memory.h"
 
 #include <algorithm>
+#include <vector>
 
 namespace strata {
 
@@ -52,6 +53,8 @@ double layer_activation_bytes(const ModelSpec& m, const Plan& p, const ComputeSe
                  + e * T * static_cast<double>(m.fc1_out()) / t
                  + e * T * static_cast<double>(m.F) / t;  // fc2 input
   if (m.hidden_dropout > 0) bytes += 2.0 * Tn * H;
+  // The strata executor keeps the gathered (full-sequence) QKV and MLP inputs as well.
+  if (cs.stack.strata && p.sp && p.t > 1) bytes += 2.0 * e * T * H;
   const double heads = static_cast<double>(p.mbs) * static_cast<double>(m.A / p.t);
   const double Sq = static_cast<double>(m.S) / static_cast<double>(p.c);
   if (cs.attention == AttentionKernel::unfused) {
@@ -107,9 +110,15 @@ MemoryBreakdown stage_memory(const ModelSpec& m, const Cluster& cl, const Plan& 
   const double P = stage_params(m, p, lay, s);
   mb.params = P;
   const double d = static_cast<double>(p.replicas());
-  const StateBytes sb = state_bytes(p.precision, cs.stack.grad_accumulation_fusion);
+  StateBytes sb = state_bytes(p.precision, cs.stack.grad_accumulation_fusion);
+  // The strata executor: compute-precision weights, fp32 gradients, fp32 master (mixed
+  // precision only) and Adam moments.
+  if (cs.stack.strata) sb = {cs.weight_bytes, 4.0, p.precision == Precision::fp32 ? 8.0 : 12.0};
   mb.weights = sb.weights * P / (p.zero >= 3 ? d : 1.0);
   mb.gradients = sb.gradients * P / (p.zero >= 2 ? d : 1.0);
+  // ZeRO-1 in the strata executor reduce-scatters the full gradient buffer into a separate
+  // owned block (Megatron's distributed optimizer works in place).
+  if (cs.stack.strata && p.zero == 1 && d > 1) mb.gradients += sb.gradients * P / d;
   mb.optimizer_states = sb.optimizer_states * P / (p.zero >= 1 ? d : 1.0);
 
   // Activations: the layers of an average chunk of the stage times the chunk-microbatches
@@ -134,7 +143,17 @@ MemoryBreakdown stage_memory(const ModelSpec& m, const Cluster& cl, const Plan& 
     const double fc1_cols = static_cast<double>(m.fc1_out());
     working = cs.act_bytes * cs.T * ((fc1_cols + static_cast<double>(m.F)) / static_cast<double>(p.t) +
                              2.0 * static_cast<double>(m.H));
-    if (p.recompute == Recompute::full) working += layer_full_activation_bytes(m, p, cs);
+    // A recomputed layer rebuilds all its activations for its backward. With partial
+    // recompute the recomputed (first) layers of a chunk run their backward last, after
+    // the chunk's other layers freed more than one layer's worth: no new peak.
+    bool every_layer_recomputed = p.recompute == Recompute::full;
+    for (int64_t c = 0; c < lay.v && every_layer_recomputed; ++c)
+      every_layer_recomputed = p.recomputed_layers(lay.chunk_layers(s, c)) == lay.chunk_layers(s, c);
+    if (every_layer_recomputed) working += layer_full_activation_bytes(m, p, cs);
+    // Selective recompute of an unfused core rebuilds one layer's S x S probabilities.
+    if (p.recompute == Recompute::selective && cs.attention == AttentionKernel::unfused)
+      working += cs.act_bytes * static_cast<double>(p.mbs) * static_cast<double>(m.A / p.t) *
+                 (static_cast<double>(m.S) / static_cast<double>(p.c)) * static_cast<double>(m.S);
   }
   if (s == p.p - 1) working = std::max(working, head_working_bytes(m, p, cs));
   mb.activations = act + working;
@@ -142,8 +161,25 @@ MemoryBreakdown stage_memory(const ModelSpec& m, const Cluster& cl, const Plan& 
   // Communication buffers: pipeline send/recv in both directions; ZeRO-3's gathered layer
   // and its prefetched successor, and one layer of gradients to reduce-scatter.
   double comm = 0;
-  if (p.p > 1) comm += 4.0 * cs.act_bytes * cs.Tn * static_cast<double>(m.H);
-  if ((p.zero == 1 || p.zero == 2) && p.replicas() > 1 && !cs.stack.modern) {
+  // (The strata executor receives straight into the next layer's input, an activation.)
+  if (p.p > 1 && !cs.stack.strata) comm += 4.0 * cs.act_bytes * cs.Tn * static_cast<double>(m.H);
+  // The strata executor reduce-scatters each unit's micro-batch gradient (one at a time)
+  // while the next unit's is formed (ZeRO-2 and ZeRO-3): at most the two largest units of
+  // the stage (whether the second is still held depends on when the first completes).
+  if (cs.stack.strata && p.zero >= 2 && p.replicas() > 1) {
+    std::vector<double> units;
+    for (int64_t c = 0; c < lay.v; ++c) {
+      if (lay.has_head(s, c))
+        units.push_back(static_cast<double>(m.final_norm_params()) +
+                        (!m.tie_embeddings || p.p > 1 ? static_cast<double>(m.word_embedding_params(p.t)) : 0.0));
+      for (int64_t l = 0; l < lay.chunk_layers(s, c); ++l) units.push_back(static_cast<double>(m.layer_params(p.t)));
+      if (lay.has_embedding(s, c))
+        units.push_back(static_cast<double>(m.word_embedding_params(p.t) + m.position_params()));
+    }
+    std::sort(units.rbegin(), units.rend());
+    comm += cs.grad_bytes * ((units.size() > 0 ? units[0] : 0.0) + (units.size() > 1 ? units[1] : 0.0));
+  }
+  if ((p.zero == 1 || p.zero == 2) && p.replicas() > 1 && !cs.stack.modern && !cs.stack.strata) {
     // Legacy sharded optimizers stage gradients and parameters through flat buckets:
     // DeepSpeed's reduce_bucket_size and allgather_bucket_size default to 5e8 elements
     // each. (Megatron-core's distributed optimizer works in place in its buffers.)
@@ -152,7 +188,7 @@ MemoryBreakdown stage_memory(const ModelSpec& m, const Cluster& cl, const Plan& 
   }
   if (p.zero >= 3 && p.replicas() > 1) {
     const double lp = static_cast<double>(m.layer_params(p.t));
-    comm += 2.0 * cs.weight_bytes * lp + cs.grad_bytes * lp;
+    comm += 2.0 * cs.weight_bytes * lp + (cs.stack.strata ? 0.0 : cs.grad_bytes * lp);
   }
   mb.comm_buffers = comm;
   // The framework's own memory (CUDA context, library workspaces, communicator buffers) and

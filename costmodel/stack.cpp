@@ -5,8 +5,18 @@ namespace strata {
 
 Stack resolve_stack(const ModelSpec& m, const Cluster& cl, const Plan& p) {
   Stack s;
-  s.modern = cl.modern_stack || m.position == Position::rope || p.precision == Precision::fp8;
+  s.strata = cl.strata_stack;
+  s.modern = !s.strata && (cl.modern_stack || m.position == Position::rope || p.precision == Precision::fp8);
   auto pick = [&](Tristate t) { return t == Tristate::automatic ? s.modern : t == Tristate::on; };
+  if (s.strata) {
+    auto pick_as = [](Tristate t, bool dflt) { return t == Tristate::automatic ? dflt : t == Tristate::on; };
+    s.attention = p.attention == AttentionChoice::flash ? AttentionKernel::flash : AttentionKernel::unfused;
+    s.overlap_grad_reduce = pick_as(p.overlap_grad_reduce, true);
+    s.overlap_param_gather = pick_as(p.overlap_param_gather, false);
+    s.tp_comm_overlap = pick_as(p.tp_comm_overlap, false);
+    s.grad_accumulation_fusion = pick_as(p.grad_accumulation_fusion, true);
+    return s;
+  }
   s.attention = p.attention == AttentionChoice::flash     ? AttentionKernel::flash
                 : p.attention == AttentionChoice::unfused ? AttentionKernel::unfused
                 : s.modern || p.c > 1                     ? AttentionKernel::flash
@@ -18,12 +28,18 @@ Stack resolve_stack(const ModelSpec& m, const Cluster& cl, const Plan& p) {
   return s;
 }
 
+ModelSpec model_on_stack(const ModelSpec& m, const Cluster& cl) {
+  ModelSpec r = m;
+  if (cl.strata_stack) r.attention_dropout = r.hidden_dropout = 0.0;
+  return r;
+}
+
 AttentionKernel resolve_attention(const ModelSpec& m, const Cluster& cl, const Plan& p) {
   return resolve_stack(m, cl, p).attention;
 }
 
 Json stack_to_json(const Stack& s) {
-  return Json{{"software_stack", s.modern ? "modern" : "legacy"},
+  return Json{{"software_stack", s.strata ? "strata" : s.modern ? "modern" : "legacy"},
               {"attention", to_string(s.attention)},
               {"overlap_grad_reduce", s.overlap_grad_reduce},
               {"overlap_param_gather", s.overlap_param_gather},

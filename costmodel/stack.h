@@ -18,14 +18,22 @@ namespace strata {
 // (2020-2022 Megatron-LM, DeepSpeed): unfused softmax, bf16 gradients accumulated into a
 // separate fp32 buffer, communication exposed. Context parallelism needs fused attention,
 // so it turns FlashAttention on and nothing else. A setting the plan gives explicitly wins.
+// Strata (the cluster says "strata"): this repository's CPU executor, which keeps the
+// unfused attention probabilities, accumulates weight gradients straight into fp32
+// buffers (fused accumulation), overlaps the data-parallel reduction with the backward,
+// and runs the ZeRO-1/2 parameter all-gather and tensor-parallel collectives blocking.
 struct Stack {
   bool modern = false;
+  bool strata = false;
   AttentionKernel attention = AttentionKernel::unfused;
   bool overlap_grad_reduce = false, overlap_param_gather = false, tp_comm_overlap = false,
        grad_accumulation_fusion = false;
 };
 
 Stack resolve_stack(const ModelSpec& m, const Cluster& cl, const Plan& p);
+// The model as the cluster's stack trains it: the strata executor has no dropout layers, so
+// on a "strata" cluster the dropout rates are 0 (no masks kept, no dropout kernels).
+ModelSpec model_on_stack(const ModelSpec& m, const Cluster& cl);
 AttentionKernel resolve_attention(const ModelSpec& m, const Cluster& cl, const Plan& p);
 Json stack_to_json(const Stack& s);
 

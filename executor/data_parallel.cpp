@@ -44,6 +44,16 @@ void Engine::prefetch(int u) {
   gathered_.emplace(u, std::move(b));
 }
 
+void Engine::prefetch_head() {
+  prefetch(final_unit_);
+  prefetch(head_w_unit_);
+}
+
+void Engine::prefetch_embedding() {
+  prefetch(wte_unit_);
+  prefetch(wpe_unit_);
+}
+
 void Engine::release_weights(int u) {
   if (zero_ < 3) return;
   auto pf = prefetching_.find(u);
@@ -104,6 +114,18 @@ void Engine::unit_done(int u) {
   if (zero_ >= 2) {  // reduce-scatter this micro-batch's gradient into the owned block
     // Started now, progressed by poll() between the GEMMs of the layers before it, and
     // added into the owned block when done (add_completed_blocks).
+    // At most one in flight: the previous one (long done, usually: it ran behind this
+    // unit's backward) completes first, so no more than two units' gradients are held.
+    const double w0 = comm_.wtime();
+    bool waited = false;
+    for (Pending& q : dp_pending_)
+      if (q.into && q.req.pending()) {
+        comm_.wait(q.req);
+        dp_intervals_.push_back({q.start, comm_.wtime()});
+        waited = true;
+      }
+    if (waited) dp_s_ += comm_.wtime() - w0;
+    add_completed_blocks();
     Pending p;
     p.start = comm_.wtime();
     p.keep = std::move(grad_tmp_.at(u));
@@ -156,9 +178,16 @@ void Engine::finish_gradients() {
   // Tied embeddings: the first and last stage each hold a wte; sum their gradients.
   if (plan_.p > 1 && m_.tie_embeddings && (wte_unit_ >= 0 || tied_copy_unit_ >= 0)) {
     const size_t u = static_cast<size_t>(wte_unit_ >= 0 ? wte_unit_ : tied_copy_unit_);
+    // First meet the other stage (the one that finished its backward earlier waits here:
+    // the pipeline's cool-down, so bubble), then sum (communication, in the data-parallel
+    // tail as the cost model has it).
     const double t0 = comm_.wtime();
+    double one = 1;
+    comm_.all_reduce(&one, 1, emb_);
+    const double t1 = comm_.wtime();
+    bubble_s_ += t1 - t0;
     comm_.all_reduce(g + sh_.shard_off[u], sh_.shard[u], emb_);
-    pp_s_ += comm_.wtime() - t0;
+    dp_s_ += comm_.wtime() - t1;
   }
   // Sequence parallelism leaves the replicated tensors' gradients partial per tp rank.
   if (plan_.sp && plan_.t > 1) {

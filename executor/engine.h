@@ -66,6 +66,8 @@ class Engine {
   float* grads(int u);
   void release_weights(int u);
   void prefetch(int u);
+  void prefetch_head();       // the final norm and output-layer units (ZeRO-3)
+  void prefetch_embedding();  // the word and position embedding units (ZeRO-3)
   void unit_done(int u);
   void mlp_done(int64_t layer);
   void poll();

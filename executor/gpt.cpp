@@ -266,9 +266,17 @@ Buf layer_backward(const ModelCtx& c, const UnitView& u, int64_t l, LayerActs* a
              c.tick();
   dO.release();
   round(c, datt);
+  if (a->probs.empty()) {
+    // Selective recompute: the core attention forward runs again (as Megatron's
+    // checkpointed core attention does) to rebuild the probabilities; its time is recompute.
+    const double t0 = c.comm->wtime();
+    a->probs = c.act(c.B * At * c.S * c.S);
+    Buf again = c.f32(N * At * D);
+    c.be->attention_forward(again.data(), a->probs.data(), a->qkv.data(), c.S, c.B, At, Gt, D);
+    if (c.recompute_s) *c.recompute_s += c.comm->wtime() - t0;
+  }
   Buf dqkv = c.f32(N * Q);
-  c.be->attention_backward(dqkv.data(), datt.data(), a->probs.empty() ? nullptr : a->probs.data(), a->qkv.data(),
-                           c.S, c.B, At, Gt, D);
+  c.be->attention_backward(dqkv.data(), datt.data(), a->probs.data(), a->qkv.data(), c.S, c.B, At, Gt, D);
   datt.release();
   if (m.position == Position::rope) {
     c.be->rope(dqkv.data(), c.S, c.B, At, D, Q, true);

@@ -39,8 +39,11 @@ void Engine::forward_step(int64_t k, const Step& st, double* loss_sum) {
   const int64_t H = m_.H, rows = c.n();
   Buf x;
   if (vs == 0 || vs == last) data_.micro_batch(k, plan_.gbs, plan_.d, me_.dp, st.mb, plan_.mbs, &ms.tokens, &ms.targets);
+  const auto& layers = chunk_layers_[static_cast<size_t>(st.chunk)];
   if (vs == 0) {
     const double t0 = comm_.wtime(), tp0 = tp_s_, dp0 = dp_s_;
+    // ZeRO-3 gathers run one unit ahead across the embedding, the layers and the head.
+    if (!layers.empty()) prefetch(layer_unit_.at(layers.front()));
     UnitView wpe;
     if (wpe_unit_ >= 0) wpe = weights_view(wpe_unit_);
     x = embedding_forward(c, weights_view(wte_unit_), wpe_unit_ >= 0 ? &wpe : nullptr, ms.tokens.data());
@@ -56,13 +59,13 @@ void Engine::forward_step(int64_t k, const Step& st, double* loss_sum) {
     bubble_s_ += comm_.wtime() - t0;
     event("recv activations", 1, t0, comm_.wtime(), st.mb, st.chunk);
   }
-  const auto& layers = chunk_layers_[static_cast<size_t>(st.chunk)];
   ms.layers.resize(layers.size());
   const double t0 = comm_.wtime(), tp0 = tp_s_, dp0 = dp_s_;
   for (size_t i = 0; i < layers.size(); ++i) {
     const int u = layer_unit_.at(layers[i]);
     weights(u);
     if (i + 1 < layers.size()) prefetch(layer_unit_.at(layers[i + 1]));
+    else if (vs == last) prefetch_head();
     x = layer_forward(chunk_layer_ctx(c, i), weights_view(u), layers[i], std::move(x), &ms.layers[i]);
     release_weights(u);
     poll();
@@ -98,7 +101,9 @@ void Engine::backward_step(const Step& st) {
   Buf dx;
   double t0 = comm_.wtime(), tp0 = tp_s_, dp0 = dp_s_;
   const double rc0 = recompute_s_;
+  const auto& layers = chunk_layers_[static_cast<size_t>(st.chunk)];
   if (vs == last) {
+    if (!layers.empty()) prefetch(layer_unit_.at(layers.back()));
     const float* w = weights(head_w_unit_);
     const TensorKind k_out = m_.tie_embeddings ? TensorKind::wte : TensorKind::lm_head;
     const int64_t rel = lay_.at(k_out).offset - lay_.units[static_cast<size_t>(head_w_unit_)].begin;
@@ -120,11 +125,11 @@ void Engine::backward_step(const Step& st) {
     tp0 = tp_s_;
     dp0 = dp_s_;
   }
-  const auto& layers = chunk_layers_[static_cast<size_t>(st.chunk)];
   for (size_t i = layers.size(); i-- > 0;) {
     const int u = layer_unit_.at(layers[i]);
     weights(u);
     if (i > 0) prefetch(layer_unit_.at(layers[i - 1]));
+    else if (vs == 0) prefetch_embedding();
     dx = layer_backward(chunk_layer_ctx(c, i), view(u), layers[i], &ms.layers[i], dx);
     release_weights(u);
     unit_done(u);

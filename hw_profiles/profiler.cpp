@@ -354,8 +354,11 @@ ProfileResult run_profile(Comm& comm, Backend& be, const ProfileOptions& o) {
   c.device.peak_fp32_flops = c.device.peak_tf32_flops = c.device.peak_bf16_flops = c.device.peak_fp16_flops = peak;
   c.device.peak_fp8_flops = 0;
   c.device.gemm_efficiency = Curve(ge);
+  // The peak: the best any memory kernel reached (the triad, unless a slower build or a
+  // busy core held it below one of the executor's kernels).
   double bw = 0;
   for (const auto& [b, r] : res.memory) bw = std::max(bw, r);
+  for (const auto& k : res.kernels) bw = std::max(bw, k.bytes_per_s);
   // The efficiency curve is that of the kernels training runs (the triad gives the peak):
   // points at the same size are averaged.
   std::vector<std::pair<double, double>> me;

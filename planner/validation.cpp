@@ -62,6 +62,97 @@ std::vector<ValidationPlan> choose_validation_plans(const ModelSpec& m, const Cl
   return out;
 }
 
+Cluster apply_calibration(const Cluster& cl, const Calibration& c) {
+  Cluster r = cl;
+  // Scales a curve by k; what would exceed 1 (not a valid efficiency) moves into the peak.
+  auto scaled = [](const Curve& cv, double k, double* peak_factor) {
+    std::vector<std::pair<double, double>> pts = cv.points();
+    double top = 0;
+    for (auto& pt : pts) top = std::max(top, pt.second *= k);
+    *peak_factor = std::max(1.0, top);
+    for (auto& pt : pts) pt.second /= *peak_factor;
+    return Curve(pts);
+  };
+  double fg = 1, fm = 1;
+  r.device.gemm_efficiency = scaled(cl.device.gemm_efficiency, c.gemm, &fg);
+  r.device.memory_efficiency = scaled(cl.device.memory_efficiency, c.memory, &fm);
+  for (double* peak : {&r.device.peak_fp32_flops, &r.device.peak_tf32_flops, &r.device.peak_bf16_flops,
+                       &r.device.peak_fp16_flops, &r.device.peak_fp8_flops})
+    *peak *= fg;
+  r.device.memory_bandwidth_bytes_per_s *= fm;
+  for (LinkTier* t : {&r.intra, &r.inter}) {
+    t->bandwidth_bytes_per_s *= c.link;
+    t->latency_s /= c.link;
+  }
+  r.step_overhead_s += c.overhead_s;
+  r.name = cl.name + "-calibrated";
+  return r;
+}
+
+namespace {
+
+double calibration_loss(const ModelSpec& m, const Cluster& cl, const std::vector<MeasuredRun>& runs,
+                        const Calibration& c) {
+  const Cluster k = apply_calibration(cl, c);
+  double sum = 0;
+  for (const MeasuredRun& r : runs) {
+    const Estimate e = estimate(m, k, r.plan);
+    if (!e.valid || e.step_time_s <= 0 || r.step_s <= 0) return std::numeric_limits<double>::infinity();
+    const double l = std::log(e.step_time_s / r.step_s);
+    sum += l * l;
+  }
+  return sum / static_cast<double>(std::max<size_t>(runs.size(), 1));
+}
+
+}  // namespace
+
+Calibration fit_calibration(const ModelSpec& m, const Cluster& cl, const std::vector<MeasuredRun>& runs) {
+  Calibration best;
+  if (runs.empty()) return best;
+  double loss = calibration_loss(m, cl, runs, best);
+  std::vector<double> meas;
+  for (const MeasuredRun& r : runs) meas.push_back(r.step_s);
+  const double overhead_max = 0.2 * median(meas);
+  for (int iter = 0; iter < 4; ++iter) {
+    const double span = iter == 0 ? 2.0 : 1.25;  // factors in [1/span, span] around the current value
+    for (int param = 0; param < 4; ++param) {
+      for (int i = 0; i <= 40; ++i) {
+        Calibration c = best;
+        const double f = std::pow(span, -1.0 + 2.0 * i / 40.0);
+        if (param == 0) c.gemm *= f;
+        if (param == 1) c.memory *= f;
+        if (param == 2) c.link *= f;
+        if (param == 3) c.overhead_s = overhead_max * i / 40.0;
+        const double l = calibration_loss(m, cl, runs, c);
+        if (l < loss) {
+          loss = l;
+          best = c;
+        }
+      }
+    }
+  }
+  return best;
+}
+
+std::vector<double> held_out_errors(const ModelSpec& m, const Cluster& cl, const std::vector<MeasuredRun>& runs) {
+  std::vector<double> out;
+  for (size_t i = 0; i < runs.size(); ++i) {
+    std::vector<MeasuredRun> rest;
+    for (size_t j = 0; j < runs.size(); ++j)
+      if (j != i) rest.push_back(runs[j]);
+    const Cluster k = apply_calibration(cl, fit_calibration(m, cl, rest));
+    out.push_back(relative_error(estimate(m, k, runs[i].plan).step_time_s, runs[i].step_s));
+  }
+  return out;
+}
+
+Json calibration_to_json(const Calibration& c) {
+  return Json{{"gemm_efficiency_factor", c.gemm},
+              {"memory_efficiency_factor", c.memory},
+              {"link_bandwidth_factor", c.link},
+              {"step_overhead_s", c.overhead_s}};
+}
+
 double relative_error(double predicted, double measured) {
   if (measured == 0) return std::numeric_limits<double>::quiet_NaN();
   return (predicted - measured) / measured;

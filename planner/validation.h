@@ -55,6 +55,26 @@ struct RunComparison {
 // `measured` is the JSON `strata train --json` writes.
 RunComparison compare_run(const Estimate& predicted, const Json& measured);
 
+// --calibrate: the profile's free parameters, as factors on what it measured. Fitted to
+// measured step times by coordinate descent on a log grid, minimising the mean squared log
+// ratio of predicted to measured step time.
+struct Calibration {
+  double gemm = 1;         // x the GEMM efficiency curve
+  double memory = 1;       // x the memory-bound kernels' efficiency curve
+  double link = 1;         // x the intra-node link bandwidth (latency / link)
+  double overhead_s = 0;   // + per step
+};
+Cluster apply_calibration(const Cluster& cl, const Calibration& c);
+struct MeasuredRun {
+  Plan plan;
+  double step_s = 0;
+};
+Calibration fit_calibration(const ModelSpec& m, const Cluster& cl, const std::vector<MeasuredRun>& runs);
+// Leave-one-out: each run predicted by the profile fitted to all the others. Returns the
+// held-out relative errors, in the order of `runs`.
+std::vector<double> held_out_errors(const ModelSpec& m, const Cluster& cl, const std::vector<MeasuredRun>& runs);
+Json calibration_to_json(const Calibration& c);
+
 double relative_error(double predicted, double measured);
 double median(std::vector<double> v);
 // Spearman's rank correlation (average ranks for ties); NaN for fewer than 2 points.

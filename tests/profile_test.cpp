@@ -50,7 +50,8 @@ TEST(Profile, TwoRanksTableIsCheckedAndTheProfileLoads) {
     ++rows;
     ops.insert(op);
     EXPECT_EQ(wrong, 0) << line;
-    EXPECT_GT(busbw, 0) << line;
+    EXPECT_GT(time_us, 0) << line;
+    EXPECT_GE(busbw, 0) << line;  // printed with two decimals: a point slowed by a busy core can read 0.00
   }
   EXPECT_GE(rows, 20);
   EXPECT_EQ(ops, (std::set<std::string>{"all_reduce", "all_gather", "reduce_scatter", "sendrecv"}));

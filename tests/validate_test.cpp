@@ -127,7 +127,9 @@ TEST(Validation, EndToEndOnTwoRanksWritesAReportThatParses) {
     for (const char* f : {"plan.json", "predicted.json", "measured.json", "predicted.trace.json", "measured.trace.json"}) {
       ASSERT_TRUE(fs::exists(pd / f)) << (pd / f);
       const Json j = Json::parse(slurp(pd / f));  // throws (fails the test) when malformed
-      if (std::string(f).find("trace") != std::string::npos) EXPECT_GT(j.at("traceEvents").size(), 2u) << f;
+      if (std::string(f).find("trace") != std::string::npos) {
+        EXPECT_GT(j.at("traceEvents").size(), 2u) << f;
+      }
     }
   }
   EXPECT_TRUE(v.at("spearman_step_time").is_number());
