@@ -13,6 +13,8 @@ namespace {
 Json num(double x) { return std::isfinite(x) ? Json(x) : Json(nullptr); }
 
 std::string pct(double x) { return std::isfinite(x) ? fmt::format("{:+.1f}%", 100.0 * x) : "n/a"; }
+// An absolute error (median, max): no sign.
+std::string apct(double x) { return std::isfinite(x) ? fmt::format("{:.1f}%", 100.0 * x) : "n/a"; }
 
 std::string esc(const std::string& s) {
   std::string o;
@@ -124,7 +126,9 @@ void calibrate(ValidationSummary& s, const ModelSpec& m, const Cluster& cl) {
   std::vector<double> before;
   for (const ValidatedRun& r : s.runs) {
     if (!r.ok) continue;
-    runs.push_back({r.choice.plan, r.cmp.measured_step_s});
+    const Json& t = r.measured.at("time_s");
+    runs.push_back({r.choice.plan, r.cmp.measured_step_s,
+                    t.value("forward", 0.0) + t.value("backward", 0.0) + t.value("recompute", 0.0)});
     before.push_back(std::fabs(r.cmp.step_time_error));
   }
   s.calibrated = true;
@@ -147,7 +151,7 @@ std::string format_calibration(const ValidationSummary& s) {
       s.held_out_error.size(), c.gemm, c.memory, c.link, 1e3 * c.overhead_s);
   o += fmt::format("held out (each run predicted by a profile fitted to the others): median |error| {} -> {}, max "
                    "|error| {} -> {}\n",
-                   pct(s.median_abs_before), pct(s.median_abs_after), pct(s.max_abs_before), pct(s.max_abs_after));
+                   apct(s.median_abs_before), apct(s.median_abs_after), apct(s.max_abs_before), apct(s.max_abs_after));
   if (!s.calibrated_cluster_file.empty()) o += "calibrated cluster written to " + s.calibrated_cluster_file + "\n";
   return o;
 }
@@ -218,9 +222,9 @@ std::string format_validation_table(const ValidationSummary& s) {
                      mib(r.cmp.predicted_memory_bytes), mib(r.cmp.measured_memory_bytes), pct(r.cmp.memory_error));
   }
   o += fmt::format("\nstep time: median |error| {}, max |error| {}, Spearman rank correlation {:.2f}\n",
-                   pct(s.median_abs_step_error), pct(s.max_abs_step_error), s.spearman_step_time);
+                   apct(s.median_abs_step_error), apct(s.max_abs_step_error), s.spearman_step_time);
   o += fmt::format("memory (tracked peak): median |error| {}; largest |error| of any memory term {}\n",
-                   pct(s.median_abs_memory_error), pct(s.max_abs_memory_term_error));
+                   apct(s.median_abs_memory_error), apct(s.max_abs_memory_term_error));
   return o;
 }
 
@@ -231,10 +235,10 @@ std::string validation_markdown(const ValidationSummary& s) {
                    "measured.\n\n",
                    s.cluster, s.cluster_description, s.steps);
   o += fmt::format("- step time: median |error| **{}**, max |error| **{}**, Spearman rank correlation **{:.2f}**\n",
-                   pct(s.median_abs_step_error), pct(s.max_abs_step_error), s.spearman_step_time);
+                   apct(s.median_abs_step_error), apct(s.max_abs_step_error), s.spearman_step_time);
   o += fmt::format("- memory (tracked peak, without the framework overhead): median |error| **{}**; largest |error| "
                    "of any memory term **{}**\n\n",
-                   pct(s.median_abs_memory_error), pct(s.max_abs_memory_term_error));
+                   apct(s.median_abs_memory_error), apct(s.max_abs_memory_term_error));
   if (s.calibrated) o += "## Calibration\n\n```\n" + format_calibration(s) + "```\n\n";
   o += "![predicted against measured step time](step_time.svg)\n\n![time by term](time_breakdown.svg)\n\n"
        "![memory by term](memory.svg)\n\n";

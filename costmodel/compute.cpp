@@ -141,8 +141,9 @@ struct Acc {
     return gemm(name, ph, M, N, K, peak, eb, cs.stack.grad_accumulation_fusion ? 8.0 : -1.0);
   }
   // The attention core's batched GEMMs (QK^T, AV and their gradients) of `flops`.
-  double batched(const char* name, Phase ph, double flops, double bytes) {
-    return kernel(name, ph, flops, bytes, peak_attn * gemm_efficiency(cl.device, peak_attn, flops));
+  double batched(const char* name, Phase ph, double flops, double bytes, double count) {
+    const double one = cl.device.batched_gemm_per_matrix ? flops / std::max(count, 1.0) : flops;
+    return kernel(name, ph, flops, bytes, peak_attn * gemm_efficiency(cl.device, peak_attn, one));
   }
   // A linear layer y = x W with x (M x K), W (K x N). Backward: dgrad (M x N)(N x K) and
   // wgrad (K x M)(M x N) accumulated into the fp32 main gradient.
@@ -237,10 +238,10 @@ double attention_core_forward(Acc& a, Phase ph) {
     const double n_s = heads * Sq * Sk;  // attention score elements
     // QK^T and AV as batched GEMMs: Bh products of (Sq x D)(D x Sk) and (Sq x Sk)(Sk x D).
     const double flops = 2.0 * heads * Sq * Sk * D;
-    t += a.batched("attn_scores", ph, flops, e * (heads * (Sq * D + Sk * D) + n_s));
+    t += a.batched("attn_scores", ph, flops, e * (heads * (Sq * D + Sk * D) + n_s), heads);
     t += a.mem("softmax", ph, 2.0 * e * n_s);  // fused scale + mask + softmax
     if (m.attention_dropout > 0) t += a.mem("attn_dropout", ph, (2.0 * e + 1.0) * n_s);
-    t += a.batched("attn_context", ph, flops, e * (n_s + heads * (Sk * D + Sq * D)));
+    t += a.batched("attn_context", ph, flops, e * (n_s + heads * (Sk * D + Sq * D)), heads);
   }
   // Context parallel: ring exchange of K and V, (c-1) steps, hidden behind the core.
   if (p.c > 1) {
@@ -269,12 +270,12 @@ double attention_core_backward(Acc& a) {
     const double n_s = heads * Sq * Sk;
     const double flops = 2.0 * heads * Sq * Sk * D;
     const double bytes = e * n_s + e * heads * (Sk * D + Sq * D);
-    t += a.batched("attn_context", ph, flops, bytes);  // dP = dO V^T
-    t += a.batched("attn_context", ph, flops, bytes);  // dV = P^T dO
+    t += a.batched("attn_context", ph, flops, bytes, heads);  // dP = dO V^T
+    t += a.batched("attn_context", ph, flops, bytes, heads);  // dV = P^T dO
     if (m.attention_dropout > 0) t += a.mem("attn_dropout", ph, (2.0 * e + 1.0) * n_s);
     t += a.mem("softmax", ph, 3.0 * e * n_s);           // read y and dy, write dx
-    t += a.batched("attn_scores", ph, flops, bytes);   // dQ = dS K
-    t += a.batched("attn_scores", ph, flops, bytes);   // dK = dS^T Q
+    t += a.batched("attn_scores", ph, flops, bytes, heads);   // dQ = dS K
+    t += a.batched("attn_scores", ph, flops, bytes, heads);   // dK = dS^T Q
   }
   if (p.c > 1) {
     // K, V travel again and their gradients travel back.

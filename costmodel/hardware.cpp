@@ -134,6 +134,7 @@ Cluster cluster_from_json(const Json& j, const std::string& source) {
     c.device.flash_bwd_efficiency = fa.real("backward", 1e-3, 1.0);
     fa.reject_unknown();
     c.device.kernel_launch_s = d.real_or("kernel_launch_us", 0, 0, 1e5) * 1e-6;
+    c.device.batched_gemm_per_matrix = d.choice_or("batched_gemm", "batched", {"batched", "per_matrix"}) == "per_matrix";
     d.ignore("description");
     d.ignore("_source");
     d.reject_unknown();
@@ -191,7 +192,8 @@ Json cluster_to_json(const Cluster& c) {
         {"gemm_efficiency", curve(d.gemm_efficiency)},
         {"memory_efficiency", curve(d.memory_efficiency)},
         {"flash_attention_efficiency", {{"forward", d.flash_fwd_efficiency}, {"backward", d.flash_bwd_efficiency}}},
-        {"kernel_launch_us", d.kernel_launch_s * 1e6}}},
+        {"kernel_launch_us", d.kernel_launch_s * 1e6},
+        {"batched_gemm", d.batched_gemm_per_matrix ? "per_matrix" : "batched"}}},
       {"devices_per_node", c.devices_per_node},
       {"links", {{"intra_node", link(c.intra)}, {"inter_node", link(c.inter)}}},
       {"framework",

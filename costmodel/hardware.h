@@ -40,6 +40,10 @@ struct Device {
   Curve memory_efficiency;  // x: bytes one kernel moves, y: fraction of memory bandwidth
   double flash_fwd_efficiency = 0.5, flash_bwd_efficiency = 0.4;  // fraction of the matmul peak
   double kernel_launch_s = 0;  // the least time any kernel takes
+  // A batched GEMM (the attention core's, one product per head) runs as one GEMM per
+  // matrix, each at the efficiency of its own size (a CPU library looping over heads),
+  // rather than as one kernel at the efficiency of the whole batch (cuBLAS batched).
+  bool batched_gemm_per_matrix = false;
 
   double peak_flops(Precision p) const;
 };

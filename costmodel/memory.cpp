@@ -155,8 +155,11 @@ MemoryBreakdown stage_memory(const ModelSpec& m, const Cluster& cl, const Plan& 
       working += cs.act_bytes * static_cast<double>(p.mbs) * static_cast<double>(m.A / p.t) *
                  (static_cast<double>(m.S) / static_cast<double>(p.c)) * static_cast<double>(m.S);
   }
-  if (s == p.p - 1) working = std::max(working, head_working_bytes(m, p, cs));
   mb.activations = act + working;
+  // The last stage: while the loss and its gradient are formed the current micro-batch's
+  // output-layer activations are alive; the layers' backward starts after they are freed.
+  if (s == p.p - 1)
+    mb.activations = std::max(act + head_working_bytes(m, p, cs), act - head_activation_bytes(m, p, cs) + working);
 
   // Communication buffers: pipeline send/recv in both directions; ZeRO-3's gathered layer
   // and its prefetched successor, and one layer of gradients to reduce-scatter.

@@ -228,7 +228,7 @@ const char* kernel_name(KernelKind k) {
 
 std::vector<MemoryKernel> model_memory_kernels(const ModelSpec& m, int64_t t) {
   std::vector<MemoryKernel> out;
-  for (int64_t B : {1, 2, 4}) {
+  for (int64_t B : {1, 2, 4, 8, 16}) {
     const int64_t N = B * m.S;
     for (KernelKind k : {KernelKind::norm_forward, KernelKind::norm_backward})
       out.push_back({k, N, m.H, m.normalization, m.activation});
@@ -244,7 +244,7 @@ std::vector<MemoryKernel> model_memory_kernels(const ModelSpec& m, int64_t t) {
 std::vector<GemmShape> model_gemm_shapes(const ModelSpec& m, int64_t t) {
   std::vector<GemmShape> out;
   const int64_t H = m.H, D = m.D();
-  for (int64_t B : {1, 2, 4}) {
+  for (int64_t B : {1, 2, 4, 8, 16}) {
     const int64_t N = B * m.S;
     out.push_back({N, (m.A + 2 * m.G) * D / t, H});
     out.push_back({N, H, m.A * D / t});
@@ -252,6 +252,8 @@ std::vector<GemmShape> model_gemm_shapes(const ModelSpec& m, int64_t t) {
     out.push_back({N, H, m.F / t});
     out.push_back({N, m.padded_vocab(t) / t, H});
   }
+  out.push_back({m.S, m.S, m.D()});  // one head's scores and context products
+  out.push_back({m.S, m.D(), m.S});
   return out;
 }
 

@@ -25,8 +25,9 @@ struct GemmShape {
   int64_t M = 0, N = 0, K = 0;
 };
 
-// The forward GEMMs one tensor-parallel rank of model m runs at micro-batches 1, 2 and 4
-// (QKV, proj, fc1, fc2, logits; the backward GEMMs have the same FLOPs).
+// The forward GEMMs one tensor-parallel rank of model m runs at micro-batches 1 to 16
+// (QKV, proj, fc1, fc2, logits; the backward GEMMs have the same FLOPs), and one head's
+// attention products (scores and context).
 std::vector<GemmShape> model_gemm_shapes(const ModelSpec& m, int64_t t);
 
 // A memory-bound kernel of the executor, measured at a size training runs it: norm and
@@ -44,7 +45,7 @@ struct MemoryKernel {
 // so achieved bandwidth is measured in the cost model's own units.
 double kernel_bytes(const MemoryKernel& k);
 const char* kernel_name(KernelKind k);
-// The kernels of model m on one tensor-parallel rank at micro-batches 1, 2 and 4, and the
+// The kernels of model m on one tensor-parallel rank at micro-batches 1 to 16, and the
 // optimizer over one layer's and over the whole model's parameters.
 std::vector<MemoryKernel> model_memory_kernels(const ModelSpec& m, int64_t t);
 

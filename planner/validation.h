@@ -37,7 +37,8 @@ struct Mechanism {
 };
 const std::vector<Mechanism>& validation_mechanisms();
 
-// Feasible plans ranked by predicted step time, then the spread. Deterministic.
+// Feasible plans ranked by predicted step time, then the spread (one per mechanism, then
+// the slowest plan and the 75th percentile, so the set spans the range). Deterministic.
 std::vector<ValidationPlan> choose_validation_plans(const ModelSpec& m, const Cluster& cl,
                                                     const ValidationChoiceOptions& o);
 
@@ -56,8 +57,9 @@ struct RunComparison {
 RunComparison compare_run(const Estimate& predicted, const Json& measured);
 
 // --calibrate: the profile's free parameters, as factors on what it measured. Fitted to
-// measured step times by coordinate descent on a log grid, minimising the mean squared log
-// ratio of predicted to measured step time.
+// measured runs (Nelder-Mead) minimising the mean squared log ratio of predicted to
+// measured step time and compute time, plus a weak pull of every factor towards 1 (no
+// overhead) so that what the data cannot tell apart stays as measured.
 struct Calibration {
   double gemm = 1;         // x the GEMM efficiency curve
   double memory = 1;       // x the memory-bound kernels' efficiency curve
@@ -68,6 +70,7 @@ Cluster apply_calibration(const Cluster& cl, const Calibration& c);
 struct MeasuredRun {
   Plan plan;
   double step_s = 0;
+  double compute_s = 0;  // forward + backward + recompute per step; 0: not known
 };
 Calibration fit_calibration(const ModelSpec& m, const Cluster& cl, const std::vector<MeasuredRun>& runs);
 // Leave-one-out: each run predicted by the profile fitted to all the others. Returns the

@@ -12,6 +12,7 @@
 
 #include "costmodel/estimate.h"
 #include "executor/train.h"
+#include "costmodel/stack.h"
 #include "planner/validation.h"
 
 namespace strata {
@@ -93,6 +94,41 @@ TEST(Validation, ChoiceHasTheBestThenEveryMechanism) {
   EXPECT_EQ(distinct.size(), v.size());
 }
 
+TEST(Validation, CalibrationRecoversAKnownSlowdown) {
+  // "Measured" runs made by the cost model itself on a machine whose GEMMs run at 0.8 of
+  // the profile's curve and whose memory-bound kernels at 0.7: the fit must find them and
+  // predict held-out runs from the others.
+  const ModelSpec m = model_on_stack(load_model("tiny-gpt"), load_cluster("local-cpu"));
+  const Cluster cl = load_cluster("local-cpu");
+  Calibration truth;
+  truth.gemm = 0.8;
+  truth.memory = 0.7;
+  const Cluster slow = apply_calibration(cl, truth);
+  std::vector<MeasuredRun> runs;
+  for (const char* p : {"dp=2,mbs=4,gbs=16", "tp=2,mbs=8,gbs=16", "pp=2,mbs=2,gbs=16", "dp=2,mbs=2,gbs=16,zero=3",
+                        "tp=2,sp=1,mbs=4,gbs=16,recompute=full", "dp=2,mbs=8,gbs=16,zero=1"}) {
+    Plan plan = load_plan(std::string(p) + ",precision=fp32");
+    const Estimate e = estimate(m, slow, plan);
+    runs.push_back({plan, e.step_time_s, e.time.forward + e.time.backward + e.time.recompute});
+  }
+  const Calibration fit = fit_calibration(m, cl, runs);
+  EXPECT_NEAR(fit.gemm, 0.8, 0.04);
+  // Memory-bound kernels are a small part of these steps, so the weak prior towards 1
+  // holds the factor back from 0.7; it must still move towards it.
+  EXPECT_GT(fit.memory, 0.6);
+  EXPECT_LT(fit.memory, 0.95);
+  EXPECT_LT(fit.overhead_s, 0.01 * runs[0].step_s);
+  const std::vector<double> held = held_out_errors(m, cl, runs);
+  ASSERT_EQ(held.size(), runs.size());
+  for (double e : held) EXPECT_LT(std::fabs(e), 0.02);
+  // Uncalibrated, the same runs are off by more than 10%.
+  EXPECT_GT(std::fabs(relative_error(estimate(m, cl, runs[0].plan).step_time_s, runs[0].step_s)), 0.1);
+  // A calibrated profile is a valid cluster (efficiencies stay within (0, 1]).
+  Calibration up;
+  up.gemm = 3.0;
+  EXPECT_NO_THROW(cluster_from_json(cluster_to_json(apply_calibration(cl, up)), "calibrated"));
+}
+
 int run_strata(const std::string& args, std::string* err) {
   const fs::path e = fs::temp_directory_path() / ("strata_validate_err_" + std::to_string(::getpid()));
   const std::string cmd = std::string("ASAN_OPTIONS=detect_leaks=0 ") + STRATA_BINARY + " " + args + " >/dev/null 2>" + e.string();
@@ -108,7 +144,7 @@ TEST(Validation, EndToEndOnTwoRanksWritesAReportThatParses) {
   std::string err;
   // Two best plans and one per mechanism, 2 steps each, on a 32-token sequence: short.
   const int rc = run_strata("validate --model tiny-gpt --cluster local-cpu --ranks 2 --plans 2 --steps 2 "
-                            "--seq-length 32 --global-batch-size 8 --report " + dir.string(),
+                            "--seq-length 32 --global-batch-size 8 --calibrate --report " + dir.string(),
                             &err);
   ASSERT_EQ(rc, 0) << err;
   const Json v = Json::parse(slurp(dir / "validation.json"));
@@ -133,6 +169,11 @@ TEST(Validation, EndToEndOnTwoRanksWritesAReportThatParses) {
     }
   }
   EXPECT_TRUE(v.at("spearman_step_time").is_number());
+  // --calibrate: factors, held-out errors per run, and a refined cluster that loads.
+  ASSERT_TRUE(v.contains("calibration"));
+  EXPECT_EQ(v.at("calibration").at("held_out_step_time_error").size(), runs.size());
+  EXPECT_GT(v.at("calibration").at("factors").at("gemm_efficiency_factor").get<double>(), 0);
+  EXPECT_NO_THROW(load_cluster((dir / "calibrated.json").string()));
   EXPECT_TRUE(v.at("median_abs_step_time_error").is_number());
   for (const char* f : {"step_time.svg", "time_breakdown.svg", "memory.svg"}) {
     const std::string s = slurp(dir / f);
