@@ -33,7 +33,8 @@ usage:
   strata train     --model M --plan P --steps S [--data synthetic|synthetic:STATES|FILE] [--seed N]
                    [--json FILE|-] [--trace FILE] [--lr X] [--min-lr X] [--lr-warmup-iters N]
                    [--weight-decay X] [--clip-grad X] [--loss-scale X] [--loss-scale-window N]
-                   [--dump-params FILE] [--quiet]          (under mpirun -np tp*pp*dp)
+                   [--dump-params FILE] [--checkpoint-dir D [--checkpoint-every N] [--keep-checkpoints K]
+                   [--resume]] [--quiet]                   (under mpirun -np tp*pp*dp)
   strata profile   [--backend cpu] [--out FILE] [--quick] [--json] [--max-bytes N] [--model M [--tp T]]
                                                           (under mpirun: one rank per core to use)
   strata plan --list-models | --list-clusters

@@ -31,8 +31,9 @@ int cmd_train(const std::vector<std::string>& argv) {
   try {
     const Args a(argv, "train",
                  {"model", "plan", "steps", "backend", "data", "seed", "json", "trace", "lr", "min-lr", "lr-warmup-iters",
-                  "weight-decay", "clip-grad", "loss-scale", "loss-scale-window", "dump-params", "seq-length"},
-                 {"quiet"});
+                  "weight-decay", "clip-grad", "loss-scale", "loss-scale-window", "dump-params", "seq-length",
+                  "checkpoint-dir", "checkpoint-every", "keep-checkpoints"},
+                 {"quiet", "resume"});
     m = load_model(a.required("model", "a preset, model JSON or config.json"), a.integer("seq-length", 0, 0, 1 << 20));
     plan = load_plan(a.required("plan", "a plan JSON or inline pairs tp=2,dp=2,..."));
     o.steps = a.integer("steps", 10, 1, 100000000);
@@ -64,6 +65,12 @@ int cmd_train(const std::vector<std::string>& argv) {
     o.loss_scale_window = a.integer("loss-scale-window", o.loss_scale_window, 1, 100000000);
     o.trace_path = a.get("trace");
     o.dump_params_path = a.get("dump-params");
+    o.checkpoint_dir = a.get("checkpoint-dir");
+    o.checkpoint_every = a.integer("checkpoint-every", 0, 1, 100000000);
+    o.keep_checkpoints = a.integer("keep-checkpoints", 2, 1, 1000000);
+    o.resume = a.has("resume");
+    if ((o.checkpoint_every > 0 || o.resume) && o.checkpoint_dir.empty())
+      throw InputError(std::string(o.resume ? "--resume" : "--checkpoint-every") + " needs --checkpoint-dir D");
     if (!a.has("quiet")) {
       auto bar = std::make_shared<Progress>("train", o.steps);
       o.on_step = [bar](const StepRecord& r, int64_t steps) {
@@ -94,7 +101,9 @@ int cmd_train(const std::vector<std::string>& argv) {
         f << j.dump(2) << "\n";
         if (!f) throw InputError("--json: cannot write '" + json_path + "'");
       }
-      if (json_path != "-") {
+      if (json_path != "-" && r.steps.empty()) {
+        fmt::print("nothing to train: the checkpoint is at step {} already\n", o.steps);
+      } else if (json_path != "-") {
         fmt::print("trained {} steps of {} with {} on {} rank(s): loss {:.4f} -> {:.4f}", r.steps.size(), m.name,
                    plan_to_inline(plan), r.world_size, r.steps.front().loss, r.steps.back().loss);
         if (r.entropy_rate_nats >= 0) fmt::print(" (source entropy rate {:.4f} nats)", r.entropy_rate_nats);

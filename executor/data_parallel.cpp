@@ -261,9 +261,13 @@ void Engine::optimizer_step(StepRecord* rec) {
 }
 
 std::vector<float> Engine::full_fp32_params() {
+  return full_of([this](size_t u) -> const float* { return master_block(u); });
+}
+
+std::vector<float> Engine::full_of(const std::function<const float*(size_t)>& block) {
   std::vector<float> full(static_cast<size_t>(sh_.full_size), 0.0f);
   for (size_t u = 0; u < lay_.units.size(); ++u) {
-    const float* src = master_block(u);
+    const float* src = block(u);
     std::copy(src, src + sh_.shard[u], full.begin() + sh_.full_off[u] + sh_.me * sh_.shard[u]);
     if (sh_.dz > 1) {
       float* f = full.data() + sh_.full_off[u];

@@ -90,6 +90,13 @@ class Engine {
   void optimizer_step(StepRecord* rec);
   float* master_block(size_t u);
   std::vector<float> full_fp32_params();
+  // The rank's full units of an owned-block array (gathered over ZeRO shards).
+  std::vector<float> full_of(const std::function<const float*(size_t)>& block);
+  // Local flat index -> index in the single-rank (global) layout.
+  std::vector<int64_t> global_index() const;
+  void save_checkpoint(int64_t step);  // checkpointing.cpp
+  void load_checkpoint(const std::string& path);
+  int64_t start_step_ = 0;
   std::vector<float> global_params(const std::vector<float>& full);
   void event(const std::string& name, int tid, double t0, double t1, int64_t mb = -1, int64_t chunk = -1) {
     if (!o_.trace_path.empty()) trace_.push_back({name, tid, t0 - t_origin_, t1 - t0, mb, chunk});

@@ -24,6 +24,7 @@
 #include <unistd.h>
 
 #include "costmodel/layout.h"
+#include "executor/checkpoint.h"
 #include "executor/engine.h"
 
 namespace strata {
@@ -116,6 +117,13 @@ Engine::Engine(const ModelSpec& m, const Plan& p, const TrainOptions& o, Comm& c
   }
   if (head) head_w_unit_ = m.tie_embeddings ? (emb ? wte_unit_ : tied_copy_unit_) : final_unit_;
   allocate();
+  if (o.resume) {  // the newest complete checkpoint, saved under this plan or any other
+    const std::string path = newest_checkpoint(o.checkpoint_dir);
+    if (!path.empty()) load_checkpoint(path);
+    if (comm_.rank() == 0 && o.on_step)
+      std::fprintf(stderr, "%s\n", path.empty() ? ("no checkpoint under " + o.checkpoint_dir + ": starting at step 0").c_str()
+                                                 : ("resuming from " + path).c_str());
+  }
 }
 
 void Engine::allocate() {
@@ -206,7 +214,7 @@ TrainResult Engine::run() {
   comm_.barrier(world_);
   t_origin_ = comm_.wtime();
   std::vector<double> sums(11, 0.0);
-  for (int64_t k = 0; k < o_.steps; ++k) {
+  for (int64_t k = start_step_; k < o_.steps; ++k) {
     comm_.barrier(world_);
     const double t0 = comm_.wtime();
     StepRecord rec;
@@ -223,6 +231,7 @@ TrainResult Engine::run() {
       for (int i = 0; i < 11; ++i) sums[static_cast<size_t>(i)] += ph[i];
     }
     if (o_.on_step && comm_.rank() == 0) o_.on_step(rec, o_.steps);
+    if (o_.checkpoint_every > 0 && (k + 1) % o_.checkpoint_every == 0) save_checkpoint(k + 1);
   }
   std::vector<double> times(res.steps.size());
   for (size_t i = 0; i < times.size(); ++i) times[i] = res.steps[i].step_time_s;

@@ -35,6 +35,13 @@ struct TrainOptions {
   int64_t loss_scale_window = 1000; // good steps before the scale doubles
   std::string trace_path;
   std::string dump_params_path;     // rank 0 writes the gathered global fp32 parameters
+  // Checkpoints (executor/checkpoint.h): every `checkpoint_every` steps into
+  // `checkpoint_dir`, keeping the newest `keep_checkpoints`; `resume` continues from the
+  // newest complete one there (from step 0 when there is none), under any plan.
+  std::string checkpoint_dir;
+  int64_t checkpoint_every = 0;
+  int64_t keep_checkpoints = 2;
+  bool resume = false;
   // Called on rank 0 after every step with the step's record (the CLI draws progress).
   std::function<void(const StepRecord&, int64_t steps)> on_step;
 };

@@ -24,6 +24,8 @@ using AMap = Eigen::Map<Eigen::ArrayXf>;
 // GELU (tanh form) of n values, and its derivative into `grad` when given. Eigen's tanh
 // and exp are vectorised rational / polynomial approximations (a few ulp from libm's),
 // which keeps these element-wise kernels near memory speed instead of 10+ ns per value.
+// They are evaluated into Eigen's own (aligned) arrays, so no element falls into a scalar
+// peel that depends on the caller's pointer: results are the same on every run.
 void gelu_row(float* out, const float* x_, int64_t n, float* grad) {
   const CAMap x(x_, n);
   const Eigen::ArrayXf th = (kGeluK * (x + 0.044715f * x.cube())).tanh();
@@ -272,9 +274,16 @@ class CpuBackend final : public Backend {
       float* row = p + i * S;
       float mx = row[0];
       for (int64_t j = 1; j <= i; ++j) mx = std::max(mx, row[j]);
-      AMap r(row, i + 1);
-      r = (r - mx).exp();
-      r *= 1.0f / r.sum();
+      // exp into an aligned buffer (Eigen peels unaligned heads with the scalar exp, so the
+      // row's address would decide which elements get which exp), then a plain
+      // left-to-right sum (a vectorised sum() associates by alignment too): the same bits
+      // on every run.
+      thread_local Eigen::ArrayXf e;
+      if (e.size() < S) e.resize(S);
+      e.head(i + 1) = (CAMap(row, i + 1) - mx).exp();
+      float sum = 0;
+      for (int64_t j = 0; j <= i; ++j) sum += e[j];
+      AMap(row, i + 1) = e.head(i + 1) * (1.0f / sum);
       for (int64_t j = i + 1; j < S; ++j) row[j] = 0.0f;
     }
   }

@@ -1,0 +1,168 @@
+// Checkpoint files; see checkpoint.h.
+#include "executor/checkpoint.h"
+
+#include <fcntl.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <sstream>
+
+#include <fmt/format.h>
+
+namespace strata {
+namespace {
+
+namespace fs = std::filesystem;
+
+void fsync_path(const std::string& path, bool directory) {
+  const int fd = ::open(path.c_str(), directory ? O_RDONLY | O_DIRECTORY : O_RDONLY);
+  if (fd < 0) throw InputError("checkpoint: cannot open '" + path + "' to sync it");
+  const int rc = ::fsync(fd);
+  ::close(fd);
+  if (rc != 0) throw InputError("checkpoint: fsync of '" + path + "' failed");
+}
+
+void write_file_synced(const std::string& path, const void* data, size_t bytes) {
+  {
+    std::ofstream f(path, std::ios::binary | std::ios::trunc);
+    f.write(static_cast<const char*>(data), static_cast<std::streamsize>(bytes));
+    f.close();
+    if (!f) throw InputError("checkpoint: cannot write '" + path + "'");
+  }
+  fsync_path(path, false);
+}
+
+}  // namespace
+
+std::string checkpoint_name(int64_t step) { return fmt::format("step-{:08d}", step); }
+
+uint64_t fnv1a64(const void* data, size_t bytes) {
+  const auto* p = static_cast<const unsigned char*>(data);
+  uint64_t h = 0xcbf29ce484222325ull;  // FNV-1a 64 offset basis
+  for (size_t i = 0; i < bytes; ++i) {
+    h ^= p[i];
+    h *= 0x100000001b3ull;  // FNV prime
+  }
+  return h;
+}
+
+void shard_range(int64_t total, int r, int w, int64_t* begin, int64_t* end) {
+  const int64_t per = (total + w - 1) / w;
+  *begin = std::min(total, per * r);
+  *end = std::min(total, *begin + per);
+}
+
+std::string write_shard(const std::string& tmp_dir, int rank, const float* data, int64_t n) {
+  const std::string name = fmt::format("shard-{:05d}.bin", rank);
+  const size_t bytes = static_cast<size_t>(n) * sizeof(float);
+  write_file_synced((fs::path(tmp_dir) / name).string(), data, bytes);
+  return fmt::format("{} {} {:016x}", name, bytes, fnv1a64(data, bytes));
+}
+
+void commit_checkpoint(const std::string& dir, const std::string& tmp_dir, const CheckpointMeta& meta,
+                       const std::vector<std::string>& shard_lines, int64_t keep) {
+  Json files = Json::array();
+  for (const std::string& line : shard_lines) {
+    std::istringstream in(line);
+    std::string name, hash;
+    int64_t bytes = 0;
+    in >> name >> bytes >> hash;
+    files.push_back({{"name", name}, {"bytes", bytes}, {"fnv1a64", hash}});
+  }
+  const Json j = {{"format", "strata-checkpoint-1"},
+                  {"step", meta.step},
+                  {"adam_step", meta.adam_step},
+                  {"good_steps", meta.good_steps},
+                  {"loss_scale", meta.loss_scale},
+                  {"seed", meta.seed},
+                  {"model", meta.model},
+                  {"data", meta.data},
+                  {"plan", meta.plan},
+                  {"global_params", meta.global_params},
+                  {"world_size", meta.world_size},
+                  {"state", "parameters, adam_m, adam_v: fp32, single-rank layout, sliced across the shards in order"},
+                  {"files", files}};
+  const std::string text = j.dump(2) + "\n";
+  write_file_synced((fs::path(tmp_dir) / "manifest.json").string(), text.data(), text.size());
+  fsync_path(tmp_dir, true);
+  const fs::path final_dir = fs::path(dir) / checkpoint_name(meta.step);
+  std::error_code ec;
+  fs::remove_all(final_dir, ec);  // a checkpoint of the same step from an earlier run
+  fs::rename(tmp_dir, final_dir, ec);
+  if (ec) throw InputError("checkpoint: cannot rename '" + tmp_dir + "' to '" + final_dir.string() + "': " + ec.message());
+  fsync_path(dir, true);
+  // Keep the newest `keep`.
+  std::vector<std::string> names;
+  for (const auto& e : fs::directory_iterator(dir, ec))
+    if (e.is_directory() && e.path().filename().string().rfind("step-", 0) == 0) names.push_back(e.path().filename().string());
+  std::sort(names.begin(), names.end());
+  for (size_t i = 0; keep > 0 && i + static_cast<size_t>(keep) < names.size(); ++i) fs::remove_all(fs::path(dir) / names[i], ec);
+}
+
+std::string newest_checkpoint(const std::string& dir) {
+  std::error_code ec;
+  std::string best;
+  for (const auto& e : fs::directory_iterator(dir, ec)) {
+    const std::string n = e.path().filename().string();
+    if (e.is_directory() && n.rfind("step-", 0) == 0 && fs::exists(e.path() / "manifest.json") && n > best) best = n;
+  }
+  return best.empty() ? "" : (fs::path(dir) / best).string();
+}
+
+std::vector<float> read_checkpoint(const std::string& path, CheckpointMeta* meta) {
+  Json j;
+  {
+    std::ifstream f(fs::path(path) / "manifest.json");
+    if (!f) throw InputError("checkpoint '" + path + "': no manifest.json");
+    try {
+      j = Json::parse(f);
+    } catch (const std::exception& e) {
+      throw InputError("checkpoint '" + path + "': manifest.json is not JSON: " + e.what());
+    }
+  }
+  try {
+    if (j.at("format") != "strata-checkpoint-1") throw InputError("checkpoint '" + path + "': unknown format");
+    meta->step = j.at("step").get<int64_t>();
+    meta->adam_step = j.at("adam_step").get<int64_t>();
+    meta->good_steps = j.at("good_steps").get<int64_t>();
+    meta->loss_scale = j.at("loss_scale").get<double>();
+    meta->seed = j.at("seed").get<uint64_t>();
+    meta->model = j.at("model").get<std::string>();
+    meta->data = j.at("data").get<std::string>();
+    meta->plan = j.at("plan");
+    meta->global_params = j.at("global_params").get<int64_t>();
+    meta->world_size = j.at("world_size").get<int>();
+  } catch (const InputError&) {
+    throw;
+  } catch (const std::exception& e) {
+    throw InputError("checkpoint '" + path + "': manifest.json: " + e.what());
+  }
+  const int64_t total = 3 * meta->global_params;
+  if (meta->global_params <= 0 || meta->global_params > (int64_t{1} << 34) || meta->step < 0)
+    throw InputError("checkpoint '" + path + "': manifest.json: implausible global_params or step");
+  std::vector<float> state(static_cast<size_t>(total));
+  int64_t at = 0;
+  for (const Json& fj : j.at("files")) {
+    const std::string name = fj.at("name").get<std::string>();
+    const int64_t bytes = fj.at("bytes").get<int64_t>();
+    if (name.find('/') != std::string::npos || bytes % 4 != 0 || at + bytes / 4 > total)
+      throw InputError("checkpoint '" + path + "': manifest lists a bad file entry '" + name + "'");
+    std::ifstream f(fs::path(path) / name, std::ios::binary);
+    if (!f) throw InputError("checkpoint '" + path + "': missing " + name);
+    f.read(reinterpret_cast<char*>(state.data() + at), bytes);
+    if (f.gcount() != bytes || f.peek() != EOF)
+      throw InputError("checkpoint '" + path + "': " + name + " is not " + std::to_string(bytes) + " bytes");
+    const std::string hash = fmt::format("{:016x}", fnv1a64(state.data() + at, static_cast<size_t>(bytes)));
+    if (hash != fj.at("fnv1a64").get<std::string>())
+      throw InputError("checkpoint '" + path + "': " + name + " fails its checksum (corrupt)");
+    at += bytes / 4;
+  }
+  if (at != total) throw InputError("checkpoint '" + path + "': the shards hold " + std::to_string(at) + " of " +
+                                    std::to_string(total) + " floats");
+  return state;
+}
+
+}  // namespace strata
