@@ -12,6 +12,7 @@
 #include "cli/args.h"
 #include "cli/progress.h"
 #include "cli/commands.h"
+#include "executor/checkpoint.h"
 #include "executor/data.h"
 #include "executor/param_layout.h"
 #include "executor/train.h"
@@ -71,6 +72,11 @@ int cmd_train(const std::vector<std::string>& argv) {
     o.resume = a.has("resume");
     if ((o.checkpoint_every > 0 || o.resume) && o.checkpoint_dir.empty())
       throw InputError(std::string(o.resume ? "--resume" : "--checkpoint-every") + " needs --checkpoint-dir D");
+    // A new run must not mix its checkpoints with another run's (keep-K would prune by step
+    // across both, and a later --resume would pick the other run's newest).
+    if (o.checkpoint_every > 0 && !o.resume && !checkpoints_in(o.checkpoint_dir).empty())
+      throw InputError("--checkpoint-dir: '" + o.checkpoint_dir +
+                       "' already holds checkpoints; pass --resume to continue that run, or use an empty folder");
     if (!a.has("quiet")) {
       auto bar = std::make_shared<Progress>("train", o.steps);
       o.on_step = [bar](const StepRecord& r, int64_t steps) {

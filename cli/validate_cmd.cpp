@@ -4,6 +4,7 @@
 // SVG charts, both Chrome traces per plan) and, with --json, the SPEC validation JSON.
 // Runs outside mpirun itself; with --cluster measure it first runs `strata profile`.
 #include <sys/stat.h>
+#include <csignal>
 #include <unistd.h>
 
 #include <cstdio>
@@ -67,7 +68,8 @@ struct Launcher {
   // Runs `strata <args>` on `ranks` ranks, stdout and stderr into `log`; the exit status.
   int run(const std::string& args, const fs::path& log) const {
     std::string cmd;
-    if (access("/usr/bin/timeout", X_OK) == 0) cmd += "/usr/bin/timeout -s KILL 1800 ";
+    // --foreground keeps mpirun in our process group, so Ctrl-C reaches it and its ranks.
+    if (access("/usr/bin/timeout", X_OK) == 0) cmd += "/usr/bin/timeout --foreground -s TERM -k 30 1800 ";
     cmd += quote(mpirun) + " -np " + std::to_string(ranks);
     if (ranks > static_cast<int64_t>(std::max(1u, std::thread::hardware_concurrency()))) cmd += " --oversubscribe";
     cmd += fmt::format(" {} {} > {} 2>&1", quote(self), args, quote(log.string()));
@@ -165,6 +167,7 @@ int cmd_validate(const std::vector<std::string>& argv) {
     r.dir = fmt::format("plans/{:02d}-{}", i + 1, slug(chosen[i].why));
     const fs::path dir = report / r.dir;
     fs::create_directories(dir, ec);
+    if (ec) throw InputError("--report: cannot create '" + dir.string() + "': " + ec.message());
     const Plan& p = r.choice.plan;
     write_file(dir / "plan.json", plan_to_json(p).dump(2) + "\n");
     write_file(dir / "predicted.json", estimate_to_json(r.choice.predicted).dump(2) + "\n");
@@ -175,6 +178,8 @@ int cmd_validate(const std::vector<std::string>& argv) {
       const Estimate e = estimate(m, cl, p, eo, &d);
       std::ofstream f(dir / "predicted.trace.json");
       write_trace(f, m, e, d);
+      f.close();
+      if (!f) throw InputError("--report: cannot write '" + (dir / "predicted.trace.json").string() + "'");
     }
     bar.update(static_cast<int64_t>(i), fmt::format("training {} ({})", plan_to_inline(p), r.choice.why));
     const int rc = run.run(fmt::format("train {} --plan {} --steps {} --quiet --json {} --trace {}", model_flags,
@@ -182,6 +187,7 @@ int cmd_validate(const std::vector<std::string>& argv) {
                                        quote((dir / "measured.json").string()),
                                        quote((dir / "measured.trace.json").string())),
                            dir / "train.log");
+    if (rc == 130 || rc == 128 + SIGINT) throw std::runtime_error("interrupted (Ctrl-C); the report is incomplete");
     if (rc != 0) {
       r.failure = fmt::format("exit {}: {}", rc, tail_of(dir / "train.log", 600));
     } else {

@@ -360,12 +360,15 @@ void layer_backward(Acc& a) {
 void zero3_traffic(Acc& a, double params, double fwd_s) {
   if (a.p.zero != 3 || a.p.replicas() <= 1 || params <= 0) return;
   const double w = a.cs.weight_bytes * params;
-  a.comm("zero3_all_gather", Phase::forward, OpKind::dp_comm, a.dp, Collective::all_gather, w, fwd_s);
   const double bwd = a.lc.backward.compute_s + a.lc.recompute.compute_s;
   const double ag = collective_time(a.cl, a.dp, Collective::all_gather, w);
-  a.comm("zero3_all_gather", Phase::backward, OpKind::dp_comm, a.dp, Collective::all_gather, w, bwd);
+  // The strata executor's gathers progress only while it polls between kernels: exposed
+  // (its stack table in hw_profiles/README.md); its reduce-scatters overlap the backward.
+  const bool strata = a.cs.stack.strata;
+  a.comm("zero3_all_gather", Phase::forward, OpKind::dp_comm, a.dp, Collective::all_gather, w, strata ? 0.0 : fwd_s);
+  a.comm("zero3_all_gather", Phase::backward, OpKind::dp_comm, a.dp, Collective::all_gather, w, strata ? 0.0 : bwd);
   a.comm("zero3_reduce_scatter", Phase::backward, OpKind::dp_comm, a.dp, Collective::reduce_scatter,
-         a.cs.grad_bytes * params, std::max(0.0, bwd - ag));
+         a.cs.grad_bytes * params, strata ? bwd : std::max(0.0, bwd - ag));
 }
 
 }  // namespace

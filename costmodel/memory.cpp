@@ -166,9 +166,12 @@ MemoryBreakdown stage_memory(const ModelSpec& m, const Cluster& cl, const Plan& 
   double comm = 0;
   // (The strata executor receives straight into the next layer's input, an activation.)
   if (p.p > 1 && !cs.stack.strata) comm += 4.0 * cs.act_bytes * cs.Tn * static_cast<double>(m.H);
-  // The strata executor reduce-scatters each unit's micro-batch gradient (one at a time)
-  // while the next unit's is formed (ZeRO-2 and ZeRO-3): at most the two largest units of
-  // the stage (whether the second is still held depends on when the first completes).
+  // The strata executor (ZeRO-2/3) reduce-scatters each unit's micro-batch gradient, one
+  // at a time, while the next unit's is formed: at most the two largest units of the stage
+  // (whether the second is still held depends on when the first completes); with tied
+  // embeddings on one stage the wte gradient, formed at the output layer, waits for the
+  // embedding's backward as well. ZeRO-3 holds the gathered unit in use and the one
+  // prefetched: again the two largest.
   if (cs.stack.strata && p.zero >= 2 && p.replicas() > 1) {
     std::vector<double> units;
     for (int64_t c = 0; c < lay.v; ++c) {
@@ -180,7 +183,10 @@ MemoryBreakdown stage_memory(const ModelSpec& m, const Cluster& cl, const Plan& 
         units.push_back(static_cast<double>(m.word_embedding_params(p.t) + m.position_params()));
     }
     std::sort(units.rbegin(), units.rend());
-    comm += cs.grad_bytes * ((units.size() > 0 ? units[0] : 0.0) + (units.size() > 1 ? units[1] : 0.0));
+    const double top2 = (units.size() > 0 ? units[0] : 0.0) + (units.size() > 1 ? units[1] : 0.0);
+    const bool tied_here = m.tie_embeddings && p.p == 1;
+    comm += cs.grad_bytes * (top2 + (tied_here ? static_cast<double>(m.word_embedding_params(p.t)) : 0.0));
+    if (p.zero >= 3) comm += cs.weight_bytes * top2;
   }
   if ((p.zero == 1 || p.zero == 2) && p.replicas() > 1 && !cs.stack.modern && !cs.stack.strata) {
     // Legacy sharded optimizers stage gradients and parameters through flat buckets:
@@ -189,9 +195,9 @@ MemoryBreakdown stage_memory(const ModelSpec& m, const Cluster& cl, const Plan& 
     constexpr double kDeepSpeedBucketElements = 5e8;
     comm += std::min(P, kDeepSpeedBucketElements) * (cs.grad_bytes + cs.weight_bytes);
   }
-  if (p.zero >= 3 && p.replicas() > 1) {
+  if (p.zero >= 3 && p.replicas() > 1 && !cs.stack.strata) {
     const double lp = static_cast<double>(m.layer_params(p.t));
-    comm += 2.0 * cs.weight_bytes * lp + (cs.stack.strata ? 0.0 : cs.grad_bytes * lp);
+    comm += 2.0 * cs.weight_bytes * lp + cs.grad_bytes * lp;
   }
   mb.comm_buffers = comm;
   // The framework's own memory (CUDA context, library workspaces, communicator buffers) and

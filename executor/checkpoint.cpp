@@ -94,22 +94,29 @@ void commit_checkpoint(const std::string& dir, const std::string& tmp_dir, const
   fs::rename(tmp_dir, final_dir, ec);
   if (ec) throw InputError("checkpoint: cannot rename '" + tmp_dir + "' to '" + final_dir.string() + "': " + ec.message());
   fsync_path(dir, true);
-  // Keep the newest `keep`.
-  std::vector<std::string> names;
-  for (const auto& e : fs::directory_iterator(dir, ec))
-    if (e.is_directory() && e.path().filename().string().rfind("step-", 0) == 0) names.push_back(e.path().filename().string());
-  std::sort(names.begin(), names.end());
-  for (size_t i = 0; keep > 0 && i + static_cast<size_t>(keep) < names.size(); ++i) fs::remove_all(fs::path(dir) / names[i], ec);
+  // Keep the newest `keep`, by step.
+  std::vector<std::pair<int64_t, fs::path>> found = checkpoints_in(dir);
+  for (size_t i = 0; keep > 0 && i + static_cast<size_t>(keep) < found.size(); ++i) fs::remove_all(found[i].second, ec);
+}
+
+std::vector<std::pair<int64_t, fs::path>> checkpoints_in(const std::string& dir) {
+  std::vector<std::pair<int64_t, fs::path>> found;
+  std::error_code ec;
+  for (const auto& e : fs::directory_iterator(dir, ec)) {
+    const std::string n = e.path().filename().string();
+    if (!e.is_directory() || n.rfind("step-", 0) != 0 || n.size() <= 5 || n.size() > 5 + 18) continue;
+    if (!std::all_of(n.begin() + 5, n.end(), [](char c) { return c >= '0' && c <= '9'; })) continue;
+    found.push_back({std::stoll(n.substr(5)), e.path()});
+  }
+  std::sort(found.begin(), found.end());
+  return found;
 }
 
 std::string newest_checkpoint(const std::string& dir) {
-  std::error_code ec;
-  std::string best;
-  for (const auto& e : fs::directory_iterator(dir, ec)) {
-    const std::string n = e.path().filename().string();
-    if (e.is_directory() && n.rfind("step-", 0) == 0 && fs::exists(e.path() / "manifest.json") && n > best) best = n;
-  }
-  return best.empty() ? "" : (fs::path(dir) / best).string();
+  const std::vector<std::pair<int64_t, fs::path>> found = checkpoints_in(dir);
+  for (auto it = found.rbegin(); it != found.rend(); ++it)
+    if (fs::exists(it->second / "manifest.json")) return it->second.string();
+  return "";
 }
 
 std::vector<float> read_checkpoint(const std::string& path, CheckpointMeta* meta) {
@@ -145,10 +152,20 @@ std::vector<float> read_checkpoint(const std::string& path, CheckpointMeta* meta
     throw InputError("checkpoint '" + path + "': manifest.json: implausible global_params or step");
   std::vector<float> state(static_cast<size_t>(total));
   int64_t at = 0;
-  for (const Json& fj : j.at("files")) {
-    const std::string name = fj.at("name").get<std::string>();
-    const int64_t bytes = fj.at("bytes").get<int64_t>();
-    if (name.find('/') != std::string::npos || bytes % 4 != 0 || at + bytes / 4 > total)
+  std::vector<std::pair<std::string, int64_t>> entries;
+  std::vector<std::string> hashes;
+  try {
+    for (const Json& fj : j.at("files")) {
+      entries.push_back({fj.at("name").get<std::string>(), fj.at("bytes").get<int64_t>()});
+      hashes.push_back(fj.at("fnv1a64").get<std::string>());
+    }
+  } catch (const std::exception& e) {
+    throw InputError("checkpoint '" + path + "': manifest.json files: " + e.what());
+  }
+  for (size_t k = 0; k < entries.size(); ++k) {
+    const std::string& name = entries[k].first;
+    const int64_t bytes = entries[k].second;
+    if (name.find('/') != std::string::npos || bytes < 0 || bytes % 4 != 0 || at + bytes / 4 > total)
       throw InputError("checkpoint '" + path + "': manifest lists a bad file entry '" + name + "'");
     std::ifstream f(fs::path(path) / name, std::ios::binary);
     if (!f) throw InputError("checkpoint '" + path + "': missing " + name);
@@ -156,7 +173,7 @@ std::vector<float> read_checkpoint(const std::string& path, CheckpointMeta* meta
     if (f.gcount() != bytes || f.peek() != EOF)
       throw InputError("checkpoint '" + path + "': " + name + " is not " + std::to_string(bytes) + " bytes");
     const std::string hash = fmt::format("{:016x}", fnv1a64(state.data() + at, static_cast<size_t>(bytes)));
-    if (hash != fj.at("fnv1a64").get<std::string>())
+    if (hash != hashes[k])
       throw InputError("checkpoint '" + path + "': " + name + " fails its checksum (corrupt)");
     at += bytes / 4;
   }

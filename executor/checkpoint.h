@@ -5,11 +5,14 @@
 // layout) and manifest.json (plan, step, counters, every file's size and FNV-1a 64 hash).
 // It is written into D/.tmp-step-NNNNNNNN, every file fsynced, then renamed into place and
 // D fsynced: a folder named step-* is complete. Because the state is global, a checkpoint
-// loads under any plan (resharding).
+// loads under any plan (resharding). D must be one folder every rank sees (a local disk on
+// one machine, or a shared filesystem across machines).
 #pragma once
 
 #include <cstdint>
+#include <filesystem>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "costmodel/json_input.h"
@@ -41,6 +44,8 @@ std::string write_shard(const std::string& tmp_dir, int rank, const float* data,
 void commit_checkpoint(const std::string& dir, const std::string& tmp_dir, const CheckpointMeta& meta,
                        const std::vector<std::string>& shard_lines, int64_t keep);
 
+// The step-N folders under dir, by step (complete or not: only renamed folders are named so).
+std::vector<std::pair<int64_t, std::filesystem::path>> checkpoints_in(const std::string& dir);
 // The newest checkpoint folder under dir ("" when none). Only complete (renamed) folders.
 std::string newest_checkpoint(const std::string& dir);
 // Reads and verifies a checkpoint folder (sizes and hashes of every file): the meta data and

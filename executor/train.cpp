@@ -225,7 +225,7 @@ TrainResult Engine::run() {
     rec.step_time_s = dt;
     rec.tokens_per_s = tokens / dt;
     res.steps.push_back(rec);
-    if (k > 0 || o_.steps == 1) {
+    if (k > start_step_ || o_.steps - start_step_ == 1) {  // the first step run is a warm-up
       const double ph[11] = {forward_s_, backward_s_, recompute_s_, optimizer_s_, tp_s_, pp_s_, dp_s_, dp_total_s_,
                              bubble_s_, 1.0, dp_skew_s_};
       for (int i = 0; i < 11; ++i) sums[static_cast<size_t>(i)] += ph[i];

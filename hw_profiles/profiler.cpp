@@ -302,18 +302,25 @@ ProfileResult run_profile(Comm& comm, Backend& be, const ProfileOptions& o) {
   // GEMM, every rank at once.
   for (const GemmShape& g : shapes) {
     // Operands rotate through several copies, at least kColdBytes in all, so each call
-    // finds them in memory rather than in the caches, as a training step does.
+    // finds them in memory rather than in the caches, as a training step does. Each call
+    // runs the shape as a linear layer does in training: forward x W^T (M, N, K), input
+    // gradient dY W (M, K, N) and weight gradient dY^T x added into the gradient
+    // (N, K, M), the same FLOPs each; the rate is that of the three together.
     constexpr int64_t kColdBytes = int64_t{64} << 20;
-    const int64_t one = 4 * (g.M * g.K + g.K * g.N + g.M * g.N);
+    const int64_t sa = std::max(g.M * g.K, g.M * g.N), sb = std::max(g.N * g.K, g.M * g.K),
+                  sc = std::max({g.M * g.N, g.M * g.K, g.N * g.K});
+    const int64_t one = 4 * (sa + sb + sc);
     const int64_t copies = std::clamp<int64_t>(kColdBytes / std::max<int64_t>(one, 1), 1, 64);
-    std::vector<float> a(static_cast<size_t>(copies * g.M * g.K), 0.5f), b(static_cast<size_t>(copies * g.K * g.N), 0.25f),
-        c(static_cast<size_t>(copies * g.M * g.N));
+    std::vector<float> a(static_cast<size_t>(copies * sa), 0.5f), b(static_cast<size_t>(copies * sb), 0.25f),
+        c(static_cast<size_t>(copies * sc), 0.0f);
     int64_t next = 0;
     const double t = time_calls(comm, o.min_time_s, [&] {
       const int64_t i = next++ % copies;
-      be.gemm(false, true, g.M, g.N, g.K, 1.0f, a.data() + i * g.M * g.K, g.K, b.data() + i * g.K * g.N, g.K, 0.0f,
-              c.data() + i * g.M * g.N, g.N);
-    });
+      float *A = a.data() + i * sa, *B = b.data() + i * sb, *C = c.data() + i * sc;
+      be.gemm(false, true, g.M, g.N, g.K, 1.0f, A, g.K, B, g.K, 0.0f, C, g.N);   // y = x W^T
+      be.gemm(false, false, g.M, g.K, g.N, 1.0f, A, g.N, B, g.K, 0.0f, C, g.K);  // dx = dy W
+      be.gemm(true, false, g.N, g.K, g.M, 1.0f, A, g.N, B, g.K, 1.0f, C, g.K);   // dW += dy^T x
+    }) / 3.0;
     const double flops = 2.0 * static_cast<double>(g.M * g.K * g.N);
     res.gemm.push_back({flops, flops / t});
     say(fmt::format("gemm {}x{}x{}: {:.1f} GFLOP/s per rank", g.M, g.N, g.K, flops / t / 1e9));

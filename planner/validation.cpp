@@ -91,10 +91,9 @@ Cluster apply_calibration(const Cluster& cl, const Calibration& c) {
                        &r.device.peak_fp16_flops, &r.device.peak_fp8_flops})
     *peak *= fg;
   r.device.memory_bandwidth_bytes_per_s *= fm;
-  for (LinkTier* t : {&r.intra, &r.inter}) {
-    t->bandwidth_bytes_per_s *= c.link;
-    t->latency_s /= c.link;
-  }
+  // The links a run on one machine measured: the intra-node tier only.
+  r.intra.bandwidth_bytes_per_s *= c.link;
+  r.intra.latency_s /= c.link;
   r.step_overhead_s += c.overhead_s;
   r.name = cl.name + "-calibrated";
   return r;

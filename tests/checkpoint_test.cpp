@@ -168,6 +168,23 @@ TEST(CheckpointResume, BadUseIsRefused) {
                          kArgs + " --seed 7 --checkpoint-dir " + dir.string() + " --resume");
   EXPECT_EQ(r.rc, 2);
   EXPECT_NE(r.err.find("--seed"), std::string::npos) << r.err;
+  // A new run into a folder holding another run's checkpoints is refused (keep-K and a
+  // later --resume would mix the two runs).
+  r = strata_test::train("tiny-gpt", "mbs=1,gbs=2,precision=fp32", 2,
+                         kArgs + " --checkpoint-dir " + dir.string() + " --checkpoint-every 1");
+  EXPECT_EQ(r.rc, 2);
+  EXPECT_NE(r.err.find("already holds checkpoints"), std::string::npos) << r.err;
+  fs::remove_all(dir);
+}
+
+TEST(CheckpointFiles, StepsOrderNumericallyPastEightDigits) {
+  const fs::path dir = fresh_dir("strata_ckpt_order");
+  for (const char* n : {"step-99999999", "step-100000000", "step-00000007", "step-x", ".step-00000009.tmp"})
+    fs::create_directories(dir / n);
+  const auto found = checkpoints_in(dir.string());
+  ASSERT_EQ(found.size(), 3u);
+  EXPECT_EQ(found.back().first, 100000000);
+  EXPECT_EQ(found.front().first, 7);
   fs::remove_all(dir);
 }
 
