@@ -3,14 +3,14 @@
 #               validate tiny-gpt on 2 MPI ranks (predicted against measured) and say where the report is
 #   make test   install deps, build, run every test; then the same tests under ASan + UBSan
 # Extra targets: build, bench (planner), bench-executor (executor speed table), calibration (the per-row
-# accuracy table), clean.
+# accuracy table), fuzz (libFuzzer over the loaders, FUZZ_SECONDS=120), clean.
 
 JOBS      ?= 2
 BUILD     ?= build
 SANBUILD  ?= build-asan
 CMAKE_ARGS ?=
 
-.PHONY: all deps build demo test test-fast test-sanitize bench bench-executor bench-profile calibration clean
+.PHONY: all deps build demo test test-fast test-sanitize bench bench-executor bench-profile calibration fuzz clean
 
 all: build
 
@@ -54,6 +54,10 @@ bench-profile: build
 
 calibration: build
 	$(BUILD)/calibration_test --gtest_filter='*PublishedRuns*'
+
+FUZZ_SECONDS ?= 120
+fuzz: deps
+	scripts/fuzz.sh $(FUZZ_SECONDS)
 
 clean:
 	rm -rf $(BUILD) $(SANBUILD)

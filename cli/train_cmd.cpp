@@ -33,7 +33,8 @@ int cmd_train(const std::vector<std::string>& argv) {
     const Args a(argv, "train",
                  {"model", "plan", "steps", "backend", "data", "seed", "json", "trace", "lr", "min-lr", "lr-warmup-iters",
                   "weight-decay", "clip-grad", "loss-scale", "loss-scale-window", "dump-params", "seq-length",
-                  "checkpoint-dir", "checkpoint-every", "keep-checkpoints"},
+                  "checkpoint-dir", "checkpoint-every", "keep-checkpoints", "inject-fault", "max-bad-steps",
+                  "distributed-timeout-minutes"},
                  {"quiet", "resume"});
     m = load_model(a.required("model", "a preset, model JSON or config.json"), a.integer("seq-length", 0, 0, 1 << 20));
     plan = load_plan(a.required("plan", "a plan JSON or inline pairs tp=2,dp=2,..."));
@@ -70,6 +71,10 @@ int cmd_train(const std::vector<std::string>& argv) {
     o.checkpoint_every = a.integer("checkpoint-every", 0, 1, 100000000);
     o.keep_checkpoints = a.integer("keep-checkpoints", 2, 1, 1000000);
     o.resume = a.has("resume");
+    o.max_bad_steps = a.integer("max-bad-steps", o.max_bad_steps, 1, 1000000000);
+    // Megatron's name; fractions allowed (0.1 = 6 s, for tests); 0 turns the watchdog off.
+    o.distributed_timeout_s = 60.0 * real("distributed-timeout-minutes", o.distributed_timeout_s / 60.0, 0.0, 1e6);
+    if (a.has("inject-fault")) o.fault = parse_fault(a.get("inject-fault"), size);
     if ((o.checkpoint_every > 0 || o.resume) && o.checkpoint_dir.empty())
       throw InputError(std::string(o.resume ? "--resume" : "--checkpoint-every") + " needs --checkpoint-dir D");
     // A new run must not mix its checkpoints with another run's (keep-K would prune by step
@@ -120,6 +125,10 @@ int cmd_train(const std::vector<std::string>& argv) {
     fmt::print(stderr, "strata: error: rank {} of {}: {}\n", rank, size, e.what());
     MPI_Abort(MPI_COMM_WORLD, 2);
     return 2;
+  } catch (const TrainingStopped& e) {  // every rank stops alike: no abort needed
+    if (rank == 0) fmt::print(stderr, "strata: error: {}\n", e.what());
+    MPI_Finalize();
+    return 1;
   } catch (const std::exception& e) {
     fmt::print(stderr, "strata: internal error: rank {} of {}: {}\n", rank, size, e.what());
     MPI_Abort(MPI_COMM_WORLD, 1);

@@ -37,6 +37,8 @@ Json parse_json_text(const std::string& text, const std::string& source) {
     return Json::parse(text);
   } catch (const Json::parse_error& e) {
     throw InputError(fmt::format("{}: malformed JSON at byte {}: {}", source, e.byte, e.what()));
+  } catch (const Json::exception& e) {  // a number too large for any type (found by fuzzing), ...
+    throw InputError(fmt::format("{}: invalid JSON: {}", source, e.what()));
   }
 }
 
@@ -57,7 +59,8 @@ Json read_json_file(const std::string& path, const std::string& what) {
 }
 
 std::string show_value(const Json& v) {
-  std::string s = v.dump();
+  // Strings that are not UTF-8 (from inline pairs, say) are shown with U+FFFD, never thrown on.
+  std::string s = v.dump(-1, ' ', false, Json::error_handler_t::replace);
   if (s.size() > 60) s = s.substr(0, 57) + "...";
   return s;
 }

@@ -129,6 +129,10 @@ Json parse_inline_pairs(const std::string& text, const std::string& what) {
   Json j = Json::object();
   size_t pos = 0;
   if (text.empty()) throw InputError(what + ": empty; expected key=value pairs such as tp=8,pp=4");
+  for (size_t i = 0; i < text.size(); ++i)
+    if (text[i] < 0x21 || text[i] > 0x7e)  // (char may be signed: bytes >= 0x80 are negative)
+      throw InputError(fmt::format("{}: byte {} is 0x{:02x}; key=value pairs are printable ASCII without spaces", what, i,
+                                   static_cast<unsigned char>(text[i])));
   while (pos <= text.size()) {
     const size_t comma = text.find(',', pos);
     const std::string item = text.substr(pos, comma == std::string::npos ? std::string::npos : comma - pos);

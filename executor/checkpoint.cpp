@@ -1,5 +1,6 @@
 // Checkpoint files; see checkpoint.h.
 #include "executor/checkpoint.h"
+#include "executor/fault.h"
 
 #include <fcntl.h>
 #include <unistd.h>
@@ -55,9 +56,13 @@ void shard_range(int64_t total, int r, int w, int64_t* begin, int64_t* end) {
   *end = std::min(total, *begin + per);
 }
 
-std::string write_shard(const std::string& tmp_dir, int rank, const float* data, int64_t n) {
+std::string write_shard(const std::string& tmp_dir, int rank, const float* data, int64_t n, bool die_halfway) {
   const std::string name = fmt::format("shard-{:05d}.bin", rank);
   const size_t bytes = static_cast<size_t>(n) * sizeof(float);
+  if (die_halfway) {
+    write_file_synced((fs::path(tmp_dir) / name).string(), data, bytes / 2);
+    inject_kill();
+  }
   write_file_synced((fs::path(tmp_dir) / name).string(), data, bytes);
   return fmt::format("{} {} {:016x}", name, bytes, fnv1a64(data, bytes));
 }
@@ -150,8 +155,6 @@ std::vector<float> read_checkpoint(const std::string& path, CheckpointMeta* meta
   const int64_t total = 3 * meta->global_params;
   if (meta->global_params <= 0 || meta->global_params > (int64_t{1} << 34) || meta->step < 0)
     throw InputError("checkpoint '" + path + "': manifest.json: implausible global_params or step");
-  std::vector<float> state(static_cast<size_t>(total));
-  int64_t at = 0;
   std::vector<std::pair<std::string, int64_t>> entries;
   std::vector<std::string> hashes;
   try {
@@ -162,11 +165,29 @@ std::vector<float> read_checkpoint(const std::string& path, CheckpointMeta* meta
   } catch (const std::exception& e) {
     throw InputError("checkpoint '" + path + "': manifest.json files: " + e.what());
   }
+  // Every entry checked against the files on disk before anything is allocated: the state
+  // is as large as the shards really are, never as large as a manifest claims.
+  int64_t listed = 0;
+  for (const auto& [name, bytes] : entries) {
+    if (name.empty() || name.find('/') != std::string::npos || name == "." || name == ".." || bytes < 0 ||
+        bytes % 4 != 0 || bytes / 4 > total - listed)
+      throw InputError("checkpoint '" + path + "': manifest lists a bad file entry '" + name + "'");
+    std::error_code ec;
+    const auto on_disk = fs::file_size(fs::path(path) / name, ec);
+    if (ec) throw InputError("checkpoint '" + path + "': missing " + name);
+    if (static_cast<int64_t>(on_disk) != bytes)
+      throw InputError("checkpoint '" + path + "': " + name + " is " + std::to_string(on_disk) + " bytes, not " +
+                       std::to_string(bytes));
+    listed += bytes / 4;
+  }
+  if (listed != total)
+    throw InputError("checkpoint '" + path + "': the shards hold " + std::to_string(listed) + " of " +
+                     std::to_string(total) + " floats");
+  std::vector<float> state(static_cast<size_t>(total));
+  int64_t at = 0;
   for (size_t k = 0; k < entries.size(); ++k) {
     const std::string& name = entries[k].first;
     const int64_t bytes = entries[k].second;
-    if (name.find('/') != std::string::npos || bytes < 0 || bytes % 4 != 0 || at + bytes / 4 > total)
-      throw InputError("checkpoint '" + path + "': manifest lists a bad file entry '" + name + "'");
     std::ifstream f(fs::path(path) / name, std::ios::binary);
     if (!f) throw InputError("checkpoint '" + path + "': missing " + name);
     f.read(reinterpret_cast<char*>(state.data() + at), bytes);

@@ -38,7 +38,8 @@ uint64_t fnv1a64(const void* data, size_t bytes);
 void shard_range(int64_t total, int r, int w, int64_t* begin, int64_t* end);
 
 // Writes rank r's slice into `tmp_dir` (which exists) and fsyncs it; returns "name size hash".
-std::string write_shard(const std::string& tmp_dir, int rank, const float* data, int64_t n);
+// `die_halfway` (fault injection): SIGKILL once half the bytes are on disk.
+std::string write_shard(const std::string& tmp_dir, int rank, const float* data, int64_t n, bool die_halfway = false);
 // Rank 0, after every shard is written: the manifest (shard lines from every rank), fsync,
 // rename tmp_dir to its final name, fsync the parent, and remove all but the newest `keep`.
 void commit_checkpoint(const std::string& dir, const std::string& tmp_dir, const CheckpointMeta& meta,

@@ -64,7 +64,8 @@ void Engine::save_checkpoint(int64_t step) {
   double flag = bad;
   comm_.all_reduce(&flag, 1, world_, ReduceOp::max);
   if (flag > 0) throw InputError(error.empty() ? "checkpoint: rank 0 could not create the folder" : error);
-  const std::string line = write_shard(tmp, comm_.rank(), slice.data(), e - b);
+  const std::string line = write_shard(tmp, comm_.rank(), slice.data(), e - b,
+                                       o_.fault.at(comm_.rank(), step, FaultInjection::Kind::kill_in_checkpoint));
   const std::vector<std::string> lines = comm_.gather_strings(line, 0);
   if (comm_.rank() == 0) {
     CheckpointMeta meta;

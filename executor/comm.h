@@ -49,6 +49,13 @@ class Comm {
   virtual double wtime() const = 0;
   // Every rank's string, on `root_rank` (empty elsewhere); for traces and errors.
   virtual std::vector<std::string> gather_strings(const std::string& s, int root_rank) = 0;
+  // The collective watchdog (executor/watchdog.h): from now on a call that has not completed
+  // in `timeout_s`, or a rank without progress for that long, stops the rank with a message
+  // naming the rank that failed. Collective over the world. Without it (the default, and
+  // in a world of one rank) nothing is watched.
+  virtual void start_watchdog(double timeout_s) { (void)timeout_s; }
+  // The step in progress (1-based), for the watchdog's messages; also a sign of progress.
+  virtual void set_step(int64_t step) { (void)step; }
 };
 
 // The Open MPI communicator over MPI_COMM_WORLD (MPI must be initialised).

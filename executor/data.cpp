@@ -2,6 +2,8 @@
 // seeded per-epoch sample order.
 #include "executor/data.h"
 
+#include <unistd.h>
+
 #include <algorithm>
 #include <cmath>
 #include <fstream>
@@ -92,6 +94,13 @@ TokenSource::TokenSource(const std::string& spec, int64_t V, int64_t S, uint64_t
   std::ifstream f(spec, std::ios::binary | std::ios::ate);
   if (!f) throw InputError("--data: cannot open token file '" + spec + "'");
   const auto bytes = static_cast<int64_t>(f.tellg());
+  if (bytes < 0) throw InputError("--data: '" + spec + "' is not a readable token file (a folder?)");
+  // The tokens are read into memory: refuse a file larger than half of this machine's memory
+  // before allocating for it.
+  const long pages = ::sysconf(_SC_PHYS_PAGES), page = ::sysconf(_SC_PAGE_SIZE);
+  if (pages > 0 && page > 0 && bytes / 2 > static_cast<int64_t>(pages) * (page / 2))
+    throw InputError("--data: token file '" + spec + "' has " + std::to_string(bytes) +
+                     " bytes, more than half of this machine's memory; strata reads token files into memory");
   if (bytes % 2 != 0)
     throw InputError("--data: token file '" + spec + "' has " + std::to_string(bytes) +
                      " bytes; a file of uint16 tokens has an even number (truncated?)");

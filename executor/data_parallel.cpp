@@ -206,14 +206,16 @@ void Engine::finish_gradients() {
 
 void Engine::optimizer_step(StepRecord* rec) {
   const double t0 = comm_.wtime();
-  const float* g = zero_ == 0 ? grad_full_.data() : grad_shard_.data();
+  float* g = zero_ == 0 ? grad_full_.data() : grad_shard_.data();
+  if (o_.fault.at(comm_.rank(), rec->step, FaultInjection::Kind::nan) && sh_.shard_size > 0)
+    g[0] = std::numeric_limits<float>::quiet_NaN();  // injected: this rank's gradients turn NaN
   double acc[2] = {0.0, 0.0};  // sum of squares, non-finite count
   grad_norm_terms(g, counted_.data(), sh_.shard_size, acc);
   comm_.all_reduce(acc, 2, world_);
   const double norm = std::sqrt(acc[0]) / loss_scale_;
   rec->loss_scale = loss_scale_;
   rec->grad_norm = norm;
-  if (acc[1] > 0) {  // fp16 overflow: skip the step, halve the scale
+  if (acc[1] > 0) {  // NaN/Inf (fp16: overflow): skip the step, halve the scale
     rec->skipped = true;
     rec->grad_norm = std::numeric_limits<double>::quiet_NaN();
     loss_scale_ = std::max(1.0, loss_scale_ / 2.0);

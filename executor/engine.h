@@ -137,6 +137,7 @@ class Engine {
   double loss_scale_ = 1.0;
   int64_t adam_step_ = 0;  // updates applied (skipped fp16 steps do not count)
   int64_t good_steps_ = 0;
+  int64_t bad_in_row_ = 0;  // steps in a row skipped for NaN/Inf
   // Per-step phase seconds.
   double dp_skew_s_ = 0;
   double forward_s_ = 0, backward_s_ = 0, recompute_s_ = 0, optimizer_s_ = 0, tp_s_ = 0, pp_s_ = 0, dp_s_ = 0,

@@ -167,7 +167,16 @@ double Engine::run_step(int64_t k, StepRecord* rec) {
   std::fill(done_count_.begin(), done_count_.end(), 0);
   early_split_.assign(lay_.units.size(), 0);
   double loss_sum = 0;
+  bool injected = false;
   for (const Step& st : schedule_.stages[static_cast<size_t>(me_.pp)]) {
+    if (!st.forward && !injected) {  // injected faults strike mid-step, with peers waiting
+      injected = true;
+      const int r = comm_.rank();
+      using K = FaultInjection::Kind;
+      if (o_.fault.at(r, k + 1, K::kill)) inject_kill();
+      if (o_.fault.at(r, k + 1, K::hang)) inject_hang();
+      if (o_.fault.at(r, k + 1, K::throw_exception)) inject_throw(r, k + 1);
+    }
     if (st.forward) forward_step(k, st, &loss_sum);
     else backward_step(st);
   }

@@ -21,6 +21,7 @@
 #include <thread>
 
 #include <malloc.h>
+#include <fmt/format.h>
 #include <unistd.h>
 
 #include "costmodel/layout.h"
@@ -57,13 +58,22 @@ void validate_train_plan(const ModelSpec& m, const Plan& p, int world_size) {
   }
   if (p.precision == Precision::fp8) fail("plan: precision fp8: the CPU executor runs fp32, bf16 and fp16");
   // Parameters, gradients and Adam states alone take 16 bytes per parameter of a rank's
-  // share; refuse plans that cannot fit this machine instead of failing to allocate.
-  const double per_rank = m.total_params() / static_cast<double>(p.t * p.p) * 16.0;
+  // share; the activations of the first stage, Korthikanti et al.'s 34 + 5 a s / h values
+  // per token and hidden unit and layer (fp32 here, unfused attention), for its layers and
+  // up to pp micro-batches in flight. Refuse plans that cannot fit this machine instead of
+  // failing to allocate.
+  const double states = m.total_params() / static_cast<double>(p.t * p.p) * 16.0;
+  const double tokens = static_cast<double>(p.mbs) * static_cast<double>(m.S);
+  const double acts = static_cast<double>(m.L) * tokens * static_cast<double>(m.H) *
+                      (34.0 + 5.0 * static_cast<double>(m.A) * static_cast<double>(m.S) / static_cast<double>(m.H)) * 2.0 /
+                      static_cast<double>(p.t);
   const double ram = static_cast<double>(sysconf(_SC_PHYS_PAGES)) * static_cast<double>(sysconf(_SC_PAGE_SIZE));
-  if (ram > 0 && per_rank > ram)
-    fail("model: " + m.name + " needs about " + std::to_string(static_cast<int64_t>(per_rank / 1e9)) +
-         " GB of parameters, gradients and optimizer states per rank with tp*pp = " + std::to_string(p.t * p.p) +
-         "; this machine has " + std::to_string(static_cast<int64_t>(ram / 1e9)) + " GB (the CPU executor trains small models)");
+  if (ram > 0 && states + acts > ram)
+    fail("model: " + m.name + " needs about " + std::to_string(static_cast<int64_t>((states + acts) / 1e9)) +
+         " GB per rank with tp*pp = " + std::to_string(p.t * p.p) + " and micro_batch_size " + std::to_string(p.mbs) +
+         " (" + std::to_string(static_cast<int64_t>(states / 1e9)) + " GB of parameters, gradients and Adam states, " +
+         std::to_string(static_cast<int64_t>(acts / 1e9)) + " GB of activations); this machine has " +
+         std::to_string(static_cast<int64_t>(ram / 1e9)) + " GB (the CPU executor trains small models)");
 }
 
 Engine::Engine(const ModelSpec& m, const Plan& p, const TrainOptions& o, Comm& comm, Backend& be)
@@ -215,11 +225,25 @@ TrainResult Engine::run() {
   t_origin_ = comm_.wtime();
   std::vector<double> sums(11, 0.0);
   for (int64_t k = start_step_; k < o_.steps; ++k) {
+    comm_.set_step(k + 1);
     comm_.barrier(world_);
     const double t0 = comm_.wtime();
     StepRecord rec;
     rec.step = k + 1;
     rec.loss = run_step(k, &rec);
+    // NaN/Inf in the gradients skipped the update (optimizer_step); a non-finite loss is
+    // as bad. K in a row: the run is diverging or a rank is broken, so stop.
+    bad_in_row_ = rec.skipped || !std::isfinite(rec.loss) ? bad_in_row_ + 1 : 0;
+    if (bad_in_row_ >= o_.max_bad_steps) {
+      if (o_.on_step && comm_.rank() == 0) o_.on_step(rec, o_.steps);
+      const std::string newest = o_.checkpoint_dir.empty() ? "" : newest_checkpoint(o_.checkpoint_dir);
+      throw TrainingStopped(fmt::format(
+          "training stopped at step {}: {} steps in a row had NaN or Inf in the loss or gradients (--max-bad-steps {}); "
+          "none of them changed the model{}; {}",
+          k + 1, bad_in_row_, o_.max_bad_steps,
+          plan_.precision == Precision::fp16 ? fmt::format(" (fp16 loss scale now {:g})", loss_scale_) : "",
+          newest.empty() ? "no checkpoint was written" : "the newest good checkpoint is " + newest));
+    }
     double dt = comm_.wtime() - t0;
     comm_.all_reduce(&dt, 1, world_, ReduceOp::max);
     rec.step_time_s = dt;
@@ -334,6 +358,7 @@ TrainResult Engine::run() {
 
 TrainResult train(const ModelSpec& m, const Plan& p, const TrainOptions& o, Comm& comm, Backend& be) {
   validate_train_plan(m, p, comm.size());
+  if (o.distributed_timeout_s > 0 && comm.size() > 1) comm.start_watchdog(o.distributed_timeout_s);
   Engine e(m, p, o, comm, be);
   return e.run();
 }

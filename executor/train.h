@@ -7,6 +7,7 @@
 
 #include <cstdint>
 #include <functional>
+#include <stdexcept>
 #include <string>
 #include <vector>
 
@@ -15,6 +16,7 @@
 #include "costmodel/plan.h"
 #include "executor/backend.h"
 #include "executor/comm.h"
+#include "executor/fault.h"
 
 namespace strata {
 
@@ -42,10 +44,22 @@ struct TrainOptions {
   int64_t checkpoint_every = 0;
   int64_t keep_checkpoints = 2;
   bool resume = false;
+  // Faults: training stops (TrainingStopped) after this many steps in a row with NaN or Inf
+  // in the loss or the gradients (each one skipped, the fp16 loss scale halved).
+  int64_t max_bad_steps = 10;
+  // The collective watchdog's timeout (Comm::start_watchdog), seconds; 0: none.
+  double distributed_timeout_s = 600;
+  FaultInjection fault;  // --inject-fault, for tests
   // Called on rank 0 after every step with the step's record (the CLI draws progress).
   std::function<void(const StepRecord&, int64_t steps)> on_step;
 };
 
+
+// Training stopped on purpose, on every rank alike (K bad steps in a row); the message says
+// why and what state is kept.
+struct TrainingStopped : std::runtime_error {
+  using std::runtime_error::runtime_error;
+};
 
 struct TrainResult {
   Plan plan;

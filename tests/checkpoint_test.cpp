@@ -16,13 +16,8 @@ namespace {
 
 namespace fs = std::filesystem;
 using strata_test::TrainRun;
+using strata_test::fresh_dir;
 
-fs::path fresh_dir(const std::string& name) {
-  const fs::path d = fs::path(::testing::TempDir()) / (name + "_" + std::to_string(::getpid()));
-  fs::remove_all(d);
-  fs::create_directories(d);
-  return d;
-}
 
 CheckpointMeta meta_at(int64_t step, int64_t G) {
   CheckpointMeta m;

@@ -1,4 +1,4 @@
-// Runs `strata train` under mpirun for the tests (train_test, checkpoint_test): the JSON,
+// Runs `strata train` under mpirun for the tests (train_test, checkpoint_test, fault_test): the JSON,
 // the losses and the gathered parameters (--dump-params) of one run.
 #pragma once
 
@@ -8,6 +8,7 @@
 
 #include <algorithm>
 #include <cstdlib>
+#include <filesystem>
 #include <fstream>
 #include <sstream>
 #include <string>
@@ -26,9 +27,18 @@ inline std::string slurp(const std::string& path) {
   return ss.str();
 }
 
+// An empty folder under the test temp dir, unique to this process.
+inline std::filesystem::path fresh_dir(const std::string& name) {
+  const std::filesystem::path d =
+      std::filesystem::path(::testing::TempDir()) / (name + "_" + std::to_string(::getpid()));
+  std::filesystem::remove_all(d);
+  std::filesystem::create_directories(d);
+  return d;
+}
+
 struct TrainRun {
   int rc = -1;
-  std::string err;
+  std::string out, err;
   Json j;
   std::vector<float> params;
   std::vector<double> losses;
@@ -57,6 +67,7 @@ inline TrainRun train(const std::string& model, const std::string& plan, int ste
   TrainRun r;
   const int status = std::system(cmd.str().c_str());
   r.rc = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+  r.out = slurp(base + ".out");
   r.err = slurp(base + ".err");
   if (r.rc == 0) {
     r.j = Json::parse(slurp(base + ".json"));

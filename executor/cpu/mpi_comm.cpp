@@ -1,14 +1,20 @@
 // Comm on Open MPI: one MPI communicator per group kind (MPI_Comm_split of the world),
-// requests kept in slots. Every MPI call goes through MPI_CHECK, which prints the call,
-// file and line and aborts every rank.
+// requests kept in slots. Errors return (MPI_ERRORS_RETURN on the world, inherited by every
+// split) to MPI_CHECK, which prints the rank, the call, file and line and aborts every rank.
+// Once start_watchdog() ran, every call that can block is bracketed for the watchdog.
 #include <mpi.h>
+
+#include <unistd.h>
 
 #include <climits>
 #include <cstdio>
+#include <ctime>
+#include <memory>
 #include <string>
 #include <vector>
 
 #include "executor/comm.h"
+#include "executor/watchdog.h"
 
 #define MPI_CHECK(call)                                                                  \
   do {                                                                                   \
@@ -17,8 +23,10 @@
       char mpi_check_msg_[MPI_MAX_ERROR_STRING];                                         \
       int mpi_check_len_ = 0;                                                            \
       MPI_Error_string(mpi_check_rc_, mpi_check_msg_, &mpi_check_len_);                  \
-      std::fprintf(stderr, "strata: %s failed at %s:%d: %s\n", #call, __FILE__, __LINE__, \
-                   mpi_check_msg_);                                                      \
+      int mpi_check_rank_ = -1;                                                          \
+      MPI_Comm_rank(MPI_COMM_WORLD, &mpi_check_rank_);                                   \
+      std::fprintf(stderr, "strata: error: rank %d: %s failed at %s:%d: %s\n", mpi_check_rank_, \
+                   #call, __FILE__, __LINE__, mpi_check_msg_);                           \
       MPI_Abort(MPI_COMM_WORLD, 1);                                                      \
     }                                                                                    \
   } while (0)
@@ -26,11 +34,17 @@
 namespace strata {
 namespace {
 
+const char* group_name(int id) {
+  static const char* names[] = {"world", "tensor", "data", "pipeline", "embedding", "model"};
+  return id >= 0 && id < 6 ? names[id] : "other";
+}
+
 class MpiComm final : public Comm {
  public:
   MpiComm() {
     MPI_CHECK(MPI_Comm_rank(MPI_COMM_WORLD, &rank_));
     MPI_CHECK(MPI_Comm_size(MPI_COMM_WORLD, &size_));
+    MPI_CHECK(MPI_Comm_set_errhandler(MPI_COMM_WORLD, MPI_ERRORS_RETURN));
     comms_.assign(8, MPI_COMM_NULL);
     comms_[kWorld] = MPI_COMM_WORLD;
   }
@@ -55,48 +69,56 @@ class MpiComm final : public Comm {
 
   void all_reduce(float* buf, int64_t n, const Group& g, ReduceOp op) override {
     if (g.size() == 1) return;
+    Watch w(this, "all_reduce", g);
     MPI_CHECK(MPI_Allreduce(MPI_IN_PLACE, buf, count(n), MPI_FLOAT, mpi_op(op), comm(g)));
   }
   void all_reduce(double* buf, int64_t n, const Group& g, ReduceOp op) override {
     if (g.size() == 1) return;
+    Watch w(this, "all_reduce", g);
     MPI_CHECK(MPI_Allreduce(MPI_IN_PLACE, buf, count(n), MPI_DOUBLE, mpi_op(op), comm(g)));
   }
   void reduce_scatter(const float* in, float* out, int64_t n_out, const Group& g) override {
+    Watch w(this, "reduce_scatter", g);
     MPI_CHECK(MPI_Reduce_scatter_block(in, out, count(n_out), MPI_FLOAT, MPI_SUM, comm(g)));
   }
   void all_gather(const float* in, float* out, int64_t n_in, const Group& g) override {
     const void* src = in == out + static_cast<int64_t>(g.me) * n_in ? MPI_IN_PLACE : in;
+    Watch w(this, "all_gather", g);
     MPI_CHECK(MPI_Allgather(src, count(n_in), MPI_FLOAT, out, count(n_in), MPI_FLOAT, comm(g)));
   }
   void broadcast(float* buf, int64_t n, int root_index, const Group& g) override {
+    Watch w(this, "broadcast", g);
     MPI_CHECK(MPI_Bcast(buf, count(n), MPI_FLOAT, root_index, comm(g)));
   }
-  void barrier(const Group& g) override { MPI_CHECK(MPI_Barrier(comm(g))); }
+  void barrier(const Group& g) override {
+    Watch w(this, "barrier", g);
+    MPI_CHECK(MPI_Barrier(comm(g)));
+  }
 
   Request isend(const float* buf, int64_t n, int peer, int tag) override {
-    Request r = slot();
+    Request r = slot("send", peer);
     MPI_CHECK(MPI_Isend(buf, count(n), MPI_FLOAT, peer, tag, MPI_COMM_WORLD, &reqs_[static_cast<size_t>(r.slot)]));
     return r;
   }
   Request irecv(float* buf, int64_t n, int peer, int tag) override {
-    Request r = slot();
+    Request r = slot("recv", peer);
     MPI_CHECK(MPI_Irecv(buf, count(n), MPI_FLOAT, peer, tag, MPI_COMM_WORLD, &reqs_[static_cast<size_t>(r.slot)]));
     return r;
   }
   Request iall_reduce(float* buf, int64_t n, const Group& g) override {
-    Request r = slot();
+    Request r = slot("all_reduce", g);
     MPI_CHECK(MPI_Iallreduce(MPI_IN_PLACE, buf, count(n), MPI_FLOAT, MPI_SUM, comm(g),
                              &reqs_[static_cast<size_t>(r.slot)]));
     return r;
   }
   Request ireduce_scatter(const float* in, float* out, int64_t n_out, const Group& g) override {
-    Request r = slot();
+    Request r = slot("reduce_scatter", g);
     MPI_CHECK(MPI_Ireduce_scatter_block(in, out, count(n_out), MPI_FLOAT, MPI_SUM, comm(g),
                                         &reqs_[static_cast<size_t>(r.slot)]));
     return r;
   }
   Request iall_gather(const float* in, float* out, int64_t n_in, const Group& g) override {
-    Request r = slot();
+    Request r = slot("all_gather", g);
     const void* src = in == out + static_cast<int64_t>(g.me) * n_in ? MPI_IN_PLACE : in;
     MPI_CHECK(MPI_Iallgather(src, count(n_in), MPI_FLOAT, out, count(n_in), MPI_FLOAT, comm(g),
                              &reqs_[static_cast<size_t>(r.slot)]));
@@ -104,6 +126,7 @@ class MpiComm final : public Comm {
   }
   bool test(Request& r) override {
     if (!r.pending()) return true;
+    if (wd_) wd_->beat();
     int done = 0;
     MPI_CHECK(MPI_Test(&reqs_[static_cast<size_t>(r.slot)], &done, MPI_STATUS_IGNORE));
     if (done) free_slot(r);
@@ -111,11 +134,36 @@ class MpiComm final : public Comm {
   }
   void wait(Request& r) override {
     if (!r.pending()) return;
-    MPI_CHECK(MPI_Wait(&reqs_[static_cast<size_t>(r.slot)], MPI_STATUS_IGNORE));
+    {
+      const Pending& p = meta_[static_cast<size_t>(r.slot)];
+      Watch w(this, p.op, p.group, p.ranks);
+      MPI_CHECK(MPI_Wait(&reqs_[static_cast<size_t>(r.slot)], MPI_STATUS_IGNORE));
+    }
     free_slot(r);
   }
   double wtime() const override { return MPI_Wtime(); }
+
+  void start_watchdog(double timeout_s) override {
+    // One table name for the job: rank 0's pid and clock, broadcast.
+    char name[64] = {};
+    if (rank_ == 0) {
+      timespec ts{};
+      clock_gettime(CLOCK_REALTIME, &ts);
+      std::snprintf(name, sizeof(name), "strata-watch-%ld-%lld", static_cast<long>(::getpid()),
+                    static_cast<long long>(ts.tv_sec) * 1000000000LL + ts.tv_nsec);
+    }
+    MPI_CHECK(MPI_Bcast(name, sizeof(name), MPI_CHAR, 0, MPI_COMM_WORLD));
+    world_ranks_.resize(static_cast<size_t>(size_));
+    for (int i = 0; i < size_; ++i) world_ranks_[static_cast<size_t>(i)] = i;
+    wd_.reset();
+    wd_ = std::make_unique<Watchdog>(rank_, size_, timeout_s, name);
+    MPI_CHECK(MPI_Barrier(MPI_COMM_WORLD));  // every rank's slot is in the table
+  }
+  void set_step(int64_t step) override {
+    if (wd_) wd_->set_step(step);
+  }
   std::vector<std::string> gather_strings(const std::string& s, int root) override {
+    Watch w(this, "gather", world_group_name_, world_ranks_);
     int len = static_cast<int>(s.size());
     std::vector<int> lens(static_cast<size_t>(size_)), displs(static_cast<size_t>(size_));
     MPI_CHECK(MPI_Gather(&len, 1, MPI_INT, lens.data(), 1, MPI_INT, root, MPI_COMM_WORLD));
@@ -146,6 +194,45 @@ class MpiComm final : public Comm {
   }
   static MPI_Op mpi_op(ReduceOp op) { return op == ReduceOp::max ? MPI_MAX : MPI_SUM; }
   MPI_Comm comm(const Group& g) const { return comms_[static_cast<size_t>(g.id)]; }
+  // What a request waits for, for the watchdog's message.
+  struct Pending {
+    const char* op = "";
+    const char* group = "";
+    std::vector<int> ranks;
+  };
+  // Brackets a call that can block (no-op until the watchdog runs).
+  class Watch {
+   public:
+    Watch(MpiComm* c, const char* op, const Group& g) : Watch(c, op, group_name(g.id), g.ranks) {}
+    Watch(MpiComm* c, const char* op, const char* group, const std::vector<int>& ranks) : wd_(c->wd_.get()) {
+      if (wd_) wd_->enter(op, group, &ranks);
+    }
+    ~Watch() {
+      if (wd_) wd_->leave();
+    }
+    Watch(const Watch&) = delete;
+    Watch& operator=(const Watch&) = delete;
+
+   private:
+    Watchdog* wd_;
+  };
+
+  Request slot(const char* op, const Group& g) {
+    Request r = slot();
+    Pending& p = meta_[static_cast<size_t>(r.slot)];
+    p.op = op;
+    p.group = group_name(g.id);
+    p.ranks = g.ranks;
+    return r;
+  }
+  Request slot(const char* op, int peer) {
+    Request r = slot();
+    Pending& p = meta_[static_cast<size_t>(r.slot)];
+    p.op = op;
+    p.group = "point-to-point";
+    p.ranks.assign({rank_, peer});
+    return r;
+  }
   Request slot() {
     Request r;
     if (!free_.empty()) {
@@ -154,6 +241,7 @@ class MpiComm final : public Comm {
     } else {
       r.slot = static_cast<int64_t>(reqs_.size());
       reqs_.push_back(MPI_REQUEST_NULL);
+      meta_.emplace_back();
     }
     return r;
   }
@@ -166,6 +254,10 @@ class MpiComm final : public Comm {
   int rank_ = 0, size_ = 1;
   std::vector<MPI_Comm> comms_;
   std::vector<MPI_Request> reqs_;
+  std::vector<Pending> meta_;
+  std::unique_ptr<Watchdog> wd_;
+  const char* world_group_name_ = "world";
+  std::vector<int> world_ranks_;
   std::vector<int64_t> free_;
 };
 

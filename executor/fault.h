@@ -1,0 +1,29 @@
+// Fault injection for the tests of fault handling (`strata train --inject-fault
+// KIND@RANK:STEP`, SPEC.md): kill (SIGKILL), throw (an exception), hang (the rank stops
+// responding), nan (its gradients become NaN) and kill-in-checkpoint (SIGKILL halfway
+// through writing its shard of that step's checkpoint). For nan, STEP may be a range
+// FIRST-LAST or FIRST- (every step from FIRST on), to test K bad steps in a row.
+#pragma once
+
+#include <cstdint>
+#include <string>
+
+namespace strata {
+
+struct FaultInjection {
+  enum class Kind { none, kill, throw_exception, hang, nan, kill_in_checkpoint };
+  Kind kind = Kind::none;
+  int rank = 0;
+  int64_t first = 0, last = 0;  // steps, 1-based, inclusive
+  bool at(int r, int64_t step, Kind k) const { return kind == k && r == rank && step >= first && step <= last; }
+};
+
+// Throws InputError naming the flag, the value and the rule.
+FaultInjection parse_fault(const std::string& spec, int world_size);
+
+// The injected faults themselves (none returns, except throw_exception, which throws).
+[[noreturn]] void inject_kill();
+[[noreturn]] void inject_hang();
+[[noreturn]] void inject_throw(int rank, int64_t step);
+
+}  // namespace strata
