@@ -6,6 +6,7 @@
 #include <fmt/format.h>
 
 #include "costmodel/json_input.h"
+#include "executor/cuda/cuda_backend.h"
 
 namespace strata {
 
@@ -65,6 +66,16 @@ int64_t Args::integer(const std::string& flag, int64_t fallback, int64_t lo, int
   const int64_t v = std::stoll(s);
   if (v < lo || v > hi) fail_field("--" + flag, s, rule);
   return v;
+}
+
+void check_backend(const std::string& backend, const std::string& command) {
+  if (backend == "cpu") return;
+  if (backend != "cuda") throw InputError("--backend: '" + backend + "' must be cpu or cuda");
+  const std::string why = cuda_unavailable_reason();
+  if (!why.empty()) throw InputError("--backend cuda: " + why);
+  throw InputError("--backend cuda: `strata " + command +
+                   "` does not run on the CUDA backend yet; its ops are built and checked against the CPU backend "
+                   "(cuda_ops_test), the executor and profile come next (issue 5)");
 }
 
 }  // namespace strata

@@ -25,4 +25,9 @@ class Args {
   std::map<std::string, std::string> values_;
 };
 
+// --backend of `command` (train, profile): "cpu" passes; "cuda" throws InputError saying
+// why it cannot run here (no GPU, a build without CUDA, or not yet wired for the command);
+// anything else names the allowed values.
+void check_backend(const std::string& backend, const std::string& command);
+
 }  // namespace strata

@@ -27,9 +27,7 @@ int cmd_profile(const std::vector<std::string>& argv) {
   bool json = false;
   try {
     const Args a(argv, "profile", {"backend", "out", "max-bytes", "model", "tp"}, {"quick", "json"});
-    const std::string backend = a.get("backend", "cpu");
-    if (backend != "cpu")
-      throw InputError("--backend: '" + backend + "': this build profiles the cpu backend (cuda comes with the CUDA backend)");
+    check_backend(a.get("backend", "cpu"), "profile");
     out_path = a.get("out");
     o.quick = a.has("quick");
     if (o.quick) o.min_time_s = 0.01;

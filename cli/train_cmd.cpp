@@ -21,7 +21,8 @@ namespace strata {
 
 int cmd_train(const std::vector<std::string>& argv) {
   int initialised = 0;
-  MPI_Init_thread(nullptr, nullptr, MPI_THREAD_SINGLE, &initialised);
+  // Funneled: only this thread calls MPI (the collective watchdog thread never does).
+  MPI_Init_thread(nullptr, nullptr, MPI_THREAD_FUNNELED, &initialised);
   int rank = 0, size = 1;
   MPI_Comm_rank(MPI_COMM_WORLD, &rank);
   MPI_Comm_size(MPI_COMM_WORLD, &size);
@@ -39,9 +40,7 @@ int cmd_train(const std::vector<std::string>& argv) {
     m = load_model(a.required("model", "a preset, model JSON or config.json"), a.integer("seq-length", 0, 0, 1 << 20));
     plan = load_plan(a.required("plan", "a plan JSON or inline pairs tp=2,dp=2,..."));
     o.steps = a.integer("steps", 10, 1, 100000000);
-    const std::string backend = a.get("backend", "cpu");
-    if (backend != "cpu")
-      throw InputError("--backend: '" + backend + "': this build runs the cpu backend (cuda comes with the CUDA backend)");
+    check_backend(a.get("backend", "cpu"), "train");
     o.data = a.get("data", "synthetic");
     o.seed = static_cast<uint64_t>(a.integer("seed", 1234, 0, INT64_MAX));
     auto real = [&](const char* flag, double fallback, double lo, double hi) {
@@ -75,6 +74,10 @@ int cmd_train(const std::vector<std::string>& argv) {
     // Megatron's name; fractions allowed (0.1 = 6 s, for tests); 0 turns the watchdog off.
     o.distributed_timeout_s = 60.0 * real("distributed-timeout-minutes", o.distributed_timeout_s / 60.0, 0.0, 1e6);
     if (a.has("inject-fault")) o.fault = parse_fault(a.get("inject-fault"), size);
+    if (o.fault.kind == FaultInjection::Kind::kill_in_checkpoint &&
+        (o.checkpoint_every == 0 || o.fault.first % o.checkpoint_every != 0))
+      throw InputError("--inject-fault: kill-in-checkpoint at step " + std::to_string(o.fault.first) +
+                       " needs a checkpoint written at that step (--checkpoint-dir D --checkpoint-every N with N dividing it)");
     if ((o.checkpoint_every > 0 || o.resume) && o.checkpoint_dir.empty())
       throw InputError(std::string(o.resume ? "--resume" : "--checkpoint-every") + " needs --checkpoint-dir D");
     // A new run must not mix its checkpoints with another run's (keep-K would prune by step

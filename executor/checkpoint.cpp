@@ -9,6 +9,7 @@
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
+#include <set>
 #include <sstream>
 
 #include <fmt/format.h>
@@ -168,9 +169,10 @@ std::vector<float> read_checkpoint(const std::string& path, CheckpointMeta* meta
   // Every entry checked against the files on disk before anything is allocated: the state
   // is as large as the shards really are, never as large as a manifest claims.
   int64_t listed = 0;
+  std::set<std::string> names;
   for (const auto& [name, bytes] : entries) {
     if (name.empty() || name.find('/') != std::string::npos || name == "." || name == ".." || bytes < 0 ||
-        bytes % 4 != 0 || bytes / 4 > total - listed)
+        bytes % 4 != 0 || bytes / 4 > total - listed || !names.insert(name).second)
       throw InputError("checkpoint '" + path + "': manifest lists a bad file entry '" + name + "'");
     std::error_code ec;
     const auto on_disk = fs::file_size(fs::path(path) / name, ec);

@@ -56,6 +56,11 @@ class Comm {
   virtual void start_watchdog(double timeout_s) { (void)timeout_s; }
   // The step in progress (1-based), for the watchdog's messages; also a sign of progress.
   virtual void set_step(int64_t step) { (void)step; }
+  // Brackets a loop that polls `r` with test() until it completes (while progressing other
+  // requests), so the watchdog times it like a blocking wait. No other request may be
+  // created inside the bracket.
+  virtual void begin_wait(const Request& r) { (void)r; }
+  virtual void end_wait() {}
 };
 
 // The Open MPI communicator over MPI_COMM_WORLD (MPI must be initialised).

@@ -97,8 +97,8 @@ TokenSource::TokenSource(const std::string& spec, int64_t V, int64_t S, uint64_t
   if (bytes < 0) throw InputError("--data: '" + spec + "' is not a readable token file (a folder?)");
   // The tokens are read into memory: refuse a file larger than half of this machine's memory
   // before allocating for it.
-  const long pages = ::sysconf(_SC_PHYS_PAGES), page = ::sysconf(_SC_PAGE_SIZE);
-  if (pages > 0 && page > 0 && bytes / 2 > static_cast<int64_t>(pages) * (page / 2))
+  const double ram = static_cast<double>(::sysconf(_SC_PHYS_PAGES)) * static_cast<double>(::sysconf(_SC_PAGE_SIZE));
+  if (ram > 0 && static_cast<double>(bytes) > ram / 2)
     throw InputError("--data: token file '" + spec + "' has " + std::to_string(bytes) +
                      " bytes, more than half of this machine's memory; strata reads token files into memory");
   if (bytes % 2 != 0)

@@ -76,6 +76,12 @@ class Engine {
     poll();
     std::this_thread::yield();
   }
+  // Waits for a pipeline receive while progressing the rest; timed by the watchdog.
+  void wait_polling(Request& r) {
+    comm_.begin_wait(r);
+    while (!comm_.test(r)) idle();
+    comm_.end_wait();
+  }
   void wait_pending(std::vector<Pending>* list, double* exposed);
   ModelCtx ctx();
   UnitView view(int u) { return UnitView{&lay_, lay_.units[static_cast<size_t>(u)].begin, weights(u), grads(u)}; }

@@ -17,7 +17,7 @@ namespace {
 
 int64_t number(const std::string& s, const std::string& spec, const char* what, int64_t lo, int64_t hi) {
   if (s.empty() || s.size() > 18 || s.find_first_not_of("0123456789") != std::string::npos)
-    throw InputError(fmt::format("--inject-fault: '{}': {} '{}' must be a whole number", spec, what, s));
+    throw InputError(fmt::format("--inject-fault: '{}': {} '{}' must be a whole number of at most 18 digits", spec, what, s));
   const int64_t v = std::stoll(s);
   if (v < lo || v > hi)
     throw InputError(fmt::format("--inject-fault: '{}': {} {} must be in [{}, {}]", spec, what, v, lo, hi));

@@ -55,7 +55,7 @@ void Engine::forward_step(int64_t k, const Step& st, double* loss_sum) {
     const int64_t src = (me_.pp + p - 1) % p;
     const double t0 = comm_.wtime();
     Request r = comm_.irecv(x.data(), rows * H, pp_.ranks[static_cast<size_t>(src)], tag_of(st.mb, st.chunk, v, false));
-    while (!comm_.test(r)) idle();
+    wait_polling(r);
     bubble_s_ += comm_.wtime() - t0;
     event("recv activations", 1, t0, comm_.wtime(), st.mb, st.chunk);
   }
@@ -118,7 +118,7 @@ void Engine::backward_step(const Step& st) {
     const int64_t src = (me_.pp + 1) % p;
     const double r0 = comm_.wtime();
     Request r = comm_.irecv(dx.data(), rows * H, pp_.ranks[static_cast<size_t>(src)], tag_of(st.mb, st.chunk, v, true));
-    while (!comm_.test(r)) idle();
+    wait_polling(r);
     bubble_s_ += comm_.wtime() - r0;
     event("recv gradients", 1, r0, comm_.wtime(), st.mb, st.chunk);
     t0 = comm_.wtime();

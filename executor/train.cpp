@@ -232,16 +232,20 @@ TrainResult Engine::run() {
     rec.step = k + 1;
     rec.loss = run_step(k, &rec);
     // NaN/Inf in the gradients skipped the update (optimizer_step); a non-finite loss is
-    // as bad. K in a row: the run is diverging or a rank is broken, so stop.
-    bad_in_row_ = rec.skipped || !std::isfinite(rec.loss) ? bad_in_row_ + 1 : 0;
+    // as bad. With fp16, overflow while the dynamic loss scale is still coming down is
+    // normal (Megatron starts at 2^32), so a skipped step counts once the scale is at its
+    // minimum (1), as DeepSpeed stops there. K in a row: diverging or a broken rank: stop.
+    const bool bad = (rec.skipped && (plan_.precision != Precision::fp16 || rec.loss_scale <= 1.0)) ||
+                     !std::isfinite(rec.loss);
+    bad_in_row_ = bad ? bad_in_row_ + 1 : 0;
     if (bad_in_row_ >= o_.max_bad_steps) {
       if (o_.on_step && comm_.rank() == 0) o_.on_step(rec, o_.steps);
       const std::string newest = o_.checkpoint_dir.empty() ? "" : newest_checkpoint(o_.checkpoint_dir);
       throw TrainingStopped(fmt::format(
-          "training stopped at step {}: {} steps in a row had NaN or Inf in the loss or gradients (--max-bad-steps {}); "
-          "none of them changed the model{}; {}",
+          "training stopped at step {}: {} steps in a row had NaN or Inf in the loss or gradients (--max-bad-steps {}{}); "
+          "the steps with NaN or Inf gradients were skipped, so the model holds none; {}",
           k + 1, bad_in_row_, o_.max_bad_steps,
-          plan_.precision == Precision::fp16 ? fmt::format(" (fp16 loss scale now {:g})", loss_scale_) : "",
+          plan_.precision == Precision::fp16 ? fmt::format("; fp16 loss scale at its minimum, now {:g}", loss_scale_) : "",
           newest.empty() ? "no checkpoint was written" : "the newest good checkpoint is " + newest));
     }
     double dt = comm_.wtime() - t0;

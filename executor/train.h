@@ -45,7 +45,8 @@ struct TrainOptions {
   int64_t keep_checkpoints = 2;
   bool resume = false;
   // Faults: training stops (TrainingStopped) after this many steps in a row with NaN or Inf
-  // in the loss or the gradients (each one skipped, the fp16 loss scale halved).
+  // in the loss or the gradients (each one skipped; fp16: counted once the halving loss
+  // scale has reached its minimum of 1).
   int64_t max_bad_steps = 10;
   // The collective watchdog's timeout (Comm::start_watchdog), seconds; 0: none.
   double distributed_timeout_s = 600;

@@ -93,7 +93,7 @@ Watchdog::~Watchdog() {
   store(slot(rank_)->state, 2);
   if (map_ != nullptr) {
     ::munmap(map_, map_bytes_);
-    if (rank_ == 0) ::unlink(table_path_.c_str());
+    ::unlink(table_path_.c_str());  // every rank: each machine has its own copy (ENOENT is fine)
   }
 }
 
@@ -119,8 +119,8 @@ void Watchdog::enter(const char* op, const char* group, const std::vector<int>* 
 
 void Watchdog::leave() {
   Slot* me = slot(rank_);
+  store(me->beat_ns, now_ns());  // before in_call: never "outside a call, no progress since it began"
   store(me->in_call, 0);
-  store(me->beat_ns, now_ns());
   std::lock_guard<std::mutex> lock(mu_);
   op_ = nullptr;
   ranks_ = nullptr;
@@ -213,8 +213,12 @@ void Watchdog::loop() {
     const bool stuck = load(me->in_call) != 0 ? now - load(me->since_ns) > timeout_ns_ : now - load(me->beat_ns) > timeout_ns_;
     if (!stuck || stop_) continue;
     const std::string msg = diagnose(now);
-    std::fputs(msg.c_str(), stderr);
-    std::fflush(stderr);
+    // write(2), not stdio: the main thread may be stuck holding stderr's lock.
+    for (size_t done = 0; done < msg.size();) {
+      const ssize_t n = ::write(2, msg.data() + done, msg.size() - done);
+      if (n <= 0) break;
+      done += static_cast<size_t>(n);
+    }
     // The main thread is stuck (inside MPI, which this thread must not call): end the
     // process; the launcher stops the other ranks when one exits with an error.
     if (load(me->in_call) == 0) store(slot(rank_)->state, 3);  // this rank is the failed one

@@ -2,7 +2,8 @@
 # Fuzzes the loaders of user input (tests/fuzz/fuzz_loaders.h) with libFuzzer under ASan +
 # UBSan for SECONDS (default 120) on one core, starting from seeds made of the repository's
 # own inputs and the committed corpus; then minimises everything it kept into
-# tests/fuzz/corpus (replayed by ctest: fuzz_corpus_test). Prints the number of inputs
+# tests/fuzz/corpus (replayed by ctest: fuzz_corpus_test, with tests/fuzz/regressions, the
+# inputs of bugs it found, kept by name). Prints the number of inputs
 # run and the time. Exit 1 when libFuzzer found a crash, leak, hang or oversized allocation
 # (the input is left in build-fuzz/crash-* etc.).
 #   usage: scripts/fuzz.sh [SECONDS]        (make fuzz)
@@ -11,8 +12,10 @@ cd "$(dirname "$0")/.."
 secs=${1:-120}
 B=build-fuzz
 if ! command -v clang++ > /dev/null || ! ls /usr/lib/llvm-*/lib/clang/*/lib/linux/libclang_rt.fuzzer-x86_64.a > /dev/null 2>&1; then
-  echo "fuzz.sh: installing clang and libFuzzer (Debian: clang, libclang-rt-dev)"
-  apt-get update -qq && apt-get install -y -qq clang libclang-rt-14-dev > /dev/null
+  echo "fuzz.sh: installing clang and libFuzzer (Debian: clang, libclang-rt-N-dev for clang N)"
+  apt-get update -qq && apt-get install -y -qq clang > /dev/null
+  v=$(clang++ --version | grep -o 'version [0-9]*' | grep -o '[0-9]*$')
+  apt-get install -y -qq "libclang-rt-$v-dev" > /dev/null
 fi
 mkdir -p $B
 cmake -S . -B $B -DCMAKE_CXX_COMPILER=clang++ -DCMAKE_BUILD_TYPE=RelWithDebInfo -DSTRATA_FUZZ=ON > $B/configure.log
@@ -39,7 +42,7 @@ printf '16' | seed 7
 echo "fuzz.sh: $(ls $seeds | wc -l) seeds, $(ls tests/fuzz/corpus 2> /dev/null | wc -l) corpus inputs; fuzzing for ${secs} s"
 start=$(date +%s)
 rc=0
-ASAN_OPTIONS=detect_leaks=1 $B/loaders_fuzz $B/corpus $seeds tests/fuzz/corpus -max_total_time="$secs" -timeout=10 \
+ASAN_OPTIONS=detect_leaks=1 $B/loaders_fuzz $B/corpus $seeds tests/fuzz/corpus tests/fuzz/regressions -max_total_time="$secs" -timeout=10 \
   -rss_limit_mb=2048 -malloc_limit_mb=1024 -max_len=16384 -print_final_stats=1 -artifact_prefix=$B/ \
   > $B/fuzz.log 2>&1 || rc=$?
 end=$(date +%s)

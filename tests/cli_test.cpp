@@ -258,6 +258,7 @@ TEST(Cli, BadInputExits2NamingTheField) {
       {"train --model tiny-gpt --plan tp=1 --steps 0", "--steps"},
       {"train --model tiny-gpt --plan tp=2 --steps 2", "mpirun -np 2"},
       {"train --model tiny-gpt --plan tp=1 --steps 2 --backend tpu", "--backend"},
+      {"train --model tiny-gpt --plan tp=1 --steps 2 --backend cuda", "--backend cuda"},  // no GPU here, or not wired yet
       {"train --model tiny-gpt --plan tp=1 --steps 2 --lr fast", "--lr"},
       {"train --model tiny-gpt --plan tp=1 --steps 2 --data synthetic:100000", "synthetic"},
       {"train --model tiny-gpt --plan tp=1,precision=fp8 --steps 2", "fp8"},

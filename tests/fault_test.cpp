@@ -161,12 +161,14 @@ TEST(NumericalFaults, NanGradientsSkipTheStepAndHalveTheFp16Scale) {
 
 TEST(NumericalFaults, KBadStepsInARowStopTrainingAndNoCheckpointHoldsNan) {
   const fs::path dir = fresh_dir("strata_fault_nan");
-  const TrainRun r = strata_test::train("tiny-gpt", "dp=2,mbs=1,gbs=4,precision=fp16", 10,
-                                        kArgs + " --inject-fault nan@1:3- --max-bad-steps 3 --checkpoint-dir " +
-                                            dir.string() + " --checkpoint-every 1 --keep-checkpoints 10");
+  // fp16 from a loss scale of 4: steps 3 and 4 halve it to 1 (overflow while the scale comes
+  // down is normal), steps 5, 6 and 7 are bad at the minimum scale: stop at step 7.
+  const TrainRun r = strata_test::train("tiny-gpt", "dp=2,mbs=1,gbs=4,precision=fp16", 12,
+                                        kArgs + " --loss-scale 4 --inject-fault nan@1:3- --max-bad-steps 3 --checkpoint-dir " +
+                                            dir.string() + " --checkpoint-every 1 --keep-checkpoints 20");
   EXPECT_EQ(r.rc, 1) << r.err;
-  EXPECT_NE(r.err.find("training stopped at step 5: 3 steps in a row had NaN or Inf"), std::string::npos) << r.err;
-  EXPECT_NE(r.err.find("fp16 loss scale now"), std::string::npos) << r.err;
+  EXPECT_NE(r.err.find("training stopped at step 7: 3 steps in a row had NaN or Inf"), std::string::npos) << r.err;
+  EXPECT_NE(r.err.find("fp16 loss scale at its minimum"), std::string::npos) << r.err;
   EXPECT_NE(r.err.find("newest good checkpoint is"), std::string::npos) << r.err;
   const auto cks = checkpoints_in(dir.string());
   ASSERT_FALSE(cks.empty());
@@ -178,7 +180,8 @@ TEST(NumericalFaults, KBadStepsInARowStopTrainingAndNoCheckpointHoldsNan) {
 }
 
 TEST(FaultFlags, BadValuesExit2) {
-  for (const std::string extra : {"--inject-fault kill@5:1", "--inject-fault nope", "--max-bad-steps 0",
+  for (const std::string extra : {"--inject-fault kill@5:1", "--inject-fault nope", "--inject-fault kill-in-checkpoint@0:1",
+                                  "--max-bad-steps 0",
                                   "--distributed-timeout-minutes -1", "--distributed-timeout-minutes x"}) {
     const TrainRun r = strata_test::train("tiny-gpt", "dp=2,mbs=1,gbs=4", 2, extra);
     EXPECT_EQ(r.rc, 2) << extra << "\n" << r.err;

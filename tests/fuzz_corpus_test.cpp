@@ -1,5 +1,6 @@
 // Replays the fuzz corpus (tests/fuzz/corpus: the inputs libFuzzer kept for new coverage,
-// minimised by scripts/fuzz.sh) through the loaders, in the g++ build and under ASan +
+// minimised by scripts/fuzz.sh; tests/fuzz/regressions: the inputs of the bugs it found)
+// through the loaders, in the g++ build and under ASan +
 // UBSan in CI: every input either loads or is refused with InputError; any other exception,
 // crash or sanitizer report fails. scripts/fuzz.sh generates new inputs (libFuzzer, clang).
 #include <gtest/gtest.h>
@@ -16,11 +17,13 @@ namespace {
 namespace fs = std::filesystem;
 
 TEST(FuzzCorpus, EveryInputLoadsOrIsRefusedCleanly) {
-  const fs::path dir = fs::path(STRATA_SOURCE_DIR) / "tests" / "fuzz" / "corpus";
-  ASSERT_TRUE(fs::is_directory(dir)) << dir;
   std::vector<fs::path> files;
-  for (const auto& e : fs::directory_iterator(dir))
-    if (e.is_regular_file()) files.push_back(e.path());
+  for (const char* sub : {"corpus", "regressions"}) {
+    const fs::path dir = fs::path(STRATA_SOURCE_DIR) / "tests" / "fuzz" / sub;
+    ASSERT_TRUE(fs::is_directory(dir)) << dir;
+    for (const auto& e : fs::directory_iterator(dir))
+      if (e.is_regular_file()) files.push_back(e.path());
+  }
   std::sort(files.begin(), files.end());
   ASSERT_GE(files.size(), 100u) << "the corpus should hold the inputs of a fuzzing run (scripts/fuzz.sh)";
   int per_target[8] = {};

@@ -56,6 +56,7 @@ class MpiComm final : public Comm {
   int size() const override { return size_; }
 
   void setup(const ProcessGrid& grid) override {
+    Watch w(this, "comm_split", world_group_name_, world_ranks_);
     for (int kind : {kTensor, kData, kPipeline, kEmbedding, kModel}) {
       const auto groups = grid.all_groups(static_cast<GroupKind>(kind));
       int color = MPI_UNDEFINED;
@@ -161,6 +162,14 @@ class MpiComm final : public Comm {
   }
   void set_step(int64_t step) override {
     if (wd_) wd_->set_step(step);
+  }
+  void begin_wait(const Request& r) override {
+    if (!wd_ || !r.pending()) return;
+    const Pending& p = meta_[static_cast<size_t>(r.slot)];
+    wd_->enter(p.op, p.group, &p.ranks);
+  }
+  void end_wait() override {
+    if (wd_) wd_->leave();
   }
   std::vector<std::string> gather_strings(const std::string& s, int root) override {
     Watch w(this, "gather", world_group_name_, world_ranks_);

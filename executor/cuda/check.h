@@ -1,0 +1,30 @@
+// Every CUDA runtime and cuBLAS call of the CUDA backend goes through these: a failure
+// throws std::runtime_error naming the call, the file, the line and the library's message
+// (the CLI turns it into "strata: internal error" and aborts every rank).
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include <stdexcept>
+#include <string>
+
+namespace strata::cuda {
+
+[[noreturn]] inline void fail(const char* what, const char* file, int line, const std::string& msg) {
+  throw std::runtime_error(std::string(what) + " failed at " + file + ":" + std::to_string(line) + ": " + msg);
+}
+
+}  // namespace strata::cuda
+
+#define CUDA_CHECK(call)                                                                      \
+  do {                                                                                        \
+    const cudaError_t cuda_check_rc_ = (call);                                                \
+    if (cuda_check_rc_ != cudaSuccess)                                                        \
+      ::strata::cuda::fail(#call, __FILE__, __LINE__,                                         \
+                           std::string(cudaGetErrorName(cuda_check_rc_)) + " (" +             \
+                               std::to_string(static_cast<int>(cuda_check_rc_)) + "): " +     \
+                               cudaGetErrorString(cuda_check_rc_));                           \
+  } while (0)
+
+// After a kernel launch: the launch error now (bad configuration), not the kernel's result.
+#define CUDA_CHECK_LAUNCH() CUDA_CHECK(cudaGetLastError())

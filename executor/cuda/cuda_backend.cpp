@@ -1,0 +1,159 @@
+// The CUDA backend (see cuda_backend.h): one stream, one cuBLASLt handle with a 32 MiB
+// workspace. Row-major GEMMs run as the column-major product C^T = op(B)^T op(A)^T.
+#include "executor/cuda/cuda_backend.h"
+
+#include <cublasLt.h>
+#include <cuda_runtime_api.h>
+
+#include <string>
+
+#include "executor/cuda/check.h"
+#include "executor/cuda/kernels.h"
+
+#define CUBLAS_CHECK(call)                                                                          \
+  do {                                                                                              \
+    const cublasStatus_t cublas_check_rc_ = (call);                                                 \
+    if (cublas_check_rc_ != CUBLAS_STATUS_SUCCESS)                                                  \
+      ::strata::cuda::fail(#call, __FILE__, __LINE__,                                               \
+                           std::string(cublasLtGetStatusName(cublas_check_rc_)) + ": " +            \
+                               cublasLtGetStatusString(cublas_check_rc_));                          \
+  } while (0)
+
+namespace strata {
+namespace {
+
+class CudaBackendImpl final : public CudaBackend {
+ public:
+  CudaBackendImpl() {
+    CUDA_CHECK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
+    CUBLAS_CHECK(cublasLtCreate(&lt_));
+    CUDA_CHECK(cudaMalloc(&workspace_, kWorkspace));
+    cudaDeviceProp prop{};
+    int dev = 0;
+    CUDA_CHECK(cudaGetDevice(&dev));
+    CUDA_CHECK(cudaGetDeviceProperties(&prop, dev));
+    name_ = prop.name;
+  }
+  ~CudaBackendImpl() override {
+    cudaStreamSynchronize(stream_);
+    cudaFree(workspace_);
+    cublasLtDestroy(lt_);
+    cudaStreamDestroy(stream_);
+  }
+  const char* name() const override { return "cuda"; }
+  std::string device_name() const override { return name_; }
+
+  float* device_alloc(int64_t n) override {
+    void* p = nullptr;
+    CUDA_CHECK(cudaMalloc(&p, static_cast<size_t>(n > 0 ? n : 1) * sizeof(float)));
+    return static_cast<float*>(p);
+  }
+  void device_free(float* p) override { CUDA_CHECK(cudaFree(p)); }
+  void to_device(float* dst, const float* src, int64_t n) override {
+    CUDA_CHECK(cudaMemcpyAsync(dst, src, static_cast<size_t>(n) * sizeof(float), cudaMemcpyHostToDevice, stream_));
+    CUDA_CHECK(cudaStreamSynchronize(stream_));
+  }
+  void to_host(float* dst, const float* src, int64_t n) override {
+    CUDA_CHECK(cudaMemcpyAsync(dst, src, static_cast<size_t>(n) * sizeof(float), cudaMemcpyDeviceToHost, stream_));
+    CUDA_CHECK(cudaStreamSynchronize(stream_));
+  }
+  void synchronise() override { CUDA_CHECK(cudaStreamSynchronize(stream_)); }
+
+  void gemm(bool ta, bool tb, int64_t M, int64_t N, int64_t K, float alpha, const float* A, int64_t lda,
+            const float* B, int64_t ldb, float beta, float* C, int64_t ldc) override {
+    if (M == 0 || N == 0) return;
+    // Column-major view: C^T (N x M) = op(B)^T (N x K) * op(A)^T (K x M). B as stored is the
+    // column-major (tb ? K x N : N x K) matrix with leading dimension ldb, and so on.
+    cublasLtMatmulDesc_t desc = nullptr;
+    cublasLtMatrixLayout_t la = nullptr, lb = nullptr, lc = nullptr;
+    CUBLAS_CHECK(cublasLtMatmulDescCreate(&desc, CUBLAS_COMPUTE_32F, CUDA_R_32F));
+    const cublasOperation_t op_first = tb ? CUBLAS_OP_T : CUBLAS_OP_N, op_second = ta ? CUBLAS_OP_T : CUBLAS_OP_N;
+    CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_TRANSA, &op_first, sizeof(op_first)));
+    CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_TRANSB, &op_second, sizeof(op_second)));
+    CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&la, CUDA_R_32F, tb ? K : N, tb ? N : K, ldb));
+    CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&lb, CUDA_R_32F, ta ? M : K, ta ? K : M, lda));
+    CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&lc, CUDA_R_32F, N, M, ldc));
+    cublasLtMatmulPreference_t pref = nullptr;
+    CUBLAS_CHECK(cublasLtMatmulPreferenceCreate(&pref));
+    const size_t ws = kWorkspace;
+    CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws, sizeof(ws)));
+    cublasLtMatmulHeuristicResult_t heur{};
+    int found = 0;
+    CUBLAS_CHECK(cublasLtMatmulAlgoGetHeuristic(lt_, desc, la, lb, lc, lc, pref, 1, &heur, &found));
+    if (found == 0) fail_gemm(M, N, K);
+    CUBLAS_CHECK(cublasLtMatmul(lt_, desc, &alpha, B, la, A, lb, &beta, C, lc, C, lc, &heur.algo, workspace_, kWorkspace,
+                                stream_));
+    cublasLtMatmulPreferenceDestroy(pref);
+    cublasLtMatrixLayoutDestroy(lc);
+    cublasLtMatrixLayoutDestroy(lb);
+    cublasLtMatrixLayoutDestroy(la);
+    cublasLtMatmulDescDestroy(desc);
+  }
+  void layernorm_forward(float* out, float* mean, float* rstd, const float* x, const float* w, const float* b,
+                         int64_t N, int64_t H) override {
+    cuda::layernorm_forward(out, mean, rstd, x, w, b, N, H, stream_);
+  }
+  void layernorm_backward(float* dx, float* dw, float* db, const float* dout, const float* x, const float* mean,
+                          const float* rstd, const float* w, int64_t N, int64_t H) override {
+    cuda::layernorm_backward(dx, dw, db, dout, x, mean, rstd, w, N, H, stream_);
+  }
+  void rmsnorm_forward(float* out, float* rstd, const float* x, const float* w, int64_t N, int64_t H) override {
+    cuda::rmsnorm_forward(out, rstd, x, w, N, H, stream_);
+  }
+  void rmsnorm_backward(float* dx, float* dw, const float* dout, const float* x, const float* rstd, const float* w,
+                        int64_t N, int64_t H) override {
+    cuda::rmsnorm_backward(dx, dw, dout, x, rstd, w, N, H, stream_);
+  }
+  void activation_forward(Activation a, float* out, const float* u, int64_t N, int64_t F) override {
+    cuda::activation_forward(kind(a), out, u, N, F, stream_);
+  }
+  void activation_backward(Activation a, float* du, const float* dout, const float* u, int64_t N, int64_t F) override {
+    cuda::activation_backward(kind(a), du, dout, u, N, F, stream_);
+  }
+  void rope(float* x, int64_t S, int64_t B, int64_t heads, int64_t D, int64_t ld, bool inverse) override {
+    cuda::rope(x, S, B, heads, D, ld, inverse, stream_);
+  }
+  void attention_forward(float* out, float* probs, const float* qkv, int64_t S, int64_t B, int64_t A, int64_t G,
+                         int64_t D) override {
+    cuda::attention_forward(out, probs, qkv, S, B, A, G, D, stream_);
+  }
+  void attention_backward(float* dqkv, const float* dout, const float* probs, const float* qkv, int64_t S, int64_t B,
+                          int64_t A, int64_t G, int64_t D) override {
+    cuda::attention_backward(dqkv, dout, probs, qkv, S, B, A, G, D, stream_);
+  }
+  void round_to(float* x, int64_t n, Precision p) override {
+    cuda::round_to(x, n, p == Precision::fp16 ? 2 : (p == Precision::bf16 || p == Precision::fp8) ? 1 : 0, stream_);
+  }
+
+ private:
+  static constexpr size_t kWorkspace = 32u << 20;
+  static int kind(Activation a) { return a == Activation::gelu ? 0 : a == Activation::swiglu ? 1 : 2; }
+  [[noreturn]] static void fail_gemm(int64_t M, int64_t N, int64_t K) {
+    cuda::fail("cublasLtMatmulAlgoGetHeuristic", __FILE__, __LINE__,
+               "no algorithm for M=" + std::to_string(M) + " N=" + std::to_string(N) + " K=" + std::to_string(K));
+  }
+
+  cudaStream_t stream_ = nullptr;
+  cublasLtHandle_t lt_ = nullptr;
+  void* workspace_ = nullptr;
+  std::string name_;
+};
+
+}  // namespace
+
+std::string cuda_unavailable_reason() {
+  int n = 0;
+  const cudaError_t rc = cudaGetDeviceCount(&n);
+  if (rc != cudaSuccess)
+    return "cudaGetDeviceCount returned error " + std::to_string(static_cast<int>(rc)) + " (" + cudaGetErrorName(rc) +
+           ": " + cudaGetErrorString(rc) + "): no usable NVIDIA driver or GPU on this machine";
+  if (n == 0) return "no CUDA device is visible (CUDA_VISIBLE_DEVICES?)";
+  return "";
+}
+
+std::unique_ptr<CudaBackend> make_cuda_backend() {
+  if (!cuda_unavailable_reason().empty()) return nullptr;
+  return std::make_unique<CudaBackendImpl>();
+}
+
+}  // namespace strata

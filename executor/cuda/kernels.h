@@ -1,0 +1,32 @@
+// Launchers of the CUDA backend's kernels, one .cu file each (DESIGN.md). Plain types only,
+// so the backend (cuda_backend.cpp, compiled by the host compiler) can call them. Every
+// pointer is device memory; shapes and conventions are those of executor/backend.h.
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include <cstdint>
+
+namespace strata::cuda {
+
+void layernorm_forward(float* out, float* mean, float* rstd, const float* x, const float* w, const float* b,
+                       int64_t N, int64_t H, cudaStream_t s);
+void layernorm_backward(float* dx, float* dw, float* db, const float* dout, const float* x, const float* mean,
+                        const float* rstd, const float* w, int64_t N, int64_t H, cudaStream_t s);
+void rmsnorm_forward(float* out, float* rstd, const float* x, const float* w, int64_t N, int64_t H, cudaStream_t s);
+void rmsnorm_backward(float* dx, float* dw, const float* dout, const float* x, const float* rstd, const float* w,
+                      int64_t N, int64_t H, cudaStream_t s);
+// kind: 0 gelu (u (N, F)), 1 swiglu, 2 geglu (u (N, 2F) = [gate | up]).
+void activation_forward(int kind, float* out, const float* u, int64_t N, int64_t F, cudaStream_t s);
+void activation_backward(int kind, float* du, const float* dout, const float* u, int64_t N, int64_t F, cudaStream_t s);
+void rope(float* x, int64_t S, int64_t B, int64_t heads, int64_t D, int64_t ld, bool inverse, cudaStream_t s);
+// probs may be null (then the forward keeps each row in shared memory and the backward
+// recomputes it). dqkv is overwritten.
+void attention_forward(float* out, float* probs, const float* qkv, int64_t S, int64_t B, int64_t A, int64_t G,
+                       int64_t D, cudaStream_t s);
+void attention_backward(float* dqkv, const float* dout, const float* probs, const float* qkv, int64_t S, int64_t B,
+                        int64_t A, int64_t G, int64_t D, cudaStream_t s);
+// kind: 1 bf16, 2 fp16 (round to nearest even; fp16 overflows to inf).
+void round_to(float* x, int64_t n, int kind, cudaStream_t s);
+
+}  // namespace strata::cuda

@@ -1,0 +1,83 @@
+// LayerNorm forward and backward (eps 1e-5, biased variance, as the CPU backend): one block
+// per row for the row statistics and dx; one thread per column for dw and db, looping over
+// the rows in order, so the parameter gradients are deterministic.
+#include "executor/cuda/check.h"
+#include "executor/cuda/kernels.h"
+#include "executor/cuda/reduce.cuh"
+
+namespace strata::cuda {
+namespace {
+
+constexpr float kEps = 1e-5f;
+constexpr int kThreads = 256;
+
+__global__ void ln_forward(float* out, float* mean, float* rstd, const float* x, const float* w, const float* b,
+                           long long H) {
+  __shared__ float scratch[32];
+  const long long i = blockIdx.x;
+  const float* xi = x + i * H;
+  float s = 0.0f;
+  for (long long j = threadIdx.x; j < H; j += blockDim.x) s += xi[j];
+  const float mu = block_sum(s, scratch) / static_cast<float>(H);
+  float s2 = 0.0f;
+  for (long long j = threadIdx.x; j < H; j += blockDim.x) s2 += (xi[j] - mu) * (xi[j] - mu);
+  const float rs = rsqrtf(block_sum(s2, scratch) / static_cast<float>(H) + kEps);
+  if (threadIdx.x == 0) {
+    mean[i] = mu;
+    rstd[i] = rs;
+  }
+  for (long long j = threadIdx.x; j < H; j += blockDim.x) out[i * H + j] = (xi[j] - mu) * rs * w[j] + b[j];
+}
+
+__global__ void ln_backward_dx(float* dx, const float* dout, const float* x, const float* mean, const float* rstd,
+                               const float* w, long long H) {
+  __shared__ float scratch[32];
+  const long long i = blockIdx.x;
+  const float* xi = x + i * H;
+  const float* gi = dout + i * H;
+  const float mu = mean[i], rs = rstd[i];
+  float m1 = 0.0f, m2 = 0.0f;
+  for (long long j = threadIdx.x; j < H; j += blockDim.x) {
+    const float dn = gi[j] * w[j];
+    m1 += dn;
+    m2 += dn * (xi[j] - mu) * rs;
+  }
+  m1 = block_sum(m1, scratch) / static_cast<float>(H);
+  m2 = block_sum(m2, scratch) / static_cast<float>(H);
+  for (long long j = threadIdx.x; j < H; j += blockDim.x)
+    dx[i * H + j] += rs * (gi[j] * w[j] - m1 - (xi[j] - mu) * rs * m2);
+}
+
+__global__ void ln_backward_dwdb(float* dw, float* db, const float* dout, const float* x, const float* mean,
+                                 const float* rstd, long long N, long long H) {
+  const long long j = blockIdx.x * static_cast<long long>(blockDim.x) + threadIdx.x;
+  if (j >= H) return;
+  float sw = 0.0f, sb = 0.0f;
+  for (long long i = 0; i < N; ++i) {
+    const float g = dout[i * H + j];
+    sw += g * (x[i * H + j] - mean[i]) * rstd[i];
+    sb += g;
+  }
+  dw[j] += sw;
+  db[j] += sb;
+}
+
+}  // namespace
+
+void layernorm_forward(float* out, float* mean, float* rstd, const float* x, const float* w, const float* b,
+                       int64_t N, int64_t H, cudaStream_t s) {
+  if (N == 0) return;
+  ln_forward<<<static_cast<unsigned>(N), kThreads, 0, s>>>(out, mean, rstd, x, w, b, H);
+  CUDA_CHECK_LAUNCH();
+}
+
+void layernorm_backward(float* dx, float* dw, float* db, const float* dout, const float* x, const float* mean,
+                        const float* rstd, const float* w, int64_t N, int64_t H, cudaStream_t s) {
+  if (N == 0) return;
+  ln_backward_dx<<<static_cast<unsigned>(N), kThreads, 0, s>>>(dx, dout, x, mean, rstd, w, H);
+  CUDA_CHECK_LAUNCH();
+  ln_backward_dwdb<<<blocks_for(H, kThreads), kThreads, 0, s>>>(dw, db, dout, x, mean, rstd, N, H);
+  CUDA_CHECK_LAUNCH();
+}
+
+}  // namespace strata::cuda

@@ -1,0 +1,62 @@
+// RMSNorm forward and backward (eps 1e-5, as the CPU backend); the layout of layernorm.cu.
+#include "executor/cuda/check.h"
+#include "executor/cuda/kernels.h"
+#include "executor/cuda/reduce.cuh"
+
+namespace strata::cuda {
+namespace {
+
+constexpr float kEps = 1e-5f;
+constexpr int kThreads = 256;
+
+__global__ void rms_forward(float* out, float* rstd, const float* x, const float* w, long long H) {
+  __shared__ float scratch[32];
+  const long long i = blockIdx.x;
+  const float* xi = x + i * H;
+  float s2 = 0.0f;
+  for (long long j = threadIdx.x; j < H; j += blockDim.x) s2 += xi[j] * xi[j];
+  const float rs = rsqrtf(block_sum(s2, scratch) / static_cast<float>(H) + kEps);
+  if (threadIdx.x == 0) rstd[i] = rs;
+  for (long long j = threadIdx.x; j < H; j += blockDim.x) out[i * H + j] = xi[j] * rs * w[j];
+}
+
+__global__ void rms_backward_dx(float* dx, const float* dout, const float* x, const float* rstd, const float* w,
+                                long long H) {
+  __shared__ float scratch[32];
+  const long long i = blockIdx.x;
+  const float* xi = x + i * H;
+  const float* gi = dout + i * H;
+  const float rs = rstd[i];
+  float m = 0.0f;
+  for (long long j = threadIdx.x; j < H; j += blockDim.x) m += gi[j] * w[j] * xi[j];
+  m = block_sum(m, scratch) / static_cast<float>(H);
+  for (long long j = threadIdx.x; j < H; j += blockDim.x) dx[i * H + j] += rs * (gi[j] * w[j] - xi[j] * rs * rs * m);
+}
+
+__global__ void rms_backward_dw(float* dw, const float* dout, const float* x, const float* rstd, long long N,
+                                long long H) {
+  const long long j = blockIdx.x * static_cast<long long>(blockDim.x) + threadIdx.x;
+  if (j >= H) return;
+  float sw = 0.0f;
+  for (long long i = 0; i < N; ++i) sw += dout[i * H + j] * x[i * H + j] * rstd[i];
+  dw[j] += sw;
+}
+
+}  // namespace
+
+void rmsnorm_forward(float* out, float* rstd, const float* x, const float* w, int64_t N, int64_t H, cudaStream_t s) {
+  if (N == 0) return;
+  rms_forward<<<static_cast<unsigned>(N), kThreads, 0, s>>>(out, rstd, x, w, H);
+  CUDA_CHECK_LAUNCH();
+}
+
+void rmsnorm_backward(float* dx, float* dw, const float* dout, const float* x, const float* rstd, const float* w,
+                      int64_t N, int64_t H, cudaStream_t s) {
+  if (N == 0) return;
+  rms_backward_dx<<<static_cast<unsigned>(N), kThreads, 0, s>>>(dx, dout, x, rstd, w, H);
+  CUDA_CHECK_LAUNCH();
+  rms_backward_dw<<<blocks_for(H, kThreads), kThreads, 0, s>>>(dw, dout, x, rstd, N, H);
+  CUDA_CHECK_LAUNCH();
+}
+
+}  // namespace strata::cuda

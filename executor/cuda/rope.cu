@@ -1,0 +1,36 @@
+// Rotary position embedding in place, as the CPU backend: head h of row s*B + b (stride ld)
+// rotates its pairs (i, i + D/2) by s * 10000^(-2i/D); inverse applies the transpose. The
+// angle is computed in double, as on the CPU.
+#include "executor/cuda/check.h"
+#include "executor/cuda/kernels.h"
+#include "executor/cuda/reduce.cuh"
+
+namespace strata::cuda {
+namespace {
+
+constexpr int kThreads = 256;
+
+__global__ void rotate(float* x, long long S, long long B, long long heads, long long D, long long ld, bool inverse) {
+  const long long half = D / 2;
+  const long long t = blockIdx.x * static_cast<long long>(blockDim.x) + threadIdx.x;
+  if (t >= S * B * heads * half) return;
+  const long long i = t % half, h = (t / half) % heads, row = t / (half * heads), s = row / B;
+  const double freq = pow(10000.0, -2.0 * static_cast<double>(i) / static_cast<double>(D));
+  const double ang = static_cast<double>(s) * freq;
+  const float c = static_cast<float>(cos(ang)), sn = static_cast<float>(inverse ? -sin(ang) : sin(ang));
+  float* v = x + row * ld + h * D;
+  const float x1 = v[i], x2 = v[i + half];
+  v[i] = x1 * c - x2 * sn;
+  v[i + half] = x2 * c + x1 * sn;
+}
+
+}  // namespace
+
+void rope(float* x, int64_t S, int64_t B, int64_t heads, int64_t D, int64_t ld, bool inverse, cudaStream_t s) {
+  const int64_t n = S * B * heads * (D / 2);
+  if (n == 0) return;
+  rotate<<<blocks_for(n, kThreads), kThreads, 0, s>>>(x, S, B, heads, D, ld, inverse);
+  CUDA_CHECK_LAUNCH();
+}
+
+}  // namespace strata::cuda

@@ -1,0 +1,29 @@
+// Rounds float values to bf16 or fp16 and back (round to nearest even; fp16 overflows to
+// inf), as the inputs of a low-precision GEMM are rounded on the CPU.
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include "executor/cuda/check.h"
+#include "executor/cuda/kernels.h"
+#include "executor/cuda/reduce.cuh"
+
+namespace strata::cuda {
+namespace {
+
+constexpr int kThreads = 256;
+
+__global__ void round_kernel(float* x, long long n, int kind) {
+  const long long t = blockIdx.x * static_cast<long long>(blockDim.x) + threadIdx.x;
+  if (t >= n) return;
+  x[t] = kind == 1 ? __bfloat162float(__float2bfloat16_rn(x[t])) : __half2float(__float2half_rn(x[t]));
+}
+
+}  // namespace
+
+void round_to(float* x, int64_t n, int kind, cudaStream_t s) {
+  if (n == 0 || (kind != 1 && kind != 2)) return;
+  round_kernel<<<blocks_for(n, kThreads), kThreads, 0, s>>>(x, n, kind);
+  CUDA_CHECK_LAUNCH();
+}
+
+}  // namespace strata::cuda
