@@ -58,11 +58,17 @@ class CudaOps : public ::testing::Test {
     double num = 0, den = 0;
     for (size_t i = 0; i < got.size(); ++i) {
       ASSERT_FALSE(std::isnan(got[i])) << what << " [" << i << "]";
+      ASSERT_FALSE(std::isnan(want[i])) << what << " (CPU) [" << i << "]";
       num = std::max(num, std::fabs(static_cast<double>(got[i]) - want[i]));
       den = std::max(den, std::fabs(static_cast<double>(want[i])));
     }
     EXPECT_LE(num / std::max(den, 1e-30), tol) << what << ": normalised error " << num / den;
   }
+
+  // An output buffer the op must overwrite entirely: NaN everywhere to start with.
+  static Vec nans(size_t n) { return Vec(n, std::numeric_limits<float>::quiet_NaN()); }
+
+  void attention_case(int64_t S, int64_t B, int64_t A, int64_t G, int64_t D, bool keep);
 
   std::unique_ptr<CudaBackend> gpu_;
   std::unique_ptr<Backend> cpu_;
@@ -86,6 +92,25 @@ TEST_F(CudaOps, GemmEveryTransposition) {
   }
 }
 
+TEST_F(CudaOps, GemmOnUnalignedViewsBetaZeroOverNanAndEmptyK) {
+  const int64_t M = 33, N = 17, K = 45;
+  const Vec a = random(static_cast<size_t>(M * K + 1)), b = random(static_cast<size_t>(K * N + 1));
+  // Views one float into their buffers (4-byte aligned only), C full of NaN with beta = 0.
+  Vec c = nans(static_cast<size_t>(M * N + 1));
+  float *da = dev(a), *db = dev(b), *dc = dev(c);
+  gpu_->gemm(false, false, M, N, K, 1.0f, da + 1, K, db + 1, N, 0.0f, dc + 1, N);
+  cpu_->gemm(false, false, M, N, K, 1.0f, a.data() + 1, K, b.data() + 1, N, 0.0f, c.data() + 1, N);
+  const Vec got = host(dc, c.size());
+  expect_close(Vec(got.begin() + 1, got.end()), Vec(c.begin() + 1, c.end()), 1e-5, "gemm on unaligned views");
+  EXPECT_TRUE(std::isnan(got[0])) << "wrote outside C";
+  // K = 0: C = beta * C.
+  Vec e = random(static_cast<size_t>(M * N));
+  float* de = dev(e);
+  gpu_->gemm(false, false, M, N, 0, 1.0f, da, 1, db, N, 0.5f, de, N);
+  cpu_->gemm(false, false, M, N, 0, 1.0f, a.data(), 1, b.data(), N, 0.5f, e.data(), N);
+  expect_close(host(de, e.size()), e, 1e-6, "gemm with K = 0");
+}
+
 TEST_F(CudaOps, LayerNormForwardBackward) {
   const int64_t N = 13, H = 300;
   const Vec x = random(N * H, 2.0f), w = random(H), b = random(H), dout = random(N * H);
@@ -95,6 +120,7 @@ TEST_F(CudaOps, LayerNormForwardBackward) {
   gpu_->layernorm_forward(gout, gmean, grstd, gx, gw, gb, N, H);
   cpu_->layernorm_forward(out.data(), mean.data(), rstd.data(), x.data(), w.data(), b.data(), N, H);
   expect_close(host(gout, out.size()), out, 1e-5, "layernorm out");
+  expect_close(host(gmean, mean.size()), mean, 1e-5, "layernorm mean");
   expect_close(host(grstd, rstd.size()), rstd, 1e-5, "layernorm rstd");
   gpu_->layernorm_backward(gdx, gdw, gdb, gdout, gx, gmean, grstd, gw, N, H);
   cpu_->layernorm_backward(dx.data(), dw.data(), db.data(), dout.data(), x.data(), mean.data(), rstd.data(), w.data(), N, H);
@@ -111,6 +137,7 @@ TEST_F(CudaOps, RmsNormForwardBackward) {
   gpu_->rmsnorm_forward(gout, grstd, gx, gw, N, H);
   cpu_->rmsnorm_forward(out.data(), rstd.data(), x.data(), w.data(), N, H);
   expect_close(host(gout, out.size()), out, 1e-5, "rmsnorm out");
+  expect_close(host(grstd, rstd.size()), rstd, 1e-5, "rmsnorm rstd");
   gpu_->rmsnorm_backward(gdx, gdw, gdout, gx, grstd, gw, N, H);
   cpu_->rmsnorm_backward(dx.data(), dw.data(), dout.data(), x.data(), rstd.data(), w.data(), N, H);
   expect_close(host(gdx, dx.size()), dx, 1e-5, "rmsnorm dx");
@@ -122,7 +149,7 @@ TEST_F(CudaOps, ActivationsForwardBackward) {
   for (Activation a : {Activation::gelu, Activation::swiglu, Activation::geglu}) {
     const int64_t width = a == Activation::gelu ? F : 2 * F;
     const Vec u = random(N * width, 3.0f), dout = random(N * F);
-    Vec out(N * F), du(N * width);
+    Vec out = nans(N * F), du = nans(N * width);
     float *gu = dev(u), *gout = dev(out), *gdout = dev(dout), *gdu = dev(du);
     gpu_->activation_forward(a, gout, gu, N, F);
     cpu_->activation_forward(a, out.data(), u.data(), N, F);
@@ -147,10 +174,18 @@ TEST_F(CudaOps, RopeForwardAndInverse) {
 }
 
 TEST_F(CudaOps, AttentionForwardBackwardWithAndWithoutProbs) {
-  const int64_t S = 17, B = 2, A = 4, G = 2, D = 8;
+  struct Shape {
+    int64_t S, B, A, G, D;
+  };
+  // Sequences longer than a block of threads, head dims of 8 and 64, G = A, A/2 and 1.
+  for (const Shape sh : {Shape{17, 2, 4, 2, 8}, Shape{200, 1, 4, 4, 64}, Shape{150, 2, 4, 1, 64}})
+    for (bool keep : {true, false}) attention_case(sh.S, sh.B, sh.A, sh.G, sh.D, keep);
+}
+
+void CudaOps::attention_case(int64_t S, int64_t B, int64_t A, int64_t G, int64_t D, bool keep) {
   const Vec qkv = random(S * B * (A + 2 * G) * D), dout = random(S * B * A * D);
-  for (bool keep : {true, false}) {
-    Vec out(S * B * A * D), probs(B * A * S * S), dqkv(qkv.size());
+  {
+    Vec out = nans(S * B * A * D), probs = nans(B * A * S * S), dqkv = nans(qkv.size());
     float *gqkv = dev(qkv), *gout = dev(out), *gprobs = dev(probs), *gdout = dev(dout), *gdqkv = dev(dqkv);
     gpu_->attention_forward(gout, keep ? gprobs : nullptr, gqkv, S, B, A, G, D);
     cpu_->attention_forward(out.data(), keep ? probs.data() : nullptr, qkv.data(), S, B, A, G, D);
@@ -164,9 +199,13 @@ TEST_F(CudaOps, AttentionForwardBackwardWithAndWithoutProbs) {
 
 TEST_F(CudaOps, RoundingToBf16AndFp16IsBitwiseTheCpus) {
   Vec x = random(4096, 100.0f);
-  x.push_back(70000.0f);   // fp16 overflows to inf
-  x.push_back(-1e-8f);     // below fp16's subnormals
-  x.push_back(std::numeric_limits<float>::infinity());
+  for (float v : {70000.0f, 65519.0f, 65520.0f,  // fp16: overflow to inf, the largest finite, the tie
+                  -1e-8f, 3e-7f, 1e-5f,              // below fp16's subnormals, subnormal, normal
+                  1.00390625f,                       // 1 + 2^-8: a bf16 tie (to even: 1)
+                  std::numeric_limits<float>::max(), std::numeric_limits<float>::infinity(),
+                  -std::numeric_limits<float>::infinity(), std::numeric_limits<float>::quiet_NaN(),
+                  -std::numeric_limits<float>::quiet_NaN()})
+    x.push_back(v);
   for (Precision p : {Precision::bf16, Precision::fp16}) {
     Vec c = x;
     float* g = dev(x);

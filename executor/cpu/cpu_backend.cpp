@@ -50,7 +50,7 @@ float round_bf16(float x) {
   std::memcpy(&x, &u, 4);
   return x;
 }
-float round_fp16(float x) { return static_cast<float>(static_cast<_Float16>(x)); }
+float round_fp16(float x) { return std::isnan(x) ? x : static_cast<float>(static_cast<_Float16>(x)); }
 
 // Head h's queries and its group's keys and values: (S, D) views of the (S, B, ...) rows
 // of micro-batch row b.

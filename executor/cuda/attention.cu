@@ -133,7 +133,8 @@ void attention_forward(float* out, float* probs, const float* qkv, int64_t S, in
   if (S * B * A == 0) return;
   check_shape(S, B, A, G);
   const size_t shared = static_cast<size_t>(S + D) * sizeof(float);
-  if (shared > 48 * 1024) CUDA_CHECK(cudaFuncSetAttribute(forward, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(shared)));
+  // (always: the static scratch counts against the same 48 KiB default)
+  CUDA_CHECK(cudaFuncSetAttribute(forward, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(shared)));
   const dim3 grid(static_cast<unsigned>(S), static_cast<unsigned>(A), static_cast<unsigned>(B));
   forward<<<grid, kThreads, shared, s>>>(out, probs, qkv, Dims{S, B, A, G, D}, 1.0f / sqrtf(static_cast<float>(D)));
   CUDA_CHECK_LAUNCH();
@@ -141,11 +142,12 @@ void attention_forward(float* out, float* probs, const float* qkv, int64_t S, in
 
 void attention_backward(float* dqkv, const float* dout, const float* probs, const float* qkv, int64_t S, int64_t B,
                         int64_t A, int64_t G, int64_t D, cudaStream_t s) {
+  if (S * B * (A + 2 * G) * D > 0)
+    CUDA_CHECK(cudaMemsetAsync(dqkv, 0, static_cast<size_t>(S * B * (A + 2 * G) * D) * sizeof(float), s));
   if (S * B * A == 0) return;
   check_shape(S, B, A, G);
-  CUDA_CHECK(cudaMemsetAsync(dqkv, 0, static_cast<size_t>(S * B * (A + 2 * G) * D) * sizeof(float), s));
   const size_t shared = static_cast<size_t>(2 * S + 2 * D) * sizeof(float);
-  if (shared > 48 * 1024) CUDA_CHECK(cudaFuncSetAttribute(backward, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(shared)));
+  CUDA_CHECK(cudaFuncSetAttribute(backward, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(shared)));
   const dim3 grid(static_cast<unsigned>(S), static_cast<unsigned>(A), static_cast<unsigned>(B));
   backward<<<grid, kThreads, shared, s>>>(dqkv, dout, probs, qkv, Dims{S, B, A, G, D}, 1.0f / sqrtf(static_cast<float>(D)));
   CUDA_CHECK_LAUNCH();

@@ -5,6 +5,7 @@
 #include <cublasLt.h>
 #include <cuda_runtime_api.h>
 
+#include <cstdint>
 #include <string>
 
 #include "executor/cuda/check.h"
@@ -21,6 +22,31 @@
 
 namespace strata {
 namespace {
+
+// The cuBLASLt objects of one GEMM, destroyed however the call ends.
+struct LtObjects {
+  cublasLtMatmulDesc_t desc = nullptr;
+  cublasLtMatrixLayout_t la = nullptr, lb = nullptr, lc = nullptr;
+  cublasLtMatmulPreference_t pref = nullptr;
+  LtObjects() = default;
+  LtObjects(const LtObjects&) = delete;
+  LtObjects& operator=(const LtObjects&) = delete;
+  ~LtObjects() {
+    if (pref) cublasLtMatmulPreferenceDestroy(pref);
+    if (lc) cublasLtMatrixLayoutDestroy(lc);
+    if (lb) cublasLtMatrixLayoutDestroy(lb);
+    if (la) cublasLtMatrixLayoutDestroy(la);
+    if (desc) cublasLtMatmulDescDestroy(desc);
+  }
+};
+
+// The largest power of two (at most 256) dividing the address.
+uint32_t alignment(const void* p) {
+  const auto a = reinterpret_cast<uintptr_t>(p);
+  uint32_t al = 256;
+  while (al > 4 && (a % al) != 0) al /= 2;
+  return al;
+}
 
 class CudaBackendImpl final : public CudaBackend {
  public:
@@ -62,32 +88,36 @@ class CudaBackendImpl final : public CudaBackend {
   void gemm(bool ta, bool tb, int64_t M, int64_t N, int64_t K, float alpha, const float* A, int64_t lda,
             const float* B, int64_t ldb, float beta, float* C, int64_t ldc) override {
     if (M == 0 || N == 0) return;
+    if (K == 0) {  // C = beta * C, as on the CPU
+      cuda::scale_matrix(C, M, N, ldc, beta, stream_);
+      return;
+    }
     // Column-major view: C^T (N x M) = op(B)^T (N x K) * op(A)^T (K x M). B as stored is the
     // column-major (tb ? K x N : N x K) matrix with leading dimension ldb, and so on.
-    cublasLtMatmulDesc_t desc = nullptr;
-    cublasLtMatrixLayout_t la = nullptr, lb = nullptr, lc = nullptr;
-    CUBLAS_CHECK(cublasLtMatmulDescCreate(&desc, CUBLAS_COMPUTE_32F, CUDA_R_32F));
+    LtObjects o;
+    CUBLAS_CHECK(cublasLtMatmulDescCreate(&o.desc, CUBLAS_COMPUTE_32F, CUDA_R_32F));
     const cublasOperation_t op_first = tb ? CUBLAS_OP_T : CUBLAS_OP_N, op_second = ta ? CUBLAS_OP_T : CUBLAS_OP_N;
-    CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_TRANSA, &op_first, sizeof(op_first)));
-    CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_TRANSB, &op_second, sizeof(op_second)));
-    CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&la, CUDA_R_32F, tb ? K : N, tb ? N : K, ldb));
-    CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&lb, CUDA_R_32F, ta ? M : K, ta ? K : M, lda));
-    CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&lc, CUDA_R_32F, N, M, ldc));
-    cublasLtMatmulPreference_t pref = nullptr;
-    CUBLAS_CHECK(cublasLtMatmulPreferenceCreate(&pref));
+    CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(o.desc, CUBLASLT_MATMUL_DESC_TRANSA, &op_first, sizeof(op_first)));
+    CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(o.desc, CUBLASLT_MATMUL_DESC_TRANSB, &op_second, sizeof(op_second)));
+    CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&o.la, CUDA_R_32F, tb ? K : N, tb ? N : K, ldb));
+    CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&o.lb, CUDA_R_32F, ta ? M : K, ta ? K : M, lda));
+    CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&o.lc, CUDA_R_32F, N, M, ldc));
+    CUBLAS_CHECK(cublasLtMatmulPreferenceCreate(&o.pref));
     const size_t ws = kWorkspace;
-    CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws, sizeof(ws)));
+    CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(o.pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws, sizeof(ws)));
+    // Views into larger buffers need not be 256-byte aligned (cuBLASLt's default
+    // assumption): tell it each operand's real alignment.
+    const uint32_t align_a = alignment(B), align_b = alignment(A), align_c = alignment(C);
+    CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(o.pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, &align_a, sizeof(align_a)));
+    CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(o.pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, &align_b, sizeof(align_b)));
+    CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(o.pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, &align_c, sizeof(align_c)));
+    CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(o.pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, &align_c, sizeof(align_c)));
     cublasLtMatmulHeuristicResult_t heur{};
     int found = 0;
-    CUBLAS_CHECK(cublasLtMatmulAlgoGetHeuristic(lt_, desc, la, lb, lc, lc, pref, 1, &heur, &found));
+    CUBLAS_CHECK(cublasLtMatmulAlgoGetHeuristic(lt_, o.desc, o.la, o.lb, o.lc, o.lc, o.pref, 1, &heur, &found));
     if (found == 0) fail_gemm(M, N, K);
-    CUBLAS_CHECK(cublasLtMatmul(lt_, desc, &alpha, B, la, A, lb, &beta, C, lc, C, lc, &heur.algo, workspace_, kWorkspace,
-                                stream_));
-    cublasLtMatmulPreferenceDestroy(pref);
-    cublasLtMatrixLayoutDestroy(lc);
-    cublasLtMatrixLayoutDestroy(lb);
-    cublasLtMatrixLayoutDestroy(la);
-    cublasLtMatmulDescDestroy(desc);
+    CUBLAS_CHECK(cublasLtMatmul(lt_, o.desc, &alpha, B, o.la, A, o.lb, &beta, C, o.lc, C, o.lc, &heur.algo, workspace_,
+                                kWorkspace, stream_));
   }
   void layernorm_forward(float* out, float* mean, float* rstd, const float* x, const float* w, const float* b,
                          int64_t N, int64_t H) override {

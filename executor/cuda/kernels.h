@@ -26,6 +26,8 @@ void attention_forward(float* out, float* probs, const float* qkv, int64_t S, in
                        int64_t D, cudaStream_t s);
 void attention_backward(float* dqkv, const float* dout, const float* probs, const float* qkv, int64_t S, int64_t B,
                         int64_t A, int64_t G, int64_t D, cudaStream_t s);
+// C (M, N, row stride ldc) = beta * C; beta = 0 writes zeros.
+void scale_matrix(float* c, int64_t M, int64_t N, int64_t ldc, float beta, cudaStream_t s);
 // kind: 1 bf16, 2 fp16 (round to nearest even; fp16 overflows to inf).
 void round_to(float* x, int64_t n, int kind, cudaStream_t s);
 

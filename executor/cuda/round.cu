@@ -12,10 +12,22 @@ namespace {
 
 constexpr int kThreads = 256;
 
+// bf16: the CPU backend's integer rounding (NaN and inf kept bit for bit); fp16: the
+// hardware conversion, NaN kept as it is (as on the CPU).
 __global__ void round_kernel(float* x, long long n, int kind) {
   const long long t = blockIdx.x * static_cast<long long>(blockDim.x) + threadIdx.x;
   if (t >= n) return;
-  x[t] = kind == 1 ? __bfloat162float(__float2bfloat16_rn(x[t])) : __half2float(__float2half_rn(x[t]));
+  const float v = x[t];
+  if (kind == 1) {
+    unsigned u = __float_as_uint(v);
+    if ((u & 0x7f800000u) != 0x7f800000u) {
+      u += 0x7fffu + ((u >> 16) & 1u);
+      u &= 0xffff0000u;
+    }
+    x[t] = __uint_as_float(u);
+  } else if (!isnan(v)) {
+    x[t] = __half2float(__float2half_rn(v));
+  }
 }
 
 }  // namespace

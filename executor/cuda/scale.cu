@@ -1,0 +1,27 @@
+// C (M, N, row stride ldc) *= beta (beta = 0 writes zeros): the GEMM with K = 0, which the
+// CPU backend defines as C = beta * C and cuBLASLt does not take.
+#include "executor/cuda/check.h"
+#include "executor/cuda/kernels.h"
+#include "executor/cuda/reduce.cuh"
+
+namespace strata::cuda {
+namespace {
+
+constexpr int kThreads = 256;
+
+__global__ void scale_kernel(float* c, long long M, long long N, long long ldc, float beta) {
+  const long long t = blockIdx.x * static_cast<long long>(blockDim.x) + threadIdx.x;
+  if (t >= M * N) return;
+  float* p = c + (t / N) * ldc + t % N;
+  *p = beta == 0.0f ? 0.0f : beta * *p;
+}
+
+}  // namespace
+
+void scale_matrix(float* c, int64_t M, int64_t N, int64_t ldc, float beta, cudaStream_t s) {
+  if (M * N == 0) return;
+  scale_kernel<<<blocks_for(M * N, kThreads), kThreads, 0, s>>>(c, M, N, ldc, beta);
+  CUDA_CHECK_LAUNCH();
+}
+
+}  // namespace strata::cuda
