@@ -14,6 +14,7 @@
 
 #include "executor/backend.h"
 #include "executor/cuda/cuda_backend.h"
+#include "executor/zero.h"
 
 namespace strata {
 namespace {
@@ -195,6 +196,73 @@ void CudaOps::attention_case(int64_t S, int64_t B, int64_t A, int64_t G, int64_t
     cpu_->attention_backward(dqkv.data(), dout.data(), keep ? probs.data() : nullptr, qkv.data(), S, B, A, G, D);
     expect_close(host(gdqkv, dqkv.size()), dqkv, 1e-5, keep ? "attention dqkv" : "attention dqkv (recomputed)");
   }
+}
+
+TEST_F(CudaOps, AdamWMatchesTheCpuStep) {
+  const int64_t n = 1000;
+  Vec p = random(n), m = random(n, 0.01f), v = random(n, 0.01f);
+  for (float& x : v) x = x * x;
+  const Vec g = random(n);
+  std::vector<uint8_t> decay(static_cast<size_t>(n));
+  for (size_t i = 0; i < decay.size(); ++i) decay[i] = static_cast<uint8_t>(i % 3 != 0);
+  float *gp = dev(p), *gm = dev(m), *gv = dev(v), *gg = dev(g);
+  auto* gdecay = static_cast<uint8_t*>(gpu_->device_alloc_bytes(decay.size()));
+  gpu_->to_device_bytes(gdecay, decay.data(), decay.size());
+  AdamW opt;
+  gpu_->adamw(gp, gg, gm, gv, gdecay, n, opt, 3e-4, 3, 0.5f);
+  adamw_update(p.data(), g.data(), m.data(), v.data(), decay.data(), n, opt, 3e-4, 3, 0.5f);
+  expect_close(host(gp, p.size()), p, 1e-5, "adamw p");
+  expect_close(host(gm, m.size()), m, 1e-5, "adamw m");
+  expect_close(host(gv, v.size()), v, 1e-5, "adamw v");
+  gpu_->device_free(reinterpret_cast<float*>(gdecay));
+}
+
+TEST_F(CudaOps, GradNormTermsMatchTheCpu) {
+  const int64_t n = 100003;
+  Vec g = random(n);
+  g[17] = std::numeric_limits<float>::quiet_NaN();
+  g[50000] = std::numeric_limits<float>::infinity();
+  g[n - 1] = -std::numeric_limits<float>::infinity();
+  std::vector<uint8_t> counted(static_cast<size_t>(n));
+  for (size_t i = 0; i < counted.size(); ++i) counted[i] = static_cast<uint8_t>(i % 4 != 1);
+  float* gg = dev(g);
+  auto* gc = static_cast<uint8_t*>(gpu_->device_alloc_bytes(counted.size()));
+  gpu_->to_device_bytes(gc, counted.data(), counted.size());
+  double got[2] = {1.0, 2.0}, want[2] = {1.0, 2.0};  // both add to what is there
+  gpu_->grad_norm_terms(gg, gc, n, got);
+  grad_norm_terms(g.data(), counted.data(), n, want);
+  EXPECT_NEAR(got[0], want[0], 1e-5 * want[0]);
+  EXPECT_EQ(got[1], want[1]);
+  EXPECT_EQ(want[1], 5.0);  // 2 + the three non-finite values
+  gpu_->device_free(reinterpret_cast<float*>(gc));
+}
+
+TEST_F(CudaOps, EmbeddingOfAVocabularySliceForwardBackward) {
+  const int64_t S = 7, B = 3, H = 16, Vt = 50, lo = 50;
+  std::vector<int32_t> tokens(static_cast<size_t>(B * S));
+  for (size_t i = 0; i < tokens.size(); ++i) tokens[i] = static_cast<int32_t>((i * 37 + 11) % 150);  // some repeat
+  tokens[3] = tokens[5] = 60;
+  const Vec wte = random(Vt * H), dx = random(S * B * H);
+  // The reference: gpt.cpp's loops.
+  Vec x(S * B * H, 0.0f), dwte = random(Vt * H);
+  const Vec dwte0 = dwte;
+  for (int64_t s = 0; s < S; ++s)
+    for (int64_t b = 0; b < B; ++b) {
+      const int64_t tok = tokens[static_cast<size_t>(b * S + s)];
+      if (tok < lo || tok >= lo + Vt) continue;
+      for (int64_t j = 0; j < H; ++j) {
+        x[static_cast<size_t>((s * B + b) * H + j)] = wte[static_cast<size_t>((tok - lo) * H + j)];
+        dwte[static_cast<size_t>((tok - lo) * H + j)] += dx[static_cast<size_t>((s * B + b) * H + j)];
+      }
+    }
+  float *gw = dev(wte), *gx = dev(nans(x.size())), *gdx = dev(dx), *gdw = dev(dwte0);
+  auto* gt = static_cast<int32_t*>(gpu_->device_alloc_bytes(tokens.size() * sizeof(int32_t)));
+  gpu_->to_device_bytes(gt, tokens.data(), tokens.size() * sizeof(int32_t));
+  gpu_->embedding_forward(gx, gw, gt, S, B, H, lo, Vt);
+  expect_close(host(gx, x.size()), x, 0.0, "embedding forward (a copy: exact)");
+  gpu_->embedding_backward(gdw, gdx, gt, S, B, H, lo, Vt);
+  expect_close(host(gdw, dwte.size()), dwte, 1e-6, "embedding backward");
+  gpu_->device_free(reinterpret_cast<float*>(gt));
 }
 
 TEST_F(CudaOps, RoundingToBf16AndFp16IsBitwiseTheCpus) {

@@ -5,6 +5,7 @@
 #include <cublasLt.h>
 #include <cuda_runtime_api.h>
 
+#include <cmath>
 #include <cstdint>
 #include <string>
 
@@ -62,6 +63,7 @@ class CudaBackendImpl final : public CudaBackend {
   }
   ~CudaBackendImpl() override {
     cudaStreamSynchronize(stream_);
+    if (acc_) cudaFree(acc_);
     cudaFree(workspace_);
     cublasLtDestroy(lt_);
     cudaStreamDestroy(stream_);
@@ -84,6 +86,49 @@ class CudaBackendImpl final : public CudaBackend {
     CUDA_CHECK(cudaStreamSynchronize(stream_));
   }
   void synchronise() override { CUDA_CHECK(cudaStreamSynchronize(stream_)); }
+  void* device_alloc_bytes(size_t bytes) override {
+    void* p = nullptr;
+    CUDA_CHECK(cudaMalloc(&p, bytes > 0 ? bytes : 1));
+    return p;
+  }
+  void to_device_bytes(void* dst, const void* src, size_t bytes) override {
+    CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyHostToDevice, stream_));
+    CUDA_CHECK(cudaStreamSynchronize(stream_));
+  }
+
+  void adamw(float* p, const float* g, float* m, float* v, const uint8_t* decay, int64_t n, const AdamW& opt, double lr,
+             int64_t step, float grad_mul) override {
+    // The scalars exactly as executor/zero.cpp's adamw_update computes them.
+    const double bc1 = 1.0 - std::pow(opt.beta1, static_cast<double>(step));
+    const double bc2 = 1.0 - std::pow(opt.beta2, static_cast<double>(step));
+    cuda::AdamWScalars k{};
+    k.b1 = static_cast<float>(opt.beta1);
+    k.b2 = static_cast<float>(opt.beta2);
+    k.step_size = static_cast<float>(lr / bc1);
+    k.inv_bc2 = static_cast<float>(1.0 / bc2);
+    k.eps = static_cast<float>(opt.eps);
+    k.wd = static_cast<float>(lr * opt.weight_decay);
+    k.grad_mul = grad_mul;
+    cuda::adamw(p, g, m, v, decay, n, k, stream_);
+  }
+  void grad_norm_terms(const float* g, const uint8_t* counted, int64_t n, double acc[2]) override {
+    if (acc_ == nullptr) acc_ = static_cast<double*>(device_alloc_bytes(2 * sizeof(double)));
+    CUDA_CHECK(cudaMemsetAsync(acc_, 0, 2 * sizeof(double), stream_));
+    cuda::grad_norm_terms(g, counted, n, acc_, stream_);
+    double h[2] = {0, 0};
+    CUDA_CHECK(cudaMemcpyAsync(h, acc_, sizeof(h), cudaMemcpyDeviceToHost, stream_));
+    CUDA_CHECK(cudaStreamSynchronize(stream_));
+    acc[0] += h[0];
+    acc[1] += h[1];
+  }
+  void embedding_forward(float* x, const float* wte, const int32_t* tokens, int64_t S, int64_t B, int64_t H, int64_t lo,
+                         int64_t Vt) override {
+    cuda::embedding_forward(x, wte, tokens, S, B, H, lo, Vt, stream_);
+  }
+  void embedding_backward(float* dwte, const float* dx, const int32_t* tokens, int64_t S, int64_t B, int64_t H,
+                          int64_t lo, int64_t Vt) override {
+    cuda::embedding_backward(dwte, dx, tokens, S, B, H, lo, Vt, stream_);
+  }
 
   void gemm(bool ta, bool tb, int64_t M, int64_t N, int64_t K, float alpha, const float* A, int64_t lda,
             const float* B, int64_t ldb, float beta, float* C, int64_t ldc) override {
@@ -166,6 +211,7 @@ class CudaBackendImpl final : public CudaBackend {
   cudaStream_t stream_ = nullptr;
   cublasLtHandle_t lt_ = nullptr;
   void* workspace_ = nullptr;
+  double* acc_ = nullptr;  // grad_norm_terms' device accumulators
   std::string name_;
 };
 

@@ -10,6 +10,7 @@
 #include <string>
 
 #include "executor/backend.h"
+#include "executor/zero.h"
 
 namespace strata {
 
@@ -22,6 +23,20 @@ class CudaBackend : public Backend {
   virtual void to_host(float* dst, const float* src, int64_t n) = 0;
   virtual void synchronise() = 0;
   virtual std::string device_name() const = 0;
+  // Bytes, for the integer and byte arrays (tokens, masks).
+  virtual void* device_alloc_bytes(size_t bytes) = 0;
+  virtual void to_device_bytes(void* dst, const void* src, size_t bytes) = 0;
+
+  // Beyond backend.h (the CPU executor runs these on the host, executor/zero.h and gpt.cpp):
+  // AdamW on the owned shard, the clipping norm's terms (acc on the host, added to), and
+  // the token embedding of a tensor-parallel vocabulary slice [lo, lo + Vt).
+  virtual void adamw(float* p, const float* g, float* m, float* v, const uint8_t* decay, int64_t n, const AdamW& opt,
+                     double lr, int64_t step, float grad_mul) = 0;
+  virtual void grad_norm_terms(const float* g, const uint8_t* counted, int64_t n, double acc[2]) = 0;
+  virtual void embedding_forward(float* x, const float* wte, const int32_t* tokens, int64_t S, int64_t B, int64_t H,
+                                 int64_t lo, int64_t Vt) = 0;
+  virtual void embedding_backward(float* dwte, const float* dx, const int32_t* tokens, int64_t S, int64_t B, int64_t H,
+                                  int64_t lo, int64_t Vt) = 0;
 };
 
 // "" when a GPU is usable; otherwise the reason, e.g. "cudaGetDeviceCount returned error

@@ -26,6 +26,20 @@ void attention_forward(float* out, float* probs, const float* qkv, int64_t S, in
                        int64_t D, cudaStream_t s);
 void attention_backward(float* dqkv, const float* dout, const float* probs, const float* qkv, int64_t S, int64_t B,
                         int64_t A, int64_t G, int64_t D, cudaStream_t s);
+// AdamW's per-step scalars, computed on the host in double as executor/zero.cpp does.
+struct AdamWScalars {
+  float b1, b2, step_size, inv_bc2, eps, wd, grad_mul;
+};
+void adamw(float* p, const float* g, float* m, float* v, const unsigned char* decay, int64_t n, const AdamWScalars& k,
+           cudaStream_t s);
+// acc (device, 2 doubles) += {sum of squares of the finite counted values, non-finite count}.
+void grad_norm_terms(const float* g, const unsigned char* counted, int64_t n, double* acc, cudaStream_t s);
+// x (S*B, H) = rows of wte (Vt, H) for tokens (B, S) in [lo, lo + Vt), zero otherwise; the
+// backward adds dx's rows into dwte.
+void embedding_forward(float* x, const float* wte, const int* tokens, int64_t S, int64_t B, int64_t H, int64_t lo,
+                       int64_t Vt, cudaStream_t s);
+void embedding_backward(float* dwte, const float* dx, const int* tokens, int64_t S, int64_t B, int64_t H, int64_t lo,
+                        int64_t Vt, cudaStream_t s);
 // C (M, N, row stride ldc) = beta * C; beta = 0 writes zeros.
 void scale_matrix(float* c, int64_t M, int64_t N, int64_t ldc, float beta, cudaStream_t s);
 // kind: 1 bf16, 2 fp16 (round to nearest even; fp16 overflows to inf).

@@ -1,0 +1,43 @@
+// The clipping norm's inputs, as executor/zero.cpp's grad_norm_terms: acc[0] += the sum of
+// squares (in double) of the finite gradients with counted[i] != 0, acc[1] += the number of
+// non-finite ones. Per-thread sums in double, block sums in float, one double atomic per
+// block (relative error ~1e-7).
+#include <algorithm>
+
+#include "executor/cuda/check.h"
+#include "executor/cuda/kernels.h"
+#include "executor/cuda/reduce.cuh"
+
+namespace strata::cuda {
+namespace {
+
+constexpr int kThreads = 256;
+constexpr int kBlocks = 1024;
+
+__global__ void grad_norm_kernel(const float* g, const unsigned char* counted, long long n, double* acc) {
+  __shared__ float scratch[32];
+  double sq = 0.0;
+  float bad = 0.0f;
+  for (long long i = blockIdx.x * static_cast<long long>(blockDim.x) + threadIdx.x; i < n;
+       i += static_cast<long long>(gridDim.x) * blockDim.x) {
+    const float x = g[i];
+    if (!isfinite(x)) bad += 1.0f;
+    else if (counted[i]) sq += static_cast<double>(x) * x;
+  }
+  const float ssq = block_sum(static_cast<float>(sq), scratch), sbad = block_sum(bad, scratch);
+  if (threadIdx.x == 0) {
+    atomicAdd(acc, static_cast<double>(ssq));
+    atomicAdd(acc + 1, static_cast<double>(sbad));
+  }
+}
+
+}  // namespace
+
+void grad_norm_terms(const float* g, const unsigned char* counted, int64_t n, double* acc, cudaStream_t s) {
+  if (n == 0) return;
+  const unsigned blocks = std::min<unsigned>(kBlocks, blocks_for(n, kThreads));
+  grad_norm_kernel<<<blocks, kThreads, 0, s>>>(g, counted, n, acc);
+  CUDA_CHECK_LAUNCH();
+}
+
+}  // namespace strata::cuda
