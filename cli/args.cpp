@@ -68,6 +68,15 @@ int64_t Args::integer(const std::string& flag, int64_t fallback, int64_t lo, int
   return v;
 }
 
+Precision parse_precision(const std::string& s, bool allow_fp8) {
+  if (s == "bf16") return Precision::bf16;
+  if (s == "fp16") return Precision::fp16;
+  if (s == "fp32") return Precision::fp32;
+  if (s == "fp8" && allow_fp8) return Precision::fp8;
+  fail_field("--precision", "'" + s + "'",
+             allow_fp8 ? "must be one of bf16, fp16, fp8, fp32" : "must be one of fp32, bf16, fp16 (what the CPU executor runs)");
+}
+
 void check_backend(const std::string& backend, const std::string& command) {
   if (backend == "cpu") return;
   if (backend != "cuda") throw InputError("--backend: '" + backend + "' must be cpu or cuda");

@@ -9,6 +9,8 @@
 #include <string>
 #include <vector>
 
+#include "costmodel/hardware.h"
+
 namespace strata {
 
 class Args {
@@ -24,6 +26,9 @@ class Args {
   std::string command_;
   std::map<std::string, std::string> values_;
 };
+
+// --precision: bf16, fp16, fp32, and fp8 when `allow_fp8` (the CPU executor runs no fp8).
+Precision parse_precision(const std::string& s, bool allow_fp8 = true);
 
 // --backend of `command` (train, profile): "cpu" passes; "cuda" throws InputError saying
 // why it cannot run here (no GPU, a build without CUDA, or not yet wired for the command);

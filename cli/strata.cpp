@@ -68,14 +68,6 @@ void list_presets(bool models) {
   }
 }
 
-Precision parse_precision(const std::string& s) {
-  if (s == "bf16") return Precision::bf16;
-  if (s == "fp16") return Precision::fp16;
-  if (s == "fp8") return Precision::fp8;
-  if (s == "fp32") return Precision::fp32;
-  fail_field("--precision", "'" + s + "'", "must be one of bf16, fp16, fp8, fp32");
-}
-
 void trace_to_file(const std::string& path, const ModelSpec& m, const Cluster& cl, const Plan& p) {
   const double steps = 2.0 * static_cast<double>(p.microbatches()) * static_cast<double>(p.p * p.v);
   if (steps > static_cast<double>(kMaxTraceSteps))

@@ -78,13 +78,6 @@ struct Launcher {
   }
 };
 
-Precision parse_precision_flag(const std::string& s) {
-  if (s == "fp32") return Precision::fp32;
-  if (s == "bf16") return Precision::bf16;
-  if (s == "fp16") return Precision::fp16;
-  fail_field("--precision", "'" + s + "'", "must be one of fp32, bf16, fp16 (what the CPU executor runs)");
-}
-
 std::string slug(const std::string& why) {
   std::string o;
   for (char c : why) o += std::isalnum(static_cast<unsigned char>(c)) ? c : '-';
@@ -108,7 +101,7 @@ int cmd_validate(const std::vector<std::string>& argv) {
   const int64_t steps = a.integer("steps", 8, 2, 100000);
   const fs::path report = a.get("report", "strata-report");
   const int64_t gbs = a.integer("global-batch-size", 16, 1, 1 << 20);
-  const Precision prec = parse_precision_flag(a.get("precision", "fp32"));
+  const Precision prec = parse_precision(a.get("precision", "fp32"), false);
   const bool json = a.has("json");
   std::error_code ec;
   fs::create_directories(report / "plans", ec);

@@ -14,18 +14,14 @@
 #include "executor/train.h"
 #include "costmodel/stack.h"
 #include "planner/validation.h"
+#include "train_runner.h"
 
 namespace strata {
 namespace {
 
 namespace fs = std::filesystem;
 
-std::string slurp(const fs::path& p) {
-  std::ifstream in(p);
-  std::stringstream ss;
-  ss << in.rdbuf();
-  return ss.str();
-}
+using strata_test::slurp;
 
 TEST(Validation, SpearmanAndMedian) {
   EXPECT_DOUBLE_EQ(spearman({1, 2, 3, 4}, {10, 20, 30, 40}), 1.0);
