@@ -2,8 +2,6 @@
 // seeded per-epoch sample order.
 #include "executor/data.h"
 
-#include <unistd.h>
-
 #include <algorithm>
 #include <cmath>
 #include <fstream>
@@ -11,6 +9,7 @@
 
 #include "costmodel/json_input.h"
 #include "executor/hash.h"
+#include "executor/memory_tracker.h"
 
 namespace strata {
 namespace {
@@ -97,7 +96,7 @@ TokenSource::TokenSource(const std::string& spec, int64_t V, int64_t S, uint64_t
   if (bytes < 0) throw InputError("--data: '" + spec + "' is not a readable token file (a folder?)");
   // The tokens are read into memory: refuse a file larger than half of this machine's memory
   // before allocating for it.
-  const double ram = static_cast<double>(::sysconf(_SC_PHYS_PAGES)) * static_cast<double>(::sysconf(_SC_PAGE_SIZE));
+  const double ram = physical_memory_bytes();
   if (ram > 0 && static_cast<double>(bytes) > ram / 2)
     throw InputError("--data: token file '" + spec + "' has " + std::to_string(bytes) +
                      " bytes, more than half of this machine's memory; strata reads token files into memory");

@@ -1,9 +1,16 @@
 // Live and peak byte counts per memory category.
 #include "executor/memory_tracker.h"
 
+#include <unistd.h>
+
 #include <algorithm>
 
 namespace strata {
+
+double physical_memory_bytes() {
+  const long pages = ::sysconf(_SC_PHYS_PAGES), page = ::sysconf(_SC_PAGE_SIZE);
+  return pages > 0 && page > 0 ? static_cast<double>(pages) * static_cast<double>(page) : 0.0;
+}
 
 const char* to_string(MemCategory c) {
   switch (c) {

@@ -16,6 +16,9 @@ enum class MemCategory { weights, gradients, optimizer_states, activations, comm
 constexpr int kMemCategories = 5;
 const char* to_string(MemCategory c);
 
+// This machine's physical memory, bytes (0 when the system does not say).
+double physical_memory_bytes();
+
 class MemoryTracker {
  public:
   void add(MemCategory c, int64_t bytes);

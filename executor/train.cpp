@@ -67,7 +67,7 @@ void validate_train_plan(const ModelSpec& m, const Plan& p, int world_size) {
   const double acts = static_cast<double>(m.L) * tokens * static_cast<double>(m.H) *
                       (34.0 + 5.0 * static_cast<double>(m.A) * static_cast<double>(m.S) / static_cast<double>(m.H)) * 2.0 /
                       static_cast<double>(p.t);
-  const double ram = static_cast<double>(sysconf(_SC_PHYS_PAGES)) * static_cast<double>(sysconf(_SC_PAGE_SIZE));
+  const double ram = physical_memory_bytes();
   if (ram > 0 && states + acts > ram)
     fail("model: " + m.name + " needs about " + std::to_string(static_cast<int64_t>((states + acts) / 1e9)) +
          " GB per rank with tp*pp = " + std::to_string(p.t * p.p) + " and micro_batch_size " + std::to_string(p.mbs) +

@@ -1,6 +1,8 @@
 // The profiler's sweeps, checks and fits (see profiler.h).
 #include "hw_profiles/profiler.h"
 
+#include "executor/memory_tracker.h"
+
 #include <unistd.h>
 
 #include <algorithm>
@@ -390,7 +392,7 @@ ProfileResult run_profile(Comm& comm, Backend& be, const ProfileOptions& o) {
     for (const auto& [b, r] : res.memory) me.push_back({b, r / bw});
   c.device.memory_bandwidth_bytes_per_s = bw;
   c.device.memory_efficiency = Curve(me);
-  const double ram = static_cast<double>(sysconf(_SC_PHYS_PAGES)) * static_cast<double>(sysconf(_SC_PAGE_SIZE));
+  const double ram = physical_memory_bytes();
   c.device.memory_bytes = ram / n;
   c.devices_per_node = n;
   bool fitted = n > 1 && message_bytes.size() >= 3;
