@@ -25,10 +25,41 @@ InFlight in_flight(ScheduleKind kind, int64_t p, int64_t v, int64_t m) {
   int64_t mm = std::min(m, 4 * p + 4);
   if (kind == ScheduleKind::interleaved) mm = std::max<int64_t>(p, (mm / p) * p);
   if (kind == ScheduleKind::interleaved && m == p) mm = m;  // all-warm-up special case
-  const Schedule sc = make_schedule(kind, p, v, mm);
-  f.all = peak_in_flight(sc);
-  f.first = peak_in_flight_of_chunk(sc, 0);
-  f.last = peak_in_flight_of_chunk(sc, static_cast<int32_t>(sc.v - 1));
+  // peak_in_flight() of make_schedule(kind, p, v, mm), stepping through each stage's list
+  // as make_schedule() lays it out (warm-up forwards, forward/backward pairs, cool-down
+  // backwards; forward k runs chunk (k mod pv) / p, backwards the chunks in reverse),
+  // without storing it. memory_test compares the two.
+  const ScheduleShape sh{kind, p, v, mm};
+  const int64_t total = mm * v;
+  for (auto* x : {&f.all, &f.first, &f.last}) x->assign(static_cast<size_t>(p), 0);
+  for (int64_t s = 0; s < p; ++s) {
+    const size_t i = static_cast<size_t>(s);
+    const int64_t w = sh.warmup(s);
+    int64_t all = 0, first = 0, last = 0;
+    int64_t f_sub = 0, f_chunk = 0, b_sub = 0, b_chunk = 0;  // position within (chunk, p) of the next step
+    auto step = [&](bool forward) {
+      int64_t& sub = forward ? f_sub : b_sub;
+      int64_t& ch = forward ? f_chunk : b_chunk;
+      const int64_t chunk = forward ? ch : v - 1 - ch;
+      const int64_t d = forward ? 1 : -1;
+      if (++sub == p) {
+        sub = 0;
+        if (++ch == v) ch = 0;
+      }
+      all += d;
+      if (chunk == 0) first += d;
+      if (chunk == v - 1) last += d;
+      f.all[i] = std::max(f.all[i], all);
+      f.first[i] = std::max(f.first[i], first);
+      f.last[i] = std::max(f.last[i], last);
+    };
+    for (int64_t k = 0; k < w; ++k) step(true);
+    for (int64_t k = 0; k < total - w; ++k) {
+      step(true);
+      step(false);
+    }
+    for (int64_t k = 0; k < w; ++k) step(false);
+  }
   return f;
 }
 

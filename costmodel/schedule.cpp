@@ -58,6 +58,40 @@ Schedule make_schedule(ScheduleKind kind, int64_t p, int64_t v, int64_t m) {
   return sc;
 }
 
+int64_t ScheduleShape::warmup(int64_t s) const {
+  if (kind == ScheduleKind::gpipe) return m;
+  if (kind == ScheduleKind::one_f_one_b) return std::min(p - s - 1, m);
+  const int64_t total = m * v;
+  return m == p ? total : std::min((p - s - 1) * 2 + (v - 1) * p, total);
+}
+
+int64_t ScheduleShape::mb_of(int64_t index) const {
+  return kind == ScheduleKind::interleaved ? (index / (p * v)) * p + index % p : index;
+}
+
+int32_t ScheduleShape::chunk_of(int64_t index, bool forward) const {
+  if (kind != ScheduleKind::interleaved) return 0;
+  const int64_t c = (index % (p * v)) / p;
+  return static_cast<int32_t>(forward ? c : v - 1 - c);
+}
+
+StepAt ScheduleShape::at(int64_t s, int64_t k) const {
+  const int64_t total = m * v, w = warmup(s);
+  int64_t index = 0;
+  bool forward = true;
+  if (k < w) {
+    index = k;
+  } else if (k < 2 * total - w) {
+    const int64_t j = k - w;
+    forward = j % 2 == 0;
+    index = forward ? w + j / 2 : j / 2;
+  } else {
+    forward = false;
+    index = k - total;  // the cool-down: backward total - w + (k - (2 total - w))
+  }
+  return StepAt{index, chunk_of(index, forward), forward};
+}
+
 double walk_steps(ScheduleKind kind, int64_t p, int64_t v, int64_t m) {
   const double pd = static_cast<double>(p), md = static_cast<double>(m);
   if (kind == ScheduleKind::interleaved) return 2.0 * pd * static_cast<double>(v) * md;

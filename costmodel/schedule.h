@@ -31,6 +31,25 @@ struct Schedule {
 
 Schedule make_schedule(ScheduleKind kind, int64_t p, int64_t v, int64_t m);
 
+// The same lists without storing them: position k of stage s runs forward or backward
+// number `index` of that stage, which is micro-batch `index` for GPipe and 1F1B; for the
+// interleaved schedule the index runs over (chunk, micro-batch) pairs in Megatron's order.
+// schedule_test checks it against make_schedule step by step.
+struct StepAt {
+  int64_t index;
+  int32_t chunk;
+  bool forward;
+};
+struct ScheduleShape {
+  ScheduleKind kind;
+  int64_t p, v, m;  // v = 1 unless interleaved
+  int64_t warmup(int64_t s) const;
+  int64_t mb_of(int64_t index) const;
+  int32_t chunk_of(int64_t index, bool forward) const;
+  StepAt at(int64_t s, int64_t k) const;
+  int64_t positions() const { return 2 * m * v; }
+};
+
 // The most steps the simulator walks for one plan (memory and time stay bounded), and the
 // steps a plan needs: the whole interleaved schedule; for 1F1B and GPipe, whose long
 // schedules are extended from their steady state, the walks that find it (about 10 p

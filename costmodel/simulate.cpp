@@ -83,6 +83,147 @@ SimResult simulate(const Schedule& sc, const StageTimes& st, bool record_events)
   return r;
 }
 
+namespace {
+
+// The walk of simulate() for a schedule made by make_schedule(), position by position:
+// every stage runs one step per position and the inputs of a step were produced at an
+// earlier position or at the same one further up the pipeline (forwards: swept from the
+// first stage) or further down (backwards: swept from the last), so it needs neither the
+// step lists nor a worklist. Where every stage is in its steady state (alternating forward
+// and backward) the walk maps the state (the finishing times of the last two positions,
+// which is all a steady step reads) by the same max-plus linear map every period of P
+// positions: one micro-batch for 1F1B (2 positions), one round of p micro-batches through
+// all v chunks for the interleaved schedule (2pv), one position in either phase of GPipe.
+// Once a period moves every stage's times by the same c, each later period moves them by
+// c again (a max-plus map commutes with adding a constant), so the walk jumps by whole
+// periods to the end of that region and walks the rest: exact up to rounding. Returns
+// false, leaving *out alone, when an input is not where the walk looks for it or the walk
+// would exceed kMaxWalkSteps; the caller then walks the stored schedule.
+bool periodic_walk(ScheduleKind kind, int64_t m, const StageTimes& st, SimResult* out) {
+  const int64_t p = st.p;
+  const ScheduleShape sh{kind, p, kind == ScheduleKind::interleaved ? st.v : 1, m};
+  const int64_t v = sh.v, total = m * v, positions = 2 * total;
+  const int64_t P = kind == ScheduleKind::gpipe ? 1 : kind == ScheduleKind::one_f_one_b ? 2 : 2 * p * v;
+  constexpr int64_t D = 2;  // positions of history a steady step reads
+  struct Region {
+    int64_t lo, hi;
+  };
+  const int64_t w0 = sh.warmup(0);
+  const Region regions[2] = {kind == ScheduleKind::gpipe ? Region{1, m - 1} : Region{w0 + D, positions - w0 - 1},
+                             kind == ScheduleKind::gpipe ? Region{m + 1, positions - 1} : Region{1, 0}};
+  // Finished steps by (stage, direction, index), tagged with their index; a slot overwritten
+  // before its consumer ran sends the caller to the general walk.
+  int64_t R = 4;
+  if (kind == ScheduleKind::interleaved)
+    while (R < 2 * p + 4) R *= 2;
+  struct Done {
+    int64_t index;
+    double t;
+  };
+  std::vector<Done> done(static_cast<size_t>(p * 2 * R), Done{-1, 0.0});
+  auto slot = [&](int64_t s, bool fwd, int64_t index) -> Done& {
+    return done[static_cast<size_t>((s * 2 + (fwd ? 1 : 0)) * R + (index & (R - 1)))];
+  };
+  // free_at of the last P + D positions, a row per position.
+  const int64_t rows = P + D;
+  std::vector<double> hist(static_cast<size_t>(p * rows), 0.0);
+  auto row = [&](int64_t k) { return &hist[static_cast<size_t>((k % rows) * p)]; };
+  std::vector<double> free_at(static_cast<size_t>(p), 0.0);
+  std::vector<StepAt> at(static_cast<size_t>(p));
+  bool jumped = false;
+  int64_t walked = 0;
+
+  auto run = [&](int64_t s, const StepAt& step) -> bool {
+    double ready = 0;
+    if (step.forward) {
+      const int64_t from = s > 0 ? s - 1 : p - 1, index = s > 0 ? step.index : step.index - p;
+      if (s > 0 || step.chunk > 0) {
+        const Done& d = slot(from, true, index);
+        if (d.index != index) return false;
+        ready = d.t;
+      }
+    } else {
+      const int64_t from = s < p - 1 ? s + 1 : 0, index = s < p - 1 ? step.index : step.index - p;
+      if (s < p - 1 || step.chunk < v - 1) {
+        const Done& d = slot(from, false, index);
+        if (d.index != index) return false;
+        ready = d.t;
+      }  // else the last chunk's own forward, earlier in this stage's list
+    }
+    const double dur = step.forward ? st.f(s, step.chunk) : st.b(s, step.chunk);
+    const bool sends = step.forward ? !(s == p - 1 && step.chunk == v - 1) : !(s == 0 && step.chunk == 0);
+    const double send = sends ? st.send_s[static_cast<size_t>(s)] : 0.0;
+    const size_t i = static_cast<size_t>(s);
+    free_at[i] = std::max(free_at[i], ready) + dur + send;
+    slot(s, step.forward, step.index) = Done{step.index, free_at[i]};
+    return true;
+  };
+
+  for (int64_t k = 0; k < positions; ++k) {
+    for (int64_t s = 0; s < p; ++s) {
+      const StepAt step = at[static_cast<size_t>(s)] = sh.at(s, k);
+      if (step.forward && !run(s, step)) return false;
+    }
+    for (int64_t s = p - 1; s >= 0; --s) {
+      const StepAt step = at[static_cast<size_t>(s)];
+      if (!step.forward && !run(s, step)) return false;
+    }
+    walked += p;
+    if (walked > kMaxWalkSteps) return false;
+    std::copy(free_at.begin(), free_at.end(), row(k));
+    // Jump when the period ending here lies in a steady region and moved every stage alike.
+    for (const Region& r : regions) {
+      if (k - P + 1 < r.lo || k + P > r.hi || k - P - (D - 1) < 0) continue;
+      const double c = row(k)[0] - row(k - P)[0];
+      const double tol = 1e-12 * row(k)[0];
+      bool periodic = true;
+      for (int64_t d = 0; d < D && periodic; ++d) {
+        const double* now = row(k - d);
+        const double* before = row(k - d - P);
+        for (int64_t s = 0; s < p && periodic; ++s) periodic = std::fabs((now[s] - before[s]) - c) <= tol;
+      }
+      if (!periodic) continue;
+      const int64_t J = (r.hi - k) / P;  // whole periods still inside the region
+      const double shift = static_cast<double>(J) * c;
+      // What the last D positions produced, as produced J periods later: the inputs of
+      // the positions after the jump.
+      for (int64_t d = D - 1; d >= 0; --d) {
+        const double* t = row(k - d);
+        for (int64_t s = 0; s < p; ++s) {
+          const StepAt will = sh.at(s, k - d + J * P);
+          slot(s, will.forward, will.index) = Done{will.index, t[s] + shift};
+        }
+      }
+      for (auto& f : free_at) f += shift;
+      k += J * P;
+      std::copy(free_at.begin(), free_at.end(), row(k));
+      jumped = J > 0;
+      break;
+    }
+  }
+  // Busy time does not depend on the timing: every step runs once, and every step sends
+  // except the last chunk's forward on the last stage and the first chunk's backward on
+  // the first.
+  out->end_s = free_at;
+  out->compute_s.assign(static_cast<size_t>(p), 0.0);
+  out->p2p_s.assign(static_cast<size_t>(p), 0.0);
+  const double md = static_cast<double>(m);
+  for (int64_t s = 0; s < p; ++s) {
+    double fb = 0;
+    for (int64_t c = 0; c < v; ++c) fb += st.f(s, c) + st.b(s, c);
+    const size_t i = static_cast<size_t>(s);
+    out->compute_s[i] = md * fb;
+    const double sends = 2.0 * md * static_cast<double>(v) - (s == p - 1 ? md : 0.0) - (s == 0 ? md : 0.0);
+    out->p2p_s[i] = sends * st.send_s[i];
+  }
+  out->makespan_s = *std::max_element(free_at.begin(), free_at.end());
+  out->extrapolated = jumped;
+  out->by_position = true;
+  return true;
+}
+
+}  // namespace
+
 SimResult simulate_pipeline(ScheduleKind kind, int64_t m, const StageTimes& st, bool record_events) {
   const int64_t p = st.p, v = kind == ScheduleKind::interleaved ? st.v : 1;
   if (p == 1 && !record_events) {
@@ -96,6 +237,15 @@ SimResult simulate_pipeline(ScheduleKind kind, int64_t m, const StageTimes& st, 
     r.makespan_s = total;
     return r;
   }
+  if (!record_events) {
+    SimResult r;
+    if (periodic_walk(kind, m, st, &r)) return r;
+  }
+  return simulate_windows(kind, m, st, record_events);
+}
+
+SimResult simulate_windows(ScheduleKind kind, int64_t m, const StageTimes& st, bool record_events) {
+  const int64_t p = st.p, v = kind == ScheduleKind::interleaved ? st.v : 1;
   // The long-run growth of the step per micro-batch is the largest cycle mean of the
   // schedule's dependency graph. It is at least the bottleneck's work per micro-batch, and
   // for 1F1B (whose warm-up covers every round trip) and GPipe at most that: the busiest

@@ -32,16 +32,25 @@ struct SimResult {
   std::vector<double> compute_s;       // per stage: time spent in forward/backward steps
   std::vector<double> p2p_s;           // per stage: time spent sending
   double makespan_s = 0;
-  bool extrapolated = false;
+  bool extrapolated = false;           // the walk jumped over periodic steady-state steps
+  bool by_position = false;            // walked position by position, without the stored lists
   std::vector<SimEvent> events;        // filled when asked for
 };
 
 // Walks the schedule exactly. Throws std::logic_error if the schedule deadlocks.
 SimResult simulate(const Schedule& sc, const StageTimes& st, bool record_events);
 
-// The step time of a pipeline with m micro-batches. With many micro-batches (and no events
-// asked for) it walks two shorter schedules in the periodic steady state and extends the
-// finishing times linearly in m; tests check this against the full walk.
+// The step time of a pipeline with m micro-batches: the same walk, position by position
+// without storing the lists, jumping over whole periods of the steady state once one
+// period has shifted every stage's times alike (exact: see simulate.cpp). Falls back to
+// the stored walk (and, past kMaxWalkSteps, to extending shorter walks linearly in m);
+// tests check every path against simulate().
 SimResult simulate_pipeline(ScheduleKind kind, int64_t m, const StageTimes& st, bool record_events);
+
+// The fallback of simulate_pipeline() (and its method before the position walk): walks
+// stored schedules p micro-batches apart until the finishing times grow by the
+// bottleneck's work per round, then extends them linearly in m (1F1B and GPipe); the
+// interleaved schedule is walked in full.
+SimResult simulate_windows(ScheduleKind kind, int64_t m, const StageTimes& st, bool record_events);
 
 }  // namespace strata

@@ -4,6 +4,7 @@
 // Run: make bench (Release build). Numbers go to README with the machine named.
 #include <benchmark/benchmark.h>
 
+#include "costmodel/simulate.h"
 #include "planner/search.h"
 
 namespace strata {
@@ -63,6 +64,44 @@ void BM_Search_Llama3_405b_16384_H100(benchmark::State& s) {
 }
 BENCHMARK(BM_Search_Gpt3_1024_A100)->Unit(benchmark::kMillisecond);
 BENCHMARK(BM_Search_Llama3_405b_16384_H100)->Unit(benchmark::kMillisecond);
+
+// The pipeline walk alone, the position walk (what estimate() uses) against the windowed
+// walk of stored schedules (its fallback and former method), on stages alike but for the
+// ends (embedding, output layer), as in the two deep plans above.
+StageTimes ends_heavier(int64_t p, int64_t v) {
+  StageTimes st;
+  st.p = p;
+  st.v = v;
+  st.fwd_s.assign(static_cast<size_t>(p * v), 0.05);
+  st.bwd_s.assign(static_cast<size_t>(p * v), 0.10);
+  st.send_s.assign(static_cast<size_t>(p), 0.001);
+  st.fwd_s.front() += 0.002;
+  st.fwd_s.back() += 0.004;
+  st.bwd_s.back() += 0.008;
+  return st;
+}
+void walk_case(benchmark::State& state, bool position, ScheduleKind kind, int64_t p, int64_t v, int64_t m) {
+  const StageTimes st = ends_heavier(p, v);
+  double sink = 0;
+  for (auto _ : state) {
+    const SimResult r = position ? simulate_pipeline(kind, m, st, false) : simulate_windows(kind, m, st, false);
+    sink += r.makespan_s;
+    benchmark::DoNotOptimize(sink);
+  }
+  state.counters["walks/s"] = benchmark::Counter(static_cast<double>(state.iterations()), benchmark::Counter::kIsRate);
+}
+void BM_Walk_1f1b_p16_m192_Position(benchmark::State& s) { walk_case(s, true, ScheduleKind::one_f_one_b, 16, 1, 192); }
+void BM_Walk_1f1b_p16_m192_Windows(benchmark::State& s) { walk_case(s, false, ScheduleKind::one_f_one_b, 16, 1, 192); }
+void BM_Walk_Interleaved_p8_v3_m96_Position(benchmark::State& s) {
+  walk_case(s, true, ScheduleKind::interleaved, 8, 3, 96);
+}
+void BM_Walk_Interleaved_p8_v3_m96_Windows(benchmark::State& s) {
+  walk_case(s, false, ScheduleKind::interleaved, 8, 3, 96);
+}
+BENCHMARK(BM_Walk_1f1b_p16_m192_Position)->Unit(benchmark::kMicrosecond);
+BENCHMARK(BM_Walk_1f1b_p16_m192_Windows)->Unit(benchmark::kMicrosecond);
+BENCHMARK(BM_Walk_Interleaved_p8_v3_m96_Position)->Unit(benchmark::kMicrosecond);
+BENCHMARK(BM_Walk_Interleaved_p8_v3_m96_Windows)->Unit(benchmark::kMicrosecond);
 
 }  // namespace
 }  // namespace strata

@@ -64,5 +64,36 @@ TEST(Schedule, EveryStepExactlyOnceForwardFirst) {
   }
 }
 
+// The computed lists (ScheduleShape, used by the estimate's walk and memory) are the
+// stored ones, step by step.
+TEST(Schedule, ShapeMatchesTheStoredLists) {
+  int steps = 0;
+  for (auto kind : {ScheduleKind::gpipe, ScheduleKind::one_f_one_b, ScheduleKind::interleaved}) {
+    for (int64_t p : {1, 2, 3, 4, 7, 8}) {
+      for (int64_t v : {1, 2, 3, 5}) {
+        if (kind != ScheduleKind::interleaved && v > 1) continue;
+        for (int64_t m : {1, 2, 3, 5, 8, 16, 21, 24, 56}) {
+          if (kind == ScheduleKind::interleaved && (m % p != 0 || p < 2)) continue;
+          const Schedule sc = make_schedule(kind, p, v, m);
+          const ScheduleShape sh{kind, p, sc.v, m};
+          for (int64_t s = 0; s < p; ++s) {
+            const auto& list = sc.stages[static_cast<size_t>(s)];
+            ASSERT_EQ(static_cast<int64_t>(list.size()), sh.positions());
+            for (int64_t k = 0; k < sh.positions(); ++k) {
+              const Step& want = list[static_cast<size_t>(k)];
+              const StepAt got = sh.at(s, k);
+              ASSERT_EQ(got.forward, want.forward) << to_string(kind) << " p=" << p << " v=" << v << " m=" << m << " s=" << s << " k=" << k;
+              ASSERT_EQ(got.chunk, want.chunk) << to_string(kind) << " p=" << p << " v=" << v << " m=" << m << " s=" << s << " k=" << k;
+              ASSERT_EQ(sh.mb_of(got.index), want.mb) << to_string(kind) << " p=" << p << " v=" << v << " m=" << m << " s=" << s << " k=" << k;
+              ++steps;
+            }
+          }
+        }
+      }
+    }
+  }
+  EXPECT_GT(steps, 10000);
+}
+
 }  // namespace
 }  // namespace strata

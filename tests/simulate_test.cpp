@@ -1,11 +1,12 @@
 // The discrete-event walk against closed forms where they exist (uniform stages, no
 // communication: (m + p - 1)(F + B) for GPipe and 1F1B, (m v + p - 1)(f + b) for the
-// interleaved schedule with per-chunk f, b), and the long-schedule extrapolation against
-// the full walk.
+// interleaved schedule with per-chunk f, b), and the two fast paths (the position walk
+// with its steady-state jumps, the windowed extrapolation) against the full walk.
 #include <gtest/gtest.h>
 
 #include <cstdio>
 #include <random>
+#include <string>
 
 #include "costmodel/simulate.h"
 
@@ -65,7 +66,7 @@ TEST(Simulate, ExtrapolationMatchesTheFullWalk) {
         for (auto& x : st.bwd_s) x = 2 * u(rng);
         for (auto& x : st.send_s) x = 0.1 * u(rng);
         const SimResult full = simulate(make_schedule(kind, p, v, m), st, false);
-        const SimResult fast = simulate_pipeline(kind, m, st, false);
+        const SimResult fast = simulate_windows(kind, m, st, false);
         extrapolated += fast.extrapolated;
         ++cases;
         EXPECT_NEAR(fast.makespan_s / full.makespan_s, 1.0, 1e-9) << to_string(kind) << " p=" << p << " m=" << m;
@@ -82,16 +83,56 @@ TEST(Simulate, ExtrapolationMatchesTheFullWalk) {
 
 TEST(Simulate, UniformPipelinesAreExtrapolatedEarly) {
   // Stages alike except the ends (embedding, output layer): periodic after ~2p.
-  for (auto kind : {ScheduleKind::one_f_one_b, ScheduleKind::gpipe}) {
-    StageTimes st = uniform(16, 1, 1, 2, 0.01);
+  for (auto kind : {ScheduleKind::one_f_one_b, ScheduleKind::gpipe, ScheduleKind::interleaved}) {
+    const int64_t v = kind == ScheduleKind::interleaved ? 3 : 1;
+    StageTimes st = uniform(16, v, 1, 2, 0.01);
     st.fwd_s.back() += 0.1;
     st.bwd_s.back() += 0.2;
     st.fwd_s.front() += 0.02;
     const SimResult fast = simulate_pipeline(kind, 192, st, false);
-    const SimResult full = simulate(make_schedule(kind, 16, st.v, 192), st, false);
+    const SimResult full = simulate(make_schedule(kind, 16, v, 192), st, false);
     EXPECT_TRUE(fast.extrapolated);
     EXPECT_NEAR(fast.makespan_s / full.makespan_s, 1.0, 1e-12);
   }
+}
+
+// The position-by-position walk (with its jumps) against the stored walk for every
+// schedule, short and long, uniform and random stage times; it must never need the
+// fallback for a schedule make_schedule() builds.
+TEST(Simulate, PositionWalkMatchesTheStoredWalk) {
+  std::mt19937 rng(11);
+  std::uniform_real_distribution<double> u(0.5, 1.5);
+  int cases = 0, jumped = 0;
+  for (auto kind : {ScheduleKind::one_f_one_b, ScheduleKind::gpipe, ScheduleKind::interleaved}) {
+    for (int64_t p : {2, 3, 4, 5, 8, 16}) {
+      for (int64_t m : {1, 2, 3, 7, 16, 24, 64, 100, 240}) {
+        const int64_t v = kind == ScheduleKind::interleaved ? (p % 2 ? 3 : 2) : 1;
+        if (kind == ScheduleKind::interleaved && m % p != 0) continue;
+        for (int random = 0; random < 3; ++random) {
+          StageTimes st = uniform(p, v, 1, 2, random == 2 ? 0.0 : 0.05);
+          if (random) {
+            for (auto& x : st.fwd_s) x = u(rng);
+            for (auto& x : st.bwd_s) x = 2 * u(rng);
+            for (auto& x : st.send_s) x *= u(rng);
+          }
+          const SimResult full = simulate(make_schedule(kind, p, v, m), st, false);
+          const SimResult fast = simulate_pipeline(kind, m, st, false);
+          const std::string what = std::string(to_string(kind)) + " p=" + std::to_string(p) + " m=" + std::to_string(m);
+          ++cases;
+          jumped += fast.extrapolated;
+          EXPECT_TRUE(fast.by_position) << what;
+          EXPECT_NEAR(fast.makespan_s / full.makespan_s, 1.0, 1e-12) << what;
+          for (size_t s = 0; s < static_cast<size_t>(p); ++s) {
+            EXPECT_NEAR(fast.end_s[s] / full.end_s[s], 1.0, 1e-12) << what << " stage " << s;
+            EXPECT_NEAR(fast.compute_s[s], full.compute_s[s], 1e-9 * full.compute_s[s]) << what;
+            EXPECT_NEAR(fast.p2p_s[s], full.p2p_s[s], 1e-9 * (1 + full.p2p_s[s])) << what;
+          }
+        }
+      }
+    }
+  }
+  std::printf("%d schedules walked by position, %d of them jumped over their steady state\n", cases, jumped);
+  EXPECT_GT(jumped, cases / 4);
 }
 
 TEST(Simulate, DeadlockIsReported) {
