@@ -45,6 +45,20 @@ class Backend {
                                  int64_t G, int64_t D) = 0;
   virtual void attention_backward(float* dqkv, const float* dout, const float* probs, const float* qkv,
                                   int64_t S, int64_t B, int64_t A, int64_t G, int64_t D) = 0;
+  // Vocab-parallel cross-entropy (Megatron's), in the phases between which the caller
+  // reduces over the tensor-parallel ranks. z (N, Vt) holds this rank's logits, vocabulary
+  // columns [lo, lo + Vt); targets (N) are global token ids; st (N, 2).
+  //   max:       mx (N) = each row's maximum                              (then all-reduce max)
+  //   exp_sum:   st[i] = {sum_j exp(z - mx), z[target] - mx if the target is in the slice
+  //              else 0}; z = exp(z - mx)                                 (then all-reduce sum)
+  //   normalise: z = z / st[i][0], the probabilities (the loss is log st[i][0] - st[i][1])
+  //   backward:  z[target] -= 1 where the target is in the slice, then z *= scale: dlogits
+  virtual void cross_entropy_max(float* mx, const float* z, int64_t N, int64_t Vt) = 0;
+  virtual void cross_entropy_exp_sum(float* st, float* z, const float* mx, const int32_t* targets, int64_t N,
+                                     int64_t Vt, int64_t lo) = 0;
+  virtual void cross_entropy_normalise(float* z, const float* st, int64_t N, int64_t Vt) = 0;
+  virtual void cross_entropy_backward(float* z, const int32_t* targets, int64_t N, int64_t Vt, int64_t lo,
+                                      float scale) = 0;
   // Rounds n values to the nearest value of `p` (bf16, fp16; fp32 leaves them), as the
   // inputs of a low-precision GEMM are. fp16 overflows to inf.
   virtual void round_to(float* x, int64_t n, Precision p) = 0;

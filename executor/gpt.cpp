@@ -312,31 +312,20 @@ double head_forward(const ModelCtx& c, const UnitView& fu, const float* out_w, B
   c.be->gemm(false, true, N, Vt, H, 1.0f, hf, H, out_w, H, 0.0f, z, Vt);
   c.tick();
   // Vocab-parallel cross-entropy: the row maximum, then the sum of exponentials and the
-  // target's logit, each reduced over tp.
+  // target's logit, each reduced over tp (backend.h).
   h->targets.assign(static_cast<size_t>(N), 0);
   std::vector<float> mx(static_cast<size_t>(N)), st(static_cast<size_t>(2 * N), 0.0f);
   for (int64_t s = 0; s < c.S; ++s)
     for (int64_t b = 0; b < c.B; ++b) h->targets[static_cast<size_t>(s * c.B + b)] = targets[b * c.S + s];
-  for (int64_t i = 0; i < N; ++i) mx[static_cast<size_t>(i)] = *std::max_element(z + i * Vt, z + (i + 1) * Vt);
+  c.be->cross_entropy_max(mx.data(), z, N, Vt);
   if (c.t > 1) timed(c, [&] { c.comm->all_reduce(mx.data(), N, c.tp, ReduceOp::max); });
-  for (int64_t i = 0; i < N; ++i) {
-    const int64_t tg = h->targets[static_cast<size_t>(i)];
-    if (tg >= lo && tg < lo + Vt) st[static_cast<size_t>(2 * i + 1)] = z[i * Vt + (tg - lo)] - mx[static_cast<size_t>(i)];
-    float sum = 0;
-    for (int64_t j = 0; j < Vt; ++j) {
-      z[i * Vt + j] = std::exp(z[i * Vt + j] - mx[static_cast<size_t>(i)]);
-      sum += z[i * Vt + j];
-    }
-    st[static_cast<size_t>(2 * i)] = sum;
-  }
+  c.be->cross_entropy_exp_sum(st.data(), z, mx.data(), h->targets.data(), N, Vt, lo);
   if (c.t > 1) timed(c, [&] { c.comm->all_reduce(st.data(), 2 * N, c.tp); });
   double loss = 0;
-  for (int64_t i = 0; i < N; ++i) {
-    const float sum = st[static_cast<size_t>(2 * i)];
-    loss += std::log(static_cast<double>(sum)) - static_cast<double>(st[static_cast<size_t>(2 * i + 1)]);
-    const float inv = 1.0f / sum;
-    for (int64_t j = 0; j < Vt; ++j) z[i * Vt + j] *= inv;
-  }
+  for (int64_t i = 0; i < N; ++i)
+    loss += std::log(static_cast<double>(st[static_cast<size_t>(2 * i)])) -
+            static_cast<double>(st[static_cast<size_t>(2 * i + 1)]);
+  c.be->cross_entropy_normalise(z, st.data(), N, Vt);
   return loss;
 }
 
@@ -345,11 +334,7 @@ Buf head_backward(const ModelCtx& c, const UnitView& fu, const float* out_w, flo
   const ModelSpec& m = *c.m;
   const int64_t H = m.H, N = c.N(), Vt = executor_vocab(m) / c.t, lo = c.r * Vt;
   float* z = h->probs.data();  // becomes dlogits
-  for (int64_t i = 0; i < N; ++i) {
-    const int64_t tg = h->targets[static_cast<size_t>(i)];
-    if (tg >= lo && tg < lo + Vt) z[i * Vt + (tg - lo)] -= 1.0f;
-    for (int64_t j = 0; j < Vt; ++j) z[i * Vt + j] *= dloss_scale;
-  }
+  c.be->cross_entropy_backward(z, h->targets.data(), N, Vt, lo, dloss_scale);
   round(c, h->probs);
   const float* hf = (c.sp && c.t > 1) ? h->hf_full.data() : h->hf.data();
   c.be->gemm(true, false, Vt, H, N, 1.0f, z, Vt, hf, H, 1.0f, out_grad, H);

@@ -9,6 +9,7 @@
 #include <cstring>
 #include <limits>
 #include <random>
+#include <stdexcept>
 #include <string>
 #include <vector>
 
@@ -112,6 +113,68 @@ TEST_F(CudaOps, GemmOnUnalignedViewsBetaZeroOverNanAndEmptyK) {
   expect_close(host(de, e.size()), e, 1e-6, "gemm with K = 0");
 }
 
+// 16-bit GEMMs on the tensor cores: on operands already rounded to bf16 / fp16 (what the
+// executor passes) they match the CPU's fp32 GEMM of the same operands to fp32 accuracy
+// (both accumulate in fp32); on unrounded operands within the bf16 tolerance 1e-2.
+TEST_F(CudaOps, GemmBf16AndFp16OnTensorCores) {
+  const int64_t M = 70, N = 96, K = 200, pad = 5;
+  for (Precision p : {Precision::bf16, Precision::fp16}) {
+    gpu_->set_gemm_precision(p);
+    for (int t = 0; t < 4; ++t) {
+      const bool ta = t & 1, tb = t & 2;
+      const int64_t lda = (ta ? M : K) + pad, ldb = (tb ? K : N) + pad, ldc = N;
+      Vec a = random(static_cast<size_t>((ta ? K : M) * lda)), b = random(static_cast<size_t>((tb ? N : K) * ldb));
+      const std::string what = std::string(to_string(p)) + " gemm ta=" + std::to_string(ta) + " tb=" + std::to_string(tb);
+      // Unrounded: against the exact fp32 product.
+      Vec c = random(static_cast<size_t>(M * ldc));
+      float *da = dev(a), *db = dev(b), *dc = dev(c);
+      gpu_->gemm(ta, tb, M, N, K, 1.0f, da, lda, db, ldb, 0.5f, dc, ldc);
+      cpu_->gemm(ta, tb, M, N, K, 1.0f, a.data(), lda, b.data(), ldb, 0.5f, c.data(), ldc);
+      expect_close(host(dc, c.size()), c, 1e-2, what + " (unrounded operands)");
+      // Rounded first, as the executor does: fp32 accuracy.
+      cpu_->round_to(a.data(), static_cast<int64_t>(a.size()), p);
+      cpu_->round_to(b.data(), static_cast<int64_t>(b.size()), p);
+      Vec e = random(static_cast<size_t>(M * ldc));
+      float *ra = dev(a), *rb = dev(b), *de = dev(e);
+      gpu_->gemm(ta, tb, M, N, K, 1.0f, ra, lda, rb, ldb, 0.5f, de, ldc);
+      cpu_->gemm(ta, tb, M, N, K, 1.0f, a.data(), lda, b.data(), ldb, 0.5f, e.data(), ldc);
+      expect_close(host(de, e.size()), e, 1e-5, what + " (rounded operands)");
+    }
+  }
+  gpu_->set_gemm_precision(Precision::fp32);
+  EXPECT_THROW(gpu_->set_gemm_precision(Precision::fp8), std::invalid_argument);
+}
+
+// The vocab-parallel cross-entropy's four phases on a slice [lo, lo + Vt) of the vocabulary,
+// with targets inside and outside the slice.
+TEST_F(CudaOps, VocabParallelCrossEntropyPhases) {
+  const int64_t N = 37, Vt = 1000, lo = 2000;
+  Vec z = random(static_cast<size_t>(N * Vt), 3.0f);
+  std::vector<int32_t> targets(static_cast<size_t>(N));
+  std::uniform_int_distribution<int32_t> pick(static_cast<int32_t>(lo - Vt), static_cast<int32_t>(lo + 2 * Vt - 1));
+  for (auto& x : targets) x = pick(rng_);
+  auto* dt = static_cast<int32_t*>(gpu_->device_alloc_bytes(targets.size() * sizeof(int32_t)));
+  gpu_->to_device_bytes(dt, targets.data(), targets.size() * sizeof(int32_t));
+  owned_.push_back(reinterpret_cast<float*>(dt));
+  float* dz = dev(z);
+  Vec mx(static_cast<size_t>(N)), st(static_cast<size_t>(2 * N));
+  float* dmx = dev(nans(mx.size()));
+  float* dst = dev(nans(st.size()));
+  gpu_->cross_entropy_max(dmx, dz, N, Vt);
+  cpu_->cross_entropy_max(mx.data(), z.data(), N, Vt);
+  expect_close(host(dmx, mx.size()), mx, 1e-6, "cross-entropy max");
+  gpu_->cross_entropy_exp_sum(dst, dz, dmx, dt, N, Vt, lo);
+  cpu_->cross_entropy_exp_sum(st.data(), z.data(), mx.data(), targets.data(), N, Vt, lo);
+  expect_close(host(dst, st.size()), st, 1e-5, "cross-entropy sums and target logits");
+  expect_close(host(dz, z.size()), z, 1e-5, "cross-entropy exponentials");
+  gpu_->cross_entropy_normalise(dz, dst, N, Vt);
+  cpu_->cross_entropy_normalise(z.data(), st.data(), N, Vt);
+  expect_close(host(dz, z.size()), z, 1e-5, "cross-entropy probabilities");
+  gpu_->cross_entropy_backward(dz, dt, N, Vt, lo, 0.25f);
+  cpu_->cross_entropy_backward(z.data(), targets.data(), N, Vt, lo, 0.25f);
+  expect_close(host(dz, z.size()), z, 1e-5, "cross-entropy dlogits");
+}
+
 TEST_F(CudaOps, LayerNormForwardBackward) {
   const int64_t N = 13, H = 300;
   const Vec x = random(N * H, 2.0f), w = random(H), b = random(H), dout = random(N * H);
@@ -181,6 +244,54 @@ TEST_F(CudaOps, AttentionForwardBackwardWithAndWithoutProbs) {
   // Sequences longer than a block of threads, head dims of 8 and 64, G = A, A/2 and 1.
   for (const Shape sh : {Shape{17, 2, 4, 2, 8}, Shape{200, 1, 4, 4, 64}, Shape{150, 2, 4, 1, 64}})
     for (bool keep : {true, false}) attention_case(sh.S, sh.B, sh.A, sh.G, sh.D, keep);
+}
+
+// The tiled, fused kernels against the CPU's attention: tile boundaries crossed (T = 32 for
+// D <= 64, 16 above), G = A, A/2, 1, head dims 16, 64 and 128, and a sequence longer than
+// the unfused kernel takes (8192), where no S x S buffer exists on the GPU. lse against a
+// naive host computation on the first shape.
+TEST_F(CudaOps, FlashAttentionForwardBackward) {
+  struct Shape {
+    int64_t S, B, A, G, D;
+  };
+  bool first = true;
+  for (const Shape sh : {Shape{33, 2, 4, 2, 16}, Shape{100, 1, 2, 1, 64}, Shape{70, 2, 4, 4, 128}, Shape{9000, 1, 1, 1, 16}}) {
+    const int64_t S = sh.S, B = sh.B, A = sh.A, G = sh.G, D = sh.D;
+    const std::string what = "flash S=" + std::to_string(S) + " D=" + std::to_string(D) + " G=" + std::to_string(G);
+    const Vec qkv = random(static_cast<size_t>(S * B * (A + 2 * G) * D)), dout = random(static_cast<size_t>(S * B * A * D));
+    Vec out = nans(static_cast<size_t>(S * B * A * D)), dqkv = nans(qkv.size());
+    float *gqkv = dev(qkv), *gout = dev(out), *gdout = dev(dout), *gdqkv = dev(dqkv);
+    float* glse = dev(nans(static_cast<size_t>(B * A * S)));
+    gpu_->flash_attention_forward(gout, glse, gqkv, S, B, A, G, D);
+    cpu_->attention_forward(out.data(), nullptr, qkv.data(), S, B, A, G, D);
+    expect_close(host(gout, out.size()), out, 1e-5, what + " out");
+    if (first) {
+      const Vec lse = host(glse, static_cast<size_t>(B * A * S));
+      Vec want(lse.size());
+      const int64_t ld = (A + 2 * G) * D;
+      for (int64_t b = 0; b < B; ++b)
+        for (int64_t h = 0; h < A; ++h)
+          for (int64_t i = 0; i < S; ++i) {
+            const float* q = qkv.data() + (i * B + b) * ld + h * D;
+            double mx = -1e300, sum = 0;
+            std::vector<double> s(static_cast<size_t>(i + 1));
+            for (int64_t j = 0; j <= i; ++j) {
+              const float* k = qkv.data() + (j * B + b) * ld + (A + h / (A / G)) * D;
+              double dot = 0;
+              for (int64_t e = 0; e < D; ++e) dot += static_cast<double>(q[e]) * k[e];
+              s[static_cast<size_t>(j)] = dot / std::sqrt(static_cast<double>(D));
+              mx = std::max(mx, s[static_cast<size_t>(j)]);
+            }
+            for (double x : s) sum += std::exp(x - mx);
+            want[static_cast<size_t>((b * A + h) * S + i)] = static_cast<float>(mx + std::log(sum));
+          }
+      expect_close(lse, want, 1e-5, what + " lse");
+      first = false;
+    }
+    gpu_->flash_attention_backward(gdqkv, gdout, gout, glse, gqkv, S, B, A, G, D);
+    cpu_->attention_backward(dqkv.data(), dout.data(), nullptr, qkv.data(), S, B, A, G, D);
+    expect_close(host(gdqkv, dqkv.size()), dqkv, 1e-5, what + " dqkv");
+  }
 }
 
 void CudaOps::attention_case(int64_t S, int64_t B, int64_t A, int64_t G, int64_t D, bool keep) {

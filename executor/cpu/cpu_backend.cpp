@@ -260,6 +260,38 @@ class CpuBackend final : public Backend {
     }
   }
 
+  void cross_entropy_max(float* mx, const float* z, int64_t N, int64_t Vt) override {
+    for (int64_t i = 0; i < N; ++i) mx[i] = *std::max_element(z + i * Vt, z + (i + 1) * Vt);
+  }
+  void cross_entropy_exp_sum(float* st, float* z, const float* mx, const int32_t* targets, int64_t N, int64_t Vt,
+                             int64_t lo) override {
+    for (int64_t i = 0; i < N; ++i) {
+      const int64_t tg = targets[i];
+      float* row = z + i * Vt;
+      st[2 * i + 1] = tg >= lo && tg < lo + Vt ? row[tg - lo] - mx[i] : 0.0f;
+      float sum = 0;
+      for (int64_t j = 0; j < Vt; ++j) {
+        row[j] = std::exp(row[j] - mx[i]);
+        sum += row[j];
+      }
+      st[2 * i] = sum;
+    }
+  }
+  void cross_entropy_normalise(float* z, const float* st, int64_t N, int64_t Vt) override {
+    for (int64_t i = 0; i < N; ++i) {
+      const float inv = 1.0f / st[2 * i];
+      for (int64_t j = 0; j < Vt; ++j) z[i * Vt + j] *= inv;
+    }
+  }
+  void cross_entropy_backward(float* z, const int32_t* targets, int64_t N, int64_t Vt, int64_t lo,
+                              float scale) override {
+    for (int64_t i = 0; i < N; ++i) {
+      const int64_t tg = targets[i];
+      if (tg >= lo && tg < lo + Vt) z[i * Vt + (tg - lo)] -= 1.0f;
+      for (int64_t j = 0; j < Vt; ++j) z[i * Vt + j] *= scale;
+    }
+  }
+
   void round_to(float* x, int64_t n, Precision p) override {
     if (p == Precision::bf16 || p == Precision::fp8) {
       for (int64_t i = 0; i < n; ++i) x[i] = round_bf16(x[i]);

@@ -1,5 +1,6 @@
 // The CUDA backend (see cuda_backend.h): one stream, one cuBLASLt handle with a 32 MiB
-// workspace. Row-major GEMMs run as the column-major product C^T = op(B)^T op(A)^T.
+// workspace. Row-major GEMMs run as the column-major product C^T = op(B)^T op(A)^T, in
+// fp32 or, after set_gemm_precision, on 16-bit copies of the operands (cast.cu).
 #include "executor/cuda/cuda_backend.h"
 
 #include <cublasLt.h>
@@ -7,6 +8,7 @@
 
 #include <cmath>
 #include <cstdint>
+#include <stdexcept>
 #include <string>
 
 #include "executor/cuda/check.h"
@@ -130,6 +132,12 @@ class CudaBackendImpl final : public CudaBackend {
     cuda::embedding_backward(dwte, dx, tokens, S, B, H, lo, Vt, stream_);
   }
 
+  void set_gemm_precision(Precision p) override {
+    if (p == Precision::fp8)
+      throw std::invalid_argument("the CUDA backend's GEMMs take fp32, bf16 or fp16 operands, not fp8");
+    gemm_precision_ = p;
+  }
+
   void gemm(bool ta, bool tb, int64_t M, int64_t N, int64_t K, float alpha, const float* A, int64_t lda,
             const float* B, int64_t ldb, float beta, float* C, int64_t ldc) override {
     if (M == 0 || N == 0) return;
@@ -137,32 +145,21 @@ class CudaBackendImpl final : public CudaBackend {
       cuda::scale_matrix(C, M, N, ldc, beta, stream_);
       return;
     }
-    // Column-major view: C^T (N x M) = op(B)^T (N x K) * op(A)^T (K x M). B as stored is the
-    // column-major (tb ? K x N : N x K) matrix with leading dimension ldb, and so on.
-    LtObjects o;
-    CUBLAS_CHECK(cublasLtMatmulDescCreate(&o.desc, CUBLAS_COMPUTE_32F, CUDA_R_32F));
-    const cublasOperation_t op_first = tb ? CUBLAS_OP_T : CUBLAS_OP_N, op_second = ta ? CUBLAS_OP_T : CUBLAS_OP_N;
-    CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(o.desc, CUBLASLT_MATMUL_DESC_TRANSA, &op_first, sizeof(op_first)));
-    CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(o.desc, CUBLASLT_MATMUL_DESC_TRANSB, &op_second, sizeof(op_second)));
-    CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&o.la, CUDA_R_32F, tb ? K : N, tb ? N : K, ldb));
-    CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&o.lb, CUDA_R_32F, ta ? M : K, ta ? K : M, lda));
-    CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&o.lc, CUDA_R_32F, N, M, ldc));
-    CUBLAS_CHECK(cublasLtMatmulPreferenceCreate(&o.pref));
-    const size_t ws = kWorkspace;
-    CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(o.pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws, sizeof(ws)));
-    // Views into larger buffers need not be 256-byte aligned (cuBLASLt's default
-    // assumption): tell it each operand's real alignment.
-    const uint32_t align_a = alignment(B), align_b = alignment(A), align_c = alignment(C);
-    CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(o.pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, &align_a, sizeof(align_a)));
-    CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(o.pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, &align_b, sizeof(align_b)));
-    CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(o.pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, &align_c, sizeof(align_c)));
-    CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(o.pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, &align_c, sizeof(align_c)));
-    cublasLtMatmulHeuristicResult_t heur{};
-    int found = 0;
-    CUBLAS_CHECK(cublasLtMatmulAlgoGetHeuristic(lt_, o.desc, o.la, o.lb, o.lc, o.lc, o.pref, 1, &heur, &found));
-    if (found == 0) fail_gemm(M, N, K);
-    CUBLAS_CHECK(cublasLtMatmul(lt_, o.desc, &alpha, B, o.la, A, o.lb, &beta, C, o.lc, C, o.lc, &heur.algo, workspace_,
-                                kWorkspace, stream_));
+    if (gemm_precision_ == Precision::fp32) {
+      matmul(ta, tb, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc, CUDA_R_32F);
+      return;
+    }
+    // Dense 16-bit copies of both operands in the scratch buffer (B's copy 256-byte aligned
+    // after A's), then the same product on them.
+    const int kind = gemm_precision_ == Precision::bf16 ? 1 : 2;
+    const int64_t rows_a = ta ? K : M, cols_a = ta ? M : K, rows_b = tb ? N : K, cols_b = tb ? K : N;
+    const size_t bytes_a = (static_cast<size_t>(rows_a * cols_a) * 2 + 255) / 256 * 256;
+    const size_t bytes_b = static_cast<size_t>(rows_b * cols_b) * 2;
+    char* scratch = static_cast<char*>(scratch_bytes(bytes_a + bytes_b));
+    cuda::cast_matrix(scratch, A, rows_a, cols_a, lda, kind, stream_);
+    cuda::cast_matrix(scratch + bytes_a, B, rows_b, cols_b, ldb, kind, stream_);
+    matmul(ta, tb, M, N, K, alpha, scratch, cols_a, scratch + bytes_a, cols_b, beta, C, ldc,
+           kind == 1 ? CUDA_R_16BF : CUDA_R_16F);
   }
   void layernorm_forward(float* out, float* mean, float* rstd, const float* x, const float* w, const float* b,
                          int64_t N, int64_t H) override {
@@ -196,12 +193,88 @@ class CudaBackendImpl final : public CudaBackend {
                           int64_t A, int64_t G, int64_t D) override {
     cuda::attention_backward(dqkv, dout, probs, qkv, S, B, A, G, D, stream_);
   }
+  void flash_attention_forward(float* out, float* lse, const float* qkv, int64_t S, int64_t B, int64_t A, int64_t G,
+                               int64_t D) override {
+    cuda::flash_attention_forward(out, lse, qkv, S, B, A, G, D, stream_);
+  }
+  void flash_attention_backward(float* dqkv, const float* dout, const float* out, const float* lse, const float* qkv,
+                                int64_t S, int64_t B, int64_t A, int64_t G, int64_t D) override {
+    auto* delta = static_cast<float*>(delta_bytes(sizeof(float) * static_cast<size_t>(B * A * S)));
+    cuda::flash_attention_backward(dqkv, delta, dout, out, lse, qkv, S, B, A, G, D, stream_);
+  }
+  void cross_entropy_max(float* mx, const float* z, int64_t N, int64_t Vt) override {
+    cuda::cross_entropy_max(mx, z, N, Vt, stream_);
+  }
+  void cross_entropy_exp_sum(float* st, float* z, const float* mx, const int32_t* targets, int64_t N, int64_t Vt,
+                             int64_t lo) override {
+    cuda::cross_entropy_exp_sum(st, z, mx, targets, N, Vt, lo, stream_);
+  }
+  void cross_entropy_normalise(float* z, const float* st, int64_t N, int64_t Vt) override {
+    cuda::cross_entropy_normalise(z, st, N, Vt, stream_);
+  }
+  void cross_entropy_backward(float* z, const int32_t* targets, int64_t N, int64_t Vt, int64_t lo,
+                              float scale) override {
+    cuda::cross_entropy_backward(z, targets, N, Vt, lo, scale, stream_);
+  }
   void round_to(float* x, int64_t n, Precision p) override {
     cuda::round_to(x, n, p == Precision::fp16 ? 2 : (p == Precision::bf16 || p == Precision::fp8) ? 1 : 0, stream_);
   }
 
  private:
   static constexpr size_t kWorkspace = 32u << 20;
+
+  // C (fp32) = alpha op(A) op(B) + beta C with A and B of type `in` (fp32, bf16 or fp16):
+  // row-major, so as the column-major C^T (N x M) = op(B)^T (N x K) op(A)^T (K x M). B as
+  // stored is the column-major (tb ? K x N : N x K) matrix with leading dimension ldb, and
+  // so on. fp32 accumulation throughout (CUBLAS_COMPUTE_32F: no TF32).
+  void matmul(bool ta, bool tb, int64_t M, int64_t N, int64_t K, float alpha, const void* A, int64_t lda,
+              const void* B, int64_t ldb, float beta, float* C, int64_t ldc, cudaDataType_t in) {
+    LtObjects o;
+    CUBLAS_CHECK(cublasLtMatmulDescCreate(&o.desc, CUBLAS_COMPUTE_32F, CUDA_R_32F));
+    const cublasOperation_t op_first = tb ? CUBLAS_OP_T : CUBLAS_OP_N, op_second = ta ? CUBLAS_OP_T : CUBLAS_OP_N;
+    CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(o.desc, CUBLASLT_MATMUL_DESC_TRANSA, &op_first, sizeof(op_first)));
+    CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(o.desc, CUBLASLT_MATMUL_DESC_TRANSB, &op_second, sizeof(op_second)));
+    CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&o.la, in, tb ? K : N, tb ? N : K, ldb));
+    CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&o.lb, in, ta ? M : K, ta ? K : M, lda));
+    CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&o.lc, CUDA_R_32F, N, M, ldc));
+    CUBLAS_CHECK(cublasLtMatmulPreferenceCreate(&o.pref));
+    const size_t ws = kWorkspace;
+    CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(o.pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws, sizeof(ws)));
+    // Views into larger buffers need not be 256-byte aligned (cuBLASLt's default
+    // assumption): tell it each operand's real alignment.
+    const uint32_t align_a = alignment(B), align_b = alignment(A), align_c = alignment(C);
+    CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(o.pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, &align_a, sizeof(align_a)));
+    CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(o.pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, &align_b, sizeof(align_b)));
+    CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(o.pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, &align_c, sizeof(align_c)));
+    CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(o.pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, &align_c, sizeof(align_c)));
+    cublasLtMatmulHeuristicResult_t heur{};
+    int found = 0;
+    CUBLAS_CHECK(cublasLtMatmulAlgoGetHeuristic(lt_, o.desc, o.la, o.lb, o.lc, o.lc, o.pref, 1, &heur, &found));
+    if (found == 0) fail_gemm(M, N, K);
+    CUBLAS_CHECK(cublasLtMatmul(lt_, o.desc, &alpha, B, o.la, A, o.lb, &beta, C, o.lc, C, o.lc, &heur.algo, workspace_,
+                                kWorkspace, stream_));
+  }
+
+  // Workspaces grown on demand (cudaFree waits for the work using the old one).
+  struct Grown {
+    void* p = nullptr;
+    size_t size = 0;
+    void* at_least(size_t bytes) {
+      if (bytes > size) {
+        if (p) CUDA_CHECK(cudaFree(p));
+        p = nullptr;
+        size = 0;
+        CUDA_CHECK(cudaMalloc(&p, bytes));
+        size = bytes;
+      }
+      return p;
+    }
+    ~Grown() {
+      if (p) cudaFree(p);
+    }
+  };
+  void* scratch_bytes(size_t bytes) { return scratch_.at_least(bytes); }  // the 16-bit GEMM operands
+  void* delta_bytes(size_t bytes) { return delta_.at_least(bytes); }      // flash attention's backward
   static int kind(Activation a) { return a == Activation::gelu ? 0 : a == Activation::swiglu ? 1 : 2; }
   [[noreturn]] static void fail_gemm(int64_t M, int64_t N, int64_t K) {
     cuda::fail("cublasLtMatmulAlgoGetHeuristic", __FILE__, __LINE__,
@@ -212,6 +285,8 @@ class CudaBackendImpl final : public CudaBackend {
   cublasLtHandle_t lt_ = nullptr;
   void* workspace_ = nullptr;
   double* acc_ = nullptr;  // grad_norm_terms' device accumulators
+  Grown scratch_, delta_;
+  Precision gemm_precision_ = Precision::fp32;
   std::string name_;
 };
 

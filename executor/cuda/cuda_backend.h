@@ -27,6 +27,13 @@ class CudaBackend : public Backend {
   virtual void* device_alloc_bytes(size_t bytes) = 0;
   virtual void to_device_bytes(void* dst, const void* src, size_t bytes) = 0;
 
+  // GEMM operands from here on are converted to `p` (bf16 or fp16, round to nearest even)
+  // and multiplied on the tensor cores with fp32 accumulation and an fp32 C; fp32 (the
+  // default) multiplies them as they are in fp32 (no TF32). The executor rounds GEMM inputs
+  // to its training precision already (round_to), so for it this changes the speed, not the
+  // operands. fp8 is refused (std::invalid_argument): its GEMMs need per-tensor scales.
+  virtual void set_gemm_precision(Precision p) = 0;
+
   // Beyond backend.h (the CPU executor runs these on the host, executor/zero.h and gpt.cpp):
   // AdamW on the owned shard, the clipping norm's terms (acc on the host, added to), and
   // the token embedding of a tensor-parallel vocabulary slice [lo, lo + Vt).
@@ -37,6 +44,13 @@ class CudaBackend : public Backend {
                                  int64_t lo, int64_t Vt) = 0;
   virtual void embedding_backward(float* dwte, const float* dx, const int32_t* tokens, int64_t S, int64_t B, int64_t H,
                                   int64_t lo, int64_t Vt) = 0;
+  // Causal attention as tiled, fused kernels (FlashAttention-2's algorithm): the layouts of
+  // Backend::attention_forward, no S x S buffer at any length; lse (B, A, S) holds each
+  // query's log-sum-exp for the backward, which overwrites dqkv. Head dim <= 128.
+  virtual void flash_attention_forward(float* out, float* lse, const float* qkv, int64_t S, int64_t B, int64_t A,
+                                       int64_t G, int64_t D) = 0;
+  virtual void flash_attention_backward(float* dqkv, const float* dout, const float* out, const float* lse,
+                                        const float* qkv, int64_t S, int64_t B, int64_t A, int64_t G, int64_t D) = 0;
 };
 
 // "" when a GPU is usable; otherwise the reason, e.g. "cudaGetDeviceCount returned error

@@ -26,6 +26,15 @@ void attention_forward(float* out, float* probs, const float* qkv, int64_t S, in
                        int64_t D, cudaStream_t s);
 void attention_backward(float* dqkv, const float* dout, const float* probs, const float* qkv, int64_t S, int64_t B,
                         int64_t A, int64_t G, int64_t D, cudaStream_t s);
+// Tiled, fused causal attention (flash_attention.cu): no S x S buffer; lse (B, A, S) is the
+// log-sum-exp of each query's scores, kept for the backward. The backward overwrites dqkv
+// and uses delta (B, A, S) as workspace. Head dim at most kFlashMaxHeadDim.
+constexpr int64_t kFlashMaxHeadDim = 128;
+void flash_attention_forward(float* out, float* lse, const float* qkv, int64_t S, int64_t B, int64_t A, int64_t G,
+                             int64_t D, cudaStream_t s);
+void flash_attention_backward(float* dqkv, float* delta, const float* dout, const float* out, const float* lse,
+                              const float* qkv, int64_t S, int64_t B, int64_t A, int64_t G, int64_t D,
+                              cudaStream_t s);
 // AdamW's per-step scalars, computed on the host in double as executor/zero.cpp does.
 struct AdamWScalars {
   float b1, b2, step_size, inv_bc2, eps, wd, grad_mul;
@@ -40,9 +49,19 @@ void embedding_forward(float* x, const float* wte, const int* tokens, int64_t S,
                        int64_t Vt, cudaStream_t s);
 void embedding_backward(float* dwte, const float* dx, const int* tokens, int64_t S, int64_t B, int64_t H, int64_t lo,
                         int64_t Vt, cudaStream_t s);
+// Vocab-parallel cross-entropy, the phases of backend.h (targets: device int32, N).
+void cross_entropy_max(float* mx, const float* z, int64_t N, int64_t Vt, cudaStream_t s);
+void cross_entropy_exp_sum(float* st, float* z, const float* mx, const int* targets, int64_t N, int64_t Vt, int64_t lo,
+                           cudaStream_t s);
+void cross_entropy_normalise(float* z, const float* st, int64_t N, int64_t Vt, cudaStream_t s);
+void cross_entropy_backward(float* z, const int* targets, int64_t N, int64_t Vt, int64_t lo, float scale,
+                            cudaStream_t s);
 // C (M, N, row stride ldc) = beta * C; beta = 0 writes zeros.
 void scale_matrix(float* c, int64_t M, int64_t N, int64_t ldc, float beta, cudaStream_t s);
 // kind: 1 bf16, 2 fp16 (round to nearest even; fp16 overflows to inf).
 void round_to(float* x, int64_t n, int kind, cudaStream_t s);
+// dst (rows x cols, dense, 2 bytes per element) = src (rows x cols, row stride ld) as
+// kind 1 bf16 or 2 fp16, round to nearest even.
+void cast_matrix(void* dst, const float* src, int64_t rows, int64_t cols, int64_t ld, int kind, cudaStream_t s);
 
 }  // namespace strata::cuda
