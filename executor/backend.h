@@ -45,6 +45,24 @@ class Backend {
                                  int64_t G, int64_t D) = 0;
   virtual void attention_backward(float* dqkv, const float* dout, const float* probs, const float* qkv,
                                   int64_t S, int64_t B, int64_t A, int64_t G, int64_t D) = 0;
+  // Elementwise pieces of the layer: dst = src (n values); out = a + b (the residual adds;
+  // out may alias a or b); y (N, F) += b (F) on every row; db (F) += the column sums of dy
+  // (N, F).
+  virtual void copy(float* dst, const float* src, int64_t n) = 0;
+  virtual void add(float* out, const float* a, const float* b, int64_t n) = 0;
+  virtual void add_bias(float* y, const float* b, int64_t N, int64_t F) = 0;
+  virtual void bias_grad(float* db, const float* dy, int64_t N, int64_t F) = 0;
+  // The token embedding of a tensor-parallel vocabulary slice [lo, lo + Vt): x (S*B, H) row
+  // s*B + b = wte row (token - lo) for tokens (B, S) in the slice, zero otherwise; the
+  // backward adds dx's rows into dwte. Learned positions: out (n, H) row i = x row i + P row
+  // (row0 + i) / B, and dP rows += dx rows alike (row0: the first row this rank holds).
+  virtual void embedding_forward(float* x, const float* wte, const int32_t* tokens, int64_t S, int64_t B, int64_t H,
+                                 int64_t lo, int64_t Vt) = 0;
+  virtual void embedding_backward(float* dwte, const float* dx, const int32_t* tokens, int64_t S, int64_t B, int64_t H,
+                                  int64_t lo, int64_t Vt) = 0;
+  virtual void add_positions(float* out, const float* x, const float* P, int64_t n, int64_t H, int64_t B,
+                             int64_t row0) = 0;
+  virtual void position_grad(float* dP, const float* dx, int64_t n, int64_t H, int64_t B, int64_t row0) = 0;
   // Vocab-parallel cross-entropy (Megatron's), in the phases between which the caller
   // reduces over the tensor-parallel ranks. z (N, Vt) holds this rank's logits, vocabulary
   // columns [lo, lo + Vt); targets (N) are global token ids; st (N, 2).

@@ -45,20 +45,16 @@ Buf reduce_rows(const ModelCtx& c, Buf in, int64_t H) {
 Buf gemm_input_rows(const ModelCtx& c, const Buf& in, int64_t H) {
   if (c.sp && c.t > 1) return gather_rows(c, in, H);
   Buf out = c.act(in.size());
-  std::copy(in.data(), in.data() + in.size(), out.data());
+  c.be->copy(out.data(), in.data(), in.size());
   return out;
 }
 
-void add_bias(float* y, const float* b, int64_t N, int64_t F) {
-  if (!b) return;
-  for (int64_t i = 0; i < N; ++i)
-    for (int64_t j = 0; j < F; ++j) y[i * F + j] += b[j];
+void add_bias(const ModelCtx& c, float* y, const float* b, int64_t N, int64_t F) {
+  if (b) c.be->add_bias(y, b, N, F);
 }
 
-void bias_grad(float* db, const float* dy, int64_t N, int64_t F) {
-  if (!db) return;
-  for (int64_t i = 0; i < N; ++i)
-    for (int64_t j = 0; j < F; ++j) db[j] += dy[i * F + j];
+void bias_grad(const ModelCtx& c, float* db, const float* dy, int64_t N, int64_t F) {
+  if (db) c.be->bias_grad(db, dy, N, F);
 }
 
 void norm_forward(const ModelCtx& c, const float* w, const float* b, const Buf& x, Buf* out, Buf* mean, Buf* rstd) {
@@ -86,7 +82,7 @@ void round(const ModelCtx& c, Buf& b) { c.be->round_to(b.data(), b.size(), c.pre
 
 Buf copy_of(const ModelCtx& c, const Buf& b) {
   Buf out = c.f32(b.size());
-  std::copy(b.data(), b.data() + b.size(), out.data());
+  c.be->copy(out.data(), b.data(), b.size());
   return out;
 }
 
@@ -104,7 +100,7 @@ Buf forward_all(const ModelCtx& c, const UnitView& u, int64_t l, LayerActs* a) {
   a->qkv = c.act(N * Q);
   c.be->gemm(false, true, N, Q, H, 1.0f, g1, H, u.weight(TensorKind::qkv_w, l), H, 0.0f, a->qkv.data(), Q);
   c.tick();
-  add_bias(a->qkv.data(), u.weight_or_null(TensorKind::qkv_b, l), N, Q);
+  add_bias(c, a->qkv.data(), u.weight_or_null(TensorKind::qkv_b, l), N, Q);
   if (m.position == Position::rope) {
     c.be->rope(a->qkv.data(), c.S, c.B, At, D, Q, false);
     c.be->rope(a->qkv.data() + At * D, c.S, c.B, Gt, D, Q, false);
@@ -120,9 +116,9 @@ Buf forward_all(const ModelCtx& c, const UnitView& u, int64_t l, LayerActs* a) {
              o.data(), H);
              c.tick();
   o = reduce_rows(c, std::move(o), H);
-  add_bias(o.data(), u.weight_or_null(TensorKind::proj_b, l), n, H);
+  add_bias(c, o.data(), u.weight_or_null(TensorKind::proj_b, l), n, H);
   a->x2 = c.act(n * H);
-  for (int64_t i = 0; i < n * H; ++i) a->x2[i] = a->x[i] + o[i];
+  c.be->add(a->x2.data(), a->x.data(), o.data(), n * H);
   o.release();
   // MLP block.
   norm_forward(c, u.weight(TensorKind::ln2_w, l), u.weight_or_null(TensorKind::ln2_b, l), a->x2, &a->h2, &a->mean2,
@@ -133,7 +129,7 @@ Buf forward_all(const ModelCtx& c, const UnitView& u, int64_t l, LayerActs* a) {
   a->u = c.act(N * F1);
   c.be->gemm(false, true, N, F1, H, 1.0f, g2, H, u.weight(TensorKind::fc1_w, l), H, 0.0f, a->u.data(), F1);
   c.tick();
-  add_bias(a->u.data(), u.weight_or_null(TensorKind::fc1_b, l), N, F1);
+  add_bias(c, a->u.data(), u.weight_or_null(TensorKind::fc1_b, l), N, F1);
   a->a = c.act(N * Ft);
   c.be->activation_forward(m.activation, a->a.data(), a->u.data(), N, Ft);
   round(c, a->a);
@@ -141,9 +137,9 @@ Buf forward_all(const ModelCtx& c, const UnitView& u, int64_t l, LayerActs* a) {
   c.be->gemm(false, true, N, H, Ft, 1.0f, a->a.data(), Ft, u.weight(TensorKind::fc2_w, l), Ft, 0.0f, y.data(), H);
   c.tick();
   y = reduce_rows(c, std::move(y), H);
-  add_bias(y.data(), u.weight_or_null(TensorKind::fc2_b, l), n, H);
+  add_bias(c, y.data(), u.weight_or_null(TensorKind::fc2_b, l), n, H);
   Buf out = c.act(n * H);
-  for (int64_t i = 0; i < n * H; ++i) out[i] = a->x2[i] + y[i];
+  c.be->add(out.data(), a->x2.data(), y.data(), n * H);
   return out;
 }
 
@@ -154,20 +150,12 @@ Buf embedding_forward(const ModelCtx& c, const UnitView& wte, const UnitView* wp
   const int64_t H = m.H, N = c.N(), Vt = executor_vocab(m) / c.t, lo = c.r * Vt;
   const float* W = wte.weight(TensorKind::wte);
   Buf x = c.f32(N * H);
-  for (int64_t s = 0; s < c.S; ++s) {
-    for (int64_t b = 0; b < c.B; ++b) {
-      const int64_t tok = tokens[b * c.S + s];
-      if (tok >= lo && tok < lo + Vt) std::memcpy(x.data() + (s * c.B + b) * H, W + (tok - lo) * H, sizeof(float) * static_cast<size_t>(H));
-    }
-  }
+  c.be->embedding_forward(x.data(), W, tokens, c.S, c.B, H, lo, Vt);
   x = reduce_rows(c, std::move(x), H);
   Buf out = c.act(c.n() * H);
   const int64_t row0 = c.sp ? c.r * c.n() : 0;
-  const float* P = wpe ? wpe->weight(TensorKind::wpe) : nullptr;
-  for (int64_t i = 0; i < c.n(); ++i) {
-    const int64_t s = (row0 + i) / c.B;
-    for (int64_t j = 0; j < H; ++j) out[i * H + j] = x[i * H + j] + (P ? P[s * H + j] : 0.0f);
-  }
+  if (wpe) c.be->add_positions(out.data(), x.data(), wpe->weight(TensorKind::wpe), c.n(), H, c.B, row0);
+  else c.be->copy(out.data(), x.data(), c.n() * H);
   return out;
 }
 
@@ -176,12 +164,8 @@ void embedding_backward(const ModelCtx& c, const UnitView& wte, const UnitView* 
   const ModelSpec& m = *c.m;
   const int64_t H = m.H, Vt = executor_vocab(m) / c.t, lo = c.r * Vt;
   if (wpe) {  // positions of this rank's rows (partial over tp with sequence parallelism)
-    float* dP = wpe->grad(TensorKind::wpe);
     const int64_t row0 = c.sp ? c.r * c.n() : 0;
-    for (int64_t i = 0; i < c.n(); ++i) {
-      const int64_t s = (row0 + i) / c.B;
-      for (int64_t j = 0; j < H; ++j) dP[s * H + j] += dx[i * H + j];
-    }
+    c.be->position_grad(wpe->grad(TensorKind::wpe), dx.data(), c.n(), H, c.B, row0);
   }
   Buf full;
   const Buf* d = &dx;
@@ -189,16 +173,7 @@ void embedding_backward(const ModelCtx& c, const UnitView& wte, const UnitView* 
     full = gather_rows(c, dx, H);
     d = &full;
   }
-  float* dW = wte.grad(TensorKind::wte);
-  for (int64_t s = 0; s < c.S; ++s) {
-    for (int64_t b = 0; b < c.B; ++b) {
-      const int64_t tok = tokens[b * c.S + s];
-      if (tok < lo || tok >= lo + Vt) continue;
-      const float* row = d->data() + (s * c.B + b) * H;
-      float* g = dW + (tok - lo) * H;
-      for (int64_t j = 0; j < H; ++j) g[j] += row[j];
-    }
-  }
+  c.be->embedding_backward(wte.grad(TensorKind::wte), d->data(), tokens, c.S, c.B, H, lo, Vt);
 }
 
 Buf layer_forward(const ModelCtx& c, const UnitView& u, int64_t l, Buf x, LayerActs* a) {
@@ -227,7 +202,7 @@ Buf layer_backward(const ModelCtx& c, const UnitView& u, int64_t l, LayerActs* a
   const bool gathered = c.sp && c.t > 1;
   Buf dx = copy_of(c, dout);  // (n, H) gradient of the residual stream
   // MLP block: out = x2 + fc2(act(fc1(norm2(x2)))).
-  bias_grad(u.grad_or_null(TensorKind::fc2_b, l), dout.data(), n, H);
+  bias_grad(c, u.grad_or_null(TensorKind::fc2_b, l), dout.data(), n, H);
   Buf dy = gemm_input_rows(c, dout, H);
   round(c, dy);
   Buf da = c.f32(N * Ft);
@@ -243,7 +218,7 @@ Buf layer_backward(const ModelCtx& c, const UnitView& u, int64_t l, LayerActs* a
   const float* g2 = gathered ? a->g2.data() : a->h2.data();
   c.be->gemm(true, false, F1, H, N, 1.0f, du.data(), F1, g2, H, 1.0f, u.grad(TensorKind::fc1_w, l), H);
   c.tick();
-  bias_grad(u.grad_or_null(TensorKind::fc1_b, l), du.data(), N, F1);
+  bias_grad(c, u.grad_or_null(TensorKind::fc1_b, l), du.data(), N, F1);
   Buf dg2 = c.f32(N * H);
   c.be->gemm(false, false, N, H, F1, 1.0f, du.data(), F1, u.weight(TensorKind::fc1_w, l), H, 0.0f, dg2.data(), H);
   c.tick();
@@ -254,7 +229,7 @@ Buf layer_backward(const ModelCtx& c, const UnitView& u, int64_t l, LayerActs* a
   dh2.release();
   if (c.mlp_grads_done) c.mlp_grads_done(l);
   // Attention block: x2 = x + proj(attention(qkv(norm1(x)))).
-  bias_grad(u.grad_or_null(TensorKind::proj_b, l), dx.data(), n, H);
+  bias_grad(c, u.grad_or_null(TensorKind::proj_b, l), dx.data(), n, H);
   Buf dO = gemm_input_rows(c, dx, H);
   round(c, dO);
   Buf datt = c.f32(N * At * D);
@@ -286,7 +261,7 @@ Buf layer_backward(const ModelCtx& c, const UnitView& u, int64_t l, LayerActs* a
   const float* g1 = gathered ? a->g1.data() : a->h1.data();
   c.be->gemm(true, false, Q, H, N, 1.0f, dqkv.data(), Q, g1, H, 1.0f, u.grad(TensorKind::qkv_w, l), H);
   c.tick();
-  bias_grad(u.grad_or_null(TensorKind::qkv_b, l), dqkv.data(), N, Q);
+  bias_grad(c, u.grad_or_null(TensorKind::qkv_b, l), dqkv.data(), N, Q);
   Buf dg1 = c.f32(N * H);
   c.be->gemm(false, false, N, H, Q, 1.0f, dqkv.data(), Q, u.weight(TensorKind::qkv_w, l), H, 0.0f, dg1.data(), H);
   c.tick();

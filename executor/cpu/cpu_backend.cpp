@@ -260,6 +260,55 @@ class CpuBackend final : public Backend {
     }
   }
 
+  void copy(float* dst, const float* src, int64_t n) override { std::copy(src, src + n, dst); }
+  void add(float* out, const float* a, const float* b, int64_t n) override {
+    for (int64_t i = 0; i < n; ++i) out[i] = a[i] + b[i];
+  }
+  void add_bias(float* y, const float* b, int64_t N, int64_t F) override {
+    for (int64_t i = 0; i < N; ++i)
+      for (int64_t j = 0; j < F; ++j) y[i * F + j] += b[j];
+  }
+  void bias_grad(float* db, const float* dy, int64_t N, int64_t F) override {
+    for (int64_t i = 0; i < N; ++i)
+      for (int64_t j = 0; j < F; ++j) db[j] += dy[i * F + j];
+  }
+  void embedding_forward(float* x, const float* wte, const int32_t* tokens, int64_t S, int64_t B, int64_t H, int64_t lo,
+                         int64_t Vt) override {
+    for (int64_t s = 0; s < S; ++s) {
+      for (int64_t b = 0; b < B; ++b) {
+        const int64_t tok = tokens[b * S + s];
+        float* row = x + (s * B + b) * H;
+        if (tok >= lo && tok < lo + Vt) std::copy(wte + (tok - lo) * H, wte + (tok - lo + 1) * H, row);
+        else std::fill(row, row + H, 0.0f);
+      }
+    }
+  }
+  void embedding_backward(float* dwte, const float* dx, const int32_t* tokens, int64_t S, int64_t B, int64_t H,
+                          int64_t lo, int64_t Vt) override {
+    for (int64_t s = 0; s < S; ++s) {
+      for (int64_t b = 0; b < B; ++b) {
+        const int64_t tok = tokens[b * S + s];
+        if (tok < lo || tok >= lo + Vt) continue;
+        const float* row = dx + (s * B + b) * H;
+        float* g = dwte + (tok - lo) * H;
+        for (int64_t j = 0; j < H; ++j) g[j] += row[j];
+      }
+    }
+  }
+  void add_positions(float* out, const float* x, const float* P, int64_t n, int64_t H, int64_t B,
+                     int64_t row0) override {
+    for (int64_t i = 0; i < n; ++i) {
+      const int64_t s = (row0 + i) / B;
+      for (int64_t j = 0; j < H; ++j) out[i * H + j] = x[i * H + j] + P[s * H + j];
+    }
+  }
+  void position_grad(float* dP, const float* dx, int64_t n, int64_t H, int64_t B, int64_t row0) override {
+    for (int64_t i = 0; i < n; ++i) {
+      const int64_t s = (row0 + i) / B;
+      for (int64_t j = 0; j < H; ++j) dP[s * H + j] += dx[i * H + j];
+    }
+  }
+
   void cross_entropy_max(float* mx, const float* z, int64_t N, int64_t Vt) override {
     for (int64_t i = 0; i < N; ++i) mx[i] = *std::max_element(z + i * Vt, z + (i + 1) * Vt);
   }

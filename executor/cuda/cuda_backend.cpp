@@ -123,6 +123,20 @@ class CudaBackendImpl final : public CudaBackend {
     acc[0] += h[0];
     acc[1] += h[1];
   }
+  void copy(float* dst, const float* src, int64_t n) override {
+    if (n > 0)
+      CUDA_CHECK(cudaMemcpyAsync(dst, src, static_cast<size_t>(n) * sizeof(float), cudaMemcpyDeviceToDevice, stream_));
+  }
+  void add(float* out, const float* a, const float* b, int64_t n) override { cuda::add(out, a, b, n, stream_); }
+  void add_bias(float* y, const float* b, int64_t N, int64_t F) override { cuda::add_bias(y, b, N, F, stream_); }
+  void bias_grad(float* db, const float* dy, int64_t N, int64_t F) override { cuda::bias_grad(db, dy, N, F, stream_); }
+  void add_positions(float* out, const float* x, const float* P, int64_t n, int64_t H, int64_t B,
+                     int64_t row0) override {
+    cuda::add_positions(out, x, P, n, H, B, row0, stream_);
+  }
+  void position_grad(float* dP, const float* dx, int64_t n, int64_t H, int64_t B, int64_t row0) override {
+    cuda::position_grad(dP, dx, n, H, B, row0, stream_);
+  }
   void embedding_forward(float* x, const float* wte, const int32_t* tokens, int64_t S, int64_t B, int64_t H, int64_t lo,
                          int64_t Vt) override {
     cuda::embedding_forward(x, wte, tokens, S, B, H, lo, Vt, stream_);
@@ -149,16 +163,18 @@ class CudaBackendImpl final : public CudaBackend {
       matmul(ta, tb, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc, CUDA_R_32F);
       return;
     }
-    // Dense 16-bit copies of both operands in the scratch buffer (B's copy 256-byte aligned
-    // after A's), then the same product on them.
+    // 16-bit copies of both operands in the scratch buffer, rows padded to 8 elements (16
+    // bytes, what the fast tensor-core kernels want) and B's copy 256-byte aligned after
+    // A's; then the same product on them.
     const int kind = gemm_precision_ == Precision::bf16 ? 1 : 2;
     const int64_t rows_a = ta ? K : M, cols_a = ta ? M : K, rows_b = tb ? N : K, cols_b = tb ? K : N;
-    const size_t bytes_a = (static_cast<size_t>(rows_a * cols_a) * 2 + 255) / 256 * 256;
-    const size_t bytes_b = static_cast<size_t>(rows_b * cols_b) * 2;
+    const int64_t ld_a = (cols_a + 7) / 8 * 8, ld_b = (cols_b + 7) / 8 * 8;
+    const size_t bytes_a = (static_cast<size_t>(rows_a * ld_a) * 2 + 255) / 256 * 256;
+    const size_t bytes_b = static_cast<size_t>(rows_b * ld_b) * 2;
     char* scratch = static_cast<char*>(scratch_bytes(bytes_a + bytes_b));
-    cuda::cast_matrix(scratch, A, rows_a, cols_a, lda, kind, stream_);
-    cuda::cast_matrix(scratch + bytes_a, B, rows_b, cols_b, ldb, kind, stream_);
-    matmul(ta, tb, M, N, K, alpha, scratch, cols_a, scratch + bytes_a, cols_b, beta, C, ldc,
+    cuda::cast_matrix(scratch, ld_a, A, rows_a, cols_a, lda, kind, stream_);
+    cuda::cast_matrix(scratch + bytes_a, ld_b, B, rows_b, cols_b, ldb, kind, stream_);
+    matmul(ta, tb, M, N, K, alpha, scratch, ld_a, scratch + bytes_a, ld_b, beta, C, ldc,
            kind == 1 ? CUDA_R_16BF : CUDA_R_16F);
   }
   void layernorm_forward(float* out, float* mean, float* rstd, const float* x, const float* w, const float* b,
@@ -255,13 +271,16 @@ class CudaBackendImpl final : public CudaBackend {
                                 kWorkspace, stream_));
   }
 
-  // Workspaces grown on demand (cudaFree waits for the work using the old one).
+  // Workspaces grown on demand; the old one is freed once the stream's work on it is done.
   struct Grown {
     void* p = nullptr;
     size_t size = 0;
-    void* at_least(size_t bytes) {
+    void* at_least(size_t bytes, cudaStream_t s) {
       if (bytes > size) {
-        if (p) CUDA_CHECK(cudaFree(p));
+        if (p) {
+          CUDA_CHECK(cudaStreamSynchronize(s));
+          CUDA_CHECK(cudaFree(p));
+        }
         p = nullptr;
         size = 0;
         CUDA_CHECK(cudaMalloc(&p, bytes));
@@ -273,8 +292,8 @@ class CudaBackendImpl final : public CudaBackend {
       if (p) cudaFree(p);
     }
   };
-  void* scratch_bytes(size_t bytes) { return scratch_.at_least(bytes); }  // the 16-bit GEMM operands
-  void* delta_bytes(size_t bytes) { return delta_.at_least(bytes); }      // flash attention's backward
+  void* scratch_bytes(size_t bytes) { return scratch_.at_least(bytes, stream_); }  // the 16-bit GEMM operands
+  void* delta_bytes(size_t bytes) { return delta_.at_least(bytes, stream_); }      // flash attention's backward
   static int kind(Activation a) { return a == Activation::gelu ? 0 : a == Activation::swiglu ? 1 : 2; }
   [[noreturn]] static void fail_gemm(int64_t M, int64_t N, int64_t K) {
     cuda::fail("cublasLtMatmulAlgoGetHeuristic", __FILE__, __LINE__,

@@ -34,16 +34,11 @@ class CudaBackend : public Backend {
   // operands. fp8 is refused (std::invalid_argument): its GEMMs need per-tensor scales.
   virtual void set_gemm_precision(Precision p) = 0;
 
-  // Beyond backend.h (the CPU executor runs these on the host, executor/zero.h and gpt.cpp):
-  // AdamW on the owned shard, the clipping norm's terms (acc on the host, added to), and
-  // the token embedding of a tensor-parallel vocabulary slice [lo, lo + Vt).
+  // Beyond backend.h (the CPU executor runs these on the host, executor/zero.h):
+  // AdamW on the owned shard and the clipping norm's terms (acc on the host, added to).
   virtual void adamw(float* p, const float* g, float* m, float* v, const uint8_t* decay, int64_t n, const AdamW& opt,
                      double lr, int64_t step, float grad_mul) = 0;
   virtual void grad_norm_terms(const float* g, const uint8_t* counted, int64_t n, double acc[2]) = 0;
-  virtual void embedding_forward(float* x, const float* wte, const int32_t* tokens, int64_t S, int64_t B, int64_t H,
-                                 int64_t lo, int64_t Vt) = 0;
-  virtual void embedding_backward(float* dwte, const float* dx, const int32_t* tokens, int64_t S, int64_t B, int64_t H,
-                                  int64_t lo, int64_t Vt) = 0;
   // Causal attention as tiled, fused kernels (FlashAttention-2's algorithm): the layouts of
   // Backend::attention_forward, no S x S buffer at any length; lse (B, A, S) holds each
   // query's log-sum-exp for the backward, which overwrites dqkv. Head dim <= 128.

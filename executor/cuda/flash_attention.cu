@@ -211,7 +211,11 @@ size_t backward_shared(int T, long long D) {
 template <int T>
 void launch_forward(float* out, float* lse, const float* qkv, const Dims& d, cudaStream_t s) {
   const size_t shared = forward_shared(T, d.D);
-  CUDA_CHECK(cudaFuncSetAttribute(flash_forward<T>, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(shared)));
+  static int opted_in = 0;  // the largest dynamic shared memory asked for so far (host threads: one per rank)
+  if (static_cast<int>(shared) > opted_in) {
+    CUDA_CHECK(cudaFuncSetAttribute(flash_forward<T>, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(shared)));
+    opted_in = static_cast<int>(shared);
+  }
   const dim3 grid(static_cast<unsigned>((d.S + T - 1) / T), static_cast<unsigned>(d.A), static_cast<unsigned>(d.B));
   flash_forward<T><<<grid, kThreads, shared, s>>>(out, lse, qkv, d, 1.0f / sqrtf(static_cast<float>(d.D)));
   CUDA_CHECK_LAUNCH();
@@ -221,19 +225,25 @@ template <int T>
 void launch_backward(float* dqkv, const float* dout, const float* lse, const float* delta, const float* qkv,
                      const Dims& d, cudaStream_t s) {
   const size_t shared = backward_shared(T, d.D);
-  CUDA_CHECK(
-      cudaFuncSetAttribute(flash_backward<T>, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(shared)));
+  static int opted_in = 0;
+  if (static_cast<int>(shared) > opted_in) {
+    CUDA_CHECK(
+        cudaFuncSetAttribute(flash_backward<T>, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(shared)));
+    opted_in = static_cast<int>(shared);
+  }
   const dim3 grid(static_cast<unsigned>((d.S + T - 1) / T), static_cast<unsigned>(d.A), static_cast<unsigned>(d.B));
   flash_backward<T><<<grid, kThreads, shared, s>>>(dqkv, dout, lse, delta, qkv, d,
                                                     1.0f / sqrtf(static_cast<float>(d.D)));
   CUDA_CHECK_LAUNCH();
 }
 
-void check_dims(int64_t A, int64_t G, int64_t D) {
-  if (D < 1 || D > kFlashMaxHeadDim || G < 1 || A % G != 0)
+void check_dims(int64_t B, int64_t A, int64_t G, int64_t D) {
+  if (D < 1 || D > kFlashMaxHeadDim || G < 1 || A % G != 0 || A > 65535 || B > 65535)
     fail("flash attention", __FILE__, __LINE__,
-         "needs 1 <= head dim <= " + std::to_string(kFlashMaxHeadDim) + " and heads divisible by groups (D=" +
-             std::to_string(D) + ", A=" + std::to_string(A) + ", G=" + std::to_string(G) + ")");
+         "needs 1 <= head dim <= " + std::to_string(kFlashMaxHeadDim) +
+             ", heads divisible by groups, at most 65535 heads and micro-batch rows (grid y, z) (D=" +
+             std::to_string(D) + ", A=" + std::to_string(A) + ", G=" + std::to_string(G) + ", B=" + std::to_string(B) +
+             ")");
 }
 
 }  // namespace
@@ -241,7 +251,7 @@ void check_dims(int64_t A, int64_t G, int64_t D) {
 void flash_attention_forward(float* out, float* lse, const float* qkv, int64_t S, int64_t B, int64_t A, int64_t G,
                              int64_t D, cudaStream_t s) {
   if (S == 0 || B == 0 || A == 0) return;
-  check_dims(A, G, D);
+  check_dims(B, A, G, D);
   const Dims d{S, B, A, G, D};
   if (D <= 64) launch_forward<32>(out, lse, qkv, d, s);
   else launch_forward<16>(out, lse, qkv, d, s);
@@ -250,10 +260,11 @@ void flash_attention_forward(float* out, float* lse, const float* qkv, int64_t S
 void flash_attention_backward(float* dqkv, float* delta, const float* dout, const float* out, const float* lse,
                               const float* qkv, int64_t S, int64_t B, int64_t A, int64_t G, int64_t D,
                               cudaStream_t s) {
+  const size_t dqkv_bytes = sizeof(float) * static_cast<size_t>(S * B * (A + 2 * G) * D);
+  if (dqkv_bytes > 0) CUDA_CHECK(cudaMemsetAsync(dqkv, 0, dqkv_bytes, s));  // overwritten, whatever the shape
   if (S == 0 || B == 0 || A == 0) return;
-  check_dims(A, G, D);
+  check_dims(B, A, G, D);
   const Dims d{S, B, A, G, D};
-  CUDA_CHECK(cudaMemsetAsync(dqkv, 0, sizeof(float) * static_cast<size_t>(S * B * (A + 2 * G) * D), s));
   const long long warps = S * B * A;
   flash_delta<<<blocks_for(warps * 32, 256), 256, 0, s>>>(delta, dout, out, d);
   CUDA_CHECK_LAUNCH();

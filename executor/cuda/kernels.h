@@ -49,6 +49,13 @@ void embedding_forward(float* x, const float* wte, const int* tokens, int64_t S,
                        int64_t Vt, cudaStream_t s);
 void embedding_backward(float* dwte, const float* dx, const int* tokens, int64_t S, int64_t B, int64_t H, int64_t lo,
                         int64_t Vt, cudaStream_t s);
+// The elementwise ops of backend.h (elementwise.cu).
+void add(float* out, const float* a, const float* b, int64_t n, cudaStream_t s);
+void add_bias(float* y, const float* b, int64_t N, int64_t F, cudaStream_t s);
+void bias_grad(float* db, const float* dy, int64_t N, int64_t F, cudaStream_t s);
+void add_positions(float* out, const float* x, const float* P, int64_t n, int64_t H, int64_t B, int64_t row0,
+                   cudaStream_t s);
+void position_grad(float* dP, const float* dx, int64_t n, int64_t H, int64_t B, int64_t row0, cudaStream_t s);
 // Vocab-parallel cross-entropy, the phases of backend.h (targets: device int32, N).
 void cross_entropy_max(float* mx, const float* z, int64_t N, int64_t Vt, cudaStream_t s);
 void cross_entropy_exp_sum(float* st, float* z, const float* mx, const int* targets, int64_t N, int64_t Vt, int64_t lo,
@@ -60,8 +67,9 @@ void cross_entropy_backward(float* z, const int* targets, int64_t N, int64_t Vt,
 void scale_matrix(float* c, int64_t M, int64_t N, int64_t ldc, float beta, cudaStream_t s);
 // kind: 1 bf16, 2 fp16 (round to nearest even; fp16 overflows to inf).
 void round_to(float* x, int64_t n, int kind, cudaStream_t s);
-// dst (rows x cols, dense, 2 bytes per element) = src (rows x cols, row stride ld) as
-// kind 1 bf16 or 2 fp16, round to nearest even.
-void cast_matrix(void* dst, const float* src, int64_t rows, int64_t cols, int64_t ld, int kind, cudaStream_t s);
+// dst (rows x cols, row stride ld_dst, 2 bytes per element) = src (rows x cols, row stride
+// ld) as kind 1 bf16 or 2 fp16, round to nearest even.
+void cast_matrix(void* dst, int64_t ld_dst, const float* src, int64_t rows, int64_t cols, int64_t ld, int kind,
+                 cudaStream_t s);
 
 }  // namespace strata::cuda

@@ -1,0 +1,85 @@
+// The elementwise pieces of a layer (backend.h): residual adds, bias add and bias gradient,
+// learned positions and their gradient. Sums over rows run one thread per output column in
+// row order (deterministic, no atomics).
+#include "executor/cuda/check.h"
+#include "executor/cuda/kernels.h"
+#include "executor/cuda/reduce.cuh"
+
+namespace strata::cuda {
+namespace {
+
+constexpr int kThreads = 256;
+
+__global__ void add_kernel(float* out, const float* a, const float* b, long long n) {
+  const long long t = blockIdx.x * static_cast<long long>(blockDim.x) + threadIdx.x;
+  if (t < n) out[t] = a[t] + b[t];
+}
+
+__global__ void add_bias_kernel(float* y, const float* b, long long N, long long F) {
+  const long long t = blockIdx.x * static_cast<long long>(blockDim.x) + threadIdx.x;
+  if (t < N * F) y[t] += b[t % F];
+}
+
+__global__ void bias_grad_kernel(float* db, const float* dy, long long N, long long F) {
+  const long long j = blockIdx.x * static_cast<long long>(blockDim.x) + threadIdx.x;
+  if (j >= F) return;
+  float acc = 0.0f;
+  for (long long i = 0; i < N; ++i) acc += dy[i * F + j];
+  db[j] += acc;
+}
+
+__global__ void add_positions_kernel(float* out, const float* x, const float* P, long long n, long long H, long long B,
+                                     long long row0) {
+  const long long t = blockIdx.x * static_cast<long long>(blockDim.x) + threadIdx.x;
+  if (t >= n * H) return;
+  const long long i = t / H, j = t % H;
+  out[t] = x[t] + P[((row0 + i) / B) * H + j];
+}
+
+// One thread per (position, column): the rows of that position this rank holds, in order.
+__global__ void position_grad_kernel(float* dP, const float* dx, long long n, long long H, long long B, long long row0,
+                                     long long s_first, long long s_count) {
+  const long long t = blockIdx.x * static_cast<long long>(blockDim.x) + threadIdx.x;
+  if (t >= s_count * H) return;
+  const long long s = s_first + t / H, j = t % H;
+  const long long lo = s * B - row0 > 0 ? s * B - row0 : 0, hi = (s + 1) * B - row0 < n ? (s + 1) * B - row0 : n;
+  float acc = 0.0f;
+  for (long long i = lo; i < hi; ++i) acc += dx[i * H + j];
+  dP[s * H + j] += acc;
+}
+
+}  // namespace
+
+void add(float* out, const float* a, const float* b, int64_t n, cudaStream_t s) {
+  if (n == 0) return;
+  add_kernel<<<blocks_for(n, kThreads), kThreads, 0, s>>>(out, a, b, n);
+  CUDA_CHECK_LAUNCH();
+}
+
+void add_bias(float* y, const float* b, int64_t N, int64_t F, cudaStream_t s) {
+  if (N * F == 0) return;
+  add_bias_kernel<<<blocks_for(N * F, kThreads), kThreads, 0, s>>>(y, b, N, F);
+  CUDA_CHECK_LAUNCH();
+}
+
+void bias_grad(float* db, const float* dy, int64_t N, int64_t F, cudaStream_t s) {
+  if (F == 0) return;
+  bias_grad_kernel<<<blocks_for(F, kThreads), kThreads, 0, s>>>(db, dy, N, F);
+  CUDA_CHECK_LAUNCH();
+}
+
+void add_positions(float* out, const float* x, const float* P, int64_t n, int64_t H, int64_t B, int64_t row0,
+                   cudaStream_t s) {
+  if (n * H == 0) return;
+  add_positions_kernel<<<blocks_for(n * H, kThreads), kThreads, 0, s>>>(out, x, P, n, H, B, row0);
+  CUDA_CHECK_LAUNCH();
+}
+
+void position_grad(float* dP, const float* dx, int64_t n, int64_t H, int64_t B, int64_t row0, cudaStream_t s) {
+  if (n * H == 0) return;
+  const long long s_first = row0 / B, s_count = (row0 + n - 1) / B - s_first + 1;
+  position_grad_kernel<<<blocks_for(s_count * H, kThreads), kThreads, 0, s>>>(dP, dx, n, H, B, row0, s_first, s_count);
+  CUDA_CHECK_LAUNCH();
+}
+
+}  // namespace strata::cuda
