@@ -18,6 +18,15 @@ class Backend {
   virtual ~Backend() = default;
   virtual const char* name() const = 0;
 
+  // This backend's memory (host memory for the CPU backend, device memory for CUDA), where
+  // the executor's buffers live (memory_tracker.h): n floats, zeroed; freeing; zeroing; and
+  // copies to and from host memory, complete when they return.
+  virtual float* allocate(int64_t n) = 0;
+  virtual void deallocate(float* p) = 0;
+  virtual void fill_zero(float* p, int64_t n) = 0;
+  virtual void to_host(float* host_dst, const float* src, int64_t n) = 0;
+  virtual void to_device(float* dst, const float* host_src, int64_t n) = 0;
+
   // C(M, N) = alpha * op(A) op(B) + beta * C, op(A) (M, K), op(B) (K, N); ld* = row strides.
   virtual void gemm(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K, float alpha,
                     const float* A, int64_t lda, const float* B, int64_t ldb, float beta, float* C,

@@ -5,6 +5,8 @@
 
 #include <algorithm>
 
+#include "executor/backend.h"
+
 namespace strata {
 
 double physical_memory_bytes() {
@@ -37,31 +39,45 @@ void MemoryTracker::sub(MemCategory c, int64_t bytes) {
 }
 
 Buf::Buf(MemoryTracker* tracker, MemCategory c, int64_t n, int element_bytes)
-    : v_(static_cast<size_t>(n), 0.0f), tracker_(tracker), cat_(c), bytes_(n * element_bytes) {
+    : n_(n > 0 ? n : 0), be_(tracker ? tracker->backend() : nullptr), tracker_(tracker), cat_(c),
+      bytes_(n_ * element_bytes) {
+  if (n_ > 0) p_ = be_ ? be_->allocate(n_) : new float[static_cast<size_t>(n_)]();
   if (tracker_) tracker_->add(cat_, bytes_);
 }
 
 Buf& Buf::operator=(Buf&& o) noexcept {
   if (this != &o) {
     release();
-    v_ = std::move(o.v_);
+    p_ = o.p_;
+    n_ = o.n_;
+    be_ = o.be_;
     tracker_ = o.tracker_;
     cat_ = o.cat_;
     bytes_ = o.bytes_;
+    o.p_ = nullptr;
+    o.n_ = 0;
     o.tracker_ = nullptr;
     o.bytes_ = 0;
-    o.v_.clear();
   }
   return *this;
 }
 
-void Buf::zero() { std::fill(v_.begin(), v_.end(), 0.0f); }
+void Buf::zero() {
+  if (n_ == 0) return;
+  if (be_) be_->fill_zero(p_, n_);
+  else std::fill(p_, p_ + n_, 0.0f);
+}
 
 void Buf::release() {
   if (tracker_) tracker_->sub(cat_, bytes_);
   tracker_ = nullptr;
   bytes_ = 0;
-  std::vector<float>().swap(v_);
+  if (p_) {
+    if (be_) be_->deallocate(p_);
+    else delete[] p_;
+  }
+  p_ = nullptr;
+  n_ = 0;
 }
 
 }  // namespace strata

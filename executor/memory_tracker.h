@@ -19,8 +19,14 @@ const char* to_string(MemCategory c);
 // This machine's physical memory, bytes (0 when the system does not say).
 double physical_memory_bytes();
 
+class Backend;
+
 class MemoryTracker {
  public:
+  // Where the Bufs charged here live: the backend's memory (Backend::allocate: host memory
+  // for the CPU backend, device memory for CUDA), or host memory when none is set.
+  void set_backend(Backend* be) { be_ = be; }
+  Backend* backend() const { return be_; }
   void add(MemCategory c, int64_t bytes);
   void sub(MemCategory c, int64_t bytes);
   int64_t live(MemCategory c) const { return live_[static_cast<size_t>(c)]; }
@@ -31,10 +37,12 @@ class MemoryTracker {
  private:
   std::array<int64_t, kMemCategories> live_{}, peak_{};
   int64_t live_total_ = 0, peak_total_ = 0;
+  Backend* be_ = nullptr;
 };
 
-// A float buffer charged to a category; movable, not copyable. element_bytes is the size
-// of the value type it stands for (4 fp32, 2 bf16/fp16).
+// A float buffer charged to a category, zeroed, in its tracker's backend memory (host
+// memory without one); movable, not copyable. element_bytes is the size of the value type it
+// stands for (4 fp32, 2 bf16/fp16). operator[] reads host memory: CPU-backend buffers only.
 class Buf {
  public:
   Buf() = default;
@@ -45,17 +53,19 @@ class Buf {
   Buf(const Buf&) = delete;
   Buf& operator=(const Buf&) = delete;
 
-  float* data() { return v_.data(); }
-  const float* data() const { return v_.data(); }
-  int64_t size() const { return static_cast<int64_t>(v_.size()); }
-  bool empty() const { return v_.empty(); }
-  float& operator[](int64_t i) { return v_[static_cast<size_t>(i)]; }
-  float operator[](int64_t i) const { return v_[static_cast<size_t>(i)]; }
+  float* data() { return p_; }
+  const float* data() const { return p_; }
+  int64_t size() const { return n_; }
+  bool empty() const { return n_ == 0; }
+  float& operator[](int64_t i) { return p_[i]; }
+  float operator[](int64_t i) const { return p_[i]; }
   void zero();
   void release();
 
  private:
-  std::vector<float> v_;
+  float* p_ = nullptr;
+  int64_t n_ = 0;
+  Backend* be_ = nullptr;  // whose memory p_ is; null: host (new[])
   MemoryTracker* tracker_ = nullptr;
   MemCategory cat_ = MemCategory::activations;
   int64_t bytes_ = 0;

@@ -84,6 +84,7 @@ Engine::Engine(const ModelSpec& m, const Plan& p, const TrainOptions& o, Comm& c
   // allocators of GPU frameworks do. The memory tracker counts live bytes either way.
   mallopt(M_MMAP_THRESHOLD, 1 << 30);
   mallopt(M_TRIM_THRESHOLD, 1 << 30);
+  mem_.set_backend(&be_);  // every Buf of the run lives in the backend's memory
   grid_.t = p.t;
   grid_.c = p.c;
   grid_.d = p.d;

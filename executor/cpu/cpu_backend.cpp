@@ -260,6 +260,11 @@ class CpuBackend final : public Backend {
     }
   }
 
+  float* allocate(int64_t n) override { return n > 0 ? new float[static_cast<size_t>(n)]() : nullptr; }
+  void deallocate(float* p) override { delete[] p; }
+  void fill_zero(float* p, int64_t n) override { std::fill(p, p + n, 0.0f); }
+  void to_host(float* host_dst, const float* src, int64_t n) override { std::copy(src, src + n, host_dst); }
+  void to_device(float* dst, const float* host_src, int64_t n) override { std::copy(host_src, host_src + n, dst); }
   void copy(float* dst, const float* src, int64_t n) override { std::copy(src, src + n, dst); }
   void add(float* out, const float* a, const float* b, int64_t n) override {
     for (int64_t i = 0; i < n; ++i) out[i] = a[i] + b[i];

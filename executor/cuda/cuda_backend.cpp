@@ -79,6 +79,20 @@ class CudaBackendImpl final : public CudaBackend {
     return static_cast<float*>(p);
   }
   void device_free(float* p) override { CUDA_CHECK(cudaFree(p)); }
+  float* allocate(int64_t n) override {
+    if (n <= 0) return nullptr;
+    float* p = device_alloc(n);
+    CUDA_CHECK(cudaMemsetAsync(p, 0, static_cast<size_t>(n) * sizeof(float), stream_));
+    return p;
+  }
+  void deallocate(float* p) override {
+    // Called from Buf's destructor: no throwing; a failure shows in the next checked call.
+    // cudaFree waits for the device's work on the buffer.
+    if (p) (void)cudaFree(p);
+  }
+  void fill_zero(float* p, int64_t n) override {
+    if (n > 0) CUDA_CHECK(cudaMemsetAsync(p, 0, static_cast<size_t>(n) * sizeof(float), stream_));
+  }
   void to_device(float* dst, const float* src, int64_t n) override {
     CUDA_CHECK(cudaMemcpyAsync(dst, src, static_cast<size_t>(n) * sizeof(float), cudaMemcpyHostToDevice, stream_));
     CUDA_CHECK(cudaStreamSynchronize(stream_));

@@ -16,11 +16,10 @@ namespace strata {
 
 class CudaBackend : public Backend {
  public:
-  // Device memory for tests and tools (float elements); synchronise() waits for the stream.
+  // Device memory for tests and tools (float elements, not zeroed; Backend::allocate zeroes);
+  // synchronise() waits for the stream.
   virtual float* device_alloc(int64_t n) = 0;
   virtual void device_free(float* p) = 0;
-  virtual void to_device(float* dst, const float* src, int64_t n) = 0;
-  virtual void to_host(float* dst, const float* src, int64_t n) = 0;
   virtual void synchronise() = 0;
   virtual std::string device_name() const = 0;
   // Bytes, for the integer and byte arrays (tokens, masks).
