@@ -5,11 +5,13 @@
 // gradients (dw, db) and into dx where noted; layers_ref.h holds the naive twins.
 #pragma once
 
+#include <cstddef>
 #include <cstdint>
 #include <memory>
 
 #include "costmodel/hardware.h"
 #include "costmodel/model_spec.h"
+#include "executor/zero.h"
 
 namespace strata {
 
@@ -26,6 +28,10 @@ class Backend {
   virtual void fill_zero(float* p, int64_t n) = 0;
   virtual void to_host(float* host_dst, const float* src, int64_t n) = 0;
   virtual void to_device(float* dst, const float* host_src, int64_t n) = 0;
+  // Byte arrays in the same memory (token ids, masks): allocated (not zeroed), freed, filled.
+  virtual void* allocate_bytes(size_t bytes) = 0;
+  virtual void deallocate_bytes(void* p) = 0;
+  virtual void bytes_to_device(void* dst, const void* host_src, size_t bytes) = 0;
 
   // C(M, N) = alpha * op(A) op(B) + beta * C, op(A) (M, K), op(B) (K, N); ld* = row strides.
   virtual void gemm(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K, float alpha,
@@ -86,6 +92,12 @@ class Backend {
   virtual void cross_entropy_normalise(float* z, const float* st, int64_t N, int64_t Vt) = 0;
   virtual void cross_entropy_backward(float* z, const int32_t* targets, int64_t N, int64_t Vt, int64_t lo,
                                       float scale) = 0;
+  // The optimizer on an owned shard (executor/zero.h's adamw_update) and the clipping
+  // norm's terms (zero.h's grad_norm_terms; acc on the host, added to); decay and counted
+  // are byte masks in this backend's memory.
+  virtual void adamw(float* p, const float* g, float* m, float* v, const uint8_t* decay, int64_t n, const AdamW& opt,
+                     double lr, int64_t step, float grad_mul) = 0;
+  virtual void grad_norm_terms(const float* g, const uint8_t* counted, int64_t n, double acc[2]) = 0;
   // Rounds n values to the nearest value of `p` (bf16, fp16; fp32 leaves them), as the
   // inputs of a low-precision GEMM are. fp16 overflows to inf.
   virtual void round_to(float* x, int64_t n, Precision p) = 0;

@@ -101,23 +101,38 @@ void Engine::load_checkpoint(const std::string& path) {
   auto value = [&](int which, int64_t local) {
     return state[static_cast<size_t>(which * G + idx[static_cast<size_t>(local)])];
   };
+  // The buffers live in the backend's memory (a GPU's, perhaps): each is copied to the host,
+  // filled there (padding untouched) and copied back.
+  auto down = [&](const Buf& b) {
+    std::vector<float> h(static_cast<size_t>(b.size()));
+    be_.to_host(h.data(), b.data(), b.size());
+    return h;
+  };
+  auto up = [&](Buf& b, const std::vector<float>& h) { be_.to_device(b.data(), h.data(), b.size()); };
   if (zero_ < 3) {
+    std::vector<float> w = down(work_);
     for (size_t u = 0; u < lay_.units.size(); ++u)
       for (int64_t i = lay_.units[u].begin; i < lay_.units[u].end; ++i)
-        work_[sh_.full_off[u] + (i - lay_.units[u].begin)] = value(0, i);
+        w[static_cast<size_t>(sh_.full_off[u] + (i - lay_.units[u].begin))] = value(0, i);
+    up(work_, w);
   }
+  std::vector<float> master = down(master_), shard = down(work_shard_), am = down(adam_m_), av = down(adam_v_);
   for (size_t u = 0; u < lay_.units.size(); ++u) {
     const int64_t lo = sh_.me * sh_.shard[u];
     for (int64_t i = 0; i < sh_.shard[u]; ++i) {
-      const int64_t off = sh_.shard_off[u] + i;
+      const size_t off = static_cast<size_t>(sh_.shard_off[u] + i);
       if (lo + i >= lay_.units[u].size()) continue;  // padding
       const int64_t local = lay_.units[u].begin + lo + i;
-      if (mixed()) master_[off] = value(0, local);
-      if (zero_ == 3) work_shard_[off] = value(0, local);
-      adam_m_[off] = value(1, local);
-      adam_v_[off] = value(2, local);
+      if (mixed()) master[off] = value(0, local);
+      if (zero_ == 3) shard[off] = value(0, local);
+      am[off] = value(1, local);
+      av[off] = value(2, local);
     }
   }
+  if (mixed()) up(master_, master);
+  if (zero_ == 3) up(work_shard_, shard);
+  up(adam_m_, am);
+  up(adam_v_, av);
   if (mixed()) {  // working weights: the master rounded, as after an optimizer step
     if (zero_ < 3) be_.round_to(work_.data(), work_.size(), plan_.precision);
     else be_.round_to(work_shard_.data(), work_shard_.size(), plan_.precision);

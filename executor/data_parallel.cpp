@@ -87,10 +87,10 @@ void Engine::add_completed_blocks() {
   for (Pending& p : dp_pending_) {
     if (!p.into || p.added) continue;
     if (p.req.pending()) return;
-    for (size_t i = 0; i < p.block.size(); ++i) p.into[i] += p.block[i];
+    be_.add(p.into, p.into, p.block.data(), p.block.size());
     p.added = true;
     p.keep.release();
-    std::vector<float>().swap(p.block);
+    p.block.release();
   }
 }
 
@@ -130,7 +130,7 @@ void Engine::unit_done(int u) {
     p.start = comm_.wtime();
     p.keep = std::move(grad_tmp_.at(u));
     grad_tmp_.erase(u);
-    p.block.assign(static_cast<size_t>(sh_.shard[su]), 0.0f);
+    p.block = Buf::untracked(&be_, sh_.shard[su]);
     p.into = grad_shard_.data() + sh_.shard_off[su];
     p.req = comm_.ireduce_scatter(p.keep.data(), p.block.data(), sh_.shard[su], dp_);
     dp_pending_.push_back(std::move(p));
@@ -138,8 +138,7 @@ void Engine::unit_done(int u) {
   }
   if (++done_count_[su] < mb_count_ || plan_.d == 1) {
     if (done_count_[su] == mb_count_ && zero_ == 1)  // d == 1: the block is the whole unit
-      std::copy(grad_full_.data() + sh_.full_off[su], grad_full_.data() + sh_.full_off[su] + sh_.shard[su],
-                grad_shard_.data() + sh_.shard_off[su]);
+      be_.copy(grad_shard_.data() + sh_.shard_off[su], grad_full_.data() + sh_.full_off[su], sh_.shard[su]);
     return;
   }
   Pending p;
@@ -207,10 +206,12 @@ void Engine::finish_gradients() {
 void Engine::optimizer_step(StepRecord* rec) {
   const double t0 = comm_.wtime();
   float* g = zero_ == 0 ? grad_full_.data() : grad_shard_.data();
-  if (o_.fault.at(comm_.rank(), rec->step, FaultInjection::Kind::nan) && sh_.shard_size > 0)
-    g[0] = std::numeric_limits<float>::quiet_NaN();  // injected: this rank's gradients turn NaN
+  if (o_.fault.at(comm_.rank(), rec->step, FaultInjection::Kind::nan) && sh_.shard_size > 0) {
+    const float nan = std::numeric_limits<float>::quiet_NaN();  // injected: this rank's gradients turn NaN
+    be_.to_device(g, &nan, 1);
+  }
   double acc[2] = {0.0, 0.0};  // sum of squares, non-finite count
-  grad_norm_terms(g, counted_.data(), sh_.shard_size, acc);
+  be_.grad_norm_terms(g, counted_mask_.data(), sh_.shard_size, acc);
   comm_.all_reduce(acc, 2, world_);
   const double norm = std::sqrt(acc[0]) / loss_scale_;
   rec->loss_scale = loss_scale_;
@@ -236,14 +237,14 @@ void Engine::optimizer_step(StepRecord* rec) {
   for (size_t u = 0; u < lay_.units.size(); ++u) {
     const int64_t off = sh_.shard_off[u];
     const float* gu = zero_ == 0 ? g + sh_.full_off[u] : g + off;
-    adamw_update(master_block(u), gu, adam_m_.data() + off, adam_v_.data() + off, decay_.data() + off, sh_.shard[u],
-                 opt, lr, adam_step_, mul);
+    be_.adamw(master_block(u), gu, adam_m_.data() + off, adam_v_.data() + off, decay_mask_.data() + off, sh_.shard[u],
+              opt, lr, adam_step_, mul);
   }
   // Working weights: round the owned block (mixed precision), then all-gather it (ZeRO 1, 2).
   if (mixed()) {
     for (size_t u = 0; u < lay_.units.size(); ++u) {
       float* dst = zero_ == 3 ? work_shard_.data() + sh_.shard_off[u] : work_.data() + sh_.full_off[u] + sh_.me * sh_.shard[u];
-      std::copy(master_.data() + sh_.shard_off[u], master_.data() + sh_.shard_off[u] + sh_.shard[u], dst);
+      be_.copy(dst, master_.data() + sh_.shard_off[u], sh_.shard[u]);
       be_.round_to(dst, sh_.shard[u], plan_.precision);
     }
   }
@@ -267,15 +268,15 @@ std::vector<float> Engine::full_fp32_params() {
 }
 
 std::vector<float> Engine::full_of(const std::function<const float*(size_t)>& block) {
-  std::vector<float> full(static_cast<size_t>(sh_.full_size), 0.0f);
+  // Gathered in the backend's memory (where the communicator works), then copied out.
+  Buf gathered = Buf::untracked(&be_, sh_.full_size);
   for (size_t u = 0; u < lay_.units.size(); ++u) {
-    const float* src = block(u);
-    std::copy(src, src + sh_.shard[u], full.begin() + sh_.full_off[u] + sh_.me * sh_.shard[u]);
-    if (sh_.dz > 1) {
-      float* f = full.data() + sh_.full_off[u];
-      comm_.all_gather(f + sh_.me * sh_.shard[u], f, sh_.shard[u], dp_);
-    }
+    float* f = gathered.data() + sh_.full_off[u];
+    be_.copy(f + sh_.me * sh_.shard[u], block(u), sh_.shard[u]);
+    if (sh_.dz > 1) comm_.all_gather(f + sh_.me * sh_.shard[u], f, sh_.shard[u], dp_);
   }
+  std::vector<float> full(static_cast<size_t>(sh_.full_size), 0.0f);
+  be_.to_host(full.data(), gathered.data(), sh_.full_size);
   return full;
 }
 

@@ -35,7 +35,7 @@ struct Pending {  // a data-parallel reduction or a send in flight
   Buf keep;  // a send's buffer or a reduction's input, alive until it completes
   // ZeRO-2/3: a micro-batch's reduce-scattered block, added into `into` (n floats) once
   // complete, in the order the reductions were started (so sums are deterministic).
-  std::vector<float> block;
+  Buf block;  // in the backend's memory, not charged (the cost model has no term for it)
   float* into = nullptr;
   bool added = false;
 };
@@ -133,6 +133,7 @@ class Engine {
   Buf grad_full_;   // (full) zero < 2
   Buf grad_shard_;  // (shard) zero >= 1
   std::vector<uint8_t> decay_, counted_;  // (shard) AdamW decay; counted in the global norm
+  ByteBuf decay_mask_, counted_mask_;     // the same in the backend's memory, for its kernels
   std::map<int, Buf> gathered_;           // zero 3: resident units
   std::map<int, Request> prefetching_;
   std::map<int, Buf> grad_tmp_;           // zero >= 2: a unit's gradient of one micro-batch

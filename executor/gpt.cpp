@@ -150,7 +150,8 @@ Buf embedding_forward(const ModelCtx& c, const UnitView& wte, const UnitView* wp
   const int64_t H = m.H, N = c.N(), Vt = executor_vocab(m) / c.t, lo = c.r * Vt;
   const float* W = wte.weight(TensorKind::wte);
   Buf x = c.f32(N * H);
-  c.be->embedding_forward(x.data(), W, tokens, c.S, c.B, H, lo, Vt);
+  const ByteBuf tok(c.be, tokens, static_cast<size_t>(c.S * c.B) * sizeof(int32_t));  // in the backend's memory
+  c.be->embedding_forward(x.data(), W, reinterpret_cast<const int32_t*>(tok.data()), c.S, c.B, H, lo, Vt);
   x = reduce_rows(c, std::move(x), H);
   Buf out = c.act(c.n() * H);
   const int64_t row0 = c.sp ? c.r * c.n() : 0;
@@ -173,7 +174,9 @@ void embedding_backward(const ModelCtx& c, const UnitView& wte, const UnitView* 
     full = gather_rows(c, dx, H);
     d = &full;
   }
-  c.be->embedding_backward(wte.grad(TensorKind::wte), d->data(), tokens, c.S, c.B, H, lo, Vt);
+  const ByteBuf tok(c.be, tokens, static_cast<size_t>(c.S * c.B) * sizeof(int32_t));
+  c.be->embedding_backward(wte.grad(TensorKind::wte), d->data(), reinterpret_cast<const int32_t*>(tok.data()), c.S, c.B,
+                           H, lo, Vt);
 }
 
 Buf layer_forward(const ModelCtx& c, const UnitView& u, int64_t l, Buf x, LayerActs* a) {
@@ -288,18 +291,22 @@ double head_forward(const ModelCtx& c, const UnitView& fu, const float* out_w, B
   c.tick();
   // Vocab-parallel cross-entropy: the row maximum, then the sum of exponentials and the
   // target's logit, each reduced over tp (backend.h).
-  h->targets.assign(static_cast<size_t>(N), 0);
-  std::vector<float> mx(static_cast<size_t>(N)), st(static_cast<size_t>(2 * N), 0.0f);
+  std::vector<int32_t> tg(static_cast<size_t>(N));
   for (int64_t s = 0; s < c.S; ++s)
-    for (int64_t b = 0; b < c.B; ++b) h->targets[static_cast<size_t>(s * c.B + b)] = targets[b * c.S + s];
+    for (int64_t b = 0; b < c.B; ++b) tg[static_cast<size_t>(s * c.B + b)] = targets[b * c.S + s];
+  h->targets = ByteBuf(c.be, tg.data(), tg.size() * sizeof(int32_t));
+  const int32_t* dtg = reinterpret_cast<const int32_t*>(h->targets.data());
+  Buf mx = Buf::untracked(c.be, N), st = Buf::untracked(c.be, 2 * N);
   c.be->cross_entropy_max(mx.data(), z, N, Vt);
   if (c.t > 1) timed(c, [&] { c.comm->all_reduce(mx.data(), N, c.tp, ReduceOp::max); });
-  c.be->cross_entropy_exp_sum(st.data(), z, mx.data(), h->targets.data(), N, Vt, lo);
+  c.be->cross_entropy_exp_sum(st.data(), z, mx.data(), dtg, N, Vt, lo);
   if (c.t > 1) timed(c, [&] { c.comm->all_reduce(st.data(), 2 * N, c.tp); });
+  std::vector<float> hst(static_cast<size_t>(2 * N));
+  c.be->to_host(hst.data(), st.data(), 2 * N);
   double loss = 0;
   for (int64_t i = 0; i < N; ++i)
-    loss += std::log(static_cast<double>(st[static_cast<size_t>(2 * i)])) -
-            static_cast<double>(st[static_cast<size_t>(2 * i + 1)]);
+    loss += std::log(static_cast<double>(hst[static_cast<size_t>(2 * i)])) -
+            static_cast<double>(hst[static_cast<size_t>(2 * i + 1)]);
   c.be->cross_entropy_normalise(z, st.data(), N, Vt);
   return loss;
 }
@@ -309,7 +316,7 @@ Buf head_backward(const ModelCtx& c, const UnitView& fu, const float* out_w, flo
   const ModelSpec& m = *c.m;
   const int64_t H = m.H, N = c.N(), Vt = executor_vocab(m) / c.t, lo = c.r * Vt;
   float* z = h->probs.data();  // becomes dlogits
-  c.be->cross_entropy_backward(z, h->targets.data(), N, Vt, lo, dloss_scale);
+  c.be->cross_entropy_backward(z, reinterpret_cast<const int32_t*>(h->targets.data()), N, Vt, lo, dloss_scale);
   round(c, h->probs);
   const float* hf = (c.sp && c.t > 1) ? h->hf_full.data() : h->hf.data();
   c.be->gemm(true, false, Vt, H, N, 1.0f, z, Vt, hf, H, 1.0f, out_grad, H);

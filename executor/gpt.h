@@ -89,7 +89,7 @@ struct HeadActs {
   Buf hf, mean, rstd; // (n, H), (n), (n)
   Buf hf_full;        // (N, H) gathered (sequence parallel only)
   Buf probs;          // (N, V/t) softmax of the logits (fp32)
-  std::vector<int32_t> targets;  // (N) in (S, B) order
+  ByteBuf targets;    // (N) int32 in (S, B) order, in the backend's memory
 };
 
 // x (n, H) = wte[tokens] (vocab-parallel, reduced over tp) + wpe[positions].

@@ -45,6 +45,32 @@ Buf::Buf(MemoryTracker* tracker, MemCategory c, int64_t n, int element_bytes)
   if (tracker_) tracker_->add(cat_, bytes_);
 }
 
+Buf Buf::untracked(Backend* be, int64_t n) {
+  Buf b;
+  b.n_ = n > 0 ? n : 0;
+  b.be_ = be;
+  if (b.n_ > 0) b.p_ = be ? be->allocate(b.n_) : new float[static_cast<size_t>(b.n_)]();
+  return b;
+}
+
+ByteBuf::ByteBuf(Backend* be, const void* host, size_t bytes) : be_(be), p_(be->allocate_bytes(bytes)) {
+  be_->bytes_to_device(p_, host, bytes);
+}
+
+ByteBuf::~ByteBuf() {
+  if (p_) be_->deallocate_bytes(p_);
+}
+
+ByteBuf& ByteBuf::operator=(ByteBuf&& o) noexcept {
+  if (this != &o) {
+    if (p_) be_->deallocate_bytes(p_);
+    be_ = o.be_;
+    p_ = o.p_;
+    o.p_ = nullptr;
+  }
+  return *this;
+}
+
 Buf& Buf::operator=(Buf&& o) noexcept {
   if (this != &o) {
     release();

@@ -47,6 +47,9 @@ class Buf {
  public:
   Buf() = default;
   Buf(MemoryTracker* tracker, MemCategory c, int64_t n, int element_bytes = 4);
+  // n zeroed floats in `be`'s memory (host memory when null), charged to no category:
+  // staging for dumps and checkpoints, blocks in flight outside the cost model's terms.
+  static Buf untracked(Backend* be, int64_t n);
   ~Buf() { release(); }
   Buf(Buf&& o) noexcept { *this = static_cast<Buf&&>(o); }
   Buf& operator=(Buf&& o) noexcept;
@@ -69,6 +72,24 @@ class Buf {
   MemoryTracker* tracker_ = nullptr;
   MemCategory cat_ = MemCategory::activations;
   int64_t bytes_ = 0;
+};
+
+// Bytes in a backend's memory holding a copy of host bytes (masks the backend's kernels
+// read); movable, not copyable.
+class ByteBuf {
+ public:
+  ByteBuf() = default;
+  ByteBuf(Backend* be, const void* host, size_t bytes);
+  ~ByteBuf();
+  ByteBuf(ByteBuf&& o) noexcept { *this = static_cast<ByteBuf&&>(o); }
+  ByteBuf& operator=(ByteBuf&& o) noexcept;
+  ByteBuf(const ByteBuf&) = delete;
+  ByteBuf& operator=(const ByteBuf&) = delete;
+  const uint8_t* data() const { return static_cast<const uint8_t*>(p_); }
+
+ private:
+  Backend* be_ = nullptr;
+  void* p_ = nullptr;
 };
 
 }  // namespace strata

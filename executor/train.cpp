@@ -144,7 +144,7 @@ void Engine::allocate() {
     std::vector<float> tmp(static_cast<size_t>(lay_.size));
     initialise(m_, lay_, o_.seed, tmp.data());
     for (size_t u = 0; u < lay_.units.size(); ++u)
-      std::copy(tmp.begin() + lay_.units[u].begin, tmp.begin() + lay_.units[u].end, work_.data() + sh_.full_off[u]);
+      be_.to_device(work_.data() + sh_.full_off[u], tmp.data() + lay_.units[u].begin, lay_.units[u].size());
   }
   // The owned block of every unit, initialised from the same global values.
   std::vector<float> owned(static_cast<size_t>(shard), 0.0f);
@@ -160,11 +160,11 @@ void Engine::allocate() {
   }
   if (zero_ == 3) {
     work_shard_ = Buf(&mem_, MemCategory::weights, shard, elem_bytes());
-    std::copy(owned.begin(), owned.end(), work_shard_.data());
+    be_.to_device(work_shard_.data(), owned.data(), shard);
   }
   if (mixed()) {
     master_ = Buf(&mem_, MemCategory::optimizer_states, shard, 4);
-    std::copy(owned.begin(), owned.end(), master_.data());
+    be_.to_device(master_.data(), owned.data(), shard);
     if (zero_ < 3) be_.round_to(work_.data(), work_.size(), plan_.precision);
     else be_.round_to(work_shard_.data(), work_shard_.size(), plan_.precision);
   }
@@ -189,6 +189,8 @@ void Engine::allocate() {
       }
     }
   }
+  decay_mask_ = ByteBuf(&be_, decay_.data(), decay_.size());
+  counted_mask_ = ByteBuf(&be_, counted_.data(), counted_.size());
   done_count_.assign(lay_.units.size(), 0);
   loss_scale_ = plan_.precision == Precision::fp16 ? o_.loss_scale : 1.0;
 }
@@ -295,7 +297,8 @@ TrainResult Engine::run() {
   // The data-parallel reductions of one step run alone (blocking, nothing to overlap
   // with): what the overlapped ones would cost if fully exposed.
   if (plan_.d > 1) {
-    std::vector<float> scratch(static_cast<size_t>(sh_.full_size), 0.0f), out(static_cast<size_t>(sh_.shard_size));
+    // In the backend's memory, where the communicator works.
+    Buf scratch = Buf::untracked(&be_, sh_.full_size), out = Buf::untracked(&be_, sh_.shard_size);
     comm_.barrier(dp_);
     const double t0 = comm_.wtime();
     const int64_t per_step = zero_ >= 2 ? mb_count_ : 1;
@@ -320,8 +323,15 @@ TrainResult Engine::run() {
   {
     std::vector<float> hi = full, lo = full;
     for (float& x : lo) x = -x;
-    comm_.all_reduce(hi.data(), static_cast<int64_t>(hi.size()), dp_, ReduceOp::max);
-    comm_.all_reduce(lo.data(), static_cast<int64_t>(lo.size()), dp_, ReduceOp::max);
+    // The maxima are taken in the backend's memory, where the communicator works.
+    const int64_t n = static_cast<int64_t>(full.size());
+    Buf dhi = Buf::untracked(&be_, n), dlo = Buf::untracked(&be_, n);
+    be_.to_device(dhi.data(), hi.data(), n);
+    be_.to_device(dlo.data(), lo.data(), n);
+    comm_.all_reduce(dhi.data(), n, dp_, ReduceOp::max);
+    comm_.all_reduce(dlo.data(), n, dp_, ReduceOp::max);
+    be_.to_host(hi.data(), dhi.data(), n);
+    be_.to_host(lo.data(), dlo.data(), n);
     double spread = 0;
     for (size_t i = 0; i < hi.size(); ++i) {
       const double d = static_cast<double>(hi[i] + lo[i]);

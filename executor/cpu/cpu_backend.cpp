@@ -265,6 +265,18 @@ class CpuBackend final : public Backend {
   void fill_zero(float* p, int64_t n) override { std::fill(p, p + n, 0.0f); }
   void to_host(float* host_dst, const float* src, int64_t n) override { std::copy(src, src + n, host_dst); }
   void to_device(float* dst, const float* host_src, int64_t n) override { std::copy(host_src, host_src + n, dst); }
+  void* allocate_bytes(size_t bytes) override { return ::operator new(bytes > 0 ? bytes : 1); }
+  void deallocate_bytes(void* p) override { ::operator delete(p); }
+  void bytes_to_device(void* dst, const void* host_src, size_t bytes) override {
+    if (bytes > 0) std::memcpy(dst, host_src, bytes);
+  }
+  void adamw(float* p, const float* g, float* m, float* v, const uint8_t* decay, int64_t n, const AdamW& opt, double lr,
+             int64_t step, float grad_mul) override {
+    adamw_update(p, g, m, v, decay, n, opt, lr, step, grad_mul);
+  }
+  void grad_norm_terms(const float* g, const uint8_t* counted, int64_t n, double acc[2]) override {
+    strata::grad_norm_terms(g, counted, n, acc);
+  }
   void copy(float* dst, const float* src, int64_t n) override { std::copy(src, src + n, dst); }
   void add(float* out, const float* a, const float* b, int64_t n) override {
     for (int64_t i = 0; i < n; ++i) out[i] = a[i] + b[i];

@@ -107,6 +107,11 @@ class CudaBackendImpl final : public CudaBackend {
     CUDA_CHECK(cudaMalloc(&p, bytes > 0 ? bytes : 1));
     return p;
   }
+  void* allocate_bytes(size_t bytes) override { return device_alloc_bytes(bytes); }
+  void deallocate_bytes(void* p) override {
+    if (p) (void)cudaFree(p);  // from destructors: no throwing
+  }
+  void bytes_to_device(void* dst, const void* host_src, size_t bytes) override { to_device_bytes(dst, host_src, bytes); }
   void to_device_bytes(void* dst, const void* src, size_t bytes) override {
     CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyHostToDevice, stream_));
     CUDA_CHECK(cudaStreamSynchronize(stream_));

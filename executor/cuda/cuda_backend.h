@@ -33,11 +33,6 @@ class CudaBackend : public Backend {
   // operands. fp8 is refused (std::invalid_argument): its GEMMs need per-tensor scales.
   virtual void set_gemm_precision(Precision p) = 0;
 
-  // Beyond backend.h (the CPU executor runs these on the host, executor/zero.h):
-  // AdamW on the owned shard and the clipping norm's terms (acc on the host, added to).
-  virtual void adamw(float* p, const float* g, float* m, float* v, const uint8_t* decay, int64_t n, const AdamW& opt,
-                     double lr, int64_t step, float grad_mul) = 0;
-  virtual void grad_norm_terms(const float* g, const uint8_t* counted, int64_t n, double acc[2]) = 0;
   // Causal attention as tiled, fused kernels (FlashAttention-2's algorithm): the layouts of
   // Backend::attention_forward, no S x S buffer at any length; lse (B, A, S) holds each
   // query's log-sum-exp for the backward, which overwrites dqkv. Head dim <= 128.
