@@ -15,6 +15,8 @@
 #include "executor/checkpoint.h"
 #include "executor/data.h"
 #include "executor/param_layout.h"
+#include "executor/cuda/cuda_backend.h"
+#include "executor/staged_comm.h"
 #include "executor/train.h"
 
 namespace strata {
@@ -29,7 +31,7 @@ int cmd_train(const std::vector<std::string>& argv) {
   ModelSpec m;
   Plan plan;
   TrainOptions o;
-  std::string json_path, error;
+  std::string json_path, error, backend = "cpu";
   try {
     const Args a(argv, "train",
                  {"model", "plan", "steps", "backend", "data", "seed", "json", "trace", "lr", "min-lr", "lr-warmup-iters",
@@ -40,7 +42,8 @@ int cmd_train(const std::vector<std::string>& argv) {
     m = load_model(a.required("model", "a preset, model JSON or config.json"), a.integer("seq-length", 0, 0, 1 << 20));
     plan = load_plan(a.required("plan", "a plan JSON or inline pairs tp=2,dp=2,..."));
     o.steps = a.integer("steps", 10, 1, 100000000);
-    check_backend(a.get("backend", "cpu"), "train");
+    backend = a.get("backend", "cpu");
+    check_backend(backend, "train");
     o.data = a.get("data", "synthetic");
     o.seed = static_cast<uint64_t>(a.integer("seed", 1234, 0, INT64_MAX));
     auto real = [&](const char* flag, double fallback, double lo, double hi) {
@@ -103,8 +106,23 @@ int cmd_train(const std::vector<std::string>& argv) {
   }
   if (any_rank_rejected_input(error)) return 2;
   try {
-    std::unique_ptr<Comm> comm = make_mpi_comm();
-    std::unique_ptr<Backend> be = make_cpu_backend();
+    std::unique_ptr<Comm> comm;
+    std::unique_ptr<Backend> be;
+    if (backend == "cuda") {
+      // Buffers in device memory; between ranks the host-staged communicator (ranks may
+      // share one GPU, which NCCL refuses). GEMM operands are rounded to the training
+      // precision already: run them on the tensor cores.
+      std::unique_ptr<CudaBackend> cuda = make_cuda_backend(rank);
+      if (!cuda) throw InputError("--backend cuda: " + cuda_unavailable_reason());
+      cuda->set_gemm_precision(plan.precision == Precision::fp16 ? Precision::fp16
+                               : plan.precision == Precision::fp32 ? Precision::fp32
+                                                                   : Precision::bf16);
+      comm = make_staged_comm(make_mpi_comm(), cuda->staging_copier());
+      be = std::move(cuda);
+    } else {
+      comm = make_mpi_comm();
+      be = make_cpu_backend();
+    }
     const TrainResult r = train(m, plan, o, *comm, *be);
     if (rank == 0) {
       const Json j = train_result_to_json(r);

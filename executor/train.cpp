@@ -221,6 +221,7 @@ TrainResult Engine::run() {
   TrainResult res;
   res.plan = plan_;
   res.world_size = comm_.size();
+  res.backend = be_.name();
   if (data_.synthetic()) res.entropy_rate_nats = data_.chain().entropy_rate_nats;
   const double tokens = static_cast<double>(plan_.gbs * m_.S);
   res.model_flops_per_step = 3.0 * m_.forward_flops(plan_.gbs);
@@ -382,7 +383,7 @@ Json train_result_to_json(const TrainResult& r) {
   Json j;
   j["plan"] = plan_to_json(r.plan);
   j["world_size"] = r.world_size;
-  j["backend"] = "cpu";
+  j["backend"] = r.backend;
   Json steps = Json::array();
   for (const StepRecord& s : r.steps) {
     Json e;

@@ -65,6 +65,7 @@ struct TrainingStopped : std::runtime_error {
 struct TrainResult {
   Plan plan;
   int world_size = 1;
+  std::string backend = "cpu";  // Backend::name()
   std::vector<StepRecord> steps;
   double median_step_time_s = 0;
   // Per rank maxima over the world (the most loaded rank), bytes.

@@ -53,7 +53,8 @@ uint32_t alignment(const void* p) {
 
 class CudaBackendImpl final : public CudaBackend {
  public:
-  CudaBackendImpl() {
+  explicit CudaBackendImpl(int device) {
+    CUDA_CHECK(cudaSetDevice(device));
     CUDA_CHECK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
     CUBLAS_CHECK(cublasLtCreate(&lt_));
     CUDA_CHECK(cudaMalloc(&workspace_, kWorkspace));
@@ -102,6 +103,14 @@ class CudaBackendImpl final : public CudaBackend {
     CUDA_CHECK(cudaStreamSynchronize(stream_));
   }
   void synchronise() override { CUDA_CHECK(cudaStreamSynchronize(stream_)); }
+  StagingCopier staging_copier() override {
+    auto copy = [this](void* dst, const void* src, size_t bytes) {
+      if (bytes == 0) return;
+      CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDefault, stream_));
+      CUDA_CHECK(cudaStreamSynchronize(stream_));
+    };
+    return StagingCopier{copy, copy};
+  }
   void* device_alloc_bytes(size_t bytes) override {
     void* p = nullptr;
     CUDA_CHECK(cudaMalloc(&p, bytes > 0 ? bytes : 1));
@@ -340,9 +349,11 @@ std::string cuda_unavailable_reason() {
   return "";
 }
 
-std::unique_ptr<CudaBackend> make_cuda_backend() {
+std::unique_ptr<CudaBackend> make_cuda_backend(int rank) {
   if (!cuda_unavailable_reason().empty()) return nullptr;
-  return std::make_unique<CudaBackendImpl>();
+  int n = 0;
+  CUDA_CHECK(cudaGetDeviceCount(&n));
+  return std::make_unique<CudaBackendImpl>(rank % n);
 }
 
 }  // namespace strata

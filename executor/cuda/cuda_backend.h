@@ -1,6 +1,7 @@
 // The CUDA backend (issue 5): the ops of backend.h on device memory, GEMMs through cuBLASLt
 // and the rest in hand-written kernels (one .cu file each). Its ops take DEVICE pointers;
-// the executor (which keeps host buffers) does not run on it yet. Without CUDA at build
+// the executor keeps its buffers in the backend's memory, so `strata train --backend cuda`
+// runs on it (with the host-staged communicator between ranks). Without CUDA at build
 // time, or without a usable GPU at run time, make_cuda_backend() returns null and
 // cuda_unavailable_reason() says why (the CLI turns that into exit 2).
 #pragma once
@@ -10,6 +11,7 @@
 #include <string>
 
 #include "executor/backend.h"
+#include "executor/staged_comm.h"
 #include "executor/zero.h"
 
 namespace strata {
@@ -21,6 +23,9 @@ class CudaBackend : public Backend {
   virtual float* device_alloc(int64_t n) = 0;
   virtual void device_free(float* p) = 0;
   virtual void synchronise() = 0;
+  // The copies of the host-staged communicator (executor/staged_comm.h): either side may
+  // be device or host memory (cudaMemcpyDefault), complete on return.
+  virtual StagingCopier staging_copier() = 0;
   virtual std::string device_name() const = 0;
   // Bytes, for the integer and byte arrays (tokens, masks).
   virtual void* device_alloc_bytes(size_t bytes) = 0;
@@ -45,6 +50,8 @@ class CudaBackend : public Backend {
 // "" when a GPU is usable; otherwise the reason, e.g. "cudaGetDeviceCount returned error
 // 35 (cudaErrorInsufficientDriver): no NVIDIA driver or GPU on this machine".
 std::string cuda_unavailable_reason();
-std::unique_ptr<CudaBackend> make_cuda_backend();  // null when unavailable
+// On device `rank % the visible devices` (ranks of one machine spread over its GPUs; with
+// one GPU they share it). Null when unavailable.
+std::unique_ptr<CudaBackend> make_cuda_backend(int rank = 0);
 
 }  // namespace strata

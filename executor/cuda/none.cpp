@@ -8,6 +8,6 @@ std::string cuda_unavailable_reason() {
          "-DSTRATA_WITH_CUDA=OFF)";
 }
 
-std::unique_ptr<CudaBackend> make_cuda_backend() { return nullptr; }
+std::unique_ptr<CudaBackend> make_cuda_backend(int) { return nullptr; }
 
 }  // namespace strata
