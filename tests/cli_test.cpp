@@ -46,8 +46,10 @@ fs::path scratch() {
 // Runs `strata <args>` through the shell (args are quoted by the caller where needed).
 Outcome strata(const std::string& args) {
   const fs::path out = scratch() / "stdout", err = scratch() / "stderr";
-  // strata train runs Open MPI, whose allocations live until exit (see CMakeLists.txt).
-  const std::string env = args.rfind("train", 0) == 0 ? "ASAN_OPTIONS=detect_leaks=0 " : "";
+  // strata train and profile run Open MPI, whose allocations live until exit (see
+  // CMakeLists.txt).
+  const bool mpi = args.rfind("train", 0) == 0 || args.rfind("profile", 0) == 0;
+  const std::string env = mpi ? "ASAN_OPTIONS=detect_leaks=0 " : "";
   const std::string cmd = env + STRATA_BINARY + " " + args + " >" + out.string() + " 2>" + err.string();
   const int status = std::system(cmd.c_str());
   Outcome r;
