@@ -38,10 +38,11 @@ void MemoryTracker::sub(MemCategory c, int64_t bytes) {
   live_total_ -= bytes;
 }
 
-Buf::Buf(MemoryTracker* tracker, MemCategory c, int64_t n, int element_bytes)
-    : n_(n > 0 ? n : 0), be_(tracker ? tracker->backend() : nullptr), tracker_(tracker), cat_(c),
-      bytes_(n_ * element_bytes) {
-  if (n_ > 0) p_ = be_ ? be_->allocate(n_) : new float[static_cast<size_t>(n_)]();
+Buf::Buf(MemoryTracker* tracker, MemCategory c, int64_t n, int element_bytes) {
+  *this = untracked(tracker ? tracker->backend() : nullptr, n);
+  tracker_ = tracker;
+  cat_ = c;
+  bytes_ = n_ * element_bytes;
   if (tracker_) tracker_->add(cat_, bytes_);
 }
 

@@ -153,8 +153,8 @@ TEST_F(CudaOps, VocabParallelCrossEntropyPhases) {
   std::vector<int32_t> targets(static_cast<size_t>(N));
   std::uniform_int_distribution<int32_t> pick(static_cast<int32_t>(lo - Vt), static_cast<int32_t>(lo + 2 * Vt - 1));
   for (auto& x : targets) x = pick(rng_);
-  auto* dt = static_cast<int32_t*>(gpu_->device_alloc_bytes(targets.size() * sizeof(int32_t)));
-  gpu_->to_device_bytes(dt, targets.data(), targets.size() * sizeof(int32_t));
+  auto* dt = static_cast<int32_t*>(gpu_->allocate_bytes(targets.size() * sizeof(int32_t)));
+  gpu_->bytes_to_device(dt, targets.data(), targets.size() * sizeof(int32_t));
   owned_.push_back(reinterpret_cast<float*>(dt));
   float* dz = dev(z);
   Vec mx(static_cast<size_t>(N)), st(static_cast<size_t>(2 * N));
@@ -315,15 +315,15 @@ TEST_F(CudaOps, AdamWMatchesTheCpuStep) {
   std::vector<uint8_t> decay(static_cast<size_t>(n));
   for (size_t i = 0; i < decay.size(); ++i) decay[i] = static_cast<uint8_t>(i % 3 != 0);
   float *gp = dev(p), *gm = dev(m), *gv = dev(v), *gg = dev(g);
-  auto* gdecay = static_cast<uint8_t*>(gpu_->device_alloc_bytes(decay.size()));
-  gpu_->to_device_bytes(gdecay, decay.data(), decay.size());
+  auto* gdecay = static_cast<uint8_t*>(gpu_->allocate_bytes(decay.size()));
+  gpu_->bytes_to_device(gdecay, decay.data(), decay.size());
   AdamW opt;
   gpu_->adamw(gp, gg, gm, gv, gdecay, n, opt, 3e-4, 3, 0.5f);
   adamw_update(p.data(), g.data(), m.data(), v.data(), decay.data(), n, opt, 3e-4, 3, 0.5f);
   expect_close(host(gp, p.size()), p, 1e-5, "adamw p");
   expect_close(host(gm, m.size()), m, 1e-5, "adamw m");
   expect_close(host(gv, v.size()), v, 1e-5, "adamw v");
-  gpu_->device_free(reinterpret_cast<float*>(gdecay));
+  gpu_->deallocate_bytes(gdecay);
 }
 
 TEST_F(CudaOps, GradNormTermsMatchTheCpu) {
@@ -335,15 +335,15 @@ TEST_F(CudaOps, GradNormTermsMatchTheCpu) {
   std::vector<uint8_t> counted(static_cast<size_t>(n));
   for (size_t i = 0; i < counted.size(); ++i) counted[i] = static_cast<uint8_t>(i % 4 != 1);
   float* gg = dev(g);
-  auto* gc = static_cast<uint8_t*>(gpu_->device_alloc_bytes(counted.size()));
-  gpu_->to_device_bytes(gc, counted.data(), counted.size());
+  auto* gc = static_cast<uint8_t*>(gpu_->allocate_bytes(counted.size()));
+  gpu_->bytes_to_device(gc, counted.data(), counted.size());
   double got[2] = {1.0, 2.0}, want[2] = {1.0, 2.0};  // both add to what is there
   gpu_->grad_norm_terms(gg, gc, n, got);
   grad_norm_terms(g.data(), counted.data(), n, want);
   EXPECT_NEAR(got[0], want[0], 1e-5 * want[0]);
   EXPECT_EQ(got[1], want[1]);
   EXPECT_EQ(want[1], 5.0);  // 2 + the three non-finite values
-  gpu_->device_free(reinterpret_cast<float*>(gc));
+  gpu_->deallocate_bytes(gc);
 }
 
 TEST_F(CudaOps, EmbeddingOfAVocabularySliceForwardBackward) {
@@ -357,13 +357,13 @@ TEST_F(CudaOps, EmbeddingOfAVocabularySliceForwardBackward) {
   cpu_->embedding_forward(x.data(), wte.data(), tokens.data(), S, B, H, lo, Vt);
   cpu_->embedding_backward(dwte.data(), dx.data(), tokens.data(), S, B, H, lo, Vt);
   float *gw = dev(wte), *gx = dev(nans(x.size())), *gdx = dev(dx), *gdw = dev(dwte0);
-  auto* gt = static_cast<int32_t*>(gpu_->device_alloc_bytes(tokens.size() * sizeof(int32_t)));
-  gpu_->to_device_bytes(gt, tokens.data(), tokens.size() * sizeof(int32_t));
+  auto* gt = static_cast<int32_t*>(gpu_->allocate_bytes(tokens.size() * sizeof(int32_t)));
+  gpu_->bytes_to_device(gt, tokens.data(), tokens.size() * sizeof(int32_t));
   gpu_->embedding_forward(gx, gw, gt, S, B, H, lo, Vt);
   expect_close(host(gx, x.size()), x, 0.0, "embedding forward (a copy: exact)");
   gpu_->embedding_backward(gdw, gdx, gt, S, B, H, lo, Vt);
   expect_close(host(gdw, dwte.size()), dwte, 1e-6, "embedding backward");
-  gpu_->device_free(reinterpret_cast<float*>(gt));
+  gpu_->deallocate_bytes(gt);
 }
 
 // Residual add, bias add and gradient, learned positions and their gradient (with the

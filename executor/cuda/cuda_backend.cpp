@@ -111,20 +111,19 @@ class CudaBackendImpl final : public CudaBackend {
     };
     return StagingCopier{copy, copy};
   }
-  void* device_alloc_bytes(size_t bytes) override {
+  void* allocate_bytes(size_t bytes) override {
     void* p = nullptr;
     CUDA_CHECK(cudaMalloc(&p, bytes > 0 ? bytes : 1));
     return p;
   }
-  void* allocate_bytes(size_t bytes) override { return device_alloc_bytes(bytes); }
   void deallocate_bytes(void* p) override {
     if (p) (void)cudaFree(p);  // from destructors: no throwing
   }
-  void bytes_to_device(void* dst, const void* host_src, size_t bytes) override { to_device_bytes(dst, host_src, bytes); }
-  void to_device_bytes(void* dst, const void* src, size_t bytes) override {
-    CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyHostToDevice, stream_));
+  void bytes_to_device(void* dst, const void* host_src, size_t bytes) override {
+    CUDA_CHECK(cudaMemcpyAsync(dst, host_src, bytes, cudaMemcpyHostToDevice, stream_));
     CUDA_CHECK(cudaStreamSynchronize(stream_));
   }
+
 
   void adamw(float* p, const float* g, float* m, float* v, const uint8_t* decay, int64_t n, const AdamW& opt, double lr,
              int64_t step, float grad_mul) override {
@@ -142,7 +141,7 @@ class CudaBackendImpl final : public CudaBackend {
     cuda::adamw(p, g, m, v, decay, n, k, stream_);
   }
   void grad_norm_terms(const float* g, const uint8_t* counted, int64_t n, double acc[2]) override {
-    if (acc_ == nullptr) acc_ = static_cast<double*>(device_alloc_bytes(2 * sizeof(double)));
+    if (acc_ == nullptr) acc_ = static_cast<double*>(allocate_bytes(2 * sizeof(double)));
     CUDA_CHECK(cudaMemsetAsync(acc_, 0, 2 * sizeof(double), stream_));
     cuda::grad_norm_terms(g, counted, n, acc_, stream_);
     double h[2] = {0, 0};

@@ -27,9 +27,6 @@ class CudaBackend : public Backend {
   // be device or host memory (cudaMemcpyDefault), complete on return.
   virtual StagingCopier staging_copier() = 0;
   virtual std::string device_name() const = 0;
-  // Bytes, for the integer and byte arrays (tokens, masks).
-  virtual void* device_alloc_bytes(size_t bytes) = 0;
-  virtual void to_device_bytes(void* dst, const void* src, size_t bytes) = 0;
 
   // GEMM operands from here on are converted to `p` (bf16 or fp16, round to nearest even)
   // and multiplied on the tensor cores with fp32 accumulation and an fp32 C; fp32 (the
