@@ -82,9 +82,8 @@ void check_backend(const std::string& backend, const std::string& command) {
   if (backend != "cuda") throw InputError("--backend: '" + backend + "' must be cpu or cuda");
   const std::string why = cuda_unavailable_reason();
   if (!why.empty()) throw InputError("--backend cuda: " + why);
-  if (command == "train") return;
-  throw InputError("--backend cuda: `strata " + command +
-                   "` does not run on the CUDA backend yet (train does; profile comes next, issue 5)");
+  if (command == "train" || command == "profile") return;
+  throw InputError("--backend cuda: `strata " + command + "` does not run on the CUDA backend (train and profile do)");
 }
 
 }  // namespace strata

@@ -15,4 +15,8 @@ int cmd_validate(const std::vector<std::string>& argv);
 // (the message, or that another rank failed), finalises MPI and returns true: exit 2.
 bool any_rank_rejected_input(const std::string& error);
 
+// This process's rank among the processes of its machine (MPI_COMM_TYPE_SHARED), which
+// picks its GPU. Collective over MPI_COMM_WORLD.
+int node_local_rank(int* local_size = nullptr);
+
 }  // namespace strata

@@ -20,4 +20,17 @@ bool any_rank_rejected_input(const std::string& error) {
   return true;
 }
 
+int node_local_rank(int* local_size) {
+  int rank = 0;
+  MPI_Comm_rank(MPI_COMM_WORLD, &rank);
+  MPI_Comm node = MPI_COMM_NULL;
+  MPI_Comm_split_type(MPI_COMM_WORLD, MPI_COMM_TYPE_SHARED, rank, MPI_INFO_NULL, &node);
+  int local = 0, n = 1;
+  MPI_Comm_rank(node, &local);
+  MPI_Comm_size(node, &n);
+  MPI_Comm_free(&node);
+  if (local_size) *local_size = n;
+  return local;
+}
+
 }  // namespace strata

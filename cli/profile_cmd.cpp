@@ -1,5 +1,6 @@
 // `strata profile`: measures this machine on every rank at once (run it under mpirun with
-// as many ranks as training will use) and writes a cluster JSON in the preset schema.
+// as many ranks as training will use) and writes a cluster JSON in the preset schema; with
+// --backend cuda, each rank's GPU (GEMMs, memory, kernels in device memory).
 #include <mpi.h>
 #include <unistd.h>
 
@@ -12,6 +13,8 @@
 #include "cli/args.h"
 #include "cli/progress.h"
 #include "cli/commands.h"
+#include "executor/cuda/cuda_backend.h"
+#include "executor/staged_comm.h"
 #include "hw_profiles/profiler.h"
 
 namespace strata {
@@ -22,12 +25,13 @@ int cmd_profile(const std::vector<std::string>& argv) {
   int rank = 0, size = 1;
   MPI_Comm_rank(MPI_COMM_WORLD, &rank);
   MPI_Comm_size(MPI_COMM_WORLD, &size);
-  std::string error, out_path;
+  std::string error, out_path, backend = "cpu";
   ProfileOptions o;
   bool json = false;
   try {
     const Args a(argv, "profile", {"backend", "out", "max-bytes", "model", "tp"}, {"quick", "json"});
-    check_backend(a.get("backend", "cpu"), "profile");
+    backend = a.get("backend", "cpu");
+    check_backend(backend, "profile");
     out_path = a.get("out");
     o.quick = a.has("quick");
     if (o.quick) o.min_time_s = 0.01;
@@ -45,8 +49,26 @@ int cmd_profile(const std::vector<std::string>& argv) {
     error = e.what();
   }
   if (any_rank_rejected_input(error)) return 2;
-  auto comm = make_mpi_comm();
-  auto be = make_cpu_backend();
+  std::unique_ptr<Comm> comm;
+  std::unique_ptr<Backend> be;
+  if (backend == "cuda") {
+    // One GPU per process of this machine (by its rank there), buffers in device memory,
+    // links through the host-staged communicator the executor uses between GPU ranks.
+    std::unique_ptr<CudaBackend> cuda = make_cuda_backend(node_local_rank());
+    if (!cuda) {
+      fmt::print(stderr, "strata: error: rank {} of {}: --backend cuda: {}\n", rank, size, cuda_unavailable_reason());
+      MPI_Abort(MPI_COMM_WORLD, 2);
+      return 2;
+    }
+    o.device_name = cuda->device_name();
+    CudaBackend* raw = cuda.get();
+    o.gemm_precision = [raw](Precision p) { raw->set_gemm_precision(p); };
+    comm = make_staged_comm(make_mpi_comm(), cuda->staging_copier());
+    be = std::move(cuda);
+  } else {
+    comm = make_mpi_comm();
+    be = make_cpu_backend();
+  }
   Progress bar("profile", 1);
   o.progress = [&bar](const std::string& line, int done, int total, double, double) {
     bar.set_total(total);

@@ -112,8 +112,24 @@ int cmd_train(const std::vector<std::string>& argv) {
       // Buffers in device memory; between ranks the host-staged communicator (ranks may
       // share one GPU, which NCCL refuses). GEMM operands are rounded to the training
       // precision already: run them on the tensor cores.
-      std::unique_ptr<CudaBackend> cuda = make_cuda_backend(rank);
+      // The device: this process's rank among those of its machine, modulo its GPUs.
+      int local_size = 1;
+      const int local = node_local_rank(&local_size);
+      std::unique_ptr<CudaBackend> cuda = make_cuda_backend(local);
       if (!cuda) throw InputError("--backend cuda: " + cuda_unavailable_reason());
+      if (plan.attention != AttentionChoice::flash && m.S > 8192)
+        throw InputError("plan: attention " + std::string(plan.attention == AttentionChoice::unfused ? "unfused" : "auto") +
+                         " with seq_length " + std::to_string(m.S) +
+                         ": the CUDA backend's unfused attention keeps a row of scores in shared memory and needs "
+                         "seq_length <= 8192; use attention: flash");
+      // Every rank that shares this GPU (local ranks with the same remainder) needs room.
+      const int devices = cuda_device_count(), mine = local % devices;
+      const int sharing = (local_size - mine + devices - 1) / devices;
+      Backend::DeviceMemory dm;
+      if (cuda->device_memory(&dm))
+        check_rank_fits(m, plan, static_cast<double>(dm.free) / sharing,
+                        "the GPU (" + cuda->device_name() + ") has " + std::to_string(dm.free / 1000000000) +
+                            " GB free" + (sharing > 1 ? ", shared by " + std::to_string(sharing) + " ranks" : ""));
       cuda->set_gemm_precision(plan.precision == Precision::fp16 ? Precision::fp16
                                : plan.precision == Precision::fp32 ? Precision::fp32
                                                                    : Precision::bf16);

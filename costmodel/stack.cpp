@@ -10,7 +10,8 @@ Stack resolve_stack(const ModelSpec& m, const Cluster& cl, const Plan& p) {
   auto pick = [&](Tristate t) { return t == Tristate::automatic ? s.modern : t == Tristate::on; };
   if (s.strata) {
     auto pick_as = [](Tristate t, bool dflt) { return t == Tristate::automatic ? dflt : t == Tristate::on; };
-    s.attention = AttentionKernel::unfused;  // the executor has no fused attention kernel
+    // The executor's attention is unfused unless the plan asks for the fused one.
+    s.attention = p.attention == AttentionChoice::flash ? AttentionKernel::flash : AttentionKernel::unfused;
     s.overlap_grad_reduce = pick_as(p.overlap_grad_reduce, true);
     s.overlap_param_gather = pick_as(p.overlap_param_gather, false);
     s.tp_comm_overlap = pick_as(p.tp_comm_overlap, false);

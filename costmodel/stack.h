@@ -18,8 +18,8 @@ namespace strata {
 // (2020-2022 Megatron-LM, DeepSpeed): unfused softmax, bf16 gradients accumulated into a
 // separate fp32 buffer, communication exposed. Context parallelism needs fused attention,
 // so it turns FlashAttention on and nothing else. A setting the plan gives explicitly wins.
-// Strata (the cluster says "strata"): this repository's CPU executor, which keeps the
-// unfused attention probabilities, accumulates weight gradients straight into fp32
+// Strata (the cluster says "strata"): this repository's executor, which keeps the unfused
+// attention probabilities (the fused kernel when the plan says attention: flash), accumulates weight gradients straight into fp32
 // buffers (fused accumulation), overlaps the data-parallel reduction with the backward,
 // and runs the ZeRO-1/2 parameter all-gather and tensor-parallel collectives blocking.
 struct Stack {

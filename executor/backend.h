@@ -15,6 +15,10 @@
 
 namespace strata {
 
+// Memory pools of a backend: one per MemCategory (memory_tracker.h) and one for buffers
+// charged to none.
+constexpr int kMemPools = 6;
+
 class Backend {
  public:
   virtual ~Backend() = default;
@@ -24,6 +28,13 @@ class Backend {
   // the executor's buffers live (memory_tracker.h): n floats, zeroed; freeing; zeroing; and
   // copies to and from host memory, complete when they return.
   virtual float* allocate(int64_t n) = 0;
+  // The same from the pool of memory category `pool` (memory_tracker.h's MemCategory index;
+  // kMemCategories for buffers charged to none), so a backend with pools per category can
+  // report each one's peak (device_memory).
+  virtual float* allocate_in(int64_t n, int pool) {
+    (void)pool;
+    return allocate(n);
+  }
   virtual void deallocate(float* p) = 0;
   virtual void fill_zero(float* p, int64_t n) = 0;
   virtual void to_host(float* host_dst, const float* src, int64_t n) = 0;
@@ -32,6 +43,21 @@ class Backend {
   virtual void* allocate_bytes(size_t bytes) = 0;
   virtual void deallocate_bytes(void* p) = 0;
   virtual void bytes_to_device(void* dst, const void* host_src, size_t bytes) = 0;
+  // Waits until the work queued on this backend is done (a GPU's stream; nothing on the CPU,
+  // whose ops finish when they return). The executor's clocks call it, so phase times are
+  // the device's, as Megatron's timers synchronise.
+  virtual void synchronise() {}
+  // The device's own memory accounting, for backends that have one (false on the CPU): free
+  // and total bytes now, and for each pool (MemCategory index, then the untracked pool) the
+  // peak bytes in use and reserved since the start.
+  struct DeviceMemory {
+    int64_t free = 0, total = 0;
+    int64_t used_peak[kMemPools] = {}, reserved_peak[kMemPools] = {};
+  };
+  virtual bool device_memory(DeviceMemory* out) {
+    (void)out;
+    return false;
+  }
 
   // C(M, N) = alpha * op(A) op(B) + beta * C, op(A) (M, K), op(B) (K, N); ld* = row strides.
   virtual void gemm(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K, float alpha,
@@ -60,6 +86,13 @@ class Backend {
                                  int64_t G, int64_t D) = 0;
   virtual void attention_backward(float* dqkv, const float* dout, const float* probs, const float* qkv,
                                   int64_t S, int64_t B, int64_t A, int64_t G, int64_t D) = 0;
+  // The same attention fused (FlashAttention-2's algorithm, a plan's `attention: flash`): no
+  // S x S buffer, lse (B, A, S) keeps each query's log-sum-exp for the backward, which takes
+  // the forward's output and overwrites dqkv. Head dim <= 128 on the CUDA backend.
+  virtual void flash_attention_forward(float* out, float* lse, const float* qkv, int64_t S, int64_t B, int64_t A,
+                                       int64_t G, int64_t D) = 0;
+  virtual void flash_attention_backward(float* dqkv, const float* dout, const float* out, const float* lse,
+                                        const float* qkv, int64_t S, int64_t B, int64_t A, int64_t G, int64_t D) = 0;
   // Elementwise pieces of the layer: dst = src (n values); out = a + b (the residual adds;
   // out may alias a or b); y (N, F) += b (F) on every row; db (F) += the column sums of dy
   // (N, F).

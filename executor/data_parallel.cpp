@@ -19,17 +19,17 @@ const float* Engine::weights(int u) {
   if (it != gathered_.end()) {
     auto pf = prefetching_.find(u);
     if (pf != prefetching_.end()) {
-      const double t0 = comm_.wtime();
+      const double t0 = now();
       comm_.wait(pf->second);
-      dp_s_ += comm_.wtime() - t0;
+      dp_s_ += now() - t0;
       prefetching_.erase(pf);
     }
     return it->second.data();
   }
   Buf b(&mem_, MemCategory::comm_buffers, sh_.padded(su), elem_bytes());
-  const double t0 = comm_.wtime();
+  const double t0 = now();
   comm_.all_gather(work_shard_.data() + sh_.shard_off[su], b.data(), sh_.shard[su], dp_);
-  const double t1 = comm_.wtime();
+  const double t1 = now();
   dp_s_ += t1 - t0;
   dp_intervals_.push_back({t0, t1});
   event("all_gather params", 1, t0, t1);
@@ -75,7 +75,7 @@ float* Engine::grads(int u) {
 void Engine::poll() {
   for (Pending& p : dp_pending_)
     for (int i = 0; i < 16 && p.req.pending(); ++i)
-      if (comm_.test(p.req)) dp_intervals_.push_back({p.start, comm_.wtime()});
+      if (comm_.test(p.req)) dp_intervals_.push_back({p.start, comm_.wtime()});  // no device sync when polling
   add_completed_blocks();
   for (Pending& p : sends_)
     if (p.req.pending() && comm_.test(p.req)) p.keep.release();
@@ -96,16 +96,16 @@ void Engine::add_completed_blocks() {
 
 void Engine::wait_pending(std::vector<Pending>* list, double* exposed) {
   if (list->empty()) return;
-  const double t0 = comm_.wtime();
+  const double t0 = now();
   for (Pending& p : *list) {
     if (!p.req.pending()) continue;
     comm_.wait(p.req);
-    if (list == &dp_pending_) dp_intervals_.push_back({p.start, comm_.wtime()});
+    if (list == &dp_pending_) dp_intervals_.push_back({p.start, now()});
   }
   if (list == &dp_pending_) add_completed_blocks();
   list->clear();
-  *exposed += comm_.wtime() - t0;
-  if (list == &dp_pending_) event("wait dp reduction", 1, t0, comm_.wtime());
+  *exposed += now() - t0;
+  if (list == &dp_pending_) event("wait dp reduction", 1, t0, now());
 }
 
 // A unit's gradient of one micro-batch is complete.
@@ -116,18 +116,18 @@ void Engine::unit_done(int u) {
     // added into the owned block when done (add_completed_blocks).
     // At most one in flight: the previous one (long done, usually: it ran behind this
     // unit's backward) completes first, so no more than two units' gradients are held.
-    const double w0 = comm_.wtime();
+    const double w0 = now();
     bool waited = false;
     for (Pending& q : dp_pending_)
       if (q.into && q.req.pending()) {
         comm_.wait(q.req);
-        dp_intervals_.push_back({q.start, comm_.wtime()});
+        dp_intervals_.push_back({q.start, now()});
         waited = true;
       }
-    if (waited) dp_s_ += comm_.wtime() - w0;
+    if (waited) dp_s_ += now() - w0;
     add_completed_blocks();
     Pending p;
-    p.start = comm_.wtime();
+    p.start = now();
     p.keep = std::move(grad_tmp_.at(u));
     grad_tmp_.erase(u);
     p.block = Buf::untracked(&be_, sh_.shard[su]);
@@ -142,7 +142,7 @@ void Engine::unit_done(int u) {
     return;
   }
   Pending p;
-  p.start = comm_.wtime();
+  p.start = now();
   float* g = grad_full_.data() + sh_.full_off[su];
   if (zero_ == 0) p.req = comm_.iall_reduce(g, early_split_[su] > 0 ? early_split_[su] : sh_.padded(su), dp_);
   else p.req = comm_.ireduce_scatter(g, grad_shard_.data() + sh_.shard_off[su], sh_.shard[su], dp_);
@@ -157,7 +157,7 @@ void Engine::mlp_done(int64_t layer) {
   if (zero_ != 0 || plan_.d == 1 || done_count_[su] + 1 < mb_count_) return;
   const int64_t split = lay_.at(TensorKind::ln2_w, layer).offset - lay_.units[su].begin;
   Pending p;
-  p.start = comm_.wtime();
+  p.start = now();
   float* g = grad_full_.data() + sh_.full_off[su];
   p.req = comm_.iall_reduce(g + split, sh_.padded(su) - split, dp_);
   dp_pending_.push_back(std::move(p));
@@ -180,17 +180,17 @@ void Engine::finish_gradients() {
     // First meet the other stage (the one that finished its backward earlier waits here:
     // the pipeline's cool-down, so bubble), then sum (communication, in the data-parallel
     // tail as the cost model has it).
-    const double t0 = comm_.wtime();
+    const double t0 = now();
     double one = 1;
     comm_.all_reduce(&one, 1, emb_);
-    const double t1 = comm_.wtime();
+    const double t1 = now();
     bubble_s_ += t1 - t0;
     comm_.all_reduce(g + sh_.shard_off[u], sh_.shard[u], emb_);
-    dp_s_ += comm_.wtime() - t1;
+    dp_s_ += now() - t1;
   }
   // Sequence parallelism leaves the replicated tensors' gradients partial per tp rank.
   if (plan_.sp && plan_.t > 1) {
-    const double t0 = comm_.wtime();
+    const double t0 = now();
     for (size_t u = 0; u < lay_.units.size(); ++u) {
       const int64_t lo = sh_.me * sh_.shard[u], b = lay_.units[u].begin;
       for (const TensorSlot& s : lay_.tensors) {
@@ -199,12 +199,12 @@ void Engine::finish_gradients() {
         if (a < e) comm_.all_reduce(g + sh_.shard_off[u] + (a - lo), e - a, tp_);
       }
     }
-    tp_s_ += comm_.wtime() - t0;
+    tp_s_ += now() - t0;
   }
 }
 
 void Engine::optimizer_step(StepRecord* rec) {
-  const double t0 = comm_.wtime();
+  const double t0 = now();
   float* g = zero_ == 0 ? grad_full_.data() : grad_shard_.data();
   if (o_.fault.at(comm_.rank(), rec->step, FaultInjection::Kind::nan) && sh_.shard_size > 0) {
     const float nan = std::numeric_limits<float>::quiet_NaN();  // injected: this rank's gradients turn NaN
@@ -221,7 +221,7 @@ void Engine::optimizer_step(StepRecord* rec) {
     rec->grad_norm = std::numeric_limits<double>::quiet_NaN();
     loss_scale_ = std::max(1.0, loss_scale_ / 2.0);
     good_steps_ = 0;
-    optimizer_s_ += comm_.wtime() - t0;
+    optimizer_s_ += now() - t0;
     return;
   }
   if (plan_.precision == Precision::fp16 && ++good_steps_ % o_.loss_scale_window == 0) loss_scale_ *= 2.0;
@@ -248,7 +248,7 @@ void Engine::optimizer_step(StepRecord* rec) {
       be_.round_to(dst, sh_.shard[u], plan_.precision);
     }
   }
-  const double t1 = comm_.wtime();
+  const double t1 = now();
   optimizer_s_ += t1 - t0;
   event("optimizer", 0, t0, t1);
   if ((zero_ == 1 || zero_ == 2) && plan_.d > 1) {
@@ -256,7 +256,7 @@ void Engine::optimizer_step(StepRecord* rec) {
       float* full = work_.data() + sh_.full_off[u];
       comm_.all_gather(full + sh_.me * sh_.shard[u], full, sh_.shard[u], dp_);
     }
-    const double t2 = comm_.wtime();
+    const double t2 = now();
     dp_s_ += t2 - t1;
     dp_intervals_.push_back({t1, t2});
     event("all_gather params", 1, t1, t2);

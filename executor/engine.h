@@ -104,6 +104,11 @@ class Engine {
   void load_checkpoint(const std::string& path);
   int64_t start_step_ = 0;
   std::vector<float> global_params(const std::vector<float>& full);
+  // The executor's clock (ModelCtx::now): the backend's queued work is done first.
+  double now() {
+    be_.synchronise();
+    return comm_.wtime();
+  }
   void event(const std::string& name, int tid, double t0, double t1, int64_t mb = -1, int64_t chunk = -1) {
     if (!o_.trace_path.empty()) trace_.push_back({name, tid, t0 - t_origin_, t1 - t0, mb, chunk});
   }

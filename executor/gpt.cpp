@@ -13,9 +13,9 @@ namespace strata {
 namespace {
 
 void timed(const ModelCtx& c, auto&& fn) {
-  const double t0 = c.comm->wtime();
+  const double t0 = c.now();
   fn();
-  if (c.tp_comm_s) *c.tp_comm_s += c.comm->wtime() - t0;
+  if (c.tp_comm_s) *c.tp_comm_s += c.now() - t0;
 }
 
 // (n, H) rows of every tp rank -> (N, H): sequence-parallel all-gather.
@@ -107,9 +107,16 @@ Buf forward_all(const ModelCtx& c, const UnitView& u, int64_t l, LayerActs* a) {
   }
   round(c, a->qkv);
   a->att = c.act(N * At * D);
-  if (c.recompute == Recompute::none) a->probs = c.act(c.B * At * c.S * c.S);
-  c.be->attention_forward(a->att.data(), a->probs.empty() ? nullptr : a->probs.data(), a->qkv.data(), c.S, c.B, At,
-                          Gt, D);
+  if (c.flash) {
+    // The log-sum-exp is what the fused backward needs; selective recompute drops it too.
+    Buf lse = c.f32(c.B * At * c.S);
+    c.be->flash_attention_forward(a->att.data(), lse.data(), a->qkv.data(), c.S, c.B, At, Gt, D);
+    if (c.recompute == Recompute::none) a->lse = std::move(lse);
+  } else {
+    if (c.recompute == Recompute::none) a->probs = c.act(c.B * At * c.S * c.S);
+    c.be->attention_forward(a->att.data(), a->probs.empty() ? nullptr : a->probs.data(), a->qkv.data(), c.S, c.B, At,
+                            Gt, D);
+  }
   round(c, a->att);
   Buf o = c.f32(N * H);
   c.be->gemm(false, true, N, H, At * D, 1.0f, a->att.data(), At * D, u.weight(TensorKind::proj_w, l), At * D, 0.0f,
@@ -194,10 +201,10 @@ Buf layer_backward(const ModelCtx& c, const UnitView& u, int64_t l, LayerActs* a
   if (c.recompute == Recompute::full) {  // run the forward again, with every tensor kept
     ModelCtx again = c;
     again.recompute = Recompute::none;
-    const double t0 = c.comm->wtime(), tp0 = c.tp_comm_s ? *c.tp_comm_s : 0.0;
+    const double t0 = c.now(), tp0 = c.tp_comm_s ? *c.tp_comm_s : 0.0;
     forward_all(again, u, l, a);
     // Its tensor-parallel collectives stay in tp_comm; recompute is the compute.
-    if (c.recompute_s) *c.recompute_s += c.comm->wtime() - t0 - ((c.tp_comm_s ? *c.tp_comm_s : 0.0) - tp0);
+    if (c.recompute_s) *c.recompute_s += c.now() - t0 - ((c.tp_comm_s ? *c.tp_comm_s : 0.0) - tp0);
   }
   const ModelSpec& m = *c.m;
   const int64_t H = m.H, D = m.D(), At = m.A / c.t, Gt = m.G / c.t, Q = (At + 2 * Gt) * D;
@@ -244,17 +251,33 @@ Buf layer_backward(const ModelCtx& c, const UnitView& u, int64_t l, LayerActs* a
              c.tick();
   dO.release();
   round(c, datt);
-  if (a->probs.empty()) {
-    // Selective recompute: the core attention forward runs again (as Megatron's
-    // checkpointed core attention does) to rebuild the probabilities; its time is recompute.
-    const double t0 = c.comm->wtime();
-    a->probs = c.act(c.B * At * c.S * c.S);
-    Buf again = c.f32(N * At * D);
-    c.be->attention_forward(again.data(), a->probs.data(), a->qkv.data(), c.S, c.B, At, Gt, D);
-    if (c.recompute_s) *c.recompute_s += c.comm->wtime() - t0;
+  Buf dqkv;
+  if (c.flash) {
+    if (a->lse.empty()) {  // selective recompute: the fused forward again, for its log-sum-exp
+      const double t0 = c.now();
+      a->lse = c.f32(c.B * At * c.S);
+      Buf again = c.f32(N * At * D);
+      c.be->flash_attention_forward(again.data(), a->lse.data(), a->qkv.data(), c.S, c.B, At, Gt, D);
+      if (c.recompute_s) *c.recompute_s += c.now() - t0;
+    }
+    // The output as the projection saw it (rounded to the training precision) enters
+    // rowsum(dO * O), so a recomputed and a kept log-sum-exp give the same gradients.
+    dqkv = c.f32(N * Q);
+    c.be->flash_attention_backward(dqkv.data(), datt.data(), a->att.data(), a->lse.data(), a->qkv.data(), c.S, c.B,
+                                   At, Gt, D);
+  } else {
+    if (a->probs.empty()) {
+      // Selective recompute: the core attention forward runs again (as Megatron's
+      // checkpointed core attention does) to rebuild the probabilities; its time is recompute.
+      const double t0 = c.now();
+      a->probs = c.act(c.B * At * c.S * c.S);
+      Buf again = c.f32(N * At * D);
+      c.be->attention_forward(again.data(), a->probs.data(), a->qkv.data(), c.S, c.B, At, Gt, D);
+      if (c.recompute_s) *c.recompute_s += c.now() - t0;
+    }
+    dqkv = c.f32(N * Q);
+    c.be->attention_backward(dqkv.data(), datt.data(), a->probs.data(), a->qkv.data(), c.S, c.B, At, Gt, D);
   }
-  Buf dqkv = c.f32(N * Q);
-  c.be->attention_backward(dqkv.data(), datt.data(), a->probs.data(), a->qkv.data(), c.S, c.B, At, Gt, D);
   datt.release();
   if (m.position == Position::rope) {
     c.be->rope(dqkv.data(), c.S, c.B, At, D, Q, true);

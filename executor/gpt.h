@@ -45,6 +45,7 @@ struct ModelCtx {
   int64_t t = 1, r = 0;  // tensor-parallel size and rank
   bool sp = false;
   Recompute recompute = Recompute::none;
+  bool flash = false;  // fused attention (Backend::flash_attention_*): lse kept, no S x S probabilities
   int64_t recompute_layers = 0;  // full recompute: layers of each chunk recomputed (0 = all); see pipeline.cpp
   Precision precision = Precision::fp32;
   MemoryTracker* mem = nullptr;
@@ -61,6 +62,12 @@ struct ModelCtx {
   // are complete, so their data-parallel reduction can start before the attention block's.
   std::function<void(int64_t layer)> mlp_grads_done;
 
+  // The executor's clock: waits for the backend's queued work first, so time spent on a GPU
+  // is charged to the phase that queued it.
+  double now() const {
+    be->synchronise();
+    return comm->wtime();
+  }
   int64_t N() const { return S * B; }
   int64_t n() const { return sp ? S * B / t : S * B; }  // rows this rank holds between layers
   int act_bytes() const { return precision == Precision::fp32 ? 4 : 2; }
@@ -75,7 +82,8 @@ struct LayerActs {
   Buf h1, mean1, rstd1;    // (n, H), (n), (n)
   Buf g1;                  // (N, H) gathered h1 (sequence parallel only)
   Buf qkv;                 // (N, (A+2G)*D/t), q and k after rope
-  Buf probs;               // (B, A/t, S, S); empty with selective recompute
+  Buf probs;               // (B, A/t, S, S); empty with selective recompute or fused attention
+  Buf lse;                 // (B, A/t, S) fused attention's log-sum-exp; empty with selective recompute
   Buf att;                 // (N, A*D/t)
   Buf x2;                  // (n, H) after the attention residual
   Buf h2, mean2, rstd2;    // (n, H), (n), (n)

@@ -38,19 +38,23 @@ void MemoryTracker::sub(MemCategory c, int64_t bytes) {
   live_total_ -= bytes;
 }
 
+static_assert(kMemPools == kMemCategories + 1, "a backend pool per category, and one for untracked buffers");
+
 Buf::Buf(MemoryTracker* tracker, MemCategory c, int64_t n, int element_bytes) {
-  *this = untracked(tracker ? tracker->backend() : nullptr, n);
+  *this = allocated(tracker ? tracker->backend() : nullptr, n, static_cast<int>(c));
   tracker_ = tracker;
   cat_ = c;
   bytes_ = n_ * element_bytes;
   if (tracker_) tracker_->add(cat_, bytes_);
 }
 
-Buf Buf::untracked(Backend* be, int64_t n) {
+Buf Buf::untracked(Backend* be, int64_t n) { return allocated(be, n, kMemCategories); }
+
+Buf Buf::allocated(Backend* be, int64_t n, int pool) {
   Buf b;
   b.n_ = n > 0 ? n : 0;
   b.be_ = be;
-  if (b.n_ > 0) b.p_ = be ? be->allocate(b.n_) : new float[static_cast<size_t>(b.n_)]();
+  if (b.n_ > 0) b.p_ = be ? be->allocate_in(b.n_, pool) : new float[static_cast<size_t>(b.n_)]();
   return b;
 }
 

@@ -66,6 +66,7 @@ class Buf {
   void release();
 
  private:
+  static Buf allocated(Backend* be, int64_t n, int pool);  // from the backend's pool `pool`
   float* p_ = nullptr;
   int64_t n_ = 0;
   Backend* be_ = nullptr;  // whose memory p_ is; null: host (new[])

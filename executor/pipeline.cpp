@@ -41,7 +41,7 @@ void Engine::forward_step(int64_t k, const Step& st, double* loss_sum) {
   if (vs == 0 || vs == last) data_.micro_batch(k, plan_.gbs, plan_.d, me_.dp, st.mb, plan_.mbs, &ms.tokens, &ms.targets);
   const auto& layers = chunk_layers_[static_cast<size_t>(st.chunk)];
   if (vs == 0) {
-    const double t0 = comm_.wtime(), tp0 = tp_s_, dp0 = dp_s_;
+    const double t0 = now(), tp0 = tp_s_, dp0 = dp_s_;
     // ZeRO-3 gathers run one unit ahead across the embedding, the layers and the head.
     if (!layers.empty()) prefetch(layer_unit_.at(layers.front()));
     UnitView wpe;
@@ -49,18 +49,18 @@ void Engine::forward_step(int64_t k, const Step& st, double* loss_sum) {
     x = embedding_forward(c, weights_view(wte_unit_), wpe_unit_ >= 0 ? &wpe : nullptr, ms.tokens.data());
     release_weights(wte_unit_);
     if (wpe_unit_ >= 0) release_weights(wpe_unit_);
-    forward_s_ += comm_.wtime() - t0 - (tp_s_ - tp0) - (dp_s_ - dp0);
+    forward_s_ += now() - t0 - (tp_s_ - tp0) - (dp_s_ - dp0);
   } else {
     x = c.act(rows * H);
     const int64_t src = (me_.pp + p - 1) % p;
-    const double t0 = comm_.wtime();
+    const double t0 = now();
     Request r = comm_.irecv(x.data(), rows * H, pp_.ranks[static_cast<size_t>(src)], tag_of(st.mb, st.chunk, v, false));
     wait_polling(r);
-    bubble_s_ += comm_.wtime() - t0;
-    event("recv activations", 1, t0, comm_.wtime(), st.mb, st.chunk);
+    bubble_s_ += now() - t0;
+    event("recv activations", 1, t0, now(), st.mb, st.chunk);
   }
   ms.layers.resize(layers.size());
-  const double t0 = comm_.wtime(), tp0 = tp_s_, dp0 = dp_s_;
+  const double t0 = now(), tp0 = tp_s_, dp0 = dp_s_;
   for (size_t i = 0; i < layers.size(); ++i) {
     const int u = layer_unit_.at(layers[i]);
     weights(u);
@@ -78,17 +78,17 @@ void Engine::forward_step(int64_t k, const Step& st, double* loss_sum) {
     release_weights(final_unit_);
     release_weights(head_w_unit_);
   }
-  const double t1 = comm_.wtime();
+  const double t1 = now();
   forward_s_ += t1 - t0 - (tp_s_ - tp0) - (dp_s_ - dp0);
   event("forward", 0, t0, t1, st.mb, st.chunk);
   if (vs != last) {
     const int64_t dst = (me_.pp + 1) % p, dchunk = st.chunk + (me_.pp == p - 1 ? 1 : 0);
-    const double s0 = comm_.wtime();
+    const double s0 = now();
     Pending snd;
     snd.req = comm_.isend(x.data(), x.size(), pp_.ranks[static_cast<size_t>(dst)], tag_of(st.mb, dchunk, v, false));
     snd.keep = std::move(x);
     sends_.push_back(std::move(snd));
-    pp_s_ += comm_.wtime() - s0;
+    pp_s_ += now() - s0;
   }
 }
 
@@ -99,7 +99,7 @@ void Engine::backward_step(const Step& st) {
   const int64_t H = m_.H, rows = c.n();
   const float dloss = static_cast<float>(loss_scale_ / static_cast<double>(plan_.gbs * m_.S));
   Buf dx;
-  double t0 = comm_.wtime(), tp0 = tp_s_, dp0 = dp_s_;
+  double t0 = now(), tp0 = tp_s_, dp0 = dp_s_;
   const double rc0 = recompute_s_;
   const auto& layers = chunk_layers_[static_cast<size_t>(st.chunk)];
   if (vs == last) {
@@ -116,12 +116,12 @@ void Engine::backward_step(const Step& st) {
   } else {
     dx = c.f32(rows * H);
     const int64_t src = (me_.pp + 1) % p;
-    const double r0 = comm_.wtime();
+    const double r0 = now();
     Request r = comm_.irecv(dx.data(), rows * H, pp_.ranks[static_cast<size_t>(src)], tag_of(st.mb, st.chunk, v, true));
     wait_polling(r);
-    bubble_s_ += comm_.wtime() - r0;
-    event("recv gradients", 1, r0, comm_.wtime(), st.mb, st.chunk);
-    t0 = comm_.wtime();
+    bubble_s_ += now() - r0;
+    event("recv gradients", 1, r0, now(), st.mb, st.chunk);
+    t0 = now();
     tp0 = tp_s_;
     dp0 = dp_s_;
   }
@@ -144,7 +144,7 @@ void Engine::backward_step(const Step& st) {
     unit_done(wte_unit_);
     if (wpe_unit_ >= 0) unit_done(wpe_unit_);
   }
-  const double t1 = comm_.wtime();
+  const double t1 = now();
   // Compute only: tensor- and data-parallel calls and the recompute are their own terms.
   backward_s_ += t1 - t0 - (tp_s_ - tp0) - (dp_s_ - dp0) - (recompute_s_ - rc0);
   event("backward", 0, t0, t1, st.mb, st.chunk);
@@ -161,7 +161,7 @@ void Engine::backward_step(const Step& st) {
 double Engine::run_step(int64_t k, StepRecord* rec) {
   forward_s_ = backward_s_ = recompute_s_ = optimizer_s_ = tp_s_ = pp_s_ = dp_s_ = bubble_s_ = 0;
   dp_intervals_.clear();
-  const double t_start = comm_.wtime();  // the step starts from a barrier on every rank
+  const double t_start = now();  // the step starts from a barrier on every rank
   if (zero_ < 2) grad_full_.zero();
   if (zero_ >= 1) grad_shard_.zero();
   std::fill(done_count_.begin(), done_count_.end(), 0);
@@ -183,7 +183,7 @@ double Engine::run_step(int64_t k, StepRecord* rec) {
   // The last sends complete when their receivers reach the matching step: idle time
   // waiting on a peer (the cool-down of the schedule), so it counts as bubble.
   wait_pending(&sends_, &bubble_s_);
-  const double arrive = comm_.wtime() - t_start;  // this rank's backward is done
+  const double arrive = now() - t_start;  // this rank's backward is done
   const double dp0 = dp_s_;
   finish_gradients();
   const double final_wait = dp_s_ - dp0;

@@ -57,23 +57,32 @@ void validate_train_plan(const ModelSpec& m, const Plan& p, int world_size) {
     div("micro-batches per step (gbs / (mbs * dp))", p.gbs / (p.mbs * p.d), "pipeline_parallel (interleaved)", p.p);
   }
   if (p.precision == Precision::fp8) fail("plan: precision fp8: the CPU executor runs fp32, bf16 and fp16");
+  const double ram = physical_memory_bytes();
+  if (ram > 0)
+    check_rank_fits(m, p, ram,
+                    "this machine has " + std::to_string(static_cast<int64_t>(ram / 1e9)) +
+                        " GB (the CPU executor trains small models)");
+}
+
+void check_rank_fits(const ModelSpec& m, const Plan& p, double capacity, const std::string& where) {
   // Parameters, gradients and Adam states alone take 16 bytes per parameter of a rank's
   // share; the activations of the first stage, Korthikanti et al.'s 34 + 5 a s / h values
-  // per token and hidden unit and layer (fp32 here, unfused attention), for its layers and
-  // up to pp micro-batches in flight. Refuse plans that cannot fit this machine instead of
-  // failing to allocate.
+  // per token and hidden unit and layer (fp32 here; no S x S term with fused attention),
+  // for its layers and up to pp micro-batches in flight. Refuse plans that cannot fit
+  // instead of failing to allocate.
   const double states = m.total_params() / static_cast<double>(p.t * p.p) * 16.0;
   const double tokens = static_cast<double>(p.mbs) * static_cast<double>(m.S);
-  const double acts = static_cast<double>(m.L) * tokens * static_cast<double>(m.H) *
-                      (34.0 + 5.0 * static_cast<double>(m.A) * static_cast<double>(m.S) / static_cast<double>(m.H)) * 2.0 /
+  const double scores = p.attention == AttentionChoice::flash
+                            ? 0.0
+                            : 5.0 * static_cast<double>(m.A) * static_cast<double>(m.S) / static_cast<double>(m.H);
+  const double acts = static_cast<double>(m.L) * tokens * static_cast<double>(m.H) * (34.0 + scores) * 2.0 /
                       static_cast<double>(p.t);
-  const double ram = physical_memory_bytes();
-  if (ram > 0 && states + acts > ram)
-    fail("model: " + m.name + " needs about " + std::to_string(static_cast<int64_t>((states + acts) / 1e9)) +
-         " GB per rank with tp*pp = " + std::to_string(p.t * p.p) + " and micro_batch_size " + std::to_string(p.mbs) +
-         " (" + std::to_string(static_cast<int64_t>(states / 1e9)) + " GB of parameters, gradients and Adam states, " +
-         std::to_string(static_cast<int64_t>(acts / 1e9)) + " GB of activations); this machine has " +
-         std::to_string(static_cast<int64_t>(ram / 1e9)) + " GB (the CPU executor trains small models)");
+  if (states + acts > capacity)
+    throw InputError("model: " + m.name + " needs about " + std::to_string(static_cast<int64_t>((states + acts) / 1e9)) +
+                     " GB per rank with tp*pp = " + std::to_string(p.t * p.p) + " and micro_batch_size " +
+                     std::to_string(p.mbs) + " (" + std::to_string(static_cast<int64_t>(states / 1e9)) +
+                     " GB of parameters, gradients and Adam states, " + std::to_string(static_cast<int64_t>(acts / 1e9)) +
+                     " GB of activations); " + where);
 }
 
 Engine::Engine(const ModelSpec& m, const Plan& p, const TrainOptions& o, Comm& comm, Backend& be)
@@ -205,6 +214,7 @@ ModelCtx Engine::ctx() {
   c.r = me_.tp;
   c.sp = plan_.sp;
   c.recompute = plan_.recompute;
+  c.flash = plan_.attention == AttentionChoice::flash;
   c.recompute_layers = plan_.recompute_layers;
   c.precision = plan_.precision;
   c.mem = &mem_;
@@ -226,12 +236,12 @@ TrainResult Engine::run() {
   const double tokens = static_cast<double>(plan_.gbs * m_.S);
   res.model_flops_per_step = 3.0 * m_.forward_flops(plan_.gbs);
   comm_.barrier(world_);
-  t_origin_ = comm_.wtime();
+  t_origin_ = now();
   std::vector<double> sums(11, 0.0);
   for (int64_t k = start_step_; k < o_.steps; ++k) {
     comm_.set_step(k + 1);
     comm_.barrier(world_);
-    const double t0 = comm_.wtime();
+    const double t0 = now();
     StepRecord rec;
     rec.step = k + 1;
     rec.loss = run_step(k, &rec);
@@ -252,7 +262,7 @@ TrainResult Engine::run() {
           plan_.precision == Precision::fp16 ? fmt::format("; fp16 loss scale at its minimum, now {:g}", loss_scale_) : "",
           newest.empty() ? "no checkpoint was written" : "the newest good checkpoint is " + newest));
     }
-    double dt = comm_.wtime() - t0;
+    double dt = now() - t0;
     comm_.all_reduce(&dt, 1, world_, ReduceOp::max);
     rec.step_time_s = dt;
     rec.tokens_per_s = tokens / dt;
@@ -295,13 +305,31 @@ TrainResult Engine::run() {
   res.peak_activations = static_cast<int64_t>(mem[3]);
   res.peak_comm = static_cast<int64_t>(mem[4]);
   res.peak_total = static_cast<int64_t>(mem[5]);
+  Backend::DeviceMemory dm;
+  if (be_.device_memory(&dm)) {  // every rank runs the same backend: all reach this reduction
+    double d[2 * kMemPools + 2];
+    for (int i = 0; i < kMemPools; ++i) {
+      d[i] = static_cast<double>(dm.used_peak[i]);
+      d[kMemPools + i] = static_cast<double>(dm.reserved_peak[i]);
+    }
+    d[2 * kMemPools] = static_cast<double>(dm.total - dm.free);
+    d[2 * kMemPools + 1] = static_cast<double>(dm.total);
+    comm_.all_reduce(d, 2 * kMemPools + 2, world_, ReduceOp::max);
+    res.has_device_memory = true;
+    for (int i = 0; i < kMemPools; ++i) {
+      res.device_used_peak[i] = static_cast<int64_t>(d[i]);
+      res.device_reserved_peak[i] = static_cast<int64_t>(d[kMemPools + i]);
+    }
+    res.device_in_use = static_cast<int64_t>(d[2 * kMemPools]);
+    res.device_total = static_cast<int64_t>(d[2 * kMemPools + 1]);
+  }
   // The data-parallel reductions of one step run alone (blocking, nothing to overlap
   // with): what the overlapped ones would cost if fully exposed.
   if (plan_.d > 1) {
     // In the backend's memory, where the communicator works.
     Buf scratch = Buf::untracked(&be_, sh_.full_size), out = Buf::untracked(&be_, sh_.shard_size);
     comm_.barrier(dp_);
-    const double t0 = comm_.wtime();
+    const double t0 = now();
     const int64_t per_step = zero_ >= 2 ? mb_count_ : 1;
     for (int64_t k = 0; k < per_step; ++k)
       for (size_t u = 0; u < lay_.units.size(); ++u) {
@@ -315,7 +343,7 @@ TrainResult Engine::run() {
         comm_.all_gather(f + sh_.me * sh_.shard[u], f, sh_.shard[u], dp_);
       }
     }
-    double dt = comm_.wtime() - t0;
+    double dt = now() - t0;
     comm_.all_reduce(&dt, 1, world_, ReduceOp::max);
     res.dp_comm_standalone_s = dt;
   }
@@ -401,6 +429,23 @@ Json train_result_to_json(const TrainResult& r) {
   j["peak_memory_bytes"] = {{"weights", r.peak_weights},         {"gradients", r.peak_gradients},
                             {"optimizer_states", r.peak_optimizer}, {"activations", r.peak_activations},
                             {"comm_buffers", r.peak_comm},         {"total", r.peak_total}};
+  if (r.has_device_memory) {
+    Json used = Json::object(), reserved = Json::object();
+    int64_t used_sum = 0, reserved_sum = 0;
+    for (int i = 0; i < kMemPools; ++i) {
+      const char* name = i < kMemCategories ? to_string(static_cast<MemCategory>(i)) : "untracked";
+      used[name] = r.device_used_peak[i];
+      reserved[name] = r.device_reserved_peak[i];
+      used_sum += r.device_used_peak[i];
+      reserved_sum += r.device_reserved_peak[i];
+    }
+    used["sum_of_peaks"] = used_sum;
+    reserved["sum_of_peaks"] = reserved_sum;
+    j["device_memory_bytes"] = {{"pool_peak_in_use", used},
+                                {"pool_peak_reserved", reserved},
+                                {"device_in_use_after_training", r.device_in_use},
+                                {"device_total", r.device_total}};
+  }
   j["time_s"] = {{"forward", r.forward_s},   {"backward", r.backward_s},   {"recompute", r.recompute_s},
                  {"optimizer", r.optimizer_s}, {"tp_comm", r.tp_comm_s},   {"pp_comm", r.pp_comm_s},
                  {"dp_comm", r.dp_comm_s},   {"dp_comm_in_flight", r.dp_comm_total_s},

@@ -82,11 +82,25 @@ struct TrainResult {
   double replica_max_abs_diff = 0;  // parameters across data-parallel replicas after training
   double entropy_rate_nats = -1;    // the synthetic source's loss floor; -1 for files
   double model_flops_per_step = 0;  // 6*N*tokens + attention, no recompute (Megatron's)
+  // The device's own accounting (CUDA backend; absent on the CPU): the peak bytes in use and
+  // reserved of each memory pool (by SPEC category, then "untracked") on the rank with the
+  // largest total, and the device's bytes in use after training (driver context, libraries
+  // and every pool's reserve: what nvidia-smi shows). Values are stored as 4-byte floats
+  // whatever the training precision.
+  bool has_device_memory = false;
+  int64_t device_used_peak[6] = {}, device_reserved_peak[6] = {};
+  int64_t device_in_use = 0, device_total = 0;
 };
 
 // Throws InputError (exit 2) naming the field and the rule: world size, divisibility of
 // heads, groups, ffn, vocabulary, sequence, layers, batch.
 void validate_train_plan(const ModelSpec& m, const Plan& p, int world_size);
+// Throws InputError when a rank of the plan cannot fit in `capacity` bytes (described by
+// `where`, e.g. "this machine has 24 GB"): a rough bound, parameters, gradients and Adam
+// states at 16 bytes per parameter of the rank's share, plus the first stage's activations
+// (Korthikanti's values per token, hidden unit and layer, the S x S scores unless the
+// attention is fused, fp32, up to pp micro-batches in flight).
+void check_rank_fits(const ModelSpec& m, const Plan& p, double capacity, const std::string& where);
 
 TrainResult train(const ModelSpec& m, const Plan& p, const TrainOptions& o, Comm& comm, Backend& be);
 

@@ -23,22 +23,36 @@ Group world_of(const Comm& comm) {
 }
 
 // Runs fn() enough times for min_time_s (every rank the same count); returns the mean
-// seconds per call on the slowest rank.
-double time_calls(Comm& comm, double min_time_s, const std::function<void()>& fn) {
+// seconds per call on the slowest rank. The backend's queued work is waited for before each
+// clock reading (a GPU's stream), so the time is the device's.
+double time_calls(Comm& comm, Backend& be, double min_time_s, const std::function<void()>& fn) {
   const Group w = world_of(comm);
   fn();  // warm-up
+  be.synchronise();
   comm.barrier(w);
   double t0 = comm.wtime();
   fn();
+  be.synchronise();
   double one = comm.wtime() - t0;
   comm.all_reduce(&one, 1, w, ReduceOp::max);
   const int64_t iters = std::clamp<int64_t>(static_cast<int64_t>(min_time_s / std::max(one, 1e-9)), 3, 2000);
   comm.barrier(w);
   t0 = comm.wtime();
   for (int64_t i = 0; i < iters; ++i) fn();
+  be.synchronise();
   double mean = (comm.wtime() - t0) / static_cast<double>(iters);
   comm.all_reduce(&mean, 1, w, ReduceOp::max);
   return mean;
+}
+
+// n floats in the backend's memory holding a copy of `host` (or `value` everywhere).
+Buf on_backend(Backend& be, const std::vector<float>& host) {
+  Buf b = Buf::untracked(&be, static_cast<int64_t>(host.size()));
+  be.to_device(b.data(), host.data(), b.size());
+  return b;
+}
+Buf on_backend(Backend& be, int64_t n, float value) {
+  return on_backend(be, std::vector<float>(static_cast<size_t>(std::max<int64_t>(n, 0)), value));
 }
 
 const char* op_name(Collective c) {
@@ -53,7 +67,7 @@ const char* op_name(Collective c) {
 
 // One collective at one size: fills the buffers with exact small integers, runs it,
 // counts wrong elements, then times it.
-CollectiveRow measure(Comm& comm, Collective op, int64_t bytes, double min_time_s) {
+CollectiveRow measure(Comm& comm, Backend& be, Collective op, int64_t bytes, double min_time_s) {
   const Group w = world_of(comm);
   const int n = comm.size(), me = comm.rank();
   CollectiveRow row;
@@ -63,19 +77,19 @@ CollectiveRow measure(Comm& comm, Collective op, int64_t bytes, double min_time_
   const int64_t block = std::max<int64_t>(1, bytes / 4 / (blocks ? n : 1));
   row.count = blocks ? block * n : block;
   row.bytes = row.count * 4;
-  std::vector<float> in(static_cast<size_t>(blocks ? block * n : block)), out(in.size());
-  auto fill = [&] {
-    for (size_t i = 0; i < in.size(); ++i) {
-      if (op == Collective::all_gather) in[i] = static_cast<float>(me * 1000 + static_cast<int>(i % 17));
-      else if (op == Collective::send_recv) in[i] = static_cast<float>(me * 100 + static_cast<int>(i % 19));
-      else in[i] = static_cast<float>(me + 1 + static_cast<int>(i % 13));
-    }
-  };
+  // Buffers in the backend's memory (device memory for CUDA), as the executor's are.
+  std::vector<float> host_in(static_cast<size_t>(blocks ? block * n : block)), out_host(host_in.size());
+  for (size_t i = 0; i < host_in.size(); ++i) {
+    if (op == Collective::all_gather) host_in[i] = static_cast<float>(me * 1000 + static_cast<int>(i % 17));
+    else if (op == Collective::send_recv) host_in[i] = static_cast<float>(me * 100 + static_cast<int>(i % 19));
+    else host_in[i] = static_cast<float>(me + 1 + static_cast<int>(i % 13));
+  }
+  Buf in = on_backend(be, host_in), out = Buf::untracked(&be, static_cast<int64_t>(host_in.size()));
   const int next = (me + 1) % n, prev = (me + n - 1) % n;
   auto run = [&] {
     switch (op) {
       case Collective::all_reduce:
-        std::copy(in.begin(), in.begin() + block, out.begin());
+        be.copy(out.data(), in.data(), block);
         comm.all_reduce(out.data(), block, w);
         break;
       case Collective::all_gather: comm.all_gather(in.data(), out.data(), block, w); break;
@@ -89,8 +103,9 @@ CollectiveRow measure(Comm& comm, Collective op, int64_t bytes, double min_time_
       }
     }
   };
-  fill();
   run();
+  be.synchronise();
+  be.to_host(out_host.data(), out.data(), out.size());
   int64_t wrong = 0;
   const float tri = static_cast<float>(n * (n + 1) / 2);
   for (int64_t i = 0; i < (op == Collective::all_gather ? block * n : block); ++i) {
@@ -103,17 +118,17 @@ CollectiveRow measure(Comm& comm, Collective op, int64_t bytes, double min_time_
         break;
       case Collective::send_recv: want = static_cast<float>(prev * 100 + static_cast<int>(i % 19)); break;
     }
-    if (out[static_cast<size_t>(i)] != want) ++wrong;
+    if (out_host[static_cast<size_t>(i)] != want) ++wrong;
   }
   double wr = static_cast<double>(wrong);
   comm.all_reduce(&wr, 1, w);
   row.wrong = static_cast<int64_t>(wr);
   // Timed: the collective alone. The all-reduce (in place) runs on a buffer of zeros, so
   // no copy of the input joins the timing and repeated sums stay finite.
-  std::vector<float> zeros(static_cast<size_t>(block), 0.0f);
+  Buf zeros = Buf::untracked(&be, block);
   row.time_s = op == Collective::all_reduce
-                   ? time_calls(comm, min_time_s, [&] { comm.all_reduce(zeros.data(), block, w); })
-                   : time_calls(comm, min_time_s, run);
+                   ? time_calls(comm, be, min_time_s, [&] { comm.all_reduce(zeros.data(), block, w); })
+                   : time_calls(comm, be, min_time_s, run);
   row.algbw_gbps = static_cast<double>(row.bytes) / row.time_s / 1e9;
   row.busbw_gbps = row.algbw_gbps * bus_factor_of(op, n);
   return row;
@@ -151,27 +166,31 @@ CollectiveFit fit(Collective op, const std::vector<CollectiveRow>& rows, int n) 
 double time_kernel(Comm& comm, Backend& be, const MemoryKernel& k, double min_time_s) {
   const int64_t n = k.rows * k.width;
   const bool gated = k.act != Activation::gelu;
-  const size_t un = static_cast<size_t>(gated && (k.kind == KernelKind::activation_forward ||
-                                                  k.kind == KernelKind::activation_backward) ? 2 * n : n);
-  std::vector<float> x(un), y(un), dy(static_cast<size_t>(n), 0.01f), w(static_cast<size_t>(k.width), 1.0f),
-      bias(static_cast<size_t>(k.width), 0.0f), dw(static_cast<size_t>(k.width)), db(static_cast<size_t>(k.width)),
-      mean(static_cast<size_t>(k.rows)), rstd(static_cast<size_t>(k.rows));
-  for (size_t i = 0; i < un; ++i) x[i] = 0.001f * static_cast<float>(static_cast<int64_t>(i % 2001) - 1000);
+  const int64_t un = gated && (k.kind == KernelKind::activation_forward || k.kind == KernelKind::activation_backward)
+                         ? 2 * n
+                         : n;
+  std::vector<float> xh(static_cast<size_t>(un));
+  for (size_t i = 0; i < xh.size(); ++i) xh[i] = 0.001f * static_cast<float>(static_cast<int64_t>(i % 2001) - 1000);
+  // Every buffer in the backend's memory.
+  Buf x = on_backend(be, xh), y = Buf::untracked(&be, un), dy = on_backend(be, n, 0.01f),
+      w = on_backend(be, k.width, 1.0f), bias = Buf::untracked(&be, k.width), dw = Buf::untracked(&be, k.width),
+      db = Buf::untracked(&be, k.width), mean = Buf::untracked(&be, k.rows), rstd = Buf::untracked(&be, k.rows);
   const bool ln = k.norm == Norm::layernorm;
   if (k.kind == KernelKind::norm_backward) {  // the statistics the backward reads
     if (ln) be.layernorm_forward(y.data(), mean.data(), rstd.data(), x.data(), w.data(), bias.data(), k.rows, k.width);
     else be.rmsnorm_forward(y.data(), rstd.data(), x.data(), w.data(), k.rows, k.width);
   }
-  std::vector<float> m, v;
-  std::vector<uint8_t> decay, counted;
+  Buf m, v;
+  ByteBuf decay, counted;
   if (k.kind == KernelKind::optimizer) {
-    m.assign(static_cast<size_t>(n), 0.0f);
-    v.assign(static_cast<size_t>(n), 0.0f);
-    decay.assign(static_cast<size_t>(n), 1);
-    counted.assign(static_cast<size_t>(n), 1);
+    m = Buf::untracked(&be, n);
+    v = Buf::untracked(&be, n);
+    const std::vector<uint8_t> ones(static_cast<size_t>(n), 1);
+    decay = ByteBuf(&be, ones.data(), ones.size());
+    counted = ByteBuf(&be, ones.data(), ones.size());
   }
   int64_t step = 0;
-  return time_calls(comm, min_time_s, [&] {
+  return time_calls(comm, be, min_time_s, [&] {
     switch (k.kind) {
       case KernelKind::norm_forward:
         if (ln) be.layernorm_forward(y.data(), mean.data(), rstd.data(), x.data(), w.data(), bias.data(), k.rows, k.width);
@@ -189,8 +208,8 @@ double time_kernel(Comm& comm, Backend& be, const MemoryKernel& k, double min_ti
         break;
       case KernelKind::optimizer: {  // what Engine::optimizer_step runs per parameter
         double acc[2] = {0, 0};
-        grad_norm_terms(x.data(), counted.data(), n, acc);
-        adamw_update(y.data(), x.data(), m.data(), v.data(), decay.data(), n, AdamW{}, 1e-4, ++step, 1.0f);
+        be.grad_norm_terms(x.data(), counted.data(), n, acc);
+        be.adamw(y.data(), x.data(), m.data(), v.data(), decay.data(), n, AdamW{}, 1e-4, ++step, 1.0f);
         break;
       }
     }
@@ -277,9 +296,9 @@ ProfileResult run_profile(Comm& comm, Backend& be, const ProfileOptions& o) {
     shapes.push_back({N, N, 4 * N});
   }
   shapes.insert(shapes.end(), o.extra_gemms.begin(), o.extra_gemms.end());
-  std::vector<int64_t> triad_bytes;
+  std::vector<int64_t> stream_bytes;
   for (int64_t bytes = int64_t{12} << 8; bytes <= (o.quick ? int64_t{12} << 22 : int64_t{12} << 24); bytes *= 4)
-    triad_bytes.push_back(bytes);
+    stream_bytes.push_back(bytes);
   const int64_t lo = o.quick ? int64_t{4} << 10 : int64_t{1} << 10;
   const int64_t hi = o.quick ? std::min<int64_t>(o.max_message_bytes, int64_t{4} << 20) : o.max_message_bytes;
   std::vector<int64_t> message_bytes;
@@ -292,7 +311,13 @@ ProfileResult run_profile(Comm& comm, Backend& be, const ProfileOptions& o) {
     g.S = 512;
     kernels = model_memory_kernels(g, 1);
   }
-  const int total = static_cast<int>(shapes.size() + triad_bytes.size() + kernels.size() + 4 * message_bytes.size());
+  const int total = static_cast<int>(shapes.size() + (o.gemm_precision ? 1 : 0) + stream_bytes.size() + kernels.size() +
+                                     4 * message_bytes.size());
+  // What the device holds before the profile allocates anything (driver context, library
+  // handles and workspaces): the framework's own memory, where the backend can say.
+  Backend::DeviceMemory dm0;
+  const bool device = be.device_memory(&dm0);
+  if (o.gemm_precision) o.gemm_precision(Precision::bf16);
   int done = 0;
   const double t_begin = comm.wtime();
   auto say = [&](const std::string& s) {
@@ -313,10 +338,10 @@ ProfileResult run_profile(Comm& comm, Backend& be, const ProfileOptions& o) {
                   sc = std::max({g.M * g.N, g.M * g.K, g.N * g.K});
     const int64_t one = 4 * (sa + sb + sc);
     const int64_t copies = std::clamp<int64_t>(kColdBytes / std::max<int64_t>(one, 1), 1, 64);
-    std::vector<float> a(static_cast<size_t>(copies * sa), 0.5f), b(static_cast<size_t>(copies * sb), 0.25f),
-        c(static_cast<size_t>(copies * sc), 0.0f);
+    Buf a = on_backend(be, copies * sa, 0.5f), b = on_backend(be, copies * sb, 0.25f),
+        c = Buf::untracked(&be, copies * sc);
     int64_t next = 0;
-    const double t = time_calls(comm, o.min_time_s, [&] {
+    const double t = time_calls(comm, be, o.min_time_s, [&] {
       const int64_t i = next++ % copies;
       float *A = a.data() + i * sa, *B = b.data() + i * sb, *C = c.data() + i * sc;
       be.gemm(false, true, g.M, g.N, g.K, 1.0f, A, g.K, B, g.K, 0.0f, C, g.N);   // y = x W^T
@@ -328,15 +353,27 @@ ProfileResult run_profile(Comm& comm, Backend& be, const ProfileOptions& o) {
     say(fmt::format("gemm {}x{}x{}: {:.1f} GFLOP/s per rank", g.M, g.N, g.K, flops / t / 1e9));
   }
   std::sort(res.gemm.begin(), res.gemm.end());
-  // Memory: STREAM triad a = b + s * c, 12 bytes per element.
-  for (int64_t bytes : triad_bytes) {
-    const int64_t e = bytes / 12;
-    std::vector<float> a(static_cast<size_t>(e)), b(static_cast<size_t>(e), 1.0f), c(static_cast<size_t>(e), 2.0f);
-    const double t = time_calls(comm, o.min_time_s, [&] {
-      for (int64_t i = 0; i < e; ++i) a[static_cast<size_t>(i)] = b[static_cast<size_t>(i)] + 0.5f * c[static_cast<size_t>(i)];
+  // The fp32 GEMM peak, where the sweep ran in 16 bits (CUDA): the largest square shape
+  // again, its three products in fp32 (no TF32).
+  double fp32_peak = 0;
+  if (o.gemm_precision) {
+    const int64_t N = sizes.back();
+    Buf a = on_backend(be, N * N, 0.5f), b = on_backend(be, N * N, 0.25f), c = Buf::untracked(&be, N * N);
+    o.gemm_precision(Precision::fp32);
+    const double t = time_calls(comm, be, o.min_time_s, [&] {
+      be.gemm(false, true, N, N, N, 1.0f, a.data(), N, b.data(), N, 0.0f, c.data(), N);
     });
+    o.gemm_precision(Precision::bf16);
+    fp32_peak = 2.0 * static_cast<double>(N * N * N) / t;
+    say(fmt::format("gemm {0}x{0}x{0} fp32: {1:.1f} GFLOP/s per rank", N, fp32_peak / 1e9));
+  }
+  // Memory: STREAM add a = b + c (12 bytes per element) with the backend's own kernel.
+  for (int64_t bytes : stream_bytes) {
+    const int64_t e = bytes / 12;
+    Buf a = Buf::untracked(&be, e), b = on_backend(be, e, 1.0f), c = on_backend(be, e, 2.0f);
+    const double t = time_calls(comm, be, o.min_time_s, [&] { be.add(a.data(), b.data(), c.data(), e); });
     res.memory.push_back({static_cast<double>(bytes), static_cast<double>(bytes) / t});
-    say(fmt::format("triad {} bytes: {:.1f} GB/s per rank", bytes, static_cast<double>(bytes) / t / 1e9));
+    say(fmt::format("stream add {} bytes: {:.1f} GB/s per rank", bytes, static_cast<double>(bytes) / t / 1e9));
   }
   // The executor's memory-bound kernels, in the cost model's bytes.
   for (const MemoryKernel& k : kernels) {
@@ -349,7 +386,7 @@ ProfileResult run_profile(Comm& comm, Backend& be, const ProfileOptions& o) {
   if (n > 1) {
     for (Collective op : {Collective::all_reduce, Collective::all_gather, Collective::reduce_scatter, Collective::send_recv}) {
       for (int64_t bytes : message_bytes) {
-        res.rows.push_back(measure(comm, op, bytes, o.min_time_s));
+        res.rows.push_back(measure(comm, be, op, bytes, o.min_time_s));
         say(fmt::format("{} {} bytes: busbw {:.2f} GB/s", op_name(op), res.rows.back().bytes, res.rows.back().busbw_gbps));
       }
       res.fits.push_back(fit(op, res.rows, n));
@@ -357,8 +394,9 @@ ProfileResult run_profile(Comm& comm, Backend& be, const ProfileOptions& o) {
   }
   // The cluster: local-cpu's framework constants, every measured field replaced.
   Cluster c = load_cluster("local-cpu");
-  c.name = "measured-cpu";
-  c.description = fmt::format("measured by strata profile on {} rank(s) of this machine, all ranks at once", n);
+  c.name = std::string("measured-") + be.name();
+  c.description = fmt::format("measured by strata profile on {} rank(s) of this machine, all ranks at once, {} backend{}",
+                              n, be.name(), device ? "; links: host-staged Open MPI between device buffers" : "");
   double peak = 0;
   for (const auto& [f, r] : res.gemm) peak = std::max(peak, r);
   std::vector<std::pair<double, double>> ge;
@@ -366,16 +404,17 @@ ProfileResult run_profile(Comm& comm, Backend& be, const ProfileOptions& o) {
     if (!ge.empty() && ge.back().first == f) ge.back().second = std::max(ge.back().second, r / peak);
     else ge.push_back({f, r / peak});
   }
-  c.device.name = "CPU core per rank (Eigen fp32), measured";
+  c.device.name = o.device_name.empty() ? "CPU core per rank (Eigen fp32), measured" : o.device_name + ", measured";
   c.device.peak_fp32_flops = c.device.peak_tf32_flops = c.device.peak_bf16_flops = c.device.peak_fp16_flops = peak;
+  if (fp32_peak > 0) c.device.peak_fp32_flops = c.device.peak_tf32_flops = fp32_peak;  // the sweep was 16-bit
   c.device.peak_fp8_flops = 0;
   c.device.gemm_efficiency = Curve(ge);
-  // The peak: the best any memory kernel reached (the triad, unless a slower build or a
+  // The peak: the best any memory kernel reached (STREAM add, unless a slower build or a
   // busy core held it below one of the executor's kernels).
   double bw = 0;
   for (const auto& [b, r] : res.memory) bw = std::max(bw, r);
   for (const auto& k : res.kernels) bw = std::max(bw, k.bytes_per_s);
-  // The efficiency curve is that of the kernels training runs (the triad gives the peak):
+  // The efficiency curve is that of the kernels training runs (STREAM add gives the peak):
   // points at the same size are averaged.
   std::vector<std::pair<double, double>> me;
   std::vector<std::pair<double, double>> kp;
@@ -392,8 +431,13 @@ ProfileResult run_profile(Comm& comm, Backend& be, const ProfileOptions& o) {
     for (const auto& [b, r] : res.memory) me.push_back({b, r / bw});
   c.device.memory_bandwidth_bytes_per_s = bw;
   c.device.memory_efficiency = Curve(me);
-  const double ram = physical_memory_bytes();
-  c.device.memory_bytes = ram / n;
+  if (device) {  // the device's memory, and what it held before the profile: the framework's
+    c.device.memory_bytes = static_cast<double>(dm0.total);
+    c.framework_overhead_bytes = static_cast<double>(dm0.total - dm0.free);
+  } else {
+    const double ram = physical_memory_bytes();
+    c.device.memory_bytes = ram / n;
+  }
   c.devices_per_node = n;
   bool fitted = n > 1 && message_bytes.size() >= 3;
   for (const CollectiveFit& f : res.fits) fitted = fitted && f.busbw_bytes_per_s > 0;
@@ -433,7 +477,7 @@ std::string format_profile_summary(const ProfileResult& r) {
   std::string s;
   s += "GEMM (per rank, all ranks at once)\n";
   for (const auto& [f, rate] : r.gemm) s += fmt::format("  {:>12.3g} FLOPs  {:>8.1f} GFLOP/s\n", f, rate / 1e9);
-  s += "memory, STREAM triad (per rank, all ranks at once)\n";
+  s += "memory, STREAM add a = b + c (per rank, all ranks at once)\n";
   for (const auto& [b, bw] : r.memory) s += fmt::format("  {:>12.3g} bytes  {:>8.2f} GB/s\n", b, bw / 1e9);
   s += "memory-bound kernels of the executor, in the cost model's bytes (per rank, all ranks at once)\n";
   for (const auto& k : r.kernels)

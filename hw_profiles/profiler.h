@@ -2,7 +2,7 @@
 // runs the sweeps at the same time, so ranks that share cores or memory bandwidth are
 // measured sharing them. GEMM rate by size (the backend's own GEMM, operands rotated
 // through more memory than the caches hold, as in a training step), peak memory bandwidth
-// (STREAM triad) and the achieved bandwidth of the executor's own memory-bound kernels
+// (STREAM add, with the backend's own kernel) and the achieved bandwidth of the executor's own memory-bound kernels
 // (norms, activations, optimizer) at the model's sizes, and the collectives nccl-tests measures (all-reduce,
 // all-gather, reduce-scatter, send/recv) by message size with every result checked; then
 // latency + size/bandwidth fitted per collective, and a cluster JSON in the preset schema.
@@ -58,6 +58,10 @@ struct ProfileOptions {
   // A line per finished sweep point on rank 0: what was measured, points done and total,
   // seconds elapsed and the estimated seconds left.
   std::function<void(const std::string&, int done, int total, double elapsed_s, double eta_s)> progress;
+  std::string device_name;  // the device measured (CUDA); empty on the CPU
+  // Backends whose GEMM precision is chosen (CUDA): the sweep runs in bf16 (the cost
+  // model's efficiency curve is the 16-bit one) and one point in fp32 gives that peak.
+  std::function<void(Precision)> gemm_precision;
 };
 
 // One row of the nccl-tests table. bytes: all-reduce and send/recv the buffer, all-gather
@@ -79,7 +83,7 @@ struct CollectiveFit {
 struct ProfileResult {
   int ranks = 1;
   std::vector<std::pair<double, double>> gemm;    // (FLOPs of one GEMM, FLOP/s), slowest rank
-  std::vector<std::pair<double, double>> memory;  // STREAM triad: (bytes one kernel moves, bytes/s), slowest rank
+  std::vector<std::pair<double, double>> memory;  // STREAM add: (bytes one kernel moves, bytes/s), slowest rank
   struct KernelPoint {
     MemoryKernel kernel;
     double bytes = 0, bytes_per_s = 0;  // the cost model's bytes, slowest rank

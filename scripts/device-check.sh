@@ -7,11 +7,14 @@
 #   3. the kernels' speed (cuda_bench: GEMMs in fp32, bf16, fp16; unfused and flash
 #      attention at the gpt2-124m shape);
 #   4. tiny-gpt, 30 steps bf16, on the GPU and on the CPU: the loss curves compared;
-#   5. gpt2-124m (sequence 1024, bf16, micro-batch 8), 6 steps on the GPU: step time, MFU
-#      against the H200's 989 TFLOP/s, peak memory; `strata estimate` of the same plan on the
-#      dgx-h200-141g preset beside it (predicted / measured);
+#   5. gpt2-124m (sequence 1024, bf16, micro-batch 8), 6 steps on the GPU with the unfused
+#      and with the fused (flash) attention: step time, MFU against the H200's 989 TFLOP/s,
+#      the device's memory; `strata estimate` of the same plan on the dgx-h200-141g preset
+#      beside it (predicted / measured);
 #   6. tp2 and dp2 ZeRO-1 tiny-gpt plans as 2 ranks sharing the one GPU (host-staged
-#      communicator), final loss against the same plan on the CPU.
+#      communicator), final loss against the same plan on the CPU;
+#   7. `strata profile --backend cuda` on one rank, and the estimate of the step-5 plans on
+#      the measured profile against their measured step times.
 # Prints one table at the end; given a folder, writes the full log and every JSON there.
 #   usage: scripts/device-check.sh [LOG_DIR]
 set -uo pipefail
@@ -67,26 +70,38 @@ except Exception as e:
 EOF
 )"
 
-# 5. gpt2-124m on the GPU, and the estimate of the same plan.
-P124="tp=1,mbs=8,gbs=8,precision=bf16"
-timeout 300 $S train --model gpt2-124m --plan $P124 --steps 6 --quiet --backend cuda --json "$OUT/gpt2_cuda.json" 2>&1 | log
-$S estimate --model gpt2-124m --cluster dgx-h200-141g --plan "$P124,attention=unfused" --json > "$OUT/gpt2_estimate.json" 2>> "$OUT/device-check.log"
-row "gpt2-124m bf16 S1024 mbs8 on the GPU: step, MFU, memory; estimate (dgx-h200-141g)" "$(python3 - "$OUT" <<'EOF' 2>&1
+# 5. gpt2-124m on the GPU with the unfused and the fused attention, and the estimate of
+# each plan. Memory: the device's own pool peaks (by category, 4-byte storage) and its
+# memory in use after training (context, libraries, pools' reserve), against the estimate.
+# The estimate runs on the H200 preset with the executor's software stack ("strata": no
+# dropout, fp32 gradient accumulation, its own overlap), the stack that actually runs here.
+python3 -c "import json,sys; c=json.load(open('hw_profiles/dgx-h200-141g.json')); c['framework']['software_stack']='strata'; c['name']=c.get('name','dgx-h200-141g')+'-strata'; json.dump(c,open(sys.argv[1],'w'),indent=1)" "$OUT/h200-strata.json"
+for att in unfused flash; do
+  P124="tp=1,mbs=8,gbs=8,precision=bf16,attention=$att"
+  timeout 300 $S train --model gpt2-124m --plan $P124 --steps 6 --quiet --backend cuda --json "$OUT/gpt2_$att.json" 2>&1 | log
+  $S estimate --model gpt2-124m --cluster "$OUT/h200-strata.json" --plan "$P124" --json > "$OUT/gpt2_${att}_estimate.json" 2>> "$OUT/device-check.log"
+  row "gpt2-124m bf16 S1024 mbs8 attention=$att on the GPU: step, MFU, memory; estimate (dgx-h200-141g, strata stack)" "$(python3 - "$OUT" "$att" <<'EOF' 2>&1
 import json, sys
-d = sys.argv[1]
+d, att = sys.argv[1], sys.argv[2]
 try:
-    r = json.load(open(d + "/gpt2_cuda.json"))
-    e = json.load(open(d + "/gpt2_estimate.json"))
+    r = json.load(open("%s/gpt2_%s.json" % (d, att)))
+    e = json.load(open("%s/gpt2_%s_estimate.json" % (d, att)))
     step = r["median_step_time_s"]
     mfu = r["model_flops_per_step"] / step / 989.4e12
-    mem = r["peak_memory_bytes"]["total"]
-    print("measured %.4f s/step, MFU %.1f%% (target 40%%), peak %.2f GiB; predicted %.4f s (%+.1f%%), %.2f GiB (%+.1f%%)"
-          % (step, 100 * mfu, mem / 2**30, e["step_time_s"], 100 * (e["step_time_s"] / step - 1),
-             e["memory_bytes"]["peak"] / 2**30, 100 * (e["memory_bytes"]["peak"] / mem - 1)))
+    tracked = r["peak_memory_bytes"]["total"]
+    dm = r["device_memory_bytes"]
+    dev = dm["device_in_use_after_training"]
+    pools = dm["pool_peak_in_use"]["sum_of_peaks"]
+    pe = e["memory_bytes"]["peak"]
+    print("measured %.4f s/step, MFU %.1f%% (target 40%%); predicted %.4f s (%+.1f%%). Memory: device in use %.2f GiB, "
+          "predicted peak %.2f GiB (%+.1f%%); pools' peaks %.2f GiB, tracked %.2f GiB"
+          % (step, 100 * mfu, e["step_time_s"], 100 * (e["step_time_s"] / step - 1), dev / 2**30, pe / 2**30,
+             100 * (pe / dev - 1), pools / 2**30, tracked / 2**30))
 except Exception as e:
     print("FAILED (%s)" % e)
 EOF
 )"
+done
 
 # 6. Two ranks on the one GPU through the host-staged communicator.
 for plan in "tp=2,precision=fp32" "dp=2,zero=1,mbs=1,gbs=4,precision=fp32"; do
@@ -108,7 +123,37 @@ except Exception as e:
 EOF
 )"
 done
-row "profile --backend cuda, NCCL collectives" "not built yet (issue 5)"
+# 7. strata profile on the GPU (GEMMs in bf16 and fp32, memory and kernels in device memory;
+# one rank: ranks sharing the GPU would each measure half of it), and the estimate of the
+# gpt2-124m plans on the measured profile against their measured step times.
+timeout 300 $S profile --backend cuda --quick --model gpt2-124m \
+  --out "$OUT/profile_cuda.json" > "$OUT/profile_cuda.txt" 2>&1
+prof_rc=$?
+cat "$OUT/profile_cuda.txt" >> "$OUT/device-check.log"
+for att in unfused flash; do
+  $S estimate --model gpt2-124m --cluster "$OUT/profile_cuda.json" --plan "tp=1,mbs=8,gbs=8,precision=bf16,attention=$att" \
+    --json > "$OUT/gpt2_${att}_on_profile.json" 2>> "$OUT/device-check.log"
+done
+row "profile --backend cuda (one rank), estimate of gpt2-124m on it" "$(python3 - "$OUT" "$prof_rc" <<'EOF' 2>&1
+import json, sys
+d, rc = sys.argv[1], int(sys.argv[2])
+try:
+    c = json.load(open(d + "/profile_cuda.json"))
+    dev = c["device"]
+    out = ["exit %d; bf16 GEMM peak %.0f TFLOP/s, fp32 %.0f, memory %.0f GB/s, framework %.2f GiB" % (
+        rc, dev["peak_tflops"]["bf16"], dev["peak_tflops"]["fp32"], dev["memory_bandwidth_gbps"],
+        c["framework"]["overhead_bytes"] / 2**30)]
+    for att in ("unfused", "flash"):
+        e = json.load(open("%s/gpt2_%s_on_profile.json" % (d, att)))
+        r = json.load(open("%s/gpt2_%s.json" % (d, att)))
+        m = r["median_step_time_s"]
+        out.append("%s: predicted %.4f s vs measured %.4f s (%+.1f%%)" % (att, e["step_time_s"], m, 100 * (e["step_time_s"] / m - 1)))
+    print("; ".join(out))
+except Exception as e:
+    print("FAILED (exit %d; %s)" % (rc, e))
+EOF
+)"
+row "NCCL communicator" "not built yet (issue 5): ranks on GPUs talk through the host-staged communicator"
 
 {
   echo

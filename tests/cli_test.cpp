@@ -264,7 +264,8 @@ TEST(Cli, BadInputExits2NamingTheField) {
       {"train --model tiny-gpt --plan tp=1 --steps 0", "--steps"},
       {"train --model tiny-gpt --plan tp=2 --steps 2", "mpirun -np 2"},
       {"train --model tiny-gpt --plan tp=1 --steps 2 --backend tpu", "--backend"},
-      {"profile --backend cuda", "--backend cuda"},  // no GPU here, or (on a GPU) profile not wired yet
+      // No GPU: the reason; on a GPU the bad flag after it.
+      {"profile --backend cuda --max-bytes 1", cuda_unavailable_reason().empty() ? "--max-bytes" : "--backend cuda"},
       {"train --model tiny-gpt --plan tp=1 --steps 2 --lr fast", "--lr"},
       {"train --model tiny-gpt --plan tp=1 --steps 2 --data synthetic:100000", "synthetic"},
       {"train --model tiny-gpt --plan tp=1,precision=fp8 --steps 2", "fp8"},
@@ -304,6 +305,20 @@ TEST(Cli, TrainOnTheCudaBackendOrSayWhyNot) {
   ASSERT_EQ(steps.size(), 5u);
   for (const auto& s : steps) EXPECT_TRUE(std::isfinite(s.at("loss").get<double>()));
   EXPECT_LT(steps.back().at("loss").get<double>(), steps.front().at("loss").get<double>());
+  // The device pools' peaks: every category the run allocates, stored as 4-byte floats, so
+  // at least the tracker's bf16-sized peaks.
+  const auto& dm = j.at("device_memory_bytes");
+  for (const char* k : {"weights", "gradients", "optimizer_states", "activations"})
+    EXPECT_GE(dm.at("pool_peak_in_use").at(k).get<double>(), j.at("peak_memory_bytes").at(k).get<double>()) << k;
+  EXPECT_GT(dm.at("device_in_use_after_training").get<double>(), dm.at("pool_peak_reserved").at("sum_of_peaks").get<double>());
+}
+
+// Past the unfused CUDA kernel's 8192 positions the plan must name the fused attention.
+TEST(Cli, CudaTrainRefusesLongUnfusedAttention) {
+  if (!cuda_unavailable_reason().empty()) GTEST_SKIP() << "no GPU: " << cuda_unavailable_reason();
+  const Outcome r = strata("train --model tiny-gpt --plan tp=1 --seq-length 9000 --steps 1 --quiet --backend cuda");
+  EXPECT_EQ(r.code, 2) << r.err;
+  EXPECT_NE(r.err.find("use attention: flash"), std::string::npos) << r.err;
 }
 
 }  // namespace

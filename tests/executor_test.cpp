@@ -147,6 +147,62 @@ Vec to_bshd(const float* x, int64_t S, int64_t B, int64_t heads, int64_t D, int6
   return out;
 }
 
+// The double reference of one causal attention on the executor's packed (S, B, (A+2G)*D)
+// rows: output, probabilities, each query's log-sum-exp (B, A, S), and the gradients of a
+// given dout, for the executor's results to be compared with.
+struct AttentionRef {
+  int64_t S, B, A, G, D;
+  std::vector<float> dout;
+  Vec q, k, v, out, probs, lse, dq, dk, dv;
+  AttentionRef(const std::vector<float>& qkv, std::vector<float> dout_, int64_t S_, int64_t B_, int64_t A_, int64_t G_,
+               int64_t D_)
+      : S(S_), B(B_), A(A_), G(G_), D(D_), dout(std::move(dout_)) {
+    const int64_t Q = (A + 2 * G) * D;
+    q = to_bshd(qkv.data(), S, B, A, D, Q);
+    k = to_bshd(qkv.data() + A * D, S, B, G, D, Q);
+    v = to_bshd(qkv.data() + (A + G) * D, S, B, G, D, Q);
+    out.assign(static_cast<size_t>(B * S * A * D), 0.0);
+    probs.assign(static_cast<size_t>(B * A * S * S), 0.0);
+    ref::attention_forward(out.data(), probs.data(), q.data(), k.data(), v.data(), B, S, A, G, D);
+    lse.assign(static_cast<size_t>(B * A * S), 0.0);
+    for (int64_t b = 0; b < B; ++b)
+      for (int64_t h = 0; h < A; ++h)
+        for (int64_t i = 0; i < S; ++i) {
+          std::vector<double> sc(static_cast<size_t>(i + 1));
+          double mx = -1e300, sum = 0;
+          for (int64_t j = 0; j <= i; ++j) {
+            double d = 0;
+            for (int64_t e = 0; e < D; ++e)
+              d += q[static_cast<size_t>(((b * S + i) * A + h) * D + e)] *
+                   k[static_cast<size_t>(((b * S + j) * G + h / (A / G)) * D + e)];
+            sc[static_cast<size_t>(j)] = d / std::sqrt(static_cast<double>(D));
+            mx = std::max(mx, sc[static_cast<size_t>(j)]);
+          }
+          for (double x : sc) sum += std::exp(x - mx);
+          lse[static_cast<size_t>((b * A + h) * S + i)] = mx + std::log(sum);
+        }
+    const Vec doutd = to_bshd(dout.data(), S, B, A, D, A * D);
+    dq.assign(q.size(), 0.0);
+    dk.assign(k.size(), 0.0);
+    dv.assign(v.size(), 0.0);
+    ref::attention_backward(dq.data(), dk.data(), dv.data(), doutd.data(), probs.data(), q.data(), k.data(), v.data(), B,
+                            S, A, G, D);
+  }
+  void expect_out(const std::vector<float>& got, const std::string& tag) const {
+    const Vec g = to_bshd(got.data(), S, B, A, D, A * D);
+    const std::vector<float> gf(g.begin(), g.end());
+    EXPECT_LT(rel_err(gf.data(), out.data(), static_cast<int64_t>(out.size())), kOpTol) << tag;
+  }
+  void expect_dqkv(const std::vector<float>& dqkv, const std::string& tag) const {
+    const int64_t Q = (A + 2 * G) * D;
+    for (auto [off, heads, want] : {std::tuple{int64_t{0}, A, &dq}, std::tuple{A * D, G, &dk}, std::tuple{(A + G) * D, G, &dv}}) {
+      const Vec g = to_bshd(dqkv.data() + off, S, B, heads, D, Q);
+      const std::vector<float> gf(g.begin(), g.end());
+      EXPECT_LT(rel_err(gf.data(), want->data(), static_cast<int64_t>(want->size())), kOpTol) << tag << " offset " << off;
+    }
+  }
+};
+
 TEST(CpuBackend, RopeAndAttentionMatchReference) {
   auto be = make_cpu_backend();
   Rand r;
@@ -164,28 +220,37 @@ TEST(CpuBackend, RopeAndAttentionMatchReference) {
   be->rope(back.data(), S, B, A, D, Q, true);
   for (size_t i = 0; i < back.size(); ++i) EXPECT_NEAR(back[i], qkv[i], 1e-5);
   // attention forward and backward, with and without saved probabilities.
+  const AttentionRef want(qkv, r.normal(S * B * A * D), S, B, A, G, D);
   std::vector<float> out(static_cast<size_t>(S * B * A * D)), probs(static_cast<size_t>(B * A * S * S));
   be->attention_forward(out.data(), probs.data(), qkv.data(), S, B, A, G, D);
-  Vec qd = to_bshd(qkv.data(), S, B, A, D, Q), kd = to_bshd(qkv.data() + A * D, S, B, G, D, Q),
-      vd = to_bshd(qkv.data() + (A + G) * D, S, B, G, D, Q);
-  Vec od(static_cast<size_t>(B * S * A * D)), pd(static_cast<size_t>(B * A * S * S));
-  ref::attention_forward(od.data(), pd.data(), qd.data(), kd.data(), vd.data(), B, S, A, G, D);
-  Vec outd = to_bshd(out.data(), S, B, A, D, A * D);
-  std::vector<float> outf(outd.begin(), outd.end());
-  EXPECT_LT(rel_err(outf.data(), od.data(), static_cast<int64_t>(od.size())), kOpTol);
-  auto dout = r.normal(S * B * A * D);
-  Vec doutd = to_bshd(dout.data(), S, B, A, D, A * D);
-  Vec dq(qd.size(), 0.0), dk(kd.size(), 0.0), dv(vd.size(), 0.0);
-  ref::attention_backward(dq.data(), dk.data(), dv.data(), doutd.data(), pd.data(), qd.data(), kd.data(), vd.data(), B,
-                          S, A, G, D);
+  want.expect_out(out, "unfused");
   for (bool saved : {true, false}) {
     std::vector<float> dqkv(static_cast<size_t>(S * B * Q));
-    be->attention_backward(dqkv.data(), dout.data(), saved ? probs.data() : nullptr, qkv.data(), S, B, A, G, D);
-    for (auto [off, heads, want] : {std::tuple{int64_t{0}, A, &dq}, std::tuple{A * D, G, &dk}, std::tuple{(A + G) * D, G, &dv}}) {
-      Vec g = to_bshd(dqkv.data() + off, S, B, heads, D, Q);
-      std::vector<float> gf(g.begin(), g.end());
-      EXPECT_LT(rel_err(gf.data(), want->data(), static_cast<int64_t>(want->size())), kOpTol) << "saved " << saved;
-    }
+    be->attention_backward(dqkv.data(), want.dout.data(), saved ? probs.data() : nullptr, qkv.data(), S, B, A, G, D);
+    want.expect_dqkv(dqkv, saved ? "unfused, probabilities saved" : "unfused, recomputed");
+  }
+}
+
+// The fused attention against the double reference at lengths inside one 64-row block,
+// exactly one and across several (ragged last block), for grouped, multi-head and
+// multi-query attention; lse against the log-sum-exp of the scaled causal scores.
+TEST(CpuBackend, FusedAttentionMatchesReference) {
+  auto be = make_cpu_backend();
+  Rand r;
+  struct Shape { int64_t S, B, A, G, D; };
+  for (const Shape sh : {Shape{9, 2, 4, 2, 8}, Shape{64, 2, 2, 2, 4}, Shape{150, 1, 2, 1, 16}, Shape{130, 2, 3, 3, 5}}) {
+    const auto [S, B, A, G, D] = sh;
+    const int64_t Q = (A + 2 * G) * D;
+    const std::string tag = "fused S=" + std::to_string(S) + " A=" + std::to_string(A) + " G=" + std::to_string(G);
+    auto qkv = r.normal(S * B * Q);
+    const AttentionRef want(qkv, r.normal(S * B * A * D), S, B, A, G, D);
+    std::vector<float> out(static_cast<size_t>(S * B * A * D)), lse(static_cast<size_t>(B * A * S));
+    be->flash_attention_forward(out.data(), lse.data(), qkv.data(), S, B, A, G, D);
+    want.expect_out(out, tag);
+    EXPECT_LT(rel_err(lse.data(), want.lse.data(), static_cast<int64_t>(lse.size())), kOpTol) << tag;
+    std::vector<float> dqkv(static_cast<size_t>(S * B * Q), 7.0f);  // overwritten, not accumulated
+    be->flash_attention_backward(dqkv.data(), want.dout.data(), out.data(), lse.data(), qkv.data(), S, B, A, G, D);
+    want.expect_dqkv(dqkv, tag);
   }
 }
 
@@ -236,7 +301,7 @@ ModelSpec spec_mixed() {  // geglu, layernorm, rope, untied, biases, G = 1, D = 
 }
 
 // One forward and backward of the executor's model functions over the global layout.
-double executor_loss_and_grads(const ModelSpec& m, Recompute rc, const std::vector<float>& params,
+double executor_loss_and_grads(const ModelSpec& m, Recompute rc, bool flash, const std::vector<float>& params,
                                const std::vector<int32_t>& tokens, const std::vector<int32_t>& targets, int64_t B,
                                std::vector<float>* grads) {
   auto comm = make_local_comm();
@@ -250,6 +315,7 @@ double executor_loss_and_grads(const ModelSpec& m, Recompute rc, const std::vect
   c.comm = comm.get();
   c.tp = Group{{comm->rank()}, 0, kTensor};
   c.recompute = rc;
+  c.flash = flash;
   c.precision = Precision::fp32;
   c.mem = &mem;
   c.B = B;
@@ -279,7 +345,7 @@ double executor_loss_and_grads(const ModelSpec& m, Recompute rc, const std::vect
   return loss_sum / static_cast<double>(B * m.S);
 }
 
-void check_against_reference(const ModelSpec& m, Recompute rc) {
+void check_against_reference(const ModelSpec& m, Recompute rc, bool flash = false) {
   const ParamLayout lay = global_param_layout(m);
   std::vector<float> params(static_cast<size_t>(lay.size));
   initialise(m, lay, 7, params.data());
@@ -293,7 +359,7 @@ void check_against_reference(const ModelSpec& m, Recompute rc) {
   for (auto& t : tokens) t = static_cast<int32_t>(gen() % static_cast<uint64_t>(V));
   for (auto& t : targets) t = static_cast<int32_t>(gen() % static_cast<uint64_t>(V));
   std::vector<float> g;
-  const double loss = executor_loss_and_grads(m, rc, params, tokens, targets, B, &g);
+  const double loss = executor_loss_and_grads(m, rc, flash, params, tokens, targets, B, &g);
   Vec gd;
   const double ref_loss =
       ref::model_forward_backward(m, Vec(params.begin(), params.end()), tokens.data(), targets.data(), B, m.S, &gd);
@@ -304,8 +370,8 @@ void check_against_reference(const ModelSpec& m, Recompute rc) {
     worst = std::max(worst, e);
     EXPECT_LT(e, 1e-4) << m.name << " " << to_string(s.kind) << " layer " << s.layer;
   }
-  std::printf("  %s recompute=%s: loss %.7f vs reference %.7f; largest gradient error %.2e\n", m.name.c_str(),
-              to_string(rc), loss, ref_loss, worst);
+  std::printf("  %s recompute=%s attention=%s: loss %.7f vs reference %.7f; largest gradient error %.2e\n",
+              m.name.c_str(), to_string(rc), flash ? "flash" : "unfused", loss, ref_loss, worst);
 }
 
 TEST(ExecutorModel, GptMatchesReference) {
@@ -315,6 +381,16 @@ TEST(ExecutorModel, LlamaMatchesReference) {
   for (Recompute rc : {Recompute::none, Recompute::selective, Recompute::full}) check_against_reference(spec_llama(), rc);
 }
 TEST(ExecutorModel, MixedMatchesReference) { check_against_reference(spec_mixed(), Recompute::none); }
+// The fused attention (the plan's attention: flash) in the whole model: every gradient as
+// the double reference's, with the log-sum-exp kept, recomputed (selective) and under full
+// recompute.
+TEST(ExecutorModel, FusedAttentionMatchesReference) {
+  for (Recompute rc : {Recompute::none, Recompute::selective, Recompute::full}) {
+    check_against_reference(spec_gpt(), rc, true);
+    check_against_reference(spec_llama(), rc, true);
+  }
+  check_against_reference(spec_mixed(), Recompute::none, true);
+}
 
 // ---- Process grid, layout, data, sharding, optimizer, memory.
 

@@ -93,6 +93,7 @@ const std::vector<std::string> kPlans = {
     "pp=2,recompute=full,recompute_num_layers=1,mbs=1,gbs=8",  // first layer of each chunk only
     "dp=2,mbs=2,gbs=8",  // gradient accumulation: 2 micro-batches of 2 per rank
     "tp=2,pp=2,dp=2,sp=1,zero=3,recompute=full,mbs=1,gbs=8",
+    "tp=2,pp=2,attention=flash,recompute=selective,mbs=1,gbs=8",  // fused attention, lse recomputed
 };
 
 TEST(TrainEquivalence, GptPlansMatchOneRank) {

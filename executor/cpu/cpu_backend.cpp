@@ -260,6 +260,79 @@ class CpuBackend final : public Backend {
     }
   }
 
+  // Fused attention on the CPU: blocks of kFlashRows queries against the keys up to the
+  // block's last row, so the scores of one block (kFlashRows x S) are the largest scratch;
+  // the backward rebuilds a block's probabilities from lse, as FlashAttention-2 does.
+  static constexpr int64_t kFlashRows = 64;
+  void flash_attention_forward(float* out, float* lse, const float* qkv, int64_t S, int64_t B, int64_t A, int64_t G,
+                               int64_t D) override {
+    const int64_t ldo = A * D;
+    const float scale = 1.0f / std::sqrt(static_cast<float>(D));
+    RowMat sc;
+    for (int64_t b = 0; b < B; ++b) {
+      for (int64_t h = 0; h < A; ++h) {
+        const HeadViews hv(qkv, b, h, S, B, A, G, D);
+        for (int64_t q0 = 0; q0 < S; q0 += kFlashRows) {
+          const int64_t r = std::min(kFlashRows, S - q0), keys = q0 + r;
+          sc.noalias() = scale * (hv.q.middleRows(q0, r) * hv.k.topRows(keys).transpose());
+          float* l = lse + (b * A + h) * S + q0;
+          for (int64_t i = 0; i < r; ++i) {
+            float* row = sc.data() + i * keys;
+            const int64_t n = q0 + i + 1;  // causal: keys 0..q0+i
+            const float mx = *std::max_element(row, row + n);
+            float sum = 0;
+            for (int64_t j = 0; j < n; ++j) sum += (row[j] = std::exp(row[j] - mx));
+            const float inv = 1.0f / sum;
+            for (int64_t j = 0; j < n; ++j) row[j] *= inv;
+            std::fill(row + n, row + keys, 0.0f);
+            l[i] = mx + std::log(sum);
+          }
+          MMap o(out + (q0 * B + b) * ldo + h * D, r, D, Eigen::OuterStride<>(B * ldo));
+          o.noalias() = sc * hv.v.topRows(keys);
+        }
+      }
+    }
+  }
+  void flash_attention_backward(float* dqkv, const float* dout, const float* out, const float* lse, const float* qkv,
+                                int64_t S, int64_t B, int64_t A, int64_t G, int64_t D) override {
+    const int64_t ld = (A + 2 * G) * D, ldo = A * D;
+    const float scale = 1.0f / std::sqrt(static_cast<float>(D));
+    for (int64_t i = 0; i < S * B; ++i) std::fill(dqkv + i * ld, dqkv + i * ld + ld, 0.0f);
+    RowMat p, dp;
+    for (int64_t b = 0; b < B; ++b) {
+      for (int64_t h = 0; h < A; ++h) {
+        const int64_t g = h / (A / G);
+        const HeadViews hv(qkv, b, h, S, B, A, G, D);
+        MMap dk(dqkv + b * ld + (A + g) * D, S, D, Eigen::OuterStride<>(B * ld));
+        MMap dv(dqkv + b * ld + (A + G + g) * D, S, D, Eigen::OuterStride<>(B * ld));
+        for (int64_t q0 = 0; q0 < S; q0 += kFlashRows) {
+          const int64_t r = std::min(kFlashRows, S - q0), keys = q0 + r;
+          CMap dout_b(dout + (q0 * B + b) * ldo + h * D, r, D, Eigen::OuterStride<>(B * ldo));
+          CMap out_b(out + (q0 * B + b) * ldo + h * D, r, D, Eigen::OuterStride<>(B * ldo));
+          MMap dq(dqkv + (q0 * B + b) * ld + h * D, r, D, Eigen::OuterStride<>(B * ld));
+          p.noalias() = scale * (hv.q.middleRows(q0, r) * hv.k.topRows(keys).transpose());
+          dp.noalias() = dout_b * hv.v.topRows(keys).transpose();
+          const float* l = lse + (b * A + h) * S + q0;
+          for (int64_t i = 0; i < r; ++i) {  // P from lse; dS = P * (dP - rowsum(dO * O)) * scale
+            const float delta = dout_b.row(i).dot(out_b.row(i));
+            float* pr = p.data() + i * keys;
+            float* dr = dp.data() + i * keys;
+            const int64_t n = q0 + i + 1;
+            for (int64_t j = 0; j < n; ++j) {
+              pr[j] = std::exp(pr[j] - l[i]);
+              dr[j] = pr[j] * (dr[j] - delta) * scale;
+            }
+            std::fill(pr + n, pr + keys, 0.0f);
+            std::fill(dr + n, dr + keys, 0.0f);
+          }
+          dv.topRows(keys).noalias() += p.transpose() * dout_b;
+          dq.noalias() += dp * hv.k.topRows(keys);
+          dk.topRows(keys).noalias() += dp.transpose() * hv.q.middleRows(q0, r);
+        }
+      }
+    }
+  }
+
   float* allocate(int64_t n) override { return n > 0 ? new float[static_cast<size_t>(n)]() : nullptr; }
   void deallocate(float* p) override { delete[] p; }
   void fill_zero(float* p, int64_t n) override { std::fill(p, p + n, 0.0f); }

@@ -63,10 +63,24 @@ class CudaBackendImpl final : public CudaBackend {
     CUDA_CHECK(cudaGetDevice(&dev));
     CUDA_CHECK(cudaGetDeviceProperties(&prop, dev));
     name_ = prop.name;
+    // A stream-ordered pool per memory category: freeing returns memory to the pool without
+    // stalling the device, and each pool keeps its peak in use (cudaMemPoolAttrUsedMemHigh).
+    for (cudaMemPool_t& pool : pools_) {
+      cudaMemPoolProps props{};
+      props.allocType = cudaMemAllocationTypePinned;
+      props.location.type = cudaMemLocationTypeDevice;
+      props.location.id = dev;
+      CUDA_CHECK(cudaMemPoolCreate(&pool, &props));
+      uint64_t keep = UINT64_MAX;  // never hand freed memory back to the driver mid-run
+      CUDA_CHECK(cudaMemPoolSetAttribute(pool, cudaMemPoolAttrReleaseThreshold, &keep));
+    }
   }
   ~CudaBackendImpl() override {
     cudaStreamSynchronize(stream_);
-    if (acc_) cudaFree(acc_);
+    if (acc_) cudaFreeAsync(acc_, stream_);
+    cudaStreamSynchronize(stream_);
+    for (cudaMemPool_t pool : pools_)
+      if (pool) cudaMemPoolDestroy(pool);
     cudaFree(workspace_);
     cublasLtDestroy(lt_);
     cudaStreamDestroy(stream_);
@@ -80,29 +94,46 @@ class CudaBackendImpl final : public CudaBackend {
     return static_cast<float*>(p);
   }
   void device_free(float* p) override { CUDA_CHECK(cudaFree(p)); }
-  float* allocate(int64_t n) override {
+  float* allocate(int64_t n) override { return allocate_in(n, kMemPools - 1); }
+  float* allocate_in(int64_t n, int pool) override {
     if (n <= 0) return nullptr;
-    float* p = device_alloc(n);
+    auto* p = static_cast<float*>(pool_alloc(static_cast<size_t>(n) * sizeof(float), pool));
     CUDA_CHECK(cudaMemsetAsync(p, 0, static_cast<size_t>(n) * sizeof(float), stream_));
     return p;
   }
   void deallocate(float* p) override {
     // Called from Buf's destructor: no throwing; a failure shows in the next checked call.
-    // cudaFree waits for the device's work on the buffer.
-    if (p) (void)cudaFree(p);
+    // Stream-ordered: the memory is reused only by work queued after this point.
+    if (p) (void)cudaFreeAsync(p, stream_);
   }
   void fill_zero(float* p, int64_t n) override {
     if (n > 0) CUDA_CHECK(cudaMemsetAsync(p, 0, static_cast<size_t>(n) * sizeof(float), stream_));
   }
   void to_device(float* dst, const float* src, int64_t n) override {
+    if (n <= 0) return;
     CUDA_CHECK(cudaMemcpyAsync(dst, src, static_cast<size_t>(n) * sizeof(float), cudaMemcpyHostToDevice, stream_));
     CUDA_CHECK(cudaStreamSynchronize(stream_));
   }
   void to_host(float* dst, const float* src, int64_t n) override {
+    if (n <= 0) return;
     CUDA_CHECK(cudaMemcpyAsync(dst, src, static_cast<size_t>(n) * sizeof(float), cudaMemcpyDeviceToHost, stream_));
     CUDA_CHECK(cudaStreamSynchronize(stream_));
   }
   void synchronise() override { CUDA_CHECK(cudaStreamSynchronize(stream_)); }
+  bool device_memory(DeviceMemory* out) override {
+    size_t free = 0, total = 0;
+    CUDA_CHECK(cudaMemGetInfo(&free, &total));
+    out->free = static_cast<int64_t>(free);
+    out->total = static_cast<int64_t>(total);
+    for (int i = 0; i < kMemPools; ++i) {
+      uint64_t used = 0, reserved = 0;
+      CUDA_CHECK(cudaMemPoolGetAttribute(pools_[i], cudaMemPoolAttrUsedMemHigh, &used));
+      CUDA_CHECK(cudaMemPoolGetAttribute(pools_[i], cudaMemPoolAttrReservedMemHigh, &reserved));
+      out->used_peak[i] = static_cast<int64_t>(used);
+      out->reserved_peak[i] = static_cast<int64_t>(reserved);
+    }
+    return true;
+  }
   StagingCopier staging_copier() override {
     auto copy = [this](void* dst, const void* src, size_t bytes) {
       if (bytes == 0) return;
@@ -111,15 +142,12 @@ class CudaBackendImpl final : public CudaBackend {
     };
     return StagingCopier{copy, copy};
   }
-  void* allocate_bytes(size_t bytes) override {
-    void* p = nullptr;
-    CUDA_CHECK(cudaMalloc(&p, bytes > 0 ? bytes : 1));
-    return p;
-  }
+  void* allocate_bytes(size_t bytes) override { return pool_alloc(bytes > 0 ? bytes : 1, kMemPools - 1); }
   void deallocate_bytes(void* p) override {
-    if (p) (void)cudaFree(p);  // from destructors: no throwing
+    if (p) (void)cudaFreeAsync(p, stream_);  // from destructors: no throwing
   }
   void bytes_to_device(void* dst, const void* host_src, size_t bytes) override {
+    if (bytes == 0) return;
     CUDA_CHECK(cudaMemcpyAsync(dst, host_src, bytes, cudaMemcpyHostToDevice, stream_));
     CUDA_CHECK(cudaStreamSynchronize(stream_));
   }
@@ -321,6 +349,12 @@ class CudaBackendImpl final : public CudaBackend {
   };
   void* scratch_bytes(size_t bytes) { return scratch_.at_least(bytes, stream_); }  // the 16-bit GEMM operands
   void* delta_bytes(size_t bytes) { return delta_.at_least(bytes, stream_); }      // flash attention's backward
+  void* pool_alloc(size_t bytes, int pool) {
+    if (pool < 0 || pool >= kMemPools) pool = kMemPools - 1;
+    void* p = nullptr;
+    CUDA_CHECK(cudaMallocFromPoolAsync(&p, bytes, pools_[pool], stream_));
+    return p;
+  }
   static int kind(Activation a) { return a == Activation::gelu ? 0 : a == Activation::swiglu ? 1 : 2; }
   [[noreturn]] static void fail_gemm(int64_t M, int64_t N, int64_t K) {
     cuda::fail("cublasLtMatmulAlgoGetHeuristic", __FILE__, __LINE__,
@@ -332,6 +366,7 @@ class CudaBackendImpl final : public CudaBackend {
   void* workspace_ = nullptr;
   double* acc_ = nullptr;  // grad_norm_terms' device accumulators
   Grown scratch_, delta_;
+  cudaMemPool_t pools_[kMemPools] = {};  // by MemCategory, then buffers charged to none
   Precision gemm_precision_ = Precision::fp32;
   std::string name_;
 };
@@ -348,11 +383,14 @@ std::string cuda_unavailable_reason() {
   return "";
 }
 
-std::unique_ptr<CudaBackend> make_cuda_backend(int rank) {
-  if (!cuda_unavailable_reason().empty()) return nullptr;
+int cuda_device_count() {
   int n = 0;
-  CUDA_CHECK(cudaGetDeviceCount(&n));
-  return std::make_unique<CudaBackendImpl>(rank % n);
+  return cudaGetDeviceCount(&n) == cudaSuccess ? n : 0;
+}
+
+std::unique_ptr<CudaBackend> make_cuda_backend(int local_rank) {
+  if (!cuda_unavailable_reason().empty()) return nullptr;
+  return std::make_unique<CudaBackendImpl>(local_rank % cuda_device_count());
 }
 
 }  // namespace strata

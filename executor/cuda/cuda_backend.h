@@ -19,10 +19,8 @@ namespace strata {
 class CudaBackend : public Backend {
  public:
   // Device memory for tests and tools (float elements, not zeroed; Backend::allocate zeroes);
-  // synchronise() waits for the stream.
   virtual float* device_alloc(int64_t n) = 0;
   virtual void device_free(float* p) = 0;
-  virtual void synchronise() = 0;
   // The copies of the host-staged communicator (executor/staged_comm.h): either side may
   // be device or host memory (cudaMemcpyDefault), complete on return.
   virtual StagingCopier staging_copier() = 0;
@@ -34,21 +32,15 @@ class CudaBackend : public Backend {
   // to its training precision already (round_to), so for it this changes the speed, not the
   // operands. fp8 is refused (std::invalid_argument): its GEMMs need per-tensor scales.
   virtual void set_gemm_precision(Precision p) = 0;
-
-  // Causal attention as tiled, fused kernels (FlashAttention-2's algorithm): the layouts of
-  // Backend::attention_forward, no S x S buffer at any length; lse (B, A, S) holds each
-  // query's log-sum-exp for the backward, which overwrites dqkv. Head dim <= 128.
-  virtual void flash_attention_forward(float* out, float* lse, const float* qkv, int64_t S, int64_t B, int64_t A,
-                                       int64_t G, int64_t D) = 0;
-  virtual void flash_attention_backward(float* dqkv, const float* dout, const float* out, const float* lse,
-                                        const float* qkv, int64_t S, int64_t B, int64_t A, int64_t G, int64_t D) = 0;
 };
 
 // "" when a GPU is usable; otherwise the reason, e.g. "cudaGetDeviceCount returned error
 // 35 (cudaErrorInsufficientDriver): no NVIDIA driver or GPU on this machine".
 std::string cuda_unavailable_reason();
-// On device `rank % the visible devices` (ranks of one machine spread over its GPUs; with
-// one GPU they share it). Null when unavailable.
-std::unique_ptr<CudaBackend> make_cuda_backend(int rank = 0);
+// The visible devices; 0 when unavailable.
+int cuda_device_count();
+// On device `local_rank % cuda_device_count()`: pass the rank among the processes of this
+// machine, so they spread over its GPUs (with one GPU they share it). Null when unavailable.
+std::unique_ptr<CudaBackend> make_cuda_backend(int local_rank = 0);
 
 }  // namespace strata

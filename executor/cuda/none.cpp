@@ -8,6 +8,8 @@ std::string cuda_unavailable_reason() {
          "-DSTRATA_WITH_CUDA=OFF)";
 }
 
+int cuda_device_count() { return 0; }
+
 std::unique_ptr<CudaBackend> make_cuda_backend(int) { return nullptr; }
 
 }  // namespace strata

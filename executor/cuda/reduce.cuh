@@ -4,7 +4,8 @@
 
 namespace strata::cuda {
 
-__device__ inline float warp_sum(float v) {
+template <typename T>
+__device__ inline T warp_sum(T v) {
   for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
   return v;
 }
@@ -14,14 +15,15 @@ __device__ inline float warp_max(float v) {
   return v;
 }
 
-// Every thread gets the block's sum. `scratch`: 32 floats of shared memory.
-__device__ inline float block_sum(float v, float* scratch) {
+// Every thread gets the block's sum. `scratch`: 32 values of shared memory (float or double).
+template <typename T>
+__device__ inline T block_sum(T v, T* scratch) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = (blockDim.x + 31) >> 5;
   v = warp_sum(v);
   __syncthreads();  // scratch may still be read by a previous call
   if (lane == 0) scratch[warp] = v;
   __syncthreads();
-  v = lane < warps ? scratch[lane] : 0.0f;
+  v = lane < warps ? scratch[lane] : T(0);
   return warp_sum(v);
 }
 
