@@ -67,9 +67,10 @@ size_t stages_memory(const ModelSpec& m, const Cluster& cl, const Plan& p, const
                      const ComputeSetup& cs, const InFlight& fl, std::vector<MemoryBreakdown>* out) {
   out->resize(static_cast<size_t>(p.p));
   size_t worst = 0;
+  const StageMemoryInputs in = stage_memory_inputs(m, p, cs);
   for (int64_t s = 0; s < p.p; ++s) {
     const size_t i = static_cast<size_t>(s);
-    (*out)[i] = stage_memory(m, cl, p, lay, cs, s, fl.all[i], fl.first[i], fl.last[i]);
+    (*out)[i] = stage_memory(m, cl, p, lay, cs, s, fl.all[i], fl.first[i], fl.last[i], &in);
     if ((*out)[i].peak > (*out)[worst].peak) worst = i;
   }
   return worst;

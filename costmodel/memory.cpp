@@ -91,23 +91,51 @@ double head_working_bytes(const ModelSpec& m, const Plan& p, const ComputeSetup&
   return (cs.stack.modern ? cs.act_bytes : cs.act_bytes + 4.0) * cs.T * Vt;
 }
 
-double stage_params(const ModelSpec& m, const Plan& p, const StageLayout& lay, int64_t s) {
-  double n = static_cast<double>(lay.stage_layers(s)) * static_cast<double>(m.layer_params(p.t));
-  const double emb = static_cast<double>(m.word_embedding_params(p.t));
-  if (s == 0) n += emb + static_cast<double>(m.position_params());
+StageMemoryInputs stage_memory_inputs(const ModelSpec& m, const Plan& p, const ComputeSetup& cs) {
+  StageMemoryInputs in;
+  in.per_layer = layer_activation_bytes(m, p, cs);
+  in.per_full_layer = layer_full_activation_bytes(m, p, cs);
+  in.embedding_act = embedding_activation_bytes(m, p, cs);
+  in.head_act = head_activation_bytes(m, p, cs);
+  in.head_working = head_working_bytes(m, p, cs);
+  in.layer_params = static_cast<double>(m.layer_params(p.t));
+  in.word_embedding_params = static_cast<double>(m.word_embedding_params(p.t));
+  in.position_params = static_cast<double>(m.position_params());
+  in.final_norm_params = static_cast<double>(m.final_norm_params());
+  return in;
+}
+
+namespace {
+
+double stage_params(const ModelSpec& m, const Plan& p, const StageLayout& lay, int64_t s, const StageMemoryInputs& in) {
+  double n = static_cast<double>(lay.stage_layers(s)) * in.layer_params;
+  const double emb = in.word_embedding_params;
+  if (s == 0) n += emb + in.position_params;
   if (s == p.p - 1) {
-    n += static_cast<double>(m.final_norm_params());
+    n += in.final_norm_params;
     if (!m.tie_embeddings || p.p > 1) n += emb;  // untied output layer, or the tied copy
   }
   return n;
 }
 
+}  // namespace
+
+double stage_params(const ModelSpec& m, const Plan& p, const StageLayout& lay, int64_t s) {
+  StageMemoryInputs in;
+  in.layer_params = static_cast<double>(m.layer_params(p.t));
+  in.word_embedding_params = static_cast<double>(m.word_embedding_params(p.t));
+  in.position_params = static_cast<double>(m.position_params());
+  in.final_norm_params = static_cast<double>(m.final_norm_params());
+  return stage_params(m, p, lay, s, in);
+}
+
 MemoryBreakdown stage_memory(const ModelSpec& m, const Cluster& cl, const Plan& p, const StageLayout& lay,
                              const ComputeSetup& cs, int64_t s, int64_t in_flight, int64_t in_flight_first,
-                             int64_t in_flight_last) {
+                             int64_t in_flight_last, const StageMemoryInputs* pre) {
+  const StageMemoryInputs in = pre ? *pre : stage_memory_inputs(m, p, cs);
   MemoryBreakdown mb;
   mb.stage = s;
-  const double P = stage_params(m, p, lay, s);
+  const double P = stage_params(m, p, lay, s, in);
   mb.params = P;
   const double d = static_cast<double>(p.replicas());
   StateBytes sb = state_bytes(p.precision, cs.stack.grad_accumulation_fusion);
@@ -123,8 +151,8 @@ MemoryBreakdown stage_memory(const ModelSpec& m, const Cluster& cl, const Plan& 
 
   // Activations: the layers of an average chunk of the stage times the chunk-microbatches
   // in flight. With partial recompute, the recomputed layers keep their input only.
-  const double per_layer = layer_activation_bytes(m, p, cs);
-  const double per_full_layer = layer_full_activation_bytes(m, p, cs);
+  const double per_layer = in.per_layer;
+  const double per_full_layer = in.per_full_layer;
   double per_chunk = 0;
   for (int64_t c = 0; c < lay.v; ++c) {
     const int64_t n = lay.chunk_layers(s, c);
@@ -133,8 +161,8 @@ MemoryBreakdown stage_memory(const ModelSpec& m, const Cluster& cl, const Plan& 
   }
   per_chunk /= static_cast<double>(lay.v);
   double act = static_cast<double>(in_flight) * per_chunk;
-  if (s == 0) act += static_cast<double>(in_flight_first) * embedding_activation_bytes(m, p, cs);
-  if (s == p.p - 1) act += static_cast<double>(in_flight_last) * head_activation_bytes(m, p, cs);
+  if (s == 0) act += static_cast<double>(in_flight_first) * in.embedding_act;
+  if (s == p.p - 1) act += static_cast<double>(in_flight_last) * in.head_act;
   // Working set of the layer running its backward: the gradients of its largest
   // activations (fc1 output, activation output, two of width H) and, when recomputed, the
   // whole layer's activations rebuilt for it. The loss adds its own on the last stage.
@@ -149,7 +177,7 @@ MemoryBreakdown stage_memory(const ModelSpec& m, const Cluster& cl, const Plan& 
     bool every_layer_recomputed = p.recompute == Recompute::full;
     for (int64_t c = 0; c < lay.v && every_layer_recomputed; ++c)
       every_layer_recomputed = p.recomputed_layers(lay.chunk_layers(s, c)) == lay.chunk_layers(s, c);
-    if (every_layer_recomputed) working += layer_full_activation_bytes(m, p, cs);
+    if (every_layer_recomputed) working += in.per_full_layer;
     // Selective recompute of an unfused core rebuilds one layer's S x S probabilities.
     if (p.recompute == Recompute::selective && cs.attention == AttentionKernel::unfused)
       working += cs.act_bytes * static_cast<double>(p.mbs) * static_cast<double>(m.A / p.t) *
@@ -159,7 +187,7 @@ MemoryBreakdown stage_memory(const ModelSpec& m, const Cluster& cl, const Plan& 
   // The last stage: while the loss and its gradient are formed the current micro-batch's
   // output-layer activations are alive; the layers' backward starts after they are freed.
   if (s == p.p - 1)
-    mb.activations = std::max(act + head_working_bytes(m, p, cs), act - head_activation_bytes(m, p, cs) + working);
+    mb.activations = std::max(act + in.head_working, act - in.head_act + working);
 
   // Communication buffers: pipeline send/recv in both directions; ZeRO-3's gathered layer
   // and its prefetched successor, and one layer of gradients to reduce-scatter.

@@ -47,8 +47,16 @@ double stage_params(const ModelSpec& m, const Plan& p, const StageLayout& lay, i
 // in_flight[s]: chunk-microbatch activation sets alive at once on stage s (schedule.h);
 // in_flight_first[s], in_flight_last[s]: the same for the stage's first and last chunk
 // (where the embedding and the output layer live).
+// pre: stage_memory_inputs of the same (m, p, cs), computed once for all stages (the
+// planner's and estimate's loops over stages); null computes them here.
+struct StageMemoryInputs {
+  double per_layer = 0, per_full_layer = 0;  // layer_activation_bytes, layer_full_activation_bytes
+  double embedding_act = 0, head_act = 0, head_working = 0;
+  double layer_params = 0, word_embedding_params = 0, position_params = 0, final_norm_params = 0;
+};
+StageMemoryInputs stage_memory_inputs(const ModelSpec& m, const Plan& p, const ComputeSetup& cs);
 MemoryBreakdown stage_memory(const ModelSpec& m, const Cluster& cl, const Plan& p, const StageLayout& lay,
                              const ComputeSetup& cs, int64_t s, int64_t in_flight, int64_t in_flight_first,
-                             int64_t in_flight_last);
+                             int64_t in_flight_last, const StageMemoryInputs* pre = nullptr);
 
 }  // namespace strata
