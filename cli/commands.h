@@ -18,5 +18,8 @@ bool any_rank_rejected_input(const std::string& error);
 // This process's rank among the processes of its machine (MPI_COMM_TYPE_SHARED), which
 // picks its GPU. Collective over MPI_COMM_WORLD.
 int node_local_rank(int* local_size = nullptr);
+// How many ranks of the world name the same `device` on this machine (by host name and
+// the device's id, e.g. its PCI bus id), this one included. Collective over MPI_COMM_WORLD.
+int ranks_sharing(const std::string& device);
 
 }  // namespace strata

@@ -1,6 +1,9 @@
 // Input checks of the MPI subcommands, agreed across ranks (see commands.h).
 #include <mpi.h>
 
+#include <cstdint>
+#include <string>
+
 #include <fmt/format.h>
 
 #include "cli/commands.h"
@@ -18,6 +21,26 @@ bool any_rank_rejected_input(const std::string& error) {
              error.empty() ? "another rank found invalid input (see its message)" : error);
   MPI_Finalize();
   return true;
+}
+
+int ranks_sharing(const std::string& device) {
+  int rank = 0;
+  MPI_Comm_rank(MPI_COMM_WORLD, &rank);
+  char host[MPI_MAX_PROCESSOR_NAME] = {};
+  int len = 0;
+  MPI_Get_processor_name(host, &len);
+  // FNV-1a of "host/device" as the split colour (non-negative, as MPI_Comm_split wants).
+  uint64_t h = 1469598103934665603ull;
+  for (const char ch : std::string(host, static_cast<size_t>(len)) + "/" + device) {
+    h ^= static_cast<unsigned char>(ch);
+    h *= 1099511628211ull;
+  }
+  MPI_Comm same = MPI_COMM_NULL;
+  MPI_Comm_split(MPI_COMM_WORLD, static_cast<int>(h & 0x7fffffffu), rank, &same);
+  int n = 1;
+  MPI_Comm_size(same, &n);
+  MPI_Comm_free(&same);
+  return n;
 }
 
 int node_local_rank(int* local_size) {

@@ -49,32 +49,40 @@ int cmd_profile(const std::vector<std::string>& argv) {
     error = e.what();
   }
   if (any_rank_rejected_input(error)) return 2;
+  // One GPU per process of this machine (by its rank there), buffers in device memory,
+  // links through the host-staged communicator the executor uses between GPU ranks.
+  const int local = backend == "cuda" ? node_local_rank() : 0;
   std::unique_ptr<Comm> comm;
   std::unique_ptr<Backend> be;
-  if (backend == "cuda") {
-    // One GPU per process of this machine (by its rank there), buffers in device memory,
-    // links through the host-staged communicator the executor uses between GPU ranks.
-    std::unique_ptr<CudaBackend> cuda = make_cuda_backend(node_local_rank());
-    if (!cuda) {
-      fmt::print(stderr, "strata: error: rank {} of {}: --backend cuda: {}\n", rank, size, cuda_unavailable_reason());
-      MPI_Abort(MPI_COMM_WORLD, 2);
-      return 2;
-    }
-    o.device_name = cuda->device_name();
-    CudaBackend* raw = cuda.get();
-    o.gemm_precision = [raw](Precision p) { raw->set_gemm_precision(p); };
-    comm = make_staged_comm(make_mpi_comm(), cuda->staging_copier());
-    be = std::move(cuda);
-  } else {
-    comm = make_mpi_comm();
-    be = make_cpu_backend();
-  }
+  ProfileResult r;
   Progress bar("profile", 1);
-  o.progress = [&bar](const std::string& line, int done, int total, double, double) {
-    bar.set_total(total);
-    bar.update(done, line);
-  };
-  const ProfileResult r = run_profile(*comm, *be, o);
+  try {
+    if (backend == "cuda") {
+      std::unique_ptr<CudaBackend> cuda = make_cuda_backend(local);
+      if (!cuda) throw InputError("--backend cuda: " + cuda_unavailable_reason());
+      o.device_name = cuda->device_name();
+      CudaBackend* raw = cuda.get();
+      o.gemm_precision = [raw](Precision p) { raw->set_gemm_precision(p); };
+      comm = make_staged_comm(make_mpi_comm(), cuda->staging_copier());
+      be = std::move(cuda);
+    } else {
+      comm = make_mpi_comm();
+      be = make_cpu_backend();
+    }
+    o.progress = [&bar](const std::string& line, int done, int total, double, double) {
+      bar.set_total(total);
+      bar.update(done, line);
+    };
+    r = run_profile(*comm, *be, o);
+  } catch (const InputError& e) {
+    fmt::print(stderr, "strata: error: rank {} of {}: {}\n", rank, size, e.what());
+    MPI_Abort(MPI_COMM_WORLD, 2);
+    return 2;
+  } catch (const std::exception& e) {  // a CUDA or MPI failure: every rank stops
+    fmt::print(stderr, "strata: internal error: rank {} of {}: {}\n", rank, size, e.what());
+    MPI_Abort(MPI_COMM_WORLD, 1);
+    return 1;
+  }
   int64_t wrong = 0;
   for (const CollectiveRow& row : r.rows) wrong += row.wrong;
   if (wrong > 0) {  // a collective returned wrong data: no profile is written from it

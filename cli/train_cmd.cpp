@@ -99,7 +99,7 @@ int cmd_train(const std::vector<std::string>& argv) {
       };
     }
     json_path = a.get("json");
-    validate_train_plan(m, plan, size);
+    validate_train_plan(m, plan, size, backend != "cuda");
     TokenSource check(o.data, executor_vocab(m), m.S, o.seed);  // a missing or bad token file fails here
   } catch (const InputError& e) {
     error = e.what();
@@ -117,14 +117,18 @@ int cmd_train(const std::vector<std::string>& argv) {
       const int local = node_local_rank(&local_size);
       std::unique_ptr<CudaBackend> cuda = make_cuda_backend(local);
       if (!cuda) throw InputError("--backend cuda: " + cuda_unavailable_reason());
+      if (plan.attention == AttentionChoice::flash && m.D() > 128)
+        throw InputError("plan: attention flash with head dim " + std::to_string(m.D()) +
+                         ": the CUDA backend's fused attention takes head dims up to 128");
       if (plan.attention != AttentionChoice::flash && m.S > 8192)
         throw InputError("plan: attention " + std::string(plan.attention == AttentionChoice::unfused ? "unfused" : "auto") +
                          " with seq_length " + std::to_string(m.S) +
                          ": the CUDA backend's unfused attention keeps a row of scores in shared memory and needs "
                          "seq_length <= 8192; use attention: flash");
-      // Every rank that shares this GPU (local ranks with the same remainder) needs room.
-      const int devices = cuda_device_count(), mine = local % devices;
-      const int sharing = (local_size - mine + devices - 1) / devices;
+      // Every rank that shares this GPU needs room: the ranks of the world on the same
+      // machine and device (by PCI bus id, whatever CUDA_VISIBLE_DEVICES each was given).
+      (void)local_size;
+      const int sharing = ranks_sharing(cuda->device_id());
       Backend::DeviceMemory dm;
       if (cuda->device_memory(&dm))
         check_rank_fits(m, plan, static_cast<double>(dm.free) / sharing,

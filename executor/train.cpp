@@ -30,7 +30,7 @@
 
 namespace strata {
 
-void validate_train_plan(const ModelSpec& m, const Plan& p, int world_size) {
+void validate_train_plan(const ModelSpec& m, const Plan& p, int world_size, bool host_memory) {
   auto fail = [](const std::string& msg) { throw InputError(msg); };
   if (p.world_size() != world_size)
     fail("plan: tp*pp*dp*cp = " + std::to_string(p.t) + "*" + std::to_string(p.p) + "*" + std::to_string(p.d) + "*" +
@@ -58,7 +58,7 @@ void validate_train_plan(const ModelSpec& m, const Plan& p, int world_size) {
   }
   if (p.precision == Precision::fp8) fail("plan: precision fp8: the CPU executor runs fp32, bf16 and fp16");
   const double ram = physical_memory_bytes();
-  if (ram > 0)
+  if (host_memory && ram > 0)
     check_rank_fits(m, p, ram,
                     "this machine has " + std::to_string(static_cast<int64_t>(ram / 1e9)) +
                         " GB (the CPU executor trains small models)");
@@ -401,7 +401,8 @@ TrainResult Engine::run() {
 
 
 TrainResult train(const ModelSpec& m, const Plan& p, const TrainOptions& o, Comm& comm, Backend& be) {
-  validate_train_plan(m, p, comm.size());
+  Backend::DeviceMemory dm;
+  validate_train_plan(m, p, comm.size(), !be.device_memory(&dm));
   if (o.distributed_timeout_s > 0 && comm.size() > 1) comm.start_watchdog(o.distributed_timeout_s);
   Engine e(m, p, o, comm, be);
   return e.run();

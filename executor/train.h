@@ -82,19 +82,21 @@ struct TrainResult {
   double replica_max_abs_diff = 0;  // parameters across data-parallel replicas after training
   double entropy_rate_nats = -1;    // the synthetic source's loss floor; -1 for files
   double model_flops_per_step = 0;  // 6*N*tokens + attention, no recompute (Megatron's)
-  // The device's own accounting (CUDA backend; absent on the CPU): the peak bytes in use and
-  // reserved of each memory pool (by SPEC category, then "untracked") on the rank with the
-  // largest total, and the device's bytes in use after training (driver context, libraries
-  // and every pool's reserve: what nvidia-smi shows). Values are stored as 4-byte floats
-  // whatever the training precision.
+  // The device's own accounting (CUDA backend; absent on the CPU): for each memory pool (by
+  // SPEC category, then "untracked") the largest over the ranks of its peak bytes in use and
+  // reserved (so their sum may mix ranks), and the device's bytes in use after training
+  // (driver context, libraries and every pool's reserve: what nvidia-smi shows). Values are
+  // stored as 4-byte floats whatever the training precision.
   bool has_device_memory = false;
-  int64_t device_used_peak[6] = {}, device_reserved_peak[6] = {};
+  int64_t device_used_peak[kMemPools] = {}, device_reserved_peak[kMemPools] = {};
   int64_t device_in_use = 0, device_total = 0;
 };
 
 // Throws InputError (exit 2) naming the field and the rule: world size, divisibility of
 // heads, groups, ffn, vocabulary, sequence, layers, batch.
-void validate_train_plan(const ModelSpec& m, const Plan& p, int world_size);
+// host_memory: also refuse plans a rank cannot fit in this machine's RAM (the CPU backend;
+// the CUDA backend checks the GPU's free memory instead, check_rank_fits).
+void validate_train_plan(const ModelSpec& m, const Plan& p, int world_size, bool host_memory = true);
 // Throws InputError when a rank of the plan cannot fit in `capacity` bytes (described by
 // `where`, e.g. "this machine has 24 GB"): a rough bound, parameters, gradients and Adam
 // states at 16 bytes per parameter of the rank's share, plus the first stage's activations

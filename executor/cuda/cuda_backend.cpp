@@ -54,6 +54,17 @@ uint32_t alignment(const void* p) {
 class CudaBackendImpl final : public CudaBackend {
  public:
   explicit CudaBackendImpl(int device) {
+    try {
+      init(device);
+    } catch (...) {
+      release();  // the destructor does not run for a constructor that throws
+      throw;
+    }
+  }
+  ~CudaBackendImpl() override { release(); }
+
+ private:
+  void init(int device) {
     CUDA_CHECK(cudaSetDevice(device));
     CUDA_CHECK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
     CUBLAS_CHECK(cublasLtCreate(&lt_));
@@ -63,6 +74,15 @@ class CudaBackendImpl final : public CudaBackend {
     CUDA_CHECK(cudaGetDevice(&dev));
     CUDA_CHECK(cudaGetDeviceProperties(&prop, dev));
     name_ = prop.name;
+    dev_ = dev;
+    char bus[32] = {};
+    CUDA_CHECK(cudaDeviceGetPCIBusId(bus, sizeof(bus), dev));
+    bus_id_ = bus;
+    int pools_supported = 0;
+    CUDA_CHECK(cudaDeviceGetAttribute(&pools_supported, cudaDevAttrMemoryPoolsSupported, dev));
+    if (!pools_supported)
+      cuda::fail("cudaDevAttrMemoryPoolsSupported", __FILE__, __LINE__,
+                 name_ + " has no stream-ordered memory pools (CUDA 11.2+ driver and device needed)");
     // A stream-ordered pool per memory category: freeing returns memory to the pool without
     // stalling the device, and each pool keeps its peak in use (cudaMemPoolAttrUsedMemHigh).
     for (cudaMemPool_t& pool : pools_) {
@@ -75,18 +95,32 @@ class CudaBackendImpl final : public CudaBackend {
       CUDA_CHECK(cudaMemPoolSetAttribute(pool, cudaMemPoolAttrReleaseThreshold, &keep));
     }
   }
-  ~CudaBackendImpl() override {
-    cudaStreamSynchronize(stream_);
-    if (acc_) cudaFreeAsync(acc_, stream_);
-    cudaStreamSynchronize(stream_);
-    for (cudaMemPool_t pool : pools_)
+  // Frees what init() got, in reverse; unchecked (destructor and failed-constructor path).
+  void release() {
+    if (stream_) {
+      cudaStreamSynchronize(stream_);
+      for (void* p : {static_cast<void*>(acc_), scratch_.p, delta_.p})
+        if (p) cudaFreeAsync(p, stream_);
+      cudaStreamSynchronize(stream_);
+    }
+    acc_ = nullptr;
+    scratch_ = delta_ = Grown{};
+    for (cudaMemPool_t& pool : pools_) {
       if (pool) cudaMemPoolDestroy(pool);
-    cudaFree(workspace_);
-    cublasLtDestroy(lt_);
-    cudaStreamDestroy(stream_);
+      pool = nullptr;
+    }
+    if (workspace_) cudaFree(workspace_);
+    if (lt_) cublasLtDestroy(lt_);
+    if (stream_) cudaStreamDestroy(stream_);
+    workspace_ = nullptr;
+    lt_ = nullptr;
+    stream_ = nullptr;
   }
+
+ public:
   const char* name() const override { return "cuda"; }
   std::string device_name() const override { return name_; }
+  std::string device_id() const override { return bus_id_; }
 
   float* device_alloc(int64_t n) override {
     void* p = nullptr;
@@ -121,6 +155,7 @@ class CudaBackendImpl final : public CudaBackend {
   }
   void synchronise() override { CUDA_CHECK(cudaStreamSynchronize(stream_)); }
   bool device_memory(DeviceMemory* out) override {
+    CUDA_CHECK(cudaSetDevice(dev_));  // cudaMemGetInfo reports the current device
     size_t free = 0, total = 0;
     CUDA_CHECK(cudaMemGetInfo(&free, &total));
     out->free = static_cast<int64_t>(free);
@@ -326,33 +361,42 @@ class CudaBackendImpl final : public CudaBackend {
                                 kWorkspace, stream_));
   }
 
-  // Workspaces grown on demand; the old one is freed once the stream's work on it is done.
+  // Workspaces grown on demand from the untracked pool; the old one is freed in stream
+  // order, after the work queued on it.
   struct Grown {
     void* p = nullptr;
     size_t size = 0;
-    void* at_least(size_t bytes, cudaStream_t s) {
-      if (bytes > size) {
-        if (p) {
-          CUDA_CHECK(cudaStreamSynchronize(s));
-          CUDA_CHECK(cudaFree(p));
-        }
-        p = nullptr;
-        size = 0;
-        CUDA_CHECK(cudaMalloc(&p, bytes));
-        size = bytes;
-      }
-      return p;
-    }
-    ~Grown() {
-      if (p) cudaFree(p);
-    }
   };
-  void* scratch_bytes(size_t bytes) { return scratch_.at_least(bytes, stream_); }  // the 16-bit GEMM operands
-  void* delta_bytes(size_t bytes) { return delta_.at_least(bytes, stream_); }      // flash attention's backward
+  void* at_least(Grown& g, size_t bytes) {
+    if (bytes > g.size) {
+      if (g.p) CUDA_CHECK(cudaFreeAsync(g.p, stream_));
+      g = Grown{};
+      g.p = pool_alloc(bytes, kMemPools - 1);
+      g.size = bytes;
+    }
+    return g.p;
+  }
+  void* scratch_bytes(size_t bytes) { return at_least(scratch_, bytes); }  // the 16-bit GEMM operands
+  void* delta_bytes(size_t bytes) { return at_least(delta_, bytes); }      // flash attention's backward
+  // From pool `pool`; when the device is full, the memory every pool keeps freed (none is
+  // handed back otherwise) is released to the driver and the allocation tried once more.
   void* pool_alloc(size_t bytes, int pool) {
     if (pool < 0 || pool >= kMemPools) pool = kMemPools - 1;
     void* p = nullptr;
-    CUDA_CHECK(cudaMallocFromPoolAsync(&p, bytes, pools_[pool], stream_));
+    cudaError_t rc = cudaMallocFromPoolAsync(&p, bytes, pools_[pool], stream_);
+    if (rc == cudaErrorMemoryAllocation) {
+      (void)cudaGetLastError();  // clear it
+      CUDA_CHECK(cudaStreamSynchronize(stream_));
+      for (cudaMemPool_t each : pools_) CUDA_CHECK(cudaMemPoolTrimTo(each, 0));
+      rc = cudaMallocFromPoolAsync(&p, bytes, pools_[pool], stream_);
+    }
+    if (rc != cudaSuccess) {
+      static constexpr const char* kPoolNames[kMemPools] = {"weights",      "gradients",    "optimizer_states",
+                                                            "activations", "comm_buffers", "untracked"};
+      cuda::fail("cudaMallocFromPoolAsync", __FILE__, __LINE__,
+                 std::string(cudaGetErrorName(rc)) + ": " + std::to_string(bytes) + " bytes from the " + kPoolNames[pool] +
+                     " pool");
+    }
     return p;
   }
   static int kind(Activation a) { return a == Activation::gelu ? 0 : a == Activation::swiglu ? 1 : 2; }
@@ -368,7 +412,8 @@ class CudaBackendImpl final : public CudaBackend {
   Grown scratch_, delta_;
   cudaMemPool_t pools_[kMemPools] = {};  // by MemCategory, then buffers charged to none
   Precision gemm_precision_ = Precision::fp32;
-  std::string name_;
+  std::string name_, bus_id_;
+  int dev_ = 0;
 };
 
 }  // namespace

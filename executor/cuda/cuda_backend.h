@@ -25,6 +25,7 @@ class CudaBackend : public Backend {
   // be device or host memory (cudaMemcpyDefault), complete on return.
   virtual StagingCopier staging_copier() = 0;
   virtual std::string device_name() const = 0;
+  virtual std::string device_id() const = 0;  // the PCI bus id, e.g. "0000:19:00.0"
 
   // GEMM operands from here on are converted to `p` (bf16 or fp16, round to nearest even)
   // and multiplied on the tensor cores with fp32 accumulation and an fp32 C; fp32 (the
