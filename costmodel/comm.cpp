@@ -2,7 +2,9 @@
 #include "costmodel/comm.h"
 
 #include <algorithm>
+#include <bit>
 #include <cmath>
+#include <cstdint>
 
 namespace strata {
 
@@ -42,8 +44,9 @@ double bus_bandwidth(const Cluster& cl, const GroupSpan& g, Collective c) {
 
 double collective_time(const Cluster& cl, const GroupSpan& g, Collective c, double bytes) {
   if (g.size <= 1 || bytes <= 0) return 0;
-  const double steps = c == Collective::send_recv ? 1.0
-                       : std::ceil(std::log2(static_cast<double>(g.size))) * (c == Collective::all_reduce ? 2.0 : 1.0);
+  // ceil(log2(size)) rounds of a tree (twice for an all-reduce): exact in integers.
+  const double rounds = static_cast<double>(std::bit_width(static_cast<uint64_t>(g.size - 1)));
+  const double steps = c == Collective::send_recv ? 1.0 : rounds * (c == Collective::all_reduce ? 2.0 : 1.0);
   const double latency = (g.nodes > 1 ? cl.inter.latency_s : cl.intra.latency_s) * steps;
   return latency + bytes * bus_factor(c, g.size) / bus_bandwidth(cl, g, c);
 }

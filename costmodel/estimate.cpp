@@ -183,12 +183,15 @@ Estimate estimate(const ModelSpec& m, const Cluster& cl, const Plan& p, const Es
   const LayerCost head = opt.pre.head ? *opt.pre.head : head_cost(m, cl, p, cs);
 
   // Per-stage, per-chunk durations of one micro-batch.
-  StageTimes st;
+  // Per-stage scratch, kept per thread between calls: a planner thread estimates millions
+  // of plans, and these would otherwise be allocated and freed for each.
+  thread_local StageTimes st;
   st.p = p.p;
   st.v = lay.v;
   st.fwd_s.assign(static_cast<size_t>(p.p * lay.v), 0.0);
   st.bwd_s.assign(static_cast<size_t>(p.p * lay.v), 0.0);
-  std::vector<Work> fwd_w(static_cast<size_t>(p.p)), bwd_w(static_cast<size_t>(p.p)), rec_w(static_cast<size_t>(p.p));
+  thread_local std::vector<Work> fwd_w, bwd_w, rec_w;
+  for (auto* w : {&fwd_w, &bwd_w, &rec_w}) w->assign(static_cast<size_t>(p.p), Work{});
   for (int64_t s = 0; s < p.p; ++s) {
     for (int64_t c = 0; c < lay.v; ++c) {
       // k layers run the plan's backward and recompute; with partial recompute the other
@@ -218,7 +221,7 @@ Estimate estimate(const ModelSpec& m, const Cluster& cl, const Plan& p, const Es
   // Memory per stage.
   const InFlight fl_local = opt.pre.in_flight ? InFlight{} : in_flight(kind, p.p, lay.v, mbs_per_step);
   const InFlight& fl = opt.pre.in_flight ? *opt.pre.in_flight : fl_local;
-  std::vector<MemoryBreakdown> mem;
+  thread_local std::vector<MemoryBreakdown> mem;
   const size_t worst = stages_memory(m, cl, p, lay, cs, fl, &mem);
   est.memory = mem[worst];
   est.fits = est.memory.peak <= cl.device.memory_bytes;
@@ -227,8 +230,8 @@ Estimate estimate(const ModelSpec& m, const Cluster& cl, const Plan& p, const Es
   SimResult sim = simulate_pipeline(kind, mbs_per_step, st, opt.record_events);
 
   // Data-parallel reduction and the optimizer, per stage, after its last backward.
-  std::vector<double> dp_exposed(static_cast<size_t>(p.p), 0.0), dp_total(static_cast<size_t>(p.p), 0.0),
-      opt_s(static_cast<size_t>(p.p), 0.0), finish(static_cast<size_t>(p.p), 0.0);
+  thread_local std::vector<double> dp_exposed, dp_total, opt_s, finish;
+  for (auto* v : {&dp_exposed, &dp_total, &opt_s, &finish}) v->assign(static_cast<size_t>(p.p), 0.0);
   for (int64_t s = 0; s < p.p; ++s) {
     const size_t i = static_cast<size_t>(s);
     const double P = mem[i].params;

@@ -36,6 +36,10 @@ int bytes_of(Precision p) { return p == Precision::fp32 ? 4 : 2; }
 Curve::Curve(std::vector<std::pair<double, double>> points) : points_(std::move(points)) {
   log_x_.reserve(points_.size());
   for (const auto& p : points_) log_x_.push_back(std::log(p.first));
+  slope_.assign(points_.size(), 0.0);
+  for (size_t i = 1; i < points_.size(); ++i)
+    if (log_x_[i] > log_x_[i - 1])
+      slope_[i] = (points_[i].second - points_[i - 1].second) / (log_x_[i] - log_x_[i - 1]);
 }
 
 double Curve::at(double x) const {
@@ -44,8 +48,7 @@ double Curve::at(double x) const {
   if (x >= points_.back().first) return points_.back().second;
   size_t i = 1;
   while (x > points_[i].first) ++i;
-  const double w = (std::log(x) - log_x_[i - 1]) / (log_x_[i] - log_x_[i - 1]);
-  return points_[i - 1].second + w * (points_[i].second - points_[i - 1].second);
+  return points_[i - 1].second + (std::log(x) - log_x_[i - 1]) * slope_[i];
 }
 
 double Device::peak_flops(Precision p) const {

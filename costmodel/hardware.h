@@ -18,7 +18,8 @@ enum class Collective { all_reduce, all_gather, reduce_scatter, send_recv };
 enum class AttentionKernel { unfused, flash };
 
 // y(x) by linear interpolation in log(x) between points sorted by x, clamped at the ends.
-// The logarithms of the points are kept, so a lookup takes one.
+// The logarithms of the points and each segment's slope in log(x) are kept, so a lookup
+// takes one logarithm and one multiply-add.
 class Curve {
  public:
   Curve() = default;
@@ -29,6 +30,7 @@ class Curve {
  private:
   std::vector<std::pair<double, double>> points_;  // (x, y), x increasing
   std::vector<double> log_x_;                      // log(x) of each point
+  std::vector<double> slope_;                      // [i]: dy / dlog(x) between points i-1 and i
 };
 
 struct Device {

@@ -62,6 +62,12 @@ export PATH="$STRATA_BUNDLE_DIR/usr/bin:$PATH"
 export OMPI_MCA_btl_base_warn_component_unused=0 OMPI_MCA_mtl='^ofi' OMPI_MCA_btl='^uct,openib,ofi' \
   OMPI_MCA_pml='^ucx' OMPI_MCA_osc='^ucx,pt2pt'
 export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
+# CUDA's runtime and cuBLAS: the toolkit's first, then any that Python's nvidia-* wheels
+# hold (the image has PyTorch's), for a toolkit without them.
+for d in $(python3 -c "import glob, site; print(' '.join(d for sp in site.getsitepackages() for d in sorted(glob.glob(sp + '/nvidia/*/lib'))))" 2>/dev/null); do
+  LD_LIBRARY_PATH="$LD_LIBRARY_PATH:$d"
+done
+export LD_LIBRARY_PATH
 EOF
   du -sh "$OUT"
   echo "device bundle ready: carry .device-bundle; on the device: source .device-bundle/env.sh && STRATA_BUNDLE=.device-bundle scripts/device-check.sh \$OUT"
