@@ -44,6 +44,7 @@ int cmd_profile(const std::vector<std::string>& argv) {
         throw InputError("--tp: " + std::to_string(t) + " does not divide the heads, query groups and ffn of " + m.name);
       o.extra_gemms = model_gemm_shapes(m, t);
       o.kernels = model_memory_kernels(m, t);
+      o.attention = model_attention_shape(m, t);
     }
   } catch (const InputError& e) {
     error = e.what();

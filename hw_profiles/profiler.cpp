@@ -267,6 +267,15 @@ std::vector<MemoryKernel> model_memory_kernels(const ModelSpec& m, int64_t t) {
   return out;
 }
 
+AttentionShape model_attention_shape(const ModelSpec& m, int64_t t) {
+  AttentionShape a;
+  a.S = m.S;
+  a.A = m.A / t;
+  a.G = m.G / t;
+  a.D = m.D();
+  return a;
+}
+
 std::vector<GemmShape> model_gemm_shapes(const ModelSpec& m, int64_t t) {
   std::vector<GemmShape> out;
   const int64_t H = m.H, D = m.D();
@@ -312,7 +321,7 @@ ProfileResult run_profile(Comm& comm, Backend& be, const ProfileOptions& o) {
     kernels = model_memory_kernels(g, 1);
   }
   const int total = static_cast<int>(shapes.size() + (o.gemm_precision ? 1 : 0) + stream_bytes.size() + kernels.size() +
-                                     4 * message_bytes.size());
+                                     1 + 4 * message_bytes.size());
   // What the device holds before the profile allocates anything (driver context, library
   // handles and workspaces): the framework's own memory, where the backend can say.
   Backend::DeviceMemory dm0;
@@ -382,6 +391,28 @@ ProfileResult run_profile(Comm& comm, Backend& be, const ProfileOptions& o) {
     res.kernels.push_back({k, bytes, bytes / t});
     say(fmt::format("{} {}x{}: {:.1f} GB/s per rank", kernel_name(k.kind), k.rows, k.width, bytes / t / 1e9));
   }
+  // The fused attention forward and backward (the executor's `attention: flash`).
+  {
+    const AttentionShape& a = o.attention;
+    const int64_t q = a.S * a.B * (a.A + 2 * a.G) * a.D, rows = a.S * a.B * a.A * a.D;
+    std::vector<float> h(static_cast<size_t>(q));
+    for (size_t i = 0; i < h.size(); ++i) h[i] = 0.01f * static_cast<float>(static_cast<int64_t>(i % 201) - 100);
+    Buf qkv = on_backend(be, h), out = Buf::untracked(&be, rows), dout = on_backend(be, rows, 0.01f),
+        lse = Buf::untracked(&be, a.B * a.A * a.S), dqkv = Buf::untracked(&be, q);
+    const double fwd = time_calls(comm, be, o.min_time_s, [&] {
+      be.flash_attention_forward(out.data(), lse.data(), qkv.data(), a.S, a.B, a.A, a.G, a.D);
+    });
+    const double bwd = time_calls(comm, be, o.min_time_s, [&] {
+      be.flash_attention_backward(dqkv.data(), dout.data(), out.data(), lse.data(), qkv.data(), a.S, a.B, a.A, a.G, a.D);
+    });
+    // costmodel/compute.cpp's counts: forward 4 B A S^2 D / 2, backward 10 B A S^2 D / 2.
+    const double f = 2.0 * static_cast<double>(a.B * a.A) * static_cast<double>(a.S) * static_cast<double>(a.S) *
+                     static_cast<double>(a.D);
+    res.flash_forward_flops_per_s = f / fwd;
+    res.flash_backward_flops_per_s = 2.5 * f / bwd;
+    say(fmt::format("flash attention S={} A={} D={}: forward {:.1f}, backward {:.1f} GFLOP/s per rank", a.S, a.A, a.D,
+                    res.flash_forward_flops_per_s / 1e9, res.flash_backward_flops_per_s / 1e9));
+  }
   // Collectives.
   if (n > 1) {
     for (Collective op : {Collective::all_reduce, Collective::all_gather, Collective::reduce_scatter, Collective::send_recv}) {
@@ -407,6 +438,10 @@ ProfileResult run_profile(Comm& comm, Backend& be, const ProfileOptions& o) {
   c.device.name = o.device_name.empty() ? "CPU core per rank (Eigen fp32), measured" : o.device_name + ", measured";
   c.device.peak_fp32_flops = c.device.peak_tf32_flops = c.device.peak_bf16_flops = c.device.peak_fp16_flops = peak;
   if (fp32_peak > 0) c.device.peak_fp32_flops = c.device.peak_tf32_flops = fp32_peak;  // the sweep was 16-bit
+  // The fused attention as a fraction of the 16-bit GEMM peak (what a bf16 plan's attention
+  // is charged against; compute.cpp).
+  c.device.flash_fwd_efficiency = std::clamp(res.flash_forward_flops_per_s / c.device.peak_bf16_flops, 1e-3, 1.0);
+  c.device.flash_bwd_efficiency = std::clamp(res.flash_backward_flops_per_s / c.device.peak_bf16_flops, 1e-3, 1.0);
   c.device.peak_fp8_flops = 0;
   c.device.gemm_efficiency = Curve(ge);
   // The peak: the best any memory kernel reached (STREAM add, unless a slower build or a
@@ -479,6 +514,8 @@ std::string format_profile_summary(const ProfileResult& r) {
   for (const auto& [f, rate] : r.gemm) s += fmt::format("  {:>12.3g} FLOPs  {:>8.1f} GFLOP/s\n", f, rate / 1e9);
   s += "memory, STREAM add a = b + c (per rank, all ranks at once)\n";
   for (const auto& [b, bw] : r.memory) s += fmt::format("  {:>12.3g} bytes  {:>8.2f} GB/s\n", b, bw / 1e9);
+  s += fmt::format("fused attention: forward {:.1f} GFLOP/s, backward {:.1f} GFLOP/s (per rank, all ranks at once)\n",
+                   r.flash_forward_flops_per_s / 1e9, r.flash_backward_flops_per_s / 1e9);
   s += "memory-bound kernels of the executor, in the cost model's bytes (per rank, all ranks at once)\n";
   for (const auto& k : r.kernels)
     s += fmt::format("  {:<20} {:>7} x {:<7} {:>12.3g} bytes  {:>8.2f} GB/s\n", kernel_name(k.kernel.kind), k.kernel.rows,

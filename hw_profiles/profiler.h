@@ -49,10 +49,19 @@ const char* kernel_name(KernelKind k);
 // optimizer over one layer's and over the whole model's parameters.
 std::vector<MemoryKernel> model_memory_kernels(const ModelSpec& m, int64_t t);
 
+// One attention of the sweep: micro-batch B, sequence S, A query heads, G key/value groups,
+// head dim D (one tensor-parallel rank's heads).
+struct AttentionShape {
+  int64_t S = 512, B = 1, A = 8, G = 8, D = 64;
+};
+// Model m's attention on one tensor-parallel rank of t, micro-batch 1.
+AttentionShape model_attention_shape(const ModelSpec& m, int64_t t);
+
 struct ProfileOptions {
   bool quick = false;            // fewer sizes and shorter timings (tests, demos)
   std::vector<GemmShape> extra_gemms;  // e.g. model_gemm_shapes of the model to be trained
   std::vector<MemoryKernel> kernels;   // memory-bound kernels; empty: those of a generic model
+  AttentionShape attention;            // where the fused attention is timed (default: a generic one)
   double min_time_s = 0.05;      // per measured point, at least
   int64_t max_message_bytes = int64_t{64} << 20;
   // A line per finished sweep point on rank 0: what was measured, points done and total,
@@ -89,6 +98,9 @@ struct ProfileResult {
     double bytes = 0, bytes_per_s = 0;  // the cost model's bytes, slowest rank
   };
   std::vector<KernelPoint> kernels;
+  // The backend's fused attention (Backend::flash_attention_*) at options.attention, in the
+  // cost model's FLOPs (causal: half the S x S products; backward 2.5 forwards), slowest rank.
+  double flash_forward_flops_per_s = 0, flash_backward_flops_per_s = 0;
   std::vector<CollectiveRow> rows;
   std::vector<CollectiveFit> fits;
   Cluster cluster;  // local-cpu's constants with every measured field replaced

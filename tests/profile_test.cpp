@@ -62,6 +62,12 @@ TEST(Profile, TwoRanksTableIsCheckedAndTheProfileLoads) {
   EXPECT_GT(c.device.memory_bandwidth_bytes_per_s, 1e8);
   EXPECT_GT(c.intra.bandwidth_bytes_per_s, 1e7);
   EXPECT_LE(c.device.gemm_efficiency.at(1e12), 1.0);
+  // The fused attention measured against the GEMM peak (local-cpu's preset says 0.3 / 0.25).
+  EXPECT_GT(c.device.flash_fwd_efficiency, 1e-3);
+  EXPECT_LE(c.device.flash_fwd_efficiency, 1.0);
+  EXPECT_GT(c.device.flash_bwd_efficiency, 1e-3);
+  EXPECT_LE(c.device.flash_bwd_efficiency, 1.0);
+  EXPECT_NE(c.device.flash_fwd_efficiency, 0.3);
   EXPECT_EQ(sh(std::string(STRATA_BINARY) + " estimate --model tiny-gpt --cluster " + out +
                " --plan dp=2,mbs=2,gbs=8 --json > " + dir + "strata_profile_est.json"),
             0);
