@@ -7,6 +7,7 @@
 #include <fmt/format.h>
 
 #include "cli/commands.h"
+#include "executor/checkpoint.h"
 
 namespace strata {
 
@@ -29,12 +30,9 @@ int ranks_sharing(const std::string& device) {
   char host[MPI_MAX_PROCESSOR_NAME] = {};
   int len = 0;
   MPI_Get_processor_name(host, &len);
-  // FNV-1a of "host/device" as the split colour (non-negative, as MPI_Comm_split wants).
-  uint64_t h = 1469598103934665603ull;
-  for (const char ch : std::string(host, static_cast<size_t>(len)) + "/" + device) {
-    h ^= static_cast<unsigned char>(ch);
-    h *= 1099511628211ull;
-  }
+  // A hash of "host/device" as the split colour (non-negative, as MPI_Comm_split wants).
+  const std::string key = std::string(host, static_cast<size_t>(len)) + "/" + device;
+  const uint64_t h = fnv1a64(key.data(), key.size());
   MPI_Comm same = MPI_COMM_NULL;
   MPI_Comm_split(MPI_COMM_WORLD, static_cast<int>(h & 0x7fffffffu), rank, &same);
   int n = 1;

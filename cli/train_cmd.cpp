@@ -100,6 +100,17 @@ int cmd_train(const std::vector<std::string>& argv) {
     }
     json_path = a.get("json");
     validate_train_plan(m, plan, size, backend != "cuda");
+    if (backend == "cuda") {  // the CUDA kernels' limits (executor/cuda/limits.h)
+      if (plan.attention == AttentionChoice::flash && m.D() > cuda::kFlashMaxHeadDim)
+        throw InputError("plan: attention flash with head dim " + std::to_string(m.D()) +
+                         ": the CUDA backend's fused attention takes head dims up to " +
+                         std::to_string(cuda::kFlashMaxHeadDim));
+      if (plan.attention != AttentionChoice::flash && m.S > cuda::kUnfusedAttentionMaxSeq)
+        throw InputError("plan: attention " + std::string(plan.attention == AttentionChoice::unfused ? "unfused" : "auto") +
+                         " with seq_length " + std::to_string(m.S) +
+                         ": the CUDA backend's unfused attention keeps a row of scores in shared memory and needs "
+                         "seq_length <= " + std::to_string(cuda::kUnfusedAttentionMaxSeq) + "; use attention: flash");
+    }
     TokenSource check(o.data, executor_vocab(m), m.S, o.seed);  // a missing or bad token file fails here
   } catch (const InputError& e) {
     error = e.what();
@@ -113,21 +124,10 @@ int cmd_train(const std::vector<std::string>& argv) {
       // share one GPU, which NCCL refuses). GEMM operands are rounded to the training
       // precision already: run them on the tensor cores.
       // The device: this process's rank among those of its machine, modulo its GPUs.
-      int local_size = 1;
-      const int local = node_local_rank(&local_size);
-      std::unique_ptr<CudaBackend> cuda = make_cuda_backend(local);
+      std::unique_ptr<CudaBackend> cuda = make_cuda_backend(node_local_rank());
       if (!cuda) throw InputError("--backend cuda: " + cuda_unavailable_reason());
-      if (plan.attention == AttentionChoice::flash && m.D() > 128)
-        throw InputError("plan: attention flash with head dim " + std::to_string(m.D()) +
-                         ": the CUDA backend's fused attention takes head dims up to 128");
-      if (plan.attention != AttentionChoice::flash && m.S > 8192)
-        throw InputError("plan: attention " + std::string(plan.attention == AttentionChoice::unfused ? "unfused" : "auto") +
-                         " with seq_length " + std::to_string(m.S) +
-                         ": the CUDA backend's unfused attention keeps a row of scores in shared memory and needs "
-                         "seq_length <= 8192; use attention: flash");
       // Every rank that shares this GPU needs room: the ranks of the world on the same
       // machine and device (by PCI bus id, whatever CUDA_VISIBLE_DEVICES each was given).
-      (void)local_size;
       const int sharing = ranks_sharing(cuda->device_id());
       Backend::DeviceMemory dm;
       if (cuda->device_memory(&dm))

@@ -99,6 +99,10 @@ struct Acc {
   std::vector<OpCost>* ops;
   GroupSpan tp, cp, dp;
   double peak_linear, peak_attn;  // FLOP/s for the linear layers and the attention core
+  // What the fused attention's efficiency multiplies: the attention peak, or on the strata
+  // stack the 16-bit peak whatever the precision (its kernels run in fp32 in every plan, and
+  // strata profile measures their efficiency against that peak).
+  double peak_flash;
   double lin_bytes;               // bytes per linear-GEMM operand element
   LayerCost lc;
 
@@ -111,6 +115,7 @@ struct Acc {
     const Device& dev = cl.device;
     peak_attn = p.precision == Precision::fp8 ? dev.peak_bf16_flops : dev.peak_flops(p.precision);
     peak_linear = dev.peak_flops(p.precision);
+    peak_flash = cs.stack.strata ? dev.peak_bf16_flops : peak_attn;
     lin_bytes = p.precision == Precision::fp8 ? 1.0 : cs.act_bytes;
   }
 
@@ -233,7 +238,7 @@ double attention_core_forward(Acc& a, Phase ph) {
     // Causal: half of the S x S blocks (load-balanced across context-parallel ranks too).
     const double flops = 4.0 * heads * Sq * Sk * D * 0.5;
     const double bytes = e * a.cs.T * static_cast<double>(2 * m.AD() + 2 * m.G * m.D()) / static_cast<double>(p.t);
-    t = a.kernel("flash_attention", ph, flops, bytes, a.peak_attn * a.cl.device.flash_fwd_efficiency);
+    t = a.kernel("flash_attention", ph, flops, bytes, a.peak_flash * a.cl.device.flash_fwd_efficiency);
   } else {
     const double n_s = heads * Sq * Sk;  // attention score elements
     // QK^T and AV as batched GEMMs: Bh products of (Sq x D)(D x Sk) and (Sq x Sk)(Sk x D).
@@ -265,7 +270,7 @@ double attention_core_backward(Acc& a) {
     // FlashAttention-2 backward: five S x S x D products against two in forward.
     const double flops = 10.0 * heads * Sq * Sk * D * 0.5;
     const double bytes = 2.0 * e * a.cs.T * static_cast<double>(2 * m.AD() + 2 * m.G * m.D()) / static_cast<double>(p.t);
-    t = a.kernel("flash_attention", ph, flops, bytes, a.peak_attn * a.cl.device.flash_bwd_efficiency);
+    t = a.kernel("flash_attention", ph, flops, bytes, a.peak_flash * a.cl.device.flash_bwd_efficiency);
   } else {
     const double n_s = heads * Sq * Sk;
     const double flops = 2.0 * heads * Sq * Sk * D;

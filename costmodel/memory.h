@@ -48,7 +48,7 @@ double stage_params(const ModelSpec& m, const Plan& p, const StageLayout& lay, i
 // in_flight_first[s], in_flight_last[s]: the same for the stage's first and last chunk
 // (where the embedding and the output layer live).
 // pre: stage_memory_inputs of the same (m, p, cs), computed once for all stages (the
-// planner's and estimate's loops over stages); null computes them here.
+// loop of stages_memory over the stages); null computes them here.
 struct StageMemoryInputs {
   double per_layer = 0, per_full_layer = 0;  // layer_activation_bytes, layer_full_activation_bytes
   double embedding_act = 0, head_act = 0, head_working = 0;

@@ -25,6 +25,10 @@ const char* to_string(MemCategory c) {
   return "?";
 }
 
+const char* mem_pool_name(int pool) {
+  return pool >= 0 && pool < kMemCategories ? to_string(static_cast<MemCategory>(pool)) : "untracked";
+}
+
 void MemoryTracker::add(MemCategory c, int64_t bytes) {
   const size_t i = static_cast<size_t>(c);
   live_[i] += bytes;

@@ -15,6 +15,8 @@ namespace strata {
 enum class MemCategory { weights, gradients, optimizer_states, activations, comm_buffers };
 constexpr int kMemCategories = 5;
 const char* to_string(MemCategory c);
+// A backend memory pool's name (backend.h's kMemPools): its category's, or "untracked".
+const char* mem_pool_name(int pool);
 
 // This machine's physical memory, bytes (0 when the system does not say).
 double physical_memory_bytes();

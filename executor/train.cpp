@@ -401,8 +401,7 @@ TrainResult Engine::run() {
 
 
 TrainResult train(const ModelSpec& m, const Plan& p, const TrainOptions& o, Comm& comm, Backend& be) {
-  Backend::DeviceMemory dm;
-  validate_train_plan(m, p, comm.size(), !be.device_memory(&dm));
+  validate_train_plan(m, p, comm.size(), std::string(be.name()) == "cpu");  // host memory: the CPU backend's
   if (o.distributed_timeout_s > 0 && comm.size() > 1) comm.start_watchdog(o.distributed_timeout_s);
   Engine e(m, p, o, comm, be);
   return e.run();
@@ -434,7 +433,7 @@ Json train_result_to_json(const TrainResult& r) {
     Json used = Json::object(), reserved = Json::object();
     int64_t used_sum = 0, reserved_sum = 0;
     for (int i = 0; i < kMemPools; ++i) {
-      const char* name = i < kMemCategories ? to_string(static_cast<MemCategory>(i)) : "untracked";
+      const char* name = mem_pool_name(i);
       used[name] = r.device_used_peak[i];
       reserved[name] = r.device_reserved_peak[i];
       used_sum += r.device_used_peak[i];

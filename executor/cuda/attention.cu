@@ -12,7 +12,6 @@ namespace strata::cuda {
 namespace {
 
 constexpr int kThreads = 128;
-constexpr long long kMaxSeq = 8192;
 
 struct Dims {
   long long S, B, A, G, D;
@@ -120,7 +119,7 @@ __global__ void backward(float* dqkv, const float* dout, const float* probs, con
 }
 
 void check_shape(int64_t S, int64_t B, int64_t A, int64_t G) {
-  if (S > kMaxSeq || B > 65535 || A > 65535 || G <= 0 || A % G != 0)
+  if (S > kUnfusedAttentionMaxSeq || B > 65535 || A > 65535 || G <= 0 || A % G != 0)
     throw std::runtime_error("cuda attention: S = " + std::to_string(S) + ", B = " + std::to_string(B) +
                              ", A = " + std::to_string(A) + ", G = " + std::to_string(G) +
                              ": the unfused kernel needs S <= 8192, B and A <= 65535, A divisible by G");

@@ -13,6 +13,7 @@
 
 #include "executor/cuda/check.h"
 #include "executor/cuda/kernels.h"
+#include "executor/memory_tracker.h"
 
 #define CUBLAS_CHECK(call)                                                                          \
   do {                                                                                              \
@@ -390,13 +391,10 @@ class CudaBackendImpl final : public CudaBackend {
       for (cudaMemPool_t each : pools_) CUDA_CHECK(cudaMemPoolTrimTo(each, 0));
       rc = cudaMallocFromPoolAsync(&p, bytes, pools_[pool], stream_);
     }
-    if (rc != cudaSuccess) {
-      static constexpr const char* kPoolNames[kMemPools] = {"weights",      "gradients",    "optimizer_states",
-                                                            "activations", "comm_buffers", "untracked"};
+    if (rc != cudaSuccess)
       cuda::fail("cudaMallocFromPoolAsync", __FILE__, __LINE__,
-                 std::string(cudaGetErrorName(rc)) + ": " + std::to_string(bytes) + " bytes from the " + kPoolNames[pool] +
-                     " pool");
-    }
+                 std::string(cudaGetErrorName(rc)) + ": " + std::to_string(bytes) + " bytes from the " +
+                     mem_pool_name(pool) + " pool");
     return p;
   }
   static int kind(Activation a) { return a == Activation::gelu ? 0 : a == Activation::swiglu ? 1 : 2; }

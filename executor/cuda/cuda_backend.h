@@ -11,6 +11,7 @@
 #include <string>
 
 #include "executor/backend.h"
+#include "executor/cuda/limits.h"
 #include "executor/staged_comm.h"
 #include "executor/zero.h"
 

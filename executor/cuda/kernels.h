@@ -3,6 +3,7 @@
 // pointer is device memory; shapes and conventions are those of executor/backend.h.
 #pragma once
 
+#include "executor/cuda/limits.h"
 #include <cuda_runtime_api.h>
 
 #include <cstdint>
@@ -28,8 +29,7 @@ void attention_backward(float* dqkv, const float* dout, const float* probs, cons
                         int64_t A, int64_t G, int64_t D, cudaStream_t s);
 // Tiled, fused causal attention (flash_attention.cu): no S x S buffer; lse (B, A, S) is the
 // log-sum-exp of each query's scores, kept for the backward. The backward overwrites dqkv
-// and uses delta (B, A, S) as workspace. Head dim at most kFlashMaxHeadDim.
-constexpr int64_t kFlashMaxHeadDim = 128;
+// and uses delta (B, A, S) as workspace. Head dim at most kFlashMaxHeadDim (limits.h).
 void flash_attention_forward(float* out, float* lse, const float* qkv, int64_t S, int64_t B, int64_t A, int64_t G,
                              int64_t D, cudaStream_t s);
 void flash_attention_backward(float* dqkv, float* delta, const float* dout, const float* out, const float* lse,

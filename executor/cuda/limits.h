@@ -1,0 +1,13 @@
+// Limits of the CUDA backend's kernels, shared by the kernels and by the checks that refuse a
+// plan before a run starts (cli/train_cmd.cpp). No includes: nvcc and the host compiler both
+// read it.
+#pragma once
+
+namespace strata::cuda {
+
+// attention.cu keeps one query's row of S scores in shared memory.
+constexpr long long kUnfusedAttentionMaxSeq = 8192;
+// flash_attention.cu keeps a tile's rows of D values in registers and shared memory.
+constexpr long long kFlashMaxHeadDim = 128;
+
+}  // namespace strata::cuda
