@@ -75,8 +75,8 @@ int32_t ScheduleShape::chunk_of(int64_t index, bool forward) const {
   return static_cast<int32_t>(forward ? c : v - 1 - c);
 }
 
-StepAt ScheduleShape::at(int64_t s, int64_t k) const {
-  const int64_t total = m * v, w = warmup(s);
+StepAt ScheduleShape::at(int64_t, int64_t k, int64_t w) const {
+  const int64_t total = m * v;
   int64_t index = 0;
   bool forward = true;
   if (k < w) {

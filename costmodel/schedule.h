@@ -46,7 +46,8 @@ struct ScheduleShape {
   int64_t warmup(int64_t s) const;
   int64_t mb_of(int64_t index) const;
   int32_t chunk_of(int64_t index, bool forward) const;
-  StepAt at(int64_t s, int64_t k) const;
+  StepAt at(int64_t s, int64_t k) const { return at(s, k, warmup(s)); }
+  StepAt at(int64_t s, int64_t k, int64_t w) const;  // w = warmup(s), for walks that keep it
   int64_t positions() const { return 2 * m * v; }
 };
 

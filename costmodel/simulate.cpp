@@ -130,6 +130,8 @@ bool periodic_walk(ScheduleKind kind, int64_t m, const StageTimes& st, SimResult
   auto row = [&](int64_t k) { return &hist[static_cast<size_t>((k % rows) * p)]; };
   std::vector<double> free_at(static_cast<size_t>(p), 0.0);
   std::vector<StepAt> at(static_cast<size_t>(p));
+  std::vector<int64_t> warm(static_cast<size_t>(p));  // each stage's warm-up, looked up at every position
+  for (int64_t s = 0; s < p; ++s) warm[static_cast<size_t>(s)] = sh.warmup(s);
   bool jumped = false;
   int64_t walked = 0;
 
@@ -161,7 +163,7 @@ bool periodic_walk(ScheduleKind kind, int64_t m, const StageTimes& st, SimResult
 
   for (int64_t k = 0; k < positions; ++k) {
     for (int64_t s = 0; s < p; ++s) {
-      const StepAt step = at[static_cast<size_t>(s)] = sh.at(s, k);
+      const StepAt step = at[static_cast<size_t>(s)] = sh.at(s, k, warm[static_cast<size_t>(s)]);
       if (step.forward && !run(s, step)) return false;
     }
     for (int64_t s = p - 1; s >= 0; --s) {
