@@ -21,16 +21,14 @@ InFlight in_flight(ScheduleKind kind, int64_t p, int64_t v, int64_t m) {
     f.last = f.all;
     return f;
   }
-  // Past a few rounds of p the warm-up depth no longer grows; walk a capped schedule.
-  int64_t mm = std::min(m, 4 * p + 4);
-  if (kind == ScheduleKind::interleaved) mm = std::max<int64_t>(p, (mm / p) * p);
-  if (kind == ScheduleKind::interleaved && m == p) mm = m;  // all-warm-up special case
-  // peak_in_flight() of make_schedule(kind, p, v, mm), stepping through each stage's list
+  // peak_in_flight() of make_schedule(kind, p, v, m), stepping through each stage's list
   // as make_schedule() lays it out (warm-up forwards, forward/backward pairs, cool-down
   // backwards; forward k runs chunk (k mod pv) / p, backwards the chunks in reverse),
-  // without storing it. memory_test compares the two.
-  const ScheduleShape sh{kind, p, v, mm};
-  const int64_t total = mm * v;
+  // without storing it. memory_test compares the two. Only the start is walked: pv
+  // forward/backward pairs run p forwards and p backwards of every chunk, so the counts of
+  // the steady state repeat with that period, and the cool-down only lowers them.
+  const ScheduleShape sh{kind, p, v, m};
+  const int64_t total = m * v;
   for (auto* x : {&f.all, &f.first, &f.last}) x->assign(static_cast<size_t>(p), 0);
   for (int64_t s = 0; s < p; ++s) {
     const size_t i = static_cast<size_t>(s);
@@ -54,11 +52,10 @@ InFlight in_flight(ScheduleKind kind, int64_t p, int64_t v, int64_t m) {
       f.last[i] = std::max(f.last[i], last);
     };
     for (int64_t k = 0; k < w; ++k) step(true);
-    for (int64_t k = 0; k < total - w; ++k) {
+    for (int64_t k = 0; k < std::min(total - w, p * v); ++k) {
       step(true);
       step(false);
     }
-    for (int64_t k = 0; k < w; ++k) step(false);
   }
   return f;
 }
@@ -192,23 +189,35 @@ Estimate estimate(const ModelSpec& m, const Cluster& cl, const Plan& p, const Es
   st.bwd_s.assign(static_cast<size_t>(p.p * lay.v), 0.0);
   thread_local std::vector<Work> fwd_w, bwd_w, rec_w;
   for (auto* w : {&fwd_w, &bwd_w, &rec_w}) w->assign(static_cast<size_t>(p.p), Work{});
+  // A chunk like the one before it (the same layers, no embedding, no output layer: every
+  // middle stage of an even split) costs the same: its sums are kept.
+  int64_t prev_layers = -1;
+  bool prev_ends = true;
+  Work f, r, b;
   for (int64_t s = 0; s < p.p; ++s) {
     for (int64_t c = 0; c < lay.v; ++c) {
       // k layers run the plan's backward and recompute; with partial recompute the other
       // n - k run the backward of a plan without recompute.
       const int64_t layers = lay.chunk_layers(s, c);
-      const double n = static_cast<double>(layers);
-      const double k = static_cast<double>(p.recompute == Recompute::full ? p.recomputed_layers(layers) : layers);
-      Work f = n * layer.forward, r = k * layer.recompute, b = k * layer.backward;
-      b += (n - k) * plain.backward;
-      if (lay.has_embedding(s, c)) {
-        f += emb.forward;
-        b += emb.backward;
+      const bool ends = lay.has_embedding(s, c) || lay.has_head(s, c);
+      if (layers != prev_layers || ends || prev_ends) {
+        const double n = static_cast<double>(layers);
+        const double k = static_cast<double>(p.recompute == Recompute::full ? p.recomputed_layers(layers) : layers);
+        f = n * layer.forward;
+        r = k * layer.recompute;
+        b = k * layer.backward;
+        b += (n - k) * plain.backward;
+        if (lay.has_embedding(s, c)) {
+          f += emb.forward;
+          b += emb.backward;
+        }
+        if (lay.has_head(s, c)) {
+          f += head.forward;
+          b += head.backward;
+        }
       }
-      if (lay.has_head(s, c)) {
-        f += head.forward;
-        b += head.backward;
-      }
+      prev_layers = layers;
+      prev_ends = ends;
       st.fwd_s[static_cast<size_t>(c * p.p + s)] = f.total();
       st.bwd_s[static_cast<size_t>(c * p.p + s)] = b.total() + r.total();
       fwd_w[static_cast<size_t>(s)] += f;
@@ -237,12 +246,22 @@ Estimate estimate(const ModelSpec& m, const Cluster& cl, const Plan& p, const Es
     const double P = mem[i].params;
     double last_backward = 0;
     for (int64_t c = 0; c < lay.v; ++c) last_backward += st.b(s, c);
-    const DpTail tail = data_parallel_tail(m, cl, p, cs, s, P, last_backward, st.f(s, 0));
-    dp_exposed[i] = tail.exposed_s;
-    dp_total[i] = tail.total_s;
-    const double shard = P / static_cast<double>(p.replicas());
-    opt_s[i] = optimizer_time(cl.device, p, p.zero >= 1 ? shard : P, p.zero >= 2 ? shard : P);
-    finish[i] = sim.end_s[i] + tail.exposed_s + opt_s[i];
+    // The tail depends on the stage through these inputs, and on whether it holds an end of
+    // a tied embedding: a middle stage like the one before it has the same tail.
+    const bool same = lay.v == 1 && s >= 2 && s < p.p - 1 && P == mem[i - 1].params &&
+                      st.b(s, 0) == st.b(s - 1, 0) && st.f(s, 0) == st.f(s - 1, 0);
+    if (!same) {
+      const DpTail tail = data_parallel_tail(m, cl, p, cs, s, P, last_backward, st.f(s, 0));
+      dp_exposed[i] = tail.exposed_s;
+      dp_total[i] = tail.total_s;
+      const double shard = P / static_cast<double>(p.replicas());
+      opt_s[i] = optimizer_time(cl.device, p, p.zero >= 1 ? shard : P, p.zero >= 2 ? shard : P);
+    } else {
+      dp_exposed[i] = dp_exposed[i - 1];
+      dp_total[i] = dp_total[i - 1];
+      opt_s[i] = opt_s[i - 1];
+    }
+    finish[i] = sim.end_s[i] + dp_exposed[i] + opt_s[i];
   }
   size_t crit = 0;
   for (size_t i = 1; i < finish.size(); ++i)

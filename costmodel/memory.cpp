@@ -44,14 +44,20 @@ double layer_activation_bytes(const ModelSpec& m, const Plan& p, const ComputeSe
   const double t = static_cast<double>(p.t);
   const double GD = static_cast<double>(m.G * m.D()), AD = static_cast<double>(m.AD());
   if (p.recompute == Recompute::full) return e * Tn * H;  // the layer's input only
+  // With fp8 (Transformer Engine) each linear layer keeps its input as the fp8 copy its
+  // GEMM read (LayerNormLinear and LayerNormMLP keep ln_out and the activation's output
+  // in fp8, Linear its fp8 input); the attention core still keeps its 16-bit output, so the
+  // projection's input is held twice.
+  const bool fp8 = p.precision == Precision::fp8 && !cs.stack.strata;
+  const double lin = fp8 ? 1.0 : e;
   double bytes = 2.0 * e * Tn * H                  // norm inputs
-                 + e * Tn * H                      // QKV input
+                 + lin * Tn * H                    // QKV input
                  + e * T * (AD + GD) / t           // Q, K
                  + e * T * GD / t                  // V
-                 + e * T * AD / t                  // projection input
-                 + e * Tn * H                      // MLP input
+                 + (fp8 ? e + 1.0 : e) * T * AD / t  // attention output, projection input
+                 + lin * Tn * H                    // MLP input
                  + e * T * static_cast<double>(m.fc1_out()) / t
-                 + e * T * static_cast<double>(m.F) / t;  // fc2 input
+                 + lin * T * static_cast<double>(m.F) / t;  // fc2 input
   if (m.hidden_dropout > 0) bytes += 2.0 * Tn * H;
   // The strata executor keeps the gathered (full-sequence) QKV and MLP inputs as well.
   if (cs.stack.strata && p.sp && p.t > 1) bytes += 2.0 * e * T * H;

@@ -85,127 +85,12 @@ SimResult simulate(const Schedule& sc, const StageTimes& st, bool record_events)
 
 namespace {
 
-// The walk of simulate() for a schedule made by make_schedule(), position by position:
-// every stage runs one step per position and the inputs of a step were produced at an
-// earlier position or at the same one further up the pipeline (forwards: swept from the
-// first stage) or further down (backwards: swept from the last), so it needs neither the
-// step lists nor a worklist. Where every stage is in its steady state (alternating forward
-// and backward) the walk maps the state (the finishing times of the last two positions,
-// which is all a steady step reads) by the same max-plus linear map every period of P
-// positions: one micro-batch for 1F1B (2 positions), one round of p micro-batches through
-// all v chunks for the interleaved schedule (2pv), one position in either phase of GPipe.
-// Once a period moves every stage's times by the same c, each later period moves them by
-// c again (a max-plus map commutes with adding a constant), so the walk jumps by whole
-// periods to the end of that region and walks the rest: exact up to rounding. Returns
-// false, leaving *out alone, when an input is not where the walk looks for it or the walk
-// would exceed kMaxWalkSteps; the caller then walks the stored schedule.
-bool periodic_walk(ScheduleKind kind, int64_t m, const StageTimes& st, SimResult* out) {
+// The result of a position walk from each stage's finishing time. Busy time does not
+// depend on the timing: every step runs once, and every step sends except the last
+// chunk's forward on the last stage and the first chunk's backward on the first.
+void finish_walk(int64_t m, int64_t v, const StageTimes& st, const std::vector<double>& free_at, bool jumped,
+                 SimResult* out) {
   const int64_t p = st.p;
-  const ScheduleShape sh{kind, p, kind == ScheduleKind::interleaved ? st.v : 1, m};
-  const int64_t v = sh.v, total = m * v, positions = 2 * total;
-  const int64_t P = kind == ScheduleKind::gpipe ? 1 : kind == ScheduleKind::one_f_one_b ? 2 : 2 * p * v;
-  constexpr int64_t D = 2;  // positions of history a steady step reads
-  struct Region {
-    int64_t lo, hi;
-  };
-  const int64_t w0 = sh.warmup(0);
-  const Region regions[2] = {kind == ScheduleKind::gpipe ? Region{1, m - 1} : Region{w0 + D, positions - w0 - 1},
-                             kind == ScheduleKind::gpipe ? Region{m + 1, positions - 1} : Region{1, 0}};
-  // Finished steps by (stage, direction, index), tagged with their index; a slot overwritten
-  // before its consumer ran sends the caller to the general walk.
-  int64_t R = 4;
-  if (kind == ScheduleKind::interleaved)
-    while (R < 2 * p + 4) R *= 2;
-  struct Done {
-    int64_t index;
-    double t;
-  };
-  std::vector<Done> done(static_cast<size_t>(p * 2 * R), Done{-1, 0.0});
-  auto slot = [&](int64_t s, bool fwd, int64_t index) -> Done& {
-    return done[static_cast<size_t>((s * 2 + (fwd ? 1 : 0)) * R + (index & (R - 1)))];
-  };
-  // free_at of the last P + D positions, a row per position.
-  const int64_t rows = P + D;
-  std::vector<double> hist(static_cast<size_t>(p * rows), 0.0);
-  auto row = [&](int64_t k) { return &hist[static_cast<size_t>((k % rows) * p)]; };
-  std::vector<double> free_at(static_cast<size_t>(p), 0.0);
-  std::vector<StepAt> at(static_cast<size_t>(p));
-  std::vector<int64_t> warm(static_cast<size_t>(p));  // each stage's warm-up, looked up at every position
-  for (int64_t s = 0; s < p; ++s) warm[static_cast<size_t>(s)] = sh.warmup(s);
-  bool jumped = false;
-  int64_t walked = 0;
-
-  auto run = [&](int64_t s, const StepAt& step) -> bool {
-    double ready = 0;
-    if (step.forward) {
-      const int64_t from = s > 0 ? s - 1 : p - 1, index = s > 0 ? step.index : step.index - p;
-      if (s > 0 || step.chunk > 0) {
-        const Done& d = slot(from, true, index);
-        if (d.index != index) return false;
-        ready = d.t;
-      }
-    } else {
-      const int64_t from = s < p - 1 ? s + 1 : 0, index = s < p - 1 ? step.index : step.index - p;
-      if (s < p - 1 || step.chunk < v - 1) {
-        const Done& d = slot(from, false, index);
-        if (d.index != index) return false;
-        ready = d.t;
-      }  // else the last chunk's own forward, earlier in this stage's list
-    }
-    const double dur = step.forward ? st.f(s, step.chunk) : st.b(s, step.chunk);
-    const bool sends = step.forward ? !(s == p - 1 && step.chunk == v - 1) : !(s == 0 && step.chunk == 0);
-    const double send = sends ? st.send_s[static_cast<size_t>(s)] : 0.0;
-    const size_t i = static_cast<size_t>(s);
-    free_at[i] = std::max(free_at[i], ready) + dur + send;
-    slot(s, step.forward, step.index) = Done{step.index, free_at[i]};
-    return true;
-  };
-
-  for (int64_t k = 0; k < positions; ++k) {
-    for (int64_t s = 0; s < p; ++s) {
-      const StepAt step = at[static_cast<size_t>(s)] = sh.at(s, k, warm[static_cast<size_t>(s)]);
-      if (step.forward && !run(s, step)) return false;
-    }
-    for (int64_t s = p - 1; s >= 0; --s) {
-      const StepAt step = at[static_cast<size_t>(s)];
-      if (!step.forward && !run(s, step)) return false;
-    }
-    walked += p;
-    if (walked > kMaxWalkSteps) return false;
-    std::copy(free_at.begin(), free_at.end(), row(k));
-    // Jump when the period ending here lies in a steady region and moved every stage alike.
-    for (const Region& r : regions) {
-      if (k - P + 1 < r.lo || k + P > r.hi || k - P - (D - 1) < 0) continue;
-      const double c = row(k)[0] - row(k - P)[0];
-      const double tol = 1e-12 * row(k)[0];
-      bool periodic = true;
-      for (int64_t d = 0; d < D && periodic; ++d) {
-        const double* now = row(k - d);
-        const double* before = row(k - d - P);
-        for (int64_t s = 0; s < p && periodic; ++s) periodic = std::fabs((now[s] - before[s]) - c) <= tol;
-      }
-      if (!periodic) continue;
-      const int64_t J = (r.hi - k) / P;  // whole periods still inside the region
-      const double shift = static_cast<double>(J) * c;
-      // What the last D positions produced, as produced J periods later: the inputs of
-      // the positions after the jump.
-      for (int64_t d = D - 1; d >= 0; --d) {
-        const double* t = row(k - d);
-        for (int64_t s = 0; s < p; ++s) {
-          const StepAt will = sh.at(s, k - d + J * P);
-          slot(s, will.forward, will.index) = Done{will.index, t[s] + shift};
-        }
-      }
-      for (auto& f : free_at) f += shift;
-      k += J * P;
-      std::copy(free_at.begin(), free_at.end(), row(k));
-      jumped = J > 0;
-      break;
-    }
-  }
-  // Busy time does not depend on the timing: every step runs once, and every step sends
-  // except the last chunk's forward on the last stage and the first chunk's backward on
-  // the first.
   out->end_s = free_at;
   out->compute_s.assign(static_cast<size_t>(p), 0.0);
   out->p2p_s.assign(static_cast<size_t>(p), 0.0);
@@ -221,6 +106,274 @@ bool periodic_walk(ScheduleKind kind, int64_t m, const StageTimes& st, SimResult
   out->makespan_s = *std::max_element(free_at.begin(), free_at.end());
   out->extrapolated = jumped;
   out->by_position = true;
+}
+
+// The steady-state test of the position walks. A walk records each stage's finishing time
+// after every position; the period ending at position k can be jumped over when it lies in
+// a steady region [lo, hi] and moved every stage's times of the last D positions by the
+// same c as the period before. jump() then says how many whole periods J remain inside the
+// region (0: no jump here) and the shift J * c; the walk refills its inputs of the last D
+// positions as they will be J periods later and moves on by J * P positions.
+class SteadyState {
+ public:
+  struct Region {
+    int64_t lo, hi;
+  };
+  static constexpr int64_t D = 2;  // positions of history a steady step reads
+  SteadyState(int64_t P, Region a, Region b, size_t stages, std::vector<double>* scratch)
+      : P_(P), rows_(P + D), n_(stages), hist_(*scratch), regions_{a, b} {
+    hist_.assign(static_cast<size_t>(rows_) * n_, 0.0);
+  }
+  const double* row(int64_t k) const { return &hist_[static_cast<size_t>(k % rows_) * n_]; }
+  void record(int64_t k, const std::vector<double>& free_at) {
+    std::copy(free_at.begin(), free_at.end(), hist_.begin() + static_cast<std::ptrdiff_t>(static_cast<size_t>(k % rows_) * n_));
+  }
+  // After the refill: every stage's time moves by the shift and the walk on by J periods.
+  void jumped(int64_t* k, int64_t J, double shift, std::vector<double>* free_at) {
+    for (auto& f : *free_at) f += shift;
+    *k += J * P_;
+    record(*k, *free_at);
+  }
+  int64_t jump(int64_t k, double* shift) const {
+    for (const Region& r : regions_) {
+      if (k - P_ + 1 < r.lo || k + P_ > r.hi || k - P_ - (D - 1) < 0) continue;
+      const double c = row(k)[0] - row(k - P_)[0];
+      const double tol = 1e-12 * row(k)[0];
+      bool periodic = true;
+      for (int64_t d = 0; d < D && periodic; ++d) {
+        const double* now = row(k - d);
+        const double* before = row(k - d - P_);
+        for (size_t s = 0; s < n_ && periodic; ++s) periodic = std::fabs((now[s] - before[s]) - c) <= tol;
+      }
+      if (!periodic) continue;
+      const int64_t J = (r.hi - k) / P_;  // whole periods still inside the region
+      *shift = static_cast<double>(J) * c;
+      return J;
+    }
+    return 0;
+  }
+
+ private:
+  int64_t P_, rows_;
+  size_t n_;
+  std::vector<double>& hist_;
+  Region regions_[2];
+};
+
+// The position walks: the walk of simulate() for a schedule made by make_schedule(),
+// position by position. Every stage runs one step per position and the inputs of a step
+// were produced at an earlier position or at the same one further up the pipeline
+// (forwards: swept from the first stage) or further down (backwards: swept from the last),
+// so they need neither the step lists nor a worklist. Where every stage is in its steady
+// state (alternating forward and backward) the walk maps the state (the finishing times of
+// the last two positions, which is all a steady step reads) by the same max-plus linear
+// map every period of P positions: one micro-batch for 1F1B (2 positions), one round of p
+// micro-batches through all v chunks for the interleaved schedule (2pv), one position in
+// either phase of GPipe. Once a period moves every stage's times by the same c, each later
+// period moves them by c again (a max-plus map commutes with adding a constant), so the
+// walk jumps by whole periods to the end of that region (SteadyState) and walks the rest:
+// exact up to rounding. They return false, leaving *out alone, when an input is not where
+// the walk looks for it or the walk would exceed kMaxWalkSteps; the caller then walks the
+// stored schedule.
+//
+// The interleaved schedule, its positions from ScheduleShape.
+bool interleaved_walk(int64_t m, const StageTimes& st, SimResult* out) {
+  const int64_t p = st.p;
+  const ScheduleShape sh{ScheduleKind::interleaved, p, st.v, m};
+  const int64_t v = sh.v, total = m * v, positions = 2 * total, P = 2 * p * v;
+  constexpr int64_t D = SteadyState::D;
+  std::vector<double> hist;
+  SteadyState steady(P, {sh.warmup(0) + D, positions - sh.warmup(0) - 1}, {1, 0}, static_cast<size_t>(p), &hist);
+  // Finished steps by (stage, direction, index), tagged with their index; a slot overwritten
+  // before its consumer ran sends the caller to the general walk.
+  int64_t R = 4;
+  while (R < 2 * p + 4) R *= 2;
+  struct Done {
+    int64_t index;
+    double t;
+  };
+  std::vector<Done> done(static_cast<size_t>(p * 2 * R), Done{-1, 0.0});
+  auto slot = [&](int64_t s, bool fwd, int64_t index) -> Done& {
+    return done[static_cast<size_t>((s * 2 + (fwd ? 1 : 0)) * R + (index & (R - 1)))];
+  };
+  std::vector<double> free_at(static_cast<size_t>(p), 0.0);
+  // Each stage's warm-up, and where it is in its lists: the forwards and backwards run so
+  // far, and the chunk (and position within its p micro-batches) of the next of each:
+  // forward i runs chunk (i mod pv) / p, backward i the chunks in reverse (ScheduleShape),
+  // stepped here without dividing.
+  struct Cursor {
+    int64_t warm, index[2] = {0, 0}, sub[2] = {0, 0}, chunk[2] = {0, 0};
+  };
+  std::vector<Cursor> cur(static_cast<size_t>(p));
+  std::vector<char> backward(static_cast<size_t>(p));
+  for (int64_t s = 0; s < p; ++s) cur[static_cast<size_t>(s)].warm = sh.warmup(s);
+  bool jumped = false;
+  int64_t walked = 0;
+
+  // Runs the next step of stage s in direction fwd (1 forward, 0 backward).
+  auto run = [&](int64_t s, int fwd) -> bool {
+    Cursor& cs = cur[static_cast<size_t>(s)];
+    const int64_t index = cs.index[fwd]++;
+    const int64_t chunk = fwd ? cs.chunk[1] : v - 1 - cs.chunk[0];
+    if (++cs.sub[fwd] == p) {
+      cs.sub[fwd] = 0;
+      if (++cs.chunk[fwd] == v) cs.chunk[fwd] = 0;
+    }
+    double ready = 0;
+    if (fwd) {
+      const int64_t from = s > 0 ? s - 1 : p - 1, in = s > 0 ? index : index - p;
+      if (s > 0 || chunk > 0) {
+        const Done& d = slot(from, true, in);
+        if (d.index != in) return false;
+        ready = d.t;
+      }
+    } else {
+      const int64_t from = s < p - 1 ? s + 1 : 0, in = s < p - 1 ? index : index - p;
+      if (s < p - 1 || chunk < v - 1) {
+        const Done& d = slot(from, false, in);
+        if (d.index != in) return false;
+        ready = d.t;
+      }  // else the last chunk's own forward, earlier in this stage's list
+    }
+    const double dur = fwd ? st.f(s, chunk) : st.b(s, chunk);
+    const bool sends = fwd ? !(s == p - 1 && chunk == v - 1) : !(s == 0 && chunk == 0);
+    const double send = sends ? st.send_s[static_cast<size_t>(s)] : 0.0;
+    const size_t i = static_cast<size_t>(s);
+    free_at[i] = std::max(free_at[i], ready) + dur + send;
+    slot(s, fwd, index) = Done{index, free_at[i]};
+    return true;
+  };
+
+  for (int64_t k = 0; k < positions; ++k) {
+    for (int64_t s = 0; s < p; ++s) {
+      const int64_t w = cur[static_cast<size_t>(s)].warm;
+      const bool fwd = k < w || (k < positions - w && ((k - w) & 1) == 0);
+      backward[static_cast<size_t>(s)] = !fwd;
+      if (fwd && !run(s, 1)) return false;
+    }
+    for (int64_t s = p - 1; s >= 0; --s)
+      if (backward[static_cast<size_t>(s)] && !run(s, 0)) return false;
+    walked += p;
+    if (walked > kMaxWalkSteps) return false;
+    steady.record(k, free_at);
+    double shift = 0;
+    if (const int64_t J = steady.jump(k, &shift); J > 0) {
+      // What the last D positions produced, as produced J periods later: the inputs of
+      // the positions after the jump.
+      for (int64_t d = D - 1; d >= 0; --d) {
+        const double* t = steady.row(k - d);
+        for (int64_t s = 0; s < p; ++s) {
+          const StepAt will = sh.at(s, k - d + J * P);
+          slot(s, will.forward, will.index) = Done{will.index, t[s] + shift};
+        }
+      }
+      // Every stage ran pv forwards and pv backwards per period: its next chunks are the same.
+      for (Cursor& cs : cur)
+        for (int64_t& x : cs.index) x += J * p * v;
+      steady.jumped(&k, J, shift, &free_at);
+      jumped = true;
+    }
+  }
+  finish_walk(m, v, st, free_at, jumped, out);
+  return true;
+}
+
+// The same walk for the schedules with one chunk per stage, 1F1B and GPipe, with their
+// positions in closed form (GPipe is 1F1B with every warm-up m): stage s with warm-up w
+// runs forward k at position k < w, then forward w + j/2 (j = k - w even) and backward
+// j/2 (j odd), then backward k - m from position 2m - w on. A forward reads the forward
+// of the stage above it, which ran at the same position or the one before; a backward the
+// backward of the stage below, alike, so each stage keeps its last few finished steps per
+// direction, tagged with their micro-batch as in interleaved_walk() (a missing input sends
+// the caller to the stored walk). The estimate's hot path, so its state lives in
+// per-thread scratch.
+bool one_chunk_walk(ScheduleKind kind, int64_t m, const StageTimes& st, SimResult* out) {
+  const int64_t p = st.p, positions = 2 * m;
+  const bool gpipe = kind == ScheduleKind::gpipe;
+  const int64_t P = gpipe ? 1 : 2;
+  constexpr int64_t D = SteadyState::D, R = 4;
+  const size_t n = static_cast<size_t>(p);
+  thread_local std::vector<int64_t> warm, tag, bwd_at;
+  thread_local std::vector<double> fd, bd, t, free_at, hist;
+  warm.resize(n);
+  bwd_at.resize(n);
+  fd.resize(n);
+  bd.resize(n);
+  free_at.assign(n, 0.0);
+  tag.assign(n * 2 * R, -1);
+  t.resize(n * 2 * R);
+  for (int64_t s = 0; s < p; ++s) {
+    const size_t i = static_cast<size_t>(s);
+    warm[i] = gpipe ? m : std::min(p - s - 1, m);
+    fd[i] = st.fwd_s[i] + (s < p - 1 ? st.send_s[i] : 0.0);
+    bd[i] = st.bwd_s[i] + (s > 0 ? st.send_s[i] : 0.0);
+  }
+  // (forward?, micro-batch) of stage s at position k; the ring slot of a finished step.
+  auto decode = [&](int64_t s, int64_t k, int64_t* mb) {
+    const int64_t w = warm[static_cast<size_t>(s)];
+    if (k < w) return *mb = k, true;
+    if (k >= positions - w) return *mb = k - m, false;
+    const int64_t j = k - w;
+    *mb = (j & 1) ? j >> 1 : w + (j >> 1);
+    return (j & 1) == 0;
+  };
+  auto slot = [&](int64_t s, bool fwd, int64_t mb) {
+    return static_cast<size_t>((s * 2 + (fwd ? 1 : 0)) * R + (mb & (R - 1)));
+  };
+  // The steady regions: GPipe's two phases, 1F1B's forward/backward pairs.
+  const int64_t w0 = warm[0];
+  SteadyState steady(P, gpipe ? SteadyState::Region{1, m - 1} : SteadyState::Region{w0 + D, positions - w0 - 1},
+                     gpipe ? SteadyState::Region{m + 1, positions - 1} : SteadyState::Region{1, 0}, n, &hist);
+  // Runs micro-batch mb on stage s in one direction: its input comes from stage `from`
+  // (none when from < 0: the first stage's forward, the last stage's backward).
+  auto run = [&](int64_t s, bool fwd, int64_t mb, int64_t from, double dur) {
+    const size_t i = static_cast<size_t>(s);
+    double ready = 0;
+    if (from >= 0) {
+      const size_t in = slot(from, fwd, mb);
+      if (tag[in] != mb) return false;
+      ready = t[in];
+    }
+    const double end = std::max(free_at[i], ready) + dur;
+    free_at[i] = end;
+    const size_t own = slot(s, fwd, mb);
+    tag[own] = mb;
+    t[own] = end;
+    return true;
+  };
+  bool jumped = false;
+  int64_t walked = 0;
+  for (int64_t k = 0; k < positions; ++k) {
+    if ((walked += p) > kMaxWalkSteps) return false;
+    for (int64_t s = 0; s < p; ++s) {  // forwards, first stage to last
+      int64_t mb = 0;
+      const size_t i = static_cast<size_t>(s);
+      const bool fwd = decode(s, k, &mb);
+      bwd_at[i] = fwd ? -1 : mb;
+      if (fwd && !run(s, true, mb, s - 1, fd[i])) return false;
+    }
+    for (int64_t s = p - 1; s >= 0; --s) {  // backwards, last stage to first
+      const size_t i = static_cast<size_t>(s);
+      if (bwd_at[i] >= 0 && !run(s, false, bwd_at[i], s < p - 1 ? s + 1 : -1, bd[i])) return false;
+    }
+    steady.record(k, free_at);
+    double shift = 0;
+    if (const int64_t J = steady.jump(k, &shift); J > 0) {
+      for (int64_t d = D - 1; d >= 0; --d) {
+        const double* a = steady.row(k - d);
+        for (int64_t s = 0; s < p; ++s) {
+          int64_t mb = 0;
+          const bool fwd = decode(s, k - d + J * P, &mb);
+          const size_t own = slot(s, fwd, mb);
+          tag[own] = mb;
+          t[own] = a[s] + shift;
+        }
+      }
+      steady.jumped(&k, J, shift, &free_at);
+      jumped = true;
+    }
+  }
+  finish_walk(m, 1, st, free_at, jumped, out);
   return true;
 }
 
@@ -241,7 +394,7 @@ SimResult simulate_pipeline(ScheduleKind kind, int64_t m, const StageTimes& st, 
   }
   if (!record_events) {
     SimResult r;
-    if (periodic_walk(kind, m, st, &r)) return r;
+    if (kind == ScheduleKind::interleaved ? interleaved_walk(m, st, &r) : one_chunk_walk(kind, m, st, &r)) return r;
   }
   return simulate_windows(kind, m, st, record_events);
 }

@@ -44,6 +44,16 @@ TEST_F(Korthikanti, FlashAttentionKeepsOnlyTheLogSumExp) {
   EXPECT_DOUBLE_EQ(per_layer("tp=8,attention=flash,recompute=selective,precision=fp16"), s * b * h * (10 + 24 / t));
 }
 
+TEST_F(Korthikanti, Fp8LinearLayersKeepTheirFp8Inputs) {
+  // Transformer Engine keeps each linear layer's input as its 1-byte fp8 copy: QKV and fc1
+  // inputs 2 -> 1, fc2 input (4h) 8 -> 4; the projection's fp8 input comes on top of the
+  // core's 16-bit output (2 + 1). Norm inputs 4, Q K V 6, fc1 output 8, dropout masks 2:
+  // 4 + 1 + 6 + 3 + 1 + 8 + 4 + 2 = 29 sbh / t, plus the fused core's log-sum-exp.
+  EXPECT_DOUBLE_EQ(per_layer("tp=8,sp=1,attention=flash,precision=fp8"), s * b * h * 29 / t + 4 * b * (a / t) * s);
+  // Full recompute keeps the 16-bit layer input only, as in the other precisions.
+  EXPECT_DOUBLE_EQ(per_layer("tp=8,sp=1,recompute=full,precision=fp8"), 2 * s * b * h / t);
+}
+
 TEST(Memory, StateBytesPerParameter) {
   // Megatron's table: fp16 params and grads 20 bytes without sharding (4 + 16/d sharded);
   // bf16 here: 2 + 6 (bf16 grads + fp32 accumulation) + 12.
@@ -146,7 +156,7 @@ TEST(Memory, MicrobatchesInFlight) {
   // as walking make_schedule(), for every chunk and for the first and last chunk alone.
   for (int64_t p : {2, 3, 4, 8})
     for (int64_t v : {2, 3, 5})
-      for (int64_t m = p; m <= 4 * p + 4; m += p) {
+      for (int64_t m = p; m <= 12 * p; m += p) {
         const Schedule sc = make_schedule(ScheduleKind::interleaved, p, v, m);
         const InFlight fl = in_flight(ScheduleKind::interleaved, p, v, m);
         EXPECT_EQ(fl.all, peak_in_flight(sc)) << p << " " << v << " " << m;
