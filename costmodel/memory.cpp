@@ -46,15 +46,17 @@ double layer_activation_bytes(const ModelSpec& m, const Plan& p, const ComputeSe
   if (p.recompute == Recompute::full) return e * Tn * H;  // the layer's input only
   // With fp8 (Transformer Engine) each linear layer keeps its input as the fp8 copy its
   // GEMM read (LayerNormLinear and LayerNormMLP keep ln_out and the activation's output
-  // in fp8, Linear its fp8 input); the attention core still keeps its 16-bit output, so the
-  // projection's input is held twice.
+  // in fp8, Linear its fp8 input). A fused core that is not recomputed also keeps its
+  // 16-bit output for its own backward, so the projection's input is then held twice.
   const bool fp8 = p.precision == Precision::fp8 && !cs.stack.strata;
   const double lin = fp8 ? 1.0 : e;
+  const bool core_keeps_output = cs.attention != AttentionKernel::unfused && p.recompute == Recompute::none;
+  const double proj_in = !fp8 ? e : core_keeps_output ? e + 1.0 : 1.0;
   double bytes = 2.0 * e * Tn * H                  // norm inputs
                  + lin * Tn * H                    // QKV input
                  + e * T * (AD + GD) / t           // Q, K
                  + e * T * GD / t                  // V
-                 + (fp8 ? e + 1.0 : e) * T * AD / t  // attention output, projection input
+                 + proj_in * T * AD / t            // attention output, projection input
                  + lin * Tn * H                    // MLP input
                  + e * T * static_cast<double>(m.fc1_out()) / t
                  + lin * T * static_cast<double>(m.F) / t;  // fc2 input

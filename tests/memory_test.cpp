@@ -50,6 +50,8 @@ TEST_F(Korthikanti, Fp8LinearLayersKeepTheirFp8Inputs) {
   // core's 16-bit output (2 + 1). Norm inputs 4, Q K V 6, fc1 output 8, dropout masks 2:
   // 4 + 1 + 6 + 3 + 1 + 8 + 4 + 2 = 29 sbh / t, plus the fused core's log-sum-exp.
   EXPECT_DOUBLE_EQ(per_layer("tp=8,sp=1,attention=flash,precision=fp8"), s * b * h * 29 / t + 4 * b * (a / t) * s);
+  // Recomputed, the core keeps nothing of its own: the projection's fp8 input only, 27 sbh / t.
+  EXPECT_DOUBLE_EQ(per_layer("tp=8,sp=1,attention=flash,recompute=selective,precision=fp8"), s * b * h * 27 / t);
   // Full recompute keeps the 16-bit layer input only, as in the other precisions.
   EXPECT_DOUBLE_EQ(per_layer("tp=8,sp=1,recompute=full,precision=fp8"), 2 * s * b * h / t);
 }
