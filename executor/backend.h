@@ -134,6 +134,11 @@ class Backend {
   // Rounds n values to the nearest value of `p` (bf16, fp16; fp32 leaves them), as the
   // inputs of a low-precision GEMM are. fp16 overflows to inf.
   virtual void round_to(float* x, int64_t n, Precision p) = 0;
+  // 16-bit storage of the activations a layer keeps for its backward (memory_tracker.h's
+  // Buf::pack): n values rounded to `p` (bf16, fp16; fp8 as bf16) as round_to() does, 2
+  // bytes each; and back to floats, exactly the rounded values.
+  virtual void pack16(uint16_t* dst, const float* src, int64_t n, Precision p) = 0;
+  virtual void unpack16(float* dst, const uint16_t* src, int64_t n, Precision p) = 0;
 };
 
 std::unique_ptr<Backend> make_cpu_backend();

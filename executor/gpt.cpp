@@ -186,6 +186,24 @@ void embedding_backward(const ModelCtx& c, const UnitView& wte, const UnitView* 
                            H, lo, Vt);
 }
 
+namespace {
+
+// The 16-bit tensors a layer keeps for its backward, stored in 16 bits until then
+// (Buf::pack): in the backend's memory each takes the 2 bytes per value the tracker and the
+// cost model count for it. Rounding them is what Megatron's bf16/fp16 storage does; the
+// layer input and the residual-stream sum are kept in fp32 by the forward itself and
+// rounded here, as stored.
+void pack_saved(const ModelCtx& c, LayerActs* a) {
+  for (Buf* b : {&a->x, &a->h1, &a->g1, &a->qkv, &a->probs, &a->att, &a->x2, &a->h2, &a->g2, &a->u, &a->a})
+    b->pack(c.precision);
+}
+void unpack_saved(LayerActs* a) {
+  for (Buf* b : {&a->x, &a->h1, &a->g1, &a->qkv, &a->probs, &a->att, &a->x2, &a->h2, &a->g2, &a->u, &a->a})
+    b->unpack();
+}
+
+}  // namespace
+
 Buf layer_forward(const ModelCtx& c, const UnitView& u, int64_t l, Buf x, LayerActs* a) {
   a->x = std::move(x);
   Buf out = forward_all(c, u, l, a);
@@ -194,10 +212,12 @@ Buf layer_forward(const ModelCtx& c, const UnitView& u, int64_t l, Buf x, LayerA
     *a = LayerActs{};
     a->x = std::move(keep);
   }
+  pack_saved(c, a);
   return out;
 }
 
 Buf layer_backward(const ModelCtx& c, const UnitView& u, int64_t l, LayerActs* a, const Buf& dout) {
+  unpack_saved(a);
   if (c.recompute == Recompute::full) {  // run the forward again, with every tensor kept
     ModelCtx again = c;
     again.recompute = Recompute::none;

@@ -58,8 +58,31 @@ Buf Buf::allocated(Backend* be, int64_t n, int pool) {
   Buf b;
   b.n_ = n > 0 ? n : 0;
   b.be_ = be;
+  b.pool_ = pool;
   if (b.n_ > 0) b.p_ = be ? be->allocate_in(b.n_, pool) : new float[static_cast<size_t>(b.n_)]();
   return b;
+}
+
+void Buf::pack(Precision p) {
+  if (p == Precision::fp32 || !be_ || !p_ || packed_) return;
+  packed_ = be_->allocate_in((n_ + 1) / 2, pool_);
+  be_->pack16(reinterpret_cast<uint16_t*>(packed_), p_, n_, p);
+  packed_as_ = p;
+  be_->deallocate(p_);
+  p_ = nullptr;
+}
+
+void Buf::unpack() {
+  if (!packed_) return;
+  p_ = be_->allocate_in(n_, pool_);
+  be_->unpack16(p_, reinterpret_cast<const uint16_t*>(packed_), n_, packed_as_);
+  be_->deallocate(packed_);
+  packed_ = nullptr;
+}
+
+int64_t Buf::storage_bytes() const {
+  if (packed_) return 4 * ((n_ + 1) / 2);
+  return p_ ? 4 * n_ : 0;
 }
 
 ByteBuf::ByteBuf(Backend* be, const void* host, size_t bytes) : be_(be), p_(be->allocate_bytes(bytes)) {
@@ -89,10 +112,14 @@ Buf& Buf::operator=(Buf&& o) noexcept {
     tracker_ = o.tracker_;
     cat_ = o.cat_;
     bytes_ = o.bytes_;
+    pool_ = o.pool_;
+    packed_ = o.packed_;
+    packed_as_ = o.packed_as_;
     o.p_ = nullptr;
     o.n_ = 0;
     o.tracker_ = nullptr;
     o.bytes_ = 0;
+    o.packed_ = nullptr;
   }
   return *this;
 }
@@ -111,7 +138,9 @@ void Buf::release() {
     if (be_) be_->deallocate(p_);
     else delete[] p_;
   }
+  if (packed_) be_->deallocate(packed_);
   p_ = nullptr;
+  packed_ = nullptr;
   n_ = 0;
 }
 

@@ -1,14 +1,16 @@
 // The executor's allocator: every buffer is a Buf charged to one of the SPEC memory
 // categories, and the tracker keeps live and peak bytes per category and in total, so a
 // measured run compares term by term with the cost model's memory_bytes. Bytes are
-// counted at the element size of the precision the buffer holds (the CPU backend keeps
-// bf16/fp16 values in float storage, rounded).
+// counted at the element size of the precision the buffer holds: bf16/fp16 values are
+// computed on in float storage, rounded, and the saved ones kept in 16 bits (Buf::pack).
 #pragma once
 
 #include <array>
 #include <cstddef>
 #include <cstdint>
 #include <vector>
+
+#include "costmodel/hardware.h"
 
 namespace strata {
 
@@ -66,6 +68,16 @@ class Buf {
   float operator[](int64_t i) const { return p_[i]; }
   void zero();
   void release();
+  // 16-bit storage while the values wait for the backward (Backend::pack16): pack() keeps
+  // the values rounded to `p` (bf16, fp16) at 2 bytes each and frees the float storage, so
+  // a 16-bit activation takes in the backend's memory what the tracker charges for it;
+  // unpack() gives floats back, equal to the rounded values. fp32, an empty buffer and a
+  // buffer in host memory without a backend stay as they are. data() is null while packed.
+  void pack(Precision p);
+  void unpack();
+  bool packed() const { return packed_ != nullptr; }
+  // Bytes this buffer holds in its memory now: 4 per value, 2 while packed.
+  int64_t storage_bytes() const;
 
  private:
   static Buf allocated(Backend* be, int64_t n, int pool);  // from the backend's pool `pool`
@@ -75,6 +87,9 @@ class Buf {
   MemoryTracker* tracker_ = nullptr;
   MemCategory cat_ = MemCategory::activations;
   int64_t bytes_ = 0;
+  int pool_ = kMemCategories;  // the backend pool p_ came from
+  float* packed_ = nullptr;    // the 16-bit values, in floats of that pool (2 per float)
+  Precision packed_as_ = Precision::fp32;
 };
 
 // Bytes in a backend's memory holding a copy of host bytes (masks the backend's kernels

@@ -82,7 +82,7 @@ EOF
 )"
 
 # 5. gpt2-124m on the GPU with the unfused and the fused attention, and the estimate of
-# each plan. Memory: the device's own pool peaks (by category, 4-byte storage) and its
+# each plan. Memory: the device's own pool peaks (by category; saved activations in 16 bits) and its
 # memory in use after training (context, libraries, pools' reserve), against the estimate.
 # The estimate runs on the H200 preset with the executor's software stack ("strata": no
 # dropout, fp32 gradient accumulation, its own overlap), the stack that actually runs here.

@@ -15,6 +15,7 @@
 
 #include "executor/backend.h"
 #include "executor/cuda/cuda_backend.h"
+#include "executor/memory_tracker.h"
 #include "executor/zero.h"
 
 namespace strata {
@@ -431,6 +432,48 @@ TEST_F(CudaOps, RoundingToBf16AndFp16IsBitwiseTheCpus) {
     const Vec got = host(g, x.size());
     for (size_t i = 0; i < x.size(); ++i)
       ASSERT_EQ(std::memcmp(&got[i], &c[i], 4), 0) << (p == Precision::bf16 ? "bf16 " : "fp16 ") << x[i];
+  }
+}
+
+// 16-bit storage of saved activations: the GPU's 2-byte patterns are the CPU's, and a Buf
+// packed and unpacked in device memory comes back as the rounded values.
+TEST_F(CudaOps, Pack16IsBitwiseTheCpus) {
+  Vec x = random(4097, 100.0f);
+  for (float v : {70000.0f, 65520.0f, 1.00390625f, -1e-8f, std::numeric_limits<float>::infinity(),
+                  std::numeric_limits<float>::quiet_NaN(), std::numeric_limits<float>::signaling_NaN()})
+    x.push_back(v);
+  const int64_t n = static_cast<int64_t>(x.size());
+  for (Precision p : {Precision::bf16, Precision::fp16}) {
+    std::vector<uint16_t> want(x.size()), got(x.size());
+    cpu_->pack16(want.data(), x.data(), n, p);
+    float* g = dev(x);
+    float* packed = dev(Vec((x.size() + 1) / 2));
+    gpu_->pack16(reinterpret_cast<uint16_t*>(packed), g, n, p);
+    const Vec words = host(packed, (x.size() + 1) / 2);
+    std::memcpy(got.data(), words.data(), got.size() * 2);
+    for (size_t i = 0; i < x.size(); ++i) ASSERT_EQ(got[i], want[i]) << (p == Precision::bf16 ? "bf16 " : "fp16 ") << x[i];
+    float* back = dev(nans(x.size()));
+    gpu_->unpack16(back, reinterpret_cast<const uint16_t*>(packed), n, p);
+    Vec cback(x.size());
+    cpu_->unpack16(cback.data(), want.data(), n, p);
+    const Vec gback = host(back, x.size());
+    for (size_t i = 0; i < x.size(); ++i)
+      ASSERT_EQ(std::memcmp(&gback[i], &cback[i], 4), 0) << (p == Precision::bf16 ? "bf16 " : "fp16 ") << x[i];
+  }
+  MemoryTracker t;
+  t.set_backend(gpu_.get());
+  Buf b(&t, MemCategory::activations, n, 2);
+  gpu_->to_device(b.data(), x.data(), n);
+  b.pack(Precision::bf16);
+  EXPECT_TRUE(b.packed());
+  EXPECT_EQ(b.storage_bytes(), 4 * ((n + 1) / 2));
+  b.unpack();
+  Vec want = x;
+  cpu_->round_to(want.data(), n, Precision::bf16);
+  const Vec got = host(b.data(), x.size());
+  for (size_t i = 0; i < x.size(); ++i) {
+    if (std::isnan(want[i])) continue;
+    ASSERT_EQ(got[i], want[i]) << x[i];
   }
 }
 

@@ -438,6 +438,36 @@ class CpuBackend final : public Backend {
       for (int64_t i = 0; i < n; ++i) x[i] = round_fp16(x[i]);
     }
   }
+  void pack16(uint16_t* dst, const float* src, int64_t n, Precision p) override {
+    if (p == Precision::fp16) {
+      for (int64_t i = 0; i < n; ++i) {
+        const _Float16 h = static_cast<_Float16>(src[i]);
+        std::memcpy(&dst[i], &h, 2);
+      }
+      return;
+    }
+    for (int64_t i = 0; i < n; ++i) {
+      const float r = round_bf16(src[i]);
+      uint32_t u;
+      std::memcpy(&u, &r, 4);
+      // A NaN stays a NaN when its payload is in the low half only.
+      dst[i] = static_cast<uint16_t>(u >> 16) | (std::isnan(r) ? 0x0040u : 0u);
+    }
+  }
+  void unpack16(float* dst, const uint16_t* src, int64_t n, Precision p) override {
+    if (p == Precision::fp16) {
+      for (int64_t i = 0; i < n; ++i) {
+        _Float16 h;
+        std::memcpy(&h, &src[i], 2);
+        dst[i] = static_cast<float>(h);
+      }
+      return;
+    }
+    for (int64_t i = 0; i < n; ++i) {
+      const uint32_t u = static_cast<uint32_t>(src[i]) << 16;
+      std::memcpy(&dst[i], &u, 4);
+    }
+  }
 
  private:
   static void softmax_causal(float* p, int64_t S) {

@@ -326,6 +326,12 @@ class CudaBackendImpl final : public CudaBackend {
   void round_to(float* x, int64_t n, Precision p) override {
     cuda::round_to(x, n, p == Precision::fp16 ? 2 : (p == Precision::bf16 || p == Precision::fp8) ? 1 : 0, stream_);
   }
+  void pack16(uint16_t* dst, const float* src, int64_t n, Precision p) override {
+    cuda::pack16(dst, src, n, p == Precision::fp16 ? 2 : 1, stream_);
+  }
+  void unpack16(float* dst, const uint16_t* src, int64_t n, Precision p) override {
+    cuda::unpack16(dst, src, n, p == Precision::fp16 ? 2 : 1, stream_);
+  }
 
  private:
   static constexpr size_t kWorkspace = 32u << 20;

@@ -67,6 +67,9 @@ void cross_entropy_backward(float* z, const int* targets, int64_t N, int64_t Vt,
 void scale_matrix(float* c, int64_t M, int64_t N, int64_t ldc, float beta, cudaStream_t s);
 // kind: 1 bf16, 2 fp16 (round to nearest even; fp16 overflows to inf).
 void round_to(float* x, int64_t n, int kind, cudaStream_t s);
+// dst (n 2-byte patterns) = src rounded as round_to does (kind 1 bf16, 2 fp16); and back.
+void pack16(uint16_t* dst, const float* src, int64_t n, int kind, cudaStream_t s);
+void unpack16(float* dst, const uint16_t* src, int64_t n, int kind, cudaStream_t s);
 // dst (rows x cols, row stride ld_dst, 2 bytes per element) = src (rows x cols, row stride
 // ld) as kind 1 bf16 or 2 fp16, round to nearest even.
 void cast_matrix(void* dst, int64_t ld_dst, const float* src, int64_t rows, int64_t cols, int64_t ld, int kind,

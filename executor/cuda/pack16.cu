@@ -1,0 +1,49 @@
+// 16-bit storage of saved activations: floats rounded to bf16 or fp16 and kept as their
+// 2-byte patterns, and back. The bf16 rounding is round_to's (round.cu) integer rounding,
+// so an unpacked value equals the rounded float bit for bit, as on the CPU backend.
+#include <cuda_fp16.h>
+
+#include "executor/cuda/check.h"
+#include "executor/cuda/kernels.h"
+#include "executor/cuda/reduce.cuh"
+
+namespace strata::cuda {
+namespace {
+
+constexpr int kThreads = 256;
+
+__global__ void pack16_kernel(unsigned short* dst, const float* src, long long n, int kind) {
+  const long long t = blockIdx.x * static_cast<long long>(blockDim.x) + threadIdx.x;
+  if (t >= n) return;
+  const float v = src[t];
+  if (kind == 2) {
+    dst[t] = __half_as_ushort(__float2half_rn(v));
+    return;
+  }
+  unsigned u = __float_as_uint(v);
+  if ((u & 0x7f800000u) != 0x7f800000u) u += 0x7fffu + ((u >> 16) & 1u);
+  // A NaN stays a NaN when its payload is in the low half only.
+  dst[t] = static_cast<unsigned short>(u >> 16) | (isnan(v) ? 0x0040u : 0u);
+}
+
+__global__ void unpack16_kernel(float* dst, const unsigned short* src, long long n, int kind) {
+  const long long t = blockIdx.x * static_cast<long long>(blockDim.x) + threadIdx.x;
+  if (t >= n) return;
+  dst[t] = kind == 2 ? __half2float(__ushort_as_half(src[t])) : __uint_as_float(static_cast<unsigned>(src[t]) << 16);
+}
+
+}  // namespace
+
+void pack16(uint16_t* dst, const float* src, int64_t n, int kind, cudaStream_t s) {
+  if (n == 0) return;
+  pack16_kernel<<<blocks_for(n, kThreads), kThreads, 0, s>>>(dst, src, n, kind);
+  CUDA_CHECK_LAUNCH();
+}
+
+void unpack16(float* dst, const uint16_t* src, int64_t n, int kind, cudaStream_t s) {
+  if (n == 0) return;
+  unpack16_kernel<<<blocks_for(n, kThreads), kThreads, 0, s>>>(dst, src, n, kind);
+  CUDA_CHECK_LAUNCH();
+}
+
+}  // namespace strata::cuda
