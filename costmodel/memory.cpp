@@ -69,8 +69,8 @@ double layer_activation_bytes(const ModelSpec& m, const Plan& p, const ComputeSe
     const double n = heads * Sq * static_cast<double>(m.S);
     if (p.recompute == Recompute::none) bytes += (m.attention_dropout > 0 ? 2.0 * e + 1.0 : e) * n;
   } else if (p.recompute == Recompute::none) {
-    // Selective recompute of a fused core saves only its log-sum-exp: the output it
-    // recomputes is the projection's input, which the projection keeps anyway.
+    // A fused core keeps its log-sum-exp (its output is counted above, with the
+    // projection's input); recomputed (selective), it keeps nothing of its own.
     bytes += 4.0 * heads * Sq;
   }
   return bytes;

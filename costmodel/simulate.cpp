@@ -294,19 +294,19 @@ bool one_chunk_walk(ScheduleKind kind, int64_t m, const StageTimes& st, SimResul
   constexpr int64_t D = SteadyState::D, R = 4;
   const size_t n = static_cast<size_t>(p);
   thread_local std::vector<int64_t> warm, tag, bwd_at;
-  thread_local std::vector<double> fd, bd, t, free_at, hist;
+  thread_local std::vector<double> fs, bs, t, free_at, hist;  // sends after a forward, a backward
   warm.resize(n);
   bwd_at.resize(n);
-  fd.resize(n);
-  bd.resize(n);
+  fs.resize(n);
+  bs.resize(n);
   free_at.assign(n, 0.0);
   tag.assign(n * 2 * R, -1);
   t.resize(n * 2 * R);
   for (int64_t s = 0; s < p; ++s) {
     const size_t i = static_cast<size_t>(s);
     warm[i] = gpipe ? m : std::min(p - s - 1, m);
-    fd[i] = st.fwd_s[i] + (s < p - 1 ? st.send_s[i] : 0.0);
-    bd[i] = st.bwd_s[i] + (s > 0 ? st.send_s[i] : 0.0);
+    fs[i] = s < p - 1 ? st.send_s[i] : 0.0;
+    bs[i] = s > 0 ? st.send_s[i] : 0.0;
   }
   // (forward?, micro-batch) of stage s at position k; the ring slot of a finished step.
   auto decode = [&](int64_t s, int64_t k, int64_t* mb) {
@@ -326,7 +326,7 @@ bool one_chunk_walk(ScheduleKind kind, int64_t m, const StageTimes& st, SimResul
                      gpipe ? SteadyState::Region{m + 1, positions - 1} : SteadyState::Region{1, 0}, n, &hist);
   // Runs micro-batch mb on stage s in one direction: its input comes from stage `from`
   // (none when from < 0: the first stage's forward, the last stage's backward).
-  auto run = [&](int64_t s, bool fwd, int64_t mb, int64_t from, double dur) {
+  auto run = [&](int64_t s, bool fwd, int64_t mb, int64_t from, double dur, double send) {
     const size_t i = static_cast<size_t>(s);
     double ready = 0;
     if (from >= 0) {
@@ -334,7 +334,7 @@ bool one_chunk_walk(ScheduleKind kind, int64_t m, const StageTimes& st, SimResul
       if (tag[in] != mb) return false;
       ready = t[in];
     }
-    const double end = std::max(free_at[i], ready) + dur;
+    const double end = std::max(free_at[i], ready) + dur + send;  // as simulate() adds them
     free_at[i] = end;
     const size_t own = slot(s, fwd, mb);
     tag[own] = mb;
@@ -350,11 +350,11 @@ bool one_chunk_walk(ScheduleKind kind, int64_t m, const StageTimes& st, SimResul
       const size_t i = static_cast<size_t>(s);
       const bool fwd = decode(s, k, &mb);
       bwd_at[i] = fwd ? -1 : mb;
-      if (fwd && !run(s, true, mb, s - 1, fd[i])) return false;
+      if (fwd && !run(s, true, mb, s - 1, st.fwd_s[i], fs[i])) return false;
     }
     for (int64_t s = p - 1; s >= 0; --s) {  // backwards, last stage to first
       const size_t i = static_cast<size_t>(s);
-      if (bwd_at[i] >= 0 && !run(s, false, bwd_at[i], s < p - 1 ? s + 1 : -1, bd[i])) return false;
+      if (bwd_at[i] >= 0 && !run(s, false, bwd_at[i], s < p - 1 ? s + 1 : -1, st.bwd_s[i], bs[i])) return false;
     }
     steady.record(k, free_at);
     double shift = 0;

@@ -35,6 +35,9 @@ class Backend {
     (void)pool;
     return allocate(n);
   }
+  // The same without zeroing, for storage the caller overwrites whole at once (a GPU
+  // backend skips the memset).
+  virtual float* allocate_uninitialised_in(int64_t n, int pool) { return allocate_in(n, pool); }
   virtual void deallocate(float* p) = 0;
   virtual void fill_zero(float* p, int64_t n) = 0;
   virtual void to_host(float* host_dst, const float* src, int64_t n) = 0;

@@ -91,6 +91,9 @@ Buf forward_all(const ModelCtx& c, const UnitView& u, int64_t l, LayerActs* a) {
   const ModelSpec& m = *c.m;
   const int64_t H = m.H, D = m.D(), At = m.A / c.t, Gt = m.G / c.t, Q = (At + 2 * Gt) * D;
   const int64_t Ft = m.F / c.t, F1 = m.fc1_out() / c.t, N = c.N(), n = c.n();
+  // The residual stream, like every tensor the layer keeps, in the training precision (as
+  // Megatron's 16-bit activations): the forward uses the values its backward will read.
+  round(c, a->x);
   // Attention block.
   norm_forward(c, u.weight(TensorKind::ln1_w, l), u.weight_or_null(TensorKind::ln1_b, l), a->x, &a->h1, &a->mean1,
                &a->rstd1);
@@ -126,6 +129,7 @@ Buf forward_all(const ModelCtx& c, const UnitView& u, int64_t l, LayerActs* a) {
   add_bias(c, o.data(), u.weight_or_null(TensorKind::proj_b, l), n, H);
   a->x2 = c.act(n * H);
   c.be->add(a->x2.data(), a->x.data(), o.data(), n * H);
+  round(c, a->x2);
   o.release();
   // MLP block.
   norm_forward(c, u.weight(TensorKind::ln2_w, l), u.weight_or_null(TensorKind::ln2_b, l), a->x2, &a->h2, &a->mean2,
@@ -137,6 +141,7 @@ Buf forward_all(const ModelCtx& c, const UnitView& u, int64_t l, LayerActs* a) {
   c.be->gemm(false, true, N, F1, H, 1.0f, g2, H, u.weight(TensorKind::fc1_w, l), H, 0.0f, a->u.data(), F1);
   c.tick();
   add_bias(c, a->u.data(), u.weight_or_null(TensorKind::fc1_b, l), N, F1);
+  round(c, a->u);
   a->a = c.act(N * Ft);
   c.be->activation_forward(m.activation, a->a.data(), a->u.data(), N, Ft);
   round(c, a->a);
@@ -190,9 +195,9 @@ namespace {
 
 // The 16-bit tensors a layer keeps for its backward, stored in 16 bits until then
 // (Buf::pack): in the backend's memory each takes the 2 bytes per value the tracker and the
-// cost model count for it. Rounding them is what Megatron's bf16/fp16 storage does; the
-// layer input and the residual-stream sum are kept in fp32 by the forward itself and
-// rounded here, as stored.
+// cost model count for it. The forward rounded them already (the unfused core's
+// probabilities excepted: its output was computed from the unrounded ones), so packing
+// loses nothing the forward used.
 void pack_saved(const ModelCtx& c, LayerActs* a) {
   for (Buf* b : {&a->x, &a->h1, &a->g1, &a->qkv, &a->probs, &a->att, &a->x2, &a->h2, &a->g2, &a->u, &a->a})
     b->pack(c.precision);

@@ -65,7 +65,7 @@ Buf Buf::allocated(Backend* be, int64_t n, int pool) {
 
 void Buf::pack(Precision p) {
   if (p == Precision::fp32 || !be_ || !p_ || packed_) return;
-  packed_ = be_->allocate_in((n_ + 1) / 2, pool_);
+  packed_ = be_->allocate_uninitialised_in((n_ + 1) / 2, pool_);
   be_->pack16(reinterpret_cast<uint16_t*>(packed_), p_, n_, p);
   packed_as_ = p;
   be_->deallocate(p_);
@@ -74,7 +74,7 @@ void Buf::pack(Precision p) {
 
 void Buf::unpack() {
   if (!packed_) return;
-  p_ = be_->allocate_in(n_, pool_);
+  p_ = be_->allocate_uninitialised_in(n_, pool_);
   be_->unpack16(p_, reinterpret_cast<const uint16_t*>(packed_), n_, packed_as_);
   be_->deallocate(packed_);
   packed_ = nullptr;
@@ -126,6 +126,7 @@ Buf& Buf::operator=(Buf&& o) noexcept {
 
 void Buf::zero() {
   if (n_ == 0) return;
+  unpack();
   if (be_) be_->fill_zero(p_, n_);
   else std::fill(p_, p_ + n_, 0.0f);
 }

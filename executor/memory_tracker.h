@@ -72,7 +72,8 @@ class Buf {
   // the values rounded to `p` (bf16, fp16) at 2 bytes each and frees the float storage, so
   // a 16-bit activation takes in the backend's memory what the tracker charges for it;
   // unpack() gives floats back, equal to the rounded values. fp32, an empty buffer and a
-  // buffer in host memory without a backend stay as they are. data() is null while packed.
+  // buffer in host memory without a backend stay as they are. data() is null while packed
+  // (operator[] must not be used then); zero() unpacks first.
   void pack(Precision p);
   void unpack();
   bool packed() const { return packed_ != nullptr; }

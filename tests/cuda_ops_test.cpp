@@ -457,8 +457,13 @@ TEST_F(CudaOps, Pack16IsBitwiseTheCpus) {
     Vec cback(x.size());
     cpu_->unpack16(cback.data(), want.data(), n, p);
     const Vec gback = host(back, x.size());
-    for (size_t i = 0; i < x.size(); ++i)
+    for (size_t i = 0; i < x.size(); ++i) {
+      if (std::isnan(cback[i])) {  // a NaN's payload may differ
+        ASSERT_TRUE(std::isnan(gback[i])) << i;
+        continue;
+      }
       ASSERT_EQ(std::memcmp(&gback[i], &cback[i], 4), 0) << (p == Precision::bf16 ? "bf16 " : "fp16 ") << x[i];
+    }
   }
   MemoryTracker t;
   t.set_backend(gpu_.get());

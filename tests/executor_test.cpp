@@ -472,7 +472,7 @@ TEST(ExecutorModel, FusedAttentionMatchesReference) {
 TEST(ExecutorModel, SixteenBitRunsTrackTheReference) {
   for (Precision p : {Precision::bf16, Precision::fp16})
     for (Recompute rc : {Recompute::none, Recompute::selective, Recompute::full}) {
-      const double tol = p == Precision::bf16 ? 2e-2 : 5e-3;  // about 3x the errors seen (6e-3, 1.2e-3)
+      const double tol = p == Precision::bf16 ? 2e-2 : 5e-3;  // 2x and 4x the largest errors seen (9.7e-3, 1.3e-3)
       check_against_reference(spec_gpt(), rc, false, p, tol);
       check_against_reference(spec_llama(), rc, true, p, tol);
     }

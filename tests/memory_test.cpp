@@ -52,6 +52,8 @@ TEST_F(Korthikanti, Fp8LinearLayersKeepTheirFp8Inputs) {
   EXPECT_DOUBLE_EQ(per_layer("tp=8,sp=1,attention=flash,precision=fp8"), s * b * h * 29 / t + 4 * b * (a / t) * s);
   // Recomputed, the core keeps nothing of its own: the projection's fp8 input only, 27 sbh / t.
   EXPECT_DOUBLE_EQ(per_layer("tp=8,sp=1,attention=flash,recompute=selective,precision=fp8"), s * b * h * 27 / t);
+  // The unfused core keeps its probabilities, not its output: 27 sbh / t and the S x S terms.
+  EXPECT_DOUBLE_EQ(per_layer("tp=8,sp=1,attention=unfused,precision=fp8"), s * b * h * (27 / t + 5 * a * s / (h * t)));
   // Full recompute keeps the 16-bit layer input only, as in the other precisions.
   EXPECT_DOUBLE_EQ(per_layer("tp=8,sp=1,recompute=full,precision=fp8"), 2 * s * b * h / t);
 }

@@ -443,6 +443,7 @@ class CpuBackend final : public Backend {
       for (int64_t i = 0; i < n; ++i) {
         const _Float16 h = static_cast<_Float16>(src[i]);
         std::memcpy(&dst[i], &h, 2);
+        if (std::isnan(src[i])) dst[i] = static_cast<uint16_t>((dst[i] & 0x8000u) | 0x7e00u);  // as the GPU's
       }
       return;
     }

@@ -136,6 +136,9 @@ class CudaBackendImpl final : public CudaBackend {
     CUDA_CHECK(cudaMemsetAsync(p, 0, static_cast<size_t>(n) * sizeof(float), stream_));
     return p;
   }
+  float* allocate_uninitialised_in(int64_t n, int pool) override {
+    return n <= 0 ? nullptr : static_cast<float*>(pool_alloc(static_cast<size_t>(n) * sizeof(float), pool));
+  }
   void deallocate(float* p) override {
     // Called from Buf's destructor: no throwing; a failure shows in the next checked call.
     // Stream-ordered: the memory is reused only by work queued after this point.

@@ -16,8 +16,9 @@ __global__ void pack16_kernel(unsigned short* dst, const float* src, long long n
   const long long t = blockIdx.x * static_cast<long long>(blockDim.x) + threadIdx.x;
   if (t >= n) return;
   const float v = src[t];
-  if (kind == 2) {
-    dst[t] = __half_as_ushort(__float2half_rn(v));
+  if (kind == 2) {  // a NaN as the quiet NaN of its sign, as on the CPU
+    dst[t] = isnan(v) ? static_cast<unsigned short>(((__float_as_uint(v) >> 16) & 0x8000u) | 0x7e00u)
+                      : __half_as_ushort(__float2half_rn(v));
     return;
   }
   unsigned u = __float_as_uint(v);
