@@ -78,6 +78,9 @@ ComputeSetup compute_setup(const ModelSpec& m, const Cluster& cl, const Plan& p)
   cs.stack = resolve_stack(m, cl, p);
   cs.attention = cs.stack.attention;
   cs.act_bytes = bytes_of(p.precision);
+  // The strata executor computes and communicates in float storage whatever the precision
+  // (16-bit values are rounded floats, stored in 16 bits only while saved for the backward).
+  cs.work_bytes = cs.stack.strata ? 4 : cs.act_bytes;
   cs.T = static_cast<double>(p.mbs) * static_cast<double>(m.S) / static_cast<double>(p.c);
   cs.Tn = p.sp ? cs.T / static_cast<double>(p.t) : cs.T;
   // Gradients are accumulated and reduced in fp32 except in fp16 training (Megatron's
@@ -85,6 +88,7 @@ ComputeSetup compute_setup(const ModelSpec& m, const Cluster& cl, const Plan& p)
   // The strata executor keeps fp32 gradients in every precision.
   cs.grad_bytes = p.precision == Precision::fp16 && !cs.stack.strata ? 2.0 : 4.0;
   cs.weight_bytes = p.precision == Precision::fp32 ? 4.0 : p.precision == Precision::fp8 ? 1.0 : 2.0;
+  cs.weight_work_bytes = cs.stack.strata ? 4.0 : cs.weight_bytes;  // its parameter gathers send floats
   return cs;
 }
 
@@ -116,7 +120,7 @@ struct Acc {
     peak_attn = p.precision == Precision::fp8 ? dev.peak_bf16_flops : dev.peak_flops(p.precision);
     peak_linear = dev.peak_flops(p.precision);
     peak_flash = cs.stack.strata ? dev.peak_bf16_flops : peak_attn;
-    lin_bytes = p.precision == Precision::fp8 ? 1.0 : cs.act_bytes;
+    lin_bytes = p.precision == Precision::fp8 ? 1.0 : cs.work_bytes;
   }
 
   Work& w(Phase ph) {
@@ -190,12 +194,12 @@ struct Acc {
   // column-parallel one (backward) on the activation (T x H).
   void tp_reduce(const char* name, Phase ph, double hidden_s = 0) {
     if (p.t == 1) return;
-    const double bytes = cs.act_bytes * cs.T * static_cast<double>(m.H);
+    const double bytes = cs.work_bytes * cs.T * static_cast<double>(m.H);
     comm(name, ph, OpKind::tp_comm, tp, p.sp ? Collective::reduce_scatter : Collective::all_reduce, bytes, hidden_s);
   }
   void tp_gather(const char* name, Phase ph, double hidden_s = 0) {
     if (p.t == 1 || !p.sp) return;
-    comm(name, ph, OpKind::tp_comm, tp, Collective::all_gather, cs.act_bytes * cs.T * static_cast<double>(m.H), hidden_s);
+    comm(name, ph, OpKind::tp_comm, tp, Collective::all_gather, cs.work_bytes * cs.T * static_cast<double>(m.H), hidden_s);
   }
 };
 
@@ -229,7 +233,7 @@ double wgrad_overlap(const Acc& a, double M, double N, double K) {
 double attention_core_forward(Acc& a, Phase ph) {
   const ModelSpec& m = a.m;
   const Plan& p = a.p;
-  const double e = a.cs.act_bytes;
+  const double e = a.cs.work_bytes;
   const double heads = static_cast<double>(p.mbs) * static_cast<double>(m.A / p.t);  // Bh
   const double Sq = static_cast<double>(m.S) / static_cast<double>(p.c), Sk = static_cast<double>(m.S);
   const double D = static_cast<double>(m.D());
@@ -260,7 +264,7 @@ double attention_core_forward(Acc& a, Phase ph) {
 double attention_core_backward(Acc& a) {
   const ModelSpec& m = a.m;
   const Plan& p = a.p;
-  const double e = a.cs.act_bytes;
+  const double e = a.cs.work_bytes;
   const double heads = static_cast<double>(p.mbs) * static_cast<double>(m.A / p.t);
   const double Sq = static_cast<double>(m.S) / static_cast<double>(p.c), Sk = static_cast<double>(m.S);
   const double D = static_cast<double>(m.D());
@@ -295,7 +299,7 @@ double attention_core_backward(Acc& a) {
 double layer_forward(Acc& a, Phase ph) {
   const ModelSpec& m = a.m;
   const Plan& p = a.p;
-  const double e = a.cs.act_bytes, T = a.cs.T, Tn = a.cs.Tn, H = static_cast<double>(m.H);
+  const double e = a.cs.work_bytes, T = a.cs.T, Tn = a.cs.Tn, H = static_cast<double>(m.H);
   const double t = static_cast<double>(p.t);
   const double qkv_cols = static_cast<double>(m.AD() + 2 * m.G * m.D()) / t;
   const double ADt = static_cast<double>(m.AD()) / t;  // attention output width on this rank
@@ -309,7 +313,7 @@ double layer_forward(Acc& a, Phase ph) {
   attention_core_forward(a, ph);
   a.linear("attn_proj", ph, T, H, ADt);
   a.tp_reduce(p.sp ? "sp_reduce_scatter" : "tp_all_reduce", ph);
-  a.mem("bias_dropout_add", ph, dropout_bytes(Tn * H, m.hidden_dropout, a.cs.act_bytes, true));
+  a.mem("bias_dropout_add", ph, dropout_bytes(Tn * H, m.hidden_dropout, a.cs.work_bytes, true));
   a.mem("norm2", ph, 2.0 * e * Tn * H);
   a.tp_gather("sp_all_gather", ph);
   a.linear("fc1", ph, T, fc1_cols, H);
@@ -317,7 +321,7 @@ double layer_forward(Acc& a, Phase ph) {
         (m.gated() ? 3.0 : 2.0) * e * T * Ft);
   a.linear("fc2", ph, T, H, Ft);
   a.tp_reduce(p.sp ? "sp_reduce_scatter" : "tp_all_reduce", ph);
-  a.mem("bias_dropout_add", ph, dropout_bytes(Tn * H, m.hidden_dropout, a.cs.act_bytes, true));
+  a.mem("bias_dropout_add", ph, dropout_bytes(Tn * H, m.hidden_dropout, a.cs.work_bytes, true));
   return a.w(ph).total() - before;
 }
 
@@ -325,7 +329,7 @@ void layer_backward(Acc& a) {
   const ModelSpec& m = a.m;
   const Plan& p = a.p;
   const Phase ph = Phase::backward;
-  const double e = a.cs.act_bytes, T = a.cs.T, Tn = a.cs.Tn, H = static_cast<double>(m.H);
+  const double e = a.cs.work_bytes, T = a.cs.T, Tn = a.cs.Tn, H = static_cast<double>(m.H);
   const double t = static_cast<double>(p.t);
   const double qkv_cols = static_cast<double>(m.AD() + 2 * m.G * m.D()) / t;
   const double ADt = static_cast<double>(m.AD()) / t;  // attention output width on this rank
@@ -364,7 +368,7 @@ void layer_backward(Acc& a) {
 // piece's own compute (`fwd_s` and what the LayerCost holds for backward and recompute).
 void zero3_traffic(Acc& a, double params, double fwd_s) {
   if (a.p.zero != 3 || a.p.replicas() <= 1 || params <= 0) return;
-  const double w = a.cs.weight_bytes * params;
+  const double w = a.cs.weight_work_bytes * params;
   const double bwd = a.lc.backward.compute_s + a.lc.recompute.compute_s;
   const double ag = collective_time(a.cl, a.dp, Collective::all_gather, w);
   // The strata executor's gathers progress only while it polls between kernels: exposed
@@ -392,14 +396,14 @@ LayerCost layer_cost(const ModelSpec& m, const Cluster& cl, const Plan& p, const
 LayerCost embedding_cost(const ModelSpec& m, const Cluster& cl, const Plan& p, const ComputeSetup& cs,
                          std::vector<OpCost>* ops) {
   Acc a(m, cl, p, cs, ops);
-  const double e = cs.act_bytes, T = cs.T, H = static_cast<double>(m.H);
+  const double e = cs.work_bytes, T = cs.T, H = static_cast<double>(m.H);
   // Vocab-parallel lookup: each tp rank writes the rows it owns, then the partial sums are
   // reduced (all-reduce, or reduce-scatter onto sequence shards).
   double bytes = 2.0 * e * T * H;
   if (m.position == Position::learned) bytes += 2.0 * e * T * H;
   a.mem("embedding", Phase::forward, bytes);
   a.tp_reduce(p.sp ? "sp_reduce_scatter" : "tp_all_reduce", Phase::forward);
-  if (m.hidden_dropout > 0) a.mem("embedding_dropout", Phase::forward, dropout_bytes(cs.Tn * H, m.hidden_dropout, cs.act_bytes, false));
+  if (m.hidden_dropout > 0) a.mem("embedding_dropout", Phase::forward, dropout_bytes(cs.Tn * H, m.hidden_dropout, cs.work_bytes, false));
   a.tp_gather("sp_all_gather", Phase::backward);
   // Scatter-add of the output gradient into the fp32 embedding gradient rows.
   a.mem("embedding", Phase::backward, (e + 2.0 * cs.grad_bytes) * T * H);
@@ -413,10 +417,10 @@ LayerCost embedding_cost(const ModelSpec& m, const Cluster& cl, const Plan& p, c
 LayerCost head_cost(const ModelSpec& m, const Cluster& cl, const Plan& p, const ComputeSetup& cs,
                     std::vector<OpCost>* ops) {
   Acc a(m, cl, p, cs, ops);
-  const double e = cs.act_bytes, T = cs.T, H = static_cast<double>(m.H);
+  const double e = cs.work_bytes, T = cs.T, H = static_cast<double>(m.H);
   const double Vt = static_cast<double>(m.padded_vocab(p.t)) / static_cast<double>(p.t);
   const double peak = p.precision == Precision::fp8 ? cl.device.peak_bf16_flops : cl.device.peak_flops(p.precision);
-  const double eb = cs.act_bytes;
+  const double eb = cs.work_bytes;
   a.mem("final_norm", Phase::forward, 2.0 * e * cs.Tn * H);
   a.tp_gather("sp_all_gather", Phase::forward);
   a.gemm("lm_head", Phase::forward, T, Vt, H, peak, eb);

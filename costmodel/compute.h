@@ -54,11 +54,13 @@ struct LayerCost {
 struct ComputeSetup {
   Stack stack;      // the software stack, every auto setting resolved
   AttentionKernel attention;
-  int act_bytes;    // bytes per activation element (e in the formulas)
+  int act_bytes;    // bytes per activation element as stored (e in the memory formulas)
+  int work_bytes;   // the same as kernels read and write it and collectives send it
   double T;         // tokens per GPU per micro-batch
   double Tn;        // tokens of norm / dropout / residual work
   double grad_bytes;  // bytes per gradient element as reduced and accumulated
   double weight_bytes;  // bytes per parameter as stored for compute
+  double weight_work_bytes;  // the same as parameter gathers send it
 };
 ComputeSetup compute_setup(const ModelSpec& m, const Cluster& cl, const Plan& p);
 

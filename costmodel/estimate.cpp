@@ -75,7 +75,7 @@ size_t stages_memory(const ModelSpec& m, const Cluster& cl, const Plan& p, const
 
 double p2p_time(const ModelSpec& m, const Cluster& cl, const Plan& p, const ComputeSetup& cs) {
   if (p.p <= 1) return 0;
-  const double bytes = cs.act_bytes * cs.T * static_cast<double>(m.H);
+  const double bytes = cs.work_bytes * cs.T * static_cast<double>(m.H);
   const GroupSpan pp = group_span(p.p, p.t * p.c * p.d, cl.devices_per_node);
   if (pp.per_node > 1) {  // neighbours share a node
     const GroupSpan pair{2, 2, 1};
@@ -126,7 +126,7 @@ DpTail data_parallel_tail(const ModelSpec& m, const Cluster& cl, const Plan& p, 
   if (dp.size > 1 && p.zero == 0) reduce = collective_time(cl, dp, Collective::all_reduce, cs.grad_bytes * params);
   if (dp.size > 1 && (p.zero == 1 || p.zero == 2)) {
     reduce = collective_time(cl, dp, Collective::reduce_scatter, cs.grad_bytes * params);
-    gather = collective_time(cl, dp, Collective::all_gather, cs.weight_bytes * params);
+    gather = collective_time(cl, dp, Collective::all_gather, cs.weight_work_bytes * params);
   }
   double exposed = reduce;
   if (cs.stack.overlap_grad_reduce) {

@@ -101,6 +101,25 @@ TEST(Compute, TensorParallelCollectivesPerLayer) {
   }
 }
 
+// The strata executor computes and communicates in floats whatever the precision: its
+// bf16 all-reduce moves B*S*H*4 bytes, and the memory model still counts 2 per stored value.
+TEST(Compute, StrataStackMovesFloats) {
+  Cluster c = testing::round_cluster();
+  c.strata_stack = true;
+  const ModelSpec m = load_model("gpt3-175b");
+  const Plan p = load_plan("tp=8,mbs=1,precision=bf16");
+  const ComputeSetup cs = compute_setup(m, c, p);
+  EXPECT_EQ(cs.act_bytes, 2);
+  EXPECT_EQ(cs.work_bytes, 4);
+  EXPECT_DOUBLE_EQ(cs.weight_bytes, 2.0);
+  EXPECT_DOUBLE_EQ(cs.weight_work_bytes, 4.0);
+  std::vector<OpCost> ops;
+  layer_cost(m, c, p, cs, &ops);
+  EXPECT_DOUBLE_EQ(sum_ops(ops).comm_bytes, 2048.0 * 12288 * 4);
+  c.strata_stack = false;
+  EXPECT_EQ(compute_setup(m, c, p).work_bytes, 2);
+}
+
 TEST(Compute, WorkSplitsExposedCommunication) {
   const Cluster c = testing::round_cluster();
   const ModelSpec m = load_model("gpt3-175b");
