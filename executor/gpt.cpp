@@ -199,12 +199,10 @@ namespace {
 // probabilities excepted: its output was computed from the unrounded ones), so packing
 // loses nothing the forward used.
 void pack_saved(const ModelCtx& c, LayerActs* a) {
-  for (Buf* b : {&a->x, &a->h1, &a->g1, &a->qkv, &a->probs, &a->att, &a->x2, &a->h2, &a->g2, &a->u, &a->a})
-    b->pack(c.precision);
+  for (Buf* b : a->sixteen_bit()) b->pack(c.precision);
 }
 void unpack_saved(LayerActs* a) {
-  for (Buf* b : {&a->x, &a->h1, &a->g1, &a->qkv, &a->probs, &a->att, &a->x2, &a->h2, &a->g2, &a->u, &a->a})
-    b->unpack();
+  for (Buf* b : a->sixteen_bit()) b->unpack();
 }
 
 }  // namespace

@@ -8,6 +8,7 @@
 // rank holds rows [r*n, (r+1)*n) of the N = S*B rows, n = N/t.
 #pragma once
 
+#include <array>
 #include <cstdint>
 #include <functional>
 #include <vector>
@@ -90,6 +91,9 @@ struct LayerActs {
   Buf g2;                  // (N, H) gathered h2 (sequence parallel only)
   Buf u;                   // (N, fc1_out/t)
   Buf a;                   // (N, F/t)
+  // The tensors kept in the training precision (the others are fp32): those stored in 16
+  // bits between the forward and the backward (Buf::pack).
+  std::array<Buf*, 11> sixteen_bit() { return {&x, &h1, &g1, &qkv, &probs, &att, &x2, &h2, &g2, &u, &a}; }
 };
 
 struct HeadActs {

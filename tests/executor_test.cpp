@@ -398,7 +398,7 @@ double executor_loss_and_grads(const ModelSpec& m, Recompute rc, bool flash, con
   // stored in 2 bytes per value (in whole floats: at most 2 bytes more per tensor), as charged.
   int64_t kept = 0, stored = 0, tensors = 0;
   for (LayerActs& a : acts)
-    for (const Buf* b : {&a.x, &a.h1, &a.g1, &a.qkv, &a.probs, &a.att, &a.x2, &a.h2, &a.g2, &a.u, &a.a}) {
+    for (const Buf* b : a.sixteen_bit()) {
       if (b->empty()) continue;
       EXPECT_EQ(b->packed(), prec != Precision::fp32);
       kept += (prec == Precision::fp32 ? 4 : 2) * b->size();
