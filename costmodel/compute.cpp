@@ -424,15 +424,21 @@ LayerCost head_cost(const ModelSpec& m, const Cluster& cl, const Plan& p, const 
   a.mem("final_norm", Phase::forward, 2.0 * e * cs.Tn * H);
   a.tp_gather("sp_all_gather", Phase::forward);
   a.gemm("lm_head", Phase::forward, T, Vt, H, peak, eb);
-  // Vocab-parallel cross-entropy (Megatron's) on the T x V/t logits, bytes per element:
-  // cast to fp32 (e + 4), max (4), subtract (8), exp (8), sum (4), normalise in place and
-  // keep for backward (8) = e + 36; three all-reduces of T floats (max, sum, target logit).
-  a.mem("cross_entropy", Phase::forward, (e + 36.0) * T * Vt);
+  // Vocab-parallel cross-entropy on the T x V/t logits; three all-reduces of T floats (max,
+  // sum, target logit). Bytes per logit element:
+  // - unfused (Megatron-LM's, DeepSpeed's, this repository's): cast to fp32 (e + 4), max (4),
+  //   subtract (8), exp (8), sum (4), normalise in place and keep for backward (8) = e + 36;
+  //   backward: copy the softmax (8), subtract the one-hot and scale (8), cast back (4 + e).
+  // - fused (the modern stack: Megatron-core's cross_entropy_loss_fusion, Transformer
+  //   Engine's kernel): one pass reads the e-byte logits for the running max and sum, a
+  //   second reads them again and writes the gradient in their place (3e); backward scales
+  //   that gradient in place (2e).
+  const bool fused_ce = cs.stack.modern;
+  a.mem("cross_entropy", Phase::forward, (fused_ce ? 3.0 * e : e + 36.0) * T * Vt);
   if (p.t > 1)
     for (int i = 0; i < 3; ++i)
       a.comm("ce_all_reduce", Phase::forward, OpKind::tp_comm, a.tp, Collective::all_reduce, 4.0 * T);
-  // Backward: copy the softmax (8), subtract the one-hot and scale (8), cast back (4 + e).
-  a.mem("cross_entropy", Phase::backward, (20.0 + e) * T * Vt);
+  a.mem("cross_entropy", Phase::backward, (fused_ce ? 2.0 * e : 20.0 + e) * T * Vt);
   if (!cs.stack.grad_accumulation_fusion)
     a.mem("grad_accumulation", Phase::backward, grad_accumulation_bytes(p.precision) * H * Vt);
   a.gemm("lm_head", Phase::backward, T, H, Vt, peak, eb);   // dgrad

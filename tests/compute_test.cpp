@@ -120,6 +120,35 @@ TEST(Compute, StrataStackMovesFloats) {
   EXPECT_EQ(compute_setup(m, c, p).work_bytes, 2);
 }
 
+// The cross-entropy on the last stage's logits, bytes per logit element. Legacy (Megatron-LM's
+// unfused vocab-parallel kernel): forward e + 36 (cast to fp32, max, subtract, exp, sum,
+// normalise and keep), backward 20 + e (copy, subtract the one-hot and scale, cast back).
+// Modern (fused, Megatron-core / Transformer Engine): forward reads the logits twice and
+// writes the gradient in place (3e), backward scales it in place (2e). bf16, e = 2;
+// gpt3-175b tp=8: T = 2048 tokens, V/t = 51200 / 8 = 6400 logits each.
+TEST(Compute, CrossEntropyBytesPerStack) {
+  Cluster c = testing::round_cluster();
+  const ModelSpec m = load_model("gpt3-175b");
+  const Plan p = load_plan("tp=8,mbs=1,precision=bf16");
+  auto ce_bytes = [&](Phase ph) {
+    std::vector<OpCost> ops;
+    head_cost(m, c, p, compute_setup(m, c, p), &ops);
+    double b = 0;
+    for (const auto& o : ops)
+      if (o.phase == ph && o.name == "cross_entropy") b += o.bytes;
+    return b;
+  };
+  const double logits = 2048.0 * 6400;
+  c.modern_stack = false;
+  ASSERT_FALSE(compute_setup(m, c, p).stack.modern);
+  EXPECT_DOUBLE_EQ(ce_bytes(Phase::forward), 38.0 * logits);
+  EXPECT_DOUBLE_EQ(ce_bytes(Phase::backward), 22.0 * logits);
+  c.modern_stack = true;
+  ASSERT_TRUE(compute_setup(m, c, p).stack.modern);
+  EXPECT_DOUBLE_EQ(ce_bytes(Phase::forward), 6.0 * logits);
+  EXPECT_DOUBLE_EQ(ce_bytes(Phase::backward), 4.0 * logits);
+}
+
 TEST(Compute, WorkSplitsExposedCommunication) {
   const Cluster c = testing::round_cluster();
   const ModelSpec m = load_model("gpt3-175b");
