@@ -1,10 +1,14 @@
 // Subcommands that live in their own files.
 #pragma once
 
+#include <memory>
 #include <string>
 #include <vector>
 
 namespace strata {
+
+class Comm;
+class CudaBackend;
 
 int cmd_train(const std::vector<std::string>& argv);
 int cmd_profile(const std::vector<std::string>& argv);
@@ -21,5 +25,14 @@ int node_local_rank(int* local_size = nullptr);
 // How many ranks of the world name the same `device` on this machine (by host name and
 // the device's id, e.g. its PCI bus id), this one included. Collective over MPI_COMM_WORLD.
 int ranks_sharing(const std::string& device);
+
+// The communicator between ranks on GPUs, by --comm: "nccl" (executor/cuda/nccl_comm.h: one
+// GPU per rank), "staged" (host staging over Open MPI: ranks may share a GPU) or "auto"
+// (nccl when this build has it and no two ranks of the world share a GPU, else staged).
+// Collective over MPI_COMM_WORLD; every rank decides alike. Throws InputError for nccl when
+// it cannot run (no NCCL in the build, or a GPU shared by `sharing` ranks somewhere).
+std::unique_ptr<Comm> make_gpu_comm(CudaBackend& gpu, const std::string& choice, int sharing);
+// Checks a --comm value: auto, nccl or staged (nccl and staged only with --backend cuda).
+void check_comm_choice(const std::string& choice, const std::string& backend);
 
 }  // namespace strata

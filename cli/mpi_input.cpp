@@ -7,7 +7,12 @@
 #include <fmt/format.h>
 
 #include "cli/commands.h"
+#include "costmodel/json_input.h"
 #include "executor/checkpoint.h"
+#include "executor/comm.h"
+#include "executor/cuda/cuda_backend.h"
+#include "executor/cuda/nccl_comm.h"
+#include "executor/staged_comm.h"
 
 namespace strata {
 
@@ -52,6 +57,25 @@ int node_local_rank(int* local_size) {
   MPI_Comm_free(&node);
   if (local_size) *local_size = n;
   return local;
+}
+
+void check_comm_choice(const std::string& choice, const std::string& backend) {
+  if (choice != "auto" && choice != "nccl" && choice != "staged")
+    throw InputError("--comm: '" + choice + "' must be auto, nccl or staged");
+  if (choice != "auto" && backend != "cuda")
+    throw InputError("--comm " + choice + ": needs --backend cuda (CPU ranks always use Open MPI)");
+  if (choice == "nccl" && !nccl_unavailable_reason().empty()) throw InputError("--comm nccl: " + nccl_unavailable_reason());
+}
+
+std::unique_ptr<Comm> make_gpu_comm(CudaBackend& gpu, const std::string& choice, int sharing) {
+  int most = sharing;  // the most ranks on one GPU anywhere in the world
+  MPI_Allreduce(MPI_IN_PLACE, &most, 1, MPI_INT, MPI_MAX, MPI_COMM_WORLD);
+  const bool have_nccl = nccl_unavailable_reason().empty();
+  if (choice == "nccl" && most > 1)
+    throw InputError("--comm nccl: " + std::to_string(most) +
+                     " ranks share one GPU, which NCCL refuses; use --comm staged (or auto)");
+  if (choice == "nccl" || (choice == "auto" && have_nccl && most == 1)) return make_nccl_comm(make_mpi_comm(), gpu);
+  return make_staged_comm(make_mpi_comm(), gpu.staging_copier());
 }
 
 }  // namespace strata

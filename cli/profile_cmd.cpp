@@ -14,7 +14,6 @@
 #include "cli/progress.h"
 #include "cli/commands.h"
 #include "executor/cuda/cuda_backend.h"
-#include "executor/staged_comm.h"
 #include "hw_profiles/profiler.h"
 
 namespace strata {
@@ -25,13 +24,15 @@ int cmd_profile(const std::vector<std::string>& argv) {
   int rank = 0, size = 1;
   MPI_Comm_rank(MPI_COMM_WORLD, &rank);
   MPI_Comm_size(MPI_COMM_WORLD, &size);
-  std::string error, out_path, backend = "cpu";
+  std::string error, out_path, backend = "cpu", comm_choice = "auto";
   ProfileOptions o;
   bool json = false;
   try {
-    const Args a(argv, "profile", {"backend", "out", "max-bytes", "model", "tp"}, {"quick", "json"});
+    const Args a(argv, "profile", {"backend", "out", "max-bytes", "model", "tp", "comm"}, {"quick", "json"});
     backend = a.get("backend", "cpu");
     check_backend(backend, "profile");
+    comm_choice = a.get("comm", "auto");
+    check_comm_choice(comm_choice, backend);
     out_path = a.get("out");
     o.quick = a.has("quick");
     if (o.quick) o.min_time_s = 0.01;
@@ -51,7 +52,8 @@ int cmd_profile(const std::vector<std::string>& argv) {
   }
   if (any_rank_rejected_input(error)) return 2;
   // One GPU per process of this machine (by its rank there), buffers in device memory,
-  // links through the host-staged communicator the executor uses between GPU ranks.
+  // links through the communicator the executor uses between GPU ranks (NCCL when each rank
+  // has its own GPU, else host staging; --comm).
   const int local = backend == "cuda" ? node_local_rank() : 0;
   std::unique_ptr<Comm> comm;
   std::unique_ptr<Backend> be;
@@ -64,7 +66,7 @@ int cmd_profile(const std::vector<std::string>& argv) {
       o.device_name = cuda->device_name();
       CudaBackend* raw = cuda.get();
       o.gemm_precision = [raw](Precision p) { raw->set_gemm_precision(p); };
-      comm = make_staged_comm(make_mpi_comm(), cuda->staging_copier());
+      comm = make_gpu_comm(*cuda, comm_choice, ranks_sharing(cuda->device_id()));
       be = std::move(cuda);
     } else {
       comm = make_mpi_comm();

@@ -34,8 +34,10 @@ usage:
                    [--json FILE|-] [--trace FILE] [--lr X] [--min-lr X] [--lr-warmup-iters N]
                    [--weight-decay X] [--clip-grad X] [--loss-scale X] [--loss-scale-window N]
                    [--dump-params FILE] [--checkpoint-dir D [--checkpoint-every N] [--keep-checkpoints K]
-                   [--resume]] [--quiet]                   (under mpirun -np tp*pp*dp)
-  strata profile   [--backend cpu] [--out FILE] [--quick] [--json] [--max-bytes N] [--model M [--tp T]]
+                   [--resume]] [--quiet] [--backend cpu|cuda [--comm auto|nccl|staged]]
+                                                          (under mpirun -np tp*pp*dp)
+  strata profile   [--backend cpu|cuda [--comm auto|nccl|staged]] [--out FILE] [--quick] [--json]
+                   [--max-bytes N] [--model M [--tp T]]
                                                           (under mpirun: one rank per core to use)
   strata plan --list-models | --list-clusters
 

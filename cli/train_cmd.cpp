@@ -16,7 +16,6 @@
 #include "executor/data.h"
 #include "executor/param_layout.h"
 #include "executor/cuda/cuda_backend.h"
-#include "executor/staged_comm.h"
 #include "executor/train.h"
 
 namespace strata {
@@ -31,19 +30,21 @@ int cmd_train(const std::vector<std::string>& argv) {
   ModelSpec m;
   Plan plan;
   TrainOptions o;
-  std::string json_path, error, backend = "cpu";
+  std::string json_path, error, backend = "cpu", comm_choice = "auto";
   try {
     const Args a(argv, "train",
                  {"model", "plan", "steps", "backend", "data", "seed", "json", "trace", "lr", "min-lr", "lr-warmup-iters",
                   "weight-decay", "clip-grad", "loss-scale", "loss-scale-window", "dump-params", "seq-length",
                   "checkpoint-dir", "checkpoint-every", "keep-checkpoints", "inject-fault", "max-bad-steps",
-                  "distributed-timeout-minutes"},
+                  "distributed-timeout-minutes", "comm"},
                  {"quiet", "resume"});
     m = load_model(a.required("model", "a preset, model JSON or config.json"), a.integer("seq-length", 0, 0, 1 << 20));
     plan = load_plan(a.required("plan", "a plan JSON or inline pairs tp=2,dp=2,..."));
     o.steps = a.integer("steps", 10, 1, 100000000);
     backend = a.get("backend", "cpu");
     check_backend(backend, "train");
+    comm_choice = a.get("comm", "auto");
+    check_comm_choice(comm_choice, backend);
     o.data = a.get("data", "synthetic");
     o.seed = static_cast<uint64_t>(a.integer("seed", 1234, 0, INT64_MAX));
     auto real = [&](const char* flag, double fallback, double lo, double hi) {
@@ -120,8 +121,8 @@ int cmd_train(const std::vector<std::string>& argv) {
     std::unique_ptr<Comm> comm;
     std::unique_ptr<Backend> be;
     if (backend == "cuda") {
-      // Buffers in device memory; between ranks the host-staged communicator (ranks may
-      // share one GPU, which NCCL refuses). GEMM operands are rounded to the training
+      // Buffers in device memory; between ranks NCCL when each has its own GPU, else the
+      // host-staged communicator (ranks may share one GPU, which NCCL refuses). GEMM operands are rounded to the training
       // precision already: run them on the tensor cores.
       // The device: this process's rank among those of its machine, modulo its GPUs.
       std::unique_ptr<CudaBackend> cuda = make_cuda_backend(node_local_rank());
@@ -137,7 +138,7 @@ int cmd_train(const std::vector<std::string>& argv) {
       cuda->set_gemm_precision(plan.precision == Precision::fp16 ? Precision::fp16
                                : plan.precision == Precision::fp32 ? Precision::fp32
                                                                    : Precision::bf16);
-      comm = make_staged_comm(make_mpi_comm(), cuda->staging_copier());
+      comm = make_gpu_comm(*cuda, comm_choice, sharing);
       be = std::move(cuda);
     } else {
       comm = make_mpi_comm();

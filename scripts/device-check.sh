@@ -14,7 +14,8 @@
 #   6. tp2 and dp2 ZeRO-1 tiny-gpt plans as 2 ranks sharing the one GPU (host-staged
 #      communicator), final loss against the same plan on the CPU;
 #   7. `strata profile --backend cuda` on one rank, and the estimate of the step-5 plans on
-#      the measured profile against their measured step times.
+#      the measured profile against their measured step times;
+#   8. the NCCL communicator's op test (part of step 2) reported on its own row.
 # Prints one table at the end; given a folder, writes the full log and every JSON there.
 # Each step has its own time limit, so the whole run stays under about 6 minutes.
 #   usage: scripts/device-check.sh [LOG_DIR]
@@ -164,7 +165,13 @@ except Exception as e:
     print("FAILED (exit %d; %s)" % (rc, e))
 EOF
 )"
-row "NCCL communicator" "not built yet (issue 5): ranks on GPUs talk through the host-staged communicator"
+# The NCCL communicator: its op test (a world of one, every group through NCCL) from step 2;
+# the one-rank trains of steps 4 and 5 ran on it too (--comm auto: each rank has its own GPU).
+nccl_case='CudaOps.NcclCommunicatorOrdersItsStreamsAfterTheOps'
+if grep -q "^\[       OK \] $nccl_case" "$OUT/device-check.log"; then nccl="pass"
+elif grep -q "^\[  SKIPPED \] $nccl_case" "$OUT/device-check.log"; then nccl="skipped: $(grep -m1 'no NCCL' "$OUT/device-check.log" || echo '?')"
+else nccl="FAILED (see $nccl_case in the log)"; fi
+row "NCCL communicator on one GPU (world of one; multi-GPU runs not checked: one GPU lent)" "$nccl"
 
 {
   echo

@@ -264,6 +264,9 @@ TEST(Cli, BadInputExits2NamingTheField) {
       {"train --model tiny-gpt --plan tp=1 --steps 0", "--steps"},
       {"train --model tiny-gpt --plan tp=2 --steps 2", "mpirun -np 2"},
       {"train --model tiny-gpt --plan tp=1 --steps 2 --backend tpu", "--backend"},
+      {"train --model tiny-gpt --plan tp=1 --steps 2 --comm gloo", "--comm: 'gloo' must be auto, nccl or staged"},
+      {"train --model tiny-gpt --plan tp=1 --steps 2 --comm nccl", "--comm nccl: needs --backend cuda"},
+      {"profile --comm staged", "--comm staged: needs --backend cuda"},
       // No GPU: the reason; on a GPU the bad flag after it.
       {"profile --backend cuda --max-bytes 1", cuda_unavailable_reason().empty() ? "--max-bytes" : "--backend cuda"},
       {"train --model tiny-gpt --plan tp=1 --steps 2 --lr fast", "--lr"},

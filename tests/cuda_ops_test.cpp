@@ -14,7 +14,10 @@
 #include <vector>
 
 #include "executor/backend.h"
+#include "executor/comm.h"
 #include "executor/cuda/cuda_backend.h"
+#include "executor/cuda/nccl_comm.h"
+#include "executor/process_grid.h"
 #include "executor/memory_tracker.h"
 #include "executor/zero.h"
 
@@ -480,6 +483,80 @@ TEST_F(CudaOps, Pack16IsBitwiseTheCpus) {
     if (std::isnan(want[i])) continue;
     ASSERT_EQ(got[i], want[i]) << x[i];
   }
+}
+
+// The NCCL communicator on the one GPU a test has: a world of one rank (bootstrapped through
+// the local communicator), every group of one run through NCCL. Each collective reads what
+// the compute stream wrote just before it (an add, not yet synchronised) and gives the
+// identity of a group of one; the non-blocking ones complete through test() and wait().
+TEST_F(CudaOps, NcclCommunicatorOrdersItsStreamsAfterTheOps) {
+  const std::string why = nccl_unavailable_reason();
+  if (!why.empty()) GTEST_SKIP() << "no NCCL: " << why;
+  std::unique_ptr<Comm> comm = make_nccl_comm(make_local_comm(), *gpu_, /*single_rank_groups=*/true);
+  ASSERT_NE(comm, nullptr);
+  const ProcessGrid grid;  // 1 x 1 x 1 x 1
+  comm->setup(grid);
+  ASSERT_EQ(comm->rank(), 0);
+  ASSERT_EQ(comm->size(), 1);
+  const size_t n = 1 << 20;
+  const Vec a = random(n), b = random(n);
+  Vec sum(n);
+  for (size_t i = 0; i < n; ++i) sum[i] = a[i] + b[i];
+  float* da = dev(a);
+  float* db = dev(b);
+  for (GroupKind kind : {kTensor, kData, kPipeline, kModel, kWorld}) {
+    const Group g = grid.group(kind, 0);
+    float* out = dev(nans(n));
+    gpu_->add(out, da, db, static_cast<int64_t>(n));  // on the compute stream, not waited for
+    comm->all_reduce(out, static_cast<int64_t>(n), g);
+    ASSERT_EQ(host(out, n), sum) << "all_reduce, group kind " << kind;
+    float* gathered = dev(nans(n));
+    gpu_->add(gathered, da, db, static_cast<int64_t>(n));
+    comm->all_gather(gathered, gathered, static_cast<int64_t>(n), g);  // in place
+    ASSERT_EQ(host(gathered, n), sum) << "all_gather, group kind " << kind;
+    float* scattered = dev(nans(n));
+    comm->reduce_scatter(out, scattered, static_cast<int64_t>(n), g);
+    ASSERT_EQ(host(scattered, n), sum) << "reduce_scatter, group kind " << kind;
+    gpu_->add(out, da, da, static_cast<int64_t>(n));
+    comm->broadcast(out, static_cast<int64_t>(n), 0, g);
+    const Vec twice = host(out, n);
+    for (size_t i = 0; i < n; i += 4099) ASSERT_EQ(twice[i], a[i] + a[i]) << "broadcast " << i;
+  }
+  // Doubles, max: the identity too.
+  const std::vector<double> dv = {1.5, -2.25, 1e300};
+  double* dd = reinterpret_cast<double*>(dev(Vec(2 * dv.size())));
+  gpu_->staging_copier().to_device(dd, dv.data(), dv.size() * sizeof(double));
+  comm->all_reduce(dd, static_cast<int64_t>(dv.size()), grid.group(kData, 0), ReduceOp::max);
+  std::vector<double> back(dv.size());
+  gpu_->staging_copier().to_host(back.data(), dd, back.size() * sizeof(double));
+  EXPECT_EQ(back, dv);
+  // Non-blocking, several in flight on different groups, finished by test() and wait().
+  float* x = dev(nans(n));
+  float* y = dev(nans(n));
+  float* z = dev(nans(n));
+  float* w = dev(nans(n));
+  gpu_->add(x, da, db, static_cast<int64_t>(n));
+  gpu_->add(w, db, da, static_cast<int64_t>(n));
+  Request r1 = comm->iall_reduce(x, static_cast<int64_t>(n), grid.group(kData, 0));
+  Request r2 = comm->iall_gather(w, y, static_cast<int64_t>(n), grid.group(kTensor, 0));
+  Request r3 = comm->ireduce_scatter(w, z, static_cast<int64_t>(n), grid.group(kPipeline, 0));
+  EXPECT_TRUE(r1.pending());
+  EXPECT_TRUE(r2.pending());
+  EXPECT_TRUE(r3.pending());
+  while (!comm->test(r1)) {
+  }
+  EXPECT_FALSE(r1.pending());
+  comm->wait(r2);
+  comm->wait(r3);
+  EXPECT_FALSE(r2.pending());
+  EXPECT_EQ(host(x, n), sum);
+  // y and z: gathered and reduced from w (b + a) on two other streams at once.
+  EXPECT_EQ(host(y, n), sum);
+  EXPECT_EQ(host(z, n), sum);
+  // Finished slots are reused.
+  Request r4 = comm->iall_reduce(x, static_cast<int64_t>(n), grid.group(kData, 0));
+  EXPECT_EQ(r4.slot, 0);
+  comm->wait(r4);
 }
 
 }  // namespace

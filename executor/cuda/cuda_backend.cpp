@@ -122,6 +122,8 @@ class CudaBackendImpl final : public CudaBackend {
   const char* name() const override { return "cuda"; }
   std::string device_name() const override { return name_; }
   std::string device_id() const override { return bus_id_; }
+  void* compute_stream() const override { return stream_; }
+  int device_ordinal() const override { return dev_; }
 
   float* device_alloc(int64_t n) override {
     void* p = nullptr;

@@ -27,6 +27,10 @@ class CudaBackend : public Backend {
   virtual StagingCopier staging_copier() = 0;
   virtual std::string device_name() const = 0;
   virtual std::string device_id() const = 0;  // the PCI bus id, e.g. "0000:19:00.0"
+  // The stream every op runs on (a cudaStream_t) and the device ordinal, for a communicator
+  // that orders its own streams after the ops (executor/cuda/nccl_comm.h).
+  virtual void* compute_stream() const = 0;
+  virtual int device_ordinal() const = 0;
 
   // GEMM operands from here on are converted to `p` (bf16 or fp16, round to nearest even)
   // and multiplied on the tensor cores with fp32 accumulation and an fp32 C; fp32 (the

@@ -1,5 +1,6 @@
 // The CUDA backend's entry points in a build without CUDA (nvcc not found at configure time).
 #include "executor/cuda/cuda_backend.h"
+#include "executor/cuda/nccl_comm.h"
 
 namespace strata {
 
@@ -11,5 +12,9 @@ std::string cuda_unavailable_reason() {
 int cuda_device_count() { return 0; }
 
 std::unique_ptr<CudaBackend> make_cuda_backend(int) { return nullptr; }
+
+std::string nccl_unavailable_reason() { return cuda_unavailable_reason(); }
+
+std::unique_ptr<Comm> make_nccl_comm(std::unique_ptr<Comm>, CudaBackend&, bool) { return nullptr; }
 
 }  // namespace strata
