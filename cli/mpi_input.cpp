@@ -70,7 +70,12 @@ void check_comm_choice(const std::string& choice, const std::string& backend) {
 std::unique_ptr<Comm> make_gpu_comm(CudaBackend& gpu, const std::string& choice, int sharing) {
   int most = sharing;  // the most ranks on one GPU anywhere in the world
   MPI_Allreduce(MPI_IN_PLACE, &most, 1, MPI_INT, MPI_MAX, MPI_COMM_WORLD);
-  const bool have_nccl = nccl_unavailable_reason().empty();
+  int loaded = nccl_unavailable_reason().empty() ? 1 : 0;  // NCCL on every rank, or on none
+  MPI_Allreduce(MPI_IN_PLACE, &loaded, 1, MPI_INT, MPI_MIN, MPI_COMM_WORLD);
+  const bool have_nccl = loaded == 1;
+  if (choice == "nccl" && !have_nccl)
+    throw InputError("--comm nccl: " + (nccl_unavailable_reason().empty() ? std::string("another rank cannot load NCCL")
+                                                                          : nccl_unavailable_reason()));
   if (choice == "nccl" && most > 1)
     throw InputError("--comm nccl: " + std::to_string(most) +
                      " ranks share one GPU, which NCCL refuses; use --comm staged (or auto)");

@@ -55,8 +55,8 @@ int cmd_profile(const std::vector<std::string>& argv) {
   // links through the communicator the executor uses between GPU ranks (NCCL when each rank
   // has its own GPU, else host staging; --comm).
   const int local = backend == "cuda" ? node_local_rank() : 0;
+  std::unique_ptr<Backend> be;  // declared first, destroyed last: the communicator may use it
   std::unique_ptr<Comm> comm;
-  std::unique_ptr<Backend> be;
   ProfileResult r;
   Progress bar("profile", 1);
   try {
@@ -76,7 +76,12 @@ int cmd_profile(const std::vector<std::string>& argv) {
       bar.set_total(total);
       bar.update(done, line);
     };
+    ProcessGrid world;  // the profiler's collectives run on the world group
+    world.d = size;
+    comm->setup(world);
     r = run_profile(*comm, *be, o);
+    comm.reset();  // communicators freed before MPI_Finalize
+    be.reset();
   } catch (const InputError& e) {
     fmt::print(stderr, "strata: error: rank {} of {}: {}\n", rank, size, e.what());
     MPI_Abort(MPI_COMM_WORLD, 2);

@@ -118,8 +118,8 @@ int cmd_train(const std::vector<std::string>& argv) {
   }
   if (any_rank_rejected_input(error)) return 2;
   try {
+    std::unique_ptr<Backend> be;  // declared first, destroyed last: the communicator may use it
     std::unique_ptr<Comm> comm;
-    std::unique_ptr<Backend> be;
     if (backend == "cuda") {
       // Buffers in device memory; between ranks NCCL when each has its own GPU, else the
       // host-staged communicator (ranks may share one GPU, which NCCL refuses). GEMM operands are rounded to the training

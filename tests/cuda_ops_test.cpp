@@ -5,20 +5,23 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <atomic>
+#include <chrono>
 #include <cmath>
 #include <cstring>
 #include <limits>
 #include <random>
 #include <stdexcept>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "executor/backend.h"
 #include "executor/comm.h"
 #include "executor/cuda/cuda_backend.h"
 #include "executor/cuda/nccl_comm.h"
-#include "executor/process_grid.h"
 #include "executor/memory_tracker.h"
+#include "executor/process_grid.h"
 #include "executor/zero.h"
 
 namespace strata {
@@ -486,9 +489,15 @@ TEST_F(CudaOps, Pack16IsBitwiseTheCpus) {
 }
 
 // The NCCL communicator on the one GPU a test has: a world of one rank (bootstrapped through
-// the local communicator), every group of one run through NCCL. Each collective reads what
-// the compute stream wrote just before it (an add, not yet synchronised) and gives the
-// identity of a group of one; the non-blocking ones complete through test() and wait().
+// the local communicator), every group of one run through NCCL. The compute stream is held
+// (a host callback spinning on a flag) while an add and then the collectives are issued: a
+// collective that did not wait for the compute stream would copy the NaNs the add has not
+// yet overwritten, and a non-blocking one would report done while the stream is held.
+void hold_until_open(void* flag) {
+  auto* open = static_cast<std::atomic<bool>*>(flag);
+  while (!open->load()) std::this_thread::yield();
+}
+
 TEST_F(CudaOps, NcclCommunicatorOrdersItsStreamsAfterTheOps) {
   const std::string why = nccl_unavailable_reason();
   if (!why.empty()) GTEST_SKIP() << "no NCCL: " << why;
@@ -499,30 +508,61 @@ TEST_F(CudaOps, NcclCommunicatorOrdersItsStreamsAfterTheOps) {
   ASSERT_EQ(comm->rank(), 0);
   ASSERT_EQ(comm->size(), 1);
   const size_t n = 1 << 20;
+  const int64_t ni = static_cast<int64_t>(n);
   const Vec a = random(n), b = random(n);
   Vec sum(n);
   for (size_t i = 0; i < n; ++i) sum[i] = a[i] + b[i];
   float* da = dev(a);
   float* db = dev(b);
+  // Blocking, out of place, on every group kind: a thread opens the held stream later.
   for (GroupKind kind : {kTensor, kData, kPipeline, kModel, kWorld}) {
     const Group g = grid.group(kind, 0);
-    float* out = dev(nans(n));
-    gpu_->add(out, da, db, static_cast<int64_t>(n));  // on the compute stream, not waited for
-    comm->all_reduce(out, static_cast<int64_t>(n), g);
-    ASSERT_EQ(host(out, n), sum) << "all_reduce, group kind " << kind;
+    float* src = dev(nans(n));
     float* gathered = dev(nans(n));
-    gpu_->add(gathered, da, db, static_cast<int64_t>(n));
-    comm->all_gather(gathered, gathered, static_cast<int64_t>(n), g);  // in place
-    ASSERT_EQ(host(gathered, n), sum) << "all_gather, group kind " << kind;
     float* scattered = dev(nans(n));
-    comm->reduce_scatter(out, scattered, static_cast<int64_t>(n), g);
+    std::atomic<bool> open{false};
+    gpu_->enqueue_host_callback(hold_until_open, &open);
+    gpu_->add(src, da, db, ni);
+    std::thread opener([&open] {
+      std::this_thread::sleep_for(std::chrono::milliseconds(30));
+      open = true;
+    });
+    comm->all_gather(src, gathered, ni, g);
+    opener.join();
+    comm->reduce_scatter(src, scattered, ni, g);
+    comm->all_reduce(src, ni, g);  // in place: a group of one leaves it as it is
+    comm->broadcast(src, ni, 0, g);
+    ASSERT_EQ(host(gathered, n), sum) << "all_gather, group kind " << kind;
     ASSERT_EQ(host(scattered, n), sum) << "reduce_scatter, group kind " << kind;
-    gpu_->add(out, da, da, static_cast<int64_t>(n));
-    comm->broadcast(out, static_cast<int64_t>(n), 0, g);
-    const Vec twice = host(out, n);
-    for (size_t i = 0; i < n; i += 4099) ASSERT_EQ(twice[i], a[i] + a[i]) << "broadcast " << i;
+    ASSERT_EQ(host(src, n), sum) << "all_reduce and broadcast, group kind " << kind;
   }
-  // Doubles, max: the identity too.
+  // Non-blocking, two in flight on two streams, while the compute stream is held.
+  float* w = dev(nans(n));
+  float* y = dev(nans(n));
+  float* z = dev(nans(n));
+  std::atomic<bool> open{false};
+  gpu_->enqueue_host_callback(hold_until_open, &open);
+  gpu_->add(w, db, da, ni);
+  Request r2 = comm->iall_gather(w, y, ni, grid.group(kTensor, 0));
+  Request r3 = comm->ireduce_scatter(w, z, ni, grid.group(kPipeline, 0));
+  EXPECT_TRUE(r2.pending());
+  EXPECT_TRUE(r3.pending());
+  std::this_thread::sleep_for(std::chrono::milliseconds(30));
+  EXPECT_FALSE(comm->test(r2)) << "done while the compute stream it waits for is held";
+  EXPECT_TRUE(r2.pending());
+  open = true;
+  while (!comm->test(r2)) {
+  }
+  EXPECT_FALSE(r2.pending());
+  comm->wait(r3);
+  EXPECT_FALSE(r3.pending());
+  EXPECT_EQ(host(y, n), sum);
+  EXPECT_EQ(host(z, n), sum);
+  // Finished slots are reused.
+  Request r4 = comm->iall_reduce(w, ni, grid.group(kData, 0));
+  EXPECT_EQ(r4.slot, 0);
+  comm->wait(r4);
+  // Device doubles, max: the identity.
   const std::vector<double> dv = {1.5, -2.25, 1e300};
   double* dd = reinterpret_cast<double*>(dev(Vec(2 * dv.size())));
   gpu_->staging_copier().to_device(dd, dv.data(), dv.size() * sizeof(double));
@@ -530,33 +570,16 @@ TEST_F(CudaOps, NcclCommunicatorOrdersItsStreamsAfterTheOps) {
   std::vector<double> back(dv.size());
   gpu_->staging_copier().to_host(back.data(), dd, back.size() * sizeof(double));
   EXPECT_EQ(back, dv);
-  // Non-blocking, several in flight on different groups, finished by test() and wait().
-  float* x = dev(nans(n));
-  float* y = dev(nans(n));
-  float* z = dev(nans(n));
-  float* w = dev(nans(n));
-  gpu_->add(x, da, db, static_cast<int64_t>(n));
-  gpu_->add(w, db, da, static_cast<int64_t>(n));
-  Request r1 = comm->iall_reduce(x, static_cast<int64_t>(n), grid.group(kData, 0));
-  Request r2 = comm->iall_gather(w, y, static_cast<int64_t>(n), grid.group(kTensor, 0));
-  Request r3 = comm->ireduce_scatter(w, z, static_cast<int64_t>(n), grid.group(kPipeline, 0));
-  EXPECT_TRUE(r1.pending());
-  EXPECT_TRUE(r2.pending());
-  EXPECT_TRUE(r3.pending());
-  while (!comm->test(r1)) {
-  }
-  EXPECT_FALSE(r1.pending());
-  comm->wait(r2);
-  comm->wait(r3);
-  EXPECT_FALSE(r2.pending());
-  EXPECT_EQ(host(x, n), sum);
-  // y and z: gathered and reduced from w (b + a) on two other streams at once.
-  EXPECT_EQ(host(y, n), sum);
-  EXPECT_EQ(host(z, n), sum);
-  // Finished slots are reused.
-  Request r4 = comm->iall_reduce(x, static_cast<int64_t>(n), grid.group(kData, 0));
-  EXPECT_EQ(r4.slot, 0);
-  comm->wait(r4);
+  // Host buffers (the executor's losses and norms) go through the host path, not NCCL.
+  std::vector<double> hd = dv;
+  comm->all_reduce(hd.data(), static_cast<int64_t>(hd.size()), grid.group(kData, 0), ReduceOp::sum);
+  EXPECT_EQ(hd, dv);
+  Vec hf = a, hout(n, 0.0f);
+  Request rh = comm->iall_reduce(hf.data(), ni, grid.group(kData, 0));
+  comm->wait(rh);
+  EXPECT_EQ(hf, a);
+  comm->all_gather(hf.data(), hout.data(), ni, grid.group(kTensor, 0));
+  EXPECT_EQ(hout, a);
 }
 
 }  // namespace

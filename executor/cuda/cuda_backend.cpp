@@ -124,6 +124,7 @@ class CudaBackendImpl final : public CudaBackend {
   std::string device_id() const override { return bus_id_; }
   void* compute_stream() const override { return stream_; }
   int device_ordinal() const override { return dev_; }
+  void enqueue_host_callback(void (*fn)(void*), void* arg) override { CUDA_CHECK(cudaLaunchHostFunc(stream_, fn, arg)); }
 
   float* device_alloc(int64_t n) override {
     void* p = nullptr;

@@ -31,6 +31,10 @@ class CudaBackend : public Backend {
   // that orders its own streams after the ops (executor/cuda/nccl_comm.h).
   virtual void* compute_stream() const = 0;
   virtual int device_ordinal() const = 0;
+  // Runs fn(arg) on a host thread once every op issued before it has run; ops issued after
+  // it wait until it returns (cudaLaunchHostFunc). fn must not call CUDA. Tests hold the
+  // stream with it to check what other streams wait for.
+  virtual void enqueue_host_callback(void (*fn)(void*), void* arg) = 0;
 
   // GEMM operands from here on are converted to `p` (bf16 or fp16, round to nearest even)
   // and multiplied on the tensor cores with fp32 accumulation and an fp32 C; fp32 (the

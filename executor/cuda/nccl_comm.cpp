@@ -97,8 +97,9 @@ class NcclComm final : public Comm {
   int size() const override { return staged_->size(); }
 
   void setup(const ProcessGrid& grid) override {
-    staged_->setup(grid);  // the inner communicators: barrier, point-to-point
+    staged_->setup(grid);  // the inner communicators: barrier, point-to-point, host buffers
     CUDA_CHECK(cudaSetDevice(gpu_.device_ordinal()));
+    destroy_comms();  // a second setup() replaces the first one's communicators
     // The unique id travels as floats through the inner broadcast (bytes copied as they are).
     static_assert(sizeof(ncclUniqueId) % sizeof(float) == 0, "ncclUniqueId is a whole number of floats");
     ncclUniqueId id{};
@@ -120,30 +121,35 @@ class NcclComm final : public Comm {
   }
 
   void all_reduce(float* buf, int64_t n, const Group& g, ReduceOp op) override {
+    if (on_host(buf)) return staged_->all_reduce(buf, n, g, op);
     if (skip(g)) return;
     cudaStream_t s = begin(g);
     NCCL_CHECK(nccl().AllReduce(buf, buf, count(n), ncclFloat, nccl_op(op), comm(g), s));
     finish(s);
   }
   void all_reduce(double* buf, int64_t n, const Group& g, ReduceOp op) override {
+    if (on_host(buf)) return staged_->all_reduce(buf, n, g, op);
     if (skip(g)) return;
     cudaStream_t s = begin(g);
     NCCL_CHECK(nccl().AllReduce(buf, buf, count(n), ncclDouble, nccl_op(op), comm(g), s));
     finish(s);
   }
   void reduce_scatter(const float* in, float* out, int64_t n_out, const Group& g) override {
+    if (on_host(in) || on_host(out)) return staged_->reduce_scatter(in, out, n_out, g);
     if (skip(g)) return copy_on_compute(out, in, n_out);
     cudaStream_t s = begin(g);
     NCCL_CHECK(nccl().ReduceScatter(in, out, count(n_out), ncclFloat, ncclSum, comm(g), s));
     finish(s);
   }
   void all_gather(const float* in, float* out, int64_t n_in, const Group& g) override {
+    if (on_host(in) || on_host(out)) return staged_->all_gather(in, out, n_in, g);
     if (skip(g)) return copy_on_compute(out, in, n_in);
     cudaStream_t s = begin(g);
     NCCL_CHECK(nccl().AllGather(in, out, count(n_in), ncclFloat, comm(g), s));  // in place when in is my block
     finish(s);
   }
   void broadcast(float* buf, int64_t n, int root_index, const Group& g) override {
+    if (on_host(buf)) return staged_->broadcast(buf, n, root_index, g);
     if (skip(g)) return;
     cudaStream_t s = begin(g);
     NCCL_CHECK(nccl().Broadcast(buf, buf, count(n), ncclFloat, root_index, comm(g), s));
@@ -158,12 +164,14 @@ class NcclComm final : public Comm {
     return staged(staged_->irecv(buf, n, peer, tag));
   }
   Request iall_reduce(float* buf, int64_t n, const Group& g) override {
+    if (on_host(buf)) return staged(staged_->iall_reduce(buf, n, g));
     if (skip(g)) return {};
     cudaStream_t s = begin(g);
     NCCL_CHECK(nccl().AllReduce(buf, buf, count(n), ncclFloat, ncclSum, comm(g), s));
     return issued(s);
   }
   Request ireduce_scatter(const float* in, float* out, int64_t n_out, const Group& g) override {
+    if (on_host(in) || on_host(out)) return staged(staged_->ireduce_scatter(in, out, n_out, g));
     if (skip(g)) {
       copy_on_compute(out, in, n_out);
       return {};
@@ -173,6 +181,7 @@ class NcclComm final : public Comm {
     return issued(s);
   }
   Request iall_gather(const float* in, float* out, int64_t n_in, const Group& g) override {
+    if (on_host(in) || on_host(out)) return staged(staged_->iall_gather(in, out, n_in, g));
     if (skip(g)) {
       copy_on_compute(out, in, n_in);
       return {};
@@ -236,6 +245,17 @@ class NcclComm final : public Comm {
     return static_cast<size_t>(n);
   }
   static ncclRedOp_t nccl_op(ReduceOp op) { return op == ReduceOp::max ? ncclMax : ncclSum; }
+  // NCCL takes device (or registered, or managed) memory only. The executor also reduces
+  // small host values (losses, norms, counters) through the same calls, every rank alike:
+  // those go through the host path of the staged communicator (Open MPI).
+  static bool on_host(const void* p) {
+    cudaPointerAttributes a{};
+    if (cudaPointerGetAttributes(&a, p) != cudaSuccess) {
+      (void)cudaGetLastError();  // not a pointer CUDA knows: plain host memory
+      return true;
+    }
+    return a.type == cudaMemoryTypeUnregistered || a.type == cudaMemoryTypeHost;
+  }
   // A group of one has nothing to combine: all-reduce and broadcast do nothing, reduce-scatter
   // and all-gather copy (unless single_rank_groups).
   bool skip(const Group& g) const { return g.size() == 1 && !single_rank_groups; }
@@ -280,14 +300,18 @@ class NcclComm final : public Comm {
     slots_[static_cast<size_t>(r.slot >> 1)].used = false;
     r = Request{};
   }
-  // Unchecked (destructor and failed-constructor path): streams drained, communicators
-  // (the split ones before the world) and events freed.
-  void release() {
-    for (cudaStream_t s : streams_)
-      if (s) (void)cudaStreamSynchronize(s);
+  // The split communicators, then the world's; unchecked.
+  void destroy_comms() {
     for (int k = kKinds - 1; k >= 0; --k)
       if (comms_[static_cast<size_t>(k)]) (void)nccl().CommDestroy(comms_[static_cast<size_t>(k)]);
     comms_.fill(nullptr);
+  }
+  // Unchecked (destructor and failed-constructor path): streams drained, communicators
+  // and events freed.
+  void release() {
+    for (cudaStream_t s : streams_)
+      if (s) (void)cudaStreamSynchronize(s);
+    destroy_comms();
     for (Slot& e : slots_)
       if (e.event) (void)cudaEventDestroy(e.event);
     slots_.clear();

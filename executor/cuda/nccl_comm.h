@@ -11,9 +11,16 @@
 // parallel reduction and the ZeRO gathers run beside the compute, as on the CPU. Blocking
 // collectives return once their stream is done.
 //
-// Point-to-point (isend / irecv) and barrier go through the host-staged path over the inner
-// communicator (staged_comm.h): NCCL send/recv issued one call at a time, as the Comm
-// interface does, can deadlock two stages that send to each other first.
+// Point-to-point (isend / irecv), barrier and collectives on host buffers (the executor's
+// losses, norms and counters) go through the host-staged path over the inner communicator
+// (staged_comm.h): NCCL takes device memory only, and NCCL send/recv issued one call at a
+// time, as the Comm interface does, can deadlock two stages that send to each other first.
+//
+// Limits: collectives of different group kinds may run at once on their streams; NCCL
+// documents that concurrent communicators can hang when their kernels cannot all be resident,
+// which the same program order on every rank makes unlikely but does not exclude. The
+// collective watchdog times the staged calls only; a stuck NCCL call is stopped by its
+// timeout with a message that blames the rank's progress, not the call.
 #pragma once
 
 #include <memory>
