@@ -3,6 +3,7 @@
 #include "costmodel/compute.h"
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 
 #include "costmodel/comm.h"
@@ -295,6 +296,62 @@ double attention_core_backward(Acc& a) {
   return t;
 }
 
+// The strata executor's own passes over a layer's 16-bit tensors (executor/gpt.cpp), which
+// it holds as floats, one pass per tensor: rounding reads and writes 4 bytes per value;
+// packing a saved tensor into 16 bits after the forward reads 4 and writes 2 bytes per value,
+// unpacking it before the backward the reverse. Values per layer and micro-batch on this rank,
+// with n tokens (sequence shard) and N (gathered): the forward rounds x, h1, x2, h2 (n H
+// each), qkv (N Q), the attention output (N AD/t), the fc1 output (N F1/t) and the activation
+// (N F/t); the backward rounds the GEMM inputs dy, dO (N H each), du (N F1/t), datt (N AD/t)
+// and dqkv (N Q). Kept and packed: those of the forward, the gathered g1 and g2 with sequence
+// parallelism (N H each) and the unfused core's probabilities (B A/t S^2) when nothing is
+// recomputed; full recompute keeps only x. Nothing of this runs outside the strata stack or
+// in fp32.
+struct Tensors {
+  std::array<double, 12> values{};
+  int count = 0;
+  void add(double v) { values[static_cast<size_t>(count++)] = v; }
+  double total() const {
+    double s = 0;
+    for (int i = 0; i < count; ++i) s += values[static_cast<size_t>(i)];
+    return s;
+  }
+};
+struct SixteenBitPasses {
+  Tensors forward_rounds, backward_rounds, kept;
+};
+
+SixteenBitPasses sixteen_bit_passes(const Acc& a) {
+  SixteenBitPasses v;
+  const Plan& p = a.p;
+  if (!a.cs.stack.strata || (p.precision != Precision::bf16 && p.precision != Precision::fp16)) return v;
+  const ModelSpec& m = a.m;
+  const double T = a.cs.T, Tn = a.cs.Tn, H = static_cast<double>(m.H), t = static_cast<double>(p.t);
+  const double Q = static_cast<double>(m.AD() + 2 * m.G * m.D()) / t, ADt = static_cast<double>(m.AD()) / t;
+  const double F1 = static_cast<double>(m.fc1_out()) / t, Ft = static_cast<double>(m.F) / t;
+  for (double x : {Tn * H, Tn * H, T * Q, T * ADt, Tn * H, Tn * H, T * F1, T * Ft}) v.forward_rounds.add(x);
+  for (double x : {T * H, T * F1, T * H, T * ADt, T * Q}) v.backward_rounds.add(x);
+  if (p.recompute == Recompute::full) {
+    v.kept.add(Tn * H);
+    return v;
+  }
+  v.kept = v.forward_rounds;
+  if (p.sp && p.t > 1) {
+    v.kept.add(T * H);
+    v.kept.add(T * H);
+  }
+  if (a.cs.attention == AttentionKernel::unfused && p.recompute == Recompute::none) {
+    const double S = static_cast<double>(m.S);
+    v.kept.add(static_cast<double>(p.mbs) * static_cast<double>(m.A / p.t) * S * S);
+  }
+  return v;
+}
+
+// One memory-bound pass per tensor, `bytes_per_value` each.
+void passes(Acc& a, const char* name, Phase ph, const Tensors& ts, double bytes_per_value) {
+  for (int i = 0; i < ts.count; ++i) a.mem(name, ph, bytes_per_value * ts.values[static_cast<size_t>(i)]);
+}
+
 // The forward of one layer (also replayed by full recompute).
 double layer_forward(Acc& a, Phase ph) {
   const ModelSpec& m = a.m;
@@ -322,6 +379,9 @@ double layer_forward(Acc& a, Phase ph) {
   a.linear("fc2", ph, T, H, Ft);
   a.tp_reduce(p.sp ? "sp_reduce_scatter" : "tp_all_reduce", ph);
   a.mem("bias_dropout_add", ph, dropout_bytes(Tn * H, m.hidden_dropout, a.cs.work_bytes, true));
+  const SixteenBitPasses sb = sixteen_bit_passes(a);
+  passes(a, "round16", ph, sb.forward_rounds, 8.0);
+  if (ph == Phase::forward) passes(a, "pack16", ph, sb.kept, 6.0);
   return a.w(ph).total() - before;
 }
 
@@ -361,6 +421,9 @@ void layer_backward(Acc& a) {
   a.mem("norm1", ph, 3.0 * e * Tn * H);
   if (!a.cs.stack.grad_accumulation_fusion)
     a.mem("grad_accumulation", ph, grad_accumulation_bytes(p.precision) * static_cast<double>(m.layer_params(p.t)));
+  const SixteenBitPasses sb = sixteen_bit_passes(a);
+  passes(a, "unpack16", ph, sb.kept, 6.0);
+  passes(a, "round16", ph, sb.backward_rounds, 8.0);
 }
 
 // ZeRO-3: the parameters of a piece of work are gathered before its forward and again

@@ -196,14 +196,16 @@ Estimate estimate(const ModelSpec& m, const Cluster& cl, const Plan& p, const Es
   Work f, r, b;
   for (int64_t s = 0; s < p.p; ++s) {
     for (int64_t c = 0; c < lay.v; ++c) {
-      // k layers run the plan's backward and recompute; with partial recompute the other
-      // n - k run the backward of a plan without recompute.
+      // k layers run the plan's forward, backward and recompute; with partial recompute the
+      // other n - k run the forward and backward of a plan without recompute.
       const int64_t layers = lay.chunk_layers(s, c);
       const bool ends = lay.has_embedding(s, c) || lay.has_head(s, c);
       if (layers != prev_layers || ends || prev_ends) {
         const double n = static_cast<double>(layers);
         const double k = static_cast<double>(p.recompute == Recompute::full ? p.recomputed_layers(layers) : layers);
-        f = n * layer.forward;
+        // (The forwards differ only on the strata stack, which packs what each layer keeps.)
+        f = k * layer.forward;
+        f += (n - k) * plain.forward;
         r = k * layer.recompute;
         b = k * layer.backward;
         b += (n - k) * plain.backward;

@@ -149,6 +149,43 @@ TEST(Compute, CrossEntropyBytesPerStack) {
   EXPECT_DOUBLE_EQ(ce_bytes(Phase::backward), 4.0 * logits);
 }
 
+// The strata executor's passes over a layer's 16-bit tensors (it holds them as floats).
+// tiny-gpt (H 256, 4 heads, F 1024, S 128), tp 1, micro-batch 2: n = N = 256 tokens,
+// qkv width Q = 768, attention output 256, fc1 and activation 1024 each.
+//   forward rounds x, h1, x2, h2 (4 x 256 x 256) + 256 x (768 + 256 + 1024 + 1024) = 1,048,576
+//   backward rounds dy, dO (2 x 256) + du 1024 + datt 256 + dqkv 768, x 256 tokens = 655,360
+//   kept: the forward's 1,048,576 + the unfused core's probabilities 2 x 4 x 128^2 = 1,179,648
+// Bytes: a rounding pass 8 per value (read and write 4), pack and unpack 6 (4 + 2).
+// Full recompute keeps x only (65,536 values) and rounds its replayed forward again.
+TEST(Compute, StrataSixteenBitPasses) {
+  Cluster c = testing::round_cluster();
+  c.strata_stack = true;
+  const ModelSpec m = load_model("tiny-gpt");
+  auto bytes = [&](const std::string& plan, const std::string& name, Phase ph) {
+    const Plan p = load_plan(plan);
+    std::vector<OpCost> ops;
+    layer_cost(m, c, p, compute_setup(m, c, p), &ops);
+    double b = 0;
+    for (const auto& o : ops)
+      if (o.phase == ph && o.name == name) b += o.bytes;
+    return b;
+  };
+  const std::string bf16 = "tp=1,mbs=2,precision=bf16";
+  EXPECT_DOUBLE_EQ(bytes(bf16, "round16", Phase::forward), 8.0 * 1048576);
+  EXPECT_DOUBLE_EQ(bytes(bf16, "pack16", Phase::forward), 6.0 * 1179648);
+  EXPECT_DOUBLE_EQ(bytes(bf16, "unpack16", Phase::backward), 6.0 * 1179648);
+  EXPECT_DOUBLE_EQ(bytes(bf16, "round16", Phase::backward), 8.0 * 655360);
+  const std::string full = "tp=1,mbs=2,precision=fp16,recompute=full";
+  EXPECT_DOUBLE_EQ(bytes(full, "pack16", Phase::forward), 6.0 * 65536);
+  EXPECT_DOUBLE_EQ(bytes(full, "unpack16", Phase::backward), 6.0 * 65536);
+  EXPECT_DOUBLE_EQ(bytes(full, "round16", Phase::recompute), 8.0 * 1048576);
+  EXPECT_DOUBLE_EQ(bytes(full, "pack16", Phase::recompute), 0.0);
+  // fp32, or another stack: no such passes.
+  EXPECT_DOUBLE_EQ(bytes("tp=1,mbs=2,precision=fp32", "round16", Phase::forward), 0.0);
+  c.strata_stack = false;
+  EXPECT_DOUBLE_EQ(bytes(bf16, "pack16", Phase::forward), 0.0);
+}
+
 TEST(Compute, WorkSplitsExposedCommunication) {
   const Cluster c = testing::round_cluster();
   const ModelSpec m = load_model("gpt3-175b");
