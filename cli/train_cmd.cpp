@@ -122,8 +122,8 @@ int cmd_train(const std::vector<std::string>& argv) {
     std::unique_ptr<Comm> comm;
     if (backend == "cuda") {
       // Buffers in device memory; between ranks NCCL when each has its own GPU, else the
-      // host-staged communicator (ranks may share one GPU, which NCCL refuses). GEMM operands are rounded to the training
-      // precision already: run them on the tensor cores.
+      // host-staged communicator (ranks may share one GPU, which NCCL refuses). GEMM
+      // operands are rounded to the training precision already: run them on the tensor cores.
       // The device: this process's rank among those of its machine, modulo its GPUs.
       std::unique_ptr<CudaBackend> cuda = make_cuda_backend(node_local_rank());
       if (!cuda) throw InputError("--backend cuda: " + cuda_unavailable_reason());

@@ -311,11 +311,6 @@ struct Tensors {
   std::array<double, 12> values{};
   int count = 0;
   void add(double v) { values[static_cast<size_t>(count++)] = v; }
-  double total() const {
-    double s = 0;
-    for (int i = 0; i < count; ++i) s += values[static_cast<size_t>(i)];
-    return s;
-  }
 };
 struct SixteenBitPasses {
   Tensors forward_rounds, backward_rounds, kept;
