@@ -15,7 +15,8 @@
 #      communicator), final loss against the same plan on the CPU;
 #   7. `strata profile --backend cuda` on one rank, and the estimate of the step-5 plans on
 #      the measured profile against their measured step times;
-#   8. the NCCL communicator's op test (part of step 2) reported on its own row.
+#   8. the NCCL communicator: its op test (part of step 2) on its own row, and tiny-gpt
+#      trained through it (--comm nccl), losses against step 4's staged run.
 # Prints one table at the end; given a folder, writes the full log and every JSON there.
 # Each step has its own time limit, so the whole run stays under about 6 minutes.
 #   usage: scripts/device-check.sh [LOG_DIR]
@@ -64,9 +65,11 @@ if [ -x $B/cuda_bench ]; then
 fi
 row "kernel speed table (cuda_bench, in the log)" "$([ "$bench_rc" -eq 0 ] && echo printed || echo "FAILED (exit $bench_rc)")"
 
-# 4. tiny-gpt on both backends.
+# 4. tiny-gpt on both backends. The one-rank GPU runs here and in step 5 use the staged
+# communicator (a world of one has nothing to communicate), so a failure of NCCL's bootstrap
+# cannot take their measurements down; step 8 trains through NCCL on its own.
 T="--model tiny-gpt --steps 30 --quiet --seed 7"
-timeout 60 $S train $T --plan tp=1,precision=bf16 --backend cuda --json "$OUT/tiny_cuda.json" 2>&1 | log
+timeout 60 $S train $T --plan tp=1,precision=bf16 --backend cuda --comm staged --json "$OUT/tiny_cuda.json" 2>&1 | log
 timeout 60 $S train $T --plan tp=1,precision=bf16 --json "$OUT/tiny_cpu.json" 2>&1 | log
 row "tiny-gpt bf16 30 steps, GPU vs CPU loss curve" "$(python3 - "$OUT" <<'EOF' 2>&1
 import json, sys
@@ -90,7 +93,7 @@ EOF
 python3 -c "import json,sys; c=json.load(open('hw_profiles/dgx-h200-141g.json')); c['framework']['software_stack']='strata'; c['name']=c.get('name','dgx-h200-141g')+'-strata'; json.dump(c,open(sys.argv[1],'w'),indent=1)" "$OUT/h200-strata.json"
 for att in unfused flash; do
   P124="tp=1,mbs=8,gbs=8,precision=bf16,attention=$att"
-  timeout 60 $S train --model gpt2-124m --plan $P124 --steps 6 --quiet --backend cuda --json "$OUT/gpt2_$att.json" 2>&1 | log
+  timeout 60 $S train --model gpt2-124m --plan $P124 --steps 6 --quiet --backend cuda --comm staged --json "$OUT/gpt2_$att.json" 2>&1 | log
   $S estimate --model gpt2-124m --cluster "$OUT/h200-strata.json" --plan "$P124" --json > "$OUT/gpt2_${att}_estimate.json" 2>> "$OUT/device-check.log"
   row "gpt2-124m bf16 S1024 mbs8 attention=$att on the GPU: step, MFU, memory; estimate (dgx-h200-141g, strata stack)" "$(python3 - "$OUT" "$att" <<'EOF' 2>&1
 import json, sys
@@ -169,9 +172,24 @@ EOF
 # the one-rank trains of steps 4 and 5 ran on it too (--comm auto: each rank has its own GPU).
 nccl_case='CudaOps.NcclCommunicatorOrdersItsStreamsAfterTheOps'
 if grep -q "^\[       OK \] $nccl_case" "$OUT/device-check.log"; then nccl="pass"
-elif grep -q "^\[  SKIPPED \] $nccl_case" "$OUT/device-check.log"; then nccl="skipped: $(grep -m1 'no NCCL' "$OUT/device-check.log" || echo '?')"
+elif grep -q "^\[  SKIPPED \] $nccl_case" "$OUT/device-check.log"; then nccl="skipped ($(grep -m1 -o -E 'no (NCCL|GPU): .*' "$OUT/device-check.log" || echo 'reason in the log'))"
 else nccl="FAILED (see $nccl_case in the log)"; fi
 row "NCCL communicator on one GPU (world of one; multi-GPU runs not checked: one GPU lent)" "$nccl"
+timeout 60 $S train $T --plan tp=1,precision=bf16 --backend cuda --comm nccl --json "$OUT/tiny_nccl.json" 2>&1 | log
+row "tiny-gpt bf16 30 steps through NCCL (--comm nccl), losses vs the staged run of step 4" "$(python3 - "$OUT" <<'EOF' 2>&1
+import json, sys
+d = sys.argv[1]
+try:
+    n = [s["loss"] for s in json.load(open(d + "/tiny_nccl.json"))["steps"]]
+    g = [s["loss"] for s in json.load(open(d + "/tiny_cuda.json"))["steps"]]
+    # Equal up to the order of the kernels' atomic additions (scatter-add, norms).
+    worst = max(abs(a - b) / abs(b) for a, b in zip(n, g))
+    print("max relative difference %.1e over %d steps (tolerance 1e-4): %s; final loss %.6f vs %.6f"
+          % (worst, len(n), "pass" if worst <= 1e-4 and len(n) == len(g) == 30 else "FAILED", n[-1], g[-1]))
+except Exception as e:
+    print("FAILED (%s)" % e)
+EOF
+)"
 
 {
   echo
