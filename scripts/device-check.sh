@@ -33,6 +33,22 @@ export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
 log() { tee -a "$OUT/device-check.log"; }
 rows=()
 row() { rows+=("| $1 | $2 |"); }
+# The losses of two 30-step train JSONs: the largest relative difference against a tolerance.
+compare_losses() {  # RUN_JSON REFERENCE_JSON TOLERANCE WHAT
+  python3 - "$@" <<'EOF' 2>&1
+import json, sys
+run, ref, tol, what = sys.argv[1], sys.argv[2], float(sys.argv[3]), sys.argv[4]
+try:
+    a = [s["loss"] for s in json.load(open(run))["steps"]]
+    b = [s["loss"] for s in json.load(open(ref))["steps"]]
+    worst = max(abs(x - y) / abs(y) for x, y in zip(a, b))
+    ok = worst <= tol and len(a) == len(b) == 30
+    print("max relative difference %.2e over %d steps (%s tolerance %g): %s; loss %.4f -> %.4f"
+          % (worst, len(a), what, tol, "pass" if ok else "FAILED", a[0], a[-1]))
+except Exception as e:
+    print("FAILED (%s)" % e)
+EOF
+}
 if [ -n "${STRATA_BUNDLE:-}" ]; then
   B=$STRATA_BUNDLE/bin
   { date -u; nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || echo "nvidia-smi: none"
@@ -71,19 +87,7 @@ row "kernel speed table (cuda_bench, in the log)" "$([ "$bench_rc" -eq 0 ] && ec
 T="--model tiny-gpt --steps 30 --quiet --seed 7"
 timeout 60 $S train $T --plan tp=1,precision=bf16 --backend cuda --comm staged --json "$OUT/tiny_cuda.json" 2>&1 | log
 timeout 60 $S train $T --plan tp=1,precision=bf16 --json "$OUT/tiny_cpu.json" 2>&1 | log
-row "tiny-gpt bf16 30 steps, GPU vs CPU loss curve" "$(python3 - "$OUT" <<'EOF' 2>&1
-import json, sys
-d = sys.argv[1]
-try:
-    g = [s["loss"] for s in json.load(open(d + "/tiny_cuda.json"))["steps"]]
-    c = [s["loss"] for s in json.load(open(d + "/tiny_cpu.json"))["steps"]]
-    worst = max(abs(a - b) / abs(b) for a, b in zip(g, c))
-    print("max relative difference %.2e over %d steps (bf16 tolerance 1e-2): %s; loss %.4f -> %.4f on the GPU"
-          % (worst, len(g), "pass" if worst <= 1e-2 and len(g) == len(c) == 30 else "FAILED", g[0], g[-1]))
-except Exception as e:
-    print("FAILED (%s)" % e)
-EOF
-)"
+row "tiny-gpt bf16 30 steps, GPU vs CPU loss curve" "$(compare_losses "$OUT/tiny_cuda.json" "$OUT/tiny_cpu.json" 1e-2 bf16)"
 
 # 5. gpt2-124m on the GPU with the unfused and the fused attention, and the estimate of
 # each plan. Memory: the device's own pool peaks (by category; saved activations in 16 bits) and its
@@ -176,20 +180,9 @@ elif grep -q "^\[  SKIPPED \] $nccl_case" "$OUT/device-check.log"; then nccl="sk
 else nccl="FAILED (see $nccl_case in the log)"; fi
 row "NCCL communicator on one GPU (world of one; multi-GPU runs not checked: one GPU lent)" "$nccl"
 timeout 60 $S train $T --plan tp=1,precision=bf16 --backend cuda --comm nccl --json "$OUT/tiny_nccl.json" 2>&1 | log
-row "tiny-gpt bf16 30 steps through NCCL (--comm nccl), losses vs the staged run of step 4" "$(python3 - "$OUT" <<'EOF' 2>&1
-import json, sys
-d = sys.argv[1]
-try:
-    n = [s["loss"] for s in json.load(open(d + "/tiny_nccl.json"))["steps"]]
-    g = [s["loss"] for s in json.load(open(d + "/tiny_cuda.json"))["steps"]]
-    # Equal up to the order of the kernels' atomic additions (scatter-add, norms).
-    worst = max(abs(a - b) / abs(b) for a, b in zip(n, g))
-    print("max relative difference %.1e over %d steps (tolerance 1e-4): %s; final loss %.6f vs %.6f"
-          % (worst, len(n), "pass" if worst <= 1e-4 and len(n) == len(g) == 30 else "FAILED", n[-1], g[-1]))
-except Exception as e:
-    print("FAILED (%s)" % e)
-EOF
-)"
+# Equal up to the order of the kernels' atomic additions (scatter-add, norms).
+row "tiny-gpt bf16 30 steps through NCCL (--comm nccl), losses vs the staged run of step 4" \
+  "$(compare_losses "$OUT/tiny_nccl.json" "$OUT/tiny_cuda.json" 1e-4 "atomic-order")"
 
 {
   echo
