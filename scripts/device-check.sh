@@ -4,8 +4,8 @@
 #   1. builds for sm_90 (Release);
 #   2. every CUDA op against the CPU backend (cuda_ops_test: normalised error <= 1e-5 in
 #      fp32, 1e-2 for 16-bit GEMMs on unrounded operands, bf16/fp16 rounding bit for bit);
-#   3. the kernels' speed (cuda_bench: GEMMs in fp32, bf16, fp16; unfused and flash
-#      attention at the gpt2-124m shape);
+#   3. the kernels' speed (cuda_bench: GEMMs in fp32, bf16, fp16; the unfused attention
+#      with its GEMMs in fp32 and bf16, and the flash kernels, at the gpt2-124m shape);
 #   4. tiny-gpt, 30 steps bf16, on the GPU and on the CPU: the loss curves compared;
 #   5. gpt2-124m (sequence 1024, bf16, micro-batch 8), 6 steps on the GPU with the unfused
 #      and with the fused (flash) attention: step time, MFU against the H200's 989 TFLOP/s,

@@ -1,9 +1,9 @@
 // Speed of the CUDA backend's kernels on the GPU it finds, as a table (scripts/device-check.sh
 // runs it): GEMMs in fp32 and on the tensor cores in bf16 / fp16 (fp32 accumulation, the
 // operand casts included), and attention forward + backward for the gpt2-124m shape
-// (S 1024, micro-batch 8, 12 heads of 64), unfused (probabilities kept) against the tiled,
-// fused kernels. Each line is the median of 10 timed runs after 3 warm-up runs. Without a
-// GPU it says why and exits 0: it asserts nothing.
+// (S 1024, micro-batch 8, 12 heads of 64), unfused (probabilities kept; its GEMMs in fp32
+// and in bf16) against the tiled, fused kernels. Each line is the median of 10 timed runs
+// after 3 warm-up runs. Without a GPU it says why and exits 0: it asserts nothing.
 #include <algorithm>
 #include <chrono>
 #include <cmath>
@@ -90,10 +90,16 @@ int main() {
   auto row = [&](const char* name, double s, double flops) {
     std::printf("| %s | %s | %.3f | %.2f |\n", name, shape.c_str(), 1e3 * s, flops / s / 1e12);
   };
-  row("attention forward, unfused (probs kept)",
-      median_seconds(*be, [&] { be->attention_forward(out, probs, qkv, S, B, A, A, D); }), fwd_flops);
-  row("attention backward, unfused (probs kept)",
-      median_seconds(*be, [&] { be->attention_backward(dqkv, dout, probs, qkv, S, B, A, A, D); }), 2.5 * fwd_flops);
+  // The unfused attention's products are cuBLASLt GEMMs: fp32, then on the tensor cores.
+  for (Precision p : {Precision::fp32, Precision::bf16}) {
+    be->set_gemm_precision(p);
+    const std::string fwd = std::string("attention forward, unfused (probs kept), ") + strata::to_string(p);
+    const std::string bwd = std::string("attention backward, unfused (probs kept), ") + strata::to_string(p);
+    row(fwd.c_str(), median_seconds(*be, [&] { be->attention_forward(out, probs, qkv, S, B, A, A, D); }), fwd_flops);
+    row(bwd.c_str(), median_seconds(*be, [&] { be->attention_backward(dqkv, dout, probs, qkv, S, B, A, A, D); }),
+        2.5 * fwd_flops);
+  }
+  be->set_gemm_precision(Precision::fp32);
   row("flash attention forward", median_seconds(*be, [&] { be->flash_attention_forward(out, lse, qkv, S, B, A, A, D); }),
       fwd_flops);
   row("flash attention backward",

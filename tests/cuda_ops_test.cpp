@@ -253,6 +253,38 @@ TEST_F(CudaOps, AttentionForwardBackwardWithAndWithoutProbs) {
     for (bool keep : {true, false}) attention_case(sh.S, sh.B, sh.A, sh.G, sh.D, keep);
 }
 
+// In a 16-bit plan the unfused attention's products run on the tensor cores (cuBLASLt
+// rounds P and dS to 16 bits, accumulates in fp32): on bf16/fp16-rounded qkv and dout, as
+// the executor passes them, within the 16-bit tolerance of the CPU's fp32 attention,
+// G = A, A / 2 and 1 (one product per batch), a head dim of 8 on 4-byte-aligned views,
+// probabilities kept and recomputed.
+TEST_F(CudaOps, AttentionOnTensorCoresIn16Bit) {
+  struct Shape {
+    int64_t S, B, A, G, D;
+  };
+  for (Precision p : {Precision::bf16, Precision::fp16})
+    for (const Shape sh : {Shape{130, 2, 4, 4, 64}, Shape{130, 2, 4, 2, 64}, Shape{130, 1, 4, 1, 64}, Shape{17, 2, 4, 2, 8}})
+      for (bool keep : {true, false}) {
+        const int64_t S = sh.S, B = sh.B, A = sh.A, G = sh.G, D = sh.D;
+        const std::string what = std::string(to_string(p)) + " attention S=" + std::to_string(S) + " G=" +
+                                 std::to_string(G) + " D=" + std::to_string(D) + (keep ? "" : " (recomputed)");
+        Vec qkv = random(static_cast<size_t>(S * B * (A + 2 * G) * D)), dout = random(static_cast<size_t>(S * B * A * D));
+        cpu_->round_to(qkv.data(), static_cast<int64_t>(qkv.size()), p);
+        cpu_->round_to(dout.data(), static_cast<int64_t>(dout.size()), p);
+        Vec out = nans(static_cast<size_t>(S * B * A * D)), probs = nans(static_cast<size_t>(B * A * S * S)), dqkv = nans(qkv.size());
+        float *gqkv = dev(qkv), *gout = dev(out), *gprobs = dev(probs), *gdout = dev(dout), *gdqkv = dev(dqkv);
+        gpu_->set_gemm_precision(p);
+        gpu_->attention_forward(gout, keep ? gprobs : nullptr, gqkv, S, B, A, G, D);
+        gpu_->attention_backward(gdqkv, gdout, keep ? gprobs : nullptr, gqkv, S, B, A, G, D);
+        gpu_->set_gemm_precision(Precision::fp32);
+        cpu_->attention_forward(out.data(), keep ? probs.data() : nullptr, qkv.data(), S, B, A, G, D);
+        cpu_->attention_backward(dqkv.data(), dout.data(), keep ? probs.data() : nullptr, qkv.data(), S, B, A, G, D);
+        expect_close(host(gout, out.size()), out, 1e-2, what + " out");
+        if (keep) expect_close(host(gprobs, probs.size()), probs, 1e-2, what + " probs");
+        expect_close(host(gdqkv, dqkv.size()), dqkv, 1e-2, what + " dqkv");
+      }
+}
+
 // The tiled, fused kernels against the CPU's attention: tile boundaries crossed (T = 32 for
 // D <= 64, 16 above), G = A, A/2, 1, head dims 16, 64 and 128, and a sequence longer than
 // the unfused kernel takes (8192), where no S x S buffer exists on the GPU. lse against a

@@ -18,6 +18,7 @@
 #include "costmodel/json_input.h"
 #include "executor/backend.h"
 #include "executor/comm.h"
+#include "executor/cuda/attention_plan.h"
 #include "executor/data.h"
 #include "executor/gpt.h"
 #include "executor/layers_ref.h"
@@ -253,6 +254,86 @@ TEST(CpuBackend, FusedAttentionMatchesReference) {
     std::vector<float> dqkv(static_cast<size_t>(S * B * Q), 7.0f);  // overwritten, not accumulated
     be->flash_attention_backward(dqkv.data(), want.dout.data(), out.data(), lse.data(), qkv.data(), S, B, A, G, D);
     want.expect_dqkv(dqkv, tag);
+  }
+}
+
+// The CUDA backend's unfused attention is a sequence of batched GEMMs and row kernels
+// (executor/cuda/attention_plan.h). Here the same sequence runs on plain loops (each batched
+// product as backend.h's row-major GEMM, matrix i at + i * stride) against the double
+// reference: multi-head, grouped and multi-query, probabilities kept and recomputed, the
+// groups in one pass and one at a time (a workspace of one S x S matrix), outputs that start
+// as NaN. What it cannot check is cuBLASLt itself (cuda_ops_test, on a GPU).
+struct LoopAttentionOps {
+  std::vector<float> work;
+  void matmul(bool ta, bool tb, int64_t M, int64_t N, int64_t K, float alpha, const float* A, int64_t lda, const float* B,
+              int64_t ldb, float beta, float* C, int64_t ldc, const attention_plan::Batch& batch) {
+    for (int64_t i = 0; i < batch.count; ++i) {
+      const float *a = A + i * batch.a, *b = B + i * batch.b;
+      float* c = C + i * batch.c;
+      for (int64_t m = 0; m < M; ++m)
+        for (int64_t n = 0; n < N; ++n) {
+          double acc = 0;
+          for (int64_t k = 0; k < K; ++k)
+            acc += static_cast<double>(ta ? a[k * lda + m] : a[m * lda + k]) * (tb ? b[n * ldb + k] : b[k * ldb + n]);
+          float& out = c[m * ldc + n];
+          out = static_cast<float>(alpha * acc + (beta != 0.0f ? beta * out : 0.0f));
+        }
+    }
+  }
+  void softmax(float* p, int64_t stride, int64_t count, int64_t S) {
+    for (int64_t g = 0; g < count; ++g)
+      for (int64_t i = 0; i < S; ++i) {
+        float* x = p + g * stride + i * S;
+        const float mx = *std::max_element(x, x + i + 1);
+        double sum = 0;
+        for (int64_t j = 0; j <= i; ++j) sum += (x[j] = std::exp(x[j] - mx));
+        for (int64_t j = 0; j < S; ++j) x[j] = j <= i ? static_cast<float>(x[j] / sum) : 0.0f;
+      }
+  }
+  void softmax_backward(float* d, int64_t d_stride, const float* p, int64_t p_stride, int64_t count, int64_t S,
+                        float scale) {
+    for (int64_t g = 0; g < count; ++g)
+      for (int64_t i = 0; i < S; ++i) {
+        float* dr = d + g * d_stride + i * S;
+        const float* pr = p + g * p_stride + i * S;
+        double dot = 0;
+        for (int64_t j = 0; j <= i; ++j) dot += static_cast<double>(pr[j]) * dr[j];
+        for (int64_t j = 0; j < S; ++j) dr[j] = j <= i ? static_cast<float>(pr[j] * (dr[j] - dot) * scale) : 0.0f;
+      }
+  }
+  void zero(float* p, int64_t n) { std::fill(p, p + n, 0.0f); }
+  float* workspace(int64_t floats) {
+    work.assign(static_cast<size_t>(floats), std::numeric_limits<float>::quiet_NaN());
+    return work.data();
+  }
+};
+
+TEST(CudaAttentionPlan, BatchedGemmSequenceMatchesReference) {
+  Rand r;
+  struct Shape { int64_t S, B, A, G, D; };
+  for (const Shape sh : {Shape{9, 2, 4, 4, 8}, Shape{9, 2, 4, 2, 8}, Shape{7, 1, 4, 1, 3}, Shape{6, 2, 6, 3, 5}}) {
+    const auto [S, B, A, G, D] = sh;
+    const int64_t Q = (A + 2 * G) * D;
+    auto qkv = r.normal(S * B * Q);
+    const AttentionRef want(qkv, r.normal(S * B * A * D), S, B, A, G, D);
+    const attention_plan::Heads hd{S, B, A, G, D};
+    for (const int64_t workspace : {int64_t{1}, int64_t{1} << 30})  // one group per pass, all of them
+      for (bool keep : {true, false}) {
+        const std::string tag = "plan A=" + std::to_string(A) + " G=" + std::to_string(G) + " groups per pass " +
+                                std::to_string(hd.groups_per_pass(workspace)) + (keep ? "" : " recomputed");
+        LoopAttentionOps ops;
+        const float nan = std::numeric_limits<float>::quiet_NaN();
+        std::vector<float> out(static_cast<size_t>(S * B * A * D), nan), probs(static_cast<size_t>(B * A * S * S), nan);
+        attention_plan::forward(ops, out.data(), keep ? probs.data() : nullptr, qkv.data(), hd, workspace);
+        want.expect_out(out, tag);
+        if (keep) {
+          EXPECT_LT(rel_err(probs.data(), want.probs.data(), static_cast<int64_t>(probs.size())), kOpTol) << tag;
+        }
+        std::vector<float> dqkv(static_cast<size_t>(S * B * Q), nan);
+        attention_plan::backward(ops, dqkv.data(), want.dout.data(), keep ? probs.data() : nullptr, qkv.data(), hd,
+                                 workspace);
+        want.expect_dqkv(dqkv, tag);
+      }
   }
 }
 

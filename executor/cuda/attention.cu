@@ -1,9 +1,9 @@
-// Causal attention with grouped-query heads, forward and backward, unfused reference-style
-// kernels: one block per (query position, head, micro-batch row) keeps its row of scores in
-// shared memory (so S is bounded by shared memory: 8192 here); probs (B, A, S, S) is written
-// when given, recomputed when not. The backward accumulates dk and dv with atomics (several
-// query rows and, with GQA, several heads feed each key row). A tiled flash-attention
-// kernel for long sequences is still to come (issue 5).
+// The row kernels of the unfused causal attention. Its products (Q K^T, P V and their
+// gradients) run as batched cuBLASLt GEMMs in cuda_backend.cpp, on the tensor cores in a
+// 16-bit plan; what lies between them is here: the causal softmax of each row of scaled
+// scores, and its backward. One block per row; a batch of `count` S x S matrices, matrix
+// g at p + g * stride, row i of it at + i * S, whose columns j <= i are the causal ones
+// (the others are written as zeros, as the CPU backend keeps them).
 #include "executor/cuda/check.h"
 #include "executor/cuda/kernels.h"
 #include "executor/cuda/reduce.cuh"
@@ -11,144 +11,59 @@
 namespace strata::cuda {
 namespace {
 
-constexpr int kThreads = 128;
+constexpr int kThreads = 256;
 
-struct Dims {
-  long long S, B, A, G, D;
-  __device__ long long ld() const { return (A + 2 * G) * D; }
-  __device__ const float* q(const float* qkv, long long s, long long b, long long h) const {
-    return qkv + (s * B + b) * ld() + h * D;
-  }
-  __device__ long long k_off(long long h) const { return (A + h / (A / G)) * D; }
-  __device__ long long v_off(long long h) const { return (A + G + h / (A / G)) * D; }
-};
-
-// The softmax row of query i into p[0..i] (shared); returns nothing, p is complete after.
-__device__ void softmax_row(float* p, const float* q, const float* qkv, const Dims& d, long long i, long long b,
-                            long long h, float scale, float* scratch) {
-  const long long ld = d.ld(), ko = d.k_off(h);
+__global__ void causal_softmax_rows(float* p, long long stride, long long S) {
+  __shared__ float scratch[32];
+  const long long row = blockIdx.x, g = row / S, i = row % S;
+  float* x = p + g * stride + i * S;
   float mx = -INFINITY;
-  for (long long j = threadIdx.x; j <= i; j += blockDim.x) {
-    const float* k = qkv + (j * d.B + b) * ld + ko;
-    float dot = 0.0f;
-    for (long long e = 0; e < d.D; ++e) dot += q[e] * k[e];
-    p[j] = scale * dot;
-    mx = fmaxf(mx, p[j]);
-  }
+  for (long long j = threadIdx.x; j <= i; j += blockDim.x) mx = fmaxf(mx, x[j]);
   mx = block_max(mx, scratch);
   float sum = 0.0f;
   for (long long j = threadIdx.x; j <= i; j += blockDim.x) {
-    p[j] = expf(p[j] - mx);
-    sum += p[j];
+    const float e = expf(x[j] - mx);
+    x[j] = e;
+    sum += e;
   }
   const float inv = 1.0f / block_sum(sum, scratch);
-  for (long long j = threadIdx.x; j <= i; j += blockDim.x) p[j] *= inv;
-  __syncthreads();
+  // Each thread rescales the values it wrote itself: no barrier needed in between.
+  for (long long j = threadIdx.x; j < S; j += blockDim.x) x[j] = j <= i ? x[j] * inv : 0.0f;
 }
 
-__global__ void forward(float* out, float* probs, const float* qkv, Dims d, float scale) {
-  extern __shared__ float sh[];
+// d holds dP = dO V^T; becomes dS = scale * P (dP - sum_j P_j dP_j) on the causal columns.
+__global__ void causal_softmax_backward_rows(float* d, long long d_stride, const float* p, long long p_stride,
+                                             long long S, float scale) {
   __shared__ float scratch[32];
-  const long long i = blockIdx.x, h = blockIdx.y, b = blockIdx.z;
-  float* p = sh;           // S
-  float* q = sh + d.S;     // D
-  const float* qg = d.q(qkv, i, b, h);
-  for (long long e = threadIdx.x; e < d.D; e += blockDim.x) q[e] = qg[e];
-  __syncthreads();
-  softmax_row(p, q, qkv, d, i, b, h, scale, scratch);
-  if (probs) {
-    float* row = probs + ((b * d.A + h) * d.S + i) * d.S;
-    for (long long j = threadIdx.x; j < d.S; j += blockDim.x) row[j] = j <= i ? p[j] : 0.0f;
-  }
-  const long long ld = d.ld(), vo = d.v_off(h);
-  float* o = out + (i * d.B + b) * d.A * d.D + h * d.D;
-  for (long long e = threadIdx.x; e < d.D; e += blockDim.x) {
-    float acc = 0.0f;
-    for (long long j = 0; j <= i; ++j) acc += p[j] * qkv[(j * d.B + b) * ld + vo + e];
-    o[e] = acc;
-  }
-}
-
-__global__ void backward(float* dqkv, const float* dout, const float* probs, const float* qkv, Dims d, float scale) {
-  extern __shared__ float sh[];
-  __shared__ float scratch[32];
-  const long long i = blockIdx.x, h = blockIdx.y, b = blockIdx.z;
-  float* p = sh;                  // S
-  float* ds = sh + d.S;           // S
-  float* q = sh + 2 * d.S;        // D
-  float* go = sh + 2 * d.S + d.D; // D
-  const long long ld = d.ld(), ko = d.k_off(h), vo = d.v_off(h);
-  const float* qg = d.q(qkv, i, b, h);
-  const float* gog = dout + (i * d.B + b) * d.A * d.D + h * d.D;
-  for (long long e = threadIdx.x; e < d.D; e += blockDim.x) {
-    q[e] = qg[e];
-    go[e] = gog[e];
-  }
-  __syncthreads();
-  if (probs) {
-    const float* row = probs + ((b * d.A + h) * d.S + i) * d.S;
-    for (long long j = threadIdx.x; j <= i; j += blockDim.x) p[j] = row[j];
-    __syncthreads();
-  } else {
-    softmax_row(p, q, qkv, d, i, b, h, scale, scratch);
-  }
-  // dP_j = dout_i . v_j;  dS_j = P_j (dP_j - sum_w P_w dP_w) * scale.
+  const long long row = blockIdx.x, g = row / S, i = row % S;
+  float* dr = d + g * d_stride + i * S;
+  const float* pr = p + g * p_stride + i * S;
   float dot = 0.0f;
-  for (long long j = threadIdx.x; j <= i; j += blockDim.x) {
-    const float* v = qkv + (j * d.B + b) * ld + vo;
-    float dp = 0.0f;
-    for (long long e = 0; e < d.D; ++e) dp += go[e] * v[e];
-    ds[j] = dp;
-    dot += p[j] * dp;
-  }
+  for (long long j = threadIdx.x; j <= i; j += blockDim.x) dot += pr[j] * dr[j];
   dot = block_sum(dot, scratch);
-  for (long long j = threadIdx.x; j <= i; j += blockDim.x) ds[j] = p[j] * (ds[j] - dot) * scale;
-  __syncthreads();
-  float* dq = dqkv + (i * d.B + b) * ld + h * d.D;
-  for (long long e = threadIdx.x; e < d.D; e += blockDim.x) {
-    float acc = 0.0f;
-    for (long long j = 0; j <= i; ++j) acc += ds[j] * qkv[(j * d.B + b) * ld + ko + e];
-    dq[e] += acc;
-  }
-  for (long long t = threadIdx.x; t < (i + 1) * d.D; t += blockDim.x) {
-    const long long j = t / d.D, e = t % d.D;
-    float* row = dqkv + (j * d.B + b) * ld;
-    atomicAdd(row + ko + e, ds[j] * q[e]);
-    atomicAdd(row + vo + e, p[j] * go[e]);
-  }
-}
-
-void check_shape(int64_t S, int64_t B, int64_t A, int64_t G) {
-  if (S > kUnfusedAttentionMaxSeq || B > 65535 || A > 65535 || G <= 0 || A % G != 0)
-    throw std::runtime_error("cuda attention: S = " + std::to_string(S) + ", B = " + std::to_string(B) +
-                             ", A = " + std::to_string(A) + ", G = " + std::to_string(G) +
-                             ": the unfused kernel needs S <= 8192, B and A <= 65535, A divisible by G");
+  for (long long j = threadIdx.x; j < S; j += blockDim.x) dr[j] = j <= i ? pr[j] * (dr[j] - dot) * scale : 0.0f;
 }
 
 }  // namespace
 
-void attention_forward(float* out, float* probs, const float* qkv, int64_t S, int64_t B, int64_t A, int64_t G,
-                       int64_t D, cudaStream_t s) {
-  if (S * B * A == 0) return;
-  check_shape(S, B, A, G);
-  const size_t shared = static_cast<size_t>(S + D) * sizeof(float);
-  // (always: the static scratch counts against the same 48 KiB default)
-  CUDA_CHECK(cudaFuncSetAttribute(forward, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(shared)));
-  const dim3 grid(static_cast<unsigned>(S), static_cast<unsigned>(A), static_cast<unsigned>(B));
-  forward<<<grid, kThreads, shared, s>>>(out, probs, qkv, Dims{S, B, A, G, D}, 1.0f / sqrtf(static_cast<float>(D)));
+void check_attention_shape(int64_t S, int64_t B, int64_t A, int64_t G, int64_t D) {
+  if (S > kUnfusedAttentionMaxSeq || B <= 0 || D <= 0 || G <= 0 || A % G != 0)
+    throw std::runtime_error("cuda attention: S = " + std::to_string(S) + ", B = " + std::to_string(B) + ", A = " +
+                             std::to_string(A) + ", G = " + std::to_string(G) + ", D = " + std::to_string(D) +
+                             ": the unfused attention needs S <= " + std::to_string(kUnfusedAttentionMaxSeq) +
+                             ", B, D and G positive and A divisible by G");
+}
+
+void causal_softmax(float* p, int64_t stride, int64_t count, int64_t S, cudaStream_t s) {
+  if (count * S == 0) return;
+  causal_softmax_rows<<<static_cast<unsigned>(count * S), kThreads, 0, s>>>(p, stride, S);
   CUDA_CHECK_LAUNCH();
 }
 
-void attention_backward(float* dqkv, const float* dout, const float* probs, const float* qkv, int64_t S, int64_t B,
-                        int64_t A, int64_t G, int64_t D, cudaStream_t s) {
-  if (S * B * (A + 2 * G) * D > 0)
-    CUDA_CHECK(cudaMemsetAsync(dqkv, 0, static_cast<size_t>(S * B * (A + 2 * G) * D) * sizeof(float), s));
-  if (S * B * A == 0) return;
-  check_shape(S, B, A, G);
-  const size_t shared = static_cast<size_t>(2 * S + 2 * D) * sizeof(float);
-  CUDA_CHECK(cudaFuncSetAttribute(backward, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(shared)));
-  const dim3 grid(static_cast<unsigned>(S), static_cast<unsigned>(A), static_cast<unsigned>(B));
-  backward<<<grid, kThreads, shared, s>>>(dqkv, dout, probs, qkv, Dims{S, B, A, G, D}, 1.0f / sqrtf(static_cast<float>(D)));
+void causal_softmax_backward(float* d, int64_t d_stride, const float* p, int64_t p_stride, int64_t count, int64_t S,
+                             float scale, cudaStream_t s) {
+  if (count * S == 0) return;
+  causal_softmax_backward_rows<<<static_cast<unsigned>(count * S), kThreads, 0, s>>>(d, d_stride, p, p_stride, S, scale);
   CUDA_CHECK_LAUNCH();
 }
 

@@ -6,11 +6,16 @@
 #include <cublasLt.h>
 #include <cuda_runtime_api.h>
 
+#include <algorithm>
+#include <array>
 #include <cmath>
 #include <cstdint>
+#include <cstdio>
+#include <map>
 #include <stdexcept>
 #include <string>
 
+#include "executor/cuda/attention_plan.h"
 #include "executor/cuda/check.h"
 #include "executor/cuda/kernels.h"
 #include "executor/memory_tracker.h"
@@ -44,13 +49,16 @@ struct LtObjects {
   }
 };
 
-// The largest power of two (at most 256) dividing the address.
-uint32_t alignment(const void* p) {
+// The largest power of two (at most 256) dividing the address and, in a batch, the byte
+// offset between its matrices.
+uint32_t alignment(const void* p, uint64_t batch_offset_bytes = 0) {
   const auto a = reinterpret_cast<uintptr_t>(p);
   uint32_t al = 256;
-  while (al > 4 && (a % al) != 0) al /= 2;
+  while (al > 4 && ((a % al) != 0 || (batch_offset_bytes % al) != 0)) al /= 2;
   return al;
 }
+
+using attention_plan::Batch;  // a batch of products for matmul()
 
 class CudaBackendImpl final : public CudaBackend {
  public:
@@ -100,12 +108,12 @@ class CudaBackendImpl final : public CudaBackend {
   void release() {
     if (stream_) {
       cudaStreamSynchronize(stream_);
-      for (void* p : {static_cast<void*>(acc_), scratch_.p, delta_.p})
+      for (void* p : {static_cast<void*>(acc_), scratch_.p, delta_.p, attn_.p})
         if (p) cudaFreeAsync(p, stream_);
       cudaStreamSynchronize(stream_);
     }
     acc_ = nullptr;
-    scratch_ = delta_ = Grown{};
+    scratch_ = delta_ = attn_ = Grown{};
     for (cudaMemPool_t& pool : pools_) {
       if (pool) cudaMemPoolDestroy(pool);
       pool = nullptr;
@@ -298,13 +306,24 @@ class CudaBackendImpl final : public CudaBackend {
   void rope(float* x, int64_t S, int64_t B, int64_t heads, int64_t D, int64_t ld, bool inverse) override {
     cuda::rope(x, S, B, heads, D, ld, inverse, stream_);
   }
+  // The unfused attention (attention_plan.h): batched cuBLASLt products in the GEMM
+  // precision (tensor cores in a 16-bit plan) around the softmax kernels of attention.cu.
   void attention_forward(float* out, float* probs, const float* qkv, int64_t S, int64_t B, int64_t A, int64_t G,
                          int64_t D) override {
-    cuda::attention_forward(out, probs, qkv, S, B, A, G, D, stream_);
+    if (S * B * A == 0) return;
+    cuda::check_attention_shape(S, B, A, G, D);
+    AttentionOps ops{this};
+    attention_plan::forward(ops, out, probs, qkv, attention_plan::Heads{S, B, A, G, D}, kAttentionWorkspace);
   }
   void attention_backward(float* dqkv, const float* dout, const float* probs, const float* qkv, int64_t S, int64_t B,
                           int64_t A, int64_t G, int64_t D) override {
-    cuda::attention_backward(dqkv, dout, probs, qkv, S, B, A, G, D, stream_);
+    AttentionOps ops{this};
+    if (S * B * A == 0) {
+      ops.zero(dqkv, S * B * (A + 2 * G) * D);
+      return;
+    }
+    cuda::check_attention_shape(S, B, A, G, D);
+    attention_plan::backward(ops, dqkv, dout, probs, qkv, attention_plan::Heads{S, B, A, G, D}, kAttentionWorkspace);
   }
   void flash_attention_forward(float* out, float* lse, const float* qkv, int64_t S, int64_t B, int64_t A, int64_t G,
                                int64_t D) override {
@@ -341,6 +360,7 @@ class CudaBackendImpl final : public CudaBackend {
 
  private:
   static constexpr size_t kWorkspace = 32u << 20;
+  static constexpr int64_t kAttentionWorkspace = int64_t{64} << 20;  // the unfused attention's S x S matrices
 
   // C (fp32) = alpha op(A) op(B) + beta C with A and B of type `in` (fp32, bf16 or fp16):
   // row-major, so as the column-major C^T (N x M) = op(B)^T (N x K) op(A)^T (K x M). B as
@@ -348,31 +368,106 @@ class CudaBackendImpl final : public CudaBackend {
   // so on. fp32 accumulation throughout (CUBLAS_COMPUTE_32F: no TF32).
   void matmul(bool ta, bool tb, int64_t M, int64_t N, int64_t K, float alpha, const void* A, int64_t lda,
               const void* B, int64_t ldb, float beta, float* C, int64_t ldc, cudaDataType_t in) {
+    run_matmul(ta, tb, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc, in, CUBLAS_COMPUTE_32F, Batch{}, false);
+  }
+  // A batch of products of fp32 operands in the GEMM precision: a 16-bit plan's on the
+  // tensor cores (cuBLASLt rounds the operands itself: CUBLAS_COMPUTE_32F_FAST_16BF / 16F,
+  // fp32 accumulation), exact fp32 otherwise or where cuBLASLt has no such kernel.
+  void matmul(bool ta, bool tb, int64_t M, int64_t N, int64_t K, float alpha, const float* A, int64_t lda,
+              const float* B, int64_t ldb, float beta, float* C, int64_t ldc, const Batch& batch) {
+    const cublasComputeType_t fast = gemm_precision_ == Precision::bf16   ? CUBLAS_COMPUTE_32F_FAST_16BF
+                                     : gemm_precision_ == Precision::fp16 ? CUBLAS_COMPUTE_32F_FAST_16F
+                                                                          : CUBLAS_COMPUTE_32F;
+    if (fast != CUBLAS_COMPUTE_32F &&
+        run_matmul(ta, tb, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc, CUDA_R_32F, fast, batch, true))
+      return;
+    run_matmul(ta, tb, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc, CUDA_R_32F, CUBLAS_COMPUTE_32F, batch, false);
+  }
+  // Both of the above. The algorithm cuBLASLt's heuristic picks for a shape (with its
+  // layouts, alignments and compute type) is kept, so a repeated product skips the query.
+  // Returns false, having run nothing, where `may_fail` and no algorithm exists.
+  bool run_matmul(bool ta, bool tb, int64_t M, int64_t N, int64_t K, float alpha, const void* A, int64_t lda,
+                  const void* B, int64_t ldb, float beta, float* C, int64_t ldc, cudaDataType_t in,
+                  cublasComputeType_t compute, const Batch& batch, bool may_fail) {
+    const size_t elem = in == CUDA_R_32F ? 4 : 2;
+    // Views into larger buffers need not be 256-byte aligned (cuBLASLt's default
+    // assumption): tell it each operand's real alignment.
+    const bool batched = batch.count > 1;
+    const uint32_t align_a = alignment(B, batched ? static_cast<uint64_t>(batch.b) * elem : 0),
+                   align_b = alignment(A, batched ? static_cast<uint64_t>(batch.a) * elem : 0),
+                   align_c = alignment(C, batched ? static_cast<uint64_t>(batch.c) * sizeof(float) : 0);
     LtObjects o;
-    CUBLAS_CHECK(cublasLtMatmulDescCreate(&o.desc, CUBLAS_COMPUTE_32F, CUDA_R_32F));
+    CUBLAS_CHECK(cublasLtMatmulDescCreate(&o.desc, compute, CUDA_R_32F));
     const cublasOperation_t op_first = tb ? CUBLAS_OP_T : CUBLAS_OP_N, op_second = ta ? CUBLAS_OP_T : CUBLAS_OP_N;
     CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(o.desc, CUBLASLT_MATMUL_DESC_TRANSA, &op_first, sizeof(op_first)));
     CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(o.desc, CUBLASLT_MATMUL_DESC_TRANSB, &op_second, sizeof(op_second)));
     CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&o.la, in, tb ? K : N, tb ? N : K, ldb));
     CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&o.lb, in, ta ? M : K, ta ? K : M, lda));
     CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&o.lc, CUDA_R_32F, N, M, ldc));
-    CUBLAS_CHECK(cublasLtMatmulPreferenceCreate(&o.pref));
-    const size_t ws = kWorkspace;
-    CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(o.pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws, sizeof(ws)));
-    // Views into larger buffers need not be 256-byte aligned (cuBLASLt's default
-    // assumption): tell it each operand's real alignment.
-    const uint32_t align_a = alignment(B), align_b = alignment(A), align_c = alignment(C);
-    CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(o.pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, &align_a, sizeof(align_a)));
-    CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(o.pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, &align_b, sizeof(align_b)));
-    CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(o.pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, &align_c, sizeof(align_c)));
-    CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(o.pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, &align_c, sizeof(align_c)));
-    cublasLtMatmulHeuristicResult_t heur{};
-    int found = 0;
-    CUBLAS_CHECK(cublasLtMatmulAlgoGetHeuristic(lt_, o.desc, o.la, o.lb, o.lc, o.lc, o.pref, 1, &heur, &found));
-    if (found == 0) fail_gemm(M, N, K);
-    CUBLAS_CHECK(cublasLtMatmul(lt_, o.desc, &alpha, B, o.la, A, o.lb, &beta, C, o.lc, C, o.lc, &heur.algo, workspace_,
-                                kWorkspace, stream_));
+    if (batched) {
+      const std::pair<cublasLtMatrixLayout_t, int64_t> strided[] = {{o.la, batch.b}, {o.lb, batch.a}, {o.lc, batch.c}};
+      for (const auto& [layout, offset] : strided) {
+        CUBLAS_CHECK(cublasLtMatrixLayoutSetAttribute(layout, CUBLASLT_MATRIX_LAYOUT_BATCH_COUNT, &batch.count,
+                                                      sizeof(batch.count)));
+        CUBLAS_CHECK(cublasLtMatrixLayoutSetAttribute(layout, CUBLASLT_MATRIX_LAYOUT_STRIDED_BATCH_OFFSET, &offset,
+                                                      sizeof(offset)));
+      }
+    }
+    const AlgoKey key{ta, tb, M, N, K, lda, ldb, ldc, static_cast<int64_t>(in), static_cast<int64_t>(compute),
+                      batch.count, batch.a, batch.b, batch.c, align_a, align_b, align_c};
+    auto it = algos_.find(key);
+    if (it == algos_.end()) {
+      CUBLAS_CHECK(cublasLtMatmulPreferenceCreate(&o.pref));
+      const size_t ws = kWorkspace;
+      CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(o.pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws, sizeof(ws)));
+      CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(o.pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, &align_a, sizeof(align_a)));
+      CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(o.pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, &align_b, sizeof(align_b)));
+      CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(o.pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, &align_c, sizeof(align_c)));
+      CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(o.pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, &align_c, sizeof(align_c)));
+      cublasLtMatmulHeuristicResult_t heur{};
+      int found = 0;
+      const cublasStatus_t rc = cublasLtMatmulAlgoGetHeuristic(lt_, o.desc, o.la, o.lb, o.lc, o.lc, o.pref, 1, &heur, &found);
+      const bool ok = rc == CUBLAS_STATUS_SUCCESS && found > 0;
+      if (!ok && (!may_fail || rc != CUBLAS_STATUS_NOT_SUPPORTED)) {
+        CUBLAS_CHECK(rc);
+        if (!may_fail) fail_gemm(M, N, K);
+      }
+      if (!ok && !warned_no_fast_) {  // said once: the products run, in exact fp32, only slower
+        warned_no_fast_ = true;
+        std::fprintf(stderr, "strata: cuBLASLt offers no 16-bit tensor-core kernel for an fp32-operand product (M=%lld N=%lld "
+                     "K=%lld); such products run in fp32\n", static_cast<long long>(M), static_cast<long long>(N),
+                     static_cast<long long>(K));
+      }
+      it = algos_.emplace(key, Algo{ok, heur.algo}).first;
+    }
+    if (!it->second.ok) return false;
+    CUBLAS_CHECK(cublasLtMatmul(lt_, o.desc, &alpha, B, o.la, A, o.lb, &beta, C, o.lc, C, o.lc, &it->second.algo,
+                                workspace_, kWorkspace, stream_));
+    return true;
   }
+  using AlgoKey = std::array<int64_t, 17>;
+  struct Algo {
+    bool ok;
+    cublasLtMatmulAlgo_t algo;
+  };
+
+  // What attention_plan.h runs on.
+  struct AttentionOps {
+    CudaBackendImpl* be;
+    void matmul(bool ta, bool tb, int64_t M, int64_t N, int64_t K, float alpha, const float* A, int64_t lda,
+                const float* B, int64_t ldb, float beta, float* C, int64_t ldc, const Batch& batch) {
+      be->matmul(ta, tb, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc, batch);
+    }
+    void softmax(float* p, int64_t stride, int64_t count, int64_t S) { cuda::causal_softmax(p, stride, count, S, be->stream_); }
+    void softmax_backward(float* d, int64_t d_stride, const float* p, int64_t p_stride, int64_t count, int64_t S,
+                          float scale) {
+      cuda::causal_softmax_backward(d, d_stride, p, p_stride, count, S, scale, be->stream_);
+    }
+    void zero(float* p, int64_t n) {
+      if (n > 0) CUDA_CHECK(cudaMemsetAsync(p, 0, static_cast<size_t>(n) * sizeof(float), be->stream_));
+    }
+    float* workspace(int64_t floats) { return static_cast<float*>(be->attn_bytes(sizeof(float) * static_cast<size_t>(floats))); }
+  };
 
   // Workspaces grown on demand from the untracked pool; the old one is freed in stream
   // order, after the work queued on it.
@@ -391,6 +486,7 @@ class CudaBackendImpl final : public CudaBackend {
   }
   void* scratch_bytes(size_t bytes) { return at_least(scratch_, bytes); }  // the 16-bit GEMM operands
   void* delta_bytes(size_t bytes) { return at_least(delta_, bytes); }      // flash attention's backward
+  void* attn_bytes(size_t bytes) { return at_least(attn_, bytes); }        // the unfused attention's scores
   // From pool `pool`; when the device is full, the memory every pool keeps freed (none is
   // handed back otherwise) is released to the driver and the allocation tried once more.
   void* pool_alloc(size_t bytes, int pool) {
@@ -419,7 +515,9 @@ class CudaBackendImpl final : public CudaBackend {
   cublasLtHandle_t lt_ = nullptr;
   void* workspace_ = nullptr;
   double* acc_ = nullptr;  // grad_norm_terms' device accumulators
-  Grown scratch_, delta_;
+  Grown scratch_, delta_, attn_;
+  std::map<AlgoKey, Algo> algos_;  // run_matmul's choices
+  bool warned_no_fast_ = false;
   cudaMemPool_t pools_[kMemPools] = {};  // by MemCategory, then buffers charged to none
   Precision gemm_precision_ = Precision::fp32;
   std::string name_, bus_id_;

@@ -21,12 +21,14 @@ void rmsnorm_backward(float* dx, float* dw, const float* dout, const float* x, c
 void activation_forward(int kind, float* out, const float* u, int64_t N, int64_t F, cudaStream_t s);
 void activation_backward(int kind, float* du, const float* dout, const float* u, int64_t N, int64_t F, cudaStream_t s);
 void rope(float* x, int64_t S, int64_t B, int64_t heads, int64_t D, int64_t ld, bool inverse, cudaStream_t s);
-// probs may be null (then the forward keeps each row in shared memory and the backward
-// recomputes it). dqkv is overwritten.
-void attention_forward(float* out, float* probs, const float* qkv, int64_t S, int64_t B, int64_t A, int64_t G,
-                       int64_t D, cudaStream_t s);
-void attention_backward(float* dqkv, const float* dout, const float* probs, const float* qkv, int64_t S, int64_t B,
-                        int64_t A, int64_t G, int64_t D, cudaStream_t s);
+// The unfused attention's row kernels (attention.cu; its GEMMs are cuBLASLt calls in
+// cuda_backend.cpp): in place on `count` S x S matrices `stride` floats apart, the causal
+// softmax of each row (columns past the diagonal set to 0), and its backward, d = dP in,
+// d = scale * P (dP - rowsum(P dP)) out. check_attention_shape throws for shapes it refuses.
+void check_attention_shape(int64_t S, int64_t B, int64_t A, int64_t G, int64_t D);
+void causal_softmax(float* p, int64_t stride, int64_t count, int64_t S, cudaStream_t s);
+void causal_softmax_backward(float* d, int64_t d_stride, const float* p, int64_t p_stride, int64_t count, int64_t S,
+                             float scale, cudaStream_t s);
 // Tiled, fused causal attention (flash_attention.cu): no S x S buffer; lse (B, A, S) is the
 // log-sum-exp of each query's scores, kept for the backward. The backward overwrites dqkv
 // and uses delta (B, A, S) as workspace. Head dim at most kFlashMaxHeadDim (limits.h).

@@ -5,7 +5,8 @@
 
 namespace strata::cuda {
 
-// attention.cu keeps one query's row of S scores in shared memory.
+// The unfused attention's S x S matrices (B A of them kept when a layer keeps its
+// probabilities, and a workspace of at least one): S is bounded.
 constexpr long long kUnfusedAttentionMaxSeq = 8192;
 // flash_attention.cu keeps a tile's rows of D values in registers and shared memory.
 constexpr long long kFlashMaxHeadDim = 128;
