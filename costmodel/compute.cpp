@@ -59,7 +59,14 @@ double gemm_efficiency(const Device& dev, double peak_flops, double flops) {
 }
 
 double roofline_time(const Device& dev, double flops, double bytes, double rate) {
-  return std::max({flops / rate, memory_time(dev, bytes), dev.kernel_launch_s});
+  const double compute = flops / rate;
+  // The memory time is at most bytes over the bandwidth at the curve's lower end of the
+  // segment `bytes` falls in (interpolation stays between a segment's ends): when the
+  // compute takes longer than that, it is the answer, without the curve's logarithm.
+  if (compute >= dev.kernel_launch_s && bytes > 0 &&
+      compute * dev.memory_bandwidth_bytes_per_s * dev.memory_efficiency.floor_at(bytes) >= bytes)
+    return compute;
+  return std::max({compute, memory_time(dev, bytes), dev.kernel_launch_s});
 }
 
 double gemm_time(const Device& dev, double peak_flops, double M, double N, double K, double elem_bytes) {
@@ -127,14 +134,15 @@ struct Acc {
   Work& w(Phase ph) {
     return ph == Phase::forward ? lc.forward : ph == Phase::backward ? lc.backward : lc.recompute;
   }
+  // Callers test `ops` first: the estimate's hot path keeps no op list and so makes no call.
   void record(const char* name, Phase ph, OpKind k, double flops, double bytes, double t, double exposed) {
-    if (ops) ops->push_back(OpCost{name, ph, k, flops, bytes, t, exposed});
+    ops->push_back(OpCost{name, ph, k, flops, bytes, t, exposed});
   }
   // A compute kernel of `flops` at `rate` FLOP/s moving `bytes` (roofline).
   double kernel(const char* name, Phase ph, double flops, double bytes, double rate) {
     const double t = roofline_time(cl.device, flops, bytes, rate);
     w(ph).compute_s += t;
-    record(name, ph, OpKind::gemm, flops, bytes, t, t);
+    if (ops) record(name, ph, OpKind::gemm, flops, bytes, t, t);
     return t;
   }
   // An (M x K)(K x N) GEMM; `out_bytes` per output element (the output written, or with
@@ -169,7 +177,7 @@ struct Acc {
   double mem(const char* name, Phase ph, double bytes) {
     const double t = memory_time(cl.device, bytes);
     w(ph).compute_s += t;
-    record(name, ph, OpKind::memory, 0, bytes, t, t);
+    if (ops) record(name, ph, OpKind::memory, 0, bytes, t, t);
     return t;
   }
   // A collective, `hidden_s` of which overlaps compute issued alongside it.
@@ -188,7 +196,7 @@ struct Acc {
       w(ph).dp_comm_s += exposed;
       w(ph).dp_comm_all_s += t;
     }
-    if (t > 0) record(name, ph, kind, 0, bytes, t, exposed);
+    if (ops && t > 0) record(name, ph, kind, 0, bytes, t, exposed);
     return t;
   }
   // f / g of Megatron: the collective after a row-parallel layer (forward) or before a

@@ -11,6 +11,12 @@ namespace strata {
 
 InFlight in_flight(ScheduleKind kind, int64_t p, int64_t v, int64_t m) {
   InFlight f;
+  in_flight_into(kind, p, v, m, &f);
+  return f;
+}
+
+void in_flight_into(ScheduleKind kind, int64_t p, int64_t v, int64_t m, InFlight* out) {
+  InFlight& f = *out;
   if (kind != ScheduleKind::interleaved) {
     // GPipe keeps all m; 1F1B's warm-up leaves min(p - s, m) on stage s (schedule.h).
     // memory_test checks both against the walk below.
@@ -19,7 +25,7 @@ InFlight in_flight(ScheduleKind kind, int64_t p, int64_t v, int64_t m) {
       f.all[static_cast<size_t>(s)] = kind == ScheduleKind::gpipe ? m : std::min(p - s, m);
     f.first = f.all;
     f.last = f.all;
-    return f;
+    return;
   }
   // peak_in_flight() of make_schedule(kind, p, v, m), stepping through each stage's list
   // as make_schedule() lays it out (warm-up forwards, forward/backward pairs, cool-down
@@ -57,7 +63,6 @@ InFlight in_flight(ScheduleKind kind, int64_t p, int64_t v, int64_t m) {
       step(false);
     }
   }
-  return f;
 }
 
 size_t stages_memory(const ModelSpec& m, const Cluster& cl, const Plan& p, const StageLayout& lay,
@@ -230,7 +235,8 @@ Estimate estimate(const ModelSpec& m, const Cluster& cl, const Plan& p, const Es
   st.send_s.assign(static_cast<size_t>(p.p), p2p_time(m, cl, p, cs));
 
   // Memory per stage.
-  const InFlight fl_local = opt.pre.in_flight ? InFlight{} : in_flight(kind, p.p, lay.v, mbs_per_step);
+  thread_local InFlight fl_local;  // per-thread scratch, like the buffers above
+  if (!opt.pre.in_flight) in_flight_into(kind, p.p, lay.v, mbs_per_step, &fl_local);
   const InFlight& fl = opt.pre.in_flight ? *opt.pre.in_flight : fl_local;
   thread_local std::vector<MemoryBreakdown> mem;
   const size_t worst = stages_memory(m, cl, p, lay, cs, fl, &mem);

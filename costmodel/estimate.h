@@ -81,6 +81,8 @@ Estimate estimate(const ModelSpec& m, const Cluster& cl, const Plan& p, const Es
                   EstimateDetail* detail = nullptr);
 
 InFlight in_flight(ScheduleKind kind, int64_t p, int64_t v, int64_t m);
+// The same into *out, reusing its storage.
+void in_flight_into(ScheduleKind kind, int64_t p, int64_t v, int64_t m, InFlight* out);
 
 // Memory of every stage; returns the index of the most loaded one.
 size_t stages_memory(const ModelSpec& m, const Cluster& cl, const Plan& p, const StageLayout& lay,

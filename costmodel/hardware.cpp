@@ -51,6 +51,15 @@ double Curve::at(double x) const {
   return points_[i - 1].second + (std::log(x) - log_x_[i - 1]) * slope_[i];
 }
 
+double Curve::floor_at(double x) const {
+  if (points_.empty()) return 1.0;
+  if (x <= points_.front().first) return points_.front().second;
+  if (x >= points_.back().first) return points_.back().second;
+  size_t i = 1;
+  while (x > points_[i].first) ++i;
+  return std::min(points_[i - 1].second, points_[i].second);
+}
+
 double Device::peak_flops(Precision p) const {
   switch (p) {
     case Precision::fp32: return peak_fp32_flops;

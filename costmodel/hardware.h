@@ -25,6 +25,8 @@ class Curve {
   Curve() = default;
   explicit Curve(std::vector<std::pair<double, double>> points);
   double at(double x) const;
+  // The least value the curve takes on the segment holding x (no logarithm): at(x) >= it.
+  double floor_at(double x) const;
   const std::vector<std::pair<double, double>>& points() const { return points_; }
 
  private:

@@ -197,6 +197,15 @@ bool interleaved_walk(int64_t m, const StageTimes& st, SimResult* out) {
     return done[static_cast<size_t>((s * 2 + (fwd ? 1 : 0)) * R + (index & (R - 1)))];
   };
   std::vector<double> free_at(static_cast<size_t>(p), 0.0);
+  // A step's time on (stage, chunk) with the send that follows it (none after the last
+  // chunk's forward on the last stage and the first chunk's backward on the first).
+  std::vector<double> fsum(static_cast<size_t>(p * v)), bsum(static_cast<size_t>(p * v));
+  for (int64_t c = 0; c < v; ++c)
+    for (int64_t s = 0; s < p; ++s) {
+      const double send = st.send_s[static_cast<size_t>(s)];
+      fsum[static_cast<size_t>(c * p + s)] = st.f(s, c) + ((s == p - 1 && c == v - 1) ? 0.0 : send);
+      bsum[static_cast<size_t>(c * p + s)] = st.b(s, c) + ((s == 0 && c == 0) ? 0.0 : send);
+    }
   // Each stage's warm-up, and where it is in its lists: the forwards and backwards run so
   // far, and the chunk (and position within its p micro-batches) of the next of each:
   // forward i runs chunk (i mod pv) / p, backward i the chunks in reverse (ScheduleShape),
@@ -235,11 +244,8 @@ bool interleaved_walk(int64_t m, const StageTimes& st, SimResult* out) {
         ready = d.t;
       }  // else the last chunk's own forward, earlier in this stage's list
     }
-    const double dur = fwd ? st.f(s, chunk) : st.b(s, chunk);
-    const bool sends = fwd ? !(s == p - 1 && chunk == v - 1) : !(s == 0 && chunk == 0);
-    const double send = sends ? st.send_s[static_cast<size_t>(s)] : 0.0;
     const size_t i = static_cast<size_t>(s);
-    free_at[i] = std::max(free_at[i], ready) + dur + send;
+    free_at[i] = std::max(free_at[i], ready) + (fwd ? fsum : bsum)[static_cast<size_t>(chunk * p + s)];
     slot(s, fwd, index) = Done{index, free_at[i]};
     return true;
   };
@@ -294,7 +300,9 @@ bool one_chunk_walk(ScheduleKind kind, int64_t m, const StageTimes& st, SimResul
   constexpr int64_t D = SteadyState::D, R = 4;
   const size_t n = static_cast<size_t>(p);
   thread_local std::vector<int64_t> warm, tag, bwd_at;
-  thread_local std::vector<double> fs, bs, t, free_at, hist;  // sends after a forward, a backward
+  // A forward's and a backward's time on each stage with the send that follows it (none
+  // after the last stage's forward and the first stage's backward), added once here.
+  thread_local std::vector<double> fs, bs, t, free_at, hist;
   warm.resize(n);
   bwd_at.resize(n);
   fs.resize(n);
@@ -305,8 +313,8 @@ bool one_chunk_walk(ScheduleKind kind, int64_t m, const StageTimes& st, SimResul
   for (int64_t s = 0; s < p; ++s) {
     const size_t i = static_cast<size_t>(s);
     warm[i] = gpipe ? m : std::min(p - s - 1, m);
-    fs[i] = s < p - 1 ? st.send_s[i] : 0.0;
-    bs[i] = s > 0 ? st.send_s[i] : 0.0;
+    fs[i] = st.fwd_s[i] + (s < p - 1 ? st.send_s[i] : 0.0);
+    bs[i] = st.bwd_s[i] + (s > 0 ? st.send_s[i] : 0.0);
   }
   // (forward?, micro-batch) of stage s at position k; the ring slot of a finished step.
   auto decode = [&](int64_t s, int64_t k, int64_t* mb) {
@@ -326,7 +334,7 @@ bool one_chunk_walk(ScheduleKind kind, int64_t m, const StageTimes& st, SimResul
                      gpipe ? SteadyState::Region{m + 1, positions - 1} : SteadyState::Region{1, 0}, n, &hist);
   // Runs micro-batch mb on stage s in one direction: its input comes from stage `from`
   // (none when from < 0: the first stage's forward, the last stage's backward).
-  auto run = [&](int64_t s, bool fwd, int64_t mb, int64_t from, double dur, double send) {
+  auto run = [&](int64_t s, bool fwd, int64_t mb, int64_t from, double dur_and_send) {
     const size_t i = static_cast<size_t>(s);
     double ready = 0;
     if (from >= 0) {
@@ -334,7 +342,7 @@ bool one_chunk_walk(ScheduleKind kind, int64_t m, const StageTimes& st, SimResul
       if (tag[in] != mb) return false;
       ready = t[in];
     }
-    const double end = std::max(free_at[i], ready) + dur + send;  // as simulate() adds them
+    const double end = std::max(free_at[i], ready) + dur_and_send;
     free_at[i] = end;
     const size_t own = slot(s, fwd, mb);
     tag[own] = mb;
@@ -350,11 +358,11 @@ bool one_chunk_walk(ScheduleKind kind, int64_t m, const StageTimes& st, SimResul
       const size_t i = static_cast<size_t>(s);
       const bool fwd = decode(s, k, &mb);
       bwd_at[i] = fwd ? -1 : mb;
-      if (fwd && !run(s, true, mb, s - 1, st.fwd_s[i], fs[i])) return false;
+      if (fwd && !run(s, true, mb, s - 1, fs[i])) return false;
     }
     for (int64_t s = p - 1; s >= 0; --s) {  // backwards, last stage to first
       const size_t i = static_cast<size_t>(s);
-      if (bwd_at[i] >= 0 && !run(s, false, bwd_at[i], s < p - 1 ? s + 1 : -1, st.bwd_s[i], bs[i])) return false;
+      if (bwd_at[i] >= 0 && !run(s, false, bwd_at[i], s < p - 1 ? s + 1 : -1, bs[i])) return false;
     }
     steady.record(k, free_at);
     double shift = 0;
