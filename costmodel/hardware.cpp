@@ -42,12 +42,17 @@ Curve::Curve(std::vector<std::pair<double, double>> points) : points_(std::move(
       slope_[i] = (points_[i].second - points_[i - 1].second) / (log_x_[i] - log_x_[i - 1]);
 }
 
+size_t Curve::segment(double x) const {
+  size_t i = 1;
+  while (x > points_[i].first) ++i;
+  return i;
+}
+
 double Curve::at(double x) const {
   if (points_.empty()) return 1.0;
   if (x <= points_.front().first) return points_.front().second;
   if (x >= points_.back().first) return points_.back().second;
-  size_t i = 1;
-  while (x > points_[i].first) ++i;
+  const size_t i = segment(x);
   return points_[i - 1].second + (std::log(x) - log_x_[i - 1]) * slope_[i];
 }
 
@@ -55,8 +60,7 @@ double Curve::floor_at(double x) const {
   if (points_.empty()) return 1.0;
   if (x <= points_.front().first) return points_.front().second;
   if (x >= points_.back().first) return points_.back().second;
-  size_t i = 1;
-  while (x > points_[i].first) ++i;
+  const size_t i = segment(x);
   return std::min(points_[i - 1].second, points_[i].second);
 }
 

@@ -30,6 +30,7 @@ class Curve {
   const std::vector<std::pair<double, double>>& points() const { return points_; }
 
  private:
+  size_t segment(double x) const;  // i with points_[i-1].first < x <= points_[i].first (x inside)
   std::vector<std::pair<double, double>> points_;  // (x, y), x increasing
   std::vector<double> log_x_;                      // log(x) of each point
   std::vector<double> slope_;                      // [i]: dy / dlog(x) between points i-1 and i
