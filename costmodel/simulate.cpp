@@ -333,16 +333,28 @@ bool one_chunk_walk(ScheduleKind kind, int64_t m, const StageTimes& st, SimResul
   SteadyState steady(P, gpipe ? SteadyState::Region{1, m - 1} : SteadyState::Region{w0 + D, positions - w0 - 1},
                      gpipe ? SteadyState::Region{m + 1, positions - 1} : SteadyState::Region{1, 0}, n, &hist);
   // Runs micro-batch mb on stage s in one direction: its input comes from stage `from`
-  // (none when from < 0: the first stage's forward, the last stage's backward).
-  auto run = [&](int64_t s, bool fwd, int64_t mb, int64_t from, double dur_and_send) {
+  // (none when from < 0: the first stage's forward, the last stage's backward). `carry`
+  // is the step the sweep ran just before on `from` at this position: when it is this
+  // micro-batch, its finishing time is taken from there rather than read back from the
+  // ring (the same value; the sweep's chain through memory is what bounds the walk).
+  struct Carry {
+    int64_t mb = -1;
+    double t = 0;
+  };
+  auto run = [&](int64_t s, bool fwd, int64_t mb, int64_t from, double dur_and_send, Carry* carry) {
     const size_t i = static_cast<size_t>(s);
     double ready = 0;
     if (from >= 0) {
-      const size_t in = slot(from, fwd, mb);
-      if (tag[in] != mb) return false;
-      ready = t[in];
+      if (carry->mb == mb) {
+        ready = carry->t;
+      } else {
+        const size_t in = slot(from, fwd, mb);
+        if (tag[in] != mb) return false;
+        ready = t[in];
+      }
     }
     const double end = std::max(free_at[i], ready) + dur_and_send;
+    *carry = Carry{mb, end};
     free_at[i] = end;
     const size_t own = slot(s, fwd, mb);
     tag[own] = mb;
@@ -353,16 +365,20 @@ bool one_chunk_walk(ScheduleKind kind, int64_t m, const StageTimes& st, SimResul
   int64_t walked = 0;
   for (int64_t k = 0; k < positions; ++k) {
     if ((walked += p) > kMaxWalkSteps) return false;
+    Carry carry;
     for (int64_t s = 0; s < p; ++s) {  // forwards, first stage to last
       int64_t mb = 0;
       const size_t i = static_cast<size_t>(s);
       const bool fwd = decode(s, k, &mb);
       bwd_at[i] = fwd ? -1 : mb;
-      if (fwd && !run(s, true, mb, s - 1, fs[i])) return false;
+      if (!fwd) carry = Carry{};
+      else if (!run(s, true, mb, s - 1, fs[i], &carry)) return false;
     }
+    carry = Carry{};
     for (int64_t s = p - 1; s >= 0; --s) {  // backwards, last stage to first
       const size_t i = static_cast<size_t>(s);
-      if (bwd_at[i] >= 0 && !run(s, false, bwd_at[i], s < p - 1 ? s + 1 : -1, bs[i])) return false;
+      if (bwd_at[i] < 0) carry = Carry{};
+      else if (!run(s, false, bwd_at[i], s < p - 1 ? s + 1 : -1, bs[i], &carry)) return false;
     }
     steady.record(k, free_at);
     double shift = 0;
