@@ -109,7 +109,7 @@ int cmd_train(const std::vector<std::string>& argv) {
       if (plan.attention != AttentionChoice::flash && m.S > cuda::kUnfusedAttentionMaxSeq)
         throw InputError("plan: attention " + std::string(plan.attention == AttentionChoice::unfused ? "unfused" : "auto") +
                          " with seq_length " + std::to_string(m.S) +
-                         ": the CUDA backend's unfused attention keeps a row of scores in shared memory and needs "
+                         ": the CUDA backend's unfused attention keeps S x S score matrices and needs "
                          "seq_length <= " + std::to_string(cuda::kUnfusedAttentionMaxSeq) + "; use attention: flash");
     }
     TokenSource check(o.data, executor_vocab(m), m.S, o.seed);  // a missing or bad token file fails here
