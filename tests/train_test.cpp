@@ -24,7 +24,15 @@ namespace {
 
 using namespace strata_test;
 
+// The equivalence matrix trains 10 steps in Release. Under the sanitizers (each step ~3x
+// slower, and the 2 x 19 runs were the long pole of CI) 4 steps run the same code paths --
+// every plan still takes several optimizer steps with accumulated state -- and the Release
+// ctest of make test checks the full 10 steps.
+#ifdef STRATA_UNDER_SANITIZER
+constexpr int kSteps = 4;  // the loss falls from 6.26 to 5.0 (gpt) and 5.4 (llama) by step 4
+#else
 constexpr int kSteps = 10;
+#endif
 const std::string kShort = "--seq-length 64";
 // The equivalence matrix (2 x 17 runs): a learning rate at which 10 steps train smoothly.
 // (At 1e-3 with one warm-up step, tiny-llama's loss spikes at step 5 and amplifies float
