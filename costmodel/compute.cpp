@@ -4,7 +4,10 @@
 
 #include <algorithm>
 #include <array>
+#include <bit>
 #include <cmath>
+#include <cstdint>
+#include <limits>
 
 #include "costmodel/comm.h"
 
@@ -51,14 +54,19 @@ Work operator*(double k, const Work& w) {
   return r;
 }
 
-double gemm_efficiency(const Device& dev, double peak_flops, double flops) {
-  // The curve is measured in the 16-bit precision; a kernel at another peak runs for as
-  // long as a 16-bit one of flops * (bf16 peak / its peak), and fixed costs are in time.
+namespace {
+
+// Where a GEMM of `flops` at `peak_flops` reads the efficiency curve: the curve is measured
+// in the 16-bit precision; a kernel at another peak runs for as long as a 16-bit one of
+// flops * (bf16 peak / its peak), and fixed costs are in time.
+double gemm_curve_x(const Device& dev, double peak_flops, double flops) {
   const double ref = dev.peak_bf16_flops > 0 ? dev.peak_bf16_flops : dev.peak_fp16_flops;
-  return dev.gemm_efficiency.at(ref > 0 ? flops * ref / peak_flops : flops);
+  return ref > 0 ? flops * ref / peak_flops : flops;
 }
 
-double roofline_time(const Device& dev, double flops, double bytes, double rate) {
+// The roofline with the memory time from `memory_s(bytes)` (memory_time, or a memo of it).
+template <class MemoryTime>
+double roofline(const Device& dev, double flops, double bytes, double rate, MemoryTime&& memory_s) {
   const double compute = flops / rate;
   // The memory time is at most bytes over the bandwidth at the curve's lower end of the
   // segment `bytes` falls in (interpolation stays between a segment's ends): when the
@@ -66,7 +74,17 @@ double roofline_time(const Device& dev, double flops, double bytes, double rate)
   if (compute >= dev.kernel_launch_s && bytes > 0 &&
       compute * dev.memory_bandwidth_bytes_per_s * dev.memory_efficiency.floor_at(bytes) >= bytes)
     return compute;
-  return std::max({compute, memory_time(dev, bytes), dev.kernel_launch_s});
+  return std::max({compute, memory_s(bytes), dev.kernel_launch_s});
+}
+
+}  // namespace
+
+double gemm_efficiency(const Device& dev, double peak_flops, double flops) {
+  return dev.gemm_efficiency.at(gemm_curve_x(dev, peak_flops, flops));
+}
+
+double roofline_time(const Device& dev, double flops, double bytes, double rate) {
+  return roofline(dev, flops, bytes, rate, [&](double b) { return memory_time(dev, b); });
 }
 
 double gemm_time(const Device& dev, double peak_flops, double M, double N, double K, double elem_bytes) {
@@ -117,6 +135,23 @@ struct Acc {
   double peak_flash;
   double lin_bytes;               // bytes per linear-GEMM operand element
   LayerCost lc;
+  // The curves' values met before in this piece of work, computed once each (the same
+  // bits): a linear layer's forward, input-gradient and weight-gradient GEMMs share their
+  // FLOPs, norms and residual adds repeat their bytes, and a recompute replays the forward.
+  struct Memo {  // direct-mapped on the key's bits; a NaN key matches nothing
+    static constexpr int kSize = 16;
+    double key[kSize], value[kSize];
+    Memo() { std::fill(key, key + kSize, std::numeric_limits<double>::quiet_NaN()); }
+    template <class F>
+    double operator()(double k, F&& f) {
+      const uint64_t bits = std::bit_cast<uint64_t>(k);
+      const size_t i = static_cast<size_t>(((bits ^ (bits >> 31)) * 0x9E3779B97F4A7C15ull) >> 60);
+      if (key[i] == k) return value[i];
+      key[i] = k;
+      return value[i] = f();
+    }
+  };
+  Memo gemm_memo, memory_memo;
 
   Acc(const ModelSpec& m_, const Cluster& cl_, const Plan& p_, const ComputeSetup& cs_, std::vector<OpCost>* ops_)
       : m(m_), cl(cl_), p(p_), cs(cs_), ops(ops_) {
@@ -140,7 +175,7 @@ struct Acc {
   }
   // A compute kernel of `flops` at `rate` FLOP/s moving `bytes` (roofline).
   double kernel(const char* name, Phase ph, double flops, double bytes, double rate) {
-    const double t = roofline_time(cl.device, flops, bytes, rate);
+    const double t = roofline(cl.device, flops, bytes, rate, [&](double b) { return memory_s(b); });
     w(ph).compute_s += t;
     if (ops) record(name, ph, OpKind::gemm, flops, bytes, t, t);
     return t;
@@ -150,7 +185,20 @@ struct Acc {
   double gemm(const char* name, Phase ph, double M, double N, double K, double peak, double eb, double out_bytes = -1) {
     const double flops = 2 * M * N * K;
     const double bytes = eb * (M * K + K * N) + (out_bytes < 0 ? eb : out_bytes) * M * N;
-    return kernel(name, ph, flops, bytes, peak * gemm_efficiency(cl.device, peak, flops));
+    return kernel(name, ph, flops, bytes, peak * efficiency(peak, flops));
+  }
+  // gemm_efficiency(), memory_time() and gemm_time() through the memos.
+  double efficiency(double peak, double flops) {
+    const double x = gemm_curve_x(cl.device, peak, flops);
+    return gemm_memo(x, [&] { return cl.device.gemm_efficiency.at(x); });
+  }
+  double memory_s(double bytes) {
+    return memory_memo(bytes, [&] { return memory_time(cl.device, bytes); });
+  }
+  double gemm_s(double M, double N, double K) {
+    const double flops = 2.0 * M * N * K;
+    return roofline(cl.device, flops, lin_bytes * (M * K + K * N + M * N), peak_linear * efficiency(peak_linear, flops),
+                    [&](double b) { return memory_s(b); });
   }
   // A weight-gradient GEMM. With fused accumulation it adds into the fp32 main gradient
   // (8 bytes per weight read and written); otherwise accumulation is its own pass
@@ -161,7 +209,7 @@ struct Acc {
   // The attention core's batched GEMMs (QK^T, AV and their gradients) of `flops`.
   double batched(const char* name, Phase ph, double flops, double bytes, double count) {
     const double one = cl.device.batched_gemm_per_matrix ? flops / std::max(count, 1.0) : flops;
-    return kernel(name, ph, flops, bytes, peak_attn * gemm_efficiency(cl.device, peak_attn, one));
+    return kernel(name, ph, flops, bytes, peak_attn * efficiency(peak_attn, one));
   }
   // A linear layer y = x W with x (M x K), W (K x N). Backward: dgrad (M x N)(N x K) and
   // wgrad (K x M)(M x N) accumulated into the fp32 main gradient.
@@ -175,7 +223,7 @@ struct Acc {
     return t;
   }
   double mem(const char* name, Phase ph, double bytes) {
-    const double t = memory_time(cl.device, bytes);
+    const double t = memory_s(bytes);
     w(ph).compute_s += t;
     if (ops) record(name, ph, OpKind::memory, 0, bytes, t, t);
     return t;
@@ -234,8 +282,8 @@ double dropout_bytes(double elems, double rate, int e, bool with_residual) {
 
 // With tp_comm_overlap, the input-gradient collective of a column-parallel layer runs
 // beside its weight-gradient GEMM (Megatron's async all-reduce / reduce-scatter).
-double wgrad_overlap(const Acc& a, double M, double N, double K) {
-  return a.cs.stack.tp_comm_overlap ? gemm_time(a.cl.device, a.peak_linear, K, N, M, a.lin_bytes) : 0.0;
+double wgrad_overlap(Acc& a, double M, double N, double K) {
+  return a.cs.stack.tp_comm_overlap ? a.gemm_s(K, N, M) : 0.0;
 }
 
 // Attention core forward (after QKV, before the output projection).
@@ -406,7 +454,7 @@ void layer_backward(Acc& a) {
   a.mem(to_string(m.activation), ph,
         (m.gated() ? 5.0 : 3.0) * e * T * Ft);
   // fc1: the sequence-parallel input is gathered again for wgrad, behind dgrad.
-  const double fc1_dgrad = gemm_time(a.cl.device, a.peak_linear, T, H, fc1_cols, a.lin_bytes);
+  const double fc1_dgrad = a.gemm_s(T, H, fc1_cols);
   a.tp_gather("sp_all_gather", ph, fc1_dgrad);
   a.linear("fc1", ph, T, fc1_cols, H);
   a.tp_reduce(p.sp ? "sp_reduce_scatter" : "tp_all_reduce", ph, wgrad_overlap(a, T, fc1_cols, H));
@@ -417,7 +465,7 @@ void layer_backward(Acc& a) {
   a.linear("attn_proj", ph, T, H, ADt);
   attention_core_backward(a);
   if (m.position == Position::rope) a.mem("rope", ph, 2.0 * e * T * static_cast<double>(m.AD() + m.G * m.D()) / t);
-  const double qkv_dgrad = gemm_time(a.cl.device, a.peak_linear, T, H, qkv_cols, a.lin_bytes);
+  const double qkv_dgrad = a.gemm_s(T, H, qkv_cols);
   a.tp_gather("sp_all_gather", ph, qkv_dgrad);
   a.linear("qkv", ph, T, qkv_cols, H);
   a.tp_reduce(p.sp ? "sp_reduce_scatter" : "tp_all_reduce", ph, wgrad_overlap(a, T, qkv_cols, H));

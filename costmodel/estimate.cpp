@@ -96,11 +96,13 @@ double p2p_time(const ModelSpec& m, const Cluster& cl, const Plan& p, const Comp
 
 double model_flops_per_step(const ModelSpec& m, const Plan& p) { return 3.0 * m.forward_flops(p.gbs); }
 
-double hardware_flops_per_step(const ModelSpec& m, const Plan& p) {
+namespace {
+
+// hardware_flops_per_step() with the plan's layout made already.
+double hardware_flops(const ModelSpec& m, const Plan& p, const StageLayout& lay) {
   double f = model_flops_per_step(m, p);
   const double L = static_cast<double>(m.L);
   if (p.recompute == Recompute::full) {
-    const StageLayout lay = make_layout(m.L, p.p, p.v);
     double recomputed = 0;
     for (int64_t s = 0; s < p.p; ++s)
       for (int64_t c = 0; c < lay.v; ++c) recomputed += static_cast<double>(p.recomputed_layers(lay.chunk_layers(s, c)));
@@ -110,6 +112,12 @@ double hardware_flops_per_step(const ModelSpec& m, const Plan& p) {
     f += L * 4.0 * static_cast<double>(p.gbs) * static_cast<double>(m.S) * static_cast<double>(m.S) *
          static_cast<double>(m.AD());
   return f;
+}
+
+}  // namespace
+
+double hardware_flops_per_step(const ModelSpec& m, const Plan& p) {
+  return hardware_flops(m, p, make_layout(m.L, p.p, p.v));
 }
 
 namespace {
@@ -168,7 +176,8 @@ Estimate estimate(const ModelSpec& m, const Cluster& cl, const Plan& p, const Es
   const ComputeSetup cs = compute_setup(m, cl, p);
   est.attention = cs.attention;
   est.stack = cs.stack;
-  const StageLayout lay = make_layout(m.L, p.p, p.v);
+  thread_local StageLayout lay;  // per-thread scratch (see st below)
+  make_layout_into(m.L, p.p, p.v, &lay);
   const ScheduleKind kind = p.schedule();
   const int64_t mbs_per_step = p.microbatches();
   est.microbatches = mbs_per_step;
@@ -244,7 +253,8 @@ Estimate estimate(const ModelSpec& m, const Cluster& cl, const Plan& p, const Es
   est.fits = est.memory.peak <= cl.device.memory_bytes;
 
   // Pipeline.
-  SimResult sim = simulate_pipeline(kind, mbs_per_step, st, opt.record_events);
+  thread_local SimResult sim;  // per-thread scratch, like the buffers above
+  simulate_pipeline_into(kind, mbs_per_step, st, opt.record_events, &sim);
 
   // Data-parallel reduction and the optimizer, per stage, after its last backward.
   thread_local std::vector<double> dp_exposed, dp_total, opt_s, finish;
@@ -301,7 +311,7 @@ Estimate estimate(const ModelSpec& m, const Cluster& cl, const Plan& p, const Es
   const double mfu_peak = p.precision == Precision::fp8 ? cl.device.peak_bf16_flops : cl.device.peak_flops(p.precision);
   est.tokens_per_s = static_cast<double>(p.gbs) * static_cast<double>(m.S) / est.step_time_s;
   est.model_tflops_per_gpu = model_flops_per_step(m, p) / est.step_time_s / world / 1e12;
-  est.hardware_tflops_per_gpu = hardware_flops_per_step(m, p) / est.step_time_s / world / 1e12;
+  est.hardware_tflops_per_gpu = hardware_flops(m, p, lay) / est.step_time_s / world / 1e12;
   est.mfu = est.model_tflops_per_gpu * 1e12 / mfu_peak;
 
   if (detail) {

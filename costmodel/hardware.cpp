@@ -74,16 +74,6 @@ double Device::peak_flops(Precision p) const {
   return 0;
 }
 
-double LinkTier::efficiency(Collective c) const {
-  switch (c) {
-    case Collective::all_reduce: return eff_all_reduce;
-    case Collective::all_gather: return eff_all_gather;
-    case Collective::reduce_scatter: return eff_reduce_scatter;
-    case Collective::send_recv: return eff_send_recv;
-  }
-  return 1;
-}
-
 namespace {
 
 Curve read_curve(Fields& f, const std::string& key, double max_y) {

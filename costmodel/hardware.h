@@ -57,7 +57,15 @@ struct LinkTier {
   double bandwidth_bytes_per_s = 0;  // intra: per device, one direction; inter: per node, all NICs
   double latency_s = 0;              // per step of a collective's algorithm
   double eff_all_reduce = 1, eff_all_gather = 1, eff_reduce_scatter = 1, eff_send_recv = 1;
-  double efficiency(Collective c) const;
+  double efficiency(Collective c) const {  // inline: the estimate asks for it per collective
+    switch (c) {
+      case Collective::all_reduce: return eff_all_reduce;
+      case Collective::all_gather: return eff_all_gather;
+      case Collective::reduce_scatter: return eff_reduce_scatter;
+      case Collective::send_recv: return eff_send_recv;
+    }
+    return 1;
+  }
 };
 
 struct Cluster {

@@ -27,5 +27,6 @@ struct StageLayout {
 };
 
 StageLayout make_layout(int64_t L, int64_t p, int64_t v);
+void make_layout_into(int64_t L, int64_t p, int64_t v, StageLayout* out);  // reusing out's storage
 
 }  // namespace strata

@@ -403,24 +403,30 @@ bool one_chunk_walk(ScheduleKind kind, int64_t m, const StageTimes& st, SimResul
 
 }  // namespace
 
-SimResult simulate_pipeline(ScheduleKind kind, int64_t m, const StageTimes& st, bool record_events) {
+void simulate_pipeline_into(ScheduleKind kind, int64_t m, const StageTimes& st, bool record_events, SimResult* out) {
   const int64_t p = st.p, v = kind == ScheduleKind::interleaved ? st.v : 1;
+  out->events.clear();
+  out->extrapolated = out->by_position = false;
   if (p == 1 && !record_events) {
     // A single stage has no dependencies between steps: the walk is a sum.
     double total = 0;
     for (int64_t c = 0; c < v; ++c) total += static_cast<double>(m) * (st.f(0, c) + st.b(0, c));
-    SimResult r;
-    r.end_s = {total};
-    r.compute_s = {total};
-    r.p2p_s = {0.0};
-    r.makespan_s = total;
-    return r;
+    out->end_s.assign(1, total);
+    out->compute_s.assign(1, total);
+    out->p2p_s.assign(1, 0.0);
+    out->makespan_s = total;
+    return;
   }
-  if (!record_events) {
-    SimResult r;
-    if (kind == ScheduleKind::interleaved ? interleaved_walk(m, st, &r) : one_chunk_walk(kind, m, st, &r)) return r;
-  }
-  return simulate_windows(kind, m, st, record_events);
+  if (!record_events &&
+      (kind == ScheduleKind::interleaved ? interleaved_walk(m, st, out) : one_chunk_walk(kind, m, st, out)))
+    return;
+  *out = simulate_windows(kind, m, st, record_events);
+}
+
+SimResult simulate_pipeline(ScheduleKind kind, int64_t m, const StageTimes& st, bool record_events) {
+  SimResult r;
+  simulate_pipeline_into(kind, m, st, record_events, &r);
+  return r;
 }
 
 SimResult simulate_windows(ScheduleKind kind, int64_t m, const StageTimes& st, bool record_events) {

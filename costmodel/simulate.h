@@ -46,6 +46,8 @@ SimResult simulate(const Schedule& sc, const StageTimes& st, bool record_events)
 // the stored walk (and, past kMaxWalkSteps, to extending shorter walks linearly in m);
 // tests check every path against simulate().
 SimResult simulate_pipeline(ScheduleKind kind, int64_t m, const StageTimes& st, bool record_events);
+// The same into *out, reusing its vectors' storage (the estimate's per-thread scratch).
+void simulate_pipeline_into(ScheduleKind kind, int64_t m, const StageTimes& st, bool record_events, SimResult* out);
 
 // The fallback of simulate_pipeline() (and its method before the position walk): walks
 // stored schedules p micro-batches apart until the finishing times grow by the
