@@ -17,7 +17,9 @@ all: build
 deps:
 	bash scripts/install-deps.sh
 
+# Each long phase prints the time of day when it starts, so a slow CI run shows where it went.
 build: deps
+	@echo "[$$(date +%T)] build: Release in $(BUILD)"
 	cmake -S . -B $(BUILD) -DCMAKE_BUILD_TYPE=Release $(CMAKE_ARGS)
 	cmake --build $(BUILD) -j $(JOBS)
 
@@ -33,12 +35,16 @@ demo: build
 	@echo "   every plan under strata-report/plans/, open them in https://ui.perfetto.dev) =="
 
 test-fast: build
+	@echo "[$$(date +%T)] test: ctest in $(BUILD)"
 	cd $(BUILD) && ctest --output-on-failure -j $(JOBS)
 
 test-sanitize: deps
+	@echo "[$$(date +%T)] build: ASan + UBSan in $(SANBUILD)"
 	cmake -S . -B $(SANBUILD) -DCMAKE_BUILD_TYPE=RelWithDebInfo -DSTRATA_SANITIZE=ON $(CMAKE_ARGS)
 	cmake --build $(SANBUILD) -j $(JOBS)
+	@echo "[$$(date +%T)] test: ctest in $(SANBUILD)"
 	cd $(SANBUILD) && ctest --output-on-failure -j $(JOBS)
+	@echo "[$$(date +%T)] done"
 
 test: test-fast test-sanitize
 
