@@ -34,7 +34,7 @@ constexpr int kSteps = 4;  // the loss falls from 6.26 to 5.0 (gpt) and 5.4 (lla
 constexpr int kSteps = 10;
 #endif
 const std::string kShort = "--seq-length 64";
-// The equivalence matrix (2 x 17 runs): a learning rate at which 10 steps train smoothly.
+// The equivalence matrix (2 x 19 runs): a learning rate at which 10 steps train smoothly.
 // (At 1e-3 with one warm-up step, tiny-llama's loss spikes at step 5 and amplifies float
 // rounding differences of 1e-10 at step 1 to 1e-5 by step 10 -- chaos, not a bug.)
 const std::string kTiny = "--seq-length 32 --lr 5e-4 --lr-warmup-iters 3";
