@@ -42,26 +42,8 @@ Curve::Curve(std::vector<std::pair<double, double>> points) : points_(std::move(
       slope_[i] = (points_[i].second - points_[i - 1].second) / (log_x_[i] - log_x_[i - 1]);
 }
 
-size_t Curve::segment(double x) const {
-  size_t i = 1;
-  while (x > points_[i].first) ++i;
-  return i;
-}
-
-double Curve::at(double x) const {
-  if (points_.empty()) return 1.0;
-  if (x <= points_.front().first) return points_.front().second;
-  if (x >= points_.back().first) return points_.back().second;
-  const size_t i = segment(x);
+double Curve::interpolate(size_t i, double x) const {
   return points_[i - 1].second + (std::log(x) - log_x_[i - 1]) * slope_[i];
-}
-
-double Curve::floor_at(double x) const {
-  if (points_.empty()) return 1.0;
-  if (x <= points_.front().first) return points_.front().second;
-  if (x >= points_.back().first) return points_.back().second;
-  const size_t i = segment(x);
-  return std::min(points_[i - 1].second, points_[i].second);
 }
 
 double Device::peak_flops(Precision p) const {

@@ -5,6 +5,7 @@
 // hw_profiles/ (schema: hw_profiles/README.md); presets are embedded at build time.
 #pragma once
 
+#include <algorithm>
 #include <string>
 #include <utility>
 #include <vector>
@@ -24,13 +25,31 @@ class Curve {
  public:
   Curve() = default;
   explicit Curve(std::vector<std::pair<double, double>> points);
-  double at(double x) const;
+  double at(double x) const {
+    if (points_.empty()) return 1.0;
+    if (x <= points_.front().first) return points_.front().second;
+    if (x >= points_.back().first) return points_.back().second;
+    return interpolate(segment(x), x);
+  }
   // The least value the curve takes on the segment holding x (no logarithm): at(x) >= it.
-  double floor_at(double x) const;
+  // Both inline: the estimate reads the curves a few dozen times.
+  double floor_at(double x) const {
+    if (points_.empty()) return 1.0;
+    if (x <= points_.front().first) return points_.front().second;
+    if (x >= points_.back().first) return points_.back().second;
+    const size_t i = segment(x);
+    return std::min(points_[i - 1].second, points_[i].second);
+  }
   const std::vector<std::pair<double, double>>& points() const { return points_; }
 
  private:
-  size_t segment(double x) const;  // i with points_[i-1].first < x <= points_[i].first (x inside)
+  // i with points_[i-1].first < x <= points_[i].first (x inside)
+  size_t segment(double x) const {
+    size_t i = 1;
+    while (x > points_[i].first) ++i;
+    return i;
+  }
+  double interpolate(size_t i, double x) const;  // on segment i: one logarithm
   std::vector<std::pair<double, double>> points_;  // (x, y), x increasing
   std::vector<double> log_x_;                      // log(x) of each point
   std::vector<double> slope_;                      // [i]: dy / dlog(x) between points i-1 and i
