@@ -19,7 +19,7 @@ void in_flight_into(ScheduleKind kind, int64_t p, int64_t v, int64_t m, InFlight
   InFlight& f = *out;
   if (kind != ScheduleKind::interleaved) {
     // GPipe keeps all m; 1F1B's warm-up leaves min(p - s, m) on stage s (schedule.h).
-    // memory_test checks both against the walk below.
+    // memory_test checks both against the stored schedule.
     f.all.resize(static_cast<size_t>(p));
     for (int64_t s = 0; s < p; ++s)
       f.all[static_cast<size_t>(s)] = kind == ScheduleKind::gpipe ? m : std::min(p - s, m);
@@ -27,41 +27,31 @@ void in_flight_into(ScheduleKind kind, int64_t p, int64_t v, int64_t m, InFlight
     f.last = f.all;
     return;
   }
-  // peak_in_flight() of make_schedule(kind, p, v, m), stepping through each stage's list
-  // as make_schedule() lays it out (warm-up forwards, forward/backward pairs, cool-down
-  // backwards; forward k runs chunk (k mod pv) / p, backwards the chunks in reverse),
-  // without storing it. memory_test compares the two. Only the start is walked: pv
-  // forward/backward pairs run p forwards and p backwards of every chunk, so the counts of
-  // the steady state repeat with that period, and the cool-down only lowers them.
+  // peak_in_flight() of make_schedule(kind, p, v, m) in closed form; memory_test compares
+  // the two. Stage s runs w = warmup(s) forwards, then J forward/backward pairs before the
+  // cool-down, which only lowers the counts; pairs past a round of n = pv repeat the first
+  // round's counts (n pairs run p forwards and p backwards of every chunk), so J = min(total
+  // - w, n). Forward k runs chunk (k mod n) / p, backward j chunk v - 1 - (j mod n) / p.
+  //   all:   w, plus 1 at the first pair's forward.
+  //   first: F(k) chunk-0 forwards among the first k; no chunk-0 backward runs before
+  //          backward (v-1)p, and from there each pair adds at most one forward and removes
+  //          one backward: the peak is F(w + min(J, (v-1)p + 1)).
+  //   last:  L(k) chunk-(v-1) forwards among the first k; backwards 0..p-1 are all chunk
+  //          v-1, so the first p pairs cannot raise the count past the first pair's
+  //          forward, and the J - 1 < n forwards after it hold at most p of chunk v-1 (one
+  //          block of p per round) against the p backwards: the peak is L(w + 1).
+  const int64_t n = p * v, total = m * v;
+  auto F = [&](int64_t k) { return (k / n) * p + std::min(k % n, p); };
+  auto L = [&](int64_t k) { return (k / n) * p + std::max<int64_t>(0, k % n - (v - 1) * p); };
   const ScheduleShape sh{kind, p, v, m};
-  const int64_t total = m * v;
-  for (auto* x : {&f.all, &f.first, &f.last}) x->assign(static_cast<size_t>(p), 0);
+  for (auto* x : {&f.all, &f.first, &f.last}) x->resize(static_cast<size_t>(p));
   for (int64_t s = 0; s < p; ++s) {
     const size_t i = static_cast<size_t>(s);
-    const int64_t w = sh.warmup(s);
-    int64_t all = 0, first = 0, last = 0;
-    int64_t f_sub = 0, f_chunk = 0, b_sub = 0, b_chunk = 0;  // position within (chunk, p) of the next step
-    auto step = [&](bool forward) {
-      int64_t& sub = forward ? f_sub : b_sub;
-      int64_t& ch = forward ? f_chunk : b_chunk;
-      const int64_t chunk = forward ? ch : v - 1 - ch;
-      const int64_t d = forward ? 1 : -1;
-      if (++sub == p) {
-        sub = 0;
-        if (++ch == v) ch = 0;
-      }
-      all += d;
-      if (chunk == 0) first += d;
-      if (chunk == v - 1) last += d;
-      f.all[i] = std::max(f.all[i], all);
-      f.first[i] = std::max(f.first[i], first);
-      f.last[i] = std::max(f.last[i], last);
-    };
-    for (int64_t k = 0; k < w; ++k) step(true);
-    for (int64_t k = 0; k < std::min(total - w, p * v); ++k) {
-      step(true);
-      step(false);
-    }
+    const int64_t w = sh.warmup(s), J = std::min(total - w, n);
+    const int64_t pair = J > 0 ? 1 : 0;
+    f.all[i] = w + pair;
+    f.first[i] = F(w + (J > 0 ? std::min(J, (v - 1) * p + 1) : 0));
+    f.last[i] = L(w + pair);
   }
 }
 

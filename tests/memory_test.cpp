@@ -156,10 +156,10 @@ TEST(Memory, MicrobatchesInFlight) {
         const Schedule sc = make_schedule(kind, p, 1, m);
         EXPECT_EQ(in_flight(kind, p, 1, m).all, peak_in_flight(sc)) << p << " " << m;
       }
-  // The interleaved count steps through the lists without storing them: the same peaks
-  // as walking make_schedule(), for every chunk and for the first and last chunk alone.
-  for (int64_t p : {2, 3, 4, 8})
-    for (int64_t v : {2, 3, 5})
+  // The interleaved counts in closed form: the same peaks as walking make_schedule(), for
+  // every chunk and for the first and last chunk alone.
+  for (int64_t p : {2, 3, 4, 5, 8, 16})
+    for (int64_t v : {2, 3, 4, 5, 8})
       for (int64_t m = p; m <= 12 * p; m += p) {
         const Schedule sc = make_schedule(ScheduleKind::interleaved, p, v, m);
         const InFlight fl = in_flight(ScheduleKind::interleaved, p, v, m);
