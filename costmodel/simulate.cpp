@@ -180,85 +180,121 @@ class SteadyState {
 bool interleaved_walk(int64_t m, const StageTimes& st, SimResult* out) {
   const int64_t p = st.p;
   const ScheduleShape sh{ScheduleKind::interleaved, p, st.v, m};
-  const int64_t v = sh.v, total = m * v, positions = 2 * total, P = 2 * p * v;
+  const int64_t v = sh.v, pv = p * v, total = m * v, positions = 2 * total, P = 2 * pv;
   constexpr int64_t D = SteadyState::D;
-  std::vector<double> hist;
-  SteadyState steady(P, {sh.warmup(0) + D, positions - sh.warmup(0) - 1}, {1, 0}, static_cast<size_t>(p), &hist);
-  // Finished steps by (stage, direction, index), tagged with their index; a slot overwritten
-  // before its consumer ran sends the caller to the general walk.
-  int64_t R = 4;
-  while (R < 2 * p + 4) R *= 2;
+  const size_t n = static_cast<size_t>(p);
+  // The estimate's hot path for interleaved plans, so its state lives in per-thread
+  // scratch, in arrays the loops below index directly.
   struct Done {
     int64_t index;
     double t;
   };
-  std::vector<Done> done(static_cast<size_t>(p * 2 * R), Done{-1, 0.0});
-  auto slot = [&](int64_t s, bool fwd, int64_t index) -> Done& {
-    return done[static_cast<size_t>((s * 2 + (fwd ? 1 : 0)) * R + (index & (R - 1)))];
-  };
-  std::vector<double> free_at(static_cast<size_t>(p), 0.0);
+  thread_local std::vector<double> hist, free_at, fsum, bsum;
+  thread_local std::vector<Done> fdone, bdone;
+  thread_local std::vector<int64_t> warm, fidx, bidx;
+  thread_local std::vector<int32_t> fpos, bpos, chunk_at;
+  thread_local std::vector<char> backward;
+  SteadyState steady(P, {sh.warmup(0) + D, positions - sh.warmup(0) - 1}, {1, 0}, n, &hist);
+  // Finished steps by (stage, direction, index), tagged with their index; a slot overwritten
+  // before its consumer ran sends the caller to the general walk.
+  int64_t R = 4;
+  while (R < 2 * p + 4) R *= 2;
+  const int64_t mask = R - 1;
+  fdone.assign(n * static_cast<size_t>(R), Done{-1, 0.0});
+  bdone.assign(n * static_cast<size_t>(R), Done{-1, 0.0});
+  free_at.assign(n, 0.0);
   // A step's time on (stage, chunk) with the send that follows it (none after the last
   // chunk's forward on the last stage and the first chunk's backward on the first).
-  std::vector<double> fsum(static_cast<size_t>(p * v)), bsum(static_cast<size_t>(p * v));
+  fsum.resize(static_cast<size_t>(pv));
+  bsum.resize(static_cast<size_t>(pv));
   for (int64_t c = 0; c < v; ++c)
     for (int64_t s = 0; s < p; ++s) {
       const double send = st.send_s[static_cast<size_t>(s)];
       fsum[static_cast<size_t>(c * p + s)] = st.f(s, c) + ((s == p - 1 && c == v - 1) ? 0.0 : send);
       bsum[static_cast<size_t>(c * p + s)] = st.b(s, c) + ((s == 0 && c == 0) ? 0.0 : send);
     }
-  // Each stage's warm-up, and where it is in its lists: the forwards and backwards run so
-  // far, and the chunk (and position within its p micro-batches) of the next of each:
-  // forward i runs chunk (i mod pv) / p, backward i the chunks in reverse (ScheduleShape),
-  // stepped here without dividing.
-  struct Cursor {
-    int64_t warm, index[2] = {0, 0}, sub[2] = {0, 0}, chunk[2] = {0, 0};
-  };
-  std::vector<Cursor> cur(static_cast<size_t>(p));
-  std::vector<char> backward(static_cast<size_t>(p));
-  for (int64_t s = 0; s < p; ++s) cur[static_cast<size_t>(s)].warm = sh.warmup(s);
+  // Each stage's warm-up and where it is in its lists: the forwards and backwards run so
+  // far and their place in the round of pv steps, whose chunk chunk_at gives: forward i
+  // runs chunk (i mod pv) / p, backward i the chunks in reverse (ScheduleShape).
+  warm.resize(n);
+  fidx.assign(n, 0);
+  bidx.assign(n, 0);
+  fpos.assign(n, 0);
+  bpos.assign(n, 0);
+  backward.resize(n);
+  chunk_at.resize(static_cast<size_t>(pv));
+  for (int64_t i = 0; i < pv; ++i) chunk_at[static_cast<size_t>(i)] = static_cast<int32_t>(i / p);
+  for (int64_t s = 0; s < p; ++s) warm[static_cast<size_t>(s)] = sh.warmup(s);
   bool jumped = false;
   int64_t walked = 0;
+  // Raw pointers: the loops store through char and int64_t pointers, which could alias a
+  // vector's own pointers in the compiler's eyes and force reloading them at every step.
+  double* const fa = free_at.data();
+  Done* const fd = fdone.data();
+  Done* const bd = bdone.data();
+  const double* const fs = fsum.data();
+  const double* const bs = bsum.data();
+  const int64_t* const wm = warm.data();
+  int64_t* const fi = fidx.data();
+  int64_t* const bi = bidx.data();
+  int32_t* const fp = fpos.data();
+  int32_t* const bp = bpos.data();
+  const int32_t* const ch = chunk_at.data();
+  char* const back = backward.data();
 
-  // Runs the next step of stage s in direction fwd (1 forward, 0 backward).
-  auto run = [&](int64_t s, int fwd) -> bool {
-    Cursor& cs = cur[static_cast<size_t>(s)];
-    const int64_t index = cs.index[fwd]++;
-    const int64_t chunk = fwd ? cs.chunk[1] : v - 1 - cs.chunk[0];
-    if (++cs.sub[fwd] == p) {
-      cs.sub[fwd] = 0;
-      if (++cs.chunk[fwd] == v) cs.chunk[fwd] = 0;
-    }
-    double ready = 0;
-    if (fwd) {
-      const int64_t from = s > 0 ? s - 1 : p - 1, in = s > 0 ? index : index - p;
-      if (s > 0 || chunk > 0) {
-        const Done& d = slot(from, true, in);
+  for (int64_t k = 0; k < positions; ++k) {
+    // Forwards, first stage to last: forward i of stage s > 0 takes forward i of the stage
+    // before; the first stage's forward of chunk c > 0 takes the last stage's forward of
+    // chunk c - 1, p forwards earlier in its list.
+    for (int64_t s = 0; s < p; ++s) {
+      const size_t i = static_cast<size_t>(s);
+      const int64_t w = wm[i];
+      const bool fwd = k < w || (k < positions - w && ((k - w) & 1) == 0);
+      back[i] = !fwd;
+      if (!fwd) continue;
+      const int64_t index = fi[i]++;
+      const int32_t at = fp[i];
+      fp[i] = at + 1 == pv ? 0 : at + 1;
+      const int64_t c = ch[at];
+      double ready = 0;
+      if (s > 0) {
+        const Done& d = fd[static_cast<size_t>((s - 1) * R + (index & mask))];
+        if (d.index != index) return false;
+        ready = d.t;
+      } else if (c > 0) {
+        const int64_t in = index - p;
+        const Done& d = fd[static_cast<size_t>((p - 1) * R + (in & mask))];
         if (d.index != in) return false;
         ready = d.t;
       }
-    } else {
-      const int64_t from = s < p - 1 ? s + 1 : 0, in = s < p - 1 ? index : index - p;
-      if (s < p - 1 || chunk < v - 1) {
-        const Done& d = slot(from, false, in);
+      const double end = std::max(fa[i], ready) + fs[c * p + s];
+      fa[i] = end;
+      fd[static_cast<size_t>(s * R + (index & mask))] = Done{index, end};
+    }
+    // Backwards, last stage to first, alike in reverse; the last stage's backward of the
+    // last chunk takes its own forward, which ran earlier.
+    for (int64_t s = p - 1; s >= 0; --s) {
+      const size_t i = static_cast<size_t>(s);
+      if (!back[i]) continue;
+      const int64_t index = bi[i]++;
+      const int32_t at = bp[i];
+      bp[i] = at + 1 == pv ? 0 : at + 1;
+      const int64_t c = v - 1 - ch[at];
+      double ready = 0;
+      if (s < p - 1) {
+        const Done& d = bd[static_cast<size_t>((s + 1) * R + (index & mask))];
+        if (d.index != index) return false;
+        ready = d.t;
+      } else if (c < v - 1) {
+        const int64_t in = index - p;
+        const Done& d = bd[static_cast<size_t>(in & mask)];
         if (d.index != in) return false;
         ready = d.t;
-      }  // else the last chunk's own forward, earlier in this stage's list
+      }
+      const double end = std::max(fa[i], ready) + bs[c * p + s];
+      fa[i] = end;
+      bd[static_cast<size_t>(s * R + (index & mask))] = Done{index, end};
     }
-    const size_t i = static_cast<size_t>(s);
-    free_at[i] = std::max(free_at[i], ready) + (fwd ? fsum : bsum)[static_cast<size_t>(chunk * p + s)];
-    slot(s, fwd, index) = Done{index, free_at[i]};
-    return true;
-  };
-
-  for (int64_t k = 0; k < positions; ++k) {
-    for (int64_t s = 0; s < p; ++s) {
-      const int64_t w = cur[static_cast<size_t>(s)].warm;
-      const bool fwd = k < w || (k < positions - w && ((k - w) & 1) == 0);
-      backward[static_cast<size_t>(s)] = !fwd;
-      if (fwd && !run(s, 1)) return false;
-    }
-    for (int64_t s = p - 1; s >= 0; --s)
-      if (backward[static_cast<size_t>(s)] && !run(s, 0)) return false;
     walked += p;
     if (walked > kMaxWalkSteps) return false;
     steady.record(k, free_at);
@@ -270,12 +306,15 @@ bool interleaved_walk(int64_t m, const StageTimes& st, SimResult* out) {
         const double* t = steady.row(k - d);
         for (int64_t s = 0; s < p; ++s) {
           const StepAt will = sh.at(s, k - d + J * P);
-          slot(s, will.forward, will.index) = Done{will.index, t[s] + shift};
+          (will.forward ? fd : bd)[static_cast<size_t>(s * R + (will.index & mask))] = Done{will.index, t[s] + shift};
         }
       }
-      // Every stage ran pv forwards and pv backwards per period: its next chunks are the same.
-      for (Cursor& cs : cur)
-        for (int64_t& x : cs.index) x += J * p * v;
+      // Every stage ran pv forwards and pv backwards per period: its places in the round
+      // are the same.
+      for (size_t i = 0; i < n; ++i) {
+        fidx[i] += J * pv;
+        bidx[i] += J * pv;
+      }
       steady.jumped(&k, J, shift, &free_at);
       jumped = true;
     }
