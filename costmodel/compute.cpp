@@ -286,6 +286,15 @@ double wgrad_overlap(Acc& a, double M, double N, double K) {
   return a.cs.stack.tp_comm_overlap ? a.gemm_s(K, N, M) : 0.0;
 }
 
+// The share of the Sq x Sk score products the strata executor's unfused attention computes
+// with context parallelism: each of its two chunks of S/2c queries against the keys up to
+// the chunk's end, (2c + 1)/(4c) of the block in all; 1 otherwise (the whole S x S).
+double strata_cp_keys(const Acc& a) {
+  if (!a.cs.stack.strata || a.p.c <= 1) return 1.0;
+  const double c = static_cast<double>(a.p.c);
+  return (2.0 * c + 1.0) / (4.0 * c);
+}
+
 // Attention core forward (after QKV, before the output projection).
 double attention_core_forward(Acc& a, Phase ph) {
   const ModelSpec& m = a.m;
@@ -303,17 +312,21 @@ double attention_core_forward(Acc& a, Phase ph) {
   } else {
     const double n_s = heads * Sq * Sk;  // attention score elements
     // QK^T and AV as batched GEMMs: Bh products of (Sq x D)(D x Sk) and (Sq x Sk)(Sk x D).
-    const double flops = 2.0 * heads * Sq * Sk * D;
+    const double flops = 2.0 * heads * Sq * Sk * D * strata_cp_keys(a);
     t += a.batched("attn_scores", ph, flops, e * (heads * (Sq * D + Sk * D) + n_s), heads);
     t += a.mem("softmax", ph, 2.0 * e * n_s);  // fused scale + mask + softmax
     if (m.attention_dropout > 0) t += a.mem("attn_dropout", ph, (2.0 * e + 1.0) * n_s);
     t += a.batched("attn_context", ph, flops, e * (n_s + heads * (Sk * D + Sq * D)), heads);
   }
-  // Context parallel: ring exchange of K and V, (c-1) steps, hidden behind the core.
+  // Context parallel: ring exchange of K and V, (c-1) steps, hidden behind the core. The
+  // strata executor all-gathers them before the core instead (the same bytes), exposed.
   if (p.c > 1) {
     const double kv_bytes = e * a.cs.T * static_cast<double>(2 * m.G * m.D()) / static_cast<double>(p.t);
-    a.comm("cp_kv_exchange", ph, OpKind::cp_comm, a.cp, Collective::send_recv,
-           kv_bytes * static_cast<double>(p.c - 1), t);
+    if (a.cs.stack.strata)
+      a.comm("cp_kv_gather", ph, OpKind::cp_comm, a.cp, Collective::all_gather, kv_bytes * static_cast<double>(p.c));
+    else
+      a.comm("cp_kv_exchange", ph, OpKind::cp_comm, a.cp, Collective::send_recv,
+             kv_bytes * static_cast<double>(p.c - 1), t);
   }
   return t;
 }
@@ -334,7 +347,7 @@ double attention_core_backward(Acc& a) {
     t = a.kernel("flash_attention", ph, flops, bytes, a.peak_flash * a.cl.device.flash_bwd_efficiency);
   } else {
     const double n_s = heads * Sq * Sk;
-    const double flops = 2.0 * heads * Sq * Sk * D;
+    const double flops = 2.0 * heads * Sq * Sk * D * strata_cp_keys(a);
     const double bytes = e * n_s + e * heads * (Sk * D + Sq * D);
     t += a.batched("attn_context", ph, flops, bytes, heads);  // dP = dO V^T
     t += a.batched("attn_context", ph, flops, bytes, heads);  // dV = P^T dO
@@ -344,10 +357,17 @@ double attention_core_backward(Acc& a) {
     t += a.batched("attn_scores", ph, flops, bytes, heads);   // dK = dS^T Q
   }
   if (p.c > 1) {
-    // K, V travel again and their gradients travel back.
+    // K, V travel again and their gradients travel back (strata: an all-gather and a
+    // reduce-scatter, exposed).
     const double kv_bytes = e * a.cs.T * static_cast<double>(2 * m.G * m.D()) / static_cast<double>(p.t);
-    a.comm("cp_kv_exchange", ph, OpKind::cp_comm, a.cp, Collective::send_recv,
-           2.0 * kv_bytes * static_cast<double>(p.c - 1), t);
+    if (a.cs.stack.strata) {
+      a.comm("cp_kv_gather", ph, OpKind::cp_comm, a.cp, Collective::all_gather, kv_bytes * static_cast<double>(p.c));
+      a.comm("cp_dkv_reduce_scatter", ph, OpKind::cp_comm, a.cp, Collective::reduce_scatter,
+             kv_bytes * static_cast<double>(p.c));
+    } else {
+      a.comm("cp_kv_exchange", ph, OpKind::cp_comm, a.cp, Collective::send_recv,
+             2.0 * kv_bytes * static_cast<double>(p.c - 1), t);
+    }
   }
   return t;
 }

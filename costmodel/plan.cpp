@@ -232,7 +232,9 @@ std::vector<Reason> check_plan(const ModelSpec& m, const Cluster& cl, const Plan
   if (p.c > 1 && m.S % (2 * p.c) != 0)
     add("cp_seq", [&] { return fmt::format("context_parallel={} needs seq_length={} divisible by 2*context_parallel "
                               "(load-balanced causal attention)", p.c, m.S); });
-  if (p.c > 1 && p.attention == AttentionChoice::unfused)
+  // Megatron's context parallelism runs ring attention over fused kernels; the strata
+  // executor also runs it over its unfused attention (each chunk against the gathered keys).
+  if (p.c > 1 && p.attention == AttentionChoice::unfused && !cl.strata_stack)
     add("cp_attention", [&] { return "context_parallel > 1 needs attention=flash (ring attention over fused kernels)"; });
   if (p.sp && p.t > 1 && (m.S / p.c) % p.t != 0)
     add("sp_seq", [&] { return fmt::format("sequence_parallel needs seq_length/context_parallel={} divisible by tensor_parallel={}",

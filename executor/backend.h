@@ -96,6 +96,36 @@ class Backend {
                                        int64_t G, int64_t D) = 0;
   virtual void flash_attention_backward(float* dqkv, const float* dout, const float* out, const float* lse,
                                         const float* qkv, int64_t S, int64_t B, int64_t A, int64_t G, int64_t D) = 0;
+  // Context parallelism (a plan's cp > 1, the CPU backend): the attention of Sq queries at
+  // global positions [q0, q0 + Sq) against the keys and values of positions [0, q0 + Sq),
+  // causal (query q0 + i sees keys 0..q0 + i). q: (Sq, B) rows of stride ldq, query heads
+  // first; kv: (q0 + Sq, B) rows of stride ldkv, key groups at 0, value groups at G*D; out
+  // (Sq, B, A*D). Unfused: probs (B, A, Sq, ldp) or null (ldp >= q0 + Sq; columns past a
+  // query's last key are zero); fused: lse (B, A, Sq). The backwards ACCUMULATE into dq
+  // (stride ldq) and dkv (stride ldkv, every row up to q0 + Sq). The plain attention ops
+  // above are the case Sq = S, q0 = 0, q = qkv, kv = qkv + A*D. A backend without them
+  // throws; the engine refuses cp > 1 there first.
+  virtual void attention_forward_cp(float* out, float* probs, int64_t ldp, const float* q, int64_t ldq, const float* kv,
+                                    int64_t ldkv, int64_t Sq, int64_t q0, int64_t B, int64_t A, int64_t G, int64_t D);
+  virtual void attention_backward_cp(float* dq, int64_t ldq, float* dkv, int64_t ldkv, const float* dout,
+                                     const float* probs, int64_t ldp, const float* q, const float* kv, int64_t Sq,
+                                     int64_t q0, int64_t B, int64_t A, int64_t G, int64_t D);
+  virtual void flash_attention_forward_cp(float* out, float* lse, const float* q, int64_t ldq, const float* kv,
+                                          int64_t ldkv, int64_t Sq, int64_t q0, int64_t B, int64_t A, int64_t G,
+                                          int64_t D);
+  virtual void flash_attention_backward_cp(float* dq, int64_t ldq, float* dkv, int64_t ldkv, const float* dout,
+                                           const float* out, const float* lse, const float* q, const float* kv,
+                                           int64_t Sq, int64_t q0, int64_t B, int64_t A, int64_t G, int64_t D);
+  // RoPE of rows at positions pos0.. (a context-parallel rank's chunk of the sequence);
+  // rope() is pos0 = 0. The default handles pos0 = 0 only.
+  virtual void rope_at(float* x, int64_t S, int64_t B, int64_t heads, int64_t D, int64_t ld, bool inverse,
+                       int64_t pos0);
+  // dst rows (stride ld_dst) = src rows (stride ld_src), `cols` values each: the key and
+  // value columns of the QKV rows in and out of their context-parallel exchange. The
+  // default copies row by row.
+  virtual void copy_rows(float* dst, int64_t ld_dst, const float* src, int64_t ld_src, int64_t rows, int64_t cols) {
+    for (int64_t i = 0; i < rows; ++i) copy(dst + i * ld_dst, src + i * ld_src, cols);
+  }
   // Elementwise pieces of the layer: dst = src (n values); out = a + b (the residual adds;
   // out may alias a or b); y (N, F) += b (F) on every row; db (F) += the column sums of dy
   // (N, F).

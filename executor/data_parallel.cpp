@@ -136,7 +136,7 @@ void Engine::unit_done(int u) {
     dp_pending_.push_back(std::move(p));
     return;
   }
-  if (++done_count_[su] < mb_count_ || plan_.d == 1) {
+  if (++done_count_[su] < mb_count_ || replicas_ == 1) {
     if (done_count_[su] == mb_count_ && zero_ == 1)  // d == 1: the block is the whole unit
       be_.copy(grad_shard_.data() + sh_.shard_off[su], grad_full_.data() + sh_.full_off[su], sh_.shard[su]);
     return;
@@ -154,7 +154,7 @@ void Engine::unit_done(int u) {
 void Engine::mlp_done(int64_t layer) {
   const int u = layer_unit_.at(layer);
   const size_t su = static_cast<size_t>(u);
-  if (zero_ != 0 || plan_.d == 1 || done_count_[su] + 1 < mb_count_) return;
+  if (zero_ != 0 || replicas_ == 1 || done_count_[su] + 1 < mb_count_) return;
   const int64_t split = lay_.at(TensorKind::ln2_w, layer).offset - lay_.units[su].begin;
   Pending p;
   p.start = now();
@@ -251,7 +251,7 @@ void Engine::optimizer_step(StepRecord* rec) {
   const double t1 = now();
   optimizer_s_ += t1 - t0;
   event("optimizer", 0, t0, t1);
-  if ((zero_ == 1 || zero_ == 2) && plan_.d > 1) {
+  if ((zero_ == 1 || zero_ == 2) && replicas_ > 1) {
     for (size_t u = 0; u < lay_.units.size(); ++u) {
       float* full = work_.data() + sh_.full_off[u];
       comm_.all_gather(full + sh_.me * sh_.shard[u], full, sh_.shard[u], dp_);
@@ -283,7 +283,7 @@ std::vector<float> Engine::full_of(const std::function<const float*(size_t)>& bl
 std::vector<float> Engine::global_params(const std::vector<float>& full) {
   const ParamLayout g = global_param_layout(m_);
   std::vector<float> out(static_cast<size_t>(g.size), 0.0f);
-  const bool writer = me_.dp == 0;
+  const bool writer = dp_.me == 0;  // one replica of each parameter (data x context parallel)
   if (writer) {
     for (size_t u = 0; u < lay_.units.size(); ++u) {
       if (static_cast<int>(u) == tied_copy_unit_) continue;

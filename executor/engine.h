@@ -121,7 +121,10 @@ class Engine {
   TokenSource data_;
   ProcessGrid grid_;
   Coords me_;
-  Group tp_, dp_, pp_, emb_, world_;
+  // dp_ is the group the gradients are reduced over and ZeRO shards across: the data-parallel
+  // ranks, times the context-parallel ones when cp > 1 (each holds the same parameters).
+  Group tp_, dp_, cp_, pp_, emb_, world_;
+  int64_t replicas_ = 1;  // dp * cp
   int64_t mb_count_ = 1;
   Schedule schedule_;
   std::vector<std::vector<int64_t>> chunk_layers_;  // (v) global layers of each chunk here
@@ -152,7 +155,7 @@ class Engine {
   int64_t bad_in_row_ = 0;  // steps in a row skipped for NaN/Inf
   // Per-step phase seconds.
   double dp_skew_s_ = 0;
-  double forward_s_ = 0, backward_s_ = 0, recompute_s_ = 0, optimizer_s_ = 0, tp_s_ = 0, pp_s_ = 0, dp_s_ = 0,
+  double forward_s_ = 0, backward_s_ = 0, recompute_s_ = 0, optimizer_s_ = 0, tp_s_ = 0, cp_s_ = 0, pp_s_ = 0, dp_s_ = 0,
          dp_total_s_ = 0, bubble_s_ = 0;
   std::vector<std::pair<double, double>> dp_intervals_;
   double t_origin_ = 0;

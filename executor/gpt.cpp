@@ -86,6 +86,85 @@ Buf copy_of(const ModelCtx& c, const Buf& b) {
   return out;
 }
 
+// Calls fn(offset, count, global_row0) for the parts of this rank's local rows [row0, row0 +
+// n) (row s*B + b is local position s) that lie in one context-parallel segment: offset
+// from row0, the rows there, and the global row (position * B + b) of the first of them.
+template <typename Fn>
+void for_segments(const ModelCtx& c, int64_t row0, int64_t n, Fn&& fn) {
+  const int64_t seg_rows = c.seg_len() * c.B;
+  for (int64_t k = 0; k < c.segments(); ++k) {
+    const int64_t lo = std::max(row0, k * seg_rows), hi = std::min(row0 + n, (k + 1) * seg_rows);
+    if (lo < hi) fn(lo - row0, hi - lo, c.seg_pos(k) * c.B + (lo - k * seg_rows));
+  }
+}
+
+// RoPE of the heads [0, heads) of the local (S, B) rows of x, at their global positions.
+void rope_rows(const ModelCtx& c, float* x, int64_t heads, int64_t ld, bool inverse) {
+  const int64_t D = c.m->D();
+  if (c.cp == 1) {
+    c.be->rope(x, c.S, c.B, heads, D, ld, inverse);
+    return;
+  }
+  for (int64_t k = 0; k < c.segments(); ++k)
+    c.be->rope_at(x + k * c.seg_len() * c.B * ld, c.seg_len(), c.B, heads, D, ld, inverse, c.seg_pos(k));
+}
+
+void timed_cp(const ModelCtx& c, auto&& fn) {
+  const double t0 = c.now();
+  fn();
+  if (c.cp_comm_s) *c.cp_comm_s += c.now() - t0;
+}
+
+// Context parallel: the keys and values of the whole sequence in position order, from every
+// cp rank's QKV rows (S cp * B rows of 2 Gt D): an all-gather of each rank's two chunks,
+// then each chunk to its place.
+Buf gather_kv(const ModelCtx& c, const Buf& qkv, int64_t At, int64_t Gt) {
+  const int64_t D = c.m->D(), Q = (At + 2 * Gt) * D, KV = 2 * Gt * D, N = c.N(), chunk = c.seg_len() * c.B * KV;
+  Buf local = c.f32(N * KV);
+  c.be->copy_rows(local.data(), KV, qkv.data() + At * D, Q, N, KV);
+  Buf all = c.f32(c.cp * N * KV);
+  timed_cp(c, [&] { c.comm->all_gather(local.data(), all.data(), N * KV, c.cpg); });
+  local.release();
+  Buf full = c.f32(c.cp * N * KV);
+  for (int64_t j = 0; j < c.cp; ++j) {
+    c.be->copy(full.data() + j * chunk, all.data() + 2 * j * chunk, chunk);
+    c.be->copy(full.data() + (2 * c.cp - 1 - j) * chunk, all.data() + (2 * j + 1) * chunk, chunk);
+  }
+  return full;
+}
+
+// The reverse: the gradients of the whole sequence's keys and values (position order),
+// summed over the cp ranks, each rank's two chunks into the key and value columns of dqkv.
+void scatter_dkv(const ModelCtx& c, const Buf& dkv, float* dqkv, int64_t At, int64_t Gt) {
+  const int64_t D = c.m->D(), Q = (At + 2 * Gt) * D, KV = 2 * Gt * D, N = c.N(), chunk = c.seg_len() * c.B * KV;
+  Buf blocks = c.f32(c.cp * N * KV);
+  for (int64_t j = 0; j < c.cp; ++j) {
+    c.be->copy(blocks.data() + 2 * j * chunk, dkv.data() + j * chunk, chunk);
+    c.be->copy(blocks.data() + (2 * j + 1) * chunk, dkv.data() + (2 * c.cp - 1 - j) * chunk, chunk);
+  }
+  Buf mine = c.f32(N * KV);
+  timed_cp(c, [&] { c.comm->reduce_scatter(blocks.data(), mine.data(), N * KV, c.cpg); });
+  blocks.release();
+  c.be->copy_rows(dqkv + At * D, Q, mine.data(), KV, N, KV);
+}
+
+// The attention core of a context-parallel rank, segment by segment, against the gathered
+// keys and values: out (N, At D); probs (per segment (B, At, S/2, S cp)) or lse (per
+// segment (B, At, S/2)) when not null.
+void attention_cp_forward(const ModelCtx& c, float* out, float* probs, float* lse, const float* qkv, const Buf& kv,
+                          int64_t At, int64_t Gt) {
+  const int64_t D = c.m->D(), Q = (At + 2 * Gt) * D, KV = 2 * Gt * D, Sc = c.seg_len(), Sg = c.S_global();
+  for (int64_t k = 0; k < c.segments(); ++k) {
+    const int64_t rows = k * Sc * c.B;
+    if (c.flash)
+      c.be->flash_attention_forward_cp(out + rows * At * D, lse + k * c.B * At * Sc, qkv + rows * Q, Q, kv.data(), KV,
+                                       Sc, c.seg_pos(k), c.B, At, Gt, D);
+    else
+      c.be->attention_forward_cp(out + rows * At * D, probs ? probs + k * c.B * At * Sc * Sg : nullptr, Sg,
+                                 qkv + rows * Q, Q, kv.data(), KV, Sc, c.seg_pos(k), c.B, At, Gt, D);
+  }
+}
+
 // The forward of layer l keeping every saved tensor; returns the output.
 Buf forward_all(const ModelCtx& c, const UnitView& u, int64_t l, LayerActs* a) {
   const ModelSpec& m = *c.m;
@@ -105,12 +184,23 @@ Buf forward_all(const ModelCtx& c, const UnitView& u, int64_t l, LayerActs* a) {
   c.tick();
   add_bias(c, a->qkv.data(), u.weight_or_null(TensorKind::qkv_b, l), N, Q);
   if (m.position == Position::rope) {
-    c.be->rope(a->qkv.data(), c.S, c.B, At, D, Q, false);
-    c.be->rope(a->qkv.data() + At * D, c.S, c.B, Gt, D, Q, false);
+    rope_rows(c, a->qkv.data(), At, Q, false);
+    rope_rows(c, a->qkv.data() + At * D, Gt, Q, false);
   }
   round(c, a->qkv);
   a->att = c.act(N * At * D);
-  if (c.flash) {
+  if (c.cp > 1) {
+    const Buf kv = gather_kv(c, a->qkv, At, Gt);
+    if (c.flash) {
+      Buf lse = c.f32(c.B * At * c.S);
+      attention_cp_forward(c, a->att.data(), nullptr, lse.data(), a->qkv.data(), kv, At, Gt);
+      if (c.recompute == Recompute::none) a->lse = std::move(lse);
+    } else {
+      if (c.recompute == Recompute::none) a->probs = c.act(c.B * At * c.S * c.S_global());
+      attention_cp_forward(c, a->att.data(), a->probs.empty() ? nullptr : a->probs.data(), nullptr, a->qkv.data(), kv,
+                           At, Gt);
+    }
+  } else if (c.flash) {
     // The log-sum-exp is what the fused backward needs; selective recompute drops it too.
     Buf lse = c.f32(c.B * At * c.S);
     c.be->flash_attention_forward(a->att.data(), lse.data(), a->qkv.data(), c.S, c.B, At, Gt, D);
@@ -167,7 +257,11 @@ Buf embedding_forward(const ModelCtx& c, const UnitView& wte, const UnitView* wp
   x = reduce_rows(c, std::move(x), H);
   Buf out = c.act(c.n() * H);
   const int64_t row0 = c.sp ? c.r * c.n() : 0;
-  if (wpe) c.be->add_positions(out.data(), x.data(), wpe->weight(TensorKind::wpe), c.n(), H, c.B, row0);
+  if (wpe)
+    for_segments(c, row0, c.n(), [&](int64_t off, int64_t rows, int64_t global_row0) {
+      c.be->add_positions(out.data() + off * H, x.data() + off * H, wpe->weight(TensorKind::wpe), rows, H, c.B,
+                          global_row0);
+    });
   else c.be->copy(out.data(), x.data(), c.n() * H);
   return out;
 }
@@ -178,7 +272,9 @@ void embedding_backward(const ModelCtx& c, const UnitView& wte, const UnitView* 
   const int64_t H = m.H, Vt = executor_vocab(m) / c.t, lo = c.r * Vt;
   if (wpe) {  // positions of this rank's rows (partial over tp with sequence parallelism)
     const int64_t row0 = c.sp ? c.r * c.n() : 0;
-    c.be->position_grad(wpe->grad(TensorKind::wpe), dx.data(), c.n(), H, c.B, row0);
+    for_segments(c, row0, c.n(), [&](int64_t off, int64_t rows, int64_t global_row0) {
+      c.be->position_grad(wpe->grad(TensorKind::wpe), dx.data() + off * H, rows, H, c.B, global_row0);
+    });
   }
   Buf full;
   const Buf* d = &dx;
@@ -224,10 +320,13 @@ Buf layer_backward(const ModelCtx& c, const UnitView& u, int64_t l, LayerActs* a
   if (c.recompute == Recompute::full) {  // run the forward again, with every tensor kept
     ModelCtx again = c;
     again.recompute = Recompute::none;
-    const double t0 = c.now(), tp0 = c.tp_comm_s ? *c.tp_comm_s : 0.0;
+    const double t0 = c.now(), tp0 = c.tp_comm_s ? *c.tp_comm_s : 0.0, cp0 = c.cp_comm_s ? *c.cp_comm_s : 0.0;
     forward_all(again, u, l, a);
-    // Its tensor-parallel collectives stay in tp_comm; recompute is the compute.
-    if (c.recompute_s) *c.recompute_s += c.now() - t0 - ((c.tp_comm_s ? *c.tp_comm_s : 0.0) - tp0);
+    // Its tensor- and context-parallel collectives stay in tp_comm and cp_comm; recompute
+    // is the compute.
+    if (c.recompute_s)
+      *c.recompute_s += c.now() - t0 - ((c.tp_comm_s ? *c.tp_comm_s : 0.0) - tp0) -
+                        ((c.cp_comm_s ? *c.cp_comm_s : 0.0) - cp0);
   }
   const ModelSpec& m = *c.m;
   const int64_t H = m.H, D = m.D(), At = m.A / c.t, Gt = m.G / c.t, Q = (At + 2 * Gt) * D;
@@ -275,7 +374,35 @@ Buf layer_backward(const ModelCtx& c, const UnitView& u, int64_t l, LayerActs* a
   dO.release();
   round(c, datt);
   Buf dqkv;
-  if (c.flash) {
+  if (c.cp > 1) {
+    // The keys and values travel again (the forward kept only this rank's), and their
+    // gradients, summed over the cp ranks, travel back.
+    const int64_t Sc = c.seg_len(), Sg = c.S_global(), KV = 2 * Gt * D;
+    const Buf kv = gather_kv(c, a->qkv, At, Gt);
+    if (c.flash ? a->lse.empty() : a->probs.empty()) {  // selective recompute: the core's forward again
+      const double t0 = c.now(), cp0 = c.cp_comm_s ? *c.cp_comm_s : 0.0;
+      Buf again = c.f32(N * At * D);
+      if (c.flash) a->lse = c.f32(c.B * At * c.S);
+      else a->probs = c.act(c.B * At * c.S * Sg);
+      attention_cp_forward(c, again.data(), c.flash ? nullptr : a->probs.data(), c.flash ? a->lse.data() : nullptr,
+                           a->qkv.data(), kv, At, Gt);
+      if (c.recompute_s) *c.recompute_s += c.now() - t0 - ((c.cp_comm_s ? *c.cp_comm_s : 0.0) - cp0);
+    }
+    dqkv = c.f32(N * Q);
+    Buf dkv = c.f32(Sg * c.B * KV);
+    for (int64_t k = 0; k < c.segments(); ++k) {
+      const int64_t rows = k * Sc * c.B;
+      if (c.flash)
+        c.be->flash_attention_backward_cp(dqkv.data() + rows * Q, Q, dkv.data(), KV, datt.data() + rows * At * D,
+                                          a->att.data() + rows * At * D, a->lse.data() + k * c.B * At * Sc,
+                                          a->qkv.data() + rows * Q, kv.data(), Sc, c.seg_pos(k), c.B, At, Gt, D);
+      else
+        c.be->attention_backward_cp(dqkv.data() + rows * Q, Q, dkv.data(), KV, datt.data() + rows * At * D,
+                                    a->probs.data() + k * c.B * At * Sc * Sg, Sg, a->qkv.data() + rows * Q, kv.data(),
+                                    Sc, c.seg_pos(k), c.B, At, Gt, D);
+    }
+    scatter_dkv(c, dkv, dqkv.data(), At, Gt);
+  } else if (c.flash) {
     if (a->lse.empty()) {  // selective recompute: the fused forward again, for its log-sum-exp
       const double t0 = c.now();
       a->lse = c.f32(c.B * At * c.S);
@@ -303,8 +430,8 @@ Buf layer_backward(const ModelCtx& c, const UnitView& u, int64_t l, LayerActs* a
   }
   datt.release();
   if (m.position == Position::rope) {
-    c.be->rope(dqkv.data(), c.S, c.B, At, D, Q, true);
-    c.be->rope(dqkv.data() + At * D, c.S, c.B, Gt, D, Q, true);
+    rope_rows(c, dqkv.data(), At, Q, true);
+    rope_rows(c, dqkv.data() + At * D, Gt, Q, true);
   }
   round(c, dqkv);
   const float* g1 = gathered ? a->g1.data() : a->h1.data();

@@ -50,7 +50,19 @@ struct ModelCtx {
   int64_t recompute_layers = 0;  // full recompute: layers of each chunk recomputed (0 = all); see pipeline.cpp
   Precision precision = Precision::fp32;
   MemoryTracker* mem = nullptr;
-  int64_t B = 1, S = 1;  // micro-batch and sequence
+  int64_t B = 1, S = 1;  // micro-batch and this rank's positions of each sequence
+  // Context parallelism: the cp ranks of `cpg` cut every sequence into 2 cp chunks of S/2
+  // positions, and rank cpr holds chunks cpr and 2 cp - 1 - cpr (Megatron's balance of the
+  // causal mask: every rank gets an early and a late chunk), its rows in that order. The
+  // attention gathers every rank's keys and values; everything else is per token.
+  Group cpg;
+  int64_t cp = 1, cpr = 0;
+  double* cp_comm_s = nullptr;  // seconds in the context-parallel exchanges
+  int64_t segments() const { return cp > 1 ? 2 : 1; }
+  int64_t seg_len() const { return cp > 1 ? S / 2 : S; }
+  // The global position of segment k's first token.
+  int64_t seg_pos(int64_t k) const { return cp > 1 ? (k == 0 ? cpr : 2 * cp - 1 - cpr) * (S / 2) : 0; }
+  int64_t S_global() const { return S * cp; }
   double* tp_comm_s = nullptr;
   double* recompute_s = nullptr;  // seconds of the full-recompute forwards run in backward
   // Called between the GEMMs of a layer, so non-blocking data-parallel reductions make
@@ -83,8 +95,10 @@ struct LayerActs {
   Buf h1, mean1, rstd1;    // (n, H), (n), (n)
   Buf g1;                  // (N, H) gathered h1 (sequence parallel only)
   Buf qkv;                 // (N, (A+2G)*D/t), q and k after rope
-  Buf probs;               // (B, A/t, S, S); empty with selective recompute or fused attention
-  Buf lse;                 // (B, A/t, S) fused attention's log-sum-exp; empty with selective recompute
+  Buf probs;               // (B, A/t, S, S), per segment with cp > 1 (B, A/t, S/2, S cp); empty
+                           // with selective recompute or fused attention
+  Buf lse;                 // (B, A/t, S) fused attention's log-sum-exp (per segment with cp > 1);
+                           // empty with selective recompute
   Buf att;                 // (N, A*D/t)
   Buf x2;                  // (n, H) after the attention residual
   Buf h2, mean2, rstd2;    // (n, H), (n), (n)

@@ -38,7 +38,19 @@ void Engine::forward_step(int64_t k, const Step& st, double* loss_sum) {
   MicroState& ms = micro_[{st.chunk, st.mb}];
   const int64_t H = m_.H, rows = c.n();
   Buf x;
-  if (vs == 0 || vs == last) data_.micro_batch(k, plan_.gbs, plan_.d, me_.dp, st.mb, plan_.mbs, &ms.tokens, &ms.targets);
+  if (vs == 0 || vs == last) {
+    data_.micro_batch(k, plan_.gbs, plan_.d, me_.dp, st.mb, plan_.mbs, &ms.tokens, &ms.targets);
+    if (plan_.c > 1) {  // this context-parallel rank's two chunks of each sequence (gpt.h)
+      const int64_t S = m_.S, Sc = S / (2 * plan_.c), chunks[2] = {me_.cp, 2 * plan_.c - 1 - me_.cp};
+      for (std::vector<int32_t>* v : {&ms.tokens, &ms.targets}) {
+        std::vector<int32_t> mine(static_cast<size_t>(plan_.mbs * 2 * Sc));
+        for (int64_t b = 0; b < plan_.mbs; ++b)
+          for (int64_t k2 = 0; k2 < 2; ++k2)
+            std::copy_n(v->begin() + b * S + chunks[k2] * Sc, Sc, mine.begin() + (b * 2 + k2) * Sc);
+        *v = std::move(mine);
+      }
+    }
+  }
   const auto& layers = chunk_layers_[static_cast<size_t>(st.chunk)];
   if (vs == 0) {
     const double t0 = now(), tp0 = tp_s_, dp0 = dp_s_;
@@ -60,7 +72,7 @@ void Engine::forward_step(int64_t k, const Step& st, double* loss_sum) {
     event("recv activations", 1, t0, now(), st.mb, st.chunk);
   }
   ms.layers.resize(layers.size());
-  const double t0 = now(), tp0 = tp_s_, dp0 = dp_s_;
+  const double t0 = now(), tp0 = tp_s_, dp0 = dp_s_, cp0 = cp_s_;
   for (size_t i = 0; i < layers.size(); ++i) {
     const int u = layer_unit_.at(layers[i]);
     weights(u);
@@ -79,7 +91,7 @@ void Engine::forward_step(int64_t k, const Step& st, double* loss_sum) {
     release_weights(head_w_unit_);
   }
   const double t1 = now();
-  forward_s_ += t1 - t0 - (tp_s_ - tp0) - (dp_s_ - dp0);
+  forward_s_ += t1 - t0 - (tp_s_ - tp0) - (dp_s_ - dp0) - (cp_s_ - cp0);
   event("forward", 0, t0, t1, st.mb, st.chunk);
   if (vs != last) {
     const int64_t dst = (me_.pp + 1) % p, dchunk = st.chunk + (me_.pp == p - 1 ? 1 : 0);
@@ -99,7 +111,7 @@ void Engine::backward_step(const Step& st) {
   const int64_t H = m_.H, rows = c.n();
   const float dloss = static_cast<float>(loss_scale_ / static_cast<double>(plan_.gbs * m_.S));
   Buf dx;
-  double t0 = now(), tp0 = tp_s_, dp0 = dp_s_;
+  double t0 = now(), tp0 = tp_s_, dp0 = dp_s_, cp0 = cp_s_;
   const double rc0 = recompute_s_;
   const auto& layers = chunk_layers_[static_cast<size_t>(st.chunk)];
   if (vs == last) {
@@ -124,6 +136,7 @@ void Engine::backward_step(const Step& st) {
     t0 = now();
     tp0 = tp_s_;
     dp0 = dp_s_;
+    cp0 = cp_s_;
   }
   for (size_t i = layers.size(); i-- > 0;) {
     const int u = layer_unit_.at(layers[i]);
@@ -146,7 +159,7 @@ void Engine::backward_step(const Step& st) {
   }
   const double t1 = now();
   // Compute only: tensor- and data-parallel calls and the recompute are their own terms.
-  backward_s_ += t1 - t0 - (tp_s_ - tp0) - (dp_s_ - dp0) - (recompute_s_ - rc0);
+  backward_s_ += t1 - t0 - (tp_s_ - tp0) - (dp_s_ - dp0) - (recompute_s_ - rc0) - (cp_s_ - cp0);
   event("backward", 0, t0, t1, st.mb, st.chunk);
   if (vs != 0) {
     const int64_t dst = (me_.pp + p - 1) % p, dchunk = st.chunk - (me_.pp == 0 ? 1 : 0);
@@ -159,7 +172,7 @@ void Engine::backward_step(const Step& st) {
 }
 
 double Engine::run_step(int64_t k, StepRecord* rec) {
-  forward_s_ = backward_s_ = recompute_s_ = optimizer_s_ = tp_s_ = pp_s_ = dp_s_ = bubble_s_ = 0;
+  forward_s_ = backward_s_ = recompute_s_ = optimizer_s_ = tp_s_ = cp_s_ = pp_s_ = dp_s_ = bubble_s_ = 0;
   dp_intervals_.clear();
   const double t_start = now();  // the step starts from a barrier on every rank
   if (zero_ < 2) grad_full_.zero();

@@ -44,6 +44,13 @@ Group ProcessGrid::group(GroupKind kind, int64_t rank) const {
       if (p > 1) { x.pp = p - 1; push(x); }
       break;
     }
+    case kContext:
+      for (int64_t i = 0; i < c; ++i) { Coords x = me; x.cp = i; push(x); }
+      break;
+    case kReplica:
+      for (int64_t j = 0; j < d; ++j)
+        for (int64_t i = 0; i < c; ++i) { Coords x = me; x.cp = i; x.dp = j; push(x); }
+      break;
     case kModel:
       for (int64_t j = 0; j < p; ++j)
         for (int64_t i = 0; i < t; ++i) { Coords x = me; x.tp = i; x.pp = j; push(x); }

@@ -36,7 +36,6 @@ void validate_train_plan(const ModelSpec& m, const Plan& p, int world_size, bool
     fail("plan: tp*pp*dp*cp = " + std::to_string(p.t) + "*" + std::to_string(p.p) + "*" + std::to_string(p.d) + "*" +
          std::to_string(p.c) + " = " + std::to_string(p.world_size()) + " ranks, but mpirun started " +
          std::to_string(world_size) + "; run with mpirun -np " + std::to_string(p.world_size()));
-  if (p.c != 1) fail("plan: context_parallel " + std::to_string(p.c) + ": the executor runs context_parallel = 1 only");
   auto div = [&](const char* what, int64_t n, const char* by, int64_t k) {
     if (k <= 0 || n % k != 0)
       fail(std::string("plan: ") + what + " = " + std::to_string(n) + " is not divisible by " + by + " = " +
@@ -46,7 +45,11 @@ void validate_train_plan(const ModelSpec& m, const Plan& p, int world_size, bool
   div("num_query_groups", m.G, "tensor_parallel", p.t);
   div("ffn_hidden_size", m.F, "tensor_parallel", p.t);
   div("padded vocab_size", executor_vocab(m), "tensor_parallel", p.t);
-  if (p.sp) div("seq_length * micro_batch_size", m.S * p.mbs, "tensor_parallel (sequence parallel)", p.t);
+  // Context parallelism cuts each sequence into 2 cp chunks (two per rank).
+  if (p.c > 1) div("seq_length", m.S, "2 * context_parallel", 2 * p.c);
+  if (p.sp)
+    div(p.c > 1 ? "seq_length / context_parallel * micro_batch_size" : "seq_length * micro_batch_size",
+        m.S / p.c * p.mbs, "tensor_parallel (sequence parallel)", p.t);
   div("global_batch_size", p.gbs, "micro_batch_size * data_parallel", p.mbs * p.d);
   if (m.position == Position::rope && m.D() % 2 != 0) fail("model: rope needs an even head dim, got " + std::to_string(m.D()));
   if (p.p * p.v > m.L)
@@ -101,7 +104,12 @@ Engine::Engine(const ModelSpec& m, const Plan& p, const TrainOptions& o, Comm& c
   comm_.setup(grid_);
   me_ = grid_.coords(comm_.rank());
   tp_ = grid_.group(kTensor, comm_.rank());
-  dp_ = grid_.group(kData, comm_.rank());
+  cp_ = grid_.group(kContext, comm_.rank());
+  dp_ = grid_.group(p.c > 1 ? kReplica : kData, comm_.rank());
+  replicas_ = p.d * p.c;
+  if (p.c > 1 && std::string(be.name()) != "cpu")
+    throw InputError(std::string("plan: context_parallel ") + std::to_string(p.c) + ": the " + be.name() +
+                     " backend runs context_parallel = 1; context parallelism runs on the CPU backend");
   pp_ = grid_.group(kPipeline, comm_.rank());
   emb_ = grid_.group(kEmbedding, comm_.rank());
   world_ = grid_.group(kWorld, comm_.rank());
@@ -123,7 +131,7 @@ Engine::Engine(const ModelSpec& m, const Plan& p, const TrainOptions& o, Comm& c
   const bool emb = me_.pp == 0, head = me_.pp == p.p - 1;
   lay_ = make_param_layout(m, p.t, me_.tp, emb, mine, head);
   zero_ = p.zero;
-  sh_ = make_sharding(lay_, zero_ > 0 ? p.d : 1, zero_ > 0 ? me_.dp : 0);
+  sh_ = make_sharding(lay_, zero_ > 0 ? replicas_ : 1, zero_ > 0 ? dp_.me : 0);
   for (size_t u = 0; u < lay_.units.size(); ++u) {
     const Unit& un = lay_.units[u];
     if (un.layer >= 0) layer_unit_[un.layer] = static_cast<int>(u);
@@ -190,7 +198,7 @@ void Engine::allocate() {
     const int64_t lo = sh_.me * sh_.shard[u], b = lay_.units[u].begin;
     for (const TensorSlot& s : lay_.tensors) {
       if (s.offset < b || s.offset >= lay_.units[u].end) continue;
-      const bool count = (zero_ > 0 || me_.dp == 0) && (!s.tp_replicated || me_.tp == 0) &&
+      const bool count = (zero_ > 0 || dp_.me == 0) && (!s.tp_replicated || me_.tp == 0) &&
                          static_cast<int>(u) != tied_copy_unit_;
       for (int64_t i = std::max(lo, s.offset - b); i < std::min(lo + sh_.shard[u], s.offset - b + s.size()); ++i) {
         decay_[static_cast<size_t>(sh_.shard_off[u] + i - lo)] = s.decay ? 1 : 0;
@@ -219,7 +227,11 @@ ModelCtx Engine::ctx() {
   c.precision = plan_.precision;
   c.mem = &mem_;
   c.B = plan_.mbs;
-  c.S = m_.S;
+  c.S = m_.S / plan_.c;
+  c.cpg = cp_;
+  c.cp = plan_.c;
+  c.cpr = me_.cp;
+  c.cp_comm_s = &cp_s_;
   c.tp_comm_s = &tp_s_;
   c.recompute_s = &recompute_s_;
   c.poll = [this] { poll(); };
@@ -237,7 +249,7 @@ TrainResult Engine::run() {
   res.model_flops_per_step = 3.0 * m_.forward_flops(plan_.gbs);
   comm_.barrier(world_);
   t_origin_ = now();
-  std::vector<double> sums(11, 0.0);
+  std::vector<double> sums(12, 0.0);
   for (int64_t k = start_step_; k < o_.steps; ++k) {
     comm_.set_step(k + 1);
     comm_.barrier(world_);
@@ -268,9 +280,9 @@ TrainResult Engine::run() {
     rec.tokens_per_s = tokens / dt;
     res.steps.push_back(rec);
     if (k > start_step_ || o_.steps - start_step_ == 1) {  // the first step run is a warm-up
-      const double ph[11] = {forward_s_, backward_s_, recompute_s_, optimizer_s_, tp_s_, pp_s_, dp_s_, dp_total_s_,
-                             bubble_s_, 1.0, dp_skew_s_};
-      for (int i = 0; i < 11; ++i) sums[static_cast<size_t>(i)] += ph[i];
+      const double ph[12] = {forward_s_, backward_s_, recompute_s_, optimizer_s_, tp_s_, pp_s_, dp_s_, dp_total_s_,
+                             bubble_s_, 1.0, dp_skew_s_, cp_s_};
+      for (int i = 0; i < 12; ++i) sums[static_cast<size_t>(i)] += ph[i];
     }
     if (o_.on_step && comm_.rank() == 0) o_.on_step(rec, o_.steps);
     if (o_.checkpoint_every > 0 && (k + 1) % o_.checkpoint_every == 0) save_checkpoint(k + 1);
@@ -280,10 +292,11 @@ TrainResult Engine::run() {
   std::sort(times.begin(), times.end());
   if (!times.empty()) res.median_step_time_s = times[times.size() / 2];
   const double n = std::max(1.0, sums[9]);
-  double ph[10];
+  double ph[11];
   for (int i = 0; i < 9; ++i) ph[i] = sums[static_cast<size_t>(i)] / n;
   ph[9] = sums[10] / n;
-  comm_.all_reduce(ph, 10, world_, ReduceOp::max);
+  ph[10] = sums[11] / n;
+  comm_.all_reduce(ph, 11, world_, ReduceOp::max);
   res.forward_s = ph[0];
   res.backward_s = ph[1];
   res.recompute_s = ph[2];
@@ -294,6 +307,7 @@ TrainResult Engine::run() {
   res.dp_comm_total_s = ph[7];
   res.pipeline_bubble_s = ph[8];
   res.dp_skew_s = ph[9];
+  res.cp_comm_s = ph[10];
   double mem[6] = {static_cast<double>(mem_.peak(MemCategory::weights)), static_cast<double>(mem_.peak(MemCategory::gradients)),
                    static_cast<double>(mem_.peak(MemCategory::optimizer_states)),
                    static_cast<double>(mem_.peak(MemCategory::activations)),
@@ -325,7 +339,7 @@ TrainResult Engine::run() {
   }
   // The data-parallel reductions of one step run alone (blocking, nothing to overlap
   // with): what the overlapped ones would cost if fully exposed.
-  if (plan_.d > 1) {
+  if (replicas_ > 1) {
     // In the backend's memory, where the communicator works.
     Buf scratch = Buf::untracked(&be_, sh_.full_size), out = Buf::untracked(&be_, sh_.shard_size);
     comm_.barrier(dp_);
@@ -447,7 +461,7 @@ Json train_result_to_json(const TrainResult& r) {
                                 {"device_total", r.device_total}};
   }
   j["time_s"] = {{"forward", r.forward_s},   {"backward", r.backward_s},   {"recompute", r.recompute_s},
-                 {"optimizer", r.optimizer_s}, {"tp_comm", r.tp_comm_s},   {"pp_comm", r.pp_comm_s},
+                 {"optimizer", r.optimizer_s}, {"tp_comm", r.tp_comm_s},   {"cp_comm", r.cp_comm_s}, {"pp_comm", r.pp_comm_s},
                  {"dp_comm", r.dp_comm_s},   {"dp_comm_in_flight", r.dp_comm_total_s},
                  {"dp_comm_standalone", r.dp_comm_standalone_s}, {"dp_skew", r.dp_skew_s},
                  {"pipeline_bubble", r.pipeline_bubble_s}};

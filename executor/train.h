@@ -73,7 +73,8 @@ struct TrainResult {
   // Mean per step (after the first when there are several), seconds; max over ranks.
   // Exposed time only, except dp_comm_total_s: the union of the intervals in which a
   // data-parallel collective was in flight (launch to the poll that saw it done).
-  double forward_s = 0, backward_s = 0, recompute_s = 0, optimizer_s = 0, tp_comm_s = 0, pp_comm_s = 0, dp_comm_s = 0,
+  double forward_s = 0, backward_s = 0, recompute_s = 0, optimizer_s = 0, tp_comm_s = 0, cp_comm_s = 0, pp_comm_s = 0,
+         dp_comm_s = 0,
          dp_comm_total_s = 0, pipeline_bubble_s = 0;
   // One step's data-parallel collectives run back to back with nothing to hide behind.
   double dp_comm_standalone_s = 0;

@@ -25,6 +25,7 @@ const std::vector<Mechanism>& validation_mechanisms() {
       {"recompute selective", [](const Plan& p) { return p.recompute == Recompute::selective; }},
       {"recompute full", [](const Plan& p) { return p.recompute == Recompute::full; }},
       {"accumulation", [](const Plan& p) { return p.microbatches() > 1; }},
+      {"cp", [](const Plan& p) { return p.c > 1; }},
   };
   return mechs;
 }
@@ -39,7 +40,7 @@ std::vector<ValidationPlan> choose_validation_plans(const ModelSpec& m, const Cl
   const SearchResult r = search(m, cl, so);
   std::vector<const Estimate*> ok;
   for (const Estimate& e : r.plans)
-    if (e.plan.c == 1 && (!o.runnable || o.runnable(e.plan).empty())) ok.push_back(&e);
+    if (!o.runnable || o.runnable(e.plan).empty()) ok.push_back(&e);
   std::vector<ValidationPlan> out;
   std::vector<bool> taken(ok.size(), false);
   for (size_t i = 0; i < ok.size() && static_cast<int>(out.size()) < o.best; ++i) {
@@ -264,7 +265,7 @@ RunComparison compare_run(const Estimate& predicted, const Json& measured) {
   c.step_time_error = relative_error(c.predicted_step_s, c.measured_step_s);
   const Json& mt = measured.at("time_s");
   for (const auto& [name, value] : time_terms(predicted.time)) {
-    if (!mt.contains(name)) continue;  // a term the executor does not have (cp_comm, overhead)
+    if (!mt.contains(name)) continue;  // a term the executor does not have (overhead)
     const double meas = mt.at(name).get<double>();
     c.time.push_back({name, value, meas, relative_error(value, meas)});
   }

@@ -186,6 +186,45 @@ TEST(Compute, StrataSixteenBitPasses) {
   EXPECT_DOUBLE_EQ(bytes(bf16, "pack16", Phase::forward), 0.0);
 }
 
+// Context parallelism on the strata executor (gpt.cpp): an all-gather of every rank's keys
+// and values before the core, again in the backward with a reduce-scatter of their
+// gradients, all exposed; and its unfused core computes each of its two chunks of S/2c
+// queries against the keys up to the chunk's end, (2c+1)/(4c) of the Sq x Sk products.
+// tiny-gpt: H = 256, A = G = 4, D = 64, S = 128; cp = 2, mbs 2, fp32: T = 2 * 128 / 2 = 128
+// tokens here, K and V = 4 bytes * 128 * 2 * 4 * 64 = 262,144 bytes; the gather's output is
+// cp times that, 524,288. Scores: 2 * (mbs A = 8) * (Sq = 64) * (Sk = 128) * 64 * 5/8 FLOPs.
+TEST(Compute, StrataContextParallelExchanges) {
+  Cluster c = testing::round_cluster();
+  c.strata_stack = true;
+  const ModelSpec m = load_model("tiny-gpt");
+  const Plan p = load_plan("cp=2,mbs=2,precision=fp32");
+  auto ops_of = [&] {
+    std::vector<OpCost> ops;
+    layer_cost(m, c, p, compute_setup(m, c, p), &ops);
+    return ops;
+  };
+  auto sum = [](const std::vector<OpCost>& ops, const std::string& name, Phase ph, double OpCost::*field) {
+    double x = 0;
+    for (const auto& o : ops)
+      if (o.phase == ph && o.name == name) x += o.*field;
+    return x;
+  };
+  std::vector<OpCost> ops = ops_of();
+  EXPECT_DOUBLE_EQ(sum(ops, "cp_kv_gather", Phase::forward, &OpCost::bytes), 524288.0);
+  EXPECT_DOUBLE_EQ(sum(ops, "cp_kv_gather", Phase::backward, &OpCost::bytes), 524288.0);
+  EXPECT_DOUBLE_EQ(sum(ops, "cp_dkv_reduce_scatter", Phase::backward, &OpCost::bytes), 524288.0);
+  EXPECT_GT(sum(ops, "cp_kv_gather", Phase::forward, &OpCost::time_s), 0.0);
+  EXPECT_DOUBLE_EQ(sum(ops, "cp_kv_gather", Phase::forward, &OpCost::exposed_s),
+                   sum(ops, "cp_kv_gather", Phase::forward, &OpCost::time_s));
+  EXPECT_DOUBLE_EQ(sum(ops, "attn_scores", Phase::forward, &OpCost::flops), 2.0 * 8 * 64 * 128 * 64 * 5.0 / 8.0);
+  // Megatron's ring on another stack: (cp - 1) steps of K and V, and the whole score block.
+  c.strata_stack = false;
+  ops = ops_of();
+  EXPECT_DOUBLE_EQ(sum(ops, "cp_kv_exchange", Phase::forward, &OpCost::bytes), 262144.0);
+  EXPECT_DOUBLE_EQ(sum(ops, "cp_kv_exchange", Phase::backward, &OpCost::bytes), 2.0 * 262144.0);
+  EXPECT_DOUBLE_EQ(sum(ops, "cp_kv_gather", Phase::forward, &OpCost::bytes), 0.0);
+}
+
 TEST(Compute, WorkSplitsExposedCommunication) {
   const Cluster c = testing::round_cluster();
   const ModelSpec m = load_model("gpt3-175b");

@@ -257,6 +257,66 @@ TEST(CpuBackend, FusedAttentionMatchesReference) {
   }
 }
 
+// Context parallelism's ops against the whole sequence: the queries cut into segments at
+// arbitrary offsets (one inside a 64-row flash block, one across it), the keys and values
+// in a buffer of their own stride; each segment's output and lse are the reference's rows,
+// and the backwards of all segments, dq into their rows and dK dV accumulated, give the
+// reference's gradients. rope_at of a tail of the rows equals rope of the whole.
+TEST(CpuBackend, ContextParallelAttentionMatchesTheWholeSequence) {
+  auto be = make_cpu_backend();
+  Rand r;
+  const int64_t S = 80, B = 2, A = 4, G = 2, D = 8, Q = (A + 2 * G) * D, KV = 2 * G * D;
+  const auto qkv = r.normal(S * B * Q);
+  const AttentionRef want(qkv, r.normal(S * B * A * D), S, B, A, G, D);
+  std::vector<float> kv(static_cast<size_t>(S * B * KV));
+  be->copy_rows(kv.data(), KV, qkv.data() + A * D, Q, S * B, KV);
+  const int64_t cuts[] = {0, 5, 70, 80};
+  for (bool flash : {false, true}) {
+    const std::string tag = flash ? "context parallel, fused" : "context parallel, unfused";
+    std::vector<float> out(static_cast<size_t>(S * B * A * D)), probs(static_cast<size_t>(B * A * S * S)),
+        lse(static_cast<size_t>(B * A * S)), dqkv(static_cast<size_t>(S * B * Q)), dkv(static_cast<size_t>(S * B * KV));
+    std::vector<std::vector<float>> seg_probs, seg_lse;
+    for (int i = 0; i < 3; ++i) {
+      const int64_t q0 = cuts[i], Sq = cuts[i + 1] - q0;
+      seg_probs.emplace_back(static_cast<size_t>(B * A * Sq * S), -1.0f);
+      seg_lse.emplace_back(static_cast<size_t>(B * A * Sq));
+      if (flash)
+        be->flash_attention_forward_cp(out.data() + q0 * B * A * D, seg_lse.back().data(), qkv.data() + q0 * B * Q, Q,
+                                       kv.data(), KV, Sq, q0, B, A, G, D);
+      else
+        be->attention_forward_cp(out.data() + q0 * B * A * D, seg_probs.back().data(), S, qkv.data() + q0 * B * Q, Q,
+                                 kv.data(), KV, Sq, q0, B, A, G, D);
+      for (int64_t bh = 0; bh < B * A; ++bh)
+        for (int64_t i2 = 0; i2 < Sq; ++i2) {
+          lse[static_cast<size_t>(bh * S + q0 + i2)] = seg_lse.back()[static_cast<size_t>(bh * Sq + i2)];
+          for (int64_t j = 0; j < S; ++j)  // zero past each query's last key, up to the stride
+            probs[static_cast<size_t>((bh * S + q0 + i2) * S + j)] =
+                seg_probs.back()[static_cast<size_t>((bh * Sq + i2) * S + j)];
+        }
+    }
+    want.expect_out(out, tag);
+    if (flash) EXPECT_LT(rel_err(lse.data(), want.lse.data(), static_cast<int64_t>(lse.size())), kOpTol) << tag;
+    else EXPECT_LT(rel_err(probs.data(), want.probs.data(), static_cast<int64_t>(probs.size())), kOpTol) << tag;
+    for (int i = 0; i < 3; ++i) {
+      const int64_t q0 = cuts[i], Sq = cuts[i + 1] - q0;
+      if (flash)
+        be->flash_attention_backward_cp(dqkv.data() + q0 * B * Q, Q, dkv.data(), KV, want.dout.data() + q0 * B * A * D,
+                                        out.data() + q0 * B * A * D, seg_lse[static_cast<size_t>(i)].data(),
+                                        qkv.data() + q0 * B * Q, kv.data(), Sq, q0, B, A, G, D);
+      else  // the first segment recomputes its probabilities
+        be->attention_backward_cp(dqkv.data() + q0 * B * Q, Q, dkv.data(), KV, want.dout.data() + q0 * B * A * D,
+                                  i == 0 ? nullptr : seg_probs[static_cast<size_t>(i)].data(), S,
+                                  qkv.data() + q0 * B * Q, kv.data(), Sq, q0, B, A, G, D);
+    }
+    be->copy_rows(dqkv.data() + A * D, Q, dkv.data(), KV, S * B, KV);
+    want.expect_dqkv(dqkv, tag);
+  }
+  std::vector<float> whole = qkv, tail = qkv;
+  be->rope(whole.data(), S, B, A, D, Q, false);
+  be->rope_at(tail.data() + 30 * B * Q, S - 30, B, A, D, Q, false, 30);
+  for (int64_t i = 30 * B * Q; i < S * B * Q; ++i) EXPECT_EQ(tail[static_cast<size_t>(i)], whole[static_cast<size_t>(i)]);
+}
+
 // The CUDA backend's unfused attention is a sequence of batched GEMMs and row kernels
 // (executor/cuda/attention_plan.h). Here the same sequence runs on plain loops (each batched
 // product as backend.h's row-major GEMM, matrix i at + i * stride) against the double
@@ -572,6 +632,12 @@ TEST(ProcessGrid, MegatronOrderExample) {
   EXPECT_EQ(g.group(kPipeline, 5).me, 1);
   for (int64_t r = 0; r < g.world(); ++r) EXPECT_EQ(g.rank_of(g.coords(r)), r);
   EXPECT_EQ(g.all_groups(kData).size(), 4u);
+  ProcessGrid c;  // context parallel between tensor and data: t=2 c=2 d=2
+  c.t = 2; c.c = 2; c.d = 2;
+  EXPECT_EQ(c.group(kContext, 5).ranks, (std::vector<int>{5, 7}));
+  EXPECT_EQ(c.group(kReplica, 5).ranks, (std::vector<int>{1, 3, 5, 7}));
+  EXPECT_EQ(c.group(kReplica, 5).me, 2);
+  EXPECT_EQ(c.group(kData, 5).ranks, (std::vector<int>{1, 5}));
   ProcessGrid h;  // a middle stage is in no embedding group
   h.p = 3;
   EXPECT_EQ(h.group(kEmbedding, 1).me, -1);

@@ -89,6 +89,8 @@ TEST(Plan, CheckRulesReportTheirReasons) {
   EXPECT_EQ(keys(m, load_plan("pp=97")), std::vector<std::string>{"layers_pp"});
   EXPECT_EQ(keys(m, load_plan("cp=3")), std::vector<std::string>{"cp_seq"});
   EXPECT_EQ(keys(m, load_plan("cp=2,attention=unfused")), std::vector<std::string>{"cp_attention"});
+  // The strata executor runs context parallelism over its unfused attention too.
+  EXPECT_TRUE(check_plan(m, load_cluster("local-cpu"), load_plan("cp=2,attention=unfused")).empty());
   EXPECT_EQ(keys(m, load_plan("precision=fp8")), std::vector<std::string>{"precision"});  // A100: no fp8
   // Uneven pipelines: 96 layers on 7 stages is allowed for estimates (as even as possible).
   EXPECT_TRUE(keys(m, load_plan("pp=7")).empty());

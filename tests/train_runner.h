@@ -46,7 +46,7 @@ struct TrainRun {
 
 inline int ranks_of(const std::string& plan) {
   int n = 1;
-  for (const char* k : {"tp=", "pp=", "dp="}) {
+  for (const char* k : {"tp=", "pp=", "dp=", "cp="}) {
     const size_t at = plan.find(k);
     if (at != std::string::npos && (at == 0 || plan[at - 1] == ',')) n *= std::stoi(plan.substr(at + 3));
   }

@@ -25,7 +25,7 @@ namespace {
 using namespace strata_test;
 
 // The equivalence matrix trains 10 steps in Release. Under the sanitizers (each step ~3x
-// slower, and the 2 x 19 runs were the long pole of CI) 4 steps run the same code paths --
+// slower, and the 2 x 22 runs were the long pole of CI) 4 steps run the same code paths --
 // every plan still takes several optimizer steps with accumulated state -- and the Release
 // ctest of make test checks the full 10 steps.
 #ifdef STRATA_UNDER_SANITIZER
@@ -34,7 +34,7 @@ constexpr int kSteps = 4;  // the loss falls from 6.26 to 5.0 (gpt) and 5.4 (lla
 constexpr int kSteps = 10;
 #endif
 const std::string kShort = "--seq-length 64";
-// The equivalence matrix (2 x 19 runs): a learning rate at which 10 steps train smoothly.
+// The equivalence matrix (2 x 22 runs): a learning rate at which 10 steps train smoothly.
 // (At 1e-3 with one warm-up step, tiny-llama's loss spikes at step 5 and amplifies float
 // rounding differences of 1e-10 at step 1 to 1e-5 by step 10 -- chaos, not a bug.)
 const std::string kTiny = "--seq-length 32 --lr 5e-4 --lr-warmup-iters 3";
@@ -102,6 +102,11 @@ const std::vector<std::string> kPlans = {
     "dp=2,mbs=2,gbs=8",  // gradient accumulation: 2 micro-batches of 2 per rank
     "tp=2,pp=2,dp=2,sp=1,zero=3,recompute=full,mbs=1,gbs=8",
     "tp=2,pp=2,attention=flash,recompute=selective,mbs=1,gbs=8",  // fused attention, lse recomputed
+    // Context parallelism: each rank holds two of the 2 cp chunks of every sequence and
+    // gathers the others' keys and values; its gradients are reduced over data x context.
+    "cp=2,mbs=1,gbs=8",
+    "cp=2,tp=2,sp=1,attention=flash,recompute=selective,mbs=1,gbs=8",
+    "cp=2,dp=2,zero=3,recompute=full,mbs=1,gbs=8",
 };
 
 TEST(TrainEquivalence, GptPlansMatchOneRank) {
@@ -123,7 +128,7 @@ TEST(TrainOutput, JsonAndTraceHaveTheSpecFields) {
   for (const char* k : {"weights", "gradients", "optimizer_states", "activations", "total"})
     EXPECT_GT(r.j["peak_memory_bytes"][k].get<double>(), 0) << k;
   EXPECT_GE(r.j["peak_memory_bytes"]["comm_buffers"].get<double>(), 0);  // > 0 with ZeRO-3 (TrainMemory)
-  for (const char* k : {"forward", "backward", "optimizer", "tp_comm", "pp_comm", "dp_comm", "pipeline_bubble"})
+  for (const char* k : {"forward", "backward", "optimizer", "tp_comm", "cp_comm", "pp_comm", "dp_comm", "pipeline_bubble"})
     EXPECT_TRUE(r.j["time_s"].contains(k)) << k;
   EXPECT_GT(r.j["time_s"]["forward"].get<double>(), 0);
   EXPECT_GT(r.j["time_s"]["backward"].get<double>(), r.j["time_s"]["forward"].get<double>() * 0.5);
@@ -226,6 +231,7 @@ TEST(TrainErrors, BadInputExitsTwoOnEveryRank) {
   }
   expect_input_error("world size", "dp=4,mbs=1,gbs=4", 2, "", "mpirun started 2");
   expect_input_error("heads", "tp=3,mbs=1,gbs=3", 3, "", "num_attention_heads = 4 is not divisible by tensor_parallel = 3");
+  expect_input_error("context chunks", "cp=3,mbs=1,gbs=3", 3, "", "seq_length = 64 is not divisible by 2 * context_parallel = 6");
   expect_input_error("batch", "dp=2,mbs=3,gbs=8", 2, "", "global_batch_size = 8 is not divisible");
   expect_input_error("missing file", "dp=2,mbs=1,gbs=2", 2, "--data " + dir + "no_such_tokens.bin", "cannot open token file");
   expect_input_error("truncated file", "dp=2,mbs=1,gbs=2", 2, "--data " + dir + "odd_tokens.bin", "truncated");

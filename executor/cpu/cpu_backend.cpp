@@ -52,14 +52,16 @@ float round_bf16(float x) {
 }
 float round_fp16(float x) { return std::isnan(x) ? x : static_cast<float>(static_cast<_Float16>(x)); }
 
-// Head h's queries and its group's keys and values: (S, D) views of the (S, B, ...) rows
-// of micro-batch row b.
+// Head h's queries (Sq rows) and its group's keys and values (Skv rows): views of the
+// (S, B, ...) row buffers of micro-batch row b; q rows of stride ldq (query heads first), kv
+// rows of stride ldkv (key groups at 0, value groups at G*D).
 struct HeadViews {
   CMap q, k, v;
-  HeadViews(const float* qkv, int64_t b, int64_t h, int64_t S, int64_t B, int64_t A, int64_t G, int64_t D)
-      : q(qkv + b * (A + 2 * G) * D + h * D, S, D, Eigen::OuterStride<>(B * (A + 2 * G) * D)),
-        k(qkv + b * (A + 2 * G) * D + (A + h / (A / G)) * D, S, D, Eigen::OuterStride<>(B * (A + 2 * G) * D)),
-        v(qkv + b * (A + 2 * G) * D + (A + G + h / (A / G)) * D, S, D, Eigen::OuterStride<>(B * (A + 2 * G) * D)) {}
+  HeadViews(const float* q_, int64_t ldq, const float* kv, int64_t ldkv, int64_t b, int64_t h, int64_t Sq, int64_t Skv,
+            int64_t B, int64_t A, int64_t G, int64_t D)
+      : q(q_ + b * ldq + h * D, Sq, D, Eigen::OuterStride<>(B * ldq)),
+        k(kv + b * ldkv + (h / (A / G)) * D, Skv, D, Eigen::OuterStride<>(B * ldkv)),
+        v(kv + b * ldkv + (G + h / (A / G)) * D, Skv, D, Eigen::OuterStride<>(B * ldkv)) {}
 };
 
 class CpuBackend final : public Backend {
@@ -179,12 +181,16 @@ class CpuBackend final : public Backend {
   }
 
   void rope(float* x, int64_t S, int64_t B, int64_t heads, int64_t D, int64_t ld, bool inverse) override {
+    rope_at(x, S, B, heads, D, ld, inverse, 0);
+  }
+  void rope_at(float* x, int64_t S, int64_t B, int64_t heads, int64_t D, int64_t ld, bool inverse,
+               int64_t pos0) override {
     const int64_t half = D / 2;
     std::vector<float> cs(static_cast<size_t>(half)), sn(static_cast<size_t>(half));
     for (int64_t s = 0; s < S; ++s) {
       for (int64_t i = 0; i < half; ++i) {
         const double freq = std::pow(10000.0, -2.0 * static_cast<double>(i) / static_cast<double>(D));
-        const double ang = static_cast<double>(s) * freq;
+        const double ang = static_cast<double>(pos0 + s) * freq;
         cs[static_cast<size_t>(i)] = static_cast<float>(std::cos(ang));
         sn[static_cast<size_t>(i)] = static_cast<float>(inverse ? -std::sin(ang) : std::sin(ang));
       }
@@ -203,82 +209,111 @@ class CpuBackend final : public Backend {
     }
   }
 
+  // The plain attention ops are the context-parallel ones on one QKV buffer: every query,
+  // every key, from position 0.
   void attention_forward(float* out, float* probs, const float* qkv, int64_t S, int64_t B, int64_t A, int64_t G,
                          int64_t D) override {
-    const int64_t ldo = A * D;
+    const int64_t ld = (A + 2 * G) * D;
+    attention_forward_cp(out, probs, S, qkv, ld, qkv + A * D, ld, S, 0, B, A, G, D);
+  }
+  void attention_backward(float* dqkv, const float* dout, const float* probs, const float* qkv, int64_t S,
+                          int64_t B, int64_t A, int64_t G, int64_t D) override {
+    const int64_t ld = (A + 2 * G) * D;
+    std::fill(dqkv, dqkv + S * B * ld, 0.0f);
+    attention_backward_cp(dqkv, ld, dqkv + A * D, ld, dout, probs, S, qkv, qkv + A * D, S, 0, B, A, G, D);
+  }
+  void flash_attention_forward(float* out, float* lse, const float* qkv, int64_t S, int64_t B, int64_t A, int64_t G,
+                               int64_t D) override {
+    const int64_t ld = (A + 2 * G) * D;
+    flash_attention_forward_cp(out, lse, qkv, ld, qkv + A * D, ld, S, 0, B, A, G, D);
+  }
+  void flash_attention_backward(float* dqkv, const float* dout, const float* out, const float* lse, const float* qkv,
+                                int64_t S, int64_t B, int64_t A, int64_t G, int64_t D) override {
+    const int64_t ld = (A + 2 * G) * D;
+    std::fill(dqkv, dqkv + S * B * ld, 0.0f);
+    flash_attention_backward_cp(dqkv, ld, dqkv + A * D, ld, dout, out, lse, qkv, qkv + A * D, S, 0, B, A, G, D);
+  }
+
+  void attention_forward_cp(float* out, float* probs, int64_t ldp, const float* q, int64_t ldq, const float* kv,
+                            int64_t ldkv, int64_t Sq, int64_t q0, int64_t B, int64_t A, int64_t G,
+                            int64_t D) override {
+    const int64_t ldo = A * D, keys = q0 + Sq;
     const float scale = 1.0f / std::sqrt(static_cast<float>(D));
     RowMat p_local;
     for (int64_t b = 0; b < B; ++b) {
       for (int64_t h = 0; h < A; ++h) {
-        const HeadViews hv(qkv, b, h, S, B, A, G, D);
-        const CMap &q = hv.q, &k = hv.k, &v = hv.v;
-        float* pp = probs ? probs + (b * A + h) * S * S : nullptr;
+        const HeadViews hv(q, ldq, kv, ldkv, b, h, Sq, keys, B, A, G, D);
+        float* pp = probs ? probs + (b * A + h) * Sq * ldp : nullptr;
+        int64_t ld = ldp;
         if (!pp) {
-          p_local.resize(S, S);
+          p_local.resize(Sq, keys);
           pp = p_local.data();
+          ld = keys;
         }
-        MMap p(pp, S, S, Eigen::OuterStride<>(S));
-        p.noalias() = scale * (q * k.transpose());
-        softmax_causal(pp, S);
-        MMap o(out + b * ldo + h * D, S, D, Eigen::OuterStride<>(B * ldo));
-        o.noalias() = p * v;
+        MMap p(pp, Sq, keys, Eigen::OuterStride<>(ld));
+        p.noalias() = scale * (hv.q * hv.k.transpose());
+        softmax_causal(pp, Sq, ld, q0);
+        MMap o(out + b * ldo + h * D, Sq, D, Eigen::OuterStride<>(B * ldo));
+        o.noalias() = p * hv.v;
       }
     }
   }
-  void attention_backward(float* dqkv, const float* dout, const float* probs, const float* qkv, int64_t S,
-                          int64_t B, int64_t A, int64_t G, int64_t D) override {
-    const int64_t ld = (A + 2 * G) * D, ldo = A * D;
+  void attention_backward_cp(float* dq_, int64_t ldq, float* dkv, int64_t ldkv, const float* dout,
+                             const float* probs, int64_t ldp, const float* q, const float* kv, int64_t Sq, int64_t q0,
+                             int64_t B, int64_t A, int64_t G, int64_t D) override {
+    const int64_t ldo = A * D, keys = q0 + Sq;
     const float scale = 1.0f / std::sqrt(static_cast<float>(D));
-    for (int64_t i = 0; i < S * B; ++i) std::fill(dqkv + i * ld, dqkv + i * ld + ld, 0.0f);
-    RowMat p_local(S, S), dp(S, S);
+    RowMat p_local(Sq, keys), dp(Sq, keys);
     for (int64_t b = 0; b < B; ++b) {
       for (int64_t h = 0; h < A; ++h) {
         const int64_t g = h / (A / G);
-        const HeadViews hv(qkv, b, h, S, B, A, G, D);
-        const CMap &q = hv.q, &k = hv.k, &v = hv.v;
-        MMap dq(dqkv + b * ld + h * D, S, D, Eigen::OuterStride<>(B * ld));
-        MMap dk(dqkv + b * ld + (A + g) * D, S, D, Eigen::OuterStride<>(B * ld));
-        MMap dv(dqkv + b * ld + (A + G + g) * D, S, D, Eigen::OuterStride<>(B * ld));
-        CMap dout_h(dout + b * ldo + h * D, S, D, Eigen::OuterStride<>(B * ldo));
-        const float* pp = probs ? probs + (b * A + h) * S * S : nullptr;
+        const HeadViews hv(q, ldq, kv, ldkv, b, h, Sq, keys, B, A, G, D);
+        MMap dq(dq_ + b * ldq + h * D, Sq, D, Eigen::OuterStride<>(B * ldq));
+        MMap dk(dkv + b * ldkv + g * D, keys, D, Eigen::OuterStride<>(B * ldkv));
+        MMap dv(dkv + b * ldkv + (G + g) * D, keys, D, Eigen::OuterStride<>(B * ldkv));
+        CMap dout_h(dout + b * ldo + h * D, Sq, D, Eigen::OuterStride<>(B * ldo));
+        const float* pp = probs ? probs + (b * A + h) * Sq * ldp : nullptr;
+        int64_t ld = ldp;
         if (!pp) {  // recompute the attention probabilities (selective recompute)
-          p_local.noalias() = scale * (q * k.transpose());
-          softmax_causal(p_local.data(), S);
+          p_local.noalias() = scale * (hv.q * hv.k.transpose());
+          softmax_causal(p_local.data(), Sq, keys, q0);
           pp = p_local.data();
+          ld = keys;
         }
-        CMap p(pp, S, S, Eigen::OuterStride<>(S));
+        CMap p(pp, Sq, keys, Eigen::OuterStride<>(ld));
         dv.noalias() += p.transpose() * dout_h;
-        dp.noalias() = dout_h * v.transpose();
-        for (int64_t i = 0; i < S; ++i) {  // dS = P * (dP - rowsum(dP * P))
+        dp.noalias() = dout_h * hv.v.transpose();
+        for (int64_t i = 0; i < Sq; ++i) {  // dS = P * (dP - rowsum(dP * P))
+          const int64_t n = q0 + i + 1;     // causal: keys 0..q0+i
           float dot = 0;
-          for (int64_t j = 0; j <= i; ++j) dot += dp(i, j) * pp[i * S + j];
-          for (int64_t j = 0; j < S; ++j) dp(i, j) = j <= i ? pp[i * S + j] * (dp(i, j) - dot) * scale : 0.0f;
+          for (int64_t j = 0; j < n; ++j) dot += dp(i, j) * pp[i * ld + j];
+          for (int64_t j = 0; j < keys; ++j) dp(i, j) = j < n ? pp[i * ld + j] * (dp(i, j) - dot) * scale : 0.0f;
         }
-        dq.noalias() += dp * k;
-        dk.noalias() += dp.transpose() * q;
+        dq.noalias() += dp * hv.k;
+        dk.noalias() += dp.transpose() * hv.q;
       }
     }
   }
 
   // Fused attention on the CPU: blocks of kFlashRows queries against the keys up to the
-  // block's last row, so the scores of one block (kFlashRows x S) are the largest scratch;
-  // the backward rebuilds a block's probabilities from lse, as FlashAttention-2 does.
+  // block's last row, so the scores of one block (kFlashRows x keys) are the largest
+  // scratch; the backward rebuilds a block's probabilities from lse, as FlashAttention-2 does.
   static constexpr int64_t kFlashRows = 64;
-  void flash_attention_forward(float* out, float* lse, const float* qkv, int64_t S, int64_t B, int64_t A, int64_t G,
-                               int64_t D) override {
+  void flash_attention_forward_cp(float* out, float* lse, const float* q, int64_t ldq, const float* kv, int64_t ldkv,
+                                  int64_t Sq, int64_t q0, int64_t B, int64_t A, int64_t G, int64_t D) override {
     const int64_t ldo = A * D;
     const float scale = 1.0f / std::sqrt(static_cast<float>(D));
     RowMat sc;
     for (int64_t b = 0; b < B; ++b) {
       for (int64_t h = 0; h < A; ++h) {
-        const HeadViews hv(qkv, b, h, S, B, A, G, D);
-        for (int64_t q0 = 0; q0 < S; q0 += kFlashRows) {
-          const int64_t r = std::min(kFlashRows, S - q0), keys = q0 + r;
-          sc.noalias() = scale * (hv.q.middleRows(q0, r) * hv.k.topRows(keys).transpose());
-          float* l = lse + (b * A + h) * S + q0;
+        const HeadViews hv(q, ldq, kv, ldkv, b, h, Sq, q0 + Sq, B, A, G, D);
+        for (int64_t r0 = 0; r0 < Sq; r0 += kFlashRows) {
+          const int64_t r = std::min(kFlashRows, Sq - r0), keys = q0 + r0 + r;
+          sc.noalias() = scale * (hv.q.middleRows(r0, r) * hv.k.topRows(keys).transpose());
+          float* l = lse + (b * A + h) * Sq + r0;
           for (int64_t i = 0; i < r; ++i) {
             float* row = sc.data() + i * keys;
-            const int64_t n = q0 + i + 1;  // causal: keys 0..q0+i
+            const int64_t n = q0 + r0 + i + 1;  // causal: keys 0..q0+r0+i
             const float mx = *std::max_element(row, row + n);
             float sum = 0;
             for (int64_t j = 0; j < n; ++j) sum += (row[j] = std::exp(row[j] - mx));
@@ -287,37 +322,37 @@ class CpuBackend final : public Backend {
             std::fill(row + n, row + keys, 0.0f);
             l[i] = mx + std::log(sum);
           }
-          MMap o(out + (q0 * B + b) * ldo + h * D, r, D, Eigen::OuterStride<>(B * ldo));
+          MMap o(out + (r0 * B + b) * ldo + h * D, r, D, Eigen::OuterStride<>(B * ldo));
           o.noalias() = sc * hv.v.topRows(keys);
         }
       }
     }
   }
-  void flash_attention_backward(float* dqkv, const float* dout, const float* out, const float* lse, const float* qkv,
-                                int64_t S, int64_t B, int64_t A, int64_t G, int64_t D) override {
-    const int64_t ld = (A + 2 * G) * D, ldo = A * D;
+  void flash_attention_backward_cp(float* dq_, int64_t ldq, float* dkv, int64_t ldkv, const float* dout,
+                                   const float* out, const float* lse, const float* q, const float* kv, int64_t Sq,
+                                   int64_t q0, int64_t B, int64_t A, int64_t G, int64_t D) override {
+    const int64_t ldo = A * D;
     const float scale = 1.0f / std::sqrt(static_cast<float>(D));
-    for (int64_t i = 0; i < S * B; ++i) std::fill(dqkv + i * ld, dqkv + i * ld + ld, 0.0f);
     RowMat p, dp;
     for (int64_t b = 0; b < B; ++b) {
       for (int64_t h = 0; h < A; ++h) {
         const int64_t g = h / (A / G);
-        const HeadViews hv(qkv, b, h, S, B, A, G, D);
-        MMap dk(dqkv + b * ld + (A + g) * D, S, D, Eigen::OuterStride<>(B * ld));
-        MMap dv(dqkv + b * ld + (A + G + g) * D, S, D, Eigen::OuterStride<>(B * ld));
-        for (int64_t q0 = 0; q0 < S; q0 += kFlashRows) {
-          const int64_t r = std::min(kFlashRows, S - q0), keys = q0 + r;
-          CMap dout_b(dout + (q0 * B + b) * ldo + h * D, r, D, Eigen::OuterStride<>(B * ldo));
-          CMap out_b(out + (q0 * B + b) * ldo + h * D, r, D, Eigen::OuterStride<>(B * ldo));
-          MMap dq(dqkv + (q0 * B + b) * ld + h * D, r, D, Eigen::OuterStride<>(B * ld));
-          p.noalias() = scale * (hv.q.middleRows(q0, r) * hv.k.topRows(keys).transpose());
+        const HeadViews hv(q, ldq, kv, ldkv, b, h, Sq, q0 + Sq, B, A, G, D);
+        MMap dk(dkv + b * ldkv + g * D, q0 + Sq, D, Eigen::OuterStride<>(B * ldkv));
+        MMap dv(dkv + b * ldkv + (G + g) * D, q0 + Sq, D, Eigen::OuterStride<>(B * ldkv));
+        for (int64_t r0 = 0; r0 < Sq; r0 += kFlashRows) {
+          const int64_t r = std::min(kFlashRows, Sq - r0), keys = q0 + r0 + r;
+          CMap dout_b(dout + (r0 * B + b) * ldo + h * D, r, D, Eigen::OuterStride<>(B * ldo));
+          CMap out_b(out + (r0 * B + b) * ldo + h * D, r, D, Eigen::OuterStride<>(B * ldo));
+          MMap dq(dq_ + (r0 * B + b) * ldq + h * D, r, D, Eigen::OuterStride<>(B * ldq));
+          p.noalias() = scale * (hv.q.middleRows(r0, r) * hv.k.topRows(keys).transpose());
           dp.noalias() = dout_b * hv.v.topRows(keys).transpose();
-          const float* l = lse + (b * A + h) * S + q0;
+          const float* l = lse + (b * A + h) * Sq + r0;
           for (int64_t i = 0; i < r; ++i) {  // P from lse; dS = P * (dP - rowsum(dO * O)) * scale
             const float delta = dout_b.row(i).dot(out_b.row(i));
             float* pr = p.data() + i * keys;
             float* dr = dp.data() + i * keys;
-            const int64_t n = q0 + i + 1;
+            const int64_t n = q0 + r0 + i + 1;
             for (int64_t j = 0; j < n; ++j) {
               pr[j] = std::exp(pr[j] - l[i]);
               dr[j] = pr[j] * (dr[j] - delta) * scale;
@@ -327,7 +362,7 @@ class CpuBackend final : public Backend {
           }
           dv.topRows(keys).noalias() += p.transpose() * dout_b;
           dq.noalias() += dp * hv.k.topRows(keys);
-          dk.topRows(keys).noalias() += dp.transpose() * hv.q.middleRows(q0, r);
+          dk.topRows(keys).noalias() += dp.transpose() * hv.q.middleRows(r0, r);
         }
       }
     }
@@ -471,22 +506,24 @@ class CpuBackend final : public Backend {
   }
 
  private:
-  static void softmax_causal(float* p, int64_t S) {
-    for (int64_t i = 0; i < S; ++i) {
-      float* row = p + i * S;
+  // Row i of the (rows, ld) scores: softmax over keys 0..q0+i, zero after them up to ld.
+  static void softmax_causal(float* p, int64_t rows, int64_t ld, int64_t q0) {
+    for (int64_t i = 0; i < rows; ++i) {
+      float* row = p + i * ld;
+      const int64_t n = q0 + i + 1;
       float mx = row[0];
-      for (int64_t j = 1; j <= i; ++j) mx = std::max(mx, row[j]);
+      for (int64_t j = 1; j < n; ++j) mx = std::max(mx, row[j]);
       // exp into an aligned buffer (Eigen peels unaligned heads with the scalar exp, so the
       // row's address would decide which elements get which exp), then a plain
       // left-to-right sum (a vectorised sum() associates by alignment too): the same bits
       // on every run.
       thread_local Eigen::ArrayXf e;
-      if (e.size() < S) e.resize(S);
-      e.head(i + 1) = (CAMap(row, i + 1) - mx).exp();
+      if (e.size() < n) e.resize(n);
+      e.head(n) = (CAMap(row, n) - mx).exp();
       float sum = 0;
-      for (int64_t j = 0; j <= i; ++j) sum += e[j];
-      AMap(row, i + 1) = e.head(i + 1) * (1.0f / sum);
-      for (int64_t j = i + 1; j < S; ++j) row[j] = 0.0f;
+      for (int64_t j = 0; j < n; ++j) sum += e[j];
+      AMap(row, n) = e.head(n) * (1.0f / sum);
+      for (int64_t j = n; j < ld; ++j) row[j] = 0.0f;
     }
   }
 };

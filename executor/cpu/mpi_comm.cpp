@@ -57,7 +57,7 @@ class MpiComm final : public Comm {
 
   void setup(const ProcessGrid& grid) override {
     Watch w(this, "comm_split", world_group_name_, world_ranks_);
-    for (int kind : {kTensor, kData, kPipeline, kEmbedding, kModel}) {
+    for (int kind : {kTensor, kData, kPipeline, kEmbedding, kModel, kContext, kReplica}) {
       const auto groups = grid.all_groups(static_cast<GroupKind>(kind));
       int color = MPI_UNDEFINED;
       for (size_t i = 0; i < groups.size(); ++i)

@@ -109,7 +109,7 @@ class NcclComm final : public Comm {
     inner_->broadcast(wire.data(), static_cast<int64_t>(wire.size()), 0, grid.group(kWorld, rank()));
     std::memcpy(&id, wire.data(), sizeof(id));
     NCCL_CHECK(nccl().CommInitRank(&comms_[kWorld], size(), id, rank()));
-    for (int kind : {kTensor, kData, kPipeline, kEmbedding, kModel}) {
+    for (int kind : {kTensor, kData, kPipeline, kEmbedding, kModel, kContext, kReplica}) {
       const auto groups = grid.all_groups(static_cast<GroupKind>(kind));
       int color = NCCL_SPLIT_NOCOLOR;
       for (size_t i = 0; i < groups.size(); ++i)
