@@ -35,7 +35,7 @@ usage:
                    [--weight-decay X] [--clip-grad X] [--loss-scale X] [--loss-scale-window N]
                    [--dump-params FILE] [--checkpoint-dir D [--checkpoint-every N] [--keep-checkpoints K]
                    [--resume]] [--quiet] [--backend cpu|cuda [--comm auto|nccl|staged]]
-                                                          (under mpirun -np tp*pp*dp)
+                                                       (under mpirun -np tp*pp*dp*cp)
   strata profile   [--backend cpu|cuda [--comm auto|nccl|staged]] [--out FILE] [--quick] [--json]
                    [--max-bytes N] [--model M [--tp T]]
                                                           (under mpirun: one rank per core to use)

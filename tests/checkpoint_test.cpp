@@ -121,7 +121,9 @@ TEST(CheckpointResume, ReshardsBetweenPlans) {
   };
   for (const Pair& pr : {Pair{"tp=2,pp=2,mbs=1,gbs=8,precision=fp32", "dp=4,mbs=1,gbs=8,precision=fp32"},
                          Pair{"dp=4,zero=3,mbs=1,gbs=8,precision=fp32", "mbs=1,gbs=8,precision=fp32"},
-                         Pair{"pp=2,vp=2,dp=2,zero=1,mbs=1,gbs=8,precision=fp32", "tp=2,sp=1,mbs=2,gbs=8,precision=fp32"}}) {
+                         Pair{"pp=2,vp=2,dp=2,zero=1,mbs=1,gbs=8,precision=fp32", "tp=2,sp=1,mbs=2,gbs=8,precision=fp32"},
+                         // ZeRO shards over data x context parallel, saved and loaded.
+                         Pair{"cp=2,dp=2,zero=1,mbs=1,gbs=8,precision=fp32", "cp=2,zero=3,mbs=1,gbs=8,precision=fp32"}}) {
     const fs::path dir = fresh_dir("strata_ckpt_reshard");
     const TrainRun saved = strata_test::train("tiny-gpt", pr.from, 6, kArgs + " --checkpoint-dir " + dir.string() +
                                                                           " --checkpoint-every 3 --keep-checkpoints 3");
