@@ -331,7 +331,9 @@ double attention_core_forward(Acc& a, Phase ph) {
   return t;
 }
 
-double attention_core_backward(Acc& a) {
+// mlp_s: the MLP block's backward compute before it, behind which the strata executor
+// gathers the keys and values again.
+double attention_core_backward(Acc& a, double mlp_s) {
   const ModelSpec& m = a.m;
   const Plan& p = a.p;
   const double e = a.cs.work_bytes;
@@ -357,11 +359,12 @@ double attention_core_backward(Acc& a) {
     t += a.batched("attn_scores", ph, flops, bytes, heads);   // dK = dS^T Q
   }
   if (p.c > 1) {
-    // K, V travel again and their gradients travel back (strata: an all-gather and a
-    // reduce-scatter, exposed).
+    // K, V travel again and their gradients travel back (strata: an all-gather started
+    // before the MLP block's backward and a reduce-scatter, exposed).
     const double kv_bytes = e * a.cs.T * static_cast<double>(2 * m.G * m.D()) / static_cast<double>(p.t);
     if (a.cs.stack.strata) {
-      a.comm("cp_kv_gather", ph, OpKind::cp_comm, a.cp, Collective::all_gather, kv_bytes * static_cast<double>(p.c));
+      a.comm("cp_kv_gather", ph, OpKind::cp_comm, a.cp, Collective::all_gather, kv_bytes * static_cast<double>(p.c),
+             mlp_s);
       a.comm("cp_dkv_reduce_scatter", ph, OpKind::cp_comm, a.cp, Collective::reduce_scatter,
              kv_bytes * static_cast<double>(p.c));
     } else {
@@ -468,6 +471,7 @@ void layer_backward(Acc& a) {
   const double Ft = static_cast<double>(m.F) / t;
   const double mask = m.hidden_dropout > 0 ? 1.0 : 0.0;
   // MLP block, in reverse.
+  const double compute0 = a.w(ph).compute_s;
   a.mem("bias_dropout_add", ph, (2.0 * e + mask) * Tn * H);
   a.tp_gather("sp_all_gather", ph);  // backward of the reduce-scatter after fc2
   a.linear("fc2", ph, T, H, Ft);
@@ -479,11 +483,12 @@ void layer_backward(Acc& a) {
   a.linear("fc1", ph, T, fc1_cols, H);
   a.tp_reduce(p.sp ? "sp_reduce_scatter" : "tp_all_reduce", ph, wgrad_overlap(a, T, fc1_cols, H));
   a.mem("norm2", ph, 3.0 * e * Tn * H);
+  const double mlp_s = a.w(ph).compute_s - compute0;
   // Attention block, in reverse.
   a.mem("bias_dropout_add", ph, (2.0 * e + mask) * Tn * H);
   a.tp_gather("sp_all_gather", ph);
   a.linear("attn_proj", ph, T, H, ADt);
-  attention_core_backward(a);
+  attention_core_backward(a, mlp_s);
   if (m.position == Position::rope) a.mem("rope", ph, 2.0 * e * T * static_cast<double>(m.AD() + m.G * m.D()) / t);
   const double qkv_dgrad = a.gemm_s(T, H, qkv_cols);
   a.tp_gather("sp_all_gather", ph, qkv_dgrad);

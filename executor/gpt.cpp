@@ -117,20 +117,36 @@ void timed_cp(const ModelCtx& c, auto&& fn) {
 
 // Context parallel: the keys and values of the whole sequence in position order, from every
 // cp rank's QKV rows (S cp * B rows of 2 Gt D): an all-gather of each rank's two chunks,
-// then each chunk to its place.
-Buf gather_kv(const ModelCtx& c, const Buf& qkv, int64_t At, int64_t Gt) {
-  const int64_t D = c.m->D(), Q = (At + 2 * Gt) * D, KV = 2 * Gt * D, N = c.N(), chunk = c.seg_len() * c.B * KV;
-  Buf local = c.f32(N * KV);
-  c.be->copy_rows(local.data(), KV, qkv.data() + At * D, Q, N, KV);
-  Buf all = c.f32(c.cp * N * KV);
-  timed_cp(c, [&] { c.comm->all_gather(local.data(), all.data(), N * KV, c.cpg); });
-  local.release();
+// then each chunk to its place. Started and finished apart, so the backward can run the
+// MLP block's while it is in flight.
+struct KvGather {
+  Buf local, all;
+  Request req;
+};
+KvGather start_gather_kv(const ModelCtx& c, const Buf& qkv, int64_t At, int64_t Gt) {
+  const int64_t D = c.m->D(), Q = (At + 2 * Gt) * D, KV = 2 * Gt * D, N = c.N();
+  KvGather g;
+  g.local = c.f32(N * KV);
+  c.be->copy_rows(g.local.data(), KV, qkv.data() + At * D, Q, N, KV);
+  g.all = c.f32(c.cp * N * KV);
+  g.req = c.comm->iall_gather(g.local.data(), g.all.data(), N * KV, c.cpg);
+  return g;
+}
+Buf finish_gather_kv(const ModelCtx& c, KvGather* g, int64_t Gt) {
+  const int64_t KV = 2 * Gt * c.m->D(), N = c.N(), chunk = c.seg_len() * c.B * KV;
+  timed_cp(c, [&] { c.comm->wait(g->req); });
+  g->local.release();
   Buf full = c.f32(c.cp * N * KV);
   for (int64_t j = 0; j < c.cp; ++j) {
-    c.be->copy(full.data() + j * chunk, all.data() + 2 * j * chunk, chunk);
-    c.be->copy(full.data() + (2 * c.cp - 1 - j) * chunk, all.data() + (2 * j + 1) * chunk, chunk);
+    c.be->copy(full.data() + j * chunk, g->all.data() + 2 * j * chunk, chunk);
+    c.be->copy(full.data() + (2 * c.cp - 1 - j) * chunk, g->all.data() + (2 * j + 1) * chunk, chunk);
   }
+  g->all.release();
   return full;
+}
+Buf gather_kv(const ModelCtx& c, const Buf& qkv, int64_t At, int64_t Gt) {
+  KvGather g = start_gather_kv(c, qkv, At, Gt);
+  return finish_gather_kv(c, &g, Gt);
 }
 
 // The reverse: the gradients of the whole sequence's keys and values (position order),
@@ -332,6 +348,15 @@ Buf layer_backward(const ModelCtx& c, const UnitView& u, int64_t l, LayerActs* a
   const int64_t H = m.H, D = m.D(), At = m.A / c.t, Gt = m.G / c.t, Q = (At + 2 * Gt) * D;
   const int64_t Ft = m.F / c.t, F1 = m.fc1_out() / c.t, N = c.N(), n = c.n();
   const bool gathered = c.sp && c.t > 1;
+  // Context parallel: the attention's backward needs every rank's keys and values again.
+  // Their gather starts here and runs behind the MLP block's backward, whose polls progress
+  // it (MPI moves only inside its calls).
+  KvGather kv_pre;
+  if (c.cp > 1) kv_pre = start_gather_kv(c, a->qkv, At, Gt);
+  auto tick = [&] {
+    c.tick();
+    if (c.cp > 1) c.comm->test(kv_pre.req);
+  };
   Buf dx = copy_of(c, dout);  // (n, H) gradient of the residual stream
   // MLP block: out = x2 + fc2(act(fc1(norm2(x2)))).
   bias_grad(c, u.grad_or_null(TensorKind::fc2_b, l), dout.data(), n, H);
@@ -339,9 +364,9 @@ Buf layer_backward(const ModelCtx& c, const UnitView& u, int64_t l, LayerActs* a
   round(c, dy);
   Buf da = c.f32(N * Ft);
   c.be->gemm(false, false, N, Ft, H, 1.0f, dy.data(), H, u.weight(TensorKind::fc2_w, l), Ft, 0.0f, da.data(), Ft);
-  c.tick();
+  tick();
   c.be->gemm(true, false, H, Ft, N, 1.0f, dy.data(), H, a->a.data(), Ft, 1.0f, u.grad(TensorKind::fc2_w, l), Ft);
-  c.tick();
+  tick();
   dy.release();
   Buf du = c.f32(N * F1);
   c.be->activation_backward(m.activation, du.data(), da.data(), a->u.data(), N, Ft);
@@ -349,11 +374,11 @@ Buf layer_backward(const ModelCtx& c, const UnitView& u, int64_t l, LayerActs* a
   round(c, du);
   const float* g2 = gathered ? a->g2.data() : a->h2.data();
   c.be->gemm(true, false, F1, H, N, 1.0f, du.data(), F1, g2, H, 1.0f, u.grad(TensorKind::fc1_w, l), H);
-  c.tick();
+  tick();
   bias_grad(c, u.grad_or_null(TensorKind::fc1_b, l), du.data(), N, F1);
   Buf dg2 = c.f32(N * H);
   c.be->gemm(false, false, N, H, F1, 1.0f, du.data(), F1, u.weight(TensorKind::fc1_w, l), H, 0.0f, dg2.data(), H);
-  c.tick();
+  tick();
   du.release();
   Buf dh2 = reduce_rows(c, std::move(dg2), H);
   norm_backward(c, dx.data(), u.grad(TensorKind::ln2_w, l), u.grad_or_null(TensorKind::ln2_b, l), dh2, a->x2, a->mean2,
@@ -375,10 +400,10 @@ Buf layer_backward(const ModelCtx& c, const UnitView& u, int64_t l, LayerActs* a
   round(c, datt);
   Buf dqkv;
   if (c.cp > 1) {
-    // The keys and values travel again (the forward kept only this rank's), and their
-    // gradients, summed over the cp ranks, travel back.
+    // The keys and values travelled again (the forward kept only this rank's; gathered
+    // behind the MLP block above), and their gradients, summed over the cp ranks, travel back.
     const int64_t Sc = c.seg_len(), Sg = c.S_global(), KV = 2 * Gt * D;
-    const Buf kv = gather_kv(c, a->qkv, At, Gt);
+    const Buf kv = finish_gather_kv(c, &kv_pre, Gt);
     if (c.flash ? a->lse.empty() : a->probs.empty()) {  // selective recompute: the core's forward again
       const double t0 = c.now(), cp0 = c.cp_comm_s ? *c.cp_comm_s : 0.0;
       Buf again = c.f32(N * At * D);

@@ -187,8 +187,8 @@ TEST(Compute, StrataSixteenBitPasses) {
 }
 
 // Context parallelism on the strata executor (gpt.cpp): an all-gather of every rank's keys
-// and values before the core, again in the backward with a reduce-scatter of their
-// gradients, all exposed; and its unfused core computes each of its two chunks of S/2c
+// and values before the core, again in the backward (started before the MLP block's
+// backward, behind it) with a reduce-scatter of their gradients (exposed); and its unfused core computes each of its two chunks of S/2c
 // queries against the keys up to the chunk's end, (2c+1)/(4c) of the Sq x Sk products.
 // tiny-gpt: H = 256, A = G = 4, D = 64, S = 128; cp = 2, mbs 2, fp32: T = 2 * 128 / 2 = 128
 // tokens here, K and V = 4 bytes * 128 * 2 * 4 * 64 = 262,144 bytes; the gather's output is
@@ -217,6 +217,12 @@ TEST(Compute, StrataContextParallelExchanges) {
   EXPECT_DOUBLE_EQ(sum(ops, "cp_kv_gather", Phase::forward, &OpCost::exposed_s),
                    sum(ops, "cp_kv_gather", Phase::forward, &OpCost::time_s));
   EXPECT_DOUBLE_EQ(sum(ops, "attn_scores", Phase::forward, &OpCost::flops), 2.0 * 8 * 64 * 128 * 64 * 5.0 / 8.0);
+  // The backward's gather starts before the MLP block's backward: hidden behind it but for
+  // the overlap's contention cost; the reduce-scatter stays exposed.
+  EXPECT_LT(sum(ops, "cp_kv_gather", Phase::backward, &OpCost::exposed_s),
+            0.5 * sum(ops, "cp_kv_gather", Phase::backward, &OpCost::time_s));
+  EXPECT_DOUBLE_EQ(sum(ops, "cp_dkv_reduce_scatter", Phase::backward, &OpCost::exposed_s),
+                   sum(ops, "cp_dkv_reduce_scatter", Phase::backward, &OpCost::time_s));
   // Megatron's ring on another stack: (cp - 1) steps of K and V, and the whole score block.
   c.strata_stack = false;
   ops = ops_of();
