@@ -74,7 +74,7 @@ void check_rank_fits(const ModelSpec& m, const Plan& p, double capacity, const s
   // for its layers and up to pp micro-batches in flight. Refuse plans that cannot fit
   // instead of failing to allocate.
   const double states = m.total_params() / static_cast<double>(p.t * p.p) * 16.0;
-  const double tokens = static_cast<double>(p.mbs) * static_cast<double>(m.S);
+  const double tokens = static_cast<double>(p.mbs) * static_cast<double>(m.S) / static_cast<double>(p.c);  // this rank's
   const double scores = p.attention == AttentionChoice::flash
                             ? 0.0
                             : 5.0 * static_cast<double>(m.A) * static_cast<double>(m.S) / static_cast<double>(m.H);
