@@ -322,9 +322,11 @@ double attention_core_forward(Acc& a, Phase ph) {
   // strata executor all-gathers them before the core instead (the same bytes), exposed.
   if (p.c > 1) {
     const double kv_bytes = e * a.cs.T * static_cast<double>(2 * m.G * m.D()) / static_cast<double>(p.t);
-    if (a.cs.stack.strata)
-      a.comm("cp_kv_gather", ph, OpKind::cp_comm, a.cp, Collective::all_gather, kv_bytes * static_cast<double>(p.c));
-    else
+    if (a.cs.stack.strata) {
+      // Selective recompute's core reuses the keys and values its backward gathers.
+      if (!(ph == Phase::recompute && p.recompute == Recompute::selective))
+        a.comm("cp_kv_gather", ph, OpKind::cp_comm, a.cp, Collective::all_gather, kv_bytes * static_cast<double>(p.c));
+    } else
       a.comm("cp_kv_exchange", ph, OpKind::cp_comm, a.cp, Collective::send_recv,
              kv_bytes * static_cast<double>(p.c - 1), t);
   }

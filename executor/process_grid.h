@@ -22,6 +22,7 @@ struct Group {
 // kContext: the context-parallel ranks of one (tp, dp, pp); kReplica: every rank holding the
 // same parameters (data x context parallel, context innermost), what gradients are reduced over.
 enum GroupKind { kWorld = 0, kTensor = 1, kData = 2, kPipeline = 3, kEmbedding = 4, kModel = 5, kContext = 6, kReplica = 7 };
+constexpr int kGroupKinds = kReplica + 1;  // what a communicator's per-kind tables hold
 
 struct Coords {
   int64_t tp = 0, cp = 0, dp = 0, pp = 0;

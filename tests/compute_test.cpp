@@ -223,6 +223,14 @@ TEST(Compute, StrataContextParallelExchanges) {
             0.5 * sum(ops, "cp_kv_gather", Phase::backward, &OpCost::time_s));
   EXPECT_DOUBLE_EQ(sum(ops, "cp_dkv_reduce_scatter", Phase::backward, &OpCost::exposed_s),
                    sum(ops, "cp_dkv_reduce_scatter", Phase::backward, &OpCost::time_s));
+  // Recompute: full replays the layer's forward with its gather; selective's core reuses
+  // the keys and values its backward gathers.
+  for (const auto& [rc, gathered] : {std::pair<const char*, double>{"full", 524288.0}, {"selective", 0.0}}) {
+    const Plan pr = load_plan(std::string("cp=2,mbs=2,precision=fp32,recompute=") + rc);
+    std::vector<OpCost> rops;
+    layer_cost(m, c, pr, compute_setup(m, c, pr), &rops);
+    EXPECT_DOUBLE_EQ(sum(rops, "cp_kv_gather", Phase::recompute, &OpCost::bytes), gathered) << rc;
+  }
   // Megatron's ring on another stack: (cp - 1) steps of K and V, and the whole score block.
   c.strata_stack = false;
   ops = ops_of();

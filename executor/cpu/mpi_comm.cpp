@@ -35,8 +35,9 @@ namespace strata {
 namespace {
 
 const char* group_name(int id) {
-  static const char* names[] = {"world", "tensor", "data", "pipeline", "embedding", "model"};
-  return id >= 0 && id < 6 ? names[id] : "other";
+  static const char* names[] = {"world", "tensor", "data", "pipeline", "embedding", "model", "context", "data x context"};
+  static_assert(sizeof(names) / sizeof(names[0]) == kGroupKinds);
+  return id >= 0 && id < kGroupKinds ? names[id] : "other";
 }
 
 class MpiComm final : public Comm {
@@ -45,7 +46,7 @@ class MpiComm final : public Comm {
     MPI_CHECK(MPI_Comm_rank(MPI_COMM_WORLD, &rank_));
     MPI_CHECK(MPI_Comm_size(MPI_COMM_WORLD, &size_));
     MPI_CHECK(MPI_Comm_set_errhandler(MPI_COMM_WORLD, MPI_ERRORS_RETURN));
-    comms_.assign(8, MPI_COMM_NULL);
+    comms_.assign(kGroupKinds, MPI_COMM_NULL);
     comms_[kWorld] = MPI_COMM_WORLD;
   }
   ~MpiComm() override {

@@ -75,7 +75,7 @@ const NcclApi& nccl() {
   return api;
 }
 
-constexpr int kKinds = 6;  // kWorld .. kModel (process_grid.h)
+constexpr int kKinds = kGroupKinds;  // kWorld .. kReplica (process_grid.h)
 
 class NcclComm final : public Comm {
  public:
