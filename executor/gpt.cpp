@@ -12,11 +12,13 @@
 namespace strata {
 namespace {
 
-void timed(const ModelCtx& c, auto&& fn) {
+// Runs a collective, adding its seconds to *sum (a ModelCtx counter; null: not counted).
+void timed_into(const ModelCtx& c, double* sum, auto&& fn) {
   const double t0 = c.now();
   fn();
-  if (c.tp_comm_s) *c.tp_comm_s += c.now() - t0;
+  if (sum) *sum += c.now() - t0;
 }
+void timed(const ModelCtx& c, auto&& fn) { timed_into(c, c.tp_comm_s, fn); }
 
 // (n, H) rows of every tp rank -> (N, H): sequence-parallel all-gather.
 Buf gather_rows(const ModelCtx& c, const Buf& in, int64_t H) {
@@ -109,10 +111,16 @@ void rope_rows(const ModelCtx& c, float* x, int64_t heads, int64_t ld, bool inve
     c.be->rope_at(x + k * c.seg_len() * c.B * ld, c.seg_len(), c.B, heads, D, ld, inverse, c.seg_pos(k));
 }
 
-void timed_cp(const ModelCtx& c, auto&& fn) {
-  const double t0 = c.now();
-  fn();
-  if (c.cp_comm_s) *c.cp_comm_s += c.now() - t0;
+// The blocks of an all-gather over the cp ranks (rank j's: its chunks j and 2 cp - 1 - j,
+// `chunk` floats each) to position order, or (to_ranks) back into the blocks of a
+// reduce-scatter.
+void reorder_chunks(const ModelCtx& c, float* dst, const float* src, int64_t chunk, bool to_ranks) {
+  for (int64_t j = 0; j < c.cp; ++j)
+    for (int64_t k = 0; k < 2; ++k) {
+      const int64_t block = (2 * j + k) * chunk, position = (k == 0 ? j : 2 * c.cp - 1 - j) * chunk;
+      if (to_ranks) c.be->copy(dst + block, src + position, chunk);
+      else c.be->copy(dst + position, src + block, chunk);
+    }
 }
 
 // Context parallel: the keys and values of the whole sequence in position order, from every
@@ -134,13 +142,10 @@ KvGather start_gather_kv(const ModelCtx& c, const Buf& qkv, int64_t At, int64_t 
 }
 Buf finish_gather_kv(const ModelCtx& c, KvGather* g, int64_t Gt) {
   const int64_t KV = 2 * Gt * c.m->D(), N = c.N(), chunk = c.seg_len() * c.B * KV;
-  timed_cp(c, [&] { c.comm->wait(g->req); });
+  timed_into(c, c.cp_comm_s, [&] { c.comm->wait(g->req); });
   g->local.release();
   Buf full = c.f32(c.cp * N * KV);
-  for (int64_t j = 0; j < c.cp; ++j) {
-    c.be->copy(full.data() + j * chunk, g->all.data() + 2 * j * chunk, chunk);
-    c.be->copy(full.data() + (2 * c.cp - 1 - j) * chunk, g->all.data() + (2 * j + 1) * chunk, chunk);
-  }
+  reorder_chunks(c, full.data(), g->all.data(), chunk, false);
   g->all.release();
   return full;
 }
@@ -154,12 +159,9 @@ Buf gather_kv(const ModelCtx& c, const Buf& qkv, int64_t At, int64_t Gt) {
 void scatter_dkv(const ModelCtx& c, const Buf& dkv, float* dqkv, int64_t At, int64_t Gt) {
   const int64_t D = c.m->D(), Q = (At + 2 * Gt) * D, KV = 2 * Gt * D, N = c.N(), chunk = c.seg_len() * c.B * KV;
   Buf blocks = c.f32(c.cp * N * KV);
-  for (int64_t j = 0; j < c.cp; ++j) {
-    c.be->copy(blocks.data() + 2 * j * chunk, dkv.data() + j * chunk, chunk);
-    c.be->copy(blocks.data() + (2 * j + 1) * chunk, dkv.data() + (2 * c.cp - 1 - j) * chunk, chunk);
-  }
+  reorder_chunks(c, blocks.data(), dkv.data(), chunk, true);
   Buf mine = c.f32(N * KV);
-  timed_cp(c, [&] { c.comm->reduce_scatter(blocks.data(), mine.data(), N * KV, c.cpg); });
+  timed_into(c, c.cp_comm_s, [&] { c.comm->reduce_scatter(blocks.data(), mine.data(), N * KV, c.cpg); });
   blocks.release();
   c.be->copy_rows(dqkv + At * D, Q, mine.data(), KV, N, KV);
 }
