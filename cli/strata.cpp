@@ -95,6 +95,7 @@ int cmd_estimate(const std::vector<std::string>& argv) {
   const Cluster cl = load_cluster(a.required("cluster", "a preset or a cluster JSON"));
   const ModelSpec m = model_on_stack(
       load_model(a.required("model", "a preset or a model JSON"), a.integer("seq-length", 0, 1, 1 << 24)), cl);
+  print_model_notes(m);
   const Plan p = load_plan(a.required("plan", "a plan JSON or tp=..,pp=..,dp=.. pairs"));
   if (a.has("gpus") && a.integer("gpus", 1, 1, 1 << 24) != p.world_size())
     fail_field("--gpus", a.get("gpus"),
@@ -171,6 +172,7 @@ int cmd_plan(const std::vector<std::string>& argv) {
   const Cluster cl = load_cluster(a.required("cluster", "a preset or a cluster JSON"));
   const ModelSpec m = model_on_stack(
       load_model(a.required("model", "a preset or a model JSON"), a.integer("seq-length", 0, 1, 1 << 24)), cl);
+  print_model_notes(m);
   SearchOptions so;
   so.gpus = a.integer("gpus", 0, 1, 1 << 24);
   if (!a.has("gpus")) a.required("gpus", "the number of GPUs to plan for");
@@ -206,6 +208,13 @@ int cmd_plan(const std::vector<std::string>& argv) {
   }
 
   const SearchResult r = search(m, cl, so);
+  // A --fix no candidate can meet (tp=16 on 8 GPUs, a vp that divides no stage's layers)
+  // is bad input, not an infeasible search.
+  if (r.candidates_evaluated == 0 && a.has("fix"))
+    fail_field("--fix", a.get("fix"),
+               fmt::format("leaves no candidate plan: tp*pp*dp*cp must equal --gpus {} and each fixed size must "
+                           "suit the model ({} layers, {} heads, {} query groups, sequence {})",
+                           so.gpus, m.L, m.A, m.G, m.S));
   if (r.plans.empty()) {
     std::string why;
     for (const auto& [k, v] : r.rejected) why += fmt::format("{}{} {}", why.empty() ? "" : ", ", k, v);

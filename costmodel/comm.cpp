@@ -36,9 +36,9 @@ double bus_factor(Collective c, int64_t n) {
 double bus_bandwidth(const Cluster& cl, const GroupSpan& g, Collective c) {
   const double intra = cl.intra.bandwidth_bytes_per_s * cl.intra.efficiency(c);
   if (g.nodes <= 1) return intra;
-  // The node's NICs are shared by the devices_per_node / per_node groups of this kind.
-  const double share = cl.inter.bandwidth_bytes_per_s * static_cast<double>(g.per_node) /
-                       static_cast<double>(cl.devices_per_node);
+  // The node's NICs are shared by the devices_per_node / per_node groups of this kind: a
+  // group gets its members' shares (the bandwidth is per device).
+  const double share = cl.inter.bandwidth_bytes_per_s * static_cast<double>(g.per_node);
   return std::min(intra, share * cl.inter.efficiency(c));
 }
 

@@ -3,6 +3,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <string_view>
 
 #include "costmodel/comm.h"
 #include "costmodel/schedule.h"
@@ -314,6 +315,7 @@ Estimate estimate(const ModelSpec& m, const Cluster& cl, const Plan& p, const Es
     detail->stage_optimizer_s = opt_s;
     detail->stage_finish_s = finish;
     detail->layer = layer;
+    detail->plain_layer = plain;
     detail->embedding = emb;
     detail->head = head;
     detail->layer_ops = std::move(layer_ops);
@@ -353,7 +355,15 @@ Json estimate_to_json(const Estimate& e) {
   j["hardware_tflops_per_gpu"] = e.hardware_tflops_per_gpu;
   j["mfu"] = e.mfu;
   for (const auto& [k, v] : time_terms(e.time)) j["time_s"][k] = v;
-  for (const auto& [k, v] : memory_terms(e.memory)) j["memory_bytes"][k] = v;
+  // Whole bytes; the peak is the sum of the rounded terms, as the model's peak is theirs.
+  int64_t sum = 0;
+  for (const auto& [k, v] : memory_terms(e.memory)) {
+    if (std::string_view(k) == "peak") continue;
+    const int64_t b = std::llround(v);
+    j["memory_bytes"][k] = b;
+    sum += b;
+  }
+  j["memory_bytes"]["peak"] = sum;
   j["memory_stage"] = e.memory.stage;
   j["critical_stage"] = e.critical_stage;
   j["microbatches"] = e.microbatches;

@@ -52,6 +52,7 @@ struct EstimateDetail {
   std::vector<MemoryBreakdown> stage_memory;
   std::vector<double> stage_dp_exposed_s, stage_dp_total_s, stage_optimizer_s, stage_finish_s;
   LayerCost layer, embedding, head;
+  LayerCost plain_layer;          // a layer partial full recompute leaves alone (= layer otherwise)
   std::vector<OpCost> layer_ops;  // one layer, per micro-batch
 };
 

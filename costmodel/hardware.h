@@ -73,7 +73,7 @@ struct Device {
 };
 
 struct LinkTier {
-  double bandwidth_bytes_per_s = 0;  // intra: per device, one direction; inter: per node, all NICs
+  double bandwidth_bytes_per_s = 0;  // per device, one direction (inter: its share of the node's NICs)
   double latency_s = 0;              // per step of a collective's algorithm
   double eff_all_reduce = 1, eff_all_gather = 1, eff_reduce_scatter = 1, eff_send_recv = 1;
   double efficiency(Collective c) const {  // inline: the estimate asks for it per collective

@@ -16,6 +16,29 @@ constexpr int64_t kMaxHeads = 1 << 16;
 constexpr int64_t kMaxFfn = 1 << 24;
 constexpr int64_t kMaxVocab = 1 << 28;
 constexpr int64_t kMaxSeq = 1 << 24;
+
+// A model the cost model would silently mistake for a dense decoder-only transformer is
+// refused, naming the key. Mixture-of-experts: an expert count above one under any of
+// `keys` (zero or one expert is a dense MLP).
+void reject_experts(const Json& j, const std::string& source, std::initializer_list<const char*> keys) {
+  for (const char* k : keys) {
+    if (!j.contains(k) || j.at(k).is_null()) continue;
+    const Json& v = j.at(k);
+    if (v.is_number_integer() && (v.get<int64_t>() == 0 || v.get<int64_t>() == 1)) continue;
+    fail_field(source + "." + k, show_value(v),
+               "mixture-of-experts models are not modelled: strata plans dense transformers (no expert "
+               "parallelism); give a dense model, or 0 or 1 expert");
+  }
+}
+
+// Hugging Face model types of encoder-only models: bidirectional attention and no causal
+// language-model head, which the cost model and the executor do not have.
+bool encoder_only(const std::string& model_type) {
+  for (const char* t : {"bert", "roberta", "xlm-roberta", "deberta", "deberta-v2", "electra", "albert",
+                        "distilbert", "mpnet", "modernbert", "camembert", "ernie"})
+    if (model_type == t) return true;
+  return false;
+}
 }  // namespace
 
 const char* to_string(Activation a) {
@@ -149,6 +172,8 @@ ModelSpec model_from_json(const Json& j, const std::string& source) {
   m.hidden_dropout = f.real_or("hidden_dropout", llama ? 0.0 : 0.1, 0.0, 0.999);
   m.vocab_divisor = f.integer_or("make_vocab_size_divisible_by", 128, 1, 65536);
   m.kv_channels = f.integer_or("kv_channels", 0, 0, kMaxHidden);
+  reject_experts(j, source, {"num_experts", "num_moe_experts", "moe_router_topk"});
+  for (const char* dense : {"num_experts", "num_moe_experts", "moe_router_topk"}) f.ignore(dense);
   f.ignore("description");
   f.ignore("_source");
   f.reject_unknown();
@@ -176,6 +201,22 @@ ModelSpec model_from_hf_config(const Json& j, const std::string& source) {
   if (j.contains("_name_or_path") && j["_name_or_path"].is_string()) m.name = j["_name_or_path"].get<std::string>();
   if (m.name.empty()) m.name = model_type.empty() ? "hf-model" : model_type;
   const bool gpt2 = model_type == "gpt2" || j.contains("n_layer");
+  if (!j.contains("num_hidden_layers") && !j.contains("n_layer") && j.contains("text_config") &&
+      j["text_config"].is_object())
+    fail_field(source + ".text_config", "{...}",
+               "a multimodal model's config: strata models the language model alone; give its text_config "
+               "object as the config.json (the vision or audio encoder is not modelled)");
+  if (j.contains("is_encoder_decoder") && j["is_encoder_decoder"].is_boolean() && j["is_encoder_decoder"].get<bool>())
+    fail_field(source + ".is_encoder_decoder", "true",
+               "encoder-decoder models (T5, BART, ...) are not modelled: strata plans decoder-only transformers");
+  if (encoder_only(model_type))
+    fail_field(source + ".model_type", show_value(Json(model_type)),
+               "encoder-only models (bidirectional attention, no causal language-model head) are not modelled: "
+               "strata plans decoder-only transformers");
+  reject_experts(j, source, {"num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts",
+                             "num_routed_experts"});
+  if (j.contains("ffn_config") && j["ffn_config"].is_object())  // DBRX
+    reject_experts(j["ffn_config"], source + ".ffn_config", {"moe_num_experts"});
   m.L = get_int({"num_hidden_layers", "n_layer"}, 1, kMaxLayers, true, 0);
   m.H = get_int({"hidden_size", "n_embd"}, 1, kMaxHidden, true, 0);
   m.A = get_int({"num_attention_heads", "n_head"}, 1, kMaxHeads, true, 0);
@@ -223,8 +264,23 @@ ModelSpec model_from_hf_config(const Json& j, const std::string& source) {
   };
   m.attention_dropout = dropout({"attention_dropout", "attn_pdrop"}, gpt2 ? 0.1 : 0.0);
   m.hidden_dropout = dropout({"hidden_dropout", "resid_pdrop"}, gpt2 ? 0.1 : 0.0);
+  // Qwen2 and others carry a window they do not use (use_sliding_window: false).
+  const bool window_off = j.contains("use_sliding_window") && j["use_sliding_window"].is_boolean() &&
+                          !j["use_sliding_window"].get<bool>();
+  if (!window_off && j.contains("sliding_window") && !j["sliding_window"].is_null())
+    m.hf_sliding_window = Fields(j, source).integer("sliding_window", 1, kMaxSeq);
   validate_model(m, source);
   return m;
+}
+
+std::vector<std::string> model_notes(const ModelSpec& m) {
+  std::vector<std::string> notes;
+  if (m.hf_sliding_window > 0 && m.hf_sliding_window < m.S)
+    notes.push_back(fmt::format(
+        "sliding_window={} is shorter than the sequence ({}): strata models full causal attention over the "
+        "whole sequence, so the attention's time (and, unfused, its memory) is over-estimated",
+        m.hf_sliding_window, m.S));
+  return notes;
 }
 
 Json model_to_json(const ModelSpec& m) {

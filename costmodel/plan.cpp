@@ -118,7 +118,9 @@ Plan plan_from_json(const Json& in, const std::string& source) {
   if (gpus > 0 && gpus != p.t * p.p * p.d * p.c)
     fail_field(source + ".num_gpus", std::to_string(gpus),
                fmt::format("must equal tensor*pipeline*data*context parallel = {}", p.t * p.p * p.d * p.c));
-  if (p.gbs == 0) p.gbs = p.mbs * p.d;
+  // No global batch given: one micro-batch per data-parallel rank (Megatron's default), or
+  // with virtual stages the fewest the interleaved schedule takes, one per stage.
+  if (p.gbs == 0) p.gbs = p.mbs * p.d * (p.v > 1 ? p.p : 1);
   if (p.gbs > kMaxBatch)
     fail_field(source + ".global_batch_size", std::to_string(p.gbs), fmt::format("must be at most {}", kMaxBatch));
   if (p.t == 1) p.sp = false;  // sequence parallelism is a no-op without tensor parallelism

@@ -79,7 +79,16 @@ std::string format_estimate(const ModelSpec& m, const Cluster& cl, const Estimat
   return o;
 }
 
+// The simulated timeline, one process per pipeline stage (its t x c x d ranks run alike),
+// threads compute / p2p / collectives. Each forward, backward and recompute of a chunk is a
+// slice (args microbatch, chunk, layers) holding one slice per layer (args microbatch,
+// chunk, layer), and the embedding's and the output layer's, laid end to end from the
+// cost model's per-layer times; a layer's exposed tensor-, context- and data-parallel
+// collectives are slices on the collectives thread at its end, and every send has its
+// matching recv on the receiving stage. Past kMaxLayerSlices the per-layer slices are left
+// out (otherData says so).
 void write_trace(std::ostream& out, const ModelSpec& m, const Estimate& e, const EstimateDetail& d) {
+  constexpr int64_t kMaxLayerSlices = 2000000;
   const double us = 1e6;
   const Plan& p = e.plan;
   bool first = true;
@@ -87,15 +96,21 @@ void write_trace(std::ostream& out, const ModelSpec& m, const Estimate& e, const
     out << (first ? "\n" : ",\n") << json;
     first = false;
   };
+  int64_t layer_slices = 0;
+  for (const SimEvent& x : d.sim.events) layer_slices += d.layout.chunk_layers(x.stage, x.chunk) * (x.forward ? 1 : 2);
+  const bool per_layer = layer_slices <= kMaxLayerSlices;
   out << "{\"displayTimeUnit\": \"ms\", \"otherData\": "
       << Json{{"model", m.name}, {"plan", plan_to_inline(p)}, {"step_time_s", e.step_time_s},
-              {"source", "strata estimate (simulated)"}}.dump()
+              {"source", "strata estimate (simulated)"},
+              {"layer_slices", per_layer ? "yes" : fmt::format("left out ({} would exceed {})", layer_slices,
+                                                                kMaxLayerSlices)}}.dump()
       << ", \"traceEvents\": [";
   for (int64_t s = 0; s < p.p; ++s) {
     event(fmt::format(R"j({{"name": "process_name", "ph": "M", "pid": {}, "args": {{"name": "stage {} (predicted, {} ranks)"}}}})j",
                       s, s, p.t * p.c * p.d));
     event(fmt::format(R"j({{"name": "thread_name", "ph": "M", "pid": {}, "tid": 0, "args": {{"name": "compute"}}}})j", s));
     event(fmt::format(R"j({{"name": "thread_name", "ph": "M", "pid": {}, "tid": 1, "args": {{"name": "p2p"}}}})j", s));
+    event(fmt::format(R"j({{"name": "thread_name", "ph": "M", "pid": {}, "tid": 2, "args": {{"name": "collectives"}}}})j", s));
   }
   // First layer of each (stage, chunk), for the args.
   std::vector<int64_t> first_layer(static_cast<size_t>(p.p * d.layout.v), 0);
@@ -109,21 +124,64 @@ void write_trace(std::ostream& out, const ModelSpec& m, const Estimate& e, const
     event(fmt::format(R"j({{"name": "{}", "ph": "X", "pid": {}, "tid": {}, "ts": {:.3f}, "dur": {:.3f}, "args": {}}})j",
                       name, pid, tid, start_s * us, dur_s * us, args));
   };
-  const double rec_per_layer = d.layer.recompute.total();
+  // One layer (or the embedding, or the output layer) of work w from t0; returns its end.
+  auto piece = [&](const char* name, const SimEvent& x, int64_t layer, double t0, const Work& w) {
+    const std::string args = layer >= 0
+        ? fmt::format(R"j({{"microbatch": {}, "chunk": {}, "layer": {}}})j", x.mb, x.chunk, layer)
+        : fmt::format(R"j({{"microbatch": {}, "chunk": {}}})j", x.mb, x.chunk);
+    const double end = t0 + w.total();
+    slice(name, x.stage, 0, t0, w.total(), args);
+    double c0 = end - w.tp_comm_s - w.cp_comm_s - w.dp_comm_s;  // exposed collectives last
+    for (const auto& [term, sec] : {std::pair{"tp_comm", w.tp_comm_s}, {"cp_comm", w.cp_comm_s}, {"dp_comm", w.dp_comm_s}})
+      if (sec > 0) {
+        slice(term, x.stage, 2, c0, sec, args);
+        c0 += sec;
+      }
+    return end;
+  };
   for (const SimEvent& x : d.sim.events) {
     const int64_t n = d.layout.chunk_layers(x.stage, x.chunk);
+    const int64_t k = p.recompute == Recompute::full ? p.recomputed_layers(n) : n;  // layers running the plan
     const int64_t l0 = first_layer[static_cast<size_t>(x.chunk * p.p + x.stage)];
+    const bool emb = d.layout.has_embedding(x.stage, x.chunk), head = d.layout.has_head(x.stage, x.chunk);
     const std::string args =
         fmt::format(R"j({{"microbatch": {}, "chunk": {}, "layers": "{}-{}"}})j", x.mb, x.chunk, l0, l0 + n - 1);
+    const LayerCost& lc = d.layer;
     double start = x.start_s;
-    if (!x.forward && rec_per_layer > 0) {
-      const double rec = rec_per_layer * static_cast<double>(p.recompute == Recompute::full ? p.recomputed_layers(n) : n);
+    const double rec = d.layer.recompute.total() * static_cast<double>(k);
+    if (!x.forward && rec > 0) {
       slice("recompute", x.stage, 0, start, rec, args);
-      start += rec;
+      if (per_layer)
+        for (int64_t i = 0; i < k; ++i) start = piece("layer recompute", x, l0 + i, start, lc.recompute);
+      else
+        start += rec;
     }
     slice(x.forward ? "forward" : "backward", x.stage, 0, start, x.end_s - start, args);
-    if (x.send_end_s > x.end_s)
+    if (per_layer) {
+      double t = start;
+      auto layer = [&](int64_t i) -> const Work& {  // the first k of a chunk run the plan's recompute
+        const LayerCost& c = i < k ? d.layer : d.plain_layer;
+        return x.forward ? c.forward : c.backward;
+      };
+      if (x.forward) {
+        if (emb) t = piece("embedding forward", x, -1, t, d.embedding.forward);
+        for (int64_t i = 0; i < n; ++i) t = piece("layer forward", x, l0 + i, t, layer(i));
+        if (head) t = piece("output layer forward", x, -1, t, d.head.forward);
+      } else {
+        if (head) t = piece("output layer backward", x, -1, t, d.head.backward);
+        for (int64_t i = n; i-- > 0;) t = piece("layer backward", x, l0 + i, t, layer(i));
+        if (emb) t = piece("embedding backward", x, -1, t, d.embedding.backward);
+      }
+    }
+    if (x.send_end_s > x.end_s) {
       slice(x.forward ? "send activations" : "send gradients", x.stage, 1, x.end_s, x.send_end_s - x.end_s, args);
+      // The receiving stage: the next (forward) or the previous (backward), round the ring
+      // between chunks of the interleaved schedule.
+      const int64_t to = x.forward ? (x.stage + 1) % p.p : (x.stage + p.p - 1) % p.p;
+      const int64_t chunk = x.chunk + (x.forward && x.stage == p.p - 1 ? 1 : !x.forward && x.stage == 0 ? -1 : 0);
+      slice(x.forward ? "recv activations" : "recv gradients", to, 1, x.end_s, x.send_end_s - x.end_s,
+            fmt::format(R"j({{"microbatch": {}, "chunk": {}}})j", x.mb, chunk));
+    }
   }
   for (int64_t s = 0; s < p.p; ++s) {
     const size_t i = static_cast<size_t>(s);

@@ -106,6 +106,7 @@ void Engine::wait_pending(std::vector<Pending>* list, double* exposed) {
   list->clear();
   *exposed += now() - t0;
   if (list == &dp_pending_) event("wait dp reduction", 1, t0, now());
+  else if (list == &sends_) event("wait sends", 1, t0, now());
 }
 
 // A unit's gradient of one micro-batch is complete.

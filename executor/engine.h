@@ -26,7 +26,8 @@ struct TraceEvent {
   std::string name;
   int tid = 0;  // 0 compute, 1 communication
   double ts = 0, dur = 0;
-  int64_t mb = -1, chunk = -1;
+  int64_t mb = -1, chunk = -1, layer = -1;  // -1: not one (the args leave it out)
+  const char* op = nullptr;                 // a collective's kind (static strings)
 };
 
 struct Pending {  // a data-parallel reduction or a send in flight
@@ -109,9 +110,13 @@ class Engine {
     be_.synchronise();
     return comm_.wtime();
   }
-  void event(const std::string& name, int tid, double t0, double t1, int64_t mb = -1, int64_t chunk = -1) {
-    if (!o_.trace_path.empty()) trace_.push_back({name, tid, t0 - t_origin_, t1 - t0, mb, chunk});
+  bool tracing() const { return !o_.trace_path.empty(); }
+  void event(const std::string& name, int tid, double t0, double t1, int64_t mb = -1, int64_t chunk = -1,
+             int64_t layer = -1, const char* op = nullptr) {
+    if (tracing()) trace_.push_back({name, tid, t0 - t_origin_, t1 - t0, mb, chunk, layer, op});
   }
+  // What the forward or backward step running now is at, for the collectives' trace slices.
+  int64_t trace_mb_ = -1, trace_chunk_ = -1, trace_layer_ = -1;
 
   const ModelSpec& m_;
   Plan plan_;

@@ -12,25 +12,28 @@
 namespace strata {
 namespace {
 
-// Runs a collective, adding its seconds to *sum (a ModelCtx counter; null: not counted).
-void timed_into(const ModelCtx& c, double* sum, auto&& fn) {
+// Runs a collective, adding its seconds to *sum (a ModelCtx counter; null: not counted) and
+// handing them to the trace as `term` ("tp_comm", "cp_comm") and `op`.
+void timed_into(const ModelCtx& c, double* sum, const char* term, const char* op, auto&& fn) {
   const double t0 = c.now();
   fn();
-  if (sum) *sum += c.now() - t0;
+  const double t1 = c.now();
+  if (sum) *sum += t1 - t0;
+  if (c.on_comm) c.on_comm(term, op, t0, t1);
 }
-void timed(const ModelCtx& c, auto&& fn) { timed_into(c, c.tp_comm_s, fn); }
+void timed(const ModelCtx& c, const char* op, auto&& fn) { timed_into(c, c.tp_comm_s, "tp_comm", op, fn); }
 
 // (n, H) rows of every tp rank -> (N, H): sequence-parallel all-gather.
 Buf gather_rows(const ModelCtx& c, const Buf& in, int64_t H) {
   Buf out = c.act(c.N() * H);
-  timed(c, [&] { c.comm->all_gather(in.data(), out.data(), c.n() * H, c.tp); });
+  timed(c, "all_gather", [&] { c.comm->all_gather(in.data(), out.data(), c.n() * H, c.tp); });
   return out;
 }
 
 // (N, H) partial sums -> this rank's (n, H) rows of the sum: sequence-parallel reduce-scatter.
 Buf reduce_scatter_rows(const ModelCtx& c, const Buf& in, int64_t H) {
   Buf out = c.f32(c.n() * H);
-  timed(c, [&] { c.comm->reduce_scatter(in.data(), out.data(), c.n() * H, c.tp); });
+  timed(c, "reduce_scatter", [&] { c.comm->reduce_scatter(in.data(), out.data(), c.n() * H, c.tp); });
   return out;
 }
 
@@ -38,7 +41,7 @@ Buf reduce_scatter_rows(const ModelCtx& c, const Buf& in, int64_t H) {
 Buf reduce_rows(const ModelCtx& c, Buf in, int64_t H) {
   if (c.t == 1) return in;
   if (c.sp) return reduce_scatter_rows(c, in, H);
-  timed(c, [&] { c.comm->all_reduce(in.data(), in.size(), c.tp); });
+  timed(c, "all_reduce", [&] { c.comm->all_reduce(in.data(), in.size(), c.tp); });
   return in;
 }
 
@@ -142,7 +145,7 @@ KvGather start_gather_kv(const ModelCtx& c, const Buf& qkv, int64_t At, int64_t 
 }
 Buf finish_gather_kv(const ModelCtx& c, KvGather* g, int64_t Gt) {
   const int64_t KV = 2 * Gt * c.m->D(), N = c.N(), chunk = c.seg_len() * c.B * KV;
-  timed_into(c, c.cp_comm_s, [&] { c.comm->wait(g->req); });
+  timed_into(c, c.cp_comm_s, "cp_comm", "all_gather", [&] { c.comm->wait(g->req); });
   g->local.release();
   Buf full = c.f32(c.cp * N * KV);
   reorder_chunks(c, full.data(), g->all.data(), chunk, false);
@@ -161,7 +164,7 @@ void scatter_dkv(const ModelCtx& c, const Buf& dkv, float* dqkv, int64_t At, int
   Buf blocks = c.f32(c.cp * N * KV);
   reorder_chunks(c, blocks.data(), dkv.data(), chunk, true);
   Buf mine = c.f32(N * KV);
-  timed_into(c, c.cp_comm_s, [&] { c.comm->reduce_scatter(blocks.data(), mine.data(), N * KV, c.cpg); });
+  timed_into(c, c.cp_comm_s, "cp_comm", "reduce_scatter", [&] { c.comm->reduce_scatter(blocks.data(), mine.data(), N * KV, c.cpg); });
   blocks.release();
   c.be->copy_rows(dqkv + At * D, Q, mine.data(), KV, N, KV);
 }
@@ -498,9 +501,9 @@ double head_forward(const ModelCtx& c, const UnitView& fu, const float* out_w, B
   const int32_t* dtg = reinterpret_cast<const int32_t*>(h->targets.data());
   Buf mx = Buf::untracked(c.be, N), st = Buf::untracked(c.be, 2 * N);
   c.be->cross_entropy_max(mx.data(), z, N, Vt);
-  if (c.t > 1) timed(c, [&] { c.comm->all_reduce(mx.data(), N, c.tp, ReduceOp::max); });
+  if (c.t > 1) timed(c, "all_reduce", [&] { c.comm->all_reduce(mx.data(), N, c.tp, ReduceOp::max); });
   c.be->cross_entropy_exp_sum(st.data(), z, mx.data(), dtg, N, Vt, lo);
-  if (c.t > 1) timed(c, [&] { c.comm->all_reduce(st.data(), 2 * N, c.tp); });
+  if (c.t > 1) timed(c, "all_reduce", [&] { c.comm->all_reduce(st.data(), 2 * N, c.tp); });
   std::vector<float> hst(static_cast<size_t>(2 * N));
   c.be->to_host(hst.data(), st.data(), 2 * N);
   double loss = 0;

@@ -74,6 +74,9 @@ struct ModelCtx {
   // Called by layer_backward once the MLP block's gradients (ln2, fc1, fc2) of `layer`
   // are complete, so their data-parallel reduction can start before the attention block's.
   std::function<void(int64_t layer)> mlp_grads_done;
+  // Set when tracing: each tensor- or context-parallel collective a layer runs, as its time
+  // term ("tp_comm", "cp_comm"), the collective and its start and end on the clock.
+  std::function<void(const char* term, const char* op, double t0, double t1)> on_comm;
 
   // The executor's clock: waits for the backend's queued work first, so time spent on a GPU
   // is charged to the phase that queued it.

@@ -33,6 +33,8 @@ int tag_of(int64_t mb, int64_t chunk, int64_t v, bool backward) {
 }  // namespace
 
 void Engine::forward_step(int64_t k, const Step& st, double* loss_sum) {
+  trace_mb_ = st.mb;  // for the collectives' trace slices
+  trace_chunk_ = st.chunk;
   const ModelCtx c = ctx();
   const int64_t p = plan_.p, v = plan_.v, vs = st.chunk * p + me_.pp, last = p * v - 1;
   MicroState& ms = micro_[{st.chunk, st.mb}];
@@ -78,10 +80,14 @@ void Engine::forward_step(int64_t k, const Step& st, double* loss_sum) {
     weights(u);
     if (i + 1 < layers.size()) prefetch(layer_unit_.at(layers[i + 1]));
     else if (vs == last) prefetch_head();
+    trace_layer_ = layers[i];
+    const double l0 = tracing() ? now() : 0.0;
     x = layer_forward(chunk_layer_ctx(c, i), weights_view(u), layers[i], std::move(x), &ms.layers[i]);
+    if (tracing()) event("layer forward", 0, l0, now(), st.mb, st.chunk, layers[i]);
     release_weights(u);
     poll();
   }
+  trace_layer_ = -1;
   if (vs == last) {
     const float* w = weights(head_w_unit_);
     const TensorKind k_out = m_.tie_embeddings ? TensorKind::wte : TensorKind::lm_head;
@@ -101,10 +107,13 @@ void Engine::forward_step(int64_t k, const Step& st, double* loss_sum) {
     snd.keep = std::move(x);
     sends_.push_back(std::move(snd));
     pp_s_ += now() - s0;
+    event("send activations", 1, s0, now(), st.mb, st.chunk);
   }
 }
 
 void Engine::backward_step(const Step& st) {
+  trace_mb_ = st.mb;  // for the collectives' trace slices
+  trace_chunk_ = st.chunk;
   const ModelCtx c = ctx();
   const int64_t p = plan_.p, v = plan_.v, vs = st.chunk * p + me_.pp, last = p * v - 1;
   MicroState& ms = micro_.at({st.chunk, st.mb});
@@ -143,11 +152,20 @@ void Engine::backward_step(const Step& st) {
     weights(u);
     if (i > 0) prefetch(layer_unit_.at(layers[i - 1]));
     else if (vs == 0) prefetch_embedding();
+    trace_layer_ = layers[i];
+    const double l0 = tracing() ? now() : 0.0, r0 = recompute_s_;
     dx = layer_backward(chunk_layer_ctx(c, i), view(u), layers[i], &ms.layers[i], dx);
+    if (tracing()) {
+      // A full recompute runs the layer's forward first, inside layer_backward.
+      const double l1 = now(), rec = recompute_s_ - r0;
+      if (rec > 0) event("layer recompute", 0, l0, l0 + rec, st.mb, st.chunk, layers[i]);
+      event("layer backward", 0, l0 + rec, l1, st.mb, st.chunk, layers[i]);
+    }
     release_weights(u);
     unit_done(u);
     poll();
   }
+  trace_layer_ = -1;
   if (vs == 0) {
     UnitView wpe;
     if (wpe_unit_ >= 0) wpe = view(wpe_unit_);
@@ -164,9 +182,11 @@ void Engine::backward_step(const Step& st) {
   if (vs != 0) {
     const int64_t dst = (me_.pp + p - 1) % p, dchunk = st.chunk - (me_.pp == 0 ? 1 : 0);
     Pending snd;
+    const double s0 = now();
     snd.req = comm_.isend(dx.data(), dx.size(), pp_.ranks[static_cast<size_t>(dst)], tag_of(st.mb, dchunk, v, true));
     snd.keep = std::move(dx);
     sends_.push_back(std::move(snd));
+    event("send gradients", 1, s0, now(), st.mb, st.chunk);
   }
   micro_.erase({st.chunk, st.mb});
 }

@@ -236,6 +236,10 @@ ModelCtx Engine::ctx() {
   c.recompute_s = &recompute_s_;
   c.poll = [this] { poll(); };
   c.mlp_grads_done = [this](int64_t layer) { mlp_done(layer); };
+  if (tracing())
+    c.on_comm = [this](const char* term, const char* op, double t0, double t1) {
+      event(term, 1, t0, t1, trace_mb_, trace_chunk_, trace_layer_, op);
+    };
   return c;
 }
 
@@ -397,14 +401,21 @@ TrainResult Engine::run() {
     for (const TraceEvent& e : trace_) {
       os << ",\n{\"name\":\"" << e.name << "\",\"ph\":\"X\",\"pid\":" << comm_.rank() << ",\"tid\":" << e.tid
          << ",\"ts\":" << e.ts * 1e6 << ",\"dur\":" << e.dur * 1e6 << ",\"args\":{\"microbatch\":" << e.mb
-         << ",\"chunk\":" << e.chunk << "}}";
+         << ",\"chunk\":" << e.chunk;
+      if (e.layer >= 0) os << ",\"layer\":" << e.layer;
+      if (e.op) os << ",\"op\":\"" << e.op << "\"";
+      os << "}}";
     }
     const std::vector<std::string> parts = comm_.gather_strings(os.str(), 0);
     if (comm_.rank() == 0) {
       std::ofstream f(o_.trace_path);
-      f << "{\"traceEvents\":[\n{\"name\":\"process_name\",\"ph\":\"M\",\"pid\":0,\"args\":{\"name\":\"rank 0\"}}";
-      for (int r = 1; r < comm_.size(); ++r)
-        f << ",\n{\"name\":\"process_name\",\"ph\":\"M\",\"pid\":" << r << ",\"args\":{\"name\":\"rank " << r << "\"}}";
+      // One process per rank, threads compute (0) and communication (1).
+      f << "{\"traceEvents\":[";
+      for (int r = 0; r < comm_.size(); ++r)
+        f << (r ? "," : "") << "\n{\"name\":\"process_name\",\"ph\":\"M\",\"pid\":" << r
+          << ",\"args\":{\"name\":\"rank " << r << "\"}},\n{\"name\":\"thread_name\",\"ph\":\"M\",\"pid\":" << r
+          << ",\"tid\":0,\"args\":{\"name\":\"compute\"}},\n{\"name\":\"thread_name\",\"ph\":\"M\",\"pid\":" << r
+          << ",\"tid\":1,\"args\":{\"name\":\"communication\"}}";
       for (const std::string& s : parts) f << s;
       f << "\n]}\n";
       if (!f) throw InputError("--trace: cannot write '" + o_.trace_path + "'");

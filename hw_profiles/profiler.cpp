@@ -473,6 +473,9 @@ ProfileResult run_profile(Comm& comm, Backend& be, const ProfileOptions& o) {
     const double ram = physical_memory_bytes();
     c.device.memory_bytes = ram / n;
   }
+  // The machine's network (not measured: one machine) is shared by its n ranks, and the
+  // cluster JSON holds each device's share.
+  c.inter.bandwidth_bytes_per_s *= static_cast<double>(c.devices_per_node) / static_cast<double>(n);
   c.devices_per_node = n;
   bool fitted = n > 1 && message_bytes.size() >= 3;
   for (const CollectiveFit& f : res.fits) fitted = fitted && f.busbw_bytes_per_s > 0;

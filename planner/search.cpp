@@ -340,6 +340,7 @@ SearchResult search(const ModelSpec& m, const Cluster& cl, const SearchOptions& 
   }
   res.plans = std::move(top.items);
   res.pareto = std::move(front.pts);
+  std::erase_if(res.rejected, [](const auto& kv) { return kv.second == 0; });
   res.search_time_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   return res;
 }

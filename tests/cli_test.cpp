@@ -7,8 +7,10 @@
 #include <cmath>
 #include <cstdio>
 #include <algorithm>
+#include <array>
 #include <filesystem>
 #include <functional>
+#include <map>
 #include <fstream>
 #include <sstream>
 
@@ -88,12 +90,39 @@ TEST(Cli, EstimateReadsFilesAndHuggingFaceConfigs) {
   const Outcome r = strata("estimate --model " + hf + " --cluster dgx-h100-80g --plan " + plan + " --json");
   ASSERT_EQ(r.code, 0) << r.err;
   EXPECT_EQ(Json::parse(r.out)["attention"], "flash");
+  // A sliding window shorter than the sequence is noted on stderr, not modelled; the
+  // JSON on stdout stays the document of the SPEC.
+  const std::string mistral = write("mistral.json", R"({"model_type":"mistral","num_hidden_layers":2,
+      "hidden_size":512,"num_attention_heads":8,"num_key_value_heads":2,"intermediate_size":1376,"vocab_size":1000,
+      "max_position_embeddings":256,"sliding_window":128})");
+  const Outcome w = strata("estimate --model " + mistral + " --cluster dgx-h100-80g --plan " + plan + " --json");
+  ASSERT_EQ(w.code, 0) << w.err;
+  EXPECT_NE(w.err.find("note: sliding_window=128"), std::string::npos) << w.err;
+  EXPECT_TRUE(Json::accept(w.out)) << w.out;
+  EXPECT_EQ(strata("estimate --model " + mistral + " --seq-length 128 --cluster dgx-h100-80g --plan " + plan).err, "");
   // A cluster JSON written from a preset is an interchangeable input.
   const std::string cl = write("cluster.json", cluster_to_json(load_cluster("dgx-a100-80g")).dump());
   const Outcome a = strata("estimate --model gpt3-175b --cluster " + cl + " --plan tp=8,pp=8,gbs=64 --json");
   const Outcome b = strata("estimate --model gpt3-175b --cluster dgx-a100-80g --plan tp=8,pp=8,gbs=64 --json");
   ASSERT_EQ(a.code, 0) << a.err;
   EXPECT_EQ(Json::parse(a.out)["step_time_s"], Json::parse(b.out)["step_time_s"]);
+}
+
+// The inline plan SPEC.md shows runs as written: without a global batch, an interleaved
+// plan gets one micro-batch per stage (the fewest its schedule takes); memory is whole bytes.
+TEST(Cli, SpecInlinePlanExampleRuns) {
+  const Outcome r = strata("estimate --model gpt3-175b --cluster dgx-a100-80g --plan "
+                           "tp=8,pp=8,dp=16,mbs=1,vp=3,zero=1,recompute=selective,sp=1 --json");
+  ASSERT_EQ(r.code, 0) << r.err;
+  const Json j = Json::parse(r.out);
+  EXPECT_EQ(j["microbatches"], 8);
+  EXPECT_EQ(j["plan"]["global_batch_size"], 128);
+  int64_t sum = 0;
+  for (const auto& [k, v] : j["memory_bytes"].items()) {
+    EXPECT_TRUE(v.is_number_integer()) << k;
+    if (k != "peak") sum += v.get<int64_t>();
+  }
+  EXPECT_EQ(j["memory_bytes"]["peak"].get<int64_t>(), sum);
 }
 
 TEST(Cli, PlanJsonExportsAndTrace) {
@@ -124,6 +153,29 @@ TEST(Cli, PlanJsonExportsAndTrace) {
   ASSERT_EQ(tr.code, 0) << tr.err;
   const Json t = Json::parse(slurp(trace));
   EXPECT_GT(t["traceEvents"].size(), 64u);
+  // SPEC.md's slices, with microbatch and layer in args; each layer's slice lies inside its
+  // chunk's forward or backward on the same stage.
+  std::map<std::string, int> n;
+  std::vector<std::array<double, 3>> chunks;  // pid, start, end of forward / backward slices
+  for (const auto& e : t["traceEvents"])
+    if (e["ph"] == "X" && (e["name"] == "forward" || e["name"] == "backward"))
+      chunks.push_back({e["pid"].get<double>(), e["ts"].get<double>(), e["ts"].get<double>() + e["dur"].get<double>()});
+  for (const auto& e : t["traceEvents"]) {
+    if (e["ph"] != "X") continue;
+    const std::string name = e["name"];
+    ++n[name];
+    if (name != "layer forward" && name != "layer backward") continue;
+    EXPECT_TRUE(e["args"].contains("microbatch") && e["args"].contains("layer")) << e.dump();
+    const double pid = e["pid"].get<double>(), a = e["ts"].get<double>(), b = a + e["dur"].get<double>();
+    EXPECT_TRUE(std::any_of(chunks.begin(), chunks.end(),
+                            [&](const auto& c) { return c[0] == pid && c[1] <= a + 1e-3 && b <= c[2] + 1e-3; }))
+        << e.dump();
+  }
+  for (const char* k : {"forward", "backward", "layer forward", "layer backward", "embedding forward",
+                        "output layer backward", "tp_comm", "send activations", "recv activations", "send gradients",
+                        "recv gradients", "optimizer"})
+    EXPECT_GT(n[k], 0) << k;
+  EXPECT_EQ(n["layer forward"], 96 * 8);  // 96 layers, 8 micro-batches
 }
 
 TEST(Cli, PlanExplainsAgainstAComparedPlan) {
@@ -198,6 +250,10 @@ TEST(Cli, BadInputExits2NamingTheField) {
       {model("h2.json", R"({"hidden_size":64,)" + hf_ok.substr(0, hf_ok.size()) + R"(,"hidden_act":"relu"})"), "hidden_act"},
       {model("h3.json", R"({"hidden_size":64,"num_key_value_heads":0,)" + hf_ok + "}"), "num_key_value_heads"},
       {model("h4.json", R"({"hidden_size":64,"num_hidden_layers":-2,"model_type":"llama","num_attention_heads":4,"vocab_size":100,"max_position_embeddings":32})"), "num_hidden_layers"},
+      {model("h5.json", R"({"hidden_size":64,"num_local_experts":8,)" + hf_ok + "}"), "num_local_experts: 8"},
+      {model("h6.json", R"({"hidden_size":64,"is_encoder_decoder":true,)" + hf_ok + "}"), "is_encoder_decoder"},
+      {model("h7.json", R"({"model_type":"llava","text_config":{"num_hidden_layers":2}})"), "text_config"},
+      {model("m23.json", R"({"num_layers":2,"num_experts":64,)" + ok_model + "}"), "mixture-of-experts"},
       // Plans
       {P + "tp=0", "tensor_parallel"},
       {P + "tp=-1", "tensor_parallel"},
@@ -248,6 +304,7 @@ TEST(Cli, BadInputExits2NamingTheField) {
       {"frobnicate", "frobnicate"},
       {S + "--gpus 8 --global-batch-size 8 --fix tp=abc", "--fix"},
       {S + "--gpus 8 --global-batch-size 8 --fix bogus=1", "bogus"},
+      {S + "--gpus 8 --global-batch-size 8 --fix tp=16", "--fix"},
       {S + "--gpus 8 --global-batch-size 8 --precision fp4", "--precision"},
       {S + "--gpus 8 --global-batch-size 8 --attention sparse", "--attention"},
       {"estimate --model gpt5 --cluster dgx-a100-80g --plan tp=1", "--model"},

@@ -127,6 +127,67 @@ TEST(ModelSpec, HuggingFaceLlamaWithoutHiddenActIsSilu) {
   EXPECT_DOUBLE_EQ(model_from_hf_config(hf, "config.json").total_params(), load_model("llama3-8b").total_params());
 }
 
+// Configs a dense decoder-only ModelSpec would silently misread are refused, naming the key.
+TEST(ModelSpec, HuggingFaceConfigsOutsideTheModelAreRefused) {
+  const std::string dense = R"("hidden_size":4096,"intermediate_size":14336,"num_attention_heads":32,
+      "num_hidden_layers":32,"num_key_value_heads":8,"vocab_size":32000,"max_position_embeddings":4096)";
+  auto refused = [&](const std::string& extra, const std::string& key, const std::string& rule) {
+    try {
+      (void)model_from_hf_config(Json::parse("{" + extra + "," + dense + "}"), "config.json");
+      ADD_FAILURE() << extra << ": accepted";
+    } catch (const InputError& e) {
+      const std::string what = e.what();
+      EXPECT_NE(what.find("config.json." + key), std::string::npos) << what;
+      EXPECT_NE(what.find(rule), std::string::npos) << what;
+    }
+  };
+  refused(R"("model_type":"mixtral","num_local_experts":8,"num_experts_per_tok":2)", "num_local_experts",
+          "mixture-of-experts");
+  refused(R"("model_type":"qwen2_moe","num_experts":60)", "num_experts", "mixture-of-experts");
+  refused(R"("model_type":"deepseek_v3","n_routed_experts":256)", "n_routed_experts", "mixture-of-experts");
+  refused(R"("model_type":"dbrx","ffn_config":{"moe_num_experts":16})", "ffn_config.moe_num_experts",
+          "mixture-of-experts");
+  refused(R"("model_type":"t5","is_encoder_decoder":true)", "is_encoder_decoder", "decoder-only");
+  refused(R"("model_type":"bert")", "model_type", "encoder-only");
+  try {
+    (void)model_from_hf_config(Json::parse(R"({"model_type":"llava","text_config":{"num_hidden_layers":32}})"),
+                               "config.json");
+    ADD_FAILURE() << "a multimodal wrapper was accepted";
+  } catch (const InputError& e) {
+    EXPECT_NE(std::string(e.what()).find("config.json.text_config"), std::string::npos) << e.what();
+  }
+  // One expert (or none) is a dense MLP.
+  EXPECT_NO_THROW((void)model_from_hf_config(Json::parse(R"({"model_type":"llama","num_experts":1,)" + dense + "}"),
+                                             "config.json"));
+  // The model JSON's Megatron names alike.
+  EXPECT_THROW((void)model_from_json(Json::parse(R"({"num_layers":2,"hidden_size":64,"num_attention_heads":4,
+      "vocab_size":100,"seq_length":32,"num_experts":8})"), "model"), InputError);
+  EXPECT_EQ(model_from_json(Json::parse(R"({"num_layers":2,"hidden_size":64,"num_attention_heads":4,
+      "vocab_size":100,"seq_length":32,"num_experts":1})"), "model").L, 2);
+}
+
+// A sliding window is not modelled; model_notes() says so when it is shorter than S.
+TEST(ModelSpec, HuggingFaceSlidingWindowIsNoted) {
+  const std::string mistral = R"({"model_type":"mistral","hidden_size":4096,"intermediate_size":14336,
+      "num_attention_heads":32,"num_hidden_layers":32,"num_key_value_heads":8,"vocab_size":32000,
+      "max_position_embeddings":32768,"sliding_window":4096})";
+  ModelSpec m = model_from_hf_config(Json::parse(mistral), "config.json");
+  EXPECT_EQ(m.hf_sliding_window, 4096);
+  ASSERT_EQ(model_notes(m).size(), 1u);
+  EXPECT_NE(model_notes(m)[0].find("sliding_window=4096"), std::string::npos);
+  m.S = 4096;  // as --seq-length 4096 gives: the window covers the sequence
+  EXPECT_TRUE(model_notes(m).empty());
+  // Qwen2 carries a window it does not use.
+  const ModelSpec q = model_from_hf_config(Json::parse(R"({"model_type":"qwen2","hidden_size":3584,
+      "intermediate_size":18944,"num_attention_heads":28,"num_hidden_layers":28,"num_key_value_heads":4,
+      "vocab_size":152064,"max_position_embeddings":32768,"sliding_window":4096,"use_sliding_window":false})"),
+                                           "config.json");
+  EXPECT_TRUE(model_notes(q).empty());
+  EXPECT_THROW((void)model_from_hf_config(Json::parse(R"({"model_type":"mistral","hidden_size":64,
+      "num_attention_heads":4,"num_hidden_layers":2,"vocab_size":100,"max_position_embeddings":32,
+      "sliding_window":-1})"), "config.json"), InputError);
+}
+
 TEST(ModelSpec, HuggingFaceGpt2Config) {
   const Json hf = Json::parse(R"({"model_type":"gpt2","n_layer":12,"n_embd":768,"n_head":12,"n_positions":1024,
       "vocab_size":50257,"activation_function":"gelu_new","resid_pdrop":0.1,"attn_pdrop":0.1})");

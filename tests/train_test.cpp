@@ -139,6 +139,30 @@ TEST(TrainOutput, JsonAndTraceHaveTheSpecFields) {
     if (e["ph"] == "X") ++per_rank[e["pid"].get<int>()];
   EXPECT_EQ(per_rank.size(), 4u);  // one track per rank
   for (auto [rank, n] : per_rank) EXPECT_GE(n, 3 * 8) << "rank " << rank;  // forwards and backwards of 3 steps
+  // SPEC.md's slices: forward / backward / recompute / collective / send / recv / optimizer,
+  // with microbatch and layer in args.
+  auto kinds = [](const Json& trace) {
+    std::map<std::string, int> n;
+    for (const auto& e : trace["traceEvents"]) {
+      if (e["ph"] != "X") continue;
+      const std::string name = e["name"];
+      ++n[name];
+      EXPECT_TRUE(e["args"].contains("microbatch")) << name;
+      if (name.rfind("layer ", 0) == 0) {
+        EXPECT_GE(e["args"]["layer"].get<int>(), 0) << name;
+      }
+    }
+    return n;
+  };
+  std::map<std::string, int> n = kinds(t);
+  for (const char* k : {"forward", "backward", "layer forward", "layer backward", "send activations", "recv activations",
+                        "send gradients", "recv gradients", "optimizer"})
+    EXPECT_GT(n[k], 0) << k;
+  const std::string trace2 = ::testing::TempDir() + "strata_train_trace_tp.json";
+  const TrainRun tp = train("tiny-gpt", "tp=2,mbs=1,gbs=2,recompute=full,precision=fp32", 1, kShort + " --trace " + trace2);
+  ASSERT_EQ(tp.rc, 0) << tp.err;
+  n = kinds(Json::parse(slurp(trace2)));
+  for (const char* k : {"layer recompute", "tp_comm"}) EXPECT_GT(n[k], 0) << k;
 }
 
 TEST(TrainMemory, ZeroShardsTheOptimizerAndGradients) {
