@@ -356,14 +356,21 @@ Json estimate_to_json(const Estimate& e) {
   j["mfu"] = e.mfu;
   for (const auto& [k, v] : time_terms(e.time)) j["time_s"][k] = v;
   // Whole bytes; the peak is the sum of the rounded terms, as the model's peak is theirs.
+  // (Past 2^53 bytes, where a double holds only whole numbers anyway, the numbers as they are.)
   int64_t sum = 0;
+  const bool whole = e.memory.peak < 9e15;
   for (const auto& [k, v] : memory_terms(e.memory)) {
     if (std::string_view(k) == "peak") continue;
+    if (!whole) {
+      j["memory_bytes"][k] = v;
+      continue;
+    }
     const int64_t b = std::llround(v);
     j["memory_bytes"][k] = b;
     sum += b;
   }
-  j["memory_bytes"]["peak"] = sum;
+  if (whole) j["memory_bytes"]["peak"] = sum;
+  else j["memory_bytes"]["peak"] = e.memory.peak;
   j["memory_stage"] = e.memory.stage;
   j["critical_stage"] = e.critical_stage;
   j["microbatches"] = e.microbatches;

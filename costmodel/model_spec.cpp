@@ -172,7 +172,8 @@ ModelSpec model_from_json(const Json& j, const std::string& source) {
   m.hidden_dropout = f.real_or("hidden_dropout", llama ? 0.0 : 0.1, 0.0, 0.999);
   m.vocab_divisor = f.integer_or("make_vocab_size_divisible_by", 128, 1, 65536);
   m.kv_channels = f.integer_or("kv_channels", 0, 0, kMaxHidden);
-  reject_experts(j, source, {"num_experts", "num_moe_experts", "moe_router_topk"});
+  reject_experts(j, source, {"num_experts", "num_moe_experts"});
+  // A router's top-k means nothing without experts (2 is Megatron's default).
   for (const char* dense : {"num_experts", "num_moe_experts", "moe_router_topk"}) f.ignore(dense);
   f.ignore("description");
   f.ignore("_source");
@@ -267,8 +268,13 @@ ModelSpec model_from_hf_config(const Json& j, const std::string& source) {
   // Qwen2 and others carry a window they do not use (use_sliding_window: false).
   const bool window_off = j.contains("use_sliding_window") && j["use_sliding_window"].is_boolean() &&
                           !j["use_sliding_window"].get<bool>();
-  if (!window_off && j.contains("sliding_window") && !j["sliding_window"].is_null())
-    m.hf_sliding_window = Fields(j, source).integer("sliding_window", 1, kMaxSeq);
+  // Only a note reads it, so a value outside [1, kMaxSeq] or not an integer is ignored.
+  if (!window_off && j.contains("sliding_window") && j["sliding_window"].is_number_integer()) {
+    const Json& w = j["sliding_window"];
+    if (w.is_number_unsigned() ? w.get<uint64_t>() <= static_cast<uint64_t>(kMaxSeq)
+                               : (w.get<int64_t>() >= 1 && w.get<int64_t>() <= kMaxSeq))
+      m.hf_sliding_window = w.get<int64_t>();
+  }
   validate_model(m, source);
   return m;
 }

@@ -1,6 +1,7 @@
 // Readable breakdown and Chrome trace; see report.h.
 #include "costmodel/report.h"
 
+#include <algorithm>
 #include <cmath>
 #include <fstream>
 
@@ -80,13 +81,14 @@ std::string format_estimate(const ModelSpec& m, const Cluster& cl, const Estimat
 }
 
 // The simulated timeline, one process per pipeline stage (its t x c x d ranks run alike),
-// threads compute / p2p / collectives. Each forward, backward and recompute of a chunk is a
+// threads compute / p2p / collectives / p2p recv. Each forward and backward of a chunk is a
 // slice (args microbatch, chunk, layers) holding one slice per layer (args microbatch,
 // chunk, layer), and the embedding's and the output layer's, laid end to end from the
-// cost model's per-layer times; a layer's exposed tensor-, context- and data-parallel
-// collectives are slices on the collectives thread at its end, and every send has its
-// matching recv on the receiving stage. Past kMaxLayerSlices the per-layer slices are left
-// out (otherData says so).
+// cost model's per-layer times; a recomputed layer's backward holds its recompute first;
+// a layer's exposed tensor-, context- and data-parallel collectives are slices on the
+// collectives thread at its end, and every send has its matching recv on the receiving
+// stage. Past about kMaxLayerSlices layer slices they are left out (otherData says so) and
+// a backward holds one recompute slice.
 void write_trace(std::ostream& out, const ModelSpec& m, const Estimate& e, const EstimateDetail& d) {
   constexpr int64_t kMaxLayerSlices = 2000000;
   const double us = 1e6;
@@ -111,6 +113,7 @@ void write_trace(std::ostream& out, const ModelSpec& m, const Estimate& e, const
     event(fmt::format(R"j({{"name": "thread_name", "ph": "M", "pid": {}, "tid": 0, "args": {{"name": "compute"}}}})j", s));
     event(fmt::format(R"j({{"name": "thread_name", "ph": "M", "pid": {}, "tid": 1, "args": {{"name": "p2p"}}}})j", s));
     event(fmt::format(R"j({{"name": "thread_name", "ph": "M", "pid": {}, "tid": 2, "args": {{"name": "collectives"}}}})j", s));
+    event(fmt::format(R"j({{"name": "thread_name", "ph": "M", "pid": {}, "tid": 3, "args": {{"name": "p2p recv"}}}})j", s));
   }
   // First layer of each (stage, chunk), for the args.
   std::vector<int64_t> first_layer(static_cast<size_t>(p.p * d.layout.v), 0);
@@ -120,23 +123,37 @@ void write_trace(std::ostream& out, const ModelSpec& m, const Estimate& e, const
       first_layer[static_cast<size_t>(c * p.p + s)] = next;
       next += d.layout.chunk_layers(s, c);
     }
-  auto slice = [&](const char* name, int64_t pid, int tid, double start_s, double dur_s, const std::string& args) {
+  // Endpoints rounded to the nanosecond, the duration their difference: a child that ends
+  // where its parent ends is drawn ending there.
+  auto slice = [&](const char* name, int64_t pid, int tid, double start_s, double end_s, const std::string& args) {
+    const double a = std::round(start_s * us * 1e3) / 1e3, b = std::round(end_s * us * 1e3) / 1e3;
     event(fmt::format(R"j({{"name": "{}", "ph": "X", "pid": {}, "tid": {}, "ts": {:.3f}, "dur": {:.3f}, "args": {}}})j",
-                      name, pid, tid, start_s * us, dur_s * us, args));
+                      name, pid, tid, a, std::max(0.0, b - a), args));
   };
-  // One layer (or the embedding, or the output layer) of work w from t0; returns its end.
-  auto piece = [&](const char* name, const SimEvent& x, int64_t layer, double t0, const Work& w) {
+  // The exposed collectives of work w, on the collectives thread, ending at `end`.
+  auto collectives = [&](const SimEvent& x, const Work& w, double end, const std::string& args) {
+    double c0 = end - w.tp_comm_s - w.cp_comm_s - w.dp_comm_s;
+    for (const auto& [term, sec] : {std::pair{"tp_comm", w.tp_comm_s}, {"cp_comm", w.cp_comm_s}, {"dp_comm", w.dp_comm_s}})
+      if (sec > 0) {
+        slice(term, x.stage, 2, c0, c0 + sec, args);
+        c0 += sec;
+      }
+  };
+  // One layer (or the embedding, or the output layer) of work w from t0, no later than
+  // `limit` (its chunk's end); with a recompute `rec`, that runs first, a slice inside it
+  // (Megatron recomputes a layer just before its backward). Returns its end.
+  auto piece = [&](const char* name, const SimEvent& x, int64_t layer, double t0, const Work& w, double limit,
+                   const Work* rec = nullptr) {
     const std::string args = layer >= 0
         ? fmt::format(R"j({{"microbatch": {}, "chunk": {}, "layer": {}}})j", x.mb, x.chunk, layer)
         : fmt::format(R"j({{"microbatch": {}, "chunk": {}}})j", x.mb, x.chunk);
-    const double end = t0 + w.total();
-    slice(name, x.stage, 0, t0, w.total(), args);
-    double c0 = end - w.tp_comm_s - w.cp_comm_s - w.dp_comm_s;  // exposed collectives last
-    for (const auto& [term, sec] : {std::pair{"tp_comm", w.tp_comm_s}, {"cp_comm", w.cp_comm_s}, {"dp_comm", w.dp_comm_s}})
-      if (sec > 0) {
-        slice(term, x.stage, 2, c0, sec, args);
-        c0 += sec;
-      }
+    const double r = rec ? rec->total() : 0.0, end = std::min(limit, t0 + r + w.total());
+    slice(name, x.stage, 0, t0, end, args);
+    if (rec) {
+      slice("layer recompute", x.stage, 0, t0, std::min(end, t0 + r), args);
+      collectives(x, *rec, std::min(end, t0 + r), args);
+    }
+    collectives(x, w, end, args);
     return end;
   };
   for (const SimEvent& x : d.sim.events) {
@@ -146,40 +163,38 @@ void write_trace(std::ostream& out, const ModelSpec& m, const Estimate& e, const
     const bool emb = d.layout.has_embedding(x.stage, x.chunk), head = d.layout.has_head(x.stage, x.chunk);
     const std::string args =
         fmt::format(R"j({{"microbatch": {}, "chunk": {}, "layers": "{}-{}"}})j", x.mb, x.chunk, l0, l0 + n - 1);
-    const LayerCost& lc = d.layer;
-    double start = x.start_s;
-    const double rec = d.layer.recompute.total() * static_cast<double>(k);
-    if (!x.forward && rec > 0) {
-      slice("recompute", x.stage, 0, start, rec, args);
-      if (per_layer)
-        for (int64_t i = 0; i < k; ++i) start = piece("layer recompute", x, l0 + i, start, lc.recompute);
-      else
-        start += rec;
-    }
-    slice(x.forward ? "forward" : "backward", x.stage, 0, start, x.end_s - start, args);
+    const bool recompute = d.layer.recompute.total() > 0;
+    // The backward holds its recompute.
+    slice(x.forward ? "forward" : "backward", x.stage, 0, x.start_s, x.end_s, args);
+    double t = x.start_s;
     if (per_layer) {
-      double t = start;
-      auto layer = [&](int64_t i) -> const Work& {  // the first k of a chunk run the plan's recompute
+      // The first k layers of a chunk run the plan (and its recompute), the others the plan
+      // without recompute.
+      auto layer = [&](int64_t i) -> const Work& {
         const LayerCost& c = i < k ? d.layer : d.plain_layer;
         return x.forward ? c.forward : c.backward;
       };
       if (x.forward) {
-        if (emb) t = piece("embedding forward", x, -1, t, d.embedding.forward);
-        for (int64_t i = 0; i < n; ++i) t = piece("layer forward", x, l0 + i, t, layer(i));
-        if (head) t = piece("output layer forward", x, -1, t, d.head.forward);
+        if (emb) t = piece("embedding forward", x, -1, t, d.embedding.forward, x.end_s);
+        for (int64_t i = 0; i < n; ++i) t = piece("layer forward", x, l0 + i, t, layer(i), x.end_s);
+        if (head) t = piece("output layer forward", x, -1, t, d.head.forward, x.end_s);
       } else {
-        if (head) t = piece("output layer backward", x, -1, t, d.head.backward);
-        for (int64_t i = n; i-- > 0;) t = piece("layer backward", x, l0 + i, t, layer(i));
-        if (emb) t = piece("embedding backward", x, -1, t, d.embedding.backward);
+        if (head) t = piece("output layer backward", x, -1, t, d.head.backward, x.end_s);
+        for (int64_t i = n; i-- > 0;)
+          t = piece("layer backward", x, l0 + i, t, layer(i), x.end_s, recompute && i < k ? &d.layer.recompute : nullptr);
+        if (emb) t = piece("embedding backward", x, -1, t, d.embedding.backward, x.end_s);
       }
+    } else if (!x.forward && recompute) {
+      slice("recompute", x.stage, 0, t, std::min(x.end_s, t + d.layer.recompute.total() * static_cast<double>(k)), args);
     }
     if (x.send_end_s > x.end_s) {
-      slice(x.forward ? "send activations" : "send gradients", x.stage, 1, x.end_s, x.send_end_s - x.end_s, args);
+      slice(x.forward ? "send activations" : "send gradients", x.stage, 1, x.end_s, x.send_end_s, args);
       // The receiving stage: the next (forward) or the previous (backward), round the ring
-      // between chunks of the interleaved schedule.
+      // between chunks of the interleaved schedule; on its own thread, since that stage's
+      // sends overlap it.
       const int64_t to = x.forward ? (x.stage + 1) % p.p : (x.stage + p.p - 1) % p.p;
       const int64_t chunk = x.chunk + (x.forward && x.stage == p.p - 1 ? 1 : !x.forward && x.stage == 0 ? -1 : 0);
-      slice(x.forward ? "recv activations" : "recv gradients", to, 1, x.end_s, x.send_end_s - x.end_s,
+      slice(x.forward ? "recv activations" : "recv gradients", to, 3, x.end_s, x.send_end_s,
             fmt::format(R"j({{"microbatch": {}, "chunk": {}}})j", x.mb, chunk));
     }
   }
@@ -187,10 +202,11 @@ void write_trace(std::ostream& out, const ModelSpec& m, const Estimate& e, const
     const size_t i = static_cast<size_t>(s);
     double t0 = d.sim.end_s[i];
     if (d.stage_dp_exposed_s[i] > 0) {
-      slice("dp_comm (exposed)", s, 0, t0, d.stage_dp_exposed_s[i], fmt::format(R"j({{"total_s": {}}})j", d.stage_dp_total_s[i]));
+      slice("dp_comm (exposed)", s, 0, t0, t0 + d.stage_dp_exposed_s[i],
+            fmt::format(R"j({{"total_s": {}}})j", d.stage_dp_total_s[i]));
       t0 += d.stage_dp_exposed_s[i];
     }
-    slice("optimizer", s, 0, t0, d.stage_optimizer_s[i], "{}");
+    slice("optimizer", s, 0, t0, t0 + d.stage_optimizer_s[i], "{}");
   }
   out << "\n]}\n";
 }

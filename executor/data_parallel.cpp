@@ -104,9 +104,9 @@ void Engine::wait_pending(std::vector<Pending>* list, double* exposed) {
   }
   if (list == &dp_pending_) add_completed_blocks();
   list->clear();
-  *exposed += now() - t0;
-  if (list == &dp_pending_) event("wait dp reduction", 1, t0, now());
-  else if (list == &sends_) event("wait sends", 1, t0, now());
+  const double t1 = now();
+  *exposed += t1 - t0;
+  event(list == &dp_pending_ ? "wait dp reduction" : "wait sends", 1, t0, t1);
 }
 
 // A unit's gradient of one micro-batch is complete.

@@ -23,6 +23,13 @@ void timed_into(const ModelCtx& c, double* sum, const char* term, const char* op
 }
 void timed(const ModelCtx& c, const char* op, auto&& fn) { timed_into(c, c.tp_comm_s, "tp_comm", op, fn); }
 
+// A recompute that ran from t0 to t1: its compute seconds (without the collectives it ran,
+// which stay in their own terms) into recompute_s, its interval to the trace.
+void recomputed(const ModelCtx& c, double t0, double t1, double compute_s) {
+  if (c.recompute_s) *c.recompute_s += compute_s;
+  if (c.on_recompute) c.on_recompute(t0, t1);
+}
+
 // (n, H) rows of every tp rank -> (N, H): sequence-parallel all-gather.
 Buf gather_rows(const ModelCtx& c, const Buf& in, int64_t H) {
   Buf out = c.act(c.N() * H);
@@ -345,9 +352,8 @@ Buf layer_backward(const ModelCtx& c, const UnitView& u, int64_t l, LayerActs* a
     forward_all(again, u, l, a);
     // Its tensor- and context-parallel collectives stay in tp_comm and cp_comm; recompute
     // is the compute.
-    if (c.recompute_s)
-      *c.recompute_s += c.now() - t0 - ((c.tp_comm_s ? *c.tp_comm_s : 0.0) - tp0) -
-                        ((c.cp_comm_s ? *c.cp_comm_s : 0.0) - cp0);
+    const double t1 = c.now();
+    recomputed(c, t0, t1, t1 - t0 - ((c.tp_comm_s ? *c.tp_comm_s : 0.0) - tp0) - ((c.cp_comm_s ? *c.cp_comm_s : 0.0) - cp0));
   }
   const ModelSpec& m = *c.m;
   const int64_t H = m.H, D = m.D(), At = m.A / c.t, Gt = m.G / c.t, Q = (At + 2 * Gt) * D;
@@ -416,7 +422,8 @@ Buf layer_backward(const ModelCtx& c, const UnitView& u, int64_t l, LayerActs* a
       else a->probs = c.act(c.B * At * c.S * Sg);
       attention_cp_forward(c, again.data(), c.flash ? nullptr : a->probs.data(), c.flash ? a->lse.data() : nullptr,
                            a->qkv.data(), kv, At, Gt);
-      if (c.recompute_s) *c.recompute_s += c.now() - t0 - ((c.cp_comm_s ? *c.cp_comm_s : 0.0) - cp0);
+      const double t1 = c.now();
+      recomputed(c, t0, t1, t1 - t0 - ((c.cp_comm_s ? *c.cp_comm_s : 0.0) - cp0));
     }
     dqkv = c.f32(N * Q);
     Buf dkv = c.f32(Sg * c.B * KV);
@@ -438,7 +445,8 @@ Buf layer_backward(const ModelCtx& c, const UnitView& u, int64_t l, LayerActs* a
       a->lse = c.f32(c.B * At * c.S);
       Buf again = c.f32(N * At * D);
       c.be->flash_attention_forward(again.data(), a->lse.data(), a->qkv.data(), c.S, c.B, At, Gt, D);
-      if (c.recompute_s) *c.recompute_s += c.now() - t0;
+      const double t1 = c.now();
+      recomputed(c, t0, t1, t1 - t0);
     }
     // The output as the projection saw it (rounded to the training precision) enters
     // rowsum(dO * O), so a recomputed and a kept log-sum-exp give the same gradients.
@@ -453,7 +461,8 @@ Buf layer_backward(const ModelCtx& c, const UnitView& u, int64_t l, LayerActs* a
       a->probs = c.act(c.B * At * c.S * c.S);
       Buf again = c.f32(N * At * D);
       c.be->attention_forward(again.data(), a->probs.data(), a->qkv.data(), c.S, c.B, At, Gt, D);
-      if (c.recompute_s) *c.recompute_s += c.now() - t0;
+      const double t1 = c.now();
+      recomputed(c, t0, t1, t1 - t0);
     }
     dqkv = c.f32(N * Q);
     c.be->attention_backward(dqkv.data(), datt.data(), a->probs.data(), a->qkv.data(), c.S, c.B, At, Gt, D);

@@ -77,6 +77,9 @@ struct ModelCtx {
   // Set when tracing: each tensor- or context-parallel collective a layer runs, as its time
   // term ("tp_comm", "cp_comm"), the collective and its start and end on the clock.
   std::function<void(const char* term, const char* op, double t0, double t1)> on_comm;
+  // Set when tracing: each recompute a layer's backward runs (the whole forward again with
+  // full recompute, the attention core's with selective), its start and end.
+  std::function<void(double t0, double t1)> on_recompute;
 
   // The executor's clock: waits for the backend's queued work first, so time spent on a GPU
   // is charged to the phase that queued it.

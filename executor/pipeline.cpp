@@ -106,8 +106,9 @@ void Engine::forward_step(int64_t k, const Step& st, double* loss_sum) {
     snd.req = comm_.isend(x.data(), x.size(), pp_.ranks[static_cast<size_t>(dst)], tag_of(st.mb, dchunk, v, false));
     snd.keep = std::move(x);
     sends_.push_back(std::move(snd));
-    pp_s_ += now() - s0;
-    event("send activations", 1, s0, now(), st.mb, st.chunk);
+    const double s1 = now();
+    pp_s_ += s1 - s0;
+    event("send activations", 1, s0, s1, st.mb, st.chunk);
   }
 }
 
@@ -153,14 +154,10 @@ void Engine::backward_step(const Step& st) {
     if (i > 0) prefetch(layer_unit_.at(layers[i - 1]));
     else if (vs == 0) prefetch_embedding();
     trace_layer_ = layers[i];
-    const double l0 = tracing() ? now() : 0.0, r0 = recompute_s_;
+    const double l0 = tracing() ? now() : 0.0;
     dx = layer_backward(chunk_layer_ctx(c, i), view(u), layers[i], &ms.layers[i], dx);
-    if (tracing()) {
-      // A full recompute runs the layer's forward first, inside layer_backward.
-      const double l1 = now(), rec = recompute_s_ - r0;
-      if (rec > 0) event("layer recompute", 0, l0, l0 + rec, st.mb, st.chunk, layers[i]);
-      event("layer backward", 0, l0 + rec, l1, st.mb, st.chunk, layers[i]);
-    }
+    // Its recompute, if any, is a slice inside it (ModelCtx::on_recompute).
+    if (tracing()) event("layer backward", 0, l0, now(), st.mb, st.chunk, layers[i]);
     release_weights(u);
     unit_done(u);
     poll();
@@ -182,11 +179,11 @@ void Engine::backward_step(const Step& st) {
   if (vs != 0) {
     const int64_t dst = (me_.pp + p - 1) % p, dchunk = st.chunk - (me_.pp == 0 ? 1 : 0);
     Pending snd;
-    const double s0 = now();
+    const double s0 = tracing() ? now() : 0.0;
     snd.req = comm_.isend(dx.data(), dx.size(), pp_.ranks[static_cast<size_t>(dst)], tag_of(st.mb, dchunk, v, true));
     snd.keep = std::move(dx);
     sends_.push_back(std::move(snd));
-    event("send gradients", 1, s0, now(), st.mb, st.chunk);
+    if (tracing()) event("send gradients", 1, s0, now(), st.mb, st.chunk);
   }
   micro_.erase({st.chunk, st.mb});
 }

@@ -236,10 +236,14 @@ ModelCtx Engine::ctx() {
   c.recompute_s = &recompute_s_;
   c.poll = [this] { poll(); };
   c.mlp_grads_done = [this](int64_t layer) { mlp_done(layer); };
-  if (tracing())
+  if (tracing()) {
     c.on_comm = [this](const char* term, const char* op, double t0, double t1) {
       event(term, 1, t0, t1, trace_mb_, trace_chunk_, trace_layer_, op);
     };
+    c.on_recompute = [this](double t0, double t1) {
+      event("layer recompute", 0, t0, t1, trace_mb_, trace_chunk_, trace_layer_);
+    };
+  }
   return c;
 }
 

@@ -40,13 +40,13 @@ TEST(Comm, AllReduceInsideANode) {
 }
 
 TEST(Comm, AllReduceAcrossNodesSharesTheNics) {
-  // 32 ranks, one per node (t = 8): each group gets 1/8 of the node's 100 GB/s, at 80 %:
-  // 10 GB/s. 1 GB: 2*31/32 GB / 10 GB/s = 193.75 ms; latency 2*5 steps of 10 us.
+  // 32 ranks, one per node (t = 8): each group gets its one member's 12.5 GB/s share of the
+  // node's 100 GB/s, at 80 %: 10 GB/s. 1 GB: 2*31/32 GB / 10 GB/s = 193.75 ms; latency 2*5 steps of 10 us.
   const Cluster c = testing::round_cluster();
   const GroupSpan g = group_span(32, 8, 8);
   EXPECT_DOUBLE_EQ(bus_bandwidth(c, g, Collective::all_reduce), 10e9);
   EXPECT_NEAR(collective_time(c, g, Collective::all_reduce, 1e9), 100e-6 + 2.0 * 31 / 32 / 10.0, 1e-12);
-  // Two members per node (t = 4): a quarter of the node each, 20 GB/s.
+  // Two members per node (t = 4): two shares, a quarter of the node each, 20 GB/s.
   EXPECT_DOUBLE_EQ(bus_bandwidth(c, group_span(8, 4, 8), Collective::reduce_scatter), 20e9);
   // A whole node per group: 80 GB/s of NICs, below NVLink's 150.
   EXPECT_DOUBLE_EQ(bus_bandwidth(c, group_span(64, 1, 8), Collective::all_gather), 80e9);

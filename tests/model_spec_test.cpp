@@ -163,7 +163,7 @@ TEST(ModelSpec, HuggingFaceConfigsOutsideTheModelAreRefused) {
   EXPECT_THROW((void)model_from_json(Json::parse(R"({"num_layers":2,"hidden_size":64,"num_attention_heads":4,
       "vocab_size":100,"seq_length":32,"num_experts":8})"), "model"), InputError);
   EXPECT_EQ(model_from_json(Json::parse(R"({"num_layers":2,"hidden_size":64,"num_attention_heads":4,
-      "vocab_size":100,"seq_length":32,"num_experts":1})"), "model").L, 2);
+      "vocab_size":100,"seq_length":32,"num_experts":1,"moe_router_topk":2})"), "model").L, 2);
 }
 
 // A sliding window is not modelled; model_notes() says so when it is shorter than S.
@@ -183,9 +183,11 @@ TEST(ModelSpec, HuggingFaceSlidingWindowIsNoted) {
       "vocab_size":152064,"max_position_embeddings":32768,"sliding_window":4096,"use_sliding_window":false})"),
                                            "config.json");
   EXPECT_TRUE(model_notes(q).empty());
-  EXPECT_THROW((void)model_from_hf_config(Json::parse(R"({"model_type":"mistral","hidden_size":64,
+  // Only a note reads it: a value it cannot be is ignored, not refused.
+  for (const char* w : {"0", "-1", "4096.5", "\"4096\"", "99999999999"})
+    EXPECT_EQ(model_from_hf_config(Json::parse(std::string(R"({"model_type":"mistral","hidden_size":64,
       "num_attention_heads":4,"num_hidden_layers":2,"vocab_size":100,"max_position_embeddings":32,
-      "sliding_window":-1})"), "config.json"), InputError);
+      "sliding_window":)") + w + "}"), "config.json").hf_sliding_window, 0) << w;
 }
 
 TEST(ModelSpec, HuggingFaceGpt2Config) {

@@ -113,8 +113,27 @@ TEST(TrainEquivalence, GptPlansMatchOneRank) {
   for (const auto& p : kPlans) expect_equivalent("tiny-gpt", p);
 }
 
+// Under the sanitizers (the long pole of CI) tiny-llama runs the plans whose code differs
+// from tiny-gpt's -- RoPE, SwiGLU, RMSNorm and grouped-query heads split by tp, with
+// sequence and context parallelism, pipelines, ZeRO-3, recompute and the fused attention --
+// and tiny-gpt runs all of kPlans; the Release ctest of make test runs both in full.
+#ifdef STRATA_UNDER_SANITIZER
+const std::vector<std::string> kLlamaPlans = {
+    "tp=2,sp=1,mbs=1,gbs=8",
+    "pp=2,vp=2,mbs=1,gbs=8",
+    "dp=2,zero=3,mbs=1,gbs=8",
+    "tp=2,sp=1,recompute=full,mbs=1,gbs=8",
+    "tp=2,pp=2,attention=flash,recompute=selective,mbs=1,gbs=8",
+    "cp=2,mbs=1,gbs=8",
+    "cp=2,tp=2,sp=1,attention=flash,recompute=selective,mbs=1,gbs=8",
+    "dp=2,mbs=2,gbs=8",
+};
+#else
+const std::vector<std::string>& kLlamaPlans = kPlans;
+#endif
+
 TEST(TrainEquivalence, LlamaPlansMatchOneRank) {
-  for (const auto& p : kPlans) expect_equivalent("tiny-llama", p);
+  for (const auto& p : kLlamaPlans) expect_equivalent("tiny-llama", p);
 }
 
 TEST(TrainOutput, JsonAndTraceHaveTheSpecFields) {
