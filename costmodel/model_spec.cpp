@@ -183,7 +183,7 @@ ModelSpec model_from_json(const Json& j, const std::string& source) {
 }
 
 // Hugging Face config.json: LlamaConfig / MistralConfig / Qwen2 keys, GPT2Config keys.
-ModelSpec model_from_hf_config(const Json& j, const std::string& source) {
+ModelSpec model_from_hf_config(const Json& j, const std::string& source, int64_t seq_length_override) {
   if (!j.is_object()) throw InputError(source + ": must be a JSON object");
   auto get_int = [&](std::initializer_list<const char*> keys, int64_t lo, int64_t hi, bool required,
                      int64_t fallback) -> int64_t {
@@ -201,7 +201,12 @@ ModelSpec model_from_hf_config(const Json& j, const std::string& source) {
   if (j.contains("model_type") && j["model_type"].is_string()) model_type = j["model_type"].get<std::string>();
   if (j.contains("_name_or_path") && j["_name_or_path"].is_string()) m.name = j["_name_or_path"].get<std::string>();
   if (m.name.empty()) m.name = model_type.empty() ? "hf-model" : model_type;
-  const bool gpt2 = model_type == "gpt2" || j.contains("n_layer");
+  // BLOOM and Falcon share GPT-2's short key names (n_layer, n_head) but not its learned
+  // positions: BLOOM uses ALiBi, Falcon RoPE (or ALiBi when "alibi" says so).
+  const bool bloom = model_type == "bloom";
+  const bool falcon = model_type == "falcon" || model_type == "RefinedWeb" || model_type == "RefinedWebModel";
+  const bool gpt2 = model_type == "gpt2" || (j.contains("n_layer") && !bloom && !falcon);
+  auto flag = [&](const char* k) { return j.contains(k) && j[k].is_boolean() && j[k].get<bool>(); };
   if (!j.contains("num_hidden_layers") && !j.contains("n_layer") && j.contains("text_config") &&
       j["text_config"].is_object())
     fail_field(source + ".text_config", "{...}",
@@ -221,12 +226,18 @@ ModelSpec model_from_hf_config(const Json& j, const std::string& source) {
   m.L = get_int({"num_hidden_layers", "n_layer"}, 1, kMaxLayers, true, 0);
   m.H = get_int({"hidden_size", "n_embd"}, 1, kMaxHidden, true, 0);
   m.A = get_int({"num_attention_heads", "n_head"}, 1, kMaxHeads, true, 0);
-  m.G = get_int({"num_key_value_heads"}, 1, kMaxHeads, false, m.A);
+  // Falcon: num_kv_heads (n_head_kv in older configs), or one with multi-query attention.
+  m.G = get_int({"num_key_value_heads", "num_kv_heads", "n_head_kv"}, 1, kMaxHeads, false,
+                falcon && flag("multi_query") ? 1 : m.A);
   m.V = get_int({"vocab_size"}, 1, kMaxVocab, true, 0);
-  m.S = get_int({"max_position_embeddings", "n_positions", "n_ctx"}, 1, kMaxSeq, true, 0);
-  // Transformers' defaults when the key is absent: GPT-2 "gelu_new", the rest (Llama,
-  // Mistral, Qwen2, ...) "silu".
-  std::string act = gpt2 ? "gelu_new" : "silu";
+  // BLOOM's config has no length (ALiBi): --seq-length gives it.
+  m.S = get_int({"max_position_embeddings", "n_positions", "n_ctx", "seq_length"}, 1, kMaxSeq, false, 0);
+  if (seq_length_override > 0) m.S = seq_length_override;
+  else if (m.S == 0)
+    throw InputError(source + ".max_position_embeddings: missing: an integer is required (or give --seq-length)");
+  // Transformers' defaults when the key is absent: GPT-2 "gelu_new", BLOOM and Falcon
+  // "gelu", the rest (Llama, Mistral, Qwen2, ...) "silu".
+  std::string act = gpt2 ? "gelu_new" : bloom || falcon ? "gelu" : "silu";
   for (const char* k : {"hidden_act", "activation_function"}) {
     if (j.contains(k)) {
       if (!j[k].is_string()) fail_field(source + "." + k, show_value(j[k]), "must be a string");
@@ -247,14 +258,15 @@ ModelSpec model_from_hf_config(const Json& j, const std::string& source) {
   m.kv_channels = get_int({"head_dim"}, 0, kMaxHidden, false, 0);
   if (m.kv_channels * m.A == m.H) m.kv_channels = 0;
   m.normalization = (j.contains("rms_norm_eps") || llama) && !gpt2 ? Norm::rmsnorm : Norm::layernorm;
-  m.position = gpt2 ? Position::learned : Position::rope;  // sets the modern stack for Llama-family
-  m.tie_embeddings = gpt2 || gemma;
+  m.position = gpt2 ? Position::learned  // RoPE sets the modern stack for the Llama family
+             : bloom || (falcon && flag("alibi")) ? Position::alibi : Position::rope;
+  m.tie_embeddings = gpt2 || gemma || bloom || falcon;  // their config classes' defaults
   if (j.contains("tie_word_embeddings")) {
     if (!j["tie_word_embeddings"].is_boolean())
       fail_field(source + ".tie_word_embeddings", show_value(j["tie_word_embeddings"]), "must be true or false");
     m.tie_embeddings = j["tie_word_embeddings"].get<bool>();
   }
-  m.bias = gpt2 || (j.contains("attention_bias") && j["attention_bias"].is_boolean() && j["attention_bias"].get<bool>());
+  m.bias = gpt2 || bloom || flag("attention_bias") || (falcon && flag("bias"));
   auto dropout = [&](std::initializer_list<const char*> keys, double fallback) {
     for (const char* k : keys)
       if (j.contains(k) && !j.at(k).is_null()) {
@@ -321,7 +333,8 @@ ModelSpec load_model(const std::string& name_or_path, int64_t seq_length_overrid
     const Json j = read_json_file(name_or_path, "--model");
     const bool hf = j.is_object() && (j.contains("num_hidden_layers") || j.contains("n_layer") ||
                                       j.contains("architectures") || j.contains("model_type"));
-    m = hf ? model_from_hf_config(j, "model '" + name_or_path + "'") : model_from_json(j, "model");
+    m = hf ? model_from_hf_config(j, "model '" + name_or_path + "'", seq_length_override)
+           : model_from_json(j, "model");
   }
   if (seq_length_override > 0) {
     m.S = seq_length_override;

@@ -73,7 +73,8 @@ struct ModelSpec {
 // seq_length_override > 0 replaces the sequence length.
 ModelSpec load_model(const std::string& name_or_path, int64_t seq_length_override = 0);
 ModelSpec model_from_json(const Json& j, const std::string& source);
-ModelSpec model_from_hf_config(const Json& j, const std::string& source);
+// seq_length_override > 0 stands in for a missing length (BLOOM's config has none).
+ModelSpec model_from_hf_config(const Json& j, const std::string& source, int64_t seq_length_override = 0);
 // Checks every field and cross-field rule; throws InputError naming the field.
 void validate_model(const ModelSpec& m, const std::string& source);
 Json model_to_json(const ModelSpec& m);

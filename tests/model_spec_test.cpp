@@ -190,6 +190,37 @@ TEST(ModelSpec, HuggingFaceSlidingWindowIsNoted) {
       "sliding_window":)") + w + "}"), "config.json").hf_sliding_window, 0) << w;
 }
 
+// BLOOM and Falcon use GPT-2's short keys without its learned positions.
+TEST(ModelSpec, HuggingFaceBloomAndFalconConfigs) {
+  // bigscience/bloom's config.json (no length: ALiBi). Per layer 12 H^2 + 13 H =
+  // 2,466,437,120 with H = 14336; x70 = 172,650,598,400; the tied 250880 x 14336 embedding
+  // 3,596,615,680; the final norm 28,672: 176,247,242,752 -- BLOOM's published
+  // 176,247,271,424 less its embedding LayerNorm (2 H = 28,672), which is not modelled.
+  const Json bloom = Json::parse(R"({"model_type":"bloom","n_layer":70,"n_head":112,"hidden_size":14336,
+      "vocab_size":250880,"layer_norm_epsilon":1e-05,"attention_dropout":0.0,"hidden_dropout":0.0})");
+  EXPECT_THROW((void)model_from_hf_config(bloom, "config.json"), InputError);  // no length, no --seq-length
+  const ModelSpec b = model_from_hf_config(bloom, "config.json", 2048);
+  EXPECT_EQ(b.position, Position::alibi);
+  EXPECT_EQ(b.activation, Activation::gelu);
+  EXPECT_EQ(b.normalization, Norm::layernorm);
+  EXPECT_TRUE(b.tie_embeddings);
+  EXPECT_TRUE(b.bias);
+  EXPECT_EQ(b.S, 2048);
+  EXPECT_DOUBLE_EQ(b.total_params(), 176247242752.0);
+  // tiiuae/falcon-7b: 71 heads of 64 with multi-query attention (one key/value head), no
+  // biases. Per layer QKV 4544 x 4672 = 21,229,568, output 20,647,936, MLP 2 x 4544 x 18176 =
+  // 165,183,488, two LayerNorms 18,176: 207,079,168; x32 = 6,626,533,376; the tied
+  // embedding 65024 x 4544 = 295,469,056; final norm 9,088: 6,922,011,520 -- Falcon's
+  // 6,921,720,704 plus a second LayerNorm per layer (its parallel block has one).
+  const ModelSpec f = model_from_hf_config(Json::parse(R"({"model_type":"falcon","hidden_size":4544,
+      "num_attention_heads":71,"num_hidden_layers":32,"vocab_size":65024,"multi_query":true,"bias":false,
+      "alibi":false,"parallel_attn":true,"max_position_embeddings":2048})"), "config.json");
+  EXPECT_EQ(f.G, 1);
+  EXPECT_EQ(f.position, Position::rope);
+  EXPECT_FALSE(f.bias);
+  EXPECT_DOUBLE_EQ(f.total_params(), 6922011520.0);
+}
+
 TEST(ModelSpec, HuggingFaceGpt2Config) {
   const Json hf = Json::parse(R"({"model_type":"gpt2","n_layer":12,"n_embd":768,"n_head":12,"n_positions":1024,
       "vocab_size":50257,"activation_function":"gelu_new","resid_pdrop":0.1,"attn_pdrop":0.1})");
