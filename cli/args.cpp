@@ -68,10 +68,6 @@ int64_t Args::integer(const std::string& flag, int64_t fallback, int64_t lo, int
   return v;
 }
 
-void print_model_notes(const ModelSpec& m) {
-  for (const std::string& n : model_notes(m)) fmt::print(stderr, "strata: note: {}\n", n);
-}
-
 Precision parse_precision(const std::string& s, bool allow_fp8) {
   if (s == "bf16") return Precision::bf16;
   if (s == "fp16") return Precision::fp16;

@@ -10,7 +10,6 @@
 #include <vector>
 
 #include "costmodel/hardware.h"
-#include "costmodel/model_spec.h"
 
 namespace strata {
 
@@ -35,8 +34,5 @@ Precision parse_precision(const std::string& s, bool allow_fp8 = true);
 // why it cannot run here (no GPU, a build without CUDA, or not yet wired for the command);
 // anything else names the allowed values.
 void check_backend(const std::string& backend, const std::string& command);
-
-// model_notes() on stderr, one "strata: note: ..." line each.
-void print_model_notes(const ModelSpec& m);
 
 }  // namespace strata

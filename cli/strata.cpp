@@ -95,7 +95,6 @@ int cmd_estimate(const std::vector<std::string>& argv) {
   const Cluster cl = load_cluster(a.required("cluster", "a preset or a cluster JSON"));
   const ModelSpec m = model_on_stack(
       load_model(a.required("model", "a preset or a model JSON"), a.integer("seq-length", 0, 1, 1 << 24)), cl);
-  print_model_notes(m);
   const Plan p = load_plan(a.required("plan", "a plan JSON or tp=..,pp=..,dp=.. pairs"));
   if (a.has("gpus") && a.integer("gpus", 1, 1, 1 << 24) != p.world_size())
     fail_field("--gpus", a.get("gpus"),
@@ -172,7 +171,6 @@ int cmd_plan(const std::vector<std::string>& argv) {
   const Cluster cl = load_cluster(a.required("cluster", "a preset or a cluster JSON"));
   const ModelSpec m = model_on_stack(
       load_model(a.required("model", "a preset or a model JSON"), a.integer("seq-length", 0, 1, 1 << 24)), cl);
-  print_model_notes(m);
   SearchOptions so;
   so.gpus = a.integer("gpus", 0, 1, 1 << 24);
   if (!a.has("gpus")) a.required("gpus", "the number of GPUs to plan for");

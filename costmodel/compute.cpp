@@ -305,8 +305,9 @@ double attention_core_forward(Acc& a, Phase ph) {
   const double D = static_cast<double>(m.D());
   double t = 0;
   if (a.cs.attention == AttentionKernel::flash) {
-    // Causal: half of the S x S blocks (load-balanced across context-parallel ranks too).
-    const double flops = 4.0 * heads * Sq * Sk * D * 0.5;
+    // Causal: half of the S x S blocks (load-balanced across context-parallel ranks too),
+    // less with a sliding window (ModelSpec::causal_share).
+    const double flops = 4.0 * heads * Sq * Sk * D * m.causal_share();
     const double bytes = e * a.cs.T * static_cast<double>(2 * m.AD() + 2 * m.G * m.D()) / static_cast<double>(p.t);
     t = a.kernel("flash_attention", ph, flops, bytes, a.peak_flash * a.cl.device.flash_fwd_efficiency);
   } else {
@@ -346,7 +347,7 @@ double attention_core_backward(Acc& a, double mlp_s) {
   double t = 0;
   if (a.cs.attention == AttentionKernel::flash) {
     // FlashAttention-2 backward: five S x S x D products against two in forward.
-    const double flops = 10.0 * heads * Sq * Sk * D * 0.5;
+    const double flops = 10.0 * heads * Sq * Sk * D * m.causal_share();
     const double bytes = 2.0 * e * a.cs.T * static_cast<double>(2 * m.AD() + 2 * m.G * m.D()) / static_cast<double>(p.t);
     t = a.kernel("flash_attention", ph, flops, bytes, a.peak_flash * a.cl.device.flash_bwd_efficiency);
   } else {

@@ -1,6 +1,7 @@
 // ModelSpec counts and loaders; see model_spec.h.
 #include "costmodel/model_spec.h"
 
+#include <algorithm>
 #include <filesystem>
 
 #include <fmt/format.h>
@@ -63,6 +64,16 @@ const char* to_string(Position p) {
 int64_t llama_ffn_size(int64_t H, int64_t multiple_of) {
   const int64_t raw = (8 * H) / 3;
   return multiple_of * ((raw + multiple_of - 1) / multiple_of);
+}
+
+// A window of w < S keys covers w S - w(w - 1)/2 of the S^2 (query, key) pairs (the first
+// w - 1 queries see fewer); counted as w S - w^2/2, which meets the causal S^2/2 the other
+// layers cover at w = S.
+double ModelSpec::causal_share() const {
+  if (window_size <= 0 || window_size >= S || window_layers <= 0) return 0.5;
+  const double w = static_cast<double>(window_size) / static_cast<double>(S);
+  const double f = static_cast<double>(window_layers) / static_cast<double>(L);
+  return f * (w - 0.5 * w * w) + (1.0 - f) * 0.5;
 }
 
 int64_t ModelSpec::padded_vocab(int64_t t) const {
@@ -142,6 +153,11 @@ void validate_model(const ModelSpec& m, const std::string& src) {
   if (m.vocab_divisor < 1 || m.vocab_divisor > 65536)
     fail_field(src + ".make_vocab_size_divisible_by", std::to_string(m.vocab_divisor),
                "must be an integer in [1, 65536]");
+  if (m.window_layers < 0 || m.window_layers > m.L)
+    fail_field(src + ".window_layers", std::to_string(m.window_layers),
+               fmt::format("must be in [0, num_layers = {}]", m.L));
+  if (m.window_size < 0 || m.window_size > kMaxSeq)
+    fail_field(src + ".window_size", std::to_string(m.window_size), fmt::format("must be an integer in [0, {}]", kMaxSeq));
   if (m.position == Position::learned && m.S * m.H > (int64_t{1} << 40))
     fail_field(src + ".seq_length", std::to_string(m.S), "learned position table seq_length*hidden_size exceeds 2^40");
 }
@@ -172,6 +188,14 @@ ModelSpec model_from_json(const Json& j, const std::string& source) {
   m.hidden_dropout = f.real_or("hidden_dropout", llama ? 0.0 : 0.1, 0.0, 0.999);
   m.vocab_divisor = f.integer_or("make_vocab_size_divisible_by", 128, 1, 65536);
   m.kv_channels = f.integer_or("kv_channels", 0, 0, kMaxHidden);
+  // Sliding-window attention (Megatron's window_size, its left size): on every layer, on all
+  // but every window_attn_skip_freq-th (Megatron), or on window_layers of them.
+  m.window_size = f.integer_or("window_size", 0, 0, kMaxSeq);
+  const int64_t skip = f.integer_or("window_attn_skip_freq", 0, 0, kMaxLayers);
+  m.window_layers = f.integer_or("window_layers", -1, 0, kMaxLayers);
+  if (skip > 0 && m.window_layers >= 0)
+    fail_field(source + ".window_layers", std::to_string(m.window_layers), "give window_layers or window_attn_skip_freq, not both");
+  if (m.window_layers < 0) m.window_layers = m.window_size > 0 ? m.L - (skip > 0 ? m.L / skip : 0) : 0;
   reject_experts(j, source, {"num_experts", "num_moe_experts"});
   // A router's top-k means nothing without experts (2 is Megatron's default).
   for (const char* dense : {"num_experts", "num_moe_experts", "moe_router_topk"}) f.ignore(dense);
@@ -201,11 +225,12 @@ ModelSpec model_from_hf_config(const Json& j, const std::string& source, int64_t
   if (j.contains("model_type") && j["model_type"].is_string()) model_type = j["model_type"].get<std::string>();
   if (j.contains("_name_or_path") && j["_name_or_path"].is_string()) m.name = j["_name_or_path"].get<std::string>();
   if (m.name.empty()) m.name = model_type.empty() ? "hf-model" : model_type;
-  // BLOOM and Falcon share GPT-2's short key names (n_layer, n_head) but not its learned
-  // positions: BLOOM uses ALiBi, Falcon RoPE (or ALiBi when "alibi" says so).
+  // BLOOM, Falcon and GPT-J share GPT-2's short key names (n_layer, n_head) but not its
+  // learned positions: BLOOM uses ALiBi, Falcon RoPE (or ALiBi when "alibi" says so), GPT-J
+  // RoPE. (GPT-BigCode / StarCoder keeps GPT-2's.)
   const bool bloom = model_type == "bloom";
   const bool falcon = model_type == "falcon" || model_type == "RefinedWeb" || model_type == "RefinedWebModel";
-  const bool gpt2 = model_type == "gpt2" || (j.contains("n_layer") && !bloom && !falcon);
+  const bool gpt2 = model_type == "gpt2" || (j.contains("n_layer") && !bloom && !falcon && model_type != "gptj");
   auto flag = [&](const char* k) { return j.contains(k) && j[k].is_boolean() && j[k].get<bool>(); };
   if (!j.contains("num_hidden_layers") && !j.contains("n_layer") && j.contains("text_config") &&
       j["text_config"].is_object())
@@ -226,9 +251,10 @@ ModelSpec model_from_hf_config(const Json& j, const std::string& source, int64_t
   m.L = get_int({"num_hidden_layers", "n_layer"}, 1, kMaxLayers, true, 0);
   m.H = get_int({"hidden_size", "n_embd"}, 1, kMaxHidden, true, 0);
   m.A = get_int({"num_attention_heads", "n_head"}, 1, kMaxHeads, true, 0);
-  // Falcon: num_kv_heads (n_head_kv in older configs), or one with multi-query attention.
+  // Falcon: num_kv_heads (n_head_kv in older configs); one with multi-query attention
+  // (Falcon 7B, StarCoder).
   m.G = get_int({"num_key_value_heads", "num_kv_heads", "n_head_kv"}, 1, kMaxHeads, false,
-                falcon && flag("multi_query") ? 1 : m.A);
+                flag("multi_query") ? 1 : m.A);
   m.V = get_int({"vocab_size"}, 1, kMaxVocab, true, 0);
   // BLOOM's config has no length (ALiBi): --seq-length gives it.
   m.S = get_int({"max_position_embeddings", "n_positions", "n_ctx", "seq_length"}, 1, kMaxSeq, false, 0);
@@ -266,7 +292,11 @@ ModelSpec model_from_hf_config(const Json& j, const std::string& source, int64_t
       fail_field(source + ".tie_word_embeddings", show_value(j["tie_word_embeddings"]), "must be true or false");
     m.tie_embeddings = j["tie_word_embeddings"].get<bool>();
   }
-  m.bias = gpt2 || bloom || flag("attention_bias") || (falcon && flag("bias"));
+  // Biases: GPT-2, BLOOM, GPT-NeoX and Phi have them on every linear layer; Falcon when
+  // "bias" says so; Llama-style models when "attention_bias" does (on the attention only,
+  // counted here on all: a few parameters per layer).
+  m.bias = gpt2 || bloom || model_type == "gpt_neox" || model_type == "phi" || flag("attention_bias") ||
+           (falcon && flag("bias"));
   auto dropout = [&](std::initializer_list<const char*> keys, double fallback) {
     for (const char* k : keys)
       if (j.contains(k) && !j.at(k).is_null()) {
@@ -277,28 +307,29 @@ ModelSpec model_from_hf_config(const Json& j, const std::string& source, int64_t
   };
   m.attention_dropout = dropout({"attention_dropout", "attn_pdrop"}, gpt2 ? 0.1 : 0.0);
   m.hidden_dropout = dropout({"hidden_dropout", "resid_pdrop"}, gpt2 ? 0.1 : 0.0);
-  // Qwen2 and others carry a window they do not use (use_sliding_window: false).
+  // Sliding-window attention: sliding_window (null or 0: none; Qwen2 carries one it does
+  // not use, use_sliding_window false), on the layers that layer_types names
+  // "sliding_attention", else all but every sliding_window_pattern-th (Gemma 3), every
+  // other one (Gemma 2), those from max_window_layers on (Qwen2), or all (Mistral v0.1).
   const bool window_off = j.contains("use_sliding_window") && j["use_sliding_window"].is_boolean() &&
                           !j["use_sliding_window"].get<bool>();
-  // Only a note reads it, so a value outside [1, kMaxSeq] or not an integer is ignored.
-  if (!window_off && j.contains("sliding_window") && j["sliding_window"].is_number_integer()) {
-    const Json& w = j["sliding_window"];
-    if (w.is_number_unsigned() ? w.get<uint64_t>() <= static_cast<uint64_t>(kMaxSeq)
-                               : (w.get<int64_t>() >= 1 && w.get<int64_t>() <= kMaxSeq))
-      m.hf_sliding_window = w.get<int64_t>();
+  if (!window_off && j.contains("sliding_window") && !j["sliding_window"].is_null() &&
+      !(j["sliding_window"].is_number_integer() && j["sliding_window"].get<int64_t>() == 0)) {
+    m.window_size = get_int({"sliding_window"}, 1, kMaxSeq, true, 0);
+    if (j.contains("layer_types") && j["layer_types"].is_array()) {
+      for (const Json& t : j["layer_types"]) m.window_layers += t.is_string() && t.get<std::string>() == "sliding_attention";
+    } else if (j.contains("sliding_window_pattern") && !j["sliding_window_pattern"].is_null()) {
+      m.window_layers = m.L - m.L / get_int({"sliding_window_pattern"}, 1, kMaxLayers, true, 1);
+    } else if (model_type == "gemma2") {
+      m.window_layers = m.L - m.L / 2;
+    } else if (j.contains("max_window_layers") && !j["max_window_layers"].is_null()) {
+      m.window_layers = m.L - std::min(m.L, get_int({"max_window_layers"}, 0, kMaxLayers, true, 0));
+    } else {
+      m.window_layers = m.L;
+    }
   }
   validate_model(m, source);
   return m;
-}
-
-std::vector<std::string> model_notes(const ModelSpec& m) {
-  std::vector<std::string> notes;
-  if (m.hf_sliding_window > 0 && m.hf_sliding_window < m.S)
-    notes.push_back(fmt::format(
-        "sliding_window={} is shorter than the sequence ({}): strata models full causal attention over the "
-        "whole sequence, so the attention's time (and, unfused, its memory) is over-estimated",
-        m.hf_sliding_window, m.S));
-  return notes;
 }
 
 Json model_to_json(const ModelSpec& m) {
@@ -318,7 +349,9 @@ Json model_to_json(const ModelSpec& m) {
               {"attention_dropout", m.attention_dropout},
               {"hidden_dropout", m.hidden_dropout},
               {"make_vocab_size_divisible_by", m.vocab_divisor},
-              {"kv_channels", m.kv_channels}};
+              {"kv_channels", m.kv_channels},
+              {"window_size", m.window_size},
+              {"window_layers", m.window_layers}};
 }
 
 ModelSpec load_model(const std::string& name_or_path, int64_t seq_length_override) {

@@ -38,14 +38,18 @@ struct ModelSpec {
   double hidden_dropout = 0.1;
   int64_t vocab_divisor = 128;           // make_vocab_size_divisible_by
   int64_t kv_channels = 0;               // head dim D when it is not H/A (Gemma); 0 = H/A
-  // A Hugging Face config's sliding attention window (Mistral v0.1, Gemma 2, Phi-3): not
-  // modelled (attention is costed as full causal over S), so model_notes() says so when it
-  // is shorter than S. 0 = none. Not part of the model JSON.
-  int64_t hf_sliding_window = 0;
+  // Sliding-window attention (Mistral v0.1, Gemma 2 and 3; Megatron's window_size): on
+  // window_layers of the L layers each query attends to the window_size keys up to itself,
+  // on the others to its whole causal prefix. 0 = none.
+  int64_t window_size = 0;
+  int64_t window_layers = 0;
 
   int64_t D() const { return kv_channels > 0 ? kv_channels : H / A; }
   int64_t AD() const { return A * D(); }  // width of the queries and of the attention output
   bool gated() const { return activation != Activation::gelu; }
+  // The share of the S x S score block a causal layer's fused attention computes, averaged
+  // over the layers: 1/2 without a window (FlashAttention skips the masked blocks).
+  double causal_share() const;
   int64_t fc1_out() const { return gated() ? 2 * F : F; }  // columns of the first MLP matrix
   // Megatron pads the vocabulary to a multiple of vocab_divisor * t.
   int64_t padded_vocab(int64_t t) const;
@@ -78,9 +82,6 @@ ModelSpec model_from_hf_config(const Json& j, const std::string& source, int64_t
 // Checks every field and cross-field rule; throws InputError naming the field.
 void validate_model(const ModelSpec& m, const std::string& source);
 Json model_to_json(const ModelSpec& m);
-// What the model's input asked for that the cost model does not model, one sentence each
-// (the commands print them as notes on stderr).
-std::vector<std::string> model_notes(const ModelSpec& m);
 
 // Presets (model_presets.cpp).
 std::vector<std::string> model_preset_names();

@@ -52,6 +52,13 @@ void validate_train_plan(const ModelSpec& m, const Plan& p, int world_size, bool
         m.S / p.c * p.mbs, "tensor_parallel (sequence parallel)", p.t);
   div("global_batch_size", p.gbs, "micro_batch_size * data_parallel", p.mbs * p.d);
   if (m.position == Position::rope && m.D() % 2 != 0) fail("model: rope needs an even head dim, got " + std::to_string(m.D()));
+  // Trained without its linear biases an ALiBi model would silently be a model without
+  // positions.
+  if (m.position == Position::alibi)
+    fail("model: position_embedding alibi is not implemented by the executor (learned, rope and none are)");
+  if (m.causal_share() != 0.5)
+    fail("model: window_size " + std::to_string(m.window_size) +
+         " (sliding-window attention) is not implemented by the executor: it attends to the whole causal prefix");
   if (p.p * p.v > m.L)
     fail("plan: pipeline_parallel * virtual_pipeline_stages = " + std::to_string(p.p * p.v) + " exceeds num_layers " +
          std::to_string(m.L));

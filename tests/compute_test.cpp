@@ -277,5 +277,35 @@ TEST(Compute, FlashAttentionIsCheaperThanUnfusedForLongSequences) {
   EXPECT_LT(f.backward.total(), u.backward.total());
 }
 
+// A sliding window of w keys on all layers: the fused kernel computes w S - w^2/2 of the
+// S^2 pairs instead of S^2/2. Llama 2 7B at S = 8192, w = 2048: 2048/8192 - (1/4)^2/2 =
+// 0.21875 of S^2, so the forward's flash FLOPs are 4 x 32 heads x 8192^2 x 128 x 0.21875
+// (0.4375 of the causal block's); the unfused kernel computes the whole block either way.
+TEST(Compute, SlidingWindowCutsTheFusedAttention) {
+  const Cluster c = testing::round_cluster();
+  ModelSpec m = load_model("llama2-7b", 8192);
+  const Plan pf = load_plan("tp=1,attention=flash"), pu = load_plan("tp=1,attention=unfused");
+  auto flash_flops = [&](const ModelSpec& mm) {
+    std::vector<OpCost> ops;
+    (void)layer_cost(mm, c, pf, compute_setup(mm, c, pf), &ops);
+    for (const OpCost& o : ops)
+      if (std::string(o.name) == "flash_attention" && o.phase == Phase::forward) return o.flops;
+    return -1.0;
+  };
+  const double causal = flash_flops(m);
+  m.window_size = 2048;
+  m.window_layers = m.L;
+  EXPECT_DOUBLE_EQ(m.causal_share(), 0.21875);
+  EXPECT_DOUBLE_EQ(flash_flops(m), 4.0 * 32 * 8192.0 * 8192.0 * 128 * 0.21875);
+  EXPECT_DOUBLE_EQ(flash_flops(m) / causal, 0.4375);
+  // Half the layers windowed: the mean share, (0.21875 + 0.5) / 2.
+  m.window_layers = m.L / 2;
+  EXPECT_DOUBLE_EQ(m.causal_share(), 0.359375);
+  ModelSpec full = m;
+  full.window_size = 0;
+  EXPECT_DOUBLE_EQ(layer_cost(m, c, pu, compute_setup(m, c, pu)).forward.total(),
+                   layer_cost(full, c, pu, compute_setup(full, c, pu)).forward.total());
+}
+
 }  // namespace
 }  // namespace strata

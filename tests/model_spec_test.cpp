@@ -166,28 +166,48 @@ TEST(ModelSpec, HuggingFaceConfigsOutsideTheModelAreRefused) {
       "vocab_size":100,"seq_length":32,"num_experts":1,"moe_router_topk":2})"), "model").L, 2);
 }
 
-// A sliding window is not modelled; model_notes() says so when it is shorter than S.
-TEST(ModelSpec, HuggingFaceSlidingWindowIsNoted) {
-  const std::string mistral = R"({"model_type":"mistral","hidden_size":4096,"intermediate_size":14336,
-      "num_attention_heads":32,"num_hidden_layers":32,"num_key_value_heads":8,"vocab_size":32000,
-      "max_position_embeddings":32768,"sliding_window":4096})";
-  ModelSpec m = model_from_hf_config(Json::parse(mistral), "config.json");
-  EXPECT_EQ(m.hf_sliding_window, 4096);
-  ASSERT_EQ(model_notes(m).size(), 1u);
-  EXPECT_NE(model_notes(m)[0].find("sliding_window=4096"), std::string::npos);
-  m.S = 4096;  // as --seq-length 4096 gives: the window covers the sequence
-  EXPECT_TRUE(model_notes(m).empty());
-  // Qwen2 carries a window it does not use.
-  const ModelSpec q = model_from_hf_config(Json::parse(R"({"model_type":"qwen2","hidden_size":3584,
-      "intermediate_size":18944,"num_attention_heads":28,"num_hidden_layers":28,"num_key_value_heads":4,
-      "vocab_size":152064,"max_position_embeddings":32768,"sliding_window":4096,"use_sliding_window":false})"),
-                                           "config.json");
-  EXPECT_TRUE(model_notes(q).empty());
-  // Only a note reads it: a value it cannot be is ignored, not refused.
-  for (const char* w : {"0", "-1", "4096.5", "\"4096\"", "99999999999"})
-    EXPECT_EQ(model_from_hf_config(Json::parse(std::string(R"({"model_type":"mistral","hidden_size":64,
-      "num_attention_heads":4,"num_hidden_layers":2,"vocab_size":100,"max_position_embeddings":32,
-      "sliding_window":)") + w + "}"), "config.json").hf_sliding_window, 0) << w;
+// Sliding-window attention from Hugging Face configs and from Megatron's names.
+TEST(ModelSpec, SlidingWindowLayers) {
+  const std::string dims = R"("hidden_size":4096,"intermediate_size":14336,"num_attention_heads":32,
+      "num_key_value_heads":8,"vocab_size":32000,"max_position_embeddings":32768)";
+  auto hf = [&](const std::string& extra) {
+    return model_from_hf_config(Json::parse("{" + extra + "," + dims + "}"), "config.json");
+  };
+  // Mistral v0.1: every layer. w = 4096 / 32768 = 1/8: 1/8 - 1/128 = 0.1171875 of S^2.
+  const ModelSpec mistral = hf(R"("model_type":"mistral","num_hidden_layers":32,"sliding_window":4096)");
+  EXPECT_EQ(mistral.window_size, 4096);
+  EXPECT_EQ(mistral.window_layers, 32);
+  EXPECT_DOUBLE_EQ(mistral.causal_share(), 0.1171875);
+  ModelSpec short_seq = mistral;
+  short_seq.S = 4096;  // the window covers the sequence: causal
+  EXPECT_DOUBLE_EQ(short_seq.causal_share(), 0.5);
+  // Gemma 2 alternates (21 of 42), Gemma 3 keeps every 6th layer global (34 - 5 = 29),
+  // layer_types counts, Qwen2 windows the layers from max_window_layers on, or none when
+  // use_sliding_window is false; null or 0 is no window.
+  EXPECT_EQ(hf(R"("model_type":"gemma2","num_hidden_layers":42,"sliding_window":4096)").window_layers, 21);
+  EXPECT_EQ(hf(R"("model_type":"gemma3_text","num_hidden_layers":34,"sliding_window":1024,"sliding_window_pattern":6)")
+                .window_layers, 29);
+  EXPECT_EQ(hf(R"("num_hidden_layers":4,"sliding_window":512,"layer_types":["sliding_attention","full_attention",
+      "sliding_attention","sliding_attention"])").window_layers, 3);
+  EXPECT_EQ(hf(R"("model_type":"qwen2","num_hidden_layers":28,"sliding_window":4096,"use_sliding_window":true,
+      "max_window_layers":21)").window_layers, 7);
+  EXPECT_EQ(hf(R"("model_type":"qwen2","num_hidden_layers":28,"sliding_window":4096,"use_sliding_window":false)")
+                .window_size, 0);
+  EXPECT_EQ(hf(R"("model_type":"mistral","num_hidden_layers":32,"sliding_window":null)").window_size, 0);
+  EXPECT_EQ(hf(R"("model_type":"mistral","num_hidden_layers":32,"sliding_window":0)").window_size, 0);
+  EXPECT_THROW((void)hf(R"("model_type":"mistral","num_hidden_layers":32,"sliding_window":-1)"), InputError);
+  EXPECT_THROW((void)hf(R"("model_type":"mistral","num_hidden_layers":32,"sliding_window":"4096")"), InputError);
+  // Megatron: window_size with window_attn_skip_freq 4 on 8 layers windows 6 of them. At
+  // S = 4096, w = 1/4: 1/4 - 1/32 = 0.21875 on 6/8 of the layers, 0.5 on the rest: 0.2890625.
+  const std::string base = R"("num_layers":8,"hidden_size":64,"num_attention_heads":4,"vocab_size":100,"seq_length":4096)";
+  const ModelSpec g = model_from_json(Json::parse("{" + base + R"(,"window_size":1024,"window_attn_skip_freq":4})"), "model");
+  EXPECT_EQ(g.window_layers, 6);
+  EXPECT_DOUBLE_EQ(g.causal_share(), 0.2890625);
+  EXPECT_EQ(model_from_json(model_to_json(g), "model").window_layers, 6);  // round trip
+  EXPECT_THROW((void)model_from_json(Json::parse("{" + base + R"(,"window_size":1024,"window_attn_skip_freq":4,
+      "window_layers":2})"), "model"), InputError);
+  EXPECT_THROW((void)model_from_json(Json::parse("{" + base + R"(,"window_size":1024,"window_layers":9})"), "model"),
+               InputError);
 }
 
 // BLOOM and Falcon use GPT-2's short keys without its learned positions.
@@ -219,6 +239,20 @@ TEST(ModelSpec, HuggingFaceBloomAndFalconConfigs) {
   EXPECT_EQ(f.position, Position::rope);
   EXPECT_FALSE(f.bias);
   EXPECT_DOUBLE_EQ(f.total_params(), 6922011520.0);
+  // GPT-J: GPT-2's short keys, rotary positions. StarCoder (GPT-BigCode): learned
+  // positions and multi-query attention. GPT-NeoX: biases.
+  const ModelSpec gj = model_from_hf_config(Json::parse(R"({"model_type":"gptj","n_layer":28,"n_embd":4096,
+      "n_head":16,"n_positions":2048,"vocab_size":50400,"activation_function":"gelu_new"})"), "config.json");
+  EXPECT_EQ(gj.position, Position::rope);
+  EXPECT_FALSE(gj.tie_embeddings);
+  const ModelSpec sc = model_from_hf_config(Json::parse(R"({"model_type":"gpt_bigcode","n_layer":40,"n_embd":6144,
+      "n_head":48,"n_positions":8192,"vocab_size":49152,"multi_query":true,"activation_function":"gelu_pytorch_tanh"})"),
+                                            "config.json");
+  EXPECT_EQ(sc.position, Position::learned);
+  EXPECT_EQ(sc.G, 1);
+  EXPECT_TRUE(model_from_hf_config(Json::parse(R"({"model_type":"gpt_neox","num_hidden_layers":2,"hidden_size":64,
+      "num_attention_heads":4,"intermediate_size":256,"vocab_size":100,"max_position_embeddings":32,
+      "hidden_act":"gelu"})"), "config.json").bias);
 }
 
 TEST(ModelSpec, HuggingFaceGpt2Config) {
