@@ -94,6 +94,7 @@ int cmd_validate(const std::vector<std::string>& argv) {
   const std::string model_arg = a.required("model", "a preset, model JSON or config.json");
   const int64_t seq = a.integer("seq-length", 0, 0, 1 << 20);
   const ModelSpec model = load_model(model_arg, seq);
+  check_trainable_model(model);  // before profiling: no plan of such a model can run
   const std::string cluster_arg = a.required("cluster", "a preset, a cluster JSON or 'measure'");
   const int64_t ranks = a.integer("ranks", 0, 1, 64);
   if (!a.has("ranks")) fail_field("--ranks", "(missing)", "is required: the number of MPI ranks to train on");

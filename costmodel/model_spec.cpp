@@ -249,12 +249,16 @@ ModelSpec model_from_hf_config(const Json& j, const std::string& source, int64_t
   if (j.contains("ffn_config") && j["ffn_config"].is_object())  // DBRX
     reject_experts(j["ffn_config"], source + ".ffn_config", {"moe_num_experts"});
   m.L = get_int({"num_hidden_layers", "n_layer"}, 1, kMaxLayers, true, 0);
-  m.H = get_int({"hidden_size", "n_embd"}, 1, kMaxHidden, true, 0);
+  m.H = get_int({"hidden_size", "n_embd", "n_embed"}, 1, kMaxHidden, true, 0);
   m.A = get_int({"num_attention_heads", "n_head"}, 1, kMaxHeads, true, 0);
-  // Falcon: num_kv_heads (n_head_kv in older configs); one with multi-query attention
-  // (Falcon 7B, StarCoder).
-  m.G = get_int({"num_key_value_heads", "num_kv_heads", "n_head_kv"}, 1, kMaxHeads, false,
-                flag("multi_query") ? 1 : m.A);
+  // Falcon: num_kv_heads (n_head_kv in older configs) with the new decoder architecture
+  // (40B, 180B), else one with multi-query attention (7B; FalconConfig's default), which a
+  // re-saved config lists as num_kv_heads = heads anyway; StarCoder's multi_query alike.
+  const bool multi_query = flag("multi_query") || (falcon && !j.contains("multi_query"));
+  if (falcon && !flag("new_decoder_architecture"))
+    m.G = multi_query ? 1 : m.A;
+  else
+    m.G = get_int({"num_key_value_heads", "num_kv_heads", "n_head_kv"}, 1, kMaxHeads, false, multi_query ? 1 : m.A);
   m.V = get_int({"vocab_size"}, 1, kMaxVocab, true, 0);
   // BLOOM's config has no length (ALiBi): --seq-length gives it.
   m.S = get_int({"max_position_embeddings", "n_positions", "n_ctx", "seq_length"}, 1, kMaxSeq, false, 0);
@@ -263,7 +267,7 @@ ModelSpec model_from_hf_config(const Json& j, const std::string& source, int64_t
     throw InputError(source + ".max_position_embeddings: missing: an integer is required (or give --seq-length)");
   // Transformers' defaults when the key is absent: GPT-2 "gelu_new", BLOOM and Falcon
   // "gelu", the rest (Llama, Mistral, Qwen2, ...) "silu".
-  std::string act = gpt2 ? "gelu_new" : bloom || falcon ? "gelu" : "silu";
+  std::string act = gpt2 || model_type == "gptj" ? "gelu_new" : bloom || falcon ? "gelu" : "silu";
   for (const char* k : {"hidden_act", "activation_function"}) {
     if (j.contains(k)) {
       if (!j[k].is_string()) fail_field(source + "." + k, show_value(j[k]), "must be a string");
@@ -311,15 +315,25 @@ ModelSpec model_from_hf_config(const Json& j, const std::string& source, int64_t
   // not use, use_sliding_window false), on the layers that layer_types names
   // "sliding_attention", else all but every sliding_window_pattern-th (Gemma 3), every
   // other one (Gemma 2), those from max_window_layers on (Qwen2), or all (Mistral v0.1).
-  const bool window_off = j.contains("use_sliding_window") && j["use_sliding_window"].is_boolean() &&
-                          !j["use_sliding_window"].get<bool>();
-  if (!window_off && j.contains("sliding_window") && !j["sliding_window"].is_null() &&
-      !(j["sliding_window"].is_number_integer() && j["sliding_window"].get<int64_t>() == 0)) {
+  // (Qwen's configs default use_sliding_window to false.) A window longer than any
+  // sequence is none.
+  const bool qwen = model_type.rfind("qwen", 0) == 0;
+  const bool window_off = j.contains("use_sliding_window") && j["use_sliding_window"].is_boolean()
+                              ? !j["use_sliding_window"].get<bool>()
+                              : qwen;
+  const Json* sw = j.contains("sliding_window") ? &j["sliding_window"] : nullptr;
+  const bool beyond = sw && sw->is_number_unsigned() && sw->get<uint64_t>() > static_cast<uint64_t>(kMaxSeq);
+  if (!window_off && sw && !sw->is_null() && !beyond && !(sw->is_number_integer() && sw->get<int64_t>() == 0)) {
     m.window_size = get_int({"sliding_window"}, 1, kMaxSeq, true, 0);
     if (j.contains("layer_types") && j["layer_types"].is_array()) {
+      if (j["layer_types"].size() != static_cast<size_t>(m.L))
+        fail_field(source + ".layer_types", fmt::format("({} entries)", j["layer_types"].size()),
+                   fmt::format("must name one attention type per layer ({})", m.L));
       for (const Json& t : j["layer_types"]) m.window_layers += t.is_string() && t.get<std::string>() == "sliding_attention";
     } else if (j.contains("sliding_window_pattern") && !j["sliding_window_pattern"].is_null()) {
       m.window_layers = m.L - m.L / get_int({"sliding_window_pattern"}, 1, kMaxLayers, true, 1);
+    } else if (model_type.rfind("gemma3", 0) == 0) {  // Gemma3TextConfig's default pattern: 6
+      m.window_layers = m.L - m.L / 6;
     } else if (model_type == "gemma2") {
       m.window_layers = m.L - m.L / 2;
     } else if (j.contains("max_window_layers") && !j["max_window_layers"].is_null()) {

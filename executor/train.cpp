@@ -30,6 +30,18 @@
 
 namespace strata {
 
+void check_trainable_model(const ModelSpec& m) {
+  auto fail = [](const std::string& msg) { throw InputError(msg); };
+  if (m.position == Position::rope && m.D() % 2 != 0) fail("model: rope needs an even head dim, got " + std::to_string(m.D()));
+  // Trained without its linear biases an ALiBi model would silently be a model without
+  // positions.
+  if (m.position == Position::alibi)
+    fail("model: position_embedding alibi is not implemented by the executor (learned, rope and none are)");
+  if (m.window_layers > 0 && m.window_size > 0 && m.window_size < m.S)
+    fail("model: window_size " + std::to_string(m.window_size) +
+         " (sliding-window attention) is not implemented by the executor: it attends to the whole causal prefix");
+}
+
 void validate_train_plan(const ModelSpec& m, const Plan& p, int world_size, bool host_memory) {
   auto fail = [](const std::string& msg) { throw InputError(msg); };
   if (p.world_size() != world_size)
@@ -51,14 +63,7 @@ void validate_train_plan(const ModelSpec& m, const Plan& p, int world_size, bool
     div(p.c > 1 ? "seq_length / context_parallel * micro_batch_size" : "seq_length * micro_batch_size",
         m.S / p.c * p.mbs, "tensor_parallel (sequence parallel)", p.t);
   div("global_batch_size", p.gbs, "micro_batch_size * data_parallel", p.mbs * p.d);
-  if (m.position == Position::rope && m.D() % 2 != 0) fail("model: rope needs an even head dim, got " + std::to_string(m.D()));
-  // Trained without its linear biases an ALiBi model would silently be a model without
-  // positions.
-  if (m.position == Position::alibi)
-    fail("model: position_embedding alibi is not implemented by the executor (learned, rope and none are)");
-  if (m.causal_share() != 0.5)
-    fail("model: window_size " + std::to_string(m.window_size) +
-         " (sliding-window attention) is not implemented by the executor: it attends to the whole causal prefix");
+  check_trainable_model(m);
   if (p.p * p.v > m.L)
     fail("plan: pipeline_parallel * virtual_pipeline_stages = " + std::to_string(p.p * p.v) + " exceeds num_layers " +
          std::to_string(m.L));

@@ -98,6 +98,9 @@ struct TrainResult {
 // host_memory: also refuse plans a rank cannot fit in this machine's RAM (the CPU backend;
 // the CUDA backend checks the GPU's free memory instead, check_rank_fits).
 void validate_train_plan(const ModelSpec& m, const Plan& p, int world_size, bool host_memory = true);
+// The model rules of validate_train_plan alone: what the executor cannot train (ALiBi, a
+// sliding window, rope with an odd head dim) throws InputError.
+void check_trainable_model(const ModelSpec& m);
 // Throws InputError when a rank of the plan cannot fit in `capacity` bytes (described by
 // `where`, e.g. "this machine has 24 GB"): a rough bound, parameters, gradients and Adam
 // states at 16 bytes per parameter of the rank's share, plus the first stage's activations

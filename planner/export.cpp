@@ -80,6 +80,16 @@ std::string export_megatron(const ModelSpec& m, const Plan& p, const Stack& stac
   if (m.activation == Activation::geglu) notes += "# geglu MLP: Megatron-LM needs a gated-GELU activation function (no flag).\n";
   if (m.normalization == Norm::rmsnorm) flag("--normalization RMSNorm");
   if (m.position == Position::rope) flag("--position-embedding-type rope");
+  if (m.position == Position::alibi) notes += "# ALiBi positions: Megatron-LM has no flag for them.\n";
+  if (m.position == Position::none) flag("--position-embedding-type none");
+  if (m.window_size > 0 && m.window_size < m.S && m.window_layers > 0) {
+    flag(fmt::format("--window-size {},0", m.window_size));
+    const int64_t full = m.L - m.window_layers;  // one full-attention layer after every N - 1 windowed
+    if (full > 0 && m.L % full == 0) flag(fmt::format("--window-attn-skip-freq {}", m.L / full));
+    else if (full > 0)
+      notes += fmt::format("# sliding window on {} of {} layers: give --window-attn-skip-freq the pattern.\n",
+                           m.window_layers, m.L);
+  }
   if (!m.tie_embeddings) flag("--untie-embeddings-and-output-weights");
   if (!m.bias) flag("--disable-bias-linear");
   flag(fmt::format("--attention-dropout {}", m.attention_dropout));

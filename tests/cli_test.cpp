@@ -104,6 +104,10 @@ TEST(Cli, EstimateReadsFilesAndHuggingFaceConfigs) {
     return o.code == 0 ? Json::parse(o.out)["step_time_s"].get<double>() : 0.0;
   };
   EXPECT_LT(step(mistral, ""), step(no_window, ""));
+  const Outcome ex = strata("plan --model " + mistral + " --cluster dgx-h100-80g --gpus 8 --global-batch-size 16 "
+                            "--export megatron");
+  ASSERT_EQ(ex.code, 0) << ex.err;
+  EXPECT_NE(ex.out.find("--window-size 128,0"), std::string::npos) << ex.out;
   EXPECT_EQ(step(mistral, " --seq-length 128"), step(no_window, " --seq-length 128"));
   // A cluster JSON written from a preset is an interchangeable input.
   const std::string cl = write("cluster.json", cluster_to_json(load_cluster("dgx-a100-80g")).dump());

@@ -193,6 +193,18 @@ TEST(ModelSpec, SlidingWindowLayers) {
       "max_window_layers":21)").window_layers, 7);
   EXPECT_EQ(hf(R"("model_type":"qwen2","num_hidden_layers":28,"sliding_window":4096,"use_sliding_window":false)")
                 .window_size, 0);
+  EXPECT_EQ(hf(R"("model_type":"qwen2","num_hidden_layers":28,"sliding_window":4096,"max_window_layers":21)")
+                .window_size, 0);  // Qwen's default: use_sliding_window false
+  // Gemma 3 without the pattern key: its default, 6.
+  EXPECT_EQ(hf(R"("model_type":"gemma3_text","num_hidden_layers":34,"sliding_window":1024)").window_layers, 29);
+  // A window longer than any sequence is none; layer_types must name every layer.
+  EXPECT_EQ(hf(R"("model_type":"mistral","num_hidden_layers":32,"sliding_window":99999999999)").window_size, 0);
+  try {
+    (void)hf(R"("num_hidden_layers":4,"sliding_window":512,"layer_types":["sliding_attention"])");
+    ADD_FAILURE() << "a short layer_types was accepted";
+  } catch (const InputError& e) {
+    EXPECT_NE(std::string(e.what()).find("config.json.layer_types"), std::string::npos) << e.what();
+  }
   EXPECT_EQ(hf(R"("model_type":"mistral","num_hidden_layers":32,"sliding_window":null)").window_size, 0);
   EXPECT_EQ(hf(R"("model_type":"mistral","num_hidden_layers":32,"sliding_window":0)").window_size, 0);
   EXPECT_THROW((void)hf(R"("model_type":"mistral","num_hidden_layers":32,"sliding_window":-1)"), InputError);
@@ -237,6 +249,17 @@ TEST(ModelSpec, HuggingFaceBloomAndFalconConfigs) {
       "alibi":false,"parallel_attn":true,"max_position_embeddings":2048})"), "config.json");
   EXPECT_EQ(f.G, 1);
   EXPECT_EQ(f.position, Position::rope);
+  // Re-saved by transformers, the same model lists num_kv_heads = 71, which Falcon uses only
+  // with the new decoder architecture (Falcon 40B: 8 groups).
+  EXPECT_EQ(model_from_hf_config(Json::parse(R"({"model_type":"falcon","hidden_size":4544,"num_attention_heads":71,
+      "num_hidden_layers":32,"vocab_size":65024,"multi_query":true,"new_decoder_architecture":false,"num_kv_heads":71,
+      "max_position_embeddings":2048})"), "config.json").G, 1);
+  EXPECT_EQ(model_from_hf_config(Json::parse(R"({"model_type":"falcon","hidden_size":8192,"num_attention_heads":128,
+      "num_hidden_layers":60,"vocab_size":65024,"new_decoder_architecture":true,"num_kv_heads":8,
+      "max_position_embeddings":2048})"), "config.json").G, 8);
+  // bloom-560m names its width n_embed.
+  EXPECT_EQ(model_from_hf_config(Json::parse(R"({"model_type":"bloom","n_layer":24,"n_head":16,"n_embed":1024,
+      "vocab_size":250880})"), "config.json", 2048).H, 1024);
   EXPECT_FALSE(f.bias);
   EXPECT_DOUBLE_EQ(f.total_params(), 6922011520.0);
   // GPT-J: GPT-2's short keys, rotary positions. StarCoder (GPT-BigCode): learned
