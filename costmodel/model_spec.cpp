@@ -70,7 +70,7 @@ int64_t llama_ffn_size(int64_t H, int64_t multiple_of) {
 // w - 1 queries see fewer); counted as w S - w^2/2, which meets the causal S^2/2 the other
 // layers cover at w = S.
 double ModelSpec::causal_share() const {
-  if (window_size <= 0 || window_size >= S || window_layers <= 0) return 0.5;
+  if (!windowed()) return 0.5;
   const double w = static_cast<double>(window_size) / static_cast<double>(S);
   const double f = static_cast<double>(window_layers) / static_cast<double>(L);
   return f * (w - 0.5 * w * w) + (1.0 - f) * 0.5;

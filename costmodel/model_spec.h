@@ -47,6 +47,8 @@ struct ModelSpec {
   int64_t D() const { return kv_channels > 0 ? kv_channels : H / A; }
   int64_t AD() const { return A * D(); }  // width of the queries and of the attention output
   bool gated() const { return activation != Activation::gelu; }
+  // A sliding window that cuts something: shorter than the sequence, on some layer.
+  bool windowed() const { return window_size > 0 && window_size < S && window_layers > 0; }
   // The share of the S x S score block a causal layer's fused attention computes, averaged
   // over the layers: 1/2 without a window (FlashAttention skips the masked blocks).
   double causal_share() const;

@@ -37,7 +37,7 @@ void check_trainable_model(const ModelSpec& m) {
   // positions.
   if (m.position == Position::alibi)
     fail("model: position_embedding alibi is not implemented by the executor (learned, rope and none are)");
-  if (m.window_layers > 0 && m.window_size > 0 && m.window_size < m.S)
+  if (m.windowed())
     fail("model: window_size " + std::to_string(m.window_size) +
          " (sliding-window attention) is not implemented by the executor: it attends to the whole causal prefix");
 }

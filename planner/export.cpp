@@ -82,7 +82,7 @@ std::string export_megatron(const ModelSpec& m, const Plan& p, const Stack& stac
   if (m.position == Position::rope) flag("--position-embedding-type rope");
   if (m.position == Position::alibi) notes += "# ALiBi positions: Megatron-LM has no flag for them.\n";
   if (m.position == Position::none) flag("--position-embedding-type none");
-  if (m.window_size > 0 && m.window_size < m.S && m.window_layers > 0) {
+  if (m.windowed()) {
     flag(fmt::format("--window-size {},0", m.window_size));
     const int64_t full = m.L - m.window_layers;  // one full-attention layer after every N - 1 windowed
     if (full > 0 && m.L % full == 0) flag(fmt::format("--window-attn-skip-freq {}", m.L / full));
