@@ -95,6 +95,8 @@ Plan plan_from_json(const Json& in, const std::string& source) {
   p.overlap_param_gather = tristate("overlap_param_gather");
   p.tp_comm_overlap = tristate("tp_comm_overlap");
   p.grad_accumulation_fusion = tristate("grad_accumulation_fusion");
+  const std::string ss = f.choice_or("software_stack", "auto", {"auto", "legacy", "modern"});
+  p.software_stack = ss == "auto" ? StackChoice::automatic : ss == "legacy" ? StackChoice::legacy : StackChoice::modern;
   const double world = static_cast<double>(p.t) * static_cast<double>(p.p) * static_cast<double>(p.d) *
                        static_cast<double>(p.c);
   if (world > static_cast<double>(kMaxWorld))
@@ -193,6 +195,8 @@ Json plan_to_json(const Plan& p) {
               {"overlap_param_gather", tristate_json(p.overlap_param_gather)},
               {"tp_comm_overlap", tristate_json(p.tp_comm_overlap)},
               {"grad_accumulation_fusion", tristate_json(p.grad_accumulation_fusion)},
+              {"software_stack", p.software_stack == StackChoice::automatic ? "auto"
+                                 : p.software_stack == StackChoice::legacy  ? "legacy" : "modern"},
               {"num_gpus", p.world_size()},
               {"gradient_accumulation_steps", p.mbs * p.d > 0 ? p.gbs / (p.mbs * p.d) : 0}};
 }
@@ -215,6 +219,8 @@ std::string plan_to_inline(const Plan& p) {
   tri("overlap_param_gather", p.overlap_param_gather);
   tri("tp_comm_overlap", p.tp_comm_overlap);
   tri("grad_accumulation_fusion", p.grad_accumulation_fusion);
+  if (p.software_stack != StackChoice::automatic)
+    s += p.software_stack == StackChoice::legacy ? ",software_stack=legacy" : ",software_stack=modern";
   return s;
 }
 
@@ -266,6 +272,10 @@ std::vector<Reason> check_plan(const ModelSpec& m, const Cluster& cl, const Plan
                          "strata walks; use fewer pipeline stages, fewer chunks or a larger micro_batch_size",
                          to_string(p.schedule()), p.microbatches(), p.p, p.v, kMaxWalkSteps);
     });
+  if (p.software_stack != StackChoice::automatic && cl.strata_stack)
+    add("software_stack", [&] { return fmt::format("software_stack={} names a GPU framework's stack; {} runs the strata "
+                                                   "executor's own (leave it auto)",
+                                                   p.software_stack == StackChoice::legacy ? "legacy" : "modern", cl.name); });
   if (p.precision == Precision::fp8 && cl.device.peak_bf16_flops <= 0)
     add("precision", [&] { return fmt::format("precision=fp8 runs attention and the output layer in bf16, which {} "
                                               "does not support", cl.device.name); });

@@ -17,6 +17,8 @@ namespace strata {
 enum class Recompute { none, selective, full };
 enum class ScheduleKind { gpipe, one_f_one_b, interleaved };
 enum class AttentionChoice { automatic, unfused, flash };
+// The software stack a plan is costed on (stack.h); "auto" follows the cluster, model and plan.
+enum class StackChoice { automatic, legacy, modern };
 // A setting whose default comes from the software stack (resolve_stack).
 enum class Tristate { automatic, off, on };
 
@@ -42,6 +44,7 @@ struct Plan {
   Tristate overlap_param_gather = Tristate::automatic;      // ZeRO-1/2 parameter all-gather beside the next forward
   Tristate tp_comm_overlap = Tristate::automatic;           // backward TP collectives beside the wgrad GEMMs
   Tristate grad_accumulation_fusion = Tristate::automatic;  // wgrad GEMMs accumulate into fp32 main grads
+  StackChoice software_stack = StackChoice::automatic;      // legacy | modern: the defaults of the five above
 
   int64_t world_size() const { return t * p * d * c; }
   // The same plan with nothing recomputed (what partial recompute's other layers run).

@@ -3,10 +3,17 @@
 
 namespace strata {
 
+bool needs_fused_attention(const ModelSpec& m, const Plan& p) {
+  return p.c > 1 || m.S > kLegacyFusedSoftmaxMaxKeys;
+}
+
 Stack resolve_stack(const ModelSpec& m, const Cluster& cl, const Plan& p) {
   Stack s;
   s.strata = cl.strata_stack;
-  s.modern = !s.strata && (cl.modern_stack || m.position == Position::rope || p.precision == Precision::fp8);
+  s.modern = !s.strata && (p.software_stack == StackChoice::automatic
+                               ? cl.modern_stack || m.position == Position::rope || p.precision == Precision::fp8 ||
+                                     p.zero >= 2
+                               : p.software_stack == StackChoice::modern);
   auto pick = [&](Tristate t) { return t == Tristate::automatic ? s.modern : t == Tristate::on; };
   if (s.strata) {
     auto pick_as = [](Tristate t, bool dflt) { return t == Tristate::automatic ? dflt : t == Tristate::on; };
@@ -20,7 +27,7 @@ Stack resolve_stack(const ModelSpec& m, const Cluster& cl, const Plan& p) {
   }
   s.attention = p.attention == AttentionChoice::flash     ? AttentionKernel::flash
                 : p.attention == AttentionChoice::unfused ? AttentionKernel::unfused
-                : s.modern || p.c > 1                     ? AttentionKernel::flash
+                : s.modern || needs_fused_attention(m, p) ? AttentionKernel::flash
                                                           : AttentionKernel::unfused;
   s.overlap_grad_reduce = pick(p.overlap_grad_reduce);
   s.overlap_param_gather = pick(p.overlap_param_gather);

@@ -12,12 +12,16 @@
 namespace strata {
 
 // Modern (Megatron-core with Transformer Engine, FSDP, torchtitan) when the cluster's
-// published runs use it, the model is Llama-style (RoPE: every published Llama-family run)
-// or the precision is fp8 (Transformer Engine): FlashAttention, gradient accumulation fused
+// published runs use it, the model is Llama-style (RoPE: every published Llama-family run),
+// the precision is fp8 (Transformer Engine) or the plan shards gradients or parameters
+// (ZeRO-2/3: published sharded runs come from PyTorch FSDP, llm-foundry, torchtitan, with
+// fused attention and fused cross-entropy): FlashAttention, gradient accumulation fused
 // into fp32 main gradients, data- and tensor-parallel communication overlapped. Legacy
 // (2020-2022 Megatron-LM, DeepSpeed): unfused softmax, bf16 gradients accumulated into a
-// separate fp32 buffer, communication exposed. Context parallelism needs fused attention,
-// so it turns FlashAttention on and nothing else. A setting the plan gives explicitly wins.
+// separate fp32 buffer, communication exposed. On a legacy stack two marks of a run that
+// the unfused kernel cannot describe turn FlashAttention on and nothing else
+// (needs_fused_attention). The plan's software_stack (legacy | modern) overrides the
+// choice of stack, and any of the five settings the plan gives explicitly wins.
 // Strata (the cluster says "strata"): this repository's executor, which keeps the unfused
 // attention probabilities (the fused kernel when the plan says attention: flash), accumulates weight gradients straight into fp32
 // buffers (fused accumulation), overlaps the data-parallel reduction with the backward,
@@ -30,6 +34,14 @@ struct Stack {
        grad_accumulation_fusion = false;
 };
 
+// Megatron-LM's fused causal softmax (scaled_upper_triang_masked_softmax), the legacy
+// stack's attention, takes at most 2048 keys: its published runs are at 2048 or shorter.
+inline constexpr int64_t kLegacyFusedSoftmaxMaxKeys = 2048;
+// Where "auto" attention is fused even on a legacy stack: context parallelism (its ring
+// passes blocks of keys through a fused kernel) and a sequence longer than the legacy
+// fused softmax takes (the S x S probabilities of an unfused core at 8k-64k tokens would
+// not fit a GPU: published long-sequence runs use FlashAttention or PyTorch's fused SDPA).
+bool needs_fused_attention(const ModelSpec& m, const Plan& p);
 Stack resolve_stack(const ModelSpec& m, const Cluster& cl, const Plan& p);
 // The model as the cluster's stack trains it: the strata executor has no dropout layers, so
 // on a "strata" cluster the dropout rates are 0 (no masks kept, no dropout kernels).

@@ -117,10 +117,13 @@ SearchResult search(const ModelSpec& m, const Cluster& cl, const SearchOptions& 
   const FixedDims& fx = opt.fixed;
   const int64_t N = opt.gpus;
 
-  // One attention kernel for every candidate, so plans compare like for like: context
-  // parallelism turns "auto" into FlashAttention (it needs a fused kernel), so on a stack
-  // whose "auto" is unfused, context-parallel candidates keep the unfused kernel of the
-  // others and are rejected (cp_attention); --attention flash searches them all with flash.
+  // One software stack and one attention kernel for every candidate, so plans compare like
+  // for like: ZeRO-2/3 would make "auto" the modern stack on their own, and context
+  // parallelism FlashAttention (resolve_stack), so where the plain plan resolves legacy,
+  // ZeRO-2/3 candidates are costed on it (software_stack=legacy in the plan), and where it
+  // resolves unfused, context-parallel candidates keep the unfused kernel of the others and
+  // are rejected (cp_attention); --attention flash searches them all with flash. (A model
+  // longer than the legacy fused softmax is fused for all.)
   Plan probe;
   probe.precision = opt.precision;
   probe.attention = opt.attention;
@@ -321,6 +324,8 @@ SearchResult search(const ModelSpec& m, const Cluster& cl, const SearchOptions& 
                     if (!allowed(fx.zero, zero)) continue;
                     Plan pl = probe_tpcv;
                     pl.mbs = mbs; pl.zero = zero; pl.recompute = rc; pl.sp = sp == 1; pl.gpipe = gp == 1;
+                    // One stack for every candidate: sharding alone does not make it modern here.
+                    if (zero >= 2 && !stack.modern && !stack.strata) pl.software_stack = StackChoice::legacy;
                     if (rc != Recompute::full) {
                       consider(pl, lay);
                     } else if (fx.recompute_layers) {

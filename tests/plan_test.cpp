@@ -117,6 +117,28 @@ TEST(Plan, AutoAttentionResolution) {
   const Stack mixed = resolve_stack(gpt, a100, load_plan("tp=8,overlap_grad_reduce=1,grad_accumulation_fusion=auto"));
   EXPECT_TRUE(mixed.overlap_grad_reduce);
   EXPECT_FALSE(mixed.grad_accumulation_fusion);
+  // Sharded data parallelism (ZeRO-2/3: FSDP and its kin) runs the modern stack; ZeRO-1
+  // (Megatron's distributed optimizer, DeepSpeed's stage 1) keeps the legacy one; the plan's
+  // software_stack overrides either way, and an explicit setting still wins.
+  EXPECT_EQ(resolve_attention(gpt, a100, load_plan("dp=8,zero=1")), AttentionKernel::unfused);
+  EXPECT_TRUE(resolve_stack(gpt, a100, load_plan("dp=8,zero=2")).modern);
+  const Stack fsdp = resolve_stack(gpt, a100, load_plan("dp=8,zero=3"));
+  EXPECT_TRUE(fsdp.modern && fsdp.attention == AttentionKernel::flash && fsdp.overlap_param_gather &&
+              fsdp.grad_accumulation_fusion);
+  const Stack old_zero3 = resolve_stack(gpt, a100, load_plan("dp=8,zero=3,software_stack=legacy"));
+  EXPECT_FALSE(old_zero3.modern || old_zero3.overlap_grad_reduce || old_zero3.grad_accumulation_fusion);
+  EXPECT_EQ(old_zero3.attention, AttentionKernel::unfused);
+  EXPECT_TRUE(resolve_stack(gpt, a100, load_plan("dp=8,software_stack=modern")).modern);
+  EXPECT_FALSE(resolve_stack(llama, h100, load_plan("dp=8,software_stack=legacy")).modern);
+  EXPECT_EQ(resolve_attention(gpt, a100, load_plan("dp=8,zero=3,attention=unfused")), AttentionKernel::unfused);
+  // The strata executor's stack is its own.
+  EXPECT_EQ(check_plan(gpt, load_cluster("local-cpu"), load_plan("software_stack=modern")).at(0).key, "software_stack");
+  // So does a sequence longer than the 2048 keys of the legacy fused softmax.
+  ModelSpec longer = gpt;
+  longer.S = 4096;
+  EXPECT_EQ(resolve_attention(longer, a100, load_plan("tp=8")), AttentionKernel::flash);
+  longer.S = kLegacyFusedSoftmaxMaxKeys;
+  EXPECT_EQ(resolve_attention(longer, a100, load_plan("tp=8")), AttentionKernel::unfused);
 }
 
 }  // namespace

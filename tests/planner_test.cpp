@@ -59,6 +59,35 @@ TEST(Planner, SearchMatchesEstimatingEveryPlan) {
   EXPECT_EQ(rejected + r.feasible, r.candidates_evaluated);
 }
 
+// On a legacy stack (GPT-2 on A100) ZeRO-2/3 alone would make "auto" the modern stack
+// (resolve_stack); the search costs those candidates on the legacy stack of the others,
+// says so in the plan, and a fresh estimate of that plan agrees.
+TEST(Planner, ShardedCandidatesKeepTheSearchsStack) {
+  const ModelSpec m = load_model("gpt2-1.5b");
+  const Cluster c = load_cluster("dgx-a100-80g");
+  SearchOptions o;
+  o.gpus = 8;
+  o.gbs = 64;
+  o.top_k = 400;
+  o.fixed = parse_fixed("tp=1,pp=1");
+  const SearchResult r = search(m, c, o);
+  int sharded = 0;
+  for (const Estimate& e : r.plans) {
+    EXPECT_EQ(e.attention, AttentionKernel::unfused) << plan_to_inline(e.plan);
+    EXPECT_DOUBLE_EQ(estimate(m, c, e.plan).step_time_s, e.step_time_s) << plan_to_inline(e.plan);
+    if (e.plan.zero >= 2) {
+      ++sharded;
+      EXPECT_EQ(e.plan.software_stack, StackChoice::legacy);
+      Plan fsdp = e.plan;
+      fsdp.software_stack = StackChoice::automatic;  // what estimate alone assumes
+      EXPECT_EQ(estimate(m, c, fsdp).attention, AttentionKernel::flash);
+    } else {
+      EXPECT_EQ(e.plan.software_stack, StackChoice::automatic);
+    }
+  }
+  EXPECT_GT(sharded, 0);
+}
+
 TEST(Planner, PartialRecomputeIsMonotone) {
   // What the bisection relies on: more recomputed layers, less memory and more time.
   const ModelSpec m = load_model("gpt3-175b");
