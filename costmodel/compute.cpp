@@ -505,13 +505,20 @@ void layer_backward(Acc& a) {
   passes(a, "round16", ph, sb.backward_rounds, 8.0);
 }
 
-// ZeRO-3: the parameters of a piece of work are gathered before its forward and again
-// before its backward, its gradients reduce-scattered after, each prefetched behind the
-// piece's own compute (`fwd_s` and what the LayerCost holds for backward and recompute).
-void zero3_traffic(Acc& a, double params, double fwd_s) {
-  if (a.p.zero != 3 || a.p.replicas() <= 1 || params <= 0) return;
-  const double w = a.cs.weight_work_bytes * params;
+// ZeRO-2/3: a piece of work's gradient of every micro-batch is reduce-scattered into the
+// shards behind the backward (no rank keeps a whole gradient between micro-batches:
+// DeepSpeed ZeRO-2, FSDP, the strata executor); ZeRO-3 also gathers the piece's parameters
+// before its forward and again before its backward, each prefetched behind the piece's
+// own compute (`fwd_s` and what the LayerCost holds for backward and recompute).
+void sharded_traffic(Acc& a, double params, double fwd_s) {
+  if (a.p.zero < 2 || a.p.replicas() <= 1 || params <= 0) return;
   const double bwd = a.lc.backward.compute_s + a.lc.recompute.compute_s;
+  if (a.p.zero == 2) {
+    a.comm("zero2_reduce_scatter", Phase::backward, OpKind::dp_comm, a.dp, Collective::reduce_scatter,
+           a.cs.grad_bytes * params, bwd);
+    return;
+  }
+  const double w = a.cs.weight_work_bytes * params;
   const double ag = collective_time(a.cl, a.dp, Collective::all_gather, w);
   // The strata executor's gathers progress only while it polls between kernels: exposed
   // (its stack table in hw_profiles/README.md); its reduce-scatters overlap the backward.
@@ -531,7 +538,7 @@ LayerCost layer_cost(const ModelSpec& m, const Cluster& cl, const Plan& p, const
   if (p.recompute == Recompute::full) layer_forward(a, Phase::recompute);
   if (p.recompute == Recompute::selective) attention_core_forward(a, Phase::recompute);
   layer_backward(a);
-  zero3_traffic(a, static_cast<double>(m.layer_params(p.t)), fwd);
+  sharded_traffic(a, static_cast<double>(m.layer_params(p.t)), fwd);
   return a.lc;
 }
 
@@ -552,7 +559,7 @@ LayerCost embedding_cost(const ModelSpec& m, const Cluster& cl, const Plan& p, c
   if (!cs.stack.grad_accumulation_fusion)
     a.mem("grad_accumulation", Phase::backward,
           grad_accumulation_bytes(p.precision) * static_cast<double>(m.word_embedding_params(p.t)));
-  zero3_traffic(a, static_cast<double>(m.word_embedding_params(p.t) + m.position_params()), a.lc.forward.compute_s);
+  sharded_traffic(a, static_cast<double>(m.word_embedding_params(p.t) + m.position_params()), a.lc.forward.compute_s);
   return a.lc;
 }
 
@@ -590,7 +597,7 @@ LayerCost head_cost(const ModelSpec& m, const Cluster& cl, const Plan& p, const 
   // The output layer's own weights: untied, or the tied copy on the last stage when p > 1
   // (with p = 1 the embedding's gather serves both).
   const bool own = !m.tie_embeddings || p.p > 1;
-  zero3_traffic(a, static_cast<double>((own ? m.word_embedding_params(p.t) : 0) + m.final_norm_params()),
+  sharded_traffic(a, static_cast<double>((own ? m.word_embedding_params(p.t) : 0) + m.final_norm_params()),
                 a.lc.forward.compute_s);
   return a.lc;
 }

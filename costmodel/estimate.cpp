@@ -114,8 +114,10 @@ double hardware_flops_per_step(const ModelSpec& m, const Plan& p) {
 namespace {
 
 // What data parallelism adds after a stage's last backward: the gradient reduction
-// (all-reduce, or with ZeRO-1/2 a reduce-scatter and, after the optimizer, the parameter
-// all-gather), and between the first and last stage the tied-embedding all-reduce. When the
+// (all-reduce, or with ZeRO-1 a reduce-scatter; ZeRO-2 reduce-scatters every micro-batch
+// inside the backward, sharded_traffic in compute.cpp), with ZeRO-1/2 the parameter
+// all-gather after the optimizer, and between the first and last stage the tied-embedding
+// all-reduce. When the
 // stack overlaps them, the reduction runs bucket by bucket beside the last micro-batch's
 // backward (its last bucket always exposed) and the gather beside the next forward.
 struct DpTail {
@@ -128,10 +130,9 @@ DpTail data_parallel_tail(const ModelSpec& m, const Cluster& cl, const Plan& p, 
   const GroupSpan dp = group_span(p.replicas(), p.t, cl.devices_per_node);
   double reduce = 0, gather = 0;
   if (dp.size > 1 && p.zero == 0) reduce = collective_time(cl, dp, Collective::all_reduce, cs.grad_bytes * params);
-  if (dp.size > 1 && (p.zero == 1 || p.zero == 2)) {
-    reduce = collective_time(cl, dp, Collective::reduce_scatter, cs.grad_bytes * params);
+  if (dp.size > 1 && p.zero == 1) reduce = collective_time(cl, dp, Collective::reduce_scatter, cs.grad_bytes * params);
+  if (dp.size > 1 && (p.zero == 1 || p.zero == 2))
     gather = collective_time(cl, dp, Collective::all_gather, cs.weight_work_bytes * params);
-  }
   double exposed = reduce;
   if (cs.stack.overlap_grad_reduce) {
     const double last_bucket = reduce * std::min(1.0, kMegatronGradBucketParams / std::max(params, 1.0));

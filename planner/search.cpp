@@ -129,11 +129,12 @@ SearchResult search(const ModelSpec& m, const Cluster& cl, const SearchOptions& 
   probe.attention = opt.attention;
   const Stack stack = resolve_stack(m, cl, probe);
 
-  // Layer costs depend on (t, c, d for ZeRO-3, mbs, sp, recompute, ZeRO-3): cached.
-  using CostKey = std::tuple<int64_t, int64_t, int64_t, int64_t, bool, int, bool>;
+  // Layer costs depend on (t, c, d for ZeRO-2/3, mbs, sp, recompute, ZeRO-2 or 3): cached.
+  using CostKey = std::tuple<int64_t, int64_t, int64_t, int64_t, bool, int, int>;
   std::map<CostKey, std::array<LayerCost, 3>> costs;
   auto costs_of = [&](const Plan& pl, const ComputeSetup& cs) -> const std::array<LayerCost, 3>& {
-    const CostKey key{pl.t, pl.c, pl.zero == 3 ? pl.d : 0, pl.mbs, pl.sp, static_cast<int>(pl.recompute), pl.zero == 3};
+    const CostKey key{pl.t, pl.c, pl.zero >= 2 ? pl.d : 0, pl.mbs, pl.sp, static_cast<int>(pl.recompute),
+                      pl.zero >= 2 ? pl.zero : 0};
     auto it = costs.find(key);
     if (it == costs.end())
       it = costs.emplace(key, std::array<LayerCost, 3>{layer_cost(m, cl, pl, cs), embedding_cost(m, cl, pl, cs),

@@ -101,6 +101,36 @@ TEST(Compute, TensorParallelCollectivesPerLayer) {
   }
 }
 
+// ZeRO-2 keeps no whole gradient between micro-batches: each layer's fp32 gradient of every
+// micro-batch (4 bytes x its parameters on this tensor-parallel rank) is reduce-scattered
+// over the data-parallel group as its backward ends, behind that backward. tp 8 x dp 8: one
+// member per node, so 3 steps of 10 us and 7/8 of the bytes at 12.5 GB/s x 80 %. ZeRO-1
+// reduces once per step instead (estimate.cpp's data-parallel tail), ZeRO-3 adds gathers.
+TEST(Compute, Zero2ReduceScattersEveryMicroBatch) {
+  const Cluster c = testing::round_cluster();
+  const ModelSpec m = load_model("gpt3-175b");
+  auto reduce_scatters = [&](const char* plan) {
+    const Plan p = load_plan(plan);
+    std::vector<OpCost> ops;
+    const LayerCost lc = layer_cost(m, c, p, compute_setup(m, c, p), &ops);
+    std::vector<OpCost> rs;
+    for (const OpCost& o : ops)
+      if (o.kind == OpKind::dp_comm) rs.push_back(o);
+    return std::pair{rs, lc.backward.compute_s + lc.recompute.compute_s};
+  };
+  const auto [rs2, bwd] = reduce_scatters("tp=8,dp=8,mbs=2,zero=2,software_stack=legacy");
+  ASSERT_EQ(rs2.size(), 1u);
+  EXPECT_EQ(rs2[0].name, "zero2_reduce_scatter");
+  EXPECT_EQ(rs2[0].phase, Phase::backward);
+  const double bytes = 4.0 * static_cast<double>(m.layer_params(8));
+  EXPECT_DOUBLE_EQ(rs2[0].bytes, bytes);
+  EXPECT_NEAR(rs2[0].time_s, 30e-6 + bytes * 0.875 / 10e9, 1e-12);
+  EXPECT_NEAR(rs2[0].exposed_s, std::max(0.0, rs2[0].time_s - bwd), 1e-12);
+  EXPECT_TRUE(reduce_scatters("tp=8,dp=8,mbs=2,zero=1").first.empty());
+  EXPECT_EQ(reduce_scatters("tp=8,dp=8,mbs=2,zero=3,software_stack=legacy").first.size(), 3u);
+  EXPECT_TRUE(reduce_scatters("tp=8,dp=1,mbs=2,zero=2").first.empty());  // no replicas
+}
+
 // The strata executor computes and communicates in floats whatever the precision: its
 // bf16 all-reduce moves B*S*H*4 bytes, and the memory model still counts 2 per stored value.
 TEST(Compute, StrataStackMovesFloats) {
