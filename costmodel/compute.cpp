@@ -56,6 +56,17 @@ Work operator*(double k, const Work& w) {
 
 namespace {
 
+// Columns per tensor-parallel rank of `q` query-wide tensors (Q, the attention output) and
+// `kv` key- or value-wide ones (ModelSpec::kv_width: replicated groups when t > G).
+double head_columns(const ModelSpec& m, int64_t t, int q, int kv) {
+  return static_cast<double>(q) * static_cast<double>(m.AD()) / static_cast<double>(t) +
+         static_cast<double>(kv) * static_cast<double>(m.kv_width(t));
+}
+
+}  // namespace
+
+namespace {
+
 // Where a GEMM of `flops` at `peak_flops` reads the efficiency curve: the curve is measured
 // in the 16-bit precision; a kernel at another peak runs for as long as a 16-bit one of
 // flops * (bf16 peak / its peak), and fixed costs are in time.
@@ -308,7 +319,7 @@ double attention_core_forward(Acc& a, Phase ph) {
     // Causal: half of the S x S blocks (load-balanced across context-parallel ranks too),
     // less with a sliding window (ModelSpec::causal_share).
     const double flops = 4.0 * heads * Sq * Sk * D * m.causal_share();
-    const double bytes = e * a.cs.T * static_cast<double>(2 * m.AD() + 2 * m.G * m.D()) / static_cast<double>(p.t);
+    const double bytes = e * a.cs.T * head_columns(m, p.t, 2, 2);
     t = a.kernel("flash_attention", ph, flops, bytes, a.peak_flash * a.cl.device.flash_fwd_efficiency);
   } else {
     const double n_s = heads * Sq * Sk;  // attention score elements
@@ -322,7 +333,7 @@ double attention_core_forward(Acc& a, Phase ph) {
   // Context parallel: ring exchange of K and V, (c-1) steps, hidden behind the core. The
   // strata executor all-gathers them before the core instead (the same bytes), exposed.
   if (p.c > 1) {
-    const double kv_bytes = e * a.cs.T * static_cast<double>(2 * m.G * m.D()) / static_cast<double>(p.t);
+    const double kv_bytes = e * a.cs.T * static_cast<double>(2 * m.kv_width(p.t));
     if (a.cs.stack.strata) {
       // Selective recompute's core reuses the keys and values its backward gathers.
       if (!(ph == Phase::recompute && p.recompute == Recompute::selective))
@@ -348,7 +359,7 @@ double attention_core_backward(Acc& a, double mlp_s) {
   if (a.cs.attention == AttentionKernel::flash) {
     // FlashAttention-2 backward: five S x S x D products against two in forward.
     const double flops = 10.0 * heads * Sq * Sk * D * m.causal_share();
-    const double bytes = 2.0 * e * a.cs.T * static_cast<double>(2 * m.AD() + 2 * m.G * m.D()) / static_cast<double>(p.t);
+    const double bytes = 2.0 * e * a.cs.T * head_columns(m, p.t, 2, 2);
     t = a.kernel("flash_attention", ph, flops, bytes, a.peak_flash * a.cl.device.flash_bwd_efficiency);
   } else {
     const double n_s = heads * Sq * Sk;
@@ -364,7 +375,7 @@ double attention_core_backward(Acc& a, double mlp_s) {
   if (p.c > 1) {
     // K, V travel again and their gradients travel back (strata: an all-gather started
     // before the MLP block's backward and a reduce-scatter, exposed).
-    const double kv_bytes = e * a.cs.T * static_cast<double>(2 * m.G * m.D()) / static_cast<double>(p.t);
+    const double kv_bytes = e * a.cs.T * static_cast<double>(2 * m.kv_width(p.t));
     if (a.cs.stack.strata) {
       a.comm("cp_kv_gather", ph, OpKind::cp_comm, a.cp, Collective::all_gather, kv_bytes * static_cast<double>(p.c),
              mlp_s);
@@ -404,7 +415,7 @@ SixteenBitPasses sixteen_bit_passes(const Acc& a) {
   if (!a.cs.stack.strata || (p.precision != Precision::bf16 && p.precision != Precision::fp16)) return v;
   const ModelSpec& m = a.m;
   const double T = a.cs.T, Tn = a.cs.Tn, H = static_cast<double>(m.H), t = static_cast<double>(p.t);
-  const double Q = static_cast<double>(m.AD() + 2 * m.G * m.D()) / t, ADt = static_cast<double>(m.AD()) / t;
+  const double Q = head_columns(m, p.t, 1, 2), ADt = static_cast<double>(m.AD()) / t;
   const double F1 = static_cast<double>(m.fc1_out()) / t, Ft = static_cast<double>(m.F) / t;
   for (double x : {Tn * H, Tn * H, T * Q, T * ADt, Tn * H, Tn * H, T * F1, T * Ft}) v.forward_rounds.add(x);
   for (double x : {T * H, T * F1, T * H, T * ADt, T * Q}) v.backward_rounds.add(x);
@@ -435,7 +446,7 @@ double layer_forward(Acc& a, Phase ph) {
   const Plan& p = a.p;
   const double e = a.cs.work_bytes, T = a.cs.T, Tn = a.cs.Tn, H = static_cast<double>(m.H);
   const double t = static_cast<double>(p.t);
-  const double qkv_cols = static_cast<double>(m.AD() + 2 * m.G * m.D()) / t;
+  const double qkv_cols = head_columns(m, p.t, 1, 2);
   const double ADt = static_cast<double>(m.AD()) / t;  // attention output width on this rank
   const double fc1_cols = static_cast<double>(m.fc1_out()) / t;
   const double Ft = static_cast<double>(m.F) / t;
@@ -443,7 +454,7 @@ double layer_forward(Acc& a, Phase ph) {
   a.mem("norm1", ph, 2.0 * e * Tn * H);
   a.tp_gather("sp_all_gather", ph);
   a.linear("qkv", ph, T, qkv_cols, H);
-  if (m.position == Position::rope) a.mem("rope", ph, 2.0 * e * T * static_cast<double>(m.AD() + m.G * m.D()) / t);
+  if (m.position == Position::rope) a.mem("rope", ph, 2.0 * e * T * head_columns(m, p.t, 1, 1));
   attention_core_forward(a, ph);
   a.linear("attn_proj", ph, T, H, ADt);
   a.tp_reduce(p.sp ? "sp_reduce_scatter" : "tp_all_reduce", ph);
@@ -468,7 +479,7 @@ void layer_backward(Acc& a) {
   const Phase ph = Phase::backward;
   const double e = a.cs.work_bytes, T = a.cs.T, Tn = a.cs.Tn, H = static_cast<double>(m.H);
   const double t = static_cast<double>(p.t);
-  const double qkv_cols = static_cast<double>(m.AD() + 2 * m.G * m.D()) / t;
+  const double qkv_cols = head_columns(m, p.t, 1, 2);
   const double ADt = static_cast<double>(m.AD()) / t;  // attention output width on this rank
   const double fc1_cols = static_cast<double>(m.fc1_out()) / t;
   const double Ft = static_cast<double>(m.F) / t;
@@ -492,7 +503,7 @@ void layer_backward(Acc& a) {
   a.tp_gather("sp_all_gather", ph);
   a.linear("attn_proj", ph, T, H, ADt);
   attention_core_backward(a, mlp_s);
-  if (m.position == Position::rope) a.mem("rope", ph, 2.0 * e * T * static_cast<double>(m.AD() + m.G * m.D()) / t);
+  if (m.position == Position::rope) a.mem("rope", ph, 2.0 * e * T * head_columns(m, p.t, 1, 1));
   const double qkv_dgrad = a.gemm_s(T, H, qkv_cols);
   a.tp_gather("sp_all_gather", ph, qkv_dgrad);
   a.linear("qkv", ph, T, qkv_cols, H);

@@ -42,7 +42,8 @@ StateBytes state_bytes(Precision prec, bool fused) {
 double layer_activation_bytes(const ModelSpec& m, const Plan& p, const ComputeSetup& cs) {
   const double e = cs.act_bytes, T = cs.T, Tn = cs.Tn, H = static_cast<double>(m.H);
   const double t = static_cast<double>(p.t);
-  const double GD = static_cast<double>(m.G * m.D()), AD = static_cast<double>(m.AD());
+  // K or V columns on this rank (each replicated group counted where t > G), and the queries'.
+  const double GDt = static_cast<double>(m.kv_width(p.t)), AD = static_cast<double>(m.AD());
   if (p.recompute == Recompute::full) return e * Tn * H;  // the layer's input only
   // With fp8 (Transformer Engine) each linear layer keeps its input as the fp8 copy its
   // GEMM read (LayerNormLinear and LayerNormMLP keep ln_out and the activation's output
@@ -54,8 +55,8 @@ double layer_activation_bytes(const ModelSpec& m, const Plan& p, const ComputeSe
   const double proj_in = !fp8 ? e : core_keeps_output ? e + 1.0 : 1.0;
   double bytes = 2.0 * e * Tn * H                  // norm inputs
                  + lin * Tn * H                    // QKV input
-                 + e * T * (AD + GD) / t           // Q, K
-                 + e * T * GD / t                  // V
+                 + e * T * (AD / t + GDt)          // Q, K
+                 + e * T * GDt                     // V
                  + proj_in * T * AD / t            // attention output, projection input
                  + lin * Tn * H                    // MLP input
                  + e * T * static_cast<double>(m.fc1_out()) / t

@@ -86,10 +86,10 @@ int64_t ModelSpec::layer_norm_params() const {
 }
 
 int64_t ModelSpec::layer_params(int64_t t) const {
-  const int64_t qkv_out = AD() + 2 * G * D();           // columns of the fused QKV matrix
+  const int64_t kv_cols = 2 * kv_width(t);             // this rank's key and value columns
   const int64_t fc1 = fc1_out();
-  int64_t n = (H * qkv_out + AD() * H + H * fc1 + F * H) / t;  // the four split matrices
-  if (bias) n += (qkv_out + fc1) / t + 2 * H;         // column biases split, row biases replicated
+  int64_t n = (H * AD() + AD() * H + H * fc1 + F * H) / t + H * kv_cols;  // the four split matrices
+  if (bias) n += (AD() + fc1) / t + kv_cols + 2 * H;  // column biases split, row biases replicated
   return n + layer_norm_params();
 }
 

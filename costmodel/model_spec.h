@@ -46,6 +46,11 @@ struct ModelSpec {
 
   int64_t D() const { return kv_channels > 0 ? kv_channels : H / A; }
   int64_t AD() const { return A * D(); }  // width of the queries and of the attention output
+  // Key/value heads on one tensor-parallel rank: G/t, or with fewer groups than ranks
+  // (t a multiple of G: multi-query attention under tensor parallelism, as Megatron-DeepSpeed,
+  // the BigCode fork and Transformer Engine run it) each group replicated on t/G ranks.
+  int64_t kv_heads_per_rank(int64_t t) const { return G >= t ? G / t : 1; }
+  int64_t kv_width(int64_t t) const { return kv_heads_per_rank(t) * D(); }  // K (or V) columns per rank
   bool gated() const { return activation != Activation::gelu; }
   // A sliding window that cuts something: shorter than the sequence, on some layer.
   bool windowed() const { return window_size > 0 && window_size < S && window_layers > 0; }

@@ -230,9 +230,17 @@ std::vector<Reason> check_plan(const ModelSpec& m, const Cluster& cl, const Plan
   auto add = [&](const char* key, const auto& message) {
     r.push_back({key, messages ? std::string(message()) : std::string()});
   };
-  if (m.A % p.t != 0 || m.G % p.t != 0)
-    add("tp_heads", [&] { return fmt::format("tensor_parallel={} must divide num_attention_heads={} and num_query_groups={}",
-                                p.t, m.A, m.G); });
+  // Fewer key/value groups than ranks: each group is replicated on t/G ranks (ModelSpec::
+  // kv_heads_per_rank), which the strata executor does not do.
+  const bool kv_split = m.G % p.t == 0 || (p.t % m.G == 0 && !cl.strata_stack);
+  if (m.A % p.t != 0 || !kv_split)
+    add("tp_heads", [&] {
+      return cl.strata_stack || m.A % p.t != 0
+                 ? fmt::format("tensor_parallel={} must divide num_attention_heads={} and num_query_groups={}", p.t,
+                               m.A, m.G)
+                 : fmt::format("tensor_parallel={} must divide num_query_groups={} or be a multiple of it (groups "
+                               "replicated over tensor-parallel ranks)", p.t, m.G);
+    });
   if (p.recompute_layers > 0 && p.recompute != Recompute::full)
     add("recompute_layers", [&] { return fmt::format("recompute_num_layers={} needs recompute=full", p.recompute_layers); });
   if (m.F % p.t != 0)

@@ -72,6 +72,10 @@ std::string export_megatron(const ModelSpec& m, const Plan& p, const Stack& stac
     flag("--group-query-attention");
     flag(fmt::format("--num-query-groups {}", m.G));
   }
+  if (m.G < p.t)
+    notes += fmt::format("# num_query_groups={} < tensor_parallel={}: strata replicated each key/value group on {} ranks;\n"
+                         "# Megatron-LM needs the groups divisible by --tensor-model-parallel-size.\n",
+                         m.G, p.t, p.t / m.G);
   flag(fmt::format("--ffn-hidden-size {}", m.F));
   if (m.kv_channels > 0) flag(fmt::format("--kv-channels {}", m.kv_channels));
   flag(fmt::format("--seq-length {}", m.S));

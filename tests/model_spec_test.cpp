@@ -44,6 +44,25 @@ TEST(ModelSpec, TensorParallelShardOfALayer) {
   EXPECT_EQ(m.layer_params(8), 12 * h * h / 8 + 7 * h / 8 + 2 * h + 4 * h);
 }
 
+TEST(ModelSpec, FewerKeyValueGroupsThanTensorParallelRanks) {
+  // Multi-query attention (G = 1), H = 1024, A = 16, D = 64, GELU MLP F = 4096, biases,
+  // LayerNorm. Under tp 4 each rank holds a quarter of Q, the projection and the MLP,
+  // and the one key and value head whole (replicated on the 4 ranks):
+  //   split matrices (H*AD + AD*H + H*F + F*H) / 4 = 10,485,760 / 4 = 2,621,440
+  //   K and V        H * 2 * D                     = 131,072
+  //   biases         (AD + F) / 4 + 2 D + 2 H      = 1,280 + 128 + 2,048 = 3,456
+  //   norms          4 H                           = 4,096      total 2,760,064
+  ModelSpec m = load_model("gpt2-124m");
+  m.H = 1024; m.A = 16; m.G = 1; m.F = 4096;
+  EXPECT_EQ(m.kv_heads_per_rank(4), 1);
+  EXPECT_EQ(m.kv_width(4), 64);
+  EXPECT_EQ(m.layer_params(4), 2760064);
+  // t = 1: the whole layer, 12 H^2 + 13 H less the 2 x 15 key/value heads it lacks.
+  EXPECT_EQ(m.layer_params(1), 12 * 1024 * 1024 + 13 * 1024 - 2 * 15 * 64 * (1024 + 1));
+  m.G = 8;  // G >= t: the groups split, 2 per rank
+  EXPECT_EQ(m.kv_heads_per_rank(4), 2);
+}
+
 TEST(ModelSpec, VocabularyPaddedTheMegatronWay) {
   // Megatron pads V to a multiple of 128 * t: GPT-2's 50257 becomes 50304 on one GPU and
   // 51200 with t = 8 (a multiple of 1024).

@@ -83,6 +83,22 @@ TEST(Plan, CheckRulesReportTheirReasons) {
   const ModelSpec m = load_model("gpt3-175b");  // A = G = 96, L = 96, S = 2048
   EXPECT_TRUE(keys(m, load_plan("tp=8,pp=8,dp=2,gbs=16")).empty());
   EXPECT_EQ(keys(m, load_plan("tp=64")), std::vector<std::string>{"tp_heads"});
+  // Fewer key/value groups than tensor-parallel ranks: replicated when t is a multiple of
+  // G (not by the strata executor), refused otherwise.
+  ModelSpec gqa = load_model("llama3-70b");  // A = 64, G = 8
+  EXPECT_TRUE(keys(gqa, load_plan("tp=16")).empty());
+  gqa.G = 16;
+  EXPECT_TRUE(keys(gqa, load_plan("tp=32")).empty());
+  gqa.G = 32;
+  EXPECT_TRUE(keys(gqa, load_plan("tp=16")).empty());
+  gqa.G = 8;
+  EXPECT_TRUE(keys(gqa, load_plan("tp=64")).empty());
+  gqa.A = 24;  // tp 12 divides the heads (and F = 28672); it neither divides 8 groups nor is a multiple of them
+  gqa.F = 12 * 2048;
+  EXPECT_EQ(keys(gqa, load_plan("tp=12")), std::vector<std::string>{"tp_heads"});
+  ModelSpec tiny = load_model("tiny-llama");  // A = 8, G = 2
+  EXPECT_EQ(check_plan(tiny, load_cluster("local-cpu"), load_plan("tp=4")).at(0).key, "tp_heads");
+  EXPECT_TRUE(check_plan(tiny, load_cluster("dgx-a100-80g"), load_plan("tp=4")).empty());
   EXPECT_EQ(keys(m, load_plan("dp=4,mbs=3,gbs=16")), std::vector<std::string>{"batch_divisible"});
   EXPECT_EQ(keys(m, load_plan("pp=2,vp=5,gbs=2")), std::vector<std::string>{"layers_vp"});
   EXPECT_EQ(keys(m, load_plan("pp=4,vp=2,gbs=6")), std::vector<std::string>{"vp_microbatches"});
