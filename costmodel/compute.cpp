@@ -517,8 +517,10 @@ void layer_backward(Acc& a) {
 }
 
 // ZeRO-2/3: a piece of work's gradient of every micro-batch is reduce-scattered into the
-// shards behind the backward (no rank keeps a whole gradient between micro-batches:
-// DeepSpeed ZeRO-2, FSDP, the strata executor); ZeRO-3 also gathers the piece's parameters
+// shards (no rank keeps a whole gradient between micro-batches: DeepSpeed ZeRO-2, FSDP,
+// the strata executor), ZeRO-2's behind the backward where the stack overlaps the
+// data-parallel reduction (DeepSpeed's overlap_comm) and exposed where it does not; ZeRO-3
+// always prefetches, and also gathers the piece's parameters
 // before its forward and again before its backward, each prefetched behind the piece's
 // own compute (`fwd_s` and what the LayerCost holds for backward and recompute).
 void sharded_traffic(Acc& a, double params, double fwd_s) {
@@ -526,7 +528,7 @@ void sharded_traffic(Acc& a, double params, double fwd_s) {
   const double bwd = a.lc.backward.compute_s + a.lc.recompute.compute_s;
   if (a.p.zero == 2) {
     a.comm("zero2_reduce_scatter", Phase::backward, OpKind::dp_comm, a.dp, Collective::reduce_scatter,
-           a.cs.grad_bytes * params, bwd);
+           a.cs.grad_bytes * params, a.cs.stack.overlap_grad_reduce ? bwd : 0.0);
     return;
   }
   const double w = a.cs.weight_work_bytes * params;

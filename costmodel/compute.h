@@ -38,9 +38,9 @@ struct Work {
   double compute_s = 0;  // kernels
   double tp_comm_s = 0;  // exposed tensor-parallel collectives
   double cp_comm_s = 0;  // exposed context-parallel exchange
-  double dp_comm_s = 0;  // exposed ZeRO-3 parameter gathers / gradient reduce-scatters
+  double dp_comm_s = 0;  // exposed ZeRO-2/3 gradient reduce-scatters and ZeRO-3 parameter gathers
   double tp_comm_all_s = 0;  // tensor-parallel communication before overlap (for reports)
-  double dp_comm_all_s = 0;  // ZeRO-3 gathers and reduce-scatters before overlap (for reports)
+  double dp_comm_all_s = 0;  // ZeRO-2/3 reduce-scatters and ZeRO-3 gathers before overlap (for reports)
   double total() const { return compute_s + tp_comm_s + cp_comm_s + dp_comm_s; }
   Work& operator+=(const Work& o);
 };

@@ -199,7 +199,8 @@ MemoryBreakdown stage_memory(const ModelSpec& m, const Cluster& cl, const Plan& 
     mb.activations = std::max(act + in.head_working, act - in.head_act + working);
 
   // Communication buffers: pipeline send/recv in both directions; ZeRO-3's gathered layer
-  // and its prefetched successor, and one layer of gradients to reduce-scatter.
+  // and its prefetched successor, and (ZeRO-2 and 3) one layer of gradients to
+  // reduce-scatter.
   double comm = 0;
   // (The strata executor receives straight into the next layer's input, an activation.)
   if (p.p > 1 && !cs.stack.strata) comm += 4.0 * cs.act_bytes * cs.Tn * static_cast<double>(m.H);
@@ -236,6 +237,10 @@ MemoryBreakdown stage_memory(const ModelSpec& m, const Cluster& cl, const Plan& 
     const double lp = static_cast<double>(m.layer_params(p.t));
     comm += 2.0 * cs.weight_bytes * lp + cs.grad_bytes * lp;
   }
+  // ZeRO-2 on the modern stack (FSDP's SHARD_GRAD_OP): one layer's whole gradient waiting
+  // for its reduce-scatter (legacy stacks stage it in DeepSpeed's bucket above).
+  if (p.zero == 2 && p.replicas() > 1 && cs.stack.modern)
+    comm += cs.grad_bytes * static_cast<double>(m.layer_params(p.t));
   mb.comm_buffers = comm;
   // The framework's own memory (CUDA context, library workspaces, communicator buffers) and
   // what the caching allocator reserves beyond the live tensors, as a fraction of them.

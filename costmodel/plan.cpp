@@ -235,11 +235,11 @@ std::vector<Reason> check_plan(const ModelSpec& m, const Cluster& cl, const Plan
   const bool kv_split = m.G % p.t == 0 || (p.t % m.G == 0 && !cl.strata_stack);
   if (m.A % p.t != 0 || !kv_split)
     add("tp_heads", [&] {
-      return cl.strata_stack || m.A % p.t != 0
-                 ? fmt::format("tensor_parallel={} must divide num_attention_heads={} and num_query_groups={}", p.t,
-                               m.A, m.G)
-                 : fmt::format("tensor_parallel={} must divide num_query_groups={} or be a multiple of it (groups "
-                               "replicated over tensor-parallel ranks)", p.t, m.G);
+      return cl.strata_stack
+                 ? fmt::format("tensor_parallel={} must divide num_attention_heads={} and num_query_groups={} (the "
+                               "strata executor splits both)", p.t, m.A, m.G)
+                 : fmt::format("tensor_parallel={} must divide num_attention_heads={}, and divide num_query_groups={} "
+                               "or be a multiple of it (groups replicated over tensor-parallel ranks)", p.t, m.A, m.G);
     });
   if (p.recompute_layers > 0 && p.recompute != Recompute::full)
     add("recompute_layers", [&] { return fmt::format("recompute_num_layers={} needs recompute=full", p.recompute_layers); });

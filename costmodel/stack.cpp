@@ -7,12 +7,21 @@ bool needs_fused_attention(const ModelSpec& m, const Plan& p) {
   return p.c > 1 || m.S > kLegacyFusedSoftmaxMaxKeys;
 }
 
+bool sharding_selects_modern(const Cluster& cl, const Plan& p) {
+  return p.zero >= 2 && cl.device.peak_bf16_flops > 0;
+}
+
+void pin_to_plain_stack(const Cluster& cl, const Stack& plain, Plan& p) {
+  if (p.software_stack == StackChoice::automatic && !plain.modern && !plain.strata && sharding_selects_modern(cl, p))
+    p.software_stack = StackChoice::legacy;
+}
+
 Stack resolve_stack(const ModelSpec& m, const Cluster& cl, const Plan& p) {
   Stack s;
   s.strata = cl.strata_stack;
   s.modern = !s.strata && (p.software_stack == StackChoice::automatic
                                ? cl.modern_stack || m.position == Position::rope || p.precision == Precision::fp8 ||
-                                     p.zero >= 2
+                                     sharding_selects_modern(cl, p)
                                : p.software_stack == StackChoice::modern);
   auto pick = [&](Tristate t) { return t == Tristate::automatic ? s.modern : t == Tristate::on; };
   if (s.strata) {

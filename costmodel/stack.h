@@ -13,9 +13,10 @@ namespace strata {
 
 // Modern (Megatron-core with Transformer Engine, FSDP, torchtitan) when the cluster's
 // published runs use it, the model is Llama-style (RoPE: every published Llama-family run),
-// the precision is fp8 (Transformer Engine) or the plan shards gradients or parameters
-// (ZeRO-2/3: published sharded runs come from PyTorch FSDP, llm-foundry, torchtitan, with
-// fused attention and fused cross-entropy): FlashAttention, gradient accumulation fused
+// the precision is fp8 (Transformer Engine) or the plan shards gradients or parameters on
+// an Ampere or newer GPU (ZeRO-2/3 on a device with bf16: published sharded runs there come
+// from PyTorch FSDP, llm-foundry, torchtitan, with fused attention and fused
+// cross-entropy; on V100 they are DeepSpeed's of 2019-2021): FlashAttention, gradient accumulation fused
 // into fp32 main gradients, data- and tensor-parallel communication overlapped. Legacy
 // (2020-2022 Megatron-LM, DeepSpeed): unfused softmax, bf16 gradients accumulated into a
 // separate fp32 buffer, communication exposed. On a legacy stack two marks of a run that
@@ -42,6 +43,12 @@ inline constexpr int64_t kLegacyFusedSoftmaxMaxKeys = 2048;
 // fused softmax takes (the S x S probabilities of an unfused core at 8k-64k tokens would
 // not fit a GPU: published long-sequence runs use FlashAttention or PyTorch's fused SDPA).
 bool needs_fused_attention(const ModelSpec& m, const Plan& p);
+// ZeRO-2/3 on a GPU with bf16 (Ampere or newer), which "auto" costs on the modern stack.
+bool sharding_selects_modern(const Cluster& cl, const Plan& p);
+// `strata plan` compares every candidate on one stack, `plain`: resolve_stack of the plan
+// without ZeRO (search.cpp's probe). A ZeRO-2/3 plan that sharding alone would make modern
+// where `plain` is legacy gets software_stack=legacy, here and for the plan --compare gives.
+void pin_to_plain_stack(const Cluster& cl, const Stack& plain, Plan& p);
 Stack resolve_stack(const ModelSpec& m, const Cluster& cl, const Plan& p);
 // The model as the cluster's stack trains it: the strata executor has no dropout layers, so
 // on a "strata" cluster the dropout rates are 0 (no masks kept, no dropout kernels).

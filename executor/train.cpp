@@ -72,9 +72,6 @@ void validate_train_plan(const ModelSpec& m, const Plan& p, int world_size, bool
     div("micro-batches per step (gbs / (mbs * dp))", p.gbs / (p.mbs * p.d), "pipeline_parallel (interleaved)", p.p);
   }
   if (p.precision == Precision::fp8) fail("plan: precision fp8: the CPU executor runs fp32, bf16 and fp16");
-  if (p.software_stack != StackChoice::automatic)
-    fail(std::string("plan: software_stack ") + (p.software_stack == StackChoice::legacy ? "legacy" : "modern") +
-         " names a GPU framework's stack for the cost model; the executor runs its own (leave it auto)");
   const double ram = physical_memory_bytes();
   if (host_memory && ram > 0)
     check_rank_fits(m, p, ram,

@@ -30,7 +30,8 @@ std::string export_megatron(const ModelSpec& m, const Plan& p, const Stack& stac
   if (p.zero == 2) {
     flag("--use-distributed-optimizer");
     notes += "# zero_stage=2: Megatron-LM shards optimizer states (distributed optimizer) but keeps full gradient\n"
-             "# buffers; for ZeRO-2 proper use --export deepspeed.\n";
+             "# buffers and reduces them once per step; strata costed ZeRO-2 proper (a reduce-scatter every\n"
+             "# micro-batch, sharded gradients): for that use --export deepspeed.\n";
   }
   if (p.zero == 3) {
     flag("--use-torch-fsdp2");

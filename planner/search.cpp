@@ -326,7 +326,7 @@ SearchResult search(const ModelSpec& m, const Cluster& cl, const SearchOptions& 
                     Plan pl = probe_tpcv;
                     pl.mbs = mbs; pl.zero = zero; pl.recompute = rc; pl.sp = sp == 1; pl.gpipe = gp == 1;
                     // One stack for every candidate: sharding alone does not make it modern here.
-                    if (zero >= 2 && !stack.modern && !stack.strata) pl.software_stack = StackChoice::legacy;
+                    if (zero >= 2) pin_to_plain_stack(cl, stack, pl);
                     if (rc != Recompute::full) {
                       consider(pl, lay);
                     } else if (fx.recompute_layers) {

@@ -335,7 +335,6 @@ TEST(Cli, BadInputExits2NamingTheField) {
        "sliding-window attention) is not implemented by the executor"},
       {"train --model tiny-gpt --plan tp=2 --steps 2", "mpirun -np 2"},
       {"train --model tiny-gpt --plan tp=1 --steps 2 --backend tpu", "--backend"},
-      {"train --model tiny-gpt --plan software_stack=legacy --steps 2", "software_stack legacy"},
       {"estimate --model tiny-gpt --cluster local-cpu --plan software_stack=modern", "software_stack=modern"},
       {"train --model tiny-gpt --plan tp=1 --steps 2 --comm gloo", "--comm: 'gloo' must be auto, nccl or staged"},
       {"train --model tiny-gpt --plan tp=1 --steps 2 --comm nccl", "--comm nccl: needs --backend cuda"},

@@ -103,7 +103,8 @@ TEST(Compute, TensorParallelCollectivesPerLayer) {
 
 // ZeRO-2 keeps no whole gradient between micro-batches: each layer's fp32 gradient of every
 // micro-batch (4 bytes x its parameters on this tensor-parallel rank) is reduce-scattered
-// over the data-parallel group as its backward ends, behind that backward. tp 8 x dp 8: one
+// over the data-parallel group as its backward ends: exposed on the legacy stack, behind
+// that backward where the stack overlaps the data-parallel reduction. tp 8 x dp 8: one
 // member per node, so 3 steps of 10 us and 7/8 of the bytes at 12.5 GB/s x 80 %. ZeRO-1
 // reduces once per step instead (estimate.cpp's data-parallel tail), ZeRO-3 adds gathers.
 TEST(Compute, Zero2ReduceScattersEveryMicroBatch) {
@@ -125,10 +126,42 @@ TEST(Compute, Zero2ReduceScattersEveryMicroBatch) {
   const double bytes = 4.0 * static_cast<double>(m.layer_params(8));
   EXPECT_DOUBLE_EQ(rs2[0].bytes, bytes);
   EXPECT_NEAR(rs2[0].time_s, 30e-6 + bytes * 0.875 / 10e9, 1e-12);
-  EXPECT_NEAR(rs2[0].exposed_s, std::max(0.0, rs2[0].time_s - bwd), 1e-12);
+  EXPECT_DOUBLE_EQ(rs2[0].exposed_s, rs2[0].time_s);
+  const auto [hidden, bwd2] = reduce_scatters("tp=8,dp=8,mbs=2,zero=2,software_stack=legacy,overlap_grad_reduce=1");
+  ASSERT_EQ(hidden.size(), 1u);
+  EXPECT_DOUBLE_EQ(bwd2, bwd);
+  EXPECT_DOUBLE_EQ(hidden[0].time_s, rs2[0].time_s);
+  EXPECT_NEAR(hidden[0].exposed_s, std::max(0.0, rs2[0].time_s - bwd), 1e-12);
   EXPECT_TRUE(reduce_scatters("tp=8,dp=8,mbs=2,zero=1").first.empty());
   EXPECT_EQ(reduce_scatters("tp=8,dp=8,mbs=2,zero=3,software_stack=legacy").first.size(), 3u);
   EXPECT_TRUE(reduce_scatters("tp=8,dp=1,mbs=2,zero=2").first.empty());  // no replicas
+}
+
+// Fewer key/value groups than tensor-parallel ranks: a multi-query model (G = 1) under tp 4
+// holds on each rank the one key/value head whole, as a 4-group model holds its one group
+// per rank, so each rank's parameters, GEMMs, traffic and activations are the 4-group
+// model's; only the whole model is smaller.
+TEST(Compute, ReplicatedKeyValueGroupsCostWhatOneGroupPerRankDoes) {
+  const Cluster c = testing::round_cluster();
+  ModelSpec mqa = load_model("gpt2-124m");
+  mqa.H = 1024; mqa.A = 16; mqa.F = 4096; mqa.G = 1;
+  ModelSpec gqa = mqa;
+  gqa.G = 4;
+  EXPECT_EQ(mqa.layer_params(4), gqa.layer_params(4));
+  EXPECT_LT(mqa.total_params(), gqa.total_params());
+  for (const char* plan : {"tp=4,mbs=2", "tp=4,cp=2,mbs=2,sp=1,recompute=selective", "tp=4,mbs=1,recompute=full"}) {
+    const Plan p = load_plan(plan);
+    const ComputeSetup cs = compute_setup(mqa, c, p);
+    const LayerCost a = layer_cost(mqa, c, p, cs), b = layer_cost(gqa, c, p, cs);
+    EXPECT_DOUBLE_EQ(a.forward.total(), b.forward.total()) << plan;
+    EXPECT_DOUBLE_EQ(a.backward.total(), b.backward.total()) << plan;
+    EXPECT_DOUBLE_EQ(a.forward.cp_comm_s + a.backward.cp_comm_s, b.forward.cp_comm_s + b.backward.cp_comm_s) << plan;
+    EXPECT_DOUBLE_EQ(layer_activation_bytes(mqa, p, cs), layer_activation_bytes(gqa, p, cs)) << plan;
+  }
+  // One group per rank is less than two: tp 2 splits the 4 groups two to a rank.
+  const Plan p2 = load_plan("tp=2,mbs=2");
+  EXPECT_LT(layer_cost(mqa, c, p2, compute_setup(mqa, c, p2)).forward.total(),
+            layer_cost(gqa, c, p2, compute_setup(gqa, c, p2)).forward.total());
 }
 
 // The strata executor computes and communicates in floats whatever the precision: its

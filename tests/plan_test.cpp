@@ -35,7 +35,8 @@ TEST(Plan, JsonLongKeysAndDefaults) {
 TEST(Plan, SequenceParallelIsDroppedWithoutTensorParallel) { EXPECT_FALSE(load_plan("tp=1,sp=1").sp); }
 
 TEST(Plan, RoundTripThroughJsonAndInline) {
-  const Plan p = load_plan("tp=4,pp=2,dp=2,cp=2,vp=2,mbs=2,gbs=64,zero=2,recompute=full,sp=1,precision=fp16");
+  const Plan p =
+      load_plan("tp=4,pp=2,dp=2,cp=2,vp=2,mbs=2,gbs=64,zero=2,recompute=full,sp=1,precision=fp16,software_stack=legacy");
   const Plan q = plan_from_json(plan_to_json(p), "plan");
   const Plan r = load_plan(plan_to_inline(p));
   for (const Plan* x : {&q, &r}) {
@@ -46,7 +47,9 @@ TEST(Plan, RoundTripThroughJsonAndInline) {
     EXPECT_EQ(x->zero, 2);
     EXPECT_EQ(x->precision, Precision::fp16);
     EXPECT_TRUE(x->sp);
+    EXPECT_EQ(x->software_stack, StackChoice::legacy);
   }
+  EXPECT_EQ(plan_to_json(load_plan("tp=2"))["software_stack"], "auto");
 }
 
 TEST(Plan, MalformedInputThrowsNamingTheField) {
@@ -147,12 +150,17 @@ TEST(Plan, AutoAttentionResolution) {
   EXPECT_TRUE(resolve_stack(gpt, a100, load_plan("dp=8,software_stack=modern")).modern);
   EXPECT_FALSE(resolve_stack(llama, h100, load_plan("dp=8,software_stack=legacy")).modern);
   EXPECT_EQ(resolve_attention(gpt, a100, load_plan("dp=8,zero=3,attention=unfused")), AttentionKernel::unfused);
+  // On V100 (no bf16: before FlashAttention and FSDP) ZeRO-3 is DeepSpeed's, legacy.
+  EXPECT_FALSE(resolve_stack(gpt, load_cluster("dgx2-v100-32g"), load_plan("dp=8,zero=3,precision=fp16")).modern);
   // The strata executor's stack is its own.
   EXPECT_EQ(check_plan(gpt, load_cluster("local-cpu"), load_plan("software_stack=modern")).at(0).key, "software_stack");
-  // So does a sequence longer than the 2048 keys of the legacy fused softmax.
+  // A sequence longer than the 2048 keys of the legacy fused softmax fuses the attention on
+  // a legacy stack, as context parallelism does, and changes nothing else.
   ModelSpec longer = gpt;
   longer.S = 4096;
-  EXPECT_EQ(resolve_attention(longer, a100, load_plan("tp=8")), AttentionKernel::flash);
+  const Stack long_seq = resolve_stack(longer, a100, load_plan("tp=8"));
+  EXPECT_EQ(long_seq.attention, AttentionKernel::flash);
+  EXPECT_FALSE(long_seq.modern || long_seq.overlap_grad_reduce || long_seq.grad_accumulation_fusion);
   longer.S = kLegacyFusedSoftmaxMaxKeys;
   EXPECT_EQ(resolve_attention(longer, a100, load_plan("tp=8")), AttentionKernel::unfused);
 }
