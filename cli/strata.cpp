@@ -194,10 +194,7 @@ int cmd_plan(const std::vector<std::string>& argv) {
   if (a.has("compare")) {
     compare = load_plan(a.get("compare"));
     // Costed on the stack the search compares its candidates on (pin_to_plain_stack).
-    Plan plain;
-    plain.precision = so.precision;
-    plain.attention = so.attention;
-    pin_to_plain_stack(cl, resolve_stack(m, cl, plain), compare);
+    pin_to_plain_stack(cl, search_stack(m, cl, so), compare);
     if (compare.world_size() != so.gpus)
       fail_field("--compare", plan_to_inline(compare), fmt::format("must use {} GPUs like the search", so.gpus));
     if (compare.gbs != so.gbs)

@@ -63,10 +63,6 @@ double head_columns(const ModelSpec& m, int64_t t, int q, int kv) {
          static_cast<double>(kv) * static_cast<double>(m.kv_width(t));
 }
 
-}  // namespace
-
-namespace {
-
 // Where a GEMM of `flops` at `peak_flops` reads the efficiency curve: the curve is measured
 // in the 16-bit precision; a kernel at another peak runs for as long as a 16-bit one of
 // flops * (bf16 peak / its peak), and fixed costs are in time.

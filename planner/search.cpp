@@ -109,6 +109,13 @@ struct Frontier {
 
 }  // namespace
 
+Stack search_stack(const ModelSpec& m, const Cluster& cl, const SearchOptions& opt) {
+  Plan plain;
+  plain.precision = opt.precision;
+  plain.attention = opt.attention;
+  return resolve_stack(m, cl, plain);
+}
+
 SearchResult search(const ModelSpec& m, const Cluster& cl, const SearchOptions& opt) {
   const auto t0 = std::chrono::steady_clock::now();
   SearchResult res;
@@ -124,10 +131,7 @@ SearchResult search(const ModelSpec& m, const Cluster& cl, const SearchOptions& 
   // resolves unfused, context-parallel candidates keep the unfused kernel of the others and
   // are rejected (cp_attention); --attention flash searches them all with flash. (A model
   // longer than the legacy fused softmax is fused for all.)
-  Plan probe;
-  probe.precision = opt.precision;
-  probe.attention = opt.attention;
-  const Stack stack = resolve_stack(m, cl, probe);
+  const Stack stack = search_stack(m, cl, opt);
 
   // Layer costs depend on (t, c, d for ZeRO-2/3, mbs, sp, recompute, ZeRO-2 or 3): cached.
   using CostKey = std::tuple<int64_t, int64_t, int64_t, int64_t, bool, int, int>;

@@ -49,6 +49,9 @@ struct SearchResult {
 };
 
 SearchResult search(const ModelSpec& m, const Cluster& cl, const SearchOptions& opt);
+// The one software stack the search compares its candidates on: the plain plan's (no ZeRO,
+// no context parallelism) with the options' precision and attention (pin_to_plain_stack).
+Stack search_stack(const ModelSpec& m, const Cluster& cl, const SearchOptions& opt);
 Json search_to_json(const SearchResult& r);
 
 }  // namespace strata
