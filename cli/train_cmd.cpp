@@ -22,8 +22,10 @@ namespace strata {
 
 int cmd_train(const std::vector<std::string>& argv) {
   int initialised = 0;
-  // Funneled: only this thread calls MPI (the collective watchdog thread never does).
-  MPI_Init_thread(nullptr, nullptr, MPI_THREAD_FUNNELED, &initialised);
+  // Serialized: the communicator's progress thread tests the requests in flight while this
+  // thread computes, each MPI call under the communicator's mutex (executor/cpu/mpi_comm.cpp);
+  // the collective watchdog thread never calls MPI.
+  MPI_Init_thread(nullptr, nullptr, MPI_THREAD_SERIALIZED, &initialised);
   int rank = 0, size = 1;
   MPI_Comm_rank(MPI_COMM_WORLD, &rank);
   MPI_Comm_size(MPI_COMM_WORLD, &size);

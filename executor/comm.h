@@ -47,6 +47,10 @@ class Comm {
   virtual bool test(Request& r) = 0;  // progresses the library; true (and r cleared) when done
   virtual void wait(Request& r) = 0;
   virtual double wtime() const = 0;
+  // Whether a progress thread of this communicator moves its non-blocking requests forward
+  // while the caller computes, and how many requests that thread saw complete (for tests).
+  virtual bool has_progress_thread() const { return false; }
+  virtual int64_t completed_in_background() const { return 0; }
   // Every rank's string, on `root_rank` (empty elsewhere); for traces and errors.
   virtual std::vector<std::string> gather_strings(const std::string& s, int root_rank) = 0;
   // The collective watchdog (executor/watchdog.h): from now on a call that has not completed

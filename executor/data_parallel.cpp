@@ -125,7 +125,11 @@ void Engine::unit_done(int u) {
         dp_intervals_.push_back({q.start, now()});
         waited = true;
       }
-    if (waited) dp_s_ += now() - w0;
+    if (waited) {
+      const double w1 = now();
+      dp_s_ += w1 - w0;
+      event("wait dp reduction", 1, w0, w1);
+    }
     add_completed_blocks();
     Pending p;
     p.start = now();

@@ -6,6 +6,9 @@
 #      backward, against the same reductions run alone (target: at most a quarter). The
 #      final wait also holds the time a rank waits for the slower replica to finish its
 #      backward (skew, load imbalance); the table shows it and the wait net of it.
+#   3. a reduce-scatter started before 20 ms of compute that calls no MPI: what is left to
+#      wait for afterwards, with the MPI communicator's progress thread and without it
+#      (STRATA_MPI_PROGRESS_US=0), beside the same reduce-scatter run alone.
 # Usage: scripts/bench-executor.sh [BUILD_DIR]   (after make build)
 set -euo pipefail
 BUILD=${1:-build}
@@ -19,6 +22,9 @@ mpirun -np 2 "$BUILD/strata" train --model tiny-gpt --plan dp=2,mbs=4,gbs=16,pre
   --json "$tmp/dp2.json" > /dev/null
 mpirun -np 2 "$BUILD/strata" train --model examples/gpt-512.model.json --plan dp=2,mbs=2,gbs=8,precision=fp32 \
   --steps 6 --quiet --json "$tmp/dp2-512.json" > /dev/null
+
+mpirun -np 2 "$BUILD/comm_overlap_bench" > "$tmp/overlap-on.txt"
+mpirun -x STRATA_MPI_PROGRESS_US=0 -np 2 "$BUILD/comm_overlap_bench" > "$tmp/overlap-off.txt"
 
 python3 - "$tmp" <<'PY'
 import json, sys, platform
@@ -42,4 +48,18 @@ for tag in ["dp2", "dp2-512"]:
     print(f"{tag + ' final wait for them in training':<48} {exposed*1e3:>11.2f} ms {exposed/alone:>8.2f}")
     print(f"{tag + '   of it waiting for the slower replica':<48} {skew*1e3:>11.2f} ms {skew/alone:>8.2f}")
     print(f"{tag + '   exposed communication (wait - skew)':<48} {(exposed-skew)*1e3:>11.2f} ms {(exposed-skew)/alone:>8.2f}")
+def rows(name):
+    out = {}
+    for line in open(f"{d}/{name}"):
+        if not line.startswith("#"):
+            b, wait, alone = line.split()
+            out[int(b)] = (float(wait), float(alone))
+    return out
+on, off = rows("overlap-on.txt"), rows("overlap-off.txt")
+print()
+print("reduce-scatter on 2 ranks, started before 20 ms of compute without MPI calls: wait left afterwards")
+print(f"{'bytes in':>10} {'alone (ms)':>11} {'no thread (ms)':>15} {'thread (ms)':>12} {'no thread/alone':>16} {'thread/alone':>13}")
+for b in sorted(on):
+    alone = off[b][1]
+    print(f"{b:>10} {alone:>11.3f} {off[b][0]:>15.3f} {on[b][0]:>12.3f} {off[b][0]/alone:>16.2f} {on[b][0]/alone:>13.2f}")
 PY

@@ -18,6 +18,7 @@
 #include <vector>
 
 #include "executor/staged_comm.h"
+#include "self_under_mpirun.h"
 
 namespace strata {
 namespace {
@@ -168,18 +169,8 @@ int mpi_main() {
 }
 
 TEST(StagedComm, MatchesTheMpiCommOnFourRanks) {
-  char self[4096] = {};
-  ASSERT_GT(readlink("/proc/self/exe", self, sizeof(self) - 1), 0);
-  // Open MPI keeps allocations until exit (see CMakeLists.txt): no leak report from the ranks.
-  const std::string cmd =
-      std::string("ASAN_OPTIONS=detect_leaks=0 timeout 300 ") + STRATA_MPIEXEC + " --oversubscribe -np 4 " + self + " 2>&1";
-  FILE* p = popen(cmd.c_str(), "r");
-  ASSERT_NE(p, nullptr);
-  std::string out;
-  std::array<char, 4096> buf{};
-  while (fgets(buf.data(), static_cast<int>(buf.size()), p)) out += buf.data();
-  const int rc = pclose(p);
-  std::printf("%s", out.c_str());
+  int rc = -1;
+  const std::string out = run_self_under_mpirun(4, "", &rc);
   EXPECT_EQ(rc, 0) << out;
   EXPECT_NE(out.find("staged comm: all checks passed"), std::string::npos) << out;
 }

@@ -2,15 +2,28 @@
 // requests kept in slots. Errors return (MPI_ERRORS_RETURN on the world, inherited by every
 // split) to MPI_CHECK, which prints the rank, the call, file and line and aborts every rank.
 // Once start_watchdog() ran, every call that can block is bracketed for the watchdog.
+//
+// Progress: Open MPI moves a non-blocking collective forward only inside MPI calls, so a
+// reduce-scatter started behind a layer's backward would wait for the rank's next poll
+// between kernels (a few ms apart) for each of its fragments. When MPI was initialised with
+// MPI_THREAD_SERIALIZED or more, a progress thread tests the requests in flight every
+// STRATA_MPI_PROGRESS_US microseconds (default 1000; 0 turns it off), sleeping otherwise;
+// every MPI call of this class holds one mutex per process, so calls stay serialised.
 #include <mpi.h>
 
 #include <unistd.h>
 
+#include <atomic>
+#include <chrono>
 #include <climits>
+#include <condition_variable>
 #include <cstdio>
+#include <cstdlib>
 #include <ctime>
 #include <memory>
+#include <mutex>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "executor/comm.h"
@@ -34,6 +47,12 @@
 namespace strata {
 namespace {
 
+// MPI is one library per process: every MpiComm of the process serialises on this mutex.
+std::mutex& mpi_mutex() {
+  static std::mutex m;
+  return m;
+}
+
 const char* group_name(int id) {
   static const char* names[] = {"world", "tensor", "data", "pipeline", "embedding", "model", "context", "data x context"};
   static_assert(sizeof(names) / sizeof(names[0]) == kGroupKinds);
@@ -48,8 +67,23 @@ class MpiComm final : public Comm {
     MPI_CHECK(MPI_Comm_set_errhandler(MPI_COMM_WORLD, MPI_ERRORS_RETURN));
     comms_.assign(kGroupKinds, MPI_COMM_NULL);
     comms_[kWorld] = MPI_COMM_WORLD;
+    int level = MPI_THREAD_SINGLE;
+    MPI_CHECK(MPI_Query_thread(&level));
+    const int64_t us = progress_interval_us();
+    if (level >= MPI_THREAD_SERIALIZED && size_ > 1 && us > 0) {
+      interval_ = std::chrono::microseconds(us);
+      progress_ = std::thread([this] { progress_loop(); });
+    }
   }
   ~MpiComm() override {
+    if (progress_.joinable()) {
+      {
+        std::lock_guard<std::mutex> lk(mpi_mutex());
+        stop_ = true;
+      }
+      cv_.notify_all();
+      progress_.join();
+    }
     for (size_t i = 1; i < comms_.size(); ++i)
       if (comms_[i] != MPI_COMM_NULL) MPI_Comm_free(&comms_[i]);
   }
@@ -57,6 +91,7 @@ class MpiComm final : public Comm {
   int size() const override { return size_; }
 
   void setup(const ProcessGrid& grid) override {
+    std::lock_guard<std::mutex> lk(mpi_mutex());
     Watch w(this, "comm_split", world_group_name_, world_ranks_);
     for (int kind : {kTensor, kData, kPipeline, kEmbedding, kModel, kContext, kReplica}) {
       const auto groups = grid.all_groups(static_cast<GroupKind>(kind));
@@ -71,81 +106,104 @@ class MpiComm final : public Comm {
 
   void all_reduce(float* buf, int64_t n, const Group& g, ReduceOp op) override {
     if (g.size() == 1) return;
+    std::lock_guard<std::mutex> lk(mpi_mutex());
     Watch w(this, "all_reduce", g);
     MPI_CHECK(MPI_Allreduce(MPI_IN_PLACE, buf, count(n), MPI_FLOAT, mpi_op(op), comm(g)));
   }
   void all_reduce(double* buf, int64_t n, const Group& g, ReduceOp op) override {
     if (g.size() == 1) return;
+    std::lock_guard<std::mutex> lk(mpi_mutex());
     Watch w(this, "all_reduce", g);
     MPI_CHECK(MPI_Allreduce(MPI_IN_PLACE, buf, count(n), MPI_DOUBLE, mpi_op(op), comm(g)));
   }
   void reduce_scatter(const float* in, float* out, int64_t n_out, const Group& g) override {
+    std::lock_guard<std::mutex> lk(mpi_mutex());
     Watch w(this, "reduce_scatter", g);
     MPI_CHECK(MPI_Reduce_scatter_block(in, out, count(n_out), MPI_FLOAT, MPI_SUM, comm(g)));
   }
   void all_gather(const float* in, float* out, int64_t n_in, const Group& g) override {
+    std::lock_guard<std::mutex> lk(mpi_mutex());
     const void* src = in == out + static_cast<int64_t>(g.me) * n_in ? MPI_IN_PLACE : in;
     Watch w(this, "all_gather", g);
     MPI_CHECK(MPI_Allgather(src, count(n_in), MPI_FLOAT, out, count(n_in), MPI_FLOAT, comm(g)));
   }
   void broadcast(float* buf, int64_t n, int root_index, const Group& g) override {
+    std::lock_guard<std::mutex> lk(mpi_mutex());
     Watch w(this, "broadcast", g);
     MPI_CHECK(MPI_Bcast(buf, count(n), MPI_FLOAT, root_index, comm(g)));
   }
   void barrier(const Group& g) override {
+    std::lock_guard<std::mutex> lk(mpi_mutex());
     Watch w(this, "barrier", g);
     MPI_CHECK(MPI_Barrier(comm(g)));
   }
 
   Request isend(const float* buf, int64_t n, int peer, int tag) override {
+    std::lock_guard<std::mutex> lk(mpi_mutex());
     Request r = slot("send", peer);
     MPI_CHECK(MPI_Isend(buf, count(n), MPI_FLOAT, peer, tag, MPI_COMM_WORLD, &reqs_[static_cast<size_t>(r.slot)]));
+    started();
     return r;
   }
   Request irecv(float* buf, int64_t n, int peer, int tag) override {
+    std::lock_guard<std::mutex> lk(mpi_mutex());
     Request r = slot("recv", peer);
     MPI_CHECK(MPI_Irecv(buf, count(n), MPI_FLOAT, peer, tag, MPI_COMM_WORLD, &reqs_[static_cast<size_t>(r.slot)]));
+    started();
     return r;
   }
   Request iall_reduce(float* buf, int64_t n, const Group& g) override {
+    std::lock_guard<std::mutex> lk(mpi_mutex());
     Request r = slot("all_reduce", g);
     MPI_CHECK(MPI_Iallreduce(MPI_IN_PLACE, buf, count(n), MPI_FLOAT, MPI_SUM, comm(g),
                              &reqs_[static_cast<size_t>(r.slot)]));
+    started();
     return r;
   }
   Request ireduce_scatter(const float* in, float* out, int64_t n_out, const Group& g) override {
+    std::lock_guard<std::mutex> lk(mpi_mutex());
     Request r = slot("reduce_scatter", g);
     MPI_CHECK(MPI_Ireduce_scatter_block(in, out, count(n_out), MPI_FLOAT, MPI_SUM, comm(g),
                                         &reqs_[static_cast<size_t>(r.slot)]));
+    started();
     return r;
   }
   Request iall_gather(const float* in, float* out, int64_t n_in, const Group& g) override {
+    std::lock_guard<std::mutex> lk(mpi_mutex());
     Request r = slot("all_gather", g);
     const void* src = in == out + static_cast<int64_t>(g.me) * n_in ? MPI_IN_PLACE : in;
     MPI_CHECK(MPI_Iallgather(src, count(n_in), MPI_FLOAT, out, count(n_in), MPI_FLOAT, comm(g),
                              &reqs_[static_cast<size_t>(r.slot)]));
+    started();
     return r;
   }
   bool test(Request& r) override {
     if (!r.pending()) return true;
+    std::lock_guard<std::mutex> lk(mpi_mutex());
     if (wd_) wd_->beat();
-    int done = 0;
-    MPI_CHECK(MPI_Test(&reqs_[static_cast<size_t>(r.slot)], &done, MPI_STATUS_IGNORE));
-    if (done) free_slot(r);
+    const size_t s = static_cast<size_t>(r.slot);
+    int done = done_[s];
+    if (!done) MPI_CHECK(MPI_Test(&reqs_[s], &done, MPI_STATUS_IGNORE));
+    if (done) finished(r);
     return done != 0;
   }
   void wait(Request& r) override {
     if (!r.pending()) return;
-    {
-      const Pending& p = meta_[static_cast<size_t>(r.slot)];
+    std::lock_guard<std::mutex> lk(mpi_mutex());
+    const size_t s = static_cast<size_t>(r.slot);
+    if (!done_[s]) {
+      const Pending& p = meta_[s];
       Watch w(this, p.op, p.group, p.ranks);
-      MPI_CHECK(MPI_Wait(&reqs_[static_cast<size_t>(r.slot)], MPI_STATUS_IGNORE));
+      MPI_CHECK(MPI_Wait(&reqs_[s], MPI_STATUS_IGNORE));
     }
-    free_slot(r);
+    finished(r);
   }
   double wtime() const override { return MPI_Wtime(); }
+  bool has_progress_thread() const override { return progress_.joinable(); }
+  int64_t completed_in_background() const override { return background_.load(std::memory_order_relaxed); }
 
   void start_watchdog(double timeout_s) override {
+    std::lock_guard<std::mutex> lk(mpi_mutex());
     // One table name for the job: rank 0's pid and clock, broadcast.
     char name[64] = {};
     if (rank_ == 0) {
@@ -173,6 +231,7 @@ class MpiComm final : public Comm {
     if (wd_) wd_->leave();
   }
   std::vector<std::string> gather_strings(const std::string& s, int root) override {
+    std::lock_guard<std::mutex> lk(mpi_mutex());
     Watch w(this, "gather", world_group_name_, world_ranks_);
     int len = static_cast<int>(s.size());
     std::vector<int> lens(static_cast<size_t>(size_)), displs(static_cast<size_t>(size_));
@@ -252,13 +311,52 @@ class MpiComm final : public Comm {
       r.slot = static_cast<int64_t>(reqs_.size());
       reqs_.push_back(MPI_REQUEST_NULL);
       meta_.emplace_back();
+      done_.push_back(0);
     }
     return r;
   }
-  void free_slot(Request& r) {
-    reqs_[static_cast<size_t>(r.slot)] = MPI_REQUEST_NULL;
+  // A request was just created (mpi_mutex() held): one more for the progress thread to test.
+  void started() {
+    if (in_flight_++ == 0 && progress_.joinable()) cv_.notify_one();
+  }
+  // The request completed, seen by the caller or by the progress thread (mpi_mutex() held).
+  void finished(Request& r) {
+    const size_t s = static_cast<size_t>(r.slot);
+    if (!done_[s]) --in_flight_;
+    done_[s] = 0;
+    reqs_[s] = MPI_REQUEST_NULL;
     free_.push_back(r.slot);
     r.slot = -1;
+  }
+  static int64_t progress_interval_us() {
+    const char* v = std::getenv("STRATA_MPI_PROGRESS_US");
+    if (!v || !*v) return 1000;
+    char* end = nullptr;
+    const long long x = std::strtoll(v, &end, 10);
+    return end && *end == '\0' && x >= 0 && x <= 1000000 ? x : 1000;
+  }
+  // Tests every request in flight each interval while there are any; sleeps otherwise.
+  // MPI_Testsome skips the null slots (free, or completed and not yet collected).
+  void progress_loop() {
+    std::unique_lock<std::mutex> lk(mpi_mutex());
+    std::vector<int> idx;
+    while (!stop_) {
+      if (in_flight_ == 0) {
+        cv_.wait(lk);
+        continue;
+      }
+      cv_.wait_for(lk, interval_);
+      if (stop_ || in_flight_ == 0) continue;
+      idx.resize(reqs_.size());
+      int n = 0;
+      MPI_CHECK(MPI_Testsome(static_cast<int>(reqs_.size()), reqs_.data(), &n, idx.data(), MPI_STATUSES_IGNORE));
+      if (n == MPI_UNDEFINED) continue;
+      for (int i = 0; i < n; ++i) {
+        done_[static_cast<size_t>(idx[static_cast<size_t>(i)])] = 1;
+        --in_flight_;
+      }
+      background_.fetch_add(n, std::memory_order_relaxed);
+    }
   }
 
   int rank_ = 0, size_ = 1;
@@ -269,6 +367,15 @@ class MpiComm final : public Comm {
   const char* world_group_name_ = "world";
   std::vector<int> world_ranks_;
   std::vector<int64_t> free_;
+  // The progress thread (absent below MPI_THREAD_SERIALIZED or in a world of one rank).
+  // mpi_mutex() is held around every MPI call and around the request tables.
+  std::condition_variable cv_;
+  std::thread progress_;
+  std::chrono::microseconds interval_{0};
+  bool stop_ = false;
+  int64_t in_flight_ = 0;      // requests neither completed-and-collected nor seen done
+  std::vector<char> done_;     // per slot: completed by the progress thread, not yet collected
+  std::atomic<int64_t> background_{0};
 };
 
 }  // namespace
