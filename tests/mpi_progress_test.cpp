@@ -10,7 +10,6 @@
 // Run directly, the test re-runs itself under mpirun (STRATA_MPIEXEC) and checks its exit.
 #include <gtest/gtest.h>
 #include <mpi.h>
-#include <unistd.h>
 
 #include <chrono>
 #include <cstdio>

@@ -8,9 +8,7 @@
 // Run directly, the test re-runs itself under mpirun (STRATA_MPIEXEC) and checks its exit.
 #include <gtest/gtest.h>
 #include <mpi.h>
-#include <unistd.h>
 
-#include <array>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
