@@ -232,7 +232,8 @@ std::string validation_markdown(const ValidationSummary& s) {
   std::string o = fmt::format("# strata validate: {} on {} rank(s)\n\n", s.model, s.ranks);
   o += fmt::format("Cluster profile: `{}` ({}). Each plan trained {} steps under mpirun; measured step time is the "
                    "median step, terms are means per step after the first. Errors are (predicted - measured) / "
-                   "measured.\n\n",
+                   "measured. Communication terms are measured net of skew: the part of a wait spent before the "
+                   "last peer reached the collective (load imbalance, a slower core), shown as its own term.\n\n",
                    s.cluster, s.cluster_description, s.steps);
   o += fmt::format("- step time: median |error| **{}**, max |error| **{}**, Spearman rank correlation **{:.2f}**\n",
                    apct(s.median_abs_step_error), apct(s.max_abs_step_error), s.spearman_step_time);
@@ -326,8 +327,8 @@ std::string svg_step_time(const ValidationSummary& s) {
 
 std::string svg_time_breakdown(const ValidationSummary& s) {
   return svg_stacked(s, "Time per step by term: predicted (P) beside measured (M)", "ms",
-                     {"forward", "backward", "recompute", "tp_comm", "pp_comm", "dp_comm", "pipeline_bubble",
-                      "optimizer"},
+                     {"forward", "backward", "recompute", "tp_comm", "cp_comm", "pp_comm", "dp_comm", "pipeline_bubble",
+                      "optimizer", "skew"},
                      1e3, &RunComparison::time);
 }
 

@@ -20,8 +20,10 @@ const float* Engine::weights(int u) {
     auto pf = prefetching_.find(u);
     if (pf != prefetching_.end()) {
       const double t0 = now();
-      comm_.wait(pf->second);
-      dp_s_ += now() - t0;
+      comm_.wait(pf->second.req);
+      const double t1 = now();
+      dp_s_ += t1 - t0;
+      dp_waited(pf->second.idx, t0, t1);
       prefetching_.erase(pf);
     }
     return it->second.data();
@@ -31,6 +33,7 @@ const float* Engine::weights(int u) {
   comm_.all_gather(work_shard_.data() + sh_.shard_off[su], b.data(), sh_.shard[su], dp_);
   const double t1 = now();
   dp_s_ += t1 - t0;
+  dp_waited(dp_launched(t0), t0, t1);
   dp_intervals_.push_back({t0, t1});
   event("all_gather params", 1, t0, t1);
   return gathered_.emplace(u, std::move(b)).first->second.data();
@@ -40,7 +43,9 @@ void Engine::prefetch(int u) {
   if (zero_ < 3 || u < 0 || u >= static_cast<int>(lay_.units.size()) || gathered_.count(u)) return;
   const size_t su = static_cast<size_t>(u);
   Buf b(&mem_, MemCategory::comm_buffers, sh_.padded(su), elem_bytes());
-  prefetching_[u] = comm_.iall_gather(work_shard_.data() + sh_.shard_off[su], b.data(), sh_.shard[su], dp_);
+  Prefetch& pf = prefetching_[u];
+  pf.idx = dp_launched(comm_.wtime());
+  pf.req = comm_.iall_gather(work_shard_.data() + sh_.shard_off[su], b.data(), sh_.shard[su], dp_);
   gathered_.emplace(u, std::move(b));
 }
 
@@ -58,7 +63,7 @@ void Engine::release_weights(int u) {
   if (zero_ < 3) return;
   auto pf = prefetching_.find(u);
   if (pf != prefetching_.end()) {
-    comm_.wait(pf->second);
+    comm_.wait(pf->second.req);
     prefetching_.erase(pf);
   }
   gathered_.erase(u);
@@ -99,8 +104,13 @@ void Engine::wait_pending(std::vector<Pending>* list, double* exposed) {
   const double t0 = now();
   for (Pending& p : *list) {
     if (!p.req.pending()) continue;
+    const double w0 = now();
     comm_.wait(p.req);
-    if (list == &dp_pending_) dp_intervals_.push_back({p.start, now()});
+    const double w1 = now();
+    if (list == &dp_pending_) {
+      dp_intervals_.push_back({p.start, w1});
+      dp_waited(p.idx, w0, w1);
+    }
   }
   if (list == &dp_pending_) add_completed_blocks();
   list->clear();
@@ -121,8 +131,11 @@ void Engine::unit_done(int u) {
     bool waited = false;
     for (Pending& q : dp_pending_)
       if (q.into && q.req.pending()) {
+        const double q0 = now();
         comm_.wait(q.req);
-        dp_intervals_.push_back({q.start, now()});
+        const double q1 = now();
+        dp_intervals_.push_back({q.start, q1});
+        dp_waited(q.idx, q0, q1);
         waited = true;
       }
     if (waited) {
@@ -137,6 +150,7 @@ void Engine::unit_done(int u) {
     grad_tmp_.erase(u);
     p.block = Buf::untracked(&be_, sh_.shard[su]);
     p.into = grad_shard_.data() + sh_.shard_off[su];
+    p.idx = dp_launched(p.start);
     p.req = comm_.ireduce_scatter(p.keep.data(), p.block.data(), sh_.shard[su], dp_);
     dp_pending_.push_back(std::move(p));
     return;
@@ -149,6 +163,7 @@ void Engine::unit_done(int u) {
   Pending p;
   p.start = now();
   float* g = grad_full_.data() + sh_.full_off[su];
+  p.idx = dp_launched(p.start);
   if (zero_ == 0) p.req = comm_.iall_reduce(g, early_split_[su] > 0 ? early_split_[su] : sh_.padded(su), dp_);
   else p.req = comm_.ireduce_scatter(g, grad_shard_.data() + sh_.shard_off[su], sh_.shard[su], dp_);
   dp_pending_.push_back(std::move(p));
@@ -164,6 +179,7 @@ void Engine::mlp_done(int64_t layer) {
   Pending p;
   p.start = now();
   float* g = grad_full_.data() + sh_.full_off[su];
+  p.idx = dp_launched(p.start);
   p.req = comm_.iall_reduce(g + split, sh_.padded(su) - split, dp_);
   dp_pending_.push_back(std::move(p));
   early_split_[su] = split;
@@ -263,6 +279,7 @@ void Engine::optimizer_step(StepRecord* rec) {
     }
     const double t2 = now();
     dp_s_ += t2 - t1;
+    dp_waited(dp_launched(t1), t1, t2);  // the gathers, one after another, as one wait
     dp_intervals_.push_back({t1, t2});
     event("all_gather params", 1, t1, t2);
   }

@@ -3,9 +3,11 @@
 
 #include <unistd.h>
 
+#include <chrono>
 #include <climits>
 #include <csignal>
 #include <stdexcept>
+#include <thread>
 
 #include <fmt/format.h>
 
@@ -37,16 +39,17 @@ FaultInjection parse_fault(const std::string& spec, int world_size) {
   else if (kind == "hang") f.kind = FaultInjection::Kind::hang;
   else if (kind == "nan") f.kind = FaultInjection::Kind::nan;
   else if (kind == "kill-in-checkpoint") f.kind = FaultInjection::Kind::kill_in_checkpoint;
+  else if (kind == "slow") f.kind = FaultInjection::Kind::slow;
   else
     throw InputError("--inject-fault: '" + spec + "': kind '" + kind +
-                     "' must be one of kill, throw, hang, nan, kill-in-checkpoint");
+                     "' must be one of kill, throw, hang, nan, kill-in-checkpoint, slow");
   f.rank = static_cast<int>(number(rank, spec, "rank", 0, world_size - 1));
   const size_t dash = step.find('-');
   if (dash == std::string::npos) {
     f.first = f.last = number(step, spec, "step", 1, INT64_MAX / 2);
   } else {
-    if (f.kind != FaultInjection::Kind::nan)
-      throw InputError("--inject-fault: '" + spec + "': a range of steps is for nan only");
+    if (f.kind != FaultInjection::Kind::nan && f.kind != FaultInjection::Kind::slow)
+      throw InputError("--inject-fault: '" + spec + "': a range of steps is for nan and slow only");
     f.first = number(step.substr(0, dash), spec, "step", 1, INT64_MAX / 2);
     f.last = dash + 1 == step.size() ? INT64_MAX : number(step.substr(dash + 1), spec, "last step", f.first, INT64_MAX / 2);
   }
@@ -57,6 +60,8 @@ void inject_kill() {
   std::raise(SIGKILL);
   for (;;) ::pause();
 }
+
+void inject_slow() { std::this_thread::sleep_for(std::chrono::duration<double>(kSlowRankSeconds)); }
 
 void inject_hang() {
   for (;;) ::pause();  // no progress, no messages: the watchdogs must notice

@@ -1,8 +1,10 @@
 // Fault injection for the tests of fault handling (`strata train --inject-fault
 // KIND@RANK:STEP`, SPEC.md): kill (SIGKILL), throw (an exception), hang (the rank stops
-// responding), nan (its gradients become NaN) and kill-in-checkpoint (SIGKILL halfway
-// through writing its shard of that step's checkpoint). For nan, STEP may be a range
-// FIRST-LAST or FIRST- (every step from FIRST on), to test K bad steps in a row.
+// responding), nan (its gradients become NaN), kill-in-checkpoint (SIGKILL halfway
+// through writing its shard of that step's checkpoint) and slow (the rank sleeps
+// kSlowRankSeconds before its first backward of the step: a straggler, whose peers' waits
+// the executor must count as skew, not communication). For nan and slow, STEP may be a
+// range FIRST-LAST or FIRST- (every step from FIRST on), to test K bad steps in a row.
 #pragma once
 
 #include <cstdint>
@@ -11,7 +13,7 @@
 namespace strata {
 
 struct FaultInjection {
-  enum class Kind { none, kill, throw_exception, hang, nan, kill_in_checkpoint };
+  enum class Kind { none, kill, throw_exception, hang, nan, kill_in_checkpoint, slow };
   Kind kind = Kind::none;
   int rank = 0;
   int64_t first = 0, last = 0;  // steps, 1-based, inclusive
@@ -25,5 +27,7 @@ FaultInjection parse_fault(const std::string& spec, int world_size);
 [[noreturn]] void inject_kill();
 [[noreturn]] void inject_hang();
 [[noreturn]] void inject_throw(int rank, int64_t step);
+constexpr double kSlowRankSeconds = 0.25;
+void inject_slow();
 
 }  // namespace strata

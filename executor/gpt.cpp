@@ -14,14 +14,17 @@ namespace {
 
 // Runs a collective, adding its seconds to *sum (a ModelCtx counter; null: not counted) and
 // handing them to the trace as `term` ("tp_comm", "cp_comm") and `op`.
-void timed_into(const ModelCtx& c, double* sum, const char* term, const char* op, auto&& fn) {
+// launch < 0: a blocking call, started when called.
+void timed_into(const ModelCtx& c, double* sum, std::vector<CommWait>* waits, const char* term, const char* op, auto&& fn,
+                double launch = -1) {
   const double t0 = c.now();
   fn();
   const double t1 = c.now();
   if (sum) *sum += t1 - t0;
+  if (waits) waits->push_back({launch < 0 ? t0 : launch, t0, t1});
   if (c.on_comm) c.on_comm(term, op, t0, t1);
 }
-void timed(const ModelCtx& c, const char* op, auto&& fn) { timed_into(c, c.tp_comm_s, "tp_comm", op, fn); }
+void timed(const ModelCtx& c, const char* op, auto&& fn) { timed_into(c, c.tp_comm_s, c.tp_waits, "tp_comm", op, fn); }
 
 // A recompute that ran from t0 to t1: its compute seconds (without the collectives it ran,
 // which stay in their own terms) into recompute_s, its interval to the trace.
@@ -140,6 +143,7 @@ void reorder_chunks(const ModelCtx& c, float* dst, const float* src, int64_t chu
 struct KvGather {
   Buf local, all;
   Request req;
+  double launch = 0;
 };
 KvGather start_gather_kv(const ModelCtx& c, const Buf& qkv, int64_t At, int64_t Gt) {
   const int64_t D = c.m->D(), Q = (At + 2 * Gt) * D, KV = 2 * Gt * D, N = c.N();
@@ -147,12 +151,13 @@ KvGather start_gather_kv(const ModelCtx& c, const Buf& qkv, int64_t At, int64_t 
   g.local = c.f32(N * KV);
   c.be->copy_rows(g.local.data(), KV, qkv.data() + At * D, Q, N, KV);
   g.all = c.f32(c.cp * N * KV);
+  g.launch = c.comm->wtime();
   g.req = c.comm->iall_gather(g.local.data(), g.all.data(), N * KV, c.cpg);
   return g;
 }
 Buf finish_gather_kv(const ModelCtx& c, KvGather* g, int64_t Gt) {
   const int64_t KV = 2 * Gt * c.m->D(), N = c.N(), chunk = c.seg_len() * c.B * KV;
-  timed_into(c, c.cp_comm_s, "cp_comm", "all_gather", [&] { c.comm->wait(g->req); });
+  timed_into(c, c.cp_comm_s, c.cp_waits, "cp_comm", "all_gather", [&] { c.comm->wait(g->req); }, g->launch);
   g->local.release();
   Buf full = c.f32(c.cp * N * KV);
   reorder_chunks(c, full.data(), g->all.data(), chunk, false);
@@ -171,7 +176,7 @@ void scatter_dkv(const ModelCtx& c, const Buf& dkv, float* dqkv, int64_t At, int
   Buf blocks = c.f32(c.cp * N * KV);
   reorder_chunks(c, blocks.data(), dkv.data(), chunk, true);
   Buf mine = c.f32(N * KV);
-  timed_into(c, c.cp_comm_s, "cp_comm", "reduce_scatter", [&] { c.comm->reduce_scatter(blocks.data(), mine.data(), N * KV, c.cpg); });
+  timed_into(c, c.cp_comm_s, c.cp_waits, "cp_comm", "reduce_scatter", [&] { c.comm->reduce_scatter(blocks.data(), mine.data(), N * KV, c.cpg); });
   blocks.release();
   c.be->copy_rows(dqkv + At * D, Q, mine.data(), KV, N, KV);
 }

@@ -38,6 +38,12 @@ struct UnitView {
 
 // What the model functions need besides the weights. Seconds spent in tensor-parallel
 // collectives are added to *tp_comm_s.
+// A collective as one rank saw it: when it was started (a blocking call: when it was
+// called), and when the rank began and finished waiting for it; seconds on the comm clock.
+struct CommWait {
+  double launch = 0, begin = 0, end = 0;
+};
+
 struct ModelCtx {
   const ModelSpec* m = nullptr;
   Backend* be = nullptr;
@@ -64,6 +70,11 @@ struct ModelCtx {
   int64_t seg_pos(int64_t k) const { return cp > 1 ? (k == 0 ? cpr : 2 * cp - 1 - cpr) * (S / 2) : 0; }
   int64_t S_global() const { return S * cp; }
   double* tp_comm_s = nullptr;
+  // Every tensor- and context-parallel collective this rank waited for, in call order (the
+  // same order on every rank of the group), so the engine can tell waiting for a late peer
+  // (skew) from the transfer; nullptr: not recorded.
+  std::vector<CommWait>* tp_waits = nullptr;
+  std::vector<CommWait>* cp_waits = nullptr;
   double* recompute_s = nullptr;  // seconds of the full-recompute forwards run in backward
   // Called between the GEMMs of a layer, so non-blocking data-parallel reductions make
   // progress while the layer computes (MPI progresses only inside its calls).

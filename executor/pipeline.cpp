@@ -188,10 +188,68 @@ void Engine::backward_step(const Step& st) {
   micro_.erase({st.chunk, st.mb});
 }
 
+// Of this step's waits on group g's collectives, the seconds spent before the last member
+// started the collective: it could not have finished earlier whatever the link, so that
+// part is skew, not communication. Collective over g (the members recorded the same
+// collectives in the same order); times are taken from the step's start on each rank (the
+// step starts from a barrier), so the ranks' clocks need not agree.
+namespace {
+
+// The latest start over g of each of the step's collectives (launch: this rank's, seconds
+// from its step start), in place. Empty when the members did not record the same number
+// (which would be a bug: the first all-reduce checks it, so the second cannot mismatch).
+void latest_over(Comm& comm, std::vector<double>* launch, const Group& g) {
+  const double n = static_cast<double>(launch->size());
+  double count[2] = {n, -n};
+  comm.all_reduce(count, 2, g, ReduceOp::max);
+  if (count[0] != n || -count[1] != n || launch->empty()) {
+    launch->clear();
+    return;
+  }
+  comm.all_reduce(launch->data(), static_cast<int64_t>(launch->size()), g, ReduceOp::max);
+}
+
+}  // namespace
+
+double Engine::skew_of(std::vector<CommWait>* waits, const Group& g) {
+  double skew = 0;
+  if (g.size() > 1) {
+    std::vector<double> latest(waits->size());
+    for (size_t i = 0; i < waits->size(); ++i) latest[i] = (*waits)[i].launch - step_start_;
+    latest_over(comm_, &latest, g);
+    for (size_t i = 0; i < latest.size(); ++i) {
+      const CommWait& w = (*waits)[i];
+      skew += std::clamp(latest[i] - (w.begin - step_start_), 0.0, w.end - w.begin);
+    }
+  }
+  waits->clear();
+  return skew;
+}
+
+// The data-parallel group's: its collectives are started and waited for apart, so each
+// wait names the collective it waited for.
+double Engine::dp_skew() {
+  double skew = 0;
+  if (dp_.size() > 1) {
+    std::vector<double> latest(dp_launch_.size());
+    for (size_t i = 0; i < latest.size(); ++i) latest[i] = dp_launch_[i] - step_start_;
+    latest_over(comm_, &latest, dp_);
+    for (const DpWait& w : dp_waits_)
+      if (static_cast<size_t>(w.idx) < latest.size())
+        skew += std::clamp(latest[static_cast<size_t>(w.idx)] - (w.begin - step_start_), 0.0, w.end - w.begin);
+  }
+  dp_new_step();
+  return skew;
+}
+
 double Engine::run_step(int64_t k, StepRecord* rec) {
   forward_s_ = backward_s_ = recompute_s_ = optimizer_s_ = tp_s_ = cp_s_ = pp_s_ = dp_s_ = bubble_s_ = 0;
   dp_intervals_.clear();
   const double t_start = now();  // the step starts from a barrier on every rank
+  step_start_ = t_start;
+  tp_waits_.clear();
+  cp_waits_.clear();
+  dp_new_step();
   if (zero_ < 2) grad_full_.zero();
   if (zero_ >= 1) grad_shard_.zero();
   std::fill(done_count_.begin(), done_count_.end(), 0);
@@ -206,6 +264,7 @@ double Engine::run_step(int64_t k, StepRecord* rec) {
       if (o_.fault.at(r, k + 1, K::kill)) inject_kill();
       if (o_.fault.at(r, k + 1, K::hang)) inject_hang();
       if (o_.fault.at(r, k + 1, K::throw_exception)) inject_throw(r, k + 1);
+      if (o_.fault.at(r, k + 1, K::slow)) inject_slow();
     }
     if (st.forward) forward_step(k, st, &loss_sum);
     else backward_step(st);
@@ -213,17 +272,8 @@ double Engine::run_step(int64_t k, StepRecord* rec) {
   // The last sends complete when their receivers reach the matching step: idle time
   // waiting on a peer (the cool-down of the schedule), so it counts as bubble.
   wait_pending(&sends_, &bubble_s_);
-  const double arrive = now() - t_start;  // this rank's backward is done
-  const double dp0 = dp_s_;
   finish_gradients();
-  const double final_wait = dp_s_ - dp0;
   optimizer_step(rec);
-  // Skew: the last data-parallel replica to finish its backward sets when the last
-  // reduction can end; the part of this rank's final wait spent before that is load
-  // imbalance, not communication.
-  double latest = arrive;
-  comm_.all_reduce(&latest, 1, dp_, ReduceOp::max);
-  dp_skew_s_ = std::min(final_wait, latest - arrive);
   // Union of the intervals in which a data-parallel collective was in flight.
   std::sort(dp_intervals_.begin(), dp_intervals_.end());
   dp_total_s_ = 0;

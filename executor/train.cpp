@@ -245,6 +245,8 @@ ModelCtx Engine::ctx() {
   c.cpr = me_.cp;
   c.cp_comm_s = &cp_s_;
   c.tp_comm_s = &tp_s_;
+  if (plan_.t > 1) c.tp_waits = &tp_waits_;
+  if (plan_.c > 1) c.cp_waits = &cp_waits_;
   c.recompute_s = &recompute_s_;
   c.poll = [this] { poll(); };
   c.mlp_grads_done = [this](int64_t layer) { mlp_done(layer); };
@@ -269,7 +271,7 @@ TrainResult Engine::run() {
   res.model_flops_per_step = 3.0 * m_.forward_flops(plan_.gbs);
   comm_.barrier(world_);
   t_origin_ = now();
-  std::vector<double> sums(12, 0.0);
+  std::vector<double> sums(14, 0.0);
   for (int64_t k = start_step_; k < o_.steps; ++k) {
     comm_.set_step(k + 1);
     comm_.barrier(world_);
@@ -295,14 +297,19 @@ TrainResult Engine::run() {
           newest.empty() ? "no checkpoint was written" : "the newest good checkpoint is " + newest));
     }
     double dt = now() - t0;
+    // After the step's clock stopped: the skew in its tensor-, context- and data-parallel
+    // waits (the part before the last member of the group started the collective).
+    tp_skew_s_ = skew_of(&tp_waits_, tp_);
+    cp_skew_s_ = skew_of(&cp_waits_, cp_);
+    dp_skew_s_ = dp_skew();
     comm_.all_reduce(&dt, 1, world_, ReduceOp::max);
     rec.step_time_s = dt;
     rec.tokens_per_s = tokens / dt;
     res.steps.push_back(rec);
     if (k > start_step_ || o_.steps - start_step_ == 1) {  // the first step run is a warm-up
-      const double ph[12] = {forward_s_, backward_s_, recompute_s_, optimizer_s_, tp_s_, pp_s_, dp_s_, dp_total_s_,
-                             bubble_s_, 1.0, dp_skew_s_, cp_s_};
-      for (int i = 0; i < 12; ++i) sums[static_cast<size_t>(i)] += ph[i];
+      const double ph[14] = {forward_s_, backward_s_, recompute_s_, optimizer_s_, tp_s_, pp_s_, dp_s_, dp_total_s_,
+                             bubble_s_, 1.0, dp_skew_s_, cp_s_, tp_skew_s_, cp_skew_s_};
+      for (int i = 0; i < 14; ++i) sums[static_cast<size_t>(i)] += ph[i];
     }
     if (o_.on_step && comm_.rank() == 0) o_.on_step(rec, o_.steps);
     if (o_.checkpoint_every > 0 && (k + 1) % o_.checkpoint_every == 0) save_checkpoint(k + 1);
@@ -312,11 +319,10 @@ TrainResult Engine::run() {
   std::sort(times.begin(), times.end());
   if (!times.empty()) res.median_step_time_s = times[times.size() / 2];
   const double n = std::max(1.0, sums[9]);
-  double ph[11];
+  double ph[13];
   for (int i = 0; i < 9; ++i) ph[i] = sums[static_cast<size_t>(i)] / n;
-  ph[9] = sums[10] / n;
-  ph[10] = sums[11] / n;
-  comm_.all_reduce(ph, 11, world_, ReduceOp::max);
+  for (int i = 9; i < 13; ++i) ph[i] = sums[static_cast<size_t>(i + 1)] / n;
+  comm_.all_reduce(ph, 13, world_, ReduceOp::max);
   res.forward_s = ph[0];
   res.backward_s = ph[1];
   res.recompute_s = ph[2];
@@ -328,6 +334,8 @@ TrainResult Engine::run() {
   res.pipeline_bubble_s = ph[8];
   res.dp_skew_s = ph[9];
   res.cp_comm_s = ph[10];
+  res.tp_skew_s = ph[11];
+  res.cp_skew_s = ph[12];
   double mem[6] = {static_cast<double>(mem_.peak(MemCategory::weights)), static_cast<double>(mem_.peak(MemCategory::gradients)),
                    static_cast<double>(mem_.peak(MemCategory::optimizer_states)),
                    static_cast<double>(mem_.peak(MemCategory::activations)),
@@ -491,6 +499,7 @@ Json train_result_to_json(const TrainResult& r) {
                  {"optimizer", r.optimizer_s}, {"tp_comm", r.tp_comm_s},   {"cp_comm", r.cp_comm_s}, {"pp_comm", r.pp_comm_s},
                  {"dp_comm", r.dp_comm_s},   {"dp_comm_in_flight", r.dp_comm_total_s},
                  {"dp_comm_standalone", r.dp_comm_standalone_s}, {"dp_skew", r.dp_skew_s},
+                 {"tp_skew", r.tp_skew_s},   {"cp_skew", r.cp_skew_s},
                  {"pipeline_bubble", r.pipeline_bubble_s}};
   j["replica_max_abs_diff"] = std::isfinite(r.replica_max_abs_diff) ? Json(r.replica_max_abs_diff) : Json(nullptr);
   if (r.entropy_rate_nats >= 0) j["entropy_rate_nats"] = r.entropy_rate_nats;

@@ -78,8 +78,12 @@ struct TrainResult {
          dp_comm_total_s = 0, pipeline_bubble_s = 0;
   // One step's data-parallel collectives run back to back with nothing to hide behind.
   double dp_comm_standalone_s = 0;
-  // The part of dp_comm_s spent waiting for a slower replica to finish its backward.
+  // The part of dp_comm_s spent waiting for a replica that started the collective later
+  // (a slower backward: load imbalance, not communication).
   double dp_skew_s = 0;
+  // The part of tp_comm_s / cp_comm_s spent waiting for a peer of the group that entered
+  // the collective later (load imbalance, a slower core), not moving data.
+  double tp_skew_s = 0, cp_skew_s = 0;
   double replica_max_abs_diff = 0;  // parameters across data-parallel replicas after training
   double entropy_rate_nats = -1;    // the synthetic source's loss floor; -1 for files
   double model_flops_per_step = 0;  // 6*N*tokens + attention, no recompute (Megatron's)

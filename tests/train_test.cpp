@@ -18,6 +18,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include "executor/fault.h"
 #include "train_runner.h"
 
 namespace {
@@ -182,6 +183,34 @@ TEST(TrainOutput, JsonAndTraceHaveTheSpecFields) {
   ASSERT_EQ(tp.rc, 0) << tp.err;
   n = kinds(Json::parse(slurp(trace2)));
   for (const char* k : {"layer recompute", "tp_comm"}) EXPECT_GT(n[k], 0) << k;
+}
+
+// A straggler (--inject-fault slow@1:2: rank 1 sleeps 0.25 s before its step-2 backward)
+// makes its tensor-, context- or data-parallel peer wait at the backward's first collective
+// (data parallel: the first gradient reduction, with ZeRO-2/3 mid-backward). The
+// executor counts that wait as skew, not communication: the skew holds at least 0.8 of the
+// injected sleep, never more than the wait it is part of, and what is left (the transfers
+// of a 64-token tiny-gpt) is under half of it. Without the fault the skew is still within
+// [0, wait]. Bounds relative to an injected sleep, not a speed claim.
+TEST(TrainOutput, AStragglersPeersCountSkewNotCommunication) {
+  for (const auto& [plan, term] : std::vector<std::pair<std::string, std::string>>{
+           {"tp=2,mbs=1,gbs=2,precision=fp32", "tp"},
+           {"cp=2,mbs=1,gbs=2,precision=fp32", "cp"},
+           {"dp=2,mbs=1,gbs=4,precision=fp32", "dp"},
+           {"dp=2,zero=2,mbs=1,gbs=4,precision=fp32", "dp"},
+           {"dp=2,zero=3,mbs=1,gbs=4,precision=fp32", "dp"}}) {
+    for (bool slow : {false, true}) {
+      const TrainRun r = train("tiny-gpt", plan, 2, kShort + (slow ? " --inject-fault slow@1:2" : ""));
+      ASSERT_EQ(r.rc, 0) << plan << r.err;
+      const double comm = r.j["time_s"][term + "_comm"].get<double>(), skew = r.j["time_s"][term + "_skew"].get<double>();
+      EXPECT_GE(skew, 0.0) << plan;
+      EXPECT_LE(skew, comm + 1e-9) << plan;
+      if (slow) {
+        EXPECT_GE(skew, 0.8 * strata::kSlowRankSeconds) << plan;
+        EXPECT_LT(comm - skew, 0.5 * strata::kSlowRankSeconds) << plan;
+      }
+    }
+  }
 }
 
 TEST(TrainMemory, ZeroShardsTheOptimizerAndGradients) {

@@ -7,6 +7,7 @@
 #include <cmath>
 #include <filesystem>
 #include <fstream>
+#include <map>
 #include <set>
 #include <sstream>
 
@@ -60,6 +61,44 @@ TEST(Validation, CompareRunMatchesTermsByName) {
   EXPECT_NEAR(c.memory[1].error, 1.0, 1e-12);
   EXPECT_EQ(c.memory[2].term, "peak");  // without the framework overhead, which is no tensor
   EXPECT_NEAR(c.memory_error, 0.0, 1e-12);
+}
+
+// Communication is compared net of the skew the executor measured in it (the wait before
+// the last peer reached the collective), and the skew is a term of its own, so the measured
+// terms still add up: tp 30 ms of which 20 skew -> 10; dp 8 of which 3 -> 5; cp has no
+// skew recorded -> as measured; skew 20 + 3 = 23 ms against 0 predicted (error -100 %).
+// A skew larger than its wait (not possible from one rank, but the two are maxima over
+// ranks) is capped at the wait.
+TEST(Validation, CompareRunNetsOutSkew) {
+  const ModelSpec m = load_model("tiny-gpt");
+  const Cluster cl = load_cluster("local-cpu");
+  const Estimate e = estimate(m, cl, load_plan("tp=2,mbs=2,gbs=8,precision=fp32"));
+  ASSERT_TRUE(e.valid);
+  Json meas;
+  meas["median_step_time_s"] = e.step_time_s;
+  meas["time_s"] = {{"forward", 0.1}, {"tp_comm", 0.030}, {"tp_skew", 0.020}, {"dp_comm", 0.008},
+                    {"dp_skew", 0.003}, {"cp_comm", 0.004}, {"pp_comm", 0.001}, {"pp_skew", 0.5}};
+  meas["peak_memory_bytes"] = Json::object();
+  const RunComparison c = compare_run(e, meas);
+  std::map<std::string, double> got;
+  for (const TermError& t : c.time) got[t.term] = t.measured;
+  EXPECT_DOUBLE_EQ(got.at("forward"), 0.1);
+  EXPECT_NEAR(got.at("tp_comm"), 0.010, 1e-15);
+  EXPECT_NEAR(got.at("dp_comm"), 0.005, 1e-15);
+  EXPECT_DOUBLE_EQ(got.at("cp_comm"), 0.004);
+  EXPECT_DOUBLE_EQ(got.at("pp_comm"), 0.001);  // no skew is taken out of pipeline sends
+  ASSERT_EQ(c.time.back().term, "skew");
+  EXPECT_NEAR(c.time.back().measured, 0.023, 1e-15);
+  EXPECT_DOUBLE_EQ(c.time.back().predicted, 0.0);
+  EXPECT_DOUBLE_EQ(c.time.back().error, -1.0);
+  meas["time_s"]["tp_skew"] = 0.5;
+  const RunComparison capped = compare_run(e, meas);
+  for (const TermError& t : capped.time) {
+    if (t.term == "tp_comm") {
+      EXPECT_DOUBLE_EQ(t.measured, 0.0);
+    }
+  }
+  EXPECT_NEAR(capped.time.back().measured, 0.033, 1e-15);
 }
 
 TEST(Validation, ChoiceHasTheBestThenEveryMechanism) {
