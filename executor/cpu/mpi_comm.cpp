@@ -84,6 +84,7 @@ class MpiComm final : public Comm {
       cv_.notify_all();
       progress_.join();
     }
+    std::lock_guard<std::mutex> lk(mpi_mutex());  // another MpiComm's thread may be testing
     for (size_t i = 1; i < comms_.size(); ++i)
       if (comms_[i] != MPI_COMM_NULL) MPI_Comm_free(&comms_[i]);
   }
