@@ -26,6 +26,9 @@ struct ValidationSummary {
   int64_t ranks = 0, steps = 0;
   std::vector<ValidatedRun> runs;
   double median_abs_step_error = 0, max_abs_step_error = 0, spearman_step_time = 0;
+  // The same against the measured step less its skew (the "skew" term: waits for a peer
+  // that reached a collective later), which no plan-level model predicts.
+  double median_abs_step_error_net_skew = 0, max_abs_step_error_net_skew = 0;
   double median_abs_memory_error = 0, max_abs_memory_term_error = 0;
   // --calibrate: factors fitted to every finished run, and each run's step-time error when
   // predicted by a profile fitted to the other runs only (leave-one-out).

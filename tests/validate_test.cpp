@@ -210,6 +210,7 @@ TEST(Validation, EndToEndOnTwoRanksWritesAReportThatParses) {
   EXPECT_GT(v.at("calibration").at("factors").at("gemm_efficiency_factor").get<double>(), 0);
   EXPECT_NO_THROW(load_cluster((dir / "calibrated.json").string()));
   EXPECT_TRUE(v.at("median_abs_step_time_error").is_number());
+  EXPECT_TRUE(v.at("median_abs_step_time_error_net_of_skew").is_number());
   for (const char* f : {"step_time.svg", "time_breakdown.svg", "memory.svg"}) {
     const std::string s = slurp(dir / f);
     EXPECT_EQ(s.rfind("<svg xmlns=\"http://www.w3.org/2000/svg\"", 0), 0u) << f;
