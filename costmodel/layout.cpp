@@ -30,16 +30,15 @@ void make_layout_into(int64_t L, int64_t p, int64_t v, StageLayout* out) {
     layers.back() = per - 1;   // stage p-1, chunk v-1: the output layer's slot
     return;
   }
-  // Other uneven cases only arise with v == 1 (check_plan refuses the rest).
-  const int64_t base = L / p, extra = L % p;
-  layers.assign(static_cast<size_t>(p * v), 0);
-  for (int64_t s = 0; s < p; ++s) layers[static_cast<size_t>(s)] = base;
-  // Give the extra layers to the middle stages first (the ends carry embedding and head).
-  int64_t given = 0;
-  for (int64_t k = 0; given < extra; ++k) {
-    const int64_t s = (p / 2 + ((k % 2) ? -(k + 1) / 2 : k / 2) + p) % p;
-    layers[static_cast<size_t>(s)] += 1;
-    ++given;
+  // Neither divides: as even as possible over the q = p v chunks in model order (chunk c of
+  // stage s holds virtual stage c p + s), the extra layers to the middle chunks first (the
+  // ends carry the embedding and the output layer). check_plan asks for L >= q, so every
+  // chunk holds a layer.
+  const int64_t q = p * v, base = L / q, extra = L % q;
+  layers.assign(static_cast<size_t>(q), base);
+  for (int64_t k = 0; k < extra; ++k) {
+    const int64_t g = (q / 2 + ((k % 2) ? -(k + 1) / 2 : k / 2) + q) % q;
+    layers[static_cast<size_t>(g)] += 1;
   }
 }
 

@@ -257,10 +257,12 @@ std::vector<Reason> check_plan(const ModelSpec& m, const Cluster& cl, const Plan
                               m.S / p.c, p.t); });
   if (p.v > 1) {
     if (p.p < 2) add("vp_needs_pp", [&] { return fmt::format("virtual_pipeline_stages={} needs pipeline_parallel >= 2", p.v); });
-    if (m.L % (p.p * p.v) != 0 && ((m.L + 2) % (p.p * p.v) != 0 || (m.L + 2) / (p.p * p.v) < 2))
-      add("layers_vp", [&] { return fmt::format("num_layers={} (or num_layers + 2, with the embedding and output layer in a "
-                                   "layer's slot, at least 2 per chunk) must be divisible by "
-                                   "pipeline_parallel*virtual_pipeline_stages={}",
+    // Uneven splits are costed as Megatron's first/last-stage options give them: the
+    // embedding and output layer in a layer's slot when L + 2 divides, else as even as
+    // possible (make_layout); every chunk needs a layer.
+    if (m.L < p.p * p.v)
+      add("layers_vp", [&] { return fmt::format("num_layers={} must be at least pipeline_parallel*virtual_pipeline_stages={} "
+                                   "(a layer in every model chunk)",
                                    m.L, p.p * p.v); });
   } else if (p.p > m.L) {
     add("layers_pp", [&] { return fmt::format("pipeline_parallel={} exceeds num_layers={}", p.p, m.L); });

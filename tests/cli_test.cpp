@@ -276,7 +276,7 @@ TEST(Cli, BadInputExits2NamingTheField) {
       {P + "tp=7", "tensor_parallel=7"},
       {P + "dp=2,mbs=3,gbs=8", "global_batch_size"},
       {P + "pp=200", "pipeline_parallel"},
-      {P + "pp=2,vp=5", "num_layers"},
+      {P + "pp=2,vp=64", "num_layers"},  // 128 model chunks for 96 layers
       {P + "cp=3", "context_parallel"},
       {P + "precision=fp8", "precision"},
       {P + "tp=1048576,pp=1048576", "GPUs"},

@@ -104,6 +104,21 @@ TEST(Memory, LayoutsGiveEmbeddingAndHeadALayerSlot) {
   // Neither divides: as even as possible.
   lay = make_layout(10, 4, 1);
   EXPECT_EQ(lay.stage_layers(0) + lay.stage_layers(1) + lay.stage_layers(2) + lay.stage_layers(3), 10);
+  EXPECT_EQ(lay.stage_layers(0), 2);  // 2 extra layers to the middle stages 2 and 1
+  EXPECT_EQ(lay.stage_layers(1), 3);
+  EXPECT_EQ(lay.stage_layers(2), 3);
+  // Interleaved, neither L nor L + 2 divisible by 16 x 5 = 80 chunks: 96 = 80 + 16, the 16
+  // extra layers to the 16 middle chunks in model order (virtual stages 32-47, chunk c of
+  // stage s being virtual stage 16 c + s: chunk 2 of every stage), the rest one each.
+  lay = make_layout(96, 16, 5);
+  total = 0;
+  for (int64_t s = 0; s < 16; ++s) {
+    total += lay.stage_layers(s);
+    EXPECT_EQ(lay.stage_layers(s), 6) << s;
+    EXPECT_EQ(lay.chunk_layers(s, 2), 2) << s;
+    EXPECT_EQ(lay.chunk_layers(s, 0), 1) << s;
+  }
+  EXPECT_EQ(total, 96);
 }
 
 TEST(Memory, ZeroStagesDivideTheirStates) {

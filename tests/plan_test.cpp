@@ -103,7 +103,8 @@ TEST(Plan, CheckRulesReportTheirReasons) {
   EXPECT_EQ(check_plan(tiny, load_cluster("local-cpu"), load_plan("tp=4")).at(0).key, "tp_heads");
   EXPECT_TRUE(check_plan(tiny, load_cluster("dgx-a100-80g"), load_plan("tp=4")).empty());
   EXPECT_EQ(keys(m, load_plan("dp=4,mbs=3,gbs=16")), std::vector<std::string>{"batch_divisible"});
-  EXPECT_EQ(keys(m, load_plan("pp=2,vp=5,gbs=2")), std::vector<std::string>{"layers_vp"});
+  EXPECT_EQ(keys(m, load_plan("pp=2,vp=64,gbs=2")), std::vector<std::string>{"layers_vp"});  // 128 chunks, 96 layers
+  EXPECT_TRUE(keys(m, load_plan("pp=2,vp=5,gbs=2")).empty());  // 96 layers in 10 chunks: 9 or 10 each
   EXPECT_EQ(keys(m, load_plan("pp=4,vp=2,gbs=6")), std::vector<std::string>{"vp_microbatches"});
   EXPECT_EQ(keys(m, load_plan("pp=97")), std::vector<std::string>{"layers_pp"});
   EXPECT_EQ(keys(m, load_plan("cp=3")), std::vector<std::string>{"cp_seq"});
