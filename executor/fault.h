@@ -27,7 +27,7 @@ FaultInjection parse_fault(const std::string& spec, int world_size);
 [[noreturn]] void inject_kill();
 [[noreturn]] void inject_hang();
 [[noreturn]] void inject_throw(int rank, int64_t step);
-constexpr double kSlowRankSeconds = 0.25;
+constexpr double kSlowRankSeconds = 0.5;
 void inject_slow();
 
 }  // namespace strata

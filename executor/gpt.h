@@ -36,14 +36,14 @@ struct UnitView {
   float* grad_or_null(TensorKind k, int64_t layer = -1) const { return lay->has(k, layer) ? grad(k, layer) : nullptr; }
 };
 
-// What the model functions need besides the weights. Seconds spent in tensor-parallel
-// collectives are added to *tp_comm_s.
 // A collective as one rank saw it: when it was started (a blocking call: when it was
 // called), and when the rank began and finished waiting for it; seconds on the comm clock.
 struct CommWait {
   double launch = 0, begin = 0, end = 0;
 };
 
+// What the model functions need besides the weights. Seconds spent in tensor-parallel
+// collectives are added to *tp_comm_s.
 struct ModelCtx {
   const ModelSpec* m = nullptr;
   Backend* be = nullptr;

@@ -188,11 +188,6 @@ void Engine::backward_step(const Step& st) {
   micro_.erase({st.chunk, st.mb});
 }
 
-// Of this step's waits on group g's collectives, the seconds spent before the last member
-// started the collective: it could not have finished earlier whatever the link, so that
-// part is skew, not communication. Collective over g (the members recorded the same
-// collectives in the same order); times are taken from the step's start on each rank (the
-// step starts from a barrier), so the ranks' clocks need not agree.
 namespace {
 
 // The latest start over g of each of the step's collectives (launch: this rank's, seconds
@@ -211,6 +206,11 @@ void latest_over(Comm& comm, std::vector<double>* launch, const Group& g) {
 
 }  // namespace
 
+// Of this step's waits on group g's collectives, the seconds spent before the last member
+// started the collective: it could not have finished earlier whatever the link, so that
+// part is skew, not communication. Collective over g (the members recorded the same
+// collectives in the same order); times are taken from the step's start on each rank (the
+// step starts from a barrier), so the ranks' clocks need not agree.
 double Engine::skew_of(std::vector<CommWait>* waits, const Group& g) {
   double skew = 0;
   if (g.size() > 1) {
