@@ -23,7 +23,7 @@ const float* Engine::weights(int u) {
       comm_.wait(pf->second.req);
       const double t1 = now();
       dp_s_ += t1 - t0;
-      dp_waited(pf->second.idx, t0, t1);
+      dp_waits_.waited(pf->second.idx, t0, t1);
       prefetching_.erase(pf);
     }
     return it->second.data();
@@ -33,7 +33,7 @@ const float* Engine::weights(int u) {
   comm_.all_gather(work_shard_.data() + sh_.shard_off[su], b.data(), sh_.shard[su], dp_);
   const double t1 = now();
   dp_s_ += t1 - t0;
-  dp_waited(dp_launched(t0), t0, t1);
+  dp_waits_.waited(dp_waits_.launched(t0), t0, t1);
   dp_intervals_.push_back({t0, t1});
   event("all_gather params", 1, t0, t1);
   return gathered_.emplace(u, std::move(b)).first->second.data();
@@ -44,7 +44,7 @@ void Engine::prefetch(int u) {
   const size_t su = static_cast<size_t>(u);
   Buf b(&mem_, MemCategory::comm_buffers, sh_.padded(su), elem_bytes());
   Prefetch& pf = prefetching_[u];
-  pf.idx = dp_launched(comm_.wtime());
+  pf.idx = dp_waits_.launched(comm_.wtime());
   pf.req = comm_.iall_gather(work_shard_.data() + sh_.shard_off[su], b.data(), sh_.shard[su], dp_);
   gathered_.emplace(u, std::move(b));
 }
@@ -109,7 +109,7 @@ void Engine::wait_pending(std::vector<Pending>* list, double* exposed) {
     const double w1 = now();
     if (list == &dp_pending_) {
       dp_intervals_.push_back({p.start, w1});
-      dp_waited(p.idx, w0, w1);
+      dp_waits_.waited(p.idx, w0, w1);
     }
   }
   if (list == &dp_pending_) add_completed_blocks();
@@ -135,7 +135,7 @@ void Engine::unit_done(int u) {
         comm_.wait(q.req);
         const double q1 = now();
         dp_intervals_.push_back({q.start, q1});
-        dp_waited(q.idx, q0, q1);
+        dp_waits_.waited(q.idx, q0, q1);
         waited = true;
       }
     if (waited) {
@@ -150,7 +150,7 @@ void Engine::unit_done(int u) {
     grad_tmp_.erase(u);
     p.block = Buf::untracked(&be_, sh_.shard[su]);
     p.into = grad_shard_.data() + sh_.shard_off[su];
-    p.idx = dp_launched(p.start);
+    p.idx = dp_waits_.launched(p.start);
     p.req = comm_.ireduce_scatter(p.keep.data(), p.block.data(), sh_.shard[su], dp_);
     dp_pending_.push_back(std::move(p));
     return;
@@ -163,7 +163,7 @@ void Engine::unit_done(int u) {
   Pending p;
   p.start = now();
   float* g = grad_full_.data() + sh_.full_off[su];
-  p.idx = dp_launched(p.start);
+  p.idx = dp_waits_.launched(p.start);
   if (zero_ == 0) p.req = comm_.iall_reduce(g, early_split_[su] > 0 ? early_split_[su] : sh_.padded(su), dp_);
   else p.req = comm_.ireduce_scatter(g, grad_shard_.data() + sh_.shard_off[su], sh_.shard[su], dp_);
   dp_pending_.push_back(std::move(p));
@@ -179,7 +179,7 @@ void Engine::mlp_done(int64_t layer) {
   Pending p;
   p.start = now();
   float* g = grad_full_.data() + sh_.full_off[su];
-  p.idx = dp_launched(p.start);
+  p.idx = dp_waits_.launched(p.start);
   p.req = comm_.iall_reduce(g + split, sh_.padded(su) - split, dp_);
   dp_pending_.push_back(std::move(p));
   early_split_[su] = split;
@@ -279,7 +279,7 @@ void Engine::optimizer_step(StepRecord* rec) {
     }
     const double t2 = now();
     dp_s_ += t2 - t1;
-    dp_waited(dp_launched(t1), t1, t2);  // the gathers, one after another, as one wait
+    dp_waits_.waited(dp_waits_.launched(t1), t1, t2);  // the gathers, one after another, as one wait
     dp_intervals_.push_back({t1, t2});
     event("all_gather params", 1, t1, t2);
   }

@@ -33,7 +33,7 @@ struct TraceEvent {
 struct Pending {  // a data-parallel reduction or a send in flight
   Request req;
   double start = 0;
-  int64_t idx = -1;  // a data-parallel collective: its index among those started (dp_launched)
+  int64_t idx = -1;  // a data-parallel collective: its index in dp_waits_ (CommWaits::launched)
   Buf keep;  // a send's buffer or a reduction's input, alive until it completes
   // ZeRO-2/3: a micro-batch's reduce-scattered block, added into `into` (n floats) once
   // complete, in the order the reductions were started (so sums are deterministic).
@@ -73,7 +73,7 @@ class Engine {
   void unit_done(int u);
   void mlp_done(int64_t layer);
   void poll();
-  double skew_of(std::vector<CommWait>* waits, const Group& g);
+  double skew_of(CommWaits* waits, const Group& g);
   void add_completed_blocks();
   void idle() {  // waiting for a peer: progress MPI, and give the core away when oversubscribed
     poll();
@@ -166,35 +166,10 @@ class Engine {
   int64_t bad_in_row_ = 0;  // steps in a row skipped for NaN/Inf
   // Per-step phase seconds.
   double dp_skew_s_ = 0;
-  // This step's tensor- and context-parallel waits, and the part of them spent waiting for
-  // a peer that started the collective later (skew_of).
-  std::vector<CommWait> tp_waits_, cp_waits_;
+  // This step's tensor-, context- and data-parallel collectives (gpt.h), and the part of
+  // their waits spent before the last member of the group started them (skew_of).
+  CommWaits tp_waits_, cp_waits_, dp_waits_;
   double tp_skew_s_ = 0, cp_skew_s_ = 0;
-  // The same for the data-parallel group, whose collectives are started and waited for
-  // apart (and some never waited for): when each was started, in order, and each wait with
-  // the index of the collective it waited for.
-  struct DpWait {
-    int64_t idx = 0;
-    double begin = 0, end = 0;
-  };
-  // Indices count from the start of training, so a collective started in an earlier step
-  // (dp_launch_base_ is the index of this step's first) is never matched with this one's.
-  std::vector<double> dp_launch_;
-  std::vector<DpWait> dp_waits_;
-  int64_t dp_launch_base_ = 0;
-  int64_t dp_launched(double t) {
-    dp_launch_.push_back(t);
-    return dp_launch_base_ + static_cast<int64_t>(dp_launch_.size()) - 1;
-  }
-  void dp_waited(int64_t idx, double t0, double t1) {
-    if (idx >= dp_launch_base_) dp_waits_.push_back({idx - dp_launch_base_, t0, t1});
-  }
-  void dp_new_step() {
-    dp_launch_base_ += static_cast<int64_t>(dp_launch_.size());
-    dp_launch_.clear();
-    dp_waits_.clear();
-  }
-  double dp_skew();
   double step_start_ = 0;
   double forward_s_ = 0, backward_s_ = 0, recompute_s_ = 0, optimizer_s_ = 0, tp_s_ = 0, cp_s_ = 0, pp_s_ = 0, dp_s_ = 0,
          dp_total_s_ = 0, bubble_s_ = 0;

@@ -15,13 +15,13 @@ namespace {
 // Runs a collective, adding its seconds to *sum (a ModelCtx counter; null: not counted) and
 // handing them to the trace as `term` ("tp_comm", "cp_comm") and `op`.
 // launch < 0: a blocking call, started when called.
-void timed_into(const ModelCtx& c, double* sum, std::vector<CommWait>* waits, const char* term, const char* op, auto&& fn,
+void timed_into(const ModelCtx& c, double* sum, CommWaits* waits, const char* term, const char* op, auto&& fn,
                 double launch = -1) {
   const double t0 = c.now();
   fn();
   const double t1 = c.now();
   if (sum) *sum += t1 - t0;
-  if (waits) waits->push_back({launch < 0 ? t0 : launch, t0, t1});
+  if (waits) waits->waited(waits->launched(launch < 0 ? t0 : launch), t0, t1);
   if (c.on_comm) c.on_comm(term, op, t0, t1);
 }
 void timed(const ModelCtx& c, const char* op, auto&& fn) { timed_into(c, c.tp_comm_s, c.tp_waits, "tp_comm", op, fn); }

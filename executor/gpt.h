@@ -36,10 +36,31 @@ struct UnitView {
   float* grad_or_null(TensorKind k, int64_t layer = -1) const { return lay->has(k, layer) ? grad(k, layer) : nullptr; }
 };
 
-// A collective as one rank saw it: when it was started (a blocking call: when it was
-// called), and when the rank began and finished waiting for it; seconds on the comm clock.
-struct CommWait {
-  double launch = 0, begin = 0, end = 0;
+// One group's collectives in one step as this rank saw them, so the engine can tell waiting
+// for a peer that started a collective later (skew) from the transfer: when each was
+// started, in order (the same order on every member of the group), and each wait with the
+// index of the collective it waited for; seconds on the comm clock. Indices count from the
+// start of training, so a collective started in an earlier step never matches this one's.
+struct CommWaits {
+  struct Wait {
+    int64_t idx = 0;
+    double begin = 0, end = 0;
+  };
+  std::vector<double> launch;
+  std::vector<Wait> waits;
+  int64_t base = 0;  // the index of this step's first collective
+  int64_t launched(double t) {
+    launch.push_back(t);
+    return base + static_cast<int64_t>(launch.size()) - 1;
+  }
+  void waited(int64_t idx, double t0, double t1) {
+    if (idx >= base) waits.push_back({idx - base, t0, t1});
+  }
+  void new_step() {
+    base += static_cast<int64_t>(launch.size());
+    launch.clear();
+    waits.clear();
+  }
 };
 
 // What the model functions need besides the weights. Seconds spent in tensor-parallel
@@ -70,11 +91,9 @@ struct ModelCtx {
   int64_t seg_pos(int64_t k) const { return cp > 1 ? (k == 0 ? cpr : 2 * cp - 1 - cpr) * (S / 2) : 0; }
   int64_t S_global() const { return S * cp; }
   double* tp_comm_s = nullptr;
-  // Every tensor- and context-parallel collective this rank waited for, in call order (the
-  // same order on every rank of the group), so the engine can tell waiting for a late peer
-  // (skew) from the transfer; nullptr: not recorded.
-  std::vector<CommWait>* tp_waits = nullptr;
-  std::vector<CommWait>* cp_waits = nullptr;
+  // The tensor- and context-parallel collectives this rank waited for (nullptr: not recorded).
+  CommWaits* tp_waits = nullptr;
+  CommWaits* cp_waits = nullptr;
   double* recompute_s = nullptr;  // seconds of the full-recompute forwards run in backward
   // Called between the GEMMs of a layer, so non-blocking data-parallel reductions make
   // progress while the layer computes (MPI progresses only inside its calls).

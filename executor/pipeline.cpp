@@ -211,34 +211,17 @@ void latest_over(Comm& comm, std::vector<double>* launch, const Group& g) {
 // part is skew, not communication. Collective over g (the members recorded the same
 // collectives in the same order); times are taken from the step's start on each rank (the
 // step starts from a barrier), so the ranks' clocks need not agree.
-double Engine::skew_of(std::vector<CommWait>* waits, const Group& g) {
+double Engine::skew_of(CommWaits* w, const Group& g) {
   double skew = 0;
   if (g.size() > 1) {
-    std::vector<double> latest(waits->size());
-    for (size_t i = 0; i < waits->size(); ++i) latest[i] = (*waits)[i].launch - step_start_;
+    std::vector<double> latest(w->launch.size());
+    for (size_t i = 0; i < latest.size(); ++i) latest[i] = w->launch[i] - step_start_;
     latest_over(comm_, &latest, g);
-    for (size_t i = 0; i < latest.size(); ++i) {
-      const CommWait& w = (*waits)[i];
-      skew += std::clamp(latest[i] - (w.begin - step_start_), 0.0, w.end - w.begin);
-    }
+    for (const CommWaits::Wait& x : w->waits)
+      if (static_cast<size_t>(x.idx) < latest.size())
+        skew += std::clamp(latest[static_cast<size_t>(x.idx)] - (x.begin - step_start_), 0.0, x.end - x.begin);
   }
-  waits->clear();
-  return skew;
-}
-
-// The data-parallel group's: its collectives are started and waited for apart, so each
-// wait names the collective it waited for.
-double Engine::dp_skew() {
-  double skew = 0;
-  if (dp_.size() > 1) {
-    std::vector<double> latest(dp_launch_.size());
-    for (size_t i = 0; i < latest.size(); ++i) latest[i] = dp_launch_[i] - step_start_;
-    latest_over(comm_, &latest, dp_);
-    for (const DpWait& w : dp_waits_)
-      if (static_cast<size_t>(w.idx) < latest.size())
-        skew += std::clamp(latest[static_cast<size_t>(w.idx)] - (w.begin - step_start_), 0.0, w.end - w.begin);
-  }
-  dp_new_step();
+  w->new_step();
   return skew;
 }
 
@@ -247,9 +230,7 @@ double Engine::run_step(int64_t k, StepRecord* rec) {
   dp_intervals_.clear();
   const double t_start = now();  // the step starts from a barrier on every rank
   step_start_ = t_start;
-  tp_waits_.clear();
-  cp_waits_.clear();
-  dp_new_step();
+  for (CommWaits* w : {&tp_waits_, &cp_waits_, &dp_waits_}) w->new_step();
   if (zero_ < 2) grad_full_.zero();
   if (zero_ >= 1) grad_shard_.zero();
   std::fill(done_count_.begin(), done_count_.end(), 0);

@@ -301,7 +301,7 @@ TrainResult Engine::run() {
     // waits (the part before the last member of the group started the collective).
     tp_skew_s_ = skew_of(&tp_waits_, tp_);
     cp_skew_s_ = skew_of(&cp_waits_, cp_);
-    dp_skew_s_ = dp_skew();
+    dp_skew_s_ = skew_of(&dp_waits_, dp_);
     comm_.all_reduce(&dt, 1, world_, ReduceOp::max);
     rec.step_time_s = dt;
     rec.tokens_per_s = tokens / dt;
