@@ -76,6 +76,12 @@ inline TrainRun train(const std::string& model, const std::string& plan, int ste
     r.params.resize(bin.size() / sizeof(float));
     std::copy(bin.begin(), bin.end(), reinterpret_cast<char*>(r.params.data()));
   }
+  // Each run's files are read: remove them (a parameter dump is megabytes, and a test
+  // binary runs dozens of trainings).
+  for (const char* ext : {".json", ".bin", ".out", ".err"}) {
+    std::error_code ec;
+    std::filesystem::remove(base + ext, ec);
+  }
   return r;
 }
 
