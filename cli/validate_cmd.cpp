@@ -7,11 +7,13 @@
 #include <csignal>
 #include <unistd.h>
 
+#include <cctype>
 #include <cstdio>
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
 #include <iostream>
+#include <set>
 #include <sstream>
 #include <thread>
 
@@ -154,6 +156,20 @@ int cmd_validate(const std::vector<std::string>& argv) {
   sum.cluster_description = cl.device.name;
   sum.ranks = ranks;
   sum.steps = steps;
+  // A report folder written before for other plans keeps none of their folders (plans/NN-why,
+  // this command's own naming): the report lists exactly the plans it ran.
+  {
+    std::set<std::string> ours;
+    for (size_t i = 0; i < chosen.size(); ++i) ours.insert(fmt::format("{:02d}-{}", i + 1, slug(chosen[i].why)));
+    std::vector<fs::path> stale;
+    for (const auto& e : fs::directory_iterator(report / "plans", ec)) {
+      const std::string n = e.path().filename().string();
+      if (e.is_directory() && n.size() > 3 && std::isdigit(static_cast<unsigned char>(n[0])) &&
+          std::isdigit(static_cast<unsigned char>(n[1])) && n[2] == '-' && !ours.count(n))
+        stale.push_back(e.path());
+    }
+    for (const fs::path& d : stale) fs::remove_all(d, ec);
+  }
   Progress bar("validate", static_cast<int64_t>(chosen.size()));
   for (size_t i = 0; i < chosen.size(); ++i) {
     ValidatedRun r;

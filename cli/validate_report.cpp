@@ -243,7 +243,9 @@ std::string validation_markdown(const ValidationSummary& s) {
   o += fmt::format("Cluster profile: `{}` ({}). Each plan trained {} steps under mpirun; measured step time is the "
                    "median step, terms are means per step after the first. Errors are (predicted - measured) / "
                    "measured. Communication terms are measured net of skew: the part of a wait spent before the "
-                   "last peer reached the collective (load imbalance, a slower core), shown as its own term.\n\n",
+                   "last peer reached the collective (load imbalance, a slower core), shown as its own term. The "
+                   "pipeline bubble likewise: the measured bubble less what replaying the step's schedule at the "
+                   "stages' measured mean compute implies (steps of unequal length, a slower peer).\n\n",
                    s.cluster, s.cluster_description, s.steps);
   o += fmt::format("- step time: median |error| **{}**, max |error| **{}**, Spearman rank correlation **{:.2f}**\n",
                    apct(s.median_abs_step_error), apct(s.max_abs_step_error), s.spearman_step_time);

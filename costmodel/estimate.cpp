@@ -10,13 +10,13 @@
 
 namespace strata {
 
-InFlight in_flight(ScheduleKind kind, int64_t p, int64_t v, int64_t m) {
+InFlight in_flight(ScheduleKind kind, int64_t p, int64_t v, int64_t m, int64_t g) {
   InFlight f;
-  in_flight_into(kind, p, v, m, &f);
+  in_flight_into(kind, p, v, m, &f, g);
   return f;
 }
 
-void in_flight_into(ScheduleKind kind, int64_t p, int64_t v, int64_t m, InFlight* out) {
+void in_flight_into(ScheduleKind kind, int64_t p, int64_t v, int64_t m, InFlight* out, int64_t g) {
   InFlight& f = *out;
   if (kind != ScheduleKind::interleaved) {
     // GPipe keeps all m; 1F1B's warm-up leaves min(p - s, m) on stage s (schedule.h).
@@ -26,6 +26,15 @@ void in_flight_into(ScheduleKind kind, int64_t p, int64_t v, int64_t m, InFlight
       f.all[static_cast<size_t>(s)] = kind == ScheduleKind::gpipe ? m : std::min(p - s, m);
     f.first = f.all;
     f.last = f.all;
+    return;
+  }
+  if (g > 0 && g != p) {
+    // Groups of other than p micro-batches (with a shorter last group): counted on the
+    // stored schedule, which such plans walk anyway.
+    const Schedule sc = make_schedule(kind, p, v, m, g);
+    f.all = peak_in_flight(sc);
+    f.first = peak_in_flight_of_chunk(sc, 0);
+    f.last = peak_in_flight_of_chunk(sc, static_cast<int32_t>(v - 1));
     return;
   }
   // peak_in_flight() of make_schedule(kind, p, v, m) in closed form; memory_test compares
@@ -191,6 +200,7 @@ Estimate estimate(const ModelSpec& m, const Cluster& cl, const Plan& p, const Es
   thread_local StageTimes st;
   st.p = p.p;
   st.v = lay.v;
+  st.g = kind == ScheduleKind::interleaved ? p.vp_group_size() : 0;
   st.fwd_s.assign(static_cast<size_t>(p.p * lay.v), 0.0);
   st.bwd_s.assign(static_cast<size_t>(p.p * lay.v), 0.0);
   thread_local std::vector<Work> fwd_w, bwd_w, rec_w;
@@ -237,7 +247,7 @@ Estimate estimate(const ModelSpec& m, const Cluster& cl, const Plan& p, const Es
 
   // Memory per stage.
   thread_local InFlight fl_local;  // per-thread scratch, like the buffers above
-  if (!opt.pre.in_flight) in_flight_into(kind, p.p, lay.v, mbs_per_step, &fl_local);
+  if (!opt.pre.in_flight) in_flight_into(kind, p.p, lay.v, mbs_per_step, &fl_local, st.g);
   const InFlight& fl = opt.pre.in_flight ? *opt.pre.in_flight : fl_local;
   thread_local std::vector<MemoryBreakdown> mem;
   const size_t worst = stages_memory(m, cl, p, lay, cs, fl, &mem);

@@ -81,9 +81,10 @@ struct EstimateOptions {
 Estimate estimate(const ModelSpec& m, const Cluster& cl, const Plan& p, const EstimateOptions& opt = {},
                   EstimateDetail* detail = nullptr);
 
-InFlight in_flight(ScheduleKind kind, int64_t p, int64_t v, int64_t m);
+// g: the interleaved schedule's micro-batch group (Plan::vp_group_size(); 0 for p).
+InFlight in_flight(ScheduleKind kind, int64_t p, int64_t v, int64_t m, int64_t g = 0);
 // The same into *out, reusing its storage.
-void in_flight_into(ScheduleKind kind, int64_t p, int64_t v, int64_t m, InFlight* out);
+void in_flight_into(ScheduleKind kind, int64_t p, int64_t v, int64_t m, InFlight* out, int64_t g = 0);
 
 // Memory of every stage; returns the index of the most loaded one.
 size_t stages_memory(const ModelSpec& m, const Cluster& cl, const Plan& p, const StageLayout& lay,

@@ -65,6 +65,7 @@ Plan plan_from_json(const Json& in, const std::string& source) {
   p.d = f.integer_or("data_parallel", 1, 1, kMaxDegree);
   p.c = f.integer_or("context_parallel", 1, 1, kMaxDegree);
   p.v = f.integer_or("virtual_pipeline_stages", 1, 1, kMaxDegree);
+  p.vp_group = f.integer_or("microbatch_group_size_per_vp_stage", 0, 0, kMaxBatch);
   p.mbs = f.integer_or("micro_batch_size", 1, 1, kMaxBatch);
   p.gbs = f.integer_or("global_batch_size", 0, 0, kMaxBatch);
   p.zero = static_cast<int>(f.integer_or("zero_stage", 0, 0, 3));
@@ -176,7 +177,7 @@ Json tristate_json(Tristate t) { return t == Tristate::automatic ? Json("auto") 
 }  // namespace
 
 Json plan_to_json(const Plan& p) {
-  return Json{{"tensor_parallel", p.t},
+  Json j{{"tensor_parallel", p.t},
               {"pipeline_parallel", p.p},
               {"data_parallel", p.d},
               {"context_parallel", p.c},
@@ -199,12 +200,15 @@ Json plan_to_json(const Plan& p) {
                                  : p.software_stack == StackChoice::legacy  ? "legacy" : "modern"},
               {"num_gpus", p.world_size()},
               {"gradient_accumulation_steps", p.mbs * p.d > 0 ? p.gbs / (p.mbs * p.d) : 0}};
+  if (p.v > 1 && p.mbs * p.d > 0) j["microbatch_group_size_per_vp_stage"] = p.vp_group_size();
+  return j;
 }
 
 std::string plan_to_inline(const Plan& p) {
   std::string s = fmt::format("tp={},pp={},dp={}", p.t, p.p, p.d);
   if (p.c > 1) s += fmt::format(",cp={}", p.c);
   if (p.v > 1) s += fmt::format(",vp={}", p.v);
+  if (p.vp_group > 0) s += fmt::format(",microbatch_group_size_per_vp_stage={}", p.vp_group);
   s += fmt::format(",mbs={},gbs={},zero={},recompute={}", p.mbs, p.gbs, p.zero, to_string(p.recompute));
   if (p.recompute_layers > 0) s += fmt::format(",recompute_num_layers={}", p.recompute_layers);
   if (p.sp) s += ",sp=1";
@@ -222,6 +226,24 @@ std::string plan_to_inline(const Plan& p) {
   if (p.software_stack != StackChoice::automatic)
     s += p.software_stack == StackChoice::legacy ? ",software_stack=legacy" : ",software_stack=modern";
   return s;
+}
+
+void interleaved_reasons(const Plan& p, std::vector<Reason>* r, bool messages) {
+  auto add = [&](const char* key, const auto& message) {
+    r->push_back({key, messages ? std::string(message()) : std::string()});
+  };
+  const int64_t mb = p.microbatches(), g = p.vp_group_size();
+  if (mb < p.p)
+    add("vp_microbatches", [&] { return fmt::format("interleaved schedule needs at least pipeline_parallel={} micro-batches "
+                                       "per step (global_batch_size / (micro_batch_size * data_parallel)), has {}",
+                                       p.p, mb); });
+  else if (p.vp_group > 0 && (p.vp_group < p.p || p.vp_group > mb))
+    add("vp_group", [&] { return fmt::format("microbatch_group_size_per_vp_stage={} must lie between pipeline_parallel={} "
+                                             "and the micro-batches per step, {}", p.vp_group, p.p, mb); });
+  else if (mb % g != 0 && mb % g < p.p)
+    add("vp_group", [&] { return fmt::format("microbatch_group_size_per_vp_stage={} leaves a last group of {} micro-batches "
+                                             "({} mod {}), fewer than pipeline_parallel={} (Megatron-core's rule: none or at "
+                                             "least pipeline_parallel)", g, mb % g, mb, g, p.p); });
 }
 
 std::vector<Reason> check_plan(const ModelSpec& m, const Cluster& cl, const Plan& p, bool messages) {
@@ -272,9 +294,8 @@ std::vector<Reason> check_plan(const ModelSpec& m, const Cluster& cl, const Plan
   if (p.gbs % (p.mbs * p.d) != 0)
     add("batch_divisible", [&] { return fmt::format("global_batch_size={} must be divisible by micro_batch_size*data_parallel={}",
                                        p.gbs, p.mbs * p.d); });
-  else if (p.v > 1 && p.microbatches() % p.p != 0)
-    add("vp_microbatches", [&] { return fmt::format("interleaved schedule needs the micro-batches per step ({}) divisible by "
-                                       "pipeline_parallel={}", p.microbatches(), p.p); });
+  else if (p.v > 1)
+    interleaved_reasons(p, &r, messages);
   if (p.gbs % (p.mbs * p.d) == 0 &&
       walk_steps(p.schedule(), p.p, p.v, p.microbatches()) > static_cast<double>(kMaxWalkSteps))
     add("schedule_too_long", [&] {

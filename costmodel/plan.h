@@ -28,6 +28,9 @@ struct Plan {
   int64_t d = 1;  // data_parallel
   int64_t c = 1;  // context_parallel
   int64_t v = 1;  // virtual_pipeline_stages (interleaved 1F1B when > 1)
+  int64_t vp_group = 0;  // microbatch_group_size_per_vp_stage (interleaved); 0: p, or when the
+                         // micro-batches are not a multiple of p the smallest group Megatron-core
+                         // accepts (vp_group_size())
   int64_t mbs = 1;
   int64_t gbs = 0;  // 0: one micro-batch per data-parallel rank (mbs * d)
   int zero = 0;     // 0..3; Megatron's distributed optimizer is 1
@@ -63,6 +66,17 @@ struct Plan {
   // group with context parallelism). Gradients are reduced and ZeRO shards across them.
   int64_t replicas() const { return d * c; }
   int64_t microbatches() const { return gbs / (mbs * d); }  // per pipeline, per step
+  // The interleaved schedule's micro-batch group (schedule.h): as given, else p when it
+  // divides the micro-batches (Megatron's default), else the smallest g > p whose last
+  // group, m mod g, is empty or holds at least p (Megatron-core's rule; g = m always does).
+  int64_t vp_group_size() const {
+    if (vp_group > 0) return vp_group;
+    const int64_t m = microbatches();
+    if (v <= 1 || m <= p || m % p == 0 || m > (int64_t{1} << 22)) return p;
+    for (int64_t g = p + 1; g < m; ++g)
+      if (m % g == 0 || m % g >= p) return g;
+    return m;
+  }
   ScheduleKind schedule() const {
     return gpipe ? ScheduleKind::gpipe : (v > 1 ? ScheduleKind::interleaved : ScheduleKind::one_f_one_b);
   }
@@ -85,6 +99,9 @@ struct Reason {
 };
 // With messages = false only the keys are filled (the planner's hot loop).
 std::vector<Reason> check_plan(const ModelSpec& m, const Cluster& cl, const Plan& p, bool messages = true);
+// check_plan's rules on an interleaved plan's micro-batches and their group (the executor
+// checks them too): appends the broken one to *r. The global batch must divide already.
+void interleaved_reasons(const Plan& p, std::vector<Reason>* r, bool messages = true);
 
 
 

@@ -44,8 +44,11 @@ std::string format_estimate(const ModelSpec& m, const Cluster& cl, const Estimat
     for (const auto& r : e.reasons) o += fmt::format("  - {}\n", r.message);
     return o;
   }
-  o += fmt::format("         schedule {}, {} micro-batches per step, {} gradient accumulation steps, attention {}\n",
-                   to_string(p.schedule()), e.microbatches, p.gbs / (p.mbs * p.d), to_string(e.attention));
+  const std::string groups = p.v > 1 && p.vp_group_size() != p.p
+                                 ? fmt::format(" (in groups of {}: microbatch_group_size_per_vp_stage)", p.vp_group_size())
+                                 : std::string();
+  o += fmt::format("         schedule {}, {} micro-batches per step{}, {} gradient accumulation steps, attention {}\n",
+                   to_string(p.schedule()), e.microbatches, groups, p.gbs / (p.mbs * p.d), to_string(e.attention));
   o += fmt::format("\nstep time {}   {:.0f} tokens/s   {:.1f} model TFLOP/s per GPU ({:.1f} hardware)   MFU {:.1f}%\n",
                    human_seconds(e.step_time_s), e.tokens_per_s, e.model_tflops_per_gpu, e.hardware_tflops_per_gpu,
                    100.0 * e.mfu);

@@ -7,24 +7,37 @@ namespace strata {
 
 namespace {
 
-Step interleaved_step(int64_t k, int64_t p, int64_t v, bool forward) {
-  const int64_t group = k % (p * v);
-  const int64_t chunk = group / p;
+// Forward or backward k of the interleaved schedule with groups of g micro-batches
+// (schedule.h): Megatron's schedule table in closed form.
+Step interleaved_step(int64_t k, int64_t v, int64_t m, int64_t g, bool forward) {
+  const int64_t full = (m - 1) / g;  // groups before the last
+  const int64_t head = full * g * v;  // their forwards
+  int64_t chunk = 0, mb = 0;
+  if (k < head) {
+    const int64_t in = k % (g * v);
+    chunk = in / g;
+    mb = (k / (g * v)) * g + in % g;
+  } else {
+    const int64_t r = m - full * g, in = k - head;
+    chunk = in / r;
+    mb = full * g + in % r;
+  }
   Step st;
   st.chunk = static_cast<int32_t>(forward ? chunk : v - 1 - chunk);
-  st.mb = static_cast<int32_t>((k / (p * v)) * p + k % p);
+  st.mb = static_cast<int32_t>(mb);
   st.forward = forward;
   return st;
 }
 
 }  // namespace
 
-Schedule make_schedule(ScheduleKind kind, int64_t p, int64_t v, int64_t m) {
+Schedule make_schedule(ScheduleKind kind, int64_t p, int64_t v, int64_t m, int64_t g) {
   Schedule sc;
   sc.kind = kind;
   sc.p = p;
   sc.v = kind == ScheduleKind::interleaved ? v : 1;
   sc.m = m;
+  sc.g = kind == ScheduleKind::interleaved && g > 0 ? g : p;
   sc.stages.resize(static_cast<size_t>(p));
   for (int64_t s = 0; s < p; ++s) {
     auto& out = sc.stages[static_cast<size_t>(s)];
@@ -44,15 +57,14 @@ Schedule make_schedule(ScheduleKind kind, int64_t p, int64_t v, int64_t m) {
       for (int64_t i = m - warmup; i < m; ++i) B(i);
     } else {
       const int64_t total = m * sc.v;
-      int64_t warmup = (p - s - 1) * 2 + (sc.v - 1) * p;
-      if (m == p) warmup = total;
-      warmup = std::min(warmup, total);
-      for (int64_t k = 0; k < warmup; ++k) out.push_back(interleaved_step(k, p, sc.v, true));
+      const int64_t warmup = ScheduleShape{kind, p, sc.v, m, sc.g}.warmup(s);
+      auto step = [&](int64_t k, bool forward) { return interleaved_step(k, sc.v, m, sc.g, forward); };
+      for (int64_t k = 0; k < warmup; ++k) out.push_back(step(k, true));
       for (int64_t i = 0; i < total - warmup; ++i) {
-        out.push_back(interleaved_step(warmup + i, p, sc.v, true));
-        out.push_back(interleaved_step(i, p, sc.v, false));
+        out.push_back(step(warmup + i, true));
+        out.push_back(step(i, false));
       }
-      for (int64_t k = total - warmup; k < total; ++k) out.push_back(interleaved_step(k, p, sc.v, false));
+      for (int64_t k = total - warmup; k < total; ++k) out.push_back(step(k, false));
     }
   }
   return sc;
@@ -62,16 +74,17 @@ int64_t ScheduleShape::warmup(int64_t s) const {
   if (kind == ScheduleKind::gpipe) return m;
   if (kind == ScheduleKind::one_f_one_b) return std::min(p - s - 1, m);
   const int64_t total = m * v;
-  return m == p ? total : std::min((p - s - 1) * 2 + (v - 1) * p, total);
+  return m == p ? total : std::min((p - s - 1) * 2 + (v - 1) * group(), total);
 }
 
 int64_t ScheduleShape::mb_of(int64_t index) const {
-  return kind == ScheduleKind::interleaved ? (index / (p * v)) * p + index % p : index;
+  return kind == ScheduleKind::interleaved ? interleaved_step(index, v, m, group(), true).mb : index;
 }
 
 int32_t ScheduleShape::chunk_of(int64_t index, bool forward) const {
   if (kind != ScheduleKind::interleaved) return 0;
-  const int64_t c = (index % (p * v)) / p;
+  if (group() != p || m % p != 0) return interleaved_step(index, v, m, group(), forward).chunk;
+  const int64_t c = (index % (p * v)) / p;  // every group full (the walks' hot path)
   return static_cast<int32_t>(forward ? c : v - 1 - c);
 }
 

@@ -4,10 +4,15 @@
 //   GPipe:       all m forwards, then all m backwards.
 //   1F1B:        warm-up of min(p - s - 1, m) forwards, steady state of one forward and
 //                one backward, cool-down of the remaining backwards (Narayanan et al. 2021).
-//   Interleaved: v model chunks per stage; forward k runs chunk (k mod pv) / p of
-//                micro-batch (k / pv) * p + k mod p, backwards the chunks in reverse;
-//                warm-up (p - s - 1) * 2 + (v - 1) * p, all forwards when m == p
-//                (Megatron-LM's schedules.py).
+//   Interleaved: v model chunks per stage; the micro-batches run in groups of g
+//                (Megatron-core's microbatch_group_size_per_vp_stage, default p): all v
+//                chunks of a group, chunk by chunk, then the next group. Forward k of a
+//                full group runs chunk (k mod gv) / g of micro-batch (k / gv) * g + k mod g;
+//                the last group holds the r = m - g * floor((m - 1) / g) micro-batches left
+//                and runs chunk by chunk over those r. Backwards run the chunks in reverse;
+//                warm-up (p - s - 1) * 2 + (v - 1) * g, all forwards when m == p
+//                (Megatron's schedules.py; g = p with m divisible by p is the classic
+//                schedule, where every group is full).
 #pragma once
 
 #include <cstdint>
@@ -26,10 +31,12 @@ struct Step {
 struct Schedule {
   ScheduleKind kind = ScheduleKind::one_f_one_b;
   int64_t p = 1, v = 1, m = 1;
+  int64_t g = 1;  // micro-batch group of the interleaved schedule (p unless asked otherwise)
   std::vector<std::vector<Step>> stages;  // (p, 2*m*v)
 };
 
-Schedule make_schedule(ScheduleKind kind, int64_t p, int64_t v, int64_t m);
+// g: the interleaved schedule's micro-batch group, 0 for p (Megatron's default).
+Schedule make_schedule(ScheduleKind kind, int64_t p, int64_t v, int64_t m, int64_t g = 0);
 
 // The same lists without storing them: position k of stage s runs forward or backward
 // number `index` of that stage, which is micro-batch `index` for GPipe and 1F1B; for the
@@ -43,6 +50,8 @@ struct StepAt {
 struct ScheduleShape {
   ScheduleKind kind;
   int64_t p, v, m;  // v = 1 unless interleaved
+  int64_t g = 0;    // the interleaved schedule's micro-batch group; 0 for p
+  int64_t group() const { return g > 0 ? g : p; }
   int64_t warmup(int64_t s) const;
   int64_t mb_of(int64_t index) const;
   int32_t chunk_of(int64_t index, bool forward) const;

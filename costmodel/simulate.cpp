@@ -7,7 +7,12 @@
 
 namespace strata {
 
-SimResult simulate(const Schedule& sc, const StageTimes& st, bool record_events) {
+namespace {
+
+// The walk of simulate(): dur(s, k, step) is the k-th step's compute on stage s, send(s)
+// the synchronous send after a step whose output leaves the stage.
+template <class Dur, class Send>
+SimResult walk_lists(const Schedule& sc, const Dur& dur, const Send& send_of, bool record_events) {
   const int64_t p = sc.p, v = sc.v, m = sc.m;
   const size_t n = static_cast<size_t>(p * v * m);
   auto idx = [&](int64_t s, int64_t c, int64_t mb) { return static_cast<size_t>((c * p + s) * m + mb); };
@@ -52,14 +57,14 @@ SimResult simulate(const Schedule& sc, const StageTimes& st, bool record_events)
         else ready = done_f[idx(s, c, mb)] >= 0 ? 0.0 : kNotDone;  // own forward, ran earlier
       }
       if (ready < 0) break;
-      const double dur = step.forward ? st.f(s, c) : st.b(s, c);
+      const double d = dur(s, static_cast<int64_t>(next[static_cast<size_t>(s)]), step);
       const double start = std::max(free_at[static_cast<size_t>(s)], ready);
-      const double end = start + dur;
+      const double end = start + d;
       // Does the output leave this stage?
       const bool sends = step.forward ? !(s == p - 1 && c == v - 1) : !(s == 0 && c == 0);
-      const double send = (sends && p > 1) ? st.send_s[static_cast<size_t>(s)] : 0.0;
+      const double send = (sends && p > 1) ? send_of(s) : 0.0;
       free_at[static_cast<size_t>(s)] = end + send;
-      r.compute_s[static_cast<size_t>(s)] += dur;
+      r.compute_s[static_cast<size_t>(s)] += d;
       r.p2p_s[static_cast<size_t>(s)] += send;
       (step.forward ? done_f : done_b)[idx(s, c, mb)] = end + send;
       if (record_events)
@@ -81,6 +86,23 @@ SimResult simulate(const Schedule& sc, const StageTimes& st, bool record_events)
     r.makespan_s = std::max(r.makespan_s, free_at[static_cast<size_t>(s)]);
   }
   return r;
+}
+
+}  // namespace
+
+SimResult simulate(const Schedule& sc, const StageTimes& st, bool record_events) {
+  return walk_lists(
+      sc, [&](int64_t s, int64_t, const Step& step) { return step.forward ? st.f(s, step.chunk) : st.b(s, step.chunk); },
+      [&](int64_t s) { return st.send_s[static_cast<size_t>(s)]; }, record_events);
+}
+
+SimResult simulate_steps(const Schedule& sc, const std::vector<std::vector<double>>& step_s) {
+  if (step_s.size() != sc.stages.size()) throw std::logic_error("simulate_steps: one duration list per stage");
+  for (size_t s = 0; s < step_s.size(); ++s)
+    if (step_s[s].size() != sc.stages[s].size()) throw std::logic_error("simulate_steps: one duration per step");
+  return walk_lists(
+      sc, [&](int64_t s, int64_t k, const Step&) { return step_s[static_cast<size_t>(s)][static_cast<size_t>(k)]; },
+      [](int64_t) { return 0.0; }, false);
 }
 
 namespace {
@@ -179,6 +201,8 @@ class SteadyState {
 // The interleaved schedule, its positions from ScheduleShape.
 bool interleaved_walk(int64_t m, const StageTimes& st, SimResult* out) {
   const int64_t p = st.p;
+  // Groups of other than p micro-batches change the round below: walked from the lists.
+  if (st.g > 0 && st.g != p) return false;
   const ScheduleShape sh{ScheduleKind::interleaved, p, st.v, m};
   const int64_t v = sh.v, pv = p * v, total = m * v, positions = 2 * total, P = 2 * pv;
   constexpr int64_t D = SteadyState::D;
@@ -521,7 +545,7 @@ SimResult simulate_windows(ScheduleKind kind, int64_t m, const StageTimes& st, b
     c.extrapolated = true;
     return c;
   }
-  return simulate(make_schedule(kind, p, v, m), st, record_events);
+  return simulate(make_schedule(kind, p, v, m, st.g), st, record_events);
 }
 
 }  // namespace strata

@@ -14,6 +14,7 @@ namespace strata {
 
 struct StageTimes {
   int64_t p = 1, v = 1;
+  int64_t g = 0;                     // the interleaved schedule's micro-batch group; 0 for p
   std::vector<double> fwd_s, bwd_s;  // (v, p): one micro-batch of chunk c on stage s, at [c*p + s]
   std::vector<double> send_s;        // (p): one point-to-point transfer out of stage s
   double f(int64_t s, int64_t c) const { return fwd_s[static_cast<size_t>(c * p + s)]; }
@@ -39,6 +40,10 @@ struct SimResult {
 
 // Walks the schedule exactly. Throws std::logic_error if the schedule deadlocks.
 SimResult simulate(const Schedule& sc, const StageTimes& st, bool record_events);
+// The same walk with every step's own duration, step_s[s][k] for the k-th step of stage s,
+// and no send time: the executor replays a measured step through it (its steps' busy times
+// and its schedule) to see how much of its idle time the schedule alone implies.
+SimResult simulate_steps(const Schedule& sc, const std::vector<std::vector<double>>& step_s);
 
 // The step time of a pipeline with m micro-batches: the same walk, position by position
 // without storing the lists, jumping over whole periods of the steady state once one

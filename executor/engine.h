@@ -74,6 +74,9 @@ class Engine {
   void mlp_done(int64_t layer);
   void poll();
   double skew_of(CommWaits* waits, const Group& g);
+  // After the step's clock stopped: how much of this stage's pipeline bubble the schedule
+  // implies at the step's own compute (bubble_split in pipeline.cpp).
+  void bubble_split();
   void add_completed_blocks();
   void idle() {  // waiting for a peer: progress MPI, and give the core away when oversubscribed
     poll();
@@ -170,6 +173,10 @@ class Engine {
   // their waits spent before the last member of the group started them (skew_of).
   CommWaits tp_waits_, cp_waits_, dp_waits_;
   double tp_skew_s_ = 0, cp_skew_s_ = 0;
+  // Each step of this stage's list in the last step: its wall time less the receive it
+  // waited for; and the split of the bubble bubble_split() derives from every stage's.
+  std::vector<double> step_busy_;
+  double bubble_schedule_s_ = 0, bubble_variation_s_ = 0;
   double step_start_ = 0;
   double forward_s_ = 0, backward_s_ = 0, recompute_s_ = 0, optimizer_s_ = 0, tp_s_ = 0, cp_s_ = 0, pp_s_ = 0, dp_s_ = 0,
          dp_total_s_ = 0, bubble_s_ = 0;

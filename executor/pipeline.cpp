@@ -8,6 +8,7 @@
 #include <cstdio>
 #include <limits>
 
+#include "costmodel/simulate.h"
 #include "executor/engine.h"
 
 namespace strata {
@@ -225,6 +226,50 @@ double Engine::skew_of(CommWaits* w, const Group& g) {
   return skew;
 }
 
+// The measured bubble (the receives a stage waited for, and an end stage's wait for the
+// other at the tied embedding) holds what the schedule implies -- a stage waits for its
+// input while the stages before it compute -- and what it does not: steps of unequal length,
+// and lag (a slower peer, the transfer, a late wake-up). Replaying the step's schedule
+// through the cost model's walk (simulate_steps) with every stage's measured busy times
+// separates them: with each (chunk, direction)'s mean over the micro-batches the idle time
+// is the schedule's (the cost model's mechanism at this run's compute); with each step's own
+// time, minus that, the variation; the rest of the measured bubble is lag. Collective over
+// the world; the busy times are the maxima over the ranks of a stage.
+void Engine::bubble_split() {
+  bubble_schedule_s_ = bubble_variation_s_ = 0;
+  const int64_t p = plan_.p;
+  if (p <= 1) return;
+  const size_t n = step_busy_.size(), me = static_cast<size_t>(me_.pp);
+  std::vector<double> all(static_cast<size_t>(p) * n, 0.0);
+  std::copy(step_busy_.begin(), step_busy_.end(), all.begin() + static_cast<std::ptrdiff_t>(me * n));
+  comm_.all_reduce(all.data(), static_cast<int64_t>(all.size()), world_, ReduceOp::max);
+  std::vector<std::vector<double>> actual(static_cast<size_t>(p)), mean(static_cast<size_t>(p));
+  const size_t v = static_cast<size_t>(schedule_.v);
+  for (size_t s = 0; s < static_cast<size_t>(p); ++s) {
+    actual[s].assign(all.begin() + static_cast<std::ptrdiff_t>(s * n), all.begin() + static_cast<std::ptrdiff_t>((s + 1) * n));
+    std::vector<double> sum(2 * v, 0.0), count(2 * v, 0.0);
+    const auto& list = schedule_.stages[s];
+    auto slot = [&](const Step& st) { return static_cast<size_t>(st.chunk) * 2 + (st.forward ? 0 : 1); };
+    for (size_t k = 0; k < n; ++k) {
+      sum[slot(list[k])] += actual[s][k];
+      count[slot(list[k])] += 1;
+    }
+    mean[s].resize(n);
+    for (size_t k = 0; k < n; ++k) mean[s][k] = sum[slot(list[k])] / count[slot(list[k])];
+  }
+  // A stage's idle time: the gaps before its steps, and for an end stage holding a tied
+  // embedding the wait for the other end stage (finish_gradients counts both as bubble).
+  auto idle = [&](const SimResult& r) {
+    double gaps = r.end_s[me] - r.compute_s[me];
+    if (m_.tie_embeddings && (me == 0 || me == static_cast<size_t>(p - 1)))
+      gaps += std::max(r.end_s[0], r.end_s[static_cast<size_t>(p - 1)]) - r.end_s[me];
+    return gaps;
+  };
+  const double at_mean = idle(simulate_steps(schedule_, mean)), at_actual = idle(simulate_steps(schedule_, actual));
+  bubble_schedule_s_ = at_mean;
+  bubble_variation_s_ = at_actual - at_mean;
+}
+
 double Engine::run_step(int64_t k, StepRecord* rec) {
   forward_s_ = backward_s_ = recompute_s_ = optimizer_s_ = tp_s_ = cp_s_ = pp_s_ = dp_s_ = bubble_s_ = 0;
   dp_intervals_.clear();
@@ -237,7 +282,10 @@ double Engine::run_step(int64_t k, StepRecord* rec) {
   early_split_.assign(lay_.units.size(), 0);
   double loss_sum = 0;
   bool injected = false;
-  for (const Step& st : schedule_.stages[static_cast<size_t>(me_.pp)]) {
+  const auto& list = schedule_.stages[static_cast<size_t>(me_.pp)];
+  step_busy_.assign(list.size(), 0.0);
+  size_t pos = 0;
+  for (const Step& st : list) {
     if (!st.forward && !injected) {  // injected faults strike mid-step, with peers waiting
       injected = true;
       const int r = comm_.rank();
@@ -247,8 +295,10 @@ double Engine::run_step(int64_t k, StepRecord* rec) {
       if (o_.fault.at(r, k + 1, K::throw_exception)) inject_throw(r, k + 1);
       if (o_.fault.at(r, k + 1, K::slow)) inject_slow();
     }
+    const double b0 = now(), w0 = bubble_s_;
     if (st.forward) forward_step(k, st, &loss_sum);
     else backward_step(st);
+    step_busy_[pos++] = (now() - b0) - (bubble_s_ - w0);
   }
   // The last sends complete when their receivers reach the matching step: idle time
   // waiting on a peer (the cool-down of the schedule), so it counts as bubble.

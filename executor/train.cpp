@@ -69,7 +69,11 @@ void validate_train_plan(const ModelSpec& m, const Plan& p, int world_size, bool
          std::to_string(m.L));
   if (p.v > 1) {
     div("num_layers", m.L, "pipeline_parallel * virtual_pipeline_stages", p.p * p.v);
-    div("micro-batches per step (gbs / (mbs * dp))", p.gbs / (p.mbs * p.d), "pipeline_parallel (interleaved)", p.p);
+    // Fewer micro-batches than stages, or a micro-batch group Megatron-core refuses; the
+    // schedule (make_schedule) takes any group it accepts.
+    std::vector<Reason> why;
+    interleaved_reasons(p, &why);
+    if (!why.empty()) fail("plan: " + why.front().message);
   }
   if (p.precision == Precision::fp8) fail("plan: precision fp8: the CPU executor runs fp32, bf16 and fp16");
   const double ram = physical_memory_bytes();
@@ -126,7 +130,7 @@ Engine::Engine(const ModelSpec& m, const Plan& p, const TrainOptions& o, Comm& c
   emb_ = grid_.group(kEmbedding, comm_.rank());
   world_ = grid_.group(kWorld, comm_.rank());
   mb_count_ = p.microbatches();
-  schedule_ = make_schedule(p.schedule(), p.p, p.v, mb_count_);
+  schedule_ = make_schedule(p.schedule(), p.p, p.v, mb_count_, p.vp_group_size());
   const StageLayout sl = make_layout(m.L, p.p, p.v);
   // Layers of each chunk of this stage: virtual stage c*p + s holds the next layers.
   std::vector<int64_t> first(static_cast<size_t>(p.p * p.v) + 1, 0);
@@ -271,7 +275,7 @@ TrainResult Engine::run() {
   res.model_flops_per_step = 3.0 * m_.forward_flops(plan_.gbs);
   comm_.barrier(world_);
   t_origin_ = now();
-  std::vector<double> sums(14, 0.0);
+  std::vector<double> sums(16, 0.0);
   for (int64_t k = start_step_; k < o_.steps; ++k) {
     comm_.set_step(k + 1);
     comm_.barrier(world_);
@@ -302,14 +306,16 @@ TrainResult Engine::run() {
     tp_skew_s_ = skew_of(&tp_waits_, tp_);
     cp_skew_s_ = skew_of(&cp_waits_, cp_);
     dp_skew_s_ = skew_of(&dp_waits_, dp_);
+    bubble_split();
     comm_.all_reduce(&dt, 1, world_, ReduceOp::max);
     rec.step_time_s = dt;
     rec.tokens_per_s = tokens / dt;
     res.steps.push_back(rec);
     if (k > start_step_ || o_.steps - start_step_ == 1) {  // the first step run is a warm-up
-      const double ph[14] = {forward_s_, backward_s_, recompute_s_, optimizer_s_, tp_s_, pp_s_, dp_s_, dp_total_s_,
-                             bubble_s_, 1.0, dp_skew_s_, cp_s_, tp_skew_s_, cp_skew_s_};
-      for (int i = 0; i < 14; ++i) sums[static_cast<size_t>(i)] += ph[i];
+      const double ph[16] = {forward_s_,  backward_s_, recompute_s_, optimizer_s_, tp_s_,      pp_s_,
+                             dp_s_,       dp_total_s_, bubble_s_,    1.0,          dp_skew_s_, cp_s_,
+                             tp_skew_s_,  cp_skew_s_,  bubble_schedule_s_, bubble_variation_s_};
+      for (int i = 0; i < 16; ++i) sums[static_cast<size_t>(i)] += ph[i];
     }
     if (o_.on_step && comm_.rank() == 0) o_.on_step(rec, o_.steps);
     if (o_.checkpoint_every > 0 && (k + 1) % o_.checkpoint_every == 0) save_checkpoint(k + 1);
@@ -336,6 +342,18 @@ TrainResult Engine::run() {
   res.cp_comm_s = ph[10];
   res.tp_skew_s = ph[11];
   res.cp_skew_s = ph[12];
+  // The bubble's split (bubble_split) on the rank with the largest bubble, so that the parts
+  // add up to the pipeline_bubble reported: the lowest such rank sends its mean split.
+  {
+    const double mine = sums[8] / n;
+    double lowest = mine >= res.pipeline_bubble_s ? -static_cast<double>(comm_.rank()) : -1e300;  // negated
+    comm_.all_reduce(&lowest, 1, world_, ReduceOp::max);
+    double split[2] = {-1e300, -1e300};
+    if (-static_cast<double>(comm_.rank()) == lowest) split[0] = sums[14] / n, split[1] = sums[15] / n;
+    comm_.all_reduce(split, 2, world_, ReduceOp::max);
+    res.pipeline_bubble_schedule_s = split[0];
+    res.pipeline_bubble_variation_s = split[1];
+  }
   double mem[6] = {static_cast<double>(mem_.peak(MemCategory::weights)), static_cast<double>(mem_.peak(MemCategory::gradients)),
                    static_cast<double>(mem_.peak(MemCategory::optimizer_states)),
                    static_cast<double>(mem_.peak(MemCategory::activations)),
@@ -500,7 +518,10 @@ Json train_result_to_json(const TrainResult& r) {
                  {"dp_comm", r.dp_comm_s},   {"dp_comm_in_flight", r.dp_comm_total_s},
                  {"dp_comm_standalone", r.dp_comm_standalone_s}, {"dp_skew", r.dp_skew_s},
                  {"tp_skew", r.tp_skew_s},   {"cp_skew", r.cp_skew_s},
-                 {"pipeline_bubble", r.pipeline_bubble_s}};
+                 {"pipeline_bubble", r.pipeline_bubble_s},
+                 {"pipeline_bubble_schedule", r.pipeline_bubble_schedule_s},
+                 {"pipeline_bubble_variation", r.pipeline_bubble_variation_s},
+                 {"pp_skew", std::max(0.0, r.pipeline_bubble_s - r.pipeline_bubble_schedule_s)}};
   j["replica_max_abs_diff"] = std::isfinite(r.replica_max_abs_diff) ? Json(r.replica_max_abs_diff) : Json(nullptr);
   if (r.entropy_rate_nats >= 0) j["entropy_rate_nats"] = r.entropy_rate_nats;
   j["model_flops_per_step"] = r.model_flops_per_step;

@@ -84,6 +84,12 @@ struct TrainResult {
   // The part of tp_comm_s / cp_comm_s spent waiting for a peer of the group that entered
   // the collective later (load imbalance, a slower core), not moving data.
   double tp_skew_s = 0, cp_skew_s = 0;
+  // The pipeline bubble of the rank with the largest, split by replaying each step's
+  // schedule with the stages' measured busy times (Engine::bubble_split): what the
+  // schedule implies at the mean time of each (chunk, direction), and what the steps'
+  // variation around that mean adds; the rest (pp_skew in the JSON, with the variation) is
+  // lag: slower peers, transfers, wake-ups.
+  double pipeline_bubble_schedule_s = 0, pipeline_bubble_variation_s = 0;
   double replica_max_abs_diff = 0;  // parameters across data-parallel replicas after training
   double entropy_rate_nats = -1;    // the synthetic source's loss floor; -1 for files
   double model_flops_per_step = 0;  // 6*N*tokens + attention, no recompute (Megatron's)

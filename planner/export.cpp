@@ -14,6 +14,8 @@ std::string export_megatron(const ModelSpec& m, const Plan& p, const Stack& stac
   const bool even = m.L % (p.p * p.v) == 0;
   const bool slots = !even && p.p > 1 && (m.L + 2) % (p.p * p.v) == 0;
   if (p.v > 1) flag(fmt::format("--num-layers-per-virtual-pipeline-stage {}", (slots ? m.L + 2 : m.L) / (p.p * p.v)));
+  if (p.v > 1 && p.vp_group_size() != p.p)
+    flag(fmt::format("--microbatch-group-size-per-virtual-pipeline-stage {}", p.vp_group_size()));
   if (slots) {
     flag("--account-for-embedding-in-pipeline-split");
     flag("--account-for-loss-in-pipeline-split");
@@ -130,6 +132,7 @@ std::string export_deepspeed(const ModelSpec& m, const Plan& p, const Stack& sta
                                  {"data_parallel_size", p.d},
                                  {"context_parallel_size", p.c},
                                  {"virtual_pipeline_stages", p.v},
+                                 {"microbatch_group_size_per_vp_stage", p.v > 1 ? p.vp_group_size() : 0},
                                  {"sequence_parallel", p.sp},
                                  {"recompute", to_string(p.recompute)},
                                  {"precision", to_string(p.precision)}};

@@ -207,10 +207,22 @@ SearchResult search(const ModelSpec& m, const Cluster& cl, const SearchOptions& 
     top.add(std::move(e));
   };
 
+  // Why a candidate cannot run (empty: it can). The search keeps Megatron's default group
+  // of p micro-batches for the interleaved schedule, so micro-batches that p does not
+  // divide reject it where check_plan() used to (estimate costs them with a larger group).
+  auto reason = [&](const Plan& pl) -> std::string {
+    const std::vector<Reason> why = check_plan(m, cl, pl, false);
+    const bool later = !why.empty() && (why.front().key == "schedule_too_long" || why.front().key == "software_stack" ||
+                                        why.front().key == "precision");
+    if (pl.v > 1 && pl.vp_group == 0 && pl.microbatches() % pl.p != 0 && (why.empty() || later) &&
+        pl.microbatches() > pl.p)
+      return "vp_microbatches";
+    return why.empty() ? std::string() : why.front().key;
+  };
+
   // One candidate: rejected with its reason, out of memory, or evaluated.
   auto consider = [&](const Plan& pl, const StageLayout& lay) {
-    const std::vector<Reason> why = check_plan(m, cl, pl, false);
-    if (!why.empty()) return reject(why.front().key, 1);
+    if (const std::string why = reason(pl); !why.empty()) return reject(why, 1);
     ++res.candidates_evaluated;
     const ComputeSetup cs = compute_setup(m, cl, pl);
     const Fit f = memory_of(pl, lay, cs);
@@ -231,8 +243,7 @@ SearchResult search(const ModelSpec& m, const Cluster& cl, const SearchOptions& 
       pl.recompute_layers = k >= chunk_max ? 0 : k;
       return pl;
     };
-    const std::vector<Reason> why = check_plan(m, cl, at(chunk_max), false);
-    if (!why.empty()) return reject(why.front().key, chunk_max);
+    if (const std::string why = reason(at(chunk_max)); !why.empty()) return reject(why, chunk_max);
     res.candidates_evaluated += chunk_max;
     const ComputeSetup cs = compute_setup(m, cl, pl);
     auto fits = [&](int64_t k) { return memory_of(at(k), lay, cs); };

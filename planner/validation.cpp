@@ -267,14 +267,16 @@ RunComparison compare_run(const Estimate& predicted, const Json& measured) {
   // A collective's wait also holds the time a rank waited for a peer that reached it later
   // (the executor's tp_skew / cp_skew / dp_skew: load imbalance, a slower core), which no
   // link model predicts: each communication term is compared net of it, and the skew is a
-  // term of its own (predicted 0), so the measured terms still add up to the step.
+  // term of its own (predicted 0), so the measured terms still add up to the step. The
+  // pipeline bubble likewise (pp_skew: what the replay of the step's schedule at the
+  // measured mean compute does not imply -- steps of unequal length, a slower peer).
   double skew = 0;
   for (const auto& [name, value] : time_terms(predicted.time)) {
     if (!mt.contains(name)) continue;  // a term the executor does not have (overhead)
     double meas = mt.at(name).get<double>();
     const std::string n = name;
-    if (n == "tp_comm" || n == "cp_comm" || n == "dp_comm") {
-      const std::string k = n.substr(0, 2) + "_skew";
+    if (n == "tp_comm" || n == "cp_comm" || n == "dp_comm" || n == "pipeline_bubble") {
+      const std::string k = n == "pipeline_bubble" ? "pp_skew" : n.substr(0, 2) + "_skew";
       const double s = mt.contains(k) ? std::clamp(mt.at(k).get<double>(), 0.0, meas) : 0.0;
       meas -= s;
       skew += s;

@@ -290,6 +290,9 @@ TEST(Cli, BadInputExits2NamingTheField) {
       {P + "num_gpus=3,tp=2", "num_gpus"},
       {P + "/nonexistent/plan.json", "--plan"},
       {P + "tp=8,pp=16,dp=8,vp=2,gbs=1073741824", "micro-batches"},
+      {P + "tp=8,pp=16,dp=8,vp=2,gbs=64", "at least pipeline_parallel=16 micro-batches"},
+      {P + "tp=8,pp=16,dp=8,vp=2,gbs=160,microbatch_group_size_per_vp_stage=16", "microbatch_group_size_per_vp_stage=16"},
+      {P + "tp=8,pp=16,dp=8,vp=2,gbs=160,microbatch_group_size_per_vp_stage=-1", "microbatch_group_size_per_vp_stage"},
       {E + write("deep.json", std::string(100000, '[')), "nested deeper"},
       // Clusters
       {"estimate --model gpt3-175b --plan tp=8 --cluster dgx-z100", "--cluster"},

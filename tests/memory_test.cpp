@@ -182,6 +182,23 @@ TEST(Memory, MicrobatchesInFlight) {
         EXPECT_EQ(fl.first, peak_in_flight_of_chunk(sc, 0)) << p << " " << v << " " << m;
         EXPECT_EQ(fl.last, peak_in_flight_of_chunk(sc, static_cast<int32_t>(v - 1))) << p << " " << v << " " << m;
       }
+  // Micro-batch groups of g > p (Megatron-core's microbatch_group_size_per_vp_stage) warm
+  // up (p - s - 1) * 2 + (v - 1) * g chunk-forwards, so stage s holds that plus the first
+  // steady forward: p = 4, v = 2, m = 10, g = 5 gives 11, 9, 7, 5 + 1 = 12, 10, 8, 6.
+  f = in_flight(ScheduleKind::interleaved, 4, 2, 10, 5);
+  EXPECT_EQ(f.all, (std::vector<int64_t>{12, 10, 8, 6}));
+  for (int64_t p : {2, 3, 4})
+    for (int64_t v : {2, 3})
+      for (int64_t m = p + 1; m <= 4 * p; ++m)
+        for (int64_t g = p + 1; g <= m; ++g) {
+          if (m % g != 0 && m % g < p) continue;
+          const int64_t total = m * v;
+          const InFlight fl = in_flight(ScheduleKind::interleaved, p, v, m, g);
+          for (int64_t s = 0; s < p; ++s) {
+            const int64_t w = std::min((p - s - 1) * 2 + (v - 1) * g, total);
+            EXPECT_EQ(fl.all[static_cast<size_t>(s)], w < total ? w + 1 : total) << p << " " << v << " " << m << " " << g;
+          }
+        }
 }
 
 TEST(Memory, FrameworkOverheadAndPeak) {

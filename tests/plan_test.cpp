@@ -105,7 +105,20 @@ TEST(Plan, CheckRulesReportTheirReasons) {
   EXPECT_EQ(keys(m, load_plan("dp=4,mbs=3,gbs=16")), std::vector<std::string>{"batch_divisible"});
   EXPECT_EQ(keys(m, load_plan("pp=2,vp=64,gbs=2")), std::vector<std::string>{"layers_vp"});  // 128 chunks, 96 layers
   EXPECT_TRUE(keys(m, load_plan("pp=2,vp=5,gbs=2")).empty());  // 96 layers in 10 chunks: 9 or 10 each
-  EXPECT_EQ(keys(m, load_plan("pp=4,vp=2,gbs=6")), std::vector<std::string>{"vp_microbatches"});
+  // Interleaved micro-batches: at least p of them; when p does not divide them they run in
+  // groups of the smallest g > p that Megatron-core accepts (a last group, m mod g, empty or
+  // of at least p): m = 6, p = 4 -> g = 6 (5 would leave 1); m = 10 -> g = 5; m = 9 -> g = 9
+  // (5, 6, 7 and 8 leave 4, 3, 2, 1: 4 is enough, so g = 5).
+  EXPECT_EQ(keys(m, load_plan("pp=4,vp=2,gbs=3")), std::vector<std::string>{"vp_microbatches"});
+  EXPECT_TRUE(keys(m, load_plan("pp=4,vp=2,gbs=6")).empty());
+  EXPECT_EQ(load_plan("pp=4,vp=2,gbs=6").vp_group_size(), 6);
+  EXPECT_EQ(load_plan("pp=4,vp=2,gbs=10").vp_group_size(), 5);
+  EXPECT_EQ(load_plan("pp=4,vp=2,gbs=9").vp_group_size(), 5);
+  EXPECT_EQ(load_plan("pp=4,vp=2,gbs=8").vp_group_size(), 4);
+  EXPECT_EQ(load_plan("pp=4,vp=2,gbs=8,microbatch_group_size_per_vp_stage=8").vp_group_size(), 8);
+  EXPECT_EQ(keys(m, load_plan("pp=4,vp=2,gbs=8,microbatch_group_size_per_vp_stage=3")), std::vector<std::string>{"vp_group"});
+  EXPECT_EQ(keys(m, load_plan("pp=4,vp=2,gbs=8,microbatch_group_size_per_vp_stage=9")), std::vector<std::string>{"vp_group"});
+  EXPECT_EQ(keys(m, load_plan("pp=4,vp=2,gbs=10,microbatch_group_size_per_vp_stage=4")), std::vector<std::string>{"vp_group"});
   EXPECT_EQ(keys(m, load_plan("pp=97")), std::vector<std::string>{"layers_pp"});
   EXPECT_EQ(keys(m, load_plan("cp=3")), std::vector<std::string>{"cp_seq"});
   EXPECT_EQ(keys(m, load_plan("cp=2,attention=unfused")), std::vector<std::string>{"cp_attention"});

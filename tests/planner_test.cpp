@@ -188,6 +188,12 @@ TEST(Planner, Exports) {
   const std::string bg = export_megatron(big, bp, resolve_stack(big, load_cluster("dgx-h100-80g"), bp));
   EXPECT_NE(bg.find("--num-layers-per-virtual-pipeline-stage 2"), std::string::npos);
   EXPECT_NE(bg.find("--account-for-embedding-in-pipeline-split"), std::string::npos);
+  EXPECT_EQ(bg.find("--microbatch-group-size-per-virtual-pipeline-stage"), std::string::npos);  // 64 micro-batches: p
+  // 40 micro-batches on 16 stages: groups of 20 (17-19 leave 6, 4, 2).
+  const Plan odd = load_plan("tp=8,pp=16,dp=8,vp=4,gbs=320");
+  EXPECT_NE(export_megatron(big, odd, resolve_stack(big, load_cluster("dgx-h100-80g"), odd))
+                .find("--microbatch-group-size-per-virtual-pipeline-stage 20"),
+            std::string::npos);
   const Json ds = Json::parse(export_deepspeed(m, p, st));
   EXPECT_EQ(ds["train_micro_batch_size_per_gpu"], 1);
   EXPECT_EQ(ds["gradient_accumulation_steps"], 64);

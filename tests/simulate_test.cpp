@@ -6,7 +6,9 @@
 
 #include <cstdio>
 #include <random>
+#include <stdexcept>
 #include <string>
+#include <vector>
 
 #include "costmodel/simulate.h"
 
@@ -40,6 +42,68 @@ TEST(Simulate, ClosedFormBubbles) {
       }
     }
   }
+}
+
+// Megatron-core's micro-batch groups (schedule.h): with uniform stages and no
+// communication, every group it accepts (g >= p, the last group empty or at least p) keeps
+// the classic (m v + p - 1)(f + b): a chunk's forward on the first stage waits for the
+// previous chunk's forward from the last stage, which ran g >= p forwards earlier, so the
+// round trip of p stages never stalls it. A last group of r < p, which Megatron-core
+// refuses, does stall: m = 5, p = 4, g = 4 leaves r = 1, and the lone micro-batch's chunk 1
+// waits for its chunk 0 to cross all four stages.
+TEST(Simulate, InterleavedGroupsKeepTheClassicBubble) {
+  const double f = 0.5, b = 1.0;
+  int checked = 0;
+  for (int64_t p : {2, 3, 4, 8}) {
+    for (int64_t v : {2, 3}) {
+      for (int64_t m = p; m <= 3 * p + 2; ++m) {
+        for (int64_t g = p; g <= m; ++g) {
+          if (m % g != 0 && m % g < p) continue;
+          StageTimes st = uniform(p, v, f, b, 0);
+          st.g = g;
+          const SimResult r = simulate(make_schedule(ScheduleKind::interleaved, p, v, m, g), st, false);
+          EXPECT_DOUBLE_EQ(r.makespan_s, static_cast<double>(m * v + p - 1) * (f + b)) << p << " " << v << " " << m << " " << g;
+          EXPECT_DOUBLE_EQ(simulate_pipeline(ScheduleKind::interleaved, m, st, false).makespan_s, r.makespan_s);
+          ++checked;
+        }
+      }
+    }
+  }
+  EXPECT_GT(checked, 100);
+  const SimResult stalled = simulate(make_schedule(ScheduleKind::interleaved, 4, 2, 5, 4), uniform(4, 2, f, b, 0), false);
+  EXPECT_GT(stalled.makespan_s, static_cast<double>(5 * 2 + 4 - 1) * (f + b));
+}
+
+// The executor's replay (simulate_steps): each step its own duration. GPipe, p = 2, m = 2,
+// stage 0 runs F0 1, F1 3, B0 2, B1 2 and stage 1 F0 1, F1 1, B0 2, B1 2 (seconds):
+//   stage 0: F0 [0,1], F1 [1,4], then B0 waits for stage 1's B0 -> [7,9], B1 [9,11]
+//   stage 1: F0 [1,2], F1 waits for stage 0's F1 -> [4,5], B0 [5,7], B1 [7,9]
+// Idle (end - compute): stage 0 11 - 8 = 3, stage 1 9 - 6 = 3. With every step at its
+// (stage, chunk, direction)'s time and no sends it is simulate() exactly.
+TEST(Simulate, StepsWithTheirOwnDurations) {
+  const Schedule g = make_schedule(ScheduleKind::gpipe, 2, 1, 2);
+  const SimResult r = simulate_steps(g, {{1, 3, 2, 2}, {1, 1, 2, 2}});
+  EXPECT_DOUBLE_EQ(r.end_s[0], 11.0);
+  EXPECT_DOUBLE_EQ(r.end_s[1], 9.0);
+  EXPECT_DOUBLE_EQ(r.end_s[0] - r.compute_s[0], 3.0);
+  EXPECT_DOUBLE_EQ(r.end_s[1] - r.compute_s[1], 3.0);
+  std::mt19937 rng(7);
+  std::uniform_real_distribution<double> u(0.5, 2.0);
+  for (auto kind : {ScheduleKind::gpipe, ScheduleKind::one_f_one_b, ScheduleKind::interleaved}) {
+    const int64_t p = 3, v = kind == ScheduleKind::interleaved ? 2 : 1, m = 6;
+    StageTimes st = uniform(p, v, 0, 0, 0);
+    for (auto& x : st.fwd_s) x = u(rng);
+    for (auto& x : st.bwd_s) x = u(rng);
+    const Schedule sc = make_schedule(kind, p, v, m);
+    std::vector<std::vector<double>> steps(static_cast<size_t>(p));
+    for (int64_t s = 0; s < p; ++s)
+      for (const Step& x : sc.stages[static_cast<size_t>(s)])
+        steps[static_cast<size_t>(s)].push_back(x.forward ? st.f(s, x.chunk) : st.b(s, x.chunk));
+    const SimResult a = simulate(sc, st, false), b = simulate_steps(sc, steps);
+    EXPECT_EQ(a.end_s, b.end_s) << to_string(kind);
+    EXPECT_EQ(a.compute_s, b.compute_s) << to_string(kind);
+  }
+  EXPECT_THROW(simulate_steps(g, {{1, 3, 2, 2}}), std::logic_error);
 }
 
 TEST(Simulate, SendsLengthenTheCriticalPath) {

@@ -66,7 +66,8 @@ TEST(Validation, CompareRunMatchesTermsByName) {
 // Communication is compared net of the skew the executor measured in it (the wait before
 // the last peer reached the collective), and the skew is a term of its own, so the measured
 // terms still add up: tp 30 ms of which 20 skew -> 10; dp 8 of which 3 -> 5; cp has no
-// skew recorded -> as measured; skew 20 + 3 = 23 ms against 0 predicted (error -100 %).
+// skew recorded -> as measured; the pipeline bubble 40 ms of which 15 the schedule does not
+// imply (pp_skew) -> 25; skew 20 + 3 + 15 = 38 ms against 0 predicted (error -100 %).
 // A skew larger than its wait (not possible from one rank, but the two are maxima over
 // ranks) is capped at the wait.
 TEST(Validation, CompareRunNetsOutSkew) {
@@ -77,7 +78,8 @@ TEST(Validation, CompareRunNetsOutSkew) {
   Json meas;
   meas["median_step_time_s"] = e.step_time_s;
   meas["time_s"] = {{"forward", 0.1}, {"tp_comm", 0.030}, {"tp_skew", 0.020}, {"dp_comm", 0.008},
-                    {"dp_skew", 0.003}, {"cp_comm", 0.004}, {"pp_comm", 0.001}, {"pp_skew", 0.5}};
+                    {"dp_skew", 0.003}, {"cp_comm", 0.004}, {"pp_comm", 0.001}, {"pipeline_bubble", 0.040},
+                    {"pp_skew", 0.015}};
   meas["peak_memory_bytes"] = Json::object();
   const RunComparison c = compare_run(e, meas);
   std::map<std::string, double> got;
@@ -87,8 +89,9 @@ TEST(Validation, CompareRunNetsOutSkew) {
   EXPECT_NEAR(got.at("dp_comm"), 0.005, 1e-15);
   EXPECT_DOUBLE_EQ(got.at("cp_comm"), 0.004);
   EXPECT_DOUBLE_EQ(got.at("pp_comm"), 0.001);  // no skew is taken out of pipeline sends
+  EXPECT_NEAR(got.at("pipeline_bubble"), 0.025, 1e-15);
   ASSERT_EQ(c.time.back().term, "skew");
-  EXPECT_NEAR(c.time.back().measured, 0.023, 1e-15);
+  EXPECT_NEAR(c.time.back().measured, 0.038, 1e-15);
   EXPECT_DOUBLE_EQ(c.time.back().predicted, 0.0);
   EXPECT_DOUBLE_EQ(c.time.back().error, -1.0);
   meas["time_s"]["tp_skew"] = 0.5;
@@ -98,7 +101,7 @@ TEST(Validation, CompareRunNetsOutSkew) {
       EXPECT_DOUBLE_EQ(t.measured, 0.0);
     }
   }
-  EXPECT_NEAR(capped.time.back().measured, 0.033, 1e-15);
+  EXPECT_NEAR(capped.time.back().measured, 0.048, 1e-15);
 }
 
 TEST(Validation, ChoiceHasTheBestThenEveryMechanism) {
