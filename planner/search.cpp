@@ -145,7 +145,7 @@ SearchResult search(const ModelSpec& m, const Cluster& cl, const SearchOptions& 
                                                        head_cost(m, cl, pl, cs)}).first;
     return it->second;
   };
-  std::map<std::tuple<int, int64_t, int64_t, int64_t>, InFlight> flights;
+  std::map<std::tuple<int, int64_t, int64_t, int64_t, int64_t>, InFlight> flights;
   auto reject = [&](const std::string& key, int64_t n) {
     res.rejected[key] += n;
     res.candidates_evaluated += n;
@@ -160,10 +160,14 @@ SearchResult search(const ModelSpec& m, const Cluster& cl, const SearchOptions& 
   auto memory_of = [&](const Plan& pl, const StageLayout& lay, const ComputeSetup& cs) {
     const int64_t mb_count = pl.microbatches();
     const ScheduleKind kind = pl.schedule();
-    const auto fkey = std::make_tuple(static_cast<int>(kind), pl.p, pl.v,
-                                      kind == ScheduleKind::gpipe ? mb_count : std::min(mb_count, 4 * pl.p + 4));
+    // (Counts saturate after a few multiples of p, except GPipe's and those of the
+    // interleaved schedule in groups of other than p, which depend on the count itself.)
+    const int64_t g = kind == ScheduleKind::interleaved ? pl.vp_group_size() : 0;
+    const bool whole = kind == ScheduleKind::gpipe || (g != 0 && g != pl.p);
+    const auto fkey =
+        std::make_tuple(static_cast<int>(kind), pl.p, pl.v, g, whole ? mb_count : std::min(mb_count, 4 * pl.p + 4));
     auto fit = flights.find(fkey);
-    if (fit == flights.end()) fit = flights.emplace(fkey, in_flight(kind, pl.p, pl.v, mb_count)).first;
+    if (fit == flights.end()) fit = flights.emplace(fkey, in_flight(kind, pl.p, pl.v, mb_count, g)).first;
     std::vector<MemoryBreakdown> mem;
     const size_t worst = stages_memory(m, cl, pl, lay, cs, fit->second, &mem);
     return Fit{mem[worst].peak <= cl.device.memory_bytes, mem[worst].peak, &fit->second};
@@ -207,22 +211,10 @@ SearchResult search(const ModelSpec& m, const Cluster& cl, const SearchOptions& 
     top.add(std::move(e));
   };
 
-  // Why a candidate cannot run (empty: it can). The search keeps Megatron's default group
-  // of p micro-batches for the interleaved schedule, so micro-batches that p does not
-  // divide reject it where check_plan() used to (estimate costs them with a larger group).
-  auto reason = [&](const Plan& pl) -> std::string {
-    const std::vector<Reason> why = check_plan(m, cl, pl, false);
-    const bool later = !why.empty() && (why.front().key == "schedule_too_long" || why.front().key == "software_stack" ||
-                                        why.front().key == "precision");
-    if (pl.v > 1 && pl.vp_group == 0 && pl.microbatches() % pl.p != 0 && (why.empty() || later) &&
-        pl.microbatches() > pl.p)
-      return "vp_microbatches";
-    return why.empty() ? std::string() : why.front().key;
-  };
-
   // One candidate: rejected with its reason, out of memory, or evaluated.
   auto consider = [&](const Plan& pl, const StageLayout& lay) {
-    if (const std::string why = reason(pl); !why.empty()) return reject(why, 1);
+    const std::vector<Reason> why = check_plan(m, cl, pl, false);
+    if (!why.empty()) return reject(why.front().key, 1);
     ++res.candidates_evaluated;
     const ComputeSetup cs = compute_setup(m, cl, pl);
     const Fit f = memory_of(pl, lay, cs);
@@ -243,7 +235,8 @@ SearchResult search(const ModelSpec& m, const Cluster& cl, const SearchOptions& 
       pl.recompute_layers = k >= chunk_max ? 0 : k;
       return pl;
     };
-    if (const std::string why = reason(at(chunk_max)); !why.empty()) return reject(why, chunk_max);
+    const std::vector<Reason> why = check_plan(m, cl, at(chunk_max), false);
+    if (!why.empty()) return reject(why.front().key, chunk_max);
     res.candidates_evaluated += chunk_max;
     const ComputeSetup cs = compute_setup(m, cl, pl);
     auto fits = [&](int64_t k) { return memory_of(at(k), lay, cs); };

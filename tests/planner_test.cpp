@@ -172,6 +172,24 @@ TEST(Planner, NothingFeasibleCountsReasons) {
   EXPECT_GT(r.rejected.at("out_of_memory"), 0);
 }
 
+// Micro-batches that p does not divide: Megatron-core's larger group (5 micro-batches on 4
+// stages run as one group of 5) is searched like any other plan, and costed as estimate does.
+TEST(Planner, InterleavedWithMicroBatchGroups) {
+  const ModelSpec m = load_model("llama3-70b");
+  const Cluster c = load_cluster("dgx-h100-80g");
+  SearchOptions o;
+  o.gpus = 64;
+  o.gbs = 40;
+  o.fixed = parse_fixed("pp=4,vp=5,dp=8,mbs=1");
+  const SearchResult r = search(m, c, o);
+  ASSERT_FALSE(r.plans.empty());
+  for (const auto& e : r.plans) {
+    EXPECT_EQ(e.plan.microbatches(), 5);
+    EXPECT_EQ(e.plan.vp_group_size(), 5);
+    EXPECT_DOUBLE_EQ(estimate(m, c, e.plan).step_time_s, e.step_time_s);
+  }
+}
+
 TEST(Planner, Exports) {
   const ModelSpec m = load_model("llama3-70b");
   const Plan p = load_plan("tp=8,pp=4,dp=8,vp=5,mbs=1,gbs=512,zero=1,recompute=selective,sp=1,precision=bf16");
