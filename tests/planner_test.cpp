@@ -128,14 +128,17 @@ TEST(Planner, PlansAreValidFittingAndSorted) {
   EXPECT_GT(r.candidates_evaluated, r.feasible);
 }
 
-TEST(Planner, FixPinsDimensions) {
-  const ModelSpec m = load_model("gpt3-175b");
-  const Cluster c = load_cluster("dgx-a100-80g");
+// A search with some dimensions pinned (--fix).
+SearchResult search_fixed(const char* model, const char* cluster, int64_t gpus, int64_t gbs, const char* fixed) {
   SearchOptions o;
-  o.gpus = 1024;
-  o.gbs = 1536;
-  o.fixed = parse_fixed("tp=8,pp=16,recompute=full");
-  const SearchResult r = search(m, c, o);
+  o.gpus = gpus;
+  o.gbs = gbs;
+  o.fixed = parse_fixed(fixed);
+  return search(load_model(model), load_cluster(cluster), o);
+}
+
+TEST(Planner, FixPinsDimensions) {
+  const SearchResult r = search_fixed("gpt3-175b", "dgx-a100-80g", 1024, 1536, "tp=8,pp=16,recompute=full");
   ASSERT_FALSE(r.plans.empty());
   for (const auto& e : r.plans) {
     EXPECT_EQ(e.plan.t, 8);
@@ -175,18 +178,13 @@ TEST(Planner, NothingFeasibleCountsReasons) {
 // Micro-batches that p does not divide: Megatron-core's larger group (5 micro-batches on 4
 // stages run as one group of 5) is searched like any other plan, and costed as estimate does.
 TEST(Planner, InterleavedWithMicroBatchGroups) {
-  const ModelSpec m = load_model("llama3-70b");
-  const Cluster c = load_cluster("dgx-h100-80g");
-  SearchOptions o;
-  o.gpus = 64;
-  o.gbs = 40;
-  o.fixed = parse_fixed("pp=4,vp=5,dp=8,mbs=1");
-  const SearchResult r = search(m, c, o);
+  const SearchResult r = search_fixed("llama3-70b", "dgx-h100-80g", 64, 40, "pp=4,vp=5,dp=8,mbs=1");
   ASSERT_FALSE(r.plans.empty());
   for (const auto& e : r.plans) {
     EXPECT_EQ(e.plan.microbatches(), 5);
     EXPECT_EQ(e.plan.vp_group_size(), 5);
-    EXPECT_DOUBLE_EQ(estimate(m, c, e.plan).step_time_s, e.step_time_s);
+    EXPECT_DOUBLE_EQ(estimate(load_model("llama3-70b"), load_cluster("dgx-h100-80g"), e.plan).step_time_s,
+                     e.step_time_s);
   }
 }
 
