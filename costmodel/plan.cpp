@@ -178,28 +178,28 @@ Json tristate_json(Tristate t) { return t == Tristate::automatic ? Json("auto") 
 
 Json plan_to_json(const Plan& p) {
   Json j{{"tensor_parallel", p.t},
-              {"pipeline_parallel", p.p},
-              {"data_parallel", p.d},
-              {"context_parallel", p.c},
-              {"virtual_pipeline_stages", p.v},
-              {"micro_batch_size", p.mbs},
-              {"global_batch_size", p.gbs},
-              {"zero_stage", p.zero},
-              {"recompute", to_string(p.recompute)},
-              {"recompute_num_layers", p.recompute_layers},
-              {"sequence_parallel", p.sp},
-              {"precision", to_string(p.precision)},
-              {"pipeline_schedule", p.gpipe ? "gpipe" : "1f1b"},
-              {"attention", p.attention == AttentionChoice::automatic ? "auto"
-                            : p.attention == AttentionChoice::flash ? "flash" : "unfused"},
-              {"overlap_grad_reduce", tristate_json(p.overlap_grad_reduce)},
-              {"overlap_param_gather", tristate_json(p.overlap_param_gather)},
-              {"tp_comm_overlap", tristate_json(p.tp_comm_overlap)},
-              {"grad_accumulation_fusion", tristate_json(p.grad_accumulation_fusion)},
-              {"software_stack", p.software_stack == StackChoice::automatic ? "auto"
-                                 : p.software_stack == StackChoice::legacy  ? "legacy" : "modern"},
-              {"num_gpus", p.world_size()},
-              {"gradient_accumulation_steps", p.mbs * p.d > 0 ? p.gbs / (p.mbs * p.d) : 0}};
+         {"pipeline_parallel", p.p},
+         {"data_parallel", p.d},
+         {"context_parallel", p.c},
+         {"virtual_pipeline_stages", p.v},
+         {"micro_batch_size", p.mbs},
+         {"global_batch_size", p.gbs},
+         {"zero_stage", p.zero},
+         {"recompute", to_string(p.recompute)},
+         {"recompute_num_layers", p.recompute_layers},
+         {"sequence_parallel", p.sp},
+         {"precision", to_string(p.precision)},
+         {"pipeline_schedule", p.gpipe ? "gpipe" : "1f1b"},
+         {"attention", p.attention == AttentionChoice::automatic ? "auto"
+                       : p.attention == AttentionChoice::flash ? "flash" : "unfused"},
+         {"overlap_grad_reduce", tristate_json(p.overlap_grad_reduce)},
+         {"overlap_param_gather", tristate_json(p.overlap_param_gather)},
+         {"tp_comm_overlap", tristate_json(p.tp_comm_overlap)},
+         {"grad_accumulation_fusion", tristate_json(p.grad_accumulation_fusion)},
+         {"software_stack", p.software_stack == StackChoice::automatic ? "auto"
+                            : p.software_stack == StackChoice::legacy  ? "legacy" : "modern"},
+         {"num_gpus", p.world_size()},
+         {"gradient_accumulation_steps", p.mbs * p.d > 0 ? p.gbs / (p.mbs * p.d) : 0}};
   if (p.v > 1 && p.mbs * p.d > 0) j["microbatch_group_size_per_vp_stage"] = p.vp_group_size();
   return j;
 }
