@@ -73,6 +73,9 @@ TEST(Profile, TwoRanksTableIsCheckedAndTheProfileLoads) {
             0);
 }
 
+// A second profile run (--model, --json) is Release-only: under the sanitizers the profile
+// code runs in the test above, and each run there takes over a minute of the CI's two cores.
+#ifndef STRATA_UNDER_SANITIZER
 TEST(Profile, ModelShapesAndProgressLines) {
   // --model adds the GEMMs the model runs (tiny-gpt QKV at micro-batch 1: 128 x 768 x 256);
   // without a terminal, progress is one plain line per point with done/total and an ETA.
@@ -86,6 +89,7 @@ TEST(Profile, ModelShapesAndProgressLines) {
   const Cluster c = load_cluster(dir + "strata_profile_model.json");  // --json prints the profile itself
   EXPECT_GT(c.device.peak_fp32_flops, 1e9);
 }
+#endif
 
 TEST(Profile, BusFactorsAreNcclTests) {
   EXPECT_DOUBLE_EQ(bus_factor_of(Collective::all_reduce, 4), 1.5);
