@@ -3,6 +3,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdint>
 #include <stdexcept>
 
 namespace strata {
@@ -145,6 +146,11 @@ class SteadyState {
   SteadyState(int64_t P, Region a, Region b, size_t stages, std::vector<double>* scratch)
       : P_(P), rows_(P + D), n_(stages), hist_(*scratch), regions_{a, b} {
     hist_.assign(static_cast<size_t>(rows_) * n_, 0.0);
+    for (const Region& r : regions_) {
+      if (r.lo > r.hi) continue;
+      first_ = std::min(first_, std::max(r.lo + P - 1, P + D - 1));
+      last_ = std::max(last_, r.hi - P);
+    }
   }
   const double* row(int64_t k) const { return &hist_[static_cast<size_t>(k % rows_) * n_]; }
   void record(int64_t k, const std::vector<double>& free_at) {
@@ -157,6 +163,7 @@ class SteadyState {
     record(*k, *free_at);
   }
   int64_t jump(int64_t k, double* shift) const {
+    if (k < first_ || k > last_) return 0;  // outside every region's checks
     for (const Region& r : regions_) {
       if (k - P_ + 1 < r.lo || k + P_ > r.hi || k - P_ - (D - 1) < 0) continue;
       const double c = row(k)[0] - row(k - P_)[0];
@@ -177,6 +184,7 @@ class SteadyState {
 
  private:
   int64_t P_, rows_;
+  int64_t first_ = INT64_MAX, last_ = INT64_MIN;  // the positions where jump() can say yes
   size_t n_;
   std::vector<double>& hist_;
   Region regions_[2];
@@ -194,9 +202,9 @@ class SteadyState {
 // either phase of GPipe. Once a period moves every stage's times by the same c, each later
 // period moves them by c again (a max-plus map commutes with adding a constant), so the
 // walk jumps by whole periods to the end of that region (SteadyState) and walks the rest:
-// exact up to rounding. They return false, leaving *out alone, when an input is not where
-// the walk looks for it or the walk would exceed kMaxWalkSteps; the caller then walks the
-// stored schedule.
+// exact up to rounding. They return false, leaving *out alone, when the walk would exceed
+// kMaxWalkSteps or (interleaved) an input is not where it looks for it; the caller then
+// walks the stored schedule.
 //
 // The interleaved schedule, its positions from ScheduleShape.
 bool interleaved_walk(int64_t m, const StageTimes& st, SimResult* out) {
@@ -217,7 +225,6 @@ bool interleaved_walk(int64_t m, const StageTimes& st, SimResult* out) {
   thread_local std::vector<Done> fdone, bdone;
   thread_local std::vector<int64_t> warm, fidx, bidx;
   thread_local std::vector<int32_t> fpos, bpos, chunk_at;
-  thread_local std::vector<char> backward;
   SteadyState steady(P, {sh.warmup(0) + D, positions - sh.warmup(0) - 1}, {1, 0}, n, &hist);
   // Finished steps by (stage, direction, index), tagged with their index; a slot overwritten
   // before its consumer ran sends the caller to the general walk.
@@ -245,7 +252,6 @@ bool interleaved_walk(int64_t m, const StageTimes& st, SimResult* out) {
   bidx.assign(n, 0);
   fpos.assign(n, 0);
   bpos.assign(n, 0);
-  backward.resize(n);
   chunk_at.resize(static_cast<size_t>(pv));
   for (int64_t i = 0; i < pv; ++i) chunk_at[static_cast<size_t>(i)] = static_cast<int32_t>(i / p);
   for (int64_t s = 0; s < p; ++s) warm[static_cast<size_t>(s)] = sh.warmup(s);
@@ -264,18 +270,28 @@ bool interleaved_walk(int64_t m, const StageTimes& st, SimResult* out) {
   int32_t* const fp = fpos.data();
   int32_t* const bp = bpos.data();
   const int32_t* const ch = chunk_at.data();
-  char* const back = backward.data();
+
+  // Which stages run forwards at a position: warm-ups fall by 2 per stage, so the stages in
+  // their warm-up (w > k) are a prefix, all running forwards, as are those in their
+  // cool-down (w >= positions - k), all running backwards; the two never meet (warm-up
+  // needs k < w <= total, cool-down k >= total). The stages after the prefix are in their
+  // steady state, whose warm-ups have one parity: all run forwards where k - w is even.
+  int64_t a = p, cooled = 0;  // the prefix: [0, a)
 
   for (int64_t k = 0; k < positions; ++k) {
+    const bool warming = k < total;
+    if (warming) {
+      while (a > 0 && wm[a - 1] <= k) --a;
+    } else {
+      while (cooled < p && wm[cooled] >= positions - k) ++cooled;
+      a = cooled;
+    }
+    const bool steady_forward = ((k - wm[p - 1]) & 1) == 0;
     // Forwards, first stage to last: forward i of stage s > 0 takes forward i of the stage
     // before; the first stage's forward of chunk c > 0 takes the last stage's forward of
     // chunk c - 1, p forwards earlier in its list.
-    for (int64_t s = 0; s < p; ++s) {
+    for (int64_t s = warming ? 0 : a, end_s = steady_forward ? p : a; s < end_s; ++s) {
       const size_t i = static_cast<size_t>(s);
-      const int64_t w = wm[i];
-      const bool fwd = k < w || (k < positions - w && ((k - w) & 1) == 0);
-      back[i] = !fwd;
-      if (!fwd) continue;
       const int64_t index = fi[i]++;
       const int32_t at = fp[i];
       fp[i] = at + 1 == pv ? 0 : at + 1;
@@ -297,9 +313,8 @@ bool interleaved_walk(int64_t m, const StageTimes& st, SimResult* out) {
     }
     // Backwards, last stage to first, alike in reverse; the last stage's backward of the
     // last chunk takes its own forward, which ran earlier.
-    for (int64_t s = p - 1; s >= 0; --s) {
+    for (int64_t s = (steady_forward ? a : p) - 1, end_s = warming ? a : 0; s >= end_s; --s) {
       const size_t i = static_cast<size_t>(s);
-      if (!back[i]) continue;
       const int64_t index = bi[i]++;
       const int32_t at = bp[i];
       bp[i] = at + 1 == pv ? 0 : at + 1;
@@ -348,113 +363,85 @@ bool interleaved_walk(int64_t m, const StageTimes& st, SimResult* out) {
 }
 
 // The same walk for the schedules with one chunk per stage, 1F1B and GPipe, with their
-// positions in closed form (GPipe is 1F1B with every warm-up m): stage s with warm-up w
-// runs forward k at position k < w, then forward w + j/2 (j = k - w even) and backward
-// j/2 (j odd), then backward k - m from position 2m - w on. A forward reads the forward
-// of the stage above it, which ran at the same position or the one before; a backward the
-// backward of the stage below, alike, so each stage keeps its last few finished steps per
-// direction, tagged with their micro-batch as in interleaved_walk() (a missing input sends
-// the caller to the stored walk). The estimate's hot path, so its state lives in
-// per-thread scratch.
+// positions in closed form (GPipe is 1F1B with every warm-up m): stage s with warm-up
+// w = min(p - s - 1, m) runs forward k at position k < w, then forward w + j/2 (j = k - w
+// even) and backward j/2 (j odd), then backward k - m from position 2m - w on.
+//
+// So at position k the stages fall into two runs. Warm-ups shrink down the pipeline, so
+// the stages still in their warm-up (w > k: s < p - 1 - k, all of them when k < m for
+// GPipe) are a prefix, all running forwards; alike those in their cool-down (w >= 2m - k:
+// s <= p - 2m + k, all when k >= m for GPipe) are a prefix, all running backwards, and the
+// two never meet (warm-up needs k < w <= m, cool-down k >= 2m - w >= m). The stages after
+// the prefix are in their steady state with w = p - 1 - s (a capped warm-up w = m has no
+// steady state), running a forward where k - w is even: every other stage.
+//
+// No step needs more than the last forward and the last backward each stage finished.
+// Forward i of stage s runs at position i (i <= w) or 2i - w (i > w), and forward i of
+// stage s - 1 (warm-up w + 1, or m like s) at the same position or, for i > w, at the one
+// before, 2i - w - 1, where s - 1 is in its steady state at odd offset (2i - 2w - 1): it
+// runs a backward there, so forward i is still its last forward when s reads it. Alike
+// backward j of stage s, at w + 2j + 1 (j < m - w) or j + m, and of stage s + 1 (warm-up
+// w - 1, or m like s) at the same position or, for j < m - w, at the position before, w + 2j,
+// where s + 1 runs a forward next. The forward sweep runs the first stage first and the
+// backward sweep the last first, so a same-position input is in place when it is read.
+// The estimate's hot path: its state lives in per-thread scratch, and a step is a max and
+// an add.
 bool one_chunk_walk(ScheduleKind kind, int64_t m, const StageTimes& st, SimResult* out) {
   const int64_t p = st.p, positions = 2 * m;
   const bool gpipe = kind == ScheduleKind::gpipe;
   const int64_t P = gpipe ? 1 : 2;
-  constexpr int64_t D = SteadyState::D, R = 4;
   const size_t n = static_cast<size_t>(p);
-  thread_local std::vector<int64_t> warm, tag, bwd_at;
   // A forward's and a backward's time on each stage with the send that follows it (none
-  // after the last stage's forward and the first stage's backward), added once here.
-  thread_local std::vector<double> fs, bs, t, free_at, hist;
-  warm.resize(n);
-  bwd_at.resize(n);
+  // after the last stage's forward and the first stage's backward), added once here; each
+  // stage's finishing time and its last forward's and backward's, sends included, with a
+  // 0 before the first stage and after the last (no input).
+  thread_local std::vector<double> fs, bs, free_at, fdone, bdone, hist;
   fs.resize(n);
   bs.resize(n);
   free_at.assign(n, 0.0);
-  tag.assign(n * 2 * R, -1);
-  t.resize(n * 2 * R);
+  fdone.assign(n + 2, 0.0);
+  bdone.assign(n + 2, 0.0);
   for (int64_t s = 0; s < p; ++s) {
     const size_t i = static_cast<size_t>(s);
-    warm[i] = gpipe ? m : std::min(p - s - 1, m);
     fs[i] = st.fwd_s[i] + (s < p - 1 ? st.send_s[i] : 0.0);
     bs[i] = st.bwd_s[i] + (s > 0 ? st.send_s[i] : 0.0);
   }
-  // (forward?, micro-batch) of stage s at position k; the ring slot of a finished step.
-  auto decode = [&](int64_t s, int64_t k, int64_t* mb) {
-    const int64_t w = warm[static_cast<size_t>(s)];
-    if (k < w) return *mb = k, true;
-    if (k >= positions - w) return *mb = k - m, false;
-    const int64_t j = k - w;
-    *mb = (j & 1) ? j >> 1 : w + (j >> 1);
-    return (j & 1) == 0;
-  };
-  auto slot = [&](int64_t s, bool fwd, int64_t mb) {
-    return static_cast<size_t>((s * 2 + (fwd ? 1 : 0)) * R + (mb & (R - 1)));
-  };
   // The steady regions: GPipe's two phases, 1F1B's forward/backward pairs.
-  const int64_t w0 = warm[0];
-  SteadyState steady(P, gpipe ? SteadyState::Region{1, m - 1} : SteadyState::Region{w0 + D, positions - w0 - 1},
+  const int64_t w0 = gpipe ? m : std::min(p - 1, m);
+  SteadyState steady(P, gpipe ? SteadyState::Region{1, m - 1} : SteadyState::Region{w0 + SteadyState::D, positions - w0 - 1},
                      gpipe ? SteadyState::Region{m + 1, positions - 1} : SteadyState::Region{1, 0}, n, &hist);
-  // Runs micro-batch mb on stage s in one direction: its input comes from stage `from`
-  // (none when from < 0: the first stage's forward, the last stage's backward). `carry`
-  // is the step the sweep ran just before on `from` at this position: when it is this
-  // micro-batch, its finishing time is taken from there rather than read back from the
-  // ring (the same value; the sweep's chain through memory is what bounds the walk).
-  struct Carry {
-    int64_t mb = -1;
-    double t = 0;
-  };
-  auto run = [&](int64_t s, bool fwd, int64_t mb, int64_t from, double dur_and_send, Carry* carry) {
-    const size_t i = static_cast<size_t>(s);
-    double ready = 0;
-    if (from >= 0) {
-      if (carry->mb == mb) {
-        ready = carry->t;
-      } else {
-        const size_t in = slot(from, fwd, mb);
-        if (tag[in] != mb) return false;
-        ready = t[in];
-      }
-    }
-    const double end = std::max(free_at[i], ready) + dur_and_send;
-    *carry = Carry{mb, end};
-    free_at[i] = end;
-    const size_t own = slot(s, fwd, mb);
-    tag[own] = mb;
-    t[own] = end;
-    return true;
-  };
+  // Raw pointers, so that the stores through doubles need not reload the vectors' own.
+  const double* const f_dur = fs.data();
+  const double* const b_dur = bs.data();
+  double* const fa = free_at.data();
+  double* const fd = fdone.data() + 1;
+  double* const bd = bdone.data() + 1;
+  auto forward = [&](int64_t s) { fa[s] = fd[s] = std::max(fa[s], fd[s - 1]) + f_dur[s]; };
+  auto backward = [&](int64_t s) { fa[s] = bd[s] = std::max(fa[s], bd[s + 1]) + b_dur[s]; };
   bool jumped = false;
   int64_t walked = 0;
   for (int64_t k = 0; k < positions; ++k) {
     if ((walked += p) > kMaxWalkSteps) return false;
-    Carry carry;
-    for (int64_t s = 0; s < p; ++s) {  // forwards, first stage to last
-      int64_t mb = 0;
-      const size_t i = static_cast<size_t>(s);
-      const bool fwd = decode(s, k, &mb);
-      bwd_at[i] = fwd ? -1 : mb;
-      if (!fwd) carry = Carry{};
-      else if (!run(s, true, mb, s - 1, fs[i], &carry)) return false;
-    }
-    carry = Carry{};
-    for (int64_t s = p - 1; s >= 0; --s) {  // backwards, last stage to first
-      const size_t i = static_cast<size_t>(s);
-      if (bwd_at[i] < 0) carry = Carry{};
-      else if (!run(s, false, bwd_at[i], s < p - 1 ? s + 1 : -1, bs[i], &carry)) return false;
-    }
+    // The prefix in warm-up (k < m) or cool-down, then the steady stages from `a` on.
+    const bool warming = k < m;
+    const int64_t a = gpipe ? p : std::clamp(warming ? p - 1 - k : p - positions + k, int64_t{0}, p);
+    const int64_t odd = (k + a - (p - 1)) & 1;  // stage a runs a backward
+    if (warming)
+      for (int64_t s = 0; s < a; ++s) forward(s);
+    for (int64_t s = a + odd; s < p; s += 2) forward(s);
+    const int64_t first_back = a + 1 - odd;  // the first steady stage running a backward
+    for (int64_t s = p - 1 - ((p - 1 - first_back) & 1); s >= first_back; s -= 2) backward(s);
+    if (!warming)
+      for (int64_t s = a - 1; s >= 0; --s) backward(s);
     steady.record(k, free_at);
     double shift = 0;
     if (const int64_t J = steady.jump(k, &shift); J > 0) {
-      for (int64_t d = D - 1; d >= 0; --d) {
-        const double* a = steady.row(k - d);
-        for (int64_t s = 0; s < p; ++s) {
-          int64_t mb = 0;
-          const bool fwd = decode(s, k - d + J * P, &mb);
-          const size_t own = slot(s, fwd, mb);
-          tag[own] = mb;
-          t[own] = a[s] + shift;
-        }
+      // Each stage's last forward and backward ran at this position or the one before,
+      // whose times moved by the period's shift like its finishing time (SteadyState): J
+      // periods later the same steps hold the same places, J shifts later.
+      for (size_t i = 0; i < n; ++i) {
+        fd[i] += shift;
+        bd[i] += shift;
       }
       steady.jumped(&k, J, shift, &free_at);
       jumped = true;
