@@ -67,14 +67,10 @@ void in_flight_into(ScheduleKind kind, int64_t p, int64_t v, int64_t m, InFlight
 
 size_t stages_memory(const ModelSpec& m, const Cluster& cl, const Plan& p, const StageLayout& lay,
                      const ComputeSetup& cs, const InFlight& fl, std::vector<MemoryBreakdown>* out) {
-  out->resize(static_cast<size_t>(p.p));
+  stage_memories(m, cl, p, lay, cs, fl.all.data(), fl.first.data(), fl.last.data(), out);
   size_t worst = 0;
-  const StageMemoryInputs in = stage_memory_inputs(m, p, cs);
-  for (int64_t s = 0; s < p.p; ++s) {
-    const size_t i = static_cast<size_t>(s);
-    (*out)[i] = stage_memory(m, cl, p, lay, cs, s, fl.all[i], fl.first[i], fl.last[i], &in);
+  for (size_t i = 1; i < out->size(); ++i)
     if ((*out)[i].peak > (*out)[worst].peak) worst = i;
-  }
   return worst;
 }
 

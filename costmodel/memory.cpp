@@ -138,12 +138,20 @@ double stage_params(const ModelSpec& m, const Plan& p, const StageLayout& lay, i
   return stage_params(m, p, lay, s, in);
 }
 
-MemoryBreakdown stage_memory(const ModelSpec& m, const Cluster& cl, const Plan& p, const StageLayout& lay,
-                             const ComputeSetup& cs, int64_t s, int64_t in_flight, int64_t in_flight_first,
-                             int64_t in_flight_last, const StageMemoryInputs* pre) {
-  const StageMemoryInputs in = pre ? *pre : stage_memory_inputs(m, p, cs);
-  MemoryBreakdown mb;
-  mb.stage = s;
+namespace {
+
+// What a stage holds whatever its micro-batches in flight: its states and communication
+// buffers (in `fixed`), one chunk-micro-batch of its layers' activations and the working
+// set of its backward.
+struct StageShape {
+  MemoryBreakdown fixed;
+  double per_chunk = 0, working = 0;
+};
+
+StageShape stage_shape(const ModelSpec& m, const Plan& p, const StageLayout& lay, const ComputeSetup& cs, int64_t s,
+                       const StageMemoryInputs& in) {
+  StageShape shape;
+  MemoryBreakdown& mb = shape.fixed;
   const double P = stage_params(m, p, lay, s, in);
   mb.params = P;
   const double d = static_cast<double>(p.replicas());
@@ -158,24 +166,21 @@ MemoryBreakdown stage_memory(const ModelSpec& m, const Cluster& cl, const Plan& 
   if (cs.stack.strata && p.zero == 1 && d > 1) mb.gradients += sb.gradients * P / d;
   mb.optimizer_states = sb.optimizer_states * P / (p.zero >= 1 ? d : 1.0);
 
-  // Activations: the layers of an average chunk of the stage times the chunk-microbatches
-  // in flight. With partial recompute, the recomputed layers keep their input only.
+  // Activations: the layers of an average chunk of the stage (times the chunk-microbatches
+  // in flight, below). With partial recompute, the recomputed layers keep their input only.
   const double per_layer = in.per_layer;
   const double per_full_layer = in.per_full_layer;
-  double per_chunk = 0;
+  double& per_chunk = shape.per_chunk;
   for (int64_t c = 0; c < lay.v; ++c) {
     const int64_t n = lay.chunk_layers(s, c);
     const int64_t k = p.recompute == Recompute::full ? p.recomputed_layers(n) : n;
     per_chunk += static_cast<double>(k) * per_layer + static_cast<double>(n - k) * per_full_layer;
   }
   per_chunk /= static_cast<double>(lay.v);
-  double act = static_cast<double>(in_flight) * per_chunk;
-  if (s == 0) act += static_cast<double>(in_flight_first) * in.embedding_act;
-  if (s == p.p - 1) act += static_cast<double>(in_flight_last) * in.head_act;
   // Working set of the layer running its backward: the gradients of its largest
   // activations (fc1 output, activation output, two of width H) and, when recomputed, the
   // whole layer's activations rebuilt for it. The loss adds its own on the last stage.
-  double working = 0;
+  double& working = shape.working;
   if (lay.stage_layers(s) > 0) {
     const double fc1_cols = static_cast<double>(m.fc1_out());
     working = cs.act_bytes * cs.T * ((fc1_cols + static_cast<double>(m.F)) / static_cast<double>(p.t) +
@@ -192,12 +197,6 @@ MemoryBreakdown stage_memory(const ModelSpec& m, const Cluster& cl, const Plan& 
       working += cs.act_bytes * static_cast<double>(p.mbs) * static_cast<double>(m.A / p.t) *
                  (static_cast<double>(m.S) / static_cast<double>(p.c)) * static_cast<double>(m.S);
   }
-  mb.activations = act + working;
-  // The last stage: while the loss and its gradient are formed the current micro-batch's
-  // output-layer activations are alive; the layers' backward starts after they are freed.
-  if (s == p.p - 1)
-    mb.activations = std::max(act + in.head_working, act - in.head_act + working);
-
   // Communication buffers: pipeline send/recv in both directions; ZeRO-3's gathered layer
   // and its prefetched successor, and (ZeRO-2 and 3) one layer of gradients to
   // reduce-scatter.
@@ -214,16 +213,16 @@ MemoryBreakdown stage_memory(const ModelSpec& m, const Cluster& cl, const Plan& 
     std::vector<double> units;
     for (int64_t c = 0; c < lay.v; ++c) {
       if (lay.has_head(s, c))
-        units.push_back(static_cast<double>(m.final_norm_params()) +
-                        (!m.tie_embeddings || p.p > 1 ? static_cast<double>(m.word_embedding_params(p.t)) : 0.0));
-      for (int64_t l = 0; l < lay.chunk_layers(s, c); ++l) units.push_back(static_cast<double>(m.layer_params(p.t)));
+        units.push_back(in.final_norm_params +
+                        (!m.tie_embeddings || p.p > 1 ? in.word_embedding_params : 0.0));
+      for (int64_t l = 0; l < lay.chunk_layers(s, c); ++l) units.push_back(in.layer_params);
       if (lay.has_embedding(s, c))
-        units.push_back(static_cast<double>(m.word_embedding_params(p.t) + m.position_params()));
+        units.push_back(in.word_embedding_params + in.position_params);
     }
     std::sort(units.rbegin(), units.rend());
     const double top2 = (units.size() > 0 ? units[0] : 0.0) + (units.size() > 1 ? units[1] : 0.0);
     const bool tied_here = m.tie_embeddings && p.p == 1;
-    comm += cs.grad_bytes * (top2 + (tied_here ? static_cast<double>(m.word_embedding_params(p.t)) : 0.0));
+    comm += cs.grad_bytes * (top2 + (tied_here ? in.word_embedding_params : 0.0));
     if (p.zero >= 3) comm += cs.weight_bytes * top2;
   }
   if ((p.zero == 1 || p.zero == 2) && p.replicas() > 1 && !cs.stack.modern && !cs.stack.strata) {
@@ -234,14 +233,33 @@ MemoryBreakdown stage_memory(const ModelSpec& m, const Cluster& cl, const Plan& 
     comm += std::min(P, kDeepSpeedBucketElements) * (cs.grad_bytes + cs.weight_bytes);
   }
   if (p.zero >= 3 && p.replicas() > 1 && !cs.stack.strata) {
-    const double lp = static_cast<double>(m.layer_params(p.t));
+    const double lp = in.layer_params;
     comm += 2.0 * cs.weight_bytes * lp + cs.grad_bytes * lp;
   }
   // ZeRO-2 on the modern stack (FSDP's SHARD_GRAD_OP): one layer's whole gradient waiting
   // for its reduce-scatter (legacy stacks stage it in DeepSpeed's bucket above).
   if (p.zero == 2 && p.replicas() > 1 && cs.stack.modern)
-    comm += cs.grad_bytes * static_cast<double>(m.layer_params(p.t));
+    comm += cs.grad_bytes * in.layer_params;
   mb.comm_buffers = comm;
+  return shape;
+}
+
+// A stage's memory with its micro-batches in flight.
+MemoryBreakdown with_in_flight(const StageShape& shape, const Cluster& cl, const Plan& p, const ComputeSetup& cs,
+                               int64_t s, int64_t in_flight, int64_t in_flight_first, int64_t in_flight_last,
+                               const StageMemoryInputs& in) {
+  MemoryBreakdown mb = shape.fixed;
+  mb.stage = s;
+  const double per_chunk = shape.per_chunk, working = shape.working;
+  double act = static_cast<double>(in_flight) * per_chunk;
+  if (s == 0) act += static_cast<double>(in_flight_first) * in.embedding_act;
+  if (s == p.p - 1) act += static_cast<double>(in_flight_last) * in.head_act;
+  mb.activations = act + working;
+  // The last stage: while the loss and its gradient are formed the current micro-batch's
+  // output-layer activations are alive; the layers' backward starts after they are freed.
+  if (s == p.p - 1)
+    mb.activations = std::max(act + in.head_working, act - in.head_act + working);
+
   // The framework's own memory (CUDA context, library workspaces, communicator buffers) and
   // what the caching allocator reserves beyond the live tensors, as a fraction of them.
   // Fragmentation hits what is allocated and freed during the step: activations, and on
@@ -251,6 +269,33 @@ MemoryBreakdown stage_memory(const ModelSpec& m, const Cluster& cl, const Plan& 
   mb.framework_overhead = cl.framework_overhead_bytes + cl.allocator_fragmentation * churn;
   mb.peak = mb.weights + mb.gradients + mb.optimizer_states + mb.activations + mb.comm_buffers + mb.framework_overhead;
   return mb;
+}
+
+}  // namespace
+
+MemoryBreakdown stage_memory(const ModelSpec& m, const Cluster& cl, const Plan& p, const StageLayout& lay,
+                             const ComputeSetup& cs, int64_t s, int64_t in_flight, int64_t in_flight_first,
+                             int64_t in_flight_last, const StageMemoryInputs* pre) {
+  const StageMemoryInputs in = pre ? *pre : stage_memory_inputs(m, p, cs);
+  return with_in_flight(stage_shape(m, p, lay, cs, s, in), cl, p, cs, s, in_flight, in_flight_first, in_flight_last,
+                        in);
+}
+
+void stage_memories(const ModelSpec& m, const Cluster& cl, const Plan& p, const StageLayout& lay,
+                    const ComputeSetup& cs, const int64_t* in_flight, const int64_t* in_flight_first,
+                    const int64_t* in_flight_last, std::vector<MemoryBreakdown>* out) {
+  const StageMemoryInputs in = stage_memory_inputs(m, p, cs);
+  out->resize(static_cast<size_t>(p.p));
+  StageShape shape;
+  for (int64_t s = 0; s < p.p; ++s) {
+    // A middle stage with the layers of the middle stage before it holds what that one holds
+    // but for its micro-batches in flight (no embedding, no output layer: 0 < s < p - 1).
+    bool like = s >= 2 && s < p.p - 1;
+    for (int64_t c = 0; c < lay.v && like; ++c) like = lay.chunk_layers(s, c) == lay.chunk_layers(s - 1, c);
+    if (!like) shape = stage_shape(m, p, lay, cs, s, in);
+    const size_t i = static_cast<size_t>(s);
+    (*out)[i] = with_in_flight(shape, cl, p, cs, s, in_flight[i], in_flight_first[i], in_flight_last[i], in);
+  }
 }
 
 }  // namespace strata

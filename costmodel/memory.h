@@ -58,5 +58,10 @@ StageMemoryInputs stage_memory_inputs(const ModelSpec& m, const Plan& p, const C
 MemoryBreakdown stage_memory(const ModelSpec& m, const Cluster& cl, const Plan& p, const StageLayout& lay,
                              const ComputeSetup& cs, int64_t s, int64_t in_flight, int64_t in_flight_first,
                              int64_t in_flight_last, const StageMemoryInputs* pre = nullptr);
+// stage_memory() of every stage into (*out)[s], with in_flight[s] and the rest per stage;
+// a middle stage with the layers of the one before it reuses what does not depend on them.
+void stage_memories(const ModelSpec& m, const Cluster& cl, const Plan& p, const StageLayout& lay,
+                    const ComputeSetup& cs, const int64_t* in_flight, const int64_t* in_flight_first,
+                    const int64_t* in_flight_last, std::vector<MemoryBreakdown>* out);
 
 }  // namespace strata

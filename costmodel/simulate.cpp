@@ -154,6 +154,7 @@ class SteadyState {
   }
   const double* row(int64_t k) const { return &hist_[static_cast<size_t>(k % rows_) * n_]; }
   void record(int64_t k, const std::vector<double>& free_at) {
+    if (k < first_ - P_ - (D - 1) || k > last_) return;  // a row no check reads
     std::copy(free_at.begin(), free_at.end(), hist_.begin() + static_cast<std::ptrdiff_t>(static_cast<size_t>(k % rows_) * n_));
   }
   // After the refill: every stage's time moves by the shift and the walk on by J periods.

@@ -157,6 +157,7 @@ SearchResult search(const ModelSpec& m, const Cluster& cl, const SearchOptions& 
     double peak;
     const InFlight* flight;
   };
+  std::vector<MemoryBreakdown> mem;  // memory_of's scratch, kept across candidates
   auto memory_of = [&](const Plan& pl, const StageLayout& lay, const ComputeSetup& cs) {
     const int64_t mb_count = pl.microbatches();
     const ScheduleKind kind = pl.schedule();
@@ -168,7 +169,6 @@ SearchResult search(const ModelSpec& m, const Cluster& cl, const SearchOptions& 
         std::make_tuple(static_cast<int>(kind), pl.p, pl.v, g, whole ? mb_count : std::min(mb_count, 4 * pl.p + 4));
     auto fit = flights.find(fkey);
     if (fit == flights.end()) fit = flights.emplace(fkey, in_flight(kind, pl.p, pl.v, mb_count, g)).first;
-    std::vector<MemoryBreakdown> mem;
     const size_t worst = stages_memory(m, cl, pl, lay, cs, fit->second, &mem);
     return Fit{mem[worst].peak <= cl.device.memory_bytes, mem[worst].peak, &fit->second};
   };

@@ -2,6 +2,9 @@
 // state bytes, parameter placement and in-flight micro-batches.
 #include <gtest/gtest.h>
 
+#include <cstdio>
+#include <string>
+
 #include "costmodel/estimate.h"
 #include "costmodel/memory.h"
 #include "test_cluster.h"
@@ -138,6 +141,47 @@ TEST(Memory, ZeroStagesDivideTheirStates) {
     EXPECT_LT(mb.weights + mb.gradients + mb.optimizer_states, prev);
     prev = mb.weights + mb.gradients + mb.optimizer_states;
   }
+}
+
+// stage_memories() reuses a middle stage's shape for the next stage with the same layers:
+// every term must equal stage_memory() of that stage alone, to the bit, on plans with
+// uneven layouts, partial recompute, interleaving and every ZeRO stage.
+TEST(Memory, AllStagesAtOnceEqualEachStageAlone) {
+  const Cluster c = testing::round_cluster();
+  int stages = 0;
+  for (const char* model : {"gpt3-175b", "llama3-70b", "tiny-gpt"}) {
+    const ModelSpec m = load_model(model);
+    for (const char* plan : {"tp=8,pp=16,dp=8,mbs=1,gbs=1536,recompute=full", "tp=8,pp=6,dp=2,mbs=1,gbs=64,zero=1",
+                             "tp=4,pp=4,dp=4,vp=2,mbs=2,gbs=64,recompute=selective,sp=1",
+                             "pp=8,dp=2,mbs=1,gbs=32,zero=3,recompute=full,recompute_num_layers=1",
+                             "pp=4,dp=2,mbs=1,gbs=8,zero=2,schedule=gpipe"}) {
+      const Plan p = load_plan(plan);
+      if (!check_plan(m, c, p).empty()) continue;
+      const ComputeSetup cs = compute_setup(m, c, p);
+      const StageLayout lay = make_layout(m.L, p.p, p.v);
+      const InFlight fl = in_flight(p.schedule(), p.p, lay.v, p.microbatches(), p.vp_group_size());
+      std::vector<MemoryBreakdown> all;
+      stage_memories(m, c, p, lay, cs, fl.all.data(), fl.first.data(), fl.last.data(), &all);
+      ASSERT_EQ(all.size(), static_cast<size_t>(p.p));
+      for (int64_t s = 0; s < p.p; ++s) {
+        const size_t i = static_cast<size_t>(s);
+        const MemoryBreakdown one = stage_memory(m, c, p, lay, cs, s, fl.all[i], fl.first[i], fl.last[i]);
+        const std::string what = std::string(model) + " " + plan + " stage " + std::to_string(s);
+        EXPECT_EQ(all[i].stage, s) << what;
+        EXPECT_EQ(all[i].params, one.params) << what;
+        EXPECT_EQ(all[i].weights, one.weights) << what;
+        EXPECT_EQ(all[i].gradients, one.gradients) << what;
+        EXPECT_EQ(all[i].optimizer_states, one.optimizer_states) << what;
+        EXPECT_EQ(all[i].activations, one.activations) << what;
+        EXPECT_EQ(all[i].comm_buffers, one.comm_buffers) << what;
+        EXPECT_EQ(all[i].framework_overhead, one.framework_overhead) << what;
+        EXPECT_EQ(all[i].peak, one.peak) << what;
+        ++stages;
+      }
+    }
+  }
+  std::printf("%d stages compared\n", stages);
+  EXPECT_GT(stages, 60);  // the plans above are valid for these models
 }
 
 TEST(Memory, ContextParallelRanksShareTheShards) {
