@@ -199,8 +199,28 @@ Estimate estimate(const ModelSpec& m, const Cluster& cl, const Plan& p, const Es
   st.g = kind == ScheduleKind::interleaved ? p.vp_group_size() : 0;
   st.fwd_s.assign(static_cast<size_t>(p.p * lay.v), 0.0);
   st.bwd_s.assign(static_cast<size_t>(p.p * lay.v), 0.0);
-  thread_local std::vector<Work> fwd_w, bwd_w, rec_w;
-  for (auto* w : {&fwd_w, &bwd_w, &rec_w}) w->assign(static_cast<size_t>(p.p), Work{});
+  // One micro-batch of chunk c on stage s: forward, recompute, backward. k layers run the
+  // plan's forward, backward and recompute; with partial recompute the other n - k run the
+  // forward and backward of a plan without recompute.
+  auto chunk_work = [&](int64_t s, int64_t c, Work* f, Work* r, Work* b) {
+    const int64_t layers = lay.chunk_layers(s, c);
+    const double n = static_cast<double>(layers);
+    const double k = static_cast<double>(p.recompute == Recompute::full ? p.recomputed_layers(layers) : layers);
+    // (The forwards differ only on the strata stack, which packs what each layer keeps.)
+    *f = k * layer.forward;
+    *f += (n - k) * plain.forward;
+    *r = k * layer.recompute;
+    *b = k * layer.backward;
+    *b += (n - k) * plain.backward;
+    if (lay.has_embedding(s, c)) {
+      *f += emb.forward;
+      *b += emb.backward;
+    }
+    if (lay.has_head(s, c)) {
+      *f += head.forward;
+      *b += head.backward;
+    }
+  };
   // A chunk like the one before it (the same layers, no embedding, no output layer: every
   // middle stage of an even split) costs the same: its sums are kept.
   int64_t prev_layers = -1;
@@ -208,35 +228,13 @@ Estimate estimate(const ModelSpec& m, const Cluster& cl, const Plan& p, const Es
   Work f, r, b;
   for (int64_t s = 0; s < p.p; ++s) {
     for (int64_t c = 0; c < lay.v; ++c) {
-      // k layers run the plan's forward, backward and recompute; with partial recompute the
-      // other n - k run the forward and backward of a plan without recompute.
       const int64_t layers = lay.chunk_layers(s, c);
       const bool ends = lay.has_embedding(s, c) || lay.has_head(s, c);
-      if (layers != prev_layers || ends || prev_ends) {
-        const double n = static_cast<double>(layers);
-        const double k = static_cast<double>(p.recompute == Recompute::full ? p.recomputed_layers(layers) : layers);
-        // (The forwards differ only on the strata stack, which packs what each layer keeps.)
-        f = k * layer.forward;
-        f += (n - k) * plain.forward;
-        r = k * layer.recompute;
-        b = k * layer.backward;
-        b += (n - k) * plain.backward;
-        if (lay.has_embedding(s, c)) {
-          f += emb.forward;
-          b += emb.backward;
-        }
-        if (lay.has_head(s, c)) {
-          f += head.forward;
-          b += head.backward;
-        }
-      }
+      if (layers != prev_layers || ends || prev_ends) chunk_work(s, c, &f, &r, &b);
       prev_layers = layers;
       prev_ends = ends;
       st.fwd_s[static_cast<size_t>(c * p.p + s)] = f.total();
       st.bwd_s[static_cast<size_t>(c * p.p + s)] = b.total() + r.total();
-      fwd_w[static_cast<size_t>(s)] += f;
-      bwd_w[static_cast<size_t>(s)] += b;
-      rec_w[static_cast<size_t>(s)] += r;
     }
   }
   st.send_s.assign(static_cast<size_t>(p.p), p2p_time(m, cl, p, cs));
@@ -288,9 +286,14 @@ Estimate estimate(const ModelSpec& m, const Cluster& cl, const Plan& p, const Es
   // Breakdown on the critical stage.
   const double mb = static_cast<double>(mbs_per_step);
   TimeBreakdown& tb = est.time;
-  const Work& F = fwd_w[crit];
-  const Work& Bw = bwd_w[crit];
-  const Work& R = rec_w[crit];
+  // The critical stage's work by kind, summed over its chunks.
+  Work F, Bw, R;
+  for (int64_t c = 0; c < lay.v; ++c) {
+    chunk_work(static_cast<int64_t>(crit), c, &f, &r, &b);
+    F += f;
+    Bw += b;
+    R += r;
+  }
   tb.forward = mb * F.compute_s;
   tb.backward = mb * Bw.compute_s;
   tb.recompute = mb * R.compute_s;
