@@ -427,13 +427,19 @@ bool one_chunk_walk(ScheduleKind kind, int64_t m, const StageTimes& st, SimResul
     const bool warming = k < m;
     const int64_t a = gpipe ? p : std::clamp(warming ? p - 1 - k : p - positions + k, int64_t{0}, p);
     const int64_t odd = (k + a - (p - 1)) & 1;  // stage a runs a backward
-    if (warming)
-      for (int64_t s = 0; s < a; ++s) forward(s);
+    // (Down the prefix each step waits for the one before it: the chain is carried in a
+    // register rather than read back from the store just made.)
+    if (warming) {
+      double t = 0;
+      for (int64_t s = 0; s < a; ++s) fa[s] = fd[s] = t = std::max(fa[s], t) + f_dur[s];
+    }
     for (int64_t s = a + odd; s < p; s += 2) forward(s);
     const int64_t first_back = a + 1 - odd;  // the first steady stage running a backward
     for (int64_t s = p - 1 - ((p - 1 - first_back) & 1); s >= first_back; s -= 2) backward(s);
-    if (!warming)
-      for (int64_t s = a - 1; s >= 0; --s) backward(s);
+    if (!warming) {
+      double t = bd[a];
+      for (int64_t s = a - 1; s >= 0; --s) fa[s] = bd[s] = t = std::max(fa[s], t) + b_dur[s];
+    }
     steady.record(k, free_at);
     double shift = 0;
     if (const int64_t J = steady.jump(k, &shift); J > 0) {
