@@ -10,6 +10,82 @@
 
 namespace strata {
 
+namespace {
+
+// Chunk-forwards in the interleaved schedule's forward order with groups of g (Megatron-
+// core's table: full groups of g, then a last group of r, schedule.h), counted as the
+// order advances: f0 of chunk 0 and fl of chunk v - 1 among the first k forwards.
+struct ChunkCounter {
+  int64_t g, v, r, head;  // head: forwards of the full groups
+  int64_t k = 0, f0 = 0, fl = 0;
+  int64_t pos = 0;  // k's place in its group's round (gv steps; rv in the last group)
+  ChunkCounter(int64_t g_, int64_t v_, int64_t m, int64_t k0) : g(g_), v(v_) {
+    const int64_t full = (m - 1) / g;
+    r = m - full * g;
+    head = full * g * v;
+    // The counts at k0 in closed form, then step by step.
+    const int64_t kh = std::min(k0, head), rounds = kh / (g * v), in = kh % (g * v);
+    f0 = rounds * g + std::min(in, g);
+    fl = rounds * g + std::max<int64_t>(0, in - (v - 1) * g);
+    if (k0 > head) {
+      const int64_t t = k0 - head;
+      f0 += std::min(t, r);
+      fl += std::max<int64_t>(0, t - (v - 1) * r);
+    }
+    k = k0;
+    pos = k0 < head ? in : k0 - head;
+  }
+  void next() {
+    const bool last_group = k >= head;
+    const int64_t n = last_group ? r : g, round = n * v;
+    if (pos < n) ++f0;
+    if (pos >= (v - 1) * n) ++fl;
+    ++k;
+    ++pos;
+    if (!last_group && pos == round) pos = 0;
+    if (k == head) pos = 0;
+  }
+};
+
+// in_flight() of the interleaved schedule with groups of g != p, without its lists. Stage
+// s runs w = warmup(s) forwards, then J = total - w pairs (forward w + i, backward i),
+// then backwards only, which lower every count. Backward i runs the chunk v - 1 - c of
+// forward i's c, so after pair i's forward the first chunk holds F0(w + i + 1) - FL(i) and
+// the last FL(w + i + 1) - F0(i) (F0, FL: chunk-0 and chunk-(v-1) forwards among the first
+// k, ChunkCounter). While both arguments stay in the full groups the counts repeat every
+// round of gv pairs (each adds g to both), so the first round and the pairs from one
+// before the last group on give every value. memory_test compares the result with
+// peak_in_flight() of make_schedule().
+void grouped_in_flight(int64_t p, int64_t v, int64_t m, int64_t g, InFlight* out) {
+  const ScheduleShape sh{ScheduleKind::interleaved, p, v, m, g};
+  const int64_t total = m * v, gv = g * v, head = ((m - 1) / g) * gv;
+  for (auto* x : {&out->all, &out->first, &out->last}) x->resize(static_cast<size_t>(p));
+  for (int64_t s = 0; s < p; ++s) {
+    const size_t i_s = static_cast<size_t>(s);
+    const int64_t w = sh.warmup(s), J = total - w;
+    const ChunkCounter at_w(g, v, m, w);
+    int64_t first = at_w.f0, last = at_w.fl;
+    auto scan = [&](int64_t from, int64_t to) {  // pairs [from, to)
+      if (from >= to) return;
+      ChunkCounter fwd(g, v, m, w + from + 1), bwd(g, v, m, from);
+      for (int64_t i = from; i < to; ++i) {
+        first = std::max(first, fwd.f0 - bwd.fl);
+        last = std::max(last, fwd.fl - bwd.f0);
+        fwd.next();
+        bwd.next();
+      }
+    };
+    const int64_t tail = std::max(std::min(J, gv), head - w - 1);
+    scan(0, std::min(J, gv));
+    scan(tail, J);
+    out->all[i_s] = w + (J > 0 ? 1 : 0);
+    out->first[i_s] = first;
+    out->last[i_s] = last;
+  }
+}
+
+}  // namespace
+
 InFlight in_flight(ScheduleKind kind, int64_t p, int64_t v, int64_t m, int64_t g) {
   InFlight f;
   in_flight_into(kind, p, v, m, &f, g);
@@ -29,12 +105,7 @@ void in_flight_into(ScheduleKind kind, int64_t p, int64_t v, int64_t m, InFlight
     return;
   }
   if (g > 0 && g != p) {
-    // Groups of other than p micro-batches (with a shorter last group): counted on the
-    // stored schedule, which such plans walk anyway.
-    const Schedule sc = make_schedule(kind, p, v, m, g);
-    f.all = peak_in_flight(sc);
-    f.first = peak_in_flight_of_chunk(sc, 0);
-    f.last = peak_in_flight_of_chunk(sc, static_cast<int32_t>(v - 1));
+    grouped_in_flight(p, v, m, g, out);
     return;
   }
   // peak_in_flight() of make_schedule(kind, p, v, m) in closed form; memory_test compares

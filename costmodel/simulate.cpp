@@ -142,9 +142,11 @@ class SteadyState {
   struct Region {
     int64_t lo, hi;
   };
-  static constexpr int64_t D = 2;  // positions of history a steady step reads
-  SteadyState(int64_t P, Region a, Region b, size_t stages, std::vector<double>* scratch)
-      : P_(P), rows_(P + D), n_(stages), hist_(*scratch), regions_{a, b} {
+  // D: the positions of history a steady step reads (2, unless the interleaved schedule's
+  // micro-batch groups hold more than p: the first stage then reads the last stage's
+  // forward of 2 (g - p + 1) positions before).
+  SteadyState(int64_t P, Region a, Region b, size_t stages, std::vector<double>* scratch, int64_t D = 2)
+      : P_(P), D_(D), rows_(P + D), n_(stages), hist_(*scratch), regions_{a, b} {
     hist_.assign(static_cast<size_t>(rows_) * n_, 0.0);
     for (const Region& r : regions_) {
       if (r.lo > r.hi) continue;
@@ -154,7 +156,7 @@ class SteadyState {
   }
   const double* row(int64_t k) const { return &hist_[static_cast<size_t>(k % rows_) * n_]; }
   void record(int64_t k, const std::vector<double>& free_at) {
-    if (k < first_ - P_ - (D - 1) || k > last_) return;  // a row no check reads
+    if (k < first_ - P_ - (D_ - 1) || k > last_) return;  // a row no check reads
     std::copy(free_at.begin(), free_at.end(), hist_.begin() + static_cast<std::ptrdiff_t>(static_cast<size_t>(k % rows_) * n_));
   }
   // After the refill: every stage's time moves by the shift and the walk on by J periods.
@@ -166,11 +168,11 @@ class SteadyState {
   int64_t jump(int64_t k, double* shift) const {
     if (k < first_ || k > last_) return 0;  // outside every region's checks
     for (const Region& r : regions_) {
-      if (k - P_ + 1 < r.lo || k + P_ > r.hi || k - P_ - (D - 1) < 0) continue;
+      if (k - P_ + 1 < r.lo || k + P_ > r.hi || k - P_ - (D_ - 1) < 0) continue;
       const double c = row(k)[0] - row(k - P_)[0];
       const double tol = 1e-12 * row(k)[0];
       bool periodic = true;
-      for (int64_t d = 0; d < D && periodic; ++d) {
+      for (int64_t d = 0; d < D_ && periodic; ++d) {
         const double* now = row(k - d);
         const double* before = row(k - d - P_);
         for (size_t s = 0; s < n_ && periodic; ++s) periodic = std::fabs((now[s] - before[s]) - c) <= tol;
@@ -184,7 +186,7 @@ class SteadyState {
   }
 
  private:
-  int64_t P_, rows_;
+  int64_t P_, D_, rows_;
   int64_t first_ = INT64_MAX, last_ = INT64_MIN;  // the positions where jump() can say yes
   size_t n_;
   std::vector<double>& hist_;
@@ -207,14 +209,20 @@ class SteadyState {
 // kMaxWalkSteps or (interleaved) an input is not where it looks for it; the caller then
 // walks the stored schedule.
 //
-// The interleaved schedule, its positions from ScheduleShape.
+// The interleaved schedule, its positions from ScheduleShape. Micro-batches run through the
+// chunks in groups of g (Megatron-core's schedule table: g = p unless set): forward i
+// runs chunk (i mod gv) / g of the full groups, and the last group, of r <= g
+// micro-batches, chunk (i - head) / r, where head = (groups before it) g v; backward i the
+// chunks in reverse. The steady state's period is one full group through all chunks (2gv
+// positions), and its region ends before the first stage reaches the last group.
 bool interleaved_walk(int64_t m, const StageTimes& st, SimResult* out) {
-  const int64_t p = st.p;
-  // Groups of other than p micro-batches change the round below: walked from the lists.
-  if (st.g > 0 && st.g != p) return false;
-  const ScheduleShape sh{ScheduleKind::interleaved, p, st.v, m};
-  const int64_t v = sh.v, pv = p * v, total = m * v, positions = 2 * total, P = 2 * pv;
-  constexpr int64_t D = SteadyState::D;
+  const int64_t p = st.p, g = st.g > 0 ? st.g : p;
+  if (g < p) return false;  // (Megatron-core refuses such groups; the stored walk shows why)
+  const ScheduleShape sh{ScheduleKind::interleaved, p, st.v, m, g};
+  const int64_t v = sh.v, gv = g * v, total = m * v, positions = 2 * total, P = 2 * gv;
+  const int64_t full = (m - 1) / g, r = m - full * g;  // groups before the last; its size
+  const int64_t head = r == g ? total : full * gv;     // the forwards of full groups
+  const int64_t D = 2 * (g - p + 1);  // (SteadyState)
   const size_t n = static_cast<size_t>(p);
   // The estimate's hot path for interleaved plans, so its state lives in per-thread
   // scratch, in arrays the loops below index directly.
@@ -225,18 +233,20 @@ bool interleaved_walk(int64_t m, const StageTimes& st, SimResult* out) {
   thread_local std::vector<double> hist, free_at, fsum, bsum;
   thread_local std::vector<Done> fdone, bdone;
   thread_local std::vector<int64_t> warm, fidx, bidx;
-  thread_local std::vector<int32_t> fpos, bpos, chunk_at;
-  SteadyState steady(P, {sh.warmup(0) + D, positions - sh.warmup(0) - 1}, {1, 0}, n, &hist);
+  thread_local std::vector<int32_t> fpos, bpos, chunk_at, last_chunk_at;
+  const int64_t w0 = sh.warmup(0);
+  SteadyState steady(P, {w0 + D, std::min(positions - w0 - 1, 2 * head - w0 - 1)}, {1, 0}, n, &hist, D);
   // Finished steps by (stage, direction, index), tagged with their index; a slot overwritten
   // before its consumer ran sends the caller to the general walk.
   int64_t R = 4;
-  while (R < 2 * p + 4) R *= 2;
+  while (R < 2 * std::max(g, p) + 4) R *= 2;
   const int64_t mask = R - 1;
   fdone.assign(n * static_cast<size_t>(R), Done{-1, 0.0});
   bdone.assign(n * static_cast<size_t>(R), Done{-1, 0.0});
   free_at.assign(n, 0.0);
   // A step's time on (stage, chunk) with the send that follows it (none after the last
   // chunk's forward on the last stage and the first chunk's backward on the first).
+  const int64_t pv = p * v;
   fsum.resize(static_cast<size_t>(pv));
   bsum.resize(static_cast<size_t>(pv));
   for (int64_t c = 0; c < v; ++c)
@@ -246,15 +256,17 @@ bool interleaved_walk(int64_t m, const StageTimes& st, SimResult* out) {
       bsum[static_cast<size_t>(c * p + s)] = st.b(s, c) + ((s == 0 && c == 0) ? 0.0 : send);
     }
   // Each stage's warm-up and where it is in its lists: the forwards and backwards run so
-  // far and their place in the round of pv steps, whose chunk chunk_at gives: forward i
-  // runs chunk (i mod pv) / p, backward i the chunks in reverse (ScheduleShape).
+  // far and, in the full groups, their place in the group's round of gv steps, whose chunk
+  // chunk_at gives; last_chunk_at gives the last group's by its place in that group.
   warm.resize(n);
   fidx.assign(n, 0);
   bidx.assign(n, 0);
   fpos.assign(n, 0);
   bpos.assign(n, 0);
-  chunk_at.resize(static_cast<size_t>(pv));
-  for (int64_t i = 0; i < pv; ++i) chunk_at[static_cast<size_t>(i)] = static_cast<int32_t>(i / p);
+  chunk_at.resize(static_cast<size_t>(gv));
+  for (int64_t i = 0; i < gv; ++i) chunk_at[static_cast<size_t>(i)] = static_cast<int32_t>(i / g);
+  last_chunk_at.resize(static_cast<size_t>(r * v));
+  for (int64_t i = 0; i < r * v; ++i) last_chunk_at[static_cast<size_t>(i)] = static_cast<int32_t>(i / r);
   for (int64_t s = 0; s < p; ++s) warm[static_cast<size_t>(s)] = sh.warmup(s);
   bool jumped = false;
   int64_t walked = 0;
@@ -271,6 +283,19 @@ bool interleaved_walk(int64_t m, const StageTimes& st, SimResult* out) {
   int32_t* const fp = fpos.data();
   int32_t* const bp = bpos.data();
   const int32_t* const ch = chunk_at.data();
+  const int32_t* const last_ch = last_chunk_at.data();
+  // Step `index`'s chunk in forward order and how many steps before it the same
+  // micro-batch ran the chunk before (its group's size); `at` is its place in the round.
+  auto chunk_of = [&](int64_t index, int32_t* at, int64_t* group) -> int64_t {
+    if (index < head) {
+      const int32_t k = *at;
+      *at = k + 1 == gv ? 0 : k + 1;
+      *group = g;
+      return ch[k];
+    }
+    *group = r;
+    return last_ch[index - head];
+  };
 
   // Which stages run forwards at a position: warm-ups fall by 2 per stage, so the stages in
   // their warm-up (w > k) are a prefix, all running forwards, as are those in their
@@ -290,20 +315,19 @@ bool interleaved_walk(int64_t m, const StageTimes& st, SimResult* out) {
     const bool steady_forward = ((k - wm[p - 1]) & 1) == 0;
     // Forwards, first stage to last: forward i of stage s > 0 takes forward i of the stage
     // before; the first stage's forward of chunk c > 0 takes the last stage's forward of
-    // chunk c - 1, p forwards earlier in its list.
+    // chunk c - 1, one group earlier in its list.
     for (int64_t s = warming ? 0 : a, end_s = steady_forward ? p : a; s < end_s; ++s) {
       const size_t i = static_cast<size_t>(s);
       const int64_t index = fi[i]++;
-      const int32_t at = fp[i];
-      fp[i] = at + 1 == pv ? 0 : at + 1;
-      const int64_t c = ch[at];
+      int64_t group = 0;
+      const int64_t c = chunk_of(index, &fp[i], &group);
       double ready = 0;
       if (s > 0) {
         const Done& d = fd[static_cast<size_t>((s - 1) * R + (index & mask))];
         if (d.index != index) return false;
         ready = d.t;
       } else if (c > 0) {
-        const int64_t in = index - p;
+        const int64_t in = index - group;
         const Done& d = fd[static_cast<size_t>((p - 1) * R + (in & mask))];
         if (d.index != in) return false;
         ready = d.t;
@@ -317,16 +341,15 @@ bool interleaved_walk(int64_t m, const StageTimes& st, SimResult* out) {
     for (int64_t s = (steady_forward ? a : p) - 1, end_s = warming ? a : 0; s >= end_s; --s) {
       const size_t i = static_cast<size_t>(s);
       const int64_t index = bi[i]++;
-      const int32_t at = bp[i];
-      bp[i] = at + 1 == pv ? 0 : at + 1;
-      const int64_t c = v - 1 - ch[at];
+      int64_t group = 0;
+      const int64_t c = v - 1 - chunk_of(index, &bp[i], &group);
       double ready = 0;
       if (s < p - 1) {
         const Done& d = bd[static_cast<size_t>((s + 1) * R + (index & mask))];
         if (d.index != index) return false;
         ready = d.t;
       } else if (c < v - 1) {
-        const int64_t in = index - p;
+        const int64_t in = index - group;
         const Done& d = bd[static_cast<size_t>(in & mask)];
         if (d.index != in) return false;
         ready = d.t;
@@ -349,11 +372,11 @@ bool interleaved_walk(int64_t m, const StageTimes& st, SimResult* out) {
           (will.forward ? fd : bd)[static_cast<size_t>(s * R + (will.index & mask))] = Done{will.index, t[s] + shift};
         }
       }
-      // Every stage ran pv forwards and pv backwards per period: its places in the round
-      // are the same.
+      // Every stage ran gv forwards and gv backwards per period, all in full groups: its
+      // places in the round are the same.
       for (size_t i = 0; i < n; ++i) {
-        fidx[i] += J * pv;
-        bidx[i] += J * pv;
+        fidx[i] += J * gv;
+        bidx[i] += J * gv;
       }
       steady.jumped(&k, J, shift, &free_at);
       jumped = true;
@@ -409,7 +432,7 @@ bool one_chunk_walk(ScheduleKind kind, int64_t m, const StageTimes& st, SimResul
   }
   // The steady regions: GPipe's two phases, 1F1B's forward/backward pairs.
   const int64_t w0 = gpipe ? m : std::min(p - 1, m);
-  SteadyState steady(P, gpipe ? SteadyState::Region{1, m - 1} : SteadyState::Region{w0 + SteadyState::D, positions - w0 - 1},
+  SteadyState steady(P, gpipe ? SteadyState::Region{1, m - 1} : SteadyState::Region{w0 + 2, positions - w0 - 1},
                      gpipe ? SteadyState::Region{m + 1, positions - 1} : SteadyState::Region{1, 0}, n, &hist);
   // Raw pointers, so that the stores through doubles need not reload the vectors' own.
   const double* const f_dur = fs.data();

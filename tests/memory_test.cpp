@@ -243,6 +243,26 @@ TEST(Memory, MicrobatchesInFlight) {
             EXPECT_EQ(fl.all[static_cast<size_t>(s)], w < total ? w + 1 : total) << p << " " << v << " " << m << " " << g;
           }
         }
+  // ... and every count, of all chunks and of the first and last alone, is that of walking
+  // make_schedule() with the groups, short schedules and long ones (whose middle rounds
+  // in_flight() skips), every group Megatron-core accepts.
+  int grouped = 0;
+  for (int64_t p : {2, 3, 4, 5, 8})
+    for (int64_t v : {2, 3, 5})
+      for (int64_t m : {p + 1, 2 * p - 1, 2 * p + 1, 3 * p + 2, int64_t{37}, int64_t{95}, int64_t{190}})
+        for (int64_t g = p; g <= m; ++g) {
+          if (m % g != 0 && m % g < p) continue;
+          if (g == p && m % p == 0) continue;  // the closed form above
+          const Schedule sc = make_schedule(ScheduleKind::interleaved, p, v, m, g);
+          const InFlight fl = in_flight(ScheduleKind::interleaved, p, v, m, g);
+          const std::string what = std::to_string(p) + " " + std::to_string(v) + " " + std::to_string(m) + " " +
+                                   std::to_string(g);
+          EXPECT_EQ(fl.all, peak_in_flight(sc)) << what;
+          EXPECT_EQ(fl.first, peak_in_flight_of_chunk(sc, 0)) << what;
+          EXPECT_EQ(fl.last, peak_in_flight_of_chunk(sc, static_cast<int32_t>(v - 1))) << what;
+          ++grouped;
+        }
+  std::printf("%d grouped interleaved schedules counted\n", grouped);
 }
 
 TEST(Memory, FrameworkOverheadAndPeak) {

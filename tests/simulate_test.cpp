@@ -202,6 +202,51 @@ TEST(Simulate, PositionWalkMatchesTheStoredWalk) {
   EXPECT_GT(jumped, cases / 4);
 }
 
+// The interleaved position walk with Megatron-core's micro-batch groups: every group it
+// accepts (p <= g <= m, the last group empty or at least p), uniform and random stage
+// times, against the stored walk; long schedules must still jump their steady state.
+TEST(Simulate, PositionWalkWithGroupsMatchesTheStoredWalk) {
+  std::mt19937 rng(5);
+  std::uniform_real_distribution<double> u(0.5, 1.5);
+  int cases = 0, jumped = 0;
+  for (int64_t p : {2, 3, 4, 5, 8}) {
+    const int64_t v = p % 2 ? 3 : 2;
+    for (int64_t m : {p, p + 1, 2 * p - 1, 2 * p + 1, 3 * p + 2, int64_t{37}, int64_t{95}, int64_t{190}}) {
+      if (m < p) continue;
+      for (int64_t g = p; g <= m; ++g) {
+        if (m % g != 0 && m % g < p) continue;     // Megatron-core refuses it
+        if (g > 2 * p + 3 && g != m) continue;     // enough groups to cover the shapes
+        for (int random = 0; random < 2; ++random) {
+          StageTimes st = uniform(p, v, 1, 2, 0.05);
+          st.g = g;
+          if (random) {
+            for (auto& x : st.fwd_s) x = u(rng);
+            for (auto& x : st.bwd_s) x = 2 * u(rng);
+            for (auto& x : st.send_s) x *= u(rng);
+          } else {
+            st.fwd_s.back() += 0.3;  // the output layer
+            st.bwd_s.back() += 0.6;
+          }
+          const SimResult full = simulate(make_schedule(ScheduleKind::interleaved, p, v, m, g), st, false);
+          const SimResult fast = simulate_pipeline(ScheduleKind::interleaved, m, st, false);
+          const std::string what = "p=" + std::to_string(p) + " m=" + std::to_string(m) + " g=" + std::to_string(g);
+          ++cases;
+          jumped += fast.extrapolated;
+          EXPECT_TRUE(fast.by_position) << what;
+          EXPECT_NEAR(fast.makespan_s / full.makespan_s, 1.0, 1e-12) << what;
+          for (size_t s = 0; s < static_cast<size_t>(p); ++s) {
+            EXPECT_NEAR(fast.end_s[s] / full.end_s[s], 1.0, 1e-12) << what << " stage " << s;
+            EXPECT_NEAR(fast.compute_s[s], full.compute_s[s], 1e-9 * full.compute_s[s]) << what;
+            EXPECT_NEAR(fast.p2p_s[s], full.p2p_s[s], 1e-9 * (1 + full.p2p_s[s])) << what;
+          }
+        }
+      }
+    }
+  }
+  std::printf("%d grouped interleaved schedules walked by position, %d of them jumped\n", cases, jumped);
+  EXPECT_GT(jumped, cases / 4);
+}
+
 TEST(Simulate, DeadlockIsReported) {
   Schedule sc = make_schedule(ScheduleKind::one_f_one_b, 2, 1, 2);
   std::swap(sc.stages[1][0], sc.stages[1][1]);  // stage 1 would run B0 before F0
