@@ -233,7 +233,8 @@ bool interleaved_walk(int64_t m, const StageTimes& st, SimResult* out) {
   thread_local std::vector<double> hist, free_at, fsum, bsum;
   thread_local std::vector<Done> fdone, bdone;
   thread_local std::vector<int64_t> warm, fidx, bidx;
-  thread_local std::vector<int32_t> fpos, bpos, chunk_at, last_chunk_at;
+  thread_local std::vector<int64_t> fnext, bnext;
+  thread_local std::vector<int32_t> fchunk, bchunk;
   const int64_t w0 = sh.warmup(0);
   SteadyState steady(P, {w0 + D, std::min(positions - w0 - 1, 2 * head - w0 - 1)}, {1, 0}, n, &hist, D);
   // Finished steps by (stage, direction, index), tagged with their index; a slot overwritten
@@ -256,17 +257,14 @@ bool interleaved_walk(int64_t m, const StageTimes& st, SimResult* out) {
       bsum[static_cast<size_t>(c * p + s)] = st.b(s, c) + ((s == 0 && c == 0) ? 0.0 : send);
     }
   // Each stage's warm-up and where it is in its lists: the forwards and backwards run so
-  // far and, in the full groups, their place in the group's round of gv steps, whose chunk
-  // chunk_at gives; last_chunk_at gives the last group's by its place in that group.
+  // far, the chunk (in forward order) of the next one and the index where that chunk ends.
   warm.resize(n);
   fidx.assign(n, 0);
   bidx.assign(n, 0);
-  fpos.assign(n, 0);
-  bpos.assign(n, 0);
-  chunk_at.resize(static_cast<size_t>(gv));
-  for (int64_t i = 0; i < gv; ++i) chunk_at[static_cast<size_t>(i)] = static_cast<int32_t>(i / g);
-  last_chunk_at.resize(static_cast<size_t>(r * v));
-  for (int64_t i = 0; i < r * v; ++i) last_chunk_at[static_cast<size_t>(i)] = static_cast<int32_t>(i / r);
+  fchunk.assign(n, 0);
+  bchunk.assign(n, 0);
+  fnext.assign(n, head == 0 ? r : g);
+  bnext.assign(n, head == 0 ? r : g);
   for (int64_t s = 0; s < p; ++s) warm[static_cast<size_t>(s)] = sh.warmup(s);
   bool jumped = false;
   int64_t walked = 0;
@@ -280,21 +278,24 @@ bool interleaved_walk(int64_t m, const StageTimes& st, SimResult* out) {
   const int64_t* const wm = warm.data();
   int64_t* const fi = fidx.data();
   int64_t* const bi = bidx.data();
-  int32_t* const fp = fpos.data();
-  int32_t* const bp = bpos.data();
-  const int32_t* const ch = chunk_at.data();
-  const int32_t* const last_ch = last_chunk_at.data();
-  // Step `index`'s chunk in forward order and how many steps before it the same
-  // micro-batch ran the chunk before (its group's size); `at` is its place in the round.
-  auto chunk_of = [&](int64_t index, int32_t* at, int64_t* group) -> int64_t {
-    if (index < head) {
-      const int32_t k = *at;
-      *at = k + 1 == gv ? 0 : k + 1;
-      *group = g;
-      return ch[k];
+  int32_t* const fc = fchunk.data();
+  int32_t* const bc = bchunk.data();
+  int64_t* const fn = fnext.data();
+  int64_t* const bn = bnext.data();
+  // Step `index`'s chunk in forward order, from the stage's chunk and where it ends: past
+  // the end the next chunk begins (chunk 0 again after the last, a new group), and the
+  // last group's chunks hold r steps.
+  auto chunk_of = [&](int64_t index, int32_t* c, int64_t* next) -> int64_t {
+    if (index == *next) {
+      if (index == head) {
+        *c = 0;
+        *next = head + r;
+      } else {
+        *c = *c + 1 == v ? 0 : *c + 1;
+        *next = index + (index < head ? g : r);
+      }
     }
-    *group = r;
-    return last_ch[index - head];
+    return *c;
   };
 
   // Which stages run forwards at a position: warm-ups fall by 2 per stage, so the stages in
@@ -319,15 +320,14 @@ bool interleaved_walk(int64_t m, const StageTimes& st, SimResult* out) {
     for (int64_t s = warming ? 0 : a, end_s = steady_forward ? p : a; s < end_s; ++s) {
       const size_t i = static_cast<size_t>(s);
       const int64_t index = fi[i]++;
-      int64_t group = 0;
-      const int64_t c = chunk_of(index, &fp[i], &group);
+      const int64_t c = chunk_of(index, &fc[i], &fn[i]);
       double ready = 0;
       if (s > 0) {
         const Done& d = fd[static_cast<size_t>((s - 1) * R + (index & mask))];
         if (d.index != index) return false;
         ready = d.t;
       } else if (c > 0) {
-        const int64_t in = index - group;
+        const int64_t in = index - (index < head ? g : r);  // one group back
         const Done& d = fd[static_cast<size_t>((p - 1) * R + (in & mask))];
         if (d.index != in) return false;
         ready = d.t;
@@ -341,15 +341,14 @@ bool interleaved_walk(int64_t m, const StageTimes& st, SimResult* out) {
     for (int64_t s = (steady_forward ? a : p) - 1, end_s = warming ? a : 0; s >= end_s; --s) {
       const size_t i = static_cast<size_t>(s);
       const int64_t index = bi[i]++;
-      int64_t group = 0;
-      const int64_t c = v - 1 - chunk_of(index, &bp[i], &group);
+      const int64_t c = v - 1 - chunk_of(index, &bc[i], &bn[i]);
       double ready = 0;
       if (s < p - 1) {
         const Done& d = bd[static_cast<size_t>((s + 1) * R + (index & mask))];
         if (d.index != index) return false;
         ready = d.t;
       } else if (c < v - 1) {
-        const int64_t in = index - group;
+        const int64_t in = index - (index < head ? g : r);
         const Done& d = bd[static_cast<size_t>(in & mask)];
         if (d.index != in) return false;
         ready = d.t;
@@ -373,10 +372,12 @@ bool interleaved_walk(int64_t m, const StageTimes& st, SimResult* out) {
         }
       }
       // Every stage ran gv forwards and gv backwards per period, all in full groups: its
-      // places in the round are the same.
+      // chunks are the same, J rounds on.
       for (size_t i = 0; i < n; ++i) {
         fidx[i] += J * gv;
         bidx[i] += J * gv;
+        fnext[i] += J * gv;
+        bnext[i] += J * gv;
       }
       steady.jumped(&k, J, shift, &free_at);
       jumped = true;
