@@ -147,12 +147,14 @@ class SteadyState {
   // forward of 2 (g - p + 1) positions before).
   SteadyState(int64_t P, Region a, Region b, size_t stages, std::vector<double>* scratch, int64_t D = 2)
       : P_(P), D_(D), rows_(P + D), n_(stages), hist_(*scratch), regions_{a, b} {
-    hist_.assign(static_cast<size_t>(rows_) * n_, 0.0);
     for (const Region& r : regions_) {
       if (r.lo > r.hi) continue;
       first_ = std::min(first_, std::max(r.lo + P - 1, P + D - 1));
       last_ = std::max(last_, r.hi - P);
     }
+    // No history without a position to check (a group as long as the schedule has none).
+    if (first_ > last_) first_ = INT64_MAX, last_ = INT64_MIN;
+    hist_.assign(first_ <= last_ ? static_cast<size_t>(rows_) * n_ : 0, 0.0);
   }
   const double* row(int64_t k) const { return &hist_[static_cast<size_t>(k % rows_) * n_]; }
   void record(int64_t k, const std::vector<double>& free_at) {
@@ -199,10 +201,10 @@ class SteadyState {
 // (forwards: swept from the first stage) or further down (backwards: swept from the last),
 // so they need neither the step lists nor a worklist. Where every stage is in its steady
 // state (alternating forward and backward) the walk maps the state (the finishing times of
-// the last two positions, which is all a steady step reads) by the same max-plus linear
-// map every period of P positions: one micro-batch for 1F1B (2 positions), one round of p
-// micro-batches through all v chunks for the interleaved schedule (2pv), one position in
-// either phase of GPipe. Once a period moves every stage's times by the same c, each later
+// the last D positions, which is all a steady step reads: 2, or 2(g - p + 1) for the
+// interleaved schedule's groups of g) by the same max-plus linear map every period of P
+// positions: one micro-batch for 1F1B (2 positions), one group of g micro-batches through
+// all v chunks for the interleaved schedule (2gv), one position in either phase of GPipe. Once a period moves every stage's times by the same c, each later
 // period moves them by c again (a max-plus map commutes with adding a constant), so the
 // walk jumps by whole periods to the end of that region (SteadyState) and walks the rest:
 // exact up to rounding. They return false, leaving *out alone, when the walk would exceed
@@ -395,7 +397,7 @@ bool interleaved_walk(int64_t m, const StageTimes& st, SimResult* out) {
 // So at position k the stages fall into two runs. Warm-ups shrink down the pipeline, so
 // the stages still in their warm-up (w > k: s < p - 1 - k, all of them when k < m for
 // GPipe) are a prefix, all running forwards; alike those in their cool-down (w >= 2m - k:
-// s <= p - 2m + k, all when k >= m for GPipe) are a prefix, all running backwards, and the
+// s < p - 2m + k, all when k >= m for GPipe) are a prefix, all running backwards, and the
 // two never meet (warm-up needs k < w <= m, cool-down k >= 2m - w >= m). The stages after
 // the prefix are in their steady state with w = p - 1 - s (a capped warm-up w = m has no
 // steady state), running a forward where k - w is even: every other stage.

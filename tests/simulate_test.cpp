@@ -70,8 +70,15 @@ TEST(Simulate, InterleavedGroupsKeepTheClassicBubble) {
     }
   }
   EXPECT_GT(checked, 100);
-  const SimResult stalled = simulate(make_schedule(ScheduleKind::interleaved, 4, 2, 5, 4), uniform(4, 2, f, b, 0), false);
+  StageTimes four = uniform(4, 2, f, b, 0);
+  four.g = 4;
+  const SimResult stalled = simulate(make_schedule(ScheduleKind::interleaved, 4, 2, 5, 4), four, false);
   EXPECT_GT(stalled.makespan_s, static_cast<double>(5 * 2 + 4 - 1) * (f + b));
+  // The position walk finds that input missing where it looks and hands over to the
+  // stored walk, which gives the stall.
+  const SimResult fallback = simulate_pipeline(ScheduleKind::interleaved, 5, four, false);
+  EXPECT_FALSE(fallback.by_position);
+  EXPECT_DOUBLE_EQ(fallback.makespan_s, stalled.makespan_s);
 }
 
 // The executor's replay (simulate_steps): each step its own duration. GPipe, p = 2, m = 2,
@@ -209,35 +216,37 @@ TEST(Simulate, PositionWalkWithGroupsMatchesTheStoredWalk) {
   std::mt19937 rng(5);
   std::uniform_real_distribution<double> u(0.5, 1.5);
   int cases = 0, jumped = 0;
-  for (int64_t p : {2, 3, 4, 5, 8}) {
-    const int64_t v = p % 2 ? 3 : 2;
-    for (int64_t m : {p, p + 1, 2 * p - 1, 2 * p + 1, 3 * p + 2, int64_t{37}, int64_t{95}, int64_t{190}}) {
-      if (m < p) continue;
-      for (int64_t g = p; g <= m; ++g) {
-        if (m % g != 0 && m % g < p) continue;     // Megatron-core refuses it
-        if (g > 2 * p + 3 && g != m) continue;     // enough groups to cover the shapes
-        for (int random = 0; random < 2; ++random) {
-          StageTimes st = uniform(p, v, 1, 2, 0.05);
-          st.g = g;
-          if (random) {
-            for (auto& x : st.fwd_s) x = u(rng);
-            for (auto& x : st.bwd_s) x = 2 * u(rng);
-            for (auto& x : st.send_s) x *= u(rng);
-          } else {
-            st.fwd_s.back() += 0.3;  // the output layer
-            st.bwd_s.back() += 0.6;
-          }
-          const SimResult full = simulate(make_schedule(ScheduleKind::interleaved, p, v, m, g), st, false);
-          const SimResult fast = simulate_pipeline(ScheduleKind::interleaved, m, st, false);
-          const std::string what = "p=" + std::to_string(p) + " m=" + std::to_string(m) + " g=" + std::to_string(g);
-          ++cases;
-          jumped += fast.extrapolated;
-          EXPECT_TRUE(fast.by_position) << what;
-          EXPECT_NEAR(fast.makespan_s / full.makespan_s, 1.0, 1e-12) << what;
-          for (size_t s = 0; s < static_cast<size_t>(p); ++s) {
-            EXPECT_NEAR(fast.end_s[s] / full.end_s[s], 1.0, 1e-12) << what << " stage " << s;
-            EXPECT_NEAR(fast.compute_s[s], full.compute_s[s], 1e-9 * full.compute_s[s]) << what;
-            EXPECT_NEAR(fast.p2p_s[s], full.p2p_s[s], 1e-9 * (1 + full.p2p_s[s])) << what;
+  for (int64_t p : {2, 3, 4, 5, 8, 12}) {
+    for (int64_t v : {p % 2 ? int64_t{3} : int64_t{2}, int64_t{4}}) {
+      for (int64_t m : {p, p + 1, 2 * p - 1, 2 * p + 1, 3 * p + 2, int64_t{37}, int64_t{95}, int64_t{190}}) {
+        if (m < p) continue;
+        for (int64_t g = p; g <= m; ++g) {
+          if (m % g != 0 && m % g < p) continue;     // Megatron-core refuses it
+          if (g > 2 * p + 3 && g != m) continue;     // enough groups to cover the shapes
+          for (int random = 0; random < 2; ++random) {
+            StageTimes st = uniform(p, v, 1, 2, 0.05);
+            st.g = g;
+            if (random) {
+              for (auto& x : st.fwd_s) x = u(rng);
+              for (auto& x : st.bwd_s) x = 2 * u(rng);
+              for (auto& x : st.send_s) x *= u(rng);
+            } else {
+              st.fwd_s.back() += 0.3;  // the output layer
+              st.bwd_s.back() += 0.6;
+            }
+            const SimResult full = simulate(make_schedule(ScheduleKind::interleaved, p, v, m, g), st, false);
+            const SimResult fast = simulate_pipeline(ScheduleKind::interleaved, m, st, false);
+            const std::string what =
+                "p=" + std::to_string(p) + " v=" + std::to_string(v) + " m=" + std::to_string(m) + " g=" + std::to_string(g);
+            ++cases;
+            jumped += fast.extrapolated;
+            EXPECT_TRUE(fast.by_position) << what;
+            EXPECT_NEAR(fast.makespan_s / full.makespan_s, 1.0, 1e-12) << what;
+            for (size_t s = 0; s < static_cast<size_t>(p); ++s) {
+              EXPECT_NEAR(fast.end_s[s] / full.end_s[s], 1.0, 1e-12) << what << " stage " << s;
+              EXPECT_NEAR(fast.compute_s[s], full.compute_s[s], 1e-9 * full.compute_s[s]) << what;
+              EXPECT_NEAR(fast.p2p_s[s], full.p2p_s[s], 1e-9 * (1 + full.p2p_s[s])) << what;
+            }
           }
         }
       }
