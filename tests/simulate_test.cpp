@@ -167,6 +167,19 @@ TEST(Simulate, UniformPipelinesAreExtrapolatedEarly) {
   }
 }
 
+// The position walk (no fallback) against the stored walk: the same finishing times to
+// rounding, the same busy and send times.
+void expect_same_walk(const SimResult& fast, const SimResult& full, const std::string& what) {
+  EXPECT_TRUE(fast.by_position) << what;
+  EXPECT_NEAR(fast.makespan_s / full.makespan_s, 1.0, 1e-12) << what;
+  ASSERT_EQ(fast.end_s.size(), full.end_s.size()) << what;
+  for (size_t s = 0; s < full.end_s.size(); ++s) {
+    EXPECT_NEAR(fast.end_s[s] / full.end_s[s], 1.0, 1e-12) << what << " stage " << s;
+    EXPECT_NEAR(fast.compute_s[s], full.compute_s[s], 1e-9 * full.compute_s[s]) << what;
+    EXPECT_NEAR(fast.p2p_s[s], full.p2p_s[s], 1e-9 * (1 + full.p2p_s[s])) << what;
+  }
+}
+
 // The position-by-position walk (with its jumps) against the stored walk for every
 // schedule, short and long, uniform and random stage times; it must never need the
 // fallback for a schedule make_schedule() builds.
@@ -194,13 +207,7 @@ TEST(Simulate, PositionWalkMatchesTheStoredWalk) {
           const std::string what = std::string(to_string(kind)) + " p=" + std::to_string(p) + " m=" + std::to_string(m);
           ++cases;
           jumped += fast.extrapolated;
-          EXPECT_TRUE(fast.by_position) << what;
-          EXPECT_NEAR(fast.makespan_s / full.makespan_s, 1.0, 1e-12) << what;
-          for (size_t s = 0; s < static_cast<size_t>(p); ++s) {
-            EXPECT_NEAR(fast.end_s[s] / full.end_s[s], 1.0, 1e-12) << what << " stage " << s;
-            EXPECT_NEAR(fast.compute_s[s], full.compute_s[s], 1e-9 * full.compute_s[s]) << what;
-            EXPECT_NEAR(fast.p2p_s[s], full.p2p_s[s], 1e-9 * (1 + full.p2p_s[s])) << what;
-          }
+          expect_same_walk(fast, full, what);
         }
       }
     }
@@ -240,13 +247,7 @@ TEST(Simulate, PositionWalkWithGroupsMatchesTheStoredWalk) {
                 "p=" + std::to_string(p) + " v=" + std::to_string(v) + " m=" + std::to_string(m) + " g=" + std::to_string(g);
             ++cases;
             jumped += fast.extrapolated;
-            EXPECT_TRUE(fast.by_position) << what;
-            EXPECT_NEAR(fast.makespan_s / full.makespan_s, 1.0, 1e-12) << what;
-            for (size_t s = 0; s < static_cast<size_t>(p); ++s) {
-              EXPECT_NEAR(fast.end_s[s] / full.end_s[s], 1.0, 1e-12) << what << " stage " << s;
-              EXPECT_NEAR(fast.compute_s[s], full.compute_s[s], 1e-9 * full.compute_s[s]) << what;
-              EXPECT_NEAR(fast.p2p_s[s], full.p2p_s[s], 1e-9 * (1 + full.p2p_s[s])) << what;
-            }
+            expect_same_walk(fast, full, what);
           }
         }
       }
