@@ -20,9 +20,9 @@ struct ChunkCounter {
   int64_t k = 0, f0 = 0, fl = 0;
   int64_t pos = 0;  // k's place in its group's round (gv steps; rv in the last group)
   ChunkCounter(int64_t g_, int64_t v_, int64_t m, int64_t k0) : g(g_), v(v_) {
-    const int64_t full = (m - 1) / g;
-    r = m - full * g;
-    head = full * g * v;
+    const Groups gr = groups_of(m, g, v);
+    r = gr.last;
+    head = gr.head;
     // The counts at k0 in closed form, then step by step.
     const int64_t kh = std::min(k0, head), rounds = kh / (g * v), in = kh % (g * v);
     f0 = rounds * g + std::min(in, g);
@@ -58,7 +58,7 @@ struct ChunkCounter {
 // peak_in_flight() of make_schedule().
 void grouped_in_flight(int64_t p, int64_t v, int64_t m, int64_t g, InFlight* out) {
   const ScheduleShape sh{ScheduleKind::interleaved, p, v, m, g};
-  const int64_t total = m * v, gv = g * v, head = ((m - 1) / g) * gv;
+  const int64_t total = m * v, gv = g * v, head = groups_of(m, g, v).head;
   for (auto* x : {&out->all, &out->first, &out->last}) x->resize(static_cast<size_t>(p));
   for (int64_t s = 0; s < p; ++s) {
     const size_t i_s = static_cast<size_t>(s);

@@ -10,15 +10,14 @@ namespace {
 // Forward or backward k of the interleaved schedule with groups of g micro-batches
 // (schedule.h): Megatron's schedule table in closed form.
 Step interleaved_step(int64_t k, int64_t v, int64_t m, int64_t g, bool forward) {
-  const int64_t full = (m - 1) / g;  // groups before the last
-  const int64_t head = full * g * v;  // their forwards
+  const auto [full, r, head] = groups_of(m, g, v);
   int64_t chunk = 0, mb = 0;
   if (k < head) {
     const int64_t in = k % (g * v);
     chunk = in / g;
     mb = (k / (g * v)) * g + in % g;
   } else {
-    const int64_t r = m - full * g, in = k - head;
+    const int64_t in = k - head;
     chunk = in / r;
     mb = full * g + in % r;
   }

@@ -22,6 +22,17 @@
 
 namespace strata {
 
+// The interleaved schedule's groups of g of m micro-batches: the full groups before the
+// last, the last group's size r (1 to g), and the forwards (or backwards) of the full
+// groups, which run chunk (k mod gv) / g; the last group's chunk (k - head) / r.
+struct Groups {
+  int64_t full, last, head;
+};
+inline Groups groups_of(int64_t m, int64_t g, int64_t v) {
+  const int64_t full = (m - 1) / g;
+  return Groups{full, m - full * g, full * g * v};
+}
+
 struct Step {
   int32_t chunk = 0;
   int32_t mb = 0;

@@ -222,8 +222,9 @@ bool interleaved_walk(int64_t m, const StageTimes& st, SimResult* out) {
   if (g < p) return false;  // (Megatron-core refuses such groups; the stored walk shows why)
   const ScheduleShape sh{ScheduleKind::interleaved, p, st.v, m, g};
   const int64_t v = sh.v, gv = g * v, total = m * v, positions = 2 * total, P = 2 * gv;
-  const int64_t full = (m - 1) / g, r = m - full * g;  // groups before the last; its size
-  const int64_t head = r == g ? total : full * gv;     // the forwards of full groups
+  const Groups gr = groups_of(m, g, v);
+  const int64_t r = gr.last;
+  const int64_t head = r == g ? total : gr.head;  // the forwards of full groups (all when the last is full)
   const int64_t D = 2 * (g - p + 1);  // (SteadyState)
   const size_t n = static_cast<size_t>(p);
   // The estimate's hot path for interleaved plans, so its state lives in per-thread
