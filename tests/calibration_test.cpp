@@ -83,30 +83,63 @@ TEST(Calibration, PublishedRuns) {
 
   EXPECT_LE(median(all), 0.05);
   EXPECT_LE(median(bloom_mem), 0.10);
-  // Rows no mechanism of the model explains, each checked against its sibling rows in the
-  // same table; named here and in README rather than absorbed by a per-row fudge. They
-  // must stay within 25 %; every other row within 15 %.
-  const std::map<std::string, std::string> known_misses = {
-      {"441", "BLOOM TP8 PP6 MBS2 measured 15% slower than the same run with MBS4 (row 442); the model gives both alike"},
-      {"445", "BLOOM 178B with 104 heads measured 18% slower than 64 and 128 heads (rows 444, 446); no head-count "
-              "mechanism explains it"},
-      {"449", "BLOOM TP8 measured 19% slower than TP4 for the same model (row 450); Jean Zay's TP=8 costs more than "
-              "the dgx-a100-80g preset's NVSwitch"},
+  // Rows no mechanism of the model explains, named here and in README rather than absorbed
+  // by a per-row fudge. They must stay within 25 %; every other row within 15 %. Each is
+  // checked against sibling rows of the same table that differ from it in one setting: the
+  // measurements are at least 10 % apart, the predictions at most 5 % (the model has no
+  // mechanism that separates them, so it cannot fit both). Should the predictions part,
+  // the test says so and the miss must be looked at again.
+  struct KnownMiss {
+    std::vector<std::string> siblings;
+    std::string why;
   };
+  const std::map<std::string, KnownMiss> known_misses = {
+      {"441", {{"442"}, "BLOOM TP8 PP6 MBS2 measured 15% slower than the same run with MBS4 (row 442); the model gives "
+                        "both alike"}},
+      {"445", {{"444", "446"}, "BLOOM 178B with 104 heads measured 18% slower than 64 and 128 heads (rows 444, 446); "
+                               "no head-count mechanism explains it"}},
+      {"449", {{"450"}, "BLOOM TP8 measured 19% slower than TP4 for the same model (row 450); Jean Zay's TP=8 costs "
+                        "more than the dgx-a100-80g preset's NVSwitch"}},
+  };
+  std::map<std::string, const Scored*> by_row;
+  for (const auto& s : rows) by_row[s.c.row_id] = &s;
+  for (const auto& [row, miss] : known_misses) {
+    const Scored& r = *by_row.at(row);
+    for (const auto& sib : miss.siblings) {
+      const Scored& o = *by_row.at(sib);
+      const double measured_apart = r.c.measured_step_s / o.c.measured_step_s - 1;
+      const double predicted_apart = r.e.step_time_s / o.e.step_time_s - 1;
+      fmt::print("row {} vs row {}: measured {:+.1f}%, predicted {:+.1f}%\n", row, sib, 100 * measured_apart,
+                 100 * predicted_apart);
+      EXPECT_GE(measured_apart, 0.10) << "row " << row << " vs " << sib;
+      EXPECT_LE(std::fabs(predicted_apart), 0.05) << "rows " << row << " and " << sib
+                                                  << " no longer predicted alike: recheck the known miss";
+    }
+  }
   for (const auto& s : rows) {
     if (s.c.measured_step_s <= 0) continue;
     const bool known = known_misses.count(s.c.row_id) > 0;
     EXPECT_LE(std::fabs(s.step_err), known ? 0.25 : 0.15) << "row " << s.c.row_id;
-    if (known) fmt::print("known miss: row {} {:+.1f}%: {}\n", s.c.row_id, 100 * s.step_err, known_misses.at(s.c.row_id));
+    if (known) fmt::print("known miss: row {} {:+.1f}%: {}\n", s.c.row_id, 100 * s.step_err, known_misses.at(s.c.row_id).why);
   }
   // Out of memory: every row that ran must fit; rows 439 and 440 ran out of memory and must
-  // not fit. Row 454 also ran out of memory, but it holds fewer parameters and fewer
-  // activations per GPU than row 438, which ran at a measured 79 GB: no model consistent
-  // with row 438 predicts it out of memory. It is reported, not asserted.
+  // not fit. Row 454 (206B: h 14336, 82 layers, 7 slots per stage) also ran out of memory,
+  // but row 448 (203B: h 13312, 94 layers, 8 slots per stage) ran the same plan at a
+  // measured 67 GB, and the two hold the same parameters and activations per GPU to within
+  // 1 %: no model consistent with row 448 predicts row 454 out of memory. So row 454 is
+  // reported, not asserted, and what is asserted is that reason: the two predictions agree.
+  const Scored* r448 = nullptr;
+  for (const auto& s : rows)
+    if (s.c.row_id == "448") r448 = &s;
+  ASSERT_NE(r448, nullptr);
   for (const auto& s : rows) {
     if (s.c.row_id == "454") {
-      fmt::print("known miss: row 454 ran out of memory; predicted {:.1f} GB of {:.1f} ({})\n", s.e.memory.peak / 1e9,
-                 load_cluster(s.c.cluster).device.memory_bytes / 1e9, s.e.fits ? "fits" : "does not fit");
+      const double apart = s.e.memory.peak / r448->e.memory.peak - 1;
+      fmt::print("known miss: row 454 ran out of memory; predicted {:.1f} GB of {:.1f} ({}), {:+.1f}% of row 448's "
+                 "prediction (row 448 ran at a measured {:.0f} GB)\n",
+                 s.e.memory.peak / 1e9, load_cluster(s.c.cluster).device.memory_bytes / 1e9,
+                 s.e.fits ? "fits" : "does not fit", 100 * apart, r448->c.measured_memory_bytes / 1e9);
+      EXPECT_LE(std::fabs(apart), 0.02) << "rows 448 and 454 no longer predicted alike: recheck the known miss";
       continue;
     }
     if (s.c.oom) EXPECT_FALSE(s.e.fits) << "row " << s.c.row_id << " ran out of memory but is predicted to fit";
