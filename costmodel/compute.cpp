@@ -516,12 +516,17 @@ void layer_backward(Acc& a) {
 // shards (no rank keeps a whole gradient between micro-batches: DeepSpeed ZeRO-2, FSDP,
 // the strata executor), ZeRO-2's behind the backward where the stack overlaps the
 // data-parallel reduction (DeepSpeed's overlap_comm) and exposed where it does not; ZeRO-3
-// always prefetches, and also gathers the piece's parameters
-// before its forward and again before its backward, each prefetched behind the piece's
-// own compute (`fwd_s` and what the LayerCost holds for backward and recompute).
-void sharded_traffic(Acc& a, double params, double fwd_s) {
+// always prefetches, and also gathers the piece's parameters before its forward and again
+// before its backward. Each hides behind the piece's own time on the compute stream in that
+// phase: its kernels and its exposed tensor- and context-parallel collectives, since the
+// data-parallel stream runs on while the compute stream waits for those. (Behind the
+// kernels alone, a faster GPU could make a step slower: every collective of a phase would
+// lose the same cover at once.)
+void sharded_traffic(Acc& a, double params) {
   if (a.p.zero < 2 || a.p.replicas() <= 1 || params <= 0) return;
-  const double bwd = a.lc.backward.compute_s + a.lc.recompute.compute_s;
+  auto on_stream = [](const Work& w) { return w.compute_s + w.tp_comm_s + w.cp_comm_s; };
+  const double fwd = on_stream(a.lc.forward);
+  const double bwd = on_stream(a.lc.backward) + on_stream(a.lc.recompute);
   if (a.p.zero == 2) {
     a.comm("zero2_reduce_scatter", Phase::backward, OpKind::dp_comm, a.dp, Collective::reduce_scatter,
            a.cs.grad_bytes * params, a.cs.stack.overlap_grad_reduce ? bwd : 0.0);
@@ -532,7 +537,7 @@ void sharded_traffic(Acc& a, double params, double fwd_s) {
   // The strata executor's gathers progress only while it polls between kernels: exposed
   // (its stack table in hw_profiles/README.md); its reduce-scatters overlap the backward.
   const bool strata = a.cs.stack.strata;
-  a.comm("zero3_all_gather", Phase::forward, OpKind::dp_comm, a.dp, Collective::all_gather, w, strata ? 0.0 : fwd_s);
+  a.comm("zero3_all_gather", Phase::forward, OpKind::dp_comm, a.dp, Collective::all_gather, w, strata ? 0.0 : fwd);
   a.comm("zero3_all_gather", Phase::backward, OpKind::dp_comm, a.dp, Collective::all_gather, w, strata ? 0.0 : bwd);
   a.comm("zero3_reduce_scatter", Phase::backward, OpKind::dp_comm, a.dp, Collective::reduce_scatter,
          a.cs.grad_bytes * params, strata ? bwd : std::max(0.0, bwd - ag));
@@ -543,11 +548,11 @@ void sharded_traffic(Acc& a, double params, double fwd_s) {
 LayerCost layer_cost(const ModelSpec& m, const Cluster& cl, const Plan& p, const ComputeSetup& cs,
                      std::vector<OpCost>* ops) {
   Acc a(m, cl, p, cs, ops);
-  const double fwd = layer_forward(a, Phase::forward);
+  layer_forward(a, Phase::forward);
   if (p.recompute == Recompute::full) layer_forward(a, Phase::recompute);
   if (p.recompute == Recompute::selective) attention_core_forward(a, Phase::recompute);
   layer_backward(a);
-  sharded_traffic(a, static_cast<double>(m.layer_params(p.t)), fwd);
+  sharded_traffic(a, static_cast<double>(m.layer_params(p.t)));
   return a.lc;
 }
 
@@ -568,7 +573,7 @@ LayerCost embedding_cost(const ModelSpec& m, const Cluster& cl, const Plan& p, c
   if (!cs.stack.grad_accumulation_fusion)
     a.mem("grad_accumulation", Phase::backward,
           grad_accumulation_bytes(p.precision) * static_cast<double>(m.word_embedding_params(p.t)));
-  sharded_traffic(a, static_cast<double>(m.word_embedding_params(p.t) + m.position_params()), a.lc.forward.compute_s);
+  sharded_traffic(a, static_cast<double>(m.word_embedding_params(p.t) + m.position_params()));
   return a.lc;
 }
 
@@ -606,8 +611,7 @@ LayerCost head_cost(const ModelSpec& m, const Cluster& cl, const Plan& p, const 
   // The output layer's own weights: untied, or the tied copy on the last stage when p > 1
   // (with p = 1 the embedding's gather serves both).
   const bool own = !m.tie_embeddings || p.p > 1;
-  sharded_traffic(a, static_cast<double>((own ? m.word_embedding_params(p.t) : 0) + m.final_norm_params()),
-                a.lc.forward.compute_s);
+  sharded_traffic(a, static_cast<double>((own ? m.word_embedding_params(p.t) : 0) + m.final_norm_params()));
   return a.lc;
 }
 

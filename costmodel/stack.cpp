@@ -8,7 +8,7 @@ bool needs_fused_attention(const ModelSpec& m, const Plan& p) {
 }
 
 bool sharding_selects_modern(const Cluster& cl, const Plan& p) {
-  return p.zero >= 2 && cl.device.peak_bf16_flops > 0;
+  return p.zero >= 2 && p.replicas() > 1 && cl.device.peak_bf16_flops > 0;
 }
 
 void pin_to_plain_stack(const Cluster& cl, const Stack& plain, Plan& p) {

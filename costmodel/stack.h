@@ -43,7 +43,8 @@ inline constexpr int64_t kLegacyFusedSoftmaxMaxKeys = 2048;
 // fused softmax takes (the S x S probabilities of an unfused core at 8k-64k tokens would
 // not fit a GPU: published long-sequence runs use FlashAttention or PyTorch's fused SDPA).
 bool needs_fused_attention(const ModelSpec& m, const Plan& p);
-// ZeRO-2/3 on a GPU with bf16 (Ampere or newer), which "auto" costs on the modern stack.
+// ZeRO-2/3 sharding over more than one replica on a GPU with bf16 (Ampere or newer), which
+// "auto" costs on the modern stack (with one replica nothing is sharded: the stage is moot).
 bool sharding_selects_modern(const Cluster& cl, const Plan& p);
 // `strata plan` compares every candidate on one stack, `plain`: resolve_stack of the plan
 // without ZeRO (search.cpp's probe). A ZeRO-2/3 plan that sharding alone would make modern

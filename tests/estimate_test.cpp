@@ -2,6 +2,8 @@
 // their parts, and the memory and time trends every planner relies on hold.
 #include <gtest/gtest.h>
 
+#include <cmath>
+#include <random>
 #include <sstream>
 
 #include "costmodel/estimate.h"
@@ -229,6 +231,87 @@ TEST_F(RoundGpt3, PartialRecomputeSitsBetweenNoneAndFull) {
   EXPECT_NEAR(ep.time.recompute / ef.time.recompute, 4.0 / 12.0, 1e-9);
   // recompute_num_layers needs full recompute.
   EXPECT_FALSE(estimate(m, c, load_plan("tp=8,pp=8,gbs=64,recompute=selective,recompute_num_layers=2")).valid);
+}
+
+// Invariants every estimate must keep, over random plans of the presets (valid ones only):
+// the terms add up; a GPU twice as fast in every precision never makes a step slower; a
+// higher ZeRO stage never holds more model state, and with one replica it changes nothing;
+// more recompute never needs more memory nor takes less time; twice the global batch
+// takes longer, but at most twice as long.
+TEST(Estimate, RandomPlansKeepTheInvariants) {
+  std::mt19937_64 rng(7);
+  const char* models[] = {"gpt3-175b", "llama3-8b", "llama3-70b", "llama3-405b", "llama2-7b", "gpt2-124m"};
+  const char* clusters[] = {"dgx-a100-80g", "dgx-a100-40g", "dgx-h100-80g", "dgx-h200-141g", "dgx-b200-180g",
+                            "dgx2-v100-32g"};
+  auto pick = [&](const auto& options) { return options[rng() % std::size(options)]; };
+  const int64_t tps[] = {1, 2, 4, 8}, pps[] = {1, 2, 4, 8, 16}, dps[] = {1, 2, 4, 8, 64}, cps[] = {1, 1, 1, 2, 4};
+  const int64_t mbss[] = {1, 2, 4}, steps[] = {1, 2, 8, 32};
+  const Precision precisions[] = {Precision::bf16, Precision::fp16, Precision::fp8};
+  int checked = 0;
+  for (int it = 0; it < 1500; ++it) {
+    const ModelSpec m = load_model(pick(models));
+    const Cluster cl = load_cluster(pick(clusters));
+    Plan p;
+    p.t = pick(tps), p.p = pick(pps), p.d = pick(dps), p.c = pick(cps), p.mbs = pick(mbss);
+    p.v = p.p > 1 && rng() % 3 == 0 ? 2 : 1;
+    p.gbs = p.mbs * p.d * pick(steps);
+    p.zero = static_cast<int>(rng() % 4);
+    p.recompute = static_cast<Recompute>(rng() % 3);
+    p.sp = p.t > 1 && rng() % 2;
+    p.precision = pick(precisions);
+    p.gpipe = p.v == 1 && rng() % 5 == 0;
+    const Estimate e = estimate(m, cl, p);
+    if (!e.valid) continue;
+    ++checked;
+    const std::string what = m.name + " on " + cl.name + ": " + plan_to_inline(p);
+    ASSERT_TRUE(std::isfinite(e.step_time_s) && e.step_time_s > 0) << what;
+    EXPECT_NEAR(e.time.sum(), e.step_time_s, 1e-9 * e.step_time_s) << what;
+    for (const auto& [name, v] : time_terms(e.time)) EXPECT_GE(v, 0.0) << what << " " << name;
+    double sum = 0;
+    for (const auto& [name, v] : memory_terms(e.memory)) {
+      EXPECT_GE(v, 0.0) << what << " " << name;
+      if (std::string(name) != "peak") sum += v;
+    }
+    EXPECT_NEAR(sum, e.memory.peak, 1e-9 * e.memory.peak) << what;
+    EXPECT_EQ(e.fits, e.memory.peak <= cl.device.memory_bytes) << what;
+
+    Cluster fast = cl;
+    for (double* peak : {&fast.device.peak_fp32_flops, &fast.device.peak_tf32_flops, &fast.device.peak_bf16_flops,
+                         &fast.device.peak_fp16_flops, &fast.device.peak_fp8_flops})
+      *peak *= 2;
+    EXPECT_LE(estimate(m, fast, p).step_time_s, e.step_time_s * (1 + 1e-9)) << what << ": a faster GPU is slower";
+
+    if (p.zero < 3) {
+      Plan q = p;
+      ++q.zero;
+      const Estimate f = estimate(m, cl, q);
+      auto state = [](const MemoryBreakdown& b) { return b.weights + b.gradients + b.optimizer_states; };
+      if (f.valid) {
+        EXPECT_LE(state(f.memory), state(e.memory) * (1 + 1e-12)) << what << ": zero " << q.zero;
+      }
+      if (f.valid && p.replicas() == 1) {
+        EXPECT_EQ(f.step_time_s, e.step_time_s) << what << ": one replica, zero " << q.zero;
+        EXPECT_EQ(f.memory.peak, e.memory.peak) << what << ": one replica, zero " << q.zero;
+      }
+    }
+    if (p.recompute != Recompute::full) {
+      Plan q = p;
+      q.recompute = static_cast<Recompute>(static_cast<int>(p.recompute) + 1);
+      const Estimate f = estimate(m, cl, q);
+      if (f.valid) {
+        EXPECT_LE(f.memory.peak, e.memory.peak * (1 + 1e-12)) << what << ": more recompute";
+        EXPECT_GE(f.step_time_s, e.step_time_s * (1 - 1e-9)) << what << ": more recompute";
+      }
+    }
+    Plan q = p;
+    q.gbs *= 2;
+    const Estimate f = estimate(m, cl, q);
+    if (f.valid) {
+      EXPECT_GT(f.step_time_s, e.step_time_s) << what << ": twice the batch";
+      EXPECT_LE(f.step_time_s, 2 * e.step_time_s * (1 + 1e-9)) << what << ": twice the batch";
+    }
+  }
+  EXPECT_GT(checked, 800);
 }
 
 }  // namespace
