@@ -437,7 +437,7 @@ void passes(Acc& a, const char* name, Phase ph, const Tensors& ts, double bytes_
 }
 
 // The forward of one layer (also replayed by full recompute).
-double layer_forward(Acc& a, Phase ph) {
+void layer_forward(Acc& a, Phase ph) {
   const ModelSpec& m = a.m;
   const Plan& p = a.p;
   const double e = a.cs.work_bytes, T = a.cs.T, Tn = a.cs.Tn, H = static_cast<double>(m.H);
@@ -446,7 +446,6 @@ double layer_forward(Acc& a, Phase ph) {
   const double ADt = static_cast<double>(m.AD()) / t;  // attention output width on this rank
   const double fc1_cols = static_cast<double>(m.fc1_out()) / t;
   const double Ft = static_cast<double>(m.F) / t;
-  const double before = a.w(ph).total();
   a.mem("norm1", ph, 2.0 * e * Tn * H);
   a.tp_gather("sp_all_gather", ph);
   a.linear("qkv", ph, T, qkv_cols, H);
@@ -466,7 +465,6 @@ double layer_forward(Acc& a, Phase ph) {
   const SixteenBitPasses sb = sixteen_bit_passes(a);
   passes(a, "round16", ph, sb.forward_rounds, 8.0);
   if (ph == Phase::forward) passes(a, "pack16", ph, sb.kept, 6.0);
-  return a.w(ph).total() - before;
 }
 
 void layer_backward(Acc& a) {
