@@ -234,10 +234,11 @@ TEST_F(RoundGpt3, PartialRecomputeSitsBetweenNoneAndFull) {
 }
 
 // Invariants every estimate must keep, over random plans of the presets (valid ones only):
-// the terms add up; a GPU twice as fast in every precision never makes a step slower; a
-// higher ZeRO stage never holds more model state, and with one replica it changes nothing;
-// more recompute never needs more memory nor takes less time; twice the global batch
-// takes longer, but at most twice as long.
+// the terms add up; a GPU twice as fast in every precision, links twice as fast (at half
+// the latency) or memory twice as fast never make a step slower; a higher ZeRO stage never
+// holds more model state, and with one replica it changes nothing; more recompute never
+// needs more memory nor takes less time; twice the global batch takes longer, but at most
+// twice as long.
 TEST(Estimate, RandomPlansKeepTheInvariants) {
   std::mt19937_64 rng(7);
   const char* models[] = {"gpt3-175b", "llama3-8b", "llama3-70b", "llama3-405b", "llama2-7b", "gpt2-124m"};
@@ -280,6 +281,12 @@ TEST(Estimate, RandomPlansKeepTheInvariants) {
                          &fast.device.peak_fp16_flops, &fast.device.peak_fp8_flops})
       *peak *= 2;
     EXPECT_LE(estimate(m, fast, p).step_time_s, e.step_time_s * (1 + 1e-9)) << what << ": a faster GPU is slower";
+    Cluster links = cl, hbm = cl;
+    links.intra.bandwidth_bytes_per_s *= 2, links.inter.bandwidth_bytes_per_s *= 2;
+    links.intra.latency_s /= 2, links.inter.latency_s /= 2;
+    hbm.device.memory_bandwidth_bytes_per_s *= 2;
+    EXPECT_LE(estimate(m, links, p).step_time_s, e.step_time_s * (1 + 1e-9)) << what << ": faster links are slower";
+    EXPECT_LE(estimate(m, hbm, p).step_time_s, e.step_time_s * (1 + 1e-9)) << what << ": faster memory is slower";
 
     if (p.zero < 3) {
       Plan q = p;
