@@ -203,16 +203,22 @@ TEST(TrainOutput, AStragglersPeersCountSkewNotCommunication) {
            {"dp=2,zero=3,mbs=1,gbs=4,precision=fp32", "dp"},
            {"pp=2,mbs=1,gbs=2,precision=fp32", "pp"}}) {
     for (bool slow : {false, true}) {
-      const TrainRun r = train("tiny-gpt", plan, 2, kShort + (slow ? " --inject-fault slow@1:2" : ""));
-      ASSERT_EQ(r.rc, 0) << plan << r.err;
-      const std::string wait = term == "pp" ? "pipeline_bubble" : term + "_comm";
-      const double comm = r.j["time_s"][wait].get<double>(), skew = r.j["time_s"][term + "_skew"].get<double>();
-      EXPECT_GE(skew, 0.0) << plan;
-      EXPECT_LE(skew, comm + 1e-9) << plan;
       // At least 0.6 of the sleep: the peer may itself reach the collective late when the
-      // machine is loaded (ctest runs tests side by side), which shortens the skew it sees.
+      // machine is loaded (ctest runs tests side by side; under the sanitizers on a busy
+      // host one such run saw 0.03 s), which shortens the skew it sees. So a straggler's run
+      // gets up to three tries to show it; the bounds below hold in every try.
+      double best = 0;
+      for (int attempt = 0; attempt < (slow ? 3 : 1) && best < 0.6 * strata::kSlowRankSeconds; ++attempt) {
+        const TrainRun r = train("tiny-gpt", plan, 2, kShort + (slow ? " --inject-fault slow@1:2" : ""));
+        ASSERT_EQ(r.rc, 0) << plan << r.err;
+        const std::string wait = term == "pp" ? "pipeline_bubble" : term + "_comm";
+        const double comm = r.j["time_s"][wait].get<double>(), skew = r.j["time_s"][term + "_skew"].get<double>();
+        EXPECT_GE(skew, 0.0) << plan;
+        EXPECT_LE(skew, comm + 1e-9) << plan;
+        best = std::max(best, skew);
+      }
       if (slow) {
-        EXPECT_GE(skew, 0.6 * strata::kSlowRankSeconds) << plan;
+        EXPECT_GE(best, 0.6 * strata::kSlowRankSeconds) << plan << " (best of three runs)";
       }
     }
   }
