@@ -27,7 +27,9 @@ FaultInjection parse_fault(const std::string& spec, int world_size);
 [[noreturn]] void inject_kill();
 [[noreturn]] void inject_hang();
 [[noreturn]] void inject_throw(int rank, int64_t step);
-constexpr double kSlowRankSeconds = 0.5;
+// Long against a step's own backward, which the peer's wait excludes (1.5 s: under the
+// sanitizers on a busy host tiny-gpt's backward took about 0.25 s of a 0.5 s sleep).
+constexpr double kSlowRankSeconds = 1.5;
 void inject_slow();
 
 }  // namespace strata
