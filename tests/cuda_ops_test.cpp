@@ -9,6 +9,7 @@
 #include <chrono>
 #include <cmath>
 #include <cstring>
+#include <fstream>
 #include <limits>
 #include <random>
 #include <stdexcept>
@@ -84,6 +85,26 @@ class CudaOps : public ::testing::Test {
   std::vector<float*> owned_;
   std::mt19937 rng_{42};
 };
+
+// cuBLASLt is loaded when first asked for, not at start-up (its initialisers took about
+// 0.5 s of every process, CPU-only runs included); with CUDA in the build it then loads and
+// answers without a GPU. First in this file, so no case has made a backend before it.
+TEST(CudaLibraries, CublasLtLoadsOnlyWhenAsked) {
+  auto mapped = [] {
+    std::ifstream maps("/proc/self/maps");
+    std::string line;
+    while (std::getline(maps, line))
+      if (line.find("libcublasLt") != std::string::npos) return true;
+    return false;
+  };
+  EXPECT_FALSE(mapped()) << "libcublasLt is mapped before any CUDA backend was asked for";
+  if (cuda_unavailable_reason().rfind("this strata was built without CUDA", 0) == 0) {
+    EXPECT_EQ(cublaslt_version(), 0u);
+    GTEST_SKIP() << "no CUDA in this build: " << cuda_unavailable_reason();
+  }
+  EXPECT_GE(cublaslt_version(), 110000u);  // CUDA 11 or newer (13.0 here reports 130100)
+  EXPECT_TRUE(mapped());
+}
 
 TEST_F(CudaOps, GemmEveryTransposition) {
   const int64_t M = 37, N = 53, K = 29, pad = 3;

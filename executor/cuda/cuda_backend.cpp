@@ -3,7 +3,6 @@
 // fp32 or, after set_gemm_precision, on 16-bit copies of the operands (cast.cu).
 #include "executor/cuda/cuda_backend.h"
 
-#include <cublasLt.h>
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
@@ -17,6 +16,7 @@
 
 #include "executor/cuda/attention_plan.h"
 #include "executor/cuda/check.h"
+#include "executor/cuda/cublaslt_api.h"
 #include "executor/cuda/kernels.h"
 #include "executor/memory_tracker.h"
 
@@ -25,8 +25,8 @@
     const cublasStatus_t cublas_check_rc_ = (call);                                                 \
     if (cublas_check_rc_ != CUBLAS_STATUS_SUCCESS)                                                  \
       ::strata::cuda::fail(#call, __FILE__, __LINE__,                                               \
-                           std::string(cublasLtGetStatusName(cublas_check_rc_)) + ": " +            \
-                               cublasLtGetStatusString(cublas_check_rc_));                          \
+                           std::string(::strata::cuda::lt().GetStatusName(cublas_check_rc_)) +      \
+                               ": " + ::strata::cuda::lt().GetStatusString(cublas_check_rc_));      \
   } while (0)
 
 namespace strata {
@@ -41,11 +41,11 @@ struct LtObjects {
   LtObjects(const LtObjects&) = delete;
   LtObjects& operator=(const LtObjects&) = delete;
   ~LtObjects() {
-    if (pref) cublasLtMatmulPreferenceDestroy(pref);
-    if (lc) cublasLtMatrixLayoutDestroy(lc);
-    if (lb) cublasLtMatrixLayoutDestroy(lb);
-    if (la) cublasLtMatrixLayoutDestroy(la);
-    if (desc) cublasLtMatmulDescDestroy(desc);
+    if (pref) cuda::lt().MatmulPreferenceDestroy(pref);
+    if (lc) cuda::lt().MatrixLayoutDestroy(lc);
+    if (lb) cuda::lt().MatrixLayoutDestroy(lb);
+    if (la) cuda::lt().MatrixLayoutDestroy(la);
+    if (desc) cuda::lt().MatmulDescDestroy(desc);
   }
 };
 
@@ -76,7 +76,7 @@ class CudaBackendImpl final : public CudaBackend {
   void init(int device) {
     CUDA_CHECK(cudaSetDevice(device));
     CUDA_CHECK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
-    CUBLAS_CHECK(cublasLtCreate(&lt_));
+    CUBLAS_CHECK(cuda::lt().Create(&lt_));
     CUDA_CHECK(cudaMalloc(&workspace_, kWorkspace));
     cudaDeviceProp prop{};
     int dev = 0;
@@ -119,7 +119,7 @@ class CudaBackendImpl final : public CudaBackend {
       pool = nullptr;
     }
     if (workspace_) cudaFree(workspace_);
-    if (lt_) cublasLtDestroy(lt_);
+    if (lt_) cuda::lt().Destroy(lt_);
     if (stream_) cudaStreamDestroy(stream_);
     workspace_ = nullptr;
     lt_ = nullptr;
@@ -397,19 +397,19 @@ class CudaBackendImpl final : public CudaBackend {
                    align_b = alignment(A, batched ? static_cast<uint64_t>(batch.a) * elem : 0),
                    align_c = alignment(C, batched ? static_cast<uint64_t>(batch.c) * sizeof(float) : 0);
     LtObjects o;
-    CUBLAS_CHECK(cublasLtMatmulDescCreate(&o.desc, compute, CUDA_R_32F));
+    CUBLAS_CHECK(cuda::lt().MatmulDescCreate(&o.desc, compute, CUDA_R_32F));
     const cublasOperation_t op_first = tb ? CUBLAS_OP_T : CUBLAS_OP_N, op_second = ta ? CUBLAS_OP_T : CUBLAS_OP_N;
-    CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(o.desc, CUBLASLT_MATMUL_DESC_TRANSA, &op_first, sizeof(op_first)));
-    CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(o.desc, CUBLASLT_MATMUL_DESC_TRANSB, &op_second, sizeof(op_second)));
-    CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&o.la, in, tb ? K : N, tb ? N : K, ldb));
-    CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&o.lb, in, ta ? M : K, ta ? K : M, lda));
-    CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&o.lc, CUDA_R_32F, N, M, ldc));
+    CUBLAS_CHECK(cuda::lt().MatmulDescSetAttribute(o.desc, CUBLASLT_MATMUL_DESC_TRANSA, &op_first, sizeof(op_first)));
+    CUBLAS_CHECK(cuda::lt().MatmulDescSetAttribute(o.desc, CUBLASLT_MATMUL_DESC_TRANSB, &op_second, sizeof(op_second)));
+    CUBLAS_CHECK(cuda::lt().MatrixLayoutCreate(&o.la, in, tb ? K : N, tb ? N : K, ldb));
+    CUBLAS_CHECK(cuda::lt().MatrixLayoutCreate(&o.lb, in, ta ? M : K, ta ? K : M, lda));
+    CUBLAS_CHECK(cuda::lt().MatrixLayoutCreate(&o.lc, CUDA_R_32F, N, M, ldc));
     if (batched) {
       const std::pair<cublasLtMatrixLayout_t, int64_t> strided[] = {{o.la, batch.b}, {o.lb, batch.a}, {o.lc, batch.c}};
       for (const auto& [layout, offset] : strided) {
-        CUBLAS_CHECK(cublasLtMatrixLayoutSetAttribute(layout, CUBLASLT_MATRIX_LAYOUT_BATCH_COUNT, &batch.count,
+        CUBLAS_CHECK(cuda::lt().MatrixLayoutSetAttribute(layout, CUBLASLT_MATRIX_LAYOUT_BATCH_COUNT, &batch.count,
                                                       sizeof(batch.count)));
-        CUBLAS_CHECK(cublasLtMatrixLayoutSetAttribute(layout, CUBLASLT_MATRIX_LAYOUT_STRIDED_BATCH_OFFSET, &offset,
+        CUBLAS_CHECK(cuda::lt().MatrixLayoutSetAttribute(layout, CUBLASLT_MATRIX_LAYOUT_STRIDED_BATCH_OFFSET, &offset,
                                                       sizeof(offset)));
       }
     }
@@ -417,16 +417,16 @@ class CudaBackendImpl final : public CudaBackend {
                       batch.count, batch.a, batch.b, batch.c, align_a, align_b, align_c};
     auto it = algos_.find(key);
     if (it == algos_.end()) {
-      CUBLAS_CHECK(cublasLtMatmulPreferenceCreate(&o.pref));
+      CUBLAS_CHECK(cuda::lt().MatmulPreferenceCreate(&o.pref));
       const size_t ws = kWorkspace;
-      CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(o.pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws, sizeof(ws)));
-      CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(o.pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, &align_a, sizeof(align_a)));
-      CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(o.pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, &align_b, sizeof(align_b)));
-      CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(o.pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, &align_c, sizeof(align_c)));
-      CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(o.pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, &align_c, sizeof(align_c)));
+      CUBLAS_CHECK(cuda::lt().MatmulPreferenceSetAttribute(o.pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws, sizeof(ws)));
+      CUBLAS_CHECK(cuda::lt().MatmulPreferenceSetAttribute(o.pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, &align_a, sizeof(align_a)));
+      CUBLAS_CHECK(cuda::lt().MatmulPreferenceSetAttribute(o.pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, &align_b, sizeof(align_b)));
+      CUBLAS_CHECK(cuda::lt().MatmulPreferenceSetAttribute(o.pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, &align_c, sizeof(align_c)));
+      CUBLAS_CHECK(cuda::lt().MatmulPreferenceSetAttribute(o.pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, &align_c, sizeof(align_c)));
       cublasLtMatmulHeuristicResult_t heur{};
       int found = 0;
-      const cublasStatus_t rc = cublasLtMatmulAlgoGetHeuristic(lt_, o.desc, o.la, o.lb, o.lc, o.lc, o.pref, 1, &heur, &found);
+      const cublasStatus_t rc = cuda::lt().MatmulAlgoGetHeuristic(lt_, o.desc, o.la, o.lb, o.lc, o.lc, o.pref, 1, &heur, &found);
       const bool ok = rc == CUBLAS_STATUS_SUCCESS && found > 0;
       if (!ok && (!may_fail || rc != CUBLAS_STATUS_NOT_SUPPORTED)) {
         CUBLAS_CHECK(rc);
@@ -441,7 +441,7 @@ class CudaBackendImpl final : public CudaBackend {
       it = algos_.emplace(key, Algo{ok, heur.algo}).first;
     }
     if (!it->second.ok) return false;
-    CUBLAS_CHECK(cublasLtMatmul(lt_, o.desc, &alpha, B, o.la, A, o.lb, &beta, C, o.lc, C, o.lc, &it->second.algo,
+    CUBLAS_CHECK(cuda::lt().Matmul(lt_, o.desc, &alpha, B, o.la, A, o.lb, &beta, C, o.lc, C, o.lc, &it->second.algo,
                                 workspace_, kWorkspace, stream_));
     return true;
   }
@@ -545,5 +545,7 @@ std::unique_ptr<CudaBackend> make_cuda_backend(int local_rank) {
   if (!cuda_unavailable_reason().empty()) return nullptr;
   return std::make_unique<CudaBackendImpl>(local_rank % cuda_device_count());
 }
+
+size_t cublaslt_version() { return cuda::lt().GetVersion(); }
 
 }  // namespace strata

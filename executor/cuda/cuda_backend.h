@@ -52,5 +52,9 @@ int cuda_device_count();
 // On device `local_rank % cuda_device_count()`: pass the rank among the processes of this
 // machine, so they spread over its GPUs (with one GPU they share it). Null when unavailable.
 std::unique_ptr<CudaBackend> make_cuda_backend(int local_rank = 0);
+// cuBLASLt's version (cublasLtGetVersion) through the library as the first backend loads
+// it (it is not linked: executor/cuda/cublaslt_api.h); needs no GPU. 0 in a build without
+// CUDA; throws std::runtime_error when the library cannot be loaded.
+size_t cublaslt_version();
 
 }  // namespace strata

@@ -13,6 +13,8 @@ int cuda_device_count() { return 0; }
 
 std::unique_ptr<CudaBackend> make_cuda_backend(int) { return nullptr; }
 
+size_t cublaslt_version() { return 0; }
+
 std::string nccl_unavailable_reason() { return cuda_unavailable_reason(); }
 
 std::unique_ptr<Comm> make_nccl_comm(std::unique_ptr<Comm>, CudaBackend&, bool) { return nullptr; }
