@@ -27,14 +27,15 @@ const char* kUsage = R"(strata: plan and prove distributed training of large tra
 usage:
   strata plan      --model M --cluster C --gpus N --global-batch-size B [--top K] [--json]
                    [--export megatron|deepspeed] [--fix tp=8,pp=4,...] [--pareto] [--trace FILE]
-                   [--precision bf16|fp16|fp8|fp32] [--seq-length S] [--compare PLAN]
-                   [--attention auto|flash|unfused]
+                   [--precision bf16|fp16|fp8|fp32 (default bf16; fp16 on V100)] [--seq-length S]
+                   [--compare PLAN] [--attention auto|flash|unfused]
   strata estimate  --model M --cluster C --plan P [--json] [--trace FILE] [--seq-length S] [--ops]
   strata train     --model M --plan P --steps S [--data synthetic|synthetic:STATES|FILE] [--seed N]
                    [--json FILE|-] [--trace FILE] [--lr X] [--min-lr X] [--lr-warmup-iters N]
                    [--weight-decay X] [--clip-grad X] [--loss-scale X] [--loss-scale-window N]
                    [--dump-params FILE] [--checkpoint-dir D [--checkpoint-every N] [--keep-checkpoints K]
-                   [--resume]] [--quiet] [--backend cpu|cuda [--comm auto|nccl|staged]]
+                   [--resume]] [--quiet] [--backend cpu|cuda [--comm auto|nccl|staged]] [--seq-length S]
+                   [--inject-fault KIND@RANK:STEP] [--max-bad-steps N] [--distributed-timeout-minutes X]
                                                        (under mpirun -np tp*pp*dp*cp)
   strata profile   [--backend cpu|cuda [--comm auto|nccl|staged]] [--out FILE] [--quick] [--json]
                    [--max-bytes N] [--model M [--tp T]]
@@ -48,6 +49,8 @@ usage:
   strata validate  --model M --cluster C|measure --ranks N [--plans K] [--steps S] [--report DIR]
                    [--global-batch-size B] [--precision fp32|bf16|fp16] [--seq-length S] [--json]
                    [--no-spread] [--quick-profile] [--calibrate] [--mpirun PATH]   (runs mpirun itself)
+  KIND  kill, throw, hang, nan, kill-in-checkpoint or slow (fault injection, e.g. kill@1:3)
+
 exit codes: 0 ok, 2 invalid input, 3 nothing feasible, 1 internal error
 )";
 
@@ -177,7 +180,10 @@ int cmd_plan(const std::vector<std::string>& argv) {
   so.gbs = a.integer("global-batch-size", 0, 1, int64_t{1} << 30);
   if (!a.has("global-batch-size")) a.required("global-batch-size", "sequences per optimizer step");
   so.top_k = static_cast<int>(a.integer("top", 10, 1, 1000));
-  so.precision = parse_precision(a.get("precision", "bf16"));
+  // Default bf16, or fp16 on a GPU without bf16 (V100), as Megatron-LM runs there.
+  so.precision = a.has("precision") ? parse_precision(a.get("precision"))
+                 : cl.device.peak_flops(Precision::bf16) > 0 ? Precision::bf16
+                                                             : Precision::fp16;
   so.pareto = a.has("pareto");
   const std::string att = a.get("attention", "auto");
   if (att != "auto" && att != "flash" && att != "unfused")
@@ -272,6 +278,9 @@ int run(int argc, char** argv) {
   const std::string cmd = argv[1];
   const std::vector<std::string> rest(argv + 2, argv + argc);
   if (cmd == "--help" || cmd == "-h" || cmd == "help") return fmt::print("{}", kUsage), kExitOk;
+  // `strata train --help` and the like: the usage, before any subcommand starts MPI.
+  for (const auto& r : rest)
+    if (r == "--help" || r == "-h") return fmt::print("{}", kUsage), kExitOk;
   if (cmd == "plan") return cmd_plan(rest);
   if (cmd == "estimate") return cmd_estimate(rest);
   if (cmd == "train") return cmd_train(rest);

@@ -212,6 +212,40 @@ TEST(Cli, ListsPresets) {
     EXPECT_NE(c.out.find(n), std::string::npos) << n;
 }
 
+
+// Every subcommand's --help prints the usage and exits 0 (train, profile and validate once
+// rejected it as an unknown flag), without starting MPI or reading other flags.
+TEST(Cli, EverySubcommandHasHelp) {
+  for (const char* cmd : {"plan", "estimate", "train", "profile", "validate"}) {
+    for (const char* flag : {"--help", "-h"}) {
+      const Outcome r = strata(std::string(cmd) + " " + flag);
+      EXPECT_EQ(r.code, 0) << cmd << " " << flag << ": " << r.err;
+      EXPECT_NE(r.out.find("usage:"), std::string::npos) << cmd;
+      EXPECT_NE(r.out.find("--inject-fault KIND@RANK:STEP"), std::string::npos) << cmd;
+    }
+  }
+  const Outcome bad = strata("train --no-such-flag 1");
+  EXPECT_EQ(bad.code, 2);
+  EXPECT_NE(bad.err.find("--no-such-flag"), std::string::npos);
+}
+
+// V100 has no bf16: without --precision the search plans fp16 there, as Megatron-LM runs
+// on V100 (the default bf16 once rejected every plan); asked for bf16 it still says why not.
+TEST(Cli, PlanDefaultsToFp16WhereTheGpuLacksBf16) {
+  const std::string base = "plan --model llama2-7b --cluster dgx2-v100-32g --gpus 16 --global-batch-size 64 --top 1";
+  const Outcome r = strata(base + " --json");
+  ASSERT_EQ(r.code, 0) << r.err;
+  const auto j = nlohmann::json::parse(r.out);
+  ASSERT_FALSE(j["plans"].empty());
+  EXPECT_EQ(j["plans"][0]["plan"]["precision"], "fp16");
+  EXPECT_EQ(j["rejected"].count("precision"), 0u);
+  const Outcome bf16 = strata(base + " --precision bf16");
+  EXPECT_EQ(bf16.code, 3);
+  EXPECT_NE(bf16.err.find("precision"), std::string::npos);
+  const Outcome a100 = strata("plan --model llama2-7b --cluster dgx-a100-80g --gpus 16 --global-batch-size 64 --top 1 --json");
+  ASSERT_EQ(a100.code, 0) << a100.err;
+  EXPECT_EQ(nlohmann::json::parse(a100.out)["plans"][0]["plan"]["precision"], "bf16");
+}
 struct Bad {
   std::string args;
   std::string names;  // the message must contain this (the field, flag or value)
