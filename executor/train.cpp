@@ -181,17 +181,18 @@ void Engine::allocate() {
     for (size_t u = 0; u < lay_.units.size(); ++u)
       be_.to_device(work_.data() + sh_.full_off[u], tmp.data() + lay_.units[u].begin, lay_.units[u].size());
   }
-  // The owned block of every unit, initialised from the same global values.
-  std::vector<float> owned(static_cast<size_t>(shard), 0.0f);
-  {
+  // The owned block of every unit, initialised from the same global values: the ZeRO-3
+  // weight shard and the fp32 master weights start from it (fp32 without ZeRO-3 has neither).
+  std::vector<float> owned(static_cast<size_t>(zero_ == 3 || mixed() ? shard : 0), 0.0f);
+  if (!owned.empty()) {
     for (size_t u = 0; u < lay_.units.size(); ++u) {
       const int64_t lo = sh_.me * sh_.shard[u];
       for (int64_t i = 0; i < sh_.shard[u]; ++i)
         if (lo + i < lay_.units[u].size())
           owned[static_cast<size_t>(sh_.shard_off[u] + i)] = tmp[static_cast<size_t>(lay_.units[u].begin + lo + i)];
     }
-    std::vector<float>().swap(tmp);  // freed before the optimizer's buffers are made
   }
+  std::vector<float>().swap(tmp);  // freed before the optimizer's buffers are made
   if (zero_ == 3) {
     work_shard_ = Buf(&mem_, MemCategory::weights, shard, elem_bytes());
     be_.to_device(work_shard_.data(), owned.data(), shard);
@@ -408,30 +409,31 @@ TrainResult Engine::run() {
     comm_.all_reduce(&dt, 1, world_, ReduceOp::max);
     res.dp_comm_standalone_s = dt;
   }
-  // Replicas: the spread of every parameter across data-parallel ranks.
-  std::vector<float> full = full_fp32_params();
-  {
-    std::vector<float> hi = full, lo = full;
-    for (float& x : lo) x = -x;
-    // The maxima are taken in the backend's memory, where the communicator works.
-    const int64_t n = static_cast<int64_t>(full.size());
-    Buf dhi = Buf::untracked(&be_, n), dlo = Buf::untracked(&be_, n);
-    be_.to_device(dhi.data(), hi.data(), n);
-    be_.to_device(dlo.data(), lo.data(), n);
-    comm_.all_reduce(dhi.data(), n, dp_, ReduceOp::max);
-    comm_.all_reduce(dlo.data(), n, dp_, ReduceOp::max);
-    be_.to_host(hi.data(), dhi.data(), n);
-    be_.to_host(lo.data(), dlo.data(), n);
-    double spread = 0;
+  // Replicas: the spread of every parameter across data-parallel ranks (none with one
+  // replica): max(x) + max(-x) over the group, element by element. One host copy, one
+  // more for the maxima, one buffer in the backend's memory, where the communicator works.
+  double spread = 0;
+  if (dp_.size() > 1) {
+    std::vector<float> x = full_fp32_params();
+    const int64_t n = static_cast<int64_t>(x.size());
+    std::vector<float> hi(x.size());
+    Buf d = Buf::untracked(&be_, n);
+    be_.to_device(d.data(), x.data(), n);
+    comm_.all_reduce(d.data(), n, dp_, ReduceOp::max);
+    be_.to_host(hi.data(), d.data(), n);
+    for (float& v : x) v = -v;
+    be_.to_device(d.data(), x.data(), n);
+    comm_.all_reduce(d.data(), n, dp_, ReduceOp::max);
+    be_.to_host(x.data(), d.data(), n);
     for (size_t i = 0; i < hi.size(); ++i) {
-      const double d = static_cast<double>(hi[i] + lo[i]);
-      if (!(d <= spread)) spread = d;  // NaN propagates
+      const double diff = static_cast<double>(hi[i] + x[i]);
+      if (!(diff <= spread)) spread = diff;  // NaN propagates
     }
-    comm_.all_reduce(&spread, 1, world_, ReduceOp::max);
-    res.replica_max_abs_diff = spread;
   }
+  comm_.all_reduce(&spread, 1, world_, ReduceOp::max);
+  res.replica_max_abs_diff = spread;
   if (!o_.dump_params_path.empty()) {
-    const std::vector<float> g = global_params(full);
+    const std::vector<float> g = global_params(full_fp32_params());
     if (comm_.rank() == 0) {
       std::ofstream f(o_.dump_params_path, std::ios::binary);
       f.write(reinterpret_cast<const char*>(g.data()), static_cast<std::streamsize>(g.size() * sizeof(float)));

@@ -79,6 +79,52 @@ TEST(CpuBackend, GemmMatchesReferenceMatmul) {
   EXPECT_LT(rel_err(dW.data(), dWd.data(), O * I), kOpTol);
 }
 
+// The backend keeps freed buffers of 64 KiB or more and hands them out again
+// (cpu_backend.cpp, kCachedFloats): a reused buffer must come back zeroed from allocate, and
+// a buffer of another size must not be handed out for it.
+TEST(CpuBackend, ReusedBuffersComeBackZeroed) {
+  auto be = make_cpu_backend();
+  const int64_t n = 1 << 17;  // 512 KiB
+  float* a = be->allocate(n);
+  for (int64_t i = 0; i < n; ++i) a[i] = 1.0f + static_cast<float>(i);
+  be->deallocate(a);
+  float* other = be->allocate(n + 1);  // another size: not the kept buffer
+  EXPECT_NE(other, a);
+  float* again = be->allocate(n);
+  EXPECT_EQ(again, a);  // the kept one
+  EXPECT_EQ(std::count(again, again + n, 0.0f), n);
+  be->deallocate(other);
+  be->deallocate(again);
+  float* small = be->allocate(16);  // under the threshold: plain new[], zeroed
+  EXPECT_EQ(std::count(small, small + 16, 0.0f), 16);
+  be->deallocate(small);
+}
+
+#ifdef STRATA_UNDER_SANITIZER
+// Eigen's GEMM kernels are not instrumented under the sanitizers (cpu_gemm.h); the backend
+// checks each operand's span against ASan's shadow memory first, so an operand that runs
+// past its buffer, or a kept (freed) buffer used again, is still reported.
+TEST(CpuBackendDeathTest, GemmOperandPastItsBufferIsReported) {
+  auto be = make_cpu_backend();
+  std::vector<float> a(6 * 4), b(4 * 5), c(6 * 5);
+  // A claimed to be 7 x 4: its last row is past the vector's end.
+  EXPECT_DEATH(be->gemm(false, false, 7, 5, 4, 1.0f, a.data(), 4, b.data(), 5, 0.0f, c.data(), 5),
+               "heap-buffer-overflow");
+  // C of row stride 6 for 6 x 5: its span is 35 floats, past the 30 of the vector.
+  EXPECT_DEATH(be->gemm(false, false, 6, 5, 4, 1.0f, a.data(), 4, b.data(), 5, 0.0f, c.data(), 6),
+               "heap-buffer-overflow");
+}
+TEST(CpuBackendDeathTest, KeptBufferUsedAfterItsFreeIsReported) {
+  auto be = make_cpu_backend();
+  const int64_t n = 1 << 17;
+  float* a = be->allocate(n);
+  std::vector<float> b(4 * 4), c(4 * 4);
+  be->deallocate(a);  // kept by the backend, poisoned
+  EXPECT_DEATH(be->gemm(false, false, 4, 4, 4, 1.0f, a, 4, b.data(), 4, 0.0f, c.data(), 4), "use-after-poison");
+  EXPECT_DEATH(a[3] = 1.0f, "use-after-poison");
+}
+#endif
+
 TEST(CpuBackend, NormsMatchReference) {
   auto be = make_cpu_backend();
   Rand r;

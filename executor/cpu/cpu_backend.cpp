@@ -1,19 +1,50 @@
-// The CPU backend: Eigen GEMMs (one core), plain loops for the rest. Attention is one
-// pair of GEMMs per (micro-batch row, head) on strided views of the (S, B, ...) buffers.
+// The CPU backend: Eigen GEMMs (one core, cpu_gemm.h), plain loops for the rest. Attention
+// is one pair of GEMMs per (micro-batch row, head) on strided views of the (S, B, ...) buffers.
 #include <Eigen/Dense>
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <mutex>
+#include <unordered_map>
 #include <vector>
 
 #include "executor/backend.h"
+#include "executor/cpu/cpu_gemm.h"
+
+#if defined(__SANITIZE_ADDRESS__)
+#include <sanitizer/asan_interface.h>
+#endif
 
 namespace strata {
 namespace {
 
-using RowMat = Eigen::Matrix<float, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>;
-using CMap = Eigen::Map<const RowMat, 0, Eigen::OuterStride<>>;
-using MMap = Eigen::Map<RowMat, 0, Eigen::OuterStride<>>;
+// The span a row-major (rows, cols) operand of row stride ld covers must be live memory.
+// cpu_gemm runs uninstrumented under the sanitizers (cpu_gemm.h); this reads the first
+// poisoned byte of the span, if any, in instrumented code, so AddressSanitizer reports the
+// overflow or use-after-free with this call's stack, as it would inside the GEMM.
+inline void check_span(const float* p, int64_t rows, int64_t cols, int64_t ld) {
+#if defined(__SANITIZE_ADDRESS__)
+  if (rows <= 0 || cols <= 0) return;
+  const size_t bytes = static_cast<size_t>((rows - 1) * ld + cols) * sizeof(float);
+  if (void* bad = __asan_region_is_poisoned(const_cast<float*>(p), bytes)) {
+    const volatile char c = *static_cast<volatile char*>(bad);
+    (void)c;
+  }
+#else
+  (void)p, (void)rows, (void)cols, (void)ld;
+#endif
+}
+
+// cpu_gemm with its operands' spans checked (see check_span).
+void gemm_checked(bool ta, bool tb, int64_t M, int64_t N, int64_t K, float alpha, const float* A, int64_t lda,
+                  const float* B, int64_t ldb, float beta, float* C, int64_t ldc) {
+  if (K > 0) {
+    check_span(A, ta ? K : M, ta ? M : K, lda);
+    check_span(B, tb ? N : K, tb ? K : N, ldb);
+  }
+  check_span(C, M, N, ldc);
+  cpu_gemm(ta, tb, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc);
+}
 
 constexpr float kEps = 1e-5f;
 constexpr float kGeluK = 0.7978845608028654f;  // sqrt(2/pi)
@@ -54,14 +85,18 @@ float round_fp16(float x) { return std::isnan(x) ? x : static_cast<float>(static
 
 // Head h's queries (Sq rows) and its group's keys and values (Skv rows): views of the
 // (S, B, ...) row buffers of micro-batch row b; q rows of stride ldq (query heads first), kv
-// rows of stride ldkv (key groups at 0, value groups at G*D).
+// rows of stride ldkv (key groups at 0, value groups at G*D). A view's rows are B rows of
+// its buffer apart: row stride sq = B*ldq for queries, skv = B*ldkv for keys and values.
 struct HeadViews {
-  CMap q, k, v;
-  HeadViews(const float* q_, int64_t ldq, const float* kv, int64_t ldkv, int64_t b, int64_t h, int64_t Sq, int64_t Skv,
-            int64_t B, int64_t A, int64_t G, int64_t D)
-      : q(q_ + b * ldq + h * D, Sq, D, Eigen::OuterStride<>(B * ldq)),
-        k(kv + b * ldkv + (h / (A / G)) * D, Skv, D, Eigen::OuterStride<>(B * ldkv)),
-        v(kv + b * ldkv + (G + h / (A / G)) * D, Skv, D, Eigen::OuterStride<>(B * ldkv)) {}
+  const float *q, *k, *v;
+  int64_t sq, skv;
+  HeadViews(const float* q_, int64_t ldq, const float* kv, int64_t ldkv, int64_t b, int64_t h, int64_t B, int64_t A,
+            int64_t G, int64_t D)
+      : q(q_ + b * ldq + h * D),
+        k(kv + b * ldkv + (h / (A / G)) * D),
+        v(kv + b * ldkv + (G + h / (A / G)) * D),
+        sq(B * ldq),
+        skv(B * ldkv) {}
 };
 
 class CpuBackend final : public Backend {
@@ -70,15 +105,7 @@ class CpuBackend final : public Backend {
 
   void gemm(bool ta, bool tb, int64_t M, int64_t N, int64_t K, float alpha, const float* A, int64_t lda,
             const float* B, int64_t ldb, float beta, float* C, int64_t ldc) override {
-    CMap a(A, ta ? K : M, ta ? M : K, Eigen::OuterStride<>(lda));
-    CMap b(B, tb ? N : K, tb ? K : N, Eigen::OuterStride<>(ldb));
-    MMap c(C, M, N, Eigen::OuterStride<>(ldc));
-    if (beta == 0.0f) c.setZero();
-    else if (beta != 1.0f) c *= beta;
-    if (!ta && !tb) c.noalias() += alpha * (a * b);
-    else if (!ta && tb) c.noalias() += alpha * (a * b.transpose());
-    else if (ta && !tb) c.noalias() += alpha * (a.transpose() * b);
-    else c.noalias() += alpha * (a.transpose() * b.transpose());
+    gemm_checked(ta, tb, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc);
   }
 
   void layernorm_forward(float* out, float* mean, float* rstd, const float* x, const float* w, const float* b,
@@ -239,22 +266,21 @@ class CpuBackend final : public Backend {
                             int64_t D) override {
     const int64_t ldo = A * D, keys = q0 + Sq;
     const float scale = 1.0f / std::sqrt(static_cast<float>(D));
-    RowMat p_local;
+    std::vector<float> p_local;
     for (int64_t b = 0; b < B; ++b) {
       for (int64_t h = 0; h < A; ++h) {
-        const HeadViews hv(q, ldq, kv, ldkv, b, h, Sq, keys, B, A, G, D);
+        const HeadViews hv(q, ldq, kv, ldkv, b, h, B, A, G, D);
         float* pp = probs ? probs + (b * A + h) * Sq * ldp : nullptr;
         int64_t ld = ldp;
         if (!pp) {
-          p_local.resize(Sq, keys);
+          p_local.resize(static_cast<size_t>(Sq * keys));
           pp = p_local.data();
           ld = keys;
         }
-        MMap p(pp, Sq, keys, Eigen::OuterStride<>(ld));
-        p.noalias() = scale * (hv.q * hv.k.transpose());
+        gemm_checked(false, true, Sq, keys, D, scale, hv.q, hv.sq, hv.k, hv.skv, 0.0f, pp, ld);  // P = s Q K^T
         softmax_causal(pp, Sq, ld, q0);
-        MMap o(out + b * ldo + h * D, Sq, D, Eigen::OuterStride<>(B * ldo));
-        o.noalias() = p * hv.v;
+        gemm_checked(false, false, Sq, D, keys, 1.0f, pp, ld, hv.v, hv.skv, 0.0f, out + b * ldo + h * D,
+                     B * ldo);  // O = P V
       }
     }
   }
@@ -263,34 +289,35 @@ class CpuBackend final : public Backend {
                              int64_t B, int64_t A, int64_t G, int64_t D) override {
     const int64_t ldo = A * D, keys = q0 + Sq;
     const float scale = 1.0f / std::sqrt(static_cast<float>(D));
-    RowMat p_local(Sq, keys), dp(Sq, keys);
+    std::vector<float> p_local(static_cast<size_t>(Sq * keys)), dp_(static_cast<size_t>(Sq * keys));
+    float* dp = dp_.data();
     for (int64_t b = 0; b < B; ++b) {
       for (int64_t h = 0; h < A; ++h) {
         const int64_t g = h / (A / G);
-        const HeadViews hv(q, ldq, kv, ldkv, b, h, Sq, keys, B, A, G, D);
-        MMap dq(dq_ + b * ldq + h * D, Sq, D, Eigen::OuterStride<>(B * ldq));
-        MMap dk(dkv + b * ldkv + g * D, keys, D, Eigen::OuterStride<>(B * ldkv));
-        MMap dv(dkv + b * ldkv + (G + g) * D, keys, D, Eigen::OuterStride<>(B * ldkv));
-        CMap dout_h(dout + b * ldo + h * D, Sq, D, Eigen::OuterStride<>(B * ldo));
+        const HeadViews hv(q, ldq, kv, ldkv, b, h, B, A, G, D);
+        float* dq = dq_ + b * ldq + h * D;
+        float* dk = dkv + b * ldkv + g * D;
+        float* dv = dkv + b * ldkv + (G + g) * D;
+        const float* dout_h = dout + b * ldo + h * D;
         const float* pp = probs ? probs + (b * A + h) * Sq * ldp : nullptr;
         int64_t ld = ldp;
         if (!pp) {  // recompute the attention probabilities (selective recompute)
-          p_local.noalias() = scale * (hv.q * hv.k.transpose());
+          gemm_checked(false, true, Sq, keys, D, scale, hv.q, hv.sq, hv.k, hv.skv, 0.0f, p_local.data(), keys);
           softmax_causal(p_local.data(), Sq, keys, q0);
           pp = p_local.data();
           ld = keys;
         }
-        CMap p(pp, Sq, keys, Eigen::OuterStride<>(ld));
-        dv.noalias() += p.transpose() * dout_h;
-        dp.noalias() = dout_h * hv.v.transpose();
+        gemm_checked(true, false, keys, D, Sq, 1.0f, pp, ld, dout_h, B * ldo, 1.0f, dv, B * ldkv);  // dV += P^T dO
+        gemm_checked(false, true, Sq, keys, D, 1.0f, dout_h, B * ldo, hv.v, hv.skv, 0.0f, dp, keys);  // dP = dO V^T
         for (int64_t i = 0; i < Sq; ++i) {  // dS = P * (dP - rowsum(dP * P))
           const int64_t n = q0 + i + 1;     // causal: keys 0..q0+i
+          float* dr = dp + i * keys;
           float dot = 0;
-          for (int64_t j = 0; j < n; ++j) dot += dp(i, j) * pp[i * ld + j];
-          for (int64_t j = 0; j < keys; ++j) dp(i, j) = j < n ? pp[i * ld + j] * (dp(i, j) - dot) * scale : 0.0f;
+          for (int64_t j = 0; j < n; ++j) dot += dr[j] * pp[i * ld + j];
+          for (int64_t j = 0; j < keys; ++j) dr[j] = j < n ? pp[i * ld + j] * (dr[j] - dot) * scale : 0.0f;
         }
-        dq.noalias() += dp * hv.k;
-        dk.noalias() += dp.transpose() * hv.q;
+        gemm_checked(false, false, Sq, D, keys, 1.0f, dp, keys, hv.k, hv.skv, 1.0f, dq, B * ldq);  // dQ += dS K
+        gemm_checked(true, false, keys, D, Sq, 1.0f, dp, keys, hv.q, hv.sq, 1.0f, dk, B * ldkv);   // dK += dS^T Q
       }
     }
   }
@@ -303,13 +330,13 @@ class CpuBackend final : public Backend {
                                   int64_t Sq, int64_t q0, int64_t B, int64_t A, int64_t G, int64_t D) override {
     const int64_t ldo = A * D;
     const float scale = 1.0f / std::sqrt(static_cast<float>(D));
-    RowMat sc;
+    std::vector<float> sc(static_cast<size_t>(std::min(kFlashRows, Sq) * (q0 + Sq)));
     for (int64_t b = 0; b < B; ++b) {
       for (int64_t h = 0; h < A; ++h) {
-        const HeadViews hv(q, ldq, kv, ldkv, b, h, Sq, q0 + Sq, B, A, G, D);
+        const HeadViews hv(q, ldq, kv, ldkv, b, h, B, A, G, D);
         for (int64_t r0 = 0; r0 < Sq; r0 += kFlashRows) {
           const int64_t r = std::min(kFlashRows, Sq - r0), keys = q0 + r0 + r;
-          sc.noalias() = scale * (hv.q.middleRows(r0, r) * hv.k.topRows(keys).transpose());
+          gemm_checked(false, true, r, keys, D, scale, hv.q + r0 * hv.sq, hv.sq, hv.k, hv.skv, 0.0f, sc.data(), keys);
           float* l = lse + (b * A + h) * Sq + r0;
           for (int64_t i = 0; i < r; ++i) {
             float* row = sc.data() + i * keys;
@@ -322,8 +349,8 @@ class CpuBackend final : public Backend {
             std::fill(row + n, row + keys, 0.0f);
             l[i] = mx + std::log(sum);
           }
-          MMap o(out + (r0 * B + b) * ldo + h * D, r, D, Eigen::OuterStride<>(B * ldo));
-          o.noalias() = sc * hv.v.topRows(keys);
+          gemm_checked(false, false, r, D, keys, 1.0f, sc.data(), keys, hv.v, hv.skv, 0.0f,
+                       out + (r0 * B + b) * ldo + h * D, B * ldo);
         }
       }
     }
@@ -333,25 +360,31 @@ class CpuBackend final : public Backend {
                                    int64_t q0, int64_t B, int64_t A, int64_t G, int64_t D) override {
     const int64_t ldo = A * D;
     const float scale = 1.0f / std::sqrt(static_cast<float>(D));
-    RowMat p, dp;
+    const size_t block = static_cast<size_t>(std::min(kFlashRows, Sq) * (q0 + Sq));
+    std::vector<float> p_(block), dp_(block);
+    float *p = p_.data(), *dp = dp_.data();
     for (int64_t b = 0; b < B; ++b) {
       for (int64_t h = 0; h < A; ++h) {
         const int64_t g = h / (A / G);
-        const HeadViews hv(q, ldq, kv, ldkv, b, h, Sq, q0 + Sq, B, A, G, D);
-        MMap dk(dkv + b * ldkv + g * D, q0 + Sq, D, Eigen::OuterStride<>(B * ldkv));
-        MMap dv(dkv + b * ldkv + (G + g) * D, q0 + Sq, D, Eigen::OuterStride<>(B * ldkv));
+        const HeadViews hv(q, ldq, kv, ldkv, b, h, B, A, G, D);
+        float* dk = dkv + b * ldkv + g * D;
+        float* dv = dkv + b * ldkv + (G + g) * D;
         for (int64_t r0 = 0; r0 < Sq; r0 += kFlashRows) {
           const int64_t r = std::min(kFlashRows, Sq - r0), keys = q0 + r0 + r;
-          CMap dout_b(dout + (r0 * B + b) * ldo + h * D, r, D, Eigen::OuterStride<>(B * ldo));
-          CMap out_b(out + (r0 * B + b) * ldo + h * D, r, D, Eigen::OuterStride<>(B * ldo));
-          MMap dq(dq_ + (r0 * B + b) * ldq + h * D, r, D, Eigen::OuterStride<>(B * ldq));
-          p.noalias() = scale * (hv.q.middleRows(r0, r) * hv.k.topRows(keys).transpose());
-          dp.noalias() = dout_b * hv.v.topRows(keys).transpose();
+          const float* dout_b = dout + (r0 * B + b) * ldo + h * D;
+          const float* out_b = out + (r0 * B + b) * ldo + h * D;
+          float* dq = dq_ + (r0 * B + b) * ldq + h * D;
+          const float* q_b = hv.q + r0 * hv.sq;
+          gemm_checked(false, true, r, keys, D, scale, q_b, hv.sq, hv.k, hv.skv, 0.0f, p, keys);         // S = s Q K^T
+          gemm_checked(false, true, r, keys, D, 1.0f, dout_b, B * ldo, hv.v, hv.skv, 0.0f, dp, keys);  // dP = dO V^T
           const float* l = lse + (b * A + h) * Sq + r0;
           for (int64_t i = 0; i < r; ++i) {  // P from lse; dS = P * (dP - rowsum(dO * O)) * scale
-            const float delta = dout_b.row(i).dot(out_b.row(i));
-            float* pr = p.data() + i * keys;
-            float* dr = dp.data() + i * keys;
+            const float* dor = dout_b + i * B * ldo;
+            const float* orow = out_b + i * B * ldo;
+            float delta = 0;
+            for (int64_t d = 0; d < D; ++d) delta += dor[d] * orow[d];
+            float* pr = p + i * keys;
+            float* dr = dp + i * keys;
             const int64_t n = q0 + r0 + i + 1;
             for (int64_t j = 0; j < n; ++j) {
               pr[j] = std::exp(pr[j] - l[i]);
@@ -360,17 +393,57 @@ class CpuBackend final : public Backend {
             std::fill(pr + n, pr + keys, 0.0f);
             std::fill(dr + n, dr + keys, 0.0f);
           }
-          dv.topRows(keys).noalias() += p.transpose() * dout_b;
-          dq.noalias() += dp * hv.k.topRows(keys);
-          dk.topRows(keys).noalias() += dp.transpose() * hv.q.middleRows(r0, r);
+          gemm_checked(true, false, keys, D, r, 1.0f, p, keys, dout_b, B * ldo, 1.0f, dv, B * ldkv);  // dV += P^T dO
+          gemm_checked(false, false, r, D, keys, 1.0f, dp, keys, hv.k, hv.skv, 1.0f, dq, B * ldq);    // dQ += dS K
+          gemm_checked(true, false, keys, D, r, 1.0f, dp, keys, q_b, hv.sq, 1.0f, dk, B * ldkv);      // dK += dS^T Q
         }
       }
     }
   }
 
-  float* allocate(int64_t n) override { return n > 0 ? new float[static_cast<size_t>(n)]() : nullptr; }
-  void deallocate(float* p) override { delete[] p; }
-  void fill_zero(float* p, int64_t n) override { std::fill(p, p + n, 0.0f); }
+  // Buffers of kCachedFloats or more that are freed are kept, by size, and handed out again:
+  // every training step frees and allocates the same activation, gradient and gathered
+  // buffers, and fresh memory costs a page fault per 4 KiB on first touch (about 12.5 us on
+  // these virtual machines). Under AddressSanitizer, whose allocator maps every block over
+  // 128 KiB afresh, that was most of a ZeRO-3 run's time; a kept buffer is poisoned until it
+  // is handed out again, so a use after its free is still reported. The memory tracker
+  // (memory_tracker.h) counts buffers in use, not this cache; the cache keeps at most
+  // kMaxCachedBytes and frees what would exceed it.
+  static constexpr int64_t kCachedFloats = 16 * 1024;  // 64 KiB
+  static constexpr int64_t kMaxCachedBytes = int64_t{512} << 20;
+  ~CpuBackend() override {
+    for (auto& [n, p] : free_) {
+      (void)n;
+      unpoison(p, n);
+      delete[] p;
+    }
+  }
+  float* allocate(int64_t n) override { return take(n, true); }
+  float* allocate_uninitialised_in(int64_t n, int pool) override {
+    (void)pool;
+    return take(n, false);
+  }
+  void deallocate(float* p) override {
+    if (!p) return;
+    std::lock_guard<std::mutex> lock(mu_);
+    const auto it = sizes_.find(p);
+    if (it == sizes_.end()) {
+      delete[] p;
+      return;
+    }
+    const int64_t n = it->second;
+    sizes_.erase(it);
+    if (cached_bytes_ + 4 * n > kMaxCachedBytes) {
+      delete[] p;
+      return;
+    }
+    cached_bytes_ += 4 * n;
+    poison(p, n);
+    free_.emplace(n, p);
+  }
+  void fill_zero(float* p, int64_t n) override {
+    if (n > 0) std::memset(p, 0, static_cast<size_t>(n) * sizeof(float));
+  }
   void to_host(float* host_dst, const float* src, int64_t n) override { std::copy(src, src + n, host_dst); }
   void to_device(float* dst, const float* host_src, int64_t n) override { std::copy(host_src, host_src + n, dst); }
   void* allocate_bytes(size_t bytes) override { return ::operator new(bytes > 0 ? bytes : 1); }
@@ -507,6 +580,52 @@ class CpuBackend final : public Backend {
 
  private:
   // Row i of the (rows, ld) scores: softmax over keys 0..q0+i, zero after them up to ld.
+  // The buffer cache (see kCachedFloats): sizes of the large buffers in use, and kept ones.
+  float* take(int64_t n, bool zeroed) {
+    if (n <= 0) return nullptr;
+    // Zeroed with memset, which the sanitizers check as one range (a loop is checked per
+    // element).
+    if (n < kCachedFloats) {
+      float* p = new float[static_cast<size_t>(n)];
+      if (zeroed) std::memset(p, 0, static_cast<size_t>(n) * sizeof(float));
+      return p;
+    }
+    float* p = nullptr;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      const auto it = free_.find(n);
+      if (it != free_.end()) {
+        p = it->second;
+        free_.erase(it);
+        cached_bytes_ -= 4 * n;
+        unpoison(p, n);
+      }
+    }
+    if (!p) p = new float[static_cast<size_t>(n)];
+    if (zeroed) std::memset(p, 0, static_cast<size_t>(n) * sizeof(float));
+    std::lock_guard<std::mutex> lock(mu_);
+    sizes_.emplace(p, n);
+    return p;
+  }
+  static void poison(float* p, int64_t n) {
+#if defined(__SANITIZE_ADDRESS__)
+    __asan_poison_memory_region(p, static_cast<size_t>(n) * sizeof(float));
+#else
+    (void)p, (void)n;
+#endif
+  }
+  static void unpoison(float* p, int64_t n) {
+#if defined(__SANITIZE_ADDRESS__)
+    __asan_unpoison_memory_region(p, static_cast<size_t>(n) * sizeof(float));
+#else
+    (void)p, (void)n;
+#endif
+  }
+  std::mutex mu_;
+  std::unordered_map<float*, int64_t> sizes_;
+  std::unordered_multimap<int64_t, float*> free_;
+  int64_t cached_bytes_ = 0;
+
   static void softmax_causal(float* p, int64_t rows, int64_t ld, int64_t q0) {
     for (int64_t i = 0; i < rows; ++i) {
       float* row = p + i * ld;
