@@ -49,7 +49,7 @@ usage:
   strata validate  --model M --cluster C|measure --ranks N [--plans K] [--steps S] [--report DIR]
                    [--global-batch-size B] [--precision fp32|bf16|fp16] [--seq-length S] [--json]
                    [--no-spread] [--quick-profile] [--calibrate] [--mpirun PATH]   (runs mpirun itself)
-  KIND  kill, throw, hang, nan, kill-in-checkpoint or slow (fault injection, e.g. kill@1:3)
+  KIND  kill, throw, hang, nan, kill-in-checkpoint, slow or bitflip (fault injection, e.g. kill@1:3)
 
 exit codes: 0 ok, 2 invalid input, 3 nothing feasible, 1 internal error
 )";

@@ -5,6 +5,7 @@
 // shard with its all-gather.
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <cstdio>
 #include <limits>
 
@@ -260,6 +261,20 @@ void Engine::optimizer_step(StepRecord* rec) {
     const float* gu = zero_ == 0 ? g + sh_.full_off[u] : g + off;
     be_.adamw(master_block(u), gu, adam_m_.data() + off, adam_v_.data() + off, decay_mask_.data() + off, sh_.shard[u],
               opt, lr, adam_step_, mul);
+  }
+  if (o_.fault.at(comm_.rank(), rec->step, FaultInjection::Kind::bitflip)) {
+    // Injected silent data corruption: the lowest mantissa bit of the rank's first owned weight.
+    for (size_t u = 0; u < lay_.units.size(); ++u) {
+      if (sh_.shard[u] == 0) continue;
+      float x = 0;
+      be_.to_host(&x, master_block(u), 1);
+      uint32_t bits = 0;
+      std::memcpy(&bits, &x, 4);
+      bits ^= 1u;
+      std::memcpy(&x, &bits, 4);
+      be_.to_device(master_block(u), &x, 1);
+      break;
+    }
   }
   // Working weights: round the owned block (mixed precision), then all-gather it (ZeRO 1, 2).
   if (mixed()) {

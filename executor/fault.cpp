@@ -40,9 +40,10 @@ FaultInjection parse_fault(const std::string& spec, int world_size) {
   else if (kind == "nan") f.kind = FaultInjection::Kind::nan;
   else if (kind == "kill-in-checkpoint") f.kind = FaultInjection::Kind::kill_in_checkpoint;
   else if (kind == "slow") f.kind = FaultInjection::Kind::slow;
+  else if (kind == "bitflip") f.kind = FaultInjection::Kind::bitflip;
   else
     throw InputError("--inject-fault: '" + spec + "': kind '" + kind +
-                     "' must be one of kill, throw, hang, nan, kill-in-checkpoint, slow");
+                     "' must be one of kill, throw, hang, nan, kill-in-checkpoint, slow, bitflip");
   f.rank = static_cast<int>(number(rank, spec, "rank", 0, world_size - 1));
   const size_t dash = step.find('-');
   if (dash == std::string::npos) {

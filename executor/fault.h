@@ -3,8 +3,11 @@
 // responding), nan (its gradients become NaN), kill-in-checkpoint (SIGKILL halfway
 // through writing its shard of that step's checkpoint) and slow (the rank sleeps
 // kSlowRankSeconds before its first backward of the step: a straggler, whose peers' waits
-// the executor must count as skew, not communication). For nan and slow, STEP may be a
-// range FIRST-LAST or FIRST- (every step from FIRST on), to test K bad steps in a row.
+// the executor must count as skew, not communication) and bitflip (after that step's
+// optimizer update the rank flips the lowest mantissa bit of its first weight: silent data
+// corruption, which the end-of-run replica check must see under plain data parallelism).
+// For nan and slow, STEP may be a range FIRST-LAST or FIRST- (every step from FIRST on), to
+// test K bad steps in a row.
 #pragma once
 
 #include <cstdint>
@@ -13,7 +16,7 @@
 namespace strata {
 
 struct FaultInjection {
-  enum class Kind { none, kill, throw_exception, hang, nan, kill_in_checkpoint, slow };
+  enum class Kind { none, kill, throw_exception, hang, nan, kill_in_checkpoint, slow, bitflip };
   Kind kind = Kind::none;
   int rank = 0;
   int64_t first = 0, last = 0;  // steps, 1-based, inclusive

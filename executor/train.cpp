@@ -432,6 +432,11 @@ TrainResult Engine::run() {
   }
   comm_.all_reduce(&spread, 1, world_, ReduceOp::max);
   res.replica_max_abs_diff = spread;
+  if (!(spread == 0) && comm_.rank() == 0)  // NaN too
+    std::fprintf(stderr,
+                 "strata: warning: the data-parallel replicas of the weights differ by up to %g after the last "
+                 "step (replica_max_abs_diff): silent data corruption or a non-deterministic reduction\n",
+                 spread);
   if (!o_.dump_params_path.empty()) {
     const std::vector<float> g = global_params(full_fp32_params());
     if (comm_.rank() == 0) {

@@ -44,6 +44,7 @@ TEST(FaultSpec, ParsesEveryKindAndRefusesBadOnes) {
   EXPECT_EQ(parse_fault("throw@0:1", 1).kind, FaultInjection::Kind::throw_exception);
   EXPECT_EQ(parse_fault("hang@3:7", 4).kind, FaultInjection::Kind::hang);
   EXPECT_EQ(parse_fault("kill-in-checkpoint@0:2", 2).kind, FaultInjection::Kind::kill_in_checkpoint);
+  EXPECT_EQ(parse_fault("bitflip@1:2", 2).kind, FaultInjection::Kind::bitflip);
   f = parse_fault("nan@0:2-", 2);
   EXPECT_TRUE(f.at(0, 2, FaultInjection::Kind::nan));
   EXPECT_TRUE(f.at(0, 1000000, FaultInjection::Kind::nan));
@@ -52,7 +53,7 @@ TEST(FaultSpec, ParsesEveryKindAndRefusesBadOnes) {
   EXPECT_TRUE(f.at(1, 4, FaultInjection::Kind::nan));
   EXPECT_FALSE(f.at(1, 5, FaultInjection::Kind::nan));
   for (const char* bad : {"kill", "kill@1", "kill@:3", "kill@1:", "explode@1:3", "kill@2:3", "kill@-1:3", "kill@1:0",
-                          "kill@1:3-5", "nan@1:5-4", "nan@1:x", "kill@1:99999999999999999999", "@1:3", "kill@1:3:4"}) {
+                          "kill@1:3-5", "bitflip@1:2-3", "nan@1:5-4", "nan@1:x", "kill@1:99999999999999999999", "@1:3", "kill@1:3:4"}) {
     try {
       parse_fault(bad, 2);
       ADD_FAILURE() << bad << " was accepted";
@@ -157,6 +158,25 @@ TEST(NumericalFaults, NanGradientsSkipTheStepAndHalveTheFp16Scale) {
   EXPECT_TRUE(f.j["steps"][1]["skipped"].get<bool>());
   EXPECT_FALSE(f.j["steps"][2]["skipped"].get<bool>());
   for (float x : f.params) ASSERT_TRUE(std::isfinite(x));
+}
+
+// Silent data corruption: one bit of one weight of one data-parallel replica. The
+// end-of-run replica check reports the spread (a flip of the lowest mantissa bit of a
+// weight w changes it by about |w| * 2^-23, more after later updates) and warns; the same
+// run without the flip has bit-identical replicas.
+TEST(NumericalFaults, AFlippedBitInOneReplicaIsReported) {
+  const std::string plan = "dp=2,mbs=1,gbs=4,precision=fp32";
+  const TrainRun clean = strata_test::train("tiny-gpt", plan, 3, kArgs);
+  const TrainRun flipped = strata_test::train("tiny-gpt", plan, 3, kArgs + " --inject-fault bitflip@1:2");
+  ASSERT_EQ(clean.rc, 0) << clean.err;
+  ASSERT_EQ(flipped.rc, 0) << flipped.err;
+  EXPECT_EQ(clean.j["replica_max_abs_diff"].get<double>(), 0.0);
+  EXPECT_EQ(clean.err.find("replicas of the weights differ"), std::string::npos) << clean.err;
+  const double spread = flipped.j["replica_max_abs_diff"].get<double>();
+  EXPECT_GT(spread, 0.0);
+  EXPECT_LT(spread, 1e-3);  // one low bit, carried through one more update
+  EXPECT_NE(flipped.err.find("replicas of the weights differ"), std::string::npos) << flipped.err;
+  std::printf("  bitflip@1:2 on dp2: replica_max_abs_diff %.3g (clean run: 0)\n", spread);
 }
 
 TEST(NumericalFaults, KBadStepsInARowStopTrainingAndNoCheckpointHoldsNan) {

@@ -418,11 +418,9 @@ class CpuBackend final : public Backend {
       delete[] p;
     }
   }
-  float* allocate(int64_t n) override { return take(n, true); }
-  float* allocate_uninitialised_in(int64_t n, int pool) override {
-    (void)pool;
-    return take(n, false);
-  }
+  // Zeroed always, allocate_uninitialised_in too: a packed buffer of an odd count has a
+  // half it never writes, and every byte stays deterministic.
+  float* allocate(int64_t n) override { return take(n); }
   void deallocate(float* p) override {
     if (!p) return;
     std::lock_guard<std::mutex> lock(mu_);
@@ -581,13 +579,13 @@ class CpuBackend final : public Backend {
  private:
   // Row i of the (rows, ld) scores: softmax over keys 0..q0+i, zero after them up to ld.
   // The buffer cache (see kCachedFloats): sizes of the large buffers in use, and kept ones.
-  float* take(int64_t n, bool zeroed) {
+  float* take(int64_t n) {
     if (n <= 0) return nullptr;
     // Zeroed with memset, which the sanitizers check as one range (a loop is checked per
     // element).
     if (n < kCachedFloats) {
       float* p = new float[static_cast<size_t>(n)];
-      if (zeroed) std::memset(p, 0, static_cast<size_t>(n) * sizeof(float));
+      std::memset(p, 0, static_cast<size_t>(n) * sizeof(float));
       return p;
     }
     float* p = nullptr;
@@ -602,7 +600,7 @@ class CpuBackend final : public Backend {
       }
     }
     if (!p) p = new float[static_cast<size_t>(n)];
-    if (zeroed) std::memset(p, 0, static_cast<size_t>(n) * sizeof(float));
+    std::memset(p, 0, static_cast<size_t>(n) * sizeof(float));
     std::lock_guard<std::mutex> lock(mu_);
     sizes_.emplace(p, n);
     return p;
