@@ -413,8 +413,7 @@ class CpuBackend final : public Backend {
   static constexpr int64_t kMaxCachedBytes = int64_t{512} << 20;
   ~CpuBackend() override {
     for (auto& [n, p] : free_) {
-      (void)n;
-      unpoison(p, n);
+      set_poisoned(p, n, false);
       delete[] p;
     }
   }
@@ -436,7 +435,7 @@ class CpuBackend final : public Backend {
       return;
     }
     cached_bytes_ += 4 * n;
-    poison(p, n);
+    set_poisoned(p, n, true);
     free_.emplace(n, p);
   }
   void fill_zero(float* p, int64_t n) override {
@@ -577,46 +576,37 @@ class CpuBackend final : public Backend {
   }
 
  private:
-  // Row i of the (rows, ld) scores: softmax over keys 0..q0+i, zero after them up to ld.
   // The buffer cache (see kCachedFloats): sizes of the large buffers in use, and kept ones.
+  // Every buffer comes back zeroed, with memset, which the sanitizers check as one range (a
+  // loop is checked per element).
   float* take(int64_t n) {
     if (n <= 0) return nullptr;
-    // Zeroed with memset, which the sanitizers check as one range (a loop is checked per
-    // element).
-    if (n < kCachedFloats) {
-      float* p = new float[static_cast<size_t>(n)];
-      std::memset(p, 0, static_cast<size_t>(n) * sizeof(float));
-      return p;
-    }
     float* p = nullptr;
-    {
+    if (n >= kCachedFloats) {
       std::lock_guard<std::mutex> lock(mu_);
       const auto it = free_.find(n);
       if (it != free_.end()) {
         p = it->second;
         free_.erase(it);
         cached_bytes_ -= 4 * n;
-        unpoison(p, n);
+        set_poisoned(p, n, false);
       }
     }
     if (!p) p = new float[static_cast<size_t>(n)];
     std::memset(p, 0, static_cast<size_t>(n) * sizeof(float));
-    std::lock_guard<std::mutex> lock(mu_);
-    sizes_.emplace(p, n);
+    if (n >= kCachedFloats) {
+      std::lock_guard<std::mutex> lock(mu_);
+      sizes_.emplace(p, n);
+    }
     return p;
   }
-  static void poison(float* p, int64_t n) {
+  // A kept buffer is out of bounds for AddressSanitizer until it is handed out again.
+  static void set_poisoned(float* p, int64_t n, bool poisoned) {
 #if defined(__SANITIZE_ADDRESS__)
-    __asan_poison_memory_region(p, static_cast<size_t>(n) * sizeof(float));
+    if (poisoned) __asan_poison_memory_region(p, static_cast<size_t>(n) * sizeof(float));
+    else __asan_unpoison_memory_region(p, static_cast<size_t>(n) * sizeof(float));
 #else
-    (void)p, (void)n;
-#endif
-  }
-  static void unpoison(float* p, int64_t n) {
-#if defined(__SANITIZE_ADDRESS__)
-    __asan_unpoison_memory_region(p, static_cast<size_t>(n) * sizeof(float));
-#else
-    (void)p, (void)n;
+    (void)p, (void)n, (void)poisoned;
 #endif
   }
   std::mutex mu_;
@@ -624,6 +614,7 @@ class CpuBackend final : public Backend {
   std::unordered_multimap<int64_t, float*> free_;
   int64_t cached_bytes_ = 0;
 
+  // Row i of the (rows, ld) scores: softmax over keys 0..q0+i, zero after them up to ld.
   static void softmax_causal(float* p, int64_t rows, int64_t ld, int64_t q0) {
     for (int64_t i = 0; i < rows; ++i) {
       float* row = p + i * ld;
