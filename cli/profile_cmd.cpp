@@ -9,6 +9,7 @@
 #include <iostream>
 
 #include <fmt/format.h>
+#include <nlohmann/json.hpp>
 
 #include "cli/args.h"
 #include "cli/progress.h"

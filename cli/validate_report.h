@@ -7,6 +7,8 @@
 #include <string>
 #include <vector>
 
+#include <nlohmann/json.hpp>  // a run holds its measured JSON by value
+
 #include "costmodel/json_input.h"
 #include "planner/validation.h"
 

@@ -5,6 +5,8 @@
 #include <cmath>
 #include <string_view>
 
+#include <nlohmann/json.hpp>
+
 #include "costmodel/comm.h"
 #include "costmodel/schedule.h"
 

@@ -6,6 +6,7 @@
 #include <filesystem>
 
 #include <fmt/format.h>
+#include <nlohmann/json.hpp>
 
 namespace strata {
 

@@ -12,7 +12,10 @@
 #include <string>
 #include <vector>
 
-#include <nlohmann/json.hpp>
+// Only the declaration of nlohmann::json: most files that include this header (through
+// hardware.h) never touch a JSON value, and the full header took ~1.6 s of each one's
+// compile. Files that read or build JSON include <nlohmann/json.hpp> themselves.
+#include <nlohmann/json_fwd.hpp>
 
 namespace strata {
 

@@ -1,6 +1,8 @@
 // Software-stack resolution; see stack.h.
 #include "costmodel/stack.h"
 
+#include <nlohmann/json.hpp>
+
 namespace strata {
 
 bool needs_fused_attention(const ModelSpec& m, const Plan& p) {

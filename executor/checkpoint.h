@@ -15,6 +15,8 @@
 #include <utility>
 #include <vector>
 
+#include <nlohmann/json.hpp>  // the manifest holds the plan by value
+
 #include "costmodel/json_input.h"
 
 namespace strata {

@@ -22,6 +22,7 @@
 
 #include <malloc.h>
 #include <fmt/format.h>
+#include <nlohmann/json.hpp>
 #include <unistd.h>
 
 #include "costmodel/layout.h"

@@ -2,6 +2,7 @@
 #include "planner/export.h"
 
 #include <fmt/format.h>
+#include <nlohmann/json.hpp>
 
 namespace strata {
 

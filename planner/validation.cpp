@@ -7,6 +7,8 @@
 #include <limits>
 #include <numeric>
 
+#include <nlohmann/json.hpp>
+
 #include "planner/search.h"
 
 namespace strata {

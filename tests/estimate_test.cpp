@@ -1,6 +1,7 @@
 // estimate(): the SPEC terms add up to the step time, simple cases reduce to sums of
 // their parts, and the memory and time trends every planner relies on hold.
 #include <gtest/gtest.h>
+#include <nlohmann/json.hpp>
 
 #include <cmath>
 #include <random>

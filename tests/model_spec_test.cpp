@@ -1,6 +1,7 @@
 // ModelSpec: parameter and FLOP counts against published numbers and hand derivations,
 // vocabulary padding, presets, model JSON and Hugging Face config loading.
 #include <gtest/gtest.h>
+#include <nlohmann/json.hpp>
 
 #include "costmodel/estimate.h"
 #include "costmodel/model_spec.h"

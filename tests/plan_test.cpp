@@ -1,6 +1,7 @@
 // Plan: inline and JSON forms, short and long keys, normalisation, and every rule of
 // check_plan with the reason key it reports.
 #include <gtest/gtest.h>
+#include <nlohmann/json.hpp>
 
 #include "costmodel/plan.h"
 #include "costmodel/stack.h"

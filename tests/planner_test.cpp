@@ -2,6 +2,7 @@
 // every feasible plan), plans come back valid, fitting and sorted, --fix pins dimensions,
 // the Pareto frontier is non-dominated, exports carry the framework flags.
 #include <gtest/gtest.h>
+#include <nlohmann/json.hpp>
 
 #include "planner/export.h"
 #include "planner/search.h"

@@ -15,6 +15,8 @@
 #include <string>
 #include <vector>
 
+#include <nlohmann/json.hpp>
+
 #include "costmodel/estimate.h"
 #include "costmodel/hardware.h"
 #include "costmodel/json_input.h"
