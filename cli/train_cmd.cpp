@@ -79,7 +79,13 @@ int cmd_train(const std::vector<std::string>& argv) {
     o.max_bad_steps = a.integer("max-bad-steps", o.max_bad_steps, 1, 1000000000);
     // Megatron's name; fractions allowed (0.1 = 6 s, for tests); 0 turns the watchdog off.
     o.distributed_timeout_s = 60.0 * real("distributed-timeout-minutes", o.distributed_timeout_s / 60.0, 0.0, 1e6);
-    if (a.has("inject-fault")) o.fault = parse_fault(a.get("inject-fault"), size);
+    if (a.has("inject-fault")) {
+      o.fault = parse_fault(a.get("inject-fault"), size);
+      // A fault after the last step would never fire: the run would pass without the test.
+      if (o.fault.first > o.steps)
+        throw InputError(fmt::format("--inject-fault: '{}': step {} is after the last step, {} (--steps)",
+                                     a.get("inject-fault"), o.fault.first, o.steps));
+    }
     if (o.fault.kind == FaultInjection::Kind::kill_in_checkpoint &&
         (o.checkpoint_every == 0 || o.fault.first % o.checkpoint_every != 0))
       throw InputError("--inject-fault: kill-in-checkpoint at step " + std::to_string(o.fault.first) +

@@ -13,6 +13,7 @@
 #include <filesystem>
 #include <fstream>
 #include <iostream>
+#include <map>
 #include <set>
 #include <sstream>
 #include <thread>
@@ -145,11 +146,18 @@ int cmd_validate(const std::vector<std::string>& argv) {
       return std::string(e.what());
     }
   };
-  const std::vector<ValidationPlan> chosen = choose_validation_plans(m, cl, vo);
-  if (chosen.empty())
-    throw InputError(fmt::format("no plan of {} on {} ranks with global batch {} fits and runs on this executor "
-                                 "(try another --global-batch-size or --ranks)",
-                                 m.name, ranks, gbs));
+  std::map<std::string, int64_t> rejected;
+  const std::vector<ValidationPlan> chosen = choose_validation_plans(m, cl, vo, &rejected);
+  if (chosen.empty()) {  // nothing feasible: exit 3, the rejections counted by reason (as plan does)
+    std::string why;
+    for (const auto& [k, v] : rejected)
+      if (!k.empty()) why += fmt::format("{}{} {}", why.empty() ? "" : ", ", k, v);
+    fmt::print(stderr,
+               "strata validate: no plan of {} on {} ranks with global batch {} fits and runs on this executor, "
+               "among {} candidates on {}; rejected: {} (try another --global-batch-size or --ranks)\n",
+               m.name, ranks, gbs, rejected[""], cl.name, why.empty() ? "none" : why);
+    return 3;
+  }
 
   ValidationSummary sum;
   sum.model = m.name;

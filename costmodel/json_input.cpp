@@ -1,8 +1,11 @@
 // Checked JSON reading; see json_input.h.
 #include "costmodel/json_input.h"
 
+#include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <fstream>
+#include <set>
 #include <sstream>
 
 #include <fmt/format.h>
@@ -34,8 +37,44 @@ Json parse_json_text(const std::string& text, const std::string& source) {
       --depth;
     }
   }
+  // Keys given twice in one object: the parser keeps the last and drops the first without
+  // a word, so a plan {"tp": 8, "tp": 4} would run tp=4. Refused, naming the object.
+  struct Open {  // an object or array being parsed: where it sits, the keys seen so far
+    std::string where;
+    bool object;
+    std::set<std::string> keys;
+  };
+  std::vector<Open> open;
+  std::string last_key;
+  const Json::parser_callback_t unique_keys = [&](int, Json::parse_event_t ev, Json& parsed) {
+    switch (ev) {
+      case Json::parse_event_t::object_start:
+      case Json::parse_event_t::array_start: {
+        std::string where;
+        if (!open.empty())
+          where = open.back().object ? (open.back().where.empty() ? "" : open.back().where + ".") + last_key
+                                     : open.back().where + "[]";
+        open.push_back({where, ev == Json::parse_event_t::object_start, {}});
+        break;
+      }
+      case Json::parse_event_t::object_end:
+      case Json::parse_event_t::array_end:
+        open.pop_back();
+        break;
+      case Json::parse_event_t::key:
+        last_key = parsed.get<std::string>();
+        if (!open.back().keys.insert(last_key).second)
+          throw InputError(fmt::format("{}: key \"{}\" is given twice in {}: keys of a JSON object must be unique", source,
+                                       last_key,
+                                       open.back().where.empty() ? "the top-level object" : "\"" + open.back().where + "\""));
+        break;
+      default:
+        break;
+    }
+    return true;
+  };
   try {
-    return Json::parse(text);
+    return Json::parse(text, unique_keys);
   } catch (const Json::parse_error& e) {
     throw InputError(fmt::format("{}: malformed JSON at byte {}: {}", source, e.byte, e.what()));
   } catch (const Json::exception& e) {  // a number too large for any type (found by fuzzing), ...
@@ -82,7 +121,8 @@ bool Fields::has(const std::string& key) const { return obj_.contains(key) && !o
 const Json& Fields::get(const std::string& key, const char* expected_type) {
   seen_.insert(key);
   if (!obj_.contains(key))
-    throw InputError(fmt::format("{}: missing: a {} is required", path_of(key), expected_type));
+    throw InputError(fmt::format("{}: missing: {} {} is required", path_of(key),
+                                 std::strchr("aeiou", expected_type[0]) ? "an" : "a", expected_type));
   return obj_.at(key);
 }
 
@@ -180,12 +220,18 @@ const Json& Fields::array(const std::string& key) {
   return v;
 }
 
+void Fields::reject_unknown_except(std::initializer_list<const char*> known) const {
+  for (auto it = obj_.begin(); it != obj_.end(); ++it)
+    if (std::none_of(known.begin(), known.end(), [&](const char* k) { return it.key() == k; })) unknown(it.key());
+}
+
 void Fields::reject_unknown() const {
-  for (auto it = obj_.begin(); it != obj_.end(); ++it) {
-    if (!seen_.count(it.key()))
-      throw InputError(fmt::format("{}: unknown field (check the spelling; see the schema in README.md)",
-                                   path_of(it.key())));
-  }
+  for (auto it = obj_.begin(); it != obj_.end(); ++it)
+    if (!seen_.count(it.key())) unknown(it.key());
+}
+
+void Fields::unknown(const std::string& key) const {
+  throw InputError(fmt::format("{}: unknown field (check the spelling; see the schema in README.md)", path_of(key)));
 }
 
 }  // namespace strata

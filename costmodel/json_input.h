@@ -58,10 +58,13 @@ class Fields {
   void ignore(const std::string& key);
   // Throws if the object holds a key nobody read.
   void reject_unknown() const;
+  // Throws if the object holds a key not in `known` (checked before any value is read).
+  void reject_unknown_except(std::initializer_list<const char*> known) const;
   std::string path_of(const std::string& key) const;
 
  private:
   const Json& get(const std::string& key, const char* expected_type);
+  [[noreturn]] void unknown(const std::string& key) const;
   const Json& obj_;
   std::string path_;
   std::set<std::string> seen_;

@@ -49,6 +49,11 @@ const std::vector<std::pair<const char*, const char*>>& aliases() {
 
 Plan plan_from_json(const Json& in, const std::string& source) {
   if (!in.is_object()) throw InputError(fmt::format("{}: {} is invalid: must be a JSON object", source, show_value(in)));
+  // The output of estimate --json (or a plan of plan --json) holds the plan under "plan".
+  if (in.contains("plan") && in.at("plan").is_object())
+    throw InputError(fmt::format("{}.plan: unknown field: this looks like the output of strata estimate or plan "
+                                 "--json; pass the object under its \"plan\" key as the plan",
+                                 source));
   // Fold short keys onto long ones; both present is an error.
   Json j = in;
   for (const auto& [lng, shrt] : aliases()) {
@@ -60,6 +65,14 @@ Plan plan_from_json(const Json& in, const std::string& source) {
     }
   }
   Fields f(j, source);
+  // Every field is known before any value is checked: a misspelt or foreign key is named
+  // as such, not reported through the rule of a known key beside it.
+  f.reject_unknown_except({"tensor_parallel", "pipeline_parallel", "data_parallel", "context_parallel",
+                           "virtual_pipeline_stages", "microbatch_group_size_per_vp_stage", "micro_batch_size",
+                           "global_batch_size", "zero_stage", "recompute", "recompute_num_layers", "sequence_parallel",
+                           "precision", "pipeline_schedule", "attention", "overlap_grad_reduce", "overlap_param_gather",
+                           "tp_comm_overlap", "grad_accumulation_fusion", "software_stack",
+                           "gradient_accumulation_steps", "num_gpus", "description"});
   Plan p;
   p.t = f.integer_or("tensor_parallel", 1, 1, kMaxDegree);
   p.p = f.integer_or("pipeline_parallel", 1, 1, kMaxDegree);
@@ -143,7 +156,10 @@ Json parse_inline_pairs(const std::string& text, const std::string& what) {
     const size_t comma = text.find(',', pos);
     const std::string item = text.substr(pos, comma == std::string::npos ? std::string::npos : comma - pos);
     pos = comma == std::string::npos ? text.size() + 1 : comma + 1;
-    if (item.empty()) continue;
+    if (item.empty())
+      throw InputError(fmt::format("{}: '{}' has an empty pair at byte {}: key=value pairs are separated by single "
+                                   "commas, with none before the first or after the last",
+                                   what, text, pos - 1 > text.size() ? text.size() : pos - 1));
     const size_t eq = item.find('=');
     if (eq == std::string::npos || eq == 0 || eq + 1 == item.size())
       throw InputError(fmt::format("{}: '{}' is invalid: must be key=value", what, item));

@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <filesystem>
 #include <fstream>
 #include <numeric>
 
@@ -90,6 +91,9 @@ TokenSource::TokenSource(const std::string& spec, int64_t V, int64_t S, uint64_t
     return;
   }
   synthetic_ = false;
+  std::error_code ec;
+  if (std::filesystem::is_directory(spec, ec))
+    throw InputError("--data: '" + spec + "' is a folder; expected a file of uint16 tokens (or synthetic)");
   std::ifstream f(spec, std::ios::binary | std::ios::ate);
   if (!f) throw InputError("--data: cannot open token file '" + spec + "'");
   const auto bytes = static_cast<int64_t>(f.tellg());

@@ -326,7 +326,10 @@ TrainResult Engine::run() {
   std::vector<double> times(res.steps.size());
   for (size_t i = 0; i < times.size(); ++i) times[i] = res.steps[i].step_time_s;
   std::sort(times.begin(), times.end());
-  if (!times.empty()) res.median_step_time_s = times[times.size() / 2];
+  if (!times.empty()) {  // the mean of the two middle steps when their number is even
+    const size_t h = times.size() / 2;
+    res.median_step_time_s = times.size() % 2 ? times[h] : 0.5 * (times[h - 1] + times[h]);
+  }
   const double n = std::max(1.0, sums[9]);
   double ph[13];
   for (int i = 0; i < 9; ++i) ph[i] = sums[static_cast<size_t>(i)] / n;

@@ -33,7 +33,8 @@ const std::vector<Mechanism>& validation_mechanisms() {
 }
 
 std::vector<ValidationPlan> choose_validation_plans(const ModelSpec& m, const Cluster& cl,
-                                                    const ValidationChoiceOptions& o) {
+                                                    const ValidationChoiceOptions& o,
+                                                    std::map<std::string, int64_t>* rejected) {
   SearchOptions so;
   so.gpus = o.ranks;
   so.gbs = o.gbs;
@@ -41,8 +42,16 @@ std::vector<ValidationPlan> choose_validation_plans(const ModelSpec& m, const Cl
   so.top_k = std::numeric_limits<int>::max();  // every feasible plan, ranked
   const SearchResult r = search(m, cl, so);
   std::vector<const Estimate*> ok;
-  for (const Estimate& e : r.plans)
+  int64_t not_runnable = 0;
+  for (const Estimate& e : r.plans) {
     if (!o.runnable || o.runnable(e.plan).empty()) ok.push_back(&e);
+    else ++not_runnable;
+  }
+  if (rejected) {
+    *rejected = r.rejected;
+    if (not_runnable > 0) (*rejected)["executor"] += not_runnable;
+    (*rejected)[""] = r.candidates_evaluated;
+  }
   std::vector<ValidationPlan> out;
   std::vector<bool> taken(ok.size(), false);
   for (size_t i = 0; i < ok.size() && static_cast<int>(out.size()) < o.best; ++i) {

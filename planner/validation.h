@@ -7,6 +7,7 @@
 
 #include <cstdint>
 #include <functional>
+#include <map>
 #include <string>
 #include <vector>
 
@@ -39,8 +40,11 @@ const std::vector<Mechanism>& validation_mechanisms();
 
 // Feasible plans ranked by predicted step time, then the spread (one per mechanism, then
 // the slowest plan and the 75th percentile, so the set spans the range). Deterministic.
+// `rejected`, if given, receives the search's rejections by reason, the plans the
+// executor cannot run under "executor", and the number of candidates searched under "".
 std::vector<ValidationPlan> choose_validation_plans(const ModelSpec& m, const Cluster& cl,
-                                                    const ValidationChoiceOptions& o);
+                                                    const ValidationChoiceOptions& o,
+                                                    std::map<std::string, int64_t>* rejected = nullptr);
 
 // Predicted against measured for one run. Errors are (predicted - measured) / measured;
 // NaN where the measured value is zero (a term the run did not have).

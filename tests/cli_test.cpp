@@ -200,6 +200,12 @@ TEST(Cli, NothingFeasibleExits3WithCounts) {
   EXPECT_EQ(r.code, 3);
   EXPECT_NE(r.err.find("no feasible plan"), std::string::npos);
   EXPECT_NE(r.err.find("out_of_memory"), std::string::npos);
+  // validate, too, before it trains anything (it once exited 2 without the counts).
+  const Outcome v = strata("validate --model gpt3-175b --cluster local-cpu --ranks 2 --plans 1 --steps 2");
+  EXPECT_EQ(v.code, 3) << v.err;
+  EXPECT_NE(v.err.find("no plan of gpt3-175b on 2 ranks"), std::string::npos) << v.err;
+  EXPECT_NE(v.err.find("rejected: "), std::string::npos) << v.err;
+  EXPECT_NE(v.err.find("out_of_memory"), std::string::npos) << v.err;
 }
 
 TEST(Cli, ListsPresets) {
@@ -230,7 +236,8 @@ TEST(Cli, EverySubcommandHasHelp) {
 }
 
 // V100 has no bf16: without --precision the search plans fp16 there, as Megatron-LM runs
-// on V100 (the default bf16 once rejected every plan); asked for bf16 it still says why not.
+// on V100 (the default bf16 once rejected every plan); asked for bf16 it says why not, as
+// bad input (exit 2, like estimate with that plan), not as a search that found nothing.
 TEST(Cli, PlanDefaultsToFp16WhereTheGpuLacksBf16) {
   const std::string base = "plan --model llama2-7b --cluster dgx2-v100-32g --gpus 16 --global-batch-size 64 --top 1";
   const Outcome r = strata(base + " --json");
@@ -240,8 +247,8 @@ TEST(Cli, PlanDefaultsToFp16WhereTheGpuLacksBf16) {
   EXPECT_EQ(j["plans"][0]["plan"]["precision"], "fp16");
   EXPECT_EQ(j["rejected"].count("precision"), 0u);
   const Outcome bf16 = strata(base + " --precision bf16");
-  EXPECT_EQ(bf16.code, 3);
-  EXPECT_NE(bf16.err.find("precision"), std::string::npos);
+  EXPECT_EQ(bf16.code, 2);
+  EXPECT_NE(bf16.err.find("--precision: bf16 is invalid: is not supported by"), std::string::npos) << bf16.err;
   const Outcome a100 = strata("plan --model llama2-7b --cluster dgx-a100-80g --gpus 16 --global-batch-size 64 --top 1 --json");
   ASSERT_EQ(a100.code, 0) << a100.err;
   EXPECT_EQ(nlohmann::json::parse(a100.out)["plans"][0]["plan"]["precision"], "bf16");
@@ -328,6 +335,23 @@ TEST(Cli, BadInputExits2NamingTheField) {
       {P + "tp=8,pp=16,dp=8,vp=2,gbs=160,microbatch_group_size_per_vp_stage=16", "microbatch_group_size_per_vp_stage=16"},
       {P + "tp=8,pp=16,dp=8,vp=2,gbs=160,microbatch_group_size_per_vp_stage=-1", "microbatch_group_size_per_vp_stage"},
       {E + write("deep.json", std::string(100000, '[')), "nested deeper"},
+      // Keys given twice (the JSON parser alone keeps the last), an empty inline pair, and
+      // estimate --json output given as a plan.
+      {P + write("p2.json", R"({"tp": 8, "pp": 2, "tp": 4})"), "key \"tp\" is given twice in the top-level object"},
+      {model("m24.json", R"({"num_layers":4,"num_layers":8,)" + ok_model + "}"), "\"num_layers\" is given twice"},
+      {"estimate --model gpt3-175b --plan tp=8 --cluster " +
+           write("c11.json", [] {
+             std::string t = cluster_to_json(load_cluster("dgx-a100-80g")).dump();
+             return t.replace(t.find("\"device\":{") + 10, 0, R"("memory_bytes":1,)");
+           }()),
+       "\"memory_bytes\" is given twice in \"device\""},
+      {P + "tp=8,,pp=2", "empty pair"},
+      {P + "tp=8,", "empty pair"},
+      {P + write("p3.json", estimate_to_json(estimate(load_model("gpt3-175b"), load_cluster("dgx-a100-80g"),
+                                                       load_plan("tp=8,pp=16,dp=8,vp=2,gbs=1536")))
+                                .dump()),
+       "plan.plan: unknown field: this looks like the output of strata estimate"},
+      {P + write("p4.json", R"({"tp": 8, "schedule": "interleaved", "fits": true})"), "plan.fits: unknown field"},
       // Clusters
       {"estimate --model gpt3-175b --plan tp=8 --cluster dgx-z100", "--cluster"},
       {"estimate --model gpt3-175b --plan tp=8 --cluster " + write("c1.json", "{{"), "malformed JSON"},
@@ -353,6 +377,8 @@ TEST(Cli, BadInputExits2NamingTheField) {
       {S + "--gpus 8 --global-batch-size 8 --fix bogus=1", "bogus"},
       {S + "--gpus 8 --global-batch-size 8 --fix tp=16", "--fix"},
       {S + "--gpus 8 --global-batch-size 8 --precision fp4", "--precision"},
+      {"plan --model llama2-7b --cluster dgx2-v100-32g --gpus 16 --global-batch-size 64 --precision bf16", "--precision: bf16"},
+      {S + "--gpus 8 --global-batch-size 8 --precision fp8", "--precision: fp8"},
       {S + "--gpus 8 --global-batch-size 8 --attention sparse", "--attention"},
       {"estimate --model gpt5 --cluster dgx-a100-80g --plan tp=1", "--model"},
       {"estimate --model /nonexistent/model.json --cluster dgx-a100-80g --plan tp=1", "--model"},
@@ -380,6 +406,8 @@ TEST(Cli, BadInputExits2NamingTheField) {
       {"profile --backend cuda --max-bytes 1", cuda_unavailable_reason().empty() ? "--max-bytes" : "--backend cuda"},
       {"train --model tiny-gpt --plan tp=1 --steps 2 --lr fast", "--lr"},
       {"train --model tiny-gpt --plan tp=1 --steps 2 --data synthetic:100000", "synthetic"},
+      {"train --model tiny-gpt --plan tp=1 --steps 2 --data " + scratch().string(), "is a folder"},
+      {"train --model tiny-gpt --plan tp=1 --steps 2 --inject-fault kill@0:9", "step 9 is after the last step, 2"},
       {"train --model tiny-gpt --plan tp=1,precision=fp8 --steps 2", "fp8"},
       {"train --model tiny-gpt --plan pp=8 --steps 2", "mpirun"},
       {"train --model gpt3-175b --plan tp=1 --steps 2", "GB of parameters"},
