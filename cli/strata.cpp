@@ -185,13 +185,7 @@ int cmd_plan(const std::vector<std::string>& argv) {
   so.precision = a.has("precision") ? parse_precision(a.get("precision"))
                  : cl.device.peak_flops(Precision::bf16) > 0 ? Precision::bf16
                                                              : Precision::fp16;
-  // A precision the device cannot run is bad input, not an infeasible search (every
-  // candidate would be rejected for it): the same rule as check_plan's, exit 2.
-  if (so.precision == Precision::fp8 && cl.device.peak_bf16_flops <= 0)
-    fail_field("--precision", "fp8", fmt::format("runs attention and the output layer in bf16, which {} ({}) does not support",
-                                                 cl.device.name, cl.name));
-  else if (cl.device.peak_flops(so.precision) <= 0)
-    fail_field("--precision", to_string(so.precision), fmt::format("is not supported by {} ({})", cl.device.name, cl.name));
+  if (a.has("precision")) check_precision_on(cl, so.precision);
   so.pareto = a.has("pareto");
   const std::string att = a.get("attention", "auto");
   if (att != "auto" && att != "flash" && att != "unfused")

@@ -130,6 +130,7 @@ int cmd_validate(const std::vector<std::string>& argv) {
       throw std::runtime_error(fmt::format("strata profile failed (exit {}): {}", rc, tail_of(report / "profile.log", 600)));
   }
   const Cluster cl = load_cluster(cluster_path);
+  if (a.has("precision")) check_precision_on(cl, prec);
   const ModelSpec m = model_on_stack(model, cl);  // as the executor trains it
 
   ValidationChoiceOptions vo;

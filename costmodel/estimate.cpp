@@ -172,9 +172,12 @@ double hardware_flops(const ModelSpec& m, const Plan& p, const StageLayout& lay)
   double f = model_flops_per_step(m, p);
   const double L = static_cast<double>(m.L);
   if (p.recompute == Recompute::full) {
-    double recomputed = 0;
-    for (int64_t s = 0; s < p.p; ++s)
-      for (int64_t c = 0; c < lay.v; ++c) recomputed += static_cast<double>(p.recomputed_layers(lay.chunk_layers(s, c)));
+    double recomputed = L;  // every layer, unless recompute_num_layers caps each chunk's
+    if (p.recompute_layers > 0) {
+      recomputed = 0;
+      for (int64_t s = 0; s < p.p; ++s)
+        for (int64_t c = 0; c < lay.v; ++c) recomputed += static_cast<double>(p.recomputed_layers(lay.chunk_layers(s, c)));
+    }
     f += recomputed * m.layer_forward_flops(p.gbs);
   }
   if (p.recompute == Recompute::selective)

@@ -17,6 +17,58 @@ void fail_field(const std::string& field, const std::string& value, const std::s
   throw InputError(fmt::format("{}: {} is invalid: {}", field, value, rule));
 }
 
+namespace {
+
+// The SAX handler of parse_json_text's duplicate-key pass: a stack of the objects and
+// arrays being read, with where each sits (for the message) and an object's keys so far.
+class UniqueKeys : public nlohmann::json_sax<Json> {
+ public:
+  explicit UniqueKeys(const std::string& source) : source_(source) {}
+  bool null() override { return true; }
+  bool boolean(bool) override { return true; }
+  bool number_integer(number_integer_t) override { return true; }
+  bool number_unsigned(number_unsigned_t) override { return true; }
+  bool number_float(number_float_t, const string_t&) override { return true; }
+  bool string(string_t&) override { return true; }
+  bool binary(binary_t&) override { return true; }
+  bool start_object(std::size_t) override { return open(true); }
+  bool start_array(std::size_t) override { return open(false); }
+  bool end_object() override { return close(); }
+  bool end_array() override { return close(); }
+  bool key(string_t& k) override {
+    last_key_ = k;
+    if (!open_.back().keys.insert(k).second)
+      throw InputError(fmt::format("{}: key \"{}\" is given twice in {}: keys of a JSON object must be unique", source_, k,
+                                   open_.back().where.empty() ? "the top-level object" : "\"" + open_.back().where + "\""));
+    return true;
+  }
+  bool parse_error(std::size_t, const std::string&, const nlohmann::detail::exception&) override { return false; }
+
+ private:
+  struct Open {
+    std::string where;
+    bool object;
+    std::set<std::string> keys;
+  };
+  bool open(bool object) {
+    std::string where;
+    if (!open_.empty())
+      where = open_.back().object ? (open_.back().where.empty() ? "" : open_.back().where + ".") + last_key_
+                                  : open_.back().where + "[]";
+    open_.push_back({std::move(where), object, {}});
+    return true;
+  }
+  bool close() {
+    open_.pop_back();
+    return true;
+  }
+  const std::string& source_;
+  std::vector<Open> open_;
+  std::string last_key_;
+};
+
+}  // namespace
+
 Json parse_json_text(const std::string& text, const std::string& source) {
   // The parser recurses per nesting level: refuse absurd depth before it starts.
   constexpr int kMaxDepth = 256;
@@ -38,43 +90,13 @@ Json parse_json_text(const std::string& text, const std::string& source) {
     }
   }
   // Keys given twice in one object: the parser keeps the last and drops the first without
-  // a word, so a plan {"tp": 8, "tp": 4} would run tp=4. Refused, naming the object.
-  struct Open {  // an object or array being parsed: where it sits, the keys seen so far
-    std::string where;
-    bool object;
-    std::set<std::string> keys;
-  };
-  std::vector<Open> open;
-  std::string last_key;
-  const Json::parser_callback_t unique_keys = [&](int, Json::parse_event_t ev, Json& parsed) {
-    switch (ev) {
-      case Json::parse_event_t::object_start:
-      case Json::parse_event_t::array_start: {
-        std::string where;
-        if (!open.empty())
-          where = open.back().object ? (open.back().where.empty() ? "" : open.back().where + ".") + last_key
-                                     : open.back().where + "[]";
-        open.push_back({where, ev == Json::parse_event_t::object_start, {}});
-        break;
-      }
-      case Json::parse_event_t::object_end:
-      case Json::parse_event_t::array_end:
-        open.pop_back();
-        break;
-      case Json::parse_event_t::key:
-        last_key = parsed.get<std::string>();
-        if (!open.back().keys.insert(last_key).second)
-          throw InputError(fmt::format("{}: key \"{}\" is given twice in {}: keys of a JSON object must be unique", source,
-                                       last_key,
-                                       open.back().where.empty() ? "the top-level object" : "\"" + open.back().where + "\""));
-        break;
-      default:
-        break;
-    }
-    return true;
-  };
+  // a word, so a plan {"tp": 8, "tp": 4} would run tp=4. Refused, naming the object, by a
+  // SAX pass first (linear; nlohmann's callback parser rescans an array at every object
+  // it closes, quadratic in the objects of a large input).
   try {
-    return Json::parse(text, unique_keys);
+    UniqueKeys unique(source);
+    (void)Json::sax_parse(text, &unique);  // stops at a syntax error, which the parse reports
+    return Json::parse(text);
   } catch (const Json::parse_error& e) {
     throw InputError(fmt::format("{}: malformed JSON at byte {}: {}", source, e.byte, e.what()));
   } catch (const Json::exception& e) {  // a number too large for any type (found by fuzzing), ...

@@ -157,15 +157,17 @@ class SteadyState {
     hist_.assign(first_ <= last_ ? static_cast<size_t>(rows_) * n_ : 0, 0.0);
   }
   const double* row(int64_t k) const { return &hist_[static_cast<size_t>(k % rows_) * n_]; }
-  void record(int64_t k, const std::vector<double>& free_at) {
+  void record(int64_t k, const std::vector<double>& free_at) { record(k, free_at.data()); }
+  void record(int64_t k, const double* free_at) {  // the stages' times, free_at[0, stages)
     if (k < first_ - P_ - (D_ - 1) || k > last_) return;  // a row no check reads
-    std::copy(free_at.begin(), free_at.end(), hist_.begin() + static_cast<std::ptrdiff_t>(static_cast<size_t>(k % rows_) * n_));
+    std::copy(free_at, free_at + n_, hist_.begin() + static_cast<std::ptrdiff_t>(static_cast<size_t>(k % rows_) * n_));
   }
   // After the refill: every stage's time moves by the shift and the walk on by J periods.
-  void jumped(int64_t* k, int64_t J, double shift, std::vector<double>* free_at) {
-    for (auto& f : *free_at) f += shift;
+  void jumped(int64_t* k, int64_t J, double shift, std::vector<double>* free_at) { jumped(k, J, shift, free_at->data()); }
+  void jumped(int64_t* k, int64_t J, double shift, double* free_at) {
+    for (size_t s = 0; s < n_; ++s) free_at[s] += shift;
     *k += J * P_;
-    record(*k, *free_at);
+    record(*k, free_at);
   }
   int64_t jump(int64_t k, double* shift) const {
     if (k < first_ || k > last_) return 0;  // outside every region's checks
@@ -410,8 +412,14 @@ bool interleaved_walk(int64_t m, const StageTimes& st, SimResult* out) {
 // runs a backward there, so forward i is still its last forward when s reads it. Alike
 // backward j of stage s, at w + 2j + 1 (j < m - w) or j + m, and of stage s + 1 (warm-up
 // w - 1, or m like s) at the same position or, for j < m - w, at the position before, w + 2j,
-// where s + 1 runs a forward next. The forward sweep runs the first stage first and the
-// backward sweep the last first, so a same-position input is in place when it is read.
+// where s + 1 runs a forward next. And each of those is the neighbour's finishing time
+// after the position before, except the first steady stage's input in the warm-up, the
+// warm-up prefix's step at this very position (walked first): a steady forward's input
+// stage runs a backward at this position and ran the forward at the one before (for
+// s - 1 = a the prefix's), a steady backward's input stage runs a forward here and ran the
+// backward before; the cool-down prefix reads stage a's backward of this position. So the
+// state is one array of finishing times, each read before it is overwritten: the steady
+// stages in one pass up the pipeline, the stage below's old time carried in a register.
 // The estimate's hot path: its state lives in per-thread scratch, and a step is a max and
 // an add.
 bool one_chunk_walk(ScheduleKind kind, int64_t m, const StageTimes& st, SimResult* out) {
@@ -420,15 +428,13 @@ bool one_chunk_walk(ScheduleKind kind, int64_t m, const StageTimes& st, SimResul
   const int64_t P = gpipe ? 1 : 2;
   const size_t n = static_cast<size_t>(p);
   // A forward's and a backward's time on each stage with the send that follows it (none
-  // after the last stage's forward and the first stage's backward), added once here; each
-  // stage's finishing time and its last forward's and backward's, sends included, with a
-  // 0 before the first stage and after the last (no input).
-  thread_local std::vector<double> fs, bs, free_at, fdone, bdone, hist;
+  // after the last stage's forward and the first stage's backward), added once here, and
+  // each stage's finishing time with a 0 after the last stage (the last stage's backward
+  // needs nothing but its own forward).
+  thread_local std::vector<double> fs, bs, free_at, hist;
   fs.resize(n);
   bs.resize(n);
-  free_at.assign(n, 0.0);
-  fdone.assign(n + 2, 0.0);
-  bdone.assign(n + 2, 0.0);
+  free_at.assign(n + 1, 0.0);
   for (int64_t s = 0; s < p; ++s) {
     const size_t i = static_cast<size_t>(s);
     fs[i] = st.fwd_s[i] + (s < p - 1 ? st.send_s[i] : 0.0);
@@ -442,10 +448,6 @@ bool one_chunk_walk(ScheduleKind kind, int64_t m, const StageTimes& st, SimResul
   const double* const f_dur = fs.data();
   const double* const b_dur = bs.data();
   double* const fa = free_at.data();
-  double* const fd = fdone.data() + 1;
-  double* const bd = bdone.data() + 1;
-  auto forward = [&](int64_t s) { fa[s] = fd[s] = std::max(fa[s], fd[s - 1]) + f_dur[s]; };
-  auto backward = [&](int64_t s) { fa[s] = bd[s] = std::max(fa[s], bd[s + 1]) + b_dur[s]; };
   bool jumped = false;
   int64_t walked = 0;
   for (int64_t k = 0; k < positions; ++k) {
@@ -453,34 +455,48 @@ bool one_chunk_walk(ScheduleKind kind, int64_t m, const StageTimes& st, SimResul
     // The prefix in warm-up (k < m) or cool-down, then the steady stages from `a` on.
     const bool warming = k < m;
     const int64_t a = gpipe ? p : std::clamp(warming ? p - 1 - k : p - positions + k, int64_t{0}, p);
-    const int64_t odd = (k + a - (p - 1)) & 1;  // stage a runs a backward
-    // (Down the prefix each step waits for the one before it: the chain is carried in a
-    // register rather than read back from the store just made.)
+    // Down the warm-up prefix each step waits for the one before it: the chain is carried
+    // in a register rather than read back from the store just made.
     if (warming) {
       double t = 0;
-      for (int64_t s = 0; s < a; ++s) fa[s] = fd[s] = t = std::max(fa[s], t) + f_dur[s];
+      for (int64_t s = 0; s < a; ++s) fa[s] = t = std::max(fa[s], t) + f_dur[s];
     }
-    for (int64_t s = a + odd; s < p; s += 2) forward(s);
-    const int64_t first_back = a + 1 - odd;  // the first steady stage running a backward
-    for (int64_t s = p - 1 - ((p - 1 - first_back) & 1); s >= first_back; s -= 2) backward(s);
+    // The steady stages in one pass up the pipeline, every step reading its neighbours'
+    // times before they are overwritten: `left` holds the stage below's. Stage a runs a
+    // backward where k + a - (p - 1) is odd, and the stages alternate from there.
+    if (a < p) {
+      int64_t s = a;
+      double left = a > 0 ? fa[a - 1] : 0.0, mine = fa[a];
+      if ((k + a - (p - 1)) & 1) {
+        const double right = fa[s + 1];
+        fa[s] = std::max(mine, right) + b_dur[s];
+        left = mine;
+        mine = right;
+        ++s;
+      }
+      for (; s + 1 < p; s += 2) {  // a forward on s, a backward on s + 1
+        const double up = fa[s + 1], right = fa[s + 2];
+        fa[s] = std::max(mine, left) + f_dur[s];
+        fa[s + 1] = std::max(up, right) + b_dur[s + 1];
+        left = up;
+        mine = right;
+      }
+      if (s < p) fa[s] = std::max(mine, left) + f_dur[s];
+    }
     if (!warming) {
-      double t = bd[a];
-      for (int64_t s = a - 1; s >= 0; --s) fa[s] = bd[s] = t = std::max(fa[s], t) + b_dur[s];
+      double t = fa[a];  // stage a's last backward (it runs one here), or the 0 past the last stage
+      for (int64_t s = a - 1; s >= 0; --s) fa[s] = t = std::max(fa[s], t) + b_dur[s];
     }
-    steady.record(k, free_at);
+    steady.record(k, fa);
     double shift = 0;
     if (const int64_t J = steady.jump(k, &shift); J > 0) {
-      // Each stage's last forward and backward ran at this position or the one before,
-      // whose times moved by the period's shift like its finishing time (SteadyState): J
-      // periods later the same steps hold the same places, J shifts later.
-      for (size_t i = 0; i < n; ++i) {
-        fd[i] += shift;
-        bd[i] += shift;
-      }
-      steady.jumped(&k, J, shift, &free_at);
+      // Each stage's time moved by the period's shift (SteadyState): J periods later the
+      // same steps hold the same places, J shifts later.
+      steady.jumped(&k, J, shift, fa);
       jumped = true;
     }
   }
+  free_at.resize(n);
   finish_walk(m, 1, st, free_at, jumped, out);
   return true;
 }

@@ -345,6 +345,13 @@ TEST(Cli, BadInputExits2NamingTheField) {
              return t.replace(t.find("\"device\":{") + 10, 0, R"("memory_bytes":1,)");
            }()),
        "\"memory_bytes\" is given twice in \"device\""},
+      // (100,000 objects: a parser callback once made this quadratic, minutes at 64 MiB.)
+      {P + write("p5.json", [] {
+         std::string t = "[";
+         for (int i = 0; i < 100000; ++i) t += "{\"tp\":1},";
+         return t + "{}]";
+       }()),
+       "must be a JSON object"},
       {P + "tp=8,,pp=2", "empty pair"},
       {P + "tp=8,", "empty pair"},
       {P + write("p3.json", estimate_to_json(estimate(load_model("gpt3-175b"), load_cluster("dgx-a100-80g"),
@@ -379,6 +386,7 @@ TEST(Cli, BadInputExits2NamingTheField) {
       {S + "--gpus 8 --global-batch-size 8 --precision fp4", "--precision"},
       {"plan --model llama2-7b --cluster dgx2-v100-32g --gpus 16 --global-batch-size 64 --precision bf16", "--precision: bf16"},
       {S + "--gpus 8 --global-batch-size 8 --precision fp8", "--precision: fp8"},
+      {"validate --model tiny-gpt --cluster dgx2-v100-32g --ranks 2 --precision bf16", "--precision: bf16"},
       {S + "--gpus 8 --global-batch-size 8 --attention sparse", "--attention"},
       {"estimate --model gpt5 --cluster dgx-a100-80g --plan tp=1", "--model"},
       {"estimate --model /nonexistent/model.json --cluster dgx-a100-80g --plan tp=1", "--model"},
