@@ -5,6 +5,7 @@
 #include <cstdio>
 #include <fstream>
 #include <iostream>
+#include <sstream>
 #include <string>
 #include <vector>
 
@@ -54,6 +55,31 @@ usage:
 
 exit codes: 0 ok, 2 invalid input, 3 nothing feasible, 1 internal error
 )";
+
+// `strata CMD --help`: the usage of CMD alone (its synopsis lines from kUsage, the
+// legend it uses) with the exit codes.
+std::string usage_of(const std::string& cmd) {
+  std::istringstream in(kUsage);
+  std::string line, title, synopsis, legend, exits, current;
+  std::getline(in, title);
+  auto starts = [&](const char* prefix) { return line.rfind(prefix, 0) == 0; };
+  while (std::getline(in, line)) {
+    if (starts("  strata ")) {  // a synopsis, "  strata CMD ...", and its continuation lines
+      std::istringstream words(line.substr(9));
+      words >> current;
+    } else if (!starts("       ")) {
+      current.clear();
+    }
+    if (!current.empty()) {
+      if (current == cmd) synopsis += line + "\n";
+    } else if (starts("  M  ") || starts("  C  ") || starts("  P  ") || (starts("  KIND  ") && cmd == "train")) {
+      legend += line + "\n";
+    } else if (starts("exit codes:")) {
+      exits = line + "\n";
+    }
+  }
+  return title + "\n\nusage:\n" + synopsis + "\n" + legend + "\n" + exits;
+}
 
 void list_presets(bool models) {
   if (models) {
@@ -280,9 +306,12 @@ int run(int argc, char** argv) {
   const std::string cmd = argv[1];
   const std::vector<std::string> rest(argv + 2, argv + argc);
   if (cmd == "--help" || cmd == "-h" || cmd == "help") return fmt::print("{}", kUsage), kExitOk;
-  // `strata train --help` and the like: the usage, before any subcommand starts MPI.
+  // `strata train --help` and the like: that subcommand's usage, before it starts MPI.
   for (const auto& r : rest)
-    if (r == "--help" || r == "-h") return fmt::print("{}", kUsage), kExitOk;
+    if (r == "--help" || r == "-h") {
+      const bool known = cmd == "plan" || cmd == "estimate" || cmd == "train" || cmd == "profile" || cmd == "validate";
+      return fmt::print("{}", known ? usage_of(cmd) : kUsage), kExitOk;
+    }
   if (cmd == "plan") return cmd_plan(rest);
   if (cmd == "estimate") return cmd_estimate(rest);
   if (cmd == "train") return cmd_train(rest);

@@ -9,6 +9,7 @@
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
+#include <limits>
 #include <set>
 #include <sstream>
 
@@ -138,16 +139,20 @@ std::vector<float> read_checkpoint(const std::string& path, CheckpointMeta* meta
   }
   try {
     if (j.at("format") != "strata-checkpoint-1") throw InputError("checkpoint '" + path + "': unknown format");
-    meta->step = j.at("step").get<int64_t>();
-    meta->adam_step = j.at("adam_step").get<int64_t>();
-    meta->good_steps = j.at("good_steps").get<int64_t>();
-    meta->loss_scale = j.at("loss_scale").get<double>();
-    meta->seed = j.at("seed").get<uint64_t>();
-    meta->model = j.at("model").get<std::string>();
-    meta->data = j.at("data").get<std::string>();
+    // Numbers through the checked readers: a float where an integer belongs (1e56 as a
+    // world size) is refused, not converted (undefined behaviour; found by fuzzing).
+    Fields f(j, "checkpoint '" + path + "': manifest.json");
+    constexpr int64_t kMax = INT64_MAX / 4;
+    meta->step = f.integer("step", 0, kMax);
+    meta->adam_step = f.integer("adam_step", 0, kMax);
+    meta->good_steps = f.integer("good_steps", 0, kMax);
+    meta->loss_scale = f.real("loss_scale", 0.0, std::numeric_limits<double>::max());
+    meta->seed = static_cast<uint64_t>(f.integer("seed", 0, INT64_MAX));
+    meta->model = f.string("model");
+    meta->data = f.string("data");
     meta->plan = j.at("plan");
-    meta->global_params = j.at("global_params").get<int64_t>();
-    meta->world_size = j.at("world_size").get<int>();
+    meta->global_params = f.integer("global_params", 0, kMax);
+    meta->world_size = static_cast<int>(f.integer("world_size", 1, 1 << 24));
   } catch (const InputError&) {
     throw;
   } catch (const std::exception& e) {
@@ -160,9 +165,13 @@ std::vector<float> read_checkpoint(const std::string& path, CheckpointMeta* meta
   std::vector<std::string> hashes;
   try {
     for (const Json& fj : j.at("files")) {
-      entries.push_back({fj.at("name").get<std::string>(), fj.at("bytes").get<int64_t>()});
-      hashes.push_back(fj.at("fnv1a64").get<std::string>());
+      Fields f(fj, "checkpoint '" + path + "': manifest.json files[]");
+      const std::string name = f.string("name");
+      entries.push_back({name, f.integer("bytes", 0, INT64_MAX / 4)});
+      hashes.push_back(f.string("fnv1a64"));
     }
+  } catch (const InputError&) {
+    throw;
   } catch (const std::exception& e) {
     throw InputError("checkpoint '" + path + "': manifest.json files: " + e.what());
   }

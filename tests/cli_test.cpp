@@ -219,17 +219,27 @@ TEST(Cli, ListsPresets) {
 }
 
 
-// Every subcommand's --help prints the usage and exits 0 (train, profile and validate once
-// rejected it as an unknown flag), without starting MPI or reading other flags.
+// Every subcommand's --help prints its own usage and exits 0 (train, profile and validate
+// once rejected it as an unknown flag), without starting MPI or reading other flags.
 TEST(Cli, EverySubcommandHasHelp) {
-  for (const char* cmd : {"plan", "estimate", "train", "profile", "validate"}) {
+  const std::vector<std::string> cmds = {"plan", "estimate", "train", "profile", "validate"};
+  for (const std::string& cmd : cmds) {
     for (const char* flag : {"--help", "-h"}) {
-      const Outcome r = strata(std::string(cmd) + " " + flag);
+      const Outcome r = strata(cmd + " " + flag);
       EXPECT_EQ(r.code, 0) << cmd << " " << flag << ": " << r.err;
-      EXPECT_NE(r.out.find("usage:"), std::string::npos) << cmd;
-      EXPECT_NE(r.out.find("--inject-fault KIND@RANK:STEP"), std::string::npos) << cmd;
+      EXPECT_NE(r.out.find("usage:\n  strata " + cmd + " "), std::string::npos) << cmd << ":\n" << r.out;
+      for (const std::string& other : cmds) {  // no other subcommand's synopsis
+        if (other != cmd) {
+          EXPECT_EQ(r.out.find("  strata " + other + " "), std::string::npos) << cmd << ":\n" << r.out;
+        }
+      }
+      EXPECT_NE(r.out.find("exit codes: 0 ok, 2 invalid input"), std::string::npos) << cmd;
+      EXPECT_EQ(r.out.find("KIND@RANK:STEP") != std::string::npos, cmd == "train") << cmd << ":\n" << r.out;
     }
   }
+  EXPECT_NE(strata("plan --help").out.find("--list-models"), std::string::npos);
+  EXPECT_NE(strata("train --help").out.find("KIND  kill, throw"), std::string::npos);
+  EXPECT_NE(strata("--help").out.find("strata validate"), std::string::npos);  // the whole usage
   const Outcome bad = strata("train --no-such-flag 1");
   EXPECT_EQ(bad.code, 2);
   EXPECT_NE(bad.err.find("--no-such-flag"), std::string::npos);
