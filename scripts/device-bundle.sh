@@ -12,7 +12,8 @@
 # Output: .device-bundle/ (git-ignored), carried to the device with `run`'s carry; there
 #   source .device-bundle/env.sh && STRATA_BUNDLE=.device-bundle scripts/device-check.sh $OUT
 # Check here with: scripts/device-bundle.sh --self-test (runs 1 and 2 CPU ranks from the
-# bundle with the system's Open MPI and PMIx trees hidden).
+# bundle with the system's Open MPI and PMIx trees hidden: run it only while nothing else on
+# this machine, CI included, needs MPI).
 #   usage: scripts/device-bundle.sh [--self-test]
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -24,7 +25,12 @@ ARCH_LIB=/usr/lib/x86_64-linux-gnu
 if [ "${1:-}" != "--self-test" ]; then
   bash scripts/install-deps.sh > /dev/null
   cmake -S . -B "$B" -DCMAKE_BUILD_TYPE=Release -DCMAKE_CUDA_ARCHITECTURES=90 > /dev/null
-  cmake --build "$B" -j 2 --target strata cuda_ops_test cuda_bench 2>&1 | grep -E "error|warning: |Built target" || true
+  # A failed build stops here: binaries an earlier build left in $B must not be bundled.
+  if ! cmake --build "$B" -j 2 --target strata cuda_ops_test cuda_bench > "$B/build.log" 2>&1; then
+    tail -40 "$B/build.log" >&2
+    echo "device-bundle: the build failed (log: $B/build.log)" >&2
+    exit 1
+  fi
   for t in strata cuda_ops_test cuda_bench; do [ -x "$B/$t" ] || { echo "device-bundle: $t did not build" >&2; exit 1; }; done
 
   rm -rf "$OUT"
