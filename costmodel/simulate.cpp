@@ -111,10 +111,9 @@ namespace {
 // The result of a position walk from each stage's finishing time. Busy time does not
 // depend on the timing: every step runs once, and every step sends except the last
 // chunk's forward on the last stage and the first chunk's backward on the first.
-void finish_walk(int64_t m, int64_t v, const StageTimes& st, const std::vector<double>& free_at, bool jumped,
-                 SimResult* out) {
+void finish_walk(int64_t m, int64_t v, const StageTimes& st, const double* free_at, bool jumped, SimResult* out) {
   const int64_t p = st.p;
-  out->end_s = free_at;
+  out->end_s.assign(free_at, free_at + p);
   out->compute_s.assign(static_cast<size_t>(p), 0.0);
   out->p2p_s.assign(static_cast<size_t>(p), 0.0);
   const double md = static_cast<double>(m);
@@ -126,7 +125,7 @@ void finish_walk(int64_t m, int64_t v, const StageTimes& st, const std::vector<d
     const double sends = 2.0 * md * static_cast<double>(v) - (s == p - 1 ? md : 0.0) - (s == 0 ? md : 0.0);
     out->p2p_s[i] = sends * st.send_s[i];
   }
-  out->makespan_s = *std::max_element(free_at.begin(), free_at.end());
+  out->makespan_s = *std::max_element(free_at, free_at + p);
   out->extrapolated = jumped;
   out->by_position = true;
 }
@@ -154,7 +153,8 @@ class SteadyState {
     }
     // No history without a position to check (a group as long as the schedule has none).
     if (first_ > last_) first_ = INT64_MAX, last_ = INT64_MIN;
-    hist_.assign(first_ <= last_ ? static_cast<size_t>(rows_) * n_ : 0, 0.0);
+    // Unset: every row a check reads was recorded by this walk (checks stop at the jump).
+    hist_.resize(first_ <= last_ ? static_cast<size_t>(rows_) * n_ : 0);
   }
   const double* row(int64_t k) const { return &hist_[static_cast<size_t>(k % rows_) * n_]; }
   void record(int64_t k, const std::vector<double>& free_at) { record(k, free_at.data()); }
@@ -196,6 +196,21 @@ class SteadyState {
   std::vector<double>& hist_;
   Region regions_[2];
 };
+
+// A step's time on (stage, chunk), at [c * p + s], with the send that follows it (none
+// after the last chunk's forward on the last stage and the first chunk's backward on the
+// first): the interleaved walks' durations.
+void step_times_with_sends(const StageTimes& st, std::vector<double>* fsum, std::vector<double>* bsum) {
+  const int64_t p = st.p, v = st.v;
+  fsum->resize(static_cast<size_t>(p * v));
+  bsum->resize(static_cast<size_t>(p * v));
+  for (int64_t c = 0; c < v; ++c)
+    for (int64_t s = 0; s < p; ++s) {
+      const double send = st.send_s[static_cast<size_t>(s)];
+      (*fsum)[static_cast<size_t>(c * p + s)] = st.f(s, c) + ((s == p - 1 && c == v - 1) ? 0.0 : send);
+      (*bsum)[static_cast<size_t>(c * p + s)] = st.b(s, c) + ((s == 0 && c == 0) ? 0.0 : send);
+    }
+}
 
 // The position walks: the walk of simulate() for a schedule made by make_schedule(),
 // position by position. Every stage runs one step per position and the inputs of a step
@@ -250,17 +265,7 @@ bool interleaved_walk(int64_t m, const StageTimes& st, SimResult* out) {
   fdone.assign(n * static_cast<size_t>(R), Done{-1, 0.0});
   bdone.assign(n * static_cast<size_t>(R), Done{-1, 0.0});
   free_at.assign(n, 0.0);
-  // A step's time on (stage, chunk) with the send that follows it (none after the last
-  // chunk's forward on the last stage and the first chunk's backward on the first).
-  const int64_t pv = p * v;
-  fsum.resize(static_cast<size_t>(pv));
-  bsum.resize(static_cast<size_t>(pv));
-  for (int64_t c = 0; c < v; ++c)
-    for (int64_t s = 0; s < p; ++s) {
-      const double send = st.send_s[static_cast<size_t>(s)];
-      fsum[static_cast<size_t>(c * p + s)] = st.f(s, c) + ((s == p - 1 && c == v - 1) ? 0.0 : send);
-      bsum[static_cast<size_t>(c * p + s)] = st.b(s, c) + ((s == 0 && c == 0) ? 0.0 : send);
-    }
+  step_times_with_sends(st, &fsum, &bsum);
   // Each stage's warm-up and where it is in its lists: the forwards and backwards run so
   // far, the chunk (in forward order) of the next one and the index where that chunk ends.
   warm.resize(n);
@@ -388,7 +393,143 @@ bool interleaved_walk(int64_t m, const StageTimes& st, SimResult* out) {
       jumped = true;
     }
   }
-  finish_walk(m, v, st, free_at, jumped, out);
+  finish_walk(m, v, st, free_at.data(), jumped, out);
+  return true;
+}
+
+// The interleaved walk again for Megatron's default shape, every group of p micro-batches
+// full (m a multiple of p, at least two groups), where it needs no tagged history.
+// Stage s has warm-up w_s = 2(p - 1 - s) + (v - 1)p: it runs forward k at position k < w_s,
+// then forward (k + w_s)/2 where k - w_s is even and backward (k - w_s - 1)/2 where it is
+// odd, then backward k - T from position 2T - w_s on (T = mv). The warm-ups have one
+// parity, so at a position every stage in its steady state runs the same way, forwards
+// where k - w_{p-1} is even; the stages still in their warm-up (w_s > k) are a prefix, as
+// are those in their cool-down (w_s >= 2T - k), and the two never meet (T > w_0).
+//
+// What each step reads. Steady forward i on stage s > 0 takes forward i of stage s - 1,
+// which ran it two positions before (2i - w_s - 2) and a backward since, unless s - 1 is
+// in its warm-up (then k = w_s = i: forward k of this very position) or in its cool-down
+// (then i = T - 1, its last forward): in every case stage s - 1's last forward before
+// this position's steady steps. Alike a steady backward j on s < p - 1 takes stage s + 1's
+// last backward. So the state is each stage's last forward and last backward finishing
+// times (LF, LB; a stage is free at the later of the two); the forwards sweep down from
+// the last stage, each reading the stage below before it is overwritten, the backwards up
+// from the first, after the warm-up prefix's chain (forward k, each stage reading the one
+// below at this position) and before the cool-down prefix's (backward k - T, reading the
+// stage above). The links between chunks, stage 0's forward i of chunk > 0 taking stage
+// p - 1's forward i - p and stage p - 1's backward j of order-chunk > 0 taking stage 0's
+// backward j - p, were produced at earlier positions (two before in the steady state, up
+// to p in the cool-down, up to (v + 1)p / 2 in the warm-up), so they are read from two
+// rings of each end stage's finishing times by index. At a position the steady stages'
+// indices are consecutive (i_s = i_{p-1} + p - 1 - s, j_s = j_{p-1} - (p - 1 - s)), so they
+// fall in at most two chunks, split at one stage; each run is a max, a max and an add.
+// A periodic steady state is found and jumped over as in the walks above: its state is
+// (LF, LB) after one position (D = 1), and of each ring only the newest entry is read
+// after the jump (LF[p - 1] and LB[0] then). Checked against the stored walk for 2 to 6
+// chunks on up to 32 stages (simulate_test).
+bool interleaved_walk_full_groups(int64_t m, const StageTimes& st, SimResult* out) {
+  const int64_t p = st.p, v = st.v, pv = p * v, total = m * v, positions = 2 * total, P = 2 * pv;
+  const int64_t wl = (v - 1) * p, w0 = wl + 2 * (p - 1);  // the last and the first stage's warm-ups
+  const size_t n = static_cast<size_t>(p);
+  thread_local std::vector<double> state, fsum, bsum, rings, hist;
+  state.assign(2 * n, 0.0);
+  step_times_with_sends(st, &fsum, &bsum);
+  int64_t R = 4;
+  while (R < 2 * (v + 1) * p + 4) R *= 2;
+  const int64_t mask = R - 1;
+  rings.resize(2 * static_cast<size_t>(R));  // every entry read was written first (above)
+  double* const LF = state.data();
+  double* const LB = LF + p;
+  double* const HF = rings.data();  // stage p - 1's forwards by index
+  double* const HB = HF + R;        // stage 0's backwards by index
+  const double* const fs = fsum.data();
+  const double* const bs = bsum.data();
+  SteadyState steady(P, {w0 + 2, positions - w0 - 1}, {1, 0}, 2 * n, &hist, 1);
+  // Where the indices are in their chunks, counted rather than divided: (chunk, offset)
+  // of the warm-up chain's forward k, of the last stage's next steady forward (index wl:
+  // chunk v - 1) and backward (index 0), and of the cool-down chain's backward k - T.
+  struct Place {
+    int64_t c, q;
+  };
+  auto next = [p, v](Place& x) {
+    if (++x.q == p) {
+      x.q = 0;
+      x.c = x.c + 1 == v ? 0 : x.c + 1;
+    }
+  };
+  Place warm{0, 0}, fwd{v - 1, 0}, bwd{0, 0}, cool{-1, 0};
+  int64_t fi = wl, bj = 0;  // the last stage's next steady forward and backward
+  bool jumped = false;
+  int64_t walked = 0;
+  for (int64_t k = 0; k < positions; ++k) {
+    if ((walked += p) > kMaxWalkSteps) return false;
+    const int64_t a = std::clamp(p - 1 - ((k - wl) >> 1), int64_t{0}, p);                    // warming up
+    const int64_t cooled = std::clamp(p - ((2 * total - k - wl + 1) >> 1), int64_t{0}, p);  // cooling down
+    if (a > 0) {  // forward k down the warm-up prefix, each stage taking the one below's
+      double t = warm.c > 0 ? HF[(k - p) & mask] : 0.0;
+      const double* d = fs + warm.c * p;
+      for (int64_t s = 0; s < a; ++s) LF[s] = t = std::max(LF[s], t) + d[s];
+      if (a == p) HF[k & mask] = t;
+      next(warm);
+    }
+    const int64_t lo = std::max(a, cooled);  // the steady stages: [lo, p)
+    if (lo < p) {
+      if (((k - wl) & 1) == 0) {
+        // Forwards, last stage first: stages [q, p) run chunk c, those below the next.
+        const int64_t i = fi++, ct = fwd.c, q = fwd.q;
+        next(fwd);
+        const double* const top = fs + ct * p;
+        const double* const low = fs + (ct + 1 == v ? 0 : ct + 1) * p;
+        const int64_t split = std::max(q, lo);
+        int64_t s = p - 1;
+        for (; s >= split && s > 0; --s) LF[s] = std::max(std::max(LF[s], LB[s]), LF[s - 1]) + top[s];
+        for (; s >= lo && s > 0; --s) LF[s] = std::max(std::max(LF[s], LB[s]), LF[s - 1]) + low[s];
+        if (lo == 0) {  // stage 0: forward i + p - 1, after the last stage's of the chunk before
+          const bool later_chunk = q > 0 ? ct + 1 < v : ct > 0;
+          const double in = later_chunk ? HF[(i - 1) & mask] : 0.0;
+          LF[0] = std::max(std::max(LF[0], LB[0]), in) + (q > 0 ? low : top)[0];
+        }
+        HF[i & mask] = LF[p - 1];
+      } else {
+        // Backwards, first steady stage first: stages [p - 1 - q, p) run order-chunk c
+        // (chunk v - 1 - c), those below the one before.
+        const int64_t j = bj++, ct = bwd.c, q = bwd.q;
+        next(bwd);
+        const double* const top = bs + (v - 1 - ct) * p;
+        const double* const low = bs + (ct == 0 ? 0 : v - ct) * p;
+        const int64_t split = std::max(p - 1 - q, lo);
+        int64_t s = lo;
+        for (; s < split; ++s) LB[s] = std::max(std::max(LF[s], LB[s]), LB[s + 1]) + low[s];
+        for (; s < p - 1; ++s) LB[s] = std::max(std::max(LF[s], LB[s]), LB[s + 1]) + top[s];
+        // The last stage: backward j, after stage 0's of the chunk after (order-chunk before).
+        const double in = ct > 0 ? HB[(j - p) & mask] : 0.0;
+        LB[p - 1] = std::max(std::max(LF[p - 1], LB[p - 1]), in) + top[p - 1];
+        if (lo == 0) HB[(j - (p - 1)) & mask] = LB[0];
+      }
+    }
+    if (cooled > 0) {  // backward k - T up the cool-down prefix, each taking the one above's
+      const int64_t j = k - total;
+      if (cool.c < 0) cool = Place{(j % pv) / p, j % p};  // its first position
+      double t = cooled < p ? LB[cooled] : (cool.c > 0 ? HB[(j - p) & mask] : 0.0);
+      const double* d = bs + (v - 1 - cool.c) * p;
+      for (int64_t s = cooled - 1; s >= 0; --s) LB[s] = t = std::max(std::max(LF[s], LB[s]), t) + d[s];
+      HB[j & mask] = t;
+      next(cool);
+    }
+    steady.record(k, LF);
+    double shift = 0;
+    if (const int64_t J = steady.jump(k, &shift); J > 0) {
+      // The newest ring entries, J periods on (each stage ran pv forwards and pv backwards
+      // per period, so every index moves by J pv and stays in its chunk).
+      steady.jumped(&k, J, shift, LF);
+      fi += J * pv;
+      bj += J * pv;
+      HF[(fi - 1) & mask] = LF[p - 1];
+      HB[(bj - 1 - (p - 1)) & mask] = LB[0];
+      jumped = true;
+    }
+  }
+  finish_walk(m, v, st, LB, jumped, out);
   return true;
 }
 
@@ -496,8 +637,7 @@ bool one_chunk_walk(ScheduleKind kind, int64_t m, const StageTimes& st, SimResul
       jumped = true;
     }
   }
-  free_at.resize(n);
-  finish_walk(m, 1, st, free_at, jumped, out);
+  finish_walk(m, 1, st, fa, jumped, out);
   return true;
 }
 
@@ -518,7 +658,10 @@ void simulate_pipeline_into(ScheduleKind kind, int64_t m, const StageTimes& st, 
     return;
   }
   if (!record_events &&
-      (kind == ScheduleKind::interleaved ? interleaved_walk(m, st, out) : one_chunk_walk(kind, m, st, out)))
+      (kind == ScheduleKind::interleaved
+           ? ((st.g == 0 || st.g == p) && m % p == 0 && m >= 2 * p ? interleaved_walk_full_groups(m, st, out)
+                                                                   : interleaved_walk(m, st, out))
+           : one_chunk_walk(kind, m, st, out)))
     return;
   *out = simulate_windows(kind, m, st, record_events);
 }

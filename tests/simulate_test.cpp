@@ -257,6 +257,45 @@ TEST(Simulate, PositionWalkWithGroupsMatchesTheStoredWalk) {
   EXPECT_GT(jumped, cases / 4);
 }
 
+// Megatron's default interleaved shape (groups of p, m a multiple of p, two groups or
+// more) has its own walk, without tagged history: every chunk count from 2 to 6, pipelines
+// up to 32 stages, short schedules and long ones that jump, stages alike but for the ends
+// and random times per (stage, chunk), given as g = 0 and as g = p, against the stored walk.
+TEST(Simulate, FullGroupInterleavedWalkMatchesTheStoredWalk) {
+  std::mt19937 rng(23);
+  std::uniform_real_distribution<double> u(0.5, 1.5);
+  int cases = 0, jumped = 0;
+  for (int64_t p : {2, 3, 4, 6, 8, 13, 16, 32}) {
+    for (int64_t v : {2, 3, 4, 6}) {
+      for (int64_t groups : {2, 3, 5, 12, 40}) {
+        const int64_t m = groups * p;
+        for (int random = 0; random < 3; ++random) {
+          StageTimes st = uniform(p, v, 1, 2, 0.05);
+          st.g = random == 1 ? p : 0;
+          if (random == 0) {
+            st.fwd_s.back() += 0.3;  // the output layer, on the last chunk of the last stage
+            st.bwd_s.back() += 0.6;
+            st.fwd_s.front() += 0.05;  // the embedding
+          } else {
+            for (auto& x : st.fwd_s) x = u(rng);
+            for (auto& x : st.bwd_s) x = 2 * u(rng);
+            for (auto& x : st.send_s) x *= u(rng);
+          }
+          const SimResult full = simulate(make_schedule(ScheduleKind::interleaved, p, v, m), st, false);
+          const SimResult fast = simulate_pipeline(ScheduleKind::interleaved, m, st, false);
+          const std::string what = "p=" + std::to_string(p) + " v=" + std::to_string(v) + " m=" + std::to_string(m) +
+                                   " random=" + std::to_string(random);
+          ++cases;
+          jumped += fast.extrapolated;
+          expect_same_walk(fast, full, what);
+        }
+      }
+    }
+  }
+  std::printf("%d full-group interleaved schedules walked by position, %d of them jumped\n", cases, jumped);
+  EXPECT_GT(jumped, cases / 4);
+}
+
 TEST(Simulate, DeadlockIsReported) {
   Schedule sc = make_schedule(ScheduleKind::one_f_one_b, 2, 1, 2);
   std::swap(sc.stages[1][0], sc.stages[1][1]);  // stage 1 would run B0 before F0
