@@ -436,7 +436,8 @@ void passes(Acc& a, const char* name, Phase ph, const Tensors& ts, double bytes_
   for (int i = 0; i < ts.count; ++i) a.mem(name, ph, bytes_per_value * ts.values[static_cast<size_t>(i)]);
 }
 
-// The forward of one layer (also replayed by full recompute).
+// The forward of one layer (also replayed by full recompute), but for packing what it
+// keeps (pack_kept).
 void layer_forward(Acc& a, Phase ph) {
   const ModelSpec& m = a.m;
   const Plan& p = a.p;
@@ -462,9 +463,12 @@ void layer_forward(Acc& a, Phase ph) {
   a.linear("fc2", ph, T, H, Ft);
   a.tp_reduce(p.sp ? "sp_reduce_scatter" : "tp_all_reduce", ph);
   a.mem("bias_dropout_add", ph, dropout_bytes(Tn * H, m.hidden_dropout, a.cs.work_bytes, true));
-  const SixteenBitPasses sb = sixteen_bit_passes(a);
-  passes(a, "round16", ph, sb.forward_rounds, 8.0);
-  if (ph == Phase::forward) passes(a, "pack16", ph, sb.kept, 6.0);
+  if (a.cs.stack.strata) passes(a, "round16", ph, sixteen_bit_passes(a).forward_rounds, 8.0);
+}
+
+// After the forward (not its replay): the tensors it keeps packed into 16 bits.
+void pack_kept(Acc& a) {
+  if (a.cs.stack.strata) passes(a, "pack16", Phase::forward, sixteen_bit_passes(a).kept, 6.0);
 }
 
 void layer_backward(Acc& a) {
@@ -505,6 +509,7 @@ void layer_backward(Acc& a) {
   a.mem("norm1", ph, 3.0 * e * Tn * H);
   if (!a.cs.stack.grad_accumulation_fusion)
     a.mem("grad_accumulation", ph, grad_accumulation_bytes(p.precision) * static_cast<double>(m.layer_params(p.t)));
+  if (!a.cs.stack.strata) return;
   const SixteenBitPasses sb = sixteen_bit_passes(a);
   passes(a, "unpack16", ph, sb.kept, 6.0);
   passes(a, "round16", ph, sb.backward_rounds, 8.0);
@@ -547,7 +552,13 @@ LayerCost layer_cost(const ModelSpec& m, const Cluster& cl, const Plan& p, const
                      std::vector<OpCost>* ops) {
   Acc a(m, cl, p, cs, ops);
   layer_forward(a, Phase::forward);
-  if (p.recompute == Recompute::full) layer_forward(a, Phase::recompute);
+  // Full recompute replays the forward's ops, each costing what it cost there (a function
+  // of its sizes alone), summed in the same order: the same bits. Walked again only when
+  // the op list is asked for.
+  const bool replay = p.recompute == Recompute::full;
+  if (replay && !ops) a.lc.recompute = a.lc.forward;
+  pack_kept(a);
+  if (replay && ops) layer_forward(a, Phase::recompute);
   if (p.recompute == Recompute::selective) attention_core_forward(a, Phase::recompute);
   layer_backward(a);
   sharded_traffic(a, static_cast<double>(m.layer_params(p.t)));
