@@ -370,5 +370,47 @@ TEST(Compute, SlidingWindowCutsTheFusedAttention) {
                    layer_cost(full, c, pu, compute_setup(full, c, pu)).forward.total());
 }
 
+// Full recompute replays the forward: without an op list layer_cost copies the forward's
+// costs instead of costing the replay again. The copy must be what the replay gives, to the
+// bit, on every stack and with every parallel dimension that reaches the layer's ops.
+TEST(Compute, FullRecomputeCopyIsTheReplay) {
+  auto expect_same = [](const Work& x, const Work& y, const std::string& what) {
+    EXPECT_EQ(x.compute_s, y.compute_s) << what;
+    EXPECT_EQ(x.tp_comm_s, y.tp_comm_s) << what;
+    EXPECT_EQ(x.cp_comm_s, y.cp_comm_s) << what;
+    EXPECT_EQ(x.dp_comm_s, y.dp_comm_s) << what;
+    EXPECT_EQ(x.tp_comm_all_s, y.tp_comm_all_s) << what;
+    EXPECT_EQ(x.dp_comm_all_s, y.dp_comm_all_s) << what;
+  };
+  int cases = 0;
+  for (const char* model : {"gpt3-175b", "llama3-70b", "gpt2-124m"}) {
+    const ModelSpec m = load_model(model);
+    for (const char* cluster : {"dgx-a100-80g", "dgx-h100-80g", "local-cpu"}) {
+      for (const bool strata : {false, true}) {
+        Cluster c = load_cluster(cluster);
+        c.strata_stack = c.strata_stack || strata;
+        for (const char* plan : {"tp=8,mbs=1,recompute=full", "tp=4,cp=2,mbs=2,sp=1,recompute=full,precision=bf16",
+                                 "tp=2,dp=8,mbs=1,zero=3,recompute=full,attention=flash",
+                                 "tp=1,mbs=4,recompute=full,precision=fp16,attention=unfused",
+                                 "tp=8,mbs=1,sp=1,recompute=full,precision=fp8"}) {
+          const Plan p = load_plan(plan);
+          if (!check_plan(m, c, p).empty()) continue;
+          const ComputeSetup cs = compute_setup(m, c, p);
+          std::vector<OpCost> ops;
+          const LayerCost copied = layer_cost(m, c, p, cs);
+          const LayerCost replayed = layer_cost(m, c, p, cs, &ops);
+          const std::string what = std::string(model) + " " + cluster + (strata ? " strata " : " ") + plan;
+          expect_same(copied.forward, replayed.forward, what + " forward");
+          expect_same(copied.recompute, replayed.recompute, what + " recompute");
+          expect_same(copied.backward, replayed.backward, what + " backward");
+          EXPECT_GT(copied.recompute.compute_s, 0) << what;
+          ++cases;
+        }
+      }
+    }
+  }
+  EXPECT_GE(cases, 40);
+}
+
 }  // namespace
 }  // namespace strata
