@@ -145,7 +145,10 @@ class SteadyState {
   // micro-batch groups hold more than p: the first stage then reads the last stage's
   // forward of 2 (g - p + 1) positions before).
   SteadyState(int64_t P, Region a, Region b, size_t stages, std::vector<double>* scratch, int64_t D = 2)
-      : P_(P), D_(D), rows_(P + D), n_(stages), hist_(*scratch), regions_{a, b} {
+      : P_(P), D_(D), n_(stages), hist_(*scratch), regions_{a, b} {
+    // The last P + D positions' rows in a ring of a power of two rows (a mask, not a
+    // division, finds a position's row).
+    while (rows_ < P + D) rows_ *= 2;
     for (const Region& r : regions_) {
       if (r.lo > r.hi) continue;
       first_ = std::min(first_, std::max(r.lo + P - 1, P + D - 1));
@@ -156,11 +159,11 @@ class SteadyState {
     // Unset: every row a check reads was recorded by this walk (checks stop at the jump).
     hist_.resize(first_ <= last_ ? static_cast<size_t>(rows_) * n_ : 0);
   }
-  const double* row(int64_t k) const { return &hist_[static_cast<size_t>(k % rows_) * n_]; }
+  const double* row(int64_t k) const { return &hist_[static_cast<size_t>(k & (rows_ - 1)) * n_]; }
   void record(int64_t k, const std::vector<double>& free_at) { record(k, free_at.data()); }
   void record(int64_t k, const double* free_at) {  // the stages' times, free_at[0, stages)
     if (k < first_ - P_ - (D_ - 1) || k > last_) return;  // a row no check reads
-    std::copy(free_at, free_at + n_, hist_.begin() + static_cast<std::ptrdiff_t>(static_cast<size_t>(k % rows_) * n_));
+    std::copy(free_at, free_at + n_, hist_.begin() + static_cast<std::ptrdiff_t>(static_cast<size_t>(k & (rows_ - 1)) * n_));
   }
   // After the refill: every stage's time moves by the shift and the walk on by J periods.
   void jumped(int64_t* k, int64_t J, double shift, std::vector<double>* free_at) { jumped(k, J, shift, free_at->data()); }
@@ -169,28 +172,49 @@ class SteadyState {
     *k += J * P_;
     record(*k, free_at);
   }
-  int64_t jump(int64_t k, double* shift) const {
+  // Past the jump, exactly at `target` (>= k, in the region): the state recorded at the
+  // position before k with target's phase, moved on by the whole periods between. A walk
+  // whose other state follows from the position alone lands there instead of walking the
+  // rest of the period after jumped(); per_period: jump()'s shift over J.
+  void landed(int64_t* k, int64_t target, double per_period, double* free_at) const {
+    const int64_t r = (target - *k) % P_, from = r == 0 ? *k : *k - (P_ - r);
+    const double shift = static_cast<double>((target - from) / P_) * per_period;
+    const double* src = row(from);
+    for (size_t s = 0; s < n_; ++s) free_at[s] = src[s] + shift;
+    *k = target;
+  }
+  int64_t jump(int64_t k, double* shift, double* per_period = nullptr) {
     if (k < first_ || k > last_) return 0;  // outside every region's checks
     for (const Region& r : regions_) {
       if (k - P_ + 1 < r.lo || k + P_ > r.hi || k - P_ - (D_ - 1) < 0) continue;
       const double c = row(k)[0] - row(k - P_)[0];
       const double tol = 1e-12 * row(k)[0];
+      auto moved_alike = [&](int64_t d, size_t s) { return std::fabs((row(k - d)[s] - row(k - d - P_)[s]) - c) <= tol; };
+      // Where the last check failed first: in a slow transient the same time stays behind
+      // from one position to the next, and one comparison says so.
+      if (!moved_alike(bad_d_, bad_s_)) continue;
       bool periodic = true;
       for (int64_t d = 0; d < D_ && periodic; ++d) {
         const double* now = row(k - d);
         const double* before = row(k - d - P_);
-        for (size_t s = 0; s < n_ && periodic; ++s) periodic = std::fabs((now[s] - before[s]) - c) <= tol;
+        for (size_t s = 0; s < n_ && periodic; ++s) {
+          periodic = std::fabs((now[s] - before[s]) - c) <= tol;
+          if (!periodic) bad_d_ = d, bad_s_ = s;
+        }
       }
       if (!periodic) continue;
       const int64_t J = (r.hi - k) / P_;  // whole periods still inside the region
       *shift = static_cast<double>(J) * c;
+      if (per_period) *per_period = c;
       return J;
     }
     return 0;
   }
 
  private:
-  int64_t P_, D_, rows_;
+  int64_t P_, D_, rows_ = 1;
+  int64_t bad_d_ = 0;  // the row (d back) and time of the last failed check's first mismatch
+  size_t bad_s_ = 0;
   int64_t first_ = INT64_MAX, last_ = INT64_MIN;  // the positions where jump() can say yes
   size_t n_;
   std::vector<double>& hist_;
@@ -423,10 +447,15 @@ bool interleaved_walk(int64_t m, const StageTimes& st, SimResult* out) {
 // rings of each end stage's finishing times by index. At a position the steady stages'
 // indices are consecutive (i_s = i_{p-1} + p - 1 - s, j_s = j_{p-1} - (p - 1 - s)), so they
 // fall in at most two chunks, split at one stage; each run is a max, a max and an add.
-// A periodic steady state is found and jumped over as in the walks above: its state is
-// (LF, LB) after one position (D = 1), and of each ring only the newest entry is read
-// after the jump (LF[p - 1] and LB[0] then). Checked against the stored walk for 2 to 6
-// chunks on up to 32 stages (simulate_test).
+// A periodic steady state is found as in the walks above: its state is (LF, LB) after one
+// position (D = 1). The walk then lands on the steady region's last position itself, not
+// on the last one of its phase (up to a period, 2pv positions, short of it): the state
+// there is the history's of the position with that phase in the period just walked, moved
+// on by the whole periods between (SteadyState::landed), and the counters follow from the
+// positions passed. Of each ring only the newest entry is read after the landing (LF[p -
+// 1] and LB[0] then; the cool-down chain reads entries p back only once the whole pipeline
+// cools down, 2p positions on). Checked against the stored walk for 2 to 6 chunks on up
+// to 32 stages (simulate_test).
 bool interleaved_walk_full_groups(int64_t m, const StageTimes& st, SimResult* out) {
   const int64_t p = st.p, v = st.v, pv = p * v, total = m * v, positions = 2 * total, P = 2 * pv;
   const int64_t wl = (v - 1) * p, w0 = wl + 2 * (p - 1);  // the last and the first stage's warm-ups
@@ -459,75 +488,115 @@ bool interleaved_walk_full_groups(int64_t m, const StageTimes& st, SimResult* ou
   };
   Place warm{0, 0}, fwd{v - 1, 0}, bwd{0, 0}, cool{-1, 0};
   int64_t fi = wl, bj = 0;  // the last stage's next steady forward and backward
+  // Forward k down the warm-up prefix [0, a), each stage taking the one below's.
+  auto warm_chain = [&](int64_t k, int64_t a) {
+    double t = warm.c > 0 ? HF[(k - p) & mask] : 0.0;
+    const double* d = fs + warm.c * p;
+    for (int64_t s = 0; s < a; ++s) LF[s] = t = std::max(LF[s], t) + d[s];
+    if (a == p) HF[k & mask] = t;
+    next(warm);
+  };
+  // The steady stages [lo, p) at a forward position, last stage first: stages [q, p) run
+  // chunk c, those below the next.
+  auto steady_forwards = [&](int64_t lo) {
+    const int64_t i = fi++, ct = fwd.c, q = fwd.q;
+    next(fwd);
+    const double* const top = fs + ct * p;
+    const double* const low = fs + (ct + 1 == v ? 0 : ct + 1) * p;
+    const int64_t split = std::max(q, lo);
+    int64_t s = p - 1;
+    for (; s >= split && s > 0; --s) LF[s] = std::max(std::max(LF[s], LB[s]), LF[s - 1]) + top[s];
+    for (; s >= lo && s > 0; --s) LF[s] = std::max(std::max(LF[s], LB[s]), LF[s - 1]) + low[s];
+    if (lo == 0) {  // stage 0: forward i + p - 1, after the last stage's of the chunk before
+      const bool later_chunk = q > 0 ? ct + 1 < v : ct > 0;
+      const double in = later_chunk ? HF[(i - 1) & mask] : 0.0;
+      LF[0] = std::max(std::max(LF[0], LB[0]), in) + (q > 0 ? low : top)[0];
+    }
+    HF[i & mask] = LF[p - 1];
+  };
+  // At a backward position, first steady stage first: stages [p - 1 - q, p) run order-chunk
+  // c (chunk v - 1 - c), those below the one before.
+  auto steady_backwards = [&](int64_t lo) {
+    const int64_t j = bj++, ct = bwd.c, q = bwd.q;
+    next(bwd);
+    const double* const top = bs + (v - 1 - ct) * p;
+    const double* const low = bs + (ct == 0 ? 0 : v - ct) * p;
+    const int64_t split = std::max(p - 1 - q, lo);
+    int64_t s = lo;
+    for (; s < split; ++s) LB[s] = std::max(std::max(LF[s], LB[s]), LB[s + 1]) + low[s];
+    for (; s < p - 1; ++s) LB[s] = std::max(std::max(LF[s], LB[s]), LB[s + 1]) + top[s];
+    // The last stage: backward j, after stage 0's of the chunk after (order-chunk before).
+    const double in = ct > 0 ? HB[(j - p) & mask] : 0.0;
+    LB[p - 1] = std::max(std::max(LF[p - 1], LB[p - 1]), in) + top[p - 1];
+    if (lo == 0) HB[(j - (p - 1)) & mask] = LB[0];
+  };
+  // Backward k - T up the cool-down prefix [0, cooled), each taking the one above's.
+  auto cool_chain = [&](int64_t k, int64_t cooled) {
+    const int64_t j = k - total;
+    if (cool.c < 0) cool = Place{(j % pv) / p, j % p};  // its first position
+    double t = cooled < p ? LB[cooled] : (cool.c > 0 ? HB[(j - p) & mask] : 0.0);
+    const double* d = bs + (v - 1 - cool.c) * p;
+    for (int64_t s = cooled - 1; s >= 0; --s) LB[s] = t = std::max(std::max(LF[s], LB[s]), t) + d[s];
+    HB[j & mask] = t;
+    next(cool);
+  };
+  // The positions in four phases, so that no step tests which: every stage in its warm-up
+  // (k < w_{p-1}); the warm-up prefix [0, a) shrinking by one stage every two positions
+  // (a = p - 1 - (k - wl) / 2, 1 <= a < p, up to w_0); every stage steady, up to the last
+  // position before the first stage's cool-down, hi = 2T - w_0 - 1; then the cool-down
+  // prefix [0, cooled) growing (cooled = p - (2T - k - wl + 1) / 2, rounded down, at most
+  // p). A stage runs a forward where k - wl is even.
+  const int64_t hi = positions - w0 - 1;
   bool jumped = false;
-  int64_t walked = 0;
-  for (int64_t k = 0; k < positions; ++k) {
+  int64_t walked = 0, k = 0;
+  for (; k < wl; ++k) {
     if ((walked += p) > kMaxWalkSteps) return false;
-    const int64_t a = std::clamp(p - 1 - ((k - wl) >> 1), int64_t{0}, p);                    // warming up
-    const int64_t cooled = std::clamp(p - ((2 * total - k - wl + 1) >> 1), int64_t{0}, p);  // cooling down
-    if (a > 0) {  // forward k down the warm-up prefix, each stage taking the one below's
-      double t = warm.c > 0 ? HF[(k - p) & mask] : 0.0;
-      const double* d = fs + warm.c * p;
-      for (int64_t s = 0; s < a; ++s) LF[s] = t = std::max(LF[s], t) + d[s];
-      if (a == p) HF[k & mask] = t;
-      next(warm);
-    }
-    const int64_t lo = std::max(a, cooled);  // the steady stages: [lo, p)
-    if (lo < p) {
-      if (((k - wl) & 1) == 0) {
-        // Forwards, last stage first: stages [q, p) run chunk c, those below the next.
-        const int64_t i = fi++, ct = fwd.c, q = fwd.q;
-        next(fwd);
-        const double* const top = fs + ct * p;
-        const double* const low = fs + (ct + 1 == v ? 0 : ct + 1) * p;
-        const int64_t split = std::max(q, lo);
-        int64_t s = p - 1;
-        for (; s >= split && s > 0; --s) LF[s] = std::max(std::max(LF[s], LB[s]), LF[s - 1]) + top[s];
-        for (; s >= lo && s > 0; --s) LF[s] = std::max(std::max(LF[s], LB[s]), LF[s - 1]) + low[s];
-        if (lo == 0) {  // stage 0: forward i + p - 1, after the last stage's of the chunk before
-          const bool later_chunk = q > 0 ? ct + 1 < v : ct > 0;
-          const double in = later_chunk ? HF[(i - 1) & mask] : 0.0;
-          LF[0] = std::max(std::max(LF[0], LB[0]), in) + (q > 0 ? low : top)[0];
-        }
-        HF[i & mask] = LF[p - 1];
-      } else {
-        // Backwards, first steady stage first: stages [p - 1 - q, p) run order-chunk c
-        // (chunk v - 1 - c), those below the one before.
-        const int64_t j = bj++, ct = bwd.c, q = bwd.q;
-        next(bwd);
-        const double* const top = bs + (v - 1 - ct) * p;
-        const double* const low = bs + (ct == 0 ? 0 : v - ct) * p;
-        const int64_t split = std::max(p - 1 - q, lo);
-        int64_t s = lo;
-        for (; s < split; ++s) LB[s] = std::max(std::max(LF[s], LB[s]), LB[s + 1]) + low[s];
-        for (; s < p - 1; ++s) LB[s] = std::max(std::max(LF[s], LB[s]), LB[s + 1]) + top[s];
-        // The last stage: backward j, after stage 0's of the chunk after (order-chunk before).
-        const double in = ct > 0 ? HB[(j - p) & mask] : 0.0;
-        LB[p - 1] = std::max(std::max(LF[p - 1], LB[p - 1]), in) + top[p - 1];
-        if (lo == 0) HB[(j - (p - 1)) & mask] = LB[0];
-      }
-    }
-    if (cooled > 0) {  // backward k - T up the cool-down prefix, each taking the one above's
-      const int64_t j = k - total;
-      if (cool.c < 0) cool = Place{(j % pv) / p, j % p};  // its first position
-      double t = cooled < p ? LB[cooled] : (cool.c > 0 ? HB[(j - p) & mask] : 0.0);
-      const double* d = bs + (v - 1 - cool.c) * p;
-      for (int64_t s = cooled - 1; s >= 0; --s) LB[s] = t = std::max(std::max(LF[s], LB[s]), t) + d[s];
-      HB[j & mask] = t;
-      next(cool);
-    }
+    warm_chain(k, p);
+  }
+  for (; k < w0; ++k) {
+    if ((walked += p) > kMaxWalkSteps) return false;
+    const int64_t a = p - 1 - ((k - wl) >> 1);
+    warm_chain(k, a);
+    if (((k - wl) & 1) == 0) steady_forwards(a);
+    else steady_backwards(a);
+  }
+  for (; k <= hi; ++k) {
+    if ((walked += p) > kMaxWalkSteps) return false;
+    if (((k - wl) & 1) == 0) steady_forwards(0);
+    else steady_backwards(0);
     steady.record(k, LF);
-    double shift = 0;
-    if (const int64_t J = steady.jump(k, &shift); J > 0) {
-      // The newest ring entries, J periods on (each stage ran pv forwards and pv backwards
-      // per period, so every index moves by J pv and stays in its chunk).
-      steady.jumped(&k, J, shift, LF);
-      fi += J * pv;
-      bj += J * pv;
+    double shift = 0, c = 0;
+    if (const int64_t J = steady.jump(k, &shift, &c); J > 0) {
+      // On to hi, the steady region's last position (the state from the history:
+      // SteadyState::landed), every stage steady at each position between, and each
+      // period runs pv forwards and pv backwards. The counters move on by the steps
+      // passed, and the newest ring entries are the end stages' last steps.
+      const int64_t passed = hi - k;
+      const int64_t forwards = ((k + 1 - wl) & 1) == 0 ? (passed + 1) / 2 : passed / 2;
+      const int64_t backwards = passed - forwards;
+      steady.landed(&k, hi, c, LF);
+      fi += forwards;
+      bj += backwards;
+      auto advance = [p, v](Place& x, int64_t steps) {
+        const int64_t at = x.c * p + x.q + steps % (p * v);
+        x.c = (at / p) % v;
+        x.q = at % p;
+      };
+      advance(fwd, forwards);
+      advance(bwd, backwards);
       HF[(fi - 1) & mask] = LF[p - 1];
       HB[(bj - 1 - (p - 1)) & mask] = LB[0];
       jumped = true;
     }
+  }
+  for (; k < positions; ++k) {
+    if ((walked += p) > kMaxWalkSteps) return false;
+    const int64_t cooled = std::min(p, p - ((2 * total - k - wl + 1) >> 1));
+    if (cooled < p) {
+      if (((k - wl) & 1) == 0) steady_forwards(cooled);
+      else steady_backwards(cooled);
+    }
+    cool_chain(k, cooled);
   }
   finish_walk(m, v, st, LB, jumped, out);
   return true;
