@@ -252,9 +252,12 @@ void step_times_with_sends(const StageTimes& st, std::vector<double>* fsum, std:
 // kMaxWalkSteps or (interleaved) an input is not where it looks for it; the caller then
 // walks the stored schedule.
 //
-// The interleaved schedule, its positions from ScheduleShape. Micro-batches run through the
-// chunks in groups of g (Megatron-core's schedule table: g = p unless set): forward i
-// runs chunk (i mod gv) / g of the full groups, and the last group, of r <= g
+// The interleaved schedule, its positions from ScheduleShape, with tagged history: the
+// walk of the shapes interleaved_walk_rings (below) does not take, one group of p < m <=
+// 2(p - 1) micro-batches, where the first stages' warm-ups are the whole schedule and the
+// last ones' are not. Micro-batches run through the chunks in groups of g (Megatron-core's
+// schedule table: g = p unless set): forward i runs chunk (i mod gv) / g of the full
+// groups, and the last group, of r <= g
 // micro-batches, chunk (i - head) / r, where head = (groups before it) g v; backward i the
 // chunks in reverse. The steady state's period is one full group through all chunks (2gv
 // positions), and its region ends before the first stage reaches the last group.
@@ -421,14 +424,17 @@ bool interleaved_walk(int64_t m, const StageTimes& st, SimResult* out) {
   return true;
 }
 
-// The interleaved walk again for Megatron's default shape, every group of p micro-batches
-// full (m a multiple of p, at least two groups), where it needs no tagged history.
-// Stage s has warm-up w_s = 2(p - 1 - s) + (v - 1)p: it runs forward k at position k < w_s,
-// then forward (k + w_s)/2 where k - w_s is even and backward (k - w_s - 1)/2 where it is
-// odd, then backward k - T from position 2T - w_s on (T = mv). The warm-ups have one
-// parity, so at a position every stage in its steady state runs the same way, forwards
-// where k - w_{p-1} is even; the stages still in their warm-up (w_s > k) are a prefix, as
-// are those in their cool-down (w_s >= 2T - k), and the two never meet (T > w_0).
+// The interleaved walk again without tagged history, for groups of g >= p micro-batches
+// whose last group, of r, holds at least p (every group Megatron-core accepts) and
+// warm-ups below the schedule's length, or m = p, where every stage runs all its forwards
+// first (then the walk is the two chains: warm-up and cool-down of the whole pipeline).
+// Stage s has warm-up w_s = 2(p - 1 - s) + (v - 1)g: it runs forward k at position
+// k < w_s, then forward (k + w_s)/2 where k - w_s is even and backward (k - w_s - 1)/2
+// where it is odd, then backward k - T from position 2T - w_s on (T = mv). The warm-ups
+// have one parity, so at a position every stage in its steady state runs the same way,
+// forwards where k - w_{p-1} is even; the stages still in their warm-up (w_s > k) are a
+// prefix, as are those in their cool-down (w_s >= 2T - k), and the two never meet
+// (T > w_0).
 //
 // What each step reads. Steady forward i on stage s > 0 takes forward i of stage s - 1,
 // which ran it two positions before (2i - w_s - 2) and a backward since, unless s - 1 is
@@ -441,30 +447,41 @@ bool interleaved_walk(int64_t m, const StageTimes& st, SimResult* out) {
 // from the first, after the warm-up prefix's chain (forward k, each stage reading the one
 // below at this position) and before the cool-down prefix's (backward k - T, reading the
 // stage above). The links between chunks, stage 0's forward i of chunk > 0 taking stage
-// p - 1's forward i - p and stage p - 1's backward j of order-chunk > 0 taking stage 0's
-// backward j - p, were produced at earlier positions (two before in the steady state, up
-// to p in the cool-down, up to (v + 1)p / 2 in the warm-up), so they are read from two
-// rings of each end stage's finishing times by index. At a position the steady stages'
-// indices are consecutive (i_s = i_{p-1} + p - 1 - s, j_s = j_{p-1} - (p - 1 - s)), so they
-// fall in at most two chunks, split at one stage; each run is a max, a max and an add.
-// A periodic steady state is found as in the walks above: its state is (LF, LB) after one
-// position (D = 1). The walk then lands on the steady region's last position itself, not
-// on the last one of its phase (up to a period, 2pv positions, short of it): the state
-// there is the history's of the position with that phase in the period just walked, moved
-// on by the whole periods between (SteadyState::landed), and the counters follow from the
-// positions passed. Of each ring only the newest entry is read after the landing (LF[p -
-// 1] and LB[0] then; the cool-down chain reads entries p back only once the whole pipeline
-// cools down, 2p positions on). Checked against the stored walk for 2 to 6 chunks on up
-// to 32 stages (simulate_test).
-bool interleaved_walk_full_groups(int64_t m, const StageTimes& st, SimResult* out) {
-  const int64_t p = st.p, v = st.v, pv = p * v, total = m * v, positions = 2 * total, P = 2 * pv;
-  const int64_t wl = (v - 1) * p, w0 = wl + 2 * (p - 1);  // the last and the first stage's warm-ups
+// p - 1's forward of the same micro-batch one chunk before (i - g in the full groups,
+// i - r in the last) and stage p - 1's backward j of order-chunk > 0 taking stage 0's
+// backward j - g (or j - r), were produced at earlier positions: 2(g - p + 1) before in the
+// steady state (r >= p: so never at the same position or later), more in the warm-up
+// and the cool-down, so they are read from two rings of each end stage's finishing times
+// by index. At a position the steady stages' indices are consecutive (i_s = i_{p-1} + p - 1
+// - s, j_s = j_{p-1} - (p - 1 - s)), p at most against chunks of g or r >= p of them, so
+// they fall in at most two chunks, split at one stage; each run is a max, a max and an
+// add.
+//
+// A periodic steady state (every stage steady, every index in the full groups) is found
+// as in the walks above; its period is a group through all chunks (2gv positions) and its
+// state (LF, LB) over the last D = 2(g - p) + 1 positions (1 for groups of p): a ring entry
+// still to be read was written within the last 2(g - p + 1) positions, at a position
+// whose LF[p - 1] or LB[0] holds it, or the one after. The walk then lands on the region's
+// last position itself, not on the last one of its phase (up to a period short of it):
+// the state there, and over the D positions before it, is the history's of the positions
+// with that phase in the period just walked, moved on by the whole periods between
+// (SteadyState::landed); the counters follow from the position, and the ring entries of
+// those D positions are refilled from the landed rows. Checked against the stored walk
+// for 2 to 6 chunks on up to 32 stages, groups of p, and every group Megatron-core
+// accepts on up to 12 stages (simulate_test).
+bool interleaved_walk_rings(int64_t m, const StageTimes& st, SimResult* out) {
+  const int64_t p = st.p, v = st.v, g = st.g > 0 ? st.g : p, gv = g * v, total = m * v, positions = 2 * total;
+  const int64_t P = 2 * gv, D = 2 * (g - p) + 1;
+  const Groups gr = groups_of(m, g, v);
+  const int64_t r = gr.last == g ? g : gr.last;
+  const int64_t head = gr.last == g ? total : gr.head;  // the indices of full groups (all when the last is full)
+  const int64_t wl = (v - 1) * g, w0 = wl + 2 * (p - 1);  // the last and the first stage's warm-ups
   const size_t n = static_cast<size_t>(p);
   thread_local std::vector<double> state, fsum, bsum, rings, hist;
   state.assign(2 * n, 0.0);
   step_times_with_sends(st, &fsum, &bsum);
   int64_t R = 4;
-  while (R < 2 * (v + 1) * p + 4) R *= 2;
+  while (R < 2 * (v + 1) * g + 4) R *= 2;
   const int64_t mask = R - 1;
   rings.resize(2 * static_cast<size_t>(R));  // every entry read was written first (above)
   double* const LF = state.data();
@@ -473,68 +490,82 @@ bool interleaved_walk_full_groups(int64_t m, const StageTimes& st, SimResult* ou
   double* const HB = HF + R;        // stage 0's backwards by index
   const double* const fs = fsum.data();
   const double* const bs = bsum.data();
-  SteadyState steady(P, {w0 + 2, positions - w0 - 1}, {1, 0}, 2 * n, &hist, 1);
-  // Where the indices are in their chunks, counted rather than divided: (chunk, offset)
-  // of the warm-up chain's forward k, of the last stage's next steady forward (index wl:
-  // chunk v - 1) and backward (index 0), and of the cool-down chain's backward k - T.
+  // The steady region: every stage steady, from D positions in, until the first stage's
+  // forwards reach the last group (or its cool-down begins).
+  const int64_t hi_steady = positions - w0 - 1;
+  const int64_t hi = std::min(hi_steady, 2 * head - w0 - 1);
+  SteadyState steady(P, {w0 + std::max<int64_t>(D, 2), hi}, {1, 0}, 2 * n, &hist, D);
+  // Where an index is in its chunk, counted rather than divided: (chunk, offset, the
+  // chunk's length) of the warm-up chain's forward k, of the last stage's next steady
+  // forward (index wl) and backward (index 0), and of the cool-down chain's backward k - T.
   struct Place {
-    int64_t c, q;
+    int64_t index, c, q, len;
   };
-  auto next = [p, v](Place& x) {
-    if (++x.q == p) {
+  auto place_of = [&](int64_t index) {
+    if (index < head) return Place{index, (index % gv) / g, index % g, g};
+    return Place{index, (index - head) / r, (index - head) % r, r};
+  };
+  auto next = [&](Place& x) {
+    if (++x.index == head) {
+      x = Place{head, 0, 0, r};
+    } else if (++x.q == x.len) {
       x.q = 0;
       x.c = x.c + 1 == v ? 0 : x.c + 1;
     }
   };
-  Place warm{0, 0}, fwd{v - 1, 0}, bwd{0, 0}, cool{-1, 0};
-  int64_t fi = wl, bj = 0;  // the last stage's next steady forward and backward
+  auto lag = [&](int64_t index) { return index < head ? g : r; };  // one chunk back, same micro-batch
+  Place warm = place_of(0), fwd = place_of(wl), bwd = place_of(0), cool{-1, -1, 0, 0};
   // Forward k down the warm-up prefix [0, a), each stage taking the one below's.
   auto warm_chain = [&](int64_t k, int64_t a) {
-    double t = warm.c > 0 ? HF[(k - p) & mask] : 0.0;
+    double t = warm.c > 0 ? HF[(k - lag(k)) & mask] : 0.0;
     const double* d = fs + warm.c * p;
     for (int64_t s = 0; s < a; ++s) LF[s] = t = std::max(LF[s], t) + d[s];
     if (a == p) HF[k & mask] = t;
     next(warm);
   };
-  // The steady stages [lo, p) at a forward position, last stage first: stages [q, p) run
-  // chunk c, those below the next.
+  // The steady stages [lo, p) at a forward position, last stage first: the indices from
+  // the last stage's up, stages [q + p - len, p) in its chunk, those below in the next.
   auto steady_forwards = [&](int64_t lo) {
-    const int64_t i = fi++, ct = fwd.c, q = fwd.q;
+    const Place x = fwd;
     next(fwd);
+    const int64_t i = x.index, ct = x.c;
+    const int64_t cn = ct + 1 == v ? 0 : ct + 1;  // (the last full group's last chunk is v - 1)
     const double* const top = fs + ct * p;
-    const double* const low = fs + (ct + 1 == v ? 0 : ct + 1) * p;
-    const int64_t split = std::max(q, lo);
+    const double* const low = fs + cn * p;
+    const int64_t split = std::max(x.q + p - x.len, lo);
     int64_t s = p - 1;
     for (; s >= split && s > 0; --s) LF[s] = std::max(std::max(LF[s], LB[s]), LF[s - 1]) + top[s];
     for (; s >= lo && s > 0; --s) LF[s] = std::max(std::max(LF[s], LB[s]), LF[s - 1]) + low[s];
     if (lo == 0) {  // stage 0: forward i + p - 1, after the last stage's of the chunk before
-      const bool later_chunk = q > 0 ? ct + 1 < v : ct > 0;
-      const double in = later_chunk ? HF[(i - 1) & mask] : 0.0;
-      LF[0] = std::max(std::max(LF[0], LB[0]), in) + (q > 0 ? low : top)[0];
+      const bool same = x.q + p - 1 < x.len;
+      const int64_t i0 = i + p - 1, c0 = same ? ct : cn;
+      const double in = c0 > 0 ? HF[(i0 - lag(i0)) & mask] : 0.0;
+      LF[0] = std::max(std::max(LF[0], LB[0]), in) + (same ? top : low)[0];
     }
     HF[i & mask] = LF[p - 1];
   };
   // At a backward position, first steady stage first: stages [p - 1 - q, p) run order-chunk
-  // c (chunk v - 1 - c), those below the one before.
+  // c (chunk v - 1 - c), those below the one before (chunk 0 before order-chunk 0).
   auto steady_backwards = [&](int64_t lo) {
-    const int64_t j = bj++, ct = bwd.c, q = bwd.q;
+    const Place x = bwd;
     next(bwd);
+    const int64_t j = x.index, ct = x.c;
     const double* const top = bs + (v - 1 - ct) * p;
     const double* const low = bs + (ct == 0 ? 0 : v - ct) * p;
-    const int64_t split = std::max(p - 1 - q, lo);
+    const int64_t split = std::max(p - 1 - x.q, lo);
     int64_t s = lo;
     for (; s < split; ++s) LB[s] = std::max(std::max(LF[s], LB[s]), LB[s + 1]) + low[s];
     for (; s < p - 1; ++s) LB[s] = std::max(std::max(LF[s], LB[s]), LB[s + 1]) + top[s];
     // The last stage: backward j, after stage 0's of the chunk after (order-chunk before).
-    const double in = ct > 0 ? HB[(j - p) & mask] : 0.0;
+    const double in = ct > 0 ? HB[(j - lag(j)) & mask] : 0.0;
     LB[p - 1] = std::max(std::max(LF[p - 1], LB[p - 1]), in) + top[p - 1];
     if (lo == 0) HB[(j - (p - 1)) & mask] = LB[0];
   };
   // Backward k - T up the cool-down prefix [0, cooled), each taking the one above's.
   auto cool_chain = [&](int64_t k, int64_t cooled) {
     const int64_t j = k - total;
-    if (cool.c < 0) cool = Place{(j % pv) / p, j % p};  // its first position
-    double t = cooled < p ? LB[cooled] : (cool.c > 0 ? HB[(j - p) & mask] : 0.0);
+    if (cool.c < 0) cool = place_of(j);  // its first position
+    double t = cooled < p ? LB[cooled] : (cool.c > 0 ? HB[(j - lag(j)) & mask] : 0.0);
     const double* d = bs + (v - 1 - cool.c) * p;
     for (int64_t s = cooled - 1; s >= 0; --s) LB[s] = t = std::max(std::max(LF[s], LB[s]), t) + d[s];
     HB[j & mask] = t;
@@ -543,12 +574,18 @@ bool interleaved_walk_full_groups(int64_t m, const StageTimes& st, SimResult* ou
   // The positions in four phases, so that no step tests which: every stage in its warm-up
   // (k < w_{p-1}); the warm-up prefix [0, a) shrinking by one stage every two positions
   // (a = p - 1 - (k - wl) / 2, 1 <= a < p, up to w_0); every stage steady, up to the last
-  // position before the first stage's cool-down, hi = 2T - w_0 - 1; then the cool-down
-  // prefix [0, cooled) growing (cooled = p - (2T - k - wl + 1) / 2, rounded down, at most
-  // p). A stage runs a forward where k - wl is even.
-  const int64_t hi = positions - w0 - 1;
+  // position before the first stage's cool-down, 2T - w_0 - 1; then the cool-down prefix
+  // [0, cooled) growing (cooled = p - (2T - k - wl + 1) / 2, rounded down, at most p). A
+  // stage runs a forward where k - wl is even.
   bool jumped = false;
   int64_t walked = 0, k = 0;
+  if (m == p) {  // every stage's warm-up is the whole schedule: all forwards, then all backwards
+    if (2 * total * p > kMaxWalkSteps) return false;
+    for (; k < total; ++k) warm_chain(k, p);
+    for (; k < positions; ++k) cool_chain(k, p);
+    finish_walk(m, v, st, LB, false, out);
+    return true;
+  }
   for (; k < wl; ++k) {
     if ((walked += p) > kMaxWalkSteps) return false;
     warm_chain(k, p);
@@ -560,32 +597,26 @@ bool interleaved_walk_full_groups(int64_t m, const StageTimes& st, SimResult* ou
     if (((k - wl) & 1) == 0) steady_forwards(a);
     else steady_backwards(a);
   }
-  for (; k <= hi; ++k) {
+  for (; k <= hi_steady; ++k) {
     if ((walked += p) > kMaxWalkSteps) return false;
     if (((k - wl) & 1) == 0) steady_forwards(0);
     else steady_backwards(0);
     steady.record(k, LF);
     double shift = 0, c = 0;
     if (const int64_t J = steady.jump(k, &shift, &c); J > 0) {
-      // On to hi, the steady region's last position (the state from the history:
-      // SteadyState::landed), every stage steady at each position between, and each
-      // period runs pv forwards and pv backwards. The counters move on by the steps
-      // passed, and the newest ring entries are the end stages' last steps.
-      const int64_t passed = hi - k;
-      const int64_t forwards = ((k + 1 - wl) & 1) == 0 ? (passed + 1) / 2 : passed / 2;
-      const int64_t backwards = passed - forwards;
-      steady.landed(&k, hi, c, LF);
-      fi += forwards;
-      bj += backwards;
-      auto advance = [p, v](Place& x, int64_t steps) {
-        const int64_t at = x.c * p + x.q + steps % (p * v);
-        x.c = (at / p) % v;
-        x.q = at % p;
-      };
-      advance(fwd, forwards);
-      advance(bwd, backwards);
-      HF[(fi - 1) & mask] = LF[p - 1];
-      HB[(bj - 1 - (p - 1)) & mask] = LB[0];
+      // On to hi, the steady region's last position. The last stage's next forward and
+      // backward there, and the ring entries the D positions up to it wrote: at a forward
+      // position the last stage's forward (k + wl) / 2, at a backward one the first stage's
+      // backward (k - w0 - 1) / 2.
+      for (int64_t d = D - 1; d >= 0; --d) {
+        int64_t y = k;
+        steady.landed(&y, hi - d, c, LF);
+        if (((y - wl) & 1) == 0) HF[((y + wl) / 2) & mask] = LF[p - 1];
+        else HB[((y - w0 - 1) / 2) & mask] = LB[0];
+      }
+      k = hi;
+      fwd = place_of(wl + (k - wl) / 2 + 1);
+      bwd = place_of((k - wl + 1) / 2);
       jumped = true;
     }
   }
@@ -600,6 +631,16 @@ bool interleaved_walk_full_groups(int64_t m, const StageTimes& st, SimResult* ou
   }
   finish_walk(m, v, st, LB, jumped, out);
   return true;
+}
+
+// interleaved_walk_rings's shapes: groups of at least p, the last one too, and a first
+// warm-up shorter than the schedule, or m = p (one group, every warm-up the schedule).
+bool ring_walk_applies(int64_t m, const StageTimes& st) {
+  const int64_t p = st.p, v = st.v, g = st.g > 0 ? st.g : p;
+  if (g < p || m < p) return false;
+  if (m == p) return g == p;
+  const Groups gr = groups_of(m, g, v);
+  return gr.last >= p && 2 * (p - 1) + (v - 1) * g < m * v;
 }
 
 // The same walk for the schedules with one chunk per stage, 1F1B and GPipe, with their
@@ -728,8 +769,7 @@ void simulate_pipeline_into(ScheduleKind kind, int64_t m, const StageTimes& st, 
   }
   if (!record_events &&
       (kind == ScheduleKind::interleaved
-           ? ((st.g == 0 || st.g == p) && m % p == 0 && m >= 2 * p ? interleaved_walk_full_groups(m, st, out)
-                                                                   : interleaved_walk(m, st, out))
+           ? (ring_walk_applies(m, st) ? interleaved_walk_rings(m, st, out) : interleaved_walk(m, st, out))
            : one_chunk_walk(kind, m, st, out)))
     return;
   *out = simulate_windows(kind, m, st, record_events);

@@ -258,9 +258,10 @@ TEST(Simulate, PositionWalkWithGroupsMatchesTheStoredWalk) {
 }
 
 // Megatron's default interleaved shape (groups of p, m a multiple of p, two groups or
-// more) has its own walk, without tagged history: every chunk count from 2 to 6, pipelines
-// up to 32 stages, short schedules and long ones that jump, stages alike but for the ends
-// and random times per (stage, chunk), given as g = 0 and as g = p, against the stored walk.
+// more), walked without tagged history as are most of the groups above: every chunk count
+// from 2 to 6, pipelines up to 32 stages, short schedules and long ones that jump, stages
+// alike but for the ends and random times per (stage, chunk), given as g = 0 and as g = p,
+// against the stored walk.
 TEST(Simulate, FullGroupInterleavedWalkMatchesTheStoredWalk) {
   std::mt19937 rng(23);
   std::uniform_real_distribution<double> u(0.5, 1.5);
