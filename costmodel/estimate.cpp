@@ -331,6 +331,7 @@ Estimate estimate(const ModelSpec& m, const Cluster& cl, const Plan& p, const Es
   // Data-parallel reduction and the optimizer, per stage, after its last backward.
   thread_local std::vector<double> dp_exposed, dp_total, opt_s, finish;
   for (auto* v : {&dp_exposed, &dp_total, &opt_s, &finish}) v->assign(static_cast<size_t>(p.p), 0.0);
+  double before_backward = 0;  // the stage before's last_backward
   for (int64_t s = 0; s < p.p; ++s) {
     const size_t i = static_cast<size_t>(s);
     const double P = mem[i].params;
@@ -338,8 +339,9 @@ Estimate estimate(const ModelSpec& m, const Cluster& cl, const Plan& p, const Es
     for (int64_t c = 0; c < lay.v; ++c) last_backward += st.b(s, c);
     // The tail depends on the stage through these inputs, and on whether it holds an end of
     // a tied embedding: a middle stage like the one before it has the same tail.
-    const bool same = lay.v == 1 && s >= 2 && s < p.p - 1 && P == mem[i - 1].params &&
-                      st.b(s, 0) == st.b(s - 1, 0) && st.f(s, 0) == st.f(s - 1, 0);
+    const bool same = s >= 2 && s < p.p - 1 && P == mem[i - 1].params && last_backward == before_backward &&
+                      st.f(s, 0) == st.f(s - 1, 0);
+    before_backward = last_backward;
     if (!same) {
       const DpTail tail = data_parallel_tail(m, cl, p, cs, s, P, last_backward, st.f(s, 0));
       dp_exposed[i] = tail.exposed_s;
@@ -362,13 +364,31 @@ Estimate estimate(const ModelSpec& m, const Cluster& cl, const Plan& p, const Es
   // Breakdown on the critical stage.
   const double mb = static_cast<double>(mbs_per_step);
   TimeBreakdown& tb = est.time;
-  // The critical stage's work by kind, summed over its chunks.
+  // The critical stage's work by kind, summed over its chunks: chunk_work's is linear in
+  // the chunk's layer counts, so the stage's counts give the sum at once (with one chunk,
+  // the same operations in the same order).
   Work F, Bw, R;
-  for (int64_t c = 0; c < lay.v; ++c) {
-    chunk_work(static_cast<int64_t>(crit), c, &f, &r, &b);
-    F += f;
-    Bw += b;
-    R += r;
+  {
+    const int64_t cs_ = static_cast<int64_t>(crit);
+    double n = 0, k = 0;
+    for (int64_t c = 0; c < lay.v; ++c) {
+      const int64_t layers = lay.chunk_layers(cs_, c);
+      n += static_cast<double>(layers);
+      k += static_cast<double>(p.recompute == Recompute::full ? p.recomputed_layers(layers) : layers);
+    }
+    F = k * layer.forward;
+    F += (n - k) * plain.forward;
+    R = k * layer.recompute;
+    Bw = k * layer.backward;
+    Bw += (n - k) * plain.backward;
+    if (lay.has_embedding(cs_, 0)) {
+      F += emb.forward;
+      Bw += emb.backward;
+    }
+    if (lay.has_head(cs_, lay.v - 1)) {
+      F += head.forward;
+      Bw += head.backward;
+    }
   }
   tb.forward = mb * F.compute_s;
   tb.backward = mb * Bw.compute_s;
