@@ -278,24 +278,29 @@ Estimate estimate(const ModelSpec& m, const Cluster& cl, const Plan& p, const Es
   // One micro-batch of chunk c on stage s: forward, recompute, backward. k layers run the
   // plan's forward, backward and recompute; with partial recompute the other n - k run the
   // forward and backward of a plan without recompute.
-  auto chunk_work = [&](int64_t s, int64_t c, Work* f, Work* r, Work* b) {
-    const int64_t layers = lay.chunk_layers(s, c);
-    const double n = static_cast<double>(layers);
-    const double k = static_cast<double>(p.recompute == Recompute::full ? p.recomputed_layers(layers) : layers);
+  // Of n layers, k recomputed, with the embedding and the output layer where they are.
+  auto work_of = [&](double n, double k, bool with_embedding, bool with_head, Work* f, Work* r, Work* b) {
     // (The forwards differ only on the strata stack, which packs what each layer keeps.)
     *f = k * layer.forward;
     *f += (n - k) * plain.forward;
     *r = k * layer.recompute;
     *b = k * layer.backward;
     *b += (n - k) * plain.backward;
-    if (lay.has_embedding(s, c)) {
+    if (with_embedding) {
       *f += emb.forward;
       *b += emb.backward;
     }
-    if (lay.has_head(s, c)) {
+    if (with_head) {
       *f += head.forward;
       *b += head.backward;
     }
+  };
+  auto recomputed = [&](int64_t layers) {
+    return static_cast<double>(p.recompute == Recompute::full ? p.recomputed_layers(layers) : layers);
+  };
+  auto chunk_work = [&](int64_t s, int64_t c, Work* f, Work* r, Work* b) {
+    const int64_t layers = lay.chunk_layers(s, c);
+    work_of(static_cast<double>(layers), recomputed(layers), lay.has_embedding(s, c), lay.has_head(s, c), f, r, b);
   };
   // A chunk like the one before it (the same layers, no embedding, no output layer: every
   // middle stage of an even split) costs the same: its sums are kept.
@@ -372,23 +377,10 @@ Estimate estimate(const ModelSpec& m, const Cluster& cl, const Plan& p, const Es
     const int64_t cs_ = static_cast<int64_t>(crit);
     double n = 0, k = 0;
     for (int64_t c = 0; c < lay.v; ++c) {
-      const int64_t layers = lay.chunk_layers(cs_, c);
-      n += static_cast<double>(layers);
-      k += static_cast<double>(p.recompute == Recompute::full ? p.recomputed_layers(layers) : layers);
+      n += static_cast<double>(lay.chunk_layers(cs_, c));
+      k += recomputed(lay.chunk_layers(cs_, c));
     }
-    F = k * layer.forward;
-    F += (n - k) * plain.forward;
-    R = k * layer.recompute;
-    Bw = k * layer.backward;
-    Bw += (n - k) * plain.backward;
-    if (lay.has_embedding(cs_, 0)) {
-      F += emb.forward;
-      Bw += emb.backward;
-    }
-    if (lay.has_head(cs_, lay.v - 1)) {
-      F += head.forward;
-      Bw += head.backward;
-    }
+    work_of(n, k, lay.has_embedding(cs_, 0), lay.has_head(cs_, lay.v - 1), &F, &R, &Bw);
   }
   tb.forward = mb * F.compute_s;
   tb.backward = mb * Bw.compute_s;
