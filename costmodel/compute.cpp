@@ -74,14 +74,7 @@ double gemm_curve_x(const Device& dev, double peak_flops, double flops) {
 // The roofline with the memory time from `memory_s(bytes)` (memory_time, or a memo of it).
 template <class MemoryTime>
 double roofline(const Device& dev, double flops, double bytes, double rate, MemoryTime&& memory_s) {
-  const double compute = flops / rate;
-  // The memory time is at most bytes over the bandwidth at the curve's lower end of the
-  // segment `bytes` falls in (interpolation stays between a segment's ends): when the
-  // compute takes longer than that, it is the answer, without the curve's logarithm.
-  if (compute >= dev.kernel_launch_s && bytes > 0 &&
-      compute * dev.memory_bandwidth_bytes_per_s * dev.memory_efficiency.floor_at(bytes) >= bytes)
-    return compute;
-  return std::max({compute, memory_s(bytes), dev.kernel_launch_s});
+  return std::max({flops / rate, memory_s(bytes), dev.kernel_launch_s});
 }
 
 }  // namespace

@@ -2,6 +2,7 @@
 #include "costmodel/hardware.h"
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <filesystem>
 
@@ -34,7 +35,13 @@ const char* to_string(AttentionKernel a) { return a == AttentionKernel::flash ? 
 
 int bytes_of(Precision p) { return p == Precision::fp32 ? 4 : 2; }
 
-Curve::Curve(std::vector<std::pair<double, double>> points) : points_(std::move(points)) {
+thread_local Curve::ValueCache Curve::value_cache;
+
+namespace {
+std::atomic<uint64_t> curves_made{0};
+}
+
+Curve::Curve(std::vector<std::pair<double, double>> points) : id_(++curves_made), points_(std::move(points)) {
   log_x_.reserve(points_.size());
   for (const auto& p : points_) log_x_.push_back(std::log(p.first));
   slope_.assign(points_.size(), 0.0);
@@ -45,6 +52,12 @@ Curve::Curve(std::vector<std::pair<double, double>> points) : points_(std::move(
 
 double Curve::interpolate(size_t i, double x) const {
   return points_[i - 1].second + (std::log(x) - log_x_[i - 1]) * slope_[i];
+}
+
+double Curve::remember(ValueCache::Entry& e, uint64_t bits, double x) const {
+  e.id = id_;
+  e.bits = bits;
+  return e.y = interpolate(segment(x), x);
 }
 
 double Device::peak_flops(Precision p) const {

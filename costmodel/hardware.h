@@ -6,6 +6,8 @@
 #pragma once
 
 #include <algorithm>
+#include <bit>
+#include <cstdint>
 #include <string>
 #include <utility>
 #include <vector>
@@ -21,7 +23,28 @@ enum class AttentionKernel { unfused, flash };
 // y(x) by linear interpolation in log(x) between points sorted by x, clamped at the ends.
 // The logarithms of the points and each segment's slope in log(x) are kept, so a lookup
 // takes one logarithm and one multiply-add.
+//
+// A search meets the same few GEMM and kernel sizes in plan after plan (they follow from
+// tp, cp and the micro-batch size alone), so the values inside the curve are also kept in
+// a small per-thread cache, direct-mapped on the curve and the bits of x. A curve's points
+// never change after it is made, and each one made gets its own number (a copy shares it:
+// same points), so an entry can only ever return what interpolate() would: the cache
+// changes the time a lookup takes, never its value.
 class Curve {
+  // The cache: 256 entries of (curve number, bits of x, y).
+  struct ValueCache {
+    static constexpr int kBits = 8;
+    struct Entry {
+      uint64_t id = 0, bits = 0;  // id 0: empty (curves are numbered from 1)
+      double y = 0;
+    };
+    Entry entry[1 << kBits];
+    static size_t slot(uint64_t bits) {  // by x alone: two curves asked at one x share a slot
+      return static_cast<size_t>(((bits ^ (bits >> 29)) * 0x9E3779B97F4A7C15ull) >> (64 - kBits));
+    }
+  };
+  static thread_local ValueCache value_cache;
+
  public:
   Curve() = default;
   explicit Curve(std::vector<std::pair<double, double>> points);
@@ -29,16 +52,10 @@ class Curve {
     if (points_.empty()) return 1.0;
     if (x <= points_.front().first) return points_.front().second;
     if (x >= points_.back().first) return points_.back().second;
-    return interpolate(segment(x), x);
-  }
-  // The least value the curve takes on the segment holding x (no logarithm): at(x) >= it.
-  // Both inline: the estimate reads the curves a few dozen times.
-  double floor_at(double x) const {
-    if (points_.empty()) return 1.0;
-    if (x <= points_.front().first) return points_.front().second;
-    if (x >= points_.back().first) return points_.back().second;
-    const size_t i = segment(x);
-    return std::min(points_[i - 1].second, points_[i].second);
+    const uint64_t bits = std::bit_cast<uint64_t>(x);
+    ValueCache::Entry& e = value_cache.entry[ValueCache::slot(bits)];
+    if (e.id == id_ && e.bits == bits) return e.y;
+    return remember(e, bits, x);  // a miss
   }
   const std::vector<std::pair<double, double>>& points() const { return points_; }
 
@@ -50,6 +67,8 @@ class Curve {
     return i;
   }
   double interpolate(size_t i, double x) const;  // on segment i: one logarithm
+  double remember(ValueCache::Entry& e, uint64_t bits, double x) const;  // a miss: computes and keeps
+  uint64_t id_ = 0;                                // this curve's points' number (0: none)
   std::vector<std::pair<double, double>> points_;  // (x, y), x increasing
   std::vector<double> log_x_;                      // log(x) of each point
   std::vector<double> slope_;                      // [i]: dy / dlog(x) between points i-1 and i

@@ -22,6 +22,34 @@ TEST(Compute, EfficiencyCurveInterpolatesInLogSize) {
   EXPECT_DOUBLE_EQ(Curve().at(5.0), 1.0);
 }
 
+// Curve::at keeps the values it computed in a per-thread cache. Two curves with other
+// points asked at the same x, a curve made again in the storage of one destroyed (the same
+// address), copies, and more sizes than the cache holds all get the interpolated value:
+// y = 0.4 + 0.1 * log10(x / 1e9) on [1e9, 1e11] for the first curve, 0.2 + 0.3 * log10(x /
+// 1e9) for the second.
+TEST(Compute, EfficiencyCurveCacheNeverReturnsAnotherCurvesValue) {
+  const auto first = [](double x) { return 0.4 + 0.1 * std::log10(x / 1e9); };
+  const auto second = [](double x) { return 0.2 + 0.3 * std::log10(x / 1e9); };
+  const Curve a({{1e9, 0.4}, {1e11, 0.6}});
+  const Curve b({{1e9, 0.2}, {1e11, 0.8}});
+  const Curve a_copy = a;
+  for (int round = 0; round < 2; ++round)  // the second round reads what the first kept
+    for (int i = 1; i < 2000; ++i) {       // 2,000 sizes: far more than the cache's 256 entries
+      const double x = 1e9 * std::pow(100.0, i / 2000.0);
+      ASSERT_NEAR(a.at(x), first(x), 1e-12) << x;
+      ASSERT_NEAR(b.at(x), second(x), 1e-12) << x;
+      ASSERT_NEAR(a_copy.at(x), first(x), 1e-12) << x;
+    }
+  alignas(Curve) unsigned char storage[sizeof(Curve)];
+  const double x = 3e10;
+  Curve* c = new (storage) Curve({{1e9, 0.4}, {1e11, 0.6}});
+  ASSERT_NEAR(c->at(x), first(x), 1e-12);
+  c->~Curve();
+  c = new (storage) Curve({{1e9, 0.2}, {1e11, 0.8}});  // same address, other points
+  EXPECT_NEAR(c->at(x), second(x), 1e-12);
+  c->~Curve();
+}
+
 TEST(Compute, GemmRoofline) {
   const Cluster c = testing::round_cluster();
   // 4096^3: 2*4096^3 = 1.374e11 FLOPs at 50 % of 100 TFLOP/s = 2.749 ms; it moves
