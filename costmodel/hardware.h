@@ -26,10 +26,11 @@ enum class AttentionKernel { unfused, flash };
 //
 // A search meets the same few GEMM and kernel sizes in plan after plan (they follow from
 // tp, cp and the micro-batch size alone), so the values inside the curve are also kept in
-// a small per-thread cache, direct-mapped on the curve and the bits of x. A curve's points
-// never change after it is made, and each one made gets its own number (a copy shares it:
-// same points), so an entry can only ever return what interpolate() would: the cache
-// changes the time a lookup takes, never its value.
+// a small per-thread cache, direct-mapped on the bits of x, each entry holding the number
+// of the curve that wrote it. A curve's points never change after it is made, and each one
+// made gets its own number (a copy shares it: same points; one made later at a destroyed
+// one's address gets another), so an entry can only ever return what interpolate() would:
+// the cache changes the time a lookup takes, never its value.
 class Curve {
   // The cache: 256 entries of (curve number, bits of x, y).
   struct ValueCache {
