@@ -2,6 +2,7 @@
 #include "costmodel/json_input.h"
 
 #include <algorithm>
+#include <cctype>
 #include <cmath>
 #include <cstring>
 #include <fstream>
@@ -222,12 +223,31 @@ std::string Fields::string_or(const std::string& key, const std::string& fallbac
 std::string Fields::choice_or(const std::string& key, const std::string& fallback,
                               std::initializer_list<const char*> allowed) {
   const std::string s = string_or(key, fallback);
+  // In any case: "RMSNorm" and "LayerNorm" are Megatron's own spellings, "BF16" a common one.
+  std::string lower = s;
+  for (char& ch : lower) ch = static_cast<char>(std::tolower(static_cast<unsigned char>(ch)));
   std::string list;
   for (const char* a : allowed) {
-    if (s == a) return s;
+    if (lower == a) return lower;
     list += (list.empty() ? "" : ", ") + std::string("\"") + a + "\"";
   }
   fail_field(path_of(key), show_value(Json(s)), "must be one of " + list);
+}
+
+void adopt_key(Json& j, const std::string& source, const char* from, const char* to, ConvertValue convert) {
+  if (!j.is_object() || !j.contains(from)) return;
+  const std::string path = source + "." + from;
+  if (j.contains(to))
+    throw InputError(fmt::format("{}.{}: given twice (as '{}' and '{}'): keep one", source, to, to, from));
+  Json value = convert ? convert(j.at(from), path) : j.at(from);
+  j.erase(from);
+  if (!value.is_null()) j[to] = std::move(value);
+}
+
+bool flag_value(const Json& v, const std::string& path) {
+  if (v.is_boolean()) return v.get<bool>();
+  if (v.is_number_integer() && (v.get<int64_t>() == 0 || v.get<int64_t>() == 1)) return v.get<int64_t>() == 1;
+  fail_field(path, show_value(v), "must be true or false");
 }
 
 const Json& Fields::object(const std::string& key) {

@@ -163,7 +163,43 @@ void validate_model(const ModelSpec& m, const std::string& src) {
     fail_field(src + ".seq_length", std::to_string(m.S), "learned position table seq_length*hidden_size exceeds 2^40");
 }
 
-ModelSpec model_from_json(const Json& j, const std::string& source) {
+namespace {
+
+// Megatron-LM's argument names (snake_case, as a config dump writes them) for the fields of
+// this schema, folded onto its own; a field given under two names is an error. Arguments
+// that change no count or cost (epsilons, RoPE's base and share, initialisation, fusions,
+// the flag that turns num_query_groups on) are read and left.
+Json adopt_megatron_names(const Json& in, const std::string& source) {
+  Json j = in;
+  if (!j.is_object()) return j;
+  adopt_key(j, source, "position_embedding_type", "position_embedding", [](const Json& v, const std::string&) {
+    return v.is_string() && v == "learned_absolute" ? Json("learned") : v;
+  });
+  adopt_key(j, source, "use_rotary_position_embeddings", "position_embedding",
+            [](const Json& v, const std::string& path) { return flag_value(v, path) ? Json("rope") : Json(); });
+  adopt_key(j, source, "untie_embeddings_and_output_weights", "tie_embeddings",
+            [](const Json& v, const std::string& path) { return Json(!flag_value(v, path)); });
+  adopt_key(j, source, "swiglu", "activation",
+            [](const Json& v, const std::string& path) { return flag_value(v, path) ? Json("swiglu") : Json(); });
+  adopt_key(j, source, "disable_bias_linear", "add_bias_linear",
+            [](const Json& v, const std::string& path) { return flag_value(v, path) ? Json(false) : Json(); });
+  // The trained sequence where no seq_length is given; beside it, only the RoPE table's size.
+  if (j.contains("max_position_embeddings")) {
+    if (!j.contains("seq_length")) j["seq_length"] = j.at("max_position_embeddings");
+    j.erase("max_position_embeddings");
+  }
+  for (const char* k : {"group_query_attention", "norm_epsilon", "layernorm_epsilon", "rotary_base", "rotary_percent",
+                        "rotary_interleaved", "init_method_std", "apply_query_key_layer_scaling",
+                        "attention_softmax_in_fp32", "masked_softmax_fusion", "bias_gelu_fusion", "bias_swiglu_fusion",
+                        "bias_dropout_fusion", "apply_rope_fusion"})
+    j.erase(k);
+  return j;
+}
+
+}  // namespace
+
+ModelSpec model_from_json(const Json& in, const std::string& source) {
+  const Json j = adopt_megatron_names(in, source);
   Fields f(j, source);
   ModelSpec m;
   m.name = f.string_or("name", std::filesystem::path(source).stem().string());

@@ -45,6 +45,89 @@ const std::vector<std::pair<const char*, const char*>>& aliases() {
   return a;
 }
 
+Json true_or_null(const Json& v, const std::string& path, Json when_true) {
+  return flag_value(v, path) ? when_true : Json();
+}
+// DeepSpeed's "bf16": {"enabled": true}, or a Megatron flag.
+bool enabled(const Json& v, const std::string& path) {
+  if (v.is_object()) {
+    Fields f(v, path);
+    const bool on = f.boolean_or("enabled", false);
+    for (const auto& [key, value] : v.items()) f.ignore(key);  // its loss-scale settings
+    return on;
+  }
+  return flag_value(v, path);
+}
+
+// Megatron-LM's argument names (snake_case, as in its arguments.py and a config dump) and
+// DeepSpeed's config keys for the fields of this schema, folded onto this schema's names;
+// a field given under two names is an error.
+void adopt_foreign_names(Json& j, const std::string& source) {
+  if (!j.is_object()) return;
+  for (const auto& [from, to] : std::initializer_list<std::pair<const char*, const char*>>{
+           {"tensor_model_parallel_size", "tensor_parallel"},
+           {"pipeline_model_parallel_size", "pipeline_parallel"},
+           {"context_parallel_size", "context_parallel"},
+           {"data_parallel_size", "data_parallel"},
+           {"virtual_pipeline_model_parallel_size", "virtual_pipeline_stages"},
+           {"train_micro_batch_size_per_gpu", "micro_batch_size"},
+           {"train_batch_size", "global_batch_size"},
+           {"recompute_granularity", "recompute"},
+           {"world_size", "num_gpus"}})
+    adopt_key(j, source, from, to);
+  if (j.contains("num_layers_per_virtual_pipeline_stage"))
+    fail_field(source + ".num_layers_per_virtual_pipeline_stage", show_value(j.at("num_layers_per_virtual_pipeline_stage")),
+               "is not read (it needs the model's layers): give virtual_pipeline_stages = num_layers / "
+               "(pipeline_parallel * num_layers_per_virtual_pipeline_stage)");
+  // The ZeRO stage: Megatron's distributed optimizer (1), its FSDP (3), DeepSpeed's section.
+  adopt_key(j, source, "use_distributed_optimizer", "zero_stage",
+            [](const Json& v, const std::string& path) { return true_or_null(v, path, 1); });
+  for (const char* fsdp : {"use_torch_fsdp2", "use_megatron_fsdp"})
+    adopt_key(j, source, fsdp, "zero_stage",
+              [](const Json& v, const std::string& path) { return true_or_null(v, path, 3); });
+  adopt_key(j, source, "zero_optimization", "zero_stage", [](const Json& v, const std::string& path) {
+    Fields f(v, path);
+    const Json stage = f.integer_or("stage", 0, 0, 3);
+    for (const auto& [key, value] : v.items()) f.ignore(key);  // bucket sizes, overlap, offload
+    return stage;
+  });
+  // Precision from Megatron's --bf16 / --fp16 / --fp8-format (FP8 runs set --bf16 too) or
+  // DeepSpeed's "bf16" / "fp16" sections.
+  {
+    const bool bf16 = j.contains("bf16") && enabled(j.at("bf16"), source + ".bf16");
+    const bool fp16 = j.contains("fp16") && enabled(j.at("fp16"), source + ".fp16");
+    const char* fp8_key = j.contains("fp8_format") ? "fp8_format" : j.contains("fp8") ? "fp8" : nullptr;
+    bool fp8 = false;
+    if (fp8_key) {
+      const Json& v = j.at(fp8_key);
+      if (!v.is_null() && !(v.is_boolean() && !v.get<bool>())) {
+        if (!(v.is_boolean() || (v.is_string() && (v == "e4m3" || v == "hybrid"))))
+          fail_field(source + "." + fp8_key, show_value(v), "must be \"e4m3\", \"hybrid\", true, false or null");
+        fp8 = true;
+      }
+    }
+    if (bf16 && fp16) fail_field(source + ".fp16", "true", "cannot be combined with bf16");
+    const bool stated = j.contains("bf16") || j.contains("fp16") || fp8_key;
+    if (stated && j.contains("precision"))
+      throw InputError(fmt::format("{}.precision: given twice (as 'precision' and '{}'): keep one", source,
+                                   j.contains("bf16") ? "bf16" : j.contains("fp16") ? "fp16" : fp8_key));
+    for (const char* k : {"bf16", "fp16", "fp8_format", "fp8"}) j.erase(k);
+    // Megatron trains in fp32 when neither --bf16 nor --fp16 is set.
+    if (stated) j["precision"] = fp8 ? "fp8" : bf16 ? "bf16" : fp16 ? "fp16" : "fp32";
+  }
+  adopt_key(j, source, "use_flash_attn", "attention",
+            [](const Json& v, const std::string& path) { return true_or_null(v, path, "flash"); });
+  // Full recompute of every layer (uniform) or of the first recompute_num_layers of each
+  // chunk (block, this schema's reading of recompute_num_layers).
+  if (j.contains("recompute_method")) {
+    const Json& v = j.at("recompute_method");
+    if (!v.is_string() || (v != "uniform" && v != "block"))
+      fail_field(source + ".recompute_method", show_value(v), "must be \"uniform\" or \"block\"");
+    if (v == "uniform") j.erase("recompute_num_layers");  // every layer, however many per checkpoint
+    j.erase("recompute_method");
+  }
+}
+
 }  // namespace
 
 Plan plan_from_json(const Json& in, const std::string& source) {
@@ -54,8 +137,9 @@ Plan plan_from_json(const Json& in, const std::string& source) {
     throw InputError(fmt::format("{}.plan: unknown field: this looks like the output of strata estimate or plan "
                                  "--json; pass the object under its \"plan\" key as the plan",
                                  source));
-  // Fold short keys onto long ones; both present is an error.
+  // Fold other tools' names and short keys onto the long ones; both present is an error.
   Json j = in;
+  adopt_foreign_names(j, source);
   for (const auto& [lng, shrt] : aliases()) {
     if (j.contains(shrt)) {
       if (j.contains(lng))

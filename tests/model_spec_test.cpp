@@ -109,6 +109,53 @@ TEST(ModelSpec, ModelJsonDefaultsFollowTheActivation) {
   EXPECT_EQ(l.position, Position::rope);
 }
 
+// A model JSON written with Megatron-LM's argument names (as its launch flags or a config
+// dump give them) is the same model as one in this schema's names.
+TEST(ModelSpec, MegatronArgumentNames) {
+  const ModelSpec mg = model_from_json(Json::parse(R"({"num_layers":32,"hidden_size":4096,"num_attention_heads":32,
+      "group_query_attention":true,"num_query_groups":8,"ffn_hidden_size":14336,"vocab_size":128256,
+      "max_position_embeddings":8192,"swiglu":true,"normalization":"RMSNorm","position_embedding_type":"rope",
+      "untie_embeddings_and_output_weights":true,"disable_bias_linear":true,"rotary_base":500000,
+      "norm_epsilon":1e-5,"init_method_std":0.02})"), "model");
+  const ModelSpec ours = model_from_json(Json::parse(R"({"num_layers":32,"hidden_size":4096,"num_attention_heads":32,
+      "num_query_groups":8,"ffn_hidden_size":14336,"vocab_size":128256,"seq_length":8192,"activation":"swiglu",
+      "normalization":"rmsnorm","position_embedding":"rope","tie_embeddings":false,"add_bias_linear":false})"), "model");
+  EXPECT_EQ(mg.S, 8192);  // max_position_embeddings stands in for a missing seq_length
+  EXPECT_EQ(mg.activation, Activation::swiglu);
+  EXPECT_EQ(mg.normalization, Norm::rmsnorm);
+  EXPECT_EQ(mg.position, Position::rope);
+  EXPECT_FALSE(mg.tie_embeddings);
+  EXPECT_FALSE(mg.bias);
+  EXPECT_EQ(mg.total_params(), ours.total_params());
+  // GPT-style in Megatron's names: learned absolute positions, LayerNorm, tied embeddings,
+  // and seq_length kept beside a larger max_position_embeddings.
+  const ModelSpec gpt = model_from_json(Json::parse(R"({"num_layers":2,"hidden_size":64,"num_attention_heads":4,
+      "vocab_size":100,"seq_length":32,"max_position_embeddings":64,"position_embedding_type":"learned_absolute",
+      "normalization":"LayerNorm","untie_embeddings_and_output_weights":false})"), "model");
+  EXPECT_EQ(gpt.S, 32);
+  EXPECT_EQ(gpt.position, Position::learned);
+  EXPECT_EQ(gpt.normalization, Norm::layernorm);
+  EXPECT_TRUE(gpt.tie_embeddings);
+  auto message = [](const char* json) {
+    try {
+      model_from_json(Json::parse(json), "model");
+    } catch (const InputError& e) {
+      return std::string(e.what());
+    }
+    return std::string("no error");
+  };
+  const std::string base = R"("num_layers":2,"hidden_size":64,"num_attention_heads":4,"vocab_size":100,"seq_length":32)";
+  for (const std::string twice : {R"("activation":"gelu","swiglu":true)", R"("tie_embeddings":true,"untie_embeddings_and_output_weights":true)",
+                                  R"("position_embedding":"rope","position_embedding_type":"rope")",
+                                  R"("add_bias_linear":false,"disable_bias_linear":true)"}) {
+    const std::string json = "{" + base + "," + twice + "}";
+    EXPECT_NE(message(json.c_str()).find("given twice"), std::string::npos) << json;
+  }
+  EXPECT_NE(message(("{" + base + R"(,"swiglu":"yes"})").c_str()).find("model.swiglu"), std::string::npos);
+  EXPECT_NE(message(("{" + base + R"(,"position_embedding_type":"spiral"})").c_str()).find("model.position_embedding"),
+            std::string::npos);
+}
+
 TEST(ModelSpec, HuggingFaceLlamaConfig) {
   const Json hf = Json::parse(R"({"architectures":["LlamaForCausalLM"],"model_type":"llama","hidden_size":4096,
       "intermediate_size":14336,"num_attention_heads":32,"num_hidden_layers":32,"num_key_value_heads":8,

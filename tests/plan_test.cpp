@@ -73,6 +73,70 @@ TEST(Plan, MalformedInputThrowsNamingTheField) {
   EXPECT_NE(message("schedule=gpipe,vp=2,pp=2").find("pipeline_schedule"), std::string::npos);
 }
 
+// Megatron-LM's argument names (a launch script's flags, snake_case) and DeepSpeed's config
+// keys read as this schema's fields.
+TEST(Plan, MegatronAndDeepSpeedNames) {
+  const Plan m = plan_from_json(Json::parse(R"({"tensor_model_parallel_size":8,"pipeline_model_parallel_size":4,
+      "context_parallel_size":2,"data_parallel_size":2,"virtual_pipeline_model_parallel_size":3,"micro_batch_size":1,
+      "global_batch_size":64,"use_distributed_optimizer":true,"recompute_granularity":"selective",
+      "sequence_parallel":true,"bf16":true,"fp8_format":"hybrid","use_flash_attn":true})"), "plan");
+  const Plan c = load_plan("tp=8,pp=4,cp=2,dp=2,vp=3,mbs=1,gbs=64,zero=1,recompute=selective,sp=1,precision=fp8,"
+                           "attention=flash");
+  EXPECT_EQ(plan_to_json(m), plan_to_json(c));
+  // DeepSpeed: its batch keys, the ZeRO section's stage, {"enabled": ...} precision sections.
+  const Plan d = plan_from_json(Json::parse(R"({"train_micro_batch_size_per_gpu":2,"train_batch_size":128,
+      "data_parallel_size":16,"zero_optimization":{"stage":3,"overlap_comm":true,"reduce_bucket_size":5e8},
+      "bf16":{"enabled":true}})"), "plan");
+  EXPECT_EQ(plan_to_json(d), plan_to_json(load_plan("dp=16,mbs=2,gbs=128,zero=3,precision=bf16")));
+  // Neither --bf16 nor --fp16: Megatron trains in fp32. FSDP2 is ZeRO-3.
+  EXPECT_EQ(plan_from_json(Json::parse(R"({"bf16":false,"fp16":false})"), "plan").precision, Precision::fp32);
+  EXPECT_EQ(plan_from_json(Json::parse(R"({"fp16":{"enabled":true,"loss_scale":0}})"), "plan").precision,
+            Precision::fp16);
+  EXPECT_EQ(plan_from_json(Json::parse(R"({"use_torch_fsdp2":true,"dp":8})"), "plan").zero, 3);
+  EXPECT_EQ(plan_from_json(Json::parse(R"({"use_distributed_optimizer":false})"), "plan").zero, 0);
+  // Full recompute: uniform recomputes every layer whatever recompute_num_layers says; block
+  // the first recompute_num_layers of each chunk (this schema's reading of the number).
+  const Plan u = plan_from_json(Json::parse(R"({"recompute_granularity":"full","recompute_method":"uniform",
+      "recompute_num_layers":1})"), "plan");
+  EXPECT_EQ(u.recompute, Recompute::full);
+  EXPECT_EQ(u.recompute_layers, 0);
+  const Plan b = plan_from_json(Json::parse(R"({"recompute_granularity":"full","recompute_method":"block",
+      "recompute_num_layers":3})"), "plan");
+  EXPECT_EQ(b.recompute_layers, 3);
+  // Values in any case: Megatron's "RMSNorm", a config's "BF16".
+  const Plan cased = load_plan("precision=BF16,recompute=Full,schedule=GPipe,pp=2");
+  EXPECT_EQ(cased.precision, Precision::bf16);
+  EXPECT_EQ(cased.recompute, Recompute::full);
+  EXPECT_TRUE(cased.gpipe);
+}
+
+TEST(Plan, AFieldUnderTwoNamesIsRefused) {
+  auto message = [](const char* json) {
+    try {
+      plan_from_json(Json::parse(json), "plan");
+    } catch (const InputError& e) {
+      return std::string(e.what());
+    }
+    return std::string("no error");
+  };
+  for (const char* twice : {R"({"tensor_parallel":8,"tensor_model_parallel_size":8})",
+                            R"({"zero_stage":1,"use_distributed_optimizer":true})",
+                            R"({"zero_stage":3,"zero_optimization":{"stage":3}})",
+                            R"({"precision":"bf16","bf16":true})", R"({"recompute":"full","recompute_granularity":"full"})",
+                            R"({"use_distributed_optimizer":true,"use_torch_fsdp2":true})",
+                            R"({"micro_batch_size":1,"train_micro_batch_size_per_gpu":1})"})
+    EXPECT_NE(message(twice).find("given twice"), std::string::npos) << twice << ": " << message(twice);
+  EXPECT_NE(message(R"({"bf16":true,"fp16":true})").find("plan.fp16"), std::string::npos);
+  EXPECT_NE(message(R"({"fp8_format":"e5m2"})").find("plan.fp8_format"), std::string::npos);
+  EXPECT_NE(message(R"({"use_distributed_optimizer":"yes"})").find("plan.use_distributed_optimizer"),
+            std::string::npos);
+  EXPECT_NE(message(R"({"zero_optimization":{"stage":4}})").find("plan.zero_optimization.stage"), std::string::npos);
+  EXPECT_NE(message(R"({"recompute_method":"random"})").find("plan.recompute_method"), std::string::npos);
+  EXPECT_NE(message(R"({"num_layers_per_virtual_pipeline_stage":2})").find("virtual_pipeline_stages"),
+            std::string::npos);
+  EXPECT_NE(message(R"({"tensor_model_paralel_size":2})").find("tensor_model_paralel_size"), std::string::npos);
+}
+
 std::vector<std::string> keys(const ModelSpec& m, const Plan& p) {
   const Cluster cl = load_cluster("dgx-a100-80g");
   std::vector<std::string> k;
