@@ -3,8 +3,10 @@
 // 2 invalid input (message names the field, value and rule), 3 nothing feasible,
 // 1 internal error.
 #include <cstdio>
+#include <filesystem>
 #include <fstream>
 #include <iostream>
+#include <optional>
 #include <sstream>
 #include <string>
 #include <vector>
@@ -15,6 +17,7 @@
 #include "cli/args.h"
 #include "cli/commands.h"
 #include "costmodel/estimate.h"
+#include "costmodel/megatron_args.h"
 #include "costmodel/report.h"
 #include "planner/export.h"
 #include "planner/search.h"
@@ -31,7 +34,9 @@ usage:
                    [--export megatron|deepspeed] [--fix tp=8,pp=4,...] [--pareto] [--trace FILE]
                    [--precision bf16|fp16|fp8|fp32 (default bf16; fp16 on V100)] [--seq-length S]
                    [--compare PLAN] [--attention auto|flash|unfused]
+  strata plan      --megatron-args A --cluster C [--gpus N] [...]   (the launch's plan as --compare)
   strata estimate  --model M --cluster C --plan P [--json] [--trace FILE] [--seq-length S] [--ops]
+  strata estimate  --megatron-args A --cluster C [--gpus N] [--json] [--trace FILE] [--seq-length S] [--ops]
   strata train     --model M --plan P --steps S [--data synthetic|synthetic:STATES|FILE] [--seed N]
                    [--json FILE|-] [--trace FILE] [--lr X] [--min-lr X] [--lr-warmup-iters N]
                    [--weight-decay X] [--clip-grad X] [--loss-scale X] [--loss-scale-window N]
@@ -47,6 +52,8 @@ usage:
   M  a preset (strata plan --list-models), a model JSON or a Hugging Face config.json
   C  a preset (strata plan --list-clusters) or a cluster JSON (schema: hw_profiles/README.md)
   P  a plan JSON or inline pairs: tp=8,pp=8,dp=16,mbs=1,vp=3,zero=1,recompute=selective,sp=1
+  A  a Megatron-LM launch (a script or its flags; add --vocab-size): its model and plan; the
+     GPUs from torchrun's --nproc-per-node x --nnodes unless --gpus is given
 
   strata validate  --model M --cluster C|measure --ranks N [--plans K] [--steps S] [--report DIR]
                    [--global-batch-size B] [--precision fp32|bf16|fp16] [--seq-length S] [--json]
@@ -117,15 +124,41 @@ void trace_to_file(const std::string& path, const ModelSpec& m, const Cluster& c
   if (!out) throw InputError(fmt::format("--trace: writing '{}' failed", path));
 }
 
+// --megatron-args: the model and the plan of a Megatron-LM launch (the flags strata does not
+// model are named on stderr), on --gpus GPUs or the launcher's.
+std::optional<LaunchInputs> megatron_launch(const Args& a, std::initializer_list<const char*> instead) {
+  if (!a.has("megatron-args")) return std::nullopt;
+  for (const char* o : instead)
+    if (a.has(o)) throw InputError(fmt::format("--{}: give --megatron-args or --{}, not both", o, o));
+  const std::string arg = a.get("megatron-args");
+  MegatronLaunch launch = parse_megatron_launch(megatron_launch_text(arg), "--megatron-args");
+  std::error_code ec;
+  launch.model["name"] = arg.rfind("--", 0) != 0 && std::filesystem::is_regular_file(arg, ec)
+                             ? std::filesystem::path(arg).stem().string()
+                             : std::string("megatron-launch");
+  LaunchInputs in = launch_inputs(launch, a.integer("gpus", 0, 1, 1 << 24), "--megatron-args",
+                                  a.integer("seq-length", 0, 1, 1 << 24));
+  if (!launch.ignored.empty()) {
+    std::string list;
+    for (size_t i = 0; i < launch.ignored.size() && i < 12; ++i) list += (i ? ", " : "") + launch.ignored[i];
+    if (launch.ignored.size() > 12) list += fmt::format(", ... ({} in all)", launch.ignored.size());
+    fmt::print(stderr, "strata: --megatron-args: not modelled (no effect on the estimate): {}\n", list);
+  }
+  return in;
+}
+
 int cmd_estimate(const std::vector<std::string>& argv) {
-  const Args a(argv, "estimate", {"model", "cluster", "plan", "trace", "seq-length", "gpus"},
+  const Args a(argv, "estimate", {"model", "cluster", "plan", "trace", "seq-length", "gpus", "megatron-args"},
                {"json", "ops", "list-models", "list-clusters", "help"});
   if (a.has("help")) return fmt::print("{}", kUsage), kExitOk;
   if (a.has("list-models") || a.has("list-clusters")) return list_presets(a.has("list-models")), kExitOk;
   const Cluster cl = load_cluster(a.required("cluster", "a preset or a cluster JSON"));
+  const std::optional<LaunchInputs> launch = megatron_launch(a, {"model", "plan"});
   const ModelSpec m = model_on_stack(
-      load_model(a.required("model", "a preset or a model JSON"), a.integer("seq-length", 0, 1, 1 << 24)), cl);
-  const Plan p = load_plan(a.required("plan", "a plan JSON or tp=..,pp=..,dp=.. pairs"));
+      launch ? launch->model
+             : load_model(a.required("model", "a preset or a model JSON"), a.integer("seq-length", 0, 1, 1 << 24)),
+      cl);
+  const Plan p = launch ? launch->plan : load_plan(a.required("plan", "a plan JSON or tp=..,pp=..,dp=.. pairs"));
   if (a.has("gpus") && a.integer("gpus", 1, 1, 1 << 24) != p.world_size())
     fail_field("--gpus", a.get("gpus"),
                fmt::format("must equal tp*pp*dp*cp = {} of the plan", p.world_size()));
@@ -194,21 +227,28 @@ std::string explain(const Estimate& best, const Estimate& other) {
 int cmd_plan(const std::vector<std::string>& argv) {
   const Args a(argv, "plan",
                {"model", "cluster", "gpus", "global-batch-size", "top", "export", "fix", "trace", "precision",
-                "seq-length", "compare", "attention"},
+                "seq-length", "compare", "attention", "megatron-args"},
                {"json", "pareto", "list-models", "list-clusters", "help"});
   if (a.has("help")) return fmt::print("{}", kUsage), kExitOk;
   if (a.has("list-models") || a.has("list-clusters")) return list_presets(a.has("list-models")), kExitOk;
   const Cluster cl = load_cluster(a.required("cluster", "a preset or a cluster JSON"));
+  // A Megatron-LM launch gives the model, the GPUs, the global batch and the precision (each
+  // unless given here) and is the plan compared with the best.
+  const std::optional<LaunchInputs> launch = megatron_launch(a, {"model"});
   const ModelSpec m = model_on_stack(
-      load_model(a.required("model", "a preset or a model JSON"), a.integer("seq-length", 0, 1, 1 << 24)), cl);
+      launch ? launch->model
+             : load_model(a.required("model", "a preset or a model JSON"), a.integer("seq-length", 0, 1, 1 << 24)),
+      cl);
   SearchOptions so;
-  so.gpus = a.integer("gpus", 0, 1, 1 << 24);
-  if (!a.has("gpus")) a.required("gpus", "the number of GPUs to plan for");
-  so.gbs = a.integer("global-batch-size", 0, 1, int64_t{1} << 30);
-  if (!a.has("global-batch-size")) a.required("global-batch-size", "sequences per optimizer step");
+  so.gpus = launch ? launch->plan.world_size() : a.integer("gpus", 0, 1, 1 << 24);
+  if (!a.has("gpus") && !launch) a.required("gpus", "the number of GPUs to plan for");
+  so.gbs = a.has("global-batch-size") || !launch ? a.integer("global-batch-size", 0, 1, int64_t{1} << 30)
+                                                 : launch->plan.gbs;
+  if (!a.has("global-batch-size") && !launch) a.required("global-batch-size", "sequences per optimizer step");
   so.top_k = static_cast<int>(a.integer("top", 10, 1, 1000));
   // Default bf16, or fp16 on a GPU without bf16 (V100), as Megatron-LM runs there.
   so.precision = a.has("precision") ? parse_precision(a.get("precision"))
+                 : launch                                     ? launch->plan.precision
                  : cl.device.peak_flops(Precision::bf16) > 0 ? Precision::bf16
                                                              : Precision::fp16;
   if (a.has("precision")) check_precision_on(cl, so.precision);
@@ -225,19 +265,20 @@ int cmd_plan(const std::vector<std::string>& argv) {
   // The compared plan is checked before anything is printed.
   Plan compare;
   Estimate compared;
-  if (a.has("compare")) {
-    compare = load_plan(a.get("compare"));
+  if (a.has("compare") || launch) {
+    const std::string what = a.has("compare") ? "--compare" : "--megatron-args";
+    compare = a.has("compare") ? load_plan(a.get("compare")) : launch->plan;
     // Costed on the stack the search compares its candidates on (pin_to_plain_stack).
     pin_to_plain_stack(cl, search_stack(m, cl, so), compare);
     if (compare.world_size() != so.gpus)
-      fail_field("--compare", plan_to_inline(compare), fmt::format("must use {} GPUs like the search", so.gpus));
+      fail_field(what, plan_to_inline(compare), fmt::format("must use {} GPUs like the search", so.gpus));
     if (compare.gbs != so.gbs)
-      fail_field("--compare", plan_to_inline(compare), fmt::format("must use global batch {} like the search", so.gbs));
+      fail_field(what, plan_to_inline(compare), fmt::format("must use global batch {} like the search", so.gbs));
     compared = estimate(m, cl, compare);
     if (!compared.valid) {
       std::string msg;
       for (const auto& x : compared.reasons) msg += (msg.empty() ? "" : "; ") + x.message;
-      throw InputError("--compare: " + msg);
+      throw InputError(what + ": " + msg);
     }
   }
 
@@ -264,7 +305,7 @@ int cmd_plan(const std::vector<std::string>& argv) {
   if (exp == "deepspeed") exported = export_deepspeed(m, best.plan, best.stack);
   if (a.has("json")) {  // one JSON document: the export, if asked for, goes inside it
     Json j = search_to_json(r);
-    if (a.has("compare")) j["compared"] = estimate_to_json(compared);
+    if (a.has("compare") || launch) j["compared"] = estimate_to_json(compared);
     if (!exported.empty()) j["export"] = {{"format", exp}, {"text", exported}};
     return fmt::print("{}\n", j.dump(2)), kExitOk;
   }
@@ -293,7 +334,7 @@ int cmd_plan(const std::vector<std::string>& argv) {
   EstimateOptions eo;
   const Estimate detailed = estimate(m, cl, best.plan, eo, &d);
   fmt::print("\nbest plan:\n{}", format_estimate(m, cl, detailed, &d));
-  if (a.has("compare")) fmt::print("{}", explain(best, compared));
+  if (a.has("compare") || launch) fmt::print("{}", explain(best, compared));
   if (a.has("trace")) fmt::print("\ntrace of the best plan written to {}\n", a.get("trace"));
   return kExitOk;
 }

@@ -38,6 +38,8 @@ printf '\001\000\002\000\003\000\004\000\005\000\006\000\007\000\010\000\011\000
 printf '{"format":"strata-checkpoint-1","step":2,"adam_step":2,"good_steps":2,"loss_scale":1,"seed":1,"model":"m","data":"synthetic","plan":{},"global_params":1,"world_size":1,"files":[{"name":"shard-00000.bin","bytes":12,"fnv1a64":"0000000000000000"}]}' | seed 6
 for s in kill@1:3 nan@0:2- nan@1:2-5 kill-in-checkpoint@0:4 hang@3:7; do printf '%s' "$s" | seed 7; done
 printf '16' | seed 7
+printf -- '--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 32 --vocab-size 100 --tensor-model-parallel-size 2 --pipeline-model-parallel-size 2 --micro-batch-size 1 --global-batch-size 8 --bf16 --recompute-granularity full' | seed 7
+printf 'N=2\ntorchrun --nproc_per_node $N ( --num-layers=4 --hidden-size "64" --num-attention-heads 4 --seq-length 32 --vocab-size 100 --num-layers-per-virtual-pipeline-stage 1 --pipeline-model-parallel-size 2 --fp8-format hybrid ) # x\n' | seed 7
 
 echo "fuzz.sh: $(ls $seeds | wc -l) seeds, $(ls tests/fuzz/corpus 2> /dev/null | wc -l) corpus inputs; fuzzing for ${secs} s"
 start=$(date +%s)

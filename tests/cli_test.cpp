@@ -195,6 +195,37 @@ TEST(Cli, PlanExplainsAgainstAComparedPlan) {
   EXPECT_NE(r.out.find("best plan against"), std::string::npos);
 }
 
+// A Megatron-LM launch (flags in a script, torchrun's world): the plan it runs, estimated
+// as the same plan in strata's JSON is, and compared with the best plan by `strata plan`.
+TEST(Cli, MegatronLaunchFlags) {
+  const std::string script = write("launch.sh",
+                                   "GPUS_PER_NODE=8\nNNODES=128\n"
+                                   "torchrun --nproc_per_node $GPUS_PER_NODE --nnodes $NNODES pretrain_gpt.py \\\n"
+                                   "  --num-layers 96 --hidden-size 12288 --num-attention-heads 96 --seq-length 2048 \\\n"
+                                   "  --max-position-embeddings 2048 --vocab-size 51200 --tensor-model-parallel-size 8 \\\n"
+                                   "  --pipeline-model-parallel-size 16 --micro-batch-size 1 --global-batch-size 1536 \\\n"
+                                   "  --recompute-granularity full --recompute-method uniform --recompute-num-layers 1 \\\n"
+                                   "  --fp16 --lr 6.0e-5 --train-iters 500000  # the README's GPT-3 run\n");
+  const Outcome a = strata("estimate --megatron-args " + script + " --cluster dgx-a100-80g --json");
+  ASSERT_EQ(a.code, 0) << a.err;
+  const Outcome b = strata("estimate --model gpt3-175b --cluster dgx-a100-80g --json --plan " STRATA_SOURCE_DIR
+                           "/examples/megatron-gpt3-1024.plan.json");
+  ASSERT_EQ(b.code, 0) << b.err;
+  EXPECT_EQ(Json::parse(a.out)["step_time_s"], Json::parse(b.out)["step_time_s"]);
+  EXPECT_EQ(Json::parse(a.out)["plan"]["data_parallel"], 8);
+  EXPECT_NE(a.err.find("not modelled (no effect on the estimate): --lr, --train-iters"), std::string::npos) << a.err;
+  const Outcome p = strata("plan --megatron-args " + script + " --cluster dgx-a100-80g --top 3");
+  ASSERT_EQ(p.code, 0) << p.err;
+  EXPECT_NE(p.out.find("best plan against tp=8,pp=16,dp=8,mbs=1,gbs=1536,zero=0,recompute=full,precision=fp16"),
+            std::string::npos)
+      << p.out;
+  // The flags inline, on a GPU count of one's own.
+  const Outcome c = strata("estimate --cluster dgx-a100-80g --gpus 8 --megatron-args '--num-layers 2 --hidden-size 64 "
+                           "--num-attention-heads 4 --seq-length 32 --vocab-size 100 --tensor-model-parallel-size 2'");
+  ASSERT_EQ(c.code, 0) << c.err;
+  EXPECT_NE(c.out.find("tp=2,pp=1,dp=4"), std::string::npos) << c.out;
+}
+
 TEST(Cli, NothingFeasibleExits3WithCounts) {
   const Outcome r = strata("plan --model gpt3-175b --cluster dgx-a100-80g --gpus 2 --global-batch-size 8");
   EXPECT_EQ(r.code, 3);
@@ -432,6 +463,16 @@ TEST(Cli, BadInputExits2NamingTheField) {
       {S + "--gpus 8 --global-batch-size 8 --compare tp=4", "--compare"},
       {S + "--gpus 8 --global-batch-size 8 --compare tp=8,gbs=16", "--compare"},
       {S + "--gpus 8 --global-batch-size 8 --compare tp=7,dp=1,pp=1,cp=8,gbs=8", "--compare"},
+      // Megatron-LM launch flags
+      {"estimate --cluster dgx-a100-80g --model gpt3-175b --megatron-args '--num-layers 2'", "--model"},
+      {"estimate --cluster dgx-a100-80g --megatron-args no_such_script.sh", "--megatron-args"},
+      {"estimate --cluster dgx-a100-80g --gpus 8 --megatron-args '--num-layers 2 --hidden-size 64 "
+       "--num-attention-heads 4 --seq-length 32'", "--vocab-size"},
+      {"estimate --cluster dgx-a100-80g --megatron-args '--num-layers 2 --hidden-size 64 "
+       "--num-attention-heads 4 --seq-length 32 --vocab-size 100'", "--gpus"},
+      {"estimate --cluster dgx-a100-80g --gpus 8 --megatron-args '--num-layers 2 --hidden-size 64 "
+       "--num-attention-heads 4 --seq-length 32 --vocab-size 100 --tensor-model-parallel-size $TP'",
+       "--tensor-model-parallel-size $TP"},
   };
   ASSERT_GE(cases.size(), 50u);
   for (const Bad& b : cases) {

@@ -1,5 +1,6 @@
 // One fuzz input through the loaders of user input (issue 6): the first byte picks the
-// loader, the rest is its input. Everything a loader accepts goes on through the code that
+// loader, the rest is its input (the command-line specs' target also reads it as a
+// Megatron-LM launch). Everything a loader accepts goes on through the code that
 // uses it (check_plan, estimate, a token batch), so a value a loader lets through cannot
 // crash what comes after. InputError is the one allowed failure (exit 2 in the CLI); any
 // other exception, crash, hang, sanitizer report or oversized allocation is a bug.
@@ -20,6 +21,7 @@
 #include "costmodel/estimate.h"
 #include "costmodel/hardware.h"
 #include "costmodel/json_input.h"
+#include "costmodel/megatron_args.h"
 #include "costmodel/model_spec.h"
 #include "costmodel/plan.h"
 #include "executor/checkpoint.h"
@@ -109,6 +111,11 @@ inline void run_one(const uint8_t* data, size_t size) {
   if (target == 7) {
     try {
       TokenSource src("synthetic:" + text, 1000, 4, 7);
+    } catch (const InputError&) {
+    }
+    try {  // the text as a Megatron-LM launch (strata estimate --megatron-args) on 8 GPUs
+      const LaunchInputs in = launch_inputs(parse_megatron_launch(text, "fuzz"), 8, "fuzz");
+      estimate_if_valid(in.model, a100, in.plan);
     } catch (const InputError&) {
     }
   }

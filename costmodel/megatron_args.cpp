@@ -1,0 +1,284 @@
+// Megatron-LM launch flags as strata's inputs; see megatron_args.h.
+#include "costmodel/megatron_args.h"
+
+#include <algorithm>
+#include <cctype>
+#include <filesystem>
+#include <fstream>
+#include <map>
+#include <set>
+#include <sstream>
+
+#include <fmt/format.h>
+#include <nlohmann/json.hpp>
+
+namespace strata {
+namespace {
+
+// The flags strata reads, by the input they describe (snake_case, as argparse names them).
+// Model flags keep Megatron's names (model_from_json reads them); so do plan flags, but
+// for the three below, which are renamed here.
+const std::set<std::string>& model_flags() {
+  static const std::set<std::string> s = {
+      "num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups",
+      "group_query_attention", "kv_channels", "seq_length", "max_position_embeddings", "vocab_size",
+      "make_vocab_size_divisible_by", "swiglu", "normalization", "position_embedding_type",
+      "use_rotary_position_embeddings", "untie_embeddings_and_output_weights", "disable_bias_linear",
+      "attention_dropout", "hidden_dropout", "norm_epsilon", "layernorm_epsilon", "rotary_base", "rotary_percent",
+      "init_method_std", "apply_query_key_layer_scaling", "num_experts"};
+  return s;
+}
+// Megatron's store_true flags among them: never followed by a value.
+const std::set<std::string>& switch_flags() {
+  static const std::set<std::string> s = {
+      "group_query_attention", "swiglu", "use_rotary_position_embeddings", "untie_embeddings_and_output_weights",
+      "disable_bias_linear", "apply_query_key_layer_scaling", "sequence_parallel", "use_distributed_optimizer",
+      "use_torch_fsdp2", "bf16", "fp16", "overlap_grad_reduce", "overlap_param_gather", "tp_comm_overlap",
+      "use_flash_attn", "no_gradient_accumulation_fusion"};
+  return s;
+}
+const std::set<std::string>& plan_flags() {
+  static const std::set<std::string> s = {
+      "tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size",
+      "virtual_pipeline_model_parallel_size", "num_layers_per_virtual_pipeline_stage", "micro_batch_size",
+      "global_batch_size", "sequence_parallel", "use_distributed_optimizer", "use_torch_fsdp2", "recompute_granularity",
+      "recompute_method", "recompute_num_layers", "bf16", "fp16", "fp8_format", "overlap_grad_reduce",
+      "overlap_param_gather", "tp_comm_overlap", "use_flash_attn", "no_gradient_accumulation_fusion",
+      "attention_backend", "microbatch_group_size_per_virtual_pipeline_stage"};
+  return s;
+}
+
+bool is_name(const std::string& s) {
+  if (s.empty() || !(std::isalpha(static_cast<unsigned char>(s[0])) || s[0] == '_')) return false;
+  return std::all_of(s.begin(), s.end(), [](char c) { return std::isalnum(static_cast<unsigned char>(c)) || c == '_'; });
+}
+
+// The words of a shell text: comments and line continuations removed, quotes and array
+// parentheses taken as blanks (a quoted list of flags, GPT_ARGS="--num-layers 24 ...", is
+// read as its flags).
+std::vector<std::string> words_of(const std::string& text) {
+  std::string clean;
+  clean.reserve(text.size());
+  bool comment = false;
+  for (size_t i = 0; i < text.size(); ++i) {
+    const char c = text[i];
+    if (comment) {
+      if (c == '\n') comment = false, clean += ' ';
+      continue;
+    }
+    if (c == '#' && (i == 0 || std::isspace(static_cast<unsigned char>(text[i - 1])))) {
+      comment = true;
+      continue;
+    }
+    if (c == '\\' && i + 1 < text.size() &&
+        (text[i + 1] == '\n' || text[i + 1] == '\r' || text[i + 1] == '"' || text[i + 1] == '\'')) {
+      clean += ' ';  // a continuation, or an escaped quote inside quotes
+      continue;
+    }
+    clean += (c == '"' || c == '\'' || c == '(' || c == ')' || c == ';') ? ' ' : c;
+  }
+  std::istringstream in(clean);
+  std::vector<std::string> words;
+  for (std::string w; in >> w;) words.push_back(w);
+  return words;
+}
+
+// A flag's value as JSON: integers and reals as numbers, true/false, else the string.
+Json value_of(const std::string& s) {
+  if (s == "true") return true;
+  if (s == "false") return false;
+  size_t used = 0;
+  const bool digits = !s.empty() && (std::isdigit(static_cast<unsigned char>(s[0])) || s[0] == '-' || s[0] == '.');
+  if (digits) {
+    try {
+      if (s.find_first_of(".eE") == std::string::npos) {
+        const long long v = std::stoll(s, &used);
+        if (used == s.size()) return v;
+      } else {
+        const double v = std::stod(s, &used);
+        if (used == s.size()) return v;
+      }
+    } catch (const std::exception&) {  // out of range: kept as text, refused where read
+    }
+  }
+  return s;
+}
+
+std::string flag_of(const std::string& key) {
+  std::string f = "--" + key;
+  std::replace(f.begin(), f.end(), '_', '-');
+  return f;
+}
+
+}  // namespace
+
+MegatronLaunch parse_megatron_launch(const std::string& text, const std::string& source) {
+  const std::vector<std::string> words = words_of(text);
+  // The text's own assignments (NAME=value, `export NAME=value`), for $NAME and ${NAME}.
+  std::map<std::string, std::string> vars;
+  for (size_t i = 0; i < words.size(); ++i) {
+    const std::string& w = words[i];
+    const size_t eq = w.find('=');
+    if (w.rfind("--", 0) == 0 || eq == std::string::npos || eq == 0 || !is_name(w.substr(0, eq))) continue;
+    std::string v = w.substr(eq + 1);
+    if (v.empty() && i + 1 < words.size() && words[i + 1].rfind("-", 0) != 0) v = words[i + 1];  // NAME="value"
+    vars[w.substr(0, eq)] = v;
+  }
+  auto resolve = [&](std::string v) {
+    for (int depth = 0; depth < 8 && !v.empty() && v[0] == '$'; ++depth) {
+      std::string name = v.substr(1);
+      if (name.size() >= 2 && name.front() == '{' && name.back() == '}') name = name.substr(1, name.size() - 2);
+      const auto it = vars.find(name);
+      if (!is_name(name) || it == vars.end()) break;
+      v = it->second;
+    }
+    return v;
+  };
+  MegatronLaunch out;
+  out.model = Json::object();
+  out.plan = Json::object();
+  std::map<std::string, std::string> seen;  // flag -> its value as written (resolved)
+  std::set<std::string> ignored;
+  int64_t nproc = 0, nnodes = 0;
+  for (size_t i = 0; i < words.size(); ++i) {
+    const std::string& w = words[i];
+    if (w.size() < 3 || w.rfind("--", 0) != 0) continue;
+    std::string key = w.substr(2), raw;
+    bool bare = true;
+    // The next word is a value unless it is a flag or a shell assignment (NAME=...), or this
+    // flag is a switch.
+    auto value_next = [&] {
+      if (i + 1 >= words.size() || words[i + 1].rfind("--", 0) == 0) return false;
+      const std::string& n = words[i + 1];
+      const size_t eq = n.find('=');
+      return eq == std::string::npos || eq == 0 || !is_name(n.substr(0, eq));
+    };
+    std::string snake = key.substr(0, key.find('='));
+    std::replace(snake.begin(), snake.end(), '-', '_');
+    if (const size_t eq = key.find('='); eq != std::string::npos) {
+      raw = key.substr(eq + 1);
+      bare = false;
+      if (raw.empty() && value_next()) raw = words[++i];  // --k="v"
+    } else if (!switch_flags().count(snake) && value_next()) {
+      raw = words[++i];
+      bare = false;
+    }
+    key = snake;
+    if (!is_name(key)) continue;
+    const std::string value = bare ? "true" : resolve(raw);
+    const bool read = model_flags().count(key) || plan_flags().count(key) || key == "nproc_per_node" || key == "nnodes";
+    if (!read) {
+      if (ignored.insert(flag_of(key)).second) out.ignored.push_back(flag_of(key));
+      continue;
+    }
+    if (const auto it = seen.find(key); it != seen.end()) {
+      if (it->second != value)
+        throw InputError(fmt::format("{}: {} given twice, as '{}' and '{}': keep one", source, flag_of(key), it->second,
+                                     value));
+      continue;
+    }
+    seen[key] = value;
+    const bool shell = value.find('$') != std::string::npos || value.find('`') != std::string::npos;
+    if (shell && (key == "nproc_per_node" || key == "nnodes")) continue;  // then --gpus says it
+    if (shell)
+      throw InputError(fmt::format("{}: {} {}: a shell expression strata does not evaluate (only NAME=value set in "
+                                   "the same text is resolved); give the value",
+                                   source, flag_of(key), raw));
+    const Json v = value_of(value);
+    if (key == "nproc_per_node" || key == "nnodes") {
+      // torchrun's world; an elastic range (1:4) or "gpu" says no fixed count.
+      if (v.is_number_integer() && v.get<int64_t>() > 0) (key == "nnodes" ? nnodes : nproc) = v.get<int64_t>();
+      continue;
+    }
+    if (model_flags().count(key)) {
+      out.model[key] = v;
+    } else if (key == "no_gradient_accumulation_fusion") {
+      if (!bare && !(v.is_boolean() && v.get<bool>()))
+        fail_field(source + ": " + flag_of(key), show_value(v), "is a flag: it takes no value");
+      out.plan["grad_accumulation_fusion"] = false;
+    } else if (key == "attention_backend") {
+      const std::string s = v.is_string() ? v.get<std::string>() : "";
+      if (s != "flash" && s != "fused" && s != "unfused" && s != "local" && s != "auto")
+        fail_field(source + ": " + flag_of(key), show_value(v), "must be one of flash, fused, unfused, local, auto");
+      out.plan["attention"] = s == "flash" || s == "fused" ? "flash" : s == "auto" ? "auto" : "unfused";
+    } else if (key == "microbatch_group_size_per_virtual_pipeline_stage") {
+      out.plan["microbatch_group_size_per_vp_stage"] = v;
+    } else {
+      out.plan[key] = v;
+    }
+  }
+  if (nproc > 0 && nnodes > 0) out.gpus = nproc * nnodes;
+  else if (nproc > 0 && !seen.count("nnodes")) out.gpus = nproc;  // one node
+  return out;
+}
+
+LaunchInputs launch_inputs(const MegatronLaunch& launch, int64_t gpus, const std::string& source,
+                           int64_t seq_length_override) {
+  if (!launch.model.contains("vocab_size"))
+    throw InputError(fmt::format("{}: --vocab-size: missing: Megatron-LM reads the vocabulary from its tokenizer, so "
+                                 "give it as --vocab-size N (50257 for GPT-2's, 32000 for Llama 2's, 128256 for "
+                                 "Llama 3's)",
+                                 source));
+  LaunchInputs in;
+  in.model = model_from_json(launch.model, source);
+  if (seq_length_override > 0) {
+    in.model.S = seq_length_override;
+    validate_model(in.model, "--seq-length");
+  }
+  Json plan = launch.plan;
+  auto size = [&](const char* key) -> int64_t {
+    const Json* v = plan.contains(key) ? &plan.at(key) : nullptr;
+    if (!v) return 1;
+    if (!v->is_number_integer() || v->get<int64_t>() < 1)
+      fail_field(source + ": " + flag_of(key), show_value(*v), "must be a positive integer");
+    return v->get<int64_t>();
+  };
+  const int64_t t = size("tensor_model_parallel_size"), p = size("pipeline_model_parallel_size"),
+                c = size("context_parallel_size");
+  if (plan.contains("num_layers_per_virtual_pipeline_stage")) {
+    const int64_t n = size("num_layers_per_virtual_pipeline_stage");
+    if (plan.contains("virtual_pipeline_model_parallel_size"))
+      throw InputError(fmt::format("{}: --num-layers-per-virtual-pipeline-stage and "
+                                   "--virtual-pipeline-model-parallel-size both given: keep one",
+                                   source));
+    if (in.model.L % (p * n) != 0)
+      fail_field(source + ": --num-layers-per-virtual-pipeline-stage", std::to_string(n),
+                 fmt::format("must divide num_layers / pipeline size = {} / {}", in.model.L, p));
+    plan.erase("num_layers_per_virtual_pipeline_stage");
+    if (in.model.L / (p * n) > 1) plan["virtual_pipeline_model_parallel_size"] = in.model.L / (p * n);
+  }
+  const int64_t world = gpus > 0 ? gpus : launch.gpus;
+  if (world <= 0)
+    throw InputError(fmt::format("{}: --gpus: missing: the GPU count (the launch gives no torchrun --nproc-per-node "
+                                 "and --nnodes to take it from)",
+                                 source));
+  if (world % (t * p * c) != 0)
+    fail_field("--gpus", std::to_string(world),
+               fmt::format("must be a multiple of tensor x pipeline x context parallel = {} x {} x {}", t, p, c));
+  plan["data_parallel_size"] = world / (t * p * c);
+  in.plan = plan_from_json(plan, source);
+  return in;
+}
+
+std::string megatron_launch_text(const std::string& file_or_flags) {
+  std::error_code ec;
+  if (file_or_flags.rfind("--", 0) != 0 && std::filesystem::is_regular_file(file_or_flags, ec)) {
+    std::ifstream f(file_or_flags, std::ios::binary);
+    if (!f) throw InputError(fmt::format("--megatron-args: cannot open file '{}'", file_or_flags));
+    f.seekg(0, std::ios::end);
+    const auto bytes = static_cast<int64_t>(f.tellg());
+    if (bytes < 0 || bytes > (int64_t{16} << 20))
+      throw InputError(fmt::format("--megatron-args: file '{}' is not a launch script of at most 16 MiB", file_or_flags));
+    f.seekg(0);
+    std::stringstream ss;
+    ss << f.rdbuf();
+    return ss.str();
+  }
+  if (file_or_flags.find("--") == std::string::npos)
+    throw InputError(fmt::format("--megatron-args: '{}' is neither a readable file nor Megatron-LM flags "
+                                 "(--tensor-model-parallel-size 8 ...)",
+                                 file_or_flags));
+  return file_or_flags;
+}
+
+}  // namespace strata

@@ -1,0 +1,158 @@
+// A Megatron-LM launch read as strata's model and plan (costmodel/megatron_args.h).
+#include <algorithm>
+#include <tuple>
+
+#include <fmt/format.h>
+#include <gtest/gtest.h>
+#include <nlohmann/json.hpp>
+
+#include "costmodel/estimate.h"
+#include "costmodel/megatron_args.h"
+#include "costmodel/stack.h"
+#include "planner/export.h"
+
+namespace strata {
+namespace {
+
+// A launch script in the style of Megatron-LM's examples/gpt3 (bash arrays, variables,
+// comments, torchrun's world), for the GPT-3 175B run of its README: TP 8, PP 16 on 1024
+// GPUs, micro-batch 1, global batch 1536, full recompute.
+const char* kScript = R"SH(#!/bin/bash
+export CUDA_DEVICE_MAX_CONNECTIONS=1
+GPUS_PER_NODE=8
+NUM_NODES=128   # 1024 GPUs
+WORLD_SIZE=$(($GPUS_PER_NODE*$NUM_NODES))
+DISTRIBUTED_ARGS=(
+    --nproc_per_node $GPUS_PER_NODE
+    --nnodes ${NUM_NODES}
+    --master_addr localhost --master_port 6000
+)
+GPT_MODEL_ARGS=(
+    --num-layers 96
+    --hidden-size 12288
+    --num-attention-heads 96
+    --seq-length 2048
+    --max-position-embeddings 2048
+    --attention-backend auto # flash/fused/unfused/local
+)
+TRAINING_ARGS="--micro-batch-size 1 --global-batch-size=1536 \
+    --rampup-batch-size 16 16 5859375 --train-iters 500000 --lr 6.0e-5 --fp16"
+MODEL_PARALLEL_ARGS=( --tensor-model-parallel-size 8 --pipeline-model-parallel-size 16 )
+DATA_ARGS=( --data-path $DATA_PATH --vocab-file $VOCAB_FILE --vocab-size 51200 )
+torchrun ${DISTRIBUTED_ARGS[@]} pretrain_gpt.py ${GPT_MODEL_ARGS[@]} $TRAINING_ARGS \
+    ${MODEL_PARALLEL_ARGS[@]} ${DATA_ARGS[@]} \
+    --recompute-granularity full --recompute-method uniform --recompute-num-layers 1
+)SH";
+
+std::string error_of(const std::string& text, int64_t gpus = 0) {
+  try {
+    launch_inputs(parse_megatron_launch(text, "launch"), gpus, "launch");
+  } catch (const InputError& e) {
+    return e.what();
+  }
+  return "no error";
+}
+
+TEST(MegatronArgs, LaunchScriptIsThePublishedPlan) {
+  const MegatronLaunch l = parse_megatron_launch(kScript, "launch");
+  EXPECT_EQ(l.gpus, 1024);  // 8 per node x 128 nodes, through the script's variables
+  const LaunchInputs in = launch_inputs(l, 0, "launch");
+  EXPECT_EQ(in.model.L, 96);
+  EXPECT_EQ(in.model.H, 12288);
+  EXPECT_EQ(in.model.V, 51200);
+  EXPECT_EQ(in.model.S, 2048);
+  const Plan& p = in.plan;
+  EXPECT_EQ(p.t, 8);
+  EXPECT_EQ(p.p, 16);
+  EXPECT_EQ(p.d, 8);
+  EXPECT_EQ(p.mbs, 1);
+  EXPECT_EQ(p.gbs, 1536);
+  EXPECT_EQ(p.precision, Precision::fp16);
+  EXPECT_EQ(p.recompute, Recompute::full);
+  EXPECT_EQ(p.recompute_layers, 0);  // uniform: every layer
+  EXPECT_EQ(p.attention, AttentionChoice::automatic);
+  // The same estimate as the preset and the plan JSON of the worked example.
+  const Cluster cl = load_cluster("dgx-a100-80g");
+  const Estimate a = estimate(in.model, cl, p);
+  const Estimate b = estimate(load_model("gpt3-175b"), cl, load_plan(STRATA_SOURCE_DIR "/examples/megatron-gpt3-1024.plan.json"));
+  EXPECT_EQ(a.step_time_s, b.step_time_s);
+  EXPECT_EQ(a.memory.peak, b.memory.peak);
+  // What it does not model is named, once each, in order.
+  ASSERT_GE(l.ignored.size(), 5u);
+  EXPECT_EQ(l.ignored[0], "--master-addr");
+  EXPECT_NE(std::find(l.ignored.begin(), l.ignored.end(), "--lr"), l.ignored.end());
+  EXPECT_NE(std::find(l.ignored.begin(), l.ignored.end(), "--data-path"), l.ignored.end());
+  // --gpus overrides the launcher's world.
+  EXPECT_EQ(launch_inputs(l, 2048, "launch").plan.d, 16);
+}
+
+// strata plan --export megatron, read back: the same plan (with the vocabulary, which
+// Megatron takes from its tokenizer, added).
+TEST(MegatronArgs, ExportedFlagsReadBackAsThePlan) {
+  const ModelSpec m = load_model("llama3-70b");
+  for (const char* inline_plan :
+       {"tp=8,pp=4,dp=4,vp=5,mbs=1,gbs=512,zero=1,recompute=selective,sp=1,precision=bf16",
+        "tp=4,pp=8,cp=2,dp=2,vp=2,mbs=1,gbs=256,zero=1,recompute=full,sp=1,precision=fp8",
+        "tp=8,pp=1,dp=16,mbs=2,gbs=512,zero=3,recompute=full,recompute_num_layers=20,sp=1,precision=bf16",
+        "tp=2,pp=2,dp=32,mbs=1,gbs=64,zero=0,recompute=none,precision=fp16"}) {
+    const Plan p = load_plan(inline_plan);
+    const std::string flags = export_megatron(m, p, resolve_stack(m, load_cluster("dgx-h100-80g"), p)) +
+                              fmt::format(" --vocab-size {}", m.V);
+    const LaunchInputs in = launch_inputs(parse_megatron_launch(flags, "export"), p.world_size(), "export");
+    const Plan& q = in.plan;
+    EXPECT_EQ(std::tie(q.t, q.p, q.d, q.c, q.v, q.mbs, q.gbs, q.zero, q.sp, q.recompute_layers),
+              std::tie(p.t, p.p, p.d, p.c, p.v, p.mbs, p.gbs, p.zero, p.sp, p.recompute_layers))
+        << inline_plan << "\n" << flags;
+    EXPECT_EQ(q.recompute, p.recompute) << inline_plan;
+    EXPECT_EQ(q.precision, p.precision) << inline_plan;
+    EXPECT_EQ(in.model.total_params(), m.total_params()) << inline_plan;
+    EXPECT_EQ(std::tie(in.model.L, in.model.H, in.model.A, in.model.G, in.model.F, in.model.S),
+              std::tie(m.L, m.H, m.A, m.G, m.F, m.S));
+  }
+}
+
+TEST(MegatronArgs, FlagForms) {
+  // --k=v, --k="v", a quoted list, `export`, ${NAME}, the per-virtual-stage layer count.
+  const std::string text =
+      "export TP=4\nPP=\"8\"\nARGS=\"--num-layers=96 --hidden-size 12288 --num-attention-heads=\\\"96\\\"\"\n"
+      "run $ARGS --seq-length 2048 --vocab-size 51200 --tensor-model-parallel-size ${TP} "
+      "--pipeline-model-parallel-size $PP --num-layers-per-virtual-pipeline-stage 4 --micro-batch-size 1 "
+      "--global-batch-size 512 --bf16 --sequence-parallel --use-distributed-optimizer --nproc-per-node=8 --nnodes 32";
+  const LaunchInputs in = launch_inputs(parse_megatron_launch(text, "launch"), 0, "launch");
+  EXPECT_EQ(in.model.L, 96);
+  EXPECT_EQ(in.model.A, 96);
+  EXPECT_EQ(in.plan.t, 4);
+  EXPECT_EQ(in.plan.p, 8);
+  EXPECT_EQ(in.plan.v, 3);  // 96 layers / (8 stages x 4 per virtual stage)
+  EXPECT_EQ(in.plan.d, 8);  // 256 GPUs / (4 x 8)
+  EXPECT_EQ(in.plan.zero, 1);
+  EXPECT_TRUE(in.plan.sp);
+  EXPECT_EQ(in.plan.precision, Precision::bf16);
+  // An elastic node range gives no GPU count: --gpus must.
+  const std::string elastic = "--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 32 "
+                              "--vocab-size 100 --nnodes 1:4 --nproc-per-node 8";
+  EXPECT_EQ(parse_megatron_launch(elastic, "launch").gpus, 0);
+  EXPECT_NE(error_of(elastic).find("--gpus"), std::string::npos);
+  EXPECT_EQ(launch_inputs(parse_megatron_launch(elastic, "launch"), 8, "launch").plan.d, 8);
+}
+
+TEST(MegatronArgs, ErrorsNameTheFlag) {
+  const std::string model = "--num-layers 8 --hidden-size 64 --num-attention-heads 4 --seq-length 32 ";
+  EXPECT_NE(error_of(model + "--vocab-size 100 --tensor-model-parallel-size $TP", 8).find("--tensor-model-parallel-size $TP"),
+            std::string::npos);
+  EXPECT_NE(error_of(model + "--vocab-size 100 --micro-batch-size 1 --micro-batch-size 2", 8).find("--micro-batch-size given twice"),
+            std::string::npos);
+  EXPECT_EQ(error_of(model + "--vocab-size 100 --micro-batch-size 2 --micro-batch-size 2", 8), "no error");
+  EXPECT_NE(error_of(model, 8).find("--vocab-size"), std::string::npos);
+  EXPECT_NE(error_of(model + "--vocab-size 100 --pipeline-model-parallel-size 2 --num-layers-per-virtual-pipeline-stage 3", 8)
+                .find("--num-layers-per-virtual-pipeline-stage"),
+            std::string::npos);
+  EXPECT_NE(error_of(model + "--vocab-size 100 --tensor-model-parallel-size 4", 6).find("--gpus"), std::string::npos);
+  EXPECT_NE(error_of(model + "--vocab-size 100 --attention-backend magic", 8).find("--attention-backend"), std::string::npos);
+  EXPECT_NE(error_of(model + "--vocab-size 100 --num-experts 8", 8).find("num_experts"), std::string::npos);
+  EXPECT_NE(error_of(model + "--vocab-size 100 --bf16 --fp16", 8).find("fp16"), std::string::npos);
+  EXPECT_NE(error_of("--vocab-size 100 --hidden-size 64", 8).find("num_layers"), std::string::npos);
+}
+
+}  // namespace
+}  // namespace strata
