@@ -268,6 +268,10 @@ int cmd_plan(const std::vector<std::string>& argv) {
   if (a.has("compare") || launch) {
     const std::string what = a.has("compare") ? "--compare" : "--megatron-args";
     compare = a.has("compare") ? load_plan(a.get("compare")) : launch->plan;
+    if (!a.has("compare")) {  // the launch's plan at the batch and in the precision searched
+      compare.gbs = so.gbs;
+      compare.precision = so.precision;
+    }
     // Costed on the stack the search compares its candidates on (pin_to_plain_stack).
     pin_to_plain_stack(cl, search_stack(m, cl, so), compare);
     if (compare.world_size() != so.gpus)

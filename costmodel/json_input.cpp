@@ -237,11 +237,13 @@ std::string Fields::choice_or(const std::string& key, const std::string& fallbac
 void adopt_key(Json& j, const std::string& source, const char* from, const char* to, ConvertValue convert) {
   if (!j.is_object() || !j.contains(from)) return;
   const std::string path = source + "." + from;
-  if (j.contains(to))
-    throw InputError(fmt::format("{}.{}: given twice (as '{}' and '{}'): keep one", source, to, to, from));
-  Json value = convert ? convert(j.at(from), path) : j.at(from);
+  Json value = j.at(from).is_null() ? Json() : convert ? convert(j.at(from), path) : j.at(from);
   j.erase(from);
-  if (!value.is_null()) j[to] = std::move(value);
+  if (value.is_null()) return;  // says nothing (null, or a flag set to false)
+  if (j.contains(to) && j.at(to) != value)
+    throw InputError(fmt::format("{}: {} means {} {}, but {} is {} (given under this or another name): keep one",
+                                 path, show_value(value), to, show_value(value), to, show_value(j.at(to))));
+  j[to] = std::move(value);
 }
 
 bool flag_value(const Json& v, const std::string& path) {

@@ -72,9 +72,9 @@ class Fields {
 
 // Another tool's name for a field of this schema (a Megatron-LM argument, a DeepSpeed
 // config key): moves j[from] (j an object) to j[to], as `convert` makes it (it gets the
-// value and its path; none: the value as it is). A null result means the key states
-// nothing (a flag set to false) and is dropped. Both names present: an InputError naming
-// both.
+// value and its path; none: the value as it is). A null value or result means the key
+// states nothing (null in a config dump, a flag set to false) and is dropped. Both names
+// present with two values: an InputError naming both.
 using ConvertValue = Json (*)(const Json& value, const std::string& path);
 void adopt_key(Json& j, const std::string& source, const char* from, const char* to, ConvertValue convert = nullptr);
 // A Megatron flag's value: true or false (or 0/1) and nothing else.

@@ -34,7 +34,21 @@ const std::set<std::string>& switch_flags() {
       "group_query_attention", "swiglu", "use_rotary_position_embeddings", "untie_embeddings_and_output_weights",
       "disable_bias_linear", "apply_query_key_layer_scaling", "sequence_parallel", "use_distributed_optimizer",
       "use_torch_fsdp2", "bf16", "fp16", "overlap_grad_reduce", "overlap_param_gather", "tp_comm_overlap",
-      "use_flash_attn", "no_gradient_accumulation_fusion"};
+      "use_flash_attn", "no_gradient_accumulation_fusion", "recompute_activations", "use_megatron_fsdp",
+      "account_for_embedding_in_pipeline_split", "account_for_loss_in_pipeline_split"};
+  return s;
+}
+// Flags that set what strata does not take from a launch: refused, naming the way to say it.
+const std::map<std::string, std::string>& refused_flags() {
+  static const std::map<std::string, std::string> s = {
+      {"decoder_first_pipeline_num_layers", "strata splits the layers evenly, or with the embedding and the loss in a "
+                                            "layer's slot each (--account-for-embedding/loss-in-pipeline-split)"},
+      {"decoder_last_pipeline_num_layers", "strata splits the layers evenly, or with the embedding and the loss in a "
+                                           "layer's slot each (--account-for-embedding/loss-in-pipeline-split)"},
+      {"pipeline_model_parallel_layout", "strata splits the layers evenly, or with the embedding and the loss in a "
+                                         "layer's slot each (--account-for-embedding/loss-in-pipeline-split)"},
+      {"window_size", "give the model as a model JSON with window_size (and window_attn_skip_freq)"},
+      {"window_attn_skip_freq", "give the model as a model JSON with window_size and window_attn_skip_freq"}};
   return s;
 }
 const std::set<std::string>& plan_flags() {
@@ -44,7 +58,9 @@ const std::set<std::string>& plan_flags() {
       "global_batch_size", "sequence_parallel", "use_distributed_optimizer", "use_torch_fsdp2", "recompute_granularity",
       "recompute_method", "recompute_num_layers", "bf16", "fp16", "fp8_format", "overlap_grad_reduce",
       "overlap_param_gather", "tp_comm_overlap", "use_flash_attn", "no_gradient_accumulation_fusion",
-      "attention_backend", "microbatch_group_size_per_virtual_pipeline_stage"};
+      "attention_backend", "microbatch_group_size_per_virtual_pipeline_stage", "recompute_activations",
+      "use_megatron_fsdp", "num_virtual_stages_per_pipeline_rank", "account_for_embedding_in_pipeline_split",
+      "account_for_loss_in_pipeline_split"};
   return s;
 }
 
@@ -115,22 +131,39 @@ std::string flag_of(const std::string& key) {
 MegatronLaunch parse_megatron_launch(const std::string& text, const std::string& source) {
   const std::vector<std::string> words = words_of(text);
   // The text's own assignments (NAME=value, `export NAME=value`), for $NAME and ${NAME}.
+  // A name set twice to two values (branches of an if or a case) resolves to nothing.
   std::map<std::string, std::string> vars;
+  std::set<std::string> ambiguous;
   for (size_t i = 0; i < words.size(); ++i) {
     const std::string& w = words[i];
     const size_t eq = w.find('=');
     if (w.rfind("--", 0) == 0 || eq == std::string::npos || eq == 0 || !is_name(w.substr(0, eq))) continue;
     std::string v = w.substr(eq + 1);
     if (v.empty() && i + 1 < words.size() && words[i + 1].rfind("-", 0) != 0) v = words[i + 1];  // NAME="value"
-    vars[w.substr(0, eq)] = v;
+    const std::string name = w.substr(0, eq);
+    if (const auto it = vars.find(name); it != vars.end() && it->second != v) ambiguous.insert(name);
+    vars[name] = v;
   }
+  for (const std::string& name : ambiguous) vars.erase(name);
+  // $NAME, ${NAME} and ${NAME:-default} (${NAME-default}), followed through other names.
   auto resolve = [&](std::string v) {
     for (int depth = 0; depth < 8 && !v.empty() && v[0] == '$'; ++depth) {
-      std::string name = v.substr(1);
-      if (name.size() >= 2 && name.front() == '{' && name.back() == '}') name = name.substr(1, name.size() - 2);
+      std::string name = v.substr(1), fallback;
+      bool braces = false, has_default = false;
+      if (name.size() >= 2 && name.front() == '{' && name.back() == '}') {
+        name = name.substr(1, name.size() - 2);
+        braces = true;
+      }
+      if (const size_t d = name.find('-'); braces && d != std::string::npos && d > 0) {
+        fallback = name.substr(d + 1);
+        name = name.substr(0, name[d - 1] == ':' ? d - 1 : d);
+        has_default = !ambiguous.count(name);
+      }
+      if (!is_name(name)) break;
       const auto it = vars.find(name);
-      if (!is_name(name) || it == vars.end()) break;
-      v = it->second;
+      if (it != vars.end() && !(it->second.empty() && has_default)) v = it->second;
+      else if (has_default) v = fallback;
+      else break;
     }
     return v;
   };
@@ -166,6 +199,8 @@ MegatronLaunch parse_megatron_launch(const std::string& text, const std::string&
     key = snake;
     if (!is_name(key)) continue;
     const std::string value = bare ? "true" : resolve(raw);
+    if (const auto r = refused_flags().find(key); r != refused_flags().end())
+      throw InputError(fmt::format("{}: {}: not read from a launch: {}", source, flag_of(key), r->second));
     const bool read = model_flags().count(key) || plan_flags().count(key) || key == "nproc_per_node" || key == "nnodes";
     if (!read) {
       if (ignored.insert(flag_of(key)).second) out.ignored.push_back(flag_of(key));
@@ -187,7 +222,11 @@ MegatronLaunch parse_megatron_launch(const std::string& text, const std::string&
     const Json v = value_of(value);
     if (key == "nproc_per_node" || key == "nnodes") {
       // torchrun's world; an elastic range (1:4) or "gpu" says no fixed count.
-      if (v.is_number_integer() && v.get<int64_t>() > 0) (key == "nnodes" ? nnodes : nproc) = v.get<int64_t>();
+      if (v.is_number_integer() && v.get<int64_t>() > 0) {
+        if (v.get<int64_t>() > (int64_t{1} << 24))
+          fail_field(source + ": " + flag_of(key), show_value(v), "must be at most 2^24");
+        (key == "nnodes" ? nnodes : nproc) = v.get<int64_t>();
+      }
       continue;
     }
     if (model_flags().count(key)) {
@@ -209,6 +248,28 @@ MegatronLaunch parse_megatron_launch(const std::string& text, const std::string&
   }
   if (nproc > 0 && nnodes > 0) out.gpus = nproc * nnodes;
   else if (nproc > 0 && !seen.count("nnodes")) out.gpus = nproc;  // one node
+  // What Megatron-LM assumes where a flag is absent (its arguments.py), not strata's
+  // Llama-style defaults for a gated MLP.
+  Json& m = out.model;
+  if (m.contains("num_query_groups") && !(m.contains("group_query_attention") && m.at("group_query_attention") == true)) {
+    m.erase("num_query_groups");  // read only with --group-query-attention
+    out.ignored.push_back("--num-query-groups (without --group-query-attention)");
+  }
+  if (!m.contains("position_embedding_type") && !m.contains("use_rotary_position_embeddings"))
+    m["position_embedding_type"] = "learned_absolute";
+  if (!m.contains("normalization")) m["normalization"] = "LayerNorm";
+  if (!m.contains("untie_embeddings_and_output_weights")) m["untie_embeddings_and_output_weights"] = false;
+  if (!m.contains("disable_bias_linear")) m["add_bias_linear"] = true;
+  for (const char* dropout : {"attention_dropout", "hidden_dropout"})
+    if (!m.contains(dropout)) m[dropout] = 0.1;
+  if (!m.contains("ffn_hidden_size") && m.contains("hidden_size") && m.at("hidden_size").is_number_integer()) {
+    const int64_t h = m.at("hidden_size").get<int64_t>();
+    if (h > 0 && h <= (int64_t{1} << 24))
+      m["ffn_hidden_size"] = m.contains("swiglu") && m.at("swiglu") == true ? (8 * h / 3) / 64 * 64 : 4 * h;
+  }
+  // Neither --bf16 nor --fp16 (nor FP8): Megatron trains in fp32.
+  if (!out.plan.contains("bf16") && !out.plan.contains("fp16") && !out.plan.contains("fp8_format"))
+    out.plan["precision"] = "fp32";
   return out;
 }
 
@@ -229,23 +290,42 @@ LaunchInputs launch_inputs(const MegatronLaunch& launch, int64_t gpus, const std
   auto size = [&](const char* key) -> int64_t {
     const Json* v = plan.contains(key) ? &plan.at(key) : nullptr;
     if (!v) return 1;
-    if (!v->is_number_integer() || v->get<int64_t>() < 1)
-      fail_field(source + ": " + flag_of(key), show_value(*v), "must be a positive integer");
+    if (!v->is_number_integer() || v->get<int64_t>() < 1 || v->get<int64_t>() > (int64_t{1} << 20))
+      fail_field(source + ": " + flag_of(key), show_value(*v), "must be an integer in [1, 2^20]");
     return v->get<int64_t>();
   };
   const int64_t t = size("tensor_model_parallel_size"), p = size("pipeline_model_parallel_size"),
                 c = size("context_parallel_size");
+  // The embedding and the loss each in a layer's slot of the split: strata's layout does the
+  // same wherever (L + 2) / (p v) slots divide and L does not (layout.h).
+  const bool emb = plan.contains("account_for_embedding_in_pipeline_split"),
+             loss = plan.contains("account_for_loss_in_pipeline_split");
+  if (emb != loss)
+    throw InputError(fmt::format("{}: --account-for-{}-in-pipeline-split without --account-for-{}-in-pipeline-split: "
+                                 "strata's layout takes a slot for both or for neither",
+                                 source, emb ? "embedding" : "loss", emb ? "loss" : "embedding"));
+  plan.erase("account_for_embedding_in_pipeline_split");
+  plan.erase("account_for_loss_in_pipeline_split");
+  const int64_t slots = in.model.L + (emb ? 2 : 0);
   if (plan.contains("num_layers_per_virtual_pipeline_stage")) {
     const int64_t n = size("num_layers_per_virtual_pipeline_stage");
-    if (plan.contains("virtual_pipeline_model_parallel_size"))
-      throw InputError(fmt::format("{}: --num-layers-per-virtual-pipeline-stage and "
-                                   "--virtual-pipeline-model-parallel-size both given: keep one",
-                                   source));
-    if (in.model.L % (p * n) != 0)
+    for (const char* v : {"virtual_pipeline_model_parallel_size", "num_virtual_stages_per_pipeline_rank"})
+      if (plan.contains(v))
+        throw InputError(fmt::format("{}: --num-layers-per-virtual-pipeline-stage and {} both given: keep one", source,
+                                     flag_of(v)));
+    if (slots % (p * n) != 0)
       fail_field(source + ": --num-layers-per-virtual-pipeline-stage", std::to_string(n),
-                 fmt::format("must divide num_layers / pipeline size = {} / {}", in.model.L, p));
+                 fmt::format("must divide the {} per pipeline stage ({} / {})", emb ? "layer slots" : "layers", slots, p));
     plan.erase("num_layers_per_virtual_pipeline_stage");
-    if (in.model.L / (p * n) > 1) plan["virtual_pipeline_model_parallel_size"] = in.model.L / (p * n);
+    if (slots / (p * n) > 1) plan["virtual_pipeline_model_parallel_size"] = slots / (p * n);
+  }
+  if (emb && p > 1) {
+    const int64_t v = plan.contains("virtual_pipeline_model_parallel_size") ? size("virtual_pipeline_model_parallel_size")
+                      : plan.contains("num_virtual_stages_per_pipeline_rank") ? size("num_virtual_stages_per_pipeline_rank")
+                                                                              : 1;
+    if (slots % (p * v) != 0)
+      fail_field(source + ": --account-for-embedding-in-pipeline-split", "true",
+                 fmt::format("needs the layers + 2 = {} to split over {} x {} model chunks", slots, p, v));
   }
   const int64_t world = gpus > 0 ? gpus : launch.gpus;
   if (world <= 0)

@@ -29,7 +29,10 @@ struct MegatronLaunch {
 // `--flag value` and `--flag=value`, bare flags (true). A value that is a shell variable is
 // resolved through the text's own `NAME=value` assignments; one that stays unresolved in a
 // flag strata reads is an InputError naming the flag, as is a flag given twice with two
-// values. `source` names the input in messages.
+// values. A flag that sets a layout strata does not follow is refused. The model and the
+// plan get Megatron-LM's meaning of an absent flag (LayerNorm, learned positions, tied
+// embeddings, biases, dropout 0.1, fp32, no key/value groups without
+// --group-query-attention), not strata's defaults. `source` names the input in messages.
 MegatronLaunch parse_megatron_launch(const std::string& text, const std::string& source);
 
 // The model and the plan of a launch on `gpus` GPUs (0: the launcher's count, which must

@@ -188,6 +188,16 @@ Json adopt_megatron_names(const Json& in, const std::string& source) {
     if (!j.contains("seq_length")) j["seq_length"] = j.at("max_position_embeddings");
     j.erase("max_position_embeddings");
   }
+  // Megatron reads num_query_groups only with group_query_attention set.
+  if (j.contains("group_query_attention")) {
+    const Json& g = j.at("group_query_attention");
+    const bool gqa = !g.is_null() && flag_value(g, source + ".group_query_attention");
+    if (!gqa && j.contains("num_query_groups") && j.contains("num_attention_heads") &&
+        j.at("num_query_groups") != j.at("num_attention_heads"))
+      fail_field(source + ".group_query_attention", show_value(g),
+                 "contradicts num_query_groups " + show_value(j.at("num_query_groups")) +
+                     ": Megatron-LM reads the groups only with group_query_attention true");
+  }
   for (const char* k : {"group_query_attention", "norm_epsilon", "layernorm_epsilon", "rotary_base", "rotary_percent",
                         "rotary_interleaved", "init_method_std", "apply_query_key_layer_scaling",
                         "attention_softmax_in_fp32", "masked_softmax_fusion", "bias_gelu_fusion", "bias_swiglu_fusion",

@@ -70,15 +70,19 @@ void adopt_foreign_names(Json& j, const std::string& source) {
            {"context_parallel_size", "context_parallel"},
            {"data_parallel_size", "data_parallel"},
            {"virtual_pipeline_model_parallel_size", "virtual_pipeline_stages"},
+           {"num_virtual_stages_per_pipeline_rank", "virtual_pipeline_stages"},
            {"train_micro_batch_size_per_gpu", "micro_batch_size"},
            {"train_batch_size", "global_batch_size"},
            {"recompute_granularity", "recompute"},
            {"world_size", "num_gpus"}})
     adopt_key(j, source, from, to);
-  if (j.contains("num_layers_per_virtual_pipeline_stage"))
+  adopt_key(j, source, "recompute_activations", "recompute",
+            [](const Json& v, const std::string& path) { return true_or_null(v, path, "selective"); });
+  if (j.contains("num_layers_per_virtual_pipeline_stage") && !j.at("num_layers_per_virtual_pipeline_stage").is_null())
     fail_field(source + ".num_layers_per_virtual_pipeline_stage", show_value(j.at("num_layers_per_virtual_pipeline_stage")),
                "is not read (it needs the model's layers): give virtual_pipeline_stages = num_layers / "
                "(pipeline_parallel * num_layers_per_virtual_pipeline_stage)");
+  j.erase("num_layers_per_virtual_pipeline_stage");
   // The ZeRO stage: Megatron's distributed optimizer (1), its FSDP (3), DeepSpeed's section.
   adopt_key(j, source, "use_distributed_optimizer", "zero_stage",
             [](const Json& v, const std::string& path) { return true_or_null(v, path, 1); });
@@ -94,11 +98,11 @@ void adopt_foreign_names(Json& j, const std::string& source) {
   // Precision from Megatron's --bf16 / --fp16 / --fp8-format (FP8 runs set --bf16 too) or
   // DeepSpeed's "bf16" / "fp16" sections.
   {
-    const bool bf16 = j.contains("bf16") && enabled(j.at("bf16"), source + ".bf16");
-    const bool fp16 = j.contains("fp16") && enabled(j.at("fp16"), source + ".fp16");
-    const char* fp8_key = j.contains("fp8_format") ? "fp8_format" : j.contains("fp8") ? "fp8" : nullptr;
+    const bool bf16 = j.contains("bf16") && !j.at("bf16").is_null() && enabled(j.at("bf16"), source + ".bf16");
+    const bool fp16 = j.contains("fp16") && !j.at("fp16").is_null() && enabled(j.at("fp16"), source + ".fp16");
     bool fp8 = false;
-    if (fp8_key) {
+    for (const char* fp8_key : {"fp8_format", "fp8"}) {  // Megatron's --fp8-format is stored as fp8
+      if (!j.contains(fp8_key)) continue;
       const Json& v = j.at(fp8_key);
       if (!v.is_null() && !(v.is_boolean() && !v.get<bool>())) {
         if (!(v.is_boolean() || (v.is_string() && (v == "e4m3" || v == "hybrid"))))
@@ -107,10 +111,11 @@ void adopt_foreign_names(Json& j, const std::string& source) {
       }
     }
     if (bf16 && fp16) fail_field(source + ".fp16", "true", "cannot be combined with bf16");
-    const bool stated = j.contains("bf16") || j.contains("fp16") || fp8_key;
+    const char* stated = nullptr;
+    for (const char* k : {"bf16", "fp16", "fp8_format", "fp8"})
+      if (!stated && j.contains(k)) stated = k;
     if (stated && j.contains("precision"))
-      throw InputError(fmt::format("{}.precision: given twice (as 'precision' and '{}'): keep one", source,
-                                   j.contains("bf16") ? "bf16" : j.contains("fp16") ? "fp16" : fp8_key));
+      throw InputError(fmt::format("{}.precision: given twice (as 'precision' and '{}'): keep one", source, stated));
     for (const char* k : {"bf16", "fp16", "fp8_format", "fp8"}) j.erase(k);
     // Megatron trains in fp32 when neither --bf16 nor --fp16 is set.
     if (stated) j["precision"] = fp8 ? "fp8" : bf16 ? "bf16" : fp16 ? "fp16" : "fp32";
@@ -119,6 +124,7 @@ void adopt_foreign_names(Json& j, const std::string& source) {
             [](const Json& v, const std::string& path) { return true_or_null(v, path, "flash"); });
   // Full recompute of every layer (uniform) or of the first recompute_num_layers of each
   // chunk (block, this schema's reading of recompute_num_layers).
+  if (j.contains("recompute_method") && j.at("recompute_method").is_null()) j.erase("recompute_method");
   if (j.contains("recompute_method")) {
     const Json& v = j.at("recompute_method");
     if (!v.is_string() || (v != "uniform" && v != "block"))

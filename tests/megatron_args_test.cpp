@@ -108,14 +108,58 @@ TEST(MegatronArgs, ExportedFlagsReadBackAsThePlan) {
     EXPECT_EQ(in.model.total_params(), m.total_params()) << inline_plan;
     EXPECT_EQ(std::tie(in.model.L, in.model.H, in.model.A, in.model.G, in.model.F, in.model.S),
               std::tie(m.L, m.H, m.A, m.G, m.F, m.S));
+    EXPECT_EQ(std::tie(in.model.normalization, in.model.position, in.model.tie_embeddings, in.model.bias),
+              std::tie(m.normalization, m.position, m.tie_embeddings, m.bias));
   }
+  // 126 layers on 16 stages: the embedding and the loss each take a layer's slot
+  // (--account-for-embedding/loss-in-pipeline-split), with and without virtual stages.
+  const ModelSpec big = load_model("llama3-405b");
+  for (const char* inline_plan : {"tp=8,pp=16,dp=4,mbs=1,gbs=64,zero=1,sp=1", "tp=8,pp=16,dp=4,vp=2,mbs=1,gbs=64,zero=1,sp=1"}) {
+    const Plan p = load_plan(inline_plan);
+    const std::string flags = export_megatron(big, p, resolve_stack(big, load_cluster("dgx-h100-80g"), p)) +
+                              fmt::format(" --vocab-size {}", big.V);
+    ASSERT_NE(flags.find("--account-for-loss-in-pipeline-split"), std::string::npos) << flags;
+    const LaunchInputs in = launch_inputs(parse_megatron_launch(flags, "export"), p.world_size(), "export");
+    EXPECT_EQ(std::tie(in.plan.p, in.plan.v), std::tie(p.p, p.v)) << inline_plan;
+    const Cluster cl = load_cluster("dgx-h100-80g");
+    EXPECT_EQ(estimate(in.model, cl, in.plan).memory.peak, estimate(big, cl, p).memory.peak) << inline_plan;
+  }
+}
+
+// Where a flag is absent, what Megatron-LM assumes (not strata's Llama-style defaults for a
+// gated MLP): LayerNorm, learned positions, tied embeddings, biases, dropout 0.1, fp32,
+// multi-head attention unless --group-query-attention, and its SwiGLU width rule.
+TEST(MegatronArgs, MegatronDefaultsForAbsentFlags) {
+  const MegatronLaunch l = parse_megatron_launch(
+      "--num-layers 2 --hidden-size 4096 --num-attention-heads 32 --num-query-groups 8 --seq-length 128 "
+      "--vocab-size 1000 --swiglu",
+      "launch");
+  const LaunchInputs in = launch_inputs(l, 1, "launch");
+  EXPECT_EQ(in.model.activation, Activation::swiglu);
+  EXPECT_EQ(in.model.normalization, Norm::layernorm);
+  EXPECT_EQ(in.model.position, Position::learned);
+  EXPECT_TRUE(in.model.tie_embeddings);
+  EXPECT_TRUE(in.model.bias);
+  EXPECT_DOUBLE_EQ(in.model.attention_dropout, 0.1);
+  EXPECT_EQ(in.model.F, 10880);  // int(4h * 2/3 / 64) * 64
+  EXPECT_EQ(in.model.G, 32);     // the groups without --group-query-attention: not read
+  EXPECT_NE(std::find(l.ignored.begin(), l.ignored.end(), "--num-query-groups (without --group-query-attention)"),
+            l.ignored.end());
+  EXPECT_EQ(in.plan.precision, Precision::fp32);
+  const LaunchInputs g = launch_inputs(
+      parse_megatron_launch("--num-layers 2 --hidden-size 4096 --num-attention-heads 32 --group-query-attention "
+                            "--num-query-groups 8 --seq-length 128 --vocab-size 1000 --bf16",
+                            "launch"),
+      1, "launch");
+  EXPECT_EQ(g.model.G, 8);
+  EXPECT_EQ(g.plan.precision, Precision::bf16);
 }
 
 TEST(MegatronArgs, FlagForms) {
   // --k=v, --k="v", a quoted list, `export`, ${NAME}, the per-virtual-stage layer count.
   const std::string text =
       "export TP=4\nPP=\"8\"\nARGS=\"--num-layers=96 --hidden-size 12288 --num-attention-heads=\\\"96\\\"\"\n"
-      "run $ARGS --seq-length 2048 --vocab-size 51200 --tensor-model-parallel-size ${TP} "
+      "run $ARGS --seq-length 2048 --vocab-size 51200 --tensor-model-parallel-size ${TP:-2} "
       "--pipeline-model-parallel-size $PP --num-layers-per-virtual-pipeline-stage 4 --micro-batch-size 1 "
       "--global-batch-size 512 --bf16 --sequence-parallel --use-distributed-optimizer --nproc-per-node=8 --nnodes 32";
   const LaunchInputs in = launch_inputs(parse_megatron_launch(text, "launch"), 0, "launch");
@@ -128,6 +172,13 @@ TEST(MegatronArgs, FlagForms) {
   EXPECT_EQ(in.plan.zero, 1);
   EXPECT_TRUE(in.plan.sp);
   EXPECT_EQ(in.plan.precision, Precision::bf16);
+  // ${NAME:-default} where NAME is not set.
+  EXPECT_EQ(launch_inputs(parse_megatron_launch("--num-layers 2 --hidden-size 64 --num-attention-heads 4 "
+                                                "--seq-length 32 --vocab-size 100 --tensor-model-parallel-size ${TP:-2}",
+                                                "launch"),
+                          8, "launch")
+                .plan.t,
+            2);
   // An elastic node range gives no GPU count: --gpus must.
   const std::string elastic = "--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 32 "
                               "--vocab-size 100 --nnodes 1:4 --nproc-per-node 8";
@@ -152,6 +203,22 @@ TEST(MegatronArgs, ErrorsNameTheFlag) {
   EXPECT_NE(error_of(model + "--vocab-size 100 --num-experts 8", 8).find("num_experts"), std::string::npos);
   EXPECT_NE(error_of(model + "--vocab-size 100 --bf16 --fp16", 8).find("fp16"), std::string::npos);
   EXPECT_NE(error_of("--vocab-size 100 --hidden-size 64", 8).find("num_layers"), std::string::npos);
+  // Sizes past any machine are refused, not multiplied.
+  EXPECT_NE(error_of(model + "--vocab-size 100 --tensor-model-parallel-size 4294967296 "
+                             "--pipeline-model-parallel-size 4294967296", 8)
+                .find("--tensor-model-parallel-size"),
+            std::string::npos);
+  EXPECT_NE(error_of(model + "--vocab-size 100 --nproc-per-node 99999999999 --nnodes 99999999999").find("--n"),
+            std::string::npos);
+  // A layout strata does not take from flags, and a variable set to two values.
+  EXPECT_NE(error_of(model + "--vocab-size 100 --decoder-first-pipeline-num-layers 3", 8).find("--decoder-first"),
+            std::string::npos);
+  EXPECT_NE(error_of("if x; then TP=2; else TP=4; fi\n" + model + "--vocab-size 100 --tensor-model-parallel-size $TP", 8)
+                .find("--tensor-model-parallel-size $TP"),
+            std::string::npos);
+  EXPECT_NE(error_of(model + "--vocab-size 100 --pipeline-model-parallel-size 2 --account-for-embedding-in-pipeline-split", 8)
+                .find("--account-for-loss-in-pipeline-split"),
+            std::string::npos);
 }
 
 }  // namespace

@@ -146,12 +146,18 @@ TEST(ModelSpec, MegatronArgumentNames) {
   };
   const std::string base = R"("num_layers":2,"hidden_size":64,"num_attention_heads":4,"vocab_size":100,"seq_length":32)";
   for (const std::string twice : {R"("activation":"gelu","swiglu":true)", R"("tie_embeddings":true,"untie_embeddings_and_output_weights":true)",
-                                  R"("position_embedding":"rope","position_embedding_type":"rope")",
-                                  R"("add_bias_linear":false,"disable_bias_linear":true)"}) {
+                                  R"("position_embedding":"learned","position_embedding_type":"rope")",
+                                  R"("add_bias_linear":true,"disable_bias_linear":true)"}) {
     const std::string json = "{" + base + "," + twice + "}";
-    EXPECT_NE(message(json.c_str()).find("given twice"), std::string::npos) << json;
+    EXPECT_NE(message(json.c_str()).find("keep one"), std::string::npos) << json;
   }
   EXPECT_NE(message(("{" + base + R"(,"swiglu":"yes"})").c_str()).find("model.swiglu"), std::string::npos);
+  // The same value under two names is one; GQA groups without Megatron's switch contradict it.
+  EXPECT_EQ(message(("{" + base + R"(,"position_embedding_type":"rope","use_rotary_position_embeddings":true})").c_str()),
+            "no error");
+  EXPECT_NE(message(("{" + base + R"(,"num_query_groups":2,"group_query_attention":false})").c_str())
+                .find("model.group_query_attention"),
+            std::string::npos);
   EXPECT_NE(message(("{" + base + R"(,"position_embedding_type":"spiral"})").c_str()).find("model.position_embedding"),
             std::string::npos);
 }

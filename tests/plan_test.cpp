@@ -119,13 +119,22 @@ TEST(Plan, AFieldUnderTwoNamesIsRefused) {
     }
     return std::string("no error");
   };
-  for (const char* twice : {R"({"tensor_parallel":8,"tensor_model_parallel_size":8})",
-                            R"({"zero_stage":1,"use_distributed_optimizer":true})",
-                            R"({"zero_stage":3,"zero_optimization":{"stage":3}})",
-                            R"({"precision":"bf16","bf16":true})", R"({"recompute":"full","recompute_granularity":"full"})",
+  // Two names with two values; the same value under both (a config dump's habit) is one.
+  for (const char* twice : {R"({"tensor_parallel":8,"tensor_model_parallel_size":4})",
+                            R"({"zero_stage":0,"use_distributed_optimizer":true})",
+                            R"({"zero_stage":1,"zero_optimization":{"stage":3}})",
+                            R"({"recompute":"full","recompute_granularity":"selective"})",
+                            R"({"recompute_granularity":"full","recompute_activations":true})",
                             R"({"use_distributed_optimizer":true,"use_torch_fsdp2":true})",
-                            R"({"micro_batch_size":1,"train_micro_batch_size_per_gpu":1})"})
-    EXPECT_NE(message(twice).find("given twice"), std::string::npos) << twice << ": " << message(twice);
+                            R"({"micro_batch_size":1,"train_micro_batch_size_per_gpu":2})"})
+    EXPECT_NE(message(twice).find("keep one"), std::string::npos) << twice << ": " << message(twice);
+  EXPECT_NE(message(R"({"precision":"bf16","bf16":true})").find("given twice"), std::string::npos);
+  for (const char* one : {R"({"tensor_parallel":8,"tensor_model_parallel_size":8})",
+                          R"({"use_distributed_optimizer":true,"use_torch_fsdp2":false})",
+                          R"({"recompute_method":null,"num_layers_per_virtual_pipeline_stage":null,"fp8":null})"})
+    EXPECT_EQ(message(one), "no error") << one;
+  EXPECT_EQ(plan_from_json(Json::parse(R"({"recompute_activations":true})"), "plan").recompute, Recompute::selective);
+  EXPECT_EQ(plan_from_json(Json::parse(R"({"num_virtual_stages_per_pipeline_rank":3,"pp":4,"gbs":8})"), "plan").v, 3);
   EXPECT_NE(message(R"({"bf16":true,"fp16":true})").find("plan.fp16"), std::string::npos);
   EXPECT_NE(message(R"({"fp8_format":"e5m2"})").find("plan.fp8_format"), std::string::npos);
   EXPECT_NE(message(R"({"use_distributed_optimizer":"yes"})").find("plan.use_distributed_optimizer"),
