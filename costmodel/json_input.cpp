@@ -105,20 +105,23 @@ Json parse_json_text(const std::string& text, const std::string& source) {
   }
 }
 
-Json read_json_file(const std::string& path, const std::string& what) {
+std::string read_text_file(const std::string& path, const std::string& what, int64_t max_bytes, const char* kind) {
   std::ifstream in(path, std::ios::binary);
   if (!in) throw InputError(fmt::format("{}: cannot open file '{}'", what, path));
   in.seekg(0, std::ios::end);
   const auto size = static_cast<int64_t>(in.tellg());
-  constexpr int64_t kMaxJsonBytes = 64ll << 20;
   if (size < 0) throw InputError(fmt::format("{}: cannot read file '{}'", what, path));
-  if (size > kMaxJsonBytes)
-    throw InputError(fmt::format("{}: file '{}' has {} bytes; the limit for a JSON input is {}", what,
-                                 path, size, kMaxJsonBytes));
+  if (size > max_bytes)
+    throw InputError(fmt::format("{}: file '{}' has {} bytes; the limit for {} is {}", what, path, size, kind,
+                                 max_bytes));
   in.seekg(0);
   std::stringstream ss;
   ss << in.rdbuf();
-  return parse_json_text(ss.str(), fmt::format("{} '{}'", what, path));
+  return ss.str();
+}
+
+Json read_json_file(const std::string& path, const std::string& what) {
+  return parse_json_text(read_text_file(path, what, 64ll << 20, "a JSON input"), fmt::format("{} '{}'", what, path));
 }
 
 std::string show_value(const Json& v) {

@@ -28,7 +28,10 @@ struct InputError : std::runtime_error {
 
 // Parses text as JSON; a syntax error names the source and the byte offset.
 Json parse_json_text(const std::string& text, const std::string& source);
-// Reads and parses a file; a missing or unreadable file is an InputError.
+// A file's bytes; a missing or unreadable file, or one over max_bytes ("the limit for
+// `kind`"), is an InputError naming `what`.
+std::string read_text_file(const std::string& path, const std::string& what, int64_t max_bytes, const char* kind);
+// Reads and parses a file (at most 64 MiB); a missing or unreadable file is an InputError.
 Json read_json_file(const std::string& path, const std::string& what);
 // Short rendering of a JSON value for messages (strings quoted, long values cut).
 std::string show_value(const Json& v);

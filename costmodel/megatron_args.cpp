@@ -4,7 +4,6 @@
 #include <algorithm>
 #include <cctype>
 #include <filesystem>
-#include <fstream>
 #include <map>
 #include <set>
 #include <sstream>
@@ -298,8 +297,8 @@ LaunchInputs launch_inputs(const MegatronLaunch& launch, int64_t gpus, const std
                 c = size("context_parallel_size");
   // The embedding and the loss each in a layer's slot of the split: strata's layout does the
   // same wherever (L + 2) / (p v) slots divide and L does not (layout.h).
-  const bool emb = plan.contains("account_for_embedding_in_pipeline_split"),
-             loss = plan.contains("account_for_loss_in_pipeline_split");
+  auto set = [&](const char* key) { return plan.contains(key) && plan.at(key) == true; };
+  const bool emb = set("account_for_embedding_in_pipeline_split"), loss = set("account_for_loss_in_pipeline_split");
   if (emb != loss)
     throw InputError(fmt::format("{}: --account-for-{}-in-pipeline-split without --account-for-{}-in-pipeline-split: "
                                  "strata's layout takes a slot for both or for neither",
@@ -342,18 +341,8 @@ LaunchInputs launch_inputs(const MegatronLaunch& launch, int64_t gpus, const std
 
 std::string megatron_launch_text(const std::string& file_or_flags) {
   std::error_code ec;
-  if (file_or_flags.rfind("--", 0) != 0 && std::filesystem::is_regular_file(file_or_flags, ec)) {
-    std::ifstream f(file_or_flags, std::ios::binary);
-    if (!f) throw InputError(fmt::format("--megatron-args: cannot open file '{}'", file_or_flags));
-    f.seekg(0, std::ios::end);
-    const auto bytes = static_cast<int64_t>(f.tellg());
-    if (bytes < 0 || bytes > (int64_t{16} << 20))
-      throw InputError(fmt::format("--megatron-args: file '{}' is not a launch script of at most 16 MiB", file_or_flags));
-    f.seekg(0);
-    std::stringstream ss;
-    ss << f.rdbuf();
-    return ss.str();
-  }
+  if (file_or_flags.rfind("--", 0) != 0 && std::filesystem::is_regular_file(file_or_flags, ec))
+    return read_text_file(file_or_flags, "--megatron-args", int64_t{16} << 20, "a launch script");
   if (file_or_flags.find("--") == std::string::npos)
     throw InputError(fmt::format("--megatron-args: '{}' is neither a readable file nor Megatron-LM flags "
                                  "(--tensor-model-parallel-size 8 ...)",
