@@ -2,6 +2,8 @@
 // model or the planner, formats text / JSON / traces / exports. Exit codes: 0 success,
 // 2 invalid input (message names the field, value and rule), 3 nothing feasible,
 // 1 internal error.
+#include <cctype>
+#include <cmath>
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
@@ -33,9 +35,10 @@ usage:
   strata plan      --model M --cluster C --gpus N --global-batch-size B [--top K] [--json]
                    [--export megatron|deepspeed] [--fix tp=8,pp=4,...] [--pareto] [--trace FILE]
                    [--precision bf16|fp16|fp8|fp32 (default bf16; fp16 on V100)] [--seq-length S]
-                   [--compare PLAN] [--attention auto|flash|unfused]
+                   [--compare PLAN] [--attention auto|flash|unfused] [--memory-limit 72GiB|77GB|90%]
   strata plan      --megatron-args A --cluster C [--gpus N] [...]   (the launch's plan as --compare)
   strata estimate  --model M --cluster C --plan P [--json] [--trace FILE] [--seq-length S] [--ops]
+                   [--memory-limit 72GiB|77GB|90%]
   strata estimate  --megatron-args A --cluster C [--gpus N] [--json] [--trace FILE] [--seq-length S] [--ops]
   strata train     --model M --plan P --steps S [--data synthetic|synthetic:STATES|FILE] [--seed N]
                    [--json FILE|-] [--trace FILE] [--lr X] [--min-lr X] [--lr-warmup-iters N]
@@ -124,6 +127,40 @@ void trace_to_file(const std::string& path, const ModelSpec& m, const Cluster& c
   if (!out) throw InputError(fmt::format("--trace: writing '{}' failed", path));
 }
 
+// --memory-limit: the memory a plan may use per GPU, below the device's, for headroom
+// (allocator spikes, a larger sequence later): "72" or "72GiB" (GiB), "77GB" (1e9 bytes),
+// or "90%" of the device's memory. A plan fits when its predicted peak is within it. Sets
+// the cluster's capacity and returns the limit (0 when the flag is absent).
+double apply_memory_limit(const Args& a, Cluster* cl) {
+  if (!a.has("memory-limit")) return 0;
+  const std::string s = a.get("memory-limit");
+  const double device = cl->device.memory_bytes;
+  size_t used = 0;
+  double x = 0;
+  try {
+    x = std::stod(s, &used);
+  } catch (const std::exception&) {
+    used = 0;
+  }
+  std::string unit = s.substr(used);
+  for (char& ch : unit) ch = static_cast<char>(std::tolower(static_cast<unsigned char>(ch)));
+  const double scale = unit.empty() || unit == "gib" || unit == "g" ? 1024.0 * 1024 * 1024
+                       : unit == "gb"                              ? 1e9
+                       : unit == "%"                               ? device / 100.0
+                                                                   : 0.0;
+  const std::string rule = fmt::format(
+      "must be a size of GPU memory: GiB (72, 72GiB), GB (77GB) or a share of the device's {} (90%)",
+      human_bytes(device));
+  if (used == 0 || scale == 0.0 || !std::isfinite(x)) fail_field("--memory-limit", "'" + s + "'", rule);
+  const double limit = x * scale;
+  if (!(limit > 0)) fail_field("--memory-limit", s, "must be above 0");
+  if (limit > device)
+    fail_field("--memory-limit", s,
+               fmt::format("must not exceed the device's memory ({} on {})", human_bytes(device), cl->name));
+  cl->device.memory_bytes = limit;
+  return limit;
+}
+
 // --megatron-args: the model and the plan of a Megatron-LM launch (the flags strata does not
 // model are named on stderr), on --gpus GPUs or the launcher's.
 std::optional<LaunchInputs> megatron_launch(const Args& a, std::initializer_list<const char*> instead) {
@@ -148,11 +185,14 @@ std::optional<LaunchInputs> megatron_launch(const Args& a, std::initializer_list
 }
 
 int cmd_estimate(const std::vector<std::string>& argv) {
-  const Args a(argv, "estimate", {"model", "cluster", "plan", "trace", "seq-length", "gpus", "megatron-args"},
+  const Args a(argv, "estimate",
+               {"model", "cluster", "plan", "trace", "seq-length", "gpus", "megatron-args", "memory-limit"},
                {"json", "ops", "list-models", "list-clusters", "help"});
   if (a.has("help")) return fmt::print("{}", kUsage), kExitOk;
   if (a.has("list-models") || a.has("list-clusters")) return list_presets(a.has("list-models")), kExitOk;
-  const Cluster cl = load_cluster(a.required("cluster", "a preset or a cluster JSON"));
+  Cluster cl = load_cluster(a.required("cluster", "a preset or a cluster JSON"));
+  const double device_bytes = cl.device.memory_bytes;
+  const double limit = apply_memory_limit(a, &cl);
   const std::optional<LaunchInputs> launch = megatron_launch(a, {"model", "plan"});
   const ModelSpec m = model_on_stack(
       launch ? launch->model
@@ -173,9 +213,14 @@ int cmd_estimate(const std::vector<std::string>& argv) {
   }
   if (a.has("trace")) trace_to_file(a.get("trace"), m, cl, p);
   if (a.has("json")) {
-    fmt::print("{}\n", estimate_to_json(e).dump(2));
+    Json j = estimate_to_json(e);
+    if (limit > 0) j["memory_limit_bytes"] = limit;
+    fmt::print("{}\n", j.dump(2));
   } else {
     fmt::print("{}", format_estimate(m, cl, e, &d));
+    if (limit > 0)
+      fmt::print("(the {} above is --memory-limit {}; the device has {})\n", human_bytes(limit),
+                 a.get("memory-limit"), human_bytes(device_bytes));
     if (a.has("ops")) fmt::print("{}", format_layer_ops(d));
     if (a.has("trace")) fmt::print("\ntrace written to {}\n", a.get("trace"));
   }
@@ -227,11 +272,13 @@ std::string explain(const Estimate& best, const Estimate& other) {
 int cmd_plan(const std::vector<std::string>& argv) {
   const Args a(argv, "plan",
                {"model", "cluster", "gpus", "global-batch-size", "top", "export", "fix", "trace", "precision",
-                "seq-length", "compare", "attention", "megatron-args"},
+                "seq-length", "compare", "attention", "megatron-args", "memory-limit"},
                {"json", "pareto", "list-models", "list-clusters", "help"});
   if (a.has("help")) return fmt::print("{}", kUsage), kExitOk;
   if (a.has("list-models") || a.has("list-clusters")) return list_presets(a.has("list-models")), kExitOk;
-  const Cluster cl = load_cluster(a.required("cluster", "a preset or a cluster JSON"));
+  Cluster cl = load_cluster(a.required("cluster", "a preset or a cluster JSON"));
+  const double device_bytes = cl.device.memory_bytes;
+  const double limit = apply_memory_limit(a, &cl);
   // A Megatron-LM launch gives the model, the GPUs, the global batch and the precision (each
   // unless given here) and is the plan compared with the best.
   const std::optional<LaunchInputs> launch = megatron_launch(a, {"model"});
@@ -297,9 +344,14 @@ int cmd_plan(const std::vector<std::string>& argv) {
   if (r.plans.empty()) {
     std::string why;
     for (const auto& [k, v] : r.rejected) why += fmt::format("{}{} {}", why.empty() ? "" : ", ", k, v);
-    fmt::print(stderr, "strata plan: no feasible plan among {} candidates for {} on {} x {}; rejected: {}\n",
-               r.candidates_evaluated, m.name, so.gpus, cl.name, why);
-    if (a.has("json")) fmt::print("{}\n", search_to_json(r).dump(2));
+    fmt::print(stderr, "strata plan: no feasible plan among {} candidates for {} on {} x {}{}; rejected: {}\n",
+               r.candidates_evaluated, m.name, so.gpus, cl.name,
+               limit > 0 ? fmt::format(" within --memory-limit {} per GPU", human_bytes(limit)) : "", why);
+    if (a.has("json")) {
+      Json j = search_to_json(r);
+      if (limit > 0) j["memory_limit_bytes"] = limit;
+      fmt::print("{}\n", j.dump(2));
+    }
     return kExitInfeasible;
   }
   const Estimate& best = r.plans.front();
@@ -309,6 +361,7 @@ int cmd_plan(const std::vector<std::string>& argv) {
   if (exp == "deepspeed") exported = export_deepspeed(m, best.plan, best.stack);
   if (a.has("json")) {  // one JSON document: the export, if asked for, goes inside it
     Json j = search_to_json(r);
+    if (limit > 0) j["memory_limit_bytes"] = limit;
     if (a.has("compare") || launch) j["compared"] = estimate_to_json(compared);
     if (!exported.empty()) j["export"] = {{"format", exp}, {"text", exported}};
     return fmt::print("{}\n", j.dump(2)), kExitOk;
@@ -318,6 +371,9 @@ int cmd_plan(const std::vector<std::string>& argv) {
   for (const auto& [k, v] : r.rejected) rej += fmt::format("{}{} {}", rej.empty() ? "" : ", ", k, v);
   fmt::print("strata plan: {} ({} parameters) on {} x {}, global batch {} x {} tokens, {}\n", m.name,
              human_count(m.total_params()), so.gpus, cl.name, so.gbs, m.S, to_string(so.precision));
+  if (limit > 0)
+    fmt::print("memory limit {} per GPU (--memory-limit {}; the device has {})\n", human_bytes(limit),
+               a.get("memory-limit"), human_bytes(device_bytes));
   fmt::print("searched {} candidates in {:.3f} s: {} feasible, {} simulated; rejected: {}\n\n", r.candidates_evaluated,
              r.search_time_s, r.feasible, r.simulated, rej.empty() ? "none" : rej);
   fmt::print("{}\n", kPlanHeader);

@@ -203,10 +203,7 @@ bool Fields::boolean_or(const std::string& key, bool fallback) {
     seen_.insert(key);
     return fallback;
   }
-  const Json& v = get(key, "boolean");
-  if (v.is_boolean()) return v.get<bool>();
-  if (v.is_number_integer() && (v.get<int64_t>() == 0 || v.get<int64_t>() == 1)) return v.get<int64_t>() == 1;
-  fail_field(path_of(key), show_value(v), "must be true or false");
+  return flag_value(get(key, "boolean"), path_of(key));
 }
 
 std::string Fields::string(const std::string& key) {

@@ -14,6 +14,7 @@ S=${STRATA:-build/strata}
 tmp=$(mktemp -d)
 trap 'rm -rf "$tmp"' EXIT
 echo '{"name":"gpt3-5b","num_layers":24,"hidden_size":4096,"num_attention_heads":32,"vocab_size":50304,"seq_length":2048}' > "$tmp/gpt3-5b.json"
+echo '{"name":"llama2-13b","num_layers":40,"hidden_size":5120,"num_attention_heads":40,"ffn_hidden_size":13824,"vocab_size":32000,"seq_length":4096,"activation":"swiglu","normalization":"rmsnorm","tie_embeddings":false}' > "$tmp/llama2-13b.json"
 echo '{"name":"gpt3-20b","num_layers":44,"hidden_size":6144,"num_attention_heads":48,"vocab_size":50304,"seq_length":2048}' > "$tmp/gpt3-20b.json"
 printf '%-12s %5s %-44s %9s %9s %7s %8s %5s\n' model gpus plan meas_s pred_s err% mem_GiB fits
 row() {  # label model gpus gbs seq tokens_per_s_per_gpu plan [cluster]
@@ -32,6 +33,7 @@ row gpt3-20b "$tmp/gpt3-20b.json" 64 256 2048 5851 tp=2,dp=32,mbs=2,sp=1,zero=1
 row gpt3-175b gpt3-175b 128 256 2048 716 tp=4,pp=8,vp=6,dp=4,mbs=1,sp=1,zero=1
 row gpt3-175b gpt3-175b 512 2048 2048 825 tp=4,pp=8,vp=6,dp=16,mbs=2,sp=1,zero=1
 row llama2-7b llama2-7b 8 128 4096 16934 dp=8,mbs=1,zero=1
+row llama2-13b "$tmp/llama2-13b.json" 16 128 4096 8715 pp=4,vp=10,dp=4,mbs=1,zero=1
 row llama2-70b llama2-70b 64 128 4096 1728 tp=4,pp=4,vp=20,dp=4,mbs=1,sp=1,zero=1
 row llama3-8b llama3-8b 8 128 8192 12273 cp=2,dp=4,mbs=1,zero=1
 row llama3-70b llama3-70b 64 128 8192 1524 tp=4,pp=4,cp=2,vp=5,dp=2,mbs=1,sp=1,zero=1

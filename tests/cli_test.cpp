@@ -226,6 +226,57 @@ TEST(Cli, MegatronLaunchFlags) {
   EXPECT_NE(c.out.find("tp=2,pp=1,dp=4"), std::string::npos) << c.out;
 }
 
+// --memory-limit: a plan fits when its predicted peak is within the limit, not the device's
+// memory. The GPT-3 plan predicted at 36.6 GiB fits in 40 GiB and not in 30 GiB (or 35%
+// of 80); the search's best plans under the limit use less than it and the search counts
+// more plans out of memory than without it.
+TEST(Cli, MemoryLimitIsTheBudgetOfFit) {
+  const std::string E = "estimate --model gpt3-175b --cluster dgx-a100-80g --plan tp=8,pp=16,dp=8,gbs=1536,"
+                        "recompute=full,precision=fp16 --json --memory-limit ";
+  const Outcome full = strata(E + "80GiB"), roomy = strata(E + "40"), tight = strata(E + "30GiB"),
+                share = strata(E + "35%"), gb = strata(E + "40GB");
+  for (const Outcome* o : {&full, &roomy, &tight, &share, &gb}) ASSERT_EQ(o->code, 0) << o->err;
+  const Json f = Json::parse(full.out), r = Json::parse(roomy.out), t = Json::parse(tight.out),
+             s = Json::parse(share.out), g = Json::parse(gb.out);
+  const double peak = f["memory_bytes"]["peak"].get<double>();
+  ASSERT_GT(peak, 30.0 * (1 << 30));
+  ASSERT_LT(peak, 40e9);  // below 40 GB (37.25 GiB) as well as 40 GiB
+  EXPECT_EQ(f["fits"], true);
+  EXPECT_EQ(r["fits"], true);
+  EXPECT_EQ(t["fits"], false);
+  EXPECT_EQ(s["fits"], false);  // 35% of 80 GiB = 28 GiB
+  EXPECT_EQ(g["fits"], true);
+  EXPECT_DOUBLE_EQ(r["memory_limit_bytes"].get<double>(), 40.0 * (1 << 30));
+  EXPECT_DOUBLE_EQ(s["memory_limit_bytes"].get<double>(), 0.35 * 80.0 * (1 << 30));
+  EXPECT_DOUBLE_EQ(g["memory_limit_bytes"].get<double>(), 40e9);
+  // Only the budget changes: the same step time and memory.
+  EXPECT_EQ(t["step_time_s"], f["step_time_s"]);
+  EXPECT_EQ(t["memory_bytes"], f["memory_bytes"]);
+  const Outcome text = strata("estimate --model gpt3-175b --cluster dgx-a100-80g --plan tp=8,pp=16,dp=8,gbs=1536,"
+                              "recompute=full,precision=fp16 --memory-limit 30GiB");
+  ASSERT_EQ(text.code, 0) << text.err;
+  EXPECT_NE(text.out.find("of 30.00 GiB on stage 0: DOES NOT FIT"), std::string::npos) << text.out;
+  EXPECT_NE(text.out.find("--memory-limit 30GiB; the device has 80.00 GiB"), std::string::npos) << text.out;
+
+  const std::string S = "plan --model gpt3-175b --cluster dgx-a100-80g --gpus 1024 --global-batch-size 1536 "
+                        "--top 5 --json";
+  const Outcome all = strata(S), capped = strata(S + " --memory-limit 48GiB");
+  ASSERT_EQ(all.code, 0) << all.err;
+  ASSERT_EQ(capped.code, 0) << capped.err;
+  const Json a = Json::parse(all.out), c = Json::parse(capped.out);
+  EXPECT_EQ(c["candidates_evaluated"], a["candidates_evaluated"]);
+  EXPECT_GT(c["rejected"]["out_of_memory"].get<int64_t>(), a["rejected"]["out_of_memory"].get<int64_t>());
+  // The unconstrained best needs more than 48 GiB; every plan kept under the cap fits in it.
+  EXPECT_GT(a["plans"][0]["memory_bytes"]["peak"].get<double>(), 48.0 * (1 << 30));
+  for (const Json& e : c["plans"]) EXPECT_LE(e["memory_bytes"]["peak"].get<double>(), 48.0 * (1 << 30));
+  EXPECT_GE(c["plans"][0]["step_time_s"].get<double>(), a["plans"][0]["step_time_s"].get<double>());
+  // A cap nothing fits in is an infeasible search (exit 3) that says so.
+  const Outcome none = strata("plan --model gpt3-175b --cluster dgx-a100-80g --gpus 1024 --global-batch-size 1536 "
+                              "--memory-limit 1GiB");
+  EXPECT_EQ(none.code, 3) << none.err;
+  EXPECT_NE(none.err.find("within --memory-limit 1.00 GiB per GPU"), std::string::npos) << none.err;
+}
+
 TEST(Cli, NothingFeasibleExits3WithCounts) {
   const Outcome r = strata("plan --model gpt3-175b --cluster dgx-a100-80g --gpus 2 --global-batch-size 8");
   EXPECT_EQ(r.code, 3);
@@ -463,6 +514,15 @@ TEST(Cli, BadInputExits2NamingTheField) {
       {S + "--gpus 8 --global-batch-size 8 --compare tp=4", "--compare"},
       {S + "--gpus 8 --global-batch-size 8 --compare tp=8,gbs=16", "--compare"},
       {S + "--gpus 8 --global-batch-size 8 --compare tp=7,dp=1,pp=1,cp=8,gbs=8", "--compare"},
+      // --memory-limit
+      {P + "tp=8,pp=8 --memory-limit lots", "--memory-limit"},
+      {P + "tp=8,pp=8 --memory-limit 72TB", "--memory-limit"},
+      {P + "tp=8,pp=8 --memory-limit 0", "--memory-limit"},
+      {P + "tp=8,pp=8 --memory-limit -5GiB", "--memory-limit"},
+      {P + "tp=8,pp=8 --memory-limit 120%", "must not exceed the device's memory"},
+      {P + "tp=8,pp=8 --memory-limit 100GiB", "--memory-limit"},
+      {P + "tp=8,pp=8 --memory-limit nan", "--memory-limit"},
+      {S + "--gpus 8 --global-batch-size 8 --memory-limit 81GiB", "--memory-limit"},
       // Megatron-LM launch flags
       {"estimate --cluster dgx-a100-80g --model gpt3-175b --megatron-args '--num-layers 2'", "--model"},
       {"estimate --cluster dgx-a100-80g --megatron-args no_such_script.sh", "--megatron-args"},
