@@ -2,6 +2,7 @@
 // model or the planner, formats text / JSON / traces / exports. Exit codes: 0 success,
 // 2 invalid input (message names the field, value and rule), 3 nothing feasible,
 // 1 internal error.
+#include <algorithm>
 #include <cctype>
 #include <cmath>
 #include <cstdio>
@@ -142,7 +143,8 @@ double apply_memory_limit(const Args& a, Cluster* cl) {
   } catch (const std::exception&) {
     used = 0;
   }
-  std::string unit = s.substr(used);
+  std::string unit = s.substr(used);  // "72 GiB" as "72GiB"
+  unit.erase(0, std::min(unit.size(), unit.find_first_not_of(' ')));
   for (char& ch : unit) ch = static_cast<char>(std::tolower(static_cast<unsigned char>(ch)));
   const double scale = unit.empty() || unit == "gib" || unit == "g" ? 1024.0 * 1024 * 1024
                        : unit == "gb"                              ? 1e9

@@ -234,7 +234,7 @@ TEST(Cli, MemoryLimitIsTheBudgetOfFit) {
   const std::string E = "estimate --model gpt3-175b --cluster dgx-a100-80g --plan tp=8,pp=16,dp=8,gbs=1536,"
                         "recompute=full,precision=fp16 --json --memory-limit ";
   const Outcome full = strata(E + "80GiB"), roomy = strata(E + "40"), tight = strata(E + "30GiB"),
-                share = strata(E + "35%"), gb = strata(E + "40GB");
+                share = strata(E + "35%"), gb = strata(E + "'40 GB'");
   for (const Outcome* o : {&full, &roomy, &tight, &share, &gb}) ASSERT_EQ(o->code, 0) << o->err;
   const Json f = Json::parse(full.out), r = Json::parse(roomy.out), t = Json::parse(tight.out),
              s = Json::parse(share.out), g = Json::parse(gb.out);
