@@ -153,7 +153,10 @@ double apply_memory_limit(const Args& a, Cluster* cl) {
   const std::string rule = fmt::format(
       "must be a size of GPU memory: GiB (72, 72GiB), GB (77GB) or a share of the device's {} (90%)",
       human_bytes(device));
-  if (used == 0 || scale == 0.0 || !std::isfinite(x)) fail_field("--memory-limit", "'" + s + "'", rule);
+  // A decimal number: strtod's hexadecimal and "inf" forms are refused.
+  const bool decimal = used > 0 && (std::isdigit(static_cast<unsigned char>(s[0])) || s[0] == '.') &&
+                       s.substr(0, used).find_first_of("xX") == std::string::npos;
+  if (!decimal || scale == 0.0 || !std::isfinite(x)) fail_field("--memory-limit", "'" + s + "'", rule);
   const double limit = x * scale;
   if (!(limit > 0)) fail_field("--memory-limit", s, "must be above 0");
   if (limit > device)

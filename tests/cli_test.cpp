@@ -522,6 +522,7 @@ TEST(Cli, BadInputExits2NamingTheField) {
       {P + "tp=8,pp=8 --memory-limit 120%", "must not exceed the device's memory"},
       {P + "tp=8,pp=8 --memory-limit 100GiB", "--memory-limit"},
       {P + "tp=8,pp=8 --memory-limit nan", "--memory-limit"},
+      {P + "tp=8,pp=8 --memory-limit 0x10", "--memory-limit"},
       {S + "--gpus 8 --global-batch-size 8 --memory-limit 81GiB", "--memory-limit"},
       // Megatron-LM launch flags
       {"estimate --cluster dgx-a100-80g --model gpt3-175b --megatron-args '--num-layers 2'", "--model"},
