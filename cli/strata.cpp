@@ -41,6 +41,7 @@ usage:
   strata estimate  --model M --cluster C --plan P [--json] [--trace FILE] [--seq-length S] [--ops]
                    [--memory-limit 72GiB|77GB|90%]
   strata estimate  --megatron-args A --cluster C [--gpus N] [--json] [--trace FILE] [--seq-length S] [--ops]
+                   [--memory-limit 72GiB|77GB|90%]
   strata train     --model M --plan P --steps S [--data synthetic|synthetic:STATES|FILE] [--seed N]
                    [--json FILE|-] [--trace FILE] [--lr X] [--min-lr X] [--lr-warmup-iters N]
                    [--weight-decay X] [--clip-grad X] [--loss-scale X] [--loss-scale-window N]
@@ -145,8 +146,9 @@ double apply_memory_limit(const Args& a, Cluster* cl) {
   }
   std::string unit = s.substr(used);  // "72 GiB" as "72GiB"
   unit.erase(0, std::min(unit.size(), unit.find_first_not_of(' ')));
+  unit.erase(unit.find_last_not_of(' ') + 1);
   for (char& ch : unit) ch = static_cast<char>(std::tolower(static_cast<unsigned char>(ch)));
-  const double scale = unit.empty() || unit == "gib" || unit == "g" ? 1024.0 * 1024 * 1024
+  const double scale = unit.empty() || unit == "gib" ? 1024.0 * 1024 * 1024
                        : unit == "gb"                              ? 1e9
                        : unit == "%"                               ? device / 100.0
                                                                    : 0.0;
@@ -158,7 +160,7 @@ double apply_memory_limit(const Args& a, Cluster* cl) {
                        s.substr(0, used).find_first_of("xX") == std::string::npos;
   if (!decimal || scale == 0.0 || !std::isfinite(x)) fail_field("--memory-limit", "'" + s + "'", rule);
   const double limit = x * scale;
-  if (!(limit > 0)) fail_field("--memory-limit", s, "must be above 0");
+  if (!(limit >= 1024.0 * 1024)) fail_field("--memory-limit", s, "must be at least 1 MiB");
   if (limit > device)
     fail_field("--memory-limit", s,
                fmt::format("must not exceed the device's memory ({} on {})", human_bytes(device), cl->name));
@@ -222,10 +224,7 @@ int cmd_estimate(const std::vector<std::string>& argv) {
     if (limit > 0) j["memory_limit_bytes"] = limit;
     fmt::print("{}\n", j.dump(2));
   } else {
-    fmt::print("{}", format_estimate(m, cl, e, &d));
-    if (limit > 0)
-      fmt::print("(the {} above is --memory-limit {}; the device has {})\n", human_bytes(limit),
-                 a.get("memory-limit"), human_bytes(device_bytes));
+    fmt::print("{}", format_estimate(m, cl, e, &d, device_bytes));
     if (a.has("ops")) fmt::print("{}", format_layer_ops(d));
     if (a.has("trace")) fmt::print("\ntrace written to {}\n", a.get("trace"));
   }
@@ -398,8 +397,14 @@ int cmd_plan(const std::vector<std::string>& argv) {
   EstimateDetail d;
   EstimateOptions eo;
   const Estimate detailed = estimate(m, cl, best.plan, eo, &d);
-  fmt::print("\nbest plan:\n{}", format_estimate(m, cl, detailed, &d));
-  if (a.has("compare") || launch) fmt::print("{}", explain(best, compared));
+  fmt::print("\nbest plan:\n{}", format_estimate(m, cl, detailed, &d, device_bytes));
+  if (a.has("compare") || launch) {
+    fmt::print("{}", explain(best, compared));
+    if (!compared.fits)  // a plan the search would have rejected: the reason, not only the times
+      fmt::print("  the compared plan does not fit: {} on stage {} against {} per GPU{}\n",
+                 human_bytes(compared.memory.peak), compared.memory.stage, human_bytes(cl.device.memory_bytes),
+                 limit > 0 ? " (--memory-limit)" : "");
+  }
   if (a.has("trace")) fmt::print("\ntrace of the best plan written to {}\n", a.get("trace"));
   return kExitOk;
 }

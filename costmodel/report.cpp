@@ -32,7 +32,8 @@ std::string human_count(double n) {
   return fmt::format("{:.0f}", n);
 }
 
-std::string format_estimate(const ModelSpec& m, const Cluster& cl, const Estimate& e, const EstimateDetail* d) {
+std::string format_estimate(const ModelSpec& m, const Cluster& cl, const Estimate& e, const EstimateDetail* d,
+                            double device_memory_bytes) {
   std::string o;
   const Plan& p = e.plan;
   o += fmt::format("model    {} ({} parameters: L={} H={} A={} G={} F={} V={} S={})\n", m.name,
@@ -53,8 +54,11 @@ std::string format_estimate(const ModelSpec& m, const Cluster& cl, const Estimat
   o += fmt::format("\nstep time {}   {:.0f} tokens/s   {:.1f} model TFLOP/s per GPU ({:.1f} hardware)   MFU {:.1f}%\n",
                    human_seconds(e.step_time_s), e.tokens_per_s, e.model_tflops_per_gpu, e.hardware_tflops_per_gpu,
                    100.0 * e.mfu);
-  o += fmt::format("memory    {} of {} on stage {}: {}\n", human_bytes(e.memory.peak), human_bytes(cl.device.memory_bytes),
-                   e.memory.stage, e.fits ? "fits" : "DOES NOT FIT");
+  const std::string limit = device_memory_bytes > 0 && device_memory_bytes != cl.device.memory_bytes
+                                ? fmt::format(" (--memory-limit; the device has {})", human_bytes(device_memory_bytes))
+                                : std::string();
+  o += fmt::format("memory    {} of {}{} on stage {}: {}\n", human_bytes(e.memory.peak),
+                   human_bytes(cl.device.memory_bytes), limit, e.memory.stage, e.fits ? "fits" : "DOES NOT FIT");
   const TimeBreakdown& t = e.time;
   o += fmt::format("\n{:<22}{:>12}{:>8}   (stage {} finishes last; exposed time only)\n", "time per step", "seconds", "%",
                    e.critical_stage);

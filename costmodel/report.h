@@ -9,7 +9,10 @@
 
 namespace strata {
 
-std::string format_estimate(const ModelSpec& m, const Cluster& cl, const Estimate& e, const EstimateDetail* d);
+// device_memory_bytes: the device's memory where cl's (the budget a plan must fit in) is a
+// --memory-limit below it; 0 otherwise.
+std::string format_estimate(const ModelSpec& m, const Cluster& cl, const Estimate& e, const EstimateDetail* d,
+                            double device_memory_bytes = 0);
 // One track per pipeline stage ("stage s", standing for its t*c*d ranks) with a compute
 // and a p2p stream; slices for forward / recompute / backward of each micro-batch and
 // chunk (args: microbatch, chunk, layers), sends, the data-parallel reduction and the

@@ -255,8 +255,9 @@ TEST(Cli, MemoryLimitIsTheBudgetOfFit) {
   const Outcome text = strata("estimate --model gpt3-175b --cluster dgx-a100-80g --plan tp=8,pp=16,dp=8,gbs=1536,"
                               "recompute=full,precision=fp16 --memory-limit 30GiB");
   ASSERT_EQ(text.code, 0) << text.err;
-  EXPECT_NE(text.out.find("of 30.00 GiB on stage 0: DOES NOT FIT"), std::string::npos) << text.out;
-  EXPECT_NE(text.out.find("--memory-limit 30GiB; the device has 80.00 GiB"), std::string::npos) << text.out;
+  EXPECT_NE(text.out.find("of 30.00 GiB (--memory-limit; the device has 80.00 GiB) on stage 0: DOES NOT FIT"),
+            std::string::npos)
+      << text.out;
 
   const std::string S = "plan --model gpt3-175b --cluster dgx-a100-80g --gpus 1024 --global-batch-size 1536 "
                         "--top 5 --json";
@@ -270,6 +271,18 @@ TEST(Cli, MemoryLimitIsTheBudgetOfFit) {
   EXPECT_GT(a["plans"][0]["memory_bytes"]["peak"].get<double>(), 48.0 * (1 << 30));
   for (const Json& e : c["plans"]) EXPECT_LE(e["memory_bytes"]["peak"].get<double>(), 48.0 * (1 << 30));
   EXPECT_GE(c["plans"][0]["step_time_s"].get<double>(), a["plans"][0]["step_time_s"].get<double>());
+  // The text header names the limit; a compared plan over it is said not to fit.
+  const Outcome told = strata("plan --model gpt3-175b --cluster dgx-a100-80g --gpus 1024 --global-batch-size 1536 "
+                              "--top 1 --memory-limit 30GiB --precision fp16 --compare tp=8,pp=16,dp=8,gbs=1536,"
+                              "recompute=full,precision=fp16");
+  ASSERT_EQ(told.code, 0) << told.err;
+  EXPECT_NE(told.out.find("memory limit 30.00 GiB per GPU (--memory-limit 30GiB; the device has 80.00 GiB)"),
+            std::string::npos)
+      << told.out;
+  EXPECT_NE(told.out.find("the compared plan does not fit: 36.57 GiB on stage 0 against 30.00 GiB per GPU "
+                          "(--memory-limit)"),
+            std::string::npos)
+      << told.out;
   // A cap nothing fits in is an infeasible search (exit 3) that says so.
   const Outcome none = strata("plan --model gpt3-175b --cluster dgx-a100-80g --gpus 1024 --global-batch-size 1536 "
                               "--memory-limit 1GiB");
@@ -523,6 +536,8 @@ TEST(Cli, BadInputExits2NamingTheField) {
       {P + "tp=8,pp=8 --memory-limit 100GiB", "--memory-limit"},
       {P + "tp=8,pp=8 --memory-limit nan", "--memory-limit"},
       {P + "tp=8,pp=8 --memory-limit 0x10", "--memory-limit"},
+      {P + "tp=8,pp=8 --memory-limit 1e-300", "at least 1 MiB"},
+      {P + "tp=8,pp=8 --memory-limit 72g", "--memory-limit"},
       {S + "--gpus 8 --global-batch-size 8 --memory-limit 81GiB", "--memory-limit"},
       // Megatron-LM launch flags
       {"estimate --cluster dgx-a100-80g --model gpt3-175b --megatron-args '--num-layers 2'", "--model"},
