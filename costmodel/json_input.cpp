@@ -15,7 +15,14 @@
 namespace strata {
 
 void fail_field(const std::string& field, const std::string& value, const std::string& rule) {
-  throw InputError(fmt::format("{}: {} is invalid: {}", field, value, rule));
+  // DeepSpeed configs written for the Hugging Face Trainer hold "auto" where the Trainer
+  // fills in its own arguments; strata has no Trainer to ask.
+  const char* placeholder =
+      value == "\"auto\"" || value == "'auto'"
+          ? " (\"auto\" stands for a value another tool fills in, as the Hugging Face Trainer does in a DeepSpeed "
+            "config: write the value itself)"
+          : "";
+  throw InputError(fmt::format("{}: {} is invalid: {}{}", field, value, rule, placeholder));
 }
 
 namespace {
@@ -237,6 +244,8 @@ std::string Fields::choice_or(const std::string& key, const std::string& fallbac
 void adopt_key(Json& j, const std::string& source, const char* from, const char* to, ConvertValue convert) {
   if (!j.is_object() || !j.contains(from)) return;
   const std::string path = source + "." + from;
+  // Named as written, before it takes the schema's name (DeepSpeed's "auto" placeholders).
+  if (j.at(from) == "auto") fail_field(path, "\"auto\"", "strata needs the value");
   Json value = j.at(from).is_null() ? Json() : convert ? convert(j.at(from), path) : j.at(from);
   j.erase(from);
   if (value.is_null()) return;  // says nothing (null, or a flag set to false)

@@ -135,6 +135,16 @@ TEST(Plan, AFieldUnderTwoNamesIsRefused) {
     EXPECT_EQ(message(one), "no error") << one;
   EXPECT_EQ(plan_from_json(Json::parse(R"({"recompute_activations":true})"), "plan").recompute, Recompute::selective);
   EXPECT_EQ(plan_from_json(Json::parse(R"({"num_virtual_stages_per_pipeline_rank":3,"pp":4,"gbs":8})"), "plan").v, 3);
+  // A Hugging Face Trainer's DeepSpeed config: "auto" named under the key it was written as.
+  for (const auto& [text, key] : std::vector<std::pair<const char*, const char*>>{
+           {R"({"train_micro_batch_size_per_gpu":"auto","train_batch_size":64})", "plan.train_micro_batch_size_per_gpu"},
+           {R"({"train_micro_batch_size_per_gpu":2,"train_batch_size":"auto"})", "plan.train_batch_size"},
+           {R"({"mbs":1,"bf16":{"enabled":"auto"}})", "plan.bf16.enabled"},
+           {R"({"zero_optimization":{"stage":"auto"}})", "plan.zero_optimization.stage"}}) {
+    const std::string msg = message(text);
+    EXPECT_EQ(msg.rfind(std::string(key) + ": \"auto\" is invalid", 0), 0u) << text << ": " << msg;
+    EXPECT_NE(msg.find("write the value itself"), std::string::npos) << text << ": " << msg;
+  }
   EXPECT_NE(message(R"({"bf16":true,"fp16":true})").find("plan.fp16"), std::string::npos);
   EXPECT_NE(message(R"({"fp8_format":"e5m2"})").find("plan.fp8_format"), std::string::npos);
   EXPECT_NE(message(R"({"use_distributed_optimizer":"yes"})").find("plan.use_distributed_optimizer"),
