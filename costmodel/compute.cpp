@@ -130,8 +130,9 @@ struct Acc {
   GroupSpan tp, cp, dp;
   double peak_linear, peak_attn;  // FLOP/s for the linear layers and the attention core
   // What the fused attention's efficiency multiplies: the attention peak, or on the strata
-  // stack the 16-bit peak whatever the precision (its kernels run in fp32 in every plan, and
-  // strata profile measures their efficiency against that peak).
+  // stack the fp32 peak whatever the precision: its flash kernels run in fp32 on the CUDA
+  // cores (Eigen on the CPU) in every plan, so an H200 runs them against 67, not 989,
+  // TFLOP/s; strata profile measures their efficiency against the same peak.
   double peak_flash;
   double lin_bytes;               // bytes per linear-GEMM operand element
   LayerCost lc;
@@ -162,7 +163,7 @@ struct Acc {
     const Device& dev = cl.device;
     peak_attn = p.precision == Precision::fp8 ? dev.peak_bf16_flops : dev.peak_flops(p.precision);
     peak_linear = dev.peak_flops(p.precision);
-    peak_flash = cs.stack.strata ? dev.peak_bf16_flops : peak_attn;
+    peak_flash = cs.stack.strata ? dev.peak_fp32_flops : peak_attn;
     lin_bytes = p.precision == Precision::fp8 ? 1.0 : cs.work_bytes;
   }
 

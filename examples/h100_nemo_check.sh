@@ -7,11 +7,14 @@
 #                    DGX-H100 (docs.nvidia.com/nemo-framework/user-guide/24.12/nemotoolkit/
 #                    performance/performance_summary.html; the 24.09 table has the same rows).
 #   nemo-25.02       the NeMo 25.02 performance summary (FP8, NeMo 2.0): GPT-3 175B on DGX-H100
-#                    and the dense models on DGX-B200 (docs.nvidia.com/nemo-framework/
-#                    user-guide/latest/performance/performance_summary.html as of 25.02).
+#                    and the dense models on DGX-B200 (the page docs.nvidia.com/nemo-framework/
+#                    user-guide/latest/performance/performance_summary.html while 25.02 was the
+#                    latest container; later releases keep their own tables under
+#                    performance/archive/).
 #   megatron-bridge  the Megatron-Bridge performance summaries (NeMo containers 25.09, 25.11 and
-#                    26.02; FP8 current scaling; github.com/NVIDIA-NeMo/Megatron-Bridge
-#                    docs/performance-summary.md and performance-summary-archive.md).
+#                    26.02; FP8 current scaling; DGX-H100 and DGX-B200;
+#                    github.com/NVIDIA-NeMo/Megatron-Bridge docs/performance-summary.md and
+#                    performance-summary-archive.md).
 #   nemo-automodel   NeMo AutoModel's Llama 3 70B (PyTorch FSDP2 + Transformer Engine, BF16,
 #                    DGX-H100; docs/performance-summary.mdx of NVIDIA-NeMo/Automodel, 2026-04:
 #                    18.90 s per step; recompute is not stated, and full is the only setting
@@ -21,21 +24,26 @@
 # step time = global batch x sequence / (tokens per second per GPU x GPUs). Prints one table;
 # asserts nothing.
 set -euo pipefail
+S=${STRATA:-}
+[[ -n "$S" && "$S" == */* && "$S" != /* ]] && S="$PWD/$S"  # STRATA relative to the caller's directory
 cd "$(dirname "$0")/.."
-S=${STRATA:-build/strata}
+S=${S:-build/strata}  # the default relative to the repository
+[[ -x "$S" || "$S" != */* ]] || { echo "h100_nemo_check.sh: no strata binary at $S (build it, or set STRATA)" >&2; exit 2; }
 python3 - "$S" <<'EOF'
 import csv, json, subprocess, sys
 strata = sys.argv[1]
-print('%-16s %-12s %-14s %5s %-52s %8s %8s %7s %7s %4s' %
-      ('group', 'model', 'cluster', 'gpus', 'plan', 'meas_s', 'pred_s', 'err%', 'memGiB', 'fits'))
+print('%-16s %-12s %-14s %5s %5s %-52s %8s %8s %7s %7s %4s' %
+      ('group', 'model', 'cluster', 'gpus', 'gbs', 'plan', 'meas_s', 'pred_s', 'err%', 'memGiB', 'fits'))
 for r in csv.DictReader(open('tests/data/hopper_runs.csv')):
     model = 'tests/data/' + r['model'] if '/' in r['model'] else r['model']
     measured = int(r['global_batch_size']) * int(r['seq_length']) / (float(r['tokens_per_s_per_gpu']) * int(r['gpus']))
     out = subprocess.run([strata, 'estimate', '--model', model, '--cluster', r['cluster'], '--plan',
                           r['plan'] + ',gbs=' + r['global_batch_size'], '--seq-length', r['seq_length'], '--json'],
-                         capture_output=True, text=True, check=True)
+                         capture_output=True, text=True)
+    if out.returncode != 0:
+        sys.exit('%s %s: strata exited %d: %s' % (r['label'], r['plan'], out.returncode, out.stderr.strip()))
     j = json.loads(out.stdout)
-    print('%-16s %-12s %-14s %5s %-52s %8.2f %8.2f %+6.1f%% %7.1f %4s' %
-          (r['group'], r['label'], r['cluster'], r['gpus'], r['plan'], measured, j['step_time_s'],
+    print('%-16s %-12s %-14s %5s %5s %-52s %8.2f %8.2f %+6.1f%% %7.1f %4s' %
+          (r['group'], r['label'], r['cluster'], r['gpus'], r['global_batch_size'], r['plan'], measured, j['step_time_s'],
            100 * (j['step_time_s'] / measured - 1), j['memory_bytes']['peak'] / 2**30, 'yes' if j['fits'] else 'NO'))
 EOF

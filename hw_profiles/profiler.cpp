@@ -458,10 +458,11 @@ ProfileResult run_profile(Comm& comm, Backend& be, const ProfileOptions& o) {
   c.device.name = o.device_name.empty() ? "CPU core per rank (Eigen fp32), measured" : o.device_name + ", measured";
   c.device.peak_fp32_flops = c.device.peak_tf32_flops = c.device.peak_bf16_flops = c.device.peak_fp16_flops = peak;
   if (fp32_peak > 0) c.device.peak_fp32_flops = c.device.peak_tf32_flops = fp32_peak;  // the sweep was 16-bit
-  // The fused attention as a fraction of the 16-bit GEMM peak (what a bf16 plan's attention
-  // is charged against; compute.cpp).
-  c.device.flash_fwd_efficiency = std::clamp(res.flash_forward_flops_per_s / c.device.peak_bf16_flops, 1e-3, 1.0);
-  c.device.flash_bwd_efficiency = std::clamp(res.flash_backward_flops_per_s / c.device.peak_bf16_flops, 1e-3, 1.0);
+  // The fused attention as a fraction of the fp32 peak, what the strata stack charges its
+  // fp32 flash kernels against in every precision (compute.cpp), so the estimate gives back
+  // the measured rate.
+  c.device.flash_fwd_efficiency = std::clamp(res.flash_forward_flops_per_s / c.device.peak_fp32_flops, 1e-3, 1.0);
+  c.device.flash_bwd_efficiency = std::clamp(res.flash_backward_flops_per_s / c.device.peak_fp32_flops, 1e-3, 1.0);
   c.device.peak_fp8_flops = 0;
   c.device.gemm_efficiency = Curve(ge);
   // The peak: the best any memory kernel reached (STREAM add, unless a slower build or a

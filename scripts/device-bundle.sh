@@ -67,6 +67,9 @@ export PMIX_MCA_mca_base_component_path="$PMIX_INSTALL_PREFIX/lib/pmix"
 export PATH="$STRATA_BUNDLE_DIR/usr/bin:$PATH"
 export OMPI_MCA_btl_base_warn_component_unused=0 OMPI_MCA_mtl='^ofi' OMPI_MCA_btl='^uct,openib,ofi' \
   OMPI_MCA_pml='^ucx' OMPI_MCA_osc='^ucx,pt2pt'
+# Shared memory without the cross-process single copy (CMA), which sandboxed runtimes
+# such as gVisor may refuse: two ranks on the one GPU exchange through copies instead.
+export OMPI_MCA_btl_vader_single_copy_mechanism=none
 export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
 # CUDA's runtime and cuBLAS: the toolkit's first, then any that Python's nvidia-* wheels
 # hold (the image has PyTorch's), for a toolkit without them.

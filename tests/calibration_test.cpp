@@ -178,20 +178,25 @@ TEST(Calibration, EveryRowThroughTheBinary) {
 // (tokens per second per GPU x GPUs). A guard, not a fit: the presets stay datasheet-scaled,
 // and these bounds say how far each software generation has been from them, so a change to
 // the model that moves these runs shows here. Megatron-Bridge (containers 25.09-26.02) and
-// NeMo AutoModel are held to 12 % and 15 %; the older NeMo 24.12 and 25.02 containers ran
-// up to 24 % slower than predicted (the same plans ran 10-18 % faster on later containers:
-// Llama 3 8B on 8 H100s 12,273 -> 14,451 tokens/s, on 8 B200s 26,006 -> 30,624) and are
-// held to 25 %. Every run ran, so every one must fit.
+// NeMo AutoModel are held to 12 % and 15 % per run; the older NeMo 24.12 and 25.02
+// containers ran up to 24 % slower than predicted (later containers ran the same models
+// 5-18 % faster: GPT-3 175B on 512 H100s 825 -> 866 tokens/s per GPU, Llama 3 8B on 8
+// B200s 26,006 -> 30,624) and are held to 30 %. Each group's median is held near its value
+// today as well, so a run well inside its bound cannot drift unseen. Every run ran, so
+// every one must fit.
 TEST(Calibration, HopperAndBlackwellRuns) {
   const std::string dir = std::string(STRATA_SOURCE_DIR) + "/tests/data/";
   const auto rows = testing::read_csv(dir + "hopper_runs.csv");
   ASSERT_EQ(rows.size(), 22u);
+  // Per run and for the group's median |error| (7.2 %, 10.2 %, 13.8 % and 12.2 % today).
   const std::map<std::string, double> bound = {
-      {"megatron-bridge", 0.12}, {"nemo-automodel", 0.15}, {"nemo-24.12", 0.25}, {"nemo-25.02", 0.25}};
+      {"megatron-bridge", 0.12}, {"nemo-automodel", 0.15}, {"nemo-24.12", 0.30}, {"nemo-25.02", 0.30}};
+  const std::map<std::string, double> median_bound = {
+      {"megatron-bridge", 0.09}, {"nemo-automodel", 0.15}, {"nemo-24.12", 0.16}, {"nemo-25.02", 0.15}};
   std::map<std::string, std::vector<double>> by_group;
   std::vector<double> all;
-  fmt::print("{:<16} {:<12} {:<14} {:>5} {:<52} {:>8} {:>8} {:>7} {:>7} {:>4}\n", "group", "model", "cluster", "gpus",
-             "plan", "meas_s", "pred_s", "err%", "memGiB", "fits");
+  fmt::print("{:<16} {:<12} {:<14} {:>5} {:>5} {:<52} {:>8} {:>8} {:>7} {:>7} {:>4}\n", "group", "model", "cluster",
+             "gpus", "gbs", "plan", "meas_s", "pred_s", "err%", "memGiB", "fits");
   for (const auto& r : rows) {
     const std::string model = r.at("model").find('/') != std::string::npos ? dir + r.at("model") : r.at("model");
     const ModelSpec m = load_model(model, std::stoll(r.at("seq_length")));
@@ -204,18 +209,23 @@ TEST(Calibration, HopperAndBlackwellRuns) {
     const Estimate e = estimate(m, cl, p);
     ASSERT_TRUE(e.valid) << r.at("label") << ": " << (e.reasons.empty() ? "" : e.reasons[0].message);
     const double err = e.step_time_s / measured - 1;
-    fmt::print("{:<16} {:<12} {:<14} {:>5} {:<52} {:>8.2f} {:>8.2f} {:>+7.1f} {:>7.1f} {:>4}\n", r.at("group"),
-               r.at("label"), r.at("cluster"), r.at("gpus"), r.at("plan"), measured, e.step_time_s, 100 * err,
-               e.memory.peak / 1073741824.0, e.fits ? "yes" : "NO");
+    const std::string run = r.at("group") + " " + r.at("label") + " on " + r.at("gpus") + " x " + r.at("cluster") +
+                            ", gbs " + r.at("global_batch_size") + ", " + r.at("plan");
+    fmt::print("{:<16} {:<12} {:<14} {:>5} {:>5} {:<52} {:>8.2f} {:>8.2f} {:>+7.1f} {:>7.1f} {:>4}\n", r.at("group"),
+               r.at("label"), r.at("cluster"), r.at("gpus"), r.at("global_batch_size"), r.at("plan"), measured,
+               e.step_time_s, 100 * err, e.memory.peak / 1073741824.0, e.fits ? "yes" : "NO");
     by_group[r.at("group")].push_back(std::fabs(err));
     all.push_back(std::fabs(err));
-    EXPECT_LE(std::fabs(err), bound.at(r.at("group"))) << r.at("group") << " " << r.at("label") << " " << r.at("plan");
-    EXPECT_TRUE(e.fits) << r.at("label") << " " << r.at("plan") << " ran but is predicted not to fit";
+    EXPECT_LE(std::fabs(err), bound.at(r.at("group"))) << run;
+    EXPECT_TRUE(e.fits) << run << ": ran but is predicted not to fit";
   }
-  for (const auto& [g, v] : by_group)
+  for (const auto& [g, v] : by_group) {
     fmt::print("  {:<16} {:>2} runs  median |error| {:>5.1f}%  max {:>5.1f}%\n", g, v.size(), 100 * median(v),
                100 * *std::max_element(v.begin(), v.end()));
+    EXPECT_LE(median(v), median_bound.at(g)) << g;
+  }
   fmt::print("  all              {:>2} runs  median |error| {:>5.1f}%\n", all.size(), 100 * median(all));
+  EXPECT_LE(median(all), 0.10);
 }
 
 TEST(Calibration, Gpt3On1024A100Within10Percent) {

@@ -10,9 +10,12 @@
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
+#include <cstdlib>
 #include <map>
 #include <stdexcept>
 #include <string>
+#include <unordered_map>
+#include <utility>
 
 #include "executor/cuda/attention_plan.h"
 #include "executor/cuda/check.h"
@@ -87,29 +90,49 @@ class CudaBackendImpl final : public CudaBackend {
     char bus[32] = {};
     CUDA_CHECK(cudaDeviceGetPCIBusId(bus, sizeof(bus), dev));
     bus_id_ = bus;
-    int pools_supported = 0;
-    CUDA_CHECK(cudaDeviceGetAttribute(&pools_supported, cudaDevAttrMemoryPoolsSupported, dev));
-    if (!pools_supported)
-      cuda::fail("cudaDevAttrMemoryPoolsSupported", __FILE__, __LINE__,
-                 name_ + " has no stream-ordered memory pools (CUDA 11.2+ driver and device needed)");
     // A stream-ordered pool per memory category: freeing returns memory to the pool without
     // stalling the device, and each pool keeps its peak in use (cudaMemPoolAttrUsedMemHigh).
+    // Where the device, the driver or a sandboxed runtime offers no such pools (or
+    // STRATA_CUDA_POOLS=0 asks), plain cudaMalloc / cudaFree serve every category instead,
+    // and the backend counts each category's bytes in use and their peak itself.
+    const char* env = std::getenv("STRATA_CUDA_POOLS");
+    const bool asked_plain = env != nullptr && std::string(env) == "0";
+    int pools_supported = 0;
+    std::string why = asked_plain ? "STRATA_CUDA_POOLS=0" : "";
+    if (!asked_plain) {
+      const cudaError_t rc = cudaDeviceGetAttribute(&pools_supported, cudaDevAttrMemoryPoolsSupported, dev);
+      if (rc != cudaSuccess || !pools_supported)
+        why = rc != cudaSuccess ? cudaGetErrorName(rc) : "cudaDevAttrMemoryPoolsSupported is 0";
+    }
     for (cudaMemPool_t& pool : pools_) {
+      if (!why.empty()) break;
       cudaMemPoolProps props{};
       props.allocType = cudaMemAllocationTypePinned;
       props.location.type = cudaMemLocationTypeDevice;
       props.location.id = dev;
-      CUDA_CHECK(cudaMemPoolCreate(&pool, &props));
-      uint64_t keep = UINT64_MAX;  // never hand freed memory back to the driver mid-run
-      CUDA_CHECK(cudaMemPoolSetAttribute(pool, cudaMemPoolAttrReleaseThreshold, &keep));
+      cudaError_t rc = cudaMemPoolCreate(&pool, &props);
+      if (rc == cudaSuccess) {
+        uint64_t keep = UINT64_MAX;  // never hand freed memory back to the driver mid-run
+        rc = cudaMemPoolSetAttribute(pool, cudaMemPoolAttrReleaseThreshold, &keep);
+      }
+      if (rc != cudaSuccess) why = std::string("cudaMemPoolCreate: ") + cudaGetErrorName(rc);
+    }
+    if (!why.empty()) {
+      (void)cudaGetLastError();  // clear a failed pool call's error
+      for (cudaMemPool_t& pool : pools_) {
+        if (pool) cudaMemPoolDestroy(pool);
+        pool = nullptr;
+      }
+      pooled_ = false;
+      std::fprintf(stderr, "strata: no stream-ordered memory pools on %s (%s): plain cudaMalloc, peaks per category "
+                   "counted by the backend\n", name_.c_str(), why.c_str());
     }
   }
   // Frees what init() got, in reverse; unchecked (destructor and failed-constructor path).
   void release() {
     if (stream_) {
       cudaStreamSynchronize(stream_);
-      for (void* p : {static_cast<void*>(acc_), scratch_.p, delta_.p, attn_.p})
-        if (p) cudaFreeAsync(p, stream_);
+      for (void* p : {static_cast<void*>(acc_), scratch_.p, delta_.p, attn_.p}) pool_free(p);
       cudaStreamSynchronize(stream_);
     }
     acc_ = nullptr;
@@ -153,7 +176,7 @@ class CudaBackendImpl final : public CudaBackend {
   void deallocate(float* p) override {
     // Called from Buf's destructor: no throwing; a failure shows in the next checked call.
     // Stream-ordered: the memory is reused only by work queued after this point.
-    if (p) (void)cudaFreeAsync(p, stream_);
+    pool_free(p);
   }
   void fill_zero(float* p, int64_t n) override {
     if (n > 0) CUDA_CHECK(cudaMemsetAsync(p, 0, static_cast<size_t>(n) * sizeof(float), stream_));
@@ -175,7 +198,8 @@ class CudaBackendImpl final : public CudaBackend {
     CUDA_CHECK(cudaMemGetInfo(&free, &total));
     out->free = static_cast<int64_t>(free);
     out->total = static_cast<int64_t>(total);
-    for (int i = 0; i < kMemPools; ++i) {
+    for (int i = 0; i < kMemPools && !pooled_; ++i) out->used_peak[i] = out->reserved_peak[i] = plain_peak_[i];
+    for (int i = 0; i < kMemPools && pooled_; ++i) {
       uint64_t used = 0, reserved = 0;
       CUDA_CHECK(cudaMemPoolGetAttribute(pools_[i], cudaMemPoolAttrUsedMemHigh, &used));
       CUDA_CHECK(cudaMemPoolGetAttribute(pools_[i], cudaMemPoolAttrReservedMemHigh, &reserved));
@@ -194,7 +218,7 @@ class CudaBackendImpl final : public CudaBackend {
   }
   void* allocate_bytes(size_t bytes) override { return pool_alloc(bytes > 0 ? bytes : 1, kMemPools - 1); }
   void deallocate_bytes(void* p) override {
-    if (p) (void)cudaFreeAsync(p, stream_);  // from destructors: no throwing
+    pool_free(p);  // from destructors: no throwing
   }
   void bytes_to_device(void* dst, const void* host_src, size_t bytes) override {
     if (bytes == 0) return;
@@ -477,7 +501,7 @@ class CudaBackendImpl final : public CudaBackend {
   };
   void* at_least(Grown& g, size_t bytes) {
     if (bytes > g.size) {
-      if (g.p) CUDA_CHECK(cudaFreeAsync(g.p, stream_));
+      pool_free(g.p);
       g = Grown{};
       g.p = pool_alloc(bytes, kMemPools - 1);
       g.size = bytes;
@@ -492,6 +516,19 @@ class CudaBackendImpl final : public CudaBackend {
   void* pool_alloc(size_t bytes, int pool) {
     if (pool < 0 || pool >= kMemPools) pool = kMemPools - 1;
     void* p = nullptr;
+    if (!pooled_) {
+      const cudaError_t plain = cudaMalloc(&p, bytes);
+      if (plain != cudaSuccess) {
+        (void)cudaGetLastError();
+        cuda::fail("cudaMalloc", __FILE__, __LINE__,
+                   std::string(cudaGetErrorName(plain)) + ": " + std::to_string(bytes) + " bytes for the " +
+                       mem_pool_name(pool) + " pool");
+      }
+      plain_[p] = {bytes, pool};
+      plain_live_[pool] += static_cast<int64_t>(bytes);
+      plain_peak_[pool] = std::max(plain_peak_[pool], plain_live_[pool]);
+      return p;
+    }
     cudaError_t rc = cudaMallocFromPoolAsync(&p, bytes, pools_[pool], stream_);
     if (rc == cudaErrorMemoryAllocation) {
       (void)cudaGetLastError();  // clear it
@@ -504,6 +541,23 @@ class CudaBackendImpl final : public CudaBackend {
                  std::string(cudaGetErrorName(rc)) + ": " + std::to_string(bytes) + " bytes from the " +
                      mem_pool_name(pool) + " pool");
     return p;
+  }
+  // Frees what pool_alloc gave: in stream order into its pool, or (plain cudaMalloc) after
+  // the work queued so far. From destructors too: nothing thrown; a failure shows in the
+  // next checked call.
+  void pool_free(void* p) noexcept {
+    if (!p) return;
+    if (pooled_) {
+      (void)cudaFreeAsync(p, stream_);
+      return;
+    }
+    (void)cudaStreamSynchronize(stream_);
+    (void)cudaFree(p);
+    const auto it = plain_.find(p);
+    if (it != plain_.end()) {
+      plain_live_[it->second.second] -= static_cast<int64_t>(it->second.first);
+      plain_.erase(it);
+    }
   }
   static int kind(Activation a) { return a == Activation::gelu ? 0 : a == Activation::swiglu ? 1 : 2; }
   [[noreturn]] static void fail_gemm(int64_t M, int64_t N, int64_t K) {
@@ -519,6 +573,9 @@ class CudaBackendImpl final : public CudaBackend {
   std::map<AlgoKey, Algo> algos_;  // run_matmul's choices
   bool warned_no_fast_ = false;
   cudaMemPool_t pools_[kMemPools] = {};  // by MemCategory, then buffers charged to none
+  bool pooled_ = true;                   // false: plain cudaMalloc, counted below
+  std::unordered_map<void*, std::pair<size_t, int>> plain_;  // bytes and pool of each allocation
+  int64_t plain_live_[kMemPools] = {}, plain_peak_[kMemPools] = {};
   Precision gemm_precision_ = Precision::fp32;
   std::string name_, bus_id_;
   int dev_ = 0;
