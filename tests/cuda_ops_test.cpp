@@ -56,6 +56,38 @@ class CudaOps : public ::testing::Test {
   void TearDown() override {
     for (float* d : owned_) gpu_->device_free(d);
   }
+  // LayerNorm / RMSNorm forward and backward of (N, H) against the CPU backend.
+  void layernorm_case(int64_t N, int64_t H) {
+    SCOPED_TRACE(::testing::Message() << "N = " << N << ", H = " << H);
+    const Vec x = random(N * H, 2.0f), w = random(H), b = random(H), dout = random(N * H);
+    Vec out(N * H), mean(N), rstd(N), dx = random(N * H), dw = random(H), db = random(H);
+    float *gx = dev(x), *gw = dev(w), *gb = dev(b), *gout = dev(out), *gmean = dev(mean), *grstd = dev(rstd);
+    float *gdout = dev(dout), *gdx = dev(dx), *gdw = dev(dw), *gdb = dev(db);
+    gpu_->layernorm_forward(gout, gmean, grstd, gx, gw, gb, N, H);
+    cpu_->layernorm_forward(out.data(), mean.data(), rstd.data(), x.data(), w.data(), b.data(), N, H);
+    expect_close(host(gout, out.size()), out, 1e-5, "layernorm out");
+    expect_close(host(gmean, mean.size()), mean, 1e-5, "layernorm mean");
+    expect_close(host(grstd, rstd.size()), rstd, 1e-5, "layernorm rstd");
+    gpu_->layernorm_backward(gdx, gdw, gdb, gdout, gx, gmean, grstd, gw, N, H);
+    cpu_->layernorm_backward(dx.data(), dw.data(), db.data(), dout.data(), x.data(), mean.data(), rstd.data(), w.data(), N, H);
+    expect_close(host(gdx, dx.size()), dx, 1e-5, "layernorm dx");
+    expect_close(host(gdw, dw.size()), dw, 1e-5, "layernorm dw");
+    expect_close(host(gdb, db.size()), db, 1e-5, "layernorm db");
+  }
+  void rmsnorm_case(int64_t N, int64_t H) {
+    SCOPED_TRACE(::testing::Message() << "N = " << N << ", H = " << H);
+    const Vec x = random(N * H, 2.0f), w = random(H), dout = random(N * H);
+    Vec out(N * H), rstd(N), dx = random(N * H), dw = random(H);
+    float *gx = dev(x), *gw = dev(w), *gout = dev(out), *grstd = dev(rstd), *gdout = dev(dout), *gdx = dev(dx), *gdw = dev(dw);
+    gpu_->rmsnorm_forward(gout, grstd, gx, gw, N, H);
+    cpu_->rmsnorm_forward(out.data(), rstd.data(), x.data(), w.data(), N, H);
+    expect_close(host(gout, out.size()), out, 1e-5, "rmsnorm out");
+    expect_close(host(grstd, rstd.size()), rstd, 1e-5, "rmsnorm rstd");
+    gpu_->rmsnorm_backward(gdx, gdw, gdout, gx, grstd, gw, N, H);
+    cpu_->rmsnorm_backward(dx.data(), dw.data(), dout.data(), x.data(), rstd.data(), w.data(), N, H);
+    expect_close(host(gdx, dx.size()), dx, 1e-5, "rmsnorm dx");
+    expect_close(host(gdw, dw.size()), dw, 1e-5, "rmsnorm dw");
+  }
   Vec random(size_t n, float scale = 1.0f) {
     std::normal_distribution<float> dist(0.0f, scale);
     Vec v(n);
@@ -203,37 +235,23 @@ TEST_F(CudaOps, VocabParallelCrossEntropyPhases) {
   expect_close(host(dz, z.size()), z, 1e-5, "cross-entropy dlogits");
 }
 
-TEST_F(CudaOps, LayerNormForwardBackward) {
-  const int64_t N = 13, H = 300;
-  const Vec x = random(N * H, 2.0f), w = random(H), b = random(H), dout = random(N * H);
-  Vec out(N * H), mean(N), rstd(N), dx = random(N * H), dw = random(H), db = random(H);
-  float *gx = dev(x), *gw = dev(w), *gb = dev(b), *gout = dev(out), *gmean = dev(mean), *grstd = dev(rstd);
-  float *gdout = dev(dout), *gdx = dev(dx), *gdw = dev(dw), *gdb = dev(db);
-  gpu_->layernorm_forward(gout, gmean, grstd, gx, gw, gb, N, H);
-  cpu_->layernorm_forward(out.data(), mean.data(), rstd.data(), x.data(), w.data(), b.data(), N, H);
-  expect_close(host(gout, out.size()), out, 1e-5, "layernorm out");
-  expect_close(host(gmean, mean.size()), mean, 1e-5, "layernorm mean");
-  expect_close(host(grstd, rstd.size()), rstd, 1e-5, "layernorm rstd");
-  gpu_->layernorm_backward(gdx, gdw, gdb, gdout, gx, gmean, grstd, gw, N, H);
-  cpu_->layernorm_backward(dx.data(), dw.data(), db.data(), dout.data(), x.data(), mean.data(), rstd.data(), w.data(), N, H);
-  expect_close(host(gdx, dx.size()), dx, 1e-5, "layernorm dx");
-  expect_close(host(gdw, dw.size()), dw, 1e-5, "layernorm dw");
-  expect_close(host(gdb, db.size()), db, 1e-5, "layernorm db");
-}
+TEST_F(CudaOps, LayerNormForwardBackward) { layernorm_case(13, 300); }
 
-TEST_F(CudaOps, RmsNormForwardBackward) {
-  const int64_t N = 11, H = 257;
-  const Vec x = random(N * H, 2.0f), w = random(H), dout = random(N * H);
-  Vec out(N * H), rstd(N), dx = random(N * H), dw = random(H);
-  float *gx = dev(x), *gw = dev(w), *gout = dev(out), *grstd = dev(rstd), *gdout = dev(dout), *gdx = dev(dx), *gdw = dev(dw);
-  gpu_->rmsnorm_forward(gout, grstd, gx, gw, N, H);
-  cpu_->rmsnorm_forward(out.data(), rstd.data(), x.data(), w.data(), N, H);
-  expect_close(host(gout, out.size()), out, 1e-5, "rmsnorm out");
-  expect_close(host(grstd, rstd.size()), rstd, 1e-5, "rmsnorm rstd");
-  gpu_->rmsnorm_backward(gdx, gdw, gdout, gx, grstd, gw, N, H);
-  cpu_->rmsnorm_backward(dx.data(), dw.data(), dout.data(), x.data(), rstd.data(), w.data(), N, H);
-  expect_close(host(gdx, dx.size()), dx, 1e-5, "rmsnorm dx");
-  expect_close(host(gdw, dw.size()), dw, 1e-5, "rmsnorm dw");
+TEST_F(CudaOps, RmsNormForwardBackward) { rmsnorm_case(11, 257); }
+
+// The parameter gradients' column sums (reduce.cuh's column_sum: 32 columns x 32 row lanes
+// per block) over many rows: lanes that each sum dozens of rows, a partial last column tile
+// (H = 100) and a row count that is no multiple of 32 (N = 2053).
+TEST_F(CudaOps, ColumnReductionsOverManyRows) {
+  const int64_t N = 2053, H = 100;
+  layernorm_case(N, H);
+  rmsnorm_case(N, H);
+  const Vec dy = random(N * H);
+  Vec db = random(H);
+  float *gdy = dev(dy), *gdb = dev(db);
+  gpu_->bias_grad(gdb, gdy, N, H);
+  cpu_->bias_grad(db.data(), dy.data(), N, H);
+  expect_close(host(gdb, db.size()), db, 1e-5, "bias_grad over many rows");
 }
 
 TEST_F(CudaOps, ActivationsForwardBackward) {

@@ -1,6 +1,7 @@
 // The elementwise pieces of a layer (backend.h): residual adds, bias add and bias gradient,
-// learned positions and their gradient. Sums over rows run one thread per output column in
-// row order (deterministic, no atomics).
+// learned positions and their gradient. Sums over rows run in a fixed order (deterministic,
+// no atomics): the bias gradient in column tiles (reduce.cuh's column_sum), a position's
+// gradient one thread per column over that position's few rows.
 #include "executor/cuda/check.h"
 #include "executor/cuda/kernels.h"
 #include "executor/cuda/reduce.cuh"
@@ -20,12 +21,15 @@ __global__ void add_bias_kernel(float* y, const float* b, long long N, long long
   if (t < N * F) y[t] += b[t % F];
 }
 
-__global__ void bias_grad_kernel(float* db, const float* dy, long long N, long long F) {
-  const long long j = blockIdx.x * static_cast<long long>(blockDim.x) + threadIdx.x;
-  if (j >= F) return;
+__global__ void __launch_bounds__(kColTile * kRowLanes)
+    bias_grad_kernel(float* db, const float* dy, long long N, long long F) {
+  __shared__ float part[kRowLanes][kColTile + 1];
+  const long long j = blockIdx.x * static_cast<long long>(kColTile) + threadIdx.x;
   float acc = 0.0f;
-  for (long long i = 0; i < N; ++i) acc += dy[i * F + j];
-  db[j] += acc;
+  if (j < F)
+    for (long long i = threadIdx.y; i < N; i += kRowLanes) acc += dy[i * F + j];
+  acc = column_sum(acc, part);
+  if (threadIdx.y == 0 && j < F) db[j] += acc;
 }
 
 __global__ void add_positions_kernel(float* out, const float* x, const float* P, long long n, long long H, long long B,
@@ -64,7 +68,7 @@ void add_bias(float* y, const float* b, int64_t N, int64_t F, cudaStream_t s) {
 
 void bias_grad(float* db, const float* dy, int64_t N, int64_t F, cudaStream_t s) {
   if (F == 0) return;
-  bias_grad_kernel<<<blocks_for(F, kThreads), kThreads, 0, s>>>(db, dy, N, F);
+  bias_grad_kernel<<<column_tiles(F), column_block(), 0, s>>>(db, dy, N, F);
   CUDA_CHECK_LAUNCH();
 }
 

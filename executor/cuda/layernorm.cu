@@ -1,6 +1,6 @@
 // LayerNorm forward and backward (eps 1e-5, biased variance, as the CPU backend): one block
-// per row for the row statistics and dx; one thread per column for dw and db, looping over
-// the rows in order, so the parameter gradients are deterministic.
+// per row for the row statistics and dx; column tiles for dw and db (reduce.cuh's
+// column_sum: a fixed order, so the parameter gradients are deterministic).
 #include "executor/cuda/check.h"
 #include "executor/cuda/kernels.h"
 #include "executor/cuda/reduce.cuh"
@@ -48,18 +48,24 @@ __global__ void ln_backward_dx(float* dx, const float* dout, const float* x, con
     dx[i * H + j] += rs * (gi[j] * w[j] - m1 - (xi[j] - mu) * rs * m2);
 }
 
-__global__ void ln_backward_dwdb(float* dw, float* db, const float* dout, const float* x, const float* mean,
-                                 const float* rstd, long long N, long long H) {
-  const long long j = blockIdx.x * static_cast<long long>(blockDim.x) + threadIdx.x;
-  if (j >= H) return;
+__global__ void __launch_bounds__(kColTile * kRowLanes)
+    ln_backward_dwdb(float* dw, float* db, const float* dout, const float* x, const float* mean, const float* rstd,
+        long long N, long long H) {
+  __shared__ float pw[kRowLanes][kColTile + 1], pb[kRowLanes][kColTile + 1];
+  const long long j = blockIdx.x * static_cast<long long>(kColTile) + threadIdx.x;
   float sw = 0.0f, sb = 0.0f;
-  for (long long i = 0; i < N; ++i) {
-    const float g = dout[i * H + j];
-    sw += g * (x[i * H + j] - mean[i]) * rstd[i];
-    sb += g;
+  if (j < H)
+    for (long long i = threadIdx.y; i < N; i += kRowLanes) {
+      const float g = dout[i * H + j];
+      sw += g * (x[i * H + j] - mean[i]) * rstd[i];
+      sb += g;
+    }
+  sw = column_sum(sw, pw);
+  sb = column_sum(sb, pb);
+  if (threadIdx.y == 0 && j < H) {
+    dw[j] += sw;
+    db[j] += sb;
   }
-  dw[j] += sw;
-  db[j] += sb;
 }
 
 }  // namespace
@@ -76,7 +82,7 @@ void layernorm_backward(float* dx, float* dw, float* db, const float* dout, cons
   if (N == 0) return;
   ln_backward_dx<<<static_cast<unsigned>(N), kThreads, 0, s>>>(dx, dout, x, mean, rstd, w, H);
   CUDA_CHECK_LAUNCH();
-  ln_backward_dwdb<<<blocks_for(H, kThreads), kThreads, 0, s>>>(dw, db, dout, x, mean, rstd, N, H);
+  ln_backward_dwdb<<<column_tiles(H), column_block(), 0, s>>>(dw, db, dout, x, mean, rstd, N, H);
   CUDA_CHECK_LAUNCH();
 }
 

@@ -33,13 +33,15 @@ __global__ void rms_backward_dx(float* dx, const float* dout, const float* x, co
   for (long long j = threadIdx.x; j < H; j += blockDim.x) dx[i * H + j] += rs * (gi[j] * w[j] - xi[j] * rs * rs * m);
 }
 
-__global__ void rms_backward_dw(float* dw, const float* dout, const float* x, const float* rstd, long long N,
-                                long long H) {
-  const long long j = blockIdx.x * static_cast<long long>(blockDim.x) + threadIdx.x;
-  if (j >= H) return;
+__global__ void __launch_bounds__(kColTile * kRowLanes)
+    rms_backward_dw(float* dw, const float* dout, const float* x, const float* rstd, long long N, long long H) {
+  __shared__ float part[kRowLanes][kColTile + 1];
+  const long long j = blockIdx.x * static_cast<long long>(kColTile) + threadIdx.x;
   float sw = 0.0f;
-  for (long long i = 0; i < N; ++i) sw += dout[i * H + j] * x[i * H + j] * rstd[i];
-  dw[j] += sw;
+  if (j < H)
+    for (long long i = threadIdx.y; i < N; i += kRowLanes) sw += dout[i * H + j] * x[i * H + j] * rstd[i];
+  sw = column_sum(sw, part);
+  if (threadIdx.y == 0 && j < H) dw[j] += sw;
 }
 
 }  // namespace
@@ -55,7 +57,7 @@ void rmsnorm_backward(float* dx, float* dw, const float* dout, const float* x, c
   if (N == 0) return;
   rms_backward_dx<<<static_cast<unsigned>(N), kThreads, 0, s>>>(dx, dout, x, rstd, w, H);
   CUDA_CHECK_LAUNCH();
-  rms_backward_dw<<<blocks_for(H, kThreads), kThreads, 0, s>>>(dw, dout, x, rstd, N, H);
+  rms_backward_dw<<<column_tiles(H), column_block(), 0, s>>>(dw, dout, x, rstd, N, H);
   CUDA_CHECK_LAUNCH();
 }
 
