@@ -79,7 +79,7 @@ void layernorm_forward(float* out, float* mean, float* rstd, const float* x, con
 
 void layernorm_backward(float* dx, float* dw, float* db, const float* dout, const float* x, const float* mean,
                         const float* rstd, const float* w, int64_t N, int64_t H, cudaStream_t s) {
-  if (N == 0) return;
+  if (N == 0 || H == 0) return;
   ln_backward_dx<<<static_cast<unsigned>(N), kThreads, 0, s>>>(dx, dout, x, mean, rstd, w, H);
   CUDA_CHECK_LAUNCH();
   ln_backward_dwdb<<<column_tiles(H), column_block(), 0, s>>>(dw, db, dout, x, mean, rstd, N, H);

@@ -1,5 +1,5 @@
 // Block-wide sums for the row kernels (one block per row, blockDim a multiple of 32, at
-// most 1024 threads).
+// most 1024 threads), and column sums for the parameter gradients (column tiles, below).
 #pragma once
 
 namespace strata::cuda {
@@ -51,6 +51,7 @@ inline unsigned column_tiles(long long F) { return blocks_for(F, kColTile); }
 // Row lane 0 gets its column's sum of the block's partials (the other lanes 0). Every
 // thread of the block calls it; `part` is shared, one array per sum taken in a kernel.
 __device__ inline float column_sum(float v, float (*part)[kColTile + 1]) {
+  __syncthreads();  // `part` may still be read by a previous call
   part[threadIdx.y][threadIdx.x] = v;
   __syncthreads();
   float s = 0.0f;

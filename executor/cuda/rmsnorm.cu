@@ -54,7 +54,7 @@ void rmsnorm_forward(float* out, float* rstd, const float* x, const float* w, in
 
 void rmsnorm_backward(float* dx, float* dw, const float* dout, const float* x, const float* rstd, const float* w,
                       int64_t N, int64_t H, cudaStream_t s) {
-  if (N == 0) return;
+  if (N == 0 || H == 0) return;
   rms_backward_dx<<<static_cast<unsigned>(N), kThreads, 0, s>>>(dx, dout, x, rstd, w, H);
   CUDA_CHECK_LAUNCH();
   rms_backward_dw<<<column_tiles(H), column_block(), 0, s>>>(dw, dout, x, rstd, N, H);
