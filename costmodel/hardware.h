@@ -82,7 +82,8 @@ struct Device {
   double memory_bandwidth_bytes_per_s = 0;
   Curve gemm_efficiency;    // x: FLOPs of one GEMM, y: fraction of peak
   Curve memory_efficiency;  // x: bytes one kernel moves, y: fraction of memory bandwidth
-  double flash_fwd_efficiency = 0.5, flash_bwd_efficiency = 0.4;  // fraction of the matmul peak
+  // Fractions of the attention's peak: 16-bit (fp8 plans: bf16), or fp32 on the strata stack.
+  double flash_fwd_efficiency = 0.5, flash_bwd_efficiency = 0.4;
   double kernel_launch_s = 0;  // the least time any kernel takes
   // A batched GEMM (the attention core's, one product per head) runs as one GEMM per
   // matrix, each at the efficiency of its own size (a CPU library looping over heads),
