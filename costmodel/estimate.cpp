@@ -189,7 +189,7 @@ double hardware_flops(const ModelSpec& m, const Plan& p, const StageLayout& lay)
 }  // namespace
 
 double hardware_flops_per_step(const ModelSpec& m, const Plan& p) {
-  return hardware_flops(m, p, make_layout(m.L, p.p, p.v));
+  return hardware_flops(m, p, make_layout(m.L, p));
 }
 
 namespace {
@@ -250,7 +250,7 @@ Estimate estimate(const ModelSpec& m, const Cluster& cl, const Plan& p, const Es
   est.attention = cs.attention;
   est.stack = cs.stack;
   thread_local StageLayout lay;  // per-thread scratch (see st below)
-  make_layout_into(m.L, p.p, p.v, &lay);
+  make_layout_into(m.L, p, &lay);
   const ScheduleKind kind = p.schedule();
   const int64_t mbs_per_step = p.microbatches();
   est.microbatches = mbs_per_step;

@@ -6,9 +6,11 @@
 //                                the first chunk of the first stage and the last chunk of
 //                                the last stage hold (L+2)/(p*v) - 1 layers;
 //   else (v = 1):                as even as possible, extra layers on the middle stages.
+// A plan may give its own split instead (Megatron-LM's uneven pipeline options, below).
 #pragma once
 
 #include <cstdint>
+#include <string>
 #include <vector>
 
 #include "costmodel/model_spec.h"
@@ -28,5 +30,16 @@ struct StageLayout {
 
 StageLayout make_layout(int64_t L, int64_t p, int64_t v);
 void make_layout_into(int64_t L, int64_t p, int64_t v, StageLayout* out);  // reusing out's storage
+
+// A plan's own split, where it gives one (Plan::explicit_split), else the rule above:
+//   pipeline_model_parallel_layout: each virtual stage's 't's (chunks may be empty);
+//   decoder_first/last_pipeline_num_layers: that many layers on the first / last stage, the
+//     rest evenly over the others; each stage's layers split evenly over its v chunks
+//     (Megatron-core's TransformerConfig rules, split_problem).
+// A split that breaks its rules (check_plan reports it) falls back to the rule above.
+StageLayout make_layout(int64_t L, const Plan& p);
+void make_layout_into(int64_t L, const Plan& p, StageLayout* out);
+// Why the plan's own split cannot hold L layers; empty when it can (or there is none).
+std::string split_problem(int64_t L, const Plan& p);
 
 }  // namespace strata

@@ -40,12 +40,6 @@ const std::set<std::string>& switch_flags() {
 // Flags that set what strata does not take from a launch: refused, naming the way to say it.
 const std::map<std::string, std::string>& refused_flags() {
   static const std::map<std::string, std::string> s = {
-      {"decoder_first_pipeline_num_layers", "strata splits the layers evenly, or with the embedding and the loss in a "
-                                            "layer's slot each (--account-for-embedding/loss-in-pipeline-split)"},
-      {"decoder_last_pipeline_num_layers", "strata splits the layers evenly, or with the embedding and the loss in a "
-                                           "layer's slot each (--account-for-embedding/loss-in-pipeline-split)"},
-      {"pipeline_model_parallel_layout", "strata splits the layers evenly, or with the embedding and the loss in a "
-                                         "layer's slot each (--account-for-embedding/loss-in-pipeline-split)"},
       {"window_size", "give the model as a model JSON with window_size (and window_attn_skip_freq)"},
       {"window_attn_skip_freq", "give the model as a model JSON with window_size and window_attn_skip_freq"}};
   return s;
@@ -59,7 +53,8 @@ const std::set<std::string>& plan_flags() {
       "overlap_param_gather", "tp_comm_overlap", "use_flash_attn", "no_gradient_accumulation_fusion",
       "attention_backend", "microbatch_group_size_per_virtual_pipeline_stage", "recompute_activations",
       "use_megatron_fsdp", "num_virtual_stages_per_pipeline_rank", "account_for_embedding_in_pipeline_split",
-      "account_for_loss_in_pipeline_split"};
+      "account_for_loss_in_pipeline_split", "decoder_first_pipeline_num_layers", "decoder_last_pipeline_num_layers",
+      "pipeline_model_parallel_layout"};
   return s;
 }
 
@@ -90,7 +85,16 @@ std::vector<std::string> words_of(const std::string& text) {
       clean += ' ';  // a continuation, or an escaped quote inside quotes
       continue;
     }
-    clean += (c == '"' || c == '\'' || c == '(' || c == ')' || c == ';') ? ' ' : c;
+    // Parentheses inside a word (a pipeline layout's "(t*2|)*34") are kept; those of arrays
+    // and subshells, ARGS=( ... ), $( ... ), stand next to blanks, '=', '$' or quotes.
+    auto blank_or_quote = [&](size_t k) {
+      return k >= text.size() || std::isspace(static_cast<unsigned char>(text[k])) || text[k] == '"' ||
+             text[k] == '\'' || text[k] == ';';
+    };
+    const bool shell_paren =
+        (c == '(' && (i == 0 || blank_or_quote(i - 1) || text[i - 1] == '=' || text[i - 1] == '$')) ||
+        (c == ')' && blank_or_quote(i + 1));
+    clean += (c == '"' || c == '\'' || c == ';' || shell_paren) ? ' ' : c;
   }
   std::istringstream in(clean);
   std::vector<std::string> words;
@@ -305,6 +309,17 @@ LaunchInputs launch_inputs(const MegatronLaunch& launch, int64_t gpus, const std
                                  source, emb ? "embedding" : "loss", emb ? "loss" : "embedding"));
   plan.erase("account_for_embedding_in_pipeline_split");
   plan.erase("account_for_loss_in_pipeline_split");
+  for (const char* uneven : {"decoder_first_pipeline_num_layers", "decoder_last_pipeline_num_layers",
+                             "pipeline_model_parallel_layout"}) {
+    if (!plan.contains(uneven)) continue;
+    if (emb)  // Megatron-core refuses the two ways of an uneven split together
+      throw InputError(fmt::format("{}: {} and --account-for-embedding/loss-in-pipeline-split both given: keep one",
+                                   source, flag_of(uneven)));
+    if (plan.contains("num_layers_per_virtual_pipeline_stage"))
+      throw InputError(fmt::format("{}: {} and --num-layers-per-virtual-pipeline-stage both given: give the chunks "
+                                   "with --num-virtual-stages-per-pipeline-rank (or the layout's virtual stages)",
+                                   source, flag_of(uneven)));
+  }
   const int64_t slots = in.model.L + (emb ? 2 : 0);
   if (plan.contains("num_layers_per_virtual_pipeline_stage")) {
     const int64_t n = size("num_layers_per_virtual_pipeline_stage");

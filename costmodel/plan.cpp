@@ -1,8 +1,11 @@
 // Plan loading, normalisation and checks; see plan.h.
 #include "costmodel/plan.h"
 
+#include "costmodel/layout.h"
 #include "costmodel/schedule.h"
 
+#include <algorithm>
+#include <cctype>
 #include <filesystem>
 #include <map>
 
@@ -74,7 +77,9 @@ void adopt_foreign_names(Json& j, const std::string& source) {
            {"train_micro_batch_size_per_gpu", "micro_batch_size"},
            {"train_batch_size", "global_batch_size"},
            {"recompute_granularity", "recompute"},
-           {"world_size", "num_gpus"}})
+           {"world_size", "num_gpus"},
+           {"num_layers_in_first_pipeline_stage", "decoder_first_pipeline_num_layers"},
+           {"num_layers_in_last_pipeline_stage", "decoder_last_pipeline_num_layers"}})
     adopt_key(j, source, from, to);
   adopt_key(j, source, "recompute_activations", "recompute",
             [](const Json& v, const std::string& path) { return true_or_null(v, path, "selective"); });
@@ -136,6 +141,79 @@ void adopt_foreign_names(Json& j, const std::string& source) {
 
 }  // namespace
 
+PipelineLayout parse_pipeline_layout(const std::string& text, const std::string& field) {
+  // Megatron-core's reading (PipelineParallelLayerLayout.parse_str_to_list): commas dropped,
+  // "(...)*n" unrolled, then "x*n"; here in one pass, refusing what it would misread.
+  constexpr size_t kMaxTokens = size_t{1} << 20;
+  auto fail = [&](const std::string& rule) { fail_field(field, "\"" + text + "\"", rule); };
+  auto count_at = [&](size_t* i) {  // the n of "*n" at text[*i] == '*'
+    size_t j = *i + 1;
+    int64_t n = 0;
+    while (j < text.size() && std::isdigit(static_cast<unsigned char>(text[j]))) {
+      n = n * 10 + (text[j] - '0');
+      if (n > static_cast<int64_t>(kMaxTokens)) fail(fmt::format("repeats more than {} times", kMaxTokens));
+      ++j;
+    }
+    if (j == *i + 1) fail(fmt::format("needs a count after the '*' at byte {}", *i));
+    *i = j;
+    return static_cast<size_t>(n);
+  };
+  std::string flat;  // the unrolled tokens: E, t, L and |
+  std::string group;
+  bool in_group = false;
+  auto add = [&](const std::string& what, size_t times) {
+    std::string& into = in_group ? group : flat;
+    if (into.size() + what.size() * times > kMaxTokens)
+      fail(fmt::format("unrolls to more than {} layers and separators", kMaxTokens));
+    for (size_t k = 0; k < times; ++k) into += what;
+  };
+  for (size_t i = 0; i < text.size();) {
+    const char ch = text[i];
+    if (ch == ',') {
+      ++i;
+    } else if (ch == '(') {
+      if (in_group) fail(fmt::format("nests parentheses at byte {} (Megatron-core unrolls one level)", i));
+      in_group = true;
+      group.clear();
+      ++i;
+    } else if (ch == ')') {
+      if (!in_group) fail(fmt::format("closes a parenthesis at byte {} that was not opened", i));
+      ++i;
+      if (i >= text.size() || text[i] != '*') fail(fmt::format("needs \"*n\" after the ')' at byte {}", i - 1));
+      const size_t n = count_at(&i);
+      in_group = false;
+      add(group, n);
+    } else if (ch == 'E' || ch == 't' || ch == 'L' || ch == '|') {
+      ++i;
+      size_t n = 1;
+      if (i < text.size() && text[i] == '*') n = count_at(&i);
+      add(std::string(1, ch), n);
+    } else if (ch == 'm') {
+      fail("holds an MTP layer ('m'): strata does not model multi-token prediction");
+    } else {
+      fail(fmt::format("has '{}' at byte {}: the characters are E (embedding), t (decoder layer), L (loss), | "
+                       "(between virtual stages), parentheses, * with a count, and commas",
+                       ch, i));
+    }
+  }
+  if (in_group) fail("leaves a parenthesis open");
+  PipelineLayout out;
+  out.text = text;
+  out.layers.push_back(0);
+  size_t embeddings = 0, losses = 0;
+  for (size_t k = 0; k < flat.size(); ++k) {
+    const char ch = flat[k];
+    if (ch == '|') out.layers.push_back(0);
+    else if (ch == 't') ++out.layers.back();
+    else if (ch == 'E') ++embeddings;
+    else if (ch == 'L') ++losses;
+  }
+  if (embeddings != 1 || losses != 1) fail("must hold the embedding 'E' and the loss 'L' exactly once each");
+  if (flat.front() != 'E') fail("must begin with the embedding 'E' (the first virtual stage's first layer)");
+  if (flat.back() != 'L') fail("must end with the loss 'L' (the last virtual stage's last layer)");
+  return out;
+}
+
 Plan plan_from_json(const Json& in, const std::string& source) {
   if (!in.is_object()) throw InputError(fmt::format("{}: {} is invalid: must be a JSON object", source, show_value(in)));
   // The output of estimate --json (or a plan of plan --json) holds the plan under "plan".
@@ -162,13 +240,46 @@ Plan plan_from_json(const Json& in, const std::string& source) {
                            "global_batch_size", "zero_stage", "recompute", "recompute_num_layers", "sequence_parallel",
                            "precision", "pipeline_schedule", "attention", "overlap_grad_reduce", "overlap_param_gather",
                            "tp_comm_overlap", "grad_accumulation_fusion", "software_stack",
-                           "gradient_accumulation_steps", "num_gpus", "description"});
+                           "pipeline_model_parallel_layout", "decoder_first_pipeline_num_layers",
+                           "decoder_last_pipeline_num_layers", "gradient_accumulation_steps", "num_gpus",
+                           "description"});
   Plan p;
   p.t = f.integer_or("tensor_parallel", 1, 1, kMaxDegree);
   p.p = f.integer_or("pipeline_parallel", 1, 1, kMaxDegree);
   p.d = f.integer_or("data_parallel", 1, 1, kMaxDegree);
   p.c = f.integer_or("context_parallel", 1, 1, kMaxDegree);
+  const bool v_given = f.peek("virtual_pipeline_stages") && !f.peek("virtual_pipeline_stages")->is_null();
   p.v = f.integer_or("virtual_pipeline_stages", 1, 1, kMaxDegree);
+  // An uneven split (Megatron-LM's): a layout, whose virtual stages give the chunks, or the
+  // layers of the first and the last stage.
+  if (const Json* lj = f.peek("pipeline_model_parallel_layout"); lj && !lj->is_null()) {
+    const std::string field = source + ".pipeline_model_parallel_layout";
+    if (!lj->is_string() || lj->get<std::string>().empty())
+      fail_field(field, show_value(*lj), "must be a layout string such as \"Et|(tt|)*3,tL\"");
+    auto lay = std::make_shared<PipelineLayout>(parse_pipeline_layout(lj->get<std::string>(), field));
+    const int64_t n = static_cast<int64_t>(lay->layers.size());
+    if (n % p.p != 0)
+      fail_field(field, "\"" + lay->text + "\"",
+                 fmt::format("has {} virtual stages, not a multiple of pipeline_parallel={}", n, p.p));
+    if (v_given && p.v * p.p != n)
+      fail_field(field, "\"" + lay->text + "\"",
+                 fmt::format("has {} virtual stages, not pipeline_parallel * virtual_pipeline_stages = {} x {}", n, p.p, p.v));
+    p.v = n / p.p;
+    p.layout = std::move(lay);
+  }
+  f.ignore("pipeline_model_parallel_layout");
+  auto edge_layers = [&](const char* key) -> int64_t {  // 0: not set
+    const Json* v = f.peek(key);
+    if (!v || v->is_null()) {
+      f.ignore(key);
+      return 0;
+    }
+    const int64_t n = f.integer_or(key, 0, 1, 100000);
+    if (p.layout) fail_field(source + "." + key, std::to_string(n), "cannot be combined with pipeline_model_parallel_layout");
+    return n;
+  };
+  p.first_stage_layers = edge_layers("decoder_first_pipeline_num_layers");
+  p.last_stage_layers = edge_layers("decoder_last_pipeline_num_layers");
   p.vp_group = f.integer_or("microbatch_group_size_per_vp_stage", 0, 0, kMaxBatch);
   p.mbs = f.integer_or("micro_batch_size", 1, 1, kMaxBatch);
   p.gbs = f.integer_or("global_batch_size", 0, 0, kMaxBatch);
@@ -237,6 +348,7 @@ Plan plan_from_json(const Json& in, const std::string& source) {
 Json parse_inline_pairs(const std::string& text, const std::string& what) {
   Json j = Json::object();
   size_t pos = 0;
+  std::string last_key;
   if (text.empty()) throw InputError(what + ": empty; expected key=value pairs such as tp=8,pp=4");
   for (size_t i = 0; i < text.size(); ++i)
     if (text[i] < 0x21 || text[i] > 0x7e)  // (char may be signed: bytes >= 0x80 are negative)
@@ -251,10 +363,16 @@ Json parse_inline_pairs(const std::string& text, const std::string& what) {
                                    "commas, with none before the first or after the last",
                                    what, text, pos - 1 > text.size() ? text.size() : pos - 1));
     const size_t eq = item.find('=');
+    // A pipeline layout's own (cosmetic) commas: the pieces after it belong to it.
+    if (eq == std::string::npos && last_key == "pipeline_model_parallel_layout") {
+      j[last_key] = j[last_key].get<std::string>() + "," + item;
+      continue;
+    }
     if (eq == std::string::npos || eq == 0 || eq + 1 == item.size())
       throw InputError(fmt::format("{}: '{}' is invalid: must be key=value", what, item));
     const std::string key = item.substr(0, eq), val = item.substr(eq + 1);
     if (j.contains(key)) throw InputError(fmt::format("{}: key '{}' given twice", what, key));
+    last_key = key;
     bool is_int = !val.empty() && val.size() <= 18;
     for (size_t i = 0; i < val.size(); ++i)
       if (!(std::isdigit(static_cast<unsigned char>(val[i])) || (i == 0 && val[i] == '-' && val.size() > 1))) is_int = false;
@@ -308,6 +426,9 @@ Json plan_to_json(const Plan& p) {
          {"num_gpus", p.world_size()},
          {"gradient_accumulation_steps", p.mbs * p.d > 0 ? p.gbs / (p.mbs * p.d) : 0}};
   if (p.v > 1 && p.mbs * p.d > 0) j["microbatch_group_size_per_vp_stage"] = p.vp_group_size();
+  if (p.layout) j["pipeline_model_parallel_layout"] = p.layout->text;
+  if (p.first_stage_layers > 0) j["decoder_first_pipeline_num_layers"] = p.first_stage_layers;
+  if (p.last_stage_layers > 0) j["decoder_last_pipeline_num_layers"] = p.last_stage_layers;
   return j;
 }
 
@@ -316,6 +437,13 @@ std::string plan_to_inline(const Plan& p) {
   if (p.c > 1) s += fmt::format(",cp={}", p.c);
   if (p.v > 1) s += fmt::format(",vp={}", p.v);
   if (p.vp_group > 0) s += fmt::format(",microbatch_group_size_per_vp_stage={}", p.vp_group);
+  if (p.layout) {  // without its cosmetic commas, which would read as separators
+    std::string text = p.layout->text;
+    text.erase(std::remove(text.begin(), text.end(), ','), text.end());
+    s += ",pipeline_model_parallel_layout=" + text;
+  }
+  if (p.first_stage_layers > 0) s += fmt::format(",decoder_first_pipeline_num_layers={}", p.first_stage_layers);
+  if (p.last_stage_layers > 0) s += fmt::format(",decoder_last_pipeline_num_layers={}", p.last_stage_layers);
   s += fmt::format(",mbs={},gbs={},zero={},recompute={}", p.mbs, p.gbs, p.zero, to_string(p.recompute));
   if (p.recompute_layers > 0) s += fmt::format(",recompute_num_layers={}", p.recompute_layers);
   if (p.sp) s += ",sp=1";
@@ -384,7 +512,14 @@ std::vector<Reason> check_plan(const ModelSpec& m, const Cluster& cl, const Plan
   if (p.sp && p.t > 1 && (m.S / p.c) % p.t != 0)
     add("sp_seq", [&] { return fmt::format("sequence_parallel needs seq_length/context_parallel={} divisible by tensor_parallel={}",
                               m.S / p.c, p.t); });
-  if (p.v > 1) {
+  if (p.explicit_split()) {
+    // The plan's own split (layout.h): its rules instead of strata's (a layout's chunks may
+    // be empty, as Megatron-core allows).
+    if (p.v > 1 && p.p < 2)
+      add("vp_needs_pp", [&] { return fmt::format("virtual_pipeline_stages={} needs pipeline_parallel >= 2", p.v); });
+    else if (std::string why = split_problem(m.L, p); !why.empty())
+      add("uneven_split", [&] { return why; });
+  } else if (p.v > 1) {
     if (p.p < 2) add("vp_needs_pp", [&] { return fmt::format("virtual_pipeline_stages={} needs pipeline_parallel >= 2", p.v); });
     // Uneven splits are costed as Megatron's first/last-stage options give them: the
     // embedding and output layer in a layer's slot when L + 2 divides, else as even as

@@ -5,6 +5,7 @@
 #pragma once
 
 #include <cstdint>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -21,6 +22,19 @@ enum class AttentionChoice { automatic, unfused, flash };
 enum class StackChoice { automatic, legacy, modern };
 // A setting whose default comes from the software stack (resolve_stack).
 enum class Tristate { automatic, off, on };
+
+// An explicit split of the decoder layers over the pipeline's model chunks, Megatron-core's
+// pipeline_model_parallel_layout: virtual stages separated by '|', 'E' the embedding, 't' a
+// decoder layer, 'L' the loss (output layer), "x*n" and "(...)*n" repeat, commas are
+// cosmetic; "Et*2|(t*2|)*34,t*3|(t*2|)*3,tL" is 40 virtual stages of 80 layers. Virtual stage
+// k runs on stage k mod p as chunk k / p, so `layers` is in StageLayout's order (c*p + s).
+struct PipelineLayout {
+  std::string text;             // as given
+  std::vector<int64_t> layers;  // decoder layers of each virtual stage
+};
+// Parses a layout; malformed text (an unknown character, unbalanced or nested parentheses,
+// 'E' not first or 'L' not last, each exactly once) throws InputError naming `field`.
+PipelineLayout parse_pipeline_layout(const std::string& text, const std::string& field);
 
 struct Plan {
   int64_t t = 1;  // tensor_parallel
@@ -48,8 +62,13 @@ struct Plan {
   Tristate tp_comm_overlap = Tristate::automatic;           // backward TP collectives beside the wgrad GEMMs
   Tristate grad_accumulation_fusion = Tristate::automatic;  // wgrad GEMMs accumulate into fp32 main grads
   StackChoice software_stack = StackChoice::automatic;      // legacy | modern: the defaults of the five above
+  // Uneven pipelines as Megatron-LM gives them (layout.h); unset: strata's own split.
+  int64_t first_stage_layers = 0;  // decoder_first_pipeline_num_layers (0: not set)
+  int64_t last_stage_layers = 0;   // decoder_last_pipeline_num_layers (0: not set)
+  std::shared_ptr<const PipelineLayout> layout;  // pipeline_model_parallel_layout (null: not set)
 
   int64_t world_size() const { return t * p * d * c; }
+  bool explicit_split() const { return layout || first_stage_layers > 0 || last_stage_layers > 0; }
   // The same plan with nothing recomputed (what partial recompute's other layers run).
   Plan without_recompute() const {
     Plan q = *this;

@@ -65,11 +65,14 @@ void validate_train_plan(const ModelSpec& m, const Plan& p, int world_size, bool
         m.S / p.c * p.mbs, "tensor_parallel (sequence parallel)", p.t);
   div("global_batch_size", p.gbs, "micro_batch_size * data_parallel", p.mbs * p.d);
   check_trainable_model(m);
-  if (p.p * p.v > m.L)
+  if (p.explicit_split()) {  // Megatron-LM's uneven split, as given (layout.h)
+    if (const std::string why = split_problem(m.L, p); !why.empty()) fail("plan: " + why);
+  } else if (p.p * p.v > m.L) {
     fail("plan: pipeline_parallel * virtual_pipeline_stages = " + std::to_string(p.p * p.v) + " exceeds num_layers " +
          std::to_string(m.L));
+  }
   if (p.v > 1) {
-    div("num_layers", m.L, "pipeline_parallel * virtual_pipeline_stages", p.p * p.v);
+    if (!p.explicit_split()) div("num_layers", m.L, "pipeline_parallel * virtual_pipeline_stages", p.p * p.v);
     // Fewer micro-batches than stages, or a micro-batch group Megatron-core refuses; the
     // schedule (make_schedule) takes any group it accepts.
     std::vector<Reason> why;
@@ -132,7 +135,7 @@ Engine::Engine(const ModelSpec& m, const Plan& p, const TrainOptions& o, Comm& c
   world_ = grid_.group(kWorld, comm_.rank());
   mb_count_ = p.microbatches();
   schedule_ = make_schedule(p.schedule(), p.p, p.v, mb_count_, p.vp_group_size());
-  const StageLayout sl = make_layout(m.L, p.p, p.v);
+  const StageLayout sl = make_layout(m.L, p);
   // Layers of each chunk of this stage: virtual stage c*p + s holds the next layers.
   std::vector<int64_t> first(static_cast<size_t>(p.p * p.v) + 1, 0);
   for (int64_t vs = 0; vs < p.p * p.v; ++vs)

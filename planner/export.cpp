@@ -11,16 +11,26 @@ std::string export_megatron(const ModelSpec& m, const Plan& p, const Stack& stac
   auto flag = [&](const std::string& s) { f += (f.empty() ? "" : " \\\n    ") + s; };
   flag(fmt::format("--tensor-model-parallel-size {}", p.t));
   flag(fmt::format("--pipeline-model-parallel-size {}", p.p));
-  // Layer split (layout.h): even, or with the embedding and the loss in a layer's slot each.
+  // Layer split (layout.h): the plan's own, even, or with the embedding and the loss in a
+  // layer's slot each.
   const bool even = m.L % (p.p * p.v) == 0;
-  const bool slots = !even && p.p > 1 && (m.L + 2) % (p.p * p.v) == 0;
-  if (p.v > 1) flag(fmt::format("--num-layers-per-virtual-pipeline-stage {}", (slots ? m.L + 2 : m.L) / (p.p * p.v)));
+  const bool own = p.explicit_split();
+  const bool slots = !own && !even && p.p > 1 && (m.L + 2) % (p.p * p.v) == 0;
+  if (p.layout) {
+    flag(fmt::format("--pipeline-model-parallel-layout \"{}\"", p.layout->text));  // it gives the chunks
+  } else if (own) {
+    if (p.first_stage_layers > 0) flag(fmt::format("--decoder-first-pipeline-num-layers {}", p.first_stage_layers));
+    if (p.last_stage_layers > 0) flag(fmt::format("--decoder-last-pipeline-num-layers {}", p.last_stage_layers));
+    if (p.v > 1) flag(fmt::format("--num-virtual-stages-per-pipeline-rank {}", p.v));
+  } else if (p.v > 1) {
+    flag(fmt::format("--num-layers-per-virtual-pipeline-stage {}", (slots ? m.L + 2 : m.L) / (p.p * p.v)));
+  }
   if (p.v > 1 && p.vp_group_size() != p.p)
     flag(fmt::format("--microbatch-group-size-per-virtual-pipeline-stage {}", p.vp_group_size()));
   if (slots) {
     flag("--account-for-embedding-in-pipeline-split");
     flag("--account-for-loss-in-pipeline-split");
-  } else if (!even && p.p > 1) {
+  } else if (!own && !even && p.p > 1) {
     notes += fmt::format("# {} layers do not split evenly over {} stages: strata assumed the extra layers on the middle\n"
                          "# stages; give Megatron the same split with --decoder-first/last-pipeline-num-layers.\n",
                          m.L, p.p);
@@ -134,6 +144,9 @@ std::string export_deepspeed(const ModelSpec& m, const Plan& p, const Stack& sta
                                  {"context_parallel_size", p.c},
                                  {"virtual_pipeline_stages", p.v},
                                  {"microbatch_group_size_per_vp_stage", p.v > 1 ? p.vp_group_size() : 0},
+                                 {"pipeline_model_parallel_layout", p.layout ? Json(p.layout->text) : Json()},
+                                 {"decoder_first_pipeline_num_layers", p.first_stage_layers > 0 ? Json(p.first_stage_layers) : Json()},
+                                 {"decoder_last_pipeline_num_layers", p.last_stage_layers > 0 ? Json(p.last_stage_layers) : Json()},
                                  {"sequence_parallel", p.sp},
                                  {"recompute", to_string(p.recompute)},
                                  {"precision", to_string(p.precision)}};

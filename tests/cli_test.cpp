@@ -527,6 +527,13 @@ TEST(Cli, BadInputExits2NamingTheField) {
       {S + "--gpus 8 --global-batch-size 8 --compare tp=4", "--compare"},
       {S + "--gpus 8 --global-batch-size 8 --compare tp=8,gbs=16", "--compare"},
       {S + "--gpus 8 --global-batch-size 8 --compare tp=7,dp=1,pp=1,cp=8,gbs=8", "--compare"},
+      // Uneven pipelines (Megatron-LM's layout and first/last-stage layers)
+      {P + "'tp=8,pp=8,pipeline_model_parallel_layout=Et|tL'", "not a multiple of pipeline_parallel=8"},
+      {P + "'tp=8,pp=2,pipeline_model_parallel_layout=Et|tL'", "holds 2 decoder layers ('t'), not num_layers=96"},
+      {P + "'tp=8,pp=2,pipeline_model_parallel_layout=Et*48|t*48(L'", "parenthesis open"},
+      {P + "tp=8,pp=4,decoder_first_pipeline_num_layers=20", "leaves 76 of num_layers=96 to the 3 other stages"},
+      {P + "tp=8,pp=4,decoder_last_pipeline_num_layers=-1", "decoder_last_pipeline_num_layers"},
+      {S + "--gpus 8 --global-batch-size 8 --fix 'pipeline_model_parallel_layout=Et|tL'", "--fix pipeline_model_parallel_layout"},
       // --memory-limit
       {P + "tp=8,pp=8 --memory-limit lots", "--memory-limit"},
       {P + "tp=8,pp=8 --memory-limit 72TB", "--memory-limit"},

@@ -6,6 +6,7 @@
 #include <cmath>
 #include <random>
 #include <sstream>
+#include <tuple>
 
 #include "costmodel/estimate.h"
 #include "costmodel/report.h"
@@ -84,6 +85,52 @@ TEST(Estimate, TimeTrends) {
   EXPECT_LE(step("tp=8,pp=8,dp=16,gbs=512,overlap_grad_reduce=1"), step("tp=8,pp=8,dp=16,gbs=512"));
   // Tensor parallelism across nodes is slower than inside one.
   EXPECT_LT(step("tp=8,pp=16,dp=8,gbs=512"), step("tp=16,pp=8,dp=8,gbs=512"));
+}
+
+// A plan's own split (Megatron-LM's uneven pipeline options, layout.h) is the same model as
+// strata's split when it names the same layers: every number alike. 96 layers on 8 stages x 3
+// chunks: 4 per chunk; Llama 3 405B's 126 on 16 stages: 7 on the first and last, 8 between
+// (strata's rule of a slot each for the embedding and the loss).
+TEST(Estimate, AnExplicitSplitEqualToStrataSplitIsTheSameEstimate) {
+  const Cluster a100 = load_cluster("dgx-a100-80g"), h100 = load_cluster("dgx-h100-80g");
+  const std::vector<std::tuple<std::string, const Cluster*, std::string, std::string>> cases = {
+      {"gpt3-175b", &a100, "tp=8,pp=8,dp=16,vp=3,mbs=1,gbs=1536,recompute=selective,sp=1",
+       ",pipeline_model_parallel_layout=Et*4|(t*4|)*22,t*4L"},
+      {"llama3-405b", &h100, "tp=8,pp=16,dp=8,mbs=1,gbs=512,zero=1,sp=1,precision=fp8",
+       ",decoder_first_pipeline_num_layers=7,decoder_last_pipeline_num_layers=7"},
+      {"llama3-405b", &h100, "tp=8,pp=16,dp=8,mbs=1,gbs=512,zero=1,sp=1,precision=fp8",
+       ",pipeline_model_parallel_layout=Et*7|(t*8|)*14,t*7L"}};
+  for (const auto& [model, cl, plan, split] : cases) {
+    const ModelSpec m = load_model(model);
+    const Estimate a = estimate(m, *cl, load_plan(plan)), b = estimate(m, *cl, load_plan(plan + split));
+    ASSERT_TRUE(a.valid && b.valid) << plan << split;
+    EXPECT_EQ(a.step_time_s, b.step_time_s) << plan << split;
+    EXPECT_EQ(a.memory.peak, b.memory.peak) << plan << split;
+    EXPECT_EQ(a.time.pipeline_bubble, b.time.pipeline_bubble) << plan << split;
+  }
+}
+
+// Megatron-Bridge's Llama 3 70B H100 FP8 recipe (TP4 PP8 VP5, batch 256) moves a layer off
+// the last virtual stage, which also carries the 128k-vocabulary output layer, onto stage 3's
+// last chunk: the last stage, the pipeline's bottleneck, holds 9 layers + the output layer
+// instead of 10 + it, stage 3 holds 11. The bubble and the step shrink; stage 3 (11 layers
+// of activations) now needs more memory than stage 7, and stage 0 keeps its peak.
+TEST(Estimate, ALayoutThatBalancesTheOutputLayerShortensTheStep) {
+  const ModelSpec m = load_model("llama3-70b");
+  const Cluster cl = load_cluster("dgx-h100-80g");
+  const std::string plan = "tp=4,pp=8,dp=2,mbs=1,gbs=256,sp=1,zero=1,precision=fp8";
+  EstimateDetail even_d, own_d;
+  const Estimate even = estimate(m, cl, load_plan(plan + ",vp=5"), {}, &even_d);
+  const Estimate own =
+      estimate(m, cl, load_plan(plan + ",pipeline_model_parallel_layout=Et*2|(t*2|)*34,t*3|(t*2|)*3,tL"), {}, &own_d);
+  ASSERT_TRUE(even.valid && own.valid);
+  EXPECT_LT(own.step_time_s, even.step_time_s);
+  EXPECT_LT(own.time.pipeline_bubble, even.time.pipeline_bubble);
+  EXPECT_EQ(own_d.layout.stage_layers(7), 9);
+  EXPECT_EQ(own_d.layout.stage_layers(3), 11);
+  EXPECT_GT(own_d.stage_memory[3].peak, even_d.stage_memory[3].peak);
+  EXPECT_LT(own_d.stage_memory[7].peak, even_d.stage_memory[7].peak);
+  EXPECT_EQ(own.memory.peak, even.memory.peak);  // stage 0, unchanged, is still the most loaded
 }
 
 TEST(Estimate, InvalidPlansCarryReasons) {

@@ -126,6 +126,44 @@ TEST(MegatronArgs, ExportedFlagsReadBackAsThePlan) {
   }
 }
 
+// Megatron-LM's uneven pipelines: --pipeline-model-parallel-layout (its parentheses kept
+// inside a bash array, whose own are blanks) and --decoder-first/last-pipeline-num-layers,
+// read from a launch and written back by --export megatron.
+TEST(MegatronArgs, UnevenPipelineFlags) {
+  const std::string model = "--num-layers 80 --hidden-size 8192 --num-attention-heads 64 --group-query-attention "
+                            "--num-query-groups 8 --ffn-hidden-size 28672 --swiglu --seq-length 8192 --vocab-size 128256 ";
+  const LaunchInputs a = launch_inputs(
+      parse_megatron_launch("PP_ARGS=(\n  --pipeline-model-parallel-size 8\n"
+                            "  --pipeline-model-parallel-layout \"Et*2|(t*2|)*34,t*3|(t*2|)*3,tL\"\n)\n"
+                            "torchrun pretrain_gpt.py ${PP_ARGS[@]} --tensor-model-parallel-size 4 " + model +
+                                "--micro-batch-size 1 --global-batch-size 256 --bf16",
+                            "launch"),
+      64, "launch");
+  ASSERT_TRUE(a.plan.layout);
+  EXPECT_EQ(a.plan.layout->text, "Et*2|(t*2|)*34,t*3|(t*2|)*3,tL");
+  EXPECT_EQ(std::tie(a.plan.p, a.plan.v, a.plan.d), std::make_tuple(int64_t{8}, int64_t{5}, int64_t{2}));
+  const LaunchInputs b = launch_inputs(
+      parse_megatron_launch(model + "--pipeline-model-parallel-size 4 --decoder-first-pipeline-num-layers 14 "
+                                    "--decoder-last-pipeline-num-layers 18 --num-virtual-stages-per-pipeline-rank 2",
+                            "launch"),
+      32, "launch");
+  EXPECT_EQ(std::tie(b.plan.first_stage_layers, b.plan.last_stage_layers, b.plan.v),
+            std::make_tuple(int64_t{14}, int64_t{18}, int64_t{2}));
+  EXPECT_TRUE(check_plan(b.model, load_cluster("dgx-h100-80g"), b.plan).empty());  // 14, 24, 24, 18
+  const Cluster cl = load_cluster("dgx-h100-80g");
+  for (const LaunchInputs* in : {&a, &b}) {
+    const std::string flags = export_megatron(in->model, in->plan, resolve_stack(in->model, cl, in->plan)) +
+                              fmt::format(" --vocab-size {}", in->model.V);
+    const Plan q = launch_inputs(parse_megatron_launch(flags, "export"), in->plan.world_size(), "export").plan;
+    EXPECT_EQ(std::tie(q.p, q.v, q.first_stage_layers, q.last_stage_layers),
+              std::tie(in->plan.p, in->plan.v, in->plan.first_stage_layers, in->plan.last_stage_layers))
+        << flags;
+    EXPECT_EQ(q.layout ? q.layout->layers : std::vector<int64_t>{}, in->plan.layout ? in->plan.layout->layers : std::vector<int64_t>{})
+        << flags;
+    EXPECT_EQ(estimate(in->model, cl, q).step_time_s, estimate(in->model, cl, in->plan).step_time_s) << flags;
+  }
+}
+
 // Where a flag is absent, what Megatron-LM assumes (not strata's Llama-style defaults for a
 // gated MLP): LayerNorm, learned positions, tied embeddings, biases, dropout 0.1, fp32,
 // multi-head attention unless --group-query-attention, and its SwiGLU width rule.
@@ -210,8 +248,14 @@ TEST(MegatronArgs, ErrorsNameTheFlag) {
             std::string::npos);
   EXPECT_NE(error_of(model + "--vocab-size 100 --nproc-per-node 99999999999 --nnodes 99999999999").find("--n"),
             std::string::npos);
-  // A layout strata does not take from flags, and a variable set to two values.
-  EXPECT_NE(error_of(model + "--vocab-size 100 --decoder-first-pipeline-num-layers 3", 8).find("--decoder-first"),
+  // Two ways of an uneven split at once, a layout that does not parse, and a variable set
+  // to two values.
+  EXPECT_NE(error_of(model + "--vocab-size 100 --pipeline-model-parallel-size 2 --decoder-first-pipeline-num-layers 3 "
+                             "--account-for-embedding-in-pipeline-split --account-for-loss-in-pipeline-split", 8)
+                .find("--decoder-first-pipeline-num-layers and --account-for-embedding/loss-in-pipeline-split"),
+            std::string::npos);
+  EXPECT_NE(error_of(model + "--vocab-size 100 --pipeline-model-parallel-size 2 --pipeline-model-parallel-layout 'Et*4|t*4x'", 8)
+                .find("pipeline_model_parallel_layout"),
             std::string::npos);
   EXPECT_NE(error_of("if x; then TP=2; else TP=4; fi\n" + model + "--vocab-size 100 --tensor-model-parallel-size $TP", 8)
                 .find("--tensor-model-parallel-size $TP"),

@@ -3,11 +3,24 @@
 #include <gtest/gtest.h>
 #include <nlohmann/json.hpp>
 
+#include <tuple>
+
+#include "costmodel/layout.h"
 #include "costmodel/plan.h"
 #include "costmodel/stack.h"
 
 namespace strata {
 namespace {
+
+// load_plan's error message for s, or "no error".
+std::string message(const std::string& s) {
+  try {
+    load_plan(s);
+  } catch (const InputError& e) {
+    return e.what();
+  }
+  return "no error";
+}
 
 TEST(Plan, InlinePairsWithShortKeys) {
   const Plan p = load_plan("tp=8,pp=8,dp=16,mbs=1,vp=3,zero=1,recompute=selective,sp=1,gbs=512");
@@ -54,14 +67,6 @@ TEST(Plan, RoundTripThroughJsonAndInline) {
 }
 
 TEST(Plan, MalformedInputThrowsNamingTheField) {
-  auto message = [](const std::string& s) {
-    try {
-      load_plan(s);
-    } catch (const InputError& e) {
-      return std::string(e.what());
-    }
-    return std::string("no error");
-  };
   EXPECT_NE(message("tp=0").find("tensor_parallel"), std::string::npos);
   EXPECT_NE(message("tp=-2").find("tensor_parallel"), std::string::npos);
   EXPECT_NE(message("tp=two").find("tensor_parallel"), std::string::npos);
@@ -211,6 +216,109 @@ TEST(Plan, CheckRulesReportTheirReasons) {
   EXPECT_EQ(keys(m, load_plan("precision=fp8")), std::vector<std::string>{"precision"});  // A100: no fp8
   // Uneven pipelines: 96 layers on 7 stages is allowed for estimates (as even as possible).
   EXPECT_TRUE(keys(m, load_plan("pp=7")).empty());
+}
+
+// Megatron-LM's uneven pipelines (layout.h). The layout of Megatron-Bridge's Llama 3 70B
+// H100 FP8 recipe (TP4 PP8 VP5): virtual stage 0 holds the embedding and 2 layers, 1..34
+// two each, 35 three, 36..38 two, 39 one and the loss: 2 + 68 + 3 + 6 + 1 = 80 layers in 40
+// virtual stages, so vp = 40 / 8 = 5; virtual stage k is chunk k / 8 of stage k mod 8.
+TEST(Plan, PipelineLayoutStrings) {
+  const Plan p = load_plan("tp=4,pp=8,mbs=1,gbs=256,pipeline_model_parallel_layout=Et*2|(t*2|)*34,t*3|(t*2|)*3,tL");
+  ASSERT_TRUE(p.layout);
+  EXPECT_EQ(p.v, 5);
+  EXPECT_EQ(p.schedule(), ScheduleKind::interleaved);
+  EXPECT_EQ(p.layout->text, "Et*2|(t*2|)*34,t*3|(t*2|)*3,tL");  // the pair's commas kept
+  std::vector<int64_t> want(40, 2);
+  want[35] = 3;
+  want[39] = 1;
+  EXPECT_EQ(p.layout->layers, want);
+  const StageLayout lay = make_layout(80, p);
+  EXPECT_EQ(lay.chunk_layers(3, 4), 3);  // virtual stage 35 = 4 * 8 + 3
+  EXPECT_EQ(lay.chunk_layers(7, 4), 1);
+  EXPECT_EQ(lay.stage_layers(3), 11);
+  EXPECT_EQ(lay.stage_layers(7), 9);
+  // Megatron-core's docs example: "Et*3|(tt|)*29,m|L" (with an MTP layer, which strata refuses);
+  // empty virtual stages and repeated separators.
+  EXPECT_EQ(parse_pipeline_layout("E|t*3|(tt|)*2,L", "f").layers, (std::vector<int64_t>{0, 3, 2, 2, 0}));
+  EXPECT_EQ(parse_pipeline_layout("Ettt|L", "f").layers, (std::vector<int64_t>{3, 0}));
+  EXPECT_EQ(parse_pipeline_layout("E,t*10,L", "f").layers, (std::vector<int64_t>{10}));
+  // The same plan as JSON, and back through both forms.
+  const Plan j = plan_from_json(Json::parse(R"({"pipeline_model_parallel_size":8,"tensor_parallel":4,
+      "pipeline_model_parallel_layout":"Et*2|(t*2|)*34,t*3|(t*2|)*3,tL","global_batch_size":256})"), "plan");
+  EXPECT_EQ(j.layout->layers, want);
+  for (const Plan& q : {plan_from_json(plan_to_json(p), "plan"), load_plan(plan_to_inline(p))}) {
+    ASSERT_TRUE(q.layout);
+    EXPECT_EQ(q.layout->layers, want);
+    EXPECT_EQ(q.v, 5);
+  }
+  // Layers of the first and last stage (Megatron-core's num_layers_in_first/last_pipeline_stage
+  // are the same fields): 126 layers on 16 stages with 7 on each end leave 112 = 14 x 8.
+  const Plan e = load_plan("pp=16,decoder_first_pipeline_num_layers=7,decoder_last_pipeline_num_layers=7");
+  const StageLayout el = make_layout(126, e);
+  EXPECT_EQ(el.chunk_layers(0, 0), 7);
+  EXPECT_EQ(el.chunk_layers(1, 0), 8);
+  EXPECT_EQ(el.chunk_layers(15, 0), 7);
+  const Plan f = plan_from_json(Json::parse(R"({"pipeline_parallel":4,"virtual_pipeline_stages":2,
+      "num_layers_in_first_pipeline_stage":4,"num_layers_in_last_pipeline_stage":2})"), "plan");
+  EXPECT_EQ(std::tie(f.first_stage_layers, f.last_stage_layers), std::make_tuple(int64_t{4}, int64_t{2}));
+  const StageLayout fl = make_layout(18, f);  // 4, then (18 - 6) / 2 = 6 on each middle stage, 2: halves per chunk
+  EXPECT_EQ(fl.layers, (std::vector<int64_t>{2, 3, 3, 1, 2, 3, 3, 1}));
+  for (const Plan& q : {plan_from_json(plan_to_json(f), "plan"), load_plan(plan_to_inline(f))})
+    EXPECT_EQ(std::tie(q.first_stage_layers, q.last_stage_layers, q.v), std::tie(f.first_stage_layers, f.last_stage_layers, f.v));
+}
+
+TEST(Plan, UnevenSplitsThatCannotHoldTheModel) {
+  const std::string lay = "pp=2,pipeline_model_parallel_layout=";
+  for (const auto& [text, rule] : std::vector<std::pair<std::string, std::string>>{
+           {"Et|tt|tt|tL", "no error"},
+           {"Ett|t|tL", "not a multiple of pipeline_parallel=2"},
+           {"tE|tt|tt|tL", "must begin with the embedding"},
+           {"Et|tt|tL|tt", "must end with the loss"},
+           {"Et|tE|tt|tL", "exactly once"},
+           {"Et|tt|tt|tmL", "MTP"},
+           {"Et|tx|tt|tL", "has 'x' at byte 4"},
+           {"Et|((tt|)*2)*1tL", "nests parentheses"},
+           {"Et|(tt|)tL", "needs \"*n\" after the ')'"},
+           {"Et|tt)*2|tL", "not opened"},
+           {"Et|(tt|*2|tL", "open"},
+           {"Et*|tt|tt|tL", "needs a count"},
+           {"Et*99999999|tL", "repeats more than"},
+           {"(t*9999|)*9999,EL", "unrolls to more than"}}) {
+    const std::string m = message(lay + text);
+    EXPECT_NE(m.find(rule), std::string::npos) << text << ": " << m;
+    if (rule != "no error") {
+      EXPECT_NE(m.find("plan.pipeline_model_parallel_layout"), std::string::npos) << m;
+    }
+  }
+  EXPECT_NE(message("pp=2,vp=3,pipeline_model_parallel_layout=Et|tt|tt|tL").find("not pipeline_parallel * "
+                                                                               "virtual_pipeline_stages = 2 x 3"),
+            std::string::npos);
+  EXPECT_NE(message("pp=2,pipeline_model_parallel_layout=3").find("layout string"), std::string::npos);
+  EXPECT_NE(message("pp=2,decoder_first_pipeline_num_layers=0").find("decoder_first_pipeline_num_layers"),
+            std::string::npos);
+  EXPECT_NE(message("pp=2,decoder_last_pipeline_num_layers=2,pipeline_model_parallel_layout=Et|tL").find("cannot be combined"),
+            std::string::npos);
+  // Against the model (check_plan's "uneven_split"): gpt3-175b has 96 layers.
+  const ModelSpec m = load_model("gpt3-175b");
+  const Cluster cl = load_cluster("dgx-a100-80g");
+  auto key_of = [&](const std::string& s) {
+    const auto r = check_plan(m, cl, load_plan(s));
+    return r.empty() ? std::string() : r.front().key + ": " + r.front().message;
+  };
+  EXPECT_EQ(key_of("pp=2,decoder_first_pipeline_num_layers=40"), "");  // 40 + 56
+  EXPECT_EQ(key_of("pp=4,vp=2,decoder_first_pipeline_num_layers=20,decoder_last_pipeline_num_layers=20,gbs=8"), "");  // 28 each
+  EXPECT_NE(key_of("pp=4,decoder_first_pipeline_num_layers=20").find("uneven_split"), std::string::npos);  // 76 over 3
+  EXPECT_NE(key_of("pp=2,decoder_first_pipeline_num_layers=40,decoder_last_pipeline_num_layers=40").find("leave 16"),
+            std::string::npos);
+  EXPECT_NE(key_of("pp=2,decoder_first_pipeline_num_layers=97").find("uneven_split"), std::string::npos);
+  EXPECT_NE(key_of("pp=4,vp=2,decoder_first_pipeline_num_layers=21,decoder_last_pipeline_num_layers=21,gbs=8")
+                .find("divisible by virtual_pipeline_stages=2"),
+            std::string::npos);
+  EXPECT_NE(key_of("pp=1,decoder_first_pipeline_num_layers=4").find("pipeline_parallel >= 2"), std::string::npos);
+  EXPECT_NE(key_of("pp=2,pipeline_model_parallel_layout=Et|tL").find("holds 2 decoder layers ('t'), not num_layers=96"),
+            std::string::npos);
+  // A layout may leave a chunk empty (Megatron-core allows it): no layers_vp reason.
+  EXPECT_EQ(key_of("pp=2,gbs=2,pipeline_model_parallel_layout=Et*48|t*48|t*0|L"), "");
 }
 
 TEST(Plan, AutoAttentionResolution) {

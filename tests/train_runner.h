@@ -62,7 +62,7 @@ inline TrainRun train(const std::string& model, const std::string& plan, int ste
   std::ostringstream cmd;
   cmd << "OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMPI_MCA_rmaps_base_oversubscribe=1 "
       << "ASAN_OPTIONS=detect_leaks=0 timeout 300 " << STRATA_MPIEXEC << " -np " << np << " " << STRATA_BINARY
-      << " train --model " << model << " --plan " << plan << " --steps " << steps << " --quiet --json " << base
+      << " train --model " << model << " --plan '" << plan << "' --steps " << steps << " --quiet --json " << base
       << ".json --dump-params " << base << ".bin " << extra << " > " << base << ".out 2> " << base << ".err";
   TrainRun r;
   const int status = std::system(cmd.str().c_str());

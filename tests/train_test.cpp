@@ -109,6 +109,10 @@ const std::vector<std::string> kPlans = {
     "cp=2,mbs=1,gbs=8",
     "cp=2,tp=2,sp=1,attention=flash,recompute=selective,mbs=1,gbs=8",
     "cp=2,dp=2,zero=3,recompute=full,mbs=1,gbs=8",
+    // Uneven pipelines: Megatron-core's layout with an empty last chunk (the loss alone), and
+    // three of the four layers on the first stage.
+    "pp=2,mbs=1,gbs=8,pipeline_model_parallel_layout=Ett|t|t|L",
+    "pp=2,dp=2,zero=1,mbs=1,gbs=8,decoder_first_pipeline_num_layers=3",
 };
 
 TEST(TrainEquivalence, GptPlansMatchOneRank) {
@@ -241,6 +245,21 @@ TEST(TrainMemory, ZeroShardsTheOptimizerAndGradients) {
   EXPECT_LT(mem(z3, "weights"), 0.51 * mem(z0, "weights"));
   EXPECT_LT(mem(z3, "gradients"), 0.51 * mem(z0, "gradients"));
   EXPECT_GT(mem(z3, "comm_buffers"), 0);  // the gathered layer and one layer's gradient
+}
+
+// The executor builds the layers a plan's own split gives each stage (layout.h), not its
+// even split: with "Ett|t|t|L" stage 0 holds layers 0, 1 (chunk 0) and 3 (chunk 1), one
+// more than the two of pp=2,vp=2. tiny-gpt's layer has 12 H^2 + 13 H parameters (QKV 3H^2 +
+// 3H, projection H^2 + H, MLP 8H^2 + 5H, two LayerNorms 4H), 789,760 at H = 256, at 2 bytes
+// each in bf16; stage 0 (the embedding and its positions) is the larger rank either way.
+TEST(TrainMemory, APipelineLayoutPlacesTheLayers) {
+  auto weights = [](const TrainRun& r) { return r.j["peak_memory_bytes"]["weights"].get<double>(); };
+  const TrainRun even = train("tiny-gpt", "pp=2,vp=2,mbs=1,gbs=4,precision=bf16", 1, kShort);
+  const TrainRun own = train("tiny-gpt", "pp=2,mbs=1,gbs=4,precision=bf16,pipeline_model_parallel_layout=Ett|t|t|L", 1, kShort);
+  ASSERT_EQ(even.rc, 0) << even.err;
+  ASSERT_EQ(own.rc, 0) << own.err;
+  EXPECT_EQ(weights(own) - weights(even), 2.0 * (12.0 * 256 * 256 + 13.0 * 256));
+  EXPECT_EQ(own.losses, even.losses);  // the same model, split otherwise
 }
 
 TEST(TrainPrecision, Bf16AndFp16TrackFp32) {
