@@ -59,7 +59,10 @@ std::string split_problem(int64_t L, const Plan& p) {
   if (first == 0 && last == 0) return {};
   if (p.p < 2) return "decoder_first/last_pipeline_num_layers need pipeline_parallel >= 2";
   const int64_t middle = p.p - (first > 0 ? 1 : 0) - (last > 0 ? 1 : 0), rest = L - first - last;
-  if (rest < 0 || (rest > 0) != (middle > 0) || (middle > 0 && rest % middle != 0))
+  if (rest < 0)
+    return fmt::format("decoder_first_pipeline_num_layers + decoder_last_pipeline_num_layers = {} exceed num_layers={}",
+                       first + last, L);
+  if ((rest > 0) != (middle > 0) || (middle > 0 && rest % middle != 0))
     return fmt::format("{}{}{} leave{} {} of num_layers={} to the {} other stage{}: they must split evenly, and "
                        "none may be left only where no stage is (Megatron-core's rule)",
                        first > 0 ? fmt::format("decoder_first_pipeline_num_layers={}", first) : "",

@@ -3,6 +3,7 @@
 
 #include <algorithm>
 #include <cctype>
+#include <cstring>
 #include <filesystem>
 #include <map>
 #include <set>
@@ -85,16 +86,11 @@ std::vector<std::string> words_of(const std::string& text) {
       clean += ' ';  // a continuation, or an escaped quote inside quotes
       continue;
     }
-    // Parentheses inside a word (a pipeline layout's "(t*2|)*34") are kept; those of arrays
-    // and subshells, ARGS=( ... ), $( ... ), stand next to blanks, '=', '$' or quotes.
-    auto blank_or_quote = [&](size_t k) {
-      return k >= text.size() || std::isspace(static_cast<unsigned char>(text[k])) || text[k] == '"' ||
-             text[k] == '\'' || text[k] == ';';
-    };
-    const bool shell_paren =
-        (c == '(' && (i == 0 || blank_or_quote(i - 1) || text[i - 1] == '=' || text[i - 1] == '$')) ||
-        (c == ')' && blank_or_quote(i + 1));
-    clean += (c == '"' || c == '\'' || c == ';' || shell_paren) ? ' ' : c;
+    // A pipeline layout's parentheses ("Et|(t*2|)*34,tL") are kept: '(' after a layout
+    // character, ')' before its "*n". Every other one (arrays, subshells) is a blank.
+    const bool layout_paren = (c == '(' && i > 0 && std::strchr("EtL|,", text[i - 1]) != nullptr) ||
+                              (c == ')' && i + 1 < text.size() && text[i + 1] == '*');
+    clean += (c == '"' || c == '\'' || c == ';' || ((c == '(' || c == ')') && !layout_paren)) ? ' ' : c;
   }
   std::istringstream in(clean);
   std::vector<std::string> words;

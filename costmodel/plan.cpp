@@ -143,18 +143,22 @@ void adopt_foreign_names(Json& j, const std::string& source) {
 
 PipelineLayout parse_pipeline_layout(const std::string& text, const std::string& field) {
   // Megatron-core's reading (PipelineParallelLayerLayout.parse_str_to_list): commas dropped,
-  // "(...)*n" unrolled, then "x*n"; here in one pass, refusing what it would misread.
+  // "(...)*n" unrolled, then "x*n"; here in one pass over the text without its commas,
+  // refusing what it would misread.
   constexpr size_t kMaxTokens = size_t{1} << 20;
+  std::string t;
+  for (char ch : text)
+    if (ch != ',') t += ch;
   auto fail = [&](const std::string& rule) { fail_field(field, "\"" + text + "\"", rule); };
-  auto count_at = [&](size_t* i) {  // the n of "*n" at text[*i] == '*'
+  auto count_at = [&](size_t* i) {  // the n of "*n" at t[*i] == '*'
     size_t j = *i + 1;
     int64_t n = 0;
-    while (j < text.size() && std::isdigit(static_cast<unsigned char>(text[j]))) {
-      n = n * 10 + (text[j] - '0');
+    while (j < t.size() && std::isdigit(static_cast<unsigned char>(t[j]))) {
+      n = n * 10 + (t[j] - '0');
       if (n > static_cast<int64_t>(kMaxTokens)) fail(fmt::format("repeats more than {} times", kMaxTokens));
       ++j;
     }
-    if (j == *i + 1) fail(fmt::format("needs a count after the '*' at byte {}", *i));
+    if (j == *i + 1) fail(fmt::format("needs a count after '{}*'", t.substr(0, *i)));
     *i = j;
     return static_cast<size_t>(n);
   };
@@ -167,33 +171,33 @@ PipelineLayout parse_pipeline_layout(const std::string& text, const std::string&
       fail(fmt::format("unrolls to more than {} layers and separators", kMaxTokens));
     for (size_t k = 0; k < times; ++k) into += what;
   };
-  for (size_t i = 0; i < text.size();) {
-    const char ch = text[i];
-    if (ch == ',') {
-      ++i;
-    } else if (ch == '(') {
-      if (in_group) fail(fmt::format("nests parentheses at byte {} (Megatron-core unrolls one level)", i));
+  for (size_t i = 0; i < t.size();) {
+    const char ch = t[i];
+    const std::string before = t.substr(0, i);  // for messages: where, in the text without commas
+    if (ch == '(') {
+      if (in_group) fail(fmt::format("nests parentheses after '{}' (Megatron-core unrolls one level)", before));
       in_group = true;
       group.clear();
       ++i;
     } else if (ch == ')') {
-      if (!in_group) fail(fmt::format("closes a parenthesis at byte {} that was not opened", i));
+      if (!in_group) fail(fmt::format("closes a parenthesis after '{}' that was not opened", before));
+      if (group.empty()) fail(fmt::format("has an empty group \"()\" after '{}'", before));
       ++i;
-      if (i >= text.size() || text[i] != '*') fail(fmt::format("needs \"*n\" after the ')' at byte {}", i - 1));
+      if (i >= t.size() || t[i] != '*') fail(fmt::format("needs \"*n\" after '{})'", before));
       const size_t n = count_at(&i);
       in_group = false;
       add(group, n);
     } else if (ch == 'E' || ch == 't' || ch == 'L' || ch == '|') {
       ++i;
       size_t n = 1;
-      if (i < text.size() && text[i] == '*') n = count_at(&i);
+      if (i < t.size() && t[i] == '*') n = count_at(&i);
       add(std::string(1, ch), n);
     } else if (ch == 'm') {
       fail("holds an MTP layer ('m'): strata does not model multi-token prediction");
     } else {
-      fail(fmt::format("has '{}' at byte {}: the characters are E (embedding), t (decoder layer), L (loss), | "
+      fail(fmt::format("has '{}' after '{}': the characters are E (embedding), t (decoder layer), L (loss), | "
                        "(between virtual stages), parentheses, * with a count, and commas",
-                       ch, i));
+                       ch, before));
     }
   }
   if (in_group) fail("leaves a parenthesis open");
@@ -209,8 +213,11 @@ PipelineLayout parse_pipeline_layout(const std::string& text, const std::string&
     else if (ch == 'L') ++losses;
   }
   if (embeddings != 1 || losses != 1) fail("must hold the embedding 'E' and the loss 'L' exactly once each");
-  if (flat.front() != 'E') fail("must begin with the embedding 'E' (the first virtual stage's first layer)");
-  if (flat.back() != 'L') fail("must end with the loss 'L' (the last virtual stage's last layer)");
+  // Megatron-core asks for E first and L last among the layers; strata also places them on
+  // the first and the last virtual stage (stage 0's first chunk, the last stage's last).
+  if (flat.front() != 'E')
+    fail("must begin with the embedding 'E': the first virtual stage holds it, before any layer");
+  if (flat.back() != 'L') fail("must end with the loss 'L': the last virtual stage holds it, after every layer");
   return out;
 }
 
@@ -358,6 +365,7 @@ Json parse_inline_pairs(const std::string& text, const std::string& what) {
     const size_t comma = text.find(',', pos);
     const std::string item = text.substr(pos, comma == std::string::npos ? std::string::npos : comma - pos);
     pos = comma == std::string::npos ? text.size() + 1 : comma + 1;
+    if (item.empty() && last_key == "pipeline_model_parallel_layout") continue;  // a layout's doubled comma
     if (item.empty())
       throw InputError(fmt::format("{}: '{}' has an empty pair at byte {}: key=value pairs are separated by single "
                                    "commas, with none before the first or after the last",
@@ -373,6 +381,10 @@ Json parse_inline_pairs(const std::string& text, const std::string& what) {
     const std::string key = item.substr(0, eq), val = item.substr(eq + 1);
     if (j.contains(key)) throw InputError(fmt::format("{}: key '{}' given twice", what, key));
     last_key = key;
+    if (key == "pipeline_model_parallel_layout") {  // text, whatever it looks like
+      j[key] = val;
+      continue;
+    }
     bool is_int = !val.empty() && val.size() <= 18;
     for (size_t i = 0; i < val.size(); ++i)
       if (!(std::isdigit(static_cast<unsigned char>(val[i])) || (i == 0 && val[i] == '-' && val.size() > 1))) is_int = false;

@@ -170,7 +170,8 @@ void write_trace(std::ostream& out, const ModelSpec& m, const Estimate& e, const
     const int64_t l0 = first_layer[static_cast<size_t>(x.chunk * p.p + x.stage)];
     const bool emb = d.layout.has_embedding(x.stage, x.chunk), head = d.layout.has_head(x.stage, x.chunk);
     const std::string args =
-        fmt::format(R"j({{"microbatch": {}, "chunk": {}, "layers": "{}-{}"}})j", x.mb, x.chunk, l0, l0 + n - 1);
+        n == 0 ? fmt::format(R"j({{"microbatch": {}, "chunk": {}, "layers": "none"}})j", x.mb, x.chunk)
+               : fmt::format(R"j({{"microbatch": {}, "chunk": {}, "layers": "{}-{}"}})j", x.mb, x.chunk, l0, l0 + n - 1);
     const bool recompute = d.layer.recompute.total() > 0;
     // The backward holds its recompute.
     slice(x.forward ? "forward" : "backward", x.stage, 0, x.start_s, x.end_s, args);

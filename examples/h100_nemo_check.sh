@@ -11,8 +11,8 @@
 #                    user-guide/latest/performance/performance_summary.html while 25.02 was the
 #                    latest container; later releases keep their own tables under
 #                    performance/archive/).
-#   megatron-bridge  the Megatron-Bridge performance summaries (NeMo containers 25.09, 25.11 and
-#                    26.02; FP8 current scaling; DGX-H100 and DGX-B200;
+#   megatron-bridge  the Megatron-Bridge performance summaries (NeMo containers 25.09, 25.11,
+#                    26.02 and, the last two rows, 26.04.01; FP8 current scaling; DGX-H100 and DGX-B200;
 #                    github.com/NVIDIA-NeMo/Megatron-Bridge docs/performance-summary.md and
 #                    performance-summary-archive.md).
 #   nemo-automodel   NeMo AutoModel's Llama 3 70B (PyTorch FSDP2 + Transformer Engine, BF16,

@@ -144,12 +144,14 @@ std::string export_deepspeed(const ModelSpec& m, const Plan& p, const Stack& sta
                                  {"context_parallel_size", p.c},
                                  {"virtual_pipeline_stages", p.v},
                                  {"microbatch_group_size_per_vp_stage", p.v > 1 ? p.vp_group_size() : 0},
-                                 {"pipeline_model_parallel_layout", p.layout ? Json(p.layout->text) : Json()},
-                                 {"decoder_first_pipeline_num_layers", p.first_stage_layers > 0 ? Json(p.first_stage_layers) : Json()},
-                                 {"decoder_last_pipeline_num_layers", p.last_stage_layers > 0 ? Json(p.last_stage_layers) : Json()},
+
                                  {"sequence_parallel", p.sp},
                                  {"recompute", to_string(p.recompute)},
                                  {"precision", to_string(p.precision)}};
+  Json& split = j["strata_parallel_layout"];  // an uneven pipeline, where the plan gives one
+  if (p.layout) split["pipeline_model_parallel_layout"] = p.layout->text;
+  if (p.first_stage_layers > 0) split["decoder_first_pipeline_num_layers"] = p.first_stage_layers;
+  if (p.last_stage_layers > 0) split["decoder_last_pipeline_num_layers"] = p.last_stage_layers;
   return j.dump(2) + "\n";
 }
 

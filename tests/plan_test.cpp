@@ -242,6 +242,11 @@ TEST(Plan, PipelineLayoutStrings) {
   EXPECT_EQ(parse_pipeline_layout("E|t*3|(tt|)*2,L", "f").layers, (std::vector<int64_t>{0, 3, 2, 2, 0}));
   EXPECT_EQ(parse_pipeline_layout("Ettt|L", "f").layers, (std::vector<int64_t>{3, 0}));
   EXPECT_EQ(parse_pipeline_layout("E,t*10,L", "f").layers, (std::vector<int64_t>{10}));
+  // Commas are dropped before anything else, as Megatron-core does: even inside a count.
+  EXPECT_EQ(parse_pipeline_layout("Et*1,0|tL", "f").layers, (std::vector<int64_t>{10, 1}));
+  // In inline pairs the layout is text (a digit is no number) and its commas, a trailing or
+  // doubled one too, stay its own.
+  EXPECT_EQ(load_plan("pp=2,pipeline_model_parallel_layout=Et,,t|t,tL,").layout->layers, (std::vector<int64_t>{2, 2}));
   // The same plan as JSON, and back through both forms.
   const Plan j = plan_from_json(Json::parse(R"({"pipeline_model_parallel_size":8,"tensor_parallel":4,
       "pipeline_model_parallel_layout":"Et*2|(t*2|)*34,t*3|(t*2|)*3,tL","global_batch_size":256})"), "plan");
@@ -276,12 +281,16 @@ TEST(Plan, UnevenSplitsThatCannotHoldTheModel) {
            {"Et|tt|tL|tt", "must end with the loss"},
            {"Et|tE|tt|tL", "exactly once"},
            {"Et|tt|tt|tmL", "MTP"},
-           {"Et|tx|tt|tL", "has 'x' at byte 4"},
+           {"Et|tx|tt|tL", "has 'x' after 'Et|t'"},
            {"Et|((tt|)*2)*1tL", "nests parentheses"},
-           {"Et|(tt|)tL", "needs \"*n\" after the ')'"},
+           {"Et|(tt|)tL", "needs \"*n\" after 'Et|(tt|)'"},
            {"Et|tt)*2|tL", "not opened"},
            {"Et|(tt|*2|tL", "open"},
-           {"Et*|tt|tt|tL", "needs a count"},
+           {"Et*|tt|tt|tL", "needs a count after 'Et*'"},
+           {"Et|()*3|tt|tL", "empty group"},
+           {"|Et|tt|tL", "the first virtual stage holds it"},
+           {"Et|tt|tL|", "the last virtual stage holds it"},
+           {"1,2", "has '1' after ''"},
            {"Et*99999999|tL", "repeats more than"},
            {"(t*9999|)*9999,EL", "unrolls to more than"}}) {
     const std::string m = message(lay + text);
@@ -293,7 +302,13 @@ TEST(Plan, UnevenSplitsThatCannotHoldTheModel) {
   EXPECT_NE(message("pp=2,vp=3,pipeline_model_parallel_layout=Et|tt|tt|tL").find("not pipeline_parallel * "
                                                                                "virtual_pipeline_stages = 2 x 3"),
             std::string::npos);
-  EXPECT_NE(message("pp=2,pipeline_model_parallel_layout=3").find("layout string"), std::string::npos);
+  try {
+    plan_from_json(Json::parse(R"({"pipeline_parallel":2,"pipeline_model_parallel_layout":3})"), "plan");
+    ADD_FAILURE() << "a number taken as a layout";
+  } catch (const InputError& e) {
+    EXPECT_NE(std::string(e.what()).find("must be a layout string"), std::string::npos) << e.what();
+  }
+  EXPECT_NE(message("pp=2,pipeline_model_parallel_layout=3").find("has '3' after ''"), std::string::npos);
   EXPECT_NE(message("pp=2,decoder_first_pipeline_num_layers=0").find("decoder_first_pipeline_num_layers"),
             std::string::npos);
   EXPECT_NE(message("pp=2,decoder_last_pipeline_num_layers=2,pipeline_model_parallel_layout=Et|tL").find("cannot be combined"),
@@ -310,15 +325,21 @@ TEST(Plan, UnevenSplitsThatCannotHoldTheModel) {
   EXPECT_NE(key_of("pp=4,decoder_first_pipeline_num_layers=20").find("uneven_split"), std::string::npos);  // 76 over 3
   EXPECT_NE(key_of("pp=2,decoder_first_pipeline_num_layers=40,decoder_last_pipeline_num_layers=40").find("leave 16"),
             std::string::npos);
-  EXPECT_NE(key_of("pp=2,decoder_first_pipeline_num_layers=97").find("uneven_split"), std::string::npos);
+  EXPECT_NE(key_of("pp=2,decoder_first_pipeline_num_layers=97").find("= 97 exceed num_layers=96"), std::string::npos);
   EXPECT_NE(key_of("pp=4,vp=2,decoder_first_pipeline_num_layers=21,decoder_last_pipeline_num_layers=21,gbs=8")
                 .find("divisible by virtual_pipeline_stages=2"),
             std::string::npos);
   EXPECT_NE(key_of("pp=1,decoder_first_pipeline_num_layers=4").find("pipeline_parallel >= 2"), std::string::npos);
   EXPECT_NE(key_of("pp=2,pipeline_model_parallel_layout=Et|tL").find("holds 2 decoder layers ('t'), not num_layers=96"),
             std::string::npos);
-  // A layout may leave a chunk empty (Megatron-core allows it): no layers_vp reason.
-  EXPECT_EQ(key_of("pp=2,gbs=2,pipeline_model_parallel_layout=Et*48|t*48|t*0|L"), "");
+  // A layout may leave chunks empty (Megatron-core allows it), even hold fewer layers than
+  // chunks: no layers_vp reason. tiny-gpt has 4 layers; 6 chunks of 1, 1, 1, 1, 0 and 0.
+  const ModelSpec tiny = load_model("tiny-gpt");
+  const Cluster cpu = load_cluster("local-cpu");
+  EXPECT_EQ(check_plan(tiny, cpu, load_plan("pp=2,vp=3,gbs=2")).at(0).key, "layers_vp");
+  EXPECT_TRUE(check_plan(tiny, cpu, load_plan("pp=2,gbs=2,pipeline_model_parallel_layout=Et|t|t|t||L")).empty());
+  EXPECT_EQ(make_layout(4, load_plan("pp=2,pipeline_model_parallel_layout=Et|t|t|t||L")).layers,
+            (std::vector<int64_t>{1, 1, 1, 1, 0, 0}));
 }
 
 TEST(Plan, AutoAttentionResolution) {

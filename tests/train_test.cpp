@@ -109,9 +109,9 @@ const std::vector<std::string> kPlans = {
     "cp=2,mbs=1,gbs=8",
     "cp=2,tp=2,sp=1,attention=flash,recompute=selective,mbs=1,gbs=8",
     "cp=2,dp=2,zero=3,recompute=full,mbs=1,gbs=8",
-    // Uneven pipelines: Megatron-core's layout with an empty last chunk (the loss alone), and
-    // three of the four layers on the first stage.
-    "pp=2,mbs=1,gbs=8,pipeline_model_parallel_layout=Ett|t|t|L",
+    // Uneven pipelines: Megatron-core's layout, 4 layers in 6 chunks (stage 0's last empty,
+    // the last stage's last the loss alone), and three of the four layers on the first stage.
+    "pp=2,mbs=1,gbs=8,pipeline_model_parallel_layout=Et|t|t|t||L",
     "pp=2,dp=2,zero=1,mbs=1,gbs=8,decoder_first_pipeline_num_layers=3",
 };
 
