@@ -36,8 +36,9 @@ void make_layout_into(int64_t L, int64_t p, int64_t v, StageLayout* out);  // re
 //   decoder_first/last_pipeline_num_layers: that many layers on the first / last stage, the
 //     rest evenly over the others; each stage's layers split evenly over its v chunks
 //     (Megatron-core's TransformerConfig rules, split_problem).
-// A split that breaks its rules (check_plan reports it) falls back to the rule above. The
-// memory model counts each stage's average chunk (memory.cpp): exact for equal chunks.
+// A split that breaks its rules (check_plan reports it) falls back to the rule above. Where
+// a plan's own split leaves a stage's chunks unlike, memory.cpp weighs each chunk by its
+// own activations along the schedule (weighted_activation_peak).
 StageLayout make_layout(int64_t L, const Plan& p);
 void make_layout_into(int64_t L, const Plan& p, StageLayout* out);
 // Why the plan's own split cannot hold L layers; empty when it can (or there is none).

@@ -19,6 +19,8 @@
 #include <algorithm>
 #include <vector>
 
+#include "costmodel/schedule.h"
+
 namespace strata {
 
 StateBytes state_bytes(Precision prec, bool fused) {
@@ -138,6 +140,19 @@ double stage_params(const ModelSpec& m, const Plan& p, const StageLayout& lay, i
   return stage_params(m, p, lay, s, in);
 }
 
+double weighted_activation_peak(const Plan& p, int64_t s, const double* chunk_weights) {
+  const bool interleaved = p.schedule() == ScheduleKind::interleaved;
+  const ScheduleShape sh{p.schedule(), p.p, interleaved ? p.v : 1, p.microbatches(), interleaved ? p.vp_group_size() : 0};
+  const int64_t warm = sh.warmup(s);
+  double now = 0, peak = 0;
+  for (int64_t k = 0; k < sh.positions(); ++k) {
+    const StepAt st = sh.at(s, k, warm);
+    now += st.forward ? chunk_weights[st.chunk] : -chunk_weights[st.chunk];
+    peak = std::max(peak, now);
+  }
+  return peak;
+}
+
 namespace {
 
 // What a stage holds whatever its micro-batches in flight: its states and communication
@@ -146,6 +161,10 @@ namespace {
 struct StageShape {
   MemoryBreakdown fixed;
   double per_chunk = 0, working = 0;
+  // Each chunk's activations, with the embedding's on stage 0's first chunk and the output
+  // layer's on the last stage's last, where a plan's own split leaves the stage's chunks
+  // unlike (else empty: the average above is exact).
+  std::vector<double> chunk_weights;
 };
 
 StageShape stage_shape(const ModelSpec& m, const Plan& p, const StageLayout& lay, const ComputeSetup& cs, int64_t s,
@@ -171,10 +190,22 @@ StageShape stage_shape(const ModelSpec& m, const Plan& p, const StageLayout& lay
   const double per_layer = in.per_layer;
   const double per_full_layer = in.per_full_layer;
   double& per_chunk = shape.per_chunk;
+  bool alike = true;
   for (int64_t c = 0; c < lay.v; ++c) {
     const int64_t n = lay.chunk_layers(s, c);
     const int64_t k = p.recompute == Recompute::full ? p.recomputed_layers(n) : n;
     per_chunk += static_cast<double>(k) * per_layer + static_cast<double>(n - k) * per_full_layer;
+    alike = alike && n == lay.chunk_layers(s, 0);
+  }
+  if (p.explicit_split() && !alike) {
+    for (int64_t c = 0; c < lay.v; ++c) {
+      const int64_t n = lay.chunk_layers(s, c);
+      const int64_t k = p.recompute == Recompute::full ? p.recomputed_layers(n) : n;
+      double w = static_cast<double>(k) * per_layer + static_cast<double>(n - k) * per_full_layer;
+      if (lay.has_embedding(s, c)) w += in.embedding_act;
+      if (lay.has_head(s, c)) w += in.head_act;
+      shape.chunk_weights.push_back(w);
+    }
   }
   per_chunk /= static_cast<double>(lay.v);
   // Working set of the layer running its backward: the gradients of its largest
@@ -254,6 +285,7 @@ MemoryBreakdown with_in_flight(const StageShape& shape, const Cluster& cl, const
   double act = static_cast<double>(in_flight) * per_chunk;
   if (s == 0) act += static_cast<double>(in_flight_first) * in.embedding_act;
   if (s == p.p - 1) act += static_cast<double>(in_flight_last) * in.head_act;
+  if (!shape.chunk_weights.empty()) act = weighted_activation_peak(p, s, shape.chunk_weights.data());
   mb.activations = act + working;
   // The last stage: while the loss and its gradient are formed the current micro-batch's
   // output-layer activations are alive; the layers' backward starts after they are freed.

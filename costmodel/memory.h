@@ -55,6 +55,11 @@ struct StageMemoryInputs {
   double layer_params = 0, word_embedding_params = 0, position_params = 0, final_norm_params = 0;
 };
 StageMemoryInputs stage_memory_inputs(const ModelSpec& m, const Plan& p, const ComputeSetup& cs);
+// The activations stage s holds at its peak when each chunk-micro-batch of chunk c weighs
+// chunk_weights[c]: the plan's schedule walked (forwards add, backwards free), its largest
+// sum. stage_memory() uses it where a plan's own split (layout.h) leaves a stage's chunks
+// unlike; elsewhere the chunks' average times the chunk-micro-batches in flight is exact.
+double weighted_activation_peak(const Plan& p, int64_t s, const double* chunk_weights);
 MemoryBreakdown stage_memory(const ModelSpec& m, const Cluster& cl, const Plan& p, const StageLayout& lay,
                              const ComputeSetup& cs, int64_t s, int64_t in_flight, int64_t in_flight_first,
                              int64_t in_flight_last, const StageMemoryInputs* pre = nullptr);

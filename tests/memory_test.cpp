@@ -7,6 +7,7 @@
 
 #include "costmodel/estimate.h"
 #include "costmodel/memory.h"
+#include "costmodel/schedule.h"
 #include "test_cluster.h"
 
 namespace strata {
@@ -182,6 +183,43 @@ TEST(Memory, AllStagesAtOnceEqualEachStageAlone) {
   }
   std::printf("%d stages compared\n", stages);
   EXPECT_GT(stages, 60);  // the plans above are valid for these models
+}
+
+// The interleaved schedule of 2 stages x 2 chunks with 4 micro-batches (groups of 2), stage
+// 0: warm-up (p - s - 1) 2 + (v - 1) g = 4 forwards, F0..F3 = chunk 0 of micro-batches 0, 1,
+// chunk 1 of 0, 1; then pairs (F4 = c0 mb2, B0 = c1 mb0), (F5 = c0 mb3, B1 = c1 mb1),
+// (F6 = c1 mb2, B2 = c0 mb0), (F7 = c1 mb3, B3 = c0 mb1); then B4..B7. With chunk weights
+// w0, w1 the sums after each step: w0, 2w0, 2w0 + w1, 2w0 + 2w1, 3w0 + 2w1, 3w0 + w1, 4w0 +
+// w1, 4w0, 4w0 + w1, 3w0 + w1, 3w0 + 2w1, 2w0 + 2w1, then less: the peak is max(4w0 + w1,
+// 3w0 + 2w1).
+TEST(Memory, WeightedActivationPeakWalksTheSchedule) {
+  const Plan p = load_plan("pp=2,vp=2,mbs=1,gbs=4");
+  const double heavy_first[2] = {7, 1}, heavy_last[2] = {1, 7};
+  EXPECT_EQ(weighted_activation_peak(p, 0, heavy_first), 29.0);  // 4 x 7 + 1
+  EXPECT_EQ(weighted_activation_peak(p, 0, heavy_last), 17.0);   // 3 + 14 (4w0 + w1 = 11)
+  // Equal weights: the count of peak_in_flight() times the weight.
+  const double even[2] = {1, 1};
+  const std::vector<int64_t> counts = peak_in_flight(make_schedule(ScheduleKind::interleaved, 2, 2, 4));
+  for (int64_t s = 0; s < 2; ++s)
+    EXPECT_EQ(weighted_activation_peak(p, s, even), static_cast<double>(counts[static_cast<size_t>(s)]));
+}
+
+// A plan's own layout with unlike chunks on a stage: the stage's activations are the walk's,
+// not the chunks' average times the count in flight. gpt2-124m's 12 layers as p = 2 x v = 2
+// chunks: "Et*6|t|t*2|t*3L" puts 6 and 2 layers on stage 0, "Et*4|t*2|t*4|t*2L" 4 and 4. With
+// a = one layer's activations and e the embedding's, stage 0 holds 4(6a + e) + 2a = 26a + 4e
+// at its peak in the first, 4(4a + e) + 4a = 20a + 4e in the second (equal chunks: the
+// average, 5 in flight x 4a + 4 chunk-0 x e, the same): 6a more.
+TEST(Memory, UnlikeChunksOfALayoutAreWeighedByTheSchedule) {
+  const ModelSpec m = load_model("gpt2-124m");
+  const Cluster c = testing::round_cluster();
+  EstimateDetail unlike, alike;
+  const Plan pu = load_plan("pp=2,mbs=1,gbs=4,pipeline_model_parallel_layout=Et*6|t|t*2|t*3L");
+  const Plan pa = load_plan("pp=2,mbs=1,gbs=4,pipeline_model_parallel_layout=Et*4|t*2|t*4|t*2L");
+  ASSERT_TRUE(estimate(m, c, pu, {}, &unlike).valid);
+  ASSERT_TRUE(estimate(m, c, pa, {}, &alike).valid);
+  const double a = layer_activation_bytes(m, pu, compute_setup(m, c, pu));
+  EXPECT_DOUBLE_EQ(unlike.stage_memory[0].activations - alike.stage_memory[0].activations, 6.0 * a);
 }
 
 TEST(Memory, ContextParallelRanksShareTheShards) {
