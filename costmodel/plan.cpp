@@ -173,17 +173,17 @@ PipelineLayout parse_pipeline_layout(const std::string& text, const std::string&
   };
   for (size_t i = 0; i < t.size();) {
     const char ch = t[i];
-    const std::string before = t.substr(0, i);  // for messages: where, in the text without commas
+    auto before = [&] { return t.substr(0, i); };  // for messages: where, in the text without commas
     if (ch == '(') {
-      if (in_group) fail(fmt::format("nests parentheses after '{}' (Megatron-core unrolls one level)", before));
+      if (in_group) fail(fmt::format("nests parentheses after '{}' (Megatron-core unrolls one level)", before()));
       in_group = true;
       group.clear();
       ++i;
     } else if (ch == ')') {
-      if (!in_group) fail(fmt::format("closes a parenthesis after '{}' that was not opened", before));
-      if (group.empty()) fail(fmt::format("has an empty group \"()\" after '{}'", before));
+      if (!in_group) fail(fmt::format("closes a parenthesis after '{}' that was not opened", before()));
+      if (group.empty()) fail(fmt::format("has an empty group \"()\" after '{}'", before()));
       ++i;
-      if (i >= t.size() || t[i] != '*') fail(fmt::format("needs \"*n\" after '{})'", before));
+      if (i >= t.size() || t[i] != '*') fail(fmt::format("needs \"*n\" after '{}'", before()));
       const size_t n = count_at(&i);
       in_group = false;
       add(group, n);
@@ -197,7 +197,7 @@ PipelineLayout parse_pipeline_layout(const std::string& text, const std::string&
     } else {
       fail(fmt::format("has '{}' after '{}': the characters are E (embedding), t (decoder layer), L (loss), | "
                        "(between virtual stages), parentheses, * with a count, and commas",
-                       ch, before));
+                       ch, before()));
     }
   }
   if (in_group) fail("leaves a parenthesis open");
@@ -373,7 +373,7 @@ Json parse_inline_pairs(const std::string& text, const std::string& what) {
     const size_t eq = item.find('=');
     // A pipeline layout's own (cosmetic) commas: the pieces after it belong to it.
     if (eq == std::string::npos && last_key == "pipeline_model_parallel_layout") {
-      j[last_key] = j[last_key].get<std::string>() + "," + item;
+      j[last_key].get_ref<std::string&>() += "," + item;
       continue;
     }
     if (eq == std::string::npos || eq == 0 || eq + 1 == item.size())
