@@ -190,18 +190,19 @@ StageShape stage_shape(const ModelSpec& m, const Plan& p, const StageLayout& lay
   const double per_layer = in.per_layer;
   const double per_full_layer = in.per_full_layer;
   double& per_chunk = shape.per_chunk;
-  bool alike = true;
-  for (int64_t c = 0; c < lay.v; ++c) {
+  auto chunk_act = [&](int64_t c) {
     const int64_t n = lay.chunk_layers(s, c);
     const int64_t k = p.recompute == Recompute::full ? p.recomputed_layers(n) : n;
-    per_chunk += static_cast<double>(k) * per_layer + static_cast<double>(n - k) * per_full_layer;
-    alike = alike && n == lay.chunk_layers(s, 0);
+    return static_cast<double>(k) * per_layer + static_cast<double>(n - k) * per_full_layer;
+  };
+  bool alike = true;
+  for (int64_t c = 0; c < lay.v; ++c) {
+    per_chunk += chunk_act(c);
+    alike = alike && lay.chunk_layers(s, c) == lay.chunk_layers(s, 0);
   }
   if (p.explicit_split() && !alike) {
     for (int64_t c = 0; c < lay.v; ++c) {
-      const int64_t n = lay.chunk_layers(s, c);
-      const int64_t k = p.recompute == Recompute::full ? p.recomputed_layers(n) : n;
-      double w = static_cast<double>(k) * per_layer + static_cast<double>(n - k) * per_full_layer;
+      double w = chunk_act(c);
       if (lay.has_embedding(s, c)) w += in.embedding_act;
       if (lay.has_head(s, c)) w += in.head_act;
       shape.chunk_weights.push_back(w);
