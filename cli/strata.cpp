@@ -231,18 +231,35 @@ int cmd_estimate(const std::vector<std::string>& argv) {
   return kExitOk;
 }
 
-std::string plan_row(const Estimate& e, int rank) {
+// A plan's own split of the layers over its stages, run-length coded ("7|11x6|7"); "-" for
+// strata's own layout.
+std::string split_text(const ModelSpec& m, const Plan& p) {
+  if (!p.explicit_split()) return "-";
+  const StageLayout lay = make_layout(m.L, p);
+  std::string out;
+  for (int64_t s = 0; s < p.p;) {
+    int64_t n = 1;
+    while (s + n < p.p && lay.stage_layers(s + n) == lay.stage_layers(s)) ++n;
+    out += fmt::format("{}{}{}", out.empty() ? "" : "|", lay.stage_layers(s), n > 1 ? fmt::format("x{}", n) : "");
+    s += n;
+  }
+  return out;
+}
+
+std::string plan_row(const ModelSpec& m, const Estimate& e, int rank) {
   const Plan& p = e.plan;
-  return fmt::format("{:>3}  {:>3} {:>3} {:>4} {:>3} {:>3} {:>4} {:>4} {:>9} {:>3} {:>11}  {:>9.3f} {:>11.0f} {:>6.1f}% {:>9.1f} {:>7.1f}%",
+  return fmt::format("{:>3}  {:>3} {:>3} {:>4} {:>3} {:>3} {:>4} {:>4} {:>9} {:>3} {:>11}  {:>9.3f} {:>11.0f} {:>6.1f}% {:>9.1f} {:>7.1f}%  {}",
                      rank, p.t, p.p, p.d, p.c, p.v, p.mbs, p.zero,
                      p.recompute_layers > 0 ? fmt::format("full/{}", p.recompute_layers) : to_string(p.recompute),
                      p.sp ? "y" : "n",
                      to_string(p.schedule()), e.step_time_s, e.tokens_per_s, 100.0 * e.mfu,
-                     e.memory.peak / (1024.0 * 1024 * 1024), 100.0 * e.time.pipeline_bubble / e.step_time_s);
+                     e.memory.peak / (1024.0 * 1024 * 1024), 100.0 * e.time.pipeline_bubble / e.step_time_s,
+                     split_text(m, p));
 }
 
 const char* kPlanHeader =
-    "  #   tp  pp   dp  cp  vp  mbs zero recompute  sp       sched     step_s    tokens/s    MFU  mem_GiB  bubble";
+    "  #   tp  pp   dp  cp  vp  mbs zero recompute  sp       sched     step_s    tokens/s    MFU  mem_GiB  bubble  "
+    "layers per stage";
 
 // Why `best` beats `other`: the terms that differ, largest saving first.
 std::string explain(const Estimate& best, const Estimate& other) {
@@ -381,7 +398,7 @@ int cmd_plan(const std::vector<std::string>& argv) {
   fmt::print("searched {} candidates in {:.3f} s: {} feasible, {} simulated; rejected: {}\n\n", r.candidates_evaluated,
              r.search_time_s, r.feasible, r.simulated, rej.empty() ? "none" : rej);
   fmt::print("{}\n", kPlanHeader);
-  for (size_t i = 0; i < r.plans.size(); ++i) fmt::print("{}\n", plan_row(r.plans[i], static_cast<int>(i + 1)));
+  for (size_t i = 0; i < r.plans.size(); ++i) fmt::print("{}\n", plan_row(m, r.plans[i], static_cast<int>(i + 1)));
   if (so.pareto) {
     // The frontier runs down to plans many times slower; the table keeps those within 2x of
     // the fastest (--json has them all).
@@ -389,7 +406,7 @@ int cmd_plan(const std::vector<std::string>& argv) {
                kPlanHeader);
     int shown = 0;
     for (const auto& e : r.pareto)
-      if (e.step_time_s <= 2.0 * r.plans.front().step_time_s) fmt::print("{}\n", plan_row(e, ++shown));
+      if (e.step_time_s <= 2.0 * r.plans.front().step_time_s) fmt::print("{}\n", plan_row(m, e, ++shown));
     if (static_cast<size_t>(shown) < r.pareto.size())
       fmt::print("  ({} slower frontier plans down to {} per GPU in --json)\n", r.pareto.size() - shown,
                  human_bytes(r.pareto.front().memory.peak));

@@ -3,6 +3,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cmath>
 #include <map>
 #include <set>
 #include <tuple>
@@ -31,6 +32,7 @@ FixedDims parse_fixed(const std::string& text) {
     else if (k == "mbs" || k == "micro_batch_size") f.mbs = integer(1, 1 << 30);
     else if (k == "zero" || k == "zero_stage") f.zero = static_cast<int>(integer(0, 3));
     else if (k == "recompute_num_layers") f.recompute_layers = integer(0, 100000);
+    else if (k == "uneven_split") f.uneven_split = integer(0, 1) == 1;
     else if (k == "sp" || k == "sequence_parallel") {
       if (v.is_boolean()) f.sp = v.get<bool>();
       else f.sp = integer(0, 1) == 1;
@@ -47,7 +49,8 @@ FixedDims parse_fixed(const std::string& text) {
       else fail_field("--fix schedule", show_value(v), "must be one of 1f1b, gpipe, interleaved");
     } else {
       fail_field("--fix " + k, show_value(v),
-                 "unknown key: use tp, pp, dp, cp, vp, mbs, zero, recompute, recompute_num_layers, sp or schedule");
+                 "unknown key: use tp, pp, dp, cp, vp, mbs, zero, recompute, recompute_num_layers, sp, schedule or "
+                 "uneven_split");
     }
   }
   return f;
@@ -109,6 +112,59 @@ struct Frontier {
 };
 
 }  // namespace
+
+std::optional<Plan> balanced_end_split(const ModelSpec& m, const Plan& p, double w, double e, double h) {
+  const int64_t L = m.L, P = p.p, v = p.v;
+  if (P < 2 || w <= 0) return std::nullopt;
+  // Strata's own layout by the same measure (none where the search does not take it: an
+  // uneven split neither L nor L + 2 divides).
+  // (Every stage L / p layers, or with slots for the embedding and the output layer, v
+  // slots of (L + 2) / (p v) each, the first and last stage one layer short.)
+  double own = 1e300;
+  if (L % (P * v) == 0) {
+    own = static_cast<double>(L / P) * w + std::max(e, h);
+  } else if ((L + 2) % (P * v) == 0) {
+    const double full = static_cast<double>((L + 2) / P);
+    own = std::max((full - 1) * w + std::max(e, h), P > 2 ? full * w : 0.0);
+  }
+  int64_t best_f = 0, best_l = 0, best_mid = 0;
+  double best = own;
+  auto take = [&](int64_t f, int64_t l, int64_t mid) {
+    if (f < v || l < v || f % v != 0 || l % v != 0) return;
+    const double b = std::max({static_cast<double>(f) * w + e, static_cast<double>(l) * w + h,
+                               static_cast<double>(mid) * w});
+    if (b < best || (b == best && best_f > 0 && f < best_f)) best = b, best_f = f, best_l = l, best_mid = mid;
+  };
+  // The middle stages' layers (none with two stages), then the rest R = f + l split where
+  // f w + e = l w + h, rounded to multiples of v either way.
+  for (int64_t mid = P > 2 ? v : 0; P == 2 ? mid == 0 : (P - 2) * mid <= L - 2 * v; mid += P > 2 ? v : 1) {
+    const int64_t R = L - (P - 2) * mid;
+    const double f_star = (static_cast<double>(R) * w + h - e) / (2.0 * w);
+    const int64_t lo = std::clamp<int64_t>(static_cast<int64_t>(std::floor(f_star / static_cast<double>(v))) * v, v, R - v);
+    for (int64_t f : {lo, lo + v}) take(f, R - f, mid);
+  }
+  if (best_f == 0) return std::nullopt;
+  Plan q = p;
+  q.layout.reset();
+  // Only what differs from the middle stages (with two stages, the first stage's count).
+  q.first_stage_layers = P == 2 || best_f != best_mid ? best_f : 0;
+  q.last_stage_layers = P > 2 && best_l != best_mid ? best_l : 0;
+  return q;
+}
+
+std::optional<Plan> balanced_end_split(const ModelSpec& m, const Cluster& cl, const Plan& p) {
+  Plan base = p;
+  base.zero = 0;
+  base.recompute_layers = 0;
+  base.first_stage_layers = base.last_stage_layers = 0;
+  base.layout.reset();
+  const ComputeSetup cs = compute_setup(m, cl, base);
+  auto total = [](const LayerCost& c) { return c.forward.total() + c.backward.total() + c.recompute.total(); };
+  std::optional<Plan> q =
+      balanced_end_split(m, p, total(layer_cost(m, cl, base, cs)), total(embedding_cost(m, cl, base, cs)),
+                         total(head_cost(m, cl, base, cs)));
+  return q;
+}
 
 Stack search_stack(const ModelSpec& m, const Cluster& cl, const SearchOptions& opt) {
   Plan plain;
@@ -297,14 +353,20 @@ SearchResult search(const ModelSpec& m, const Cluster& cl, const SearchOptions& 
             reject("batch_divisible", 1);
             continue;
           }
-          // Uneven pipelines are searched only in the (L+2)/p embedding-slot form (estimate
-          // also takes the as-even-as-possible split).
-          if (v == 1 && p > 1 && m.L % p != 0 && (m.L + 2) % p != 0) {
+          // strata's own uneven pipelines are searched only in the (L+2)/p embedding-slot
+          // form (estimate also takes the as-even-as-possible split); Megatron's first/last
+          // split that balances the ends (balanced_end_split) may still hold the layers.
+          const bool own_ok = !(v == 1 && p > 1 && m.L % p != 0 && (m.L + 2) % p != 0);
+          const bool splits = p > 1 && allowed(fx.uneven_split, true);
+          if (!own_ok && !splits) {
             reject("layers_uneven", 1);
             continue;
           }
           const StageLayout lay = make_layout(m.L, p, v);
           const int64_t chunk_max = *std::max_element(lay.layers.begin(), lay.layers.end());
+          StageLayout split_lay;  // the last balanced split's layout, made again when it changes
+          int64_t split_max = 0;
+          std::pair<int64_t, int64_t> split_lay_for{-1, -1};
           Plan probe_tpcv;
           probe_tpcv.t = t; probe_tpcv.p = p; probe_tpcv.d = d; probe_tpcv.c = c; probe_tpcv.v = v;
           probe_tpcv.mbs = mbss.front(); probe_tpcv.gbs = opt.gbs; probe_tpcv.precision = opt.precision;
@@ -322,6 +384,7 @@ SearchResult search(const ModelSpec& m, const Cluster& cl, const SearchOptions& 
                                         recompute_choices * count(zeros, fx.zero));
             continue;
           }
+          if (!own_ok) reject("layers_uneven", 1);  // strata's own layout, once; the splits below
           for (int64_t mbs : mbss) {
             if (!allowed(fx.mbs, mbs)) continue;
             for (int gp = 0; gp < (v > 1 || p == 1 ? 1 : 2); ++gp) {  // GPipe = 1F1B without a pipeline
@@ -330,19 +393,47 @@ SearchResult search(const ModelSpec& m, const Cluster& cl, const SearchOptions& 
                 if (!allowed(fx.sp, sp == 1)) continue;
                 for (Recompute rc : recomputes) {
                   if (!allowed(fx.recompute, rc)) continue;
+                  // The split balancing the ends for these layer costs (those of the plan
+                  // without ZeRO, as balanced_end_split takes them), for every ZeRO stage.
+                  std::optional<Plan> split;
+                  if (splits) {
+                    Plan q = probe_tpcv;
+                    q.mbs = mbs; q.zero = 0; q.recompute = rc; q.sp = sp == 1; q.gpipe = gp == 1;
+                    const auto& lc = costs_of(q, compute_setup(m, cl, q));
+                    auto total = [](const LayerCost& x) {
+                      return x.forward.total() + x.backward.total() + x.recompute.total();
+                    };
+                    split = balanced_end_split(m, q, total(lc[0]), total(lc[1]), total(lc[2]));
+                    if (split && split_lay_for != std::make_pair(split->first_stage_layers, split->last_stage_layers)) {
+                      split_lay = make_layout(m.L, *split);
+                      split_max = *std::max_element(split_lay.layers.begin(), split_lay.layers.end());
+                      split_lay_for = {split->first_stage_layers, split->last_stage_layers};
+                    }
+                  }
+                  auto run = [&](Plan& pl, const StageLayout& l, int64_t most) {
+                    if (rc != Recompute::full) {
+                      consider(pl, l);
+                    } else if (fx.recompute_layers) {
+                      pl.recompute_layers = *fx.recompute_layers;
+                      consider(pl, l);
+                    } else {
+                      consider_partial(pl, l, most);
+                    }
+                  };
                   for (int zero : zeros) {
                     if (!allowed(fx.zero, zero)) continue;
                     Plan pl = probe_tpcv;
                     pl.mbs = mbs; pl.zero = zero; pl.recompute = rc; pl.sp = sp == 1; pl.gpipe = gp == 1;
                     // One stack for every candidate: sharding alone does not make it modern here.
                     if (zero >= 2) pin_to_plain_stack(cl, stack, pl);
-                    if (rc != Recompute::full) {
-                      consider(pl, lay);
-                    } else if (fx.recompute_layers) {
-                      pl.recompute_layers = *fx.recompute_layers;
-                      consider(pl, lay);
-                    } else {
-                      consider_partial(pl, lay, chunk_max);
+                    if (split) {
+                      Plan q = pl;
+                      q.first_stage_layers = split->first_stage_layers;
+                      q.last_stage_layers = split->last_stage_layers;
+                      if (own_ok && allowed(fx.uneven_split, false)) run(pl, lay, chunk_max);
+                      run(q, split_lay, split_max);
+                    } else if (own_ok && allowed(fx.uneven_split, false)) {
+                      run(pl, lay, chunk_max);
                     }
                   }
                 }

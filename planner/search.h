@@ -1,6 +1,7 @@
 // The search: every tensor, pipeline, data and context parallel degree, virtual stages,
 // micro-batch size, ZeRO stage, recompute mode, sequence parallelism and pipeline schedule
-// consistent with the model and the GPU count; each rejected with a counted reason or
+// consistent with the model and the GPU count, each pipeline in strata's own layout and in
+// the first/last split that balances its ends (balanced_end_split); each rejected with a counted reason or
 // estimated and ranked by step time. Pruning never changes the answer: a plan is skipped
 // only when a lower bound on its step time (its busiest stage's work, no bubble) cannot
 // reach the top K, or, for --pareto, when a known plan dominates it.
@@ -22,6 +23,7 @@ struct FixedDims {
   std::optional<int> zero;
   std::optional<Recompute> recompute;
   std::optional<bool> sp, gpipe;
+  std::optional<bool> uneven_split;  // 0: strata's own layouts only; 1: balanced_end_split's only
 };
 FixedDims parse_fixed(const std::string& text);  // "tp=8,pp=4,recompute=full"
 
@@ -47,6 +49,21 @@ struct SearchResult {
   std::vector<Estimate> plans;       // best first, at most top_k
   std::vector<Estimate> pareto;      // memory vs step-time frontier, by memory (with --pareto)
 };
+
+// Megatron-LM's decoder_first/last_pipeline_num_layers for a pipelined plan, chosen to
+// balance the end stages: stage 0 also runs the embedding and stage p - 1 the output layer
+// (with a 128k vocabulary in bf16 beside FP8 layers, worth two layers or more). With w, e
+// and h one micro-batch's forward + backward (+ recompute) of a layer, the embedding and
+// the output layer (layer_cost etc. of the plan, without ZeRO and partial recompute), the
+// split of the L layers as f | mid x (p - 2) | l that Megatron-core accepts (each a
+// multiple of v, the middle stages alike) whose slowest stage, max(f w + e, mid w,
+// l w + h), is fastest, ties to fewer layers on the first stage (it holds the most
+// micro-batches in flight). The plan with that split, or nothing where it is no faster by
+// that measure than strata's own layout (layout.h) or the plan has one stage.
+std::optional<Plan> balanced_end_split(const ModelSpec& m, const Cluster& cl, const Plan& p);
+// The same from the three costs already made (the search's cache).
+std::optional<Plan> balanced_end_split(const ModelSpec& m, const Plan& p, double layer_s, double embedding_s,
+                                       double head_s);
 
 SearchResult search(const ModelSpec& m, const Cluster& cl, const SearchOptions& opt);
 // The one software stack the search compares its candidates on: the plain plan's (no ZeRO,

@@ -488,6 +488,7 @@ TEST(Cli, BadInputExits2NamingTheField) {
       {S + "--gpus 8 --global-batch-size 8 --fix tp=abc", "--fix"},
       {S + "--gpus 8 --global-batch-size 8 --fix bogus=1", "bogus"},
       {S + "--gpus 8 --global-batch-size 8 --fix tp=16", "--fix"},
+      {S + "--gpus 8 --global-batch-size 8 --fix uneven_split=2", "--fix uneven_split"},
       {S + "--gpus 8 --global-batch-size 8 --precision fp4", "--precision"},
       {"plan --model llama2-7b --cluster dgx2-v100-32g --gpus 16 --global-batch-size 64 --precision bf16", "--precision: bf16"},
       {S + "--gpus 8 --global-batch-size 8 --precision fp8", "--precision: fp8"},

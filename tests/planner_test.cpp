@@ -11,17 +11,21 @@ namespace strata {
 namespace {
 
 // The slow, obvious twin of the search: every plan of the space, every integer of every
-// dimension, estimated and sorted. The search's bound, its bulk rejections and its bisection
-// over partial recompute must give the same top K.
-TEST(Planner, SearchMatchesEstimatingEveryPlan) {
-  const ModelSpec m = load_model("llama2-7b");
+// dimension (virtual stages where the layers split evenly), estimated and sorted. The
+// search's bound, its bulk rejections and its bisection over partial recompute must give
+// the same top K.
+// Llama 2 7B (32k vocabulary: no split balances its ends better than strata's own layout)
+// and Llama 3 8B (128k: splits win on some pipelines).
+// With `pp` set, the twin and the search both keep that pipeline depth only (--fix pp=...).
+void search_matches_estimating_every_plan(const char* model, bool expect_splits, int64_t pp = 0) {
+  const ModelSpec m = load_model(model);
   const Cluster c = load_cluster("dgx-a100-80g");
   const int64_t gpus = 8, gbs = 16;
   std::vector<std::pair<double, std::string>> all;
-  int64_t feasible = 0;
+  int64_t feasible = 0, splits = 0;
   for (int64_t t = 1; t <= gpus; ++t)
     for (int64_t p = 1; t * p <= gpus; ++p)
-      for (int64_t cp = 1; t * p * cp <= gpus; ++cp) {
+      for (int64_t cp = 1; t * p * cp <= gpus && (pp == 0 || p == pp); ++cp) {
         if (gpus % (t * p * cp) != 0) continue;
         const int64_t d = gpus / (t * p * cp);
         for (int64_t v = 1; v * p <= m.L; ++v)
@@ -39,10 +43,25 @@ TEST(Planner, SearchMatchesEstimatingEveryPlan) {
                       // Skip the settings that change nothing (no pipeline to schedule, no
                       // tensor-parallel group to shard over, no replicas for ZeRO).
                       if ((gp && (v > 1 || p == 1)) || (sp && t == 1) || (zero && d * cp == 1)) continue;
+                      // Chunks as the search takes them: L or L + 2 split evenly into p v
+                      // (an as-even-as-possible interleaved split is estimated, not searched).
+                      const bool searched_v = v == 1 || m.L % (p * v) == 0 ||
+                                              ((m.L + 2) % (p * v) == 0 && (m.L + 2) / (p * v) >= 2);
+                      if (!searched_v) continue;
                       const Estimate e = estimate(m, c, pl);
-                      if (!e.valid || !e.fits) continue;
+                      if (e.valid && e.fits) {
+                        ++feasible;
+                        all.emplace_back(e.step_time_s, plan_to_inline(pl));
+                      }
+                      // And Megatron's first/last split balancing the ends, on every pipeline.
+                      if (p == 1) continue;
+                      const std::optional<Plan> q = balanced_end_split(m, c, pl);
+                      if (!q) continue;
+                      ++splits;
+                      const Estimate eq = estimate(m, c, *q);
+                      if (!eq.valid || !eq.fits) continue;
                       ++feasible;
-                      all.emplace_back(e.step_time_s, plan_to_inline(pl));
+                      all.emplace_back(eq.step_time_s, plan_to_inline(*q));
                     }
       }
   std::sort(all.begin(), all.end());
@@ -50,14 +69,31 @@ TEST(Planner, SearchMatchesEstimatingEveryPlan) {
   o.gpus = gpus;
   o.gbs = gbs;
   o.top_k = 10;
+  if (pp > 0) o.fixed.p = pp;
   const SearchResult r = search(m, c, o);
   ASSERT_EQ(r.plans.size(), 10u);
+  EXPECT_EQ(splits > 0, expect_splits) << splits;
   for (size_t i = 0; i < r.plans.size(); ++i)
     EXPECT_NEAR(r.plans[i].step_time_s, all[i].first, 1e-12 * all[i].first) << i << ": " << all[i].second;
   EXPECT_LT(r.simulated, feasible / 10);  // the bound and the bisection skip most estimates
   int64_t rejected = 0;
   for (const auto& [k, n] : r.rejected) rejected += n;
   EXPECT_EQ(rejected + r.feasible, r.candidates_evaluated);
+}
+
+TEST(Planner, SearchMatchesEstimatingEveryPlan) {
+  search_matches_estimating_every_plan("llama2-7b", false);
+  search_matches_estimating_every_plan("llama3-8b", true);
+  // Two stages: the best plan puts 17 layers with the embedding and 15 with the 128k output
+  // layer (the twin finds it too).
+  search_matches_estimating_every_plan("llama3-8b", true, 2);
+  SearchOptions o;
+  o.gpus = 8;
+  o.gbs = 16;
+  o.fixed.p = 2;
+  const SearchResult r = search(load_model("llama3-8b"), load_cluster("dgx-a100-80g"), o);
+  ASSERT_FALSE(r.plans.empty());
+  EXPECT_EQ(r.plans.front().plan.first_stage_layers, 17);
 }
 
 // On a legacy stack (GPT-2 on A100) ZeRO-2/3 alone would make "auto" the modern stack
@@ -148,6 +184,75 @@ TEST(Planner, FixPinsDimensions) {
   }
   EXPECT_THROW(parse_fixed("tp=x"), InputError);
   EXPECT_THROW(parse_fixed("warp=2"), InputError);
+}
+
+// balanced_end_split by hand. L = 80 on 8 stages, a layer w = 1, the embedding 0.1 and the
+// output layer 2.4: the even split's slowest stage is the last, 10 + 2.4 = 12.4. Middle
+// stages of 11 leave f + l = 80 - 66 = 14, balanced where f + 0.1 = 14 - f + 2.4, f = 8.15:
+// 8 | 6 and 9 | 5 are both max(8.1, 8.4, 11) = max(9.1, 7.4, 11) = 11, and 8 has fewer on the
+// first stage. Middles of 10 leave 20: 11 | 9 is 11.4; of 12 leave 8: 12. So 8 | 11 x 6 | 6.
+// With 2 chunks every count is even: middles of 10 leave 20 (10 | 10: 12.4; 12 | 8: 12.1), of
+// 12 leave 8 (4 | 4 and 6 | 2: 12, the middle the slowest), so 4 | 12 x 6 | 4. With 2 stages
+// and 81 layers (neither 81 nor 83 splits evenly) balance is at f = (81 + 2.3) / 2 = 41.65:
+// 42 | 39 is max(42.1, 41.4) = 42.1, 41 | 40 is 42.4, so 42. With an embedding of 0.5 and an
+// output layer of 0.9 the even split's 10.9 is the best there is (10 | 10 again; 11 | 9 is
+// 11.5; middles of 11 are 11 or more): no split.
+TEST(Planner, BalancedEndSplitByHand) {
+  ModelSpec m = load_model("llama3-70b");
+  ASSERT_EQ(m.L, 80);
+  const std::optional<Plan> a = balanced_end_split(m, load_plan("pp=8,dp=1"), 1.0, 0.1, 2.4);
+  ASSERT_TRUE(a);
+  EXPECT_EQ(a->first_stage_layers, 8);
+  EXPECT_EQ(a->last_stage_layers, 6);
+  EXPECT_EQ(make_layout(m.L, *a).layers, (std::vector<int64_t>{8, 11, 11, 11, 11, 11, 11, 6}));
+  const std::optional<Plan> b = balanced_end_split(m, load_plan("pp=8,vp=2,dp=1"), 1.0, 0.1, 2.4);
+  ASSERT_TRUE(b);
+  EXPECT_EQ(b->first_stage_layers, 4);
+  EXPECT_EQ(b->last_stage_layers, 4);
+  m.L = 81;
+  const std::optional<Plan> c = balanced_end_split(m, load_plan("pp=2,dp=1"), 1.0, 0.1, 2.4);
+  ASSERT_TRUE(c);
+  EXPECT_EQ(c->first_stage_layers, 42);
+  EXPECT_EQ(c->last_stage_layers, 0);  // with two stages the first's count says it all
+  EXPECT_TRUE(split_problem(m.L, *c).empty());
+  m.L = 80;
+  EXPECT_FALSE(balanced_end_split(m, load_plan("pp=8,dp=1"), 1.0, 0.5, 0.9));
+  EXPECT_FALSE(balanced_end_split(m, load_plan("pp=1,dp=8"), 1.0, 0.1, 2.4));
+}
+
+// Llama 3 70B in FP8 on 64 H100 with tp 4 and pp 8 pinned: its 128k-vocabulary output layer
+// runs in bf16 beside FP8 layers, so the last stage of an even split is the slowest; the
+// search finds the first/last split that balances it (7 | 11 x 6 | 7 or nearby) and ranks
+// it ahead of every even plan, as a fresh estimate of both agrees; --fix uneven_split=0
+// searches strata's own layouts only, =1 the splits only.
+TEST(Planner, SplitsThatBalanceTheEndsAreSearched) {
+  auto fp8 = [](const char* fixed) {
+    SearchOptions o;
+    o.gpus = 64;
+    o.gbs = 256;
+    o.precision = Precision::fp8;
+    o.fixed = parse_fixed(fixed);
+    return search(load_model("llama3-70b"), load_cluster("dgx-h100-80g"), o);
+  };
+  const SearchResult r = fp8("tp=4,pp=8");
+  const SearchResult even = fp8("tp=4,pp=8,uneven_split=0");
+  const SearchResult only = fp8("tp=4,pp=8,uneven_split=1");
+  ASSERT_FALSE(r.plans.empty());
+  ASSERT_FALSE(even.plans.empty());
+  ASSERT_FALSE(only.plans.empty());
+  const Plan& best = r.plans.front().plan;
+  EXPECT_TRUE(best.explicit_split());
+  const StageLayout lay = make_layout(80, best);
+  EXPECT_LT(lay.stage_layers(7), lay.stage_layers(3));  // the last stage lighter than a middle one
+  EXPECT_LT(r.plans.front().step_time_s, 0.98 * even.plans.front().step_time_s);
+  EXPECT_DOUBLE_EQ(r.plans.front().step_time_s, only.plans.front().step_time_s);
+  for (const auto& e : even.plans) EXPECT_FALSE(e.plan.explicit_split());
+  for (const auto& e : only.plans) EXPECT_TRUE(e.plan.explicit_split());
+  EXPECT_GT(r.candidates_evaluated, even.candidates_evaluated);
+  const ModelSpec m = load_model("llama3-70b");
+  const Cluster c = load_cluster("dgx-h100-80g");
+  EXPECT_DOUBLE_EQ(estimate(m, c, best).step_time_s, r.plans.front().step_time_s);
+  EXPECT_THROW(parse_fixed("uneven_split=2"), InputError);
 }
 
 TEST(Planner, ParetoFrontierIsNonDominated) {
