@@ -360,8 +360,11 @@ int cmd_plan(const std::vector<std::string>& argv) {
   if (r.candidates_evaluated == 0 && a.has("fix"))
     fail_field("--fix", a.get("fix"),
                fmt::format("leaves no candidate plan: tp*pp*dp*cp must equal --gpus {} and each fixed size must "
-                           "suit the model ({} layers, {} heads, {} query groups, sequence {})",
-                           so.gpus, m.L, m.A, m.G, m.S));
+                           "suit the model ({} layers, {} heads, {} query groups, sequence {}){}",
+                           so.gpus, m.L, m.A, m.G, m.S,
+                           so.fixed.uneven_split.value_or(false)
+                               ? "; uneven_split=1 keeps only pipelines whose ends a first/last split balances better"
+                               : ""));
   if (r.plans.empty()) {
     std::string why;
     for (const auto& [k, v] : r.rejected) why += fmt::format("{}{} {}", why.empty() ? "" : ", ", k, v);

@@ -115,17 +115,20 @@ struct Frontier {
 
 std::optional<Plan> balanced_end_split(const ModelSpec& m, const Plan& p, double w, double e, double h) {
   const int64_t L = m.L, P = p.p, v = p.v;
-  if (P < 2 || w <= 0) return std::nullopt;
-  // Strata's own layout by the same measure (none where the search does not take it: an
-  // uneven split neither L nor L + 2 divides).
-  // (Every stage L / p layers, or with slots for the embedding and the output layer, v
-  // slots of (L + 2) / (p v) each, the first and last stage one layer short.)
-  double own = 1e300;
+  if (P < 2 || v < 1 || !(w > 0) || !(e >= 0) || !(h >= 0)) return std::nullopt;
+  // strata's own layout by the same measure: every stage L / p layers, or with slots for
+  // the embedding and the output layer v slots of (L + 2) / (p v) each, the first and last
+  // stage one layer short, or else as even as possible (make_layout).
+  double own = 0;
   if (L % (P * v) == 0) {
     own = static_cast<double>(L / P) * w + std::max(e, h);
   } else if ((L + 2) % (P * v) == 0) {
     const double full = static_cast<double>((L + 2) / P);
     own = std::max((full - 1) * w + std::max(e, h), P > 2 ? full * w : 0.0);
+  } else {
+    const StageLayout lay = make_layout(L, P, v);
+    for (int64_t s = 0; s < P; ++s)
+      own = std::max(own, static_cast<double>(lay.stage_layers(s)) * w + (s == 0 ? e : 0.0) + (s == P - 1 ? h : 0.0));
   }
   int64_t best_f = 0, best_l = 0, best_mid = 0;
   double best = own;
@@ -139,7 +142,8 @@ std::optional<Plan> balanced_end_split(const ModelSpec& m, const Plan& p, double
   // f w + e = l w + h, rounded to multiples of v either way.
   for (int64_t mid = P > 2 ? v : 0; P == 2 ? mid == 0 : (P - 2) * mid <= L - 2 * v; mid += P > 2 ? v : 1) {
     const int64_t R = L - (P - 2) * mid;
-    const double f_star = (static_cast<double>(R) * w + h - e) / (2.0 * w);
+    if (R < 2 * v) continue;  // (two stages of more chunks than half the layers)
+    const double f_star = std::clamp((static_cast<double>(R) * w + h - e) / (2.0 * w), 0.0, static_cast<double>(R));
     const int64_t lo = std::clamp<int64_t>(static_cast<int64_t>(std::floor(f_star / static_cast<double>(v))) * v, v, R - v);
     for (int64_t f : {lo, lo + v}) take(f, R - f, mid);
   }
@@ -375,6 +379,10 @@ SearchResult search(const ModelSpec& m, const Cluster& cl, const SearchOptions& 
             probe_tpcv.attention = AttentionChoice::unfused;
           const std::vector<Reason> why = check_plan(m, cl, probe_tpcv, false);
           if (!why.empty() && structural.count(why.front().key)) {
+            if (!own_ok) {  // strata's own layout is not searched here: the unit counted once, as without splits
+              reject("layers_uneven", 1);
+              continue;
+            }
             int64_t recompute_choices = 0;
             for (Recompute rc : recomputes)
               if (allowed(fx.recompute, rc)) recompute_choices += rc == Recompute::full ? chunk_max : 1;

@@ -54,12 +54,14 @@ struct SearchResult {
 // balance the end stages: stage 0 also runs the embedding and stage p - 1 the output layer
 // (with a 128k vocabulary in bf16 beside FP8 layers, worth two layers or more). With w, e
 // and h one micro-batch's forward + backward (+ recompute) of a layer, the embedding and
-// the output layer (layer_cost etc. of the plan, without ZeRO and partial recompute), the
-// split of the L layers as f | mid x (p - 2) | l that Megatron-core accepts (each a
-// multiple of v, the middle stages alike) whose slowest stage, max(f w + e, mid w,
-// l w + h), is fastest, ties to fewer layers on the first stage (it holds the most
-// micro-batches in flight). The plan with that split, or nothing where it is no faster by
-// that measure than strata's own layout (layout.h) or the plan has one stage.
+// the output layer (layer_cost etc. of the plan, without ZeRO and partial recompute): for
+// each count of layers on the middle stages, the split f | mid x (p - 2) | l nearest
+// balance of the ends (the multiples of v either side of f w + e = l w + h; Megatron-core's
+// rules: every count a multiple of v, the middle stages alike); of those, the one whose
+// slowest stage, max(f w + e, mid w, l w + h), is fastest, ties to fewer layers on the
+// first stage. The plan with that split, or nothing where it is no faster by that measure
+// than strata's own layout (layout.h, as even as possible where neither L nor L + 2
+// divides) or the plan has one stage.
 std::optional<Plan> balanced_end_split(const ModelSpec& m, const Cluster& cl, const Plan& p);
 // The same from the three costs already made (the search's cache).
 std::optional<Plan> balanced_end_split(const ModelSpec& m, const Plan& p, double layer_s, double embedding_s,

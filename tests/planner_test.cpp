@@ -218,6 +218,42 @@ TEST(Planner, BalancedEndSplitByHand) {
   m.L = 80;
   EXPECT_FALSE(balanced_end_split(m, load_plan("pp=8,dp=1"), 1.0, 0.5, 0.9));
   EXPECT_FALSE(balanced_end_split(m, load_plan("pp=1,dp=8"), 1.0, 0.1, 2.4));
+  // Two stages of 40 chunks each hold 80 layers only evenly (one a chunk): no split.
+  EXPECT_FALSE(balanced_end_split(m, load_plan("pp=2,vp=40,dp=1"), 1.0, 0.1, 2.4));
+  // An output layer of 1000 layers: all but one layer on the first stage (79 x 0.001 against
+  // 1.001; even, 1.04). Of 1e300 layers (balance far past the layers, clamped): 79 | 1 is
+  // 1 + 1e-300 = 1, no faster than even's 1 + 40e-300 = 1 in doubles, so no split.
+  const std::optional<Plan> far = balanced_end_split(m, load_plan("pp=2,dp=1"), 1e-3, 0.0, 1.0);
+  ASSERT_TRUE(far);
+  EXPECT_EQ(far->first_stage_layers, 79);
+  EXPECT_FALSE(balanced_end_split(m, load_plan("pp=2,dp=1"), 1e-300, 0.0, 1.0));
+  EXPECT_FALSE(balanced_end_split(m, load_plan("pp=8,dp=1"), 0.0, 0.1, 2.4));  // no layer cost: nothing to balance
+  EXPECT_FALSE(balanced_end_split(m, load_plan("pp=2,vp=41,dp=1"), 1.0, 0.1, 2.4));  // 82 chunks for 80 layers
+  // strata's own (L + 2) slots: Llama 3 405B's 126 layers on 16 stages are 7 | 8 x 14 | 7.
+  // With e = h = 1 that is max(7 + 1, 8) = 8, and no split beats it (middles of 8 leave 14:
+  // 7 | 7 is 8 again, 8 | 6 is 9; of 7 leave 28: 14 | 14 is 15). With e = 0.1 and h = 2.4
+  // it is 9.4; middles of 8: 8 | 6 is max(8.1, 8.4, 8) = 8.4 (9 | 5: 9.1), so 8 x 15 | 6:
+  // only the last stage's count differs from the middle's, and only it is set.
+  m.L = 126;
+  EXPECT_FALSE(balanced_end_split(m, load_plan("pp=16,dp=1"), 1.0, 1.0, 1.0));
+  const std::optional<Plan> d = balanced_end_split(m, load_plan("pp=16,dp=1"), 1.0, 0.1, 2.4);
+  ASSERT_TRUE(d);
+  EXPECT_EQ(d->first_stage_layers, 0);
+  EXPECT_EQ(d->last_stage_layers, 6);
+  EXPECT_TRUE(split_problem(m.L, *d).empty());
+  EXPECT_EQ(make_layout(m.L, *d).stage_layers(0), 8);
+  // Neither 100 nor 102 splits over 16 stages: strata's own layout is as even as possible
+  // (6 or 7 a stage, the extra on the middle ones; 6 + 2.4 = 8.4 at the end), and a split
+  // must beat that, not nothing: middles of 7 leave 2, 1 | 1, max(1.1, 3.4, 7) = 7. On 64
+  // stages the even-as-possible layout's 1 + 2.4 is beaten by no split (middles of 1 leave
+  // 38, 20 | 18 and more).
+  m.L = 100;
+  const std::optional<Plan> u = balanced_end_split(m, load_plan("pp=16,dp=1"), 1.0, 0.1, 2.4);
+  ASSERT_TRUE(u);
+  EXPECT_EQ(u->first_stage_layers, 1);
+  EXPECT_EQ(u->last_stage_layers, 1);
+  EXPECT_EQ(make_layout(m.L, *u).stage_layers(7), 7);
+  EXPECT_FALSE(balanced_end_split(m, load_plan("pp=64,dp=1"), 1.0, 0.1, 2.4));
 }
 
 // Llama 3 70B in FP8 on 64 H100 with tp 4 and pp 8 pinned: its 128k-vocabulary output layer
