@@ -113,6 +113,14 @@ struct Frontier {
 
 }  // namespace
 
+namespace {
+
+// One micro-batch's work of a layer (or the embedding, or the output layer) as
+// balanced_end_split weighs it: forward, backward and recompute.
+double split_work(const LayerCost& c) { return c.forward.total() + c.backward.total() + c.recompute.total(); }
+
+}  // namespace
+
 std::optional<Plan> balanced_end_split(const ModelSpec& m, const Plan& p, double w, double e, double h) {
   const int64_t L = m.L, P = p.p, v = p.v;
   if (P < 2 || v < 1 || !(w > 0) || !(e >= 0) || !(h >= 0)) return std::nullopt;
@@ -163,11 +171,8 @@ std::optional<Plan> balanced_end_split(const ModelSpec& m, const Cluster& cl, co
   base.first_stage_layers = base.last_stage_layers = 0;
   base.layout.reset();
   const ComputeSetup cs = compute_setup(m, cl, base);
-  auto total = [](const LayerCost& c) { return c.forward.total() + c.backward.total() + c.recompute.total(); };
-  std::optional<Plan> q =
-      balanced_end_split(m, p, total(layer_cost(m, cl, base, cs)), total(embedding_cost(m, cl, base, cs)),
-                         total(head_cost(m, cl, base, cs)));
-  return q;
+  return balanced_end_split(m, p, split_work(layer_cost(m, cl, base, cs)), split_work(embedding_cost(m, cl, base, cs)),
+                            split_work(head_cost(m, cl, base, cs)));
 }
 
 Stack search_stack(const ModelSpec& m, const Cluster& cl, const SearchOptions& opt) {
@@ -408,10 +413,7 @@ SearchResult search(const ModelSpec& m, const Cluster& cl, const SearchOptions& 
                     Plan q = probe_tpcv;
                     q.mbs = mbs; q.zero = 0; q.recompute = rc; q.sp = sp == 1; q.gpipe = gp == 1;
                     const auto& lc = costs_of(q, compute_setup(m, cl, q));
-                    auto total = [](const LayerCost& x) {
-                      return x.forward.total() + x.backward.total() + x.recompute.total();
-                    };
-                    split = balanced_end_split(m, q, total(lc[0]), total(lc[1]), total(lc[2]));
+                    split = balanced_end_split(m, q, split_work(lc[0]), split_work(lc[1]), split_work(lc[2]));
                     if (split && split_lay_for != std::make_pair(split->first_stage_layers, split->last_stage_layers)) {
                       split_lay = make_layout(m.L, *split);
                       split_max = *std::max_element(split_lay.layers.begin(), split_lay.layers.end());
@@ -434,14 +436,12 @@ SearchResult search(const ModelSpec& m, const Cluster& cl, const SearchOptions& 
                     pl.mbs = mbs; pl.zero = zero; pl.recompute = rc; pl.sp = sp == 1; pl.gpipe = gp == 1;
                     // One stack for every candidate: sharding alone does not make it modern here.
                     if (zero >= 2) pin_to_plain_stack(cl, stack, pl);
+                    Plan q = pl;  // (before run() may set pl's recompute_num_layers)
+                    if (own_ok && allowed(fx.uneven_split, false)) run(pl, lay, chunk_max);
                     if (split) {
-                      Plan q = pl;
                       q.first_stage_layers = split->first_stage_layers;
                       q.last_stage_layers = split->last_stage_layers;
-                      if (own_ok && allowed(fx.uneven_split, false)) run(pl, lay, chunk_max);
                       run(q, split_lay, split_max);
-                    } else if (own_ok && allowed(fx.uneven_split, false)) {
-                      run(pl, lay, chunk_max);
                     }
                   }
                 }
