@@ -34,7 +34,7 @@ const char* kUsage = R"(strata: plan and prove distributed training of large tra
 
 usage:
   strata plan      --model M --cluster C --gpus N --global-batch-size B [--top K] [--json]
-                   [--export megatron|deepspeed] [--fix tp=8,pp=4,...] [--pareto] [--trace FILE]
+                   [--export megatron|deepspeed|bridge] [--fix tp=8,pp=4,...] [--pareto] [--trace FILE]
                    [--precision bf16|fp16|fp8|fp32 (default bf16; fp16 on V100)] [--seq-length S]
                    [--compare PLAN] [--attention auto|flash|unfused] [--memory-limit 72GiB|77GB|90%]
   strata plan      --megatron-args A --cluster C [--gpus N] [...]   (the launch's plan as --compare)
@@ -191,6 +191,17 @@ std::optional<LaunchInputs> megatron_launch(const Args& a, std::initializer_list
   return in;
 }
 
+// A Hugging Face config of a context-extended model gives its extended length as
+// max_position_embeddings, which becomes the sequence unless --seq-length gives one: said on
+// stderr (stdout keeps the table or the one JSON document), with the pre-training length.
+void note_extended_context(const ModelSpec& m) {
+  if (m.pretrain_seq_length > 0)
+    fmt::print(stderr,
+               "strata: note: {}: sequence {} from max_position_embeddings; its rope_scaling extends a model "
+               "pre-trained at {} (original_max_position_embeddings): give --seq-length {} to plan pre-training\n",
+               m.name, m.S, m.pretrain_seq_length, m.pretrain_seq_length);
+}
+
 int cmd_estimate(const std::vector<std::string>& argv) {
   const Args a(argv, "estimate",
                {"model", "cluster", "plan", "trace", "seq-length", "gpus", "megatron-args", "memory-limit"},
@@ -205,6 +216,7 @@ int cmd_estimate(const std::vector<std::string>& argv) {
       launch ? launch->model
              : load_model(a.required("model", "a preset or a model JSON"), a.integer("seq-length", 0, 1, 1 << 24)),
       cl);
+  note_extended_context(m);
   const Plan p = launch ? launch->plan : load_plan(a.required("plan", "a plan JSON or tp=..,pp=..,dp=.. pairs"));
   if (a.has("gpus") && a.integer("gpus", 1, 1, 1 << 24) != p.world_size())
     fail_field("--gpus", a.get("gpus"),
@@ -307,6 +319,7 @@ int cmd_plan(const std::vector<std::string>& argv) {
       launch ? launch->model
              : load_model(a.required("model", "a preset or a model JSON"), a.integer("seq-length", 0, 1, 1 << 24)),
       cl);
+  note_extended_context(m);
   SearchOptions so;
   so.gpus = launch ? launch->plan.world_size() : a.integer("gpus", 0, 1, 1 << 24);
   if (!a.has("gpus") && !launch) a.required("gpus", "the number of GPUs to plan for");
@@ -328,8 +341,8 @@ int cmd_plan(const std::vector<std::string>& argv) {
                                                                             : AttentionChoice::automatic;
   if (a.has("fix")) so.fixed = parse_fixed(a.get("fix"));
   const std::string exp = a.get("export");
-  if (!exp.empty() && exp != "megatron" && exp != "deepspeed")
-    fail_field("--export", "'" + exp + "'", "must be megatron or deepspeed");
+  if (!exp.empty() && exp != "megatron" && exp != "deepspeed" && exp != "bridge")
+    fail_field("--export", "'" + exp + "'", "must be megatron, deepspeed or bridge (Megatron-Bridge overrides)");
   // The compared plan is checked before anything is printed.
   Plan compare;
   Estimate compared;
@@ -383,6 +396,7 @@ int cmd_plan(const std::vector<std::string>& argv) {
   std::string exported;
   if (exp == "megatron") exported = export_megatron(m, best.plan, best.stack);
   if (exp == "deepspeed") exported = export_deepspeed(m, best.plan, best.stack);
+  if (exp == "bridge") exported = export_bridge(m, best.plan, best.stack);
   if (a.has("json")) {  // one JSON document: the export, if asked for, goes inside it
     Json j = search_to_json(r);
     if (limit > 0) j["memory_limit_bytes"] = limit;

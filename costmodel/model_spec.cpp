@@ -312,6 +312,13 @@ ModelSpec model_from_hf_config(const Json& j, const std::string& source, int64_t
   if (seq_length_override > 0) m.S = seq_length_override;
   else if (m.S == 0)
     throw InputError(source + ".max_position_embeddings: missing: an integer is required (or give --seq-length)");
+  if (seq_length_override <= 0 && j.contains("rope_scaling") && j["rope_scaling"].is_object()) {
+    const Json& rs = j["rope_scaling"];
+    if (rs.contains("original_max_position_embeddings") && rs["original_max_position_embeddings"].is_number_integer()) {
+      const int64_t original = rs["original_max_position_embeddings"].get<int64_t>();
+      if (original > 0 && original < m.S) m.pretrain_seq_length = original;
+    }
+  }
   // Transformers' defaults when the key is absent: GPT-2 "gelu_new", BLOOM and Falcon
   // "gelu", the rest (Llama, Mistral, Qwen2, ...) "silu".
   std::string act = gpt2 || model_type == "gptj" ? "gelu_new" : bloom || falcon ? "gelu" : "silu";

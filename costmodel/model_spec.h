@@ -43,6 +43,11 @@ struct ModelSpec {
   // on the others to its whole causal prefix. 0 = none.
   int64_t window_size = 0;
   int64_t window_layers = 0;
+  // A Hugging Face config whose rope_scaling extends the context (Llama 3.1, Qwen 2.5 with
+  // YaRN, ...): its original_max_position_embeddings, the length the model was pre-trained
+  // at, when shorter than S (taken from max_position_embeddings); 0 otherwise. Nothing is
+  // costed from it: the CLI names it when no --seq-length was given.
+  int64_t pretrain_seq_length = 0;
 
   int64_t D() const { return kv_channels > 0 ? kv_channels : H / A; }
   int64_t AD() const { return A * D(); }  // width of the queries and of the attention output

@@ -155,4 +155,103 @@ std::string export_deepspeed(const ModelSpec& m, const Plan& p, const Stack& sta
   return j.dump(2) + "\n";
 }
 
+std::string export_bridge(const ModelSpec& m, const Plan& p, const Stack& stack) {
+  std::string notes, f;
+  auto set = [&](const std::string& key, const std::string& value) {
+    f += (f.empty() ? "" : " \\\n") + key + "=" + value;
+  };
+  auto num = [](int64_t x) { return fmt::format("{}", x); };
+  auto yes = [](bool b) { return std::string(b ? "true" : "false"); };
+  set("model.tensor_model_parallel_size", num(p.t));
+  set("model.pipeline_model_parallel_size", num(p.p));
+  // Bridge counts virtual stages per rank (Megatron-LM's --num-virtual-stages-per-pipeline-rank),
+  // not layers per virtual stage; null is one chunk.
+  set("model.virtual_pipeline_model_parallel_size", p.v > 1 ? num(p.v) : "null");
+  set("model.context_parallel_size", num(p.c));
+  set("model.sequence_parallel", yes(p.sp));
+  // The layer split, as export_megatron gives it (layout.h).
+  const bool even = m.L % (p.p * p.v) == 0;
+  const bool own = p.explicit_split();
+  const bool slots = !own && !even && p.p > 1 && (m.L + 2) % (p.p * p.v) == 0;
+  if (p.layout) {
+    set("model.pipeline_model_parallel_layout", "'" + p.layout->text + "'");  // quoted for the shell
+  } else if (own) {
+    if (p.first_stage_layers > 0) set("model.num_layers_in_first_pipeline_stage", num(p.first_stage_layers));
+    if (p.last_stage_layers > 0) set("model.num_layers_in_last_pipeline_stage", num(p.last_stage_layers));
+  } else if (slots) {
+    set("model.account_for_embedding_in_pipeline_split", "true");
+    set("model.account_for_loss_in_pipeline_split", "true");
+  } else if (!even && p.p > 1) {
+    notes += fmt::format("# {} layers do not split evenly over {} stages: strata assumed the extra layers on the middle\n"
+                         "# stages; give Bridge the same split with model.num_layers_in_first/last_pipeline_stage.\n",
+                         m.L, p.p);
+  }
+  if (p.v > 1 && p.vp_group_size() != p.p) set("model.microbatch_group_size_per_vp_stage", num(p.vp_group_size()));
+  set("train.micro_batch_size", num(p.mbs));
+  set("train.global_batch_size", num(p.gbs));
+  set("dataset.seq_length", num(m.S));  // the runner sets model.seq_length from it
+  // ZeRO: the distributed optimizer shards the optimizer states (1); Megatron-FSDP shards
+  // gradients too (2) and the parameters (3).
+  if (p.zero >= 1) {
+    set("ddp.use_distributed_optimizer", "true");
+    set("optimizer.use_distributed_optimizer", "true");
+  } else {
+    set("ddp.use_distributed_optimizer", "false");
+    set("optimizer.use_distributed_optimizer", "false");
+  }
+  if (p.zero >= 2) {
+    set("ddp.use_megatron_fsdp", "true");
+    set("ddp.data_parallel_sharding_strategy", p.zero == 2 ? "optim_grads" : "optim_grads_params");
+  }
+  if (p.recompute == Recompute::full) {
+    set("model.recompute_granularity", "full");
+    set("model.recompute_method", p.recompute_layers > 0 ? "block" : "uniform");
+    set("model.recompute_num_layers", num(p.recompute_layers > 0 ? p.recompute_layers : 1));
+  } else if (p.recompute == Recompute::selective) {
+    set("model.recompute_granularity", "selective");
+  } else {
+    set("model.recompute_granularity", "null");
+  }
+  switch (p.precision) {  // registered recipe names (megatron.bridge.training.mixed_precision)
+    case Precision::bf16: set("mixed_precision", "bf16_mixed"); break;
+    case Precision::fp16: set("mixed_precision", "fp16_mixed"); break;
+    case Precision::fp8: set("mixed_precision", "bf16_with_fp8_current_scaling_mixed"); break;
+    case Precision::fp32: set("mixed_precision", "null"); break;
+  }
+  const bool replicated = p.replicas() > 1;
+  set("ddp.overlap_grad_reduce", yes(stack.overlap_grad_reduce && replicated));
+  set("ddp.overlap_param_gather", yes(stack.overlap_param_gather && replicated && p.zero >= 1));
+  if (stack.tp_comm_overlap && p.t > 1)
+    notes += "# tensor-parallel communication overlap was costed: the recipe's comm_overlap config with\n"
+             "# tp_comm_overlap=True (a CommOverlapConfig; its user-buffer settings are the recipe's).\n";
+  set("model.gradient_accumulation_fusion", yes(stack.grad_accumulation_fusion));
+  set("model.attention_backend", stack.attention == AttentionKernel::flash ? "flash" : "unfused");
+  if (p.gpipe) notes += "# pipeline_schedule=gpipe: Megatron-core runs 1F1B only; these give its 1F1B schedule.\n";
+  // The model's shape, so that the chosen recipe's can be checked (or a neighbour's reused).
+  set("model.num_layers", num(m.L));
+  set("model.hidden_size", num(m.H));
+  set("model.ffn_hidden_size", num(m.F));
+  set("model.num_attention_heads", num(m.A));
+  set("model.num_query_groups", num(m.G));
+  if (m.kv_channels > 0) set("model.kv_channels", num(m.kv_channels));
+  if (m.G < p.t)
+    notes += fmt::format("# num_query_groups={} < tensor_parallel={}: strata replicated each key/value group on {} ranks;\n"
+                         "# Megatron-core needs the groups divisible by the tensor-parallel size.\n",
+                         m.G, p.t, p.t / m.G);
+  set("model.attention_dropout", fmt::format("{}", m.attention_dropout));
+  set("model.hidden_dropout", fmt::format("{}", m.hidden_dropout));
+  // What a recipe fixes by its model provider rather than a plain value.
+  notes += fmt::format("# the recipe's model family sets the rest: {} MLP, {}, {} positions, {} embeddings{}.\n",
+                       to_string(m.activation), m.normalization == Norm::rmsnorm ? "RMSNorm" : "LayerNorm",
+                       m.position == Position::rope      ? "rotary"
+                       : m.position == Position::alibi   ? "ALiBi"
+                       : m.position == Position::learned ? "learned"
+                                                         : "no",
+                       m.tie_embeddings ? "tied" : "untied", m.bias ? ", linear biases" : "");
+  return fmt::format("# Megatron-Bridge overrides for {} ({} GPUs: tp {} x pp {} x dp {} x cp {}): append them to\n"
+                     "# scripts/training/train.sh --recipe <the model's pretrain recipe> (or run_recipe.py), or set\n"
+                     "# cfg.<key> = <value> on the recipe's ConfigContainer.\n{}{}\n",
+                     m.name, p.world_size(), p.t, p.p, p.d, p.c, notes, f);
+}
+
 }  // namespace strata

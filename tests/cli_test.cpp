@@ -104,6 +104,21 @@ TEST(Cli, EstimateReadsFilesAndHuggingFaceConfigs) {
     return o.code == 0 ? Json::parse(o.out)["step_time_s"].get<double>() : 0.0;
   };
   EXPECT_LT(step(mistral, ""), step(no_window, ""));
+  // A context-extended config (rope_scaling): the note names the pre-training length on
+  // stderr, stdout keeps its one JSON document; --seq-length silences it.
+  const std::string extended = write("extended.json", R"({"model_type":"llama","num_hidden_layers":2,
+      "hidden_size":512,"num_attention_heads":8,"num_key_value_heads":2,"intermediate_size":1376,"vocab_size":1000,
+      "max_position_embeddings":4096,"rope_scaling":{"rope_type":"yarn","factor":4.0,
+      "original_max_position_embeddings":1024}})");
+  const Outcome note = strata("estimate --model " + extended + " --cluster dgx-h100-80g --plan " + plan + " --json");
+  ASSERT_EQ(note.code, 0) << note.err;
+  const Json ej = Json::parse(note.out);  // the config's 4096 tokens per sample, 16 samples
+  EXPECT_NEAR(ej["tokens_per_s"].get<double>() * ej["step_time_s"].get<double>(), 16.0 * 4096, 1e-6) << note.out;
+  EXPECT_NE(note.err.find("--seq-length 1024"), std::string::npos) << note.err;
+  const Outcome quiet = strata("estimate --model " + extended + " --cluster dgx-h100-80g --plan " + plan +
+                               " --json --seq-length 1024");
+  ASSERT_EQ(quiet.code, 0) << quiet.err;
+  EXPECT_EQ(quiet.err.find("note"), std::string::npos) << quiet.err;
   const Outcome ex = strata("plan --model " + mistral + " --cluster dgx-h100-80g --gpus 8 --global-batch-size 16 "
                             "--export megatron");
   ASSERT_EQ(ex.code, 0) << ex.err;
@@ -156,6 +171,10 @@ TEST(Cli, PlanJsonExportsAndTrace) {
   const Outcome ds = strata("plan --model llama3-8b --cluster dgx-h100-80g --gpus 64 --global-batch-size 512 --export deepspeed");
   ASSERT_EQ(ds.code, 0) << ds.err;
   EXPECT_EQ(Json::parse(ds.out)["train_batch_size"], 512);
+  const Outcome br = strata("plan --model llama3-8b --cluster dgx-h100-80g --gpus 64 --global-batch-size 512 --export bridge");
+  ASSERT_EQ(br.code, 0) << br.err;
+  EXPECT_NE(br.out.find("train.global_batch_size=512"), std::string::npos) << br.out;
+  EXPECT_NE(br.out.find("model.tensor_model_parallel_size="), std::string::npos) << br.out;
 
   const std::string trace = (scratch() / "t.json").string();
   const Outcome tr = strata("estimate --model gpt3-175b --cluster dgx-a100-80g --plan tp=8,pp=4,dp=2,gbs=16 --trace " + trace);

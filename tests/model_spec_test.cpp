@@ -175,6 +175,29 @@ TEST(ModelSpec, HuggingFaceLlamaConfig) {
   EXPECT_EQ(m.normalization, Norm::rmsnorm);
 }
 
+// Llama 3.1's config: max_position_embeddings is the extended context (131072), and
+// rope_scaling names the pre-training length (8192). The sequence stays the config's, as
+// documented; the pre-training length is kept for the CLI's note, and dropped when
+// --seq-length gives the sequence or when the scaling does not shorten it.
+TEST(ModelSpec, HuggingFaceRopeScalingKeepsThePretrainingLength) {
+  const Json hf = Json::parse(R"({"model_type":"llama","hidden_size":4096,"intermediate_size":14336,
+      "num_attention_heads":32,"num_hidden_layers":32,"num_key_value_heads":8,"vocab_size":128256,
+      "max_position_embeddings":131072,"rope_scaling":{"factor":8.0,"low_freq_factor":1.0,"high_freq_factor":4.0,
+      "original_max_position_embeddings":8192,"rope_type":"llama3"}})");
+  const ModelSpec m = model_from_hf_config(hf, "config.json");
+  EXPECT_EQ(m.S, 131072);
+  EXPECT_EQ(m.pretrain_seq_length, 8192);
+  const ModelSpec given = model_from_hf_config(hf, "config.json", 8192);
+  EXPECT_EQ(given.S, 8192);
+  EXPECT_EQ(given.pretrain_seq_length, 0);
+  Json plain = hf;
+  plain["rope_scaling"] = nullptr;  // Llama 3's own config
+  EXPECT_EQ(model_from_hf_config(plain, "config.json").pretrain_seq_length, 0);
+  Json not_shorter = hf;
+  not_shorter["rope_scaling"]["original_max_position_embeddings"] = 131072;
+  EXPECT_EQ(model_from_hf_config(not_shorter, "config.json").pretrain_seq_length, 0);
+}
+
 TEST(ModelSpec, HuggingFaceGemmaConfigWithHeadDim) {
   // Gemma 7B: 16 heads of 256 (attention 4096 wide on a 3072 hidden size), gated GELU,
   // tied 256000-token embedding. Per layer: QKV 3072*(4096+2*16*256) = 37,748,736, output

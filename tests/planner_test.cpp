@@ -4,6 +4,10 @@
 #include <gtest/gtest.h>
 #include <nlohmann/json.hpp>
 
+#include <algorithm>
+#include <string>
+#include <vector>
+
 #include "planner/export.h"
 #include "planner/search.h"
 
@@ -358,6 +362,54 @@ TEST(Planner, Exports) {
   EXPECT_EQ(ds["zero_optimization"]["stage"], 1);
   EXPECT_EQ(ds["bf16"]["enabled"], true);
   EXPECT_EQ(ds["train_batch_size"], 512);
+
+  // Megatron-Bridge: ConfigContainer overrides, one per line. Virtual stages per rank (not
+  // layers per virtual stage), the distributed optimizer on both of its configs.
+  auto lines_of = [](const std::string& text) {
+    std::vector<std::string> lines;
+    for (size_t a = 0, b; a < text.size(); a = b + 1) {
+      b = text.find('\n', a);
+      if (b == std::string::npos) b = text.size();
+      std::string line = text.substr(a, b - a);
+      if (line.size() >= 2 && line.compare(line.size() - 2, 2, " \\") == 0) line.resize(line.size() - 2);
+      if (!line.empty() && line[0] != '#') lines.push_back(line);
+    }
+    return lines;
+  };
+  auto has = [](const std::vector<std::string>& lines, const std::string& line) {
+    return std::find(lines.begin(), lines.end(), line) != lines.end();
+  };
+  const std::vector<std::string> br = lines_of(export_bridge(m, p, st));
+  for (const char* o : {"model.tensor_model_parallel_size=8", "model.pipeline_model_parallel_size=4",
+                        "model.virtual_pipeline_model_parallel_size=5", "model.context_parallel_size=1",
+                        "model.sequence_parallel=true", "train.micro_batch_size=1", "train.global_batch_size=512",
+                        "dataset.seq_length=8192", "ddp.use_distributed_optimizer=true",
+                        "optimizer.use_distributed_optimizer=true", "model.recompute_granularity=selective",
+                        "mixed_precision=bf16_mixed", "model.num_layers=80", "model.num_query_groups=8"})
+    EXPECT_TRUE(has(br, o)) << o;
+  for (const std::string& line : br) EXPECT_NE(line.find('='), std::string::npos) << line;  // KEY=VALUE only
+  // 126 layers in (L + 2) / p slots; partial recompute; FP8; ZeRO-3 as Megatron-FSDP.
+  const Plan fp = load_plan("tp=8,pp=16,dp=8,vp=4,gbs=512,recompute=full,recompute_num_layers=1,precision=fp8,zero=3");
+  const std::vector<std::string> bb = lines_of(export_bridge(big, fp, resolve_stack(big, load_cluster("dgx-h100-80g"), fp)));
+  for (const char* o : {"model.virtual_pipeline_model_parallel_size=4", "model.account_for_embedding_in_pipeline_split=true",
+                        "model.account_for_loss_in_pipeline_split=true", "model.recompute_granularity=full",
+                        "model.recompute_method=block", "model.recompute_num_layers=1",
+                        "mixed_precision=bf16_with_fp8_current_scaling_mixed", "ddp.use_megatron_fsdp=true",
+                        "ddp.data_parallel_sharding_strategy=optim_grads_params"})
+    EXPECT_TRUE(has(bb, o)) << o;
+  EXPECT_FALSE(has(bb, "model.microbatch_group_size_per_vp_stage=16"));  // 64 micro-batches: groups of p, unset
+  // Megatron's groups where p does not divide the micro-batches; ZeRO-2; no virtual stages;
+  // the split a plan gives.
+  const Plan z2 = load_plan("tp=8,pp=16,dp=8,vp=4,gbs=320,zero=2,precision=fp16");
+  const std::vector<std::string> b2 = lines_of(export_bridge(big, z2, resolve_stack(big, load_cluster("dgx-h100-80g"), z2)));
+  for (const char* o : {"model.microbatch_group_size_per_vp_stage=20", "ddp.data_parallel_sharding_strategy=optim_grads",
+                        "mixed_precision=fp16_mixed", "model.recompute_granularity=null"})
+    EXPECT_TRUE(has(b2, o)) << o;
+  const Plan split = load_plan("tp=8,pp=4,dp=2,gbs=64,decoder_first_pipeline_num_layers=18,decoder_last_pipeline_num_layers=18");
+  const std::vector<std::string> bs = lines_of(export_bridge(m, split, resolve_stack(m, load_cluster("dgx-h100-80g"), split)));
+  for (const char* o : {"model.virtual_pipeline_model_parallel_size=null", "model.num_layers_in_first_pipeline_stage=18",
+                        "model.num_layers_in_last_pipeline_stage=18", "ddp.use_distributed_optimizer=false"})
+    EXPECT_TRUE(has(bs, o)) << o;
 }
 
 }  // namespace
