@@ -376,7 +376,7 @@ int cmd_plan(const std::vector<std::string>& argv) {
                            "suit the model ({} layers, {} heads, {} query groups, sequence {}){}",
                            so.gpus, m.L, m.A, m.G, m.S,
                            so.fixed.uneven_split.value_or(false)
-                               ? "; uneven_split=1 keeps only pipelines whose ends a first/last split balances better"
+                               ? "; uneven_split=1 keeps only pipelines whose ends a first/last split or a layout balances better"
                                : ""));
   if (r.plans.empty()) {
     std::string why;

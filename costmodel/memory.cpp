@@ -143,14 +143,56 @@ double stage_params(const ModelSpec& m, const Plan& p, const StageLayout& lay, i
 double weighted_activation_peak(const Plan& p, int64_t s, const double* chunk_weights) {
   const bool interleaved = p.schedule() == ScheduleKind::interleaved;
   const ScheduleShape sh{p.schedule(), p.p, interleaved ? p.v : 1, p.microbatches(), interleaved ? p.vp_group_size() : 0};
-  const int64_t warm = sh.warmup(s);
-  double now = 0, peak = 0;
-  for (int64_t k = 0; k < sh.positions(); ++k) {
+  // The last few walks, by their whole input: a search asks again for every ZeRO stage of a
+  // candidate (activations do not depend on it), and a middle stage like another for its own.
+  struct Memo {
+    std::vector<int64_t> shape;  // kind, p, v, m, g, s
+    std::vector<double> weights;
+    double peak;
+  };
+  thread_local std::vector<Memo> memo;
+  thread_local size_t memo_next = 0;
+  const std::vector<int64_t> shape_key{static_cast<int64_t>(sh.kind), sh.p, sh.v, sh.m, sh.g, s};
+  for (const Memo& e : memo)
+    if (e.shape == shape_key && std::equal(e.weights.begin(), e.weights.end(), chunk_weights)) return e.peak;
+  auto remember = [&](double peak) {
+    Memo e{shape_key, std::vector<double>(chunk_weights, chunk_weights + sh.v), peak};
+    if (memo.size() < 8) memo.push_back(std::move(e));
+    else memo[memo_next++ % 8] = std::move(e);
+    return peak;
+  };
+  const int64_t warm = sh.warmup(s), positions = sh.positions();
+  // Past its warm-up an interleaved stage alternates a forward and a backward; while both
+  // run full groups (forward index (k + warm) / 2 below the last group's head, and before
+  // the cool-down) their chunks repeat every group through the chunks, P = 2 g v positions,
+  // each chunk entered g times and left g times. So once a period has left the sum exactly
+  // where it began (the same additions from the same value: bit for bit), every further
+  // whole period inside that region repeats it, peak included, and is skipped; the rest is
+  // walked. (A search meets layouts with unlike chunks in every one of its plans.)
+  int64_t period = 0, region_end = 0;
+  if (interleaved) {
+    const int64_t g = sh.group();
+    const Groups gr = groups_of(sh.m, g, sh.v);
+    const int64_t head = gr.last == g ? sh.m * sh.v : gr.head;
+    period = 2 * g * sh.v;
+    region_end = std::min(2 * head - warm, positions - warm);
+  }
+  double now = 0, peak = 0, period_start = 0;
+  for (int64_t k = 0; k < positions; ++k) {
+    if (period > 0 && k >= warm && (k - warm) % period == 0) {
+      if (k > warm && now == period_start && k <= region_end) {
+        k += (region_end - k) / period * period;
+        period = 0;
+        if (k >= positions) break;
+      } else {
+        period_start = now;
+      }
+    }
     const StepAt st = sh.at(s, k, warm);
     now += st.forward ? chunk_weights[st.chunk] : -chunk_weights[st.chunk];
     peak = std::max(peak, now);
   }
-  return peak;
+  return remember(peak);
 }
 
 namespace {

@@ -1,7 +1,7 @@
 // The search: every tensor, pipeline, data and context parallel degree, virtual stages,
 // micro-batch size, ZeRO stage, recompute mode, sequence parallelism and pipeline schedule
 // consistent with the model and the GPU count, each pipeline in strata's own layout and in
-// the first/last split that balances its ends (balanced_end_split); each rejected with a counted reason or
+// the first/last split or layout that balances its ends (balanced_end_split); each rejected with a counted reason or
 // estimated and ranked by step time. Pruning never changes the answer: a plan is skipped
 // only when a lower bound on its step time (its busiest stage's work, no bubble) cannot
 // reach the top K, or, for --pareto, when a known plan dominates it.
@@ -50,8 +50,8 @@ struct SearchResult {
   std::vector<Estimate> pareto;      // memory vs step-time frontier, by memory (with --pareto)
 };
 
-// Megatron-LM's decoder_first/last_pipeline_num_layers for a pipelined plan, chosen to
-// balance the end stages: stage 0 also runs the embedding and stage p - 1 the output layer
+// Megatron-LM's decoder_first/last_pipeline_num_layers (or, with virtual stages, a layout) for
+// a pipelined plan, chosen to balance the end stages: stage 0 also runs the embedding and stage p - 1 the output layer
 // (with a 128k vocabulary in bf16 beside FP8 layers, worth two layers or more). With w, e
 // and h one micro-batch's forward + backward (+ recompute) of a layer, the embedding and
 // the output layer (layer_cost etc. of the plan, without ZeRO and partial recompute): for
@@ -59,9 +59,17 @@ struct SearchResult {
 // balance of the ends (the multiples of v either side of f w + e = l w + h; Megatron-core's
 // rules: every count a multiple of v, the middle stages alike); of those, the one whose
 // slowest stage, max(f w + e, mid w, l w + h), is fastest, ties to fewer layers on the
-// first stage. The plan with that split, or nothing where it is no faster by that measure
-// than strata's own layout (layout.h, as even as possible where neither L nor L + 2
-// divides) or the plan has one stage.
+// first stage. With virtual stages (v > 1) those counts move v layers at a time, too coarse
+// to balance an output layer worth a layer or two: where L splits evenly into the p v
+// chunks of n layers and three or more stages, a pipeline_model_parallel_layout moves single
+// layers instead, a = ceil(e / w) - 1 off the first stage's first chunk onto the first
+// chunk of stages p - 2, p - 3, ... and b = ceil(h / w) - 1 off the last stage's last chunk
+// onto the last chunk of stages 1, 2, ... (at most n each, a + b <= p - 2: one extra layer
+// per stage), so that no stage does more than n v + 1 layers' work (Megatron-Bridge's
+// Llama 3 70B H100 recipe of 2026-08 moves one layer so, by hand); it is taken where its
+// slowest stage beats both. The plan with the better of the two, or nothing where neither
+// is faster by that measure than strata's own layout (layout.h, as even as possible where
+// neither L nor L + 2 divides) or the plan has one stage.
 std::optional<Plan> balanced_end_split(const ModelSpec& m, const Cluster& cl, const Plan& p);
 // The same from the three costs already made (the search's cache).
 std::optional<Plan> balanced_end_split(const ModelSpec& m, const Plan& p, double layer_s, double embedding_s,
