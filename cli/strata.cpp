@@ -197,7 +197,7 @@ std::optional<LaunchInputs> megatron_launch(const Args& a, std::initializer_list
 void note_extended_context(const ModelSpec& m) {
   if (m.pretrain_seq_length > 0)
     fmt::print(stderr,
-               "strata: note: {}: sequence {} from max_position_embeddings; its rope_scaling extends a model "
+               "strata: note: {}: sequence {} from max_position_embeddings; its RoPE scaling extends a model "
                "pre-trained at {} (original_max_position_embeddings): give --seq-length {} to plan pre-training\n",
                m.name, m.S, m.pretrain_seq_length, m.pretrain_seq_length);
 }

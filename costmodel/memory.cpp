@@ -17,6 +17,7 @@
 #include "costmodel/memory.h"
 
 #include <algorithm>
+#include <array>
 #include <vector>
 
 #include "costmodel/schedule.h"
@@ -146,13 +147,13 @@ double weighted_activation_peak(const Plan& p, int64_t s, const double* chunk_we
   // The last few walks, by their whole input: a search asks again for every ZeRO stage of a
   // candidate (activations do not depend on it), and a middle stage like another for its own.
   struct Memo {
-    std::vector<int64_t> shape;  // kind, p, v, m, g, s
+    std::array<int64_t, 6> shape;  // kind, p, v, m, g, s
     std::vector<double> weights;
     double peak;
   };
   thread_local std::vector<Memo> memo;
   thread_local size_t memo_next = 0;
-  const std::vector<int64_t> shape_key{static_cast<int64_t>(sh.kind), sh.p, sh.v, sh.m, sh.g, s};
+  const std::array<int64_t, 6> shape_key{static_cast<int64_t>(sh.kind), sh.p, sh.v, sh.m, sh.g, s};
   for (const Memo& e : memo)
     if (e.shape == shape_key && std::equal(e.weights.begin(), e.weights.end(), chunk_weights)) return e.peak;
   auto remember = [&](double peak) {

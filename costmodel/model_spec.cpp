@@ -312,10 +312,15 @@ ModelSpec model_from_hf_config(const Json& j, const std::string& source, int64_t
   if (seq_length_override > 0) m.S = seq_length_override;
   else if (m.S == 0)
     throw InputError(source + ".max_position_embeddings: missing: an integer is required (or give --seq-length)");
-  if (seq_length_override <= 0 && j.contains("rope_scaling") && j["rope_scaling"].is_object()) {
-    const Json& rs = j["rope_scaling"];
-    if (rs.contains("original_max_position_embeddings") && rs["original_max_position_embeddings"].is_number_integer()) {
-      const int64_t original = rs["original_max_position_embeddings"].get<int64_t>();
+  // Llama 3.1 and YaRN configs name it in rope_scaling, transformers 5 in rope_parameters,
+  // Phi-3's at the top level.
+  if (seq_length_override <= 0) {
+    for (const Json* at : {&j, j.contains("rope_scaling") ? &j["rope_scaling"] : nullptr,
+                           j.contains("rope_parameters") ? &j["rope_parameters"] : nullptr}) {
+      if (!at || !at->is_object() || !at->contains("original_max_position_embeddings")) continue;
+      const Json& o = (*at)["original_max_position_embeddings"];
+      if (!o.is_number_integer()) continue;
+      const int64_t original = o.get<int64_t>();
       if (original > 0 && original < m.S) m.pretrain_seq_length = original;
     }
   }

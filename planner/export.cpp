@@ -174,7 +174,9 @@ std::string export_bridge(const ModelSpec& m, const Plan& p, const Stack& stack)
   const bool own = p.explicit_split();
   const bool slots = !own && !even && p.p > 1 && (m.L + 2) % (p.p * p.v) == 0;
   if (p.layout) {
-    set("model.pipeline_model_parallel_layout", "'" + p.layout->text + "'");  // quoted for the shell
+    // Quoted for Hydra's override parser ('|', '(' and ',' are its syntax), and the whole
+    // override again for the shell, as Bridge's own examples quote theirs.
+    f += std::string(f.empty() ? "" : " \\\n") + "\"model.pipeline_model_parallel_layout='" + p.layout->text + "'\"";
   } else if (own) {
     if (p.first_stage_layers > 0) set("model.num_layers_in_first_pipeline_stage", num(p.first_stage_layers));
     if (p.last_stage_layers > 0) set("model.num_layers_in_last_pipeline_stage", num(p.last_stage_layers));
@@ -189,7 +191,8 @@ std::string export_bridge(const ModelSpec& m, const Plan& p, const Stack& stack)
   if (p.v > 1 && p.vp_group_size() != p.p) set("model.microbatch_group_size_per_vp_stage", num(p.vp_group_size()));
   set("train.micro_batch_size", num(p.mbs));
   set("train.global_batch_size", num(p.gbs));
-  set("dataset.seq_length", num(m.S));  // the runner sets model.seq_length from it
+  set("dataset.seq_length", num(m.S));  // run_recipe.py sets the model's from it; a ConfigContainer needs both
+  set("model.seq_length", num(m.S));
   // ZeRO: the distributed optimizer shards the optimizer states (1); Megatron-FSDP shards
   // gradients too (2) and the parameters (3).
   if (p.zero >= 1) {
@@ -202,6 +205,7 @@ std::string export_bridge(const ModelSpec& m, const Plan& p, const Stack& stack)
   if (p.zero >= 2) {
     set("ddp.use_megatron_fsdp", "true");
     set("ddp.data_parallel_sharding_strategy", p.zero == 2 ? "optim_grads" : "optim_grads_params");
+    set("checkpoint.ckpt_format", "fsdp_dtensor");  // (Bridge's validate() requires it with Megatron-FSDP)
   }
   if (p.recompute == Recompute::full) {
     set("model.recompute_granularity", "full");
@@ -216,7 +220,10 @@ std::string export_bridge(const ModelSpec& m, const Plan& p, const Stack& stack)
     case Precision::bf16: set("mixed_precision", "bf16_mixed"); break;
     case Precision::fp16: set("mixed_precision", "fp16_mixed"); break;
     case Precision::fp8: set("mixed_precision", "bf16_with_fp8_current_scaling_mixed"); break;
-    case Precision::fp32: set("mixed_precision", "null"); break;
+    case Precision::fp32:
+      set("mixed_precision", "null");
+      notes += "# fp32: a recipe's model provider may still set bf16 or params_dtype; set them to fp32 as well.\n";
+      break;
   }
   const bool replicated = p.replicas() > 1;
   set("ddp.overlap_grad_reduce", yes(stack.overlap_grad_reduce && replicated));
@@ -225,7 +232,9 @@ std::string export_bridge(const ModelSpec& m, const Plan& p, const Stack& stack)
     notes += "# tensor-parallel communication overlap was costed: the recipe's comm_overlap config with\n"
              "# tp_comm_overlap=True (a CommOverlapConfig; its user-buffer settings are the recipe's).\n";
   set("model.gradient_accumulation_fusion", yes(stack.grad_accumulation_fusion));
-  set("model.attention_backend", stack.attention == AttentionKernel::flash ? "flash" : "unfused");
+  // strata's fused attention is any fused kernel (FlashAttention or cuDNN's): Megatron-core's
+  // auto picks one; unfused is its own backend.
+  set("model.attention_backend", stack.attention == AttentionKernel::flash ? "auto" : "unfused");
   if (p.gpipe) notes += "# pipeline_schedule=gpipe: Megatron-core runs 1F1B only; these give its 1F1B schedule.\n";
   // The model's shape, so that the chosen recipe's can be checked (or a neighbour's reused).
   set("model.num_layers", num(m.L));

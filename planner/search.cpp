@@ -162,9 +162,18 @@ std::optional<Plan> balanced_end_split(const ModelSpec& m, const Plan& p, double
   if (v > 1 && P > 2 && L % (P * v) == 0) {
     const int64_t n = L / (P * v);
     auto moves = [&](double end) {  // layers off an end so that it does at most one layer more than the rest
-      return std::clamp<int64_t>(static_cast<int64_t>(std::ceil(end / w)) - 1, 0, n);
+      // (clamped as a double: an end of 1e300 layers must not overflow the conversion)
+      return static_cast<int64_t>(std::clamp(std::ceil(end / w) - 1.0, 0.0, static_cast<double>(n)));
     };
-    const int64_t a = std::min(moves(e), P - 2), b = std::min(moves(h), P - 2 - a);
+    // The costlier end's moves first, where both want more middle stages than there are.
+    int64_t a = 0, b = 0;
+    if (h >= e) {
+      b = std::min(moves(h), P - 2);
+      a = std::min(moves(e), P - 2 - b);
+    } else {
+      a = std::min(moves(e), P - 2);
+      b = std::min(moves(h), P - 2 - a);
+    }
     const double base = static_cast<double>(n * v) * w;
     const double slowest = std::max({base + e - static_cast<double>(a) * w, base + h - static_cast<double>(b) * w,
                                      base + (a + b > 0 ? w : 0.0)});

@@ -64,7 +64,8 @@ struct SearchResult {
 // chunks of n layers and three or more stages, a pipeline_model_parallel_layout moves single
 // layers instead, a = ceil(e / w) - 1 off the first stage's first chunk onto the first
 // chunk of stages p - 2, p - 3, ... and b = ceil(h / w) - 1 off the last stage's last chunk
-// onto the last chunk of stages 1, 2, ... (at most n each, a + b <= p - 2: one extra layer
+// onto the last chunk of stages 1, 2, ... (at most n each, a + b <= p - 2, the costlier
+// end's first: one extra layer
 // per stage), so that no stage does more than n v + 1 layers' work (Megatron-Bridge's
 // Llama 3 70B H100 recipe of 2026-08 moves one layer so, by hand); it is taken where its
 // slowest stage beats both. The plan with the better of the two, or nothing where neither

@@ -225,8 +225,10 @@ TEST(Memory, WeightedActivationPeakSkipsPeriodsExactly) {
       for (int64_t mb : {pp, pp + 1, 2 * pp, 3 * pp + 2, 8 * pp, 12 * pp}) {
         const Plan p = load_plan(fmt::format("pp={},vp={},mbs=1,gbs={}", pp, v, mb));
         const Schedule sc = make_schedule(ScheduleKind::interleaved, pp, v, mb, p.vp_group_size());
+        // Whole numbers (every period returns its sum exactly) and fractions (a period may
+        // not, and the walk goes on until one does).
         std::vector<double> w(static_cast<size_t>(v));
-        for (double& c : w) c = draw();
+        for (size_t i = 0; i < w.size(); ++i) w[i] = (mb % 2 == 0 ? draw() : draw() * 0.1 + 0.37 * static_cast<double>(i));
         for (int64_t st = 0; st < pp; ++st) {
           double now = 0, peak = 0;
           for (const Step& step : sc.stages[static_cast<size_t>(st)]) {

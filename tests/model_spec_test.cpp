@@ -196,6 +196,13 @@ TEST(ModelSpec, HuggingFaceRopeScalingKeepsThePretrainingLength) {
   Json not_shorter = hf;
   not_shorter["rope_scaling"]["original_max_position_embeddings"] = 131072;
   EXPECT_EQ(model_from_hf_config(not_shorter, "config.json").pretrain_seq_length, 0);
+  // transformers 5 names the scaling rope_parameters; Phi-3 puts the length at the top.
+  Json v5 = plain;
+  v5["rope_parameters"] = {{"rope_type", "llama3"}, {"original_max_position_embeddings", 8192}};
+  EXPECT_EQ(model_from_hf_config(v5, "config.json").pretrain_seq_length, 8192);
+  Json phi3 = plain;
+  phi3["original_max_position_embeddings"] = 4096;
+  EXPECT_EQ(model_from_hf_config(phi3, "config.json").pretrain_seq_length, 4096);
 }
 
 TEST(ModelSpec, HuggingFaceGemmaConfigWithHeadDim) {

@@ -235,6 +235,20 @@ TEST(Planner, BalancedEndSplitByHand) {
   // counts' cases without virtual stages.
   EXPECT_FALSE(balanced_end_split(m, load_plan("pp=8,vp=2,dp=1"), 1.0, 0.5, 0.9));
   EXPECT_FALSE(a->layout);
+  // An output layer of 3.5: three layers move, onto stages 1-3 (the counts' best is 12, 4 | 4
+  // or 6 | 2 behind middles of 12). One of 2.5 with 5 chunks of 2 moves both layers of the
+  // last chunk, which keeps only the output layer ("...|L"). One of 1e300 layers: the
+  // conversion does not overflow, and no layout is faster in doubles.
+  const std::optional<Plan> three = balanced_end_split(m, load_plan("pp=8,vp=2,dp=1"), 1.0, 0.1, 3.5);
+  ASSERT_TRUE(three && three->layout);
+  EXPECT_EQ(make_layout(m.L, *three).layers,
+            (std::vector<int64_t>{5, 5, 5, 5, 5, 5, 5, 5, 5, 6, 6, 6, 5, 5, 5, 2}));
+  const std::optional<Plan> empty_last = balanced_end_split(m, load_plan("pp=8,vp=5,dp=1"), 1.0, 0.1, 2.5);
+  ASSERT_TRUE(empty_last && empty_last->layout);
+  EXPECT_EQ(empty_last->layout->text, "Et*2|(t*2|)*32,(t*3|)*2,(t*2|)*4,L");
+  EXPECT_EQ(make_layout(m.L, *empty_last).layers.back(), 0);
+  EXPECT_TRUE(split_problem(m.L, *empty_last).empty());
+  EXPECT_FALSE(balanced_end_split(m, load_plan("pp=8,vp=2,dp=1"), 1.0, 0.1, 1e300));
   m.L = 81;
   const std::optional<Plan> c = balanced_end_split(m, load_plan("pp=2,dp=1"), 1.0, 0.1, 2.4);
   ASSERT_TRUE(c);
@@ -450,6 +464,16 @@ TEST(Planner, Exports) {
   for (const char* o : {"model.virtual_pipeline_model_parallel_size=null", "model.num_layers_in_first_pipeline_stage=18",
                         "model.num_layers_in_last_pipeline_stage=18", "ddp.use_distributed_optimizer=false"})
     EXPECT_TRUE(has(bs, o)) << o;
+  // A layout: Hydra's override parser takes '|', '(' and ',' only in a quoted value, and the
+  // shell takes the quotes only inside its own.
+  Plan laid = load_plan("tp=4,pp=8,vp=5,dp=2,gbs=256,zero=3");
+  laid.layout = std::make_shared<const PipelineLayout>(
+      parse_pipeline_layout("Et*2|(t*2|)*34,t*3|(t*2|)*3,tL", "pipeline_model_parallel_layout"));
+  const std::vector<std::string> bl = lines_of(export_bridge(m, laid, resolve_stack(m, load_cluster("dgx-h100-80g"), laid)));
+  for (const char* o : {"\"model.pipeline_model_parallel_layout='Et*2|(t*2|)*34,t*3|(t*2|)*3,tL'\"",
+                        "model.virtual_pipeline_model_parallel_size=5", "checkpoint.ckpt_format=fsdp_dtensor",
+                        "model.seq_length=8192", "dataset.seq_length=8192"})
+    EXPECT_TRUE(has(bl, o)) << o;
 }
 
 }  // namespace
