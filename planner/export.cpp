@@ -6,16 +6,27 @@
 
 namespace strata {
 
+namespace {
+
+// A plan's layer split in the frameworks' terms (layout.h): its own (a layout or first/last
+// counts), even, in (L + 2) / (p v) slots with the embedding and the loss in one each, or
+// as even as possible, which they cannot say.
+enum class SplitForm { own, even, slots, uneven };
+SplitForm split_form(const ModelSpec& m, const Plan& p) {
+  if (p.explicit_split()) return SplitForm::own;
+  if (m.L % (p.p * p.v) == 0 || p.p == 1) return SplitForm::even;
+  return (m.L + 2) % (p.p * p.v) == 0 ? SplitForm::slots : SplitForm::uneven;
+}
+
+}  // namespace
+
 std::string export_megatron(const ModelSpec& m, const Plan& p, const Stack& stack) {
   std::string notes, f;
   auto flag = [&](const std::string& s) { f += (f.empty() ? "" : " \\\n    ") + s; };
   flag(fmt::format("--tensor-model-parallel-size {}", p.t));
   flag(fmt::format("--pipeline-model-parallel-size {}", p.p));
-  // Layer split (layout.h): the plan's own, even, or with the embedding and the loss in a
-  // layer's slot each.
-  const bool even = m.L % (p.p * p.v) == 0;
-  const bool own = p.explicit_split();
-  const bool slots = !own && !even && p.p > 1 && (m.L + 2) % (p.p * p.v) == 0;
+  const SplitForm form = split_form(m, p);
+  const bool own = form == SplitForm::own, slots = form == SplitForm::slots;
   if (p.layout) {
     flag(fmt::format("--pipeline-model-parallel-layout \"{}\"", p.layout->text));  // it gives the chunks
   } else if (own) {
@@ -30,7 +41,7 @@ std::string export_megatron(const ModelSpec& m, const Plan& p, const Stack& stac
   if (slots) {
     flag("--account-for-embedding-in-pipeline-split");
     flag("--account-for-loss-in-pipeline-split");
-  } else if (!own && !even && p.p > 1) {
+  } else if (form == SplitForm::uneven) {
     notes += fmt::format("# {} layers do not split evenly over {} stages: strata assumed the extra layers on the middle\n"
                          "# stages; give Megatron the same split with --decoder-first/last-pipeline-num-layers.\n",
                          m.L, p.p);
@@ -157,9 +168,8 @@ std::string export_deepspeed(const ModelSpec& m, const Plan& p, const Stack& sta
 
 std::string export_bridge(const ModelSpec& m, const Plan& p, const Stack& stack) {
   std::string notes, f;
-  auto set = [&](const std::string& key, const std::string& value) {
-    f += (f.empty() ? "" : " \\\n") + key + "=" + value;
-  };
+  auto line = [&](const std::string& text) { f += (f.empty() ? "" : " \\\n") + text; };
+  auto set = [&](const std::string& key, const std::string& value) { line(key + "=" + value); };
   auto num = [](int64_t x) { return fmt::format("{}", x); };
   auto yes = [](bool b) { return std::string(b ? "true" : "false"); };
   set("model.tensor_model_parallel_size", num(p.t));
@@ -169,21 +179,18 @@ std::string export_bridge(const ModelSpec& m, const Plan& p, const Stack& stack)
   set("model.virtual_pipeline_model_parallel_size", p.v > 1 ? num(p.v) : "null");
   set("model.context_parallel_size", num(p.c));
   set("model.sequence_parallel", yes(p.sp));
-  // The layer split, as export_megatron gives it (layout.h).
-  const bool even = m.L % (p.p * p.v) == 0;
-  const bool own = p.explicit_split();
-  const bool slots = !own && !even && p.p > 1 && (m.L + 2) % (p.p * p.v) == 0;
+  const SplitForm form = split_form(m, p);
   if (p.layout) {
     // Quoted for Hydra's override parser ('|', '(' and ',' are its syntax), and the whole
     // override again for the shell, as Bridge's own examples quote theirs.
-    f += std::string(f.empty() ? "" : " \\\n") + "\"model.pipeline_model_parallel_layout='" + p.layout->text + "'\"";
-  } else if (own) {
+    line("\"model.pipeline_model_parallel_layout='" + p.layout->text + "'\"");
+  } else if (form == SplitForm::own) {
     if (p.first_stage_layers > 0) set("model.num_layers_in_first_pipeline_stage", num(p.first_stage_layers));
     if (p.last_stage_layers > 0) set("model.num_layers_in_last_pipeline_stage", num(p.last_stage_layers));
-  } else if (slots) {
+  } else if (form == SplitForm::slots) {
     set("model.account_for_embedding_in_pipeline_split", "true");
     set("model.account_for_loss_in_pipeline_split", "true");
-  } else if (!even && p.p > 1) {
+  } else if (form == SplitForm::uneven) {
     notes += fmt::format("# {} layers do not split evenly over {} stages: strata assumed the extra layers on the middle\n"
                          "# stages; give Bridge the same split with model.num_layers_in_first/last_pipeline_stage.\n",
                          m.L, p.p);
@@ -195,13 +202,8 @@ std::string export_bridge(const ModelSpec& m, const Plan& p, const Stack& stack)
   set("model.seq_length", num(m.S));
   // ZeRO: the distributed optimizer shards the optimizer states (1); Megatron-FSDP shards
   // gradients too (2) and the parameters (3).
-  if (p.zero >= 1) {
-    set("ddp.use_distributed_optimizer", "true");
-    set("optimizer.use_distributed_optimizer", "true");
-  } else {
-    set("ddp.use_distributed_optimizer", "false");
-    set("optimizer.use_distributed_optimizer", "false");
-  }
+  set("ddp.use_distributed_optimizer", yes(p.zero >= 1));
+  set("optimizer.use_distributed_optimizer", yes(p.zero >= 1));
   if (p.zero >= 2) {
     set("ddp.use_megatron_fsdp", "true");
     set("ddp.data_parallel_sharding_strategy", p.zero == 2 ? "optim_grads" : "optim_grads_params");
