@@ -198,17 +198,9 @@ std::optional<Plan> balanced_end_split(const ModelSpec& m, const Plan& p, double
         k += run;
       }
       text += part(layers.back()) + "L";
-      // (A search asks for the same few layouts again and again: each is parsed once.)
-      thread_local std::map<std::string, std::shared_ptr<const PipelineLayout>> parsed;
-      auto it = parsed.find(text);
-      if (it == parsed.end()) {
-        if (parsed.size() > 4096) parsed.clear();
-        it = parsed.emplace(text, std::make_shared<const PipelineLayout>(
-                                      parse_pipeline_layout(text, "pipeline_model_parallel_layout"))).first;
-      }
       Plan q = p;
       q.first_stage_layers = q.last_stage_layers = 0;
-      q.layout = it->second;
+      q.layout = std::make_shared<const PipelineLayout>(PipelineLayout{std::move(text), std::move(layers)});
       return q;
     }
   }
