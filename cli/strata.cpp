@@ -260,8 +260,8 @@ std::string split_text(const ModelSpec& m, const Plan& p) {
 
 std::string plan_row(const ModelSpec& m, const Estimate& e, int rank) {
   const Plan& p = e.plan;
-  return fmt::format("{:>3}  {:>3} {:>3} {:>4} {:>3} {:>3} {:>4} {:>4} {:>9} {:>3} {:>11}  {:>9.3f} {:>11.0f} {:>6.1f}% {:>9.1f} {:>7.1f}%  {}",
-                     rank, p.t, p.p, p.d, p.c, p.v, p.mbs, p.zero,
+  return fmt::format("{:>3}  {:>3} {:>3} {:>4} {:>3} {:>9} {:>3} {:>4} {:>4} {:>9} {:>3} {:>11}  {:>9.3f} {:>11.0f} {:>6.1f}% {:>9.1f} {:>7.1f}%  {}",
+                     rank, p.t, p.p, p.d, p.c, p.c > 1 ? to_string(e.cp_comm) : "-", p.v, p.mbs, p.zero,
                      p.recompute_layers > 0 ? fmt::format("full/{}", p.recompute_layers) : to_string(p.recompute),
                      p.sp ? "y" : "n",
                      to_string(p.schedule()), e.step_time_s, e.tokens_per_s, 100.0 * e.mfu,
@@ -270,7 +270,7 @@ std::string plan_row(const ModelSpec& m, const Estimate& e, int rank) {
 }
 
 const char* kPlanHeader =
-    "  #   tp  pp   dp  cp  vp  mbs zero recompute  sp       sched     step_s    tokens/s    MFU  mem_GiB  bubble  "
+    "  #   tp  pp   dp  cp   cp_comm  vp  mbs zero recompute  sp       sched     step_s    tokens/s    MFU  mem_GiB  bubble  "
     "layers per stage";
 
 // Why `best` beats `other`: the terms that differ, largest saving first.
@@ -373,11 +373,12 @@ int cmd_plan(const std::vector<std::string>& argv) {
   if (r.candidates_evaluated == 0 && a.has("fix"))
     fail_field("--fix", a.get("fix"),
                fmt::format("leaves no candidate plan: tp*pp*dp*cp must equal --gpus {} and each fixed size must "
-                           "suit the model ({} layers, {} heads, {} query groups, sequence {}){}",
+                           "suit the model ({} layers, {} heads, {} query groups, sequence {}){}{}",
                            so.gpus, m.L, m.A, m.G, m.S,
                            so.fixed.uneven_split.value_or(false)
                                ? "; uneven_split=1 keeps only pipelines whose ends a first/last split or a layout balances better"
-                               : ""));
+                               : "",
+                           so.fixed.cp_comm ? "; cp_comm_type keeps only context-parallel plans (cp > 1)" : ""));
   if (r.plans.empty()) {
     std::string why;
     for (const auto& [k, v] : r.rejected) why += fmt::format("{}{} {}", why.empty() ? "" : ", ", k, v);

@@ -4,6 +4,10 @@
 //   all_gather     S = gathered (output)    time = S * (n-1)/n  / busbw
 //   reduce_scatter S = input bytes          time = S * (n-1)/n  / busbw
 //   send_recv      S = message bytes        time = S / busbw
+//   all_to_all     S = bytes each rank sends (its whole buffer, its own share included)
+//                                           time = S * (n-1)/n  / busbw, one latency step;
+//                  across nodes with k members on each: S (n-k)/n through the member's own
+//                  NIC share, beside S (k-1)/n over NVLink (the slower of the two)
 // Groups are placed the Megatron way (tensor innermost, then context, data, pipeline), so a
 // group's stride in rank order says how many of its members share a node. A group inside a
 // node runs at the NVLink bandwidth; one across nodes gets its share of the node's NICs,

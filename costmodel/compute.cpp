@@ -115,6 +115,7 @@ ComputeSetup compute_setup(const ModelSpec& m, const Cluster& cl, const Plan& p)
   cs.grad_bytes = p.precision == Precision::fp16 && !cs.stack.strata ? 2.0 : 4.0;
   cs.weight_bytes = p.precision == Precision::fp32 ? 4.0 : p.precision == Precision::fp8 ? 1.0 : 2.0;
   cs.weight_work_bytes = cs.stack.strata ? 4.0 : cs.weight_bytes;  // its parameter gathers send floats
+  cs.cp_comm = p.c > 1 ? resolve_cp_comm(m, cl, p) : CpComm::p2p;  // (nothing to move without context parallelism)
   return cs;
 }
 
@@ -320,17 +321,26 @@ double attention_core_forward(Acc& a, Phase ph) {
     if (m.attention_dropout > 0) t += a.mem("attn_dropout", ph, (2.0 * e + 1.0) * n_s);
     t += a.batched("attn_context", ph, flops, e * (n_s + heads * (Sk * D + Sq * D)), heads);
   }
-  // Context parallel: ring exchange of K and V, (c-1) steps, hidden behind the core. The
-  // strata executor all-gathers them before the core instead (the same bytes), exposed.
+  // Context parallel (cp_comm_type). p2p: ring exchange of K and V, (c-1) steps, hidden
+  // behind the core. allgather: K and V gathered before the core (the same bytes), exposed;
+  // the strata executor does this too. a2a: Q, K and V all-to-all'ed before the core (the
+  // sequence split traded for a head split) and the output back after it, exposed.
   if (p.c > 1) {
-    const double kv_bytes = e * a.cs.T * static_cast<double>(2 * m.kv_width(p.t));
+    const double kv_bytes = e * a.cs.T * static_cast<double>(2 * m.kv_width(p.t));  // this rank's K and V
     if (a.cs.stack.strata) {
       // Selective recompute's core reuses the keys and values its backward gathers.
       if (!(ph == Phase::recompute && p.recompute == Recompute::selective))
         a.comm("cp_kv_gather", ph, OpKind::cp_comm, a.cp, Collective::all_gather, kv_bytes * static_cast<double>(p.c));
-    } else
+    } else if (a.cs.cp_comm == CpComm::allgather) {
+      a.comm("cp_kv_gather", ph, OpKind::cp_comm, a.cp, Collective::all_gather, kv_bytes * static_cast<double>(p.c));
+    } else if (a.cs.cp_comm == CpComm::a2a) {
+      const double q_bytes = e * a.cs.T * static_cast<double>(m.AD() / p.t);  // Q, or the core's output
+      a.comm("cp_qkv_all_to_all", ph, OpKind::cp_comm, a.cp, Collective::all_to_all, q_bytes + kv_bytes);
+      a.comm("cp_out_all_to_all", ph, OpKind::cp_comm, a.cp, Collective::all_to_all, q_bytes);
+    } else {
       a.comm("cp_kv_exchange", ph, OpKind::cp_comm, a.cp, Collective::send_recv,
              kv_bytes * static_cast<double>(p.c - 1), t);
+    }
   }
   return t;
 }
@@ -364,13 +374,19 @@ double attention_core_backward(Acc& a, double mlp_s) {
   }
   if (p.c > 1) {
     // K, V travel again and their gradients travel back (strata: an all-gather started
-    // before the MLP block's backward and a reduce-scatter, exposed).
+    // before the MLP block's backward and a reduce-scatter, exposed; allgather: both
+    // exposed; a2a: the output's gradient all-to-all'ed before the core and those of Q, K
+    // and V after it, exposed).
     const double kv_bytes = e * a.cs.T * static_cast<double>(2 * m.kv_width(p.t));
-    if (a.cs.stack.strata) {
+    if (a.cs.stack.strata || a.cs.cp_comm == CpComm::allgather) {
       a.comm("cp_kv_gather", ph, OpKind::cp_comm, a.cp, Collective::all_gather, kv_bytes * static_cast<double>(p.c),
-             mlp_s);
+             a.cs.stack.strata ? mlp_s : 0.0);
       a.comm("cp_dkv_reduce_scatter", ph, OpKind::cp_comm, a.cp, Collective::reduce_scatter,
              kv_bytes * static_cast<double>(p.c));
+    } else if (a.cs.cp_comm == CpComm::a2a) {
+      const double q_bytes = e * a.cs.T * static_cast<double>(m.AD() / p.t);
+      a.comm("cp_out_all_to_all", ph, OpKind::cp_comm, a.cp, Collective::all_to_all, q_bytes);
+      a.comm("cp_qkv_all_to_all", ph, OpKind::cp_comm, a.cp, Collective::all_to_all, q_bytes + kv_bytes);
     } else {
       a.comm("cp_kv_exchange", ph, OpKind::cp_comm, a.cp, Collective::send_recv,
              2.0 * kv_bytes * static_cast<double>(p.c - 1), t);

@@ -181,7 +181,7 @@ double hardware_flops(const ModelSpec& m, const Plan& p, const StageLayout& lay)
     f += recomputed * m.layer_forward_flops(p.gbs);
   }
   if (p.recompute == Recompute::selective)
-    f += L * 4.0 * static_cast<double>(p.gbs) * static_cast<double>(m.S) * static_cast<double>(m.S) *
+    f += L * 4.0 * static_cast<double>(p.gbs) * static_cast<double>(m.S) * m.attention_keys() *
          static_cast<double>(m.AD());
   return f;
 }
@@ -248,6 +248,7 @@ Estimate estimate(const ModelSpec& m, const Cluster& cl, const Plan& p, const Es
 
   const ComputeSetup cs = compute_setup(m, cl, p);
   est.attention = cs.attention;
+  est.cp_comm = cs.cp_comm;
   est.stack = cs.stack;
   thread_local StageLayout lay;  // per-thread scratch (see st below)
   make_layout_into(m.L, p, &lay);
@@ -473,6 +474,7 @@ Json estimate_to_json(const Estimate& e) {
   j["critical_stage"] = e.critical_stage;
   j["microbatches"] = e.microbatches;
   j["attention"] = to_string(e.attention);
+  if (e.plan.c > 1) j["cp_comm_type"] = to_string(e.cp_comm);
   j["stack"] = stack_to_json(e.stack);
   j["schedule"] = to_string(e.plan.schedule());
   j["comm_before_overlap_s"] = {{"tp_comm", e.tp_comm_total_s}, {"dp_comm", e.dp_comm_total_s}};

@@ -39,6 +39,7 @@ struct Estimate {
   int64_t critical_stage = 0;     // the stage whose finish sets the step time
   int64_t microbatches = 0;
   AttentionKernel attention = AttentionKernel::flash;
+  CpComm cp_comm = CpComm::p2p;   // cp_comm_type as run (context_parallel > 1)
   Stack stack;                    // the software stack the plan resolved to
   double dp_comm_total_s = 0;     // data-parallel communication before overlap (critical stage)
   double tp_comm_total_s = 0;     // tensor-parallel communication before overlap (critical stage)

@@ -27,6 +27,7 @@ const char* to_string(Collective c) {
     case Collective::all_gather: return "all_gather";
     case Collective::reduce_scatter: return "reduce_scatter";
     case Collective::send_recv: return "send_recv";
+    case Collective::all_to_all: return "all_to_all";
   }
   return "?";
 }
@@ -102,6 +103,9 @@ LinkTier read_link(const Json& j, const std::string& path) {
   l.eff_all_gather = e.real("all_gather", 1e-3, 1.0);
   l.eff_reduce_scatter = e.real("reduce_scatter", 1e-3, 1.0);
   l.eff_send_recv = e.real("send_recv", 1e-3, 1.0);
+  // (Context parallelism's all-to-all; clusters written before it have none: the
+  // all-gather's, the same bytes per rank over the same links.)
+  l.eff_all_to_all = e.real_or("all_to_all", l.eff_all_gather, 1e-3, 1.0);
   e.reject_unknown();
   f.ignore("description");
   f.ignore("_source");
@@ -178,7 +182,8 @@ Json cluster_to_json(const Cluster& c) {
                  {{"all_reduce", l.eff_all_reduce},
                   {"all_gather", l.eff_all_gather},
                   {"reduce_scatter", l.eff_reduce_scatter},
-                  {"send_recv", l.eff_send_recv}}}};
+                  {"send_recv", l.eff_send_recv},
+                  {"all_to_all", l.eff_all_to_all}}}};
   };
   const Device& d = c.device;
   return Json{

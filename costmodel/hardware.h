@@ -17,7 +17,7 @@
 namespace strata {
 
 enum class Precision { fp32, bf16, fp16, fp8 };
-enum class Collective { all_reduce, all_gather, reduce_scatter, send_recv };
+enum class Collective { all_reduce, all_gather, reduce_scatter, send_recv, all_to_all };
 enum class AttentionKernel { unfused, flash };
 
 // y(x) by linear interpolation in log(x) between points sorted by x, clamped at the ends.
@@ -97,12 +97,14 @@ struct LinkTier {
   double bandwidth_bytes_per_s = 0;  // per device, one direction (inter: its share of the node's NICs)
   double latency_s = 0;              // per step of a collective's algorithm
   double eff_all_reduce = 1, eff_all_gather = 1, eff_reduce_scatter = 1, eff_send_recv = 1;
+  double eff_all_to_all = 1;  // optional in the JSON: the all-gather's unless given
   double efficiency(Collective c) const {  // inline: the estimate asks for it per collective
     switch (c) {
       case Collective::all_reduce: return eff_all_reduce;
       case Collective::all_gather: return eff_all_gather;
       case Collective::reduce_scatter: return eff_reduce_scatter;
       case Collective::send_recv: return eff_send_recv;
+      case Collective::all_to_all: return eff_all_to_all;
     }
     return 1;
   }

@@ -55,7 +55,7 @@ const std::set<std::string>& plan_flags() {
       "attention_backend", "microbatch_group_size_per_virtual_pipeline_stage", "recompute_activations",
       "use_megatron_fsdp", "num_virtual_stages_per_pipeline_rank", "account_for_embedding_in_pipeline_split",
       "account_for_loss_in_pipeline_split", "decoder_first_pipeline_num_layers", "decoder_last_pipeline_num_layers",
-      "pipeline_model_parallel_layout"};
+      "pipeline_model_parallel_layout", "cp_comm_type"};
   return s;
 }
 
@@ -197,6 +197,16 @@ MegatronLaunch parse_megatron_launch(const std::string& text, const std::string&
     }
     key = snake;
     if (!is_name(key)) continue;
+    // Megatron-LM takes --cp-comm-type once per layer too (a list of words): one type for
+    // every layer is read, a mix refused.
+    if (key == "cp_comm_type" && !bare)
+      while (value_next()) {
+        const std::string& more = words[++i];
+        if (more != raw)
+          throw InputError(fmt::format("{}: --cp-comm-type {} {} ...: a type per layer is not modelled; give one type for "
+                                       "every layer",
+                                       source, raw, more));
+      }
     const std::string value = bare ? "true" : resolve(raw);
     if (const auto r = refused_flags().find(key); r != refused_flags().end())
       throw InputError(fmt::format("{}: {}: not read from a launch: {}", source, flag_of(key), r->second));

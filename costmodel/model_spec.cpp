@@ -112,8 +112,14 @@ double ModelSpec::layer_forward_flops(int64_t B) const {
   const double qkv_out = static_cast<double>(AD() + 2 * G * D());
   const double fc1 = static_cast<double>(fc1_out());
   const double gemms = 2.0 * tokens * (h * qkv_out + static_cast<double>(AD()) * h + h * fc1 + static_cast<double>(F) * h);
-  const double attention = 4.0 * tokens * static_cast<double>(S) * static_cast<double>(AD());  // QK^T, AV, full S x S
+  const double attention = 4.0 * tokens * attention_keys() * static_cast<double>(AD());  // QK^T, AV
   return gemms + attention;
+}
+
+double ModelSpec::attention_keys() const {
+  if (!windowed()) return static_cast<double>(S);
+  const double l = static_cast<double>(L), w = static_cast<double>(window_layers);
+  return ((l - w) * static_cast<double>(S) + w * static_cast<double>(window_size)) / l;
 }
 
 double ModelSpec::logits_forward_flops(int64_t B) const {

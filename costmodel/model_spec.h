@@ -79,9 +79,13 @@ struct ModelSpec {
   double total_params() const;
 
   // Model FLOPs of one forward pass over B sequences: every GEMM (2 per MAC),
-  // attention over the full S x S (Megatron's convention), logits. No recompute.
+  // attention over every key a query may see (Megatron's convention: the full S x S, causal
+  // or not; a windowed layer's window_size keys), logits. No recompute.
   double forward_flops(int64_t B) const;
-  double layer_forward_flops(int64_t B) const;
+  double layer_forward_flops(int64_t B) const;  // the mean of the L layers
+  // Keys per query in that count, the mean over the layers: S, or with a sliding window
+  // (L - window_layers) S + window_layers window_size, over L.
+  double attention_keys() const;
   double logits_forward_flops(int64_t B) const;
 };
 

@@ -32,6 +32,35 @@ const char* to_string(ScheduleKind s) {
   return "?";
 }
 
+const char* to_string(CpComm c) {
+  switch (c) {
+    case CpComm::automatic: return "auto";
+    case CpComm::p2p: return "p2p";
+    case CpComm::a2a: return "a2a";
+    case CpComm::allgather: return "allgather";
+  }
+  return "?";
+}
+
+namespace {
+// DeepSpeed-Ulysses' all-to-all gives each context-parallel rank the whole sequence of
+// 1/c of the heads: the query heads and the key/value groups on a tensor-parallel rank
+// must divide by c (Transformer Engine asserts both).
+bool a2a_heads_divide(const ModelSpec& m, const Plan& p) {
+  return p.c >= 1 && (m.A / p.t) % p.c == 0 && m.kv_heads_per_rank(p.t) % p.c == 0;
+}
+}  // namespace
+
+CpComm resolve_cp_comm(const ModelSpec& m, const Cluster& cl, const Plan& p) {
+  return cl.strata_stack ? CpComm::allgather : resolve_cp_comm(m, p);
+}
+
+CpComm resolve_cp_comm(const ModelSpec& m, const Plan& p) {
+  if (p.cp_comm != CpComm::automatic) return p.cp_comm;
+  if (!m.windowed()) return CpComm::p2p;
+  return a2a_heads_divide(m, p) ? CpComm::a2a : CpComm::allgather;
+}
+
 namespace {
 
 constexpr int64_t kMaxDegree = 1 << 20;
@@ -124,6 +153,14 @@ void adopt_foreign_names(Json& j, const std::string& source) {
     for (const char* k : {"bf16", "fp16", "fp8_format", "fp8"}) j.erase(k);
     // Megatron trains in fp32 when neither --bf16 nor --fp16 is set.
     if (stated) j["precision"] = fp8 ? "fp8" : bf16 ? "bf16" : fp16 ? "fp16" : "fp32";
+  }
+  // Megatron-LM's cp_comm_type is a list in a config dump (a type per layer): one type for
+  // every layer is read as that type.
+  if (j.contains("cp_comm_type") && j.at("cp_comm_type").is_array()) {
+    const Json& list = j.at("cp_comm_type");
+    const bool one = !list.empty() && std::all_of(list.begin(), list.end(), [&](const Json& x) { return x == list.front(); });
+    if (!one) fail_field(source + ".cp_comm_type", show_value(list), "must name one type for every layer (a mix is not modelled)");
+    j["cp_comm_type"] = Json(list.front());
   }
   adopt_key(j, source, "use_flash_attn", "attention",
             [](const Json& v, const std::string& path) { return true_or_null(v, path, "flash"); });
@@ -246,7 +283,7 @@ Plan plan_from_json(const Json& in, const std::string& source) {
                            "virtual_pipeline_stages", "microbatch_group_size_per_vp_stage", "micro_batch_size",
                            "global_batch_size", "zero_stage", "recompute", "recompute_num_layers", "sequence_parallel",
                            "precision", "pipeline_schedule", "attention", "overlap_grad_reduce", "overlap_param_gather",
-                           "tp_comm_overlap", "grad_accumulation_fusion", "software_stack",
+                           "tp_comm_overlap", "grad_accumulation_fusion", "software_stack", "cp_comm_type",
                            "pipeline_model_parallel_layout", "decoder_first_pipeline_num_layers",
                            "decoder_last_pipeline_num_layers", "gradient_accumulation_steps", "num_gpus",
                            "description"});
@@ -320,6 +357,9 @@ Plan plan_from_json(const Json& in, const std::string& source) {
   p.grad_accumulation_fusion = tristate("grad_accumulation_fusion");
   const std::string ss = f.choice_or("software_stack", "auto", {"auto", "legacy", "modern"});
   p.software_stack = ss == "auto" ? StackChoice::automatic : ss == "legacy" ? StackChoice::legacy : StackChoice::modern;
+  // Megatron's spelling, or Transformer Engine's "all_gather".
+  const std::string cc = f.choice_or("cp_comm_type", "auto", {"auto", "p2p", "a2a", "allgather", "all_gather"});
+  p.cp_comm = cc == "auto" ? CpComm::automatic : cc == "p2p" ? CpComm::p2p : cc == "a2a" ? CpComm::a2a : CpComm::allgather;
   const double world = static_cast<double>(p.t) * static_cast<double>(p.p) * static_cast<double>(p.d) *
                        static_cast<double>(p.c);
   if (world > static_cast<double>(kMaxWorld))
@@ -441,6 +481,7 @@ Json plan_to_json(const Plan& p) {
   if (p.layout) j["pipeline_model_parallel_layout"] = p.layout->text;
   if (p.first_stage_layers > 0) j["decoder_first_pipeline_num_layers"] = p.first_stage_layers;
   if (p.last_stage_layers > 0) j["decoder_last_pipeline_num_layers"] = p.last_stage_layers;
+  if (p.cp_comm != CpComm::automatic) j["cp_comm_type"] = to_string(p.cp_comm);
   return j;
 }
 
@@ -472,6 +513,7 @@ std::string plan_to_inline(const Plan& p) {
   tri("grad_accumulation_fusion", p.grad_accumulation_fusion);
   if (p.software_stack != StackChoice::automatic)
     s += p.software_stack == StackChoice::legacy ? ",software_stack=legacy" : ",software_stack=modern";
+  if (p.cp_comm != CpComm::automatic) s += fmt::format(",cp_comm_type={}", to_string(p.cp_comm));
   return s;
 }
 
@@ -521,6 +563,20 @@ std::vector<Reason> check_plan(const ModelSpec& m, const Cluster& cl, const Plan
   // executor also runs it over its unfused attention (each chunk against the gathered keys).
   if (p.c > 1 && p.attention == AttentionChoice::unfused && !cl.strata_stack)
     add("cp_attention", [&] { return "context_parallel > 1 needs attention=flash (ring attention over fused kernels)"; });
+  if (p.c > 1 && p.cp_comm != CpComm::automatic) {
+    if (cl.strata_stack && p.cp_comm != CpComm::allgather)
+      add("cp_comm", [&] { return fmt::format("cp_comm_type={}: {} runs the strata executor, which gathers the keys and "
+                                             "values (allgather; leave it auto)", to_string(p.cp_comm), cl.name); });
+    else if (p.cp_comm == CpComm::a2a && !a2a_heads_divide(m, p))
+      add("cp_comm", [&] { return fmt::format("cp_comm_type=a2a needs context_parallel={} to divide the {} attention heads "
+                                             "and {} key/value groups on each of tensor_parallel={} ranks (each rank takes "
+                                             "1/{} of them over the whole sequence)", p.c, m.A / p.t,
+                                             m.kv_heads_per_rank(p.t), p.t, p.c); });
+    else if (p.cp_comm == CpComm::p2p && m.windowed() && !cl.strata_stack)
+      add("cp_comm", [&] { return fmt::format("cp_comm_type=p2p cannot run window_size={} (sliding-window attention): "
+                                             "Transformer Engine's ring takes full causal masks only; use a2a or allgather",
+                                             m.window_size); });
+  }
   if (p.sp && p.t > 1 && (m.S / p.c) % p.t != 0)
     add("sp_seq", [&] { return fmt::format("sequence_parallel needs seq_length/context_parallel={} divisible by tensor_parallel={}",
                               m.S / p.c, p.t); });

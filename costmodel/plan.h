@@ -22,6 +22,14 @@ enum class AttentionChoice { automatic, unfused, flash };
 enum class StackChoice { automatic, legacy, modern };
 // A setting whose default comes from the software stack (resolve_stack).
 enum class Tristate { automatic, off, on };
+// How context parallelism moves keys and values (Megatron-LM's --cp-comm-type, Transformer
+// Engine's implementations): p2p passes K and V round a ring of the context-parallel ranks
+// behind the attention core; allgather gathers them before it (and reduce-scatters their
+// gradients); a2a (DeepSpeed-Ulysses) trades the sequence split for a head split with
+// all-to-alls of Q, K, V and the output. "auto": p2p, or with a sliding window (which the
+// ring does not run) a2a where the heads allow it, else allgather, as Megatron-Bridge sets
+// it for Mistral; the strata executor always gathers (allgather).
+enum class CpComm { automatic, p2p, a2a, allgather };
 
 // An explicit split of the decoder layers over the pipeline's model chunks, Megatron-core's
 // pipeline_model_parallel_layout: virtual stages separated by '|', 'E' the embedding, 't' a
@@ -62,6 +70,7 @@ struct Plan {
   Tristate tp_comm_overlap = Tristate::automatic;           // backward TP collectives beside the wgrad GEMMs
   Tristate grad_accumulation_fusion = Tristate::automatic;  // wgrad GEMMs accumulate into fp32 main grads
   StackChoice software_stack = StackChoice::automatic;      // legacy | modern: the defaults of the five above
+  CpComm cp_comm = CpComm::automatic;                       // cp_comm_type (context_parallel > 1)
   // Uneven pipelines as Megatron-LM gives them (layout.h); unset: strata's own split.
   int64_t first_stage_layers = 0;  // decoder_first_pipeline_num_layers (0: not set)
   int64_t last_stage_layers = 0;   // decoder_last_pipeline_num_layers (0: not set)
@@ -126,5 +135,11 @@ void interleaved_reasons(const Plan& p, std::vector<Reason>* r, bool messages = 
 
 const char* to_string(Recompute r);
 const char* to_string(ScheduleKind s);
+const char* to_string(CpComm c);
+// The cp_comm_type a plan runs with (CpComm): never automatic. On the strata stack
+// (cluster software_stack "strata") always allgather, what its executor does.
+CpComm resolve_cp_comm(const ModelSpec& m, const Cluster& cl, const Plan& p);
+// The same on a GPU framework's stack (Megatron-LM, Megatron-Bridge): the exports' value.
+CpComm resolve_cp_comm(const ModelSpec& m, const Plan& p);
 
 }  // namespace strata

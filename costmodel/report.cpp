@@ -49,8 +49,9 @@ std::string format_estimate(const ModelSpec& m, const Cluster& cl, const Estimat
   const std::string groups = p.v > 1 && p.vp_group_size() != p.p
                                  ? fmt::format(" (in groups of {}: microbatch_group_size_per_vp_stage)", p.vp_group_size())
                                  : std::string();
-  o += fmt::format("         schedule {}, {} micro-batches per step{}, {} gradient accumulation steps, attention {}\n",
-                   to_string(p.schedule()), e.microbatches, groups, p.gbs / (p.mbs * p.d), to_string(e.attention));
+  const std::string cp = p.c > 1 ? fmt::format(", cp_comm_type {}", to_string(e.cp_comm)) : std::string();
+  o += fmt::format("         schedule {}, {} micro-batches per step{}, {} gradient accumulation steps, attention {}{}\n",
+                   to_string(p.schedule()), e.microbatches, groups, p.gbs / (p.mbs * p.d), to_string(e.attention), cp);
   o += fmt::format("\nstep time {}   {:.0f} tokens/s   {:.1f} model TFLOP/s per GPU ({:.1f} hardware)   MFU {:.1f}%\n",
                    human_seconds(e.step_time_s), e.tokens_per_s, e.model_tflops_per_gpu, e.hardware_tflops_per_gpu,
                    100.0 * e.mfu);
@@ -221,11 +222,11 @@ void write_trace(std::ostream& out, const ModelSpec& m, const Estimate& e, const
 }
 
 std::string format_layer_ops(const EstimateDetail& d) {
-  std::string o = fmt::format("\none layer, one micro-batch, one GPU:\n  {:<10}{:<20}{:<9}{:>12}{:>12}{:>11}{:>11}{:>9}\n",
+  std::string o = fmt::format("\none layer, one micro-batch, one GPU:\n  {:<10}{:<23}{:<9}{:>12}{:>12}{:>11}{:>11}{:>9}\n",
                               "phase", "op", "kind", "GFLOP", "MB", "time_ms", "exposed", "TFLOP/s");
   double tot[3] = {0, 0, 0};
   for (const OpCost& op : d.layer_ops) {
-    o += fmt::format("  {:<10}{:<20}{:<9}{:>12.2f}{:>12.2f}{:>11.4f}{:>11.4f}{:>9.1f}\n", to_string(op.phase), op.name,
+    o += fmt::format("  {:<10}{:<23}{:<9}{:>12.2f}{:>12.2f}{:>11.4f}{:>11.4f}{:>9.1f}\n", to_string(op.phase), op.name,
                      to_string(op.kind), op.flops / 1e9, op.bytes / 1e6, op.time_s * 1e3, op.exposed_s * 1e3,
                      op.flops > 0 ? op.flops / op.time_s / 1e12 : 0.0);
     tot[static_cast<int>(op.phase)] += op.exposed_s;

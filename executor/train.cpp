@@ -45,6 +45,9 @@ void check_trainable_model(const ModelSpec& m) {
 
 void validate_train_plan(const ModelSpec& m, const Plan& p, int world_size, bool host_memory) {
   auto fail = [](const std::string& msg) { throw InputError(msg); };
+  if (p.c > 1 && p.cp_comm != CpComm::automatic && p.cp_comm != CpComm::allgather)
+    fail(std::string("plan: cp_comm_type = ") + to_string(p.cp_comm) +
+         " is not implemented by the executor: it gathers the keys and values (allgather; leave it auto)");
   if (p.world_size() != world_size)
     fail("plan: tp*pp*dp*cp = " + std::to_string(p.t) + "*" + std::to_string(p.p) + "*" + std::to_string(p.d) + "*" +
          std::to_string(p.c) + " = " + std::to_string(p.world_size()) + " ranks, but mpirun started " +

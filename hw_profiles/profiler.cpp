@@ -8,6 +8,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
+#include <stdexcept>
 
 #include <fmt/format.h>
 
@@ -61,6 +62,7 @@ const char* op_name(Collective c) {
     case Collective::all_gather: return "all_gather";
     case Collective::reduce_scatter: return "reduce_scatter";
     case Collective::send_recv: return "sendrecv";
+    case Collective::all_to_all: return "alltoall";
   }
   return "?";
 }
@@ -101,6 +103,8 @@ CollectiveRow measure(Comm& comm, Backend& be, Collective op, int64_t bytes, dou
         comm.wait(s);
         break;
       }
+      case Collective::all_to_all:  // (not swept: a profile's all-to-all is its all-gather's, hardware.cpp)
+        throw std::logic_error("strata profile does not measure all-to-all");
     }
   };
   run();
@@ -117,6 +121,7 @@ CollectiveRow measure(Comm& comm, Backend& be, Collective op, int64_t bytes, dou
         want = tri + static_cast<float>(n * static_cast<int>((me * block + i) % 13));
         break;
       case Collective::send_recv: want = static_cast<float>(prev * 100 + static_cast<int>(i % 19)); break;
+      case Collective::all_to_all: break;
     }
     if (out_host[static_cast<size_t>(i)] != want) ++wrong;
   }
@@ -222,7 +227,8 @@ double bus_factor_of(Collective c, int n) {
   switch (c) {
     case Collective::all_reduce: return 2.0 * (n - 1) / n;
     case Collective::all_gather:
-    case Collective::reduce_scatter: return static_cast<double>(n - 1) / n;
+    case Collective::reduce_scatter:
+    case Collective::all_to_all: return static_cast<double>(n - 1) / n;
     case Collective::send_recv: return 1.0;
   }
   return 1.0;
@@ -512,7 +518,7 @@ ProfileResult run_profile(Comm& comm, Backend& be, const ProfileOptions& o) {
     for (const CollectiveFit& f : res.fits) {
       const double e = link > 0 ? std::max(0.01, f.busbw_bytes_per_s / link) : 1.0;
       if (f.op == Collective::all_reduce) c.intra.eff_all_reduce = e;
-      if (f.op == Collective::all_gather) c.intra.eff_all_gather = e;
+      if (f.op == Collective::all_gather) c.intra.eff_all_gather = c.intra.eff_all_to_all = e;  // (hardware.cpp)
       if (f.op == Collective::reduce_scatter) c.intra.eff_reduce_scatter = e;
       if (f.op == Collective::send_recv) c.intra.eff_send_recv = e;
     }

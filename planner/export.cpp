@@ -46,7 +46,10 @@ std::string export_megatron(const ModelSpec& m, const Plan& p, const Stack& stac
                          "# stages; give Megatron the same split with --decoder-first/last-pipeline-num-layers.\n",
                          m.L, p.p);
   }
-  if (p.c > 1) flag(fmt::format("--context-parallel-size {}", p.c));
+  if (p.c > 1) {
+    flag(fmt::format("--context-parallel-size {}", p.c));
+    flag(fmt::format("--cp-comm-type {}", to_string(resolve_cp_comm(m, p))));
+  }
   flag(fmt::format("--micro-batch-size {}", p.mbs));
   flag(fmt::format("--global-batch-size {}", p.gbs));
   if (p.sp) flag("--sequence-parallel");
@@ -160,6 +163,7 @@ std::string export_deepspeed(const ModelSpec& m, const Plan& p, const Stack& sta
                                  {"recompute", to_string(p.recompute)},
                                  {"precision", to_string(p.precision)}};
   Json& split = j["strata_parallel_layout"];  // an uneven pipeline, where the plan gives one
+  if (p.c > 1) split["cp_comm_type"] = to_string(resolve_cp_comm(m, p));
   if (p.layout) split["pipeline_model_parallel_layout"] = p.layout->text;
   if (p.first_stage_layers > 0) split["decoder_first_pipeline_num_layers"] = p.first_stage_layers;
   if (p.last_stage_layers > 0) split["decoder_last_pipeline_num_layers"] = p.last_stage_layers;
@@ -178,6 +182,7 @@ std::string export_bridge(const ModelSpec& m, const Plan& p, const Stack& stack)
   // not layers per virtual stage; null is one chunk.
   set("model.virtual_pipeline_model_parallel_size", p.v > 1 ? num(p.v) : "null");
   set("model.context_parallel_size", num(p.c));
+  if (p.c > 1) set("model.cp_comm_type", to_string(resolve_cp_comm(m, p)));
   set("model.sequence_parallel", yes(p.sp));
   const SplitForm form = split_form(m, p);
   if (p.layout) {

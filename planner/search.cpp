@@ -2,6 +2,7 @@
 #include "planner/search.h"
 
 #include <algorithm>
+#include <array>
 #include <chrono>
 #include <cmath>
 #include <map>
@@ -36,6 +37,13 @@ FixedDims parse_fixed(const std::string& text) {
     else if (k == "zero" || k == "zero_stage") f.zero = static_cast<int>(integer(0, 3));
     else if (k == "recompute_num_layers") f.recompute_layers = integer(0, 100000);
     else if (k == "uneven_split") f.uneven_split = integer(0, 1) == 1;
+    else if (k == "cp_comm_type") {
+      const std::string s = v.is_string() ? v.get<std::string>() : "";
+      if (s == "p2p") f.cp_comm = CpComm::p2p;
+      else if (s == "a2a") f.cp_comm = CpComm::a2a;
+      else if (s == "allgather" || s == "all_gather") f.cp_comm = CpComm::allgather;
+      else fail_field("--fix cp_comm_type", show_value(v), "must be one of p2p, a2a, allgather");
+    }
     else if (k == "sp" || k == "sequence_parallel") {
       if (v.is_boolean()) f.sp = v.get<bool>();
       else f.sp = integer(0, 1) == 1;
@@ -52,8 +60,8 @@ FixedDims parse_fixed(const std::string& text) {
       else fail_field("--fix schedule", show_value(v), "must be one of 1f1b, gpipe, interleaved");
     } else {
       fail_field("--fix " + k, show_value(v),
-                 "unknown key: use tp, pp, dp, cp, vp, mbs, zero, recompute, recompute_num_layers, sp, schedule or "
-                 "uneven_split");
+                 "unknown key: use tp, pp, dp, cp, vp, mbs, zero, recompute, recompute_num_layers, sp, schedule, "
+                 "uneven_split or cp_comm_type");
     }
   }
   return f;
@@ -248,16 +256,28 @@ SearchResult search(const ModelSpec& m, const Cluster& cl, const SearchOptions& 
   // longer than the legacy fused softmax is fused for all.)
   const Stack stack = search_stack(m, cl, opt);
 
-  // Layer costs depend on (t, c, d for ZeRO-2/3, mbs, sp, recompute, ZeRO-2 or 3): cached.
-  using CostKey = std::tuple<int64_t, int64_t, int64_t, int64_t, bool, int, int>;
+  // Layer costs depend on (t, c, d for ZeRO-2/3, mbs, sp, recompute, ZeRO-2 or 3, cp_comm_type): cached.
+  using CostKey = std::tuple<int64_t, int64_t, int64_t, int64_t, bool, int, int, int>;
   std::map<CostKey, std::array<LayerCost, 3>> costs;
+  // The keys met lately, direct-mapped on a hash of the key (the map's nodes stay put): a
+  // candidate and its partial recompute's plain layers alternate between two.
+  struct Recent {
+    CostKey key{};
+    const std::array<LayerCost, 3>* costs = nullptr;
+  };
+  std::array<Recent, 16> recent;
   auto costs_of = [&](const Plan& pl, const ComputeSetup& cs) -> const std::array<LayerCost, 3>& {
     const CostKey key{pl.t, pl.c, pl.zero >= 2 ? pl.d : 0, pl.mbs, pl.sp, static_cast<int>(pl.recompute),
-                      pl.zero >= 2 ? pl.zero : 0};
+                      pl.zero >= 2 ? pl.zero : 0, static_cast<int>(cs.cp_comm)};
+    uint64_t h = 0;
+    std::apply([&](auto... x) { ((h = (h ^ static_cast<uint64_t>(x)) * 0x9E3779B97F4A7C15ull), ...); }, key);
+    Recent& r = recent[static_cast<size_t>(h >> 60)];
+    if (r.costs && r.key == key) return *r.costs;
     auto it = costs.find(key);
     if (it == costs.end())
       it = costs.emplace(key, std::array<LayerCost, 3>{layer_cost(m, cl, pl, cs), embedding_cost(m, cl, pl, cs),
                                                        head_cost(m, cl, pl, cs)}).first;
+    r = Recent{key, &it->second};
     return it->second;
   };
   std::map<std::tuple<int, int64_t, int64_t, int64_t, int64_t>, InFlight> flights;
@@ -273,7 +293,24 @@ SearchResult search(const ModelSpec& m, const Cluster& cl, const SearchOptions& 
     const InFlight* flight;
   };
   std::vector<MemoryBreakdown> mem;  // memory_of's scratch, kept across candidates
+  // A context-parallel plan's memory does not depend on its cp_comm_type: the fits of the
+  // candidates that differ from those before them only in it are kept, keyed by what else
+  // varies below the loop over the types (cleared above it).
+  struct FitKey {
+    int zero;
+    int64_t recompute_layers, first, last;
+    std::string layout;
+    bool operator==(const FitKey&) const = default;
+  };
+  std::vector<std::pair<FitKey, Fit>> fits_by_type;
   auto memory_of = [&](const Plan& pl, const StageLayout& lay, const ComputeSetup& cs) {
+    FitKey key;
+    if (pl.c > 1) {
+      key = FitKey{pl.zero, pl.recompute_layers, pl.first_stage_layers, pl.last_stage_layers,
+                   pl.layout ? pl.layout->text : std::string()};
+      for (const auto& [k, f] : fits_by_type)
+        if (k == key) return f;
+    }
     const int64_t mb_count = pl.microbatches();
     const ScheduleKind kind = pl.schedule();
     // (Counts saturate after a few multiples of p, except GPipe's and those of the
@@ -285,7 +322,9 @@ SearchResult search(const ModelSpec& m, const Cluster& cl, const SearchOptions& 
     auto fit = flights.find(fkey);
     if (fit == flights.end()) fit = flights.emplace(fkey, in_flight(kind, pl.p, pl.v, mb_count, g)).first;
     const size_t worst = stages_memory(m, cl, pl, lay, cs, fit->second, &mem);
-    return Fit{mem[worst].peak <= cl.device.memory_bytes, mem[worst].peak, &fit->second};
+    const Fit f{mem[worst].peak <= cl.device.memory_bytes, mem[worst].peak, &fit->second};
+    if (pl.c > 1) fits_by_type.emplace_back(std::move(key), f);
+    return f;
   };
 
   // Estimate a feasible candidate unless a lower bound on its step time keeps it out of the
@@ -405,6 +444,13 @@ SearchResult search(const ModelSpec& m, const Cluster& cl, const SearchOptions& 
         std::vector<int64_t> mbss;
         if (opt.gbs % d == 0) mbss = divisors(opt.gbs / d);
         const std::vector<int> zeros = d * c > 1 ? std::vector<int>{0, 1, 2, 3} : std::vector<int>{0};
+        // How context parallelism moves keys and values (cp_comm_type): the one --fix names
+        // (rejected below where it cannot run, on the strata executor too), else all three,
+        // or the gather, the only one the strata executor runs.
+        const std::vector<CpComm> cps = c == 1            ? std::vector<CpComm>{CpComm::automatic}
+                                        : fx.cp_comm      ? std::vector<CpComm>{*fx.cp_comm}
+                                        : cl.strata_stack ? std::vector<CpComm>{CpComm::allgather}
+                                                          : std::vector<CpComm>{CpComm::p2p, CpComm::a2a, CpComm::allgather};
         for (int64_t v : vs) {
           if (!allowed(fx.v, v)) continue;
           if (mbss.empty()) {
@@ -443,10 +489,19 @@ SearchResult search(const ModelSpec& m, const Cluster& cl, const SearchOptions& 
             reject(why.front().key, count(mbss, fx.mbs) *
                                         (v > 1 || p == 1 ? 1 : count(std::vector<bool>{false, true}, fx.gpipe)) *
                                         (t > 1 ? count(std::vector<bool>{false, true}, fx.sp) : 1) *
-                                        recompute_choices * count(zeros, fx.zero));
+                                        recompute_choices * count(zeros, fx.zero) * count(cps, fx.cp_comm));
             continue;
           }
           if (!own_ok) reject("layers_uneven", 1);  // strata's own layout, once; the splits below
+          // A cp_comm_type that cannot run these (t, c) (a2a's heads, p2p's sliding window)
+          // rejects every candidate below it at once, as the structural rules do.
+          std::vector<bool> cp_runs(cps.size(), true);
+          for (size_t i = 0; i < cps.size(); ++i) {
+            Plan q = probe_tpcv;
+            q.cp_comm = cps[i];
+            const std::vector<Reason> w = check_plan(m, cl, q, false);
+            cp_runs[i] = w.empty() || w.front().key != "cp_comm";
+          }
           for (int64_t mbs : mbss) {
             if (!allowed(fx.mbs, mbs)) continue;
             for (int gp = 0; gp < (v > 1 || p == 1 ? 1 : 2); ++gp) {  // GPipe = 1F1B without a pipeline
@@ -455,47 +510,59 @@ SearchResult search(const ModelSpec& m, const Cluster& cl, const SearchOptions& 
                 if (!allowed(fx.sp, sp == 1)) continue;
                 for (Recompute rc : recomputes) {
                   if (!allowed(fx.recompute, rc)) continue;
-                  // The split balancing the ends for these layer costs (those of the plan
-                  // without ZeRO, as balanced_end_split takes them), for every ZeRO stage.
-                  std::optional<Plan> split;
-                  if (splits) {
-                    Plan q = probe_tpcv;
-                    q.mbs = mbs; q.zero = 0; q.recompute = rc; q.sp = sp == 1; q.gpipe = gp == 1;
-                    const auto& lc = costs_of(q, compute_setup(m, cl, q));
-                    split = balanced_end_split(m, q, split_work(lc[0]), split_work(lc[1]), split_work(lc[2]));
-                    if (split) {
-                      std::tuple<int64_t, int64_t, std::string> key{split->first_stage_layers, split->last_stage_layers,
-                                                                    split->layout ? split->layout->text : ""};
-                      if (key != split_lay_for) {
-                        split_lay = make_layout(m.L, *split);
-                        split_max = *std::max_element(split_lay.layers.begin(), split_lay.layers.end());
-                        split_lay_for = std::move(key);
+                  fits_by_type.clear();
+                  for (size_t ci = 0; ci < cps.size(); ++ci) {
+                    const CpComm cc = cps[ci];
+                    if (!allowed(fx.cp_comm, cc)) continue;
+                    if (!cp_runs[ci]) {  // (counted as the structural rules count: strata's own layout, no splits)
+                      if (own_ok && allowed(fx.uneven_split, false))
+                        reject("cp_comm",
+                               count(zeros, fx.zero) * (rc == Recompute::full && !fx.recompute_layers ? chunk_max : 1));
+                      continue;
+                    }
+                    // The split balancing the ends for these layer costs (those of the plan
+                    // without ZeRO, as balanced_end_split takes them), for every ZeRO stage.
+                    std::optional<Plan> split;
+                    if (splits) {
+                      Plan q = probe_tpcv;
+                      q.mbs = mbs; q.zero = 0; q.recompute = rc; q.sp = sp == 1; q.gpipe = gp == 1; q.cp_comm = cc;
+                      const auto& lc = costs_of(q, compute_setup(m, cl, q));
+                      split = balanced_end_split(m, q, split_work(lc[0]), split_work(lc[1]), split_work(lc[2]));
+                      if (split) {
+                        std::tuple<int64_t, int64_t, std::string> key{split->first_stage_layers, split->last_stage_layers,
+                                                                      split->layout ? split->layout->text : ""};
+                        if (key != split_lay_for) {
+                          split_lay = make_layout(m.L, *split);
+                          split_max = *std::max_element(split_lay.layers.begin(), split_lay.layers.end());
+                          split_lay_for = std::move(key);
+                        }
                       }
                     }
-                  }
-                  auto run = [&](Plan& pl, const StageLayout& l, int64_t most) {
-                    if (rc != Recompute::full) {
-                      consider(pl, l);
-                    } else if (fx.recompute_layers) {
-                      pl.recompute_layers = *fx.recompute_layers;
-                      consider(pl, l);
-                    } else {
-                      consider_partial(pl, l, most);
-                    }
-                  };
-                  for (int zero : zeros) {
-                    if (!allowed(fx.zero, zero)) continue;
-                    Plan pl = probe_tpcv;
-                    pl.mbs = mbs; pl.zero = zero; pl.recompute = rc; pl.sp = sp == 1; pl.gpipe = gp == 1;
-                    // One stack for every candidate: sharding alone does not make it modern here.
-                    if (zero >= 2) pin_to_plain_stack(cl, stack, pl);
-                    Plan q = pl;  // (before run() may set pl's recompute_num_layers)
-                    if (own_ok && allowed(fx.uneven_split, false)) run(pl, lay, chunk_max);
-                    if (split) {
-                      q.first_stage_layers = split->first_stage_layers;
-                      q.last_stage_layers = split->last_stage_layers;
-                      q.layout = split->layout;
-                      run(q, split_lay, split_max);
+                    auto run = [&](Plan& pl, const StageLayout& l, int64_t most) {
+                      if (rc != Recompute::full) {
+                        consider(pl, l);
+                      } else if (fx.recompute_layers) {
+                        pl.recompute_layers = *fx.recompute_layers;
+                        consider(pl, l);
+                      } else {
+                        consider_partial(pl, l, most);
+                      }
+                    };
+                    for (int zero : zeros) {
+                      if (!allowed(fx.zero, zero)) continue;
+                      Plan pl = probe_tpcv;
+                      pl.mbs = mbs; pl.zero = zero; pl.recompute = rc; pl.sp = sp == 1; pl.gpipe = gp == 1;
+                      pl.cp_comm = cc;
+                      // One stack for every candidate: sharding alone does not make it modern here.
+                      if (zero >= 2) pin_to_plain_stack(cl, stack, pl);
+                      Plan q = pl;  // (before run() may set pl's recompute_num_layers)
+                      if (own_ok && allowed(fx.uneven_split, false)) run(pl, lay, chunk_max);
+                      if (split) {
+                        q.first_stage_layers = split->first_stage_layers;
+                        q.last_stage_layers = split->last_stage_layers;
+                        q.layout = split->layout;
+                        run(q, split_lay, split_max);
+                      }
                     }
                   }
                 }

@@ -1,5 +1,6 @@
 // Collective times against hand-computed numbers on the round cluster (test_cluster.h).
 #include <gtest/gtest.h>
+#include <nlohmann/json.hpp>
 
 #include "costmodel/comm.h"
 #include "test_cluster.h"
@@ -28,6 +29,7 @@ TEST(Comm, BusFactorsOfNcclTests) {
   EXPECT_DOUBLE_EQ(bus_factor(Collective::all_gather, 8), 7.0 / 8);
   EXPECT_DOUBLE_EQ(bus_factor(Collective::reduce_scatter, 4), 3.0 / 4);
   EXPECT_DOUBLE_EQ(bus_factor(Collective::send_recv, 2), 1.0);
+  EXPECT_DOUBLE_EQ(bus_factor(Collective::all_to_all, 4), 3.0 / 4);
   EXPECT_DOUBLE_EQ(bus_factor(Collective::all_reduce, 1), 0.0);
 }
 
@@ -60,6 +62,31 @@ TEST(Comm, GatherScatterAndSend) {
   // 10 ms + 10 us.
   EXPECT_NEAR(collective_time(c, GroupSpan{2, 1, 2}, Collective::send_recv, 1e8), 10e-6 + 1e8 / 10e9, 1e-12);
   EXPECT_EQ(collective_time(c, group_span(1, 1, 8), Collective::all_reduce, 1e9), 0.0);
+}
+
+// All-to-all (context parallelism's a2a): each of n ranks keeps 1/n of its S bytes and sends
+// the rest, S (n-1)/n at the bus bandwidth, to every peer at once: one latency step.
+// 800 MB per rank over 4 in a node: 3/4 * 0.8 GB / 150 GB/s + 5 us; over 4 nodes (one
+// member each: 12.5 GB/s x 0.8) 0.6 GB / 10 GB/s + 10 us.
+TEST(Comm, AllToAll) {
+  Cluster c = testing::round_cluster();
+  EXPECT_NEAR(collective_time(c, group_span(4, 1, 8), Collective::all_to_all, 8e8), 5e-6 + 0.6e9 / 150e9, 1e-12);
+  EXPECT_NEAR(collective_time(c, group_span(4, 8, 8), Collective::all_to_all, 8e8), 10e-6 + 0.6e9 / 10e9, 1e-12);
+  // 16 ranks, 8 on each of 2 nodes: a member sends the 8/16 of its buffer meant for the other
+  // node through its own 12.5 GB/s x 0.8 of the NICs (0.4 GB / 10 GB/s = 40 ms; a ring's bus
+  // bandwidth would have it 8 times faster), beside 7/16 over NVLink (0.35 GB / 150 GB/s).
+  EXPECT_NEAR(collective_time(c, group_span(16, 1, 8), Collective::all_to_all, 8e8), 10e-6 + 0.4e9 / 10e9, 1e-12);
+  // Its efficiency in a cluster JSON: given, or (clusters written before it) the all-gather's.
+  Json j = cluster_to_json(c);
+  EXPECT_DOUBLE_EQ(j["links"]["intra_node"]["efficiency"]["all_to_all"].get<double>(), 0.75);
+  j["links"]["intra_node"]["efficiency"]["all_to_all"] = 0.5;
+  j["links"]["inter_node"]["efficiency"].erase("all_to_all");
+  j["links"]["inter_node"]["efficiency"]["all_gather"] = 0.7;
+  const Cluster back = cluster_from_json(j, "cluster");
+  EXPECT_DOUBLE_EQ(back.intra.eff_all_to_all, 0.5);
+  EXPECT_DOUBLE_EQ(back.inter.eff_all_to_all, 0.7);
+  j["links"]["intra_node"]["efficiency"]["all_to_all"] = 0;
+  EXPECT_THROW(cluster_from_json(j, "cluster"), InputError);
 }
 
 }  // namespace

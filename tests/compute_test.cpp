@@ -277,6 +277,19 @@ TEST(Compute, StrataSixteenBitPasses) {
   EXPECT_DOUBLE_EQ(bytes(bf16, "pack16", Phase::forward), 0.0);
 }
 
+// One layer's ops under plan p, and a field of the ops of one name and phase summed.
+std::vector<OpCost> layer_ops(const ModelSpec& m, const Cluster& c, const Plan& p) {
+  std::vector<OpCost> ops;
+  layer_cost(m, c, p, compute_setup(m, c, p), &ops);
+  return ops;
+}
+double sum_of(const std::vector<OpCost>& ops, const std::string& name, Phase ph, double OpCost::*field) {
+  double x = 0;
+  for (const auto& o : ops)
+    if (o.phase == ph && o.name == name) x += o.*field;
+  return x;
+}
+
 // Context parallelism on the strata executor (gpt.cpp): an all-gather of every rank's keys
 // and values before the core, again in the backward (started before the MLP block's
 // backward, behind it) with a reduce-scatter of their gradients (exposed); and its unfused core computes each of its two chunks of S/2c
@@ -289,45 +302,91 @@ TEST(Compute, StrataContextParallelExchanges) {
   c.strata_stack = true;
   const ModelSpec m = load_model("tiny-gpt");
   const Plan p = load_plan("cp=2,mbs=2,precision=fp32");
-  auto ops_of = [&] {
-    std::vector<OpCost> ops;
-    layer_cost(m, c, p, compute_setup(m, c, p), &ops);
-    return ops;
-  };
-  auto sum = [](const std::vector<OpCost>& ops, const std::string& name, Phase ph, double OpCost::*field) {
-    double x = 0;
-    for (const auto& o : ops)
-      if (o.phase == ph && o.name == name) x += o.*field;
-    return x;
-  };
+  auto ops_of = [&] { return layer_ops(m, c, p); };
   std::vector<OpCost> ops = ops_of();
-  EXPECT_DOUBLE_EQ(sum(ops, "cp_kv_gather", Phase::forward, &OpCost::bytes), 524288.0);
-  EXPECT_DOUBLE_EQ(sum(ops, "cp_kv_gather", Phase::backward, &OpCost::bytes), 524288.0);
-  EXPECT_DOUBLE_EQ(sum(ops, "cp_dkv_reduce_scatter", Phase::backward, &OpCost::bytes), 524288.0);
-  EXPECT_GT(sum(ops, "cp_kv_gather", Phase::forward, &OpCost::time_s), 0.0);
-  EXPECT_DOUBLE_EQ(sum(ops, "cp_kv_gather", Phase::forward, &OpCost::exposed_s),
-                   sum(ops, "cp_kv_gather", Phase::forward, &OpCost::time_s));
-  EXPECT_DOUBLE_EQ(sum(ops, "attn_scores", Phase::forward, &OpCost::flops), 2.0 * 8 * 64 * 128 * 64 * 5.0 / 8.0);
+  EXPECT_DOUBLE_EQ(sum_of(ops, "cp_kv_gather", Phase::forward, &OpCost::bytes), 524288.0);
+  EXPECT_DOUBLE_EQ(sum_of(ops, "cp_kv_gather", Phase::backward, &OpCost::bytes), 524288.0);
+  EXPECT_DOUBLE_EQ(sum_of(ops, "cp_dkv_reduce_scatter", Phase::backward, &OpCost::bytes), 524288.0);
+  EXPECT_GT(sum_of(ops, "cp_kv_gather", Phase::forward, &OpCost::time_s), 0.0);
+  EXPECT_DOUBLE_EQ(sum_of(ops, "cp_kv_gather", Phase::forward, &OpCost::exposed_s),
+                   sum_of(ops, "cp_kv_gather", Phase::forward, &OpCost::time_s));
+  EXPECT_DOUBLE_EQ(sum_of(ops, "attn_scores", Phase::forward, &OpCost::flops), 2.0 * 8 * 64 * 128 * 64 * 5.0 / 8.0);
   // The backward's gather starts before the MLP block's backward: hidden behind it but for
   // the overlap's contention cost; the reduce-scatter stays exposed.
-  EXPECT_LT(sum(ops, "cp_kv_gather", Phase::backward, &OpCost::exposed_s),
-            0.5 * sum(ops, "cp_kv_gather", Phase::backward, &OpCost::time_s));
-  EXPECT_DOUBLE_EQ(sum(ops, "cp_dkv_reduce_scatter", Phase::backward, &OpCost::exposed_s),
-                   sum(ops, "cp_dkv_reduce_scatter", Phase::backward, &OpCost::time_s));
+  EXPECT_LT(sum_of(ops, "cp_kv_gather", Phase::backward, &OpCost::exposed_s),
+            0.5 * sum_of(ops, "cp_kv_gather", Phase::backward, &OpCost::time_s));
+  EXPECT_DOUBLE_EQ(sum_of(ops, "cp_dkv_reduce_scatter", Phase::backward, &OpCost::exposed_s),
+                   sum_of(ops, "cp_dkv_reduce_scatter", Phase::backward, &OpCost::time_s));
   // Recompute: full replays the layer's forward with its gather; selective's core reuses
   // the keys and values its backward gathers.
   for (const auto& [rc, gathered] : {std::pair<const char*, double>{"full", 524288.0}, {"selective", 0.0}}) {
     const Plan pr = load_plan(std::string("cp=2,mbs=2,precision=fp32,recompute=") + rc);
-    std::vector<OpCost> rops;
-    layer_cost(m, c, pr, compute_setup(m, c, pr), &rops);
-    EXPECT_DOUBLE_EQ(sum(rops, "cp_kv_gather", Phase::recompute, &OpCost::bytes), gathered) << rc;
+    const std::vector<OpCost> rops = layer_ops(m, c, pr);
+    EXPECT_DOUBLE_EQ(sum_of(rops, "cp_kv_gather", Phase::recompute, &OpCost::bytes), gathered) << rc;
   }
   // Megatron's ring on another stack: (cp - 1) steps of K and V, and the whole score block.
   c.strata_stack = false;
   ops = ops_of();
-  EXPECT_DOUBLE_EQ(sum(ops, "cp_kv_exchange", Phase::forward, &OpCost::bytes), 262144.0);
-  EXPECT_DOUBLE_EQ(sum(ops, "cp_kv_exchange", Phase::backward, &OpCost::bytes), 2.0 * 262144.0);
-  EXPECT_DOUBLE_EQ(sum(ops, "cp_kv_gather", Phase::forward, &OpCost::bytes), 0.0);
+  EXPECT_DOUBLE_EQ(sum_of(ops, "cp_kv_exchange", Phase::forward, &OpCost::bytes), 262144.0);
+  EXPECT_DOUBLE_EQ(sum_of(ops, "cp_kv_exchange", Phase::backward, &OpCost::bytes), 2.0 * 262144.0);
+  EXPECT_DOUBLE_EQ(sum_of(ops, "cp_kv_gather", Phase::forward, &OpCost::bytes), 0.0);
+}
+
+// Megatron-LM's three cp_comm_types on a GPU stack, tiny-gpt as above (cp = 2, mbs 2, fp32:
+// T = 128 tokens; K and V 262,144 bytes, Q and the core's output 4 * 128 * 4 * 64 = 131,072).
+// The pair of ranks shares a node: 200 GB/s at 75 %, 5 us a step.
+//   p2p:       one ring step of K and V forward (two backward, with dK and dV), behind the core.
+//   allgather: K and V gathered before the core (the output, 524,288 bytes), again in the
+//              backward, and dK, dV reduce-scattered (524,288 in), all exposed; an
+//              all-gather of S bytes takes 5 us (one round) + S/2 / 150 GB/s.
+//   a2a:       Q, K, V (393,216 bytes) all-to-all'ed before the core and the output
+//              (131,072) after it; in the backward dO before, dQ, dK, dV after; exposed,
+//              5 us + S/2 / 150 GB/s each.
+// The core's FLOPs are the same whichever way the keys travel.
+TEST(Compute, ContextParallelCommTypes) {
+  const Cluster c = testing::round_cluster();
+  const ModelSpec m = load_model("tiny-gpt");
+  auto ops_of = [&](const std::string& plan) { return layer_ops(m, c, load_plan(plan)); };
+  auto step = [](double bytes) { return 5e-6 + bytes / 2.0 / 150e9; };
+  const std::vector<OpCost> p2p = ops_of("cp=2,mbs=2,precision=fp32,cp_comm_type=p2p");
+  const std::vector<OpCost> ag = ops_of("cp=2,mbs=2,precision=fp32,cp_comm_type=allgather");
+  const std::vector<OpCost> a2a = ops_of("cp=2,mbs=2,precision=fp32,cp_comm_type=a2a");
+  // The default is p2p (no sliding window).
+  const std::vector<OpCost> automatic = ops_of("cp=2,mbs=2,precision=fp32");
+  EXPECT_DOUBLE_EQ(sum_of(automatic, "cp_kv_exchange", Phase::backward, &OpCost::bytes), 2.0 * 262144.0);
+  EXPECT_DOUBLE_EQ(sum_of(p2p, "cp_kv_exchange", Phase::forward, &OpCost::bytes), 262144.0);
+
+  for (Phase ph : {Phase::forward, Phase::backward}) {
+    EXPECT_DOUBLE_EQ(sum_of(ag, "cp_kv_gather", ph, &OpCost::bytes), 524288.0);
+    EXPECT_NEAR(sum_of(ag, "cp_kv_gather", ph, &OpCost::exposed_s), step(524288.0), 1e-15);
+    EXPECT_DOUBLE_EQ(sum_of(a2a, "cp_qkv_all_to_all", ph, &OpCost::bytes), 393216.0);
+    EXPECT_DOUBLE_EQ(sum_of(a2a, "cp_out_all_to_all", ph, &OpCost::bytes), 131072.0);
+    EXPECT_NEAR(sum_of(a2a, "cp_qkv_all_to_all", ph, &OpCost::exposed_s), step(393216.0), 1e-15);
+    EXPECT_NEAR(sum_of(a2a, "cp_out_all_to_all", ph, &OpCost::exposed_s), step(131072.0), 1e-15);
+    EXPECT_DOUBLE_EQ(sum_of(a2a, "cp_kv_exchange", ph, &OpCost::bytes) + sum_of(a2a, "cp_kv_gather", ph, &OpCost::bytes), 0.0);
+    EXPECT_DOUBLE_EQ(sum_of(a2a, "flash_attention", ph, &OpCost::flops), sum_of(p2p, "flash_attention", ph, &OpCost::flops));
+    EXPECT_DOUBLE_EQ(sum_of(ag, "flash_attention", ph, &OpCost::flops), sum_of(p2p, "flash_attention", ph, &OpCost::flops));
+  }
+  EXPECT_DOUBLE_EQ(sum_of(ag, "cp_dkv_reduce_scatter", Phase::backward, &OpCost::bytes), 524288.0);
+  EXPECT_NEAR(sum_of(ag, "cp_dkv_reduce_scatter", Phase::backward, &OpCost::exposed_s), step(524288.0), 1e-15);
+  // Full recompute replays the forward with its exchanges, and so does selective recompute's
+  // core (Transformer Engine's checkpointed attention runs its forward again, exchanges and all).
+  for (const char* rc : {"full", "selective"}) {
+    const std::vector<OpCost> re = ops_of(std::string("cp=2,mbs=2,precision=fp32,cp_comm_type=a2a,recompute=") + rc);
+    EXPECT_DOUBLE_EQ(sum_of(re, "cp_qkv_all_to_all", Phase::recompute, &OpCost::bytes), 393216.0) << rc;
+    EXPECT_DOUBLE_EQ(sum_of(re, "cp_out_all_to_all", Phase::recompute, &OpCost::bytes), 131072.0) << rc;
+    const std::vector<OpCost> rg = ops_of(std::string("cp=2,mbs=2,precision=fp32,cp_comm_type=allgather,recompute=") + rc);
+    EXPECT_DOUBLE_EQ(sum_of(rg, "cp_kv_gather", Phase::recompute, &OpCost::bytes), 524288.0) << rc;
+  }
+  // Grouped queries on two tensor-parallel ranks (tiny-llama: A = 8, G = 2, D = 32, bf16, so
+  // e = 2): T = 128 tokens, Q and the output 2 * 128 * 8 * 32 / 2 = 32,768 bytes, K and V one
+  // group each, 2 * 128 * 2 * 32 = 16,384 (the byte counts only: check_plan refuses a2a
+  // here, whose one group per rank cp 2 cannot split).
+  const ModelSpec gqa = load_model("tiny-llama");
+  const Plan gp = load_plan("tp=2,cp=2,mbs=2,cp_comm_type=a2a");
+  const std::vector<OpCost> gops = layer_ops(gqa, c, gp);
+  EXPECT_DOUBLE_EQ(sum_of(gops, "cp_qkv_all_to_all", Phase::forward, &OpCost::bytes), 32768.0 + 16384.0);
+  EXPECT_DOUBLE_EQ(sum_of(gops, "cp_out_all_to_all", Phase::forward, &OpCost::bytes), 32768.0);
 }
 
 TEST(Compute, WorkSplitsExposedCommunication) {

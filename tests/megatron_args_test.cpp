@@ -223,6 +223,21 @@ TEST(MegatronArgs, FlagForms) {
   EXPECT_EQ(parse_megatron_launch(elastic, "launch").gpus, 0);
   EXPECT_NE(error_of(elastic).find("--gpus"), std::string::npos);
   EXPECT_EQ(launch_inputs(parse_megatron_launch(elastic, "launch"), 8, "launch").plan.d, 8);
+  // Context parallelism and how it moves keys and values.
+  const LaunchInputs cp = launch_inputs(
+      parse_megatron_launch("--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 32 --vocab-size 100 "
+                            "--context-parallel-size 2 --cp-comm-type a2a",
+                            "launch"),
+      8, "launch");
+  EXPECT_EQ(cp.plan.c, 2);
+  EXPECT_EQ(cp.plan.cp_comm, CpComm::a2a);
+  // Megatron's type per layer: one type for all of them reads as that type, a mix is refused.
+  const std::string base = "--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 32 --vocab-size 100 "
+                           "--context-parallel-size 2 --cp-comm-type ";
+  EXPECT_EQ(launch_inputs(parse_megatron_launch(base + "allgather allgather --micro-batch-size 1", "launch"), 8, "launch")
+                .plan.cp_comm,
+            CpComm::allgather);
+  EXPECT_NE(error_of(base + "p2p a2a").find("a type per layer"), std::string::npos) << error_of(base + "p2p a2a");
 }
 
 TEST(MegatronArgs, ErrorsNameTheFlag) {

@@ -284,6 +284,15 @@ TEST(ModelSpec, SlidingWindowLayers) {
   ModelSpec short_seq = mistral;
   short_seq.S = 4096;  // the window covers the sequence: causal
   EXPECT_DOUBLE_EQ(short_seq.causal_share(), 0.5);
+  // Model FLOPs count a windowed query's 4096 keys where a full one counts all S = 32768
+  // (else MFU passes 100 % at long sequences): per layer and token, 4 * 4096 * (A D = 4096)
+  // attention FLOPs instead of 4 * 32768 * 4096; the GEMMs alike.
+  EXPECT_DOUBLE_EQ(mistral.attention_keys(), 4096.0);
+  EXPECT_DOUBLE_EQ(short_seq.attention_keys(), 4096.0);
+  ModelSpec unwindowed = mistral;
+  unwindowed.window_size = unwindowed.window_layers = 0;
+  EXPECT_DOUBLE_EQ(unwindowed.layer_forward_flops(1) - mistral.layer_forward_flops(1),
+                   4.0 * 32768.0 * (32768.0 - 4096.0) * 4096.0);
   // Gemma 2 alternates (21 of 42), Gemma 3 keeps every 6th layer global (34 - 5 = 29),
   // layer_types counts, Qwen2 windows the layers from max_window_layers on, or none when
   // use_sliding_window is false; null or 0 is no window.
@@ -318,6 +327,7 @@ TEST(ModelSpec, SlidingWindowLayers) {
   const ModelSpec g = model_from_json(Json::parse("{" + base + R"(,"window_size":1024,"window_attn_skip_freq":4})"), "model");
   EXPECT_EQ(g.window_layers, 6);
   EXPECT_DOUBLE_EQ(g.causal_share(), 0.2890625);
+  EXPECT_DOUBLE_EQ(g.attention_keys(), (2.0 * 4096 + 6.0 * 1024) / 8);  // 1,792 keys a query, the layers' mean
   EXPECT_EQ(model_from_json(model_to_json(g), "model").window_layers, 6);  // round trip
   EXPECT_THROW((void)model_from_json(Json::parse("{" + base + R"(,"window_size":1024,"window_attn_skip_freq":4,
       "window_layers":2})"), "model"), InputError);

@@ -392,5 +392,60 @@ TEST(Plan, AutoAttentionResolution) {
   EXPECT_EQ(resolve_attention(longer, a100, load_plan("tp=8")), AttentionKernel::unfused);
 }
 
+// Context parallelism's cp_comm_type (Megatron-LM's --cp-comm-type): read in both forms and
+// Transformer Engine's spelling, written back only where given; "auto" is p2p, or with a
+// sliding window (which Transformer Engine's ring refuses) a2a where context_parallel divides
+// the heads and key/value groups of a tensor-parallel rank, else allgather; the strata
+// executor always gathers.
+TEST(Plan, ContextParallelCommType) {
+  EXPECT_EQ(load_plan("cp=2,cp_comm_type=a2a").cp_comm, CpComm::a2a);
+  EXPECT_EQ(load_plan("cp=2,cp_comm_type=all_gather").cp_comm, CpComm::allgather);
+  EXPECT_EQ(load_plan("cp=2").cp_comm, CpComm::automatic);
+  EXPECT_EQ(plan_from_json(Json{{"context_parallel", 2}, {"cp_comm_type", "p2p"}}, "plan").cp_comm, CpComm::p2p);
+  // A Megatron-LM config dump's list (a type per layer): one type for all, else refused.
+  EXPECT_EQ(plan_from_json(Json::parse(R"({"context_parallel": 2, "cp_comm_type": ["a2a", "a2a"]})"), "plan").cp_comm,
+            CpComm::a2a);
+  EXPECT_THROW(plan_from_json(Json::parse(R"({"context_parallel": 2, "cp_comm_type": ["a2a", "p2p"]})"), "plan"),
+               InputError);
+  const Plan p = load_plan("cp=4,cp_comm_type=allgather");
+  EXPECT_EQ(plan_from_json(plan_to_json(p), "plan").cp_comm, CpComm::allgather);
+  EXPECT_EQ(load_plan(plan_to_inline(p)).cp_comm, CpComm::allgather);
+  EXPECT_FALSE(plan_to_json(load_plan("cp=4")).contains("cp_comm_type"));
+  const std::string bad = message("cp=2,cp_comm_type=ring");
+  EXPECT_NE(bad.find("cp_comm_type"), std::string::npos) << bad;
+  EXPECT_NE(bad.find("a2a"), std::string::npos) << bad;
+
+  const Cluster h100 = load_cluster("dgx-h100-80g"), cpu = load_cluster("local-cpu");
+  ModelSpec llama = load_model("llama3-70b");  // A = 64, G = 8
+  auto keys = [](const ModelSpec& m, const Cluster& c, const std::string& plan) {
+    std::vector<std::string> k;
+    for (const Reason& r : check_plan(m, c, load_plan(plan))) k.push_back(r.key);
+    return k;
+  };
+  EXPECT_EQ(resolve_cp_comm(llama, h100, load_plan("tp=8,cp=2")), CpComm::p2p);
+  EXPECT_EQ(resolve_cp_comm(llama, cpu, load_plan("tp=8,cp=2")), CpComm::allgather);
+  // a2a: tp 4 leaves 16 heads and 2 groups per rank, which cp 2 divides and cp 4 does not;
+  // tp 8 leaves one group.
+  EXPECT_TRUE(keys(llama, h100, "tp=4,cp=2,cp_comm_type=a2a").empty());
+  EXPECT_EQ(keys(llama, h100, "tp=4,cp=4,cp_comm_type=a2a"), std::vector<std::string>{"cp_comm"});
+  EXPECT_EQ(keys(llama, h100, "tp=8,cp=2,cp_comm_type=a2a"), std::vector<std::string>{"cp_comm"});
+  EXPECT_TRUE(keys(llama, h100, "tp=8,cp=2,cp_comm_type=allgather").empty());
+  EXPECT_TRUE(keys(llama, h100, "tp=8,cp_comm_type=a2a").empty());  // no context parallelism: nothing to move
+  // The strata executor: allgather (or auto) only.
+  EXPECT_EQ(check_plan(load_model("tiny-llama"), cpu, load_plan("cp=2,cp_comm_type=p2p")).at(0).key, "cp_comm");
+  EXPECT_TRUE(check_plan(load_model("tiny-llama"), cpu, load_plan("cp=2,cp_comm_type=allgather")).empty());
+  // A sliding window: no ring; a2a where the heads divide, else allgather.
+  llama.window_size = 4096;
+  llama.window_layers = llama.L;
+  EXPECT_EQ(resolve_cp_comm(llama, h100, load_plan("tp=4,cp=2")), CpComm::a2a);
+  EXPECT_EQ(resolve_cp_comm(llama, h100, load_plan("tp=8,cp=2")), CpComm::allgather);
+  EXPECT_EQ(resolve_cp_comm(llama, load_plan("tp=4,cp=2,cp_comm_type=allgather")), CpComm::allgather);
+  EXPECT_TRUE(keys(llama, h100, "tp=4,cp=2").empty());
+  const std::vector<Reason> ring = check_plan(llama, h100, load_plan("tp=4,cp=2,cp_comm_type=p2p"));
+  ASSERT_EQ(ring.size(), 1u);
+  EXPECT_EQ(ring[0].key, "cp_comm");
+  EXPECT_NE(ring[0].message.find("window_size=4096"), std::string::npos) << ring[0].message;
+}
+
 }  // namespace
 }  // namespace strata

@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <memory>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -39,35 +40,38 @@ void search_matches_estimating_every_plan(const char* model, bool expect_splits,
               for (int sp = 0; sp < 2; ++sp)
                 for (int rc = 0; rc < 3; ++rc)
                   for (int64_t rl = 0; rl <= (rc == 2 ? m.L : 0); ++rl)
-                    for (int zero = 0; zero < 4; ++zero) {
-                      Plan pl;
-                      pl.t = t; pl.p = p; pl.c = cp; pl.d = d; pl.v = v; pl.mbs = mbs; pl.gbs = gbs;
-                      pl.gpipe = gp == 1 && v == 1; pl.sp = sp == 1 && t > 1; pl.zero = zero;
-                      pl.recompute = static_cast<Recompute>(rc);
-                      pl.recompute_layers = rl;
-                      // Skip the settings that change nothing (no pipeline to schedule, no
-                      // tensor-parallel group to shard over, no replicas for ZeRO).
-                      if ((gp && (v > 1 || p == 1)) || (sp && t == 1) || (zero && d * cp == 1)) continue;
-                      // Chunks as the search takes them: L or L + 2 split evenly into p v
-                      // (an as-even-as-possible interleaved split is estimated, not searched).
-                      const bool searched_v = v == 1 || m.L % (p * v) == 0 ||
-                                              ((m.L + 2) % (p * v) == 0 && (m.L + 2) / (p * v) >= 2);
-                      if (!searched_v) continue;
-                      const Estimate e = estimate(m, c, pl);
-                      if (e.valid && e.fits) {
+                    for (int zero = 0; zero < 4; ++zero)
+                      for (int cc = 0; cc < (cp > 1 ? 3 : 1); ++cc) {
+                        Plan pl;
+                        pl.t = t; pl.p = p; pl.c = cp; pl.d = d; pl.v = v; pl.mbs = mbs; pl.gbs = gbs;
+                        // Context parallelism's three ways to move keys and values (cp_comm_type).
+                        if (cp > 1) pl.cp_comm = cc == 0 ? CpComm::p2p : cc == 1 ? CpComm::a2a : CpComm::allgather;
+                        pl.gpipe = gp == 1 && v == 1; pl.sp = sp == 1 && t > 1; pl.zero = zero;
+                        pl.recompute = static_cast<Recompute>(rc);
+                        pl.recompute_layers = rl;
+                        // Skip the settings that change nothing (no pipeline to schedule, no
+                        // tensor-parallel group to shard over, no replicas for ZeRO).
+                        if ((gp && (v > 1 || p == 1)) || (sp && t == 1) || (zero && d * cp == 1)) continue;
+                        // Chunks as the search takes them: L or L + 2 split evenly into p v
+                        // (an as-even-as-possible interleaved split is estimated, not searched).
+                        const bool searched_v = v == 1 || m.L % (p * v) == 0 ||
+                                                ((m.L + 2) % (p * v) == 0 && (m.L + 2) / (p * v) >= 2);
+                        if (!searched_v) continue;
+                        const Estimate e = estimate(m, c, pl);
+                        if (e.valid && e.fits) {
+                          ++feasible;
+                          all.emplace_back(e.step_time_s, plan_to_inline(pl));
+                        }
+                        // And Megatron's first/last split balancing the ends, on every pipeline.
+                        if (p == 1) continue;
+                        const std::optional<Plan> q = balanced_end_split(m, c, pl);
+                        if (!q) continue;
+                        ++splits;
+                        const Estimate eq = estimate(m, c, *q);
+                        if (!eq.valid || !eq.fits) continue;
                         ++feasible;
-                        all.emplace_back(e.step_time_s, plan_to_inline(pl));
+                        all.emplace_back(eq.step_time_s, plan_to_inline(*q));
                       }
-                      // And Megatron's first/last split balancing the ends, on every pipeline.
-                      if (p == 1) continue;
-                      const std::optional<Plan> q = balanced_end_split(m, c, pl);
-                      if (!q) continue;
-                      ++splits;
-                      const Estimate eq = estimate(m, c, *q);
-                      if (!eq.valid || !eq.fits) continue;
-                      ++feasible;
-                      all.emplace_back(eq.step_time_s, plan_to_inline(*q));
-                    }
       }
   std::sort(all.begin(), all.end());
   SearchOptions o;
@@ -189,6 +193,65 @@ TEST(Planner, FixPinsDimensions) {
   }
   EXPECT_THROW(parse_fixed("tp=x"), InputError);
   EXPECT_THROW(parse_fixed("warp=2"), InputError);
+  EXPECT_THROW(parse_fixed("cp_comm_type=ring"), InputError);
+}
+
+// Context-parallel plans are searched with each cp_comm_type (the twin above estimates all
+// three); a sliding window rules out the ring (counted as cp_comm), and --fix pins the type
+// to context-parallel plans. Llama 3 8B (32 heads, 8 groups) with a 4096-key window on 16
+// H100s, batch 32, tp 1, cp 4: a2a and allgather remain.
+TEST(Planner, ContextParallelCommTypesAreSearched) {
+  ModelSpec m = load_model("llama3-8b");
+  m.window_size = 4096;
+  m.window_layers = m.L;
+  const Cluster c = load_cluster("dgx-h100-80g");
+  SearchOptions o;
+  o.gpus = 16;
+  o.gbs = 32;
+  o.top_k = 50;
+  o.fixed = parse_fixed("tp=1,cp=4");
+  const SearchResult r = search(m, c, o);
+  ASSERT_FALSE(r.plans.empty());
+  std::set<CpComm> seen;
+  for (const auto& e : r.plans) {
+    EXPECT_NE(e.cp_comm, CpComm::p2p) << plan_to_inline(e.plan);
+    seen.insert(e.cp_comm);
+  }
+  EXPECT_EQ(seen, (std::set<CpComm>{CpComm::a2a, CpComm::allgather}));
+  ASSERT_TRUE(r.rejected.count("cp_comm"));
+  EXPECT_GT(r.rejected.at("cp_comm"), 0);
+  // Pinned to one type: the three searches together are the search over all three, candidate
+  // for candidate (each counted once, each fit judged as on its own: the fits kept across
+  // the types are the ones a search of one type computes afresh).
+  int64_t candidates = 0, feasible = 0;
+  for (const char* type : {"p2p", "a2a", "allgather"}) {
+    o.fixed = parse_fixed(std::string("tp=1,cp=4,cp_comm_type=") + type);
+    const SearchResult one = search(m, c, o);
+    candidates += one.candidates_evaluated;
+    feasible += one.feasible;
+    for (const auto& e : one.plans) EXPECT_EQ(std::string(to_string(e.cp_comm)), type);
+  }
+  EXPECT_EQ(candidates, r.candidates_evaluated);
+  EXPECT_EQ(feasible, r.feasible);
+  o.fixed = parse_fixed("tp=1,cp_comm_type=a2a");
+  const SearchResult a2a = search(m, c, o);
+  ASSERT_FALSE(a2a.plans.empty());
+  for (const auto& e : a2a.plans) {
+    EXPECT_GT(e.plan.c, 1);
+    EXPECT_EQ(e.cp_comm, CpComm::a2a);
+  }
+  // The strata executor gathers: a pinned ring is rejected, by name.
+  SearchOptions s;
+  s.gpus = 2;
+  s.gbs = 4;
+  s.fixed = parse_fixed("cp=2,cp_comm_type=p2p");
+  const SearchResult ring = search(load_model("tiny-llama"), load_cluster("local-cpu"), s);
+  EXPECT_TRUE(ring.plans.empty());
+  EXPECT_GT(ring.rejected.count("cp_comm") ? ring.rejected.at("cp_comm") : 0, 0);
+  s.fixed = parse_fixed("cp=2");
+  const SearchResult gathered = search(load_model("tiny-llama"), load_cluster("local-cpu"), s);
+  ASSERT_FALSE(gathered.plans.empty());
+  EXPECT_EQ(gathered.plans.front().cp_comm, CpComm::allgather);
 }
 
 // balanced_end_split by hand. L = 80 on 8 stages, a layer w = 1, the embedding 0.1 and the
@@ -474,6 +537,14 @@ TEST(Planner, Exports) {
                         "model.virtual_pipeline_model_parallel_size=5", "checkpoint.ckpt_format=fsdp_dtensor",
                         "model.seq_length=8192", "dataset.seq_length=8192"})
     EXPECT_TRUE(has(bl, o)) << o;
+  // Context parallelism names how keys and values travel, in all three exports.
+  const Plan cp = load_plan("tp=4,pp=2,dp=2,cp=4,gbs=64,cp_comm_type=allgather");
+  const Stack cst = resolve_stack(m, load_cluster("dgx-h100-80g"), cp);
+  EXPECT_NE(export_megatron(m, cp, cst).find("--cp-comm-type allgather"), std::string::npos);
+  EXPECT_TRUE(has(lines_of(export_bridge(m, cp, cst)), "model.cp_comm_type=allgather"));
+  EXPECT_EQ(Json::parse(export_deepspeed(m, cp, cst))["strata_parallel_layout"]["cp_comm_type"], "allgather");
+  EXPECT_NE(export_megatron(m, load_plan("cp=2,gbs=8"), cst).find("--cp-comm-type p2p"), std::string::npos);
+  EXPECT_EQ(export_megatron(m, p, st).find("--cp-comm-type"), std::string::npos);
 }
 
 }  // namespace

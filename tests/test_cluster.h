@@ -27,9 +27,11 @@ inline Cluster round_cluster() {
   c.intra.bandwidth_bytes_per_s = 200e9;
   c.intra.latency_s = 5e-6;
   c.intra.eff_all_reduce = c.intra.eff_all_gather = c.intra.eff_reduce_scatter = c.intra.eff_send_recv = 0.75;
+  c.intra.eff_all_to_all = 0.75;
   c.inter.bandwidth_bytes_per_s = 12.5e9;  // per device: 100 GB/s per node of 8
   c.inter.latency_s = 10e-6;
   c.inter.eff_all_reduce = c.inter.eff_all_gather = c.inter.eff_reduce_scatter = c.inter.eff_send_recv = 0.8;
+  c.inter.eff_all_to_all = 0.8;
   c.framework_overhead_bytes = 1e9;
   c.allocator_fragmentation = 0.0;
   c.step_overhead_s = 0;
