@@ -2,7 +2,6 @@
 #include "planner/search.h"
 
 #include <algorithm>
-#include <array>
 #include <chrono>
 #include <cmath>
 #include <map>
@@ -259,25 +258,13 @@ SearchResult search(const ModelSpec& m, const Cluster& cl, const SearchOptions& 
   // Layer costs depend on (t, c, d for ZeRO-2/3, mbs, sp, recompute, ZeRO-2 or 3, cp_comm_type): cached.
   using CostKey = std::tuple<int64_t, int64_t, int64_t, int64_t, bool, int, int, int>;
   std::map<CostKey, std::array<LayerCost, 3>> costs;
-  // The keys met lately, direct-mapped on a hash of the key (the map's nodes stay put): a
-  // candidate and its partial recompute's plain layers alternate between two.
-  struct Recent {
-    CostKey key{};
-    const std::array<LayerCost, 3>* costs = nullptr;
-  };
-  std::array<Recent, 16> recent;
   auto costs_of = [&](const Plan& pl, const ComputeSetup& cs) -> const std::array<LayerCost, 3>& {
     const CostKey key{pl.t, pl.c, pl.zero >= 2 ? pl.d : 0, pl.mbs, pl.sp, static_cast<int>(pl.recompute),
                       pl.zero >= 2 ? pl.zero : 0, static_cast<int>(cs.cp_comm)};
-    uint64_t h = 0;
-    std::apply([&](auto... x) { ((h = (h ^ static_cast<uint64_t>(x)) * 0x9E3779B97F4A7C15ull), ...); }, key);
-    Recent& r = recent[static_cast<size_t>(h >> 60)];
-    if (r.costs && r.key == key) return *r.costs;
     auto it = costs.find(key);
     if (it == costs.end())
       it = costs.emplace(key, std::array<LayerCost, 3>{layer_cost(m, cl, pl, cs), embedding_cost(m, cl, pl, cs),
                                                        head_cost(m, cl, pl, cs)}).first;
-    r = Recent{key, &it->second};
     return it->second;
   };
   std::map<std::tuple<int, int64_t, int64_t, int64_t, int64_t>, InFlight> flights;
