@@ -25,6 +25,10 @@ int node_local_rank(int* local_size = nullptr);
 // How many ranks of the world name the same `device` on this machine (by host name and
 // the device's id, e.g. its PCI bus id), this one included. Collective over MPI_COMM_WORLD.
 int ranks_sharing(const std::string& device);
+// The processors this machine's ranks share: with `sharing` > 0 (ranks on this rank's GPU,
+// ranks_sharing()) the distinct GPUs among them, else the CPU cores any of them may run on
+// (the union of their affinity masks). Collective over MPI_COMM_WORLD.
+int node_processors(int sharing);
 
 // The communicator between ranks on GPUs, by --comm: "nccl" (executor/cuda/nccl_comm.h: one
 // GPU per rank), "staged" (host staging over Open MPI: ranks may share a GPU) or "auto"

@@ -1,6 +1,8 @@
 // Input checks of the MPI subcommands, agreed across ranks (see commands.h).
 #include <mpi.h>
 
+#include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <string>
 
@@ -44,6 +46,18 @@ int ranks_sharing(const std::string& device) {
   MPI_Comm_size(same, &n);
   MPI_Comm_free(&same);
   return n;
+}
+
+int node_processors(int sharing) {
+  if (sharing <= 0) return node_cpus().cores;
+  int rank = 0;
+  MPI_Comm_rank(MPI_COMM_WORLD, &rank);
+  MPI_Comm node = MPI_COMM_NULL;
+  MPI_Comm_split_type(MPI_COMM_WORLD, MPI_COMM_TYPE_SHARED, rank, MPI_INFO_NULL, &node);
+  double share = 1.0 / sharing;  // each GPU counted once: 1 / (its ranks) from each of them
+  MPI_Allreduce(MPI_IN_PLACE, &share, 1, MPI_DOUBLE, MPI_SUM, node);
+  MPI_Comm_free(&node);
+  return std::max(1, static_cast<int>(std::lround(share)));
 }
 
 int node_local_rank(int* local_size) {

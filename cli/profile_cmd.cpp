@@ -67,9 +67,12 @@ int cmd_profile(const std::vector<std::string>& argv) {
       o.device_name = cuda->device_name();
       CudaBackend* raw = cuda.get();
       o.gemm_precision = [raw](Precision p) { raw->set_gemm_precision(p); };
-      comm = make_gpu_comm(*cuda, comm_choice, ranks_sharing(cuda->device_id()));
+      const int sharing = ranks_sharing(cuda->device_id());
+      o.processors = node_processors(sharing);
+      comm = make_gpu_comm(*cuda, comm_choice, sharing);
       be = std::move(cuda);
     } else {
+      o.processors = node_processors(0);
       comm = make_mpi_comm();
       be = make_cpu_backend();
     }

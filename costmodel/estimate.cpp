@@ -238,8 +238,12 @@ DpTail data_parallel_tail(const ModelSpec& m, const Cluster& cl, const Plan& p, 
 
 }  // namespace
 
-Estimate estimate(const ModelSpec& m, const Cluster& cl, const Plan& p, const EstimateOptions& opt,
-                  EstimateDetail* detail) {
+namespace {
+
+// The estimate at the cluster's rates; busy_share (when asked): the stages' mean busy share
+// of the step (its compute, sends, exposed reduction and optimizer over the step time).
+Estimate estimate_once(const ModelSpec& m, const Cluster& cl, const Plan& p, const EstimateOptions& opt,
+                       EstimateDetail* detail, double* busy_share) {
   Estimate est;
   est.plan = p;
   est.reasons = check_plan(m, cl, p);
@@ -404,6 +408,11 @@ Estimate estimate(const ModelSpec& m, const Cluster& cl, const Plan& p, const Es
   est.hardware_tflops_per_gpu = hardware_flops(m, p, lay) / est.step_time_s / world / 1e12;
   est.mfu = est.model_tflops_per_gpu * 1e12 / mfu_peak;
 
+  if (busy_share) {
+    double busy = 0;
+    for (size_t i = 0; i < finish.size(); ++i) busy += sim.compute_s[i] + sim.p2p_s[i] + dp_exposed[i] + opt_s[i];
+    *busy_share = busy / (static_cast<double>(p.p) * est.step_time_s);
+  }
   if (detail) {
     detail->layout = lay;
     detail->stage_times = st;
@@ -419,6 +428,52 @@ Estimate estimate(const ModelSpec& m, const Cluster& cl, const Plan& p, const Es
     detail->head = head;
     detail->layer_ops = std::move(layer_ops);
   }
+  return est;
+}
+
+}  // namespace
+
+double max_compute_speed(const Cluster& cl) {
+  return cl.shares_processors()
+             ? static_cast<double>(cl.devices_per_node) / static_cast<double>(cl.processors_per_node)
+             : 1.0;
+}
+
+Cluster with_compute_speed(const Cluster& cl, double speed) {
+  Cluster c = cl;
+  Device& d = c.device;
+  for (double* rate : {&d.peak_fp32_flops, &d.peak_tf32_flops, &d.peak_bf16_flops, &d.peak_fp16_flops,
+                       &d.peak_fp8_flops, &d.memory_bandwidth_bytes_per_s})
+    *rate *= speed;
+  d.kernel_launch_s /= speed;
+  return c;
+}
+
+Estimate estimate(const ModelSpec& m, const Cluster& cl, const Plan& p, const EstimateOptions& opt,
+                  EstimateDetail* detail) {
+  if (!cl.shares_processors()) return estimate_once(m, cl, p, opt, detail, nullptr);
+  // Ranks sharing processors (estimate.h): the compute speed s, against the cluster's
+  // rates, at which the node's busy ranks k(s) give back s = min(1, C / k) / (C / N),
+  // found by passes from s = 1 (the profile's share) until s moves by under 1e-9.
+  const double N = static_cast<double>(cl.devices_per_node), C = static_cast<double>(cl.processors_per_node);
+  const double ranks = std::min(N, static_cast<double>(p.world_size()));
+  EstimateOptions o = opt;
+  o.pre = Precomputed{};  // layer costs at each pass's rates
+  o.pre.in_flight = opt.pre.in_flight;
+  double speed = 1, busy = 1;
+  Estimate est;
+  for (int pass = 0; pass < 64; ++pass) {
+    est = estimate_once(m, with_compute_speed(cl, speed), p, o, detail, &busy);
+    if (!est.valid) return est;
+    const double next = std::min(1.0, C / std::max(ranks * busy, 1e-12)) * (N / C);
+    if (std::fabs(next - speed) <= 1e-9 * speed) break;
+    speed = next;
+  }
+  est.mfu *= speed;  // against the device's own peak, not the pass's
+  est.compute_speed = speed;
+  est.busy_ranks = ranks * busy;
+  est.ranks_per_node = ranks;
+  est.processors_per_node = C;
   return est;
 }
 
@@ -478,6 +533,11 @@ Json estimate_to_json(const Estimate& e) {
   j["stack"] = stack_to_json(e.stack);
   j["schedule"] = to_string(e.plan.schedule());
   j["comm_before_overlap_s"] = {{"tp_comm", e.tp_comm_total_s}, {"dp_comm", e.dp_comm_total_s}};
+  if (e.processors_per_node > 0)
+    j["processor_sharing"] = {{"processors_per_node", e.processors_per_node},
+                              {"ranks_per_node", e.ranks_per_node},
+                              {"busy_ranks", e.busy_ranks},
+                              {"compute_speed", e.compute_speed}};
   return j;
 }
 

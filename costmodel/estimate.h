@@ -2,6 +2,16 @@
 // term for one plan. Pure: walks the plan's pipeline schedule with per-stage times from
 // compute.h, adds the data-parallel reduction and the optimizer per stage, and reports
 // the stage that finishes last (time) and the most loaded stage (memory).
+//
+// Ranks that share processors (Cluster::shares_processors: a CPU profile of more ranks
+// than cores, ranks sharing one GPU) compute faster while fewer of them are busy: a rank
+// gets min(1, C / k) of a processor when k of its node's ranks are busy, against the
+// min(1, C / N) the cluster's rates were measured at (all N devices of the node busy). The
+// estimate takes k as the node's ranks times their mean busy share of the step (compute,
+// sends, exposed reductions, optimizer; not the pipeline's idle time) and solves for the
+// compute speed that gives back its own k (a fixed point: the estimate at a speed scales
+// the device's rates by it). A pipeline with one micro-batch on 4 ranks of 2 cores runs
+// one stage at a time, each at a whole core, twice the rate of the profile's 4 busy ranks.
 #pragma once
 
 #include <cstdint>
@@ -43,6 +53,9 @@ struct Estimate {
   Stack stack;                    // the software stack the plan resolved to
   double dp_comm_total_s = 0;     // data-parallel communication before overlap (critical stage)
   double tp_comm_total_s = 0;     // tensor-parallel communication before overlap (critical stage)
+  // Ranks sharing processors (see above; 1 and 0s where they do not): the compute speed
+  // against the cluster's rates, a node's mean busy ranks, its ranks and its processors.
+  double compute_speed = 1, busy_ranks = 0, ranks_per_node = 0, processors_per_node = 0;
 };
 
 // What a caller may want beyond the numbers (traces, tests, the readable breakdown).
@@ -81,6 +94,14 @@ struct EstimateOptions {
 
 Estimate estimate(const ModelSpec& m, const Cluster& cl, const Plan& p, const EstimateOptions& opt = {},
                   EstimateDetail* detail = nullptr);
+
+// The most a shared processor can speed a rank's compute up (1 where none is shared): a
+// rank alone on its node's processors against the share it was measured at. The planner's
+// lower bound divides by it.
+double max_compute_speed(const Cluster& cl);
+// The cluster with every compute rate multiplied by `speed` (peaks, memory bandwidth; the
+// least kernel time divided): compute times divide by it, links are unchanged.
+Cluster with_compute_speed(const Cluster& cl, double speed);
 
 // g: the interleaved schedule's micro-batch group (Plan::vp_group_size(); 0 for p).
 InFlight in_flight(ScheduleKind kind, int64_t p, int64_t v, int64_t m, int64_t g = 0);

@@ -146,6 +146,7 @@ Cluster cluster_from_json(const Json& j, const std::string& source) {
     d.reject_unknown();
   }
   c.devices_per_node = f.integer("devices_per_node", 1, 1 << 16);
+  c.processors_per_node = f.integer_or("processors_per_node", 0, 1, 1 << 16);
   {
     Fields l(f.object("links"), f.path_of("links"));
     c.intra = read_link(l.object("intra_node"), l.path_of("intra_node"));
@@ -186,7 +187,7 @@ Json cluster_to_json(const Cluster& c) {
                   {"all_to_all", l.eff_all_to_all}}}};
   };
   const Device& d = c.device;
-  return Json{
+  Json j{
       {"name", c.name},
       {"description", c.description},
       {"device",
@@ -209,6 +210,8 @@ Json cluster_to_json(const Cluster& c) {
         {"step_overhead_s", c.step_overhead_s},
         {"overlap_slowdown", c.overlap_slowdown},
         {"software_stack", c.strata_stack ? "strata" : c.modern_stack ? "modern" : "legacy"}}}};
+  if (c.processors_per_node > 0) j["processors_per_node"] = c.processors_per_node;
+  return j;
 }
 
 std::vector<std::string> cluster_preset_names() {

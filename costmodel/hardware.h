@@ -115,6 +115,12 @@ struct Cluster {
   std::string description;
   Device device;
   int64_t devices_per_node = 1;
+  // The processors the devices of a node share, where ranks share them (a CPU profile of
+  // more ranks than cores, ranks sharing a GPU); 0: one each. The device rates are those of
+  // a device with every device of its node busy, min(1, processors / devices_per_node) of a
+  // processor each (strata profile measures every rank at once); a rank that fewer busy
+  // ranks share the node with runs faster (estimate.h).
+  int64_t processors_per_node = 0;
   LinkTier intra, inter;
   double framework_overhead_bytes = 0;   // CUDA context, library workspaces, NCCL buffers
   double allocator_fragmentation = 0;    // reserved beyond live tensors, as a fraction of them
@@ -127,6 +133,8 @@ struct Cluster {
   // "strata": the stack is this repository's own executor (the CPU backend): what it
   // overlaps and what it allocates, so its measured runs can be predicted (stack.h).
   bool strata_stack = false;
+  // Ranks share processors: fewer processors than devices per node.
+  bool shares_processors() const { return processors_per_node > 0 && processors_per_node < devices_per_node; }
 };
 
 struct EmbeddedProfile {

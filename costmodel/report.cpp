@@ -71,6 +71,10 @@ std::string format_estimate(const ModelSpec& m, const Cluster& cl, const Estimat
   o += fmt::format("  {:<20}{:>12.4f}\n", "step", e.step_time_s);
   o += fmt::format("  communication before overlap: tp {}, dp {}\n", human_seconds(e.tp_comm_total_s),
                    human_seconds(e.dp_comm_total_s));
+  if (e.processors_per_node > 0)
+    o += fmt::format("  {:g} ranks per node share {:g} processors, {:.2f} busy on average: compute at {:.3f}x the "
+                     "cluster's rates (measured with all {} busy)\n",
+                     e.ranks_per_node, e.processors_per_node, e.busy_ranks, e.compute_speed, cl.devices_per_node);
   const MemoryBreakdown& mm = e.memory;
   o += fmt::format("\n{:<22}{:>12}   (stage {}: {} parameters per tensor-parallel shard{})\n", "memory per GPU", "",
                    mm.stage, human_count(mm.params), p.zero == 3 ? ", 1/d of them kept by ZeRO-3" : "");

@@ -7,6 +7,7 @@
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "executor/process_grid.h"
@@ -65,10 +66,20 @@ class Comm {
   // created inside the bracket.
   virtual void begin_wait(const Request& r) { (void)r; }
   virtual void end_wait() {}
+  // Between two polls of such a loop: gives the core away (a yield; on Open MPI where the
+  // machine's ranks outnumber its cores, a 100 us sleep, so a rank idle in a pipeline
+  // bubble leaves its core to the ranks that compute).
+  virtual void pause() { std::this_thread::yield(); }
 };
 
 // The Open MPI communicator over MPI_COMM_WORLD (MPI must be initialised).
 std::unique_ptr<Comm> make_mpi_comm();
+// The CPU cores this machine's ranks may run on (the union of their affinity masks), and
+// how many ranks it holds. Collective over MPI_COMM_WORLD.
+struct NodeCpus {
+  int cores = 1, ranks = 1;
+};
+NodeCpus node_cpus();
 // A world of one rank, without MPI (local_comm.cpp).
 std::unique_ptr<Comm> make_local_comm();
 

@@ -78,9 +78,9 @@ class Engine {
   // implies at the step's own compute (bubble_split in pipeline.cpp).
   void bubble_split();
   void add_completed_blocks();
-  void idle() {  // waiting for a peer: progress MPI, and give the core away when oversubscribed
+  void idle() {  // waiting for a peer: progress MPI, and give the core away (Comm::pause)
     poll();
-    std::this_thread::yield();
+    comm_.pause();
   }
   // Waits for a pipeline receive while progressing the rest; timed by the watchdog.
   void wait_polling(Request& r) {

@@ -104,6 +104,7 @@ class StagedComm final : public Comm {
     if (r.pending()) in_->begin_wait(at(r).inner);
   }
   void end_wait() override { in_->end_wait(); }
+  void pause() override { in_->pause(); }
 
  private:
   // A non-blocking call in flight: the inner request, its staging buffers and where the

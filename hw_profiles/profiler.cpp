@@ -504,6 +504,9 @@ ProfileResult run_profile(Comm& comm, Backend& be, const ProfileOptions& o) {
   // cluster JSON holds each device's share.
   c.inter.bandwidth_bytes_per_s *= static_cast<double>(c.devices_per_node) / static_cast<double>(n);
   c.devices_per_node = n;
+  // Every rate above was measured with all n ranks busy: where they share fewer processors,
+  // the estimate gives a rank more of one while fewer are busy (estimate.h).
+  c.processors_per_node = o.processors > 0 && o.processors < n ? o.processors : 0;
   bool fitted = n > 1 && message_bytes.size() >= 3;
   for (const CollectiveFit& f : res.fits) fitted = fitted && f.busbw_bytes_per_s > 0;
   if (n > 1 && !fitted && o.progress && comm.rank() == 0)

@@ -71,6 +71,9 @@ struct ProfileOptions {
   // Backends whose GEMM precision is chosen (CUDA): the sweep runs in bf16 (the cost
   // model's efficiency curve is the 16-bit one) and one point in fp32 gives that peak.
   std::function<void(Precision)> gemm_precision;
+  // The processors this machine's ranks share (cores, or GPUs), 0: unknown. Written to the
+  // cluster as processors_per_node where it is fewer than the ranks (hardware.h).
+  int processors = 0;
 };
 
 // One row of the nccl-tests table. bytes: all-reduce and send/recv the buffer, all-gather

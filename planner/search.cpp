@@ -321,6 +321,9 @@ SearchResult search(const ModelSpec& m, const Cluster& cl, const SearchOptions& 
   // drains back through them:
   //   step >= sum_{s<b} (F_s + send) + m (F_b + B_b) + sum_{s<b} (B_s + send).
   // For equal stages and b = p - 1 this is the exact 1F1B and GPipe step (m + p - 1)(F + B).
+  // Ranks that share processors may compute up to max_compute_speed() faster than these
+  // costs (estimate.h): the bound divides by it.
+  const double fastest = max_compute_speed(cl);
   auto evaluate = [&](const Plan& pl, const StageLayout& lay, const ComputeSetup& cs, const Fit& f) {
     const auto& lc = costs_of(pl, cs);
     const LayerCost* plain = &lc[0];
@@ -343,6 +346,7 @@ SearchResult search(const ModelSpec& m, const Cluster& cl, const SearchOptions& 
       lb = std::max(lb, fill + mbs_per_step * work);
       fill += first_f + first_b + 2.0 * send;
     }
+    lb /= fastest;
     if (lb >= top.bound() && !(opt.pareto && !front.dominated(f.peak, lb))) return;
     EstimateOptions eo;
     eo.pre = Precomputed{&lc[0], plain, &lc[1], &lc[2], f.flight};

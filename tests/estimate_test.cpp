@@ -166,6 +166,69 @@ TEST(Estimate, JsonHasTheSpecFields) {
     EXPECT_TRUE(j["plan"].contains(k)) << k;
 }
 
+// Ranks sharing processors (estimate.h): 4 ranks of a node on 2 cores, the rates measured
+// with all 4 busy (half a core each). A rank gets min(1, 2 / k) of a core while k are busy.
+TEST(Estimate, RanksSharingProcessorsComputeFasterWhileOthersIdle) {
+  const ModelSpec m = load_model("tiny-gpt");
+  Cluster own = load_cluster("local-cpu");
+  own.devices_per_node = 4;
+  own.strata_stack = true;
+  Cluster shared = own;
+  shared.processors_per_node = 2;
+  EXPECT_FALSE(own.shares_processors());
+  EXPECT_TRUE(shared.shares_processors());
+  EXPECT_DOUBLE_EQ(max_compute_speed(own), 1.0);
+  EXPECT_DOUBLE_EQ(max_compute_speed(shared), 2.0);  // a rank alone: a whole core against half of one
+  auto at = [&](const Cluster& c, const char* plan) { return estimate(m, c, load_plan(plan)); };
+
+  // Four stages, one micro-batch: one stage computes at a time (the sends, counted busy, add
+  // a little), so k <= 2 and each rank runs at a whole core: the estimate at twice the rates.
+  const char* pipe = "pp=4,mbs=16,gbs=16,precision=fp32";
+  const Estimate e = at(shared, pipe);
+  ASSERT_TRUE(e.valid);
+  EXPECT_DOUBLE_EQ(e.compute_speed, 2.0);
+  EXPECT_GT(e.busy_ranks, 1.0);
+  EXPECT_LT(e.busy_ranks, 1.1);
+  EXPECT_EQ(e.ranks_per_node, 4.0);
+  EXPECT_EQ(e.processors_per_node, 2.0);
+  const Estimate twice = at(with_compute_speed(own, 2.0), pipe);
+  EXPECT_DOUBLE_EQ(e.step_time_s, twice.step_time_s);
+  EXPECT_DOUBLE_EQ(e.time.forward, twice.time.forward);
+  EXPECT_DOUBLE_EQ(e.time.pp_comm, at(own, pipe).time.pp_comm);  // links unchanged
+  EXPECT_LT(e.step_time_s, 0.6 * at(own, pipe).step_time_s);
+  EXPECT_DOUBLE_EQ(e.memory.peak, at(own, pipe).memory.peak);
+  // MFU against the device's own peak, not the faster pass's.
+  EXPECT_NEAR(e.mfu, e.model_tflops_per_gpu * 1e12 / own.device.peak_fp32_flops, 1e-12);
+  const Json j = estimate_to_json(e);
+  EXPECT_EQ(j["processor_sharing"]["compute_speed"], 2.0);
+  EXPECT_FALSE(estimate_to_json(at(own, pipe)).contains("processor_sharing"));
+
+  // Four data-parallel ranks: all busy all the time (k = 4), as when the rates were measured.
+  const char* flat = "dp=4,mbs=4,gbs=16,precision=fp32";
+  EXPECT_DOUBLE_EQ(at(shared, flat).compute_speed, 1.0);
+  EXPECT_DOUBLE_EQ(at(shared, flat).step_time_s, at(own, flat).step_time_s);
+  // Two ranks on the node's two cores: a core each, whatever they do.
+  EXPECT_DOUBLE_EQ(at(shared, "dp=2,mbs=8,gbs=16,precision=fp32").compute_speed, 2.0);
+
+  // Two stages of two replicas: busy outside the fill and drain. The speed is its own fixed
+  // point, s = min(1, 2 / k(s)) / (2 / 4), strictly between the two cases above.
+  const Estimate mid = at(shared, "pp=2,dp=2,mbs=2,gbs=16,precision=fp32");
+  EXPECT_GT(mid.compute_speed, 1.05);
+  EXPECT_LT(mid.compute_speed, 1.95);
+  EXPECT_NEAR(mid.compute_speed, std::min(1.0, 2.0 / mid.busy_ranks) * 2.0, 1e-8);
+  EXPECT_LT(mid.step_time_s, at(own, "pp=2,dp=2,mbs=2,gbs=16,precision=fp32").step_time_s);
+
+  // The cluster JSON carries the processors (written only where set); as many as the
+  // devices is no sharing at all.
+  EXPECT_EQ(cluster_to_json(shared)["processors_per_node"], 2);
+  EXPECT_FALSE(cluster_to_json(own).contains("processors_per_node"));
+  EXPECT_EQ(cluster_from_json(cluster_to_json(shared), "c").processors_per_node, 2);
+  Cluster four = own;
+  four.processors_per_node = 4;
+  EXPECT_FALSE(four.shares_processors());
+  EXPECT_DOUBLE_EQ(at(four, pipe).step_time_s, at(own, pipe).step_time_s);
+}
+
 TEST(Estimate, TraceHasOneSlicePerStepAndStage) {
   const ModelSpec m = load_model("gpt3-175b");
   const Cluster c = load_cluster("dgx-a100-80g");

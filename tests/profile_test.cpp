@@ -3,6 +3,7 @@
 // the preset loader and is accepted by estimate; plus the bus factors and the fit on
 // synthetic rows. Bandwidth accuracy is a benchmark (scripts/bench-profile.sh), not a test.
 #include <gtest/gtest.h>
+#include <sched.h>
 #include <sys/wait.h>
 
 #include <cstdlib>
@@ -79,8 +80,11 @@ TEST(Profile, TwoRanksTableIsCheckedAndTheProfileLoads) {
 TEST(Profile, ModelShapesAndProgressLines) {
   // --model adds the GEMMs the model runs (tiny-gpt QKV at micro-batch 1: 128 x 768 x 256);
   // without a terminal, progress is one plain line per point with done/total and an ETA.
+  // Four ranks: on a machine of fewer cores the profile says how many they share.
   const std::string dir = ::testing::TempDir(), err = dir + "strata_profile_model.err";
-  ASSERT_EQ(sh(kMpi + " profile --quick --model tiny-gpt --json > " + dir + "strata_profile_model.json 2> " + err), 0)
+  std::string four = kMpi;
+  four.replace(four.find(" -np 2 "), 7, " -np 4 --oversubscribe ");
+  ASSERT_EQ(sh(four + " profile --quick --model tiny-gpt --json > " + dir + "strata_profile_model.json 2> " + err), 0)
       << slurp(err);
   const std::string e = slurp(err);
   EXPECT_NE(e.find("gemm 128x768x256"), std::string::npos) << e;
@@ -88,6 +92,11 @@ TEST(Profile, ModelShapesAndProgressLines) {
   EXPECT_NE(e.find("ETA"), std::string::npos) << e;
   const Cluster c = load_cluster(dir + "strata_profile_model.json");  // --json prints the profile itself
   EXPECT_GT(c.device.peak_fp32_flops, 1e9);
+  EXPECT_EQ(c.devices_per_node, 4);
+  cpu_set_t mask;
+  ASSERT_EQ(sched_getaffinity(0, sizeof mask, &mask), 0);
+  const int cores = CPU_COUNT(&mask);  // (this test's process is not bound by mpirun)
+  EXPECT_EQ(c.processors_per_node, cores < 4 ? cores : 0);
 }
 #endif
 

@@ -9,10 +9,21 @@
 // MPI_THREAD_SERIALIZED or more, a progress thread tests the requests in flight every
 // STRATA_MPI_PROGRESS_US microseconds (default 1000; 0 turns it off), sleeping otherwise;
 // every MPI call of this class holds one mutex per process, so calls stay serialised.
+//
+// Waiting: where the machine's ranks outnumber its cores (mpirun --oversubscribe), a rank
+// that waits for a peer gives its core to the ranks that compute. MPI_Wait and the blocking
+// collectives poll (Open MPI yields between polls when oversubscribed, which still takes a
+// share of a core from a rank computing beside it), so this class then starts the
+// non-blocking form and tests it, sleeping between tests: a pipeline stage idle in its
+// bubble, or a rank ahead of its peers at a collective, costs the others nothing. The
+// first 20 us of a wait poll; then it sleeps 50 us, doubling up to 200 us; a loop that
+// polls a pipeline receive itself naps 100 us between polls (pause()). STRATA_MPI_WAIT =
+// sleep | poll forces either (auto by default).
 #include <mpi.h>
-
+#include <sched.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <climits>
@@ -65,6 +76,12 @@ class MpiComm final : public Comm {
     MPI_CHECK(MPI_Comm_rank(MPI_COMM_WORLD, &rank_));
     MPI_CHECK(MPI_Comm_size(MPI_COMM_WORLD, &size_));
     MPI_CHECK(MPI_Comm_set_errhandler(MPI_COMM_WORLD, MPI_ERRORS_RETURN));
+    const std::string wait = std::getenv("STRATA_MPI_WAIT") ? std::getenv("STRATA_MPI_WAIT") : "auto";
+    if (wait == "sleep") sleepy_ = true;
+    else if (wait != "poll" && size_ > 1) {
+      const NodeCpus n = node_cpus();  // (every rank makes its MpiComm: a collective is safe here)
+      sleepy_ = n.ranks > n.cores;
+    }
     comms_.assign(kGroupKinds, MPI_COMM_NULL);
     comms_[kWorld] = MPI_COMM_WORLD;
     int level = MPI_THREAD_SINGLE;
@@ -109,34 +126,70 @@ class MpiComm final : public Comm {
     if (g.size() == 1) return;
     std::lock_guard<std::mutex> lk(mpi_mutex());
     Watch w(this, "all_reduce", g);
-    MPI_CHECK(MPI_Allreduce(MPI_IN_PLACE, buf, count(n), MPI_FLOAT, mpi_op(op), comm(g)));
+    if (!sleepy_) {
+      MPI_CHECK(MPI_Allreduce(MPI_IN_PLACE, buf, count(n), MPI_FLOAT, mpi_op(op), comm(g)));
+      return;
+    }
+    MPI_Request q;
+    MPI_CHECK(MPI_Iallreduce(MPI_IN_PLACE, buf, count(n), MPI_FLOAT, mpi_op(op), comm(g), &q));
+    block(&q);
   }
   void all_reduce(double* buf, int64_t n, const Group& g, ReduceOp op) override {
     if (g.size() == 1) return;
     std::lock_guard<std::mutex> lk(mpi_mutex());
     Watch w(this, "all_reduce", g);
-    MPI_CHECK(MPI_Allreduce(MPI_IN_PLACE, buf, count(n), MPI_DOUBLE, mpi_op(op), comm(g)));
+    if (!sleepy_) {
+      MPI_CHECK(MPI_Allreduce(MPI_IN_PLACE, buf, count(n), MPI_DOUBLE, mpi_op(op), comm(g)));
+      return;
+    }
+    MPI_Request q;
+    MPI_CHECK(MPI_Iallreduce(MPI_IN_PLACE, buf, count(n), MPI_DOUBLE, mpi_op(op), comm(g), &q));
+    block(&q);
   }
   void reduce_scatter(const float* in, float* out, int64_t n_out, const Group& g) override {
     std::lock_guard<std::mutex> lk(mpi_mutex());
     Watch w(this, "reduce_scatter", g);
-    MPI_CHECK(MPI_Reduce_scatter_block(in, out, count(n_out), MPI_FLOAT, MPI_SUM, comm(g)));
+    if (!sleepy_) {
+      MPI_CHECK(MPI_Reduce_scatter_block(in, out, count(n_out), MPI_FLOAT, MPI_SUM, comm(g)));
+      return;
+    }
+    MPI_Request q;
+    MPI_CHECK(MPI_Ireduce_scatter_block(in, out, count(n_out), MPI_FLOAT, MPI_SUM, comm(g), &q));
+    block(&q);
   }
   void all_gather(const float* in, float* out, int64_t n_in, const Group& g) override {
     std::lock_guard<std::mutex> lk(mpi_mutex());
     const void* src = in == out + static_cast<int64_t>(g.me) * n_in ? MPI_IN_PLACE : in;
     Watch w(this, "all_gather", g);
-    MPI_CHECK(MPI_Allgather(src, count(n_in), MPI_FLOAT, out, count(n_in), MPI_FLOAT, comm(g)));
+    if (!sleepy_) {
+      MPI_CHECK(MPI_Allgather(src, count(n_in), MPI_FLOAT, out, count(n_in), MPI_FLOAT, comm(g)));
+      return;
+    }
+    MPI_Request q;
+    MPI_CHECK(MPI_Iallgather(src, count(n_in), MPI_FLOAT, out, count(n_in), MPI_FLOAT, comm(g), &q));
+    block(&q);
   }
   void broadcast(float* buf, int64_t n, int root_index, const Group& g) override {
     std::lock_guard<std::mutex> lk(mpi_mutex());
     Watch w(this, "broadcast", g);
-    MPI_CHECK(MPI_Bcast(buf, count(n), MPI_FLOAT, root_index, comm(g)));
+    if (!sleepy_) {
+      MPI_CHECK(MPI_Bcast(buf, count(n), MPI_FLOAT, root_index, comm(g)));
+      return;
+    }
+    MPI_Request q;
+    MPI_CHECK(MPI_Ibcast(buf, count(n), MPI_FLOAT, root_index, comm(g), &q));
+    block(&q);
   }
   void barrier(const Group& g) override {
     std::lock_guard<std::mutex> lk(mpi_mutex());
     Watch w(this, "barrier", g);
-    MPI_CHECK(MPI_Barrier(comm(g)));
+    if (!sleepy_) {
+      MPI_CHECK(MPI_Barrier(comm(g)));
+      return;
+    }
+    MPI_Request q;
+    MPI_CHECK(MPI_Ibarrier(comm(g), &q));
+    block(&q);
   }
 
   Request isend(const float* buf, int64_t n, int peer, int tag) override {
@@ -195,7 +248,7 @@ class MpiComm final : public Comm {
     if (!done_[s]) {
       const Pending& p = meta_[s];
       Watch w(this, p.op, p.group, p.ranks);
-      MPI_CHECK(MPI_Wait(&reqs_[s], MPI_STATUS_IGNORE));
+      block(&reqs_[s]);
     }
     finished(r);
   }
@@ -227,6 +280,10 @@ class MpiComm final : public Comm {
     if (!wd_ || !r.pending()) return;
     const Pending& p = meta_[static_cast<size_t>(r.slot)];
     wd_->enter(p.op, p.group, &p.ranks);
+  }
+  void pause() override {
+    if (sleepy_) std::this_thread::sleep_for(std::chrono::microseconds{100});
+    else std::this_thread::yield();
   }
   void end_wait() override {
     if (wd_) wd_->leave();
@@ -329,6 +386,25 @@ class MpiComm final : public Comm {
     free_.push_back(r.slot);
     r.slot = -1;
   }
+  // MPI_Wait, or where waiting ranks should free their core (sleepy_, see the top) a test
+  // loop that sleeps: 20 us of polls, then sleeps of 50 us doubling up to 200 us.
+  void block(MPI_Request* req) {
+    if (!sleepy_) {
+      MPI_CHECK(MPI_Wait(req, MPI_STATUS_IGNORE));
+      return;
+    }
+    int done = 0;
+    MPI_CHECK(MPI_Test(req, &done, MPI_STATUS_IGNORE));
+    const double spin_until = MPI_Wtime() + 20e-6;
+    while (!done && MPI_Wtime() < spin_until) MPI_CHECK(MPI_Test(req, &done, MPI_STATUS_IGNORE));
+    std::chrono::microseconds nap{50};
+    while (!done) {
+      std::this_thread::sleep_for(nap);
+      nap = std::min(nap * 2, std::chrono::microseconds{200});
+      MPI_CHECK(MPI_Test(req, &done, MPI_STATUS_IGNORE));
+    }
+  }
+
   static int64_t progress_interval_us() {
     const char* v = std::getenv("STRATA_MPI_PROGRESS_US");
     if (!v || !*v) return 1000;
@@ -361,6 +437,7 @@ class MpiComm final : public Comm {
   }
 
   int rank_ = 0, size_ = 1;
+  bool sleepy_ = false;  // waits sleep between tests (see the top)
   std::vector<MPI_Comm> comms_;
   std::vector<MPI_Request> reqs_;
   std::vector<Pending> meta_;
@@ -382,5 +459,28 @@ class MpiComm final : public Comm {
 }  // namespace
 
 std::unique_ptr<Comm> make_mpi_comm() { return std::make_unique<MpiComm>(); }
+
+NodeCpus node_cpus() {
+  int rank = 0;
+  MPI_CHECK(MPI_Comm_rank(MPI_COMM_WORLD, &rank));
+  MPI_Comm node = MPI_COMM_NULL;
+  MPI_CHECK(MPI_Comm_split_type(MPI_COMM_WORLD, MPI_COMM_TYPE_SHARED, rank, MPI_INFO_NULL, &node));
+  NodeCpus n;
+  MPI_CHECK(MPI_Comm_size(node, &n.ranks));
+  cpu_set_t mask;
+  CPU_ZERO(&mask);
+  if (sched_getaffinity(0, sizeof mask, &mask) != 0) {  // (cannot fail for this process) every CPU there is
+    const int all = std::min<int>(CPU_SETSIZE, static_cast<int>(std::max(1u, std::thread::hardware_concurrency())));
+    for (int c = 0; c < all; ++c) CPU_SET(c, &mask);
+  }
+  std::vector<unsigned char> on(CPU_SETSIZE, 0);
+  for (int c = 0; c < CPU_SETSIZE; ++c) on[static_cast<size_t>(c)] = CPU_ISSET(c, &mask) ? 1 : 0;
+  MPI_CHECK(MPI_Allreduce(MPI_IN_PLACE, on.data(), CPU_SETSIZE, MPI_UNSIGNED_CHAR, MPI_MAX, node));
+  n.cores = 0;
+  for (unsigned char b : on) n.cores += b;
+  n.cores = std::max(n.cores, 1);
+  MPI_Comm_free(&node);
+  return n;
+}
 
 }  // namespace strata
