@@ -411,7 +411,9 @@ Estimate estimate_once(const ModelSpec& m, const Cluster& cl, const Plan& p, con
   if (busy_share) {
     double busy = 0;
     for (size_t i = 0; i < finish.size(); ++i) busy += sim.compute_s[i] + sim.p2p_s[i] + dp_exposed[i] + opt_s[i];
-    *busy_share = busy / (static_cast<double>(p.p) * est.step_time_s);
+    // The step's fixed overhead (data loading, logging) is work on every rank too.
+    const double P = static_cast<double>(p.p);
+    *busy_share = std::min(1.0, (busy + P * cl.step_overhead_s) / (P * est.step_time_s));
   }
   if (detail) {
     detail->layout = lay;
@@ -453,21 +455,26 @@ Estimate estimate(const ModelSpec& m, const Cluster& cl, const Plan& p, const Es
                   EstimateDetail* detail) {
   if (!cl.shares_processors()) return estimate_once(m, cl, p, opt, detail, nullptr);
   // Ranks sharing processors (estimate.h): the compute speed s, against the cluster's
-  // rates, at which the node's busy ranks k(s) give back s = min(1, C / k) / (C / N),
-  // found by passes from s = 1 (the profile's share) until s moves by under 1e-9.
+  // rates, at which the node's busy ranks k(s) give back s = f(s) = min(1, C / k(s)) N / C.
+  // f maps [1, N / C] into itself (a busy share is at most 1), so f(s) - s changes sign
+  // there: the first passes take f(s) as the next s while it stays inside the bracket of
+  // the points seen so far (the usual case ends there), later ones the bracket's middle,
+  // until s and f(s), or the bracket's ends, agree within 1e-9; the estimate returned is
+  // the one at the s it reports.
   const double N = static_cast<double>(cl.devices_per_node), C = static_cast<double>(cl.processors_per_node);
   const double ranks = std::min(N, static_cast<double>(p.world_size()));
   EstimateOptions o = opt;
   o.pre = Precomputed{};  // layer costs at each pass's rates
   o.pre.in_flight = opt.pre.in_flight;
-  double speed = 1, busy = 1;
+  double lo = 1, hi = N / C, speed = 1, busy = 1;
   Estimate est;
-  for (int pass = 0; pass < 64; ++pass) {
+  for (int pass = 0;; ++pass) {
     est = estimate_once(m, with_compute_speed(cl, speed), p, o, detail, &busy);
     if (!est.valid) return est;
-    const double next = std::min(1.0, C / std::max(ranks * busy, 1e-12)) * (N / C);
-    if (std::fabs(next - speed) <= 1e-9 * speed) break;
-    speed = next;
+    const double f = std::min(1.0, C / std::max(ranks * busy, 1e-12)) * (N / C);
+    if (std::fabs(f - speed) <= 1e-9 * speed || hi - lo <= 1e-9 * lo || pass == 200) break;
+    (f > speed ? lo : hi) = speed;
+    speed = pass < 8 && f >= lo && f <= hi ? f : 0.5 * (lo + hi);
   }
   est.mfu *= speed;  // against the device's own peak, not the pass's
   est.compute_speed = speed;

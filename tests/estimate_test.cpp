@@ -207,6 +207,10 @@ TEST(Estimate, RanksSharingProcessorsComputeFasterWhileOthersIdle) {
   const char* flat = "dp=4,mbs=4,gbs=16,precision=fp32";
   EXPECT_DOUBLE_EQ(at(shared, flat).compute_speed, 1.0);
   EXPECT_DOUBLE_EQ(at(shared, flat).step_time_s, at(own, flat).step_time_s);
+  // A fixed step overhead (validate --calibrate fits one) is work on every rank, not idle.
+  Cluster slow = shared;
+  slow.step_overhead_s = 0.05;
+  EXPECT_DOUBLE_EQ(at(slow, flat).compute_speed, 1.0);
   // Two ranks on the node's two cores: a core each, whatever they do.
   EXPECT_DOUBLE_EQ(at(shared, "dp=2,mbs=8,gbs=16,precision=fp32").compute_speed, 2.0);
 

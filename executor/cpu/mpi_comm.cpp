@@ -76,12 +76,14 @@ class MpiComm final : public Comm {
     MPI_CHECK(MPI_Comm_rank(MPI_COMM_WORLD, &rank_));
     MPI_CHECK(MPI_Comm_size(MPI_COMM_WORLD, &size_));
     MPI_CHECK(MPI_Comm_set_errhandler(MPI_COMM_WORLD, MPI_ERRORS_RETURN));
-    const std::string wait = std::getenv("STRATA_MPI_WAIT") ? std::getenv("STRATA_MPI_WAIT") : "auto";
-    if (wait == "sleep") sleepy_ = true;
-    else if (wait != "poll" && size_ > 1) {
-      const NodeCpus n = node_cpus();  // (every rank makes its MpiComm: a collective is safe here)
+    if (size_ > 1) {  // (every rank makes its MpiComm: a collective is safe here, whatever the variable says)
+      std::lock_guard<std::mutex> lk(mpi_mutex());
+      const NodeCpus n = node_cpus();
       sleepy_ = n.ranks > n.cores;
     }
+    const char* wait = std::getenv("STRATA_MPI_WAIT");
+    if (wait && std::string(wait) == "sleep") sleepy_ = true;
+    if (wait && std::string(wait) == "poll") sleepy_ = false;
     comms_.assign(kGroupKinds, MPI_COMM_NULL);
     comms_[kWorld] = MPI_COMM_WORLD;
     int level = MPI_THREAD_SINGLE;
