@@ -6,6 +6,7 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <bit>
 #include <cmath>
 #include <cstdio>
 #include <cstring>
@@ -713,6 +714,38 @@ TEST(ParamLayout, TensorParallelShardsCoverTheGlobalTensorsOnce) {
         }
       }
       for (int h : hits) ASSERT_EQ(h, 1) << m.name << " t=" << t;
+    }
+  }
+}
+
+// initialise() hashes each row once; every element must still be initial_value() of its
+// global coordinates, bit for bit, on every tensor-parallel rank (and the equivalence of
+// plans rests on that).
+TEST(ParamLayout, InitialiseGivesInitialValueOfTheGlobalCoordinates) {
+  for (const ModelSpec& m : {spec_gpt(), spec_llama(), spec_mixed()}) {
+    for (int64_t t : {1, 2}) {
+      if (m.G % t) continue;
+      for (int64_t r = 0; r < t; ++r) {
+        std::vector<int64_t> layers;
+        for (int64_t l = 0; l < m.L; ++l) layers.push_back(l);
+        const ParamLayout lay = make_param_layout(m, t, r, true, layers, true);
+        std::vector<float> got(static_cast<size_t>(lay.size), -7.0f);
+        initialise(m, lay, 1234, got.data());
+        int64_t nonzero = 0;
+        for (const TensorSlot& s : lay.tensors)
+          for (int64_t i = 0; i < s.rows; ++i)
+            for (int64_t j = 0; j < s.cols; ++j) {
+              int64_t gi = 0, gj = 0;
+              global_coords(m, s, t, r, i, j, &gi, &gj);
+              const float want = initial_value(m, 1234, s.kind, s.layer, gi, gj);
+              const float v = got[static_cast<size_t>(s.offset + i * s.cols + j)];
+              ASSERT_EQ(std::bit_cast<uint32_t>(v), std::bit_cast<uint32_t>(want))
+                  << m.name << " t=" << t << " r=" << r << " kind " << static_cast<int>(s.kind) << " (" << i << ", "
+                  << j << ")";
+              nonzero += v != 0.0f && v != 1.0f;
+            }
+        EXPECT_GT(nonzero, lay.size / 2) << m.name;  // the random weights are most of the model
+      }
     }
   }
 }

@@ -60,7 +60,7 @@ inline TrainRun train(const std::string& model, const std::string& plan, int ste
       ::testing::TempDir() + "strata_train_" + std::to_string(::getpid()) + "_" + std::to_string(++counter);
   if (np == 0) np = ranks_of(plan);
   std::ostringstream cmd;
-  cmd << "OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMPI_MCA_rmaps_base_oversubscribe=1 "
+  cmd << "OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMPI_MCA_rmaps_base_oversubscribe=1 OMPI_MCA_pml=ob1 "
       << "ASAN_OPTIONS=detect_leaks=0 timeout 300 " << STRATA_MPIEXEC << " -np " << np << " " << STRATA_BINARY
       << " train --model " << model << " --plan '" << plan << "' --steps " << steps << " --quiet --json " << base
       << ".json --dump-params " << base << ".bin " << extra << " > " << base << ".out 2> " << base << ".err";
