@@ -12,6 +12,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstddef>
 #include <cstdio>
 #include <fstream>
 #include <iomanip>
@@ -225,10 +226,12 @@ void Engine::allocate() {
       if (s.offset < b || s.offset >= lay_.units[u].end) continue;
       const bool count = (zero_ > 0 || dp_.me == 0) && (!s.tp_replicated || me_.tp == 0) &&
                          static_cast<int>(u) != tied_copy_unit_;
-      for (int64_t i = std::max(lo, s.offset - b); i < std::min(lo + sh_.shard[u], s.offset - b + s.size()); ++i) {
-        decay_[static_cast<size_t>(sh_.shard_off[u] + i - lo)] = s.decay ? 1 : 0;
-        counted_[static_cast<size_t>(sh_.shard_off[u] + i - lo)] = count ? 1 : 0;
-      }
+      // The slot's elements in this rank's shard of the unit: one range of both masks.
+      const int64_t first = std::max(lo, s.offset - b), end = std::min(lo + sh_.shard[u], s.offset - b + s.size());
+      if (first >= end) continue;
+      const auto at = static_cast<std::ptrdiff_t>(sh_.shard_off[u] + first - lo);
+      std::fill_n(decay_.begin() + at, end - first, s.decay ? 1 : 0);
+      std::fill_n(counted_.begin() + at, end - first, count ? 1 : 0);
     }
   }
   decay_mask_ = ByteBuf(&be_, decay_.data(), decay_.size());
