@@ -125,27 +125,23 @@ class MpiComm final : public Comm {
   }
 
   void all_reduce(float* buf, int64_t n, const Group& g, ReduceOp op) override {
-    if (g.size() == 1) return;
-    std::lock_guard<std::mutex> lk(mpi_mutex());
-    Watch w(this, "all_reduce", g);
-    if (!sleepy_) {
-      MPI_CHECK(MPI_Allreduce(MPI_IN_PLACE, buf, count(n), MPI_FLOAT, mpi_op(op), comm(g)));
-      return;
-    }
-    MPI_Request q;
-    MPI_CHECK(MPI_Iallreduce(MPI_IN_PLACE, buf, count(n), MPI_FLOAT, mpi_op(op), comm(g), &q));
-    block(&q);
+    all_reduce_in_place(buf, n, MPI_FLOAT, g, op);
   }
   void all_reduce(double* buf, int64_t n, const Group& g, ReduceOp op) override {
+    all_reduce_in_place(buf, n, MPI_DOUBLE, g, op);
+  }
+  // Both all_reduce()s: blocking, or where ranks share cores its non-blocking form and a
+  // sleeping wait.
+  void all_reduce_in_place(void* buf, int64_t n, MPI_Datatype type, const Group& g, ReduceOp op) {
     if (g.size() == 1) return;
     std::lock_guard<std::mutex> lk(mpi_mutex());
     Watch w(this, "all_reduce", g);
     if (!sleepy_) {
-      MPI_CHECK(MPI_Allreduce(MPI_IN_PLACE, buf, count(n), MPI_DOUBLE, mpi_op(op), comm(g)));
+      MPI_CHECK(MPI_Allreduce(MPI_IN_PLACE, buf, count(n), type, mpi_op(op), comm(g)));
       return;
     }
     MPI_Request q;
-    MPI_CHECK(MPI_Iallreduce(MPI_IN_PLACE, buf, count(n), MPI_DOUBLE, mpi_op(op), comm(g), &q));
+    MPI_CHECK(MPI_Iallreduce(MPI_IN_PLACE, buf, count(n), type, mpi_op(op), comm(g), &q));
     block(&q);
   }
   void reduce_scatter(const float* in, float* out, int64_t n_out, const Group& g) override {
