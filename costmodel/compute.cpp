@@ -648,4 +648,19 @@ double optimizer_time(const Device& dev, const Plan& p, double params_updated, d
   return memory_time(dev, per_param * params_updated) + memory_time(dev, grad * params_local);
 }
 
+double offload_optimizer_time(const Cluster& cl, const Plan& p, double n, double ranks_on_node) {
+  const Host& h = cl.host;
+  if (n <= 0 || !h.present()) return 0;
+  // Gradients out (fp32 main gradients; fp16 ones in fp16 training), weights back.
+  const double grad = p.precision == Precision::fp16 ? 2.0 : 4.0;
+  const double weight = p.precision == Precision::fp32 ? 4.0 : 2.0;
+  const double pcie = h.pcie_bandwidth_bytes_per_s * h.pcie_efficiency;
+  // Host memory traffic per parameter: the gradient landing and read by CPU Adam, which
+  // reads and writes the fp32 master, m and v (24), then the weights' copy written and read
+  // again by the copy back.
+  const double host_bytes = 2.0 * grad + 24.0 + 2.0 * weight;
+  const double host_rate = h.memory_bandwidth_bytes_per_s * h.memory_efficiency;
+  return n * grad / pcie + ranks_on_node * n * host_bytes / host_rate + n * weight / pcie;
+}
+
 }  // namespace strata

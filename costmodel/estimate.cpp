@@ -333,6 +333,12 @@ Estimate estimate_once(const ModelSpec& m, const Cluster& cl, const Plan& p, con
   const size_t worst = stages_memory(m, cl, p, lay, cs, fl, &mem);
   est.memory = mem[worst];
   est.fits = est.memory.peak <= cl.device.memory_bytes;
+  // Offloaded optimizer states: the node's ranks' shares of its host memory.
+  const double ranks_on_node = static_cast<double>(std::min(cl.devices_per_node, p.world_size()));
+  if (p.offload > 0) {
+    est.host_memory_bytes = offloaded_host_bytes(cl, p, mem);
+    if (est.host_memory_bytes > cl.host.memory_bytes) est.fits = false;
+  }
 
   // Pipeline.
   thread_local SimResult sim;  // per-thread scratch, like the buffers above
@@ -357,7 +363,9 @@ Estimate estimate_once(const ModelSpec& m, const Cluster& cl, const Plan& p, con
       dp_exposed[i] = tail.exposed_s;
       dp_total[i] = tail.total_s;
       const double shard = P / static_cast<double>(p.replicas());
-      opt_s[i] = optimizer_time(cl.device, p, p.zero >= 1 ? shard : P, p.zero >= 2 ? shard : P);
+      const double updated = p.zero >= 1 ? shard : P, offloaded = p.offload * updated;
+      opt_s[i] = optimizer_time(cl.device, p, updated - offloaded, p.zero >= 2 ? shard : P);
+      if (offloaded > 0) opt_s[i] += offload_optimizer_time(cl, p, offloaded, ranks_on_node);
     } else {
       dp_exposed[i] = dp_exposed[i - 1];
       dp_total[i] = dp_total[i - 1];
@@ -434,6 +442,12 @@ Estimate estimate_once(const ModelSpec& m, const Cluster& cl, const Plan& p, con
 }
 
 }  // namespace
+
+double offloaded_host_bytes(const Cluster& cl, const Plan& p, const std::vector<MemoryBreakdown>& stage_memory) {
+  double most = 0;
+  for (const MemoryBreakdown& mb : stage_memory) most = std::max(most, mb.host_offload);
+  return static_cast<double>(std::min(cl.devices_per_node, p.world_size())) * most;
+}
 
 double max_compute_speed(const Cluster& cl) {
   return cl.shares_processors()
@@ -540,6 +554,9 @@ Json estimate_to_json(const Estimate& e) {
   j["stack"] = stack_to_json(e.stack);
   j["schedule"] = to_string(e.plan.schedule());
   j["comm_before_overlap_s"] = {{"tp_comm", e.tp_comm_total_s}, {"dp_comm", e.dp_comm_total_s}};
+  if (e.plan.offload > 0)  // host memory, outside the GPU's peak above
+    j["host_memory_bytes"] = {{"optimizer_offload_per_gpu", std::llround(e.memory.host_offload)},
+                              {"per_node", std::llround(e.host_memory_bytes)}};
   if (e.processors_per_node > 0)
     j["processor_sharing"] = {{"processors_per_node", e.processors_per_node},
                               {"ranks_per_node", e.ranks_per_node},

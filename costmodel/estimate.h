@@ -38,6 +38,11 @@ struct TimeBreakdown {
   }
 };
 
+// The host memory a node's ranks use for their offloaded optimizer shares (Plan::offload):
+// min(devices per node, world) ranks, each with the largest share of the stages in
+// `stage_memory` (MemoryBreakdown::host_offload).
+double offloaded_host_bytes(const Cluster& cl, const Plan& p, const std::vector<MemoryBreakdown>& stage_memory);
+
 struct Estimate {
   Plan plan;
   bool valid = false;             // false: reasons say why the plan cannot run at all
@@ -53,6 +58,7 @@ struct Estimate {
   Stack stack;                    // the software stack the plan resolved to
   double dp_comm_total_s = 0;     // data-parallel communication before overlap (critical stage)
   double tp_comm_total_s = 0;     // tensor-parallel communication before overlap (critical stage)
+  double host_memory_bytes = 0;   // offloaded optimizer states of the node's ranks in host memory
   // Ranks sharing processors (see above; 1 and 0s where they do not): the compute speed
   // against the cluster's rates, a node's mean busy ranks, its ranks and its processors.
   double compute_speed = 1, busy_ranks = 0, ranks_per_node = 0, processors_per_node = 0;

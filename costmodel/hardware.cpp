@@ -153,6 +153,19 @@ Cluster cluster_from_json(const Json& j, const std::string& source) {
     c.inter = read_link(l.object("inter_node"), l.path_of("inter_node"));
     l.reject_unknown();
   }
+  if (const Json* h = f.peek("host"); h && !h->is_null()) {
+    Fields o(f.object("host"), f.path_of("host"));
+    c.host.memory_bytes = o.real("memory_bytes", 1e6, 1e18);
+    c.host.memory_bandwidth_bytes_per_s = o.real("memory_bandwidth_gbps", 1e-3, 1e6) * 1e9;
+    c.host.memory_efficiency = o.real("memory_efficiency", 1e-3, 1.0);
+    c.host.pcie_bandwidth_bytes_per_s = o.real("pcie_bandwidth_gbps", 1e-3, 1e6) * 1e9;
+    c.host.pcie_efficiency = o.real("pcie_efficiency", 1e-3, 1.0);
+    o.ignore("description");
+    o.ignore("_source");
+    o.reject_unknown();
+  } else {
+    f.ignore("host");
+  }
   {
     Fields w(f.object("framework"), f.path_of("framework"));
     c.framework_overhead_bytes = w.real("overhead_bytes", 0, 1e15);
@@ -211,6 +224,12 @@ Json cluster_to_json(const Cluster& c) {
         {"overlap_slowdown", c.overlap_slowdown},
         {"software_stack", c.strata_stack ? "strata" : c.modern_stack ? "modern" : "legacy"}}}};
   if (c.processors_per_node > 0) j["processors_per_node"] = c.processors_per_node;
+  if (c.host.present())
+    j["host"] = {{"memory_bytes", c.host.memory_bytes},
+                 {"memory_bandwidth_gbps", c.host.memory_bandwidth_bytes_per_s / 1e9},
+                 {"memory_efficiency", c.host.memory_efficiency},
+                 {"pcie_bandwidth_gbps", c.host.pcie_bandwidth_bytes_per_s / 1e9},
+                 {"pcie_efficiency", c.host.pcie_efficiency}};
   return j;
 }
 

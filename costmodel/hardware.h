@@ -110,6 +110,20 @@ struct LinkTier {
   }
 };
 
+// A node's host side, for optimizer states offloaded to CPU memory (a plan's
+// optimizer_offload_fraction): its memory, the bandwidth of that memory (the node's, shared
+// by its devices' optimizer steps) and each device's PCIe link to it, with the fractions of
+// the datasheet figures that copies and a streaming CPU optimizer reach. Absent (memory 0)
+// in a cluster JSON without a "host" object: such a cluster plans no offload.
+struct Host {
+  double memory_bytes = 0;               // per node
+  double memory_bandwidth_bytes_per_s = 0;  // per node
+  double memory_efficiency = 1;
+  double pcie_bandwidth_bytes_per_s = 0;  // per device, one direction
+  double pcie_efficiency = 1;
+  bool present() const { return memory_bytes > 0; }
+};
+
 struct Cluster {
   std::string name;
   std::string description;
@@ -122,6 +136,7 @@ struct Cluster {
   // ranks share the node with runs faster (estimate.h).
   int64_t processors_per_node = 0;
   LinkTier intra, inter;
+  Host host;
   double framework_overhead_bytes = 0;   // CUDA context, library workspaces, NCCL buffers
   double allocator_fragmentation = 0;    // reserved beyond live tensors, as a fraction of them
   double step_overhead_s = 0;            // per step: data loading, logging, launch gaps

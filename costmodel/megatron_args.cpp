@@ -35,7 +35,7 @@ const std::set<std::string>& switch_flags() {
       "disable_bias_linear", "apply_query_key_layer_scaling", "sequence_parallel", "use_distributed_optimizer",
       "use_torch_fsdp2", "bf16", "fp16", "overlap_grad_reduce", "overlap_param_gather", "tp_comm_overlap",
       "use_flash_attn", "no_gradient_accumulation_fusion", "recompute_activations", "use_megatron_fsdp",
-      "account_for_embedding_in_pipeline_split", "account_for_loss_in_pipeline_split"};
+      "account_for_embedding_in_pipeline_split", "account_for_loss_in_pipeline_split", "optimizer_cpu_offload"};
   return s;
 }
 // Flags that set what strata does not take from a launch: refused, naming the way to say it.
@@ -55,7 +55,7 @@ const std::set<std::string>& plan_flags() {
       "attention_backend", "microbatch_group_size_per_virtual_pipeline_stage", "recompute_activations",
       "use_megatron_fsdp", "num_virtual_stages_per_pipeline_rank", "account_for_embedding_in_pipeline_split",
       "account_for_loss_in_pipeline_split", "decoder_first_pipeline_num_layers", "decoder_last_pipeline_num_layers",
-      "pipeline_model_parallel_layout", "cp_comm_type"};
+      "pipeline_model_parallel_layout", "cp_comm_type", "optimizer_cpu_offload", "optimizer_offload_fraction"};
   return s;
 }
 
@@ -315,6 +315,9 @@ LaunchInputs launch_inputs(const MegatronLaunch& launch, int64_t gpus, const std
                                  source, emb ? "embedding" : "loss", emb ? "loss" : "embedding"));
   plan.erase("account_for_embedding_in_pipeline_split");
   plan.erase("account_for_loss_in_pipeline_split");
+  // Megatron reads --optimizer-offload-fraction only with --optimizer-cpu-offload.
+  if (plan.contains("optimizer_offload_fraction") && !plan.contains("optimizer_cpu_offload"))
+    plan["optimizer_cpu_offload"] = false;
   for (const char* uneven : {"decoder_first_pipeline_num_layers", "decoder_last_pipeline_num_layers",
                              "pipeline_model_parallel_layout"}) {
     if (!plan.contains(uneven)) continue;

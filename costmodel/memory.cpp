@@ -227,6 +227,15 @@ StageShape stage_shape(const ModelSpec& m, const Plan& p, const StageLayout& lay
   // owned block (Megatron's distributed optimizer works in place).
   if (cs.stack.strata && p.zero == 1 && d > 1) mb.gradients += sb.gradients * P / d;
   mb.optimizer_states = sb.optimizer_states * P / (p.zero >= 1 ? d : 1.0);
+  if (p.offload > 0) {  // that share of the states on the host, with an fp32 gradient each
+    const double moved = p.offload * mb.optimizer_states;
+    mb.optimizer_states -= moved;
+    mb.host_offload = moved + 4.0 * p.offload * P / (p.zero >= 1 ? d : 1.0);
+    // With ZeRO-2/3 the gradient shard is the offloaded parameters' own (DeepSpeed's
+    // ZeRO-Offload moves each reduced partition to the host); Megatron's distributed
+    // optimizer (ZeRO-1) keeps its gradient buffer on the GPU.
+    if (p.zero >= 2) mb.gradients -= p.offload * mb.gradients;
+  }
 
   // Activations: the layers of an average chunk of the stage (times the chunk-microbatches
   // in flight, below). With partial recompute, the recomputed layers keep their input only.

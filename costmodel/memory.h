@@ -21,6 +21,9 @@ struct MemoryBreakdown {
   double params = 0;  // parameters held by this GPU (before ZeRO-3 sharding)
   double weights = 0, gradients = 0, optimizer_states = 0, activations = 0, comm_buffers = 0,
          framework_overhead = 0, peak = 0;
+  // Host memory of the offloaded optimizer share (Plan::offload): its fp32 master weights,
+  // Adam moments and the fp32 gradients copied out for them; not part of peak.
+  double host_offload = 0;
 };
 
 // Bytes per parameter of each state, before dividing by d.

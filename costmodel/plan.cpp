@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <cctype>
+#include <cstdlib>
 #include <filesystem>
 #include <map>
 
@@ -73,7 +74,7 @@ const std::vector<std::pair<const char*, const char*>>& aliases() {
       {"tensor_parallel", "tp"},          {"pipeline_parallel", "pp"},  {"data_parallel", "dp"},
       {"context_parallel", "cp"},         {"virtual_pipeline_stages", "vp"}, {"micro_batch_size", "mbs"},
       {"global_batch_size", "gbs"},       {"zero_stage", "zero"},       {"sequence_parallel", "sp"},
-      {"pipeline_schedule", "schedule"}};
+      {"pipeline_schedule", "schedule"},  {"optimizer_offload_fraction", "offload"}};
   return a;
 }
 
@@ -89,6 +90,77 @@ bool enabled(const Json& v, const std::string& path) {
     return on;
   }
   return flag_value(v, path);
+}
+
+// Optimizer offload under other tools' names, onto optimizer_offload_fraction: Megatron-
+// core's optimizer_cpu_offload (its optimizer_offload_fraction counts only with it, default
+// 1), DeepSpeed's zero_optimization.offload_optimizer ({"device": "cpu", "ratio": r}; the
+// older "cpu_offload": true) and a bare "offload_optimizer" ("cpu", "none" or a flag).
+// NVMe and parameter offload (ZeRO-Infinity) are refused: not modelled.
+void adopt_offload(Json& j, const std::string& source) {
+  if (!j.is_object()) return;
+  auto set_fraction = [&](const std::string& path, const Json& value) {
+    if (j.contains("optimizer_offload_fraction") && !j.at("optimizer_offload_fraction").is_null() &&
+        j.at("optimizer_offload_fraction") != value)
+      fail_field(path, show_value(value),
+                 fmt::format("means optimizer_offload_fraction {}, but it is {}: keep one", show_value(value),
+                             show_value(j.at("optimizer_offload_fraction"))));
+    j["optimizer_offload_fraction"] = value;
+  };
+  // A device: "cpu" offloads, "none" does not; anything else is named.
+  auto device_offloads = [&](const Json& v, const std::string& path) {
+    if (v.is_null() || v == "none") return false;
+    if (v == "cpu") return true;
+    if (v == "nvme")
+      fail_field(path, "\"nvme\"", "is not modelled: strata offloads optimizer states to CPU memory only (\"cpu\")");
+    fail_field(path, show_value(v), "must be \"cpu\" or \"none\"");
+  };
+  if (j.contains("optimizer_cpu_offload")) {
+    const Json v = j.at("optimizer_cpu_offload");
+    j.erase("optimizer_cpu_offload");
+    if (v.is_null() || !flag_value(v, source + ".optimizer_cpu_offload")) {
+      j.erase("optimizer_offload_fraction");  // Megatron reads the fraction only with the offload
+    } else if (!j.contains("optimizer_offload_fraction") || j.at("optimizer_offload_fraction").is_null()) {
+      j["optimizer_offload_fraction"] = 1.0;
+    }
+  }
+  if (j.contains("offload_optimizer")) {
+    const Json v = j.at("offload_optimizer");
+    const std::string path = source + ".offload_optimizer";
+    j.erase("offload_optimizer");
+    const bool on = v.is_boolean() || v.is_number_integer() ? flag_value(v, path) : device_offloads(v, path);
+    set_fraction(path, on ? Json(1.0) : Json(0.0));
+  }
+  if (!j.contains("zero_optimization") || !j.at("zero_optimization").is_object()) return;
+  Json& z = j["zero_optimization"];
+  const std::string zp = source + ".zero_optimization";
+  if (z.contains("offload_param")) {
+    const Json& o = z.at("offload_param");
+    const Json dev = o.is_object() && o.contains("device") ? o.at("device") : Json();
+    if (!o.is_null() && !(o.is_object() && (dev.is_null() || dev == "none")))
+      fail_field(zp + ".offload_param", show_value(o.is_object() && !dev.is_null() ? dev : o),
+                 "is not modelled: strata offloads optimizer states (offload_optimizer), not parameters");
+    z.erase("offload_param");
+  }
+  if (z.contains("cpu_offload")) {
+    const bool on = !z.at("cpu_offload").is_null() && flag_value(z.at("cpu_offload"), zp + ".cpu_offload");
+    z.erase("cpu_offload");
+    if (on) set_fraction(zp + ".cpu_offload", Json(1.0));
+  }
+  if (z.contains("offload_optimizer")) {
+    const Json o = z.at("offload_optimizer");
+    const std::string path = zp + ".offload_optimizer";
+    z.erase("offload_optimizer");
+    if (o.is_null()) return;
+    if (!o.is_object()) fail_field(path, show_value(o), "must be an object such as {\"device\": \"cpu\"}");
+    Fields f(o, path);
+    const Json* dev = f.peek("device");
+    const bool on = device_offloads(dev ? *dev : Json(), path + ".device");
+    f.ignore("device");
+    const double ratio = f.real_or("ratio", 1.0, 0.0, 1.0);
+    for (const auto& [key, value] : o.items()) f.ignore(key);  // pin_memory, buffer sizes, fast_init
+    if (on) set_fraction(path, Json(ratio));
+  }
 }
 
 // Megatron-LM's argument names (snake_case, as in its arguments.py and a config dump) and
@@ -123,6 +195,7 @@ void adopt_foreign_names(Json& j, const std::string& source) {
   for (const char* fsdp : {"use_torch_fsdp2", "use_megatron_fsdp"})
     adopt_key(j, source, fsdp, "zero_stage",
               [](const Json& v, const std::string& path) { return true_or_null(v, path, 3); });
+  adopt_offload(j, source);
   adopt_key(j, source, "zero_optimization", "zero_stage", [](const Json& v, const std::string& path) {
     Fields f(v, path);
     const Json stage = f.integer_or("stage", 0, 0, 3);
@@ -286,7 +359,7 @@ Plan plan_from_json(const Json& in, const std::string& source) {
                            "tp_comm_overlap", "grad_accumulation_fusion", "software_stack", "cp_comm_type",
                            "pipeline_model_parallel_layout", "decoder_first_pipeline_num_layers",
                            "decoder_last_pipeline_num_layers", "gradient_accumulation_steps", "num_gpus",
-                           "description"});
+                           "optimizer_offload_fraction", "description"});
   Plan p;
   p.t = f.integer_or("tensor_parallel", 1, 1, kMaxDegree);
   p.p = f.integer_or("pipeline_parallel", 1, 1, kMaxDegree);
@@ -360,6 +433,7 @@ Plan plan_from_json(const Json& in, const std::string& source) {
   // Megatron's spelling, or Transformer Engine's "all_gather".
   const std::string cc = f.choice_or("cp_comm_type", "auto", {"auto", "p2p", "a2a", "allgather", "all_gather"});
   p.cp_comm = cc == "auto" ? CpComm::automatic : cc == "p2p" ? CpComm::p2p : cc == "a2a" ? CpComm::a2a : CpComm::allgather;
+  p.offload = f.real_or("optimizer_offload_fraction", 0.0, 0.0, 1.0);
   const double world = static_cast<double>(p.t) * static_cast<double>(p.p) * static_cast<double>(p.d) *
                        static_cast<double>(p.c);
   if (world > static_cast<double>(kMaxWorld))
@@ -428,8 +502,15 @@ Json parse_inline_pairs(const std::string& text, const std::string& what) {
     bool is_int = !val.empty() && val.size() <= 18;
     for (size_t i = 0; i < val.size(); ++i)
       if (!(std::isdigit(static_cast<unsigned char>(val[i])) || (i == 0 && val[i] == '-' && val.size() > 1))) is_int = false;
+    // A decimal (an offload fraction): digits with one point, nothing else.
+    bool is_decimal = !is_int && val.size() <= 24 && std::count(val.begin(), val.end(), '.') == 1 &&
+                      std::any_of(val.begin(), val.end(), [](char ch) { return std::isdigit(static_cast<unsigned char>(ch)); });
+    for (size_t i = 0; i < val.size() && is_decimal; ++i)
+      if (!(std::isdigit(static_cast<unsigned char>(val[i])) || val[i] == '.' || (i == 0 && val[i] == '-'))) is_decimal = false;
     if (is_int) {
       j[key] = std::stoll(val);
+    } else if (is_decimal) {
+      j[key] = std::strtod(val.c_str(), nullptr);
     } else if (val == "true" || val == "false") {
       j[key] = val == "true";
     } else {
@@ -482,6 +563,7 @@ Json plan_to_json(const Plan& p) {
   if (p.first_stage_layers > 0) j["decoder_first_pipeline_num_layers"] = p.first_stage_layers;
   if (p.last_stage_layers > 0) j["decoder_last_pipeline_num_layers"] = p.last_stage_layers;
   if (p.cp_comm != CpComm::automatic) j["cp_comm_type"] = to_string(p.cp_comm);
+  if (p.offload > 0) j["optimizer_offload_fraction"] = p.offload;
   return j;
 }
 
@@ -514,6 +596,7 @@ std::string plan_to_inline(const Plan& p) {
   if (p.software_stack != StackChoice::automatic)
     s += p.software_stack == StackChoice::legacy ? ",software_stack=legacy" : ",software_stack=modern";
   if (p.cp_comm != CpComm::automatic) s += fmt::format(",cp_comm_type={}", to_string(p.cp_comm));
+  if (p.offload > 0) s += fmt::format(",offload={}", p.offload);
   return s;
 }
 
@@ -617,6 +700,18 @@ std::vector<Reason> check_plan(const ModelSpec& m, const Cluster& cl, const Plan
     add("software_stack", [&] { return fmt::format("software_stack={} names a GPU framework's stack; {} runs the strata "
                                                    "executor's own (leave it auto)",
                                                    p.software_stack == StackChoice::legacy ? "legacy" : "modern", cl.name); });
+  if (p.offload > 0) {
+    if (p.zero == 0)
+      add("offload_zero", [&] { return fmt::format("optimizer_offload_fraction={} needs zero_stage >= 1 (Megatron's "
+                                                   "--optimizer-cpu-offload runs in its distributed optimizer, "
+                                                   "DeepSpeed's offload_optimizer in a ZeRO stage)", p.offload); });
+    else if (cl.strata_stack)
+      add("offload_host", [&] { return fmt::format("optimizer_offload_fraction={}: {} runs the strata executor, which "
+                                                   "keeps its optimizer on its own backend", p.offload, cl.name); });
+    else if (!cl.host.present())
+      add("offload_host", [&] { return fmt::format("optimizer_offload_fraction={}: cluster {} gives no \"host\" (memory, "
+                                                   "its bandwidth, PCIe; hw_profiles/README.md)", p.offload, cl.name); });
+  }
   if (p.precision == Precision::fp8 && cl.device.peak_bf16_flops <= 0)
     add("precision", [&] { return fmt::format("precision=fp8 runs attention and the output layer in bf16, which {} "
                                               "does not support", cl.device.name); });

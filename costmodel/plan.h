@@ -75,6 +75,11 @@ struct Plan {
   int64_t first_stage_layers = 0;  // decoder_first_pipeline_num_layers (0: not set)
   int64_t last_stage_layers = 0;   // decoder_last_pipeline_num_layers (0: not set)
   std::shared_ptr<const PipelineLayout> layout;  // pipeline_model_parallel_layout (null: not set)
+  // optimizer_offload_fraction: the share of each rank's optimizer shard (fp32 master weights
+  // and Adam moments) kept in the host's memory and stepped there by the CPU (Megatron-core's
+  // --optimizer-cpu-offload / --optimizer-offload-fraction, DeepSpeed's ZeRO-Offload
+  // "offload_optimizer": {"device": "cpu"}); needs zero_stage >= 1. 0: none.
+  double offload = 0;
 
   int64_t world_size() const { return t * p * d * c; }
   bool explicit_split() const { return layout || first_stage_layers > 0 || last_stage_layers > 0; }

@@ -58,8 +58,16 @@ std::string format_estimate(const ModelSpec& m, const Cluster& cl, const Estimat
   const std::string limit = device_memory_bytes > 0 && device_memory_bytes != cl.device.memory_bytes
                                 ? fmt::format(" (--memory-limit; the device has {})", human_bytes(device_memory_bytes))
                                 : std::string();
+  const bool host_over = p.offload > 0 && e.host_memory_bytes > cl.host.memory_bytes;
   o += fmt::format("memory    {} of {}{} on stage {}: {}\n", human_bytes(e.memory.peak),
-                   human_bytes(cl.device.memory_bytes), limit, e.memory.stage, e.fits ? "fits" : "DOES NOT FIT");
+                   human_bytes(cl.device.memory_bytes), limit, e.memory.stage,
+                   e.fits ? "fits" : host_over && e.memory.peak <= cl.device.memory_bytes ? "DOES NOT FIT (host memory)"
+                                                                                            : "DOES NOT FIT");
+  if (p.offload > 0)
+    o += fmt::format("host      {} of {} per node: {} of each rank's optimizer shard offloaded (fp32 master, Adam "
+                     "moments, fp32 gradients)\n",
+                     human_bytes(e.host_memory_bytes), human_bytes(cl.host.memory_bytes),
+                     p.offload >= 1 ? std::string("all") : fmt::format("{:g}", p.offload));
   const TimeBreakdown& t = e.time;
   o += fmt::format("\n{:<22}{:>12}{:>8}   (stage {} finishes last; exposed time only)\n", "time per step", "seconds", "%",
                    e.critical_stage);

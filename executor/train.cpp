@@ -49,6 +49,10 @@ void validate_train_plan(const ModelSpec& m, const Plan& p, int world_size, bool
   if (p.c > 1 && p.cp_comm != CpComm::automatic && p.cp_comm != CpComm::allgather)
     fail(std::string("plan: cp_comm_type = ") + to_string(p.cp_comm) +
          " is not implemented by the executor: it gathers the keys and values (allgather; leave it auto)");
+  if (p.offload > 0)
+    fail(fmt::format("plan: optimizer_offload_fraction = {} is not implemented by the executor: it keeps the optimizer "
+                     "on its own backend (strata estimate and plan model the offload on a GPU cluster)",
+                     p.offload));
   if (p.world_size() != world_size)
     fail("plan: tp*pp*dp*cp = " + std::to_string(p.t) + "*" + std::to_string(p.p) + "*" + std::to_string(p.d) + "*" +
          std::to_string(p.c) + " = " + std::to_string(p.world_size()) + " ranks, but mpirun started " +

@@ -64,6 +64,12 @@ std::string export_megatron(const ModelSpec& m, const Plan& p, const Stack& stac
     flag("--use-torch-fsdp2");
     notes += "# zero_stage=3: Megatron-LM's FSDP2 path (--use-torch-fsdp2) shards parameters, gradients and optimizer states.\n";
   }
+  if (p.offload > 0) {
+    flag("--optimizer-cpu-offload");
+    if (p.offload < 1) flag(fmt::format("--optimizer-offload-fraction {}", p.offload));
+    notes += "# optimizer offload: strata costed the copies and the CPU step one after the other; Megatron-core's\n"
+             "# --overlap-cpu-optimizer-d2h-h2d may hide part of them.\n";
+  }
   if (p.recompute == Recompute::full && p.recompute_layers > 0) {
     flag("--recompute-granularity full");
     flag("--recompute-method block");
@@ -141,6 +147,12 @@ std::string export_deepspeed(const ModelSpec& m, const Plan& p, const Stack& sta
     z["stage3_prefetch_bucket_size"] = m.layer_params(p.t);
     z["stage3_param_persistence_threshold"] = 0;
   }
+  if (p.offload > 0) {
+    z["offload_optimizer"] = {{"device", "cpu"}, {"pin_memory", true}};
+    // (DeepSpeed reads a ratio below 1 with ZeRO stage 3 only; with stages 1 and 2 it
+    // offloads all of them.)
+    if (p.offload < 1) z["offload_optimizer"]["ratio"] = p.offload;
+  }
   j["zero_optimization"] = z;
   if (p.precision == Precision::bf16 || p.precision == Precision::fp8) j["bf16"] = {{"enabled", true}};
   if (p.precision == Precision::fp16)
@@ -164,6 +176,7 @@ std::string export_deepspeed(const ModelSpec& m, const Plan& p, const Stack& sta
                                  {"precision", to_string(p.precision)}};
   Json& split = j["strata_parallel_layout"];  // an uneven pipeline, where the plan gives one
   if (p.c > 1) split["cp_comm_type"] = to_string(resolve_cp_comm(m, p));
+  if (p.offload > 0) split["optimizer_offload_fraction"] = p.offload;  // (the ratio's intent, as costed)
   if (p.layout) split["pipeline_model_parallel_layout"] = p.layout->text;
   if (p.first_stage_layers > 0) split["decoder_first_pipeline_num_layers"] = p.first_stage_layers;
   if (p.last_stage_layers > 0) split["decoder_last_pipeline_num_layers"] = p.last_stage_layers;
@@ -213,6 +226,10 @@ std::string export_bridge(const ModelSpec& m, const Plan& p, const Stack& stack)
     set("ddp.use_megatron_fsdp", "true");
     set("ddp.data_parallel_sharding_strategy", p.zero == 2 ? "optim_grads" : "optim_grads_params");
     set("checkpoint.ckpt_format", "fsdp_dtensor");  // (Bridge's validate() requires it with Megatron-FSDP)
+  }
+  if (p.offload > 0) {
+    set("optimizer.optimizer_cpu_offload", "true");
+    set("optimizer.optimizer_offload_fraction", fmt::format("{}", p.offload));
   }
   if (p.recompute == Recompute::full) {
     set("model.recompute_granularity", "full");

@@ -36,6 +36,11 @@ FixedDims parse_fixed(const std::string& text) {
     else if (k == "zero" || k == "zero_stage") f.zero = static_cast<int>(integer(0, 3));
     else if (k == "recompute_num_layers") f.recompute_layers = integer(0, 100000);
     else if (k == "uneven_split") f.uneven_split = integer(0, 1) == 1;
+    else if (k == "offload" || k == "optimizer_offload_fraction") {
+      if (!v.is_number() || v.get<double>() < 0 || v.get<double>() > 1)
+        fail_field("--fix " + k, show_value(v), "must be a number in [0, 1]");
+      f.offload = v.get<double>();
+    }
     else if (k == "cp_comm_type") {
       const std::string s = v.is_string() ? v.get<std::string>() : "";
       if (s == "p2p") f.cp_comm = CpComm::p2p;
@@ -60,7 +65,7 @@ FixedDims parse_fixed(const std::string& text) {
     } else {
       fail_field("--fix " + k, show_value(v),
                  "unknown key: use tp, pp, dp, cp, vp, mbs, zero, recompute, recompute_num_layers, sp, schedule, "
-                 "uneven_split or cp_comm_type");
+                 "uneven_split, cp_comm_type or offload");
     }
   }
   return f;
@@ -309,7 +314,8 @@ SearchResult search(const ModelSpec& m, const Cluster& cl, const SearchOptions& 
     auto fit = flights.find(fkey);
     if (fit == flights.end()) fit = flights.emplace(fkey, in_flight(kind, pl.p, pl.v, mb_count, g)).first;
     const size_t worst = stages_memory(m, cl, pl, lay, cs, fit->second, &mem);
-    const Fit f{mem[worst].peak <= cl.device.memory_bytes, mem[worst].peak, &fit->second};
+    const bool host_ok = pl.offload <= 0 || offloaded_host_bytes(cl, pl, mem) <= cl.host.memory_bytes;
+    const Fit f{mem[worst].peak <= cl.device.memory_bytes && host_ok, mem[worst].peak, &fit->second};
     if (pl.c > 1) fits_by_type.emplace_back(std::move(key), f);
     return f;
   };
@@ -544,6 +550,7 @@ SearchResult search(const ModelSpec& m, const Cluster& cl, const SearchOptions& 
                       Plan pl = probe_tpcv;
                       pl.mbs = mbs; pl.zero = zero; pl.recompute = rc; pl.sp = sp == 1; pl.gpipe = gp == 1;
                       pl.cp_comm = cc;
+                      if (fx.offload) pl.offload = *fx.offload;
                       // One stack for every candidate: sharding alone does not make it modern here.
                       if (zero >= 2) pin_to_plain_stack(cl, stack, pl);
                       Plan q = pl;  // (before run() may set pl's recompute_num_layers)

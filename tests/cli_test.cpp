@@ -176,6 +176,27 @@ TEST(Cli, PlanJsonExportsAndTrace) {
   EXPECT_NE(br.out.find("train.global_batch_size=512"), std::string::npos) << br.out;
   EXPECT_NE(br.out.find("model.tensor_model_parallel_size="), std::string::npos) << br.out;
 
+  // Optimizer offload in each export (70B on 8 A100s: nothing fits without it).
+  const std::string off = "plan --model llama3-70b --cluster dgx-a100-80g --gpus 8 --global-batch-size 64 ";
+  EXPECT_EQ(strata(off + "--json").code, 3);
+  const Outcome om = strata(off + "--fix offload=1 --export megatron");
+  ASSERT_EQ(om.code, 0) << om.err;
+  EXPECT_NE(om.out.find("--optimizer-cpu-offload"), std::string::npos) << om.out;
+  const Outcome od = strata(off + "--fix offload=1 --export deepspeed");
+  ASSERT_EQ(od.code, 0) << od.err;
+  EXPECT_EQ(Json::parse(od.out)["zero_optimization"]["offload_optimizer"]["device"], "cpu") << od.out;
+  const Outcome ob = strata(off + "--fix offload=1 --export bridge");
+  ASSERT_EQ(ob.code, 0) << ob.err;
+  EXPECT_NE(ob.out.find("optimizer.optimizer_cpu_offload=true"), std::string::npos) << ob.out;
+  const Outcome oj = strata(off + "--fix offload=1 --json");
+  ASSERT_EQ(oj.code, 0) << oj.err;
+  for (const auto& e : Json::parse(oj.out)["plans"]) {
+    EXPECT_EQ(e["plan"]["optimizer_offload_fraction"], 1.0);
+    EXPECT_GE(e["plan"]["zero_stage"].get<int>(), 1);
+    EXPECT_TRUE(e["fits"].get<bool>());
+    EXPECT_GT(e["host_memory_bytes"]["per_node"].get<double>(), 0);
+  }
+
   const std::string trace = (scratch() / "t.json").string();
   const Outcome tr = strata("estimate --model gpt3-175b --cluster dgx-a100-80g --plan tp=8,pp=4,dp=2,gbs=16 --trace " + trace);
   ASSERT_EQ(tr.code, 0) << tr.err;
@@ -513,6 +534,17 @@ TEST(Cli, BadInputExits2NamingTheField) {
       {S + "--gpus 8 --global-batch-size 8 --fix uneven_split=2", "--fix uneven_split"},
       {S + "--gpus 8 --global-batch-size 8 --fix cp_comm_type=ring", "--fix cp_comm_type"},
       {P + "tp=4,cp=2,cp_comm_type=ring", "cp_comm_type"},
+      {P + "tp=8,dp=2,zero=1,offload=1.5", "optimizer_offload_fraction"},
+      {P + "tp=8,dp=2,zero=1,offload=-0.5", "optimizer_offload_fraction"},
+      {P + "tp=8,dp=2,zero=1,offload=most", "optimizer_offload_fraction"},
+      {P + "tp=8,dp=2,offload=1", "needs zero_stage >= 1"},
+      {P + write("ds_nvme.json", R"({"tp":8,"zero_optimization":{"stage":3,"offload_optimizer":{"device":"nvme"}}})"), "nvme"},
+      {P + write("ds_param.json", R"({"tp":8,"zero_optimization":{"stage":3,"offload_param":{"device":"cpu"}}})"), "offload_param"},
+      {"estimate --model tiny-gpt --cluster local-cpu --plan zero=1,offload=1", "keeps its optimizer"},
+      {"train --model tiny-gpt --plan zero=1,offload=1 --steps 2", "optimizer_offload_fraction = 1 is not implemented"},
+      {S + "--gpus 8 --global-batch-size 8 --fix offload=2", "--fix offload"},
+      {cluster_with("host1.json", [](Json& j) { j["host"]["pcie_efficiency"] = 1.5; }), "pcie_efficiency"},
+      {cluster_with("host2.json", [](Json& j) { j["host"]["memory_bytes"] = "2TB"; }), "memory_bytes"},
       {"train --model tiny-gpt --plan cp=2,cp_comm_type=a2a --steps 2", "cp_comm_type = a2a is not implemented"},
       {S + "--gpus 8 --global-batch-size 8 --precision fp4", "--precision"},
       {"plan --model llama2-7b --cluster dgx2-v100-32g --gpus 16 --global-batch-size 64 --precision bf16", "--precision: bf16"},

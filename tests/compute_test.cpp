@@ -417,6 +417,30 @@ TEST(Compute, OptimizerPasses) {
   EXPECT_NEAR(optimizer_time(c.device, p, 1e9, 1e9), 60e9 / 1e12 + 2e9 / 1e12, 1e-15);
 }
 
+// The offloaded optimizer step: a host of 100 GB/s memory at 50 % and 10 GB/s PCIe at 50 %
+// per device; 1e9 offloaded parameters per rank, 4 ranks on the node. bf16: fp32 gradients
+// out (4 GB / 5 GB/s = 0.8 s), CPU Adam over the node's 4 shards at 36 bytes per parameter
+// (gradient landed and read 4 + 4, master, m, v read and written 24, the bf16 copy written
+// and read 2 + 2: 4 x 36 GB / 50 GB/s = 2.88 s), bf16 weights back (2 GB: 0.4 s).
+TEST(Compute, OffloadedOptimizerStep) {
+  Cluster c = testing::round_cluster();
+  Plan p = load_plan("dp=8,zero=1,offload=1");
+  EXPECT_EQ(offload_optimizer_time(c, p, 1e9, 4), 0);  // no host: no offload
+  c.host.memory_bytes = 1e12;
+  c.host.memory_bandwidth_bytes_per_s = 100e9;
+  c.host.memory_efficiency = 0.5;
+  c.host.pcie_bandwidth_bytes_per_s = 10e9;
+  c.host.pcie_efficiency = 0.5;
+  EXPECT_NEAR(offload_optimizer_time(c, p, 1e9, 4), 0.8 + 2.88 + 0.4, 1e-12);
+  // fp32: fp32 weights back (4 bytes), 40 bytes on the host: 0.8 + 3.2 + 0.8 s.
+  p.precision = Precision::fp32;
+  EXPECT_NEAR(offload_optimizer_time(c, p, 1e9, 4), 0.8 + 3.2 + 0.8, 1e-12);
+  // fp16: fp16 gradients out (2 bytes), 32 bytes on the host: 0.4 + 2.56 + 0.4 s.
+  p.precision = Precision::fp16;
+  EXPECT_NEAR(offload_optimizer_time(c, p, 1e9, 4), 0.4 + 2.56 + 0.4, 1e-12);
+  EXPECT_EQ(offload_optimizer_time(c, p, 0, 4), 0);
+}
+
 TEST(Compute, FlashAttentionIsCheaperThanUnfusedForLongSequences) {
   const Cluster c = testing::round_cluster();
   const ModelSpec m = load_model("llama2-7b", 8192);

@@ -315,6 +315,27 @@ TEST_F(RoundGpt3, ExposedDataParallelReductionAndShardedOptimizer) {
   e = estimate(m, c, p);
   EXPECT_NEAR(e.time.dp_comm, 2 * 30e-6 + (4.0 + 2.0) * P * 0.875 / 10e9, 1e-9);
   EXPECT_NEAR(e.time.optimizer, optimizer_time(c.device, p, P / 8, P), 1e-15);
+  // Half of the ZeRO-1 shard offloaded: the GPU's optimizer steps the other half, the host
+  // the offloaded half for the node's 8 ranks; the host holds 16 bytes per offloaded
+  // parameter for each of them (12 of state, 4 of fp32 gradient).
+  {
+    Cluster h = c;
+    h.host = Host{1e12, 100e9, 0.5, 10e9, 0.5};
+    Plan q = load_plan("tp=8,dp=8,gbs=8,zero=1,offload=0.5");
+    const Estimate o = estimate(m, h, q);
+    ASSERT_TRUE(o.valid);
+    EXPECT_NEAR(o.time.optimizer,
+                optimizer_time(h.device, q, P / 8 - 0.5 * P / 8, P) + offload_optimizer_time(h, q, 0.5 * P / 8, 8),
+                1e-12 * o.time.optimizer);
+    EXPECT_NEAR(o.host_memory_bytes, 8 * 16 * 0.5 * P / 8, 1e-6 * o.host_memory_bytes);
+    EXPECT_NEAR(o.memory.optimizer_states, 0.5 * 12 * P / 8, 1e-6 * o.memory.optimizer_states);
+    EXPECT_EQ(o.fits, o.memory.peak <= h.device.memory_bytes);
+    h.host.memory_bytes = 0.99 * o.host_memory_bytes;  // the node's host memory cannot hold them
+    EXPECT_FALSE(estimate(m, h, q).fits);
+    const Json j = estimate_to_json(o);
+    EXPECT_EQ(j["plan"]["optimizer_offload_fraction"], 0.5);
+    EXPECT_EQ(j["host_memory_bytes"]["per_node"], std::llround(o.host_memory_bytes));
+  }
   // Overlapped (explicitly): what the last micro-batch's backward hides is gone, less the
   // 10 %-of-hidden contention cost the round cluster sets to zero.
   p = load_plan("tp=8,dp=8,gbs=8,overlap_grad_reduce=1");

@@ -94,7 +94,9 @@ TEST(MegatronArgs, ExportedFlagsReadBackAsThePlan) {
        {"tp=8,pp=4,dp=4,vp=5,mbs=1,gbs=512,zero=1,recompute=selective,sp=1,precision=bf16",
         "tp=4,pp=8,cp=2,dp=2,vp=2,mbs=1,gbs=256,zero=1,recompute=full,sp=1,precision=fp8",
         "tp=8,pp=1,dp=16,mbs=2,gbs=512,zero=3,recompute=full,recompute_num_layers=20,sp=1,precision=bf16",
-        "tp=2,pp=2,dp=32,mbs=1,gbs=64,zero=0,recompute=none,precision=fp16"}) {
+        "tp=2,pp=2,dp=32,mbs=1,gbs=64,zero=0,recompute=none,precision=fp16",
+        "tp=8,pp=1,dp=8,mbs=1,gbs=64,zero=1,offload=0.5,precision=bf16",
+        "tp=8,pp=1,dp=8,mbs=1,gbs=64,zero=3,offload=1,precision=bf16"}) {
     const Plan p = load_plan(inline_plan);
     const std::string flags = export_megatron(m, p, resolve_stack(m, load_cluster("dgx-h100-80g"), p)) +
                               fmt::format(" --vocab-size {}", m.V);
@@ -104,6 +106,7 @@ TEST(MegatronArgs, ExportedFlagsReadBackAsThePlan) {
               std::tie(p.t, p.p, p.d, p.c, p.v, p.mbs, p.gbs, p.zero, p.sp, p.recompute_layers))
         << inline_plan << "\n" << flags;
     EXPECT_EQ(q.recompute, p.recompute) << inline_plan;
+    EXPECT_EQ(q.offload, p.offload) << inline_plan;
     EXPECT_EQ(q.precision, p.precision) << inline_plan;
     EXPECT_EQ(in.model.total_params(), m.total_params()) << inline_plan;
     EXPECT_EQ(std::tie(in.model.L, in.model.H, in.model.A, in.model.G, in.model.F, in.model.S),
@@ -167,6 +170,22 @@ TEST(MegatronArgs, UnevenPipelineFlags) {
 // Where a flag is absent, what Megatron-LM assumes (not strata's Llama-style defaults for a
 // gated MLP): LayerNorm, learned positions, tied embeddings, biases, dropout 0.1, fp32,
 // multi-head attention unless --group-query-attention, and its SwiGLU width rule.
+// --optimizer-cpu-offload moves the optimizer states to the host (all of them unless
+// --optimizer-offload-fraction says less); the fraction alone does nothing in Megatron.
+TEST(MegatronArgs, OptimizerOffloadFlags) {
+  auto offload = [](const std::string& flags) {
+    return launch_inputs(parse_megatron_launch("--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 32 "
+                                               "--max-position-embeddings 32 --vocab-size 100 --micro-batch-size 1 "
+                                               "--global-batch-size 8 --use-distributed-optimizer " + flags, "launch"),
+                         8, "launch")
+        .plan.offload;
+  };
+  EXPECT_EQ(offload(""), 0.0);
+  EXPECT_EQ(offload("--optimizer-cpu-offload"), 1.0);
+  EXPECT_EQ(offload("--optimizer-cpu-offload --optimizer-offload-fraction 0.25"), 0.25);
+  EXPECT_EQ(offload("--optimizer-offload-fraction 0.25"), 0.0);
+}
+
 TEST(MegatronArgs, MegatronDefaultsForAbsentFlags) {
   const MegatronLaunch l = parse_megatron_launch(
       "--num-layers 2 --hidden-size 4096 --num-attention-heads 32 --num-query-groups 8 --seq-length 128 "

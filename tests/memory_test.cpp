@@ -149,6 +149,39 @@ TEST(Memory, ZeroStagesDivideTheirStates) {
   }
 }
 
+// Optimizer offload (Megatron-core's --optimizer-offload-fraction f, DeepSpeed's
+// offload_optimizer): of llama2-7b's 12 bytes of fp32 master weights and Adam moments per
+// parameter, sharded over dp = 8 by ZeRO-1, the fraction f moves to the host, where each
+// offloaded parameter also has its fp32 gradient (4 bytes): GPU (1 - f) 12 P / 8, host
+// f 12 P / 8 + 4 f P / 8 = 2 f P; the weights and gradients stay.
+TEST(Memory, OffloadMovesTheOptimizerShareToTheHost) {
+  const ModelSpec m = load_model("llama2-7b");
+  const Cluster c = testing::round_cluster();
+  const StageLayout lay = make_layout(m.L, 1, 1);
+  Plan p = load_plan("dp=8,zero=1");
+  const MemoryBreakdown none = stage_memory(m, c, p, lay, compute_setup(m, c, p), 0, 1, 1, 1);
+  EXPECT_EQ(none.host_offload, 0);
+  for (double f : {0.25, 1.0}) {
+    p.offload = f;
+    const MemoryBreakdown mb = stage_memory(m, c, p, lay, compute_setup(m, c, p), 0, 1, 1, 1);
+    const double P = mb.params;
+    EXPECT_DOUBLE_EQ(mb.optimizer_states, (1 - f) * 12 * P / 8) << f;
+    EXPECT_DOUBLE_EQ(mb.host_offload, 2 * f * P) << f;
+    EXPECT_DOUBLE_EQ(mb.weights, none.weights);
+    EXPECT_DOUBLE_EQ(mb.gradients, none.gradients);
+    EXPECT_DOUBLE_EQ(mb.peak, none.peak - f * 12 * P / 8) << f;
+  }
+  // ZeRO-2: the offloaded share's gradient shard (4 P / 8) moves to the host too, where
+  // its fp32 copy is already counted: GPU gradients (1 - f) 4 P / 8, host as before.
+  p = load_plan("dp=8,zero=2");
+  const MemoryBreakdown z2 = stage_memory(m, c, p, lay, compute_setup(m, c, p), 0, 1, 1, 1);
+  p.offload = 0.5;
+  const MemoryBreakdown o2 = stage_memory(m, c, p, lay, compute_setup(m, c, p), 0, 1, 1, 1);
+  EXPECT_DOUBLE_EQ(o2.gradients, 0.5 * 4 * o2.params / 8);
+  EXPECT_DOUBLE_EQ(o2.gradients, 0.5 * z2.gradients);
+  EXPECT_DOUBLE_EQ(o2.host_offload, 2 * 0.5 * o2.params);
+}
+
 // stage_memories() reuses a middle stage's shape for the next stage with the same layers:
 // every term must equal stage_memory() of that stage alone, to the bit, on plans with
 // uneven layouts, partial recompute, interleaving and every ZeRO stage.

@@ -222,6 +222,57 @@ TEST(Plan, CheckRulesReportTheirReasons) {
 // H100 FP8 recipe (TP4 PP8 VP5): virtual stage 0 holds the embedding and 2 layers, 1..34
 // two each, 35 three, 36..38 two, 39 one and the loss: 2 + 68 + 3 + 6 + 1 = 80 layers in 40
 // virtual stages, so vp = 40 / 8 = 5; virtual stage k is chunk k / 8 of stage k mod 8.
+// Optimizer offload under its names: this schema's optimizer_offload_fraction (inline
+// "offload"), Megatron-core's optimizer_cpu_offload (+ its fraction, read only with it),
+// DeepSpeed's zero_optimization.offload_optimizer (device, ratio) and older cpu_offload.
+TEST(Plan, OptimizerOffloadNames) {
+  EXPECT_EQ(load_plan("dp=8,zero=1,offload=0.5").offload, 0.5);
+  EXPECT_EQ(load_plan("dp=8,zero=1,optimizer_offload_fraction=1").offload, 1.0);
+  EXPECT_EQ(load_plan("dp=8,zero=1").offload, 0.0);
+  auto from = [](const char* text) { return plan_from_json(Json::parse(text), "plan").offload; };
+  EXPECT_EQ(from(R"({"zero_stage":1,"optimizer_cpu_offload":true})"), 1.0);
+  EXPECT_EQ(from(R"({"zero_stage":1,"optimizer_cpu_offload":true,"optimizer_offload_fraction":0.25})"), 0.25);
+  EXPECT_EQ(from(R"({"zero_stage":1,"optimizer_cpu_offload":false,"optimizer_offload_fraction":1.0})"), 0.0);
+  EXPECT_EQ(from(R"({"zero_optimization":{"stage":2,"offload_optimizer":{"device":"cpu","pin_memory":true}}})"), 1.0);
+  EXPECT_EQ(from(R"({"zero_optimization":{"stage":3,"offload_optimizer":{"device":"cpu","ratio":0.3}}})"), 0.3);
+  EXPECT_EQ(from(R"({"zero_optimization":{"stage":2,"offload_optimizer":{"device":"none"}}})"), 0.0);
+  EXPECT_EQ(from(R"({"zero_optimization":{"stage":2,"cpu_offload":true}})"), 1.0);
+  EXPECT_EQ(from(R"({"zero_optimization":{"stage":2,"offload_param":{"device":"none"}}})"), 0.0);
+  EXPECT_EQ(from(R"({"zero_stage":1,"offload_optimizer":"cpu"})"), 1.0);
+  // Round trips, and refusals naming the field.
+  const Plan p = load_plan("dp=8,zero=1,offload=0.5");
+  EXPECT_EQ(plan_to_json(load_plan(plan_to_inline(p))), plan_to_json(p));
+  EXPECT_EQ(plan_from_json(plan_to_json(p), "plan").offload, 0.5);
+  auto refused = [](const char* text, const char* field) {
+    try {
+      plan_from_json(Json::parse(text), "plan");
+      ADD_FAILURE() << text;
+    } catch (const InputError& e) {
+      EXPECT_NE(std::string(e.what()).find(field), std::string::npos) << e.what();
+    }
+  };
+  refused(R"({"zero_optimization":{"stage":3,"offload_optimizer":{"device":"nvme"}}})", "offload_optimizer.device");
+  refused(R"({"zero_optimization":{"stage":3,"offload_param":{"device":"cpu"}}})", "offload_param");
+  refused(R"({"zero_optimization":{"stage":3,"offload_optimizer":{"device":"cpu","ratio":2}}})", "ratio");
+  refused(R"({"optimizer_offload_fraction":1.5})", "optimizer_offload_fraction");
+  refused(R"({"optimizer_offload_fraction":"all"})", "optimizer_offload_fraction");
+  refused(R"({"offload_optimizer":"gpu"})", "offload_optimizer");
+  refused(R"({"optimizer_offload_fraction":0.5,"zero_optimization":{"stage":1,"offload_optimizer":{"device":"cpu"}}})",
+          "keep one");
+  // The rules: a ZeRO stage, a GPU framework's stack, a cluster that describes its host.
+  const ModelSpec m = load_model("llama2-7b");
+  EXPECT_TRUE(keys(m, load_plan("dp=8,zero=1,offload=1")).empty());
+  EXPECT_EQ(keys(m, load_plan("dp=8,offload=1")), std::vector<std::string>{"offload_zero"});
+  auto key_on = [&](const Cluster& cl) {
+    const auto r = check_plan(m, cl, load_plan("dp=8,zero=1,offload=1"));
+    return r.empty() ? std::string() : r.front().key;
+  };
+  EXPECT_EQ(key_on(load_cluster("local-cpu")), "offload_host");  // the strata executor
+  Cluster bare = load_cluster("dgx-a100-80g");
+  bare.host = Host{};
+  EXPECT_EQ(key_on(bare), "offload_host");
+}
+
 TEST(Plan, PipelineLayoutStrings) {
   const Plan p = load_plan("tp=4,pp=8,mbs=1,gbs=256,pipeline_model_parallel_layout=Et*2|(t*2|)*34,t*3|(t*2|)*3,tL");
   ASSERT_TRUE(p.layout);
