@@ -34,7 +34,7 @@ const char* kUsage = R"(strata: plan and prove distributed training of large tra
 
 usage:
   strata plan      --model M --cluster C --gpus N --global-batch-size B [--top K] [--json]
-                   [--export megatron|deepspeed|bridge] [--fix tp=8,pp=4,...] [--pareto] [--trace FILE]
+                   [--export megatron|deepspeed|bridge] [--fix tp=8,pp=4,...] [--pareto] [--search-offload] [--trace FILE]
                    [--precision bf16|fp16|fp8|fp32 (default bf16; fp16 on V100)] [--seq-length S]
                    [--compare PLAN] [--attention auto|flash|unfused] [--memory-limit 72GiB|77GB|90%]
   strata plan      --megatron-args A --cluster C [--gpus N] [...]   (the launch's plan as --compare)
@@ -306,7 +306,7 @@ int cmd_plan(const std::vector<std::string>& argv) {
   const Args a(argv, "plan",
                {"model", "cluster", "gpus", "global-batch-size", "top", "export", "fix", "trace", "precision",
                 "seq-length", "compare", "attention", "megatron-args", "memory-limit"},
-               {"json", "pareto", "list-models", "list-clusters", "help"});
+               {"json", "pareto", "search-offload", "list-models", "list-clusters", "help"});
   if (a.has("help")) return fmt::print("{}", kUsage), kExitOk;
   if (a.has("list-models") || a.has("list-clusters")) return list_presets(a.has("list-models")), kExitOk;
   Cluster cl = load_cluster(a.required("cluster", "a preset or a cluster JSON"));
@@ -334,12 +334,23 @@ int cmd_plan(const std::vector<std::string>& argv) {
                                                              : Precision::fp16;
   if (a.has("precision")) check_precision_on(cl, so.precision);
   so.pareto = a.has("pareto");
+  so.search_offload = a.has("search-offload");
   const std::string att = a.get("attention", "auto");
   if (att != "auto" && att != "flash" && att != "unfused")
     fail_field("--attention", "'" + att + "'", "must be auto, flash or unfused");
   so.attention = att == "flash" ? AttentionChoice::flash : att == "unfused" ? AttentionChoice::unfused
                                                                             : AttentionChoice::automatic;
   if (a.has("fix")) so.fixed = parse_fixed(a.get("fix"));
+  if (so.search_offload) {  // (a cluster that cannot offload is named, not searched without it)
+    if (so.fixed.offload)
+      throw InputError("--search-offload and --fix offload=... both given: keep one (--fix pins the fraction)");
+    if (cl.strata_stack)
+      throw InputError(fmt::format("--search-offload: cluster {} runs the strata executor, which keeps its optimizer "
+                                   "on its own backend", cl.name));
+    if (!cl.host.present())
+      throw InputError(fmt::format("--search-offload: cluster {} gives no \"host\" section (memory, its bandwidth, "
+                                   "PCIe; hw_profiles/README.md)", cl.name));
+  }
   const std::string exp = a.get("export");
   if (!exp.empty() && exp != "megatron" && exp != "deepspeed" && exp != "bridge")
     fail_field("--export", "'" + exp + "'", "must be megatron, deepspeed or bridge (Megatron-Bridge overrides)");

@@ -290,6 +290,7 @@ SearchResult search(const ModelSpec& m, const Cluster& cl, const SearchOptions& 
   // varies below the loop over the types (cleared above it).
   struct FitKey {
     int zero;
+    double offload;
     int64_t recompute_layers, first, last;
     std::string layout;
     bool operator==(const FitKey&) const = default;
@@ -298,7 +299,7 @@ SearchResult search(const ModelSpec& m, const Cluster& cl, const SearchOptions& 
   auto memory_of = [&](const Plan& pl, const StageLayout& lay, const ComputeSetup& cs) {
     FitKey key;
     if (pl.c > 1) {
-      key = FitKey{pl.zero, pl.recompute_layers, pl.first_stage_layers, pl.last_stage_layers,
+      key = FitKey{pl.zero, pl.offload, pl.recompute_layers, pl.first_stage_layers, pl.last_stage_layers,
                    pl.layout ? pl.layout->text : std::string()};
       for (const auto& [k, f] : fits_by_type)
         if (k == key) return f;
@@ -420,6 +421,23 @@ SearchResult search(const ModelSpec& m, const Cluster& cl, const SearchOptions& 
     return n;
   };
 
+  // The optimizer offload fractions of a ZeRO stage's candidates: the one --fix pins, else
+  // none and, with --search-offload on a cluster with a host (not the strata executor's),
+  // kOffloadFractions for ZeRO >= 1; zero_units counts a (t, p, c, v)'s ZeRO stages with them.
+  const bool offload_dim = opt.search_offload && !fx.offload && cl.host.present() && !cl.strata_stack;
+  std::vector<double> with_offload = {0.0};
+  if (offload_dim) with_offload.insert(with_offload.end(), std::begin(kOffloadFractions), std::end(kOffloadFractions));
+  const std::vector<double> pinned_offload = {fx.offload.value_or(0.0)};
+  auto offloads_for = [&](int zero) -> const std::vector<double>& {
+    return offload_dim && zero >= 1 ? with_offload : pinned_offload;
+  };
+  auto zero_units = [&](const std::vector<int>& zeros) {
+    int64_t n = 0;
+    for (int z : zeros)
+      if (allowed(fx.zero, z)) n += static_cast<int64_t>(offloads_for(z).size());
+    return n;
+  };
+
   const Recompute recomputes[] = {Recompute::none, Recompute::selective, Recompute::full};
   for (int64_t t : divisors(N)) {
     if (!allowed(fx.t, t)) continue;
@@ -486,7 +504,7 @@ SearchResult search(const ModelSpec& m, const Cluster& cl, const SearchOptions& 
             reject(why.front().key, count(mbss, fx.mbs) *
                                         (v > 1 || p == 1 ? 1 : count(std::vector<bool>{false, true}, fx.gpipe)) *
                                         (t > 1 ? count(std::vector<bool>{false, true}, fx.sp) : 1) *
-                                        recompute_choices * count(zeros, fx.zero) * count(cps, fx.cp_comm));
+                                        recompute_choices * zero_units(zeros) * count(cps, fx.cp_comm));
             continue;
           }
           if (!own_ok) reject("layers_uneven", 1);  // strata's own layout, once; the splits below
@@ -514,7 +532,7 @@ SearchResult search(const ModelSpec& m, const Cluster& cl, const SearchOptions& 
                     if (!cp_runs[ci]) {  // (counted as the structural rules count: strata's own layout, no splits)
                       if (own_ok && allowed(fx.uneven_split, false))
                         reject("cp_comm",
-                               count(zeros, fx.zero) * (rc == Recompute::full && !fx.recompute_layers ? chunk_max : 1));
+                               zero_units(zeros) * (rc == Recompute::full && !fx.recompute_layers ? chunk_max : 1));
                       continue;
                     }
                     // The split balancing the ends for these layer costs (those of the plan
@@ -547,19 +565,21 @@ SearchResult search(const ModelSpec& m, const Cluster& cl, const SearchOptions& 
                     };
                     for (int zero : zeros) {
                       if (!allowed(fx.zero, zero)) continue;
-                      Plan pl = probe_tpcv;
-                      pl.mbs = mbs; pl.zero = zero; pl.recompute = rc; pl.sp = sp == 1; pl.gpipe = gp == 1;
-                      pl.cp_comm = cc;
-                      if (fx.offload) pl.offload = *fx.offload;
-                      // One stack for every candidate: sharding alone does not make it modern here.
-                      if (zero >= 2) pin_to_plain_stack(cl, stack, pl);
-                      Plan q = pl;  // (before run() may set pl's recompute_num_layers)
-                      if (own_ok && allowed(fx.uneven_split, false)) run(pl, lay, chunk_max);
-                      if (split) {
-                        q.first_stage_layers = split->first_stage_layers;
-                        q.last_stage_layers = split->last_stage_layers;
-                        q.layout = split->layout;
-                        run(q, split_lay, split_max);
+                      for (double offload : offloads_for(zero)) {
+                        Plan pl = probe_tpcv;
+                        pl.mbs = mbs; pl.zero = zero; pl.recompute = rc; pl.sp = sp == 1; pl.gpipe = gp == 1;
+                        pl.cp_comm = cc;
+                        pl.offload = offload;
+                        // One stack for every candidate: sharding alone does not make it modern here.
+                        if (zero >= 2) pin_to_plain_stack(cl, stack, pl);
+                        Plan q = pl;  // (before run() may set pl's recompute_num_layers)
+                        if (own_ok && allowed(fx.uneven_split, false)) run(pl, lay, chunk_max);
+                        if (split) {
+                          q.first_stage_layers = split->first_stage_layers;
+                          q.last_stage_layers = split->last_stage_layers;
+                          q.layout = split->layout;
+                          run(q, split_lay, split_max);
+                        }
                       }
                     }
                   }

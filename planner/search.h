@@ -39,8 +39,14 @@ struct SearchOptions {
   // resolves as for a plan without context parallelism; context-parallel candidates then
   // need flash and are rejected (reason cp_attention) when it resolves to unfused.
   AttentionChoice attention = AttentionChoice::automatic;
+  // Optimizer offload as a dimension (plan --search-offload): every ZeRO >= 1 candidate also
+  // with kOffloadFractions of its optimizer shard on the host, where the cluster has one and
+  // --fix does not pin the fraction. Off by default: the search then offloads nothing.
+  bool search_offload = false;
   FixedDims fixed;
 };
+// The offload fractions --search-offload tries besides none.
+inline constexpr double kOffloadFractions[] = {0.25, 0.5, 0.75, 1.0};
 
 struct SearchResult {
   int64_t candidates_evaluated = 0;  // every plan the loops produced

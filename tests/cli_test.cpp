@@ -190,7 +190,8 @@ TEST(Cli, PlanJsonExportsAndTrace) {
   EXPECT_NE(ob.out.find("optimizer.optimizer_cpu_offload=true"), std::string::npos) << ob.out;
   const Outcome oj = strata(off + "--fix offload=1 --json");
   ASSERT_EQ(oj.code, 0) << oj.err;
-  for (const auto& e : Json::parse(oj.out)["plans"]) {
+  const Json offload_plans = Json::parse(oj.out);
+  for (const auto& e : offload_plans["plans"]) {
     EXPECT_EQ(e["plan"]["optimizer_offload_fraction"], 1.0);
     EXPECT_GE(e["plan"]["zero_stage"].get<int>(), 1);
     EXPECT_TRUE(e["fits"].get<bool>());
@@ -543,6 +544,8 @@ TEST(Cli, BadInputExits2NamingTheField) {
       {"estimate --model tiny-gpt --cluster local-cpu --plan zero=1,offload=1", "keeps its optimizer"},
       {"train --model tiny-gpt --plan zero=1,offload=1 --steps 2", "optimizer_offload_fraction = 1 is not implemented"},
       {S + "--gpus 8 --global-batch-size 8 --fix offload=2", "--fix offload"},
+      {S + "--gpus 8 --global-batch-size 8 --search-offload --fix offload=1", "keep one"},
+      {"plan --model tiny-gpt --cluster local-cpu --gpus 2 --global-batch-size 8 --search-offload", "strata executor"},
       {cluster_with("host1.json", [](Json& j) { j["host"]["pcie_efficiency"] = 1.5; }), "pcie_efficiency"},
       {cluster_with("host2.json", [](Json& j) { j["host"]["memory_bytes"] = "2TB"; }), "memory_bytes"},
       {"train --model tiny-gpt --plan cp=2,cp_comm_type=a2a --steps 2", "cp_comm_type = a2a is not implemented"},

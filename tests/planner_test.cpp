@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <memory>
+#include <optional>
 #include <set>
 #include <string>
 #include <vector>
@@ -23,7 +24,10 @@ namespace {
 // Llama 2 7B (32k vocabulary: no split balances its ends better than strata's own layout)
 // and Llama 3 8B (128k: splits win on some pipelines).
 // With `pp` set, the twin and the search both keep that pipeline depth only (--fix pp=...).
-void search_matches_estimating_every_plan(const char* model, bool expect_splits, int64_t pp = 0) {
+// With `offload`, every ZeRO >= 1 plan also with kOffloadFractions of its optimizer on the
+// host (--search-offload); with `only`, that recompute mode alone (--fix recompute=...).
+void search_matches_estimating_every_plan(const char* model, bool expect_splits, int64_t pp = 0, bool offload = false,
+                                          std::optional<Recompute> only = std::nullopt) {
   const ModelSpec m = load_model(model);
   const Cluster c = load_cluster("dgx-a100-80g");
   const int64_t gpus = 8, gbs = 16;
@@ -41,14 +45,17 @@ void search_matches_estimating_every_plan(const char* model, bool expect_splits,
                 for (int rc = 0; rc < 3; ++rc)
                   for (int64_t rl = 0; rl <= (rc == 2 ? m.L : 0); ++rl)
                     for (int zero = 0; zero < 4; ++zero)
-                      for (int cc = 0; cc < (cp > 1 ? 3 : 1); ++cc) {
+                      for (int cc = 0; cc < (cp > 1 ? 3 : 1); ++cc)
+                      for (int oi = 0; oi < (offload && zero >= 1 ? 5 : 1); ++oi) {
                         Plan pl;
+                        pl.offload = oi == 0 ? 0.0 : kOffloadFractions[oi - 1];
                         pl.t = t; pl.p = p; pl.c = cp; pl.d = d; pl.v = v; pl.mbs = mbs; pl.gbs = gbs;
                         // Context parallelism's three ways to move keys and values (cp_comm_type).
                         if (cp > 1) pl.cp_comm = cc == 0 ? CpComm::p2p : cc == 1 ? CpComm::a2a : CpComm::allgather;
                         pl.gpipe = gp == 1 && v == 1; pl.sp = sp == 1 && t > 1; pl.zero = zero;
                         pl.recompute = static_cast<Recompute>(rc);
                         pl.recompute_layers = rl;
+                        if (only && pl.recompute != *only) continue;
                         // Skip the settings that change nothing (no pipeline to schedule, no
                         // tensor-parallel group to shard over, no replicas for ZeRO).
                         if ((gp && (v > 1 || p == 1)) || (sp && t == 1) || (zero && d * cp == 1)) continue;
@@ -79,12 +86,16 @@ void search_matches_estimating_every_plan(const char* model, bool expect_splits,
   o.gbs = gbs;
   o.top_k = 10;
   if (pp > 0) o.fixed.p = pp;
+  o.search_offload = offload;
+  if (only) o.fixed.recompute = *only;
   const SearchResult r = search(m, c, o);
   ASSERT_EQ(r.plans.size(), 10u);
   EXPECT_EQ(splits > 0, expect_splits) << splits;
   for (size_t i = 0; i < r.plans.size(); ++i)
     EXPECT_NEAR(r.plans[i].step_time_s, all[i].first, 1e-12 * all[i].first) << i << ": " << all[i].second;
-  EXPECT_LT(r.simulated, feasible / 10);  // the bound and the bisection skip most estimates
+  if (!only) {
+    EXPECT_LT(r.simulated, feasible / 10);  // the bound and the bisection skip most estimates
+  }
   int64_t rejected = 0;
   for (const auto& [k, n] : r.rejected) rejected += n;
   EXPECT_EQ(rejected + r.feasible, r.candidates_evaluated);
@@ -103,6 +114,33 @@ TEST(Planner, SearchMatchesEstimatingEveryPlan) {
   const SearchResult r = search(load_model("llama3-8b"), load_cluster("dgx-a100-80g"), o);
   ASSERT_FALSE(r.plans.empty());
   EXPECT_EQ(r.plans.front().plan.first_stage_layers, 17);
+}
+
+// Optimizer offload as a searched dimension (--search-offload): Llama 3 70B on one DGX A100
+// fits nowhere without it; with it the search's top 10 are the twin's (without full
+// recompute, whose bisection reports only the fewest layers that fit, as the twin does not),
+// every one offloading, and the fastest offloads the least that fits (the CPU step costs
+// more than the GPU's).
+TEST(Planner, OffloadIsSearchedWhenAsked) {
+  const ModelSpec m = load_model("llama3-70b");
+  const Cluster c = load_cluster("dgx-a100-80g");
+  SearchOptions o;
+  o.gpus = 8;
+  o.gbs = 16;
+  o.fixed.p = 1;
+  EXPECT_TRUE(search(m, c, o).plans.empty());
+  search_matches_estimating_every_plan("llama3-70b", false, 1, true, Recompute::none);
+  o.search_offload = true;
+  const SearchResult r = search(m, c, o);
+  ASSERT_FALSE(r.plans.empty());
+  for (const Estimate& e : r.plans) EXPECT_GT(e.plan.offload, 0) << plan_to_inline(e.plan);
+  Plan less = r.plans.front().plan;  // the next fraction down (0.25 apart) does not fit
+  less.offload = less.offload - 0.25;
+  EXPECT_FALSE(estimate(m, c, less).fits) << plan_to_inline(less);
+  // The candidates: each ZeRO >= 1 one again for each fraction.
+  o.search_offload = false;
+  const int64_t without = search(m, c, o).candidates_evaluated;
+  EXPECT_GT(r.candidates_evaluated, without);
 }
 
 // Ranks sharing processors compute up to max_compute_speed() faster than the layer costs
