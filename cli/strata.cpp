@@ -266,7 +266,7 @@ std::string plan_row(const ModelSpec& m, const Estimate& e, int rank) {
                      p.sp ? "y" : "n",
                      to_string(p.schedule()), e.step_time_s, e.tokens_per_s, 100.0 * e.mfu,
                      e.memory.peak / (1024.0 * 1024 * 1024), 100.0 * e.time.pipeline_bubble / e.step_time_s,
-                     split_text(m, p));
+                     split_text(m, p) + (p.offload > 0 ? fmt::format("  offload={:g}", p.offload) : std::string()));
 }
 
 const char* kPlanHeader =

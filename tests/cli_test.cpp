@@ -190,6 +190,9 @@ TEST(Cli, PlanJsonExportsAndTrace) {
   EXPECT_NE(ob.out.find("optimizer.optimizer_cpu_offload=true"), std::string::npos) << ob.out;
   const Outcome oj = strata(off + "--fix offload=1 --json");
   ASSERT_EQ(oj.code, 0) << oj.err;
+  const Outcome ot = strata(off + "--search-offload --top 2");  // the table's rows say it
+  ASSERT_EQ(ot.code, 0) << ot.err;
+  EXPECT_NE(ot.out.find("-  offload=1\n"), std::string::npos) << ot.out;
   const Json offload_plans = Json::parse(oj.out);
   for (const auto& e : offload_plans["plans"]) {
     EXPECT_EQ(e["plan"]["optimizer_offload_fraction"], 1.0);
