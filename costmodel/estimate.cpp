@@ -334,7 +334,7 @@ Estimate estimate_once(const ModelSpec& m, const Cluster& cl, const Plan& p, con
   est.memory = mem[worst];
   est.fits = est.memory.peak <= cl.device.memory_bytes;
   // Offloaded optimizer states: the node's ranks' shares of its host memory.
-  const double ranks_on_node = static_cast<double>(std::min(cl.devices_per_node, p.world_size()));
+  const double ranks_on_node = ranks_per_node(cl, p);
   if (p.offload > 0) {
     est.host_memory_bytes = offloaded_host_bytes(cl, p, mem);
     if (est.host_memory_bytes > cl.host.memory_bytes) est.fits = false;
@@ -446,7 +446,11 @@ Estimate estimate_once(const ModelSpec& m, const Cluster& cl, const Plan& p, con
 double offloaded_host_bytes(const Cluster& cl, const Plan& p, const std::vector<MemoryBreakdown>& stage_memory) {
   double most = 0;
   for (const MemoryBreakdown& mb : stage_memory) most = std::max(most, mb.host_offload);
-  return static_cast<double>(std::min(cl.devices_per_node, p.world_size())) * most;
+  return ranks_per_node(cl, p) * most;
+}
+
+double ranks_per_node(const Cluster& cl, const Plan& p) {
+  return static_cast<double>(std::min(cl.devices_per_node, p.world_size()));
 }
 
 double max_compute_speed(const Cluster& cl) {
@@ -476,7 +480,7 @@ Estimate estimate(const ModelSpec& m, const Cluster& cl, const Plan& p, const Es
   // until s and f(s), or the bracket's ends, agree within 1e-9; the estimate returned is
   // the one at the s it reports.
   const double N = static_cast<double>(cl.devices_per_node), C = static_cast<double>(cl.processors_per_node);
-  const double ranks = std::min(N, static_cast<double>(p.world_size()));
+  const double ranks = ranks_per_node(cl, p);
   EstimateOptions o = opt;
   o.pre = Precomputed{};  // layer costs at each pass's rates
   o.pre.in_flight = opt.pre.in_flight;

@@ -38,9 +38,11 @@ struct TimeBreakdown {
   }
 };
 
+// The ranks a node holds: min(devices per node, world size).
+double ranks_per_node(const Cluster& cl, const Plan& p);
 // The host memory a node's ranks use for their offloaded optimizer shares (Plan::offload):
-// min(devices per node, world) ranks, each with the largest share of the stages in
-// `stage_memory` (MemoryBreakdown::host_offload).
+// ranks_per_node ranks, each with the largest share of the stages in `stage_memory`
+// (MemoryBreakdown::host_offload).
 double offloaded_host_bytes(const Cluster& cl, const Plan& p, const std::vector<MemoryBreakdown>& stage_memory);
 
 struct Estimate {
