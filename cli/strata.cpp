@@ -98,9 +98,11 @@ void list_presets(bool models) {
     for (const auto& n : model_preset_names()) {
       ModelSpec m;
       find_model_preset(n, &m);
-      fmt::print("{:<14} {:>9} params  L={:<4} H={:<6} A={:<4} G={:<4} F={:<6} V={:<7} S={:<6} {} {}\n", n,
+      fmt::print("{:<15} {:>9} params  L={:<4} H={:<6} A={:<4} G={:<4} F={:<6} V={:<7} S={:<6} {} {}{}\n", n,
                  human_count(m.total_params()), m.L, m.H, m.A, m.G, m.F, m.V, m.S, to_string(m.activation),
-                 to_string(m.normalization));
+                 to_string(m.normalization),
+                 m.moe() ? fmt::format("  E={} top-{} Fe={} ({} active)", m.E, m.K, m.Fe, human_count(m.active_params()))
+                         : std::string());
     }
   } else {
     for (const auto& n : cluster_preset_names()) {
@@ -266,7 +268,8 @@ std::string plan_row(const ModelSpec& m, const Estimate& e, int rank) {
                      p.sp ? "y" : "n",
                      to_string(p.schedule()), e.step_time_s, e.tokens_per_s, 100.0 * e.mfu,
                      e.memory.peak / (1024.0 * 1024 * 1024), 100.0 * e.time.pipeline_bubble / e.step_time_s,
-                     split_text(m, p) + (p.offload > 0 ? fmt::format("  offload={:g}", p.offload) : std::string()));
+                     split_text(m, p) + (p.offload > 0 ? fmt::format("  offload={:g}", p.offload) : std::string()) +
+                         (m.moe() ? fmt::format("  ep={}", p.ep) : std::string()));
 }
 
 const char* kPlanHeader =

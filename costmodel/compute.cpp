@@ -29,6 +29,7 @@ const char* to_string(OpKind k) {
     case OpKind::tp_comm: return "tp_comm";
     case OpKind::cp_comm: return "cp_comm";
     case OpKind::dp_comm: return "dp_comm";
+    case OpKind::ep_comm: return "ep_comm";
   }
   return "?";
 }
@@ -38,6 +39,7 @@ Work& Work::operator+=(const Work& o) {
   tp_comm_s += o.tp_comm_s;
   cp_comm_s += o.cp_comm_s;
   dp_comm_s += o.dp_comm_s;
+  ep_comm_s += o.ep_comm_s;
   tp_comm_all_s += o.tp_comm_all_s;
   dp_comm_all_s += o.dp_comm_all_s;
   return *this;
@@ -49,6 +51,7 @@ Work operator*(double k, const Work& w) {
   r.tp_comm_s = k * w.tp_comm_s;
   r.cp_comm_s = k * w.cp_comm_s;
   r.dp_comm_s = k * w.dp_comm_s;
+  r.ep_comm_s = k * w.ep_comm_s;
   r.tp_comm_all_s = k * w.tp_comm_all_s;
   r.dp_comm_all_s = k * w.dp_comm_all_s;
   return r;
@@ -129,6 +132,7 @@ struct Acc {
   const ComputeSetup& cs;
   std::vector<OpCost>* ops;
   GroupSpan tp, cp, dp;
+  GroupSpan etp, ep, edp;  // an expert's ranks, the expert-parallel ranks (etp apart), the expert replicas (etp ep apart)
   double peak_linear, peak_attn;  // FLOP/s for the linear layers and the attention core
   // What the fused attention's efficiency multiplies: the attention peak, or on the strata
   // stack the fp32 peak whatever the precision: its flash kernels run in fp32 on the CUDA
@@ -161,6 +165,9 @@ struct Acc {
     tp = group_span(p.t, 1, N);
     cp = group_span(p.c, p.t, N);
     dp = group_span(p.replicas(), p.t, N);  // parameter replicas: data x context parallel
+    etp = group_span(p.expert_tp(), 1, N);
+    ep = group_span(p.ep, p.expert_tp(), N);
+    edp = group_span(p.expert_replicas(), p.expert_tp() * p.ep, N);
     const Device& dev = cl.device;
     peak_attn = p.precision == Precision::fp8 ? dev.peak_bf16_flops : dev.peak_flops(p.precision);
     peak_linear = dev.peak_flops(p.precision);
@@ -224,6 +231,23 @@ struct Acc {
     t += wgrad(name, ph, K, N, M, peak_linear, lin_bytes);  // wgrad
     return t;
   }
+  // n GEMMs alike run as one grouped kernel (the experts of a layer, Megatron-core's
+  // --moe-grouped-gemm): their FLOPs and bytes at the efficiency of one of them. Backward:
+  // dgrad and wgrad as in linear().
+  double grouped_linear(const char* name, Phase ph, double n, double M, double N, double K) {
+    auto grouped = [&](double m_, double n_, double k_, double out_bytes) {
+      const double flops = 2.0 * m_ * n_ * k_;
+      const double bytes = lin_bytes * (m_ * k_ + k_ * n_) + (out_bytes < 0 ? lin_bytes : out_bytes) * m_ * n_;
+      return kernel(name, ph, n * flops, n * bytes, peak_linear * efficiency(peak_linear, flops));
+    };
+    double t = 0;
+    if (p.precision == Precision::fp8) t += mem("fp8_cast", ph, 3.0 * n * M * K);
+    if (ph != Phase::backward) return t + grouped(M, N, K, -1.0);
+    if (p.precision == Precision::fp8) t += mem("fp8_cast", ph, 3.0 * n * M * N);
+    t += grouped(M, K, N, -1.0);                                              // dgrad
+    t += grouped(K, N, M, cs.stack.grad_accumulation_fusion ? 8.0 : -1.0);   // wgrad
+    return t;
+  }
   double mem(const char* name, Phase ph, double bytes) {
     const double t = memory_s(bytes);
     w(ph).compute_s += t;
@@ -242,6 +266,7 @@ struct Acc {
       w(ph).tp_comm_all_s += t;
     }
     else if (kind == OpKind::cp_comm) w(ph).cp_comm_s += exposed;
+    else if (kind == OpKind::ep_comm) w(ph).ep_comm_s += exposed;
     else {
       w(ph).dp_comm_s += exposed;
       w(ph).dp_comm_all_s += t;
@@ -446,6 +471,93 @@ void passes(Acc& a, const char* name, Phase ph, const Tensors& ts, double bytes_
   for (int i = 0; i < ts.count; ++i) a.mem(name, ph, bytes_per_value * ts.values[static_cast<size_t>(i)]);
 }
 
+// The MoE block after norm2 (Megatron-core's MoE layer with the all-to-all dispatcher),
+// for balanced routing: the router (a replicated E x H GEMM on the rank's Tn tokens, then
+// softmax and top-k in fp32), the K copies of each token permuted into expert order, sent
+// to their experts' ranks (all-to-all over the ep ranks) and gathered over the etp ranks
+// each expert's matrices are split over (expert_tensor_parallel_size; tensor parallelism
+// needs sequence parallelism, so a rank holds Tn = T/t tokens), so that the E/ep local
+// experts see Tn K etp token copies in all (T K when etp = t), an E/ep-th of that each, in
+// grouped GEMMs; then the way back (reduce-scatter, all-to-all) and the un-permute that
+// weights each copy by its probability and sums them. A shared expert runs as a dense MLP
+// of Fs beside it, split over the tensor-parallel ranks.
+struct MoeSizes {
+  double sent, arriving, local, per_expert, fc1, Ft, fs1, Fst;
+};
+MoeSizes moe_sizes(const Acc& a) {
+  const ModelSpec& m = a.m;
+  const double t = static_cast<double>(a.p.t), K = static_cast<double>(m.K);
+  const double etp = static_cast<double>(a.p.expert_tp());
+  MoeSizes z;
+  z.sent = a.cs.Tn * K;                                       // token copies this rank dispatches
+  z.arriving = z.sent * etp;                                  // token copies its experts compute
+  z.local = static_cast<double>(m.E / a.p.ep);                // experts on this rank
+  z.per_expert = z.arriving / z.local;
+  z.fc1 = static_cast<double>(m.expert_fc1_out()) / etp;
+  z.Ft = static_cast<double>(m.Fe) / etp;
+  z.fs1 = static_cast<double>(m.shared_fc1_out()) / t;
+  z.Fst = static_cast<double>(m.Fs) / t;
+  return z;
+}
+
+void moe_forward(Acc& a, Phase ph) {
+  const ModelSpec& m = a.m;
+  const Plan& p = a.p;
+  const double e = a.cs.work_bytes, T = a.cs.T, Tn = a.cs.Tn, H = static_cast<double>(m.H);
+  const double E = static_cast<double>(m.E);
+  const MoeSizes z = moe_sizes(a);
+  if (m.Fs > 0) {  // the shared expert: a dense MLP of Fs
+    a.tp_gather("sp_all_gather", ph);
+    a.linear("shared_fc1", ph, T, z.fs1, H);
+    a.mem(to_string(m.activation), ph, (m.gated() ? 3.0 : 2.0) * e * T * z.Fst);
+    a.linear("shared_fc2", ph, T, H, z.Fst);
+    a.tp_reduce(p.sp ? "sp_reduce_scatter" : "tp_all_reduce", ph);
+  }
+  a.gemm("router", ph, Tn, E, H, a.peak_attn, e);
+  a.mem("router_topk", ph, (e + 8.0) * Tn * E);
+  a.mem("moe_permute", ph, 2.0 * e * z.sent * H);
+  a.comm("ep_dispatch_all_to_all", ph, OpKind::ep_comm, a.ep, Collective::all_to_all, e * z.sent * H);
+  if (p.expert_tp() > 1)
+    a.comm("moe_tp_all_gather", ph, OpKind::tp_comm, a.etp, Collective::all_gather, e * z.arriving * H);
+  a.grouped_linear("expert_fc1", ph, z.local, z.per_expert, z.fc1, H);
+  a.mem(to_string(m.activation), ph, (m.gated() ? 3.0 : 2.0) * e * z.arriving * z.Ft);
+  a.grouped_linear("expert_fc2", ph, z.local, z.per_expert, H, z.Ft);
+  if (p.expert_tp() > 1)
+    a.comm("moe_tp_reduce_scatter", ph, OpKind::tp_comm, a.etp, Collective::reduce_scatter, e * z.arriving * H);
+  a.comm("ep_combine_all_to_all", ph, OpKind::ep_comm, a.ep, Collective::all_to_all, e * z.sent * H);
+  a.mem("moe_unpermute", ph, 2.0 * e * z.sent * H + e * Tn * H);
+}
+
+void moe_backward(Acc& a) {
+  const ModelSpec& m = a.m;
+  const Plan& p = a.p;
+  const Phase ph = Phase::backward;
+  const double e = a.cs.work_bytes, T = a.cs.T, Tn = a.cs.Tn, H = static_cast<double>(m.H);
+  const double E = static_cast<double>(m.E);
+  const MoeSizes z = moe_sizes(a);
+  a.mem("moe_unpermute", ph, 2.0 * e * z.sent * H + e * Tn * H);
+  a.comm("ep_combine_all_to_all", ph, OpKind::ep_comm, a.ep, Collective::all_to_all, e * z.sent * H);
+  if (p.expert_tp() > 1)
+    a.comm("moe_tp_all_gather", ph, OpKind::tp_comm, a.etp, Collective::all_gather, e * z.arriving * H);
+  a.grouped_linear("expert_fc2", ph, z.local, z.per_expert, H, z.Ft);
+  a.mem(to_string(m.activation), ph, (m.gated() ? 5.0 : 3.0) * e * z.arriving * z.Ft);
+  a.grouped_linear("expert_fc1", ph, z.local, z.per_expert, z.fc1, H);
+  if (p.expert_tp() > 1)
+    a.comm("moe_tp_reduce_scatter", ph, OpKind::tp_comm, a.etp, Collective::reduce_scatter, e * z.arriving * H);
+  a.comm("ep_dispatch_all_to_all", ph, OpKind::ep_comm, a.ep, Collective::all_to_all, e * z.sent * H);
+  a.mem("moe_permute", ph, 2.0 * e * z.sent * H);
+  a.mem("router_topk", ph, (e + 8.0) * Tn * E);
+  a.gemm("router", ph, Tn, H, E, a.peak_attn, e);                                            // dgrad
+  a.gemm("router", ph, H, E, Tn, a.peak_attn, e, a.cs.stack.grad_accumulation_fusion ? 8.0 : -1.0);  // wgrad
+  if (m.Fs > 0) {
+    a.tp_gather("sp_all_gather", ph);
+    a.linear("shared_fc2", ph, T, H, z.Fst);
+    a.mem(to_string(m.activation), ph, (m.gated() ? 5.0 : 3.0) * e * T * z.Fst);
+    a.linear("shared_fc1", ph, T, z.fs1, H);
+    a.tp_reduce(p.sp ? "sp_reduce_scatter" : "tp_all_reduce", ph);
+  }
+}
+
 // The forward of one layer (also replayed by full recompute), but for packing what it
 // keeps (pack_kept).
 void layer_forward(Acc& a, Phase ph) {
@@ -466,12 +578,16 @@ void layer_forward(Acc& a, Phase ph) {
   a.tp_reduce(p.sp ? "sp_reduce_scatter" : "tp_all_reduce", ph);
   a.mem("bias_dropout_add", ph, dropout_bytes(Tn * H, m.hidden_dropout, a.cs.work_bytes, true));
   a.mem("norm2", ph, 2.0 * e * Tn * H);
-  a.tp_gather("sp_all_gather", ph);
-  a.linear("fc1", ph, T, fc1_cols, H);
-  a.mem(to_string(m.activation), ph,
-        (m.gated() ? 3.0 : 2.0) * e * T * Ft);
-  a.linear("fc2", ph, T, H, Ft);
-  a.tp_reduce(p.sp ? "sp_reduce_scatter" : "tp_all_reduce", ph);
+  if (m.moe()) {
+    moe_forward(a, ph);
+  } else {
+    a.tp_gather("sp_all_gather", ph);
+    a.linear("fc1", ph, T, fc1_cols, H);
+    a.mem(to_string(m.activation), ph,
+          (m.gated() ? 3.0 : 2.0) * e * T * Ft);
+    a.linear("fc2", ph, T, H, Ft);
+    a.tp_reduce(p.sp ? "sp_reduce_scatter" : "tp_all_reduce", ph);
+  }
   a.mem("bias_dropout_add", ph, dropout_bytes(Tn * H, m.hidden_dropout, a.cs.work_bytes, true));
   if (a.cs.stack.strata) passes(a, "round16", ph, sixteen_bit_passes(a).forward_rounds, 8.0);
 }
@@ -495,15 +611,19 @@ void layer_backward(Acc& a) {
   // MLP block, in reverse.
   const double compute0 = a.w(ph).compute_s;
   a.mem("bias_dropout_add", ph, (2.0 * e + mask) * Tn * H);
-  a.tp_gather("sp_all_gather", ph);  // backward of the reduce-scatter after fc2
-  a.linear("fc2", ph, T, H, Ft);
-  a.mem(to_string(m.activation), ph,
-        (m.gated() ? 5.0 : 3.0) * e * T * Ft);
-  // fc1: the sequence-parallel input is gathered again for wgrad, behind dgrad.
-  const double fc1_dgrad = a.gemm_s(T, H, fc1_cols);
-  a.tp_gather("sp_all_gather", ph, fc1_dgrad);
-  a.linear("fc1", ph, T, fc1_cols, H);
-  a.tp_reduce(p.sp ? "sp_reduce_scatter" : "tp_all_reduce", ph, wgrad_overlap(a, T, fc1_cols, H));
+  if (m.moe()) {
+    moe_backward(a);
+  } else {
+    a.tp_gather("sp_all_gather", ph);  // backward of the reduce-scatter after fc2
+    a.linear("fc2", ph, T, H, Ft);
+    a.mem(to_string(m.activation), ph,
+          (m.gated() ? 5.0 : 3.0) * e * T * Ft);
+    // fc1: the sequence-parallel input is gathered again for wgrad, behind dgrad.
+    const double fc1_dgrad = a.gemm_s(T, H, fc1_cols);
+    a.tp_gather("sp_all_gather", ph, fc1_dgrad);
+    a.linear("fc1", ph, T, fc1_cols, H);
+    a.tp_reduce(p.sp ? "sp_reduce_scatter" : "tp_all_reduce", ph, wgrad_overlap(a, T, fc1_cols, H));
+  }
   a.mem("norm2", ph, 3.0 * e * Tn * H);
   const double mlp_s = a.w(ph).compute_s - compute0;
   // Attention block, in reverse.
@@ -518,7 +638,7 @@ void layer_backward(Acc& a) {
   a.tp_reduce(p.sp ? "sp_reduce_scatter" : "tp_all_reduce", ph, wgrad_overlap(a, T, qkv_cols, H));
   a.mem("norm1", ph, 3.0 * e * Tn * H);
   if (!a.cs.stack.grad_accumulation_fusion)
-    a.mem("grad_accumulation", ph, grad_accumulation_bytes(p.precision) * static_cast<double>(m.layer_params(p.t)));
+    a.mem("grad_accumulation", ph, grad_accumulation_bytes(p.precision) * static_cast<double>(m.layer_params(p.t, p.ep, p.etp)));
   if (!a.cs.stack.strata) return;
   const SixteenBitPasses sb = sixteen_bit_passes(a);
   passes(a, "unpack16", ph, sb.kept, 6.0);
@@ -531,28 +651,29 @@ void layer_backward(Acc& a) {
 // data-parallel reduction (DeepSpeed's overlap_comm) and exposed where it does not; ZeRO-3
 // always prefetches, and also gathers the piece's parameters before its forward and again
 // before its backward. Each hides behind the piece's own time on the compute stream in that
-// phase: its kernels and its exposed tensor- and context-parallel collectives, since the
+// phase: its kernels and its exposed tensor-, context- and expert-parallel collectives, since the
 // data-parallel stream runs on while the compute stream waits for those. (Behind the
 // kernels alone, a faster GPU could make a step slower: every collective of a phase would
 // lose the same cover at once.)
-void sharded_traffic(Acc& a, double params) {
-  if (a.p.zero < 2 || a.p.replicas() <= 1 || params <= 0) return;
-  auto on_stream = [](const Work& w) { return w.compute_s + w.tp_comm_s + w.cp_comm_s; };
+// `group`: the ranks holding those parameters (Acc::dp; the experts' Acc::edp).
+void sharded_traffic(Acc& a, double params, const GroupSpan& group) {
+  if (a.p.zero < 2 || group.size <= 1 || params <= 0) return;
+  auto on_stream = [](const Work& w) { return w.compute_s + w.tp_comm_s + w.cp_comm_s + w.ep_comm_s; };
   const double fwd = on_stream(a.lc.forward);
   const double bwd = on_stream(a.lc.backward) + on_stream(a.lc.recompute);
   if (a.p.zero == 2) {
-    a.comm("zero2_reduce_scatter", Phase::backward, OpKind::dp_comm, a.dp, Collective::reduce_scatter,
+    a.comm("zero2_reduce_scatter", Phase::backward, OpKind::dp_comm, group, Collective::reduce_scatter,
            a.cs.grad_bytes * params, a.cs.stack.overlap_grad_reduce ? bwd : 0.0);
     return;
   }
   const double w = a.cs.weight_work_bytes * params;
-  const double ag = collective_time(a.cl, a.dp, Collective::all_gather, w);
+  const double ag = collective_time(a.cl, group, Collective::all_gather, w);
   // The strata executor's gathers progress only while it polls between kernels: exposed
   // (its stack table in hw_profiles/README.md); its reduce-scatters overlap the backward.
   const bool strata = a.cs.stack.strata;
-  a.comm("zero3_all_gather", Phase::forward, OpKind::dp_comm, a.dp, Collective::all_gather, w, strata ? 0.0 : fwd);
-  a.comm("zero3_all_gather", Phase::backward, OpKind::dp_comm, a.dp, Collective::all_gather, w, strata ? 0.0 : bwd);
-  a.comm("zero3_reduce_scatter", Phase::backward, OpKind::dp_comm, a.dp, Collective::reduce_scatter,
+  a.comm("zero3_all_gather", Phase::forward, OpKind::dp_comm, group, Collective::all_gather, w, strata ? 0.0 : fwd);
+  a.comm("zero3_all_gather", Phase::backward, OpKind::dp_comm, group, Collective::all_gather, w, strata ? 0.0 : bwd);
+  a.comm("zero3_reduce_scatter", Phase::backward, OpKind::dp_comm, group, Collective::reduce_scatter,
          a.cs.grad_bytes * params, strata ? bwd : std::max(0.0, bwd - ag));
 }
 
@@ -571,7 +692,13 @@ LayerCost layer_cost(const ModelSpec& m, const Cluster& cl, const Plan& p, const
   if (replay && ops) layer_forward(a, Phase::recompute);
   if (p.recompute == Recompute::selective) attention_core_forward(a, Phase::recompute);
   layer_backward(a);
-  sharded_traffic(a, static_cast<double>(m.layer_params(p.t)));
+  if (m.moe()) {  // the experts' parameters are sharded over their own replicas
+    const double experts = static_cast<double>(m.layer_expert_params(p.expert_tp(), p.ep));
+    sharded_traffic(a, static_cast<double>(m.layer_params(p.t, p.ep, p.etp)) - experts, a.dp);
+    sharded_traffic(a, experts, a.edp);
+  } else {
+    sharded_traffic(a, static_cast<double>(m.layer_params(p.t)), a.dp);
+  }
   return a.lc;
 }
 
@@ -592,7 +719,7 @@ LayerCost embedding_cost(const ModelSpec& m, const Cluster& cl, const Plan& p, c
   if (!cs.stack.grad_accumulation_fusion)
     a.mem("grad_accumulation", Phase::backward,
           grad_accumulation_bytes(p.precision) * static_cast<double>(m.word_embedding_params(p.t)));
-  sharded_traffic(a, static_cast<double>(m.word_embedding_params(p.t) + m.position_params()));
+  sharded_traffic(a, static_cast<double>(m.word_embedding_params(p.t) + m.position_params()), a.dp);
   return a.lc;
 }
 
@@ -630,7 +757,7 @@ LayerCost head_cost(const ModelSpec& m, const Cluster& cl, const Plan& p, const 
   // The output layer's own weights: untied, or the tied copy on the last stage when p > 1
   // (with p = 1 the embedding's gather serves both).
   const bool own = !m.tie_embeddings || p.p > 1;
-  sharded_traffic(a, static_cast<double>((own ? m.word_embedding_params(p.t) : 0) + m.final_norm_params()));
+  sharded_traffic(a, static_cast<double>((own ? m.word_embedding_params(p.t) : 0) + m.final_norm_params()), a.dp);
   return a.lc;
 }
 

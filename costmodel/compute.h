@@ -20,7 +20,7 @@
 namespace strata {
 
 enum class Phase { forward, backward, recompute };
-enum class OpKind { gemm, memory, tp_comm, cp_comm, dp_comm };
+enum class OpKind { gemm, memory, tp_comm, cp_comm, dp_comm, ep_comm };
 
 // One op of a layer; filled only when a caller asks for the list (breakdown, trace, tests).
 struct OpCost {
@@ -39,9 +39,10 @@ struct Work {
   double tp_comm_s = 0;  // exposed tensor-parallel collectives
   double cp_comm_s = 0;  // exposed context-parallel exchange
   double dp_comm_s = 0;  // exposed ZeRO-2/3 gradient reduce-scatters and ZeRO-3 parameter gathers
+  double ep_comm_s = 0;  // exposed expert-parallel all-to-alls (token dispatch and combine)
   double tp_comm_all_s = 0;  // tensor-parallel communication before overlap (for reports)
   double dp_comm_all_s = 0;  // ZeRO-2/3 reduce-scatters and ZeRO-3 gathers before overlap (for reports)
-  double total() const { return compute_s + tp_comm_s + cp_comm_s + dp_comm_s; }
+  double total() const { return compute_s + tp_comm_s + cp_comm_s + dp_comm_s + ep_comm_s; }
   Work& operator+=(const Work& o);
 };
 Work operator*(double k, const Work& w);

@@ -205,15 +205,21 @@ struct DpTail {
   double exposed_s = 0, total_s = 0;
 };
 
+// expert_params: the routed experts' share of params, reduced over their own replicas (the
+// expert data-parallel group, d / ep ranks tp * ep apart) after the dense parameters'.
 DpTail data_parallel_tail(const ModelSpec& m, const Cluster& cl, const Plan& p, const ComputeSetup& cs, int64_t stage,
-                          double params, double last_backward_s, double first_forward_s) {
+                          double params, double expert_params, double last_backward_s, double first_forward_s) {
   constexpr double kMegatronGradBucketParams = 40e6;  // Megatron-core's default bucket
   const GroupSpan dp = group_span(p.replicas(), p.t, cl.devices_per_node);
   double reduce = 0, gather = 0;
-  if (dp.size > 1 && p.zero == 0) reduce = collective_time(cl, dp, Collective::all_reduce, cs.grad_bytes * params);
-  if (dp.size > 1 && p.zero == 1) reduce = collective_time(cl, dp, Collective::reduce_scatter, cs.grad_bytes * params);
-  if (dp.size > 1 && (p.zero == 1 || p.zero == 2))
-    gather = collective_time(cl, dp, Collective::all_gather, cs.weight_work_bytes * params);
+  auto over = [&](const GroupSpan& g, double n) {
+    if (g.size <= 1) return;
+    if (p.zero == 0) reduce += collective_time(cl, g, Collective::all_reduce, cs.grad_bytes * n);
+    if (p.zero == 1) reduce += collective_time(cl, g, Collective::reduce_scatter, cs.grad_bytes * n);
+    if (p.zero == 1 || p.zero == 2) gather += collective_time(cl, g, Collective::all_gather, cs.weight_work_bytes * n);
+  };
+  over(dp, params - expert_params);
+  if (expert_params > 0) over(group_span(p.expert_replicas(), p.expert_tp() * p.ep, cl.devices_per_node), expert_params);
   double exposed = reduce;
   if (cs.stack.overlap_grad_reduce) {
     const double last_bucket = reduce * std::min(1.0, kMegatronGradBucketParams / std::max(params, 1.0));
@@ -355,14 +361,17 @@ Estimate estimate_once(const ModelSpec& m, const Cluster& cl, const Plan& p, con
     for (int64_t c = 0; c < lay.v; ++c) last_backward += st.b(s, c);
     // The tail depends on the stage through these inputs, and on whether it holds an end of
     // a tied embedding: a middle stage like the one before it has the same tail.
-    const bool same = s >= 2 && s < p.p - 1 && P == mem[i - 1].params && last_backward == before_backward &&
+    const bool same = s >= 2 && s < p.p - 1 && P == mem[i - 1].params && mem[i].expert_params == mem[i - 1].expert_params && last_backward == before_backward &&
                       st.f(s, 0) == st.f(s - 1, 0);
     before_backward = last_backward;
     if (!same) {
-      const DpTail tail = data_parallel_tail(m, cl, p, cs, s, P, last_backward, st.f(s, 0));
+      const double Pe = mem[i].expert_params;
+      const DpTail tail = data_parallel_tail(m, cl, p, cs, s, P, Pe, last_backward, st.f(s, 0));
       dp_exposed[i] = tail.exposed_s;
       dp_total[i] = tail.total_s;
-      const double shard = P / static_cast<double>(p.replicas());
+      const double shard = Pe == 0 ? P / static_cast<double>(p.replicas())
+                                   : (P - Pe) / static_cast<double>(p.replicas()) +
+                                         Pe / static_cast<double>(p.expert_replicas());
       const double updated = p.zero >= 1 ? shard : P, offloaded = p.offload * updated;
       opt_s[i] = optimizer_time(cl.device, p, updated - offloaded, p.zero >= 2 ? shard : P);
       if (offloaded > 0) opt_s[i] += offload_optimizer_time(cl, p, offloaded, ranks_on_node);
@@ -400,6 +409,7 @@ Estimate estimate_once(const ModelSpec& m, const Cluster& cl, const Plan& p, con
   tb.recompute = mb * R.compute_s;
   tb.tp_comm = mb * (F.tp_comm_s + Bw.tp_comm_s + R.tp_comm_s);
   tb.cp_comm = mb * (F.cp_comm_s + Bw.cp_comm_s + R.cp_comm_s);
+  tb.ep_comm = mb * (F.ep_comm_s + Bw.ep_comm_s + R.ep_comm_s);
   tb.dp_comm = mb * (F.dp_comm_s + Bw.dp_comm_s + R.dp_comm_s) + dp_exposed[crit];
   tb.pp_comm = sim.p2p_s[crit];
   tb.optimizer = opt_s[crit];
@@ -503,10 +513,13 @@ Estimate estimate(const ModelSpec& m, const Cluster& cl, const Plan& p, const Es
 }
 
 Terms time_terms(const TimeBreakdown& t) {
-  return {{"forward", t.forward},     {"backward", t.backward}, {"recompute", t.recompute},
-          {"tp_comm", t.tp_comm},     {"cp_comm", t.cp_comm},   {"pp_comm", t.pp_comm},
-          {"dp_comm", t.dp_comm},     {"pipeline_bubble", t.pipeline_bubble},
-          {"optimizer", t.optimizer}, {"overhead", t.overhead}};
+  Terms terms{{"forward", t.forward},     {"backward", t.backward}, {"recompute", t.recompute},
+              {"tp_comm", t.tp_comm},     {"cp_comm", t.cp_comm},   {"pp_comm", t.pp_comm},
+              {"dp_comm", t.dp_comm},     {"pipeline_bubble", t.pipeline_bubble},
+              {"optimizer", t.optimizer}, {"overhead", t.overhead}};
+  // Expert-parallel all-to-alls, where a mixture-of-experts plan has them (after cp_comm).
+  if (t.ep_comm > 0) terms.insert(terms.begin() + 5, {"ep_comm", t.ep_comm});
+  return terms;
 }
 
 Terms memory_terms(const MemoryBreakdown& m) {

@@ -32,9 +32,10 @@ namespace strata {
 struct TimeBreakdown {
   double forward = 0, backward = 0, recompute = 0, optimizer = 0, tp_comm = 0, cp_comm = 0, pp_comm = 0,
          dp_comm = 0, pipeline_bubble = 0, overhead = 0;
+  double ep_comm = 0;  // expert-parallel all-to-alls (mixture-of-experts models)
   double sum() const {
     return forward + backward + recompute + optimizer + tp_comm + cp_comm + pp_comm + dp_comm + pipeline_bubble +
-           overhead;
+           overhead + ep_comm;
   }
 };
 

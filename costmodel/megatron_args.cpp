@@ -25,7 +25,10 @@ const std::set<std::string>& model_flags() {
       "make_vocab_size_divisible_by", "swiglu", "normalization", "position_embedding_type",
       "use_rotary_position_embeddings", "untie_embeddings_and_output_weights", "disable_bias_linear",
       "attention_dropout", "hidden_dropout", "norm_epsilon", "layernorm_epsilon", "rotary_base", "rotary_percent",
-      "init_method_std", "apply_query_key_layer_scaling", "num_experts"};
+      "init_method_std", "apply_query_key_layer_scaling", "num_experts", "moe_router_topk", "moe_ffn_hidden_size",
+      "moe_shared_expert_intermediate_size", "moe_layer_freq", "moe_grouped_gemm", "moe_token_dispatcher_type",
+      "moe_router_load_balancing_type", "moe_aux_loss_coeff", "moe_z_loss_coeff", "moe_permute_fusion",
+      "moe_expert_capacity_factor"};
   return s;
 }
 // Megatron's store_true flags among them: never followed by a value.
@@ -35,7 +38,8 @@ const std::set<std::string>& switch_flags() {
       "disable_bias_linear", "apply_query_key_layer_scaling", "sequence_parallel", "use_distributed_optimizer",
       "use_torch_fsdp2", "bf16", "fp16", "overlap_grad_reduce", "overlap_param_gather", "tp_comm_overlap",
       "use_flash_attn", "no_gradient_accumulation_fusion", "recompute_activations", "use_megatron_fsdp",
-      "account_for_embedding_in_pipeline_split", "account_for_loss_in_pipeline_split", "optimizer_cpu_offload"};
+      "account_for_embedding_in_pipeline_split", "account_for_loss_in_pipeline_split", "optimizer_cpu_offload",
+      "moe_grouped_gemm", "moe_permute_fusion"};
   return s;
 }
 // Flags that set what strata does not take from a launch: refused, naming the way to say it.
@@ -55,7 +59,8 @@ const std::set<std::string>& plan_flags() {
       "attention_backend", "microbatch_group_size_per_virtual_pipeline_stage", "recompute_activations",
       "use_megatron_fsdp", "num_virtual_stages_per_pipeline_rank", "account_for_embedding_in_pipeline_split",
       "account_for_loss_in_pipeline_split", "decoder_first_pipeline_num_layers", "decoder_last_pipeline_num_layers",
-      "pipeline_model_parallel_layout", "cp_comm_type", "optimizer_cpu_offload", "optimizer_offload_fraction"};
+      "pipeline_model_parallel_layout", "cp_comm_type", "optimizer_cpu_offload", "optimizer_offload_fraction",
+      "expert_model_parallel_size", "expert_tensor_parallel_size"};
   return s;
 }
 

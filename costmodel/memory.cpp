@@ -42,6 +42,27 @@ StateBytes state_bytes(Precision prec, bool fused) {
   return {2, 6, 12};
 }
 
+namespace {
+
+// A mixture-of-experts layer's activations in place of the dense MLP's fc1 output and fc2
+// input (what layer_activation_bytes counts for a dense MLP): the router's logits and fp32
+// probabilities (Tn x E), the token copies as the experts' fc1 reads them (Tn K etp after
+// the expert-tensor-parallel gather, compute.cpp), each expert's fc1 output and fc2 input
+// (split over etp), the experts' outputs the probability-weighted sum keeps (Tn K x H), and
+// the shared expert's fc1 output and fc2 input. Out of line: the dense path stays short.
+[[gnu::noinline]] double moe_mlp_activation_delta(const ModelSpec& m, const Plan& p, const ComputeSetup& cs, double lin) {
+  const double e = cs.act_bytes, T = cs.T, Tn = cs.Tn, H = static_cast<double>(m.H), t = static_cast<double>(p.t);
+  const double K = static_cast<double>(m.K), etp = static_cast<double>(p.expert_tp());
+  const double copies = Tn * K * etp;
+  const double dense = e * T * static_cast<double>(m.fc1_out()) / t + lin * T * static_cast<double>(m.F) / t;
+  return (e + 4.0) * Tn * static_cast<double>(m.E) + lin * copies * H +
+         e * copies * static_cast<double>(m.expert_fc1_out()) / etp + lin * copies * static_cast<double>(m.Fe) / etp +
+         e * Tn * K * H + e * T * static_cast<double>(m.shared_fc1_out()) / t + lin * T * static_cast<double>(m.Fs) / t -
+         dense;
+}
+
+}  // namespace
+
 double layer_activation_bytes(const ModelSpec& m, const Plan& p, const ComputeSetup& cs) {
   const double e = cs.act_bytes, T = cs.T, Tn = cs.Tn, H = static_cast<double>(m.H);
   const double t = static_cast<double>(p.t);
@@ -64,6 +85,7 @@ double layer_activation_bytes(const ModelSpec& m, const Plan& p, const ComputeSe
                  + lin * Tn * H                    // MLP input
                  + e * T * static_cast<double>(m.fc1_out()) / t
                  + lin * T * static_cast<double>(m.F) / t;  // fc2 input
+  if (m.moe()) bytes += moe_mlp_activation_delta(m, p, cs, lin);
   if (m.hidden_dropout > 0) bytes += 2.0 * Tn * H;
   // The strata executor keeps the gathered (full-sequence) QKV and MLP inputs as well.
   if (cs.stack.strata && p.sp && p.t > 1) bytes += 2.0 * e * T * H;
@@ -110,7 +132,8 @@ StageMemoryInputs stage_memory_inputs(const ModelSpec& m, const Plan& p, const C
   in.embedding_act = embedding_activation_bytes(m, p, cs);
   in.head_act = head_activation_bytes(m, p, cs);
   in.head_working = head_working_bytes(m, p, cs);
-  in.layer_params = static_cast<double>(m.layer_params(p.t));
+  in.layer_params = static_cast<double>(m.layer_params(p.t, p.ep, p.etp));
+  in.layer_expert_params = m.moe() ? static_cast<double>(m.layer_expert_params(p.expert_tp(), p.ep)) : 0.0;
   in.word_embedding_params = static_cast<double>(m.word_embedding_params(p.t));
   in.position_params = static_cast<double>(m.position_params());
   in.final_norm_params = static_cast<double>(m.final_norm_params());
@@ -134,7 +157,7 @@ double stage_params(const ModelSpec& m, const Plan& p, const StageLayout& lay, i
 
 double stage_params(const ModelSpec& m, const Plan& p, const StageLayout& lay, int64_t s) {
   StageMemoryInputs in;
-  in.layer_params = static_cast<double>(m.layer_params(p.t));
+  in.layer_params = static_cast<double>(m.layer_params(p.t, p.ep, p.etp));
   in.word_embedding_params = static_cast<double>(m.word_embedding_params(p.t));
   in.position_params = static_cast<double>(m.position_params());
   in.final_norm_params = static_cast<double>(m.final_norm_params());
@@ -216,21 +239,33 @@ StageShape stage_shape(const ModelSpec& m, const Plan& p, const StageLayout& lay
   MemoryBreakdown& mb = shape.fixed;
   const double P = stage_params(m, p, lay, s, in);
   mb.params = P;
+  const double Pe = in.layer_expert_params > 0 ? static_cast<double>(lay.stage_layers(s)) * in.layer_expert_params
+                                               : 0.0;  // the routed experts' share of P
+  mb.expert_params = Pe;
   const double d = static_cast<double>(p.replicas());
   StateBytes sb = state_bytes(p.precision, cs.stack.grad_accumulation_fusion);
   // The strata executor: compute-precision weights, fp32 gradients, fp32 master (mixed
   // precision only) and Adam moments.
   if (cs.stack.strata) sb = {cs.weight_bytes, 4.0, p.precision == Precision::fp32 ? 8.0 : 12.0};
-  mb.weights = sb.weights * P / (p.zero >= 3 ? d : 1.0);
-  mb.gradients = sb.gradients * P / (p.zero >= 2 ? d : 1.0);
+  if (Pe == 0) {
+    mb.weights = sb.weights * P / (p.zero >= 3 ? d : 1.0);
+    mb.gradients = sb.gradients * P / (p.zero >= 2 ? d : 1.0);
+    mb.optimizer_states = sb.optimizer_states * P / (p.zero >= 1 ? d : 1.0);
+  } else {  // the dense parameters sharded over their d replicas, the experts' over theirs
+    const double de = static_cast<double>(p.expert_replicas());
+    auto states = [&](double per, bool sharded) { return sharded ? per * (P - Pe) / d + per * Pe / de : per * P; };
+    mb.weights = states(sb.weights, p.zero >= 3);
+    mb.gradients = states(sb.gradients, p.zero >= 2);
+    mb.optimizer_states = states(sb.optimizer_states, p.zero >= 1);
+  }
   // ZeRO-1 in the strata executor reduce-scatters the full gradient buffer into a separate
   // owned block (Megatron's distributed optimizer works in place).
   if (cs.stack.strata && p.zero == 1 && d > 1) mb.gradients += sb.gradients * P / d;
-  mb.optimizer_states = sb.optimizer_states * P / (p.zero >= 1 ? d : 1.0);
   if (p.offload > 0) {  // that share of the states on the host, with an fp32 gradient each
     const double moved = p.offload * mb.optimizer_states;
     mb.optimizer_states -= moved;
-    mb.host_offload = moved + 4.0 * p.offload * P / (p.zero >= 1 ? d : 1.0);
+    const double shard = p.zero < 1 ? P : Pe == 0 ? P / d : (P - Pe) / d + Pe / static_cast<double>(p.expert_replicas());
+    mb.host_offload = moved + (Pe == 0 ? 4.0 * p.offload * P / (p.zero >= 1 ? d : 1.0) : 4.0 * p.offload * shard);
     // With ZeRO-2/3 the gradient shard is the offloaded parameters' own (DeepSpeed's
     // ZeRO-Offload moves each reduced partition to the host); Megatron's distributed
     // optimizer (ZeRO-1) keeps its gradient buffer on the GPU.
@@ -269,6 +304,11 @@ StageShape stage_shape(const ModelSpec& m, const Plan& p, const StageLayout& lay
     const double fc1_cols = static_cast<double>(m.fc1_out());
     working = cs.act_bytes * cs.T * ((fc1_cols + static_cast<double>(m.F)) / static_cast<double>(p.t) +
                              2.0 * static_cast<double>(m.H));
+    if (m.moe()) {  // the token copies' expert activations and the shared expert's in their place
+      const double etp = static_cast<double>(p.expert_tp()), copies = cs.Tn * static_cast<double>(m.K) * etp;
+      working = cs.act_bytes * (copies * (static_cast<double>(m.expert_fc1_out() + m.Fe) / etp + 2.0 * static_cast<double>(m.H)) +
+                                cs.T * static_cast<double>(m.shared_fc1_out() + m.Fs) / static_cast<double>(p.t));
+    }
     // A recomputed layer rebuilds all its activations for its backward. With partial
     // recompute the recomputed (first) layers of a chunk run their backward last, after
     // the chunk's other layers freed more than one layer's worth: no new peak.

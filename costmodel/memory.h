@@ -19,6 +19,7 @@ namespace strata {
 struct MemoryBreakdown {
   int64_t stage = 0;
   double params = 0;  // parameters held by this GPU (before ZeRO-3 sharding)
+  double expert_params = 0;  // of them, routed experts' (replicated d / ep times, not d)
   double weights = 0, gradients = 0, optimizer_states = 0, activations = 0, comm_buffers = 0,
          framework_overhead = 0, peak = 0;
   // Host memory of the offloaded optimizer share (Plan::offload): its fp32 master weights,
@@ -56,6 +57,7 @@ struct StageMemoryInputs {
   double per_layer = 0, per_full_layer = 0;  // layer_activation_bytes, layer_full_activation_bytes
   double embedding_act = 0, head_act = 0, head_working = 0;
   double layer_params = 0, word_embedding_params = 0, position_params = 0, final_norm_params = 0;
+  double layer_expert_params = 0;  // the routed experts' share of layer_params
 };
 StageMemoryInputs stage_memory_inputs(const ModelSpec& m, const Plan& p, const ComputeSetup& cs);
 // The activations stage s holds at its peak when each chunk-micro-batch of chunk c weighs

@@ -28,6 +28,12 @@ ModelSpec llama(const char* name, int64_t L, int64_t H, int64_t A, int64_t G, in
   return m;
 }
 
+// A Llama-style model whose every MLP is E experts of Fe, K per token (model_spec.h).
+ModelSpec moe(ModelSpec m, int64_t E, int64_t K, int64_t Fe, int64_t kv_channels = 0) {
+  m.E = E; m.K = K; m.Fe = Fe; m.kv_channels = kv_channels;
+  return m;
+}
+
 const std::map<std::string, ModelSpec>& presets() {
   static const std::map<std::string, ModelSpec> p = [] {
     std::map<std::string, ModelSpec> m;
@@ -43,6 +49,13 @@ const std::map<std::string, ModelSpec>& presets() {
     add(llama("llama3-8b", 32, 4096, 32, 8, 14336, 128256, 8192));
     add(llama("llama3-70b", 80, 8192, 64, 8, 28672, 128256, 8192));
     add(llama("llama3-405b", 126, 16384, 128, 8, 53248, 128256, 8192));
+    // Mixture of experts (HF configs; sequence 4096 as Megatron-Bridge's recipes train them):
+    // Mixtral 8x7B and 8x22B (Jiang et al. 2024), Qwen3 30B-A3B and 235B-A22B (head_dim
+    // 128, wider than H/A).
+    add(moe(llama("mixtral-8x7b", 32, 4096, 32, 8, 14336, 32000, 4096), 8, 2, 14336));
+    add(moe(llama("mixtral-8x22b", 56, 6144, 48, 8, 16384, 32768, 4096), 8, 2, 16384));
+    add(moe(llama("qwen3-30b-a3b", 48, 2048, 32, 4, 6144, 151936, 4096), 128, 8, 768, 128));
+    add(moe(llama("qwen3-235b-a22b", 94, 4096, 64, 4, 12288, 151936, 4096), 128, 8, 1536, 128));
     // Tiny models for the CPU executor: a few million parameters, a step well under a
     // second on one core. Vocabulary 512 (the synthetic token source).
     ModelSpec tg = gpt("tiny-gpt", 4, 256, 4, 512, 128);

@@ -18,19 +18,53 @@ constexpr int64_t kMaxHeads = 1 << 16;
 constexpr int64_t kMaxFfn = 1 << 24;
 constexpr int64_t kMaxVocab = 1 << 28;
 constexpr int64_t kMaxSeq = 1 << 24;
+constexpr int64_t kMaxExperts = 1 << 16;
 
-// A model the cost model would silently mistake for a dense decoder-only transformer is
-// refused, naming the key. Mixture-of-experts: an expert count above one under any of
-// `keys` (zero or one expert is a dense MLP).
-void reject_experts(const Json& j, const std::string& source, std::initializer_list<const char*> keys) {
+// A model the cost model would silently mistake for one it models is refused, naming the
+// key: an expert count above one under any of `keys` (zero or one expert is a dense MLP).
+void reject_experts(const Json& j, const std::string& source, std::initializer_list<const char*> keys,
+                    const char* why) {
   for (const char* k : keys) {
     if (!j.contains(k) || j.at(k).is_null()) continue;
     const Json& v = j.at(k);
     if (v.is_number_integer() && (v.get<int64_t>() == 0 || v.get<int64_t>() == 1)) continue;
-    fail_field(source + "." + k, show_value(v),
-               "mixture-of-experts models are not modelled: strata plans dense transformers (no expert "
-               "parallelism); give a dense model, or 0 or 1 expert");
+    fail_field(source + "." + k, show_value(v), std::string("mixture-of-experts: ") + why);
   }
+}
+
+// Megatron-core's MoE arguments onto ModelSpec (E, K, Fe, Fs): num_experts (or
+// num_moe_experts; 0 or 1 is a dense MLP, and then the others are left), moe_router_topk
+// (Megatron's default 2), moe_ffn_hidden_size (default ffn_hidden_size) and
+// moe_shared_expert_intermediate_size. Every layer is an MoE layer: moe_layer_freq other
+// than 1 (a mix of dense and MoE layers) is refused. Settings that change no count or cost
+// under balanced routing (the dispatcher, grouped GEMM, the load-balancing loss, a capacity
+// factor, which drops nothing when the experts' loads are even) are read and left.
+void read_experts(Fields& f, const Json& j, const std::string& source, ModelSpec* m) {
+  if (f.peek("num_experts") && f.peek("num_moe_experts"))
+    fail_field(source + ".num_moe_experts", show_value(j.at("num_moe_experts")), "given twice (and as num_experts): keep one");
+  const char* key = f.peek("num_moe_experts") ? "num_moe_experts" : "num_experts";
+  const Json* ej = f.peek(key);
+  const int64_t E = ej && !ej->is_null() ? f.integer_or(key, 0, 0, kMaxExperts) : 0;
+  for (const char* k : {"num_experts", "num_moe_experts"}) f.ignore(k);
+  const char* moe_keys[] = {"moe_router_topk", "moe_ffn_hidden_size", "moe_shared_expert_intermediate_size",
+                            "moe_layer_freq"};
+  if (E <= 1) {
+    for (const char* k : moe_keys) f.ignore(k);
+  } else {
+    m->E = E;
+    m->K = f.integer_or("moe_router_topk", 2, 1, E);
+    m->Fe = f.integer_or("moe_ffn_hidden_size", m->F, 1, kMaxFfn);
+    m->Fs = f.integer_or("moe_shared_expert_intermediate_size", 0, 0, kMaxFfn);
+    if (const Json* freq = f.peek("moe_layer_freq"); freq && !freq->is_null() && *freq != Json(1))
+      fail_field(source + ".moe_layer_freq", show_value(*freq),
+                 "must be 1: strata models an MoE layer on every layer (a mix of dense and MoE layers is not modelled)");
+    f.ignore("moe_layer_freq");
+  }
+  for (const char* k : {"moe_grouped_gemm", "moe_token_dispatcher_type", "moe_router_load_balancing_type",
+                        "moe_aux_loss_coeff", "moe_z_loss_coeff", "moe_router_pre_softmax", "moe_router_score_function",
+                        "moe_router_dtype", "moe_permute_fusion", "moe_expert_capacity_factor",
+                        "moe_router_enable_expert_bias", "moe_shared_expert_overlap"})
+    f.ignore(k);
 }
 
 // Hugging Face model types of encoder-only models: bidirectional attention and no causal
@@ -86,7 +120,26 @@ int64_t ModelSpec::layer_norm_params() const {
   return normalization == Norm::layernorm ? 4 * H : 2 * H;
 }
 
-int64_t ModelSpec::layer_params(int64_t t) const {
+int64_t ModelSpec::expert_params(int64_t etp) const {
+  const int64_t fc1 = expert_fc1_out();
+  int64_t n = (H * fc1 + Fe * H) / etp;
+  if (bias) n += fc1 / etp + H;
+  return n;
+}
+
+namespace {
+// A mixture-of-experts layer's parameters on one rank (ModelSpec::layer_params): out of
+// line, so the dense count stays short.
+[[gnu::noinline]] int64_t moe_layer_params(const ModelSpec& m, int64_t t, int64_t ep, int64_t etp) {
+  const int64_t kv_cols = 2 * m.kv_width(t), H = m.H, AD = m.AD(), fs = m.shared_fc1_out();
+  int64_t n = (H * AD + AD * H + H * fs + m.Fs * H) / t + H * kv_cols + m.E * H;  // + the router
+  if (m.bias) n += (AD + fs) / t + kv_cols + (m.Fs > 0 ? 2 * H : H);
+  return n + m.layer_norm_params() + m.layer_expert_params(etp > 0 ? etp : t, ep);
+}
+}  // namespace
+
+int64_t ModelSpec::layer_params(int64_t t, int64_t ep, int64_t etp) const {
+  if (moe()) return moe_layer_params(*this, t, ep, etp);
   const int64_t kv_cols = 2 * kv_width(t);             // this rank's key and value columns
   const int64_t fc1 = fc1_out();
   int64_t n = (H * AD() + AD() * H + H * fc1 + F * H) / t + H * kv_cols;  // the four split matrices
@@ -106,12 +159,21 @@ double ModelSpec::total_params() const {
          static_cast<double>(position_params()) + static_cast<double>(final_norm_params());
 }
 
+double ModelSpec::active_params() const {
+  if (!moe()) return total_params();
+  return total_params() - static_cast<double>(L) * static_cast<double>(E - K) * static_cast<double>(expert_params(1));
+}
+
 double ModelSpec::layer_forward_flops(int64_t B) const {
   const double tokens = static_cast<double>(B) * static_cast<double>(S);
   const double h = static_cast<double>(H);
   const double qkv_out = static_cast<double>(AD() + 2 * G * D());
   const double fc1 = static_cast<double>(fc1_out());
-  const double gemms = 2.0 * tokens * (h * qkv_out + static_cast<double>(AD()) * h + h * fc1 + static_cast<double>(F) * h);
+  double gemms = 2.0 * tokens * (h * qkv_out + static_cast<double>(AD()) * h + h * fc1 + static_cast<double>(F) * h);
+  if (moe())  // a token's K routed experts and the shared expert in place of the dense MLP
+    gemms = 2.0 * tokens * (h * qkv_out + static_cast<double>(AD()) * h +
+                            static_cast<double>(K) * static_cast<double>(expert_fc1_out() + Fe) * h +
+                            static_cast<double>(shared_fc1_out() + Fs) * h);
   const double attention = 4.0 * tokens * attention_keys() * static_cast<double>(AD());  // QK^T, AV
   return gemms + attention;
 }
@@ -165,6 +227,14 @@ void validate_model(const ModelSpec& m, const std::string& src) {
                fmt::format("must be in [0, num_layers = {}]", m.L));
   if (m.window_size < 0 || m.window_size > kMaxSeq)
     fail_field(src + ".window_size", std::to_string(m.window_size), fmt::format("must be an integer in [0, {}]", kMaxSeq));
+  if (m.E < 0 || m.E > kMaxExperts)
+    fail_field(src + ".num_experts", std::to_string(m.E), fmt::format("must be an integer in [0, {}]", kMaxExperts));
+  if (m.moe()) {
+    if (m.K < 1 || m.K > m.E)
+      fail_field(src + ".moe_router_topk", std::to_string(m.K), fmt::format("must be in [1, num_experts = {}]", m.E));
+    range("moe_ffn_hidden_size", m.Fe, 1, kMaxFfn);
+    range("moe_shared_expert_intermediate_size", m.Fs, 0, kMaxFfn);
+  }
   if (m.position == Position::learned && m.S * m.H > (int64_t{1} << 40))
     fail_field(src + ".seq_length", std::to_string(m.S), "learned position table seq_length*hidden_size exceeds 2^40");
 }
@@ -249,9 +319,7 @@ ModelSpec model_from_json(const Json& in, const std::string& source) {
   if (skip > 0 && m.window_layers >= 0)
     fail_field(source + ".window_layers", std::to_string(m.window_layers), "give window_layers or window_attn_skip_freq, not both");
   if (m.window_layers < 0) m.window_layers = m.window_size > 0 ? m.L - (skip > 0 ? m.L / skip : 0) : 0;
-  reject_experts(j, source, {"num_experts", "num_moe_experts"});
-  // A router's top-k means nothing without experts (2 is Megatron's default).
-  for (const char* dense : {"num_experts", "num_moe_experts", "moe_router_topk"}) f.ignore(dense);
+  read_experts(f, j, source, &m);
   f.ignore("description");
   f.ignore("_source");
   f.reject_unknown();
@@ -297,10 +365,13 @@ ModelSpec model_from_hf_config(const Json& j, const std::string& source, int64_t
     fail_field(source + ".model_type", show_value(Json(model_type)),
                "encoder-only models (bidirectional attention, no causal language-model head) are not modelled: "
                "strata plans decoder-only transformers");
-  reject_experts(j, source, {"num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts",
-                             "num_routed_experts"});
+  // DeepSeek's experts come with multi-head latent attention and dense first layers, DBRX's
+  // in its own ffn_config: neither is modelled.
+  reject_experts(j, source, {"n_routed_experts", "moe_num_experts", "num_routed_experts"},
+                 "DeepSeek-style models (multi-head latent attention, dense first layers) are not modelled");
   if (j.contains("ffn_config") && j["ffn_config"].is_object())  // DBRX
-    reject_experts(j["ffn_config"], source + ".ffn_config", {"moe_num_experts"});
+    reject_experts(j["ffn_config"], source + ".ffn_config", {"moe_num_experts"},
+                   "DBRX's ffn_config is not read: give the model as a model JSON with num_experts");
   m.L = get_int({"num_hidden_layers", "n_layer"}, 1, kMaxLayers, true, 0);
   m.H = get_int({"hidden_size", "n_embd", "n_embed"}, 1, kMaxHidden, true, 0);
   m.A = get_int({"num_attention_heads", "n_head"}, 1, kMaxHeads, true, 0);
@@ -352,6 +423,24 @@ ModelSpec model_from_hf_config(const Json& j, const std::string& source, int64_t
   m.F = get_int({"intermediate_size", "n_inner"}, 1, kMaxFfn, false, llama ? llama_ffn_size(m.H) : 4 * m.H);
   m.kv_channels = get_int({"head_dim"}, 0, kMaxHidden, false, 0);
   if (m.kv_channels * m.A == m.H) m.kv_channels = 0;
+  // Mixture of experts: Mixtral and GPT-OSS (num_local_experts, experts of intermediate_size),
+  // Qwen2-MoE and Qwen3-MoE (num_experts of moe_intermediate_size, Qwen2-MoE's shared expert
+  // of shared_expert_intermediate_size), OLMoE (num_experts of intermediate_size); each with
+  // num_experts_per_tok. Every layer must be an MoE layer (decoder_sparse_step 1, no
+  // mlp_only_layers).
+  const int64_t experts = get_int({"num_local_experts", "num_experts"}, 0, kMaxExperts, false, 0);
+  if (experts > 1) {
+    m.E = experts;
+    m.K = get_int({"num_experts_per_tok", "moe_topk", "top_k"}, 1, experts, true, 0);
+    m.Fe = j.contains("moe_intermediate_size") ? get_int({"moe_intermediate_size"}, 1, kMaxFfn, true, 0) : m.F;
+    m.Fs = get_int({"shared_expert_intermediate_size"}, 0, kMaxFfn, false, 0);
+    if (j.contains("decoder_sparse_step") && get_int({"decoder_sparse_step"}, 0, kMaxLayers, false, 1) != 1)
+      fail_field(source + ".decoder_sparse_step", show_value(j["decoder_sparse_step"]),
+                 "must be 1: strata models an MoE layer on every layer (a mix of dense and MoE layers is not modelled)");
+    if (j.contains("mlp_only_layers") && j["mlp_only_layers"].is_array() && !j["mlp_only_layers"].empty())
+      fail_field(source + ".mlp_only_layers", show_value(j["mlp_only_layers"]),
+                 "must be empty: strata models an MoE layer on every layer (a mix of dense and MoE layers is not modelled)");
+  }
   m.normalization = (j.contains("rms_norm_eps") || llama) && !gpt2 ? Norm::rmsnorm : Norm::layernorm;
   m.position = gpt2 ? Position::learned  // RoPE sets the modern stack for the Llama family
              : bloom || (falcon && flag("alibi")) ? Position::alibi : Position::rope;
@@ -412,7 +501,7 @@ ModelSpec model_from_hf_config(const Json& j, const std::string& source, int64_t
 }
 
 Json model_to_json(const ModelSpec& m) {
-  return Json{{"name", m.name},
+  Json j{{"name", m.name},
               {"num_layers", m.L},
               {"hidden_size", m.H},
               {"num_attention_heads", m.A},
@@ -431,6 +520,13 @@ Json model_to_json(const ModelSpec& m) {
               {"kv_channels", m.kv_channels},
               {"window_size", m.window_size},
               {"window_layers", m.window_layers}};
+  if (m.moe()) {
+    j["num_experts"] = m.E;
+    j["moe_router_topk"] = m.K;
+    j["moe_ffn_hidden_size"] = m.Fe;
+    j["moe_shared_expert_intermediate_size"] = m.Fs;
+  }
+  return j;
 }
 
 ModelSpec load_model(const std::string& name_or_path, int64_t seq_length_override) {

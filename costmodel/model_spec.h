@@ -48,6 +48,14 @@ struct ModelSpec {
   // at, when shorter than S (taken from max_position_embeddings); 0 otherwise. Nothing is
   // costed from it: the CLI names it when no --seq-length was given.
   int64_t pretrain_seq_length = 0;
+  // Mixture of experts (Megatron-core's MoE layer, on every layer): num_experts routed
+  // experts of moe_ffn_hidden_size each (the model's activation), moe_router_topk of them
+  // per token, and a shared expert of moe_shared_expert_intermediate_size (0: none) that
+  // every token passes. E = 0 is a dense MLP of F.
+  int64_t E = 0;   // num_experts
+  int64_t K = 0;   // moe_router_topk
+  int64_t Fe = 0;  // moe_ffn_hidden_size
+  int64_t Fs = 0;  // moe_shared_expert_intermediate_size
 
   int64_t D() const { return kv_channels > 0 ? kv_channels : H / A; }
   int64_t AD() const { return A * D(); }  // width of the queries and of the attention output
@@ -63,12 +71,23 @@ struct ModelSpec {
   // over the layers: 1/2 without a window (FlashAttention skips the masked blocks).
   double causal_share() const;
   int64_t fc1_out() const { return gated() ? 2 * F : F; }  // columns of the first MLP matrix
+  bool moe() const { return E > 1; }
+  int64_t expert_fc1_out() const { return gated() ? 2 * Fe : Fe; }  // an expert's first matrix
+  int64_t shared_fc1_out() const { return gated() ? 2 * Fs : Fs; }  // the shared expert's
+  // Parameters of one routed expert split over etp ranks (Megatron's
+  // expert_tensor_parallel_size), and those of the E/ep experts an expert-parallel rank
+  // holds in a layer (0 for a dense model).
+  int64_t expert_params(int64_t etp) const;
+  int64_t layer_expert_params(int64_t etp, int64_t ep) const { return moe() ? E / ep * expert_params(etp) : 0; }
   // Megatron pads the vocabulary to a multiple of vocab_divisor * t.
   int64_t padded_vocab(int64_t t) const;
 
   // Parameters of one transformer layer held by one tensor-parallel rank: the split
   // matrices and biases divided by t, the norms and row-parallel biases replicated.
-  int64_t layer_params(int64_t t) const;
+  // With experts: the router (E x H, replicated), the shared expert (split like a dense
+  // MLP) and the E/ep routed experts of an expert-parallel rank, each split over etp ranks
+  // (layer_expert_params; etp 0: t, Megatron's default).
+  int64_t layer_params(int64_t t, int64_t ep = 1, int64_t etp = 0) const;
   int64_t layer_norm_params() const;     // replicated on every tp rank (both norms)
   // Word embedding per tp rank (vocab-parallel, padded vocab). The output layer has as
   // many again when embeddings are untied.
@@ -77,10 +96,13 @@ struct ModelSpec {
   int64_t final_norm_params() const;
   // Total parameters of the model (t = 1, padded vocab of t = 1).
   double total_params() const;
+  // Parameters one token passes through: total_params with K of the E experts.
+  double active_params() const;
 
   // Model FLOPs of one forward pass over B sequences: every GEMM (2 per MAC),
   // attention over every key a query may see (Megatron's convention: the full S x S, causal
-  // or not; a windowed layer's window_size keys), logits. No recompute.
+  // or not; a windowed layer's window_size keys), logits; with experts the K routed experts
+  // and the shared expert a token passes (Megatron's count, the router left out). No recompute.
   double forward_flops(int64_t B) const;
   double layer_forward_flops(int64_t B) const;  // the mean of the L layers
   // Keys per query in that count, the mean over the layers: S, or with a sliding window

@@ -74,7 +74,8 @@ const std::vector<std::pair<const char*, const char*>>& aliases() {
       {"tensor_parallel", "tp"},          {"pipeline_parallel", "pp"},  {"data_parallel", "dp"},
       {"context_parallel", "cp"},         {"virtual_pipeline_stages", "vp"}, {"micro_batch_size", "mbs"},
       {"global_batch_size", "gbs"},       {"zero_stage", "zero"},       {"sequence_parallel", "sp"},
-      {"pipeline_schedule", "schedule"},  {"optimizer_offload_fraction", "offload"}};
+      {"pipeline_schedule", "schedule"},  {"optimizer_offload_fraction", "offload"},
+      {"expert_model_parallel_size", "ep"},   {"expert_tensor_parallel_size", "etp"}};
   return a;
 }
 
@@ -359,7 +360,8 @@ Plan plan_from_json(const Json& in, const std::string& source) {
                            "tp_comm_overlap", "grad_accumulation_fusion", "software_stack", "cp_comm_type",
                            "pipeline_model_parallel_layout", "decoder_first_pipeline_num_layers",
                            "decoder_last_pipeline_num_layers", "gradient_accumulation_steps", "num_gpus",
-                           "optimizer_offload_fraction", "description"});
+                           "optimizer_offload_fraction", "expert_model_parallel_size",
+                           "expert_tensor_parallel_size", "description"});
   Plan p;
   p.t = f.integer_or("tensor_parallel", 1, 1, kMaxDegree);
   p.p = f.integer_or("pipeline_parallel", 1, 1, kMaxDegree);
@@ -434,6 +436,8 @@ Plan plan_from_json(const Json& in, const std::string& source) {
   const std::string cc = f.choice_or("cp_comm_type", "auto", {"auto", "p2p", "a2a", "allgather", "all_gather"});
   p.cp_comm = cc == "auto" ? CpComm::automatic : cc == "p2p" ? CpComm::p2p : cc == "a2a" ? CpComm::a2a : CpComm::allgather;
   p.offload = f.real_or("optimizer_offload_fraction", 0.0, 0.0, 1.0);
+  p.ep = f.integer_or("expert_model_parallel_size", 1, 1, kMaxDegree);
+  p.etp = f.integer_or("expert_tensor_parallel_size", 0, 1, kMaxDegree);  // (absent: 0, tensor_parallel)
   const double world = static_cast<double>(p.t) * static_cast<double>(p.p) * static_cast<double>(p.d) *
                        static_cast<double>(p.c);
   if (world > static_cast<double>(kMaxWorld))
@@ -564,6 +568,8 @@ Json plan_to_json(const Plan& p) {
   if (p.last_stage_layers > 0) j["decoder_last_pipeline_num_layers"] = p.last_stage_layers;
   if (p.cp_comm != CpComm::automatic) j["cp_comm_type"] = to_string(p.cp_comm);
   if (p.offload > 0) j["optimizer_offload_fraction"] = p.offload;
+  if (p.ep > 1) j["expert_model_parallel_size"] = p.ep;
+  if (p.etp > 0 && p.etp != p.t) j["expert_tensor_parallel_size"] = p.etp;
   return j;
 }
 
@@ -597,6 +603,8 @@ std::string plan_to_inline(const Plan& p) {
     s += p.software_stack == StackChoice::legacy ? ",software_stack=legacy" : ",software_stack=modern";
   if (p.cp_comm != CpComm::automatic) s += fmt::format(",cp_comm_type={}", to_string(p.cp_comm));
   if (p.offload > 0) s += fmt::format(",offload={}", p.offload);
+  if (p.ep > 1) s += fmt::format(",ep={}", p.ep);
+  if (p.etp > 0 && p.etp != p.t) s += fmt::format(",etp={}", p.etp);
   return s;
 }
 
@@ -618,6 +626,35 @@ void interleaved_reasons(const Plan& p, std::vector<Reason>* r, bool messages) {
                                              "least pipeline_parallel)", g, mb % g, mb, g, p.p); });
 }
 
+namespace {
+
+// check_plan's rules on experts (a mixture-of-experts model, or a plan with ep > 1).
+template <class Add>
+void moe_reasons(const ModelSpec& m, const Cluster& cl, const Plan& p, const Add& add) {
+  const int64_t etp = p.expert_tp();
+  if (m.moe() && (m.Fe % etp != 0 || m.Fs % p.t != 0))
+    add("tp_ffn", [&] { return fmt::format("expert_tensor_parallel_size={} must divide moe_ffn_hidden_size={}, and "
+                                           "tensor_parallel={} moe_shared_expert_intermediate_size={}",
+                                           etp, m.Fe, p.t, m.Fs); });
+  if (p.ep > 1 && !m.moe())
+    add("ep_dense", [&] { return fmt::format("expert_model_parallel_size={} needs a mixture-of-experts model "
+                                             "(num_experts > 1); {} is dense", p.ep, m.name); });
+  if (m.moe() && m.E % p.ep != 0)
+    add("ep_experts", [&] { return fmt::format("expert_model_parallel_size={} must divide num_experts={}", p.ep, m.E); });
+  if (m.moe() && (p.t * p.replicas()) % (etp * p.ep) != 0)
+    add("ep_dp", [&] { return fmt::format("expert_tensor_parallel_size x expert_model_parallel_size = {} x {} must "
+                                          "divide tensor x data x context parallel = {} (the experts' ranks fold over "
+                                          "those of the dense layers)", etp, p.ep, p.t * p.replicas()); });
+  if (m.moe() && p.t > 1 && !p.sp)
+    add("moe_sp", [&] { return fmt::format("a mixture-of-experts model with tensor_parallel={} needs sequence_parallel "
+                                           "(Megatron-core's rule)", p.t); });
+  if (m.moe() && cl.strata_stack)
+    add("moe_strata", [&] { return fmt::format("{} runs the strata executor, which has no mixture-of-experts layer; "
+                                               "plan {} on a GPU cluster preset", cl.name, m.name); });
+}
+
+}  // namespace
+
 std::vector<Reason> check_plan(const ModelSpec& m, const Cluster& cl, const Plan& p, bool messages) {
   std::vector<Reason> r;
   // Messages are built only when asked for: the planner checks millions of plans.
@@ -637,8 +674,9 @@ std::vector<Reason> check_plan(const ModelSpec& m, const Cluster& cl, const Plan
     });
   if (p.recompute_layers > 0 && p.recompute != Recompute::full)
     add("recompute_layers", [&] { return fmt::format("recompute_num_layers={} needs recompute=full", p.recompute_layers); });
-  if (m.F % p.t != 0)
+  if (m.F % p.t != 0 && !m.moe())
     add("tp_ffn", [&] { return fmt::format("tensor_parallel={} must divide ffn_hidden_size={}", p.t, m.F); });
+  if (m.moe() || p.ep > 1) moe_reasons(m, cl, p, add);
   if (p.c > 1 && m.S % (2 * p.c) != 0)
     add("cp_seq", [&] { return fmt::format("context_parallel={} needs seq_length={} divisible by 2*context_parallel "
                               "(load-balanced causal attention)", p.c, m.S); });

@@ -80,6 +80,15 @@ struct Plan {
   // --optimizer-cpu-offload / --optimizer-offload-fraction, DeepSpeed's ZeRO-Offload
   // "offload_optimizer": {"device": "cpu"}); needs zero_stage >= 1. 0: none.
   double offload = 0;
+  // expert_model_parallel_size: a mixture-of-experts model's E experts split over ep ranks
+  // of the data x context parallel ranks (Megatron-core's expert parallelism; experts keep
+  // the tensor-parallel split, expert_tensor_parallel_size = tensor_parallel). 1: every rank
+  // holds all experts; dense models need 1.
+  int64_t ep = 1;
+  // expert_tensor_parallel_size: the ranks each expert's matrices split over (Megatron-core's
+  // MoE parallel folding: the experts' own layout, etp x ep dividing the tensor x data x
+  // context parallel ranks). 0: tensor_parallel, Megatron's default.
+  int64_t etp = 0;
 
   int64_t world_size() const { return t * p * d * c; }
   bool explicit_split() const { return layout || first_stage_layers > 0 || last_stage_layers > 0; }
@@ -98,6 +107,11 @@ struct Plan {
   // Ranks holding the same parameters: data x context parallel (Megatron's data-parallel
   // group with context parallelism). Gradients are reduced and ZeRO shards across them.
   int64_t replicas() const { return d * c; }
+  int64_t expert_tp() const { return etp > 0 ? etp : t; }
+  // Ranks holding the same experts: the non-pipeline ranks over etp x ep (Megatron's expert
+  // data-parallel group, ranks etp x ep apart). Expert gradients are reduced and ZeRO
+  // shards across them.
+  int64_t expert_replicas() const { return t * d * c / (expert_tp() * ep); }
   int64_t microbatches() const { return gbs / (mbs * d); }  // per pipeline, per step
   // The interleaved schedule's micro-batch group (schedule.h): as given, else p when it
   // divides the micro-batches (Megatron's default), else the smallest g > p whose last

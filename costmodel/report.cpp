@@ -38,6 +38,10 @@ std::string format_estimate(const ModelSpec& m, const Cluster& cl, const Estimat
   const Plan& p = e.plan;
   o += fmt::format("model    {} ({} parameters: L={} H={} A={} G={} F={} V={} S={})\n", m.name,
                    human_count(m.total_params()), m.L, m.H, m.A, m.G, m.F, m.padded_vocab(p.t), m.S);
+  if (m.moe())
+    o += fmt::format("         {} experts of {} ({} per token{}): {} parameters active, {} experts per GPU\n", m.E,
+                     m.Fe, m.K, m.Fs > 0 ? fmt::format(", shared expert {}", m.Fs) : std::string(),
+                     human_count(m.active_params()), m.E / p.ep);
   o += fmt::format("cluster  {} ({}, {} per node), {} GPUs\n", cl.name, cl.device.name, cl.devices_per_node,
                    p.world_size());
   o += fmt::format("plan     {}\n", plan_to_inline(p));
@@ -153,8 +157,9 @@ void write_trace(std::ostream& out, const ModelSpec& m, const Estimate& e, const
   };
   // The exposed collectives of work w, on the collectives thread, ending at `end`.
   auto collectives = [&](const SimEvent& x, const Work& w, double end, const std::string& args) {
-    double c0 = end - w.tp_comm_s - w.cp_comm_s - w.dp_comm_s;
-    for (const auto& [term, sec] : {std::pair{"tp_comm", w.tp_comm_s}, {"cp_comm", w.cp_comm_s}, {"dp_comm", w.dp_comm_s}})
+    double c0 = end - w.tp_comm_s - w.cp_comm_s - w.ep_comm_s - w.dp_comm_s;
+    for (const auto& [term, sec] : {std::pair{"tp_comm", w.tp_comm_s}, {"cp_comm", w.cp_comm_s}, {"ep_comm", w.ep_comm_s},
+                                    {"dp_comm", w.dp_comm_s}})
       if (sec > 0) {
         slice(term, x.stage, 2, c0, c0 + sec, args);
         c0 += sec;

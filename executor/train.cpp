@@ -39,6 +39,10 @@ void check_trainable_model(const ModelSpec& m) {
   // positions.
   if (m.position == Position::alibi)
     fail("model: position_embedding alibi is not implemented by the executor (learned, rope and none are)");
+  if (m.moe())
+    fail("model: num_experts " + std::to_string(m.E) +
+         " (mixture of experts) is not implemented by the executor: it trains dense MLPs (strata estimate and plan "
+         "model the experts on a GPU cluster)");
   if (m.windowed())
     fail("model: window_size " + std::to_string(m.window_size) +
          " (sliding-window attention) is not implemented by the executor: it attends to the whole causal prefix");

@@ -111,6 +111,17 @@ std::string export_megatron(const ModelSpec& m, const Plan& p, const Stack& stac
                          "# Megatron-LM needs the groups divisible by --tensor-model-parallel-size.\n",
                          m.G, p.t, p.t / m.G);
   flag(fmt::format("--ffn-hidden-size {}", m.F));
+  if (m.moe()) {
+    flag(fmt::format("--num-experts {}", m.E));
+    flag(fmt::format("--moe-router-topk {}", m.K));
+    flag(fmt::format("--moe-ffn-hidden-size {}", m.Fe));
+    if (m.Fs > 0) flag(fmt::format("--moe-shared-expert-intermediate-size {}", m.Fs));
+    if (p.ep > 1) flag(fmt::format("--expert-model-parallel-size {}", p.ep));
+    flag("--moe-grouped-gemm");
+    flag("--moe-token-dispatcher-type alltoall");
+    notes += "# mixture of experts: strata costed balanced routing (every expert the same tokens); an uneven\n"
+             "# load makes the busiest expert's rank the slowest.\n";
+  }
   if (m.kv_channels > 0) flag(fmt::format("--kv-channels {}", m.kv_channels));
   flag(fmt::format("--seq-length {}", m.S));
   flag(fmt::format("--max-position-embeddings {}", m.S));
@@ -144,7 +155,7 @@ std::string export_deepspeed(const ModelSpec& m, const Plan& p, const Stack& sta
   j["gradient_clipping"] = 1.0;
   Json z = {{"stage", p.zero}, {"overlap_comm", stack.overlap_grad_reduce}, {"contiguous_gradients", true}};
   if (p.zero == 3) {
-    z["stage3_prefetch_bucket_size"] = m.layer_params(p.t);
+    z["stage3_prefetch_bucket_size"] = m.layer_params(p.t, p.ep, p.etp);
     z["stage3_param_persistence_threshold"] = 0;
   }
   if (p.offload > 0) {
@@ -177,6 +188,7 @@ std::string export_deepspeed(const ModelSpec& m, const Plan& p, const Stack& sta
   Json& split = j["strata_parallel_layout"];  // an uneven pipeline, where the plan gives one
   if (p.c > 1) split["cp_comm_type"] = to_string(resolve_cp_comm(m, p));
   if (p.offload > 0) split["optimizer_offload_fraction"] = p.offload;  // (the ratio's intent, as costed)
+  if (p.ep > 1) split["expert_model_parallel_size"] = p.ep;
   if (p.layout) split["pipeline_model_parallel_layout"] = p.layout->text;
   if (p.first_stage_layers > 0) split["decoder_first_pipeline_num_layers"] = p.first_stage_layers;
   if (p.last_stage_layers > 0) split["decoder_last_pipeline_num_layers"] = p.last_stage_layers;
@@ -218,6 +230,7 @@ std::string export_bridge(const ModelSpec& m, const Plan& p, const Stack& stack)
   set("train.global_batch_size", num(p.gbs));
   set("dataset.seq_length", num(m.S));  // run_recipe.py sets the model's from it; a ConfigContainer needs both
   set("model.seq_length", num(m.S));
+  if (p.ep > 1) set("model.expert_model_parallel_size", num(p.ep));
   // ZeRO: the distributed optimizer shards the optimizer states (1); Megatron-FSDP shards
   // gradients too (2) and the parameters (3).
   set("ddp.use_distributed_optimizer", yes(p.zero >= 1));

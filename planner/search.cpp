@@ -35,6 +35,7 @@ FixedDims parse_fixed(const std::string& text) {
     else if (k == "mbs" || k == "micro_batch_size") f.mbs = integer(1, 1 << 30);
     else if (k == "zero" || k == "zero_stage") f.zero = static_cast<int>(integer(0, 3));
     else if (k == "recompute_num_layers") f.recompute_layers = integer(0, 100000);
+    else if (k == "ep" || k == "expert_model_parallel_size") f.ep = integer(1, 1 << 20);
     else if (k == "uneven_split") f.uneven_split = integer(0, 1) == 1;
     else if (k == "offload" || k == "optimizer_offload_fraction") {
       if (!v.is_number() || v.get<double>() < 0 || v.get<double>() > 1)
@@ -65,7 +66,7 @@ FixedDims parse_fixed(const std::string& text) {
     } else {
       fail_field("--fix " + k, show_value(v),
                  "unknown key: use tp, pp, dp, cp, vp, mbs, zero, recompute, recompute_num_layers, sp, schedule, "
-                 "uneven_split, cp_comm_type or offload");
+                 "uneven_split, cp_comm_type, offload or ep");
     }
   }
   return f;
@@ -260,12 +261,16 @@ SearchResult search(const ModelSpec& m, const Cluster& cl, const SearchOptions& 
   // longer than the legacy fused softmax is fused for all.)
   const Stack stack = search_stack(m, cl, opt);
 
-  // Layer costs depend on (t, c, d for ZeRO-2/3, mbs, sp, recompute, ZeRO-2 or 3, cp_comm_type): cached.
-  using CostKey = std::tuple<int64_t, int64_t, int64_t, int64_t, bool, int, int, int>;
+  // Layer costs depend on (t, c, d for ZeRO-2/3, mbs, sp, recompute, ZeRO-2 or 3, and
+  // cp_comm_type with the experts' ep and etp packed in one: experts()): cached.
+  using CostKey = std::tuple<int64_t, int64_t, int64_t, int64_t, bool, int, int, int64_t>;
+  auto experts = [](const Plan& pl, CpComm cc) {  // (ep and etp are below 2^20: check_plan's bound)
+    return static_cast<int64_t>(cc) + 4 * (pl.etp + (int64_t{1} << 21) * pl.ep);
+  };
   std::map<CostKey, std::array<LayerCost, 3>> costs;
   auto costs_of = [&](const Plan& pl, const ComputeSetup& cs) -> const std::array<LayerCost, 3>& {
     const CostKey key{pl.t, pl.c, pl.zero >= 2 ? pl.d : 0, pl.mbs, pl.sp, static_cast<int>(pl.recompute),
-                      pl.zero >= 2 ? pl.zero : 0, static_cast<int>(cs.cp_comm)};
+                      pl.zero >= 2 ? pl.zero : 0, experts(pl, cs.cp_comm)};
     auto it = costs.find(key);
     if (it == costs.end())
       it = costs.emplace(key, std::array<LayerCost, 3>{layer_cost(m, cl, pl, cs), embedding_cost(m, cl, pl, cs),
@@ -291,6 +296,7 @@ SearchResult search(const ModelSpec& m, const Cluster& cl, const SearchOptions& 
   struct FitKey {
     int zero;
     double offload;
+    int64_t experts;  // ep and etp (experts())
     int64_t recompute_layers, first, last;
     std::string layout;
     bool operator==(const FitKey&) const = default;
@@ -299,7 +305,7 @@ SearchResult search(const ModelSpec& m, const Cluster& cl, const SearchOptions& 
   auto memory_of = [&](const Plan& pl, const StageLayout& lay, const ComputeSetup& cs) {
     FitKey key;
     if (pl.c > 1) {
-      key = FitKey{pl.zero, pl.offload, pl.recompute_layers, pl.first_stage_layers, pl.last_stage_layers,
+      key = FitKey{pl.zero, pl.offload, experts(pl, CpComm::automatic), pl.recompute_layers, pl.first_stage_layers, pl.last_stage_layers,
                    pl.layout ? pl.layout->text : std::string()};
       for (const auto& [k, f] : fits_by_type)
         if (k == key) return f;
@@ -414,7 +420,7 @@ SearchResult search(const ModelSpec& m, const Cluster& cl, const SearchOptions& 
 
   // Rules that depend only on (t, p, c, v) reject every candidate below them at once.
   const std::set<std::string> structural = {"tp_heads", "tp_ffn", "cp_seq", "cp_attention", "layers_vp",
-                                            "layers_pp", "vp_needs_pp", "precision"};
+                                            "layers_pp", "vp_needs_pp", "precision", "moe_strata"};
   auto count = [](const auto& values, const auto& fixed) {
     int64_t n = 0;
     for (const auto& x : values) n += allowed(fixed, x) ? 1 : 0;
@@ -431,11 +437,18 @@ SearchResult search(const ModelSpec& m, const Cluster& cl, const SearchOptions& 
   auto offloads_for = [&](int zero) -> const std::vector<double>& {
     return offload_dim && zero >= 1 ? with_offload : pinned_offload;
   };
+  // Expert parallelism (mixture-of-experts models): the experts split over tensor_parallel
+  // ranks (Megatron's default) or over none (expert_tensor_parallel_size 1, Megatron-core's
+  // folding), each with every ep dividing the experts and the tensor x data x context
+  // parallel ranks over that split; or what --fix pins. Pairs (etp, ep), etp 0 for
+  // tensor_parallel; set for each (t, p, c), and counted in zero_units with the ZeRO stages
+  // it multiplies.
+  std::vector<std::pair<int64_t, int64_t>> eps = {{0, 1}};
   auto zero_units = [&](const std::vector<int>& zeros) {
     int64_t n = 0;
     for (int z : zeros)
       if (allowed(fx.zero, z)) n += static_cast<int64_t>(offloads_for(z).size());
-    return n;
+    return n * static_cast<int64_t>(eps.size());
   };
 
   const Recompute recomputes[] = {Recompute::none, Recompute::selective, Recompute::full};
@@ -459,6 +472,18 @@ SearchResult search(const ModelSpec& m, const Cluster& cl, const SearchOptions& 
         std::vector<int64_t> mbss;
         if (opt.gbs % d == 0) mbss = divisors(opt.gbs / d);
         const std::vector<int> zeros = d * c > 1 ? std::vector<int>{0, 1, 2, 3} : std::vector<int>{0};
+        eps.clear();
+        for (int64_t etp : {int64_t{0}, int64_t{1}}) {
+          if (etp == 1 && (t == 1 || !m.moe())) continue;
+          if (fx.ep) {
+            eps.emplace_back(etp, *fx.ep);
+            continue;
+          }
+          eps.emplace_back(etp, 1);
+          if (m.moe())
+            for (int64_t e : divisors(N / (p * (etp == 1 ? 1 : t))))
+              if (e > 1 && m.E % e == 0) eps.emplace_back(etp, e);
+        }
         // How context parallelism moves keys and values (cp_comm_type): the one --fix names
         // (rejected below where it cannot run, on the strata executor too), else all three,
         // or the gather, the only one the strata executor runs.
@@ -565,8 +590,11 @@ SearchResult search(const ModelSpec& m, const Cluster& cl, const SearchOptions& 
                     };
                     for (int zero : zeros) {
                       if (!allowed(fx.zero, zero)) continue;
-                      for (double offload : offloads_for(zero)) {
+                      for (double offload : offloads_for(zero))
+                      for (const auto& [etp, ep] : eps) {
                         Plan pl = probe_tpcv;
+                        pl.etp = etp;
+                        pl.ep = ep;
                         pl.mbs = mbs; pl.zero = zero; pl.recompute = rc; pl.sp = sp == 1; pl.gpipe = gp == 1;
                         pl.cp_comm = cc;
                         pl.offload = offload;

@@ -26,6 +26,30 @@ double median(std::vector<double> v) {
   return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
 }
 
+// One row of a published-runs CSV of NVIDIA's tables (hopper_runs.csv, moe_runs.csv)
+// through estimate() as the harness would give it: measured step = global batch x sequence
+// / (tokens per second per GPU x GPUs).
+struct PublishedRun {
+  ModelSpec m;
+  Plan p;
+  Estimate e;
+  double measured = 0, err = 0;
+};
+PublishedRun run_published(const std::map<std::string, std::string>& r, const std::string& dir) {
+  PublishedRun x;
+  const std::string model = r.at("model").find('/') != std::string::npos ? dir + r.at("model") : r.at("model");
+  x.m = load_model(model, std::stoll(r.at("seq_length")));
+  const Cluster cl = load_cluster(r.at("cluster"));
+  x.p = load_plan(r.at("plan") + ",gbs=" + r.at("global_batch_size"));
+  const double gpus = std::stod(r.at("gpus"));
+  EXPECT_EQ(static_cast<double>(x.p.world_size()), gpus) << r.at("label") << " " << r.at("plan");
+  x.measured = std::stod(r.at("global_batch_size")) * static_cast<double>(x.m.S) / (std::stod(r.at("tokens_per_s_per_gpu")) * gpus);
+  x.e = estimate(x.m, cl, x.p);
+  EXPECT_TRUE(x.e.valid) << r.at("label") << ": " << (x.e.reasons.empty() ? "" : x.e.reasons[0].message);
+  x.err = x.e.step_time_s / x.measured - 1;
+  return x;
+}
+
 struct Scored {
   testing::Case c;
   Estimate e;
@@ -200,17 +224,10 @@ TEST(Calibration, HopperAndBlackwellRuns) {
   fmt::print("{:<16} {:<12} {:<14} {:>5} {:>5} {:<52} {:>8} {:>8} {:>7} {:>7} {:>4}\n", "group", "model", "cluster",
              "gpus", "gbs", "plan", "meas_s", "pred_s", "err%", "memGiB", "fits");
   for (const auto& r : rows) {
-    const std::string model = r.at("model").find('/') != std::string::npos ? dir + r.at("model") : r.at("model");
-    const ModelSpec m = load_model(model, std::stoll(r.at("seq_length")));
-    const Cluster cl = load_cluster(r.at("cluster"));
-    const Plan p = load_plan(r.at("plan") + ",gbs=" + r.at("global_batch_size"));
-    const double gpus = std::stod(r.at("gpus"));
-    ASSERT_EQ(static_cast<double>(p.world_size()), gpus) << r.at("label") << " " << r.at("plan");
-    const double measured = std::stod(r.at("global_batch_size")) * static_cast<double>(m.S) /
-                            (std::stod(r.at("tokens_per_s_per_gpu")) * gpus);
-    const Estimate e = estimate(m, cl, p);
-    ASSERT_TRUE(e.valid) << r.at("label") << ": " << (e.reasons.empty() ? "" : e.reasons[0].message);
-    const double err = e.step_time_s / measured - 1;
+    const PublishedRun x = run_published(r, dir);
+    const Estimate& e = x.e;
+    const double measured = x.measured, err = x.err;
+    if (!e.valid) continue;
     const std::string run = r.at("group") + " " + r.at("label") + " on " + r.at("gpus") + " x " + r.at("cluster") +
                             ", gbs " + r.at("global_batch_size") + ", " + r.at("plan");
     fmt::print("{:<16} {:<12} {:<14} {:>5} {:>5} {:<52} {:>8.2f} {:>8.2f} {:>+7.1f} {:>7.1f} {:>4}\n", r.at("group"),
@@ -228,6 +245,46 @@ TEST(Calibration, HopperAndBlackwellRuns) {
   }
   fmt::print("  all              {:>2} runs  median |error| {:>5.1f}%\n", all.size(), 100 * median(all));
   EXPECT_LE(median(all), 0.10);
+}
+
+// Mixture-of-experts runs (tests/data/moe_runs.csv): Megatron-Bridge 26.04.01's Qwen3
+// 30B-A3B, Qwen3 235B-A22B and GPT-OSS 120B rows on H100 and B200 and NeMo 25.02's Mixtral
+// 8x7B on B200, all with the token load forced even over the experts (as their pages say),
+// which is what the cost model assumes. A guard, not a claim of accuracy: the cost model's
+// MoE layer (compute.cpp) prices the router, the permutation, the all-to-alls and the
+// grouped GEMMs from the same presets, and today it predicts the runs whose experts stay in
+// a node 11-42 % fast and those whose all-to-alls cross nodes 7-16 % slow (README,
+// "Mixture of experts"). The bounds hold those errors where they are, so a change that
+// moves them shows here. The not_modelled column names what each recipe (Megatron-Bridge's
+// scripts/performance configs) runs that strata does not model.
+TEST(Calibration, MixtureOfExpertsRuns) {
+  const std::string dir = std::string(STRATA_SOURCE_DIR) + "/tests/data/";
+  const auto rows = testing::read_csv(dir + "moe_runs.csv");
+  ASSERT_EQ(rows.size(), 7u);
+  std::vector<double> errs;
+  fmt::print("{:<25} {:<16} {:<14} {:>5} {:>5} {:<64} {:>8} {:>8} {:>7} {:>7} {:>4}\n", "group", "model", "cluster",
+             "gpus", "gbs", "plan", "meas_s", "pred_s", "err%", "memGiB", "fits");
+  for (const auto& r : rows) {
+    const PublishedRun x = run_published(r, dir);
+    const Estimate& e = x.e;
+    const double measured = x.measured, err = x.err;
+    EXPECT_TRUE(x.m.moe()) << r.at("label");
+    if (!e.valid) continue;
+    fmt::print("{:<25} {:<16} {:<14} {:>5} {:>5} {:<64} {:>8.2f} {:>8.2f} {:>+7.1f} {:>7.1f} {:>4}\n", r.at("group"),
+               r.at("label"), r.at("cluster"), r.at("gpus"), r.at("global_batch_size"), r.at("plan"), measured,
+               e.step_time_s, 100 * err, e.memory.peak / 1073741824.0, e.fits ? "yes" : "NO");
+    errs.push_back(std::fabs(err));
+    EXPECT_LE(std::fabs(err), 0.45) << r.at("label") << " on " << r.at("cluster");
+    // (A run that recomputed modules strata does not model, Megatron's --recompute-modules,
+    // may be predicted out of memory: its not_modelled column says so.)
+    if (r.at("not_modelled").find("out of memory") == std::string::npos)
+      EXPECT_TRUE(e.fits) << r.at("label") << " on " << r.at("cluster") << ": ran but is predicted not to fit";
+    else
+      EXPECT_FALSE(e.fits) << r.at("label") << " on " << r.at("cluster") << ": now fits; update not_modelled";
+  }
+  fmt::print("  {} runs  median |error| {:.1f}%  max {:.1f}%\n", errs.size(), 100 * median(errs),
+             100 * *std::max_element(errs.begin(), errs.end()));
+  EXPECT_LE(median(errs), 0.25);
 }
 
 TEST(Calibration, Gpt3On1024A100Within10Percent) {

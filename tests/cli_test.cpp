@@ -201,6 +201,22 @@ TEST(Cli, PlanJsonExportsAndTrace) {
     EXPECT_GT(e["host_memory_bytes"]["per_node"].get<double>(), 0);
   }
 
+  // Mixture of experts: the searched ep in the table, the JSON's ep_comm, the Megatron flags.
+  const std::string moe = "plan --model mixtral-8x7b --cluster dgx-h100-80g --gpus 64 --global-batch-size 256 ";
+  const Outcome mt = strata(moe + "--top 3");
+  ASSERT_EQ(mt.code, 0) << mt.err;
+  EXPECT_NE(mt.out.find("  ep=8\n"), std::string::npos) << mt.out;
+  EXPECT_NE(mt.out.find("12.88B parameters active"), std::string::npos) << mt.out;
+  const Outcome mj = strata(moe + "--fix ep=8 --json --top 1");
+  ASSERT_EQ(mj.code, 0) << mj.err;
+  const Json moe_best = Json::parse(mj.out)["plans"][0];
+  EXPECT_EQ(moe_best["plan"]["expert_model_parallel_size"], 8) << mj.out;
+  EXPECT_GT(moe_best["time_s"]["ep_comm"].get<double>(), 0) << mj.out;
+  const Outcome mm = strata(moe + "--fix ep=8 --export megatron");
+  ASSERT_EQ(mm.code, 0) << mm.err;
+  for (const char* flag : {"--num-experts 8", "--moe-router-topk 2", "--expert-model-parallel-size 8", "--moe-grouped-gemm"})
+    EXPECT_NE(mm.out.find(flag), std::string::npos) << flag << "\n" << mm.out;
+
   const std::string trace = (scratch() / "t.json").string();
   const Outcome tr = strata("estimate --model gpt3-175b --cluster dgx-a100-80g --plan tp=8,pp=4,dp=2,gbs=16 --trace " + trace);
   ASSERT_EQ(tr.code, 0) << tr.err;
@@ -449,10 +465,15 @@ TEST(Cli, BadInputExits2NamingTheField) {
       {model("h2.json", R"({"hidden_size":64,)" + hf_ok.substr(0, hf_ok.size()) + R"(,"hidden_act":"relu"})"), "hidden_act"},
       {model("h3.json", R"({"hidden_size":64,"num_key_value_heads":0,)" + hf_ok + "}"), "num_key_value_heads"},
       {model("h4.json", R"({"hidden_size":64,"num_hidden_layers":-2,"model_type":"llama","num_attention_heads":4,"vocab_size":100,"max_position_embeddings":32})"), "num_hidden_layers"},
-      {model("h5.json", R"({"hidden_size":64,"num_local_experts":8,)" + hf_ok + "}"), "num_local_experts: 8"},
+      {model("h5.json", R"({"hidden_size":64,"num_local_experts":8,)" + hf_ok + "}"), "num_experts_per_tok: missing"},
+      {model("h8.json", R"({"hidden_size":64,"n_routed_experts":64,)" + hf_ok + "}"), "n_routed_experts"},
+      {model("h9.json", R"({"hidden_size":64,"num_experts":8,"num_experts_per_tok":2,"decoder_sparse_step":2,)" + hf_ok + "}"),
+       "decoder_sparse_step"},
       {model("h6.json", R"({"hidden_size":64,"is_encoder_decoder":true,)" + hf_ok + "}"), "is_encoder_decoder"},
       {model("h7.json", R"({"model_type":"llava","text_config":{"num_hidden_layers":2}})"), "text_config"},
-      {model("m23.json", R"({"num_layers":2,"num_experts":64,)" + ok_model + "}"), "mixture-of-experts"},
+      {model("x3.json", R"({"num_layers":2,"num_experts":64,"moe_router_topk":65,)" + ok_model + "}"), "moe_router_topk"},
+      {model("x1.json", R"({"num_layers":2,"num_experts":8,"moe_layer_freq":2,)" + ok_model + "}"), "moe_layer_freq"},
+      {model("x2.json", R"({"num_layers":2,"num_experts":8,"moe_ffn_hidden_size":0,)" + ok_model + "}"), "moe_ffn_hidden_size"},
       // Plans
       {P + "tp=0", "tensor_parallel"},
       {P + "tp=-1", "tensor_parallel"},
@@ -546,6 +567,18 @@ TEST(Cli, BadInputExits2NamingTheField) {
       {P + write("ds_param.json", R"({"tp":8,"zero_optimization":{"stage":3,"offload_param":{"device":"cpu"}}})"), "offload_param"},
       {"estimate --model tiny-gpt --cluster local-cpu --plan zero=1,offload=1", "keeps its optimizer"},
       {"train --model tiny-gpt --plan zero=1,offload=1 --steps 2", "optimizer_offload_fraction = 1 is not implemented"},
+      // Expert parallelism
+      {P + "tp=8,dp=2,ep=0", "expert_model_parallel_size"},
+      {P + "tp=8,dp=2,ep=2", "needs a mixture-of-experts model"},
+      {"estimate --model mixtral-8x7b --cluster dgx-h100-80g --plan dp=12,ep=3", "must divide num_experts=8"},
+      {"estimate --model mixtral-8x7b --cluster dgx-h100-80g --plan dp=4,ep=8", "tensor x data x context parallel = 4"},
+      {"estimate --model mixtral-8x7b --cluster dgx-h100-80g --plan tp=2,dp=8,ep=8", "needs sequence_parallel"},
+      {"estimate --model mixtral-8x7b --cluster dgx-h100-80g --plan tp=8,dp=2,sp=1,etp=3", "expert_tensor_parallel_size=3"},
+      {P + write("etp.json", R"({"tp":8,"dp":2,"expert_tensor_parallel_size":0})"), "expert_tensor_parallel_size"},
+      {"estimate --model mixtral-8x7b --cluster dgx-h100-80g --plan tp=2,dp=4,ep=8,sp=1", "2 x 8 must divide"},
+      {"estimate --model mixtral-8x7b --cluster local-cpu --plan dp=2,ep=2", "no mixture-of-experts layer"},
+      {S + "--gpus 8 --global-batch-size 8 --fix ep=0", "--fix ep"},
+      {"train --model mixtral-8x7b --plan dp=1 --steps 2", "mixture of experts) is not implemented"},
       {S + "--gpus 8 --global-batch-size 8 --fix offload=2", "--fix offload"},
       {S + "--gpus 8 --global-batch-size 8 --search-offload --fix offload=1", "keep one"},
       {"plan --model tiny-gpt --cluster local-cpu --gpus 2 --global-batch-size 8 --search-offload", "strata executor"},

@@ -2,6 +2,7 @@
 // layer (its GEMM FLOPs add up to the model's FLOP count), recompute and tensor-parallel
 // communication per layer, and the optimizer's passes.
 #include <gtest/gtest.h>
+#include <nlohmann/json.hpp>
 
 #include <cmath>
 #include <map>
@@ -387,6 +388,50 @@ TEST(Compute, ContextParallelCommTypes) {
   const std::vector<OpCost> gops = layer_ops(gqa, c, gp);
   EXPECT_DOUBLE_EQ(sum_of(gops, "cp_qkv_all_to_all", Phase::forward, &OpCost::bytes), 32768.0 + 16384.0);
   EXPECT_DOUBLE_EQ(sum_of(gops, "cp_out_all_to_all", Phase::forward, &OpCost::bytes), 32768.0);
+}
+
+// A mixture-of-experts layer (Megatron-core's all-to-all dispatcher), by hand on the round
+// cluster: H = 256, 8 GELU experts of Fe = 512, top 2, bf16 (e = 2), mbs 2 x 128 tokens.
+// T = Tn = 256 tokens; each rank sends its K T = 512 token copies to their experts' ranks,
+// 2 * 512 * 256 = 262,144 bytes, an all-to-all over ep = 4 ranks of one node: 5 us + 262,144
+// x 3/4 / (200 GB/s x 0.75) = 6.31072 us, once to dispatch and once to combine, in the
+// forward and again in the backward. Its 8/4 = 2 experts compute the 512 copies, 256 each:
+// fc1 2 x (2 x 256 x 512 x 256) = 134,217,728 FLOPs at 50 TFLOP/s = 2.68435456 us, K times
+// a dense MLP of Fe's. Router: 2 x 256 x 8 x 256 = 1,048,576 FLOPs.
+TEST(Compute, MixtureOfExpertsLayer) {
+  const Cluster c = testing::round_cluster();
+  const ModelSpec m = model_from_json(Json::parse(R"({"num_layers":2,"hidden_size":256,"num_attention_heads":4,
+      "vocab_size":512,"seq_length":128,"activation":"gelu","num_experts":8,"moe_router_topk":2,
+      "moe_ffn_hidden_size":512,"attention_dropout":0,"hidden_dropout":0})"), "model");
+  const std::vector<OpCost> ops = layer_ops(m, c, load_plan("dp=8,ep=4,mbs=2,precision=bf16"));
+  const double a2a = 5e-6 + 262144.0 * 0.75 / (200e9 * 0.75);
+  for (Phase ph : {Phase::forward, Phase::backward})
+    for (const char* name : {"ep_dispatch_all_to_all", "ep_combine_all_to_all"}) {
+      EXPECT_DOUBLE_EQ(sum_of(ops, name, ph, &OpCost::bytes), 262144.0) << name;
+      EXPECT_NEAR(sum_of(ops, name, ph, &OpCost::exposed_s), a2a, 1e-18) << name;
+    }
+  EXPECT_DOUBLE_EQ(sum_of(ops, "expert_fc1", Phase::forward, &OpCost::flops), 134217728.0);
+  EXPECT_NEAR(sum_of(ops, "expert_fc1", Phase::forward, &OpCost::time_s), 134217728.0 / 50e12, 1e-18);
+  EXPECT_DOUBLE_EQ(sum_of(ops, "expert_fc2", Phase::forward, &OpCost::flops), 134217728.0);
+  EXPECT_DOUBLE_EQ(sum_of(ops, "expert_fc1", Phase::backward, &OpCost::flops), 2.0 * 134217728.0);  // dgrad, wgrad
+  EXPECT_DOUBLE_EQ(sum_of(ops, "router", Phase::forward, &OpCost::flops), 1048576.0);
+  EXPECT_DOUBLE_EQ(sum_of(ops, "fc1", Phase::forward, &OpCost::flops), 0.0);  // no dense MLP
+  // The layer's exposed expert-parallel time is the four all-to-alls of each pass.
+  const LayerCost lc = layer_cost(m, c, load_plan("dp=8,ep=4,mbs=2,precision=bf16"),
+                                  compute_setup(m, c, load_plan("dp=8,ep=4,mbs=2,precision=bf16")));
+  EXPECT_NEAR(lc.forward.ep_comm_s, 2 * a2a, 1e-18);
+  EXPECT_NEAR(lc.backward.ep_comm_s, 2 * a2a, 1e-18);
+  // Without expert parallelism nothing leaves the rank; all 8 experts see 64 copies each.
+  const std::vector<OpCost> one = layer_ops(m, c, load_plan("dp=8,mbs=2,precision=bf16"));
+  EXPECT_DOUBLE_EQ(sum_of(one, "ep_dispatch_all_to_all", Phase::forward, &OpCost::bytes), 0.0);
+  EXPECT_DOUBLE_EQ(sum_of(one, "expert_fc1", Phase::forward, &OpCost::flops), 134217728.0);
+  // With tensor parallelism (sequence parallel: Tn = 128) each rank dispatches half the
+  // copies and gathers the group's 512 (2 * 512 * 256 bytes), its experts split in two.
+  const std::vector<OpCost> tp = layer_ops(m, c, load_plan("tp=2,sp=1,dp=4,ep=4,mbs=2,precision=bf16"));
+  EXPECT_DOUBLE_EQ(sum_of(tp, "ep_dispatch_all_to_all", Phase::forward, &OpCost::bytes), 131072.0);
+  EXPECT_DOUBLE_EQ(sum_of(tp, "moe_tp_all_gather", Phase::forward, &OpCost::bytes), 262144.0);
+  EXPECT_DOUBLE_EQ(sum_of(tp, "moe_tp_reduce_scatter", Phase::forward, &OpCost::bytes), 262144.0);
+  EXPECT_DOUBLE_EQ(sum_of(tp, "expert_fc1", Phase::forward, &OpCost::flops), 134217728.0 / 2);
 }
 
 TEST(Compute, WorkSplitsExposedCommunication) {

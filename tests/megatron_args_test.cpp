@@ -129,6 +129,22 @@ TEST(MegatronArgs, ExportedFlagsReadBackAsThePlan) {
   }
 }
 
+// Mixture of experts: the exported flags read back as the same model and plan, and the
+// same estimate.
+TEST(MegatronArgs, ExpertFlagsRoundTrip) {
+  const Cluster cl = load_cluster("dgx-h100-80g");
+  for (const char* name : {"mixtral-8x7b", "qwen3-30b-a3b"}) {
+    const ModelSpec m = load_model(name);
+    const Plan p = load_plan("tp=2,pp=2,dp=16,ep=8,mbs=1,gbs=256,zero=1,sp=1,recompute=selective");
+    const std::string flags = export_megatron(m, p, resolve_stack(m, cl, p)) + fmt::format(" --vocab-size {}", m.V);
+    const LaunchInputs in = launch_inputs(parse_megatron_launch(flags, "export"), p.world_size(), "export");
+    EXPECT_EQ(std::tie(in.model.E, in.model.K, in.model.Fe, in.model.Fs), std::tie(m.E, m.K, m.Fe, m.Fs)) << name;
+    EXPECT_EQ(in.plan.ep, 8) << name << "\n" << flags;
+    EXPECT_EQ(in.model.total_params(), m.total_params()) << name;
+    EXPECT_EQ(estimate(in.model, cl, in.plan).step_time_s, estimate(m, cl, p).step_time_s) << name;
+  }
+}
+
 // Megatron-LM's uneven pipelines: --pipeline-model-parallel-layout (its parentheses kept
 // inside a bash array, whose own are blanks) and --decoder-first/last-pipeline-num-layers,
 // read from a launch and written back by --export megatron.
@@ -272,7 +288,8 @@ TEST(MegatronArgs, ErrorsNameTheFlag) {
             std::string::npos);
   EXPECT_NE(error_of(model + "--vocab-size 100 --tensor-model-parallel-size 4", 6).find("--gpus"), std::string::npos);
   EXPECT_NE(error_of(model + "--vocab-size 100 --attention-backend magic", 8).find("--attention-backend"), std::string::npos);
-  EXPECT_NE(error_of(model + "--vocab-size 100 --num-experts 8", 8).find("num_experts"), std::string::npos);
+  EXPECT_NE(error_of(model + "--vocab-size 100 --num-experts 8 --moe-router-topk 9", 8).find("moe_router_topk"),
+            std::string::npos);
   EXPECT_NE(error_of(model + "--vocab-size 100 --bf16 --fp16", 8).find("fp16"), std::string::npos);
   EXPECT_NE(error_of("--vocab-size 100 --hidden-size 64", 8).find("num_layers"), std::string::npos);
   // Sizes past any machine are refused, not multiplied.

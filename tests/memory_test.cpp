@@ -1,6 +1,7 @@
 // Memory terms against Korthikanti et al. 2022 (Table 2 and Eq. 5) and hand-derived
 // state bytes, parameter placement and in-flight micro-batches.
 #include <gtest/gtest.h>
+#include <nlohmann/json.hpp>
 
 #include <algorithm>
 #include <cstdint>
@@ -147,6 +148,42 @@ TEST(Memory, ZeroStagesDivideTheirStates) {
     EXPECT_LT(mb.weights + mb.gradients + mb.optimizer_states, prev);
     prev = mb.weights + mb.gradients + mb.optimizer_states;
   }
+}
+
+// Mixture of experts: Mixtral 8x7B on dp = 16 with ep = 8 and ZeRO-1. Its 7,242,780,672
+// parameters per GPU (32 layers of 218,144,768 with one expert, model_spec_test, the untied
+// embedding and output layer 2 x 32000 x 4096, the final norm 4096) include the one expert's
+// 32 x 176,160,768 = 5,637,144,576, held by 16 / 8 = 2 replicas: the optimizer states
+// shard the dense 1,605,636,096 over 16 ranks and the experts' over 2, 12 bytes each.
+// Activations: a layer's MLP part is the router's (e + 4) Tn E, the K token copies' fc1
+// input, fc1 output, fc2 input and output (for GELU experts e T K (H + Fe + Fe + H)) in
+// place of the dense MLP's fc1 output and fc2 input, e T (Fe + Fe) (round cluster, bf16).
+TEST(Memory, ExpertsShardOverTheirReplicas) {
+  const ModelSpec m = load_model("mixtral-8x7b");
+  const Cluster c = testing::round_cluster();
+  const StageLayout lay = make_layout(m.L, 1, 1);
+  for (int z = 1; z <= 3; ++z) {
+    Plan p = load_plan("dp=16,ep=8");
+    p.zero = z;
+    const MemoryBreakdown mb = stage_memory(m, c, p, lay, compute_setup(m, c, p), 0, 1, 1, 1);
+    EXPECT_DOUBLE_EQ(mb.params, 7242780672.0);
+    EXPECT_DOUBLE_EQ(mb.expert_params, 5637144576.0);
+    const double shard = 1605636096.0 / 16 + 5637144576.0 / 2;
+    EXPECT_DOUBLE_EQ(mb.optimizer_states, 12 * shard) << z;
+    EXPECT_DOUBLE_EQ(mb.weights, z >= 3 ? 2 * shard : 2 * 7242780672.0) << z;
+  }
+  const ModelSpec moe = model_from_json(Json::parse(R"({"num_layers":2,"hidden_size":256,"num_attention_heads":4,
+      "vocab_size":512,"seq_length":128,"activation":"gelu","num_experts":8,"moe_router_topk":2,
+      "moe_ffn_hidden_size":512,"attention_dropout":0,"hidden_dropout":0})"), "model");
+  ModelSpec dense = moe;
+  dense.E = dense.K = dense.Fe = 0;
+  dense.F = 512;
+  const Plan p = load_plan("dp=8,ep=4,mbs=2,precision=bf16");
+  const ComputeSetup cs = compute_setup(moe, c, p);
+  // T = Tn = 256: router 6 x 256 x 8 = 12,288; copies 2 x 256 x 2 x (256 + 512 + 512 + 256)
+  // = 1,572,864; the dense MLP's 2 x 256 x (512 + 512) = 524,288.
+  EXPECT_DOUBLE_EQ(layer_activation_bytes(moe, p, cs) - layer_activation_bytes(dense, load_plan("dp=8,mbs=2,precision=bf16"), cs),
+                   12288.0 + 1572864.0 - 524288.0);
 }
 
 // Optimizer offload (Megatron-core's --optimizer-offload-fraction f, DeepSpeed's

@@ -244,10 +244,13 @@ TEST(ModelSpec, HuggingFaceConfigsOutsideTheModelAreRefused) {
       EXPECT_NE(what.find(rule), std::string::npos) << what;
     }
   };
-  refused(R"("model_type":"mixtral","num_local_experts":8,"num_experts_per_tok":2)", "num_local_experts",
-          "mixture-of-experts");
-  refused(R"("model_type":"qwen2_moe","num_experts":60)", "num_experts", "mixture-of-experts");
-  refused(R"("model_type":"deepseek_v3","n_routed_experts":256)", "n_routed_experts", "mixture-of-experts");
+  refused(R"("model_type":"qwen2_moe","num_experts":60,"num_experts_per_tok":4,"decoder_sparse_step":2)",
+          "decoder_sparse_step", "every layer");
+  refused(R"("model_type":"qwen3_moe","num_experts":128,"num_experts_per_tok":8,"mlp_only_layers":[0])",
+          "mlp_only_layers", "every layer");
+  refused(R"("model_type":"mixtral","num_local_experts":8)", "num_experts_per_tok", "missing");
+  refused(R"("model_type":"mixtral","num_local_experts":8,"num_experts_per_tok":9)", "num_experts_per_tok", "[1, 8]");
+  refused(R"("model_type":"deepseek_v3","n_routed_experts":256)", "n_routed_experts", "latent attention");
   refused(R"("model_type":"dbrx","ffn_config":{"moe_num_experts":16})", "ffn_config.moe_num_experts",
           "mixture-of-experts");
   refused(R"("model_type":"t5","is_encoder_decoder":true)", "is_encoder_decoder", "decoder-only");
@@ -262,11 +265,65 @@ TEST(ModelSpec, HuggingFaceConfigsOutsideTheModelAreRefused) {
   // One expert (or none) is a dense MLP.
   EXPECT_NO_THROW((void)model_from_hf_config(Json::parse(R"({"model_type":"llama","num_experts":1,)" + dense + "}"),
                                              "config.json"));
-  // The model JSON's Megatron names alike.
+  // The model JSON's Megatron names alike: a mix of dense and MoE layers, or a top-k
+  // beyond the experts, is refused; one expert is dense.
   EXPECT_THROW((void)model_from_json(Json::parse(R"({"num_layers":2,"hidden_size":64,"num_attention_heads":4,
-      "vocab_size":100,"seq_length":32,"num_experts":8})"), "model"), InputError);
+      "vocab_size":100,"seq_length":32,"num_experts":8,"moe_layer_freq":2})"), "model"), InputError);
+  EXPECT_THROW((void)model_from_json(Json::parse(R"({"num_layers":2,"hidden_size":64,"num_attention_heads":4,
+      "vocab_size":100,"seq_length":32,"num_experts":8,"moe_router_topk":9})"), "model"), InputError);
   EXPECT_EQ(model_from_json(Json::parse(R"({"num_layers":2,"hidden_size":64,"num_attention_heads":4,
       "vocab_size":100,"seq_length":32,"num_experts":1,"moe_router_topk":2})"), "model").L, 2);
+}
+
+// Mixture of experts, counted by hand for Mixtral 8x7B (L 32, H 4096, 32 heads, 8 key/value
+// groups of 128, SwiGLU experts of 14336, 8 experts, top 2, vocabulary 32000 untied):
+//   one expert        3 x 4096 x 14336                                   =   176,160,768
+//   attention         2 x 4096 x 4096 + 4096 x 2 x 8 x 128                =    41,943,040
+//   router 8 x 4096 = 32,768; two RMSNorms 2 x 4096 = 8,192
+//   layer             41,943,040 + 32,768 + 8,192 + 8 x 176,160,768       = 1,451,270,144
+//   with ep = 8       one expert on each rank: 1,451,270,144 - 7 x 176,160,768 = 218,144,768
+//   total             32 x 1,451,270,144 + 2 x 32000 x 4096 + 4096        = 46,702,792,704
+//   active            total - 32 x 6 x 176,160,768                         = 12,879,925,248
+// and the forward FLOPs of one sequence of 4096 tokens: 2 x 4096 x (4096 x 6144 (QKV) +
+// 4096 x 4096 (projection) + 2 x (28672 + 14336) x 4096 (two experts)) = 3,229,815,406,592,
+// plus attention 4 x 4096 x 4096 x 4096 = 274,877,906,944.
+TEST(ModelSpec, MixtureOfExpertsCounts) {
+  const ModelSpec m = load_model("mixtral-8x7b");
+  ASSERT_TRUE(m.moe());
+  EXPECT_EQ(m.expert_params(1), 176160768);
+  EXPECT_EQ(m.layer_params(1), 1451270144);
+  EXPECT_EQ(m.layer_params(1, 8), 218144768);
+  EXPECT_EQ(m.layer_expert_params(1, 8), 176160768);
+  EXPECT_EQ(m.layer_params(2, 8), 41943040 / 2 + 32768 + 8192 + 176160768 / 2);  // tp halves the split matrices
+  EXPECT_DOUBLE_EQ(m.total_params(), 46702792704.0);
+  EXPECT_DOUBLE_EQ(m.active_params(), 12879925248.0);
+  EXPECT_DOUBLE_EQ(m.layer_forward_flops(1), 3229815406592.0 + 274877906944.0);
+  // The same model from its Hugging Face config, and from Megatron's names.
+  const Json hf = Json::parse(R"({"model_type":"mixtral","hidden_size":4096,"intermediate_size":14336,
+      "num_attention_heads":32,"num_hidden_layers":32,"num_key_value_heads":8,"vocab_size":32000,
+      "max_position_embeddings":4096,"num_local_experts":8,"num_experts_per_tok":2,"rms_norm_eps":1e-5})");
+  EXPECT_DOUBLE_EQ(model_from_hf_config(hf, "config.json").total_params(), m.total_params());
+  const ModelSpec back = model_from_json(model_to_json(m), "model");
+  EXPECT_EQ(back.E, 8);
+  EXPECT_EQ(back.K, 2);
+  EXPECT_DOUBLE_EQ(back.total_params(), m.total_params());
+  // Qwen3-MoE: experts of moe_intermediate_size (the dense intermediate_size unused), a
+  // head dim wider than H/A; 30.53B in all, 3.35B active (Qwen's 30.5B and 3.3B).
+  const Json qwen = Json::parse(R"({"model_type":"qwen3_moe","hidden_size":2048,"intermediate_size":6144,
+      "moe_intermediate_size":768,"num_attention_heads":32,"num_hidden_layers":48,"num_key_value_heads":4,
+      "head_dim":128,"vocab_size":151936,"max_position_embeddings":4096,"num_experts":128,
+      "num_experts_per_tok":8,"decoder_sparse_step":1,"mlp_only_layers":[],"tie_word_embeddings":false})");
+  const ModelSpec q = model_from_hf_config(qwen, "config.json");
+  EXPECT_EQ(q.E, 128);
+  EXPECT_EQ(q.Fe, 768);
+  EXPECT_DOUBLE_EQ(q.total_params(), load_model("qwen3-30b-a3b").total_params());
+  EXPECT_NEAR(q.total_params() / 1e9, 30.53, 0.01);
+  EXPECT_NEAR(q.active_params() / 1e9, 3.35, 0.01);
+  // A shared expert (Qwen2-MoE) adds a dense MLP of its size to every layer and token.
+  ModelSpec s = m;
+  s.Fs = 4096;
+  EXPECT_EQ(s.layer_params(1) - m.layer_params(1), 3 * 4096 * 4096);
+  EXPECT_DOUBLE_EQ(s.layer_forward_flops(1) - m.layer_forward_flops(1), 2.0 * 4096 * 3 * 4096 * 4096);
 }
 
 // Sliding-window attention from Hugging Face configs and from Megatron's names.

@@ -1,5 +1,7 @@
 // Plan: inline and JSON forms, short and long keys, normalisation, and every rule of
 // check_plan with the reason key it reports.
+#include <algorithm>
+
 #include <gtest/gtest.h>
 #include <nlohmann/json.hpp>
 
@@ -271,6 +273,49 @@ TEST(Plan, OptimizerOffloadNames) {
   Cluster bare = load_cluster("dgx-a100-80g");
   bare.host = Host{};
   EXPECT_EQ(key_on(bare), "offload_host");
+}
+
+// Expert parallelism: the plan field under its names, its round trips and its rules.
+TEST(Plan, ExpertParallelism) {
+  EXPECT_EQ(load_plan("dp=16,ep=8").ep, 8);
+  EXPECT_EQ(plan_from_json(Json::parse(R"({"data_parallel":16,"expert_model_parallel_size":4})"), "plan").ep, 4);
+  EXPECT_EQ(load_plan("dp=16").ep, 1);
+  const Plan p = load_plan("tp=2,dp=8,ep=4,sp=1");
+  EXPECT_EQ(p.expert_replicas(), 2);
+  EXPECT_EQ(plan_to_json(load_plan(plan_to_inline(p))), plan_to_json(p));
+  EXPECT_EQ(plan_from_json(plan_to_json(p), "plan").ep, 4);
+  // The experts' own tensor parallelism (Megatron-core's parallel folding): etp x ep fold
+  // over tensor x data x context parallel, tensor_parallel when not given.
+  const Plan fold = plan_from_json(Json::parse(R"({"tensor_parallel":2,"data_parallel":16,"expert_tensor_parallel_size":1,
+      "expert_model_parallel_size":32})"), "plan");
+  EXPECT_EQ(fold.expert_tp(), 1);
+  EXPECT_EQ(fold.expert_replicas(), 1);
+  EXPECT_EQ(load_plan("tp=2,dp=8").expert_tp(), 2);
+  EXPECT_EQ(plan_from_json(plan_to_json(fold), "plan").etp, 1);
+  EXPECT_EQ(load_plan(plan_to_inline(fold)).etp, 1);
+  EXPECT_THROW(load_plan("dp=8,ep=0"), InputError);
+  // The rules.
+  const ModelSpec moe = load_model("mixtral-8x7b");  // 8 experts
+  EXPECT_TRUE(keys(moe, load_plan("dp=16,ep=8,zero=1")).empty());
+  EXPECT_TRUE(keys(moe, load_plan("dp=4,cp=2,ep=8,zero=1")).empty());  // over data x context parallel
+  EXPECT_EQ(keys(moe, load_plan("dp=12,ep=3")), std::vector<std::string>{"ep_experts"});
+  EXPECT_EQ(keys(moe, load_plan("dp=4,ep=8")), std::vector<std::string>{"ep_dp"});
+  EXPECT_EQ(keys(moe, load_plan("tp=2,dp=8,ep=8")), std::vector<std::string>{"moe_sp"});
+  EXPECT_EQ(keys(moe, load_plan("tp=2,dp=8")), std::vector<std::string>{"moe_sp"});
+  EXPECT_TRUE(keys(moe, load_plan("tp=2,dp=4,ep=8,etp=1,sp=1")).empty());  // 1 x 8 over 2 x 4
+  EXPECT_EQ(keys(moe, load_plan("tp=2,dp=4,ep=8,sp=1")), std::vector<std::string>{"ep_dp"});  // 2 x 8 over 2 x 4
+  EXPECT_TRUE(keys(moe, load_plan("tp=2,dp=8,ep=8,sp=1")).empty());
+  EXPECT_EQ(keys(moe, load_plan("tp=3,dp=8")).front(), "tp_heads");
+  EXPECT_EQ(keys(load_model("llama2-7b"), load_plan("dp=8,ep=2")), std::vector<std::string>{"ep_dense"});
+  const auto on_cpu = check_plan(moe, load_cluster("local-cpu"), load_plan("dp=2,ep=2"));
+  EXPECT_TRUE(std::any_of(on_cpu.begin(), on_cpu.end(), [](const Reason& r) { return r.key == "moe_strata"; }));
+  ModelSpec odd = moe;
+  odd.Fe = 14337;
+  const auto r = check_plan(odd, load_cluster("dgx-h100-80g"), load_plan("tp=8,dp=2,sp=1"));
+  ASSERT_FALSE(r.empty());
+  EXPECT_EQ(r.front().key, "tp_ffn");
+  EXPECT_NE(r.front().message.find("moe_ffn_hidden_size=14337"), std::string::npos) << r.front().message;
+  EXPECT_TRUE(check_plan(odd, load_cluster("dgx-h100-80g"), load_plan("tp=8,dp=2,sp=1,etp=1")).empty());
 }
 
 TEST(Plan, PipelineLayoutStrings) {
