@@ -354,7 +354,7 @@ double attention_core_forward(Acc& a, Phase ph) {
     const double kv_bytes = e * a.cs.T * static_cast<double>(2 * m.kv_width(p.t));  // this rank's K and V
     if (a.cs.stack.strata) {
       // Selective recompute's core reuses the keys and values its backward gathers.
-      if (!(ph == Phase::recompute && p.recompute == Recompute::selective))
+      if (!(ph == Phase::recompute && p.recomputes(kRecomputeCoreAttn)))
         a.comm("cp_kv_gather", ph, OpKind::cp_comm, a.cp, Collective::all_gather, kv_bytes * static_cast<double>(p.c));
     } else if (a.cs.cp_comm == CpComm::allgather) {
       a.comm("cp_kv_gather", ph, OpKind::cp_comm, a.cp, Collective::all_gather, kv_bytes * static_cast<double>(p.c));
@@ -690,7 +690,16 @@ LayerCost layer_cost(const ModelSpec& m, const Cluster& cl, const Plan& p, const
   if (replay && !ops) a.lc.recompute = a.lc.forward;
   pack_kept(a);
   if (replay && ops) layer_forward(a, Phase::recompute);
-  if (p.recompute == Recompute::selective) attention_core_forward(a, Phase::recompute);
+  if (p.recomputes(kRecomputeCoreAttn)) attention_core_forward(a, Phase::recompute);
+  if (p.recomputes(kRecomputeLayernorm)) {  // both norms' outputs again
+    const double bytes = 2.0 * cs.work_bytes * cs.Tn * static_cast<double>(m.H);
+    a.mem("norm1", Phase::recompute, bytes);
+    a.mem("norm2", Phase::recompute, bytes);
+  }
+  if (m.moe() && p.recomputes(kRecomputeMoeAct)) {  // the experts' activation function again
+    const MoeSizes z = moe_sizes(a);
+    a.mem(to_string(m.activation), Phase::recompute, (m.gated() ? 3.0 : 2.0) * cs.work_bytes * z.arriving * z.Ft);
+  }
   layer_backward(a);
   if (m.moe()) {  // the experts' parameters are sharded over their own replicas
     const double experts = static_cast<double>(m.layer_expert_params(p.expert_tp(), p.ep));

@@ -180,7 +180,7 @@ double hardware_flops(const ModelSpec& m, const Plan& p, const StageLayout& lay)
     }
     f += recomputed * m.layer_forward_flops(p.gbs);
   }
-  if (p.recompute == Recompute::selective)
+  if (p.recomputes(kRecomputeCoreAttn))
     f += L * 4.0 * static_cast<double>(p.gbs) * static_cast<double>(m.S) * m.attention_keys() *
          static_cast<double>(m.AD());
   return f;

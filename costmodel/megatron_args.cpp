@@ -60,7 +60,7 @@ const std::set<std::string>& plan_flags() {
       "use_megatron_fsdp", "num_virtual_stages_per_pipeline_rank", "account_for_embedding_in_pipeline_split",
       "account_for_loss_in_pipeline_split", "decoder_first_pipeline_num_layers", "decoder_last_pipeline_num_layers",
       "pipeline_model_parallel_layout", "cp_comm_type", "optimizer_cpu_offload", "optimizer_offload_fraction",
-      "expert_model_parallel_size", "expert_tensor_parallel_size"};
+      "expert_model_parallel_size", "expert_tensor_parallel_size", "recompute_modules"};
   return s;
 }
 
@@ -204,6 +204,9 @@ MegatronLaunch parse_megatron_launch(const std::string& text, const std::string&
     if (!is_name(key)) continue;
     // Megatron-LM takes --cp-comm-type once per layer too (a list of words): one type for
     // every layer is read, a mix refused.
+    // --recompute-modules takes a list of words: kept as one string of blanks.
+    if (key == "recompute_modules" && !bare)
+      while (value_next()) raw += " " + words[++i];
     if (key == "cp_comm_type" && !bare)
       while (value_next()) {
         const std::string& more = words[++i];

@@ -54,9 +54,11 @@ namespace {
   const double e = cs.act_bytes, T = cs.T, Tn = cs.Tn, H = static_cast<double>(m.H), t = static_cast<double>(p.t);
   const double K = static_cast<double>(m.K), etp = static_cast<double>(p.expert_tp());
   const double copies = Tn * K * etp;
+  // A recomputed activation function (recompute_modules moe_act) keeps no fc2 input.
+  const double fc2_in = p.recomputes(kRecomputeMoeAct) ? 0.0 : lin * copies * static_cast<double>(m.Fe) / etp;
   const double dense = e * T * static_cast<double>(m.fc1_out()) / t + lin * T * static_cast<double>(m.F) / t;
   return (e + 4.0) * Tn * static_cast<double>(m.E) + lin * copies * H +
-         e * copies * static_cast<double>(m.expert_fc1_out()) / etp + lin * copies * static_cast<double>(m.Fe) / etp +
+         e * copies * static_cast<double>(m.expert_fc1_out()) / etp + fc2_in +
          e * Tn * K * H + e * T * static_cast<double>(m.shared_fc1_out()) / t + lin * T * static_cast<double>(m.Fs) / t -
          dense;
 }
@@ -75,7 +77,8 @@ double layer_activation_bytes(const ModelSpec& m, const Plan& p, const ComputeSe
   // 16-bit output for its own backward, so the projection's input is then held twice.
   const bool fp8 = p.precision == Precision::fp8 && !cs.stack.strata;
   const double lin = fp8 ? 1.0 : e;
-  const bool core_keeps_output = cs.attention != AttentionKernel::unfused && p.recompute == Recompute::none;
+  const bool core_recomputed = p.recomputes(kRecomputeCoreAttn);
+  const bool core_keeps_output = cs.attention != AttentionKernel::unfused && !core_recomputed;
   const double proj_in = !fp8 ? e : core_keeps_output ? e + 1.0 : 1.0;
   double bytes = 2.0 * e * Tn * H                  // norm inputs
                  + lin * Tn * H                    // QKV input
@@ -86,6 +89,8 @@ double layer_activation_bytes(const ModelSpec& m, const Plan& p, const ComputeSe
                  + e * T * static_cast<double>(m.fc1_out()) / t
                  + lin * T * static_cast<double>(m.F) / t;  // fc2 input
   if (m.moe()) bytes += moe_mlp_activation_delta(m, p, cs, lin);
+  // Recomputed norms (recompute_modules layernorm) keep neither output: the QKV and MLP inputs.
+  if (p.recomputes(kRecomputeLayernorm)) bytes -= 2.0 * lin * Tn * H;
   if (m.hidden_dropout > 0) bytes += 2.0 * Tn * H;
   // The strata executor keeps the gathered (full-sequence) QKV and MLP inputs as well.
   if (cs.stack.strata && p.sp && p.t > 1) bytes += 2.0 * e * T * H;
@@ -93,8 +98,8 @@ double layer_activation_bytes(const ModelSpec& m, const Plan& p, const ComputeSe
   const double Sq = static_cast<double>(m.S) / static_cast<double>(p.c);
   if (cs.attention == AttentionKernel::unfused) {
     const double n = heads * Sq * static_cast<double>(m.S);
-    if (p.recompute == Recompute::none) bytes += (m.attention_dropout > 0 ? 2.0 * e + 1.0 : e) * n;
-  } else if (p.recompute == Recompute::none) {
+    if (!core_recomputed) bytes += (m.attention_dropout > 0 ? 2.0 * e + 1.0 : e) * n;
+  } else if (!core_recomputed) {
     // A fused core keeps its log-sum-exp (its output is counted above, with the
     // projection's input); recomputed (selective), it keeps nothing of its own.
     bytes += 4.0 * heads * Sq;
@@ -317,7 +322,7 @@ StageShape stage_shape(const ModelSpec& m, const Plan& p, const StageLayout& lay
       every_layer_recomputed = p.recomputed_layers(lay.chunk_layers(s, c)) == lay.chunk_layers(s, c);
     if (every_layer_recomputed) working += in.per_full_layer;
     // Selective recompute of an unfused core rebuilds one layer's S x S probabilities.
-    if (p.recompute == Recompute::selective && cs.attention == AttentionKernel::unfused)
+    if (p.recomputes(kRecomputeCoreAttn) && cs.attention == AttentionKernel::unfused)
       working += cs.act_bytes * static_cast<double>(p.mbs) * static_cast<double>(m.A / p.t) *
                  (static_cast<double>(m.S) / static_cast<double>(p.c)) * static_cast<double>(m.S);
   }

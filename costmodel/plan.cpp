@@ -332,6 +332,49 @@ PipelineLayout parse_pipeline_layout(const std::string& text, const std::string&
   return out;
 }
 
+// Megatron-core's --recompute-modules: a list of names (a JSON array, or a string of names
+// separated by blanks or '+', as an inline plan gives it) onto RecomputeModule bits.
+unsigned parse_recompute_modules(const Json& v, const std::string& field) {
+  std::vector<std::string> names;
+  if (v.is_array()) {
+    for (const Json& x : v) {
+      if (!x.is_string()) fail_field(field, show_value(v), "must be a list of module names");
+      names.push_back(x.get<std::string>());
+    }
+  } else if (v.is_string()) {
+    std::string word;
+    for (char ch : v.get<std::string>() + " ") {
+      if (ch == ' ' || ch == '+' || ch == ',') {
+        if (!word.empty()) names.push_back(word);
+        word.clear();
+      } else {
+        word += ch;
+      }
+    }
+  } else {
+    fail_field(field, show_value(v), "must be a list of module names (core_attn, layernorm, moe_act)");
+  }
+  unsigned bits = 0;
+  for (const std::string& n : names) {
+    if (n == "core_attn") bits |= kRecomputeCoreAttn;
+    else if (n == "layernorm") bits |= kRecomputeLayernorm;
+    else if (n == "moe_act") bits |= kRecomputeMoeAct;
+    else if (n == "mlp" || n == "moe" || n == "shared_experts" || n == "mla_up_proj")
+      fail_field(field, "\"" + n + "\"", "is not modelled: strata recomputes core_attn, layernorm and moe_act");
+    else
+      fail_field(field, "\"" + n + "\"", "must be one of core_attn, layernorm, moe_act");
+  }
+  return bits;
+}
+
+std::string recompute_modules_text(unsigned bits, const char* sep) {
+  std::string s;
+  for (const auto& [bit, name] : {std::pair{kRecomputeCoreAttn, "core_attn"}, {kRecomputeLayernorm, "layernorm"},
+                                  {kRecomputeMoeAct, "moe_act"}})
+    if (bits & bit) s += (s.empty() ? "" : sep) + std::string(name);
+  return s;
+}
+
 Plan plan_from_json(const Json& in, const std::string& source) {
   if (!in.is_object()) throw InputError(fmt::format("{}: {} is invalid: must be a JSON object", source, show_value(in)));
   // The output of estimate --json (or a plan of plan --json) holds the plan under "plan".
@@ -360,7 +403,7 @@ Plan plan_from_json(const Json& in, const std::string& source) {
                            "tp_comm_overlap", "grad_accumulation_fusion", "software_stack", "cp_comm_type",
                            "pipeline_model_parallel_layout", "decoder_first_pipeline_num_layers",
                            "decoder_last_pipeline_num_layers", "gradient_accumulation_steps", "num_gpus",
-                           "optimizer_offload_fraction", "expert_model_parallel_size",
+                           "optimizer_offload_fraction", "expert_model_parallel_size", "recompute_modules",
                            "expert_tensor_parallel_size", "description"});
   Plan p;
   p.t = f.integer_or("tensor_parallel", 1, 1, kMaxDegree);
@@ -403,9 +446,18 @@ Plan plan_from_json(const Json& in, const std::string& source) {
   p.mbs = f.integer_or("micro_batch_size", 1, 1, kMaxBatch);
   p.gbs = f.integer_or("global_batch_size", 0, 0, kMaxBatch);
   p.zero = static_cast<int>(f.integer_or("zero_stage", 0, 0, 3));
+  const bool rc_given = f.peek("recompute") && !f.peek("recompute")->is_null();
   const std::string rc = f.choice_or("recompute", "none", {"none", "selective", "full"});
   p.recompute = rc == "none" ? Recompute::none : rc == "selective" ? Recompute::selective : Recompute::full;
   p.recompute_layers = f.integer_or("recompute_num_layers", 0, 0, 100000);
+  if (const Json* rm = f.peek("recompute_modules"); rm && !rm->is_null()) {
+    const std::string field = source + ".recompute_modules";
+    if (!rc_given) p.recompute = Recompute::selective;  // (Megatron reads the modules with selective)
+    if (p.recompute != Recompute::selective)
+      fail_field(field, show_value(*rm), fmt::format("needs recompute selective, not {}", to_string(p.recompute)));
+    p.recompute_modules = parse_recompute_modules(*rm, field);
+  }
+  f.ignore("recompute_modules");
   p.sp = f.boolean_or("sequence_parallel", false);
   const std::string pr = f.choice_or("precision", "bf16", {"fp32", "bf16", "fp16", "fp8"});
   p.precision = pr == "fp32" ? Precision::fp32 : pr == "bf16" ? Precision::bf16
@@ -570,6 +622,12 @@ Json plan_to_json(const Plan& p) {
   if (p.offload > 0) j["optimizer_offload_fraction"] = p.offload;
   if (p.ep > 1) j["expert_model_parallel_size"] = p.ep;
   if (p.etp > 0 && p.etp != p.t) j["expert_tensor_parallel_size"] = p.etp;
+  if (p.recompute == Recompute::selective && p.recompute_modules != kRecomputeCoreAttn) {
+    j["recompute_modules"] = Json::array();
+    for (const auto& [bit, name] : {std::pair{kRecomputeCoreAttn, "core_attn"}, {kRecomputeLayernorm, "layernorm"},
+                                    {kRecomputeMoeAct, "moe_act"}})
+      if (p.recompute_modules & bit) j["recompute_modules"].push_back(name);
+  }
   return j;
 }
 
@@ -605,6 +663,8 @@ std::string plan_to_inline(const Plan& p) {
   if (p.offload > 0) s += fmt::format(",offload={}", p.offload);
   if (p.ep > 1) s += fmt::format(",ep={}", p.ep);
   if (p.etp > 0 && p.etp != p.t) s += fmt::format(",etp={}", p.etp);
+  if (p.recompute == Recompute::selective && p.recompute_modules != kRecomputeCoreAttn)
+    s += ",recompute_modules=" + recompute_modules_text(p.recompute_modules, "+");
   return s;
 }
 

@@ -44,6 +44,13 @@ struct PipelineLayout {
 // 'E' not first or 'L' not last, each exactly once) throws InputError naming `field`.
 PipelineLayout parse_pipeline_layout(const std::string& text, const std::string& field);
 
+// Megatron-core's --recompute-modules, with recompute_granularity selective: the parts of
+// a layer whose outputs are dropped after the forward and recomputed before the backward.
+// core_attn is the attention core (selective recompute's default), layernorm the two norms'
+// outputs (the QKV and MLP inputs), moe_act the experts' activation function (their fc2
+// input). Megatron's other modules (mlp, moe, shared_experts, mla_up_proj) are refused.
+enum RecomputeModule : unsigned { kRecomputeCoreAttn = 1u, kRecomputeLayernorm = 2u, kRecomputeMoeAct = 4u };
+
 struct Plan {
   int64_t t = 1;  // tensor_parallel
   int64_t p = 1;  // pipeline_parallel
@@ -57,6 +64,7 @@ struct Plan {
   int64_t gbs = 0;  // 0: one micro-batch per data-parallel rank (mbs * d)
   int zero = 0;     // 0..3; Megatron's distributed optimizer is 1
   Recompute recompute = Recompute::none;
+  unsigned recompute_modules = kRecomputeCoreAttn;  // with selective recompute (RecomputeModule bits)
   int64_t recompute_layers = 0;  // recompute_num_layers: with full recompute, how many layers of
                                  // each model chunk are recomputed (Megatron's block method);
                                  // 0 = all of them
@@ -91,6 +99,8 @@ struct Plan {
   int64_t etp = 0;
 
   int64_t world_size() const { return t * p * d * c; }
+  // Selective recompute of a module (RecomputeModule).
+  bool recomputes(unsigned module) const { return recompute == Recompute::selective && (recompute_modules & module) != 0; }
   bool explicit_split() const { return layout || first_stage_layers > 0 || last_stage_layers > 0; }
   // The same plan with nothing recomputed (what partial recompute's other layers run).
   Plan without_recompute() const {
@@ -136,6 +146,10 @@ Plan load_plan(const std::string& inline_or_path);
 // Parses "k=v,k=v" into a JSON object (integers become numbers, true/false booleans).
 Json parse_inline_pairs(const std::string& text, const std::string& what);
 Json plan_to_json(const Plan& p);
+// RecomputeModule bits from Megatron's names (a list, or names separated by blanks or '+');
+// unknown or unmodelled names throw InputError naming `field`. And back, joined by `sep`.
+unsigned parse_recompute_modules(const Json& v, const std::string& field);
+std::string recompute_modules_text(unsigned bits, const char* sep);
 std::string plan_to_inline(const Plan& p);
 
 // Why a plan cannot run this model on this cluster; empty when it can. Each reason has a

@@ -80,6 +80,8 @@ std::string export_megatron(const ModelSpec& m, const Plan& p, const Stack& stac
     flag("--recompute-num-layers 1");
   } else if (p.recompute == Recompute::selective) {
     flag("--recompute-granularity selective");
+    if (p.recompute_modules != kRecomputeCoreAttn)
+      flag("--recompute-modules " + recompute_modules_text(p.recompute_modules, " "));
   }
   switch (p.precision) {
     case Precision::bf16: flag("--bf16"); break;
@@ -250,6 +252,8 @@ std::string export_bridge(const ModelSpec& m, const Plan& p, const Stack& stack)
     set("model.recompute_num_layers", num(p.recompute_layers > 0 ? p.recompute_layers : 1));
   } else if (p.recompute == Recompute::selective) {
     set("model.recompute_granularity", "selective");
+    if (p.recompute_modules != kRecomputeCoreAttn)
+      set("model.recompute_modules", "[" + recompute_modules_text(p.recompute_modules, ",") + "]");
   } else {
     set("model.recompute_granularity", "null");
   }

@@ -432,6 +432,16 @@ TEST(Compute, MixtureOfExpertsLayer) {
   EXPECT_DOUBLE_EQ(sum_of(tp, "moe_tp_all_gather", Phase::forward, &OpCost::bytes), 262144.0);
   EXPECT_DOUBLE_EQ(sum_of(tp, "moe_tp_reduce_scatter", Phase::forward, &OpCost::bytes), 262144.0);
   EXPECT_DOUBLE_EQ(sum_of(tp, "expert_fc1", Phase::forward, &OpCost::flops), 134217728.0 / 2);
+  // recompute_modules layernorm and moe_act run both norms (2 x 2 x 256 x 256 bytes each) and
+  // the experts' GELU (2 x 2 x 512 copies x 512) again before the backward, and nothing else.
+  const std::vector<OpCost> re = layer_ops(m, c, load_plan("dp=8,ep=4,mbs=2,precision=bf16,recompute_modules=layernorm+moe_act"));
+  EXPECT_DOUBLE_EQ(sum_of(re, "norm1", Phase::recompute, &OpCost::bytes), 262144.0);
+  EXPECT_DOUBLE_EQ(sum_of(re, "norm2", Phase::recompute, &OpCost::bytes), 262144.0);
+  EXPECT_DOUBLE_EQ(sum_of(re, "gelu", Phase::recompute, &OpCost::bytes), 1048576.0);
+  double other = 0;
+  for (const OpCost& o : re)
+    if (o.phase == Phase::recompute && o.name != "norm1" && o.name != "norm2" && o.name != "gelu") other += o.time_s;
+  EXPECT_EQ(other, 0.0);
 }
 
 TEST(Compute, WorkSplitsExposedCommunication) {

@@ -143,6 +143,13 @@ TEST(MegatronArgs, ExpertFlagsRoundTrip) {
     EXPECT_EQ(in.model.total_params(), m.total_params()) << name;
     EXPECT_EQ(estimate(in.model, cl, in.plan).step_time_s, estimate(m, cl, p).step_time_s) << name;
   }
+  // --recompute-modules takes a list of words, and is written back.
+  const ModelSpec m = load_model("mixtral-8x7b");
+  const Plan p = load_plan("tp=2,dp=16,ep=8,mbs=1,gbs=256,zero=1,sp=1,recompute_modules=core_attn+moe_act+layernorm");
+  const std::string flags = export_megatron(m, p, resolve_stack(m, cl, p)) + fmt::format(" --vocab-size {}", m.V);
+  EXPECT_NE(flags.find("--recompute-modules core_attn layernorm moe_act"), std::string::npos) << flags;
+  const LaunchInputs in = launch_inputs(parse_megatron_launch(flags, "export"), p.world_size(), "export");
+  EXPECT_EQ(in.plan.recompute_modules, kRecomputeCoreAttn | kRecomputeLayernorm | kRecomputeMoeAct);
 }
 
 // Megatron-LM's uneven pipelines: --pipeline-model-parallel-layout (its parentheses kept

@@ -68,6 +68,18 @@ TEST_F(Korthikanti, Fp8LinearLayersKeepTheirFp8Inputs) {
   EXPECT_DOUBLE_EQ(per_layer("tp=8,sp=1,recompute=full,precision=fp8"), 2 * s * b * h / t);
 }
 
+// Megatron-core's --recompute-modules: layernorm drops both norms' outputs (the QKV and MLP
+// inputs, 2 sbh each in fp16: sequence parallel, 4 sbh / t); without core_attn the core keeps
+// what it keeps with nothing recomputed (the 5 a s / h t of the unfused core).
+TEST_F(Korthikanti, RecomputeModules) {
+  EXPECT_DOUBLE_EQ(per_layer("tp=8,sp=1,recompute=selective,recompute_modules=core_attn+layernorm,precision=fp16"),
+                   s * b * h * 30 / t);
+  EXPECT_DOUBLE_EQ(per_layer("tp=8,sp=1,recompute_modules=layernorm,precision=fp16"),
+                   s * b * h * (30 / t + 5 * a * s / (h * t)));
+  EXPECT_DOUBLE_EQ(per_layer("tp=8,sp=1,recompute=selective,recompute_modules=core_attn,precision=fp16"),
+                   per_layer("tp=8,sp=1,recompute=selective,precision=fp16"));
+}
+
 TEST(Memory, StateBytesPerParameter) {
   // Megatron's table: fp16 params and grads 20 bytes without sharding (4 + 16/d sharded);
   // bf16 here: 2 + 6 (bf16 grads + fp32 accumulation) + 12.
@@ -184,6 +196,11 @@ TEST(Memory, ExpertsShardOverTheirReplicas) {
   // = 1,572,864; the dense MLP's 2 x 256 x (512 + 512) = 524,288.
   EXPECT_DOUBLE_EQ(layer_activation_bytes(moe, p, cs) - layer_activation_bytes(dense, load_plan("dp=8,mbs=2,precision=bf16"), cs),
                    12288.0 + 1572864.0 - 524288.0);
+  // recompute_modules moe_act: the experts' fc2 input (2 x 512 copies x 512) is not kept; the
+  // attention core still is (no core_attn), so the rest is as with nothing recomputed.
+  const Plan act = load_plan("dp=8,ep=4,mbs=2,precision=bf16,recompute_modules=moe_act");
+  EXPECT_DOUBLE_EQ(layer_activation_bytes(moe, p, cs) - layer_activation_bytes(moe, act, compute_setup(moe, c, act)),
+                   2.0 * 512 * 512);
 }
 
 // Optimizer offload (Megatron-core's --optimizer-offload-fraction f, DeepSpeed's

@@ -318,6 +318,37 @@ TEST(Plan, ExpertParallelism) {
   EXPECT_TRUE(check_plan(odd, load_cluster("dgx-h100-80g"), load_plan("tp=8,dp=2,sp=1,etp=1")).empty());
 }
 
+// Megatron-core's --recompute-modules under selective recompute.
+TEST(Plan, RecomputeModules) {
+  EXPECT_EQ(load_plan("recompute=selective").recompute_modules, kRecomputeCoreAttn);
+  const Plan p = load_plan("recompute_modules=layernorm+moe_act");  // implies selective
+  EXPECT_EQ(p.recompute, Recompute::selective);
+  EXPECT_EQ(p.recompute_modules, kRecomputeLayernorm | kRecomputeMoeAct);
+  EXPECT_FALSE(p.recomputes(kRecomputeCoreAttn));
+  EXPECT_TRUE(p.recomputes(kRecomputeMoeAct));
+  EXPECT_FALSE(load_plan("recompute=full").recomputes(kRecomputeCoreAttn));
+  const Plan q = plan_from_json(Json::parse(R"({"recompute_granularity":"selective",
+      "recompute_modules":["core_attn","layernorm"]})"), "plan");
+  EXPECT_EQ(q.recompute_modules, kRecomputeCoreAttn | kRecomputeLayernorm);
+  EXPECT_EQ(plan_from_json(plan_to_json(q), "plan").recompute_modules, q.recompute_modules);
+  EXPECT_EQ(load_plan(plan_to_inline(q)).recompute_modules, q.recompute_modules);
+  EXPECT_EQ(plan_from_json(Json::parse(R"({"recompute_modules":"core_attn moe_act"})"), "plan").recompute_modules,
+            kRecomputeCoreAttn | kRecomputeMoeAct);
+  auto refused = [](const char* text, const char* what) {
+    try {
+      plan_from_json(Json::parse(text), "plan");
+      ADD_FAILURE() << text;
+    } catch (const InputError& e) {
+      EXPECT_NE(std::string(e.what()).find("plan.recompute_modules"), std::string::npos) << e.what();
+      EXPECT_NE(std::string(e.what()).find(what), std::string::npos) << e.what();
+    }
+  };
+  refused(R"({"recompute_modules":["mlp"]})", "not modelled");
+  refused(R"({"recompute_modules":["attention"]})", "must be one of");
+  refused(R"({"recompute":"full","recompute_modules":["layernorm"]})", "needs recompute selective");
+  refused(R"({"recompute_modules":3})", "list of module names");
+}
+
 TEST(Plan, PipelineLayoutStrings) {
   const Plan p = load_plan("tp=4,pp=8,mbs=1,gbs=256,pipeline_model_parallel_layout=Et*2|(t*2|)*34,t*3|(t*2|)*3,tL");
   ASSERT_TRUE(p.layout);
