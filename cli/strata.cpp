@@ -269,7 +269,8 @@ std::string plan_row(const ModelSpec& m, const Estimate& e, int rank) {
                      to_string(p.schedule()), e.step_time_s, e.tokens_per_s, 100.0 * e.mfu,
                      e.memory.peak / (1024.0 * 1024 * 1024), 100.0 * e.time.pipeline_bubble / e.step_time_s,
                      split_text(m, p) + (p.offload > 0 ? fmt::format("  offload={:g}", p.offload) : std::string()) +
-                         (m.moe() ? fmt::format("  ep={}", p.ep) : std::string()));
+                         (m.moe() ? fmt::format("  ep={}", p.ep) + (p.expert_tp() != p.t ? fmt::format(" etp={}", p.expert_tp()) : "")
+                                  : std::string()));
 }
 
 const char* kPlanHeader =

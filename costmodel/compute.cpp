@@ -549,12 +549,13 @@ void moe_backward(Acc& a) {
   a.mem("router_topk", ph, (e + 8.0) * Tn * E);
   a.gemm("router", ph, Tn, H, E, a.peak_attn, e);                                            // dgrad
   a.gemm("router", ph, H, E, Tn, a.peak_attn, e, a.cs.stack.grad_accumulation_fusion ? 8.0 : -1.0);  // wgrad
-  if (m.Fs > 0) {
+  if (m.Fs > 0) {  // as the dense MLP's backward (layer_backward), at the shared expert's sizes
     a.tp_gather("sp_all_gather", ph);
     a.linear("shared_fc2", ph, T, H, z.Fst);
     a.mem(to_string(m.activation), ph, (m.gated() ? 5.0 : 3.0) * e * T * z.Fst);
+    a.tp_gather("sp_all_gather", ph, a.gemm_s(T, H, z.fs1));
     a.linear("shared_fc1", ph, T, z.fs1, H);
-    a.tp_reduce(p.sp ? "sp_reduce_scatter" : "tp_all_reduce", ph);
+    a.tp_reduce(p.sp ? "sp_reduce_scatter" : "tp_all_reduce", ph, wgrad_overlap(a, T, z.fs1, H));
   }
 }
 
@@ -703,6 +704,8 @@ LayerCost layer_cost(const ModelSpec& m, const Cluster& cl, const Plan& p, const
   layer_backward(a);
   if (m.moe()) {  // the experts' parameters are sharded over their own replicas
     const double experts = static_cast<double>(m.layer_expert_params(p.expert_tp(), p.ep));
+    // (Each hides behind the layer's whole compute window: together they may claim more
+    // cover than there is; an approximation.)
     sharded_traffic(a, static_cast<double>(m.layer_params(p.t, p.ep, p.etp)) - experts, a.dp);
     sharded_traffic(a, experts, a.edp);
   } else {

@@ -206,7 +206,7 @@ MegatronLaunch parse_megatron_launch(const std::string& text, const std::string&
     // every layer is read, a mix refused.
     // --recompute-modules takes a list of words: kept as one string of blanks.
     if (key == "recompute_modules" && !bare)
-      while (value_next()) raw += " " + words[++i];
+      while (value_next() && is_name(words[i + 1])) raw += " " + words[++i];
     if (key == "cp_comm_type" && !bare)
       while (value_next()) {
         const std::string& more = words[++i];
@@ -323,6 +323,11 @@ LaunchInputs launch_inputs(const MegatronLaunch& launch, int64_t gpus, const std
                                  source, emb ? "embedding" : "loss", emb ? "loss" : "embedding"));
   plan.erase("account_for_embedding_in_pipeline_split");
   plan.erase("account_for_loss_in_pipeline_split");
+  // Megatron reads --recompute-modules only with --recompute-granularity selective.
+  if (plan.contains("recompute_modules") &&
+      !(plan.contains("recompute_granularity") && plan.at("recompute_granularity") == "selective")) {
+    plan.erase("recompute_modules");
+  }
   // Megatron reads --optimizer-offload-fraction only with --optimizer-cpu-offload.
   if (plan.contains("optimizer_offload_fraction") && !plan.contains("optimizer_cpu_offload"))
     plan["optimizer_cpu_offload"] = false;

@@ -55,7 +55,16 @@ void read_experts(Fields& f, const Json& j, const std::string& source, ModelSpec
     m->K = f.integer_or("moe_router_topk", 2, 1, E);
     m->Fe = f.integer_or("moe_ffn_hidden_size", m->F, 1, kMaxFfn);
     m->Fs = f.integer_or("moe_shared_expert_intermediate_size", 0, 0, kMaxFfn);
-    if (const Json* freq = f.peek("moe_layer_freq"); freq && !freq->is_null() && *freq != Json(1))
+    auto every_layer = [](const Json& v) {  // 1, a list of 1s, or Megatron's "([1]*N)" / "[1]*N"
+      if (v == Json(1)) return true;
+      if (v.is_array()) return std::all_of(v.begin(), v.end(), [](const Json& x) { return x == Json(1); });
+      if (!v.is_string()) return false;
+      std::string s = v.get<std::string>();
+      s.erase(std::remove_if(s.begin(), s.end(), [](char ch) { return ch == ' ' || ch == '(' || ch == ')'; }), s.end());
+      if (s.rfind("[1]*", 0) != 0 || s.size() == 4) return false;
+      return std::all_of(s.begin() + 4, s.end(), [](char ch) { return ch >= '0' && ch <= '9'; });
+    };
+    if (const Json* freq = f.peek("moe_layer_freq"); freq && !freq->is_null() && !every_layer(*freq))
       fail_field(source + ".moe_layer_freq", show_value(*freq),
                  "must be 1: strata models an MoE layer on every layer (a mix of dense and MoE layers is not modelled)");
     f.ignore("moe_layer_freq");
@@ -429,6 +438,16 @@ ModelSpec model_from_hf_config(const Json& j, const std::string& source, int64_t
   // num_experts_per_tok. Every layer must be an MoE layer (decoder_sparse_step 1, no
   // mlp_only_layers).
   const int64_t experts = get_int({"num_local_experts", "num_experts"}, 0, kMaxExperts, false, 0);
+  // Only the families whose every layer is an MoE layer of these keys: others (Llama 4's
+  // interleaved layers and shared expert, Jamba, GraniteMoE, ...) would be misread.
+  const bool known_moe = model_type == "mixtral" || model_type == "gpt_oss" || model_type == "qwen2_moe" ||
+                         model_type == "qwen3_moe" || model_type == "olmoe";
+  if (experts > 1 && !known_moe)
+    fail_field(source + (j.contains("num_local_experts") ? ".num_local_experts" : ".num_experts"), std::to_string(experts),
+               fmt::format("mixture-of-experts configs are read for model_type mixtral, gpt_oss, qwen2_moe, qwen3_moe and "
+                           "olmoe, not {}: give the model as a model JSON with num_experts, moe_router_topk and "
+                           "moe_ffn_hidden_size",
+                           show_value(Json(model_type))));
   if (experts > 1) {
     m.E = experts;
     m.K = get_int({"num_experts_per_tok", "moe_topk", "top_k"}, 1, experts, true, 0);

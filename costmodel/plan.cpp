@@ -354,6 +354,7 @@ unsigned parse_recompute_modules(const Json& v, const std::string& field) {
   } else {
     fail_field(field, show_value(v), "must be a list of module names (core_attn, layernorm, moe_act)");
   }
+  if (names.empty()) fail_field(field, show_value(v), "must name at least one module (core_attn, layernorm, moe_act)");
   unsigned bits = 0;
   for (const std::string& n : names) {
     if (n == "core_attn") bits |= kRecomputeCoreAttn;
@@ -692,10 +693,12 @@ namespace {
 template <class Add>
 void moe_reasons(const ModelSpec& m, const Cluster& cl, const Plan& p, const Add& add) {
   const int64_t etp = p.expert_tp();
-  if (m.moe() && (m.Fe % etp != 0 || m.Fs % p.t != 0))
-    add("tp_ffn", [&] { return fmt::format("expert_tensor_parallel_size={} must divide moe_ffn_hidden_size={}, and "
-                                           "tensor_parallel={} moe_shared_expert_intermediate_size={}",
-                                           etp, m.Fe, p.t, m.Fs); });
+  if (m.moe() && m.Fs % p.t != 0)
+    add("tp_ffn", [&] { return fmt::format("tensor_parallel={} must divide moe_shared_expert_intermediate_size={}",
+                                           p.t, m.Fs); });
+  if (m.moe() && m.Fe % etp != 0)  // (not structural for the search: etp varies below (t, p, c))
+    add("etp_ffn", [&] { return fmt::format("expert_tensor_parallel_size={} must divide moe_ffn_hidden_size={}", etp,
+                                            m.Fe); });
   if (p.ep > 1 && !m.moe())
     add("ep_dense", [&] { return fmt::format("expert_model_parallel_size={} needs a mixture-of-experts model "
                                              "(num_experts > 1); {} is dense", p.ep, m.name); });
@@ -737,6 +740,8 @@ std::vector<Reason> check_plan(const ModelSpec& m, const Cluster& cl, const Plan
   if (m.F % p.t != 0 && !m.moe())
     add("tp_ffn", [&] { return fmt::format("tensor_parallel={} must divide ffn_hidden_size={}", p.t, m.F); });
   if (m.moe() || p.ep > 1) moe_reasons(m, cl, p, add);
+  if (!m.moe() && p.recompute == Recompute::selective && (p.recompute_modules & kRecomputeMoeAct))
+    add("moe_act", [&] { return fmt::format("recompute_modules moe_act needs a mixture-of-experts model; {} is dense", m.name); });
   if (p.c > 1 && m.S % (2 * p.c) != 0)
     add("cp_seq", [&] { return fmt::format("context_parallel={} needs seq_length={} divisible by 2*context_parallel "
                               "(load-balanced causal attention)", p.c, m.S); });

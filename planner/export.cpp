@@ -119,6 +119,7 @@ std::string export_megatron(const ModelSpec& m, const Plan& p, const Stack& stac
     flag(fmt::format("--moe-ffn-hidden-size {}", m.Fe));
     if (m.Fs > 0) flag(fmt::format("--moe-shared-expert-intermediate-size {}", m.Fs));
     if (p.ep > 1) flag(fmt::format("--expert-model-parallel-size {}", p.ep));
+    if (p.expert_tp() != p.t) flag(fmt::format("--expert-tensor-parallel-size {}", p.expert_tp()));
     flag("--moe-grouped-gemm");
     flag("--moe-token-dispatcher-type alltoall");
     notes += "# mixture of experts: strata costed balanced routing (every expert the same tokens); an uneven\n"
@@ -191,6 +192,7 @@ std::string export_deepspeed(const ModelSpec& m, const Plan& p, const Stack& sta
   if (p.c > 1) split["cp_comm_type"] = to_string(resolve_cp_comm(m, p));
   if (p.offload > 0) split["optimizer_offload_fraction"] = p.offload;  // (the ratio's intent, as costed)
   if (p.ep > 1) split["expert_model_parallel_size"] = p.ep;
+  if (m.moe() && p.expert_tp() != p.t) split["expert_tensor_parallel_size"] = p.expert_tp();
   if (p.layout) split["pipeline_model_parallel_layout"] = p.layout->text;
   if (p.first_stage_layers > 0) split["decoder_first_pipeline_num_layers"] = p.first_stage_layers;
   if (p.last_stage_layers > 0) split["decoder_last_pipeline_num_layers"] = p.last_stage_layers;
@@ -233,6 +235,7 @@ std::string export_bridge(const ModelSpec& m, const Plan& p, const Stack& stack)
   set("dataset.seq_length", num(m.S));  // run_recipe.py sets the model's from it; a ConfigContainer needs both
   set("model.seq_length", num(m.S));
   if (p.ep > 1) set("model.expert_model_parallel_size", num(p.ep));
+  if (m.moe() && p.expert_tp() != p.t) set("model.expert_tensor_parallel_size", num(p.expert_tp()));
   // ZeRO: the distributed optimizer shards the optimizer states (1); Megatron-FSDP shards
   // gradients too (2) and the parameters (3).
   set("ddp.use_distributed_optimizer", yes(p.zero >= 1));
@@ -253,7 +256,7 @@ std::string export_bridge(const ModelSpec& m, const Plan& p, const Stack& stack)
   } else if (p.recompute == Recompute::selective) {
     set("model.recompute_granularity", "selective");
     if (p.recompute_modules != kRecomputeCoreAttn)
-      set("model.recompute_modules", "[" + recompute_modules_text(p.recompute_modules, ",") + "]");
+      set("model.recompute_modules", fmt::format("[{}]", recompute_modules_text(p.recompute_modules, ",")));
   } else {
     set("model.recompute_granularity", "null");
   }

@@ -515,6 +515,9 @@ SearchResult search(const ModelSpec& m, const Cluster& cl, const SearchOptions& 
           probe_tpcv.t = t; probe_tpcv.p = p; probe_tpcv.d = d; probe_tpcv.c = c; probe_tpcv.v = v;
           probe_tpcv.mbs = mbss.front(); probe_tpcv.gbs = opt.gbs; probe_tpcv.precision = opt.precision;
           probe_tpcv.attention = opt.attention;
+          // (An MoE model needs sequence parallelism with tp > 1: the probe has it, so that
+          // moe_sp does not hide a structural reason.)
+          probe_tpcv.sp = m.moe() && t > 1;
           if (c > 1 && opt.attention == AttentionChoice::automatic && stack.attention == AttentionKernel::unfused)
             probe_tpcv.attention = AttentionChoice::unfused;
           const std::vector<Reason> why = check_plan(m, cl, probe_tpcv, false);

@@ -436,6 +436,8 @@ TEST(Cli, BadInputExits2NamingTheField) {
   const std::string S = "plan --model gpt3-175b --cluster dgx-a100-80g ";
   const std::string hf_ok = R"("model_type":"llama","num_hidden_layers":2,"num_attention_heads":4,"vocab_size":100,)"
                             R"("max_position_embeddings":32,"hidden_act":"silu")";
+  const std::string hf_moe = R"("model_type":"qwen2_moe","num_hidden_layers":2,"num_attention_heads":4,"vocab_size":100,)"
+                            R"("max_position_embeddings":32,"hidden_act":"silu")";
   const std::vector<Bad> cases = {
       // Model JSON
       {model("m1.json", R"({"num_layers": 2,)"), "malformed JSON"},
@@ -465,9 +467,10 @@ TEST(Cli, BadInputExits2NamingTheField) {
       {model("h2.json", R"({"hidden_size":64,)" + hf_ok.substr(0, hf_ok.size()) + R"(,"hidden_act":"relu"})"), "hidden_act"},
       {model("h3.json", R"({"hidden_size":64,"num_key_value_heads":0,)" + hf_ok + "}"), "num_key_value_heads"},
       {model("h4.json", R"({"hidden_size":64,"num_hidden_layers":-2,"model_type":"llama","num_attention_heads":4,"vocab_size":100,"max_position_embeddings":32})"), "num_hidden_layers"},
-      {model("h5.json", R"({"hidden_size":64,"num_local_experts":8,)" + hf_ok + "}"), "num_experts_per_tok: missing"},
+      {model("h5.json", R"({"hidden_size":64,"num_local_experts":8,)" + hf_ok + "}"), "read for model_type mixtral"},
+      {model("h10.json", R"({"hidden_size":64,"num_local_experts":8,)" + hf_moe + "}"), "num_experts_per_tok: missing"},
       {model("h8.json", R"({"hidden_size":64,"n_routed_experts":64,)" + hf_ok + "}"), "n_routed_experts"},
-      {model("h9.json", R"({"hidden_size":64,"num_experts":8,"num_experts_per_tok":2,"decoder_sparse_step":2,)" + hf_ok + "}"),
+      {model("h9.json", R"({"hidden_size":64,"num_experts":8,"num_experts_per_tok":2,"decoder_sparse_step":2,)" + hf_moe + "}"),
        "decoder_sparse_step"},
       {model("h6.json", R"({"hidden_size":64,"is_encoder_decoder":true,)" + hf_ok + "}"), "is_encoder_decoder"},
       {model("h7.json", R"({"model_type":"llava","text_config":{"num_hidden_layers":2}})"), "text_config"},
@@ -582,6 +585,8 @@ TEST(Cli, BadInputExits2NamingTheField) {
       {P + "tp=8,dp=2,recompute_modules=mlp", "recompute_modules"},
       {P + "tp=8,dp=2,recompute=none,recompute_modules=layernorm", "needs recompute selective"},
       {"train --model tiny-gpt --plan recompute_modules=layernorm --steps 2", "recompute_modules layernorm is not implemented"},
+      {P + "tp=8,dp=2,recompute_modules=", "recompute_modules"},
+      {P + "tp=8,dp=2,recompute_modules=moe_act", "needs a mixture-of-experts model"},
       {S + "--gpus 8 --global-batch-size 8 --fix offload=2", "--fix offload"},
       {S + "--gpus 8 --global-batch-size 8 --search-offload --fix offload=1", "keep one"},
       {"plan --model tiny-gpt --cluster local-cpu --gpus 2 --global-batch-size 8 --search-offload", "strata executor"},

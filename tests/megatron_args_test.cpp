@@ -150,6 +150,20 @@ TEST(MegatronArgs, ExpertFlagsRoundTrip) {
   EXPECT_NE(flags.find("--recompute-modules core_attn layernorm moe_act"), std::string::npos) << flags;
   const LaunchInputs in = launch_inputs(parse_megatron_launch(flags, "export"), p.world_size(), "export");
   EXPECT_EQ(in.plan.recompute_modules, kRecomputeCoreAttn | kRecomputeLayernorm | kRecomputeMoeAct);
+  // The experts' own tensor parallelism is written and read back; --recompute-modules without
+  // --recompute-granularity selective is what Megatron makes of it: nothing recomputed; the
+  // list stops at the first word that is no module name.
+  const Plan folded = load_plan("tp=2,dp=16,ep=8,etp=1,mbs=1,gbs=256,zero=1,sp=1");
+  const std::string ff = export_megatron(m, folded, resolve_stack(m, cl, folded)) + fmt::format(" --vocab-size {}", m.V);
+  EXPECT_NE(ff.find("--expert-tensor-parallel-size 1"), std::string::npos) << ff;
+  EXPECT_EQ(launch_inputs(parse_megatron_launch(ff, "export"), 32, "export").plan.expert_tp(), 1);
+  const std::string base = "--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 32 "
+                           "--max-position-embeddings 32 --vocab-size 100 --micro-batch-size 1 --bf16 ";
+  EXPECT_EQ(launch_inputs(parse_megatron_launch(base + "--recompute-modules moe_act", "launch"), 1, "launch").plan.recompute,
+            Recompute::none);
+  const Plan sel = launch_inputs(parse_megatron_launch(base + "--recompute-granularity selective --recompute-modules "
+                                                              "layernorm 2>&1", "launch"), 1, "launch").plan;
+  EXPECT_EQ(sel.recompute_modules, kRecomputeLayernorm);
 }
 
 // Megatron-LM's uneven pipelines: --pipeline-model-parallel-layout (its parentheses kept

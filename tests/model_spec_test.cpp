@@ -251,6 +251,8 @@ TEST(ModelSpec, HuggingFaceConfigsOutsideTheModelAreRefused) {
   refused(R"("model_type":"mixtral","num_local_experts":8)", "num_experts_per_tok", "missing");
   refused(R"("model_type":"mixtral","num_local_experts":8,"num_experts_per_tok":9)", "num_experts_per_tok", "[1, 8]");
   refused(R"("model_type":"deepseek_v3","n_routed_experts":256)", "n_routed_experts", "latent attention");
+  refused(R"("model_type":"llama4_text","num_local_experts":16,"num_experts_per_tok":1)", "num_local_experts",
+          "read for model_type mixtral");
   refused(R"("model_type":"dbrx","ffn_config":{"moe_num_experts":16})", "ffn_config.moe_num_experts",
           "mixture-of-experts");
   refused(R"("model_type":"t5","is_encoder_decoder":true)", "is_encoder_decoder", "decoder-only");
@@ -271,6 +273,12 @@ TEST(ModelSpec, HuggingFaceConfigsOutsideTheModelAreRefused) {
       "vocab_size":100,"seq_length":32,"num_experts":8,"moe_layer_freq":2})"), "model"), InputError);
   EXPECT_THROW((void)model_from_json(Json::parse(R"({"num_layers":2,"hidden_size":64,"num_attention_heads":4,
       "vocab_size":100,"seq_length":32,"num_experts":8,"moe_router_topk":9})"), "model"), InputError);
+  // Megatron's spellings of "every layer": 1, a list of 1s, "([1]*N)".
+  for (const char* every : {R"(1)", R"([1,1])", R"x("([1]*48)")x", R"x("[1]*2")x"})
+    EXPECT_EQ(model_from_json(Json::parse(std::string(R"({"num_layers":2,"hidden_size":64,"num_attention_heads":4,
+        "vocab_size":100,"seq_length":32,"num_experts":8,"moe_layer_freq":)") + every + "}"), "model").E, 8) << every;
+  EXPECT_THROW((void)model_from_json(Json::parse(R"x({"num_layers":2,"hidden_size":64,"num_attention_heads":4,
+      "vocab_size":100,"seq_length":32,"num_experts":8,"moe_layer_freq":"([0]*1+[1]*1)"})x"), "model"), InputError);
   EXPECT_EQ(model_from_json(Json::parse(R"({"num_layers":2,"hidden_size":64,"num_attention_heads":4,
       "vocab_size":100,"seq_length":32,"num_experts":1,"moe_router_topk":2})"), "model").L, 2);
 }

@@ -313,7 +313,7 @@ TEST(Plan, ExpertParallelism) {
   odd.Fe = 14337;
   const auto r = check_plan(odd, load_cluster("dgx-h100-80g"), load_plan("tp=8,dp=2,sp=1"));
   ASSERT_FALSE(r.empty());
-  EXPECT_EQ(r.front().key, "tp_ffn");
+  EXPECT_EQ(r.front().key, "etp_ffn");
   EXPECT_NE(r.front().message.find("moe_ffn_hidden_size=14337"), std::string::npos) << r.front().message;
   EXPECT_TRUE(check_plan(odd, load_cluster("dgx-h100-80g"), load_plan("tp=8,dp=2,sp=1,etp=1")).empty());
 }
@@ -347,6 +347,9 @@ TEST(Plan, RecomputeModules) {
   refused(R"({"recompute_modules":["attention"]})", "must be one of");
   refused(R"({"recompute":"full","recompute_modules":["layernorm"]})", "needs recompute selective");
   refused(R"({"recompute_modules":3})", "list of module names");
+  refused(R"({"recompute_modules":[]})", "at least one module");
+  // moe_act on a dense model is a rule of the plan against the model.
+  EXPECT_EQ(keys(load_model("llama2-7b"), load_plan("dp=8,recompute_modules=moe_act")), std::vector<std::string>{"moe_act"});
 }
 
 TEST(Plan, PipelineLayoutStrings) {
