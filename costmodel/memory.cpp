@@ -45,22 +45,20 @@ StateBytes state_bytes(Precision prec, bool fused) {
 namespace {
 
 // A mixture-of-experts layer's activations in place of the dense MLP's fc1 output and fc2
-// input (what layer_activation_bytes counts for a dense MLP): the router's logits and fp32
+// input: the router's logits and fp32
 // probabilities (Tn x E), the token copies as the experts' fc1 reads them (Tn K etp after
 // the expert-tensor-parallel gather, compute.cpp), each expert's fc1 output and fc2 input
 // (split over etp), the experts' outputs the probability-weighted sum keeps (Tn K x H), and
 // the shared expert's fc1 output and fc2 input. Out of line: the dense path stays short.
-[[gnu::noinline]] double moe_mlp_activation_delta(const ModelSpec& m, const Plan& p, const ComputeSetup& cs, double lin) {
+[[gnu::noinline]] double moe_mlp_activation_bytes(const ModelSpec& m, const Plan& p, const ComputeSetup& cs, double lin) {
   const double e = cs.act_bytes, T = cs.T, Tn = cs.Tn, H = static_cast<double>(m.H), t = static_cast<double>(p.t);
   const double K = static_cast<double>(m.K), etp = static_cast<double>(p.expert_tp());
   const double copies = Tn * K * etp;
   // A recomputed activation function (recompute_modules moe_act) keeps no fc2 input.
   const double fc2_in = p.recomputes(kRecomputeMoeAct) ? 0.0 : lin * copies * static_cast<double>(m.Fe) / etp;
-  const double dense = e * T * static_cast<double>(m.fc1_out()) / t + lin * T * static_cast<double>(m.F) / t;
   return (e + 4.0) * Tn * static_cast<double>(m.E) + lin * copies * H +
          e * copies * static_cast<double>(m.expert_fc1_out()) / etp + fc2_in +
-         e * Tn * K * H + e * T * static_cast<double>(m.shared_fc1_out()) / t + lin * T * static_cast<double>(m.Fs) / t -
-         dense;
+         e * Tn * K * H + e * T * static_cast<double>(m.shared_fc1_out()) / t + lin * T * static_cast<double>(m.Fs) / t;
 }
 
 }  // namespace
@@ -85,10 +83,13 @@ double layer_activation_bytes(const ModelSpec& m, const Plan& p, const ComputeSe
                  + e * T * (AD / t + GDt)          // Q, K
                  + e * T * GDt                     // V
                  + proj_in * T * AD / t            // attention output, projection input
-                 + lin * Tn * H                    // MLP input
-                 + e * T * static_cast<double>(m.fc1_out()) / t
-                 + lin * T * static_cast<double>(m.F) / t;  // fc2 input
-  if (m.moe()) bytes += moe_mlp_activation_delta(m, p, cs, lin);
+                 + lin * Tn * H;                   // MLP input
+  if (m.moe()) {
+    bytes += moe_mlp_activation_bytes(m, p, cs, lin);
+  } else {  // (added in the order of one sum: the same bits)
+    bytes += e * T * static_cast<double>(m.fc1_out()) / t;  // fc1 output
+    bytes += lin * T * static_cast<double>(m.F) / t;        // fc2 input
+  }
   // Recomputed norms (recompute_modules layernorm) keep neither output: the QKV and MLP inputs.
   if (p.recomputes(kRecomputeLayernorm)) bytes -= 2.0 * lin * Tn * H;
   if (m.hidden_dropout > 0) bytes += 2.0 * Tn * H;
@@ -307,9 +308,10 @@ StageShape stage_shape(const ModelSpec& m, const Plan& p, const StageLayout& lay
   double& working = shape.working;
   if (lay.stage_layers(s) > 0) {
     const double fc1_cols = static_cast<double>(m.fc1_out());
-    working = cs.act_bytes * cs.T * ((fc1_cols + static_cast<double>(m.F)) / static_cast<double>(p.t) +
-                             2.0 * static_cast<double>(m.H));
-    if (m.moe()) {  // the token copies' expert activations and the shared expert's in their place
+    if (!m.moe()) {
+      working = cs.act_bytes * cs.T * ((fc1_cols + static_cast<double>(m.F)) / static_cast<double>(p.t) +
+                               2.0 * static_cast<double>(m.H));
+    } else {  // the token copies' expert activations and the shared expert's in their place
       const double etp = static_cast<double>(p.expert_tp()), copies = cs.Tn * static_cast<double>(m.K) * etp;
       working = cs.act_bytes * (copies * (static_cast<double>(m.expert_fc1_out() + m.Fe) / etp + 2.0 * static_cast<double>(m.H)) +
                                 cs.T * static_cast<double>(m.shared_fc1_out() + m.Fs) / static_cast<double>(p.t));

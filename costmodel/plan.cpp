@@ -334,6 +334,10 @@ PipelineLayout parse_pipeline_layout(const std::string& text, const std::string&
 
 // Megatron-core's --recompute-modules: a list of names (a JSON array, or a string of names
 // separated by blanks or '+', as an inline plan gives it) onto RecomputeModule bits.
+// The modules strata recomputes, by Megatron's name.
+constexpr std::pair<unsigned, const char*> kRecomputeModuleNames[] = {
+    {kRecomputeCoreAttn, "core_attn"}, {kRecomputeLayernorm, "layernorm"}, {kRecomputeMoeAct, "moe_act"}};
+
 unsigned parse_recompute_modules(const Json& v, const std::string& field) {
   std::vector<std::string> names;
   if (v.is_array()) {
@@ -357,9 +361,9 @@ unsigned parse_recompute_modules(const Json& v, const std::string& field) {
   if (names.empty()) fail_field(field, show_value(v), "must name at least one module (core_attn, layernorm, moe_act)");
   unsigned bits = 0;
   for (const std::string& n : names) {
-    if (n == "core_attn") bits |= kRecomputeCoreAttn;
-    else if (n == "layernorm") bits |= kRecomputeLayernorm;
-    else if (n == "moe_act") bits |= kRecomputeMoeAct;
+    const auto* it = std::find_if(std::begin(kRecomputeModuleNames), std::end(kRecomputeModuleNames),
+                                  [&](const auto& x) { return n == x.second; });
+    if (it != std::end(kRecomputeModuleNames)) bits |= it->first;
     else if (n == "mlp" || n == "moe" || n == "shared_experts" || n == "mla_up_proj")
       fail_field(field, "\"" + n + "\"", "is not modelled: strata recomputes core_attn, layernorm and moe_act");
     else
@@ -370,8 +374,7 @@ unsigned parse_recompute_modules(const Json& v, const std::string& field) {
 
 std::string recompute_modules_text(unsigned bits, const char* sep) {
   std::string s;
-  for (const auto& [bit, name] : {std::pair{kRecomputeCoreAttn, "core_attn"}, {kRecomputeLayernorm, "layernorm"},
-                                  {kRecomputeMoeAct, "moe_act"}})
+  for (const auto& [bit, name] : kRecomputeModuleNames)
     if (bits & bit) s += (s.empty() ? "" : sep) + std::string(name);
   return s;
 }
@@ -625,8 +628,7 @@ Json plan_to_json(const Plan& p) {
   if (p.etp > 0 && p.etp != p.t) j["expert_tensor_parallel_size"] = p.etp;
   if (p.recompute == Recompute::selective && p.recompute_modules != kRecomputeCoreAttn) {
     j["recompute_modules"] = Json::array();
-    for (const auto& [bit, name] : {std::pair{kRecomputeCoreAttn, "core_attn"}, {kRecomputeLayernorm, "layernorm"},
-                                    {kRecomputeMoeAct, "moe_act"}})
+    for (const auto& [bit, name] : kRecomputeModuleNames)
       if (p.recompute_modules & bit) j["recompute_modules"].push_back(name);
   }
   return j;
