@@ -345,6 +345,14 @@ int cmd_plan(const std::vector<std::string>& argv) {
   so.attention = att == "flash" ? AttentionChoice::flash : att == "unfused" ? AttentionChoice::unfused
                                                                             : AttentionChoice::automatic;
   if (a.has("fix")) so.fixed = parse_fixed(a.get("fix"));
+  // A launch's main-gradient type (--grad-reduce-in-bf16) holds for the search unless --fix says.
+  if (launch && launch->plan.grad_reduce_in_fp32 != Tristate::automatic && !so.fixed.grad_reduce_in_fp32)
+    so.fixed.grad_reduce_in_fp32 = launch->plan.grad_reduce_in_fp32 == Tristate::on;
+  if (so.fixed.grad_reduce_in_fp32 == false && so.precision == Precision::fp32)
+    fail_field("--fix grad_reduce_in_fp32", "0", "needs 16-bit parameters (--precision bf16, fp16 or fp8)");
+  if (so.fixed.grad_reduce_in_fp32 == false && cl.strata_stack)
+    fail_field("--fix grad_reduce_in_fp32", "0",
+               fmt::format("cluster {} runs the strata executor, which reduces its gradients in fp32", cl.name));
   if (so.search_offload) {  // (a cluster that cannot offload is named, not searched without it)
     if (so.fixed.offload)
       throw InputError("--search-offload and --fix offload=... both given: keep one (--fix pins the fraction)");

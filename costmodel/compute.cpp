@@ -112,10 +112,10 @@ ComputeSetup compute_setup(const ModelSpec& m, const Cluster& cl, const Plan& p)
   cs.work_bytes = cs.stack.strata ? 4 : cs.act_bytes;
   cs.T = static_cast<double>(p.mbs) * static_cast<double>(m.S) / static_cast<double>(p.c);
   cs.Tn = p.sp ? cs.T / static_cast<double>(p.t) : cs.T;
-  // Gradients are accumulated and reduced in fp32 except in fp16 training (Megatron's
-  // defaults: accumulate_allreduce_grads_in_fp32 for bf16, fp16 grads for fp16).
-  // The strata executor keeps fp32 gradients in every precision.
-  cs.grad_bytes = p.precision == Precision::fp16 && !cs.stack.strata ? 2.0 : 4.0;
+  // Gradients are accumulated and reduced in fp32, or with grad_reduce_in_fp32 off (the
+  // default in fp16 training) in 16 bits (resolve_stack). The strata executor keeps fp32
+  // gradients in every precision.
+  cs.grad_bytes = cs.stack.grad_reduce_in_fp32 || p.precision == Precision::fp32 ? 4.0 : 2.0;
   cs.weight_bytes = p.precision == Precision::fp32 ? 4.0 : p.precision == Precision::fp8 ? 1.0 : 2.0;
   cs.weight_work_bytes = cs.stack.strata ? 4.0 : cs.weight_bytes;  // its parameter gathers send floats
   cs.cp_comm = p.c > 1 ? resolve_cp_comm(m, cl, p) : CpComm::p2p;  // (nothing to move without context parallelism)

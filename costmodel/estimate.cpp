@@ -564,6 +564,7 @@ Json estimate_to_json(const Estimate& e) {
   if (whole) j["memory_bytes"]["peak"] = sum;
   else j["memory_bytes"]["peak"] = e.memory.peak;
   j["memory_stage"] = e.memory.stage;
+  if (e.memory.at_optimizer_step) j["memory_at_optimizer_step"] = true;
   j["critical_stage"] = e.critical_stage;
   j["microbatches"] = e.microbatches;
   j["attention"] = to_string(e.attention);

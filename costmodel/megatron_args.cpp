@@ -39,7 +39,7 @@ const std::set<std::string>& switch_flags() {
       "use_torch_fsdp2", "bf16", "fp16", "overlap_grad_reduce", "overlap_param_gather", "tp_comm_overlap",
       "use_flash_attn", "no_gradient_accumulation_fusion", "recompute_activations", "use_megatron_fsdp",
       "account_for_embedding_in_pipeline_split", "account_for_loss_in_pipeline_split", "optimizer_cpu_offload",
-      "moe_grouped_gemm", "moe_permute_fusion"};
+      "moe_grouped_gemm", "moe_permute_fusion", "grad_reduce_in_bf16", "accumulate_allreduce_grads_in_fp32"};
   return s;
 }
 // Flags that set what strata does not take from a launch: refused, naming the way to say it.
@@ -60,7 +60,8 @@ const std::set<std::string>& plan_flags() {
       "use_megatron_fsdp", "num_virtual_stages_per_pipeline_rank", "account_for_embedding_in_pipeline_split",
       "account_for_loss_in_pipeline_split", "decoder_first_pipeline_num_layers", "decoder_last_pipeline_num_layers",
       "pipeline_model_parallel_layout", "cp_comm_type", "optimizer_cpu_offload", "optimizer_offload_fraction",
-      "expert_model_parallel_size", "expert_tensor_parallel_size", "recompute_modules"};
+      "expert_model_parallel_size", "expert_tensor_parallel_size", "recompute_modules", "grad_reduce_in_bf16",
+      "accumulate_allreduce_grads_in_fp32"};
   return s;
 }
 

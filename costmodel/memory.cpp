@@ -24,20 +24,27 @@
 
 namespace strata {
 
-StateBytes state_bytes(Precision prec, bool fused) {
+StateBytes state_bytes(Precision prec, bool fused, bool fp32_grads) {
   switch (prec) {
     // fp32 weights are the master copy; gradients fp32; Adam m and v.
     case Precision::fp32: return {4, 4, 8};
     // fp16 weights and gradients; optimizer: fp32 master, fp32 gradient copy, m, v
-    // (Megatron's "20 bytes per parameter", 4 + 16/d with the distributed optimizer).
-    case Precision::fp16: return {2, 2, 16};
+    // (Megatron's "20 bytes per parameter", 4 + 16/d with the distributed optimizer). With
+    // fp32 main gradients (--accumulate-allreduce-grads-in-fp32) as bf16's below.
+    case Precision::fp16: return fp32_grads ? StateBytes{2, fused ? 4.0 : 6.0, 12} : StateBytes{2, 2, 16};
     // bf16 weights; fp32 main gradients, plus (legacy stacks: DeepSpeed's bf16 optimizer,
     // Megatron without gradient-accumulation fusion) the bf16 gradients summed into them;
     // optimizer fp32 master, m, v. Megatron's "6 + 12/d" with fusion, BLOOM's "2 + 2 + 4".
-    case Precision::bf16: return {2, fused ? 4.0 : 6.0, 12};
     // fp8 parameters (Transformer Engine with Megatron's --fp8-param-gather: the model holds
     // fp8 weights, the optimizer the fp32 master), gradients and optimizer as bf16.
-    case Precision::fp8: return {1, fused ? 4.0 : 6.0, 12};
+    // With bf16 main gradients (grad_reduce_in_fp32 false) 2 bytes each (plus the bf16
+    // gradients summed into them where unfused), and the optimizer keeps an fp32 copy of its
+    // shard's gradients (Megatron's distributed optimizer casts them before its step), as fp16.
+    case Precision::bf16:
+    case Precision::fp8: {
+      const double w = prec == Precision::fp8 ? 1.0 : 2.0;
+      return fp32_grads ? StateBytes{w, fused ? 4.0 : 6.0, 12} : StateBytes{w, fused ? 2.0 : 4.0, 16};
+    }
   }
   return {2, 6, 12};
 }
@@ -233,6 +240,7 @@ namespace {
 struct StageShape {
   MemoryBreakdown fixed;
   double per_chunk = 0, working = 0;
+  double step_copy = 0;  // the optimizer step's fp32 copy of 16-bit main gradients, where transient
   // Each chunk's activations, with the embedding's on stage 0's first chunk and the output
   // layer's on the last stage's last, where a plan's own split leaves the stage's chunks
   // unlike (else empty: the average above is exact).
@@ -249,20 +257,33 @@ StageShape stage_shape(const ModelSpec& m, const Plan& p, const StageLayout& lay
                                                : 0.0;  // the routed experts' share of P
   mb.expert_params = Pe;
   const double d = static_cast<double>(p.replicas());
-  StateBytes sb = state_bytes(p.precision, cs.stack.grad_accumulation_fusion);
+  StateBytes sb = state_bytes(p.precision, cs.stack.grad_accumulation_fusion, cs.stack.grad_reduce_in_fp32);
   // The strata executor: compute-precision weights, fp32 gradients, fp32 master (mixed
   // precision only) and Adam moments.
   if (cs.stack.strata) sb = {cs.weight_bytes, 4.0, p.precision == Precision::fp32 ? 8.0 : 12.0};
+  // Megatron-core with 16-bit main gradients (grad_reduce_in_fp32 off; fp16's default): the
+  // optimizer casts its shard's gradients to fp32 at the step (shard_main_param.grad =
+  // grad.float()) and drops them when the next step zeroes its gradients (set to None),
+  // before any forward: a transient of the step, while no activations are alive, not a
+  // state. The legacy stacks' optimizers (apex-style FP16_Optimizer, DeepSpeed's ZeRO) keep
+  // their fp32 gradient copy: among the states (state_bytes' 16).
+  double copy_per = 0;
+  if (cs.stack.modern && cs.grad_bytes < 4.0) {
+    sb.optimizer_states -= 4.0;
+    copy_per = 4.0;
+  }
   if (Pe == 0) {
     mb.weights = sb.weights * P / (p.zero >= 3 ? d : 1.0);
     mb.gradients = sb.gradients * P / (p.zero >= 2 ? d : 1.0);
     mb.optimizer_states = sb.optimizer_states * P / (p.zero >= 1 ? d : 1.0);
+    if (copy_per > 0) shape.step_copy = copy_per * P / (p.zero >= 1 ? d : 1.0);
   } else {  // the dense parameters sharded over their d replicas, the experts' over theirs
     const double de = static_cast<double>(p.expert_replicas());
     auto states = [&](double per, bool sharded) { return sharded ? per * (P - Pe) / d + per * Pe / de : per * P; };
     mb.weights = states(sb.weights, p.zero >= 3);
     mb.gradients = states(sb.gradients, p.zero >= 2);
     mb.optimizer_states = states(sb.optimizer_states, p.zero >= 1);
+    shape.step_copy = states(copy_per, p.zero >= 1);
   }
   // ZeRO-1 in the strata executor reduce-scatters the full gradient buffer into a separate
   // owned block (Megatron's distributed optimizer works in place).
@@ -270,8 +291,11 @@ StageShape stage_shape(const ModelSpec& m, const Plan& p, const StageLayout& lay
   if (p.offload > 0) {  // that share of the states on the host, with an fp32 gradient each
     const double moved = p.offload * mb.optimizer_states;
     mb.optimizer_states -= moved;
+    shape.step_copy *= 1.0 - p.offload;  // (that share's fp32 gradients are the host's, below)
     const double shard = p.zero < 1 ? P : Pe == 0 ? P / d : (P - Pe) / d + Pe / static_cast<double>(p.expert_replicas());
-    mb.host_offload = moved + (Pe == 0 ? 4.0 * p.offload * P / (p.zero >= 1 ? d : 1.0) : 4.0 * p.offload * shard);
+    // (A legacy optimizer's states with 16-bit gradients, 16 bytes, hold that fp32 gradient already.)
+    const double grad32 = sb.optimizer_states >= 16.0 ? 0.0 : 4.0;
+    mb.host_offload = moved + (Pe == 0 ? grad32 * p.offload * P / (p.zero >= 1 ? d : 1.0) : grad32 * p.offload * shard);
     // With ZeRO-2/3 the gradient shard is the offloaded parameters' own (DeepSpeed's
     // ZeRO-Offload moves each reduced partition to the host); Megatron's distributed
     // optimizer (ZeRO-1) keeps its gradient buffer on the GPU.
@@ -375,11 +399,27 @@ StageShape stage_shape(const ModelSpec& m, const Plan& p, const StageLayout& lay
   return shape;
 }
 
-// A stage's memory with its micro-batches in flight.
-MemoryBreakdown with_in_flight(const StageShape& shape, const Cluster& cl, const Plan& p, const ComputeSetup& cs,
-                               int64_t s, int64_t in_flight, int64_t in_flight_first, int64_t in_flight_last,
-                               const StageMemoryInputs& in) {
-  MemoryBreakdown mb = shape.fixed;
+// The optimizer step, where its fp32 gradient copy (stage_shape) outweighs the activations:
+// the terms as they stand then (the copy among the optimizer's states, no activations).
+// Out of line: the common path stays a straight copy of the stage's shape.
+[[gnu::noinline]] void at_optimizer_step(const Cluster& cl, double step_copy, MemoryBreakdown& mb) {
+  const double overhead = cl.framework_overhead_bytes + cl.allocator_fragmentation * step_copy;
+  const double at_step = mb.weights + mb.gradients + mb.optimizer_states + step_copy + mb.comm_buffers + overhead;
+  if (at_step <= mb.peak) return;
+  mb.optimizer_states += step_copy;
+  mb.activations = 0;
+  mb.framework_overhead = overhead;
+  mb.peak = at_step;
+  mb.at_optimizer_step = true;
+}
+
+// A stage's memory with its micro-batches in flight, written into *out (in place: no copy
+// of the breakdown in the search's loop).
+void with_in_flight(const StageShape& shape, const Cluster& cl, const Plan& p, const ComputeSetup& cs, int64_t s,
+                    int64_t in_flight, int64_t in_flight_first, int64_t in_flight_last, const StageMemoryInputs& in,
+                    MemoryBreakdown* out) {
+  MemoryBreakdown& mb = *out;
+  mb = shape.fixed;
   mb.stage = s;
   const double per_chunk = shape.per_chunk, working = shape.working;
   double act = static_cast<double>(in_flight) * per_chunk;
@@ -400,7 +440,7 @@ MemoryBreakdown with_in_flight(const StageShape& shape, const Cluster& cl, const
   const double churn = mb.activations + (cs.stack.modern ? 0.0 : mb.gradients);
   mb.framework_overhead = cl.framework_overhead_bytes + cl.allocator_fragmentation * churn;
   mb.peak = mb.weights + mb.gradients + mb.optimizer_states + mb.activations + mb.comm_buffers + mb.framework_overhead;
-  return mb;
+  if (shape.step_copy > 0) at_optimizer_step(cl, shape.step_copy, mb);
 }
 
 }  // namespace
@@ -409,8 +449,9 @@ MemoryBreakdown stage_memory(const ModelSpec& m, const Cluster& cl, const Plan& 
                              const ComputeSetup& cs, int64_t s, int64_t in_flight, int64_t in_flight_first,
                              int64_t in_flight_last, const StageMemoryInputs* pre) {
   const StageMemoryInputs in = pre ? *pre : stage_memory_inputs(m, p, cs);
-  return with_in_flight(stage_shape(m, p, lay, cs, s, in), cl, p, cs, s, in_flight, in_flight_first, in_flight_last,
-                        in);
+  MemoryBreakdown mb;
+  with_in_flight(stage_shape(m, p, lay, cs, s, in), cl, p, cs, s, in_flight, in_flight_first, in_flight_last, in, &mb);
+  return mb;
 }
 
 void stage_memories(const ModelSpec& m, const Cluster& cl, const Plan& p, const StageLayout& lay,
@@ -426,7 +467,7 @@ void stage_memories(const ModelSpec& m, const Cluster& cl, const Plan& p, const 
     for (int64_t c = 0; c < lay.v && like; ++c) like = lay.chunk_layers(s, c) == lay.chunk_layers(s - 1, c);
     if (!like) shape = stage_shape(m, p, lay, cs, s, in);
     const size_t i = static_cast<size_t>(s);
-    (*out)[i] = with_in_flight(shape, cl, p, cs, s, in_flight[i], in_flight_first[i], in_flight_last[i], in);
+    with_in_flight(shape, cl, p, cs, s, in_flight[i], in_flight_first[i], in_flight_last[i], in, &(*out)[i]);
   }
 }
 

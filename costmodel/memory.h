@@ -25,14 +25,21 @@ struct MemoryBreakdown {
   // Host memory of the offloaded optimizer share (Plan::offload): its fp32 master weights,
   // Adam moments and the fp32 gradients copied out for them; not part of peak.
   double host_offload = 0;
+  // The terms are the optimizer step's, not the backward's: with 16-bit main gradients on
+  // Megatron-core its fp32 copy of them (in optimizer_states) outweighs the activations.
+  bool at_optimizer_step = false;
 };
 
 // Bytes per parameter of each state, before dividing by d.
 struct StateBytes {
   double weights, gradients, optimizer_states;
 };
-// fused: gradients accumulate straight into fp32 main gradients (no half-precision copy).
-StateBytes state_bytes(Precision prec, bool fused);
+// fused: gradients accumulate straight into the main gradients (no half-precision copy).
+// fp32_grads: the main gradients in fp32 (grad_reduce_in_fp32), else in the parameters'
+// 16-bit type (bf16 with fp8) and the optimizer's fp32 copy of them among its states.
+StateBytes state_bytes(Precision prec, bool fused, bool fp32_grads);
+// With Megatron's default main gradients: fp32, but fp16 in fp16 training.
+inline StateBytes state_bytes(Precision prec, bool fused) { return state_bytes(prec, fused, prec != Precision::fp16); }
 
 // Activations one transformer layer keeps for its backward, per micro-batch, per GPU.
 double layer_activation_bytes(const ModelSpec& m, const Plan& p, const ComputeSetup& cs);

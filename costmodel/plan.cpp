@@ -238,6 +238,33 @@ void adopt_foreign_names(Json& j, const std::string& source) {
   }
   adopt_key(j, source, "use_flash_attn", "attention",
             [](const Json& v, const std::string& path) { return true_or_null(v, path, "flash"); });
+  // The main gradients' type: Megatron-LM's --accumulate-allreduce-grads-in-fp32 and
+  // --grad-reduce-in-bf16 (flags: false says nothing), DeepSpeed's data_types.grad_accum_dtype
+  // and communication_data_type.
+  adopt_key(j, source, "accumulate_allreduce_grads_in_fp32", "grad_reduce_in_fp32",
+            [](const Json& v, const std::string& path) { return true_or_null(v, path, true); });
+  adopt_key(j, source, "grad_reduce_in_bf16", "grad_reduce_in_fp32",
+            [](const Json& v, const std::string& path) { return true_or_null(v, path, false); });
+  if (j.contains("data_types") && j.at("data_types").is_object()) {
+    const Json dt = j.at("data_types");
+    const std::string path = source + ".data_types";
+    Fields f(dt, path);
+    const Json* g = f.peek("grad_accum_dtype");
+    if (g && !g->is_null()) {
+      if (!g->is_string() || (*g != "fp32" && *g != "bf16" && *g != "fp16"))
+        fail_field(path + ".grad_accum_dtype", show_value(*g), "must be \"fp32\", \"bf16\" or \"fp16\"");
+      j["grad_accum_dtype"] = *g == "fp32";
+      adopt_key(j, path, "grad_accum_dtype", "grad_reduce_in_fp32");
+    }
+    for (const auto& [key, value] : dt.items()) f.ignore(key);
+    j.erase("data_types");
+  }
+  // DeepSpeed's type of the gradients' reduction (one type for both in strata).
+  adopt_key(j, source, "communication_data_type", "grad_reduce_in_fp32", [](const Json& v, const std::string& path) {
+    if (!v.is_string() || (v != "fp32" && v != "bf16" && v != "fp16"))
+      fail_field(path, show_value(v), "must be \"fp32\", \"bf16\" or \"fp16\"");
+    return Json(v == "fp32");
+  });
   // Full recompute of every layer (uniform) or of the first recompute_num_layers of each
   // chunk (block, this schema's reading of recompute_num_layers).
   if (j.contains("recompute_method") && j.at("recompute_method").is_null()) j.erase("recompute_method");
@@ -408,7 +435,7 @@ Plan plan_from_json(const Json& in, const std::string& source) {
                            "pipeline_model_parallel_layout", "decoder_first_pipeline_num_layers",
                            "decoder_last_pipeline_num_layers", "gradient_accumulation_steps", "num_gpus",
                            "optimizer_offload_fraction", "expert_model_parallel_size", "recompute_modules",
-                           "expert_tensor_parallel_size", "description"});
+                           "expert_tensor_parallel_size", "grad_reduce_in_fp32", "description"});
   Plan p;
   p.t = f.integer_or("tensor_parallel", 1, 1, kMaxDegree);
   p.p = f.integer_or("pipeline_parallel", 1, 1, kMaxDegree);
@@ -486,6 +513,7 @@ Plan plan_from_json(const Json& in, const std::string& source) {
   p.overlap_param_gather = tristate("overlap_param_gather");
   p.tp_comm_overlap = tristate("tp_comm_overlap");
   p.grad_accumulation_fusion = tristate("grad_accumulation_fusion");
+  p.grad_reduce_in_fp32 = tristate("grad_reduce_in_fp32");
   const std::string ss = f.choice_or("software_stack", "auto", {"auto", "legacy", "modern"});
   p.software_stack = ss == "auto" ? StackChoice::automatic : ss == "legacy" ? StackChoice::legacy : StackChoice::modern;
   // Megatron's spelling, or Transformer Engine's "all_gather".
@@ -623,6 +651,7 @@ Json plan_to_json(const Plan& p) {
   if (p.first_stage_layers > 0) j["decoder_first_pipeline_num_layers"] = p.first_stage_layers;
   if (p.last_stage_layers > 0) j["decoder_last_pipeline_num_layers"] = p.last_stage_layers;
   if (p.cp_comm != CpComm::automatic) j["cp_comm_type"] = to_string(p.cp_comm);
+  if (p.grad_reduce_in_fp32 != Tristate::automatic) j["grad_reduce_in_fp32"] = p.grad_reduce_in_fp32 == Tristate::on;
   if (p.offload > 0) j["optimizer_offload_fraction"] = p.offload;
   if (p.ep > 1) j["expert_model_parallel_size"] = p.ep;
   if (p.etp > 0 && p.etp != p.t) j["expert_tensor_parallel_size"] = p.etp;
@@ -660,6 +689,7 @@ std::string plan_to_inline(const Plan& p) {
   tri("overlap_param_gather", p.overlap_param_gather);
   tri("tp_comm_overlap", p.tp_comm_overlap);
   tri("grad_accumulation_fusion", p.grad_accumulation_fusion);
+  tri("grad_reduce_in_fp32", p.grad_reduce_in_fp32);
   if (p.software_stack != StackChoice::automatic)
     s += p.software_stack == StackChoice::legacy ? ",software_stack=legacy" : ",software_stack=modern";
   if (p.cp_comm != CpComm::automatic) s += fmt::format(",cp_comm_type={}", to_string(p.cp_comm));
@@ -805,6 +835,14 @@ std::vector<Reason> check_plan(const ModelSpec& m, const Cluster& cl, const Plan
     add("software_stack", [&] { return fmt::format("software_stack={} names a GPU framework's stack; {} runs the strata "
                                                    "executor's own (leave it auto)",
                                                    p.software_stack == StackChoice::legacy ? "legacy" : "modern", cl.name); });
+  if (p.grad_reduce_in_fp32 == Tristate::off) {
+    if (p.precision == Precision::fp32)
+      add("grad_reduce", [&] { return std::string("grad_reduce_in_fp32=false needs 16-bit parameters (precision bf16, "
+                                                  "fp16 or fp8): fp32 training keeps fp32 gradients"); });
+    else if (cl.strata_stack)
+      add("grad_reduce", [&] { return fmt::format("grad_reduce_in_fp32=false: {} runs the strata executor, which "
+                                                  "accumulates and reduces its gradients in fp32", cl.name); });
+  }
   if (p.offload > 0) {
     if (p.zero == 0)
       add("offload_zero", [&] { return fmt::format("optimizer_offload_fraction={} needs zero_stage >= 1 (Megatron's "

@@ -79,6 +79,11 @@ struct Plan {
   Tristate grad_accumulation_fusion = Tristate::automatic;  // wgrad GEMMs accumulate into fp32 main grads
   StackChoice software_stack = StackChoice::automatic;      // legacy | modern: the defaults of the five above
   CpComm cp_comm = CpComm::automatic;                       // cp_comm_type (context_parallel > 1)
+  // grad_reduce_in_fp32 (Megatron-core's DDP setting; Megatron-LM's --grad-reduce-in-bf16 and
+  // --accumulate-allreduce-grads-in-fp32): the main gradients accumulated and reduced in
+  // fp32, or (off) in the parameters' 16-bit type, bf16 with fp8. "auto": on, but off in
+  // fp16 (Megatron's defaults); the strata executor keeps fp32 gradients.
+  Tristate grad_reduce_in_fp32 = Tristate::automatic;
   // Uneven pipelines as Megatron-LM gives them (layout.h); unset: strata's own split.
   int64_t first_stage_layers = 0;  // decoder_first_pipeline_num_layers (0: not set)
   int64_t last_stage_layers = 0;   // decoder_last_pipeline_num_layers (0: not set)

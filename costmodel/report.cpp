@@ -91,6 +91,9 @@ std::string format_estimate(const ModelSpec& m, const Cluster& cl, const Estimat
   o += fmt::format("\n{:<22}{:>12}   (stage {}: {} parameters per tensor-parallel shard{})\n", "memory per GPU", "",
                    mm.stage, human_count(mm.params), p.zero == 3 ? ", 1/d of them kept by ZeRO-3" : "");
   for (const auto& [name, v] : memory_terms(mm)) o += fmt::format("  {:<20}{:>12}\n", name, human_bytes(v));
+  if (mm.at_optimizer_step)
+    o += "  (at the optimizer step: its fp32 copy of the 16-bit gradients, among optimizer_states, outweighs the "
+         "activations)\n";
   if (d && d->stage_memory.size() > 1) {
     o += "\nper stage               layers    peak memory    finishes at\n";
     for (size_t s = 0; s < d->stage_memory.size(); ++s) {

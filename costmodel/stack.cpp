@@ -34,6 +34,7 @@ Stack resolve_stack(const ModelSpec& m, const Cluster& cl, const Plan& p) {
     s.overlap_param_gather = pick_as(p.overlap_param_gather, false);
     s.tp_comm_overlap = pick_as(p.tp_comm_overlap, false);
     s.grad_accumulation_fusion = pick_as(p.grad_accumulation_fusion, true);
+    s.grad_reduce_in_fp32 = true;  // (a plan saying off is refused: check_plan's grad_reduce)
     return s;
   }
   s.attention = p.attention == AttentionChoice::flash     ? AttentionKernel::flash
@@ -44,6 +45,8 @@ Stack resolve_stack(const ModelSpec& m, const Cluster& cl, const Plan& p) {
   s.overlap_param_gather = pick(p.overlap_param_gather);
   s.tp_comm_overlap = pick(p.tp_comm_overlap);
   s.grad_accumulation_fusion = pick(p.grad_accumulation_fusion);
+  s.grad_reduce_in_fp32 = p.grad_reduce_in_fp32 == Tristate::automatic ? p.precision != Precision::fp16
+                                                                        : p.grad_reduce_in_fp32 == Tristate::on;
   return s;
 }
 
@@ -63,7 +66,8 @@ Json stack_to_json(const Stack& s) {
               {"overlap_grad_reduce", s.overlap_grad_reduce},
               {"overlap_param_gather", s.overlap_param_gather},
               {"tp_comm_overlap", s.tp_comm_overlap},
-              {"grad_accumulation_fusion", s.grad_accumulation_fusion}};
+              {"grad_accumulation_fusion", s.grad_accumulation_fusion},
+              {"grad_reduce_in_fp32", s.grad_reduce_in_fp32}};
 }
 
 }  // namespace strata

@@ -33,6 +33,10 @@ struct Stack {
   AttentionKernel attention = AttentionKernel::unfused;
   bool overlap_grad_reduce = false, overlap_param_gather = false, tp_comm_overlap = false,
        grad_accumulation_fusion = false;
+  // Main gradients accumulated and reduced in fp32 (else in the parameters' 16-bit type):
+  // the plan's grad_reduce_in_fp32, "auto" on but in fp16 (Megatron's defaults; not a
+  // property of the stack: every stack defaults alike); always on the strata stack.
+  bool grad_reduce_in_fp32 = true;
 };
 
 // Megatron-LM's fused causal softmax (scaled_upper_triang_masked_softmax), the legacy

@@ -56,6 +56,9 @@ void validate_train_plan(const ModelSpec& m, const Plan& p, int world_size, bool
   if (p.recompute == Recompute::selective && p.recompute_modules != kRecomputeCoreAttn)
     fail("plan: recompute_modules " + recompute_modules_text(p.recompute_modules, " ") +
          " is not implemented by the executor: its selective recompute is the attention core (core_attn)");
+  if (p.grad_reduce_in_fp32 == Tristate::off)
+    fail("plan: grad_reduce_in_fp32 = false is not implemented by the executor: it accumulates and reduces its "
+         "gradients in fp32 (strata estimate and plan model 16-bit gradients on a GPU cluster)");
   if (p.offload > 0)
     fail(fmt::format("plan: optimizer_offload_fraction = {} is not implemented by the executor: it keeps the optimizer "
                      "on its own backend (strata estimate and plan model the offload on a GPU cluster)",

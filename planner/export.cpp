@@ -97,6 +97,9 @@ std::string export_megatron(const ModelSpec& m, const Plan& p, const Stack& stac
   if (stack.overlap_param_gather && p.replicas() > 1 && p.zero >= 1) flag("--overlap-param-gather");
   if (stack.tp_comm_overlap && p.t > 1) flag("--tp-comm-overlap");
   if (!stack.grad_accumulation_fusion) flag("--no-gradient-accumulation-fusion");
+  // Megatron-LM's main gradients: fp32 in bf16 training, fp16 in fp16 training, unless told.
+  if (p.precision != Precision::fp32 && stack.grad_reduce_in_fp32 != (p.precision != Precision::fp16))
+    flag(stack.grad_reduce_in_fp32 ? "--accumulate-allreduce-grads-in-fp32" : "--grad-reduce-in-bf16");
   flag(stack.attention == AttentionKernel::flash ? "--attention-backend flash" : "--attention-backend unfused");
   if (p.gpipe)
     notes += "# pipeline_schedule=gpipe: Megatron-LM runs 1F1B only; the flags below give its 1F1B schedule.\n";
@@ -168,6 +171,11 @@ std::string export_deepspeed(const ModelSpec& m, const Plan& p, const Stack& sta
     if (p.offload < 1) z["offload_optimizer"]["ratio"] = p.offload;
   }
   j["zero_optimization"] = z;
+  if (p.grad_reduce_in_fp32 != Tristate::automatic) {  // as the plan says it (DeepSpeed's defaults vary by stage)
+    const char* type = stack.grad_reduce_in_fp32 ? "fp32" : p.precision == Precision::fp16 ? "fp16" : "bf16";
+    j["data_types"] = {{"grad_accum_dtype", type}};
+    j["communication_data_type"] = type;
+  }
   if (p.precision == Precision::bf16 || p.precision == Precision::fp8) j["bf16"] = {{"enabled", true}};
   if (p.precision == Precision::fp16)
     j["fp16"] = {{"enabled", true}, {"loss_scale", 0}, {"initial_scale_power", 16}, {"loss_scale_window", 1000},
@@ -276,6 +284,15 @@ std::string export_bridge(const ModelSpec& m, const Plan& p, const Stack& stack)
     notes += "# tensor-parallel communication overlap was costed: the recipe's comm_overlap config with\n"
              "# tp_comm_overlap=True (a CommOverlapConfig; its user-buffer settings are the recipe's).\n";
   set("model.gradient_accumulation_fusion", yes(stack.grad_accumulation_fusion));
+  // The recipes' mixed-precision configs reduce in fp32 (their ddp settings follow them);
+  // Megatron-Bridge's performance recipes set both to False.
+  if (p.precision != Precision::fp32 && !stack.grad_reduce_in_fp32) {
+    set("mixed_precision.grad_reduce_in_fp32", "false");
+    set("ddp.grad_reduce_in_fp32", "false");
+  } else if (p.precision == Precision::fp16 && stack.grad_reduce_in_fp32) {
+    set("mixed_precision.grad_reduce_in_fp32", "true");
+    set("ddp.grad_reduce_in_fp32", "true");
+  }
   // strata's fused attention is any fused kernel (FlashAttention or cuDNN's): Megatron-core's
   // auto picks one; unfused is its own backend.
   set("model.attention_backend", stack.attention == AttentionKernel::flash ? "auto" : "unfused");

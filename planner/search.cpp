@@ -52,6 +52,9 @@ FixedDims parse_fixed(const std::string& text) {
     else if (k == "sp" || k == "sequence_parallel") {
       if (v.is_boolean()) f.sp = v.get<bool>();
       else f.sp = integer(0, 1) == 1;
+    } else if (k == "grad_reduce_in_fp32") {
+      if (v.is_boolean()) f.grad_reduce_in_fp32 = v.get<bool>();
+      else f.grad_reduce_in_fp32 = integer(0, 1) == 1;
     } else if (k == "recompute") {
       const std::string s = v.is_string() ? v.get<std::string>() : "";
       if (s == "none") f.recompute = Recompute::none;
@@ -66,13 +69,18 @@ FixedDims parse_fixed(const std::string& text) {
     } else {
       fail_field("--fix " + k, show_value(v),
                  "unknown key: use tp, pp, dp, cp, vp, mbs, zero, recompute, recompute_num_layers, sp, schedule, "
-                 "uneven_split, cp_comm_type, offload or ep");
+                 "uneven_split, cp_comm_type, offload, ep or grad_reduce_in_fp32");
     }
   }
   return f;
 }
 
 namespace {
+
+// The main gradients' type every candidate takes: --fix grad_reduce_in_fp32, else Megatron's default.
+Tristate grad_reduce_of(const FixedDims& f) {
+  return !f.grad_reduce_in_fp32 ? Tristate::automatic : *f.grad_reduce_in_fp32 ? Tristate::on : Tristate::off;
+}
 
 std::vector<int64_t> divisors(int64_t n) {
   std::vector<int64_t> small, large;
@@ -241,6 +249,7 @@ Stack search_stack(const ModelSpec& m, const Cluster& cl, const SearchOptions& o
   Plan plain;
   plain.precision = opt.precision;
   plain.attention = opt.attention;
+  plain.grad_reduce_in_fp32 = grad_reduce_of(opt.fixed);
   return resolve_stack(m, cl, plain);
 }
 
@@ -515,6 +524,7 @@ SearchResult search(const ModelSpec& m, const Cluster& cl, const SearchOptions& 
           probe_tpcv.t = t; probe_tpcv.p = p; probe_tpcv.d = d; probe_tpcv.c = c; probe_tpcv.v = v;
           probe_tpcv.mbs = mbss.front(); probe_tpcv.gbs = opt.gbs; probe_tpcv.precision = opt.precision;
           probe_tpcv.attention = opt.attention;
+          probe_tpcv.grad_reduce_in_fp32 = grad_reduce_of(fx);
           // (An MoE model needs sequence parallelism with tp > 1: the probe has it, so that
           // moe_sp does not hide a structural reason.)
           probe_tpcv.sp = m.moe() && t > 1;

@@ -27,6 +27,7 @@ struct FixedDims {
   std::optional<CpComm> cp_comm;     // cp_comm_type (p2p, a2a, allgather): context-parallel plans only
   std::optional<double> offload;     // optimizer_offload_fraction of every candidate (ZeRO >= 1)
   std::optional<int64_t> ep;         // expert_model_parallel_size (mixture-of-experts models)
+  std::optional<bool> grad_reduce_in_fp32;  // the main gradients' type of every candidate (not searched)
 };
 FixedDims parse_fixed(const std::string& text);  // "tp=8,pp=4,recompute=full"
 

@@ -315,6 +315,12 @@ TEST_F(RoundGpt3, ExposedDataParallelReductionAndShardedOptimizer) {
   e = estimate(m, c, p);
   EXPECT_NEAR(e.time.dp_comm, 2 * 30e-6 + (4.0 + 2.0) * P * 0.875 / 10e9, 1e-9);
   EXPECT_NEAR(e.time.optimizer, optimizer_time(c.device, p, P / 8, P), 1e-15);
+  // Gradients reduced in bf16 (grad_reduce_in_fp32 false): half the bytes, all-reduced or
+  // reduce-scattered; the weights' all-gather as before.
+  EXPECT_NEAR(estimate(m, c, load_plan("tp=8,dp=8,gbs=8,grad_reduce_in_fp32=0")).time.dp_comm,
+              60e-6 + 2.0 * P * 1.75 / 10e9, 1e-9);
+  EXPECT_NEAR(estimate(m, c, load_plan("tp=8,dp=8,gbs=8,zero=1,grad_reduce_in_fp32=0")).time.dp_comm,
+              2 * 30e-6 + (2.0 + 2.0) * P * 0.875 / 10e9, 1e-9);
   // Half of the ZeRO-1 shard offloaded: the GPU's optimizer steps the other half, the host
   // the offloaded half for the node's 8 ranks; the host holds 16 bytes per offloaded
   // parameter for each of them (12 of state, 4 of fp32 gradient).

@@ -96,7 +96,9 @@ TEST(MegatronArgs, ExportedFlagsReadBackAsThePlan) {
         "tp=8,pp=1,dp=16,mbs=2,gbs=512,zero=3,recompute=full,recompute_num_layers=20,sp=1,precision=bf16",
         "tp=2,pp=2,dp=32,mbs=1,gbs=64,zero=0,recompute=none,precision=fp16",
         "tp=8,pp=1,dp=8,mbs=1,gbs=64,zero=1,offload=0.5,precision=bf16",
-        "tp=8,pp=1,dp=8,mbs=1,gbs=64,zero=3,offload=1,precision=bf16"}) {
+        "tp=8,pp=1,dp=8,mbs=1,gbs=64,zero=3,offload=1,precision=bf16",
+        "tp=4,pp=8,dp=2,vp=5,mbs=1,gbs=256,zero=1,sp=1,grad_reduce_in_fp32=0,precision=fp8",
+        "tp=2,pp=2,dp=32,mbs=1,gbs=64,zero=1,grad_reduce_in_fp32=1,precision=fp16"}) {
     const Plan p = load_plan(inline_plan);
     const std::string flags = export_megatron(m, p, resolve_stack(m, load_cluster("dgx-h100-80g"), p)) +
                               fmt::format(" --vocab-size {}", m.V);
@@ -108,6 +110,9 @@ TEST(MegatronArgs, ExportedFlagsReadBackAsThePlan) {
     EXPECT_EQ(q.recompute, p.recompute) << inline_plan;
     EXPECT_EQ(q.offload, p.offload) << inline_plan;
     EXPECT_EQ(q.precision, p.precision) << inline_plan;
+    const Cluster h100 = load_cluster("dgx-h100-80g");
+    EXPECT_EQ(resolve_stack(m, h100, q).grad_reduce_in_fp32, resolve_stack(m, h100, p).grad_reduce_in_fp32)
+        << inline_plan << "\n" << flags;
     EXPECT_EQ(in.model.total_params(), m.total_params()) << inline_plan;
     EXPECT_EQ(std::tie(in.model.L, in.model.H, in.model.A, in.model.G, in.model.F, in.model.S),
               std::tie(m.L, m.H, m.A, m.G, m.F, m.S));
@@ -209,18 +214,41 @@ TEST(MegatronArgs, UnevenPipelineFlags) {
 // multi-head attention unless --group-query-attention, and its SwiGLU width rule.
 // --optimizer-cpu-offload moves the optimizer states to the host (all of them unless
 // --optimizer-offload-fraction says less); the fraction alone does nothing in Megatron.
+// The plan of a small launch on 8 GPUs with these flags added.
+Plan small_launch_plan(const std::string& flags) {
+  return launch_inputs(parse_megatron_launch("--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 32 "
+                                             "--max-position-embeddings 32 --vocab-size 100 --micro-batch-size 1 "
+                                             "--global-batch-size 8 " + flags, "launch"),
+                       8, "launch")
+      .plan;
+}
+
 TEST(MegatronArgs, OptimizerOffloadFlags) {
   auto offload = [](const std::string& flags) {
-    return launch_inputs(parse_megatron_launch("--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 32 "
-                                               "--max-position-embeddings 32 --vocab-size 100 --micro-batch-size 1 "
-                                               "--global-batch-size 8 --use-distributed-optimizer " + flags, "launch"),
-                         8, "launch")
-        .plan.offload;
+    return small_launch_plan("--use-distributed-optimizer " + flags).offload;
   };
   EXPECT_EQ(offload(""), 0.0);
   EXPECT_EQ(offload("--optimizer-cpu-offload"), 1.0);
   EXPECT_EQ(offload("--optimizer-cpu-offload --optimizer-offload-fraction 0.25"), 0.25);
   EXPECT_EQ(offload("--optimizer-offload-fraction 0.25"), 0.0);
+}
+
+// The main gradients' type: --grad-reduce-in-bf16 (Megatron-LM's newer flag) turns fp32
+// reduction off, --accumulate-allreduce-grads-in-fp32 on (fp16's default is off); Megatron
+// forces fp32 with bf16 unless told --grad-reduce-in-bf16.
+TEST(MegatronArgs, GradReduceFlags) {
+  auto grads = [](const std::string& flags) { return small_launch_plan(flags).grad_reduce_in_fp32; };
+  EXPECT_EQ(grads("--bf16"), Tristate::automatic);
+  EXPECT_EQ(grads("--bf16 --grad-reduce-in-bf16"), Tristate::off);
+  EXPECT_EQ(grads("--fp16 --accumulate-allreduce-grads-in-fp32"), Tristate::on);
+  const ModelSpec m = load_model("llama3-8b");
+  const Plan off = load_plan("dp=8,zero=1,grad_reduce_in_fp32=0");
+  const std::string flags = export_megatron(m, off, resolve_stack(m, load_cluster("dgx-h100-80g"), off));
+  EXPECT_NE(flags.find("--grad-reduce-in-bf16"), std::string::npos) << flags;
+  const Plan dflt = load_plan("dp=8,zero=1");
+  const std::string plain = export_megatron(m, dflt, resolve_stack(m, load_cluster("dgx-h100-80g"), dflt));
+  EXPECT_EQ(plain.find("--grad-reduce-in-bf16"), std::string::npos);
+  EXPECT_EQ(plain.find("--accumulate-allreduce"), std::string::npos);
 }
 
 TEST(MegatronArgs, MegatronDefaultsForAbsentFlags) {

@@ -203,6 +203,65 @@ TEST(Memory, ExpertsShardOverTheirReplicas) {
                    2.0 * 512 * 512);
 }
 
+// 16-bit main gradients (grad_reduce_in_fp32 false; Megatron-Bridge's performance recipes,
+// Megatron-LM's --grad-reduce-in-bf16). Megatron's table, extended: bf16 parameters with
+// bf16 gradients are 2 + 2 bytes plus 12 of optimizer (fp32 master, Adam m and v) and the
+// fp32 copy of the gradients the optimizer steps on, 4 more: 4 + 16/d, as fp16's.
+TEST(Memory, SixteenBitMainGradients) {
+  const StateBytes b = state_bytes(Precision::bf16, true, false), f8 = state_bytes(Precision::fp8, true, false);
+  EXPECT_DOUBLE_EQ(b.weights + b.gradients, 4);
+  EXPECT_DOUBLE_EQ(b.optimizer_states, 16);
+  EXPECT_DOUBLE_EQ(f8.weights + f8.gradients + f8.optimizer_states, 1 + 2 + 16);
+  EXPECT_DOUBLE_EQ(state_bytes(Precision::bf16, false, false).gradients, 4);  // + the bf16 grads summed in
+  // fp16 with fp32 main gradients (--accumulate-allreduce-grads-in-fp32): bf16's default.
+  const StateBytes h = state_bytes(Precision::fp16, true, true);
+  EXPECT_DOUBLE_EQ(h.gradients, 4);
+  EXPECT_DOUBLE_EQ(h.optimizer_states, 12);
+  EXPECT_DOUBLE_EQ(state_bytes(Precision::fp16, false).optimizer_states, 16);  // (the default: fp16 gradients)
+
+  // Megatron-core (modern stack: Llama) drops the fp32 copy after the step, so it is not a
+  // state: llama2-7b, dp 8, ZeRO-1: gradients 2 P, optimizer 12 P / 8, the copy 4 P / 8 only
+  // at the step, where the activations of this plan outweigh it: the peak is the backward's.
+  const ModelSpec m = load_model("llama2-7b");
+  const Cluster c = testing::round_cluster();
+  const StageLayout lay = make_layout(m.L, 1, 1);
+  auto memory = [&](const char* plan) {
+    const Plan p = load_plan(plan);
+    return stage_memory(m, c, p, lay, compute_setup(m, c, p), 0, 1, 1, 1);
+  };
+  const MemoryBreakdown fp32 = memory("dp=8,zero=1,mbs=1");
+  const MemoryBreakdown half = memory("dp=8,zero=1,mbs=1,grad_reduce_in_fp32=0");
+  const double P = half.params;
+  EXPECT_DOUBLE_EQ(half.gradients, 2 * P);
+  EXPECT_DOUBLE_EQ(fp32.gradients, 4 * P);
+  EXPECT_DOUBLE_EQ(half.optimizer_states, 12 * P / 8);
+  EXPECT_DOUBLE_EQ(half.activations, fp32.activations);
+  EXPECT_GT(half.activations, 4 * P / 8);
+  EXPECT_DOUBLE_EQ(half.peak, fp32.peak - 2 * P);
+  // Without ZeRO and with full recompute (a layer's input per layer, 1/8 of the copy) the
+  // step is the peak: the terms as they stand then, no activations, the copy (4 P) among the
+  // optimizer's states.
+  const MemoryBreakdown step = memory("zero=0,mbs=1,recompute=full,grad_reduce_in_fp32=0");
+  const MemoryBreakdown bwd = memory("zero=0,mbs=1,recompute=full");
+  EXPECT_TRUE(step.at_optimizer_step);
+  EXPECT_FALSE(half.at_optimizer_step);
+  EXPECT_DOUBLE_EQ(step.activations, 0);
+  EXPECT_DOUBLE_EQ(step.optimizer_states, 16 * P);
+  EXPECT_DOUBLE_EQ(step.gradients, 2 * P);
+  EXPECT_DOUBLE_EQ(step.framework_overhead, 1e9);
+  EXPECT_DOUBLE_EQ(step.peak, 2 * P + 2 * P + 16 * P + step.comm_buffers + 1e9);
+  EXPECT_GT(bwd.activations, 0);
+  EXPECT_LT(bwd.activations, 4 * P);
+  // A legacy stack's optimizer keeps its fp32 copy: GPT-3 (legacy on this cluster) in
+  // bf16 with bf16 gradients, unfused: gradients 2 + 2, optimizer 16, over dp 8 with ZeRO-1.
+  const ModelSpec g = load_model("gpt2-1.5b");
+  const Plan lp = load_plan("dp=8,zero=1,grad_reduce_in_fp32=0");
+  const MemoryBreakdown legacy = stage_memory(g, c, lp, make_layout(g.L, 1, 1), compute_setup(g, c, lp), 0, 1, 1, 1);
+  EXPECT_FALSE(compute_setup(g, c, lp).stack.modern);
+  EXPECT_DOUBLE_EQ(legacy.gradients, 4 * legacy.params);
+  EXPECT_DOUBLE_EQ(legacy.optimizer_states, 16 * legacy.params / 8);
+}
+
 // Optimizer offload (Megatron-core's --optimizer-offload-fraction f, DeepSpeed's
 // offload_optimizer): of llama2-7b's 12 bytes of fp32 master weights and Adam moments per
 // parameter, sharded over dp = 8 by ZeRO-1, the fraction f moves to the host, where each

@@ -117,15 +117,18 @@ TEST(Plan, MegatronAndDeepSpeedNames) {
   EXPECT_TRUE(cased.gpipe);
 }
 
+// plan_from_json's error message for a JSON text, or "no error".
+std::string json_message(const char* json) {
+  try {
+    plan_from_json(Json::parse(json), "plan");
+  } catch (const InputError& e) {
+    return e.what();
+  }
+  return "no error";
+}
+
 TEST(Plan, AFieldUnderTwoNamesIsRefused) {
-  auto message = [](const char* json) {
-    try {
-      plan_from_json(Json::parse(json), "plan");
-    } catch (const InputError& e) {
-      return std::string(e.what());
-    }
-    return std::string("no error");
-  };
+  const auto message = json_message;
   // Two names with two values; the same value under both (a config dump's habit) is one.
   for (const char* twice : {R"({"tensor_parallel":8,"tensor_model_parallel_size":4})",
                             R"({"zero_stage":0,"use_distributed_optimizer":true})",
@@ -224,6 +227,49 @@ TEST(Plan, CheckRulesReportTheirReasons) {
 // H100 FP8 recipe (TP4 PP8 VP5): virtual stage 0 holds the embedding and 2 layers, 1..34
 // two each, 35 three, 36..38 two, 39 one and the loss: 2 + 68 + 3 + 6 + 1 = 80 layers in 40
 // virtual stages, so vp = 40 / 8 = 5; virtual stage k is chunk k / 8 of stage k mod 8.
+// grad_reduce_in_fp32 (Megatron-core's DDP and mixed-precision setting) under its names:
+// Megatron-LM's --grad-reduce-in-bf16 (off) and --accumulate-allreduce-grads-in-fp32 (on; a
+// false flag says nothing), DeepSpeed's data_types.grad_accum_dtype; "auto" resolves on in
+// bf16, fp8 and fp32, off in fp16 (Megatron's defaults), always on the strata executor.
+TEST(Plan, GradReduceInFp32) {
+  const Plan off = load_plan("dp=8,grad_reduce_in_fp32=0");
+  EXPECT_EQ(off.grad_reduce_in_fp32, Tristate::off);
+  EXPECT_EQ(plan_to_json(off)["grad_reduce_in_fp32"], false);
+  EXPECT_FALSE(plan_to_json(load_plan("dp=8")).contains("grad_reduce_in_fp32"));  // (auto: not written)
+  EXPECT_EQ(load_plan(plan_to_inline(off)).grad_reduce_in_fp32, Tristate::off);
+  EXPECT_EQ(plan_from_json(plan_to_json(off), "plan").grad_reduce_in_fp32, Tristate::off);
+  EXPECT_EQ(load_plan("grad_reduce_in_fp32=auto").grad_reduce_in_fp32, Tristate::automatic);
+  auto from = [](const char* text) { return plan_from_json(Json::parse(text), "plan").grad_reduce_in_fp32; };
+  EXPECT_EQ(from(R"({"grad_reduce_in_bf16":true,"bf16":true})"), Tristate::off);
+  EXPECT_EQ(from(R"({"grad_reduce_in_bf16":false,"bf16":true})"), Tristate::automatic);
+  EXPECT_EQ(from(R"({"accumulate_allreduce_grads_in_fp32":true,"fp16":true})"), Tristate::on);
+  EXPECT_EQ(from(R"({"data_types":{"grad_accum_dtype":"bf16"},"bf16":{"enabled":true}})"), Tristate::off);
+  EXPECT_EQ(from(R"({"data_types":{"grad_accum_dtype":"fp32"}})"), Tristate::on);
+  EXPECT_EQ(from(R"({"data_types":{}})"), Tristate::automatic);
+  EXPECT_EQ(from(R"({"communication_data_type":"bf16"})"), Tristate::off);
+  // Two names saying different things, a value of the wrong kind: named.
+  EXPECT_NE(json_message(R"({"grad_reduce_in_bf16":true,"grad_reduce_in_fp32":true})").find("grad_reduce_in_bf16"),
+            std::string::npos);
+  EXPECT_NE(json_message(R"({"data_types":{"grad_accum_dtype":"int8"}})").find("plan.data_types.grad_accum_dtype"),
+            std::string::npos);
+  EXPECT_NE(json_message(R"({"communication_data_type":"fp32","data_types":{"grad_accum_dtype":"bf16"}})").find("communication_data_type"),
+            std::string::npos);
+  EXPECT_NE(message("grad_reduce_in_fp32=2").find("grad_reduce_in_fp32"), std::string::npos);
+  // The stack's resolution and the rules.
+  const ModelSpec m = load_model("llama3-8b");
+  const Cluster h100 = load_cluster("dgx-h100-80g");
+  EXPECT_TRUE(resolve_stack(m, h100, load_plan("dp=8")).grad_reduce_in_fp32);
+  EXPECT_FALSE(resolve_stack(m, h100, load_plan("dp=8,precision=fp16")).grad_reduce_in_fp32);
+  EXPECT_TRUE(resolve_stack(m, h100, load_plan("dp=8,precision=fp16,grad_reduce_in_fp32=1")).grad_reduce_in_fp32);
+  EXPECT_FALSE(resolve_stack(m, h100, off).grad_reduce_in_fp32);
+  EXPECT_TRUE(check_plan(m, h100, off).empty());
+  EXPECT_EQ(check_plan(m, h100, load_plan("dp=8,precision=fp32,grad_reduce_in_fp32=0")).at(0).key, "grad_reduce");
+  const std::vector<Reason> cpu = check_plan(load_model("tiny-llama"), load_cluster("local-cpu"), off);
+  ASSERT_FALSE(cpu.empty());
+  EXPECT_EQ(cpu.at(0).key, "grad_reduce");
+  EXPECT_NE(cpu.at(0).message.find("strata executor"), std::string::npos);
+}
+
 // Optimizer offload under its names: this schema's optimizer_offload_fraction (inline
 // "offload"), Megatron-core's optimizer_cpu_offload (+ its fraction, read only with it),
 // DeepSpeed's zero_optimization.offload_optimizer (device, ratio) and older cpu_offload.

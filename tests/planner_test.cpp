@@ -287,7 +287,7 @@ SearchResult search_fixed(const char* model, const char* cluster, int64_t gpus, 
   SearchOptions o;
   o.gpus = gpus;
   o.gbs = gbs;
-  o.fixed = parse_fixed(fixed);
+  if (*fixed) o.fixed = parse_fixed(fixed);
   return search(load_model(model), load_cluster(cluster), o);
 }
 
@@ -302,6 +302,26 @@ TEST(Planner, FixPinsDimensions) {
   EXPECT_THROW(parse_fixed("tp=x"), InputError);
   EXPECT_THROW(parse_fixed("warp=2"), InputError);
   EXPECT_THROW(parse_fixed("cp_comm_type=ring"), InputError);
+  EXPECT_THROW(parse_fixed("grad_reduce_in_fp32=2"), InputError);
+}
+
+// --fix grad_reduce_in_fp32=0 (not searched: it changes the numerics) gives every candidate
+// bf16 main gradients, so the best plan is the one estimate gives with it, and no slower
+// than the best with fp32 gradients (less to hold, half the bytes to reduce).
+TEST(Planner, SixteenBitGradientsForEveryCandidate) {
+  const SearchResult half = search_fixed("llama3-8b", "dgx-h100-80g", 16, 64, "grad_reduce_in_fp32=0");
+  const SearchResult full = search_fixed("llama3-8b", "dgx-h100-80g", 16, 64, "");
+  ASSERT_FALSE(half.plans.empty());
+  ASSERT_FALSE(full.plans.empty());
+  const ModelSpec m = load_model("llama3-8b");
+  const Cluster cl = load_cluster("dgx-h100-80g");
+  for (const auto& e : half.plans) {
+    EXPECT_EQ(e.plan.grad_reduce_in_fp32, Tristate::off);
+    EXPECT_FALSE(e.stack.grad_reduce_in_fp32);
+    EXPECT_EQ(estimate(m, cl, e.plan).step_time_s, e.step_time_s);
+  }
+  EXPECT_LE(half.plans.front().step_time_s, full.plans.front().step_time_s);
+  EXPECT_GE(half.feasible, full.feasible);
 }
 
 // Context-parallel plans are searched with each cp_comm_type (the twin above estimates all
@@ -653,6 +673,19 @@ TEST(Planner, Exports) {
   EXPECT_EQ(Json::parse(export_deepspeed(m, cp, cst))["strata_parallel_layout"]["cp_comm_type"], "allgather");
   EXPECT_NE(export_megatron(m, load_plan("cp=2,gbs=8"), cst).find("--cp-comm-type p2p"), std::string::npos);
   EXPECT_EQ(export_megatron(m, p, st).find("--cp-comm-type"), std::string::npos);
+  // 16-bit main gradients: Megatron-Bridge's two settings, DeepSpeed's data types.
+  const Plan g = load_plan("tp=8,pp=4,dp=8,gbs=512,zero=1,grad_reduce_in_fp32=0");
+  const Stack gst = resolve_stack(m, load_cluster("dgx-h100-80g"), g);
+  const std::vector<std::string> bg16 = lines_of(export_bridge(m, g, gst));
+  EXPECT_TRUE(has(bg16, "mixed_precision.grad_reduce_in_fp32=false"));
+  EXPECT_TRUE(has(bg16, "ddp.grad_reduce_in_fp32=false"));
+  EXPECT_FALSE(has(br, "ddp.grad_reduce_in_fp32=false"));
+  const Json dg = Json::parse(export_deepspeed(m, g, gst));
+  EXPECT_EQ(dg["data_types"]["grad_accum_dtype"], "bf16");
+  EXPECT_EQ(dg["communication_data_type"], "bf16");
+  const Json back = {{"data_types", dg["data_types"]}, {"communication_data_type", dg["communication_data_type"]}};
+  EXPECT_EQ(plan_from_json(back, "deepspeed").grad_reduce_in_fp32, Tristate::off);
+  EXPECT_FALSE(ds.contains("data_types"));
 }
 
 }  // namespace
