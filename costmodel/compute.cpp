@@ -209,11 +209,12 @@ struct Acc {
     return roofline(cl.device, flops, lin_bytes * (M * K + K * N + M * N), peak_linear * efficiency(peak_linear, flops),
                     [&](double b) { return memory_s(b); });
   }
-  // A weight-gradient GEMM. With fused accumulation it adds into the fp32 main gradient
-  // (8 bytes per weight read and written); otherwise accumulation is its own pass
-  // (grad_accumulation ops).
+  // A weight-gradient GEMM. With fused accumulation it adds into the main gradient (read and
+  // written: 8 bytes per weight in fp32, 4 in 16 bits); otherwise accumulation is its own
+  // pass (grad_accumulation ops).
+  double wgrad_out_bytes() const { return cs.stack.grad_accumulation_fusion ? 2.0 * cs.grad_bytes : -1.0; }
   double wgrad(const char* name, Phase ph, double M, double N, double K, double peak, double eb) {
-    return gemm(name, ph, M, N, K, peak, eb, cs.stack.grad_accumulation_fusion ? 8.0 : -1.0);
+    return gemm(name, ph, M, N, K, peak, eb, wgrad_out_bytes());
   }
   // The attention core's batched GEMMs (QK^T, AV and their gradients) of `flops`.
   double batched(const char* name, Phase ph, double flops, double bytes, double count) {
@@ -245,7 +246,7 @@ struct Acc {
     if (ph != Phase::backward) return t + grouped(M, N, K, -1.0);
     if (p.precision == Precision::fp8) t += mem("fp8_cast", ph, 3.0 * n * M * N);
     t += grouped(M, K, N, -1.0);                                              // dgrad
-    t += grouped(K, N, M, cs.stack.grad_accumulation_fusion ? 8.0 : -1.0);   // wgrad
+    t += grouped(K, N, M, wgrad_out_bytes());                                 // wgrad
     return t;
   }
   double mem(const char* name, Phase ph, double bytes) {
@@ -289,14 +290,12 @@ struct Acc {
 
 }  // namespace
 
-double grad_accumulation_bytes(Precision prec) {
-  switch (prec) {
-    case Precision::fp16: return 4.0;   // fp16 .grad read and written (GEMM beta = 1)
-    case Precision::fp32: return 8.0;   // fp32 .grad read and written
-    case Precision::bf16:
-    case Precision::fp8: return 12.0;   // bf16 grad written and read, fp32 accumulator read and written
-  }
-  return 12.0;
+double grad_accumulation_bytes(Precision prec, double grad_bytes) {
+  if (prec == Precision::fp32) return 8.0;                      // fp32 .grad read and written
+  if (prec == Precision::fp16 && grad_bytes < 4.0) return 4.0;  // fp16 .grad read and written (GEMM beta = 1)
+  // The 16-bit grad written and read, the main gradient (fp32, or 16-bit with
+  // grad_reduce_in_fp32 off) read and written: 12 bytes, or 8.
+  return 4.0 + 2.0 * grad_bytes;
 }
 
 namespace {
@@ -548,7 +547,7 @@ void moe_backward(Acc& a) {
   a.mem("moe_permute", ph, 2.0 * e * z.sent * H);
   a.mem("router_topk", ph, (e + 8.0) * Tn * E);
   a.gemm("router", ph, Tn, H, E, a.peak_attn, e);                                            // dgrad
-  a.gemm("router", ph, H, E, Tn, a.peak_attn, e, a.cs.stack.grad_accumulation_fusion ? 8.0 : -1.0);  // wgrad
+  a.gemm("router", ph, H, E, Tn, a.peak_attn, e, a.wgrad_out_bytes());  // wgrad
   if (m.Fs > 0) {  // as the dense MLP's backward (layer_backward), at the shared expert's sizes
     a.tp_gather("sp_all_gather", ph);
     a.linear("shared_fc2", ph, T, H, z.Fst);
@@ -639,7 +638,7 @@ void layer_backward(Acc& a) {
   a.tp_reduce(p.sp ? "sp_reduce_scatter" : "tp_all_reduce", ph, wgrad_overlap(a, T, qkv_cols, H));
   a.mem("norm1", ph, 3.0 * e * Tn * H);
   if (!a.cs.stack.grad_accumulation_fusion)
-    a.mem("grad_accumulation", ph, grad_accumulation_bytes(p.precision) * static_cast<double>(m.layer_params(p.t, p.ep, p.etp)));
+    a.mem("grad_accumulation", ph, grad_accumulation_bytes(p.precision, a.cs.grad_bytes) * static_cast<double>(m.layer_params(p.t, p.ep, p.etp)));
   if (!a.cs.stack.strata) return;
   const SixteenBitPasses sb = sixteen_bit_passes(a);
   passes(a, "unpack16", ph, sb.kept, 6.0);
@@ -730,7 +729,7 @@ LayerCost embedding_cost(const ModelSpec& m, const Cluster& cl, const Plan& p, c
   a.mem("embedding", Phase::backward, (e + 2.0 * cs.grad_bytes) * T * H);
   if (!cs.stack.grad_accumulation_fusion)
     a.mem("grad_accumulation", Phase::backward,
-          grad_accumulation_bytes(p.precision) * static_cast<double>(m.word_embedding_params(p.t)));
+          grad_accumulation_bytes(p.precision, a.cs.grad_bytes) * static_cast<double>(m.word_embedding_params(p.t)));
   sharded_traffic(a, static_cast<double>(m.word_embedding_params(p.t) + m.position_params()), a.dp);
   return a.lc;
 }
@@ -761,7 +760,7 @@ LayerCost head_cost(const ModelSpec& m, const Cluster& cl, const Plan& p, const 
       a.comm("ce_all_reduce", Phase::forward, OpKind::tp_comm, a.tp, Collective::all_reduce, 4.0 * T);
   a.mem("cross_entropy", Phase::backward, (fused_ce ? 2.0 * e : 20.0 + e) * T * Vt);
   if (!cs.stack.grad_accumulation_fusion)
-    a.mem("grad_accumulation", Phase::backward, grad_accumulation_bytes(p.precision) * H * Vt);
+    a.mem("grad_accumulation", Phase::backward, grad_accumulation_bytes(p.precision, a.cs.grad_bytes) * H * Vt);
   a.gemm("lm_head", Phase::backward, T, H, Vt, peak, eb);   // dgrad
   a.wgrad("lm_head", Phase::backward, H, Vt, T, peak, eb);  // wgrad
   a.tp_reduce(p.sp ? "sp_reduce_scatter" : "tp_all_reduce", Phase::backward);
@@ -773,25 +772,41 @@ LayerCost head_cost(const ModelSpec& m, const Cluster& cl, const Plan& p, const 
   return a.lc;
 }
 
-double optimizer_time(const Device& dev, const Plan& p, double params_updated, double params_local) {
+double optimizer_time(const Device& dev, const Plan& p, double grad_bytes, double params_updated,
+                      double params_local) {
   // Memory passes per updated parameter (Megatron's optimizer step, each a kernel over the
   // local shard):
-  //   fp16: copy fp16 grads into fp32 main grads (2 read + 4 write), unscale and check for
-  //         inf/nan (4 + 4), global norm (4), clip (4 + 4), Adam (grad 4, master 4+4, m 4+4,
-  //         v 4+4), copy master to fp16 weights (4 + 2)                         = 60 bytes
-  //   bf16/fp8: grads are fp32 already: no copy, no unscale                      = 46 bytes
+  //   bf16/fp8 with fp32 main gradients: global norm (4), clip (4 + 4), Adam (grad 4,
+  //         master 4+4, m 4+4, v 4+4), copy master to the 16-bit weights (4 + 2) = 46 bytes
+  //   16-bit main gradients: first their copy into fp32 (2 read + 4 write)     + 6
+  //   fp16: unscale and check for inf/nan (4 + 4)                               + 8
+  //         (so fp16 with its default fp16 gradients: 60)
   //   fp32: norm, clip, Adam on the weights themselves                           = 40 bytes
   // then one pass zeroing the local gradient buffer.
-  const double per_param = p.precision == Precision::fp16 ? 60.0 : p.precision == Precision::fp32 ? 40.0 : 46.0;
-  const double grad = p.precision == Precision::fp16 ? 2.0 : 4.0;
-  return memory_time(dev, per_param * params_updated) + memory_time(dev, grad * params_local);
+  // Megatron-core's precision-aware optimizer (16-bit parameters: Transformer Engine's
+  // FusedAdam on the gradients as they are, g bytes): norm g, clip 2g, fp16's unscale 2g,
+  // Adam reading g, the master weights M, the moments m and v read and written, the 16-bit
+  // weights written (and read, to rebuild fp32 from their remainders).
+  double per_param = 40.0;
+  if (p.precision_aware_optimizer && (p.precision == Precision::bf16 || p.precision == Precision::fp16)) {
+    const bool remainders = p.precision == Precision::bf16 && p.store_param_remainders &&
+                            p.main_params_dtype == OptDtype::fp32;
+    const double g = grad_bytes, master = remainders ? 2.0 : bytes_of(p.main_params_dtype);
+    per_param = 4.0 * g + (p.precision == Precision::fp16 ? 2.0 * g : 0.0) +
+                2.0 * (master + bytes_of(p.exp_avg_dtype) + bytes_of(p.exp_avg_sq_dtype)) + (remainders ? 4.0 : 2.0);
+  } else if (p.precision != Precision::fp32) {
+    per_param = 46.0 + (grad_bytes < 4.0 ? 6.0 : 0.0) + (p.precision == Precision::fp16 ? 8.0 : 0.0);
+    // (fp8 parameters with the precision-aware optimizer: its moments in their own types)
+    if (p.precision_aware_optimizer) per_param += 2.0 * (bytes_of(p.exp_avg_dtype) + bytes_of(p.exp_avg_sq_dtype)) - 16.0;
+  }
+  return memory_time(dev, per_param * params_updated) + memory_time(dev, grad_bytes * params_local);
 }
 
-double offload_optimizer_time(const Cluster& cl, const Plan& p, double n, double ranks_on_node) {
+double offload_optimizer_time(const Cluster& cl, const Plan& p, double grad_bytes, double n, double ranks_on_node) {
   const Host& h = cl.host;
   if (n <= 0 || !h.present()) return 0;
-  // Gradients out (fp32 main gradients; fp16 ones in fp16 training), weights back.
-  const double grad = p.precision == Precision::fp16 ? 2.0 : 4.0;
+  // Gradients out (the main gradients: fp32, or 16-bit ones), weights back.
+  const double grad = grad_bytes;
   const double weight = p.precision == Precision::fp32 ? 4.0 : 2.0;
   const double pcie = h.pcie_bandwidth_bytes_per_s * h.pcie_efficiency;
   // Host memory traffic per parameter: the gradient landing and read by CPU Adam, which

@@ -87,16 +87,19 @@ LayerCost head_cost(const ModelSpec& m, const Cluster& cl, const Plan& p, const 
                     std::vector<OpCost>* ops = nullptr);
 // Bytes per parameter per micro-batch to add one micro-batch's weight gradients into the
 // gradient accumulation buffer (gradient accumulation across micro-batches).
-double grad_accumulation_bytes(Precision prec);
-// Adam step over `params_updated` parameters, plus zeroing/unscaling the `params_local` gradients.
-double optimizer_time(const Device& dev, const Plan& p, double params_updated, double params_local);
+// grad_bytes: the main gradient's (ComputeSetup::grad_bytes).
+double grad_accumulation_bytes(Precision prec, double grad_bytes);
+// Adam step over `params_updated` parameters, plus zeroing the `params_local` gradients, with
+// main gradients of `grad_bytes` each (ComputeSetup::grad_bytes: 4, or 2 when 16-bit).
+double optimizer_time(const Device& dev, const Plan& p, double grad_bytes, double params_updated,
+                      double params_local);
 // The offloaded share of the optimizer step (Plan::offload): n parameters of this rank's
-// shard whose fp32 gradients go to the host over PCIe, are stepped there by a streaming CPU
+// shard whose main gradients (`grad_bytes` each) go to the host over PCIe, are stepped there by a streaming CPU
 // Adam beside the shards of the node's other `ranks_on_node` ranks (sharing the host's
 // memory bandwidth), and come back as 16-bit weights (fp32 when training in fp32). The
 // three run one after the other (neither Megatron-core's --overlap-cpu-optimizer-d2h-h2d
 // nor DeepSpeed's overlap with the backward is modelled). 0 without a host.
-double offload_optimizer_time(const Cluster& cl, const Plan& p, double n, double ranks_on_node);
+double offload_optimizer_time(const Cluster& cl, const Plan& p, double grad_bytes, double n, double ranks_on_node);
 
 
 const char* to_string(Phase ph);

@@ -373,8 +373,8 @@ Estimate estimate_once(const ModelSpec& m, const Cluster& cl, const Plan& p, con
                                    : (P - Pe) / static_cast<double>(p.replicas()) +
                                          Pe / static_cast<double>(p.expert_replicas());
       const double updated = p.zero >= 1 ? shard : P, offloaded = p.offload * updated;
-      opt_s[i] = optimizer_time(cl.device, p, updated - offloaded, p.zero >= 2 ? shard : P);
-      if (offloaded > 0) opt_s[i] += offload_optimizer_time(cl, p, offloaded, ranks_on_node);
+      opt_s[i] = optimizer_time(cl.device, p, cs.grad_bytes, updated - offloaded, p.zero >= 2 ? shard : P);
+      if (offloaded > 0) opt_s[i] += offload_optimizer_time(cl, p, cs.grad_bytes, offloaded, ranks_on_node);
     } else {
       dp_exposed[i] = dp_exposed[i - 1];
       dp_total[i] = dp_total[i - 1];

@@ -39,7 +39,8 @@ const std::set<std::string>& switch_flags() {
       "use_torch_fsdp2", "bf16", "fp16", "overlap_grad_reduce", "overlap_param_gather", "tp_comm_overlap",
       "use_flash_attn", "no_gradient_accumulation_fusion", "recompute_activations", "use_megatron_fsdp",
       "account_for_embedding_in_pipeline_split", "account_for_loss_in_pipeline_split", "optimizer_cpu_offload",
-      "moe_grouped_gemm", "moe_permute_fusion", "grad_reduce_in_bf16", "accumulate_allreduce_grads_in_fp32"};
+      "moe_grouped_gemm", "moe_permute_fusion", "grad_reduce_in_bf16", "accumulate_allreduce_grads_in_fp32",
+      "use_precision_aware_optimizer", "no_store_param_remainders"};
   return s;
 }
 // Flags that set what strata does not take from a launch: refused, naming the way to say it.
@@ -61,7 +62,8 @@ const std::set<std::string>& plan_flags() {
       "account_for_loss_in_pipeline_split", "decoder_first_pipeline_num_layers", "decoder_last_pipeline_num_layers",
       "pipeline_model_parallel_layout", "cp_comm_type", "optimizer_cpu_offload", "optimizer_offload_fraction",
       "expert_model_parallel_size", "expert_tensor_parallel_size", "recompute_modules", "grad_reduce_in_bf16",
-      "accumulate_allreduce_grads_in_fp32"};
+      "accumulate_allreduce_grads_in_fp32", "use_precision_aware_optimizer", "no_store_param_remainders",
+      "exp_avg_dtype", "exp_avg_sq_dtype", "main_params_dtype", "main_grads_dtype"};
   return s;
 }
 
@@ -249,10 +251,10 @@ MegatronLaunch parse_megatron_launch(const std::string& text, const std::string&
     }
     if (model_flags().count(key)) {
       out.model[key] = v;
-    } else if (key == "no_gradient_accumulation_fusion") {
+    } else if (key == "no_gradient_accumulation_fusion" || key == "no_store_param_remainders") {
       if (!bare && !(v.is_boolean() && v.get<bool>()))
         fail_field(source + ": " + flag_of(key), show_value(v), "is a flag: it takes no value");
-      out.plan["grad_accumulation_fusion"] = false;
+      out.plan[key == "no_store_param_remainders" ? "store_param_remainders" : "grad_accumulation_fusion"] = false;
     } else if (key == "attention_backend") {
       const std::string s = v.is_string() ? v.get<std::string>() : "";
       if (s != "flash" && s != "fused" && s != "unfused" && s != "local" && s != "auto")

@@ -272,6 +272,20 @@ StageShape stage_shape(const ModelSpec& m, const Plan& p, const StageLayout& lay
     sb.optimizer_states -= 4.0;
     copy_per = 4.0;
   }
+  // Megatron-core's precision-aware optimizer: the master weights (16-bit remainders of
+  // bf16 weights, or main_params_dtype) and the moments in their own types. Transformer
+  // Engine manages them for 16-bit parameters and steps on the gradients as they are (no
+  // fp32 copy); with fp8 parameters Megatron-core keeps its fp32 master weights and copy.
+  if (p.precision_aware_optimizer && !cs.stack.strata) {
+    double master = 4.0;
+    if (p.precision != Precision::fp8) {
+      master = p.precision == Precision::bf16 && p.store_param_remainders && p.main_params_dtype == OptDtype::fp32
+                   ? 2.0
+                   : bytes_of(p.main_params_dtype);
+      copy_per = 0;
+    }
+    sb.optimizer_states = master + bytes_of(p.exp_avg_dtype) + bytes_of(p.exp_avg_sq_dtype);
+  }
   if (Pe == 0) {
     mb.weights = sb.weights * P / (p.zero >= 3 ? d : 1.0);
     mb.gradients = sb.gradients * P / (p.zero >= 2 ? d : 1.0);

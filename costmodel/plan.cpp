@@ -259,6 +259,15 @@ void adopt_foreign_names(Json& j, const std::string& source) {
     for (const auto& [key, value] : dt.items()) f.ignore(key);
     j.erase("data_types");
   }
+  // Megatron-core's main_grads_dtype (the precision-aware optimizer's gradients: its
+  // gradient buffer's type).
+  adopt_key(j, source, "main_grads_dtype", "grad_reduce_in_fp32", [](const Json& v, const std::string& path) {
+    std::string t = v.is_string() ? v.get<std::string>() : "";
+    if (t.rfind("torch.", 0) == 0) t = t.substr(6);
+    if (t != "fp32" && t != "float32" && t != "bf16" && t != "bfloat16")
+      fail_field(path, show_value(v), "must be \"fp32\" or \"bf16\"");
+    return Json(t == "fp32" || t == "float32");
+  });
   // DeepSpeed's type of the gradients' reduction (one type for both in strata).
   adopt_key(j, source, "communication_data_type", "grad_reduce_in_fp32", [](const Json& v, const std::string& path) {
     if (!v.is_string() || (v != "fp32" && v != "bf16" && v != "fp16"))
@@ -435,7 +444,9 @@ Plan plan_from_json(const Json& in, const std::string& source) {
                            "pipeline_model_parallel_layout", "decoder_first_pipeline_num_layers",
                            "decoder_last_pipeline_num_layers", "gradient_accumulation_steps", "num_gpus",
                            "optimizer_offload_fraction", "expert_model_parallel_size", "recompute_modules",
-                           "expert_tensor_parallel_size", "grad_reduce_in_fp32", "description"});
+                           "expert_tensor_parallel_size", "grad_reduce_in_fp32", "use_precision_aware_optimizer",
+                           "exp_avg_dtype", "exp_avg_sq_dtype", "main_params_dtype", "store_param_remainders",
+                           "description"});
   Plan p;
   p.t = f.integer_or("tensor_parallel", 1, 1, kMaxDegree);
   p.p = f.integer_or("pipeline_parallel", 1, 1, kMaxDegree);
@@ -514,6 +525,35 @@ Plan plan_from_json(const Json& in, const std::string& source) {
   p.tp_comm_overlap = tristate("tp_comm_overlap");
   p.grad_accumulation_fusion = tristate("grad_accumulation_fusion");
   p.grad_reduce_in_fp32 = tristate("grad_reduce_in_fp32");
+  // Megatron-core's precision-aware optimizer and the types of its tensors (torch's names
+  // too: "float32", "bfloat16", "torch.bfloat16", ...).
+  p.precision_aware_optimizer = f.boolean_or("use_precision_aware_optimizer", false);
+  auto dtype_of = [&](const char* key, std::initializer_list<const char*> allowed) -> OptDtype {
+    const Json* v = f.peek(key);
+    if (!v || v->is_null()) {
+      f.ignore(key);
+      return OptDtype::fp32;
+    }
+    std::string t = v->is_string() ? v->get<std::string>() : "";
+    if (t.rfind("torch.", 0) == 0) t = t.substr(6);
+    const std::string name = t == "float32" ? "fp32" : t == "bfloat16" ? "bf16" : t == "float16" ? "fp16"
+                           : t == "float8" || t == "uint8" ? "fp8" : t;
+    f.ignore(key);
+    const std::string field = source + "." + key;
+    if (std::find_if(allowed.begin(), allowed.end(), [&](const char* a) { return name == a; }) == allowed.end()) {
+      std::string list;
+      for (const char* a : allowed) list += (list.empty() ? "" : ", ") + std::string(a);
+      fail_field(field, show_value(*v), "must be one of " + list);
+    }
+    if (!p.precision_aware_optimizer && name != "fp32")
+      fail_field(field, show_value(*v), "needs use_precision_aware_optimizer (Megatron reads it only then)");
+    return name == "fp32" ? OptDtype::fp32 : name == "bf16" ? OptDtype::bf16 : name == "fp16" ? OptDtype::fp16
+                                                                                : OptDtype::fp8;
+  };
+  p.exp_avg_dtype = dtype_of("exp_avg_dtype", {"fp32", "bf16", "fp16", "fp8"});
+  p.exp_avg_sq_dtype = dtype_of("exp_avg_sq_dtype", {"fp32", "bf16", "fp16", "fp8"});
+  p.main_params_dtype = dtype_of("main_params_dtype", {"fp32", "fp16"});
+  p.store_param_remainders = f.boolean_or("store_param_remainders", true);
   const std::string ss = f.choice_or("software_stack", "auto", {"auto", "legacy", "modern"});
   p.software_stack = ss == "auto" ? StackChoice::automatic : ss == "legacy" ? StackChoice::legacy : StackChoice::modern;
   // Megatron's spelling, or Transformer Engine's "all_gather".
@@ -622,6 +662,16 @@ namespace {
 Json tristate_json(Tristate t) { return t == Tristate::automatic ? Json("auto") : Json(t == Tristate::on); }
 }  // namespace
 
+const char* to_string(OptDtype t) {
+  switch (t) {
+    case OptDtype::fp32: return "fp32";
+    case OptDtype::bf16: return "bf16";
+    case OptDtype::fp16: return "fp16";
+    case OptDtype::fp8: return "fp8";
+  }
+  return "fp32";
+}
+
 Json plan_to_json(const Plan& p) {
   Json j{{"tensor_parallel", p.t},
          {"pipeline_parallel", p.p},
@@ -652,6 +702,13 @@ Json plan_to_json(const Plan& p) {
   if (p.last_stage_layers > 0) j["decoder_last_pipeline_num_layers"] = p.last_stage_layers;
   if (p.cp_comm != CpComm::automatic) j["cp_comm_type"] = to_string(p.cp_comm);
   if (p.grad_reduce_in_fp32 != Tristate::automatic) j["grad_reduce_in_fp32"] = p.grad_reduce_in_fp32 == Tristate::on;
+  if (p.precision_aware_optimizer) {
+    j["use_precision_aware_optimizer"] = true;
+    j["exp_avg_dtype"] = to_string(p.exp_avg_dtype);
+    j["exp_avg_sq_dtype"] = to_string(p.exp_avg_sq_dtype);
+    j["main_params_dtype"] = to_string(p.main_params_dtype);
+    j["store_param_remainders"] = p.store_param_remainders;
+  }
   if (p.offload > 0) j["optimizer_offload_fraction"] = p.offload;
   if (p.ep > 1) j["expert_model_parallel_size"] = p.ep;
   if (p.etp > 0 && p.etp != p.t) j["expert_tensor_parallel_size"] = p.etp;
@@ -690,6 +747,13 @@ std::string plan_to_inline(const Plan& p) {
   tri("tp_comm_overlap", p.tp_comm_overlap);
   tri("grad_accumulation_fusion", p.grad_accumulation_fusion);
   tri("grad_reduce_in_fp32", p.grad_reduce_in_fp32);
+  if (p.precision_aware_optimizer) {
+    s += ",use_precision_aware_optimizer=1";
+    if (p.exp_avg_dtype != OptDtype::fp32) s += fmt::format(",exp_avg_dtype={}", to_string(p.exp_avg_dtype));
+    if (p.exp_avg_sq_dtype != OptDtype::fp32) s += fmt::format(",exp_avg_sq_dtype={}", to_string(p.exp_avg_sq_dtype));
+    if (p.main_params_dtype != OptDtype::fp32) s += fmt::format(",main_params_dtype={}", to_string(p.main_params_dtype));
+    if (!p.store_param_remainders) s += ",store_param_remainders=0";
+  }
   if (p.software_stack != StackChoice::automatic)
     s += p.software_stack == StackChoice::legacy ? ",software_stack=legacy" : ",software_stack=modern";
   if (p.cp_comm != CpComm::automatic) s += fmt::format(",cp_comm_type={}", to_string(p.cp_comm));
@@ -842,6 +906,17 @@ std::vector<Reason> check_plan(const ModelSpec& m, const Cluster& cl, const Plan
     else if (cl.strata_stack)
       add("grad_reduce", [&] { return fmt::format("grad_reduce_in_fp32=false: {} runs the strata executor, which "
                                                   "accumulates and reduces its gradients in fp32", cl.name); });
+  }
+  if (p.precision_aware_optimizer) {
+    if (p.zero != 1)
+      add("precision_aware", [&] { return fmt::format("use_precision_aware_optimizer needs zero_stage 1 (Megatron's "
+                                                      "distributed optimizer; not {})", p.zero); });
+    else if (p.precision == Precision::fp32)
+      add("precision_aware", [&] { return std::string("use_precision_aware_optimizer needs 16-bit or fp8 parameters "
+                                                      "(precision bf16, fp16 or fp8)"); });
+    else if (cl.strata_stack)
+      add("precision_aware", [&] { return fmt::format("use_precision_aware_optimizer: {} runs the strata executor, whose "
+                                                      "optimizer keeps fp32 states", cl.name); });
   }
   if (p.offload > 0) {
     if (p.zero == 0)

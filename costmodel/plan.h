@@ -51,6 +51,11 @@ PipelineLayout parse_pipeline_layout(const std::string& text, const std::string&
 // input). Megatron's other modules (mlp, moe, shared_experts, mla_up_proj) are refused.
 enum RecomputeModule : unsigned { kRecomputeCoreAttn = 1u, kRecomputeLayernorm = 2u, kRecomputeMoeAct = 4u };
 
+// A type of the precision-aware optimizer's tensors, and its bytes per value.
+enum class OptDtype : uint8_t { fp32, bf16, fp16, fp8 };
+inline double bytes_of(OptDtype t) { return t == OptDtype::fp32 ? 4.0 : t == OptDtype::fp8 ? 1.0 : 2.0; }
+const char* to_string(OptDtype t);
+
 struct Plan {
   int64_t t = 1;  // tensor_parallel
   int64_t p = 1;  // pipeline_parallel
@@ -84,6 +89,15 @@ struct Plan {
   // fp32, or (off) in the parameters' 16-bit type, bf16 with fp8. "auto": on, but off in
   // fp16 (Megatron's defaults); the strata executor keeps fp32 gradients.
   Tristate grad_reduce_in_fp32 = Tristate::automatic;
+  // use_precision_aware_optimizer (Megatron-core's, with its distributed optimizer):
+  // Transformer Engine's FusedAdam keeps the optimizer's tensors in the types below and
+  // steps on the main gradients as they are (no fp32 copy): the Adam moments
+  // (exp_avg_dtype, exp_avg_sq_dtype: fp32, bf16, fp16 or fp8) and the master weights
+  // (main_params_dtype: fp32 or fp16), of which store_param_remainders keeps only the 16
+  // bits a bf16 weight does not hold. Read only with it on.
+  bool precision_aware_optimizer = false;
+  OptDtype exp_avg_dtype = OptDtype::fp32, exp_avg_sq_dtype = OptDtype::fp32, main_params_dtype = OptDtype::fp32;
+  bool store_param_remainders = true;
   // Uneven pipelines as Megatron-LM gives them (layout.h); unset: strata's own split.
   int64_t first_stage_layers = 0;  // decoder_first_pipeline_num_layers (0: not set)
   int64_t last_stage_layers = 0;   // decoder_last_pipeline_num_layers (0: not set)

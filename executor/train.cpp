@@ -56,6 +56,9 @@ void validate_train_plan(const ModelSpec& m, const Plan& p, int world_size, bool
   if (p.recompute == Recompute::selective && p.recompute_modules != kRecomputeCoreAttn)
     fail("plan: recompute_modules " + recompute_modules_text(p.recompute_modules, " ") +
          " is not implemented by the executor: its selective recompute is the attention core (core_attn)");
+  if (p.precision_aware_optimizer)
+    fail("plan: use_precision_aware_optimizer is not implemented by the executor: its optimizer keeps fp32 master "
+         "weights and moments (strata estimate and plan model it on a GPU cluster)");
   if (p.grad_reduce_in_fp32 == Tristate::off)
     fail("plan: grad_reduce_in_fp32 = false is not implemented by the executor: it accumulates and reduces its "
          "gradients in fp32 (strata estimate and plan model 16-bit gradients on a GPU cluster)");

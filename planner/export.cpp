@@ -97,6 +97,13 @@ std::string export_megatron(const ModelSpec& m, const Plan& p, const Stack& stac
   if (stack.overlap_param_gather && p.replicas() > 1 && p.zero >= 1) flag("--overlap-param-gather");
   if (stack.tp_comm_overlap && p.t > 1) flag("--tp-comm-overlap");
   if (!stack.grad_accumulation_fusion) flag("--no-gradient-accumulation-fusion");
+  if (p.precision_aware_optimizer) {
+    flag("--use-precision-aware-optimizer");
+    if (p.exp_avg_dtype != OptDtype::fp32) flag(fmt::format("--exp-avg-dtype {}", to_string(p.exp_avg_dtype)));
+    if (p.exp_avg_sq_dtype != OptDtype::fp32) flag(fmt::format("--exp-avg-sq-dtype {}", to_string(p.exp_avg_sq_dtype)));
+    if (p.main_params_dtype != OptDtype::fp32) flag(fmt::format("--main-params-dtype {}", to_string(p.main_params_dtype)));
+    if (!p.store_param_remainders) flag("--no-store-param-remainders");
+  }
   // Megatron-LM's main gradients: fp32 in bf16 training, fp16 in fp16 training, unless told.
   if (p.precision != Precision::fp32 && stack.grad_reduce_in_fp32 != (p.precision != Precision::fp16))
     flag(stack.grad_reduce_in_fp32 ? "--accumulate-allreduce-grads-in-fp32" : "--grad-reduce-in-bf16");
@@ -284,6 +291,14 @@ std::string export_bridge(const ModelSpec& m, const Plan& p, const Stack& stack)
     notes += "# tensor-parallel communication overlap was costed: the recipe's comm_overlap config with\n"
              "# tp_comm_overlap=True (a CommOverlapConfig; its user-buffer settings are the recipe's).\n";
   set("model.gradient_accumulation_fusion", yes(stack.grad_accumulation_fusion));
+  if (p.precision_aware_optimizer) {
+    set("optimizer.use_precision_aware_optimizer", "true");
+    set("optimizer.store_param_remainders", yes(p.store_param_remainders));
+    if (p.exp_avg_dtype != OptDtype::fp32 || p.exp_avg_sq_dtype != OptDtype::fp32 || p.main_params_dtype != OptDtype::fp32)
+      notes += fmt::format("# precision-aware optimizer types (torch dtypes in the recipe's OptimizerConfig): "
+                           "exp_avg_dtype {}, exp_avg_sq_dtype {}, main_params_dtype {}.\n",
+                           to_string(p.exp_avg_dtype), to_string(p.exp_avg_sq_dtype), to_string(p.main_params_dtype));
+  }
   // The recipes' mixed-precision configs reduce in fp32 (their ddp settings follow them);
   // Megatron-Bridge's performance recipes set both to False.
   if (p.precision != Precision::fp32 && !stack.grad_reduce_in_fp32) {

@@ -466,10 +466,33 @@ TEST(Compute, OptimizerPasses) {
   // bf16: 46 bytes per updated parameter (norm, clip, Adam, copy to bf16) and 4 per local
   // gradient zeroed; 1e9 parameters sharded 8 ways at 1 TB/s: 46/8 ms + 4 ms.
   Plan p = load_plan("dp=8,zero=1");
-  EXPECT_NEAR(optimizer_time(c.device, p, 1e9 / 8, 1e9), 46e9 / 8 / 1e12 + 4e9 / 1e12, 1e-15);
-  // fp16 adds the copy into fp32 main gradients and the unscale / overflow check: 60 bytes.
+  EXPECT_NEAR(optimizer_time(c.device, p, 4, 1e9 / 8, 1e9), 46e9 / 8 / 1e12 + 4e9 / 1e12, 1e-15);
+  // bf16 main gradients (grad_reduce_in_fp32 false): their copy into fp32 first (2 + 4):
+  // 52 bytes, and 2 per gradient zeroed.
+  EXPECT_NEAR(optimizer_time(c.device, p, 2, 1e9 / 8, 1e9), 52e9 / 8 / 1e12 + 2e9 / 1e12, 1e-15);
+  // fp16 adds the copy into fp32 main gradients and the unscale / overflow check: 60 bytes;
+  // with fp32 main gradients (--accumulate-allreduce-grads-in-fp32) the unscale only: 54.
   p.precision = Precision::fp16;
-  EXPECT_NEAR(optimizer_time(c.device, p, 1e9, 1e9), 60e9 / 1e12 + 2e9 / 1e12, 1e-15);
+  EXPECT_NEAR(optimizer_time(c.device, p, 2, 1e9, 1e9), 60e9 / 1e12 + 2e9 / 1e12, 1e-15);
+  EXPECT_NEAR(optimizer_time(c.device, p, 4, 1e9, 1e9), 54e9 / 1e12 + 4e9 / 1e12, 1e-15);
+  // fp32: 40 bytes.
+  p.precision = Precision::fp32;
+  EXPECT_NEAR(optimizer_time(c.device, p, 4, 1e9, 1e9), 40e9 / 1e12 + 4e9 / 1e12, 1e-15);
+  // The precision-aware optimizer in bf16 (Transformer Engine's FusedAdam on the gradients
+  // as they are): norm, clip and Adam read 4 g, the remainders (2), m and v (4 + 4) read and
+  // written, the bf16 weights read and written: 16 + 20 + 4 = 40 bytes; with bf16 moments
+  // 16 + 12 + 4 = 32; on bf16 gradients 8 + 20 + 4 = 32.
+  p = load_plan("dp=8,zero=1,use_precision_aware_optimizer=1");
+  EXPECT_NEAR(optimizer_time(c.device, p, 4, 1e9, 1e9), 40e9 / 1e12 + 4e9 / 1e12, 1e-15);
+  EXPECT_NEAR(optimizer_time(c.device, p, 2, 1e9, 1e9), 32e9 / 1e12 + 2e9 / 1e12, 1e-15);
+  p = load_plan("dp=8,zero=1,use_precision_aware_optimizer=1,exp_avg_dtype=bf16,exp_avg_sq_dtype=bf16");
+  EXPECT_NEAR(optimizer_time(c.device, p, 4, 1e9, 1e9), 32e9 / 1e12 + 4e9 / 1e12, 1e-15);
+  // What estimate() passes: the setup's main gradient bytes.
+  const ModelSpec m = load_model("llama3-8b");
+  EXPECT_EQ(compute_setup(m, c, load_plan("dp=8,precision=fp16")).grad_bytes, 2.0);
+  EXPECT_EQ(compute_setup(m, c, load_plan("dp=8,precision=fp16,grad_reduce_in_fp32=1")).grad_bytes, 4.0);
+  EXPECT_EQ(compute_setup(m, c, load_plan("dp=8,grad_reduce_in_fp32=0")).grad_bytes, 2.0);
+  EXPECT_EQ(compute_setup(m, c, load_plan("dp=8")).grad_bytes, 4.0);
 }
 
 // The offloaded optimizer step: a host of 100 GB/s memory at 50 % and 10 GB/s PCIe at 50 %
@@ -480,20 +503,20 @@ TEST(Compute, OptimizerPasses) {
 TEST(Compute, OffloadedOptimizerStep) {
   Cluster c = testing::round_cluster();
   Plan p = load_plan("dp=8,zero=1,offload=1");
-  EXPECT_EQ(offload_optimizer_time(c, p, 1e9, 4), 0);  // no host: no offload
+  EXPECT_EQ(offload_optimizer_time(c, p, 4, 1e9, 4), 0);  // no host: no offload
   c.host.memory_bytes = 1e12;
   c.host.memory_bandwidth_bytes_per_s = 100e9;
   c.host.memory_efficiency = 0.5;
   c.host.pcie_bandwidth_bytes_per_s = 10e9;
   c.host.pcie_efficiency = 0.5;
-  EXPECT_NEAR(offload_optimizer_time(c, p, 1e9, 4), 0.8 + 2.88 + 0.4, 1e-12);
+  EXPECT_NEAR(offload_optimizer_time(c, p, 4, 1e9, 4), 0.8 + 2.88 + 0.4, 1e-12);
   // fp32: fp32 weights back (4 bytes), 40 bytes on the host: 0.8 + 3.2 + 0.8 s.
   p.precision = Precision::fp32;
-  EXPECT_NEAR(offload_optimizer_time(c, p, 1e9, 4), 0.8 + 3.2 + 0.8, 1e-12);
+  EXPECT_NEAR(offload_optimizer_time(c, p, 4, 1e9, 4), 0.8 + 3.2 + 0.8, 1e-12);
   // fp16: fp16 gradients out (2 bytes), 32 bytes on the host: 0.4 + 2.56 + 0.4 s.
   p.precision = Precision::fp16;
-  EXPECT_NEAR(offload_optimizer_time(c, p, 1e9, 4), 0.4 + 2.56 + 0.4, 1e-12);
-  EXPECT_EQ(offload_optimizer_time(c, p, 0, 4), 0);
+  EXPECT_NEAR(offload_optimizer_time(c, p, 2, 1e9, 4), 0.4 + 2.56 + 0.4, 1e-12);
+  EXPECT_EQ(offload_optimizer_time(c, p, 2, 0, 4), 0);
 }
 
 TEST(Compute, FlashAttentionIsCheaperThanUnfusedForLongSequences) {

@@ -309,12 +309,12 @@ TEST_F(RoundGpt3, ExposedDataParallelReductionAndShardedOptimizer) {
   Estimate e = estimate(m, c, p);
   const double P = e.memory.params;
   EXPECT_NEAR(e.time.dp_comm, 60e-6 + 4.0 * P * 1.75 / 10e9, 1e-9);
-  EXPECT_NEAR(e.time.optimizer, optimizer_time(c.device, p, P, P), 1e-15);
+  EXPECT_NEAR(e.time.optimizer, optimizer_time(c.device, p, 4, P, P), 1e-15);
   // ZeRO-1: reduce-scatter of the gradients, all-gather of the bf16 weights, Adam on 1/8.
   p = load_plan("tp=8,dp=8,gbs=8,zero=1");
   e = estimate(m, c, p);
   EXPECT_NEAR(e.time.dp_comm, 2 * 30e-6 + (4.0 + 2.0) * P * 0.875 / 10e9, 1e-9);
-  EXPECT_NEAR(e.time.optimizer, optimizer_time(c.device, p, P / 8, P), 1e-15);
+  EXPECT_NEAR(e.time.optimizer, optimizer_time(c.device, p, 4, P / 8, P), 1e-15);
   // Gradients reduced in bf16 (grad_reduce_in_fp32 false): half the bytes, all-reduced or
   // reduce-scattered; the weights' all-gather as before.
   EXPECT_NEAR(estimate(m, c, load_plan("tp=8,dp=8,gbs=8,grad_reduce_in_fp32=0")).time.dp_comm,
@@ -331,7 +331,7 @@ TEST_F(RoundGpt3, ExposedDataParallelReductionAndShardedOptimizer) {
     const Estimate o = estimate(m, h, q);
     ASSERT_TRUE(o.valid);
     EXPECT_NEAR(o.time.optimizer,
-                optimizer_time(h.device, q, P / 8 - 0.5 * P / 8, P) + offload_optimizer_time(h, q, 0.5 * P / 8, 8),
+                optimizer_time(h.device, q, 4, P / 8 - 0.5 * P / 8, P) + offload_optimizer_time(h, q, 4, 0.5 * P / 8, 8),
                 1e-12 * o.time.optimizer);
     EXPECT_NEAR(o.host_memory_bytes, 8 * 16 * 0.5 * P / 8, 1e-6 * o.host_memory_bytes);
     EXPECT_NEAR(o.memory.optimizer_states, 0.5 * 12 * P / 8, 1e-6 * o.memory.optimizer_states);

@@ -98,7 +98,9 @@ TEST(MegatronArgs, ExportedFlagsReadBackAsThePlan) {
         "tp=8,pp=1,dp=8,mbs=1,gbs=64,zero=1,offload=0.5,precision=bf16",
         "tp=8,pp=1,dp=8,mbs=1,gbs=64,zero=3,offload=1,precision=bf16",
         "tp=4,pp=8,dp=2,vp=5,mbs=1,gbs=256,zero=1,sp=1,grad_reduce_in_fp32=0,precision=fp8",
-        "tp=2,pp=2,dp=32,mbs=1,gbs=64,zero=1,grad_reduce_in_fp32=1,precision=fp16"}) {
+        "tp=2,pp=2,dp=32,mbs=1,gbs=64,zero=1,grad_reduce_in_fp32=1,precision=fp16",
+        "tp=8,pp=1,dp=8,mbs=1,gbs=64,zero=1,use_precision_aware_optimizer=1,exp_avg_dtype=bf16,"
+        "exp_avg_sq_dtype=bf16,store_param_remainders=0,grad_reduce_in_fp32=0,precision=bf16"}) {
     const Plan p = load_plan(inline_plan);
     const std::string flags = export_megatron(m, p, resolve_stack(m, load_cluster("dgx-h100-80g"), p)) +
                               fmt::format(" --vocab-size {}", m.V);
@@ -112,6 +114,11 @@ TEST(MegatronArgs, ExportedFlagsReadBackAsThePlan) {
     EXPECT_EQ(q.precision, p.precision) << inline_plan;
     const Cluster h100 = load_cluster("dgx-h100-80g");
     EXPECT_EQ(resolve_stack(m, h100, q).grad_reduce_in_fp32, resolve_stack(m, h100, p).grad_reduce_in_fp32)
+        << inline_plan << "\n" << flags;
+    EXPECT_EQ(std::tie(q.precision_aware_optimizer, q.exp_avg_dtype, q.exp_avg_sq_dtype, q.main_params_dtype,
+                       q.store_param_remainders),
+              std::tie(p.precision_aware_optimizer, p.exp_avg_dtype, p.exp_avg_sq_dtype, p.main_params_dtype,
+                       p.store_param_remainders))
         << inline_plan << "\n" << flags;
     EXPECT_EQ(in.model.total_params(), m.total_params()) << inline_plan;
     EXPECT_EQ(std::tie(in.model.L, in.model.H, in.model.A, in.model.G, in.model.F, in.model.S),
@@ -241,6 +248,15 @@ TEST(MegatronArgs, GradReduceFlags) {
   EXPECT_EQ(grads("--bf16"), Tristate::automatic);
   EXPECT_EQ(grads("--bf16 --grad-reduce-in-bf16"), Tristate::off);
   EXPECT_EQ(grads("--fp16 --accumulate-allreduce-grads-in-fp32"), Tristate::on);
+  // The precision-aware optimizer's flags; its --main-grads-dtype is the gradients' type.
+  const Plan pa = small_launch_plan("--bf16 --use-distributed-optimizer --use-precision-aware-optimizer "
+                                    "--exp-avg-dtype bf16 --exp-avg-sq-dtype fp8 --main-grads-dtype bf16 "
+                                    "--no-store-param-remainders");
+  EXPECT_TRUE(pa.precision_aware_optimizer);
+  EXPECT_EQ(pa.exp_avg_dtype, OptDtype::bf16);
+  EXPECT_EQ(pa.exp_avg_sq_dtype, OptDtype::fp8);
+  EXPECT_FALSE(pa.store_param_remainders);
+  EXPECT_EQ(pa.grad_reduce_in_fp32, Tristate::off);
   const ModelSpec m = load_model("llama3-8b");
   const Plan off = load_plan("dp=8,zero=1,grad_reduce_in_fp32=0");
   const std::string flags = export_megatron(m, off, resolve_stack(m, load_cluster("dgx-h100-80g"), off));

@@ -262,6 +262,43 @@ TEST(Memory, SixteenBitMainGradients) {
   EXPECT_DOUBLE_EQ(legacy.optimizer_states, 16 * legacy.params / 8);
 }
 
+// Megatron-core's precision-aware optimizer (Megatron-Bridge's BF16 performance recipes turn
+// it on): Transformer Engine's FusedAdam keeps the master weights as the 16 bits a bf16
+// weight lacks (store_param_remainders) and the moments in their own types, and steps on
+// the gradients as they are. llama2-7b on dp 8 with ZeRO-1: 2 + 4 + 4 = 10 bytes of
+// optimizer per parameter of the shard; bf16 moments 2 + 2 + 2; without the remainders
+// 4 + 4 + 4; and with bf16 gradients no fp32 copy at the step (without the optimizer that
+// copy, 4 P / 8, outweighs the activations of full recompute and makes the peak).
+TEST(Memory, PrecisionAwareOptimizer) {
+  const ModelSpec m = load_model("llama2-7b");
+  const Cluster c = testing::round_cluster();
+  const StageLayout lay = make_layout(m.L, 1, 1);
+  auto memory = [&](const Cluster& cl, const std::string& plan) {
+    const Plan p = load_plan(plan);
+    return stage_memory(m, cl, p, lay, compute_setup(m, cl, p), 0, 1, 1, 1);
+  };
+  const std::string base = "dp=8,zero=1,mbs=1,use_precision_aware_optimizer=1";
+  const MemoryBreakdown pa = memory(c, base);
+  const double P = pa.params;
+  EXPECT_DOUBLE_EQ(pa.optimizer_states, 10 * P / 8);
+  EXPECT_DOUBLE_EQ(pa.gradients, 4 * P);
+  EXPECT_DOUBLE_EQ(memory(c, base + ",exp_avg_dtype=bf16,exp_avg_sq_dtype=bf16").optimizer_states, 6 * P / 8);
+  EXPECT_DOUBLE_EQ(memory(c, base + ",store_param_remainders=0").optimizer_states, 12 * P / 8);
+  EXPECT_DOUBLE_EQ(memory(c, base + ",exp_avg_dtype=fp8,exp_avg_sq_dtype=fp16").optimizer_states, (2 + 1 + 2) * P / 8);
+  const MemoryBreakdown plain = memory(c, "dp=8,zero=1,mbs=1,recompute=full,grad_reduce_in_fp32=0");
+  const MemoryBreakdown aware = memory(c, base + ",recompute=full,grad_reduce_in_fp32=0");
+  EXPECT_TRUE(plain.at_optimizer_step);
+  EXPECT_FALSE(aware.at_optimizer_step);
+  EXPECT_DOUBLE_EQ(aware.gradients, 2 * P);
+  EXPECT_DOUBLE_EQ(aware.optimizer_states, 10 * P / 8);
+  EXPECT_GT(aware.activations, 0);
+  // fp8 parameters: Megatron-core keeps its fp32 master weights (4 bytes) beside the
+  // moments in their types.
+  const Cluster h100 = load_cluster("dgx-h100-80g");
+  EXPECT_DOUBLE_EQ(memory(h100, base + ",precision=fp8,exp_avg_dtype=bf16,exp_avg_sq_dtype=bf16").optimizer_states,
+                   (4 + 2 + 2) * P / 8);
+}
+
 // Optimizer offload (Megatron-core's --optimizer-offload-fraction f, DeepSpeed's
 // offload_optimizer): of llama2-7b's 12 bytes of fp32 master weights and Adam moments per
 // parameter, sharded over dp = 8 by ZeRO-1, the fraction f moves to the host, where each

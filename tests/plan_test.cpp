@@ -270,6 +270,51 @@ TEST(Plan, GradReduceInFp32) {
   EXPECT_NE(cpu.at(0).message.find("strata executor"), std::string::npos);
 }
 
+// Megatron-core's precision-aware optimizer: its switch and the types of its tensors (this
+// schema's and torch's spellings), round trips, Megatron's main_grads_dtype onto
+// grad_reduce_in_fp32, and the rules (its distributed optimizer, 16-bit or fp8
+// parameters, not the strata executor; a type without the switch).
+TEST(Plan, PrecisionAwareOptimizer) {
+  const Plan p = load_plan("dp=8,zero=1,use_precision_aware_optimizer=1,exp_avg_dtype=bf16,exp_avg_sq_dtype=fp8,"
+                           "store_param_remainders=0");
+  EXPECT_TRUE(p.precision_aware_optimizer);
+  EXPECT_EQ(p.exp_avg_dtype, OptDtype::bf16);
+  EXPECT_EQ(p.exp_avg_sq_dtype, OptDtype::fp8);
+  EXPECT_EQ(p.main_params_dtype, OptDtype::fp32);
+  EXPECT_FALSE(p.store_param_remainders);
+  for (const Plan& q : {load_plan(plan_to_inline(p)), plan_from_json(plan_to_json(p), "plan")}) {
+    EXPECT_TRUE(q.precision_aware_optimizer);
+    EXPECT_EQ(q.exp_avg_dtype, OptDtype::bf16);
+    EXPECT_EQ(q.exp_avg_sq_dtype, OptDtype::fp8);
+    EXPECT_FALSE(q.store_param_remainders);
+  }
+  EXPECT_FALSE(plan_to_json(load_plan("dp=8")).contains("use_precision_aware_optimizer"));
+  const Plan torch = plan_from_json(Json::parse(R"({"use_precision_aware_optimizer":true,"exp_avg_dtype":"torch.bfloat16",
+      "main_params_dtype":"float16","main_grads_dtype":"bf16","use_distributed_optimizer":true})"), "plan");
+  EXPECT_EQ(torch.exp_avg_dtype, OptDtype::bf16);
+  EXPECT_EQ(torch.main_params_dtype, OptDtype::fp16);
+  EXPECT_EQ(torch.grad_reduce_in_fp32, Tristate::off);
+  EXPECT_NE(json_message(R"({"exp_avg_dtype":"bf16"})").find("needs use_precision_aware_optimizer"), std::string::npos);
+  EXPECT_EQ(json_message(R"({"exp_avg_dtype":"fp32"})"), "no error");  // (the default, said)
+  EXPECT_NE(json_message(R"({"use_precision_aware_optimizer":true,"main_params_dtype":"bf16"})").find(
+                "plan.main_params_dtype"),
+            std::string::npos);
+  EXPECT_NE(json_message(R"({"use_precision_aware_optimizer":true,"exp_avg_dtype":"int4"})").find("plan.exp_avg_dtype"),
+            std::string::npos);
+  EXPECT_NE(json_message(R"({"main_grads_dtype":"fp16"})").find("plan.main_grads_dtype"), std::string::npos);
+  const ModelSpec m = load_model("llama3-8b");
+  const Cluster h100 = load_cluster("dgx-h100-80g");
+  EXPECT_TRUE(check_plan(m, h100, p).empty());
+  EXPECT_EQ(check_plan(m, h100, load_plan("dp=8,zero=0,use_precision_aware_optimizer=1")).at(0).key, "precision_aware");
+  EXPECT_EQ(check_plan(m, h100, load_plan("dp=8,zero=3,use_precision_aware_optimizer=1")).at(0).key, "precision_aware");
+  EXPECT_EQ(check_plan(m, h100, load_plan("dp=8,zero=1,precision=fp32,use_precision_aware_optimizer=1")).at(0).key,
+            "precision_aware");
+  const std::vector<Reason> cpu =
+      check_plan(load_model("tiny-llama"), load_cluster("local-cpu"), load_plan("dp=8,zero=1,use_precision_aware_optimizer=1"));
+  ASSERT_FALSE(cpu.empty());
+  EXPECT_EQ(cpu.at(0).key, "precision_aware");
+}
+
 // Optimizer offload under its names: this schema's optimizer_offload_fraction (inline
 // "offload"), Megatron-core's optimizer_cpu_offload (+ its fraction, read only with it),
 // DeepSpeed's zero_optimization.offload_optimizer (device, ratio) and older cpu_offload.

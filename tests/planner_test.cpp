@@ -686,6 +686,16 @@ TEST(Planner, Exports) {
   const Json back = {{"data_types", dg["data_types"]}, {"communication_data_type", dg["communication_data_type"]}};
   EXPECT_EQ(plan_from_json(back, "deepspeed").grad_reduce_in_fp32, Tristate::off);
   EXPECT_FALSE(ds.contains("data_types"));
+  // The precision-aware optimizer: Megatron's flags, Bridge's optimizer settings.
+  const Plan pa = load_plan("tp=8,pp=4,dp=8,gbs=512,zero=1,use_precision_aware_optimizer=1,exp_avg_dtype=bf16");
+  const Stack pst = resolve_stack(m, load_cluster("dgx-h100-80g"), pa);
+  const std::string pm = export_megatron(m, pa, pst);
+  EXPECT_NE(pm.find("--use-precision-aware-optimizer"), std::string::npos) << pm;
+  EXPECT_NE(pm.find("--exp-avg-dtype bf16"), std::string::npos) << pm;
+  EXPECT_EQ(pm.find("--exp-avg-sq-dtype"), std::string::npos) << pm;
+  const std::string pb = export_bridge(m, pa, pst);
+  EXPECT_TRUE(has(lines_of(pb), "optimizer.use_precision_aware_optimizer=true"));
+  EXPECT_NE(pb.find("exp_avg_dtype bf16"), std::string::npos) << pb;
 }
 
 }  // namespace
