@@ -345,13 +345,28 @@ int cmd_plan(const std::vector<std::string>& argv) {
   so.attention = att == "flash" ? AttentionChoice::flash : att == "unfused" ? AttentionChoice::unfused
                                                                             : AttentionChoice::automatic;
   if (a.has("fix")) so.fixed = parse_fixed(a.get("fix"));
-  // A launch's main-gradient type (--grad-reduce-in-bf16) holds for the search unless --fix says.
-  if (launch && launch->plan.grad_reduce_in_fp32 != Tristate::automatic && !so.fixed.grad_reduce_in_fp32)
+  // A launch's main-gradient type (--grad-reduce-in-bf16) and precision-aware optimizer (for
+  // the ZeRO-1 candidates) hold for the search unless --fix says (Megatron ignores both in
+  // fp32 training).
+  const bool sixteen = so.precision != Precision::fp32;
+  if (launch && sixteen && launch->plan.grad_reduce_in_fp32 != Tristate::automatic && !so.fixed.grad_reduce_in_fp32)
     so.fixed.grad_reduce_in_fp32 = launch->plan.grad_reduce_in_fp32 == Tristate::on;
-  if (so.fixed.grad_reduce_in_fp32 == false && so.precision == Precision::fp32)
-    fail_field("--fix grad_reduce_in_fp32", "0", "needs 16-bit parameters (--precision bf16, fp16 or fp8)");
+  if (launch && sixteen && launch->plan.precision_aware_optimizer && !so.fixed.optimizer) so.fixed.optimizer = launch->plan;
+  const std::string from = launch ? "--fix or --megatron-args" : "--fix";
+  if (so.fixed.optimizer) {
+    if (!sixteen) fail_field(from + " use_precision_aware_optimizer", "1", "needs 16-bit or fp8 parameters (--precision bf16, fp16 or fp8)");
+    if (cl.strata_stack)
+      fail_field(from + " use_precision_aware_optimizer", "1",
+                 fmt::format("cluster {} runs the strata executor, whose optimizer keeps fp32 states", cl.name));
+    if (!search_stack(m, cl, so).modern)
+      fail_field(from + " use_precision_aware_optimizer", "1",
+                 fmt::format("is Megatron-core's, and the search runs {} on {} on the legacy software stack",
+                             m.name, cl.name));
+  }
+  if (so.fixed.grad_reduce_in_fp32 == false && !sixteen)
+    fail_field(from + " grad_reduce_in_fp32", "0", "needs 16-bit parameters (--precision bf16, fp16 or fp8)");
   if (so.fixed.grad_reduce_in_fp32 == false && cl.strata_stack)
-    fail_field("--fix grad_reduce_in_fp32", "0",
+    fail_field(from + " grad_reduce_in_fp32", "0",
                fmt::format("cluster {} runs the strata executor, which reduces its gradients in fp32", cl.name));
   if (so.search_offload) {  // (a cluster that cannot offload is named, not searched without it)
     if (so.fixed.offload)
@@ -375,6 +390,16 @@ int cmd_plan(const std::vector<std::string>& argv) {
     if (!a.has("compare")) {  // the launch's plan at the batch and in the precision searched
       compare.gbs = so.gbs;
       compare.precision = so.precision;
+    }
+    // With the optimizer settings every candidate gets, where the plan does not say.
+    if (so.fixed.grad_reduce_in_fp32 && compare.grad_reduce_in_fp32 == Tristate::automatic)
+      compare.grad_reduce_in_fp32 = *so.fixed.grad_reduce_in_fp32 ? Tristate::on : Tristate::off;
+    if (so.fixed.optimizer && compare.zero == 1 && !compare.precision_aware_optimizer) {
+      compare.precision_aware_optimizer = true;
+      compare.exp_avg_dtype = so.fixed.optimizer->exp_avg_dtype;
+      compare.exp_avg_sq_dtype = so.fixed.optimizer->exp_avg_sq_dtype;
+      compare.main_params_dtype = so.fixed.optimizer->main_params_dtype;
+      compare.store_param_remainders = so.fixed.optimizer->store_param_remainders;
     }
     // Costed on the stack the search compares its candidates on (pin_to_plain_stack).
     pin_to_plain_stack(cl, search_stack(m, cl, so), compare);

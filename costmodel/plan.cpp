@@ -3,6 +3,7 @@
 
 #include "costmodel/layout.h"
 #include "costmodel/schedule.h"
+#include "costmodel/stack.h"
 
 #include <algorithm>
 #include <cctype>
@@ -260,13 +261,15 @@ void adopt_foreign_names(Json& j, const std::string& source) {
     j.erase("data_types");
   }
   // Megatron-core's main_grads_dtype (the precision-aware optimizer's gradients: its
-  // gradient buffer's type).
+  // gradient buffer's type): bf16 turns fp32 reduction off; fp32, its default (in every
+  // config dump), says nothing (Megatron reduces fp16 runs in fp16 and honours
+  // --grad-reduce-in-bf16 beside it).
   adopt_key(j, source, "main_grads_dtype", "grad_reduce_in_fp32", [](const Json& v, const std::string& path) {
     std::string t = v.is_string() ? v.get<std::string>() : "";
     if (t.rfind("torch.", 0) == 0) t = t.substr(6);
     if (t != "fp32" && t != "float32" && t != "bf16" && t != "bfloat16")
       fail_field(path, show_value(v), "must be \"fp32\" or \"bf16\"");
-    return Json(t == "fp32" || t == "float32");
+    return t == "bf16" || t == "bfloat16" ? Json(false) : Json();
   });
   // DeepSpeed's type of the gradients' reduction (one type for both in strata).
   adopt_key(j, source, "communication_data_type", "grad_reduce_in_fp32", [](const Json& v, const std::string& path) {
@@ -917,6 +920,10 @@ std::vector<Reason> check_plan(const ModelSpec& m, const Cluster& cl, const Plan
     else if (cl.strata_stack)
       add("precision_aware", [&] { return fmt::format("use_precision_aware_optimizer: {} runs the strata executor, whose "
                                                       "optimizer keeps fp32 states", cl.name); });
+    else if (!resolve_stack(m, cl, p).modern)
+      add("precision_aware", [&] { return std::string("use_precision_aware_optimizer is Megatron-core's (Transformer "
+                                                      "Engine's FusedAdam): it needs the modern software stack, not the "
+                                                      "legacy one this plan runs on (software_stack=modern says it)"); });
   }
   if (p.offload > 0) {
     if (p.zero == 0)

@@ -20,7 +20,9 @@
 #                    18.90 s per step; recompute is not stated, and full is the only setting
 #                    that fits).
 # Each plan is the table's: NeMo's and Bridge's recipes use the distributed optimizer
-# (zero=1) unless the table says FSDP (zero=3), and sequence parallelism with TP. Measured
+# (zero=1) unless the table says FSDP (zero=3), and sequence parallelism with TP; Bridge's
+# reduce gradients in bf16 (grad_reduce_in_fp32=0, as every Bridge performance recipe of
+# these models sets it; NeMo 24.12's and 25.02's scripts kept fp32). Measured
 # step time = global batch x sequence / (tokens per second per GPU x GPUs). Prints one table;
 # asserts nothing.
 set -euo pipefail

@@ -97,6 +97,12 @@ std::string export_megatron(const ModelSpec& m, const Plan& p, const Stack& stac
   if (stack.overlap_param_gather && p.replicas() > 1 && p.zero >= 1) flag("--overlap-param-gather");
   if (stack.tp_comm_overlap && p.t > 1) flag("--tp-comm-overlap");
   if (!stack.grad_accumulation_fusion) flag("--no-gradient-accumulation-fusion");
+  // Megatron-LM runs --optimizer-cpu-offload only with the precision-aware optimizer.
+  if (p.offload > 0 && !p.precision_aware_optimizer) {
+    flag("--use-precision-aware-optimizer");
+    notes += "# --optimizer-cpu-offload needs --use-precision-aware-optimizer in Megatron-LM; strata costed this plan "
+             "without it (use_precision_aware_optimizer=1 in the plan costs it with it).\n";
+  }
   if (p.precision_aware_optimizer) {
     flag("--use-precision-aware-optimizer");
     if (p.exp_avg_dtype != OptDtype::fp32) flag(fmt::format("--exp-avg-dtype {}", to_string(p.exp_avg_dtype)));
@@ -178,10 +184,13 @@ std::string export_deepspeed(const ModelSpec& m, const Plan& p, const Stack& sta
     if (p.offload < 1) z["offload_optimizer"]["ratio"] = p.offload;
   }
   j["zero_optimization"] = z;
-  if (p.grad_reduce_in_fp32 != Tristate::automatic) {  // as the plan says it (DeepSpeed's defaults vary by stage)
-    const char* type = stack.grad_reduce_in_fp32 ? "fp32" : p.precision == Precision::fp16 ? "fp16" : "bf16";
-    j["data_types"] = {{"grad_accum_dtype", type}};
-    j["communication_data_type"] = type;
+  // The gradients' type as the plan says it (DeepSpeed's defaults vary by stage); its
+  // optimizer sanity check refuses a type other than the model's without ZeRO, so there it
+  // is recorded for the launcher only.
+  const char* grad_type = stack.grad_reduce_in_fp32 ? "fp32" : p.precision == Precision::fp16 ? "fp16" : "bf16";
+  if (p.grad_reduce_in_fp32 != Tristate::automatic && p.zero >= 1) {
+    j["data_types"] = {{"grad_accum_dtype", grad_type}};
+    j["communication_data_type"] = grad_type;
   }
   if (p.precision == Precision::bf16 || p.precision == Precision::fp8) j["bf16"] = {{"enabled", true}};
   if (p.precision == Precision::fp16)
@@ -206,6 +215,14 @@ std::string export_deepspeed(const ModelSpec& m, const Plan& p, const Stack& sta
   Json& split = j["strata_parallel_layout"];  // an uneven pipeline, where the plan gives one
   if (p.c > 1) split["cp_comm_type"] = to_string(resolve_cp_comm(m, p));
   if (p.offload > 0) split["optimizer_offload_fraction"] = p.offload;  // (the ratio's intent, as costed)
+  if (p.grad_reduce_in_fp32 != Tristate::automatic && p.zero == 0) split["grad_accum_dtype"] = grad_type;
+  // Megatron-core's precision-aware optimizer has no DeepSpeed counterpart: the plan was
+  // costed with it, so say so.
+  if (p.precision_aware_optimizer)
+    split["megatron_precision_aware_optimizer"] = {{"exp_avg_dtype", to_string(p.exp_avg_dtype)},
+                                                   {"exp_avg_sq_dtype", to_string(p.exp_avg_sq_dtype)},
+                                                   {"main_params_dtype", to_string(p.main_params_dtype)},
+                                                   {"store_param_remainders", p.store_param_remainders}};
   if (p.ep > 1) split["expert_model_parallel_size"] = p.ep;
   if (m.moe() && p.expert_tp() != p.t) split["expert_tensor_parallel_size"] = p.expert_tp();
   if (p.layout) split["pipeline_model_parallel_layout"] = p.layout->text;

@@ -19,9 +19,15 @@ namespace strata {
 FixedDims parse_fixed(const std::string& text) {
   const Json j = parse_inline_pairs(text, "--fix");
   FixedDims f;
+  Json optimizer = Json::object();  // the precision-aware optimizer's keys, read as a plan reads them
   for (auto it = j.begin(); it != j.end(); ++it) {
     const std::string k = it.key();
     const Json& v = it.value();
+    if (k == "use_precision_aware_optimizer" || k == "exp_avg_dtype" || k == "exp_avg_sq_dtype" ||
+        k == "main_params_dtype" || k == "store_param_remainders") {
+      optimizer[k] = v;
+      continue;
+    }
     auto integer = [&](int64_t lo, int64_t hi) -> int64_t {
       if (!v.is_number_integer() || v.get<int64_t>() < lo || v.get<int64_t>() > hi)
         fail_field("--fix " + k, show_value(v), fmt::format("must be an integer in [{}, {}]", lo, hi));
@@ -69,8 +75,13 @@ FixedDims parse_fixed(const std::string& text) {
     } else {
       fail_field("--fix " + k, show_value(v),
                  "unknown key: use tp, pp, dp, cp, vp, mbs, zero, recompute, recompute_num_layers, sp, schedule, "
-                 "uneven_split, cp_comm_type, offload, ep or grad_reduce_in_fp32");
+                 "uneven_split, cp_comm_type, offload, ep, grad_reduce_in_fp32 or use_precision_aware_optimizer (and "
+                 "its exp_avg_dtype, exp_avg_sq_dtype, main_params_dtype, store_param_remainders)");
     }
+  }
+  if (!optimizer.empty()) {
+    const Plan o = plan_from_json(optimizer, "--fix");
+    if (o.precision_aware_optimizer) f.optimizer = o;
   }
   return f;
 }
@@ -611,6 +622,13 @@ SearchResult search(const ModelSpec& m, const Cluster& cl, const SearchOptions& 
                         pl.mbs = mbs; pl.zero = zero; pl.recompute = rc; pl.sp = sp == 1; pl.gpipe = gp == 1;
                         pl.cp_comm = cc;
                         pl.offload = offload;
+                        if (fx.optimizer && zero == 1) {  // (the precision-aware optimizer's fields)
+                          pl.precision_aware_optimizer = true;
+                          pl.exp_avg_dtype = fx.optimizer->exp_avg_dtype;
+                          pl.exp_avg_sq_dtype = fx.optimizer->exp_avg_sq_dtype;
+                          pl.main_params_dtype = fx.optimizer->main_params_dtype;
+                          pl.store_param_remainders = fx.optimizer->store_param_remainders;
+                        }
                         // One stack for every candidate: sharding alone does not make it modern here.
                         if (zero >= 2) pin_to_plain_stack(cl, stack, pl);
                         Plan q = pl;  // (before run() may set pl's recompute_num_layers)

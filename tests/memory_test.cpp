@@ -330,6 +330,14 @@ TEST(Memory, OffloadMovesTheOptimizerShareToTheHost) {
   EXPECT_DOUBLE_EQ(o2.gradients, 0.5 * 4 * o2.params / 8);
   EXPECT_DOUBLE_EQ(o2.gradients, 0.5 * z2.gradients);
   EXPECT_DOUBLE_EQ(o2.host_offload, 2 * 0.5 * o2.params);
+  // A legacy stack's fp16 optimizer already holds the fp32 gradient among its 16 bytes:
+  // GPT-2 1.5B (legacy here) in fp16, ZeRO-1 over 8, all offloaded: host 16 P / 8.
+  const ModelSpec g = load_model("gpt2-1.5b");
+  const Plan h = load_plan("dp=8,zero=1,offload=1,precision=fp16");
+  const MemoryBreakdown legacy = stage_memory(g, c, h, make_layout(g.L, 1, 1), compute_setup(g, c, h), 0, 1, 1, 1);
+  EXPECT_FALSE(compute_setup(g, c, h).stack.modern);
+  EXPECT_DOUBLE_EQ(legacy.host_offload, 16 * legacy.params / 8);
+  EXPECT_DOUBLE_EQ(legacy.optimizer_states, 0);
 }
 
 // stage_memories() reuses a middle stage's shape for the next stage with the same layers:

@@ -294,6 +294,12 @@ TEST(Plan, PrecisionAwareOptimizer) {
   EXPECT_EQ(torch.exp_avg_dtype, OptDtype::bf16);
   EXPECT_EQ(torch.main_params_dtype, OptDtype::fp16);
   EXPECT_EQ(torch.grad_reduce_in_fp32, Tristate::off);
+  // fp32, Megatron's default main_grads_dtype (in every config dump), says nothing.
+  EXPECT_EQ(plan_from_json(Json::parse(R"({"main_grads_dtype":"fp32","fp16":true})"), "plan").grad_reduce_in_fp32,
+            Tristate::automatic);
+  EXPECT_EQ(plan_from_json(Json::parse(R"({"main_grads_dtype":"torch.float32","grad_reduce_in_bf16":true})"), "plan")
+                .grad_reduce_in_fp32,
+            Tristate::off);
   EXPECT_NE(json_message(R"({"exp_avg_dtype":"bf16"})").find("needs use_precision_aware_optimizer"), std::string::npos);
   EXPECT_EQ(json_message(R"({"exp_avg_dtype":"fp32"})"), "no error");  // (the default, said)
   EXPECT_NE(json_message(R"({"use_precision_aware_optimizer":true,"main_params_dtype":"bf16"})").find(
@@ -309,6 +315,13 @@ TEST(Plan, PrecisionAwareOptimizer) {
   EXPECT_EQ(check_plan(m, h100, load_plan("dp=8,zero=3,use_precision_aware_optimizer=1")).at(0).key, "precision_aware");
   EXPECT_EQ(check_plan(m, h100, load_plan("dp=8,zero=1,precision=fp32,use_precision_aware_optimizer=1")).at(0).key,
             "precision_aware");
+  // Megatron-core's: GPT-3 on A100 runs the legacy stack unless the plan says modern.
+  const ModelSpec g = load_model("gpt3-175b");
+  const Cluster a100 = load_cluster("dgx-a100-80g");
+  EXPECT_EQ(check_plan(g, a100, load_plan("tp=8,dp=8,zero=1,use_precision_aware_optimizer=1")).at(0).key,
+            "precision_aware");
+  EXPECT_TRUE(check_plan(g, a100, load_plan("tp=8,dp=8,zero=1,use_precision_aware_optimizer=1,software_stack=modern"))
+                  .empty());
   const std::vector<Reason> cpu =
       check_plan(load_model("tiny-llama"), load_cluster("local-cpu"), load_plan("dp=8,zero=1,use_precision_aware_optimizer=1"));
   ASSERT_FALSE(cpu.empty());

@@ -322,6 +322,29 @@ TEST(Planner, SixteenBitGradientsForEveryCandidate) {
   }
   EXPECT_LE(half.plans.front().step_time_s, full.plans.front().step_time_s);
   EXPECT_GE(half.feasible, full.feasible);
+  // --fix use_precision_aware_optimizer=1 (with its types): every ZeRO-1 candidate runs it,
+  // the others cannot (Megatron's distributed optimizer only); less memory, as many fit.
+  const SearchResult aware = search_fixed("llama3-8b", "dgx-h100-80g", 16, 64,
+                                          "use_precision_aware_optimizer=1,exp_avg_dtype=bf16,exp_avg_sq_dtype=bf16");
+  ASSERT_FALSE(aware.plans.empty());
+  int zero1 = 0;
+  for (const auto& e : aware.plans) {
+    EXPECT_EQ(e.plan.precision_aware_optimizer, e.plan.zero == 1);
+    if (e.plan.zero == 1) {
+      ++zero1;
+      EXPECT_EQ(e.plan.exp_avg_dtype, OptDtype::bf16);
+      EXPECT_EQ(e.plan.exp_avg_sq_dtype, OptDtype::bf16);
+      Plan plain = e.plan;
+      plain.precision_aware_optimizer = false;
+      plain.exp_avg_dtype = plain.exp_avg_sq_dtype = OptDtype::fp32;
+      EXPECT_LT(e.memory.peak, estimate(m, cl, plain).memory.peak);
+    }
+    EXPECT_EQ(estimate(m, cl, e.plan).step_time_s, e.step_time_s);
+  }
+  EXPECT_GT(zero1, 0);
+  EXPECT_GE(aware.feasible, full.feasible);
+  EXPECT_FALSE(parse_fixed("use_precision_aware_optimizer=0").optimizer);
+  EXPECT_THROW(parse_fixed("use_precision_aware_optimizer=1,exp_avg_dtype=int4"), InputError);
 }
 
 // Context-parallel plans are searched with each cp_comm_type (the twin above estimates all
