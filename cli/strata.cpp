@@ -394,13 +394,8 @@ int cmd_plan(const std::vector<std::string>& argv) {
     // With the optimizer settings every candidate gets, where the plan does not say.
     if (so.fixed.grad_reduce_in_fp32 && compare.grad_reduce_in_fp32 == Tristate::automatic)
       compare.grad_reduce_in_fp32 = *so.fixed.grad_reduce_in_fp32 ? Tristate::on : Tristate::off;
-    if (so.fixed.optimizer && compare.zero == 1 && !compare.precision_aware_optimizer) {
-      compare.precision_aware_optimizer = true;
-      compare.exp_avg_dtype = so.fixed.optimizer->exp_avg_dtype;
-      compare.exp_avg_sq_dtype = so.fixed.optimizer->exp_avg_sq_dtype;
-      compare.main_params_dtype = so.fixed.optimizer->main_params_dtype;
-      compare.store_param_remainders = so.fixed.optimizer->store_param_remainders;
-    }
+    if (so.fixed.optimizer && compare.zero == 1 && !compare.precision_aware_optimizer)
+      compare.take_optimizer_of(*so.fixed.optimizer);
     // Costed on the stack the search compares its candidates on (pin_to_plain_stack).
     pin_to_plain_stack(cl, search_stack(m, cl, so), compare);
     if (compare.world_size() != so.gpus)

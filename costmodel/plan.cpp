@@ -69,6 +69,15 @@ constexpr int64_t kMaxDegree = 1 << 20;
 constexpr int64_t kMaxWorld = 1 << 24;
 constexpr int64_t kMaxBatch = int64_t{1} << 30;
 
+// A tensor type as this schema names it (fp32, bf16, fp16, fp8), from its own spelling or
+// torch's ("float32", "torch.bfloat16", ...); anything else as given (a string), or "".
+std::string dtype_word(const Json& v) {
+  std::string t = v.is_string() ? v.get<std::string>() : "";
+  if (t.rfind("torch.", 0) == 0) t = t.substr(6);
+  return t == "float32" ? "fp32" : t == "bfloat16" ? "bf16" : t == "float16" ? "fp16"
+       : t == "float8" || t == "uint8" ? "fp8" : t;
+}
+
 // Long name -> short alias (SPEC.md lists both).
 const std::vector<std::pair<const char*, const char*>>& aliases() {
   static const std::vector<std::pair<const char*, const char*>> a = {
@@ -265,11 +274,9 @@ void adopt_foreign_names(Json& j, const std::string& source) {
   // config dump), says nothing (Megatron reduces fp16 runs in fp16 and honours
   // --grad-reduce-in-bf16 beside it).
   adopt_key(j, source, "main_grads_dtype", "grad_reduce_in_fp32", [](const Json& v, const std::string& path) {
-    std::string t = v.is_string() ? v.get<std::string>() : "";
-    if (t.rfind("torch.", 0) == 0) t = t.substr(6);
-    if (t != "fp32" && t != "float32" && t != "bf16" && t != "bfloat16")
-      fail_field(path, show_value(v), "must be \"fp32\" or \"bf16\"");
-    return t == "bf16" || t == "bfloat16" ? Json(false) : Json();
+    const std::string t = dtype_word(v);
+    if (t != "fp32" && t != "bf16") fail_field(path, show_value(v), "must be \"fp32\" or \"bf16\"");
+    return t == "bf16" ? Json(false) : Json();
   });
   // DeepSpeed's type of the gradients' reduction (one type for both in strata).
   adopt_key(j, source, "communication_data_type", "grad_reduce_in_fp32", [](const Json& v, const std::string& path) {
@@ -537,10 +544,7 @@ Plan plan_from_json(const Json& in, const std::string& source) {
       f.ignore(key);
       return OptDtype::fp32;
     }
-    std::string t = v->is_string() ? v->get<std::string>() : "";
-    if (t.rfind("torch.", 0) == 0) t = t.substr(6);
-    const std::string name = t == "float32" ? "fp32" : t == "bfloat16" ? "bf16" : t == "float16" ? "fp16"
-                           : t == "float8" || t == "uint8" ? "fp8" : t;
+    const std::string name = dtype_word(*v);
     f.ignore(key);
     const std::string field = source + "." + key;
     if (std::find_if(allowed.begin(), allowed.end(), [&](const char* a) { return name == a; }) == allowed.end()) {

@@ -118,6 +118,14 @@ struct Plan {
   int64_t etp = 0;
 
   int64_t world_size() const { return t * p * d * c; }
+  // The precision-aware optimizer and its types as `o` has them.
+  void take_optimizer_of(const Plan& o) {
+    precision_aware_optimizer = o.precision_aware_optimizer;
+    exp_avg_dtype = o.exp_avg_dtype;
+    exp_avg_sq_dtype = o.exp_avg_sq_dtype;
+    main_params_dtype = o.main_params_dtype;
+    store_param_remainders = o.store_param_remainders;
+  }
   // Selective recompute of a module (RecomputeModule).
   bool recomputes(unsigned module) const { return recompute == Recompute::selective && (recompute_modules & module) != 0; }
   bool explicit_split() const { return layout || first_stage_layers > 0 || last_stage_layers > 0; }

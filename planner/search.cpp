@@ -622,13 +622,7 @@ SearchResult search(const ModelSpec& m, const Cluster& cl, const SearchOptions& 
                         pl.mbs = mbs; pl.zero = zero; pl.recompute = rc; pl.sp = sp == 1; pl.gpipe = gp == 1;
                         pl.cp_comm = cc;
                         pl.offload = offload;
-                        if (fx.optimizer && zero == 1) {  // (the precision-aware optimizer's fields)
-                          pl.precision_aware_optimizer = true;
-                          pl.exp_avg_dtype = fx.optimizer->exp_avg_dtype;
-                          pl.exp_avg_sq_dtype = fx.optimizer->exp_avg_sq_dtype;
-                          pl.main_params_dtype = fx.optimizer->main_params_dtype;
-                          pl.store_param_remainders = fx.optimizer->store_param_remainders;
-                        }
+                        if (fx.optimizer && zero == 1) pl.take_optimizer_of(*fx.optimizer);
                         // One stack for every candidate: sharding alone does not make it modern here.
                         if (zero >= 2) pin_to_plain_stack(cl, stack, pl);
                         Plan q = pl;  // (before run() may set pl's recompute_num_layers)
