@@ -363,6 +363,25 @@ int cmd_plan(const std::vector<std::string>& argv) {
                  fmt::format("is Megatron-core's, and the search runs {} on {} on the legacy software stack",
                              m.name, cl.name));
   }
+  // A launch's activation offloading holds for every candidate too, unless --fix says.
+  if (launch && launch->plan.offload_modules && !so.fixed.activation_offload) so.fixed.activation_offload = launch->plan;
+  if (so.fixed.activation_offload) {
+    const std::string mods = offload_modules_text(so.fixed.activation_offload->offload_modules, "+");
+    if (cl.strata_stack)
+      fail_field(from + " offload_modules", mods,
+                 fmt::format("cluster {} runs the strata executor, which keeps its activations on its own backend",
+                             cl.name));
+    if (!cl.host.present())
+      fail_field(from + " offload_modules", mods,
+                 fmt::format("cluster {} gives no \"host\" (memory, its bandwidth, PCIe; hw_profiles/README.md)",
+                             cl.name));
+    if (!m.moe() && (so.fixed.activation_offload->offload_modules & kOffloadExpertModules))
+      fail_field(from + " offload_modules", mods, fmt::format("names the experts' modules; {} is dense", m.name));
+    if (!search_stack(m, cl, so).modern)
+      fail_field(from + " offload_modules", mods,
+                 fmt::format("is Megatron-core's, and the search runs {} on {} on the legacy software stack", m.name,
+                             cl.name));
+  }
   if (so.fixed.grad_reduce_in_fp32 == false && !sixteen)
     fail_field(from + " grad_reduce_in_fp32", "0", "needs 16-bit parameters (--precision bf16, fp16 or fp8)");
   if (so.fixed.grad_reduce_in_fp32 == false && cl.strata_stack)
@@ -396,6 +415,8 @@ int cmd_plan(const std::vector<std::string>& argv) {
       compare.grad_reduce_in_fp32 = *so.fixed.grad_reduce_in_fp32 ? Tristate::on : Tristate::off;
     if (so.fixed.optimizer && compare.zero == 1 && !compare.precision_aware_optimizer)
       compare.take_optimizer_of(*so.fixed.optimizer);
+    if (so.fixed.activation_offload && !compare.offload_modules && compare.recompute != Recompute::full)
+      compare.take_activation_offload_of(*so.fixed.activation_offload);
     // Costed on the stack the search compares its candidates on (pin_to_plain_stack).
     pin_to_plain_stack(cl, search_stack(m, cl, so), compare);
     if (compare.world_size() != so.gpus)

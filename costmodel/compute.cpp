@@ -10,6 +10,7 @@
 #include <limits>
 
 #include "costmodel/comm.h"
+#include "costmodel/memory.h"
 
 namespace strata {
 
@@ -30,6 +31,7 @@ const char* to_string(OpKind k) {
     case OpKind::cp_comm: return "cp_comm";
     case OpKind::dp_comm: return "dp_comm";
     case OpKind::ep_comm: return "ep_comm";
+    case OpKind::offload: return "offload";
   }
   return "?";
 }
@@ -40,6 +42,7 @@ Work& Work::operator+=(const Work& o) {
   cp_comm_s += o.cp_comm_s;
   dp_comm_s += o.dp_comm_s;
   ep_comm_s += o.ep_comm_s;
+  offload_s += o.offload_s;
   tp_comm_all_s += o.tp_comm_all_s;
   dp_comm_all_s += o.dp_comm_all_s;
   return *this;
@@ -52,6 +55,7 @@ Work operator*(double k, const Work& w) {
   r.cp_comm_s = k * w.cp_comm_s;
   r.dp_comm_s = k * w.dp_comm_s;
   r.ep_comm_s = k * w.ep_comm_s;
+  r.offload_s = k * w.offload_s;
   r.tp_comm_all_s = k * w.tp_comm_all_s;
   r.dp_comm_all_s = k * w.dp_comm_all_s;
   return r;
@@ -679,6 +683,29 @@ void sharded_traffic(Acc& a, double params, const GroupSpan& group) {
 
 }  // namespace
 
+namespace {
+
+// Fine-grained activation offloading (compute.h, layer_cost): the copy out beside the
+// layer's forward, the copy back beside its backward and recompute.
+[[gnu::noinline]] void activation_offload(Acc& a) {
+  const Host& h = a.cl.host;
+  const double bytes = a.p.activation_offload_fraction * layer_offload_bytes(a.m, a.p, a.cs);
+  if (bytes <= 0 || !h.present()) return;
+  const double ranks = static_cast<double>(std::min(a.cl.devices_per_node, a.p.world_size()));
+  const double copy = std::max(bytes / (h.pcie_bandwidth_bytes_per_s * h.pcie_efficiency),
+                               ranks * bytes / (h.memory_bandwidth_bytes_per_s * h.memory_efficiency));
+  const double out = std::max(0.0, copy - a.lc.forward.total());
+  const double back = std::max(0.0, copy - a.lc.backward.total() - a.lc.recompute.total());
+  a.lc.forward.offload_s += out;
+  a.lc.backward.offload_s += back;
+  if (a.ops) {
+    a.record("activation_offload", Phase::forward, OpKind::offload, 0, bytes, copy, out);
+    a.record("activation_reload", Phase::backward, OpKind::offload, 0, bytes, copy, back);
+  }
+}
+
+}  // namespace
+
 LayerCost layer_cost(const ModelSpec& m, const Cluster& cl, const Plan& p, const ComputeSetup& cs,
                      std::vector<OpCost>* ops) {
   Acc a(m, cl, p, cs, ops);
@@ -710,6 +737,7 @@ LayerCost layer_cost(const ModelSpec& m, const Cluster& cl, const Plan& p, const
   } else {
     sharded_traffic(a, static_cast<double>(m.layer_params(p.t)), a.dp);
   }
+  if (p.offload_modules) activation_offload(a);
   return a.lc;
 }
 

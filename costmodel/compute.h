@@ -20,7 +20,7 @@
 namespace strata {
 
 enum class Phase { forward, backward, recompute };
-enum class OpKind { gemm, memory, tp_comm, cp_comm, dp_comm, ep_comm };
+enum class OpKind { gemm, memory, tp_comm, cp_comm, dp_comm, ep_comm, offload };
 
 // One op of a layer; filled only when a caller asks for the list (breakdown, trace, tests).
 struct OpCost {
@@ -40,9 +40,10 @@ struct Work {
   double cp_comm_s = 0;  // exposed context-parallel exchange
   double dp_comm_s = 0;  // exposed ZeRO-2/3 gradient reduce-scatters and ZeRO-3 parameter gathers
   double ep_comm_s = 0;  // exposed expert-parallel all-to-alls (token dispatch and combine)
+  double offload_s = 0;  // activation copies to or from the host the compute waits for
   double tp_comm_all_s = 0;  // tensor-parallel communication before overlap (for reports)
   double dp_comm_all_s = 0;  // ZeRO-2/3 reduce-scatters and ZeRO-3 gathers before overlap (for reports)
-  double total() const { return compute_s + tp_comm_s + cp_comm_s + dp_comm_s + ep_comm_s; }
+  double total() const { return compute_s + tp_comm_s + cp_comm_s + dp_comm_s + ep_comm_s + offload_s; }
   Work& operator+=(const Work& o);
 };
 Work operator*(double k, const Work& w);
@@ -78,6 +79,11 @@ double gemm_efficiency(const Device& dev, double peak_flops, double flops);
 double memory_time(const Device& dev, double bytes);
 
 // One transformer layer (per micro-batch, per GPU). `ops` receives the op list if given.
+// With activation offloading (Plan::offload_modules) the layer's offloaded tensors go to
+// the host after its forward and come back before its backward, each on a copy stream
+// beside the compute, at the slower of the GPU's PCIe link and its share of the host's
+// memory bandwidth (the node's ranks copy at once); what the layer's forward (backward
+// and recompute) does not cover is exposed (Work::offload_s).
 LayerCost layer_cost(const ModelSpec& m, const Cluster& cl, const Plan& p, const ComputeSetup& cs,
                      std::vector<OpCost>* ops = nullptr);
 // Word embedding lookup (first stage) and output layer + loss (last stage).

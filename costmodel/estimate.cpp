@@ -341,7 +341,7 @@ Estimate estimate_once(const ModelSpec& m, const Cluster& cl, const Plan& p, con
   est.fits = est.memory.peak <= cl.device.memory_bytes;
   // Offloaded optimizer states: the node's ranks' shares of its host memory.
   const double ranks_on_node = ranks_per_node(cl, p);
-  if (p.offload > 0) {
+  if (p.offload > 0 || p.offload_modules) {
     est.host_memory_bytes = offloaded_host_bytes(cl, p, mem);
     if (est.host_memory_bytes > cl.host.memory_bytes) est.fits = false;
   }
@@ -410,6 +410,7 @@ Estimate estimate_once(const ModelSpec& m, const Cluster& cl, const Plan& p, con
   tb.tp_comm = mb * (F.tp_comm_s + Bw.tp_comm_s + R.tp_comm_s);
   tb.cp_comm = mb * (F.cp_comm_s + Bw.cp_comm_s + R.cp_comm_s);
   tb.ep_comm = mb * (F.ep_comm_s + Bw.ep_comm_s + R.ep_comm_s);
+  tb.activation_offload = mb * (F.offload_s + Bw.offload_s + R.offload_s);
   tb.dp_comm = mb * (F.dp_comm_s + Bw.dp_comm_s + R.dp_comm_s) + dp_exposed[crit];
   tb.pp_comm = sim.p2p_s[crit];
   tb.optimizer = opt_s[crit];
@@ -455,7 +456,7 @@ Estimate estimate_once(const ModelSpec& m, const Cluster& cl, const Plan& p, con
 
 double offloaded_host_bytes(const Cluster& cl, const Plan& p, const std::vector<MemoryBreakdown>& stage_memory) {
   double most = 0;
-  for (const MemoryBreakdown& mb : stage_memory) most = std::max(most, mb.host_offload);
+  for (const MemoryBreakdown& mb : stage_memory) most = std::max(most, mb.host_offload + mb.host_activations);
   return ranks_per_node(cl, p) * most;
 }
 
@@ -519,6 +520,10 @@ Terms time_terms(const TimeBreakdown& t) {
               {"optimizer", t.optimizer}, {"overhead", t.overhead}};
   // Expert-parallel all-to-alls, where a mixture-of-experts plan has them (after cp_comm).
   if (t.ep_comm > 0) terms.insert(terms.begin() + 5, {"ep_comm", t.ep_comm});
+  // Activation copies to and from the host the compute waited for (offload_modules), after
+  // the communication terms.
+  if (t.activation_offload > 0)
+    terms.insert(terms.begin() + (t.ep_comm > 0 ? 9 : 8), {"activation_offload", t.activation_offload});
   return terms;
 }
 
@@ -572,9 +577,12 @@ Json estimate_to_json(const Estimate& e) {
   j["stack"] = stack_to_json(e.stack);
   j["schedule"] = to_string(e.plan.schedule());
   j["comm_before_overlap_s"] = {{"tp_comm", e.tp_comm_total_s}, {"dp_comm", e.dp_comm_total_s}};
-  if (e.plan.offload > 0)  // host memory, outside the GPU's peak above
-    j["host_memory_bytes"] = {{"optimizer_offload_per_gpu", std::llround(e.memory.host_offload)},
-                              {"per_node", std::llround(e.host_memory_bytes)}};
+  if (e.plan.offload > 0 || e.plan.offload_modules) {  // host memory, outside the GPU's peak above
+    j["host_memory_bytes"] = {{"per_node", std::llround(e.host_memory_bytes)}};
+    if (e.plan.offload > 0) j["host_memory_bytes"]["optimizer_offload_per_gpu"] = std::llround(e.memory.host_offload);
+    if (e.plan.offload_modules)
+      j["host_memory_bytes"]["activation_offload_per_gpu"] = std::llround(e.memory.host_activations);
+  }
   if (e.processors_per_node > 0)
     j["processor_sharing"] = {{"processors_per_node", e.processors_per_node},
                               {"ranks_per_node", e.ranks_per_node},

@@ -33,17 +33,18 @@ struct TimeBreakdown {
   double forward = 0, backward = 0, recompute = 0, optimizer = 0, tp_comm = 0, cp_comm = 0, pp_comm = 0,
          dp_comm = 0, pipeline_bubble = 0, overhead = 0;
   double ep_comm = 0;  // expert-parallel all-to-alls (mixture-of-experts models)
+  double activation_offload = 0;  // activation copies to and from the host the compute waits for
   double sum() const {
     return forward + backward + recompute + optimizer + tp_comm + cp_comm + pp_comm + dp_comm + pipeline_bubble +
-           overhead + ep_comm;
+           overhead + ep_comm + activation_offload;
   }
 };
 
 // The ranks a node holds: min(devices per node, world size).
 double ranks_per_node(const Cluster& cl, const Plan& p);
-// The host memory a node's ranks use for their offloaded optimizer shares (Plan::offload):
-// ranks_per_node ranks, each with the largest share of the stages in `stage_memory`
-// (MemoryBreakdown::host_offload).
+// The host memory a node's ranks use for their offloaded optimizer shares (Plan::offload)
+// and activations (Plan::offload_modules): ranks_per_node ranks, each with the largest of
+// the stages in `stage_memory` (MemoryBreakdown::host_offload + host_activations).
 double offloaded_host_bytes(const Cluster& cl, const Plan& p, const std::vector<MemoryBreakdown>& stage_memory);
 
 struct Estimate {

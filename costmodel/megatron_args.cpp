@@ -40,7 +40,7 @@ const std::set<std::string>& switch_flags() {
       "use_flash_attn", "no_gradient_accumulation_fusion", "recompute_activations", "use_megatron_fsdp",
       "account_for_embedding_in_pipeline_split", "account_for_loss_in_pipeline_split", "optimizer_cpu_offload",
       "moe_grouped_gemm", "moe_permute_fusion", "grad_reduce_in_bf16", "accumulate_allreduce_grads_in_fp32",
-      "use_precision_aware_optimizer", "no_store_param_remainders"};
+      "use_precision_aware_optimizer", "no_store_param_remainders", "fine_grained_activation_offloading"};
   return s;
 }
 // Flags that set what strata does not take from a launch: refused, naming the way to say it.
@@ -63,7 +63,9 @@ const std::set<std::string>& plan_flags() {
       "pipeline_model_parallel_layout", "cp_comm_type", "optimizer_cpu_offload", "optimizer_offload_fraction",
       "expert_model_parallel_size", "expert_tensor_parallel_size", "recompute_modules", "grad_reduce_in_bf16",
       "accumulate_allreduce_grads_in_fp32", "use_precision_aware_optimizer", "no_store_param_remainders",
-      "exp_avg_dtype", "exp_avg_sq_dtype", "main_params_dtype", "main_grads_dtype"};
+      "exp_avg_dtype", "exp_avg_sq_dtype", "main_params_dtype", "main_grads_dtype",
+      "fine_grained_activation_offloading", "offload_modules", "activation_offload_fraction",
+      "min_offloaded_tensor_size", "delta_offload_bytes_across_pp_ranks"};
   return s;
 }
 
@@ -207,8 +209,8 @@ MegatronLaunch parse_megatron_launch(const std::string& text, const std::string&
     if (!is_name(key)) continue;
     // Megatron-LM takes --cp-comm-type once per layer too (a list of words): one type for
     // every layer is read, a mix refused.
-    // --recompute-modules takes a list of words: kept as one string of blanks.
-    if (key == "recompute_modules" && !bare)
+    // --recompute-modules and --offload-modules take a list of words: kept as one string of blanks.
+    if ((key == "recompute_modules" || key == "offload_modules") && !bare)
       while (value_next() && is_name(words[i + 1])) raw += " " + words[++i];
     if (key == "cp_comm_type" && !bare)
       while (value_next()) {
@@ -331,6 +333,11 @@ LaunchInputs launch_inputs(const MegatronLaunch& launch, int64_t gpus, const std
       !(plan.contains("recompute_granularity") && plan.at("recompute_granularity") == "selective")) {
     plan.erase("recompute_modules");
   }
+  // Megatron reads --offload-modules and its settings only with --fine-grained-activation-offloading.
+  if (!plan.contains("fine_grained_activation_offloading"))
+    for (const char* k : {"offload_modules", "activation_offload_fraction", "min_offloaded_tensor_size",
+                          "delta_offload_bytes_across_pp_ranks"})
+      plan.erase(k);
   // Megatron reads --optimizer-offload-fraction only with --optimizer-cpu-offload.
   if (plan.contains("optimizer_offload_fraction") && !plan.contains("optimizer_cpu_offload"))
     plan["optimizer_cpu_offload"] = false;

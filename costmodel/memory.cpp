@@ -115,6 +115,62 @@ double layer_activation_bytes(const ModelSpec& m, const Plan& p, const ComputeSe
   return bytes;
 }
 
+// The tensors of layer_activation_bytes above that the plan's offload modules hold, each
+// of at least min_offloaded_tensor_size elements (Megatron-core leaves smaller ones on the
+// GPU). On the modern stack, which the rules require, Transformer Engine's LayerNormLinear
+// holds the attention's norm (input_layernorm is an identity: attn_norm has nothing), and
+// so does a dense layer's fc1 (mlp_norm has nothing there; an MoE layer's pre-MLP norm is a
+// module of its own). The projection's input is the core's output (one tensor in 16 bits,
+// given to attn_proj, which Megatron offloads only with core_attn); with fp8 the core also
+// keeps its 16-bit output, core_attn's, and the projection its fp8 copy.
+double layer_offload_bytes(const ModelSpec& m, const Plan& p, const ComputeSetup& cs) {
+  const unsigned mods = p.offload_modules;
+  if (mods == 0 || p.recompute == Recompute::full) return 0;
+  const double e = cs.act_bytes, T = cs.T, Tn = cs.Tn, H = static_cast<double>(m.H);
+  const double t = static_cast<double>(p.t);
+  const double GDt = static_cast<double>(m.kv_width(p.t)), AD = static_cast<double>(m.AD());
+  const bool fp8 = p.precision == Precision::fp8 && !cs.stack.strata;
+  const double lin = fp8 ? 1.0 : e;
+  const bool core_recomputed = p.recomputes(kRecomputeCoreAttn);
+  const bool norms_recomputed = p.recomputes(kRecomputeLayernorm);
+  const double least = static_cast<double>(p.min_offloaded_tensor_size);
+  // n tensors of `elements` elements, `bytes` each.
+  auto tensors = [&](double n, double bytes, double elements) { return elements >= least ? n * bytes * elements : 0.0; };
+  double b = 0;
+  if (mods & kOffloadQkvLinear) {  // the fused norm's input, and its output (the QKV input) unless recomputed
+    b += tensors(1, e, Tn * H);
+    if (!norms_recomputed) b += tensors(1, lin, Tn * H);
+  }
+  if (mods & kOffloadCoreAttn) {
+    b += tensors(1, e, T * AD / t) + tensors(2, e, T * GDt);  // Q, K, V
+    const double heads = static_cast<double>(p.mbs) * static_cast<double>(m.A / p.t);
+    const double Sq = static_cast<double>(m.S) / static_cast<double>(p.c);
+    if (cs.attention == AttentionKernel::unfused) {
+      const double n = heads * Sq * static_cast<double>(m.S);
+      if (!core_recomputed) b += m.attention_dropout > 0 ? tensors(2, e, n) + tensors(1, 1, n) : tensors(1, e, n);
+    } else if (!core_recomputed) {
+      b += tensors(1, 4, heads * Sq);                 // log-sum-exp
+      if (fp8) b += tensors(1, e, T * AD / t);        // its own 16-bit output
+    }
+  }
+  if (mods & kOffloadAttnProj) b += tensors(1, lin, T * AD / t);
+  if (m.moe()) {
+    const double K = static_cast<double>(m.K), etp = static_cast<double>(p.expert_tp());
+    const double copies = Tn * K * etp, per_expert = copies / static_cast<double>(m.E / p.ep);
+    if (mods & kOffloadMlpNorm) b += tensors(1, e, Tn * H);
+    // The experts' inputs as each expert's GEMM reads them (one tensor per local expert), their
+    // fc1 output (the activation's input) and fc2 input (unless the activation is recomputed).
+    const double local = static_cast<double>(m.E / p.ep);
+    const double fc1_in = tensors(local, lin, per_expert * H);
+    const double fc1_out = tensors(1, e, copies * static_cast<double>(m.expert_fc1_out()) / etp);
+    const double fc2_in = p.recomputes(kRecomputeMoeAct) ? 0.0 : tensors(local, lin, per_expert * static_cast<double>(m.Fe) / etp);
+    if (mods & kOffloadExpertFc1) b += fc1_in;
+    if (mods & kOffloadMoeAct) b += fc1_out;
+    if (mods & kOffloadFusedGroupMlp) b += fc1_in + fc1_out + fc2_in;
+  }
+  return b;
+}
+
 double layer_full_activation_bytes(const ModelSpec& m, const Plan& p, const ComputeSetup& cs) {
   return layer_activation_bytes(m, p.without_recompute(), cs);
 }
@@ -138,9 +194,19 @@ double head_working_bytes(const ModelSpec& m, const Plan& p, const ComputeSetup&
   return (cs.stack.modern ? cs.act_bytes : cs.act_bytes + 4.0) * cs.T * Vt;
 }
 
+namespace {
+// Activation offloading's share of a layer (StageMemoryInputs::offload_layer) and what stays.
+// Out of line: the common path stays as it was.
+[[gnu::noinline]] void offload_inputs(const ModelSpec& m, const Plan& p, const ComputeSetup& cs, StageMemoryInputs* in) {
+  in->offload_layer = layer_offload_bytes(m, p, cs);
+  in->per_layer -= p.activation_offload_fraction * in->offload_layer;
+}
+}  // namespace
+
 StageMemoryInputs stage_memory_inputs(const ModelSpec& m, const Plan& p, const ComputeSetup& cs) {
   StageMemoryInputs in;
   in.per_layer = layer_activation_bytes(m, p, cs);
+  if (p.offload_modules) offload_inputs(m, p, cs, &in);
   in.per_full_layer = layer_full_activation_bytes(m, p, cs);
   in.embedding_act = embedding_activation_bytes(m, p, cs);
   in.head_act = head_activation_bytes(m, p, cs);
@@ -361,6 +427,10 @@ StageShape stage_shape(const ModelSpec& m, const Plan& p, const StageLayout& lay
     for (int64_t c = 0; c < lay.v && every_layer_recomputed; ++c)
       every_layer_recomputed = p.recomputed_layers(lay.chunk_layers(s, c)) == lay.chunk_layers(s, c);
     if (every_layer_recomputed) working += in.per_full_layer;
+    // Offloaded activations: the backward's layer has its tensors back, and Megatron-core
+    // keeps one layer's on the GPU (each module's last group of the first chunk backwarded:
+    // its margin, so that a reload never waits).
+    if (in.offload_layer > 0 && p.activation_offload_fraction > 0) working += 2.0 * in.offload_layer;
     // Selective recompute of an unfused core rebuilds one layer's S x S probabilities.
     if (p.recomputes(kRecomputeCoreAttn) && cs.attention == AttentionKernel::unfused)
       working += cs.act_bytes * static_cast<double>(p.mbs) * static_cast<double>(m.A / p.t) *
@@ -411,6 +481,15 @@ StageShape stage_shape(const ModelSpec& m, const Plan& p, const StageLayout& lay
     comm += cs.grad_bytes * in.layer_params;
   mb.comm_buffers = comm;
   return shape;
+}
+
+// The host's share of stage s's activations with `in_flight` chunk-micro-batches alive
+// (offloading only: in.offload_layer > 0): the offloaded share of an average chunk's layers.
+// Out of line, and outside the breakdown's common path.
+[[gnu::noinline]] double host_activations(const Plan& p, const StageLayout& lay, int64_t s, int64_t in_flight,
+                                          const StageMemoryInputs& in) {
+  return static_cast<double>(in_flight) * p.activation_offload_fraction * in.offload_layer *
+         static_cast<double>(lay.stage_layers(s)) / static_cast<double>(lay.v);
 }
 
 // The optimizer step, where its fp32 gradient copy (stage_shape) outweighs the activations:
@@ -465,6 +544,7 @@ MemoryBreakdown stage_memory(const ModelSpec& m, const Cluster& cl, const Plan& 
   const StageMemoryInputs in = pre ? *pre : stage_memory_inputs(m, p, cs);
   MemoryBreakdown mb;
   with_in_flight(stage_shape(m, p, lay, cs, s, in), cl, p, cs, s, in_flight, in_flight_first, in_flight_last, in, &mb);
+  if (in.offload_layer > 0) mb.host_activations = host_activations(p, lay, s, in_flight, in);
   return mb;
 }
 
@@ -483,6 +563,9 @@ void stage_memories(const ModelSpec& m, const Cluster& cl, const Plan& p, const 
     const size_t i = static_cast<size_t>(s);
     with_in_flight(shape, cl, p, cs, s, in_flight[i], in_flight_first[i], in_flight_last[i], in, &(*out)[i]);
   }
+  if (in.offload_layer > 0)
+    for (int64_t s = 0; s < p.p; ++s)
+      (*out)[static_cast<size_t>(s)].host_activations = host_activations(p, lay, s, in_flight[s], in);
 }
 
 }  // namespace strata

@@ -25,6 +25,9 @@ struct MemoryBreakdown {
   // Host memory of the offloaded optimizer share (Plan::offload): its fp32 master weights,
   // Adam moments and the fp32 gradients copied out for them; not part of peak.
   double host_offload = 0;
+  // Host memory of the offloaded activations (Plan::offload_modules) of the micro-batches in
+  // flight at the peak; not part of peak.
+  double host_activations = 0;
   // The terms are the optimizer step's, not the backward's: with 16-bit main gradients on
   // Megatron-core its fp32 copy of them (in optimizer_states) outweighs the activations.
   bool at_optimizer_step = false;
@@ -43,6 +46,10 @@ inline StateBytes state_bytes(Precision prec, bool fused) { return state_bytes(p
 
 // Activations one transformer layer keeps for its backward, per micro-batch, per GPU.
 double layer_activation_bytes(const ModelSpec& m, const Plan& p, const ComputeSetup& cs);
+// Of those, the bytes the plan's offload_modules move to the host (before its
+// activation_offload_fraction): the modules' tensors of at least min_offloaded_tensor_size
+// elements (memory.cpp says which tensors each module holds).
+double layer_offload_bytes(const ModelSpec& m, const Plan& p, const ComputeSetup& cs);
 // Everything one layer holds while it runs its forward or backward with nothing recomputed
 // (the working set of a fully recomputed layer).
 double layer_full_activation_bytes(const ModelSpec& m, const Plan& p, const ComputeSetup& cs);
@@ -65,6 +72,9 @@ struct StageMemoryInputs {
   double embedding_act = 0, head_act = 0, head_working = 0;
   double layer_params = 0, word_embedding_params = 0, position_params = 0, final_norm_params = 0;
   double layer_expert_params = 0;  // the routed experts' share of layer_params
+  // Activation offloading: layer_offload_bytes (per_layer is what stays on the GPU: less
+  // activation_offload_fraction of it).
+  double offload_layer = 0;
 };
 StageMemoryInputs stage_memory_inputs(const ModelSpec& m, const Plan& p, const ComputeSetup& cs);
 // The activations stage s holds at its peak when each chunk-micro-batch of chunk c weighs

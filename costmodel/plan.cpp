@@ -425,6 +425,70 @@ std::string recompute_modules_text(unsigned bits, const char* sep) {
   return s;
 }
 
+namespace {
+// The words of a module list: a JSON array of names, or one string of names separated by
+// blanks, '+' or ','. `kinds` names the list in its messages.
+std::vector<std::string> module_words(const Json& v, const std::string& field, const char* kinds) {
+  std::vector<std::string> names;
+  if (v.is_array()) {
+    for (const Json& x : v) {
+      if (!x.is_string()) fail_field(field, show_value(v), "must be a list of module names");
+      names.push_back(x.get<std::string>());
+    }
+  } else if (v.is_string()) {
+    std::string word;
+    for (char ch : v.get<std::string>() + " ") {
+      if (ch == ' ' || ch == '+' || ch == ',') {
+        if (!word.empty()) names.push_back(word);
+        word.clear();
+      } else {
+        word += ch;
+      }
+    }
+  } else {
+    fail_field(field, show_value(v), fmt::format("must be a list of module names ({})", kinds));
+  }
+  if (names.empty()) fail_field(field, show_value(v), fmt::format("must name at least one module ({})", kinds));
+  return names;
+}
+
+constexpr std::pair<unsigned, const char*> kOffloadModuleNames[] = {
+    {kOffloadAttnNorm, "attn_norm"},   {kOffloadQkvLinear, "qkv_linear"}, {kOffloadCoreAttn, "core_attn"},
+    {kOffloadAttnProj, "attn_proj"},   {kOffloadMlpNorm, "mlp_norm"},     {kOffloadExpertFc1, "expert_fc1"},
+    {kOffloadMoeAct, "moe_act"},       {kOffloadFusedGroupMlp, "fused_group_mlp"}};
+constexpr const char* kOffloadModuleList =
+    "attn_norm, qkv_linear, core_attn, attn_proj, mlp_norm, expert_fc1, moe_act, fused_group_mlp";
+}  // namespace
+
+unsigned parse_offload_modules(const Json& v, const std::string& field) {
+  unsigned bits = 0;
+  for (const std::string& n : module_words(v, field, kOffloadModuleList)) {
+    const auto* it = std::find_if(std::begin(kOffloadModuleNames), std::end(kOffloadModuleNames),
+                                  [&](const auto& x) { return n == x.second; });
+    if (it != std::end(kOffloadModuleNames)) bits |= it->first;
+    else if (n == "gdp_qkv")
+      fail_field(field, "\"gdp_qkv\"", "is a gated delta-net layer's, which strata's models do not have");
+    else
+      fail_field(field, "\"" + n + "\"", std::string("must be one of ") + kOffloadModuleList);
+  }
+  // Megatron-core's rules (TransformerConfig): the projection's input is the core's output,
+  // which the core's backward needs; the fused grouped MLP offloads the experts' whole MLP.
+  if ((bits & kOffloadAttnProj) && !(bits & kOffloadCoreAttn))
+    fail_field(field, show_value(v), "offloads attn_proj without core_attn: the projection's input is the attention "
+                                     "core's output, which core_attn's backward needs too (Megatron-core's rule)");
+  if ((bits & kOffloadFusedGroupMlp) && (bits & (kOffloadExpertFc1 | kOffloadMoeAct)))
+    fail_field(field, show_value(v), "combines fused_group_mlp with expert_fc1 or moe_act: fused_group_mlp offloads the "
+                                     "experts' whole MLP (Megatron-core's rule)");
+  return bits;
+}
+
+std::string offload_modules_text(unsigned bits, const char* sep) {
+  std::string s;
+  for (const auto& [bit, name] : kOffloadModuleNames)
+    if (bits & bit) s += (s.empty() ? "" : sep) + std::string(name);
+  return s;
+}
+
 Plan plan_from_json(const Json& in, const std::string& source) {
   if (!in.is_object()) throw InputError(fmt::format("{}: {} is invalid: must be a JSON object", source, show_value(in)));
   // The output of estimate --json (or a plan of plan --json) holds the plan under "plan".
@@ -456,7 +520,8 @@ Plan plan_from_json(const Json& in, const std::string& source) {
                            "optimizer_offload_fraction", "expert_model_parallel_size", "recompute_modules",
                            "expert_tensor_parallel_size", "grad_reduce_in_fp32", "use_precision_aware_optimizer",
                            "exp_avg_dtype", "exp_avg_sq_dtype", "main_params_dtype", "store_param_remainders",
-                           "description"});
+                           "fine_grained_activation_offloading", "offload_modules", "activation_offload_fraction",
+                           "min_offloaded_tensor_size", "delta_offload_bytes_across_pp_ranks", "description"});
   Plan p;
   p.t = f.integer_or("tensor_parallel", 1, 1, kMaxDegree);
   p.p = f.integer_or("pipeline_parallel", 1, 1, kMaxDegree);
@@ -569,6 +634,33 @@ Plan plan_from_json(const Json& in, const std::string& source) {
   p.offload = f.real_or("optimizer_offload_fraction", 0.0, 0.0, 1.0);
   p.ep = f.integer_or("expert_model_parallel_size", 1, 1, kMaxDegree);
   p.etp = f.integer_or("expert_tensor_parallel_size", 0, 1, kMaxDegree);  // (absent: 0, tensor_parallel)
+  // Fine-grained activation offloading: on with a list of modules (Megatron-core asserts
+  // one), unless fine_grained_activation_offloading says false (then, as Megatron does,
+  // the list and its settings are not read).
+  {
+    const Json* on = f.peek("fine_grained_activation_offloading");
+    const Json* mods = f.peek("offload_modules");
+    const bool listed = mods && !mods->is_null();
+    const bool enabled = on && !on->is_null() ? f.boolean_or("fine_grained_activation_offloading", false) : listed;
+    f.ignore("fine_grained_activation_offloading");
+    if (enabled && !listed)
+      fail_field(source + ".fine_grained_activation_offloading", "true",
+                 std::string("needs offload_modules, the modules whose activations go to the host (") +
+                     kOffloadModuleList + ")");
+    if (enabled) {
+      p.offload_modules = parse_offload_modules(*mods, source + ".offload_modules");
+      p.activation_offload_fraction = f.real_or("activation_offload_fraction", 1.0, 0.0, 1.0);
+      p.min_offloaded_tensor_size = f.integer_or("min_offloaded_tensor_size", kMinOffloadedTensorSize, 0,
+                                                 int64_t{1} << 40);
+      if (const Json* d = f.peek("delta_offload_bytes_across_pp_ranks");
+          d && !d->is_null() && !(d->is_number_integer() && d->get<int64_t>() == 0))
+        fail_field(source + ".delta_offload_bytes_across_pp_ranks", show_value(*d),
+                   "is not modelled: strata offloads the same share on every pipeline stage (leave it 0)");
+    }
+    for (const char* k : {"offload_modules", "activation_offload_fraction", "min_offloaded_tensor_size",
+                          "delta_offload_bytes_across_pp_ranks"})
+      f.ignore(k);
+  }
   const double world = static_cast<double>(p.t) * static_cast<double>(p.p) * static_cast<double>(p.d) *
                        static_cast<double>(p.c);
   if (world > static_cast<double>(kMaxWorld))
@@ -724,6 +816,14 @@ Json plan_to_json(const Plan& p) {
     for (const auto& [bit, name] : kRecomputeModuleNames)
       if (p.recompute_modules & bit) j["recompute_modules"].push_back(name);
   }
+  if (p.offload_modules) {
+    j["fine_grained_activation_offloading"] = true;
+    j["offload_modules"] = Json::array();
+    for (const auto& [bit, name] : kOffloadModuleNames)
+      if (p.offload_modules & bit) j["offload_modules"].push_back(name);
+    j["activation_offload_fraction"] = p.activation_offload_fraction;
+    j["min_offloaded_tensor_size"] = p.min_offloaded_tensor_size;
+  }
   return j;
 }
 
@@ -769,6 +869,12 @@ std::string plan_to_inline(const Plan& p) {
   if (p.etp > 0 && p.etp != p.t) s += fmt::format(",etp={}", p.etp);
   if (p.recompute == Recompute::selective && p.recompute_modules != kRecomputeCoreAttn)
     s += ",recompute_modules=" + recompute_modules_text(p.recompute_modules, "+");
+  if (p.offload_modules) {
+    s += ",offload_modules=" + offload_modules_text(p.offload_modules, "+");
+    if (p.activation_offload_fraction != 1.0) s += fmt::format(",activation_offload_fraction={}", p.activation_offload_fraction);
+    if (p.min_offloaded_tensor_size != kMinOffloadedTensorSize)
+      s += fmt::format(",min_offloaded_tensor_size={}", p.min_offloaded_tensor_size);
+  }
   return s;
 }
 
@@ -940,6 +1046,27 @@ std::vector<Reason> check_plan(const ModelSpec& m, const Cluster& cl, const Plan
     else if (!cl.host.present())
       add("offload_host", [&] { return fmt::format("optimizer_offload_fraction={}: cluster {} gives no \"host\" (memory, "
                                                    "its bandwidth, PCIe; hw_profiles/README.md)", p.offload, cl.name); });
+  }
+  if (p.offload_modules) {
+    if (p.recompute == Recompute::full)
+      add("activation_offload", [&] { return fmt::format("offload_modules {} with recompute=full: a fully recomputed "
+                                                         "layer keeps only its input, none of its modules' activations "
+                                                         "(use recompute none or selective)",
+                                                         offload_modules_text(p.offload_modules, "+")); });
+    else if (!m.moe() && (p.offload_modules & kOffloadExpertModules))
+      add("activation_offload", [&] { return fmt::format("offload_modules {} names the experts' modules; {} is dense",
+                                                         offload_modules_text(p.offload_modules & kOffloadExpertModules, "+"),
+                                                         m.name); });
+    else if (cl.strata_stack)
+      add("activation_offload", [&] { return fmt::format("offload_modules: {} runs the strata executor, which keeps its "
+                                                         "activations on its own backend", cl.name); });
+    else if (!cl.host.present())
+      add("activation_offload", [&] { return fmt::format("offload_modules: cluster {} gives no \"host\" (memory, its "
+                                                         "bandwidth, PCIe; hw_profiles/README.md)", cl.name); });
+    else if (!resolve_stack(m, cl, p).modern)
+      add("activation_offload", [&] { return std::string("fine-grained activation offloading is Megatron-core's: it "
+                                                         "needs the modern software stack, not the legacy one this plan "
+                                                         "runs on (software_stack=modern says it)"); });
   }
   if (p.precision == Precision::fp8 && cl.device.peak_bf16_flops <= 0)
     add("precision", [&] { return fmt::format("precision=fp8 runs attention and the output layer in bf16, which {} "

@@ -51,6 +51,31 @@ PipelineLayout parse_pipeline_layout(const std::string& text, const std::string&
 // input). Megatron's other modules (mlp, moe, shared_experts, mla_up_proj) are refused.
 enum RecomputeModule : unsigned { kRecomputeCoreAttn = 1u, kRecomputeLayernorm = 2u, kRecomputeMoeAct = 4u };
 
+// Megatron-core's fine-grained activation offloading (--fine-grained-activation-offloading
+// --offload-modules ...): the modules whose saved tensors go to the host's pinned memory
+// after their forward (copied on a stream of their own beside the compute) and come back
+// before their backward. attn_norm and mlp_norm are the norms where they are modules of
+// their own (Transformer Engine fuses a dense layer's into the next linear layer:
+// Megatron skips them there); qkv_linear the QKV layer's saved inputs (with the fused
+// norm, the norm's input too); core_attn Q, K, V and the core's own; attn_proj the
+// projection's input (the core's output, which core_attn's backward needs as well:
+// Megatron takes it only with core_attn); expert_fc1 the experts' token copies, moe_act
+// their fc1 output, fused_group_mlp the three of the experts' MLP (alone).
+enum OffloadModule : unsigned {
+  kOffloadAttnNorm = 1u,
+  kOffloadQkvLinear = 2u,
+  kOffloadCoreAttn = 4u,
+  kOffloadAttnProj = 8u,
+  kOffloadMlpNorm = 16u,
+  kOffloadExpertFc1 = 32u,
+  kOffloadMoeAct = 64u,
+  kOffloadFusedGroupMlp = 128u,
+};
+// The modules inside the experts' MLP (a mixture-of-experts model's).
+inline constexpr unsigned kOffloadExpertModules = kOffloadExpertFc1 | kOffloadMoeAct | kOffloadFusedGroupMlp;
+// Megatron-core's default min_offloaded_tensor_size: smaller tensors stay on the GPU.
+inline constexpr int64_t kMinOffloadedTensorSize = int64_t{1} << 20;
+
 // A type of the precision-aware optimizer's tensors, and its bytes per value.
 enum class OptDtype : uint8_t { fp32, bf16, fp16, fp8 };
 inline double bytes_of(OptDtype t) { return t == OptDtype::fp32 ? 4.0 : t == OptDtype::fp8 ? 1.0 : 2.0; }
@@ -116,6 +141,13 @@ struct Plan {
   // MoE parallel folding: the experts' own layout, etp x ep dividing the tensor x data x
   // context parallel ranks). 0: tensor_parallel, Megatron's default.
   int64_t etp = 0;
+  // Fine-grained activation offloading (OffloadModule bits; 0: none): Megatron-core's
+  // offload_modules, with activation_offload_fraction (the share of each chunk's
+  // (layer, module) groups offloaded, the first in forward order) and
+  // min_offloaded_tensor_size (in elements).
+  unsigned offload_modules = 0;
+  double activation_offload_fraction = 1.0;
+  int64_t min_offloaded_tensor_size = kMinOffloadedTensorSize;
 
   int64_t world_size() const { return t * p * d * c; }
   // The precision-aware optimizer and its types as `o` has them.
@@ -125,6 +157,12 @@ struct Plan {
     exp_avg_sq_dtype = o.exp_avg_sq_dtype;
     main_params_dtype = o.main_params_dtype;
     store_param_remainders = o.store_param_remainders;
+  }
+  // Activation offloading as `o` has it (its offload_modules and their settings).
+  void take_activation_offload_of(const Plan& o) {
+    offload_modules = o.offload_modules;
+    activation_offload_fraction = o.activation_offload_fraction;
+    min_offloaded_tensor_size = o.min_offloaded_tensor_size;
   }
   // Selective recompute of a module (RecomputeModule).
   bool recomputes(unsigned module) const { return recompute == Recompute::selective && (recompute_modules & module) != 0; }
@@ -177,6 +215,11 @@ Json plan_to_json(const Plan& p);
 // unknown or unmodelled names throw InputError naming `field`. And back, joined by `sep`.
 unsigned parse_recompute_modules(const Json& v, const std::string& field);
 std::string recompute_modules_text(unsigned bits, const char* sep);
+// --offload-modules: a list of names (a JSON array, or a string of names separated by
+// blanks, '+' or ','), onto OffloadModule bits; Megatron-core's rules on them (attn_proj
+// needs core_attn; fused_group_mlp alone of the experts' modules).
+unsigned parse_offload_modules(const Json& v, const std::string& field);
+std::string offload_modules_text(unsigned bits, const char* sep);
 std::string plan_to_inline(const Plan& p);
 
 // Why a plan cannot run this model on this cluster; empty when it can. Each reason has a

@@ -62,7 +62,7 @@ std::string format_estimate(const ModelSpec& m, const Cluster& cl, const Estimat
   const std::string limit = device_memory_bytes > 0 && device_memory_bytes != cl.device.memory_bytes
                                 ? fmt::format(" (--memory-limit; the device has {})", human_bytes(device_memory_bytes))
                                 : std::string();
-  const bool host_over = p.offload > 0 && e.host_memory_bytes > cl.host.memory_bytes;
+  const bool host_over = (p.offload > 0 || p.offload_modules) && e.host_memory_bytes > cl.host.memory_bytes;
   o += fmt::format("memory    {} of {}{} on stage {}: {}\n", human_bytes(e.memory.peak),
                    human_bytes(cl.device.memory_bytes), limit, e.memory.stage,
                    e.fits ? "fits" : host_over && e.memory.peak <= cl.device.memory_bytes ? "DOES NOT FIT (host memory)"
@@ -72,6 +72,14 @@ std::string format_estimate(const ModelSpec& m, const Cluster& cl, const Estimat
                      "moments, fp32 gradients)\n",
                      human_bytes(e.host_memory_bytes), human_bytes(cl.host.memory_bytes),
                      p.offload >= 1 ? std::string("all") : fmt::format("{:g}", p.offload));
+  if (p.offload_modules)
+    o += fmt::format("host      {} of {} per node{}: activations of {} offloaded ({} per GPU{})\n",
+                     human_bytes(e.host_memory_bytes), human_bytes(cl.host.memory_bytes),
+                     p.offload > 0 ? " with the optimizer share above" : "",
+                     offload_modules_text(p.offload_modules, ", "), human_bytes(e.memory.host_activations),
+                     p.activation_offload_fraction < 1
+                         ? fmt::format(", {:g} of each chunk's groups", p.activation_offload_fraction)
+                         : std::string());
   const TimeBreakdown& t = e.time;
   o += fmt::format("\n{:<22}{:>12}{:>8}   (stage {} finishes last; exposed time only)\n", "time per step", "seconds", "%",
                    e.critical_stage);
@@ -160,9 +168,9 @@ void write_trace(std::ostream& out, const ModelSpec& m, const Estimate& e, const
   };
   // The exposed collectives of work w, on the collectives thread, ending at `end`.
   auto collectives = [&](const SimEvent& x, const Work& w, double end, const std::string& args) {
-    double c0 = end - w.tp_comm_s - w.cp_comm_s - w.ep_comm_s - w.dp_comm_s;
+    double c0 = end - w.tp_comm_s - w.cp_comm_s - w.ep_comm_s - w.dp_comm_s - w.offload_s;
     for (const auto& [term, sec] : {std::pair{"tp_comm", w.tp_comm_s}, {"cp_comm", w.cp_comm_s}, {"ep_comm", w.ep_comm_s},
-                                    {"dp_comm", w.dp_comm_s}})
+                                    {"dp_comm", w.dp_comm_s}, {"activation_offload", w.offload_s}})
       if (sec > 0) {
         slice(term, x.stage, 2, c0, c0 + sec, args);
         c0 += sec;

@@ -66,6 +66,10 @@ void validate_train_plan(const ModelSpec& m, const Plan& p, int world_size, bool
     fail(fmt::format("plan: optimizer_offload_fraction = {} is not implemented by the executor: it keeps the optimizer "
                      "on its own backend (strata estimate and plan model the offload on a GPU cluster)",
                      p.offload));
+  if (p.offload_modules)
+    fail("plan: offload_modules " + offload_modules_text(p.offload_modules, " ") +
+         " is not implemented by the executor: it keeps its activations on its own backend (strata estimate and plan "
+         "model fine-grained activation offloading on a GPU cluster)");
   if (p.world_size() != world_size)
     fail("plan: tp*pp*dp*cp = " + std::to_string(p.t) + "*" + std::to_string(p.p) + "*" + std::to_string(p.d) + "*" +
          std::to_string(p.c) + " = " + std::to_string(p.world_size()) + " ranks, but mpirun started " +

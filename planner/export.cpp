@@ -110,6 +110,14 @@ std::string export_megatron(const ModelSpec& m, const Plan& p, const Stack& stac
     if (p.main_params_dtype != OptDtype::fp32) flag(fmt::format("--main-params-dtype {}", to_string(p.main_params_dtype)));
     if (!p.store_param_remainders) flag("--no-store-param-remainders");
   }
+  if (p.offload_modules) {
+    flag("--fine-grained-activation-offloading");
+    flag("--offload-modules " + offload_modules_text(p.offload_modules, " "));
+    if (p.activation_offload_fraction != 1.0)
+      flag(fmt::format("--activation-offload-fraction {}", p.activation_offload_fraction));
+    if (p.min_offloaded_tensor_size != kMinOffloadedTensorSize)
+      flag(fmt::format("--min-offloaded-tensor-size {}", p.min_offloaded_tensor_size));
+  }
   // Megatron-LM's main gradients: fp32 in bf16 training, fp16 in fp16 training, unless told.
   if (p.precision != Precision::fp32 && stack.grad_reduce_in_fp32 != (p.precision != Precision::fp16))
     flag(stack.grad_reduce_in_fp32 ? "--accumulate-allreduce-grads-in-fp32" : "--grad-reduce-in-bf16");
@@ -223,6 +231,13 @@ std::string export_deepspeed(const ModelSpec& m, const Plan& p, const Stack& sta
                                                    {"exp_avg_sq_dtype", to_string(p.exp_avg_sq_dtype)},
                                                    {"main_params_dtype", to_string(p.main_params_dtype)},
                                                    {"store_param_remainders", p.store_param_remainders}};
+  // Nor has Megatron-core's fine-grained activation offloading (DeepSpeed's activation
+  // checkpointing moves checkpoints, not module activations): costed with it, so said.
+  if (p.offload_modules)
+    split["megatron_fine_grained_activation_offloading"] = {
+        {"offload_modules", offload_modules_text(p.offload_modules, ",")},
+        {"activation_offload_fraction", p.activation_offload_fraction},
+        {"min_offloaded_tensor_size", p.min_offloaded_tensor_size}};
   if (p.ep > 1) split["expert_model_parallel_size"] = p.ep;
   if (m.moe() && p.expert_tp() != p.t) split["expert_tensor_parallel_size"] = p.expert_tp();
   if (p.layout) split["pipeline_model_parallel_layout"] = p.layout->text;
@@ -315,6 +330,14 @@ std::string export_bridge(const ModelSpec& m, const Plan& p, const Stack& stack)
       notes += fmt::format("# precision-aware optimizer types (torch dtypes in the recipe's OptimizerConfig): "
                            "exp_avg_dtype {}, exp_avg_sq_dtype {}, main_params_dtype {}.\n",
                            to_string(p.exp_avg_dtype), to_string(p.exp_avg_sq_dtype), to_string(p.main_params_dtype));
+  }
+  if (p.offload_modules) {
+    set("model.fine_grained_activation_offloading", "true");
+    set("model.offload_modules", fmt::format("[{}]", offload_modules_text(p.offload_modules, ",")));
+    if (p.activation_offload_fraction != 1.0)
+      set("model.activation_offload_fraction", fmt::format("{}", p.activation_offload_fraction));
+    if (p.min_offloaded_tensor_size != kMinOffloadedTensorSize)
+      set("model.min_offloaded_tensor_size", num(p.min_offloaded_tensor_size));
   }
   // The recipes' mixed-precision configs reduce in fp32 (their ddp settings follow them);
   // Megatron-Bridge's performance recipes set both to False.

@@ -20,12 +20,18 @@ FixedDims parse_fixed(const std::string& text) {
   const Json j = parse_inline_pairs(text, "--fix");
   FixedDims f;
   Json optimizer = Json::object();  // the precision-aware optimizer's keys, read as a plan reads them
+  Json activations = Json::object();  // activation offloading's keys, alike
   for (auto it = j.begin(); it != j.end(); ++it) {
     const std::string k = it.key();
     const Json& v = it.value();
     if (k == "use_precision_aware_optimizer" || k == "exp_avg_dtype" || k == "exp_avg_sq_dtype" ||
         k == "main_params_dtype" || k == "store_param_remainders") {
       optimizer[k] = v;
+      continue;
+    }
+    if (k == "offload_modules" || k == "fine_grained_activation_offloading" || k == "activation_offload_fraction" ||
+        k == "min_offloaded_tensor_size") {
+      activations[k] = v;
       continue;
     }
     auto integer = [&](int64_t lo, int64_t hi) -> int64_t {
@@ -75,13 +81,21 @@ FixedDims parse_fixed(const std::string& text) {
     } else {
       fail_field("--fix " + k, show_value(v),
                  "unknown key: use tp, pp, dp, cp, vp, mbs, zero, recompute, recompute_num_layers, sp, schedule, "
-                 "uneven_split, cp_comm_type, offload, ep, grad_reduce_in_fp32 or use_precision_aware_optimizer (and "
-                 "its exp_avg_dtype, exp_avg_sq_dtype, main_params_dtype, store_param_remainders)");
+                 "uneven_split, cp_comm_type, offload, ep, grad_reduce_in_fp32, use_precision_aware_optimizer (and "
+                 "its exp_avg_dtype, exp_avg_sq_dtype, main_params_dtype, store_param_remainders) or offload_modules "
+                 "(and its activation_offload_fraction, min_offloaded_tensor_size)");
     }
   }
   if (!optimizer.empty()) {
     const Plan o = plan_from_json(optimizer, "--fix");
     if (o.precision_aware_optimizer) f.optimizer = o;
+  }
+  if (!activations.empty()) {
+    if (!activations.contains("offload_modules") && !activations.contains("fine_grained_activation_offloading"))
+      fail_field("--fix " + activations.begin().key(), show_value(activations.begin().value()),
+                 "needs offload_modules (the modules whose activations go to the host)");
+    const Plan o = plan_from_json(activations, "--fix");
+    if (o.offload_modules) f.activation_offload = o;
   }
   return f;
 }
@@ -536,6 +550,7 @@ SearchResult search(const ModelSpec& m, const Cluster& cl, const SearchOptions& 
           probe_tpcv.mbs = mbss.front(); probe_tpcv.gbs = opt.gbs; probe_tpcv.precision = opt.precision;
           probe_tpcv.attention = opt.attention;
           probe_tpcv.grad_reduce_in_fp32 = grad_reduce_of(fx);
+          if (fx.activation_offload) probe_tpcv.take_activation_offload_of(*fx.activation_offload);
           // (An MoE model needs sequence parallelism with tp > 1: the probe has it, so that
           // moe_sp does not hide a structural reason.)
           probe_tpcv.sp = m.moe() && t > 1;

@@ -32,6 +32,11 @@ struct FixedDims {
   // main_params_dtype, store_param_remainders): the optimizer of every ZeRO-1 candidate
   // (Megatron's distributed optimizer, the only one it runs with); its fields only.
   std::optional<Plan> optimizer;
+  // --fix offload_modules=core_attn+attn_proj (with activation_offload_fraction,
+  // min_offloaded_tensor_size): fine-grained activation offloading for every candidate
+  // (Plan::offload_modules and its settings only; candidates it cannot run, those with full
+  // recompute, are rejected as activation_offload).
+  std::optional<Plan> activation_offload;
 };
 FixedDims parse_fixed(const std::string& text);  // "tp=8,pp=4,recompute=full"
 

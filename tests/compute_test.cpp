@@ -8,6 +8,7 @@
 #include <map>
 
 #include "costmodel/compute.h"
+#include "costmodel/estimate.h"
 #include "costmodel/memory.h"
 #include "test_cluster.h"
 
@@ -459,6 +460,59 @@ TEST(Compute, WorkSplitsExposedCommunication) {
   EXPECT_NEAR(lc.forward.tp_comm_s, tp, 1e-15);
   // Each all-reduce: 50.3 MB * 2*7/8 / 150 GB/s + 30 us.
   EXPECT_NEAR(tp, 2 * (30e-6 + 2048.0 * 12288 * 2 * 1.75 / 150e9), 1e-12);
+}
+
+// Activation offloading's copies: llama2-7b's core_attn + attn_proj, 4 x 2^25 bytes per
+// layer and micro-batch (memory_test), out beside the layer's forward and back beside its
+// backward. On one GPU they go at PCIe's 50 GB/s (2.68 ms), hidden behind the layer's
+// forward and backward; with 1 GB/s (134 ms) the compute waits for the rest. With the
+// node's 8 ranks copying at once through 8 GB/s of host memory bandwidth, each gets 1 GB/s.
+TEST(Compute, ActivationOffloadCopiesBesideTheLayer) {
+  const ModelSpec m = load_model("llama2-7b");
+  const Cluster c = testing::round_cluster_with_host();
+  const double bytes = 4 * 33554432.0;
+  auto cost = [&](const Cluster& cl, const std::string& plan) {
+    const Plan p = load_plan(plan);
+    return layer_cost(m, cl, p, compute_setup(m, cl, p));
+  };
+  const LayerCost plain = cost(c, "dp=1");
+  const LayerCost hidden = cost(c, "dp=1,offload_modules=core_attn+attn_proj");
+  ASSERT_GT(plain.forward.total(), bytes / 50e9);
+  EXPECT_EQ(hidden.forward.offload_s, 0);
+  EXPECT_EQ(hidden.backward.offload_s, 0);
+  EXPECT_EQ(hidden.forward.total(), plain.forward.total());
+  EXPECT_EQ(hidden.backward.total(), plain.backward.total());
+  Cluster slow = c;
+  slow.host.pcie_bandwidth_bytes_per_s = 1e9;
+  const LayerCost waits = cost(slow, "dp=1,offload_modules=core_attn+attn_proj");
+  ASSERT_LT(plain.backward.total(), bytes / 1e9);
+  EXPECT_NEAR(waits.forward.offload_s, bytes / 1e9 - plain.forward.total(), 1e-15);
+  EXPECT_NEAR(waits.backward.offload_s, bytes / 1e9 - plain.backward.total(), 1e-15);
+  EXPECT_NEAR(waits.forward.total(), bytes / 1e9, 1e-15);
+  // Half the groups: half the bytes.
+  const LayerCost half = cost(slow, "dp=1,offload_modules=core_attn+attn_proj,activation_offload_fraction=0.5");
+  EXPECT_NEAR(half.forward.total(), bytes / 2e9, 1e-15);
+  Cluster shared = c;
+  shared.host.memory_bandwidth_bytes_per_s = 8e9;
+  EXPECT_NEAR(cost(shared, "dp=8,offload_modules=core_attn+attn_proj").forward.total(), bytes / 1e9, 1e-15);
+  EXPECT_EQ(cost(shared, "dp=1,offload_modules=core_attn+attn_proj").forward.offload_s, 0);
+  // The op list names both copies; the estimate sums what waits as activation_offload.
+  std::vector<OpCost> ops;
+  const Plan p = load_plan("dp=1,gbs=4,offload_modules=core_attn+attn_proj");
+  layer_cost(m, slow, p, compute_setup(m, slow, p), &ops);
+  int copies = 0;
+  for (const OpCost& o : ops)
+    if (o.kind == OpKind::offload) {
+      ++copies;
+      EXPECT_DOUBLE_EQ(o.bytes, bytes);
+      EXPECT_DOUBLE_EQ(o.time_s, bytes / 1e9);
+    }
+  EXPECT_EQ(copies, 2);
+  const Estimate e = estimate(m, slow, p);
+  ASSERT_TRUE(e.valid);
+  EXPECT_NEAR(e.time.activation_offload, 4 * 32 * (waits.forward.offload_s + waits.backward.offload_s), 1e-9);
+  EXPECT_NEAR(estimate_to_json(e)["time_s"]["activation_offload"].get<double>(), e.time.activation_offload, 1e-12);
+  EXPECT_FALSE(estimate_to_json(estimate(m, c, p))["time_s"].contains("activation_offload"));
 }
 
 TEST(Compute, OptimizerPasses) {

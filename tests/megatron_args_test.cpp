@@ -100,7 +100,9 @@ TEST(MegatronArgs, ExportedFlagsReadBackAsThePlan) {
         "tp=4,pp=8,dp=2,vp=5,mbs=1,gbs=256,zero=1,sp=1,grad_reduce_in_fp32=0,precision=fp8",
         "tp=2,pp=2,dp=32,mbs=1,gbs=64,zero=1,grad_reduce_in_fp32=1,precision=fp16",
         "tp=8,pp=1,dp=8,mbs=1,gbs=64,zero=1,use_precision_aware_optimizer=1,exp_avg_dtype=bf16,"
-        "exp_avg_sq_dtype=bf16,store_param_remainders=0,grad_reduce_in_fp32=0,precision=bf16"}) {
+        "exp_avg_sq_dtype=bf16,store_param_remainders=0,grad_reduce_in_fp32=0,precision=bf16",
+        "tp=4,pp=8,dp=2,vp=5,mbs=1,gbs=256,zero=1,sp=1,recompute=selective,offload_modules=qkv_linear+core_attn+attn_proj,"
+        "activation_offload_fraction=0.75,min_offloaded_tensor_size=65536,precision=fp8"}) {
     const Plan p = load_plan(inline_plan);
     const std::string flags = export_megatron(m, p, resolve_stack(m, load_cluster("dgx-h100-80g"), p)) +
                               fmt::format(" --vocab-size {}", m.V);
@@ -119,6 +121,9 @@ TEST(MegatronArgs, ExportedFlagsReadBackAsThePlan) {
     EXPECT_EQ(q.precision_aware_optimizer, p.precision_aware_optimizer || p.offload > 0) << inline_plan << "\n" << flags;
     EXPECT_EQ(std::tie(q.exp_avg_dtype, q.exp_avg_sq_dtype, q.main_params_dtype, q.store_param_remainders),
               std::tie(p.exp_avg_dtype, p.exp_avg_sq_dtype, p.main_params_dtype, p.store_param_remainders))
+        << inline_plan << "\n" << flags;
+    EXPECT_EQ(std::tie(q.offload_modules, q.activation_offload_fraction, q.min_offloaded_tensor_size),
+              std::tie(p.offload_modules, p.activation_offload_fraction, p.min_offloaded_tensor_size))
         << inline_plan << "\n" << flags;
     EXPECT_EQ(in.model.total_params(), m.total_params()) << inline_plan;
     EXPECT_EQ(std::tie(in.model.L, in.model.H, in.model.A, in.model.G, in.model.F, in.model.S),
@@ -265,6 +270,27 @@ TEST(MegatronArgs, GradReduceFlags) {
   const std::string plain = export_megatron(m, dflt, resolve_stack(m, load_cluster("dgx-h100-80g"), dflt));
   EXPECT_EQ(plain.find("--grad-reduce-in-bf16"), std::string::npos);
   EXPECT_EQ(plain.find("--accumulate-allreduce"), std::string::npos);
+}
+
+// Fine-grained activation offloading: --offload-modules takes a list of words, read (with
+// its settings) only with --fine-grained-activation-offloading, as Megatron-LM does.
+TEST(MegatronArgs, ActivationOffloadingFlags) {
+  const Plan p = small_launch_plan("--bf16 --fine-grained-activation-offloading --offload-modules core_attn attn_proj "
+                                   "--activation-offload-fraction 0.5 --min-offloaded-tensor-size 0");
+  EXPECT_EQ(p.offload_modules, kOffloadCoreAttn | kOffloadAttnProj);
+  EXPECT_DOUBLE_EQ(p.activation_offload_fraction, 0.5);
+  EXPECT_EQ(p.min_offloaded_tensor_size, 0);
+  EXPECT_EQ(small_launch_plan("--bf16 --offload-modules core_attn --activation-offload-fraction 0.5").offload_modules, 0u);
+  EXPECT_NE(error_of("--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 128 --vocab-size 512 "
+                     "--fine-grained-activation-offloading",
+                     8)
+                .find("needs offload_modules"),
+            std::string::npos);
+  EXPECT_NE(error_of("--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 128 --vocab-size 512 "
+                     "--fine-grained-activation-offloading --offload-modules attn_proj",
+                     8)
+                .find("without core_attn"),
+            std::string::npos);
 }
 
 TEST(MegatronArgs, MegatronDefaultsForAbsentFlags) {

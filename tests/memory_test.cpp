@@ -343,6 +343,102 @@ TEST(Memory, OffloadMovesTheOptimizerShareToTheHost) {
 // stage_memories() reuses a middle stage's shape for the next stage with the same layers:
 // every term must equal stage_memory() of that stage alone, to the bit, on plans with
 // uneven layouts, partial recompute, interleaving and every ZeRO stage.
+// Fine-grained activation offloading (Megatron-core's offload_modules), llama2-7b (H = 4096,
+// 32 heads of 128, no GQA), one micro-batch of S = 4096 on one tensor-parallel rank, bf16
+// (e = 2), FlashAttention on the modern stack; each tensor below is 4096 x 4096 = 2^24
+// elements, 2^25 bytes:
+//   qkv_linear  the fused norm's input and the QKV input             2 x 2^25 = 67,108,864
+//   core_attn   Q, K, V (its log-sum-exp, 32 x 4096 = 131,072 fp32
+//               values, is under Megatron's 2^20-element least)        3 x 2^25 = 100,663,296
+//   attn_proj   the projection's input (the core's output)              2^25    = 33,554,432
+//   attn_norm, mlp_norm: fused into the linear layers, nothing.
+// fp8: the QKV and projection inputs are 1-byte copies, and the core keeps its 2-byte
+// output (core_attn's): qkv 2^25 + 2^24, core 4 x 2^25, proj 2^24.
+TEST(Memory, ActivationOffloadBytesByModule) {
+  const ModelSpec m = load_model("llama2-7b");
+  const Cluster c = testing::round_cluster_with_host();
+  auto off = [&](const std::string& plan) {
+    const Plan p = load_plan(plan);
+    return layer_offload_bytes(m, p, compute_setup(m, c, p));
+  };
+  const double u = 33554432;  // 2^25
+  EXPECT_EQ(off("dp=1"), 0);
+  EXPECT_DOUBLE_EQ(off("offload_modules=qkv_linear"), 2 * u);
+  EXPECT_DOUBLE_EQ(off("offload_modules=core_attn"), 3 * u);
+  EXPECT_DOUBLE_EQ(off("offload_modules=core_attn+attn_proj"), 4 * u);
+  EXPECT_DOUBLE_EQ(off("offload_modules=qkv_linear+core_attn+attn_proj"), 6 * u);
+  EXPECT_DOUBLE_EQ(off("offload_modules=attn_norm+mlp_norm"), 0);
+  EXPECT_DOUBLE_EQ(off("offload_modules=core_attn,min_offloaded_tensor_size=0"), 3 * u + 4.0 * 32 * 4096);
+  EXPECT_DOUBLE_EQ(off("offload_modules=core_attn,min_offloaded_tensor_size=16777217"), 0);  // 2^24 + 1
+  EXPECT_DOUBLE_EQ(off("offload_modules=qkv_linear+core_attn+attn_proj,precision=fp8"),
+                   (u + u / 2) + 4 * u + u / 2);
+  // Recomputed modules keep less: the core recomputed keeps Q, K, V (and with fp8 no 16-bit
+  // output); recomputed norms keep no QKV input.
+  EXPECT_DOUBLE_EQ(off("offload_modules=core_attn+attn_proj,recompute=selective,precision=fp8"), 3 * u + u / 2);
+  EXPECT_DOUBLE_EQ(off("offload_modules=qkv_linear,recompute_modules=layernorm"), u);
+  EXPECT_DOUBLE_EQ(off("offload_modules=qkv_linear,recompute=full"), 0);
+  // Never more than the layer keeps.
+  const Plan all = load_plan("offload_modules=qkv_linear+core_attn+attn_proj,min_offloaded_tensor_size=0");
+  EXPECT_LT(layer_offload_bytes(m, all, compute_setup(m, c, all)), layer_activation_bytes(m, all, compute_setup(m, c, all)));
+}
+
+// qwen3-30b-a3b (H = 2048, 128 experts of 768, top 8), ep = 8: one rank's 16 experts see
+// the 4096 x 8 = 32,768 token copies, 2,048 each; bf16.
+//   mlp_norm         the pre-MLP norm's input: 4096 x 2048 x 2                 = 16,777,216
+//   expert_fc1       16 experts' inputs, 2048 x 2048 x 2 each (2^22 elements)   = 134,217,728
+//   moe_act          their fc1 output, 32,768 x 1536 x 2                        = 100,663,296
+//   fused_group_mlp  those two and the fc2 inputs, 16 x 2048 x 768 x 2          = 285,212,672
+TEST(Memory, ActivationOffloadOfTheExperts) {
+  const ModelSpec m = load_model("qwen3-30b-a3b");
+  const Cluster c = testing::round_cluster_with_host();
+  auto off = [&](const std::string& mods) {
+    const Plan p = load_plan("dp=8,ep=8,offload_modules=" + mods);
+    return layer_offload_bytes(m, p, compute_setup(m, c, p));
+  };
+  EXPECT_DOUBLE_EQ(off("mlp_norm"), 16777216);
+  EXPECT_DOUBLE_EQ(off("expert_fc1"), 134217728);
+  EXPECT_DOUBLE_EQ(off("moe_act"), 100663296);
+  EXPECT_DOUBLE_EQ(off("fused_group_mlp"), 134217728 + 100663296 + 50331648);
+  EXPECT_DOUBLE_EQ(off("expert_fc1+moe_act+mlp_norm"), 134217728 + 100663296 + 16777216);
+}
+
+// A stage's peak with offloading: llama2-7b on 2 stages of 16 layers, stage 0 with 2
+// micro-batches in flight. Its activations lose f x 16 x 2 layers' offloaded bytes and keep
+// two layers' (the backward's, reloaded, and Megatron's margin); the host holds what left.
+TEST(Memory, ActivationOffloadMovesActivationsToTheHost) {
+  const ModelSpec m = load_model("llama2-7b");
+  const Cluster c = testing::round_cluster_with_host();
+  const StageLayout lay = make_layout(m.L, 2, 1);
+  auto memory = [&](const std::string& plan) {
+    const Plan p = load_plan(plan);
+    return stage_memory(m, c, p, lay, compute_setup(m, c, p), 0, 2, 2, 2);
+  };
+  const MemoryBreakdown none = memory("pp=2,gbs=8");
+  EXPECT_EQ(none.host_activations, 0);
+  const double off = 4 * 33554432.0;  // core_attn + attn_proj (above)
+  for (double f : {1.0, 0.5}) {
+    const MemoryBreakdown mb =
+        memory(fmt::format("pp=2,gbs=8,offload_modules=core_attn+attn_proj,activation_offload_fraction={}", f));
+    EXPECT_DOUBLE_EQ(mb.activations, none.activations - f * 32 * off + 2 * off) << f;
+    EXPECT_DOUBLE_EQ(mb.host_activations, f * 32 * off) << f;
+    EXPECT_DOUBLE_EQ(mb.weights + mb.gradients + mb.optimizer_states, none.weights + none.gradients + none.optimizer_states);
+  }
+  // The estimate: the node's ranks' host bytes, and a node whose host cannot hold them does
+  // not fit.
+  Plan p = load_plan("pp=2,dp=4,gbs=64,offload_modules=core_attn+attn_proj");
+  const Estimate e = estimate(m, c, p);
+  ASSERT_TRUE(e.valid);
+  EXPECT_DOUBLE_EQ(e.host_memory_bytes, 8 * 2 * 16 * off);  // 8 ranks, stage 0's 2 micro-batches of 16 layers
+  EXPECT_TRUE(e.fits);
+  Cluster small = c;
+  small.host.memory_bytes = e.host_memory_bytes * 0.99;
+  EXPECT_FALSE(estimate(m, small, p).fits);
+  const Json j = estimate_to_json(e);
+  EXPECT_EQ(j["host_memory_bytes"]["per_node"].get<int64_t>(), std::llround(e.host_memory_bytes));
+  EXPECT_TRUE(j["host_memory_bytes"].contains("activation_offload_per_gpu"));
+  EXPECT_FALSE(j["host_memory_bytes"].contains("optimizer_offload_per_gpu"));
+}
+
 TEST(Memory, AllStagesAtOnceEqualEachStageAlone) {
   const Cluster c = testing::round_cluster();
   int stages = 0;

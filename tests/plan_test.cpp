@@ -274,6 +274,75 @@ TEST(Plan, GradReduceInFp32) {
 // schema's and torch's spellings), round trips, Megatron's main_grads_dtype onto
 // grad_reduce_in_fp32, and the rules (its distributed optimizer, 16-bit or fp8
 // parameters, not the strata executor; a type without the switch).
+// Megatron-core's fine-grained activation offloading: offload_modules (a list, or names
+// joined by '+'), activation_offload_fraction, min_offloaded_tensor_size; Megatron's rules.
+TEST(Plan, ActivationOffloading) {
+  const Plan p = load_plan("dp=8,offload_modules=core_attn+attn_proj,activation_offload_fraction=0.5,"
+                           "min_offloaded_tensor_size=4096");
+  EXPECT_EQ(p.offload_modules, kOffloadCoreAttn | kOffloadAttnProj);
+  EXPECT_DOUBLE_EQ(p.activation_offload_fraction, 0.5);
+  EXPECT_EQ(p.min_offloaded_tensor_size, 4096);
+  for (const Plan& q : {load_plan(plan_to_inline(p)), plan_from_json(plan_to_json(p), "plan")}) {
+    EXPECT_EQ(q.offload_modules, p.offload_modules);
+    EXPECT_DOUBLE_EQ(q.activation_offload_fraction, 0.5);
+    EXPECT_EQ(q.min_offloaded_tensor_size, 4096);
+  }
+  EXPECT_FALSE(plan_to_json(load_plan("dp=8")).contains("offload_modules"));
+  const Plan j = plan_from_json(Json::parse(R"({"fine_grained_activation_offloading":true,
+      "offload_modules":["qkv_linear","expert_fc1","moe_act"],"delta_offload_bytes_across_pp_ranks":0})"), "plan");
+  EXPECT_EQ(j.offload_modules, kOffloadQkvLinear | kOffloadExpertFc1 | kOffloadMoeAct);
+  EXPECT_DOUBLE_EQ(j.activation_offload_fraction, 1.0);
+  EXPECT_EQ(j.min_offloaded_tensor_size, int64_t{1} << 20);
+  // Switched off, the list is not read (Megatron's own reading of its config).
+  EXPECT_EQ(plan_from_json(Json::parse(R"({"fine_grained_activation_offloading":false,"offload_modules":["core_attn"]})"),
+                           "plan").offload_modules, 0u);
+  auto refused = [](const char* json, const char* field, const char* words) {
+    const std::string msg = json_message(json);
+    EXPECT_NE(msg.find(field), std::string::npos) << json << ": " << msg;
+    EXPECT_NE(msg.find(words), std::string::npos) << json << ": " << msg;
+  };
+  refused(R"({"fine_grained_activation_offloading":true})", "plan.fine_grained_activation_offloading",
+          "needs offload_modules");
+  refused(R"({"offload_modules":["attn_proj"]})", "plan.offload_modules", "without core_attn");
+  refused(R"({"offload_modules":"fused_group_mlp+moe_act"})", "plan.offload_modules", "fused_group_mlp");
+  refused(R"({"offload_modules":["gdp_qkv"]})", "plan.offload_modules", "gated delta-net");
+  refused(R"({"offload_modules":["mlp"]})", "plan.offload_modules", "must be one of");
+  refused(R"({"offload_modules":[]})", "plan.offload_modules", "at least one module");
+  refused(R"({"offload_modules":7})", "plan.offload_modules", "list of module names");
+  refused(R"({"offload_modules":["core_attn"],"activation_offload_fraction":1.5})", "plan.activation_offload_fraction",
+          "");
+  refused(R"({"offload_modules":["core_attn"],"min_offloaded_tensor_size":-1})", "plan.min_offloaded_tensor_size", "");
+  refused(R"({"offload_modules":["core_attn"],"delta_offload_bytes_across_pp_ranks":1073741824})",
+          "plan.delta_offload_bytes_across_pp_ranks", "not modelled");
+  // The rules against a model and a cluster.
+  const ModelSpec llama = load_model("llama3-8b");
+  const Cluster h100 = load_cluster("dgx-h100-80g");
+  EXPECT_TRUE(check_plan(llama, h100, p).empty());
+  EXPECT_EQ(check_plan(llama, h100, load_plan("dp=8,recompute=full,offload_modules=core_attn")).at(0).key,
+            "activation_offload");
+  EXPECT_TRUE(check_plan(llama, h100, load_plan("dp=8,recompute=selective,offload_modules=core_attn")).empty());
+  const std::vector<Reason> dense = check_plan(llama, h100, load_plan("dp=8,offload_modules=expert_fc1"));
+  ASSERT_FALSE(dense.empty());
+  EXPECT_EQ(dense.at(0).key, "activation_offload");
+  EXPECT_NE(dense.at(0).message.find("dense"), std::string::npos);
+  EXPECT_TRUE(check_plan(load_model("qwen3-30b-a3b"), h100, load_plan("dp=8,ep=8,offload_modules=expert_fc1")).empty());
+  // Megatron-core's: GPT-3 on A100 runs the legacy stack unless the plan says modern; the
+  // strata executor and a cluster without a host cannot offload.
+  const ModelSpec g = load_model("gpt3-175b");
+  const Cluster a100 = load_cluster("dgx-a100-80g");
+  EXPECT_EQ(check_plan(g, a100, load_plan("tp=8,dp=8,offload_modules=core_attn")).at(0).key, "activation_offload");
+  EXPECT_TRUE(check_plan(g, a100, load_plan("tp=8,dp=8,offload_modules=core_attn,software_stack=modern")).empty());
+  const std::vector<Reason> cpu =
+      check_plan(load_model("tiny-llama"), load_cluster("local-cpu"), load_plan("dp=2,offload_modules=core_attn"));
+  ASSERT_FALSE(cpu.empty());
+  EXPECT_EQ(cpu.at(0).key, "activation_offload");
+  Cluster hostless = h100;
+  hostless.host = Host{};
+  const std::vector<Reason> none = check_plan(llama, hostless, load_plan("dp=8,offload_modules=core_attn"));
+  ASSERT_FALSE(none.empty());
+  EXPECT_NE(none.at(0).message.find("host"), std::string::npos);
+}
+
 TEST(Plan, PrecisionAwareOptimizer) {
   const Plan p = load_plan("dp=8,zero=1,use_precision_aware_optimizer=1,exp_avg_dtype=bf16,exp_avg_sq_dtype=fp8,"
                            "store_param_remainders=0");

@@ -347,6 +347,36 @@ TEST(Planner, SixteenBitGradientsForEveryCandidate) {
   EXPECT_THROW(parse_fixed("use_precision_aware_optimizer=1,exp_avg_dtype=int4"), InputError);
 }
 
+// --fix offload_modules=... gives fine-grained activation offloading to every candidate:
+// each estimated again is its search result, each holds no more than without it, the
+// full-recompute ones (nothing to offload) are rejected as activation_offload, and no fewer
+// fit. Llama 3 70B on 64 H100, batch 128.
+TEST(Planner, ActivationOffloadingForEveryCandidate) {
+  const char* fix = "offload_modules=qkv_linear+core_attn+attn_proj,activation_offload_fraction=0.5";
+  const SearchResult off = search_fixed("llama3-70b", "dgx-h100-80g", 64, 128, fix);
+  const SearchResult plain = search_fixed("llama3-70b", "dgx-h100-80g", 64, 128, "");
+  ASSERT_FALSE(off.plans.empty());
+  const ModelSpec m = load_model("llama3-70b");
+  const Cluster cl = load_cluster("dgx-h100-80g");
+  for (const auto& e : off.plans) {
+    EXPECT_EQ(e.plan.offload_modules, kOffloadQkvLinear | kOffloadCoreAttn | kOffloadAttnProj);
+    EXPECT_DOUBLE_EQ(e.plan.activation_offload_fraction, 0.5);
+    EXPECT_NE(e.plan.recompute, Recompute::full);
+    const Estimate again = estimate(m, cl, e.plan);
+    EXPECT_EQ(again.step_time_s, e.step_time_s);
+    EXPECT_EQ(again.memory.peak, e.memory.peak);
+    EXPECT_GT(again.memory.host_activations, 0);
+    Plan without = e.plan;
+    without.offload_modules = 0;
+    EXPECT_LT(e.memory.activations, estimate(m, cl, without).memory.activations);
+  }
+  EXPECT_GT(off.rejected.at("activation_offload"), 0);
+  EXPECT_EQ(plain.rejected.count("activation_offload"), 0u);
+  EXPECT_FALSE(parse_fixed("tp=2").activation_offload);
+  EXPECT_THROW(parse_fixed("activation_offload_fraction=0.5"), InputError);
+  EXPECT_THROW(parse_fixed("offload_modules=attn_proj"), InputError);
+}
+
 // Context-parallel plans are searched with each cp_comm_type (the twin above estimates all
 // three); a sliding window rules out the ring (counted as cp_comm), and --fix pins the type
 // to context-parallel plans. Llama 3 8B (32 heads, 8 groups) with a 4096-key window on 16

@@ -40,4 +40,17 @@ inline Cluster round_cluster() {
   return c;
 }
 
+// round_cluster on the modern software stack (FlashAttention, Megatron-core) with a host:
+// 2 TB of memory per node at 400 GB/s, 50 GB/s of PCIe per GPU, each reached in full.
+inline Cluster round_cluster_with_host() {
+  Cluster c = round_cluster();
+  c.modern_stack = true;
+  c.host.memory_bytes = 2e12;
+  c.host.memory_bandwidth_bytes_per_s = 400e9;
+  c.host.memory_efficiency = 1;
+  c.host.pcie_bandwidth_bytes_per_s = 50e9;
+  c.host.pcie_efficiency = 1;
+  return c;
+}
+
 }  // namespace strata::testing
