@@ -137,6 +137,9 @@ struct Acc {
   std::vector<OpCost>* ops;
   GroupSpan tp, cp, dp;
   GroupSpan etp, ep, edp;  // an expert's ranks, the expert-parallel ranks (etp apart), the expert replicas (etp ep apart)
+  // Hybrid sharding (Plan::dp_instances): dp and edp are one instance's shard group, these
+  // the instances holding alike shards (the shard group's size apart); size 1 without it.
+  GroupSpan dp_across, edp_across;
   double peak_linear, peak_attn;  // FLOP/s for the linear layers and the attention core
   // What the fused attention's efficiency multiplies: the attention peak, or on the strata
   // stack the fp32 peak whatever the precision: its flash kernels run in fp32 on the CUDA
@@ -168,10 +171,12 @@ struct Acc {
     const int64_t N = cl.devices_per_node;
     tp = group_span(p.t, 1, N);
     cp = group_span(p.c, p.t, N);
-    dp = group_span(p.replicas(), p.t, N);  // parameter replicas: data x context parallel
+    dp = group_span(p.shard_ranks(), p.t, N);  // parameter replicas (data x context parallel) one shard spans
     etp = group_span(p.expert_tp(), 1, N);
     ep = group_span(p.ep, p.expert_tp(), N);
-    edp = group_span(p.expert_replicas(), p.expert_tp() * p.ep, N);
+    edp = group_span(p.expert_shard_ranks(), p.expert_tp() * p.ep, N);
+    dp_across = group_span(p.dp_instances, p.t * p.shard_ranks(), N);
+    edp_across = group_span(p.dp_instances, p.expert_tp() * p.ep * p.expert_shard_ranks(), N);
     const Device& dev = cl.device;
     peak_attn = p.precision == Precision::fp8 ? dev.peak_bf16_flops : dev.peak_flops(p.precision);
     peak_linear = dev.peak_flops(p.precision);
@@ -182,6 +187,8 @@ struct Acc {
   Work& w(Phase ph) {
     return ph == Phase::forward ? lc.forward : ph == Phase::backward ? lc.backward : lc.recompute;
   }
+  // A phase's time on the compute stream: its kernels and the collectives it waits for.
+  static double on_stream(const Work& w) { return w.compute_s + w.tp_comm_s + w.cp_comm_s + w.ep_comm_s; }
   // Callers test `ops` first: the estimate's hot path keeps no op list and so makes no call.
   void record(const char* name, Phase ph, OpKind k, double flops, double bytes, double t, double exposed) {
     ops->push_back(OpCost{name, ph, k, flops, bytes, t, exposed});
@@ -659,15 +666,25 @@ void layer_backward(Acc& a) {
 // data-parallel stream runs on while the compute stream waits for those. (Behind the
 // kernels alone, a faster GPU could make a step slower: every collective of a phase would
 // lose the same cover at once.)
-// `group`: the ranks holding those parameters (Acc::dp; the experts' Acc::edp).
-void sharded_traffic(Acc& a, double params, const GroupSpan& group) {
+// `group`: the ranks holding those parameters (Acc::dp; the experts' Acc::edp). With hybrid
+// sharding (`across`: the instances, Acc::dp_across, Acc::edp_across) the reduce-scattered
+// shard is then all-reduced between the instances, on the same stream, behind what the
+// collectives before it left of the window.
+void sharded_traffic(Acc& a, double params, const GroupSpan& group, const GroupSpan& across) {
   if (a.p.zero < 2 || group.size <= 1 || params <= 0) return;
-  auto on_stream = [](const Work& w) { return w.compute_s + w.tp_comm_s + w.cp_comm_s + w.ep_comm_s; };
-  const double fwd = on_stream(a.lc.forward);
-  const double bwd = on_stream(a.lc.backward) + on_stream(a.lc.recompute);
+  const double fwd = Acc::on_stream(a.lc.forward);
+  const double bwd = Acc::on_stream(a.lc.backward) + Acc::on_stream(a.lc.recompute);
+  const double g = a.cs.grad_bytes * params;
+  auto between_instances = [&](double hidden) {
+    if (across.size > 1)
+      a.comm("hsdp_all_reduce", Phase::backward, OpKind::dp_comm, across, Collective::all_reduce,
+             g / static_cast<double>(group.size), hidden);
+  };
   if (a.p.zero == 2) {
-    a.comm("zero2_reduce_scatter", Phase::backward, OpKind::dp_comm, group, Collective::reduce_scatter,
-           a.cs.grad_bytes * params, a.cs.stack.overlap_grad_reduce ? bwd : 0.0);
+    const bool overlap = a.cs.stack.overlap_grad_reduce;
+    const double rs = a.comm("zero2_reduce_scatter", Phase::backward, OpKind::dp_comm, group,
+                             Collective::reduce_scatter, g, overlap ? bwd : 0.0);
+    between_instances(overlap ? std::max(0.0, bwd - rs) : 0.0);
     return;
   }
   const double w = a.cs.weight_work_bytes * params;
@@ -677,30 +694,36 @@ void sharded_traffic(Acc& a, double params, const GroupSpan& group) {
   const bool strata = a.cs.stack.strata;
   a.comm("zero3_all_gather", Phase::forward, OpKind::dp_comm, group, Collective::all_gather, w, strata ? 0.0 : fwd);
   a.comm("zero3_all_gather", Phase::backward, OpKind::dp_comm, group, Collective::all_gather, w, strata ? 0.0 : bwd);
-  a.comm("zero3_reduce_scatter", Phase::backward, OpKind::dp_comm, group, Collective::reduce_scatter,
-         a.cs.grad_bytes * params, strata ? bwd : std::max(0.0, bwd - ag));
+  const double rs = a.comm("zero3_reduce_scatter", Phase::backward, OpKind::dp_comm, group, Collective::reduce_scatter,
+                           g, strata ? bwd : std::max(0.0, bwd - ag));
+  between_instances(strata ? std::max(0.0, bwd - rs) : std::max(0.0, bwd - ag - rs));
 }
 
 }  // namespace
 
 namespace {
 
-// Fine-grained activation offloading (compute.h, layer_cost): the copy out beside the
-// layer's forward, the copy back beside its backward and recompute.
+// Fine-grained activation offloading (compute.h, layer_cost). The copies out run on their
+// own stream and the forward never waits for them (Megatron-core waits only to reload).
+// The backward reloads a layer ahead: Megatron-core keeps the last layer's groups of the
+// first chunk on the GPU (its margin), and as each group's backward ends it reloads the
+// next one offloaded, the same module's one layer down, so a layer's copies back hide
+// behind one layer's backward (with its recompute); what they do not cover is exposed. The
+// fraction offloads that share of the layers, each whole.
 [[gnu::noinline]] void activation_offload(Acc& a) {
   const Host& h = a.cl.host;
-  const double bytes = a.p.activation_offload_fraction * layer_offload_bytes(a.m, a.p, a.cs);
-  if (bytes <= 0 || !h.present()) return;
+  if (!h.present()) return;
+  const LayerOffload lo = layer_offload(a.m, a.p, a.cs);
+  if (lo.n == 0) return;
   const double ranks = static_cast<double>(std::min(a.cl.devices_per_node, a.p.world_size()));
-  const double copy = std::max(bytes / (h.pcie_bandwidth_bytes_per_s * h.pcie_efficiency),
-                               ranks * bytes / (h.memory_bandwidth_bytes_per_s * h.memory_efficiency));
-  const double out = std::max(0.0, copy - a.lc.forward.total());
-  const double back = std::max(0.0, copy - a.lc.backward.total() - a.lc.recompute.total());
-  a.lc.forward.offload_s += out;
-  a.lc.backward.offload_s += back;
+  const double copy = std::max(lo.copied / (h.pcie_bandwidth_bytes_per_s * h.pcie_efficiency),
+                               ranks * lo.copied / (h.memory_bandwidth_bytes_per_s * h.memory_efficiency));
+  const double f = a.p.activation_offload_fraction;
+  const double exposed = f * std::max(0.0, copy - Acc::on_stream(a.lc.backward) - Acc::on_stream(a.lc.recompute));
+  a.lc.backward.offload_s += exposed;
   if (a.ops) {
-    a.record("activation_offload", Phase::forward, OpKind::offload, 0, bytes, copy, out);
-    a.record("activation_reload", Phase::backward, OpKind::offload, 0, bytes, copy, back);
+    a.record("activation_offload", Phase::forward, OpKind::offload, 0, f * lo.copied, f * copy, 0.0);
+    a.record("activation_reload", Phase::backward, OpKind::offload, 0, f * lo.copied, f * copy, exposed);
   }
 }
 
@@ -732,10 +755,10 @@ LayerCost layer_cost(const ModelSpec& m, const Cluster& cl, const Plan& p, const
     const double experts = static_cast<double>(m.layer_expert_params(p.expert_tp(), p.ep));
     // (Each hides behind the layer's whole compute window: together they may claim more
     // cover than there is; an approximation.)
-    sharded_traffic(a, static_cast<double>(m.layer_params(p.t, p.ep, p.etp)) - experts, a.dp);
-    sharded_traffic(a, experts, a.edp);
+    sharded_traffic(a, static_cast<double>(m.layer_params(p.t, p.ep, p.etp)) - experts, a.dp, a.dp_across);
+    sharded_traffic(a, experts, a.edp, a.edp_across);
   } else {
-    sharded_traffic(a, static_cast<double>(m.layer_params(p.t)), a.dp);
+    sharded_traffic(a, static_cast<double>(m.layer_params(p.t)), a.dp, a.dp_across);
   }
   if (p.offload_modules) activation_offload(a);
   return a.lc;
@@ -758,7 +781,7 @@ LayerCost embedding_cost(const ModelSpec& m, const Cluster& cl, const Plan& p, c
   if (!cs.stack.grad_accumulation_fusion)
     a.mem("grad_accumulation", Phase::backward,
           grad_accumulation_bytes(p.precision, a.cs.grad_bytes) * static_cast<double>(m.word_embedding_params(p.t)));
-  sharded_traffic(a, static_cast<double>(m.word_embedding_params(p.t) + m.position_params()), a.dp);
+  sharded_traffic(a, static_cast<double>(m.word_embedding_params(p.t) + m.position_params()), a.dp, a.dp_across);
   return a.lc;
 }
 
@@ -796,7 +819,8 @@ LayerCost head_cost(const ModelSpec& m, const Cluster& cl, const Plan& p, const 
   // The output layer's own weights: untied, or the tied copy on the last stage when p > 1
   // (with p = 1 the embedding's gather serves both).
   const bool own = !m.tie_embeddings || p.p > 1;
-  sharded_traffic(a, static_cast<double>((own ? m.word_embedding_params(p.t) : 0) + m.final_norm_params()), a.dp);
+  sharded_traffic(a, static_cast<double>((own ? m.word_embedding_params(p.t) : 0) + m.final_norm_params()), a.dp,
+                  a.dp_across);
   return a.lc;
 }
 

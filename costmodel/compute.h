@@ -80,10 +80,10 @@ double memory_time(const Device& dev, double bytes);
 
 // One transformer layer (per micro-batch, per GPU). `ops` receives the op list if given.
 // With activation offloading (Plan::offload_modules) the layer's offloaded tensors go to
-// the host after its forward and come back before its backward, each on a copy stream
-// beside the compute, at the slower of the GPU's PCIe link and its share of the host's
-// memory bandwidth (the node's ranks copy at once); what the layer's forward (backward
-// and recompute) does not cover is exposed (Work::offload_s).
+// the host after its forward (never waited for) and come back a layer ahead of their
+// backward, on copy streams beside the compute, at the slower of the GPU's PCIe link and
+// its share of the host's memory bandwidth (the node's ranks copy at once); what one
+// layer's backward and recompute do not cover is exposed (Work::offload_s).
 LayerCost layer_cost(const ModelSpec& m, const Cluster& cl, const Plan& p, const ComputeSetup& cs,
                      std::vector<OpCost>* ops = nullptr);
 // Word embedding lookup (first stage) and output layer + loss (last stage).

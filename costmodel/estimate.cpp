@@ -210,16 +210,27 @@ struct DpTail {
 DpTail data_parallel_tail(const ModelSpec& m, const Cluster& cl, const Plan& p, const ComputeSetup& cs, int64_t stage,
                           double params, double expert_params, double last_backward_s, double first_forward_s) {
   constexpr double kMegatronGradBucketParams = 40e6;  // Megatron-core's default bucket
-  const GroupSpan dp = group_span(p.replicas(), p.t, cl.devices_per_node);
+  const int64_t N = cl.devices_per_node, I = p.dp_instances;
+  // The shard group (one instance's replicas, every replica without hybrid sharding) and the
+  // instances holding alike shards, whose shards' gradients are all-reduced after the
+  // reduce-scatter (Megatron-core's partial distributed optimizer).
+  const GroupSpan dp = group_span(p.shard_ranks(), p.t, N), dp_across = group_span(I, p.t * p.shard_ranks(), N);
   double reduce = 0, gather = 0;
-  auto over = [&](const GroupSpan& g, double n) {
+  auto over = [&](const GroupSpan& g, const GroupSpan& across, double n) {
     if (g.size <= 1) return;
     if (p.zero == 0) reduce += collective_time(cl, g, Collective::all_reduce, cs.grad_bytes * n);
-    if (p.zero == 1) reduce += collective_time(cl, g, Collective::reduce_scatter, cs.grad_bytes * n);
+    if (p.zero == 1) {
+      reduce += collective_time(cl, g, Collective::reduce_scatter, cs.grad_bytes * n);
+      if (across.size > 1)
+        reduce += collective_time(cl, across, Collective::all_reduce, cs.grad_bytes * n / static_cast<double>(g.size));
+    }
     if (p.zero == 1 || p.zero == 2) gather += collective_time(cl, g, Collective::all_gather, cs.weight_work_bytes * n);
   };
-  over(dp, params - expert_params);
-  if (expert_params > 0) over(group_span(p.expert_replicas(), p.expert_tp() * p.ep, cl.devices_per_node), expert_params);
+  over(dp, dp_across, params - expert_params);
+  if (expert_params > 0) {
+    const int64_t es = p.expert_shard_ranks(), stride = p.expert_tp() * p.ep;
+    over(group_span(es, stride, N), group_span(I, stride * es, N), expert_params);
+  }
   double exposed = reduce;
   if (cs.stack.overlap_grad_reduce) {
     const double last_bucket = reduce * std::min(1.0, kMegatronGradBucketParams / std::max(params, 1.0));
@@ -369,9 +380,9 @@ Estimate estimate_once(const ModelSpec& m, const Cluster& cl, const Plan& p, con
       const DpTail tail = data_parallel_tail(m, cl, p, cs, s, P, Pe, last_backward, st.f(s, 0));
       dp_exposed[i] = tail.exposed_s;
       dp_total[i] = tail.total_s;
-      const double shard = Pe == 0 ? P / static_cast<double>(p.replicas())
-                                   : (P - Pe) / static_cast<double>(p.replicas()) +
-                                         Pe / static_cast<double>(p.expert_replicas());
+      const double shard = Pe == 0 ? P / static_cast<double>(p.shard_ranks())
+                                   : (P - Pe) / static_cast<double>(p.shard_ranks()) +
+                                         Pe / static_cast<double>(p.expert_shard_ranks());
       const double updated = p.zero >= 1 ? shard : P, offloaded = p.offload * updated;
       opt_s[i] = optimizer_time(cl.device, p, cs.grad_bytes, updated - offloaded, p.zero >= 2 ? shard : P);
       if (offloaded > 0) opt_s[i] += offload_optimizer_time(cl, p, cs.grad_bytes, offloaded, ranks_on_node);

@@ -65,7 +65,7 @@ const std::set<std::string>& plan_flags() {
       "accumulate_allreduce_grads_in_fp32", "use_precision_aware_optimizer", "no_store_param_remainders",
       "exp_avg_dtype", "exp_avg_sq_dtype", "main_params_dtype", "main_grads_dtype",
       "fine_grained_activation_offloading", "offload_modules", "activation_offload_fraction",
-      "min_offloaded_tensor_size", "delta_offload_bytes_across_pp_ranks"};
+      "min_offloaded_tensor_size", "delta_offload_bytes_across_pp_ranks", "num_distributed_optimizer_instances"};
   return s;
 }
 

@@ -115,17 +115,23 @@ double layer_activation_bytes(const ModelSpec& m, const Plan& p, const ComputeSe
   return bytes;
 }
 
-// The tensors of layer_activation_bytes above that the plan's offload modules hold, each
-// of at least min_offloaded_tensor_size elements (Megatron-core leaves smaller ones on the
-// GPU). On the modern stack, which the rules require, Transformer Engine's LayerNormLinear
-// holds the attention's norm (input_layernorm is an identity: attn_norm has nothing), and
-// so does a dense layer's fc1 (mlp_norm has nothing there; an MoE layer's pre-MLP norm is a
-// module of its own). The projection's input is the core's output (one tensor in 16 bits,
-// given to attn_proj, which Megatron offloads only with core_attn); with fp8 the core also
-// keeps its 16-bit output, core_attn's, and the projection its fp8 copy.
-double layer_offload_bytes(const ModelSpec& m, const Plan& p, const ComputeSetup& cs) {
+// The groups of layer_activation_bytes' tensors that the plan's offload modules hold (the
+// tensors each module saves, as Megatron-core's offload groups capture them), each of at
+// least min_offloaded_tensor_size elements (smaller ones stay on the GPU), in the order of
+// the layer's backward. On the modern stack, which the rules require, Transformer Engine's
+// LayerNormLinear holds the attention's norm (input_layernorm is an identity: attn_norm has
+// nothing), and so does a dense layer's fc1 (mlp_norm has nothing there; an MoE layer's
+// pre-MLP norm is a module of its own). A selectively recomputed core runs outside its
+// offload group: core_attn then has nothing. A fused core keeps Q, K, V, its log-sum-exp
+// and its output O, which is also the projection's input (attn_proj): in 16 bits one
+// tensor that each group copies, freed once both have it on the host (Megatron offloads
+// attn_proj only with core_attn); with fp8 the projection keeps its own 1-byte copy.
+// expert_fc1 makes the experts' fc1 keep its original 16-bit input (one tensor of every
+// token copy) for the host, in place of the copy it would keep.
+LayerOffload layer_offload(const ModelSpec& m, const Plan& p, const ComputeSetup& cs) {
+  LayerOffload lo;
   const unsigned mods = p.offload_modules;
-  if (mods == 0 || p.recompute == Recompute::full) return 0;
+  if (mods == 0 || p.recompute == Recompute::full) return lo;
   const double e = cs.act_bytes, T = cs.T, Tn = cs.Tn, H = static_cast<double>(m.H);
   const double t = static_cast<double>(p.t);
   const double GDt = static_cast<double>(m.kv_width(p.t)), AD = static_cast<double>(m.AD());
@@ -134,41 +140,47 @@ double layer_offload_bytes(const ModelSpec& m, const Plan& p, const ComputeSetup
   const bool core_recomputed = p.recomputes(kRecomputeCoreAttn);
   const bool norms_recomputed = p.recomputes(kRecomputeLayernorm);
   const double least = static_cast<double>(p.min_offloaded_tensor_size);
-  // n tensors of `elements` elements, `bytes` each.
-  auto tensors = [&](double n, double bytes, double elements) { return elements >= least ? n * bytes * elements : 0.0; };
-  double b = 0;
-  if (mods & kOffloadQkvLinear) {  // the fused norm's input, and its output (the QKV input) unless recomputed
-    b += tensors(1, e, Tn * H);
-    if (!norms_recomputed) b += tensors(1, lin, Tn * H);
-  }
-  if (mods & kOffloadCoreAttn) {
-    b += tensors(1, e, T * AD / t) + tensors(2, e, T * GDt);  // Q, K, V
-    const double heads = static_cast<double>(p.mbs) * static_cast<double>(m.A / p.t);
-    const double Sq = static_cast<double>(m.S) / static_cast<double>(p.c);
-    if (cs.attention == AttentionKernel::unfused) {
-      const double n = heads * Sq * static_cast<double>(m.S);
-      if (!core_recomputed) b += m.attention_dropout > 0 ? tensors(2, e, n) + tensors(1, 1, n) : tensors(1, e, n);
-    } else if (!core_recomputed) {
-      b += tensors(1, 4, heads * Sq);                 // log-sum-exp
-      if (fp8) b += tensors(1, e, T * AD / t);        // its own 16-bit output
-    }
-  }
-  if (mods & kOffloadAttnProj) b += tensors(1, lin, T * AD / t);
+  // A tensor of `elements` elements, `bytes` each, if it is large enough to go.
+  auto tensor = [&](double bytes, double elements) { return elements >= least ? bytes * elements : 0.0; };
+  auto group = [&](unsigned module, double freed, double copied) {
+    if (!(mods & module) || copied <= 0) return;
+    lo.group[lo.n++] = OffloadGroup{module, freed, copied};
+    lo.freed += freed;
+    lo.copied += copied;
+  };
   if (m.moe()) {
     const double K = static_cast<double>(m.K), etp = static_cast<double>(p.expert_tp());
-    const double copies = Tn * K * etp, per_expert = copies / static_cast<double>(m.E / p.ep);
-    if (mods & kOffloadMlpNorm) b += tensors(1, e, Tn * H);
-    // The experts' inputs as each expert's GEMM reads them (one tensor per local expert), their
-    // fc1 output (the activation's input) and fc2 input (unless the activation is recomputed).
-    const double local = static_cast<double>(m.E / p.ep);
-    const double fc1_in = tensors(local, lin, per_expert * H);
-    const double fc1_out = tensors(1, e, copies * static_cast<double>(m.expert_fc1_out()) / etp);
-    const double fc2_in = p.recomputes(kRecomputeMoeAct) ? 0.0 : tensors(local, lin, per_expert * static_cast<double>(m.Fe) / etp);
-    if (mods & kOffloadExpertFc1) b += fc1_in;
-    if (mods & kOffloadMoeAct) b += fc1_out;
-    if (mods & kOffloadFusedGroupMlp) b += fc1_in + fc1_out + fc2_in;
+    const double copies = Tn * K * etp;
+    const double fc1_out = tensor(e, copies * static_cast<double>(m.expert_fc1_out()) / etp);
+    group(kOffloadMoeAct, fc1_out, fc1_out);
+    group(kOffloadExpertFc1, lin * copies * H * (copies * H >= least ? 1.0 : 0.0), tensor(e, copies * H));
+    group(kOffloadMlpNorm, tensor(e, Tn * H), tensor(e, Tn * H));
   }
-  return b;
+  const bool fused = cs.attention != AttentionKernel::unfused;
+  const double o = fused && !core_recomputed ? tensor(e, T * AD / t) : 0.0;  // the core's output O, where it keeps it
+  const double proj_in = fp8 ? tensor(1.0, T * AD / t) : o > 0 ? o : tensor(e, T * AD / t);
+  // (16 bits: O is freed with attn_proj's group, the later of the two to copy it.)
+  group(kOffloadAttnProj, proj_in, proj_in);
+  if (!core_recomputed) {
+    const double heads = static_cast<double>(p.mbs) * static_cast<double>(m.A / p.t);
+    const double Sq = static_cast<double>(m.S) / static_cast<double>(p.c);
+    double core = tensor(e, T * AD / t) + 2.0 * tensor(e, T * GDt);  // Q, K, V
+    if (!fused) {
+      const double n = heads * Sq * static_cast<double>(m.S);
+      core += m.attention_dropout > 0 ? 2.0 * tensor(e, n) + tensor(1.0, n) : tensor(e, n);
+    } else {
+      core += tensor(4.0, heads * Sq);  // log-sum-exp
+    }
+    group(kOffloadCoreAttn, core + (fp8 ? o : 0.0), core + o);
+  }
+  // The fused norm's input, and its output (the QKV input) unless the norms are recomputed.
+  const double qkv = tensor(e, Tn * H) + (norms_recomputed ? 0.0 : tensor(lin, Tn * H));
+  group(kOffloadQkvLinear, qkv, qkv);
+  return lo;
+}
+
+double layer_offload_bytes(const ModelSpec& m, const Plan& p, const ComputeSetup& cs) {
+  return layer_offload(m, p, cs).freed;
 }
 
 double layer_full_activation_bytes(const ModelSpec& m, const Plan& p, const ComputeSetup& cs) {
@@ -195,19 +207,24 @@ double head_working_bytes(const ModelSpec& m, const Plan& p, const ComputeSetup&
 }
 
 namespace {
-// Activation offloading's share of a layer (StageMemoryInputs::offload_layer) and what stays.
+// Activation offloading's groups of a layer (StageMemoryInputs::offload) and what stays.
 // Out of line: the common path stays as it was.
 [[gnu::noinline]] void offload_inputs(const ModelSpec& m, const Plan& p, const ComputeSetup& cs, StageMemoryInputs* in) {
-  in->offload_layer = layer_offload_bytes(m, p, cs);
-  in->per_layer -= p.activation_offload_fraction * in->offload_layer;
+  const double f = p.activation_offload_fraction;
+  // (With partial recompute, the layers it leaves keep everything, and offload.)
+  const bool full = p.recompute == Recompute::full;
+  const LayerOffload lo = layer_offload(m, full ? p.without_recompute() : p, cs);
+  (full ? in->per_full_layer : in->per_layer) -= f * lo.freed;
+  in->offload_freed = lo.freed;
+  in->offload_copied = lo.copied;
 }
 }  // namespace
 
 StageMemoryInputs stage_memory_inputs(const ModelSpec& m, const Plan& p, const ComputeSetup& cs) {
   StageMemoryInputs in;
   in.per_layer = layer_activation_bytes(m, p, cs);
-  if (p.offload_modules) offload_inputs(m, p, cs, &in);
   in.per_full_layer = layer_full_activation_bytes(m, p, cs);
+  if (p.offload_modules) offload_inputs(m, p, cs, &in);
   in.embedding_act = embedding_activation_bytes(m, p, cs);
   in.head_act = head_activation_bytes(m, p, cs);
   in.head_working = head_working_bytes(m, p, cs);
@@ -322,7 +339,7 @@ StageShape stage_shape(const ModelSpec& m, const Plan& p, const StageLayout& lay
   const double Pe = in.layer_expert_params > 0 ? static_cast<double>(lay.stage_layers(s)) * in.layer_expert_params
                                                : 0.0;  // the routed experts' share of P
   mb.expert_params = Pe;
-  const double d = static_cast<double>(p.replicas());
+  const double d = static_cast<double>(p.shard_ranks());  // the ranks ZeRO shards over
   StateBytes sb = state_bytes(p.precision, cs.stack.grad_accumulation_fusion, cs.stack.grad_reduce_in_fp32);
   // The strata executor: compute-precision weights, fp32 gradients, fp32 master (mixed
   // precision only) and Adam moments.
@@ -358,7 +375,7 @@ StageShape stage_shape(const ModelSpec& m, const Plan& p, const StageLayout& lay
     mb.optimizer_states = sb.optimizer_states * P / (p.zero >= 1 ? d : 1.0);
     if (copy_per > 0) shape.step_copy = copy_per * P / (p.zero >= 1 ? d : 1.0);
   } else {  // the dense parameters sharded over their d replicas, the experts' over theirs
-    const double de = static_cast<double>(p.expert_replicas());
+    const double de = static_cast<double>(p.expert_shard_ranks());
     auto states = [&](double per, bool sharded) { return sharded ? per * (P - Pe) / d + per * Pe / de : per * P; };
     mb.weights = states(sb.weights, p.zero >= 3);
     mb.gradients = states(sb.gradients, p.zero >= 2);
@@ -372,7 +389,7 @@ StageShape stage_shape(const ModelSpec& m, const Plan& p, const StageLayout& lay
     const double moved = p.offload * mb.optimizer_states;
     mb.optimizer_states -= moved;
     shape.step_copy *= 1.0 - p.offload;  // (that share's fp32 gradients are the host's, below)
-    const double shard = p.zero < 1 ? P : Pe == 0 ? P / d : (P - Pe) / d + Pe / static_cast<double>(p.expert_replicas());
+    const double shard = p.zero < 1 ? P : Pe == 0 ? P / d : (P - Pe) / d + Pe / static_cast<double>(p.expert_shard_ranks());
     // (A legacy optimizer's states with 16-bit gradients, 16 bytes, hold that fp32 gradient already.)
     const double grad32 = sb.optimizer_states >= 16.0 ? 0.0 : 4.0;
     mb.host_offload = moved + (Pe == 0 ? grad32 * p.offload * P / (p.zero >= 1 ? d : 1.0) : grad32 * p.offload * shard);
@@ -427,10 +444,10 @@ StageShape stage_shape(const ModelSpec& m, const Plan& p, const StageLayout& lay
     for (int64_t c = 0; c < lay.v && every_layer_recomputed; ++c)
       every_layer_recomputed = p.recomputed_layers(lay.chunk_layers(s, c)) == lay.chunk_layers(s, c);
     if (every_layer_recomputed) working += in.per_full_layer;
-    // Offloaded activations: the backward's layer has its tensors back, and Megatron-core
-    // keeps one layer's on the GPU (each module's last group of the first chunk backwarded:
-    // its margin, so that a reload never waits).
-    if (in.offload_layer > 0 && p.activation_offload_fraction > 0) working += 2.0 * in.offload_layer;
+    // Offloaded activations: Megatron-core keeps one layer's groups on the GPU (each
+    // module's last group of the first chunk backwarded, its margin: the layer whose
+    // backward runs at the peak) and reloads the layer below's while it runs.
+    if (in.offload_freed > 0 && p.activation_offload_fraction > 0) working += 2.0 * in.offload_freed;
     // Selective recompute of an unfused core rebuilds one layer's S x S probabilities.
     if (p.recomputes(kRecomputeCoreAttn) && cs.attention == AttentionKernel::unfused)
       working += cs.act_bytes * static_cast<double>(p.mbs) * static_cast<double>(m.A / p.t) *
@@ -484,12 +501,17 @@ StageShape stage_shape(const ModelSpec& m, const Plan& p, const StageLayout& lay
 }
 
 // The host's share of stage s's activations with `in_flight` chunk-micro-batches alive
-// (offloading only: in.offload_layer > 0): the offloaded share of an average chunk's layers.
+// (offloading only: in.offload_copied > 0): the copies of an average chunk's offloading layers.
 // Out of line, and outside the breakdown's common path.
 [[gnu::noinline]] double host_activations(const Plan& p, const StageLayout& lay, int64_t s, int64_t in_flight,
                                           const StageMemoryInputs& in) {
-  return static_cast<double>(in_flight) * p.activation_offload_fraction * in.offload_layer *
-         static_cast<double>(lay.stage_layers(s)) / static_cast<double>(lay.v);
+  double layers = 0;  // of an average chunk, those that offload (with partial recompute, the others)
+  for (int64_t c = 0; c < lay.v; ++c) {
+    const int64_t n = lay.chunk_layers(s, c);
+    layers += static_cast<double>(p.recompute == Recompute::full ? n - p.recomputed_layers(n) : n);
+  }
+  return static_cast<double>(in_flight) * p.activation_offload_fraction * in.offload_copied * layers /
+         static_cast<double>(lay.v);
 }
 
 // The optimizer step, where its fp32 gradient copy (stage_shape) outweighs the activations:
@@ -544,7 +566,7 @@ MemoryBreakdown stage_memory(const ModelSpec& m, const Cluster& cl, const Plan& 
   const StageMemoryInputs in = pre ? *pre : stage_memory_inputs(m, p, cs);
   MemoryBreakdown mb;
   with_in_flight(stage_shape(m, p, lay, cs, s, in), cl, p, cs, s, in_flight, in_flight_first, in_flight_last, in, &mb);
-  if (in.offload_layer > 0) mb.host_activations = host_activations(p, lay, s, in_flight, in);
+  if (in.offload_copied > 0) mb.host_activations = host_activations(p, lay, s, in_flight, in);
   return mb;
 }
 
@@ -563,7 +585,7 @@ void stage_memories(const ModelSpec& m, const Cluster& cl, const Plan& p, const 
     const size_t i = static_cast<size_t>(s);
     with_in_flight(shape, cl, p, cs, s, in_flight[i], in_flight_first[i], in_flight_last[i], in, &(*out)[i]);
   }
-  if (in.offload_layer > 0)
+  if (in.offload_copied > 0)
     for (int64_t s = 0; s < p.p; ++s)
       (*out)[static_cast<size_t>(s)].host_activations = host_activations(p, lay, s, in_flight[s], in);
 }

@@ -46,10 +46,25 @@ inline StateBytes state_bytes(Precision prec, bool fused) { return state_bytes(p
 
 // Activations one transformer layer keeps for its backward, per micro-batch, per GPU.
 double layer_activation_bytes(const ModelSpec& m, const Plan& p, const ComputeSetup& cs);
-// Of those, the bytes the plan's offload_modules move to the host (before its
-// activation_offload_fraction): the modules' tensors of at least min_offloaded_tensor_size
-// elements (memory.cpp says which tensors each module holds).
-double layer_offload_bytes(const ModelSpec& m, const Plan& p, const ComputeSetup& cs);
+// Fine-grained activation offloading (Plan::offload_modules): one group per module a layer
+// offloads, in the order of the layer's backward (moe_act, expert_fc1, mlp_norm, attn_proj,
+// core_attn, qkv_linear): the bytes of layer_activation_bytes it frees on the GPU and the
+// bytes it copies to the host (and back), before activation_offload_fraction. The two
+// differ where a tensor is kept for two modules (the attention output in 16 bits: copied by
+// both, freed once) or kept in another form for the host (expert_fc1's 16-bit input in
+// place of its fp8 copy). memory.cpp says which tensors each module holds. None with
+// recompute full (a recomputed layer keeps its input only).
+struct OffloadGroup {
+  unsigned module = 0;  // an OffloadModule bit
+  double freed = 0, copied = 0;
+};
+struct LayerOffload {
+  OffloadGroup group[8];
+  int n = 0;
+  double freed = 0, copied = 0;  // the groups' sums
+};
+LayerOffload layer_offload(const ModelSpec& m, const Plan& p, const ComputeSetup& cs);
+double layer_offload_bytes(const ModelSpec& m, const Plan& p, const ComputeSetup& cs);  // layer_offload's freed
 // Everything one layer holds while it runs its forward or backward with nothing recomputed
 // (the working set of a fully recomputed layer).
 double layer_full_activation_bytes(const ModelSpec& m, const Plan& p, const ComputeSetup& cs);
@@ -72,9 +87,11 @@ struct StageMemoryInputs {
   double embedding_act = 0, head_act = 0, head_working = 0;
   double layer_params = 0, word_embedding_params = 0, position_params = 0, final_norm_params = 0;
   double layer_expert_params = 0;  // the routed experts' share of layer_params
-  // Activation offloading: layer_offload_bytes (per_layer is what stays on the GPU: less
-  // activation_offload_fraction of it).
-  double offload_layer = 0;
+  // Activation offloading: of an offloading layer (layer_offload; of a layer that partial
+  // recompute leaves, with recompute full), the bytes its groups free and copy. per_layer
+  // (per_full_layer) is what such a layer keeps on the GPU: activation_offload_fraction of
+  // the freed bytes less.
+  double offload_freed = 0, offload_copied = 0;
 };
 StageMemoryInputs stage_memory_inputs(const ModelSpec& m, const Plan& p, const ComputeSetup& cs);
 // The activations stage s holds at its peak when each chunk-micro-batch of chunk c weighs

@@ -145,6 +145,17 @@ void adopt_offload(Json& j, const std::string& source) {
   if (!j.contains("zero_optimization") || !j.at("zero_optimization").is_object()) return;
   Json& z = j["zero_optimization"];
   const std::string zp = source + ".zero_optimization";
+  // DeepSpeed's MiCS: ZeRO-3 sharded over groups of mics_shard_size ranks (-1: off).
+  if (z.contains("mics_shard_size")) {
+    const Json v = z.at("mics_shard_size");
+    z.erase("mics_shard_size");
+    if (!v.is_null() && !(v.is_number_integer() && v.get<int64_t>() == -1)) {
+      if (j.contains("data_parallel_shard_size"))
+        throw InputError(fmt::format("{}.data_parallel_shard_size: given twice (as 'data_parallel_shard_size' and "
+                                     "'zero_optimization.mics_shard_size'): keep one", source));
+      j["data_parallel_shard_size"] = v;
+    }
+  }
   if (z.contains("offload_param")) {
     const Json& o = z.at("offload_param");
     const Json dev = o.is_object() && o.contains("device") ? o.at("device") : Json();
@@ -191,7 +202,9 @@ void adopt_foreign_names(Json& j, const std::string& source) {
            {"recompute_granularity", "recompute"},
            {"world_size", "num_gpus"},
            {"num_layers_in_first_pipeline_stage", "decoder_first_pipeline_num_layers"},
-           {"num_layers_in_last_pipeline_stage", "decoder_last_pipeline_num_layers"}})
+           {"num_layers_in_last_pipeline_stage", "decoder_last_pipeline_num_layers"},
+           {"data_parallel_replicate_degree", "num_distributed_optimizer_instances"},
+           {"data_parallel_shard_degree", "data_parallel_shard_size"}})
     adopt_key(j, source, from, to);
   adopt_key(j, source, "recompute_activations", "recompute",
             [](const Json& v, const std::string& path) { return true_or_null(v, path, "selective"); });
@@ -455,9 +468,8 @@ std::vector<std::string> module_words(const Json& v, const std::string& field, c
 constexpr std::pair<unsigned, const char*> kOffloadModuleNames[] = {
     {kOffloadAttnNorm, "attn_norm"},   {kOffloadQkvLinear, "qkv_linear"}, {kOffloadCoreAttn, "core_attn"},
     {kOffloadAttnProj, "attn_proj"},   {kOffloadMlpNorm, "mlp_norm"},     {kOffloadExpertFc1, "expert_fc1"},
-    {kOffloadMoeAct, "moe_act"},       {kOffloadFusedGroupMlp, "fused_group_mlp"}};
-constexpr const char* kOffloadModuleList =
-    "attn_norm, qkv_linear, core_attn, attn_proj, mlp_norm, expert_fc1, moe_act, fused_group_mlp";
+    {kOffloadMoeAct, "moe_act"}};
+constexpr const char* kOffloadModuleList = "attn_norm, qkv_linear, core_attn, attn_proj, mlp_norm, expert_fc1, moe_act";
 }  // namespace
 
 unsigned parse_offload_modules(const Json& v, const std::string& field) {
@@ -468,17 +480,18 @@ unsigned parse_offload_modules(const Json& v, const std::string& field) {
     if (it != std::end(kOffloadModuleNames)) bits |= it->first;
     else if (n == "gdp_qkv")
       fail_field(field, "\"gdp_qkv\"", "is a gated delta-net layer's, which strata's models do not have");
+    else if (n == "fused_group_mlp")
+      fail_field(field, "\"fused_group_mlp\"", "is not modelled: it needs Transformer Engine's op fuser "
+                                               "(--use-transformer-engine-op-fuser), whose fused grouped MLP strata "
+                                               "does not cost; offload expert_fc1 and moe_act instead");
     else
       fail_field(field, "\"" + n + "\"", std::string("must be one of ") + kOffloadModuleList);
   }
-  // Megatron-core's rules (TransformerConfig): the projection's input is the core's output,
-  // which the core's backward needs; the fused grouped MLP offloads the experts' whole MLP.
+  // Megatron-core's rule (TransformerConfig): the projection's input is the core's output,
+  // which the core's backward needs.
   if ((bits & kOffloadAttnProj) && !(bits & kOffloadCoreAttn))
     fail_field(field, show_value(v), "offloads attn_proj without core_attn: the projection's input is the attention "
                                      "core's output, which core_attn's backward needs too (Megatron-core's rule)");
-  if ((bits & kOffloadFusedGroupMlp) && (bits & (kOffloadExpertFc1 | kOffloadMoeAct)))
-    fail_field(field, show_value(v), "combines fused_group_mlp with expert_fc1 or moe_act: fused_group_mlp offloads the "
-                                     "experts' whole MLP (Megatron-core's rule)");
   return bits;
 }
 
@@ -521,7 +534,8 @@ Plan plan_from_json(const Json& in, const std::string& source) {
                            "expert_tensor_parallel_size", "grad_reduce_in_fp32", "use_precision_aware_optimizer",
                            "exp_avg_dtype", "exp_avg_sq_dtype", "main_params_dtype", "store_param_remainders",
                            "fine_grained_activation_offloading", "offload_modules", "activation_offload_fraction",
-                           "min_offloaded_tensor_size", "delta_offload_bytes_across_pp_ranks", "description"});
+                           "min_offloaded_tensor_size", "delta_offload_bytes_across_pp_ranks",
+                           "num_distributed_optimizer_instances", "data_parallel_shard_size", "description"});
   Plan p;
   p.t = f.integer_or("tensor_parallel", 1, 1, kMaxDegree);
   p.p = f.integer_or("pipeline_parallel", 1, 1, kMaxDegree);
@@ -652,14 +666,38 @@ Plan plan_from_json(const Json& in, const std::string& source) {
       p.activation_offload_fraction = f.real_or("activation_offload_fraction", 1.0, 0.0, 1.0);
       p.min_offloaded_tensor_size = f.integer_or("min_offloaded_tensor_size", kMinOffloadedTensorSize, 0,
                                                  int64_t{1} << 40);
+      // (It keeps pp_rank x delta bytes on the GPU: nothing with one stage.)
       if (const Json* d = f.peek("delta_offload_bytes_across_pp_ranks");
-          d && !d->is_null() && !(d->is_number_integer() && d->get<int64_t>() == 0))
+          d && !d->is_null() && !(d->is_number() && d->get<double>() == 0) && p.p > 1)
         fail_field(source + ".delta_offload_bytes_across_pp_ranks", show_value(*d),
                    "is not modelled: strata offloads the same share on every pipeline stage (leave it 0)");
     }
     for (const char* k : {"offload_modules", "activation_offload_fraction", "min_offloaded_tensor_size",
                           "delta_offload_bytes_across_pp_ranks"})
       f.ignore(k);
+  }
+  // Hybrid sharding: the instances, or the ranks of one shard group (data_parallel_shard_size,
+  // torchtitan's data_parallel_shard_degree, DeepSpeed's mics_shard_size) out of the data x
+  // context parallel replicas.
+  {
+    const Json* inst = f.peek("num_distributed_optimizer_instances");
+    const Json* shard = f.peek("data_parallel_shard_size");
+    p.dp_instances = f.integer_or("num_distributed_optimizer_instances", 1, 1, kMaxDegree);
+    // (torchtitan's -1: the replicas the replicate degree leaves.)
+    if (shard && !shard->is_null() && !(shard->is_number_integer() && shard->get<int64_t>() == -1)) {
+      const int64_t replicas = p.d * p.c;
+      const int64_t sz = f.integer_or("data_parallel_shard_size", 1, 1, kMaxDegree);
+      const std::string field = source + ".data_parallel_shard_size";
+      if (replicas % sz != 0)
+        fail_field(field, std::to_string(sz),
+                   fmt::format("must divide data_parallel x context_parallel = {} (the replicas it shards over)", replicas));
+      if (inst && !inst->is_null() && p.dp_instances != replicas / sz)
+        fail_field(field, std::to_string(sz),
+                   fmt::format("disagrees with num_distributed_optimizer_instances={}: {} replicas in shards of {} make "
+                               "{} instances", p.dp_instances, replicas, sz, replicas / sz));
+      p.dp_instances = replicas / sz;
+    }
+    f.ignore("data_parallel_shard_size");
   }
   const double world = static_cast<double>(p.t) * static_cast<double>(p.p) * static_cast<double>(p.d) *
                        static_cast<double>(p.c);
@@ -816,6 +854,7 @@ Json plan_to_json(const Plan& p) {
     for (const auto& [bit, name] : kRecomputeModuleNames)
       if (p.recompute_modules & bit) j["recompute_modules"].push_back(name);
   }
+  if (p.dp_instances > 1) j["num_distributed_optimizer_instances"] = p.dp_instances;
   if (p.offload_modules) {
     j["fine_grained_activation_offloading"] = true;
     j["offload_modules"] = Json::array();
@@ -869,6 +908,7 @@ std::string plan_to_inline(const Plan& p) {
   if (p.etp > 0 && p.etp != p.t) s += fmt::format(",etp={}", p.etp);
   if (p.recompute == Recompute::selective && p.recompute_modules != kRecomputeCoreAttn)
     s += ",recompute_modules=" + recompute_modules_text(p.recompute_modules, "+");
+  if (p.dp_instances > 1) s += fmt::format(",num_distributed_optimizer_instances={}", p.dp_instances);
   if (p.offload_modules) {
     s += ",offload_modules=" + offload_modules_text(p.offload_modules, "+");
     if (p.activation_offload_fraction != 1.0) s += fmt::format(",activation_offload_fraction={}", p.activation_offload_fraction);
@@ -1047,11 +1087,32 @@ std::vector<Reason> check_plan(const ModelSpec& m, const Cluster& cl, const Plan
       add("offload_host", [&] { return fmt::format("optimizer_offload_fraction={}: cluster {} gives no \"host\" (memory, "
                                                    "its bandwidth, PCIe; hw_profiles/README.md)", p.offload, cl.name); });
   }
+  if (p.dp_instances > 1) {
+    if (p.replicas() % p.dp_instances != 0)
+      add("dp_instances", [&] { return fmt::format("num_distributed_optimizer_instances={} must divide data_parallel x "
+                                                   "context_parallel = {}", p.dp_instances, p.replicas()); });
+    else if (m.moe() && p.expert_replicas() % p.dp_instances != 0)
+      add("dp_instances", [&] { return fmt::format("num_distributed_optimizer_instances={} must divide the experts' "
+                                                   "replicas, {} (Megatron-core splits both data-parallel groups)",
+                                                   p.dp_instances, p.expert_replicas()); });
+    else if (p.dp_instances == p.replicas())
+      add("dp_instances", [&] { return fmt::format("num_distributed_optimizer_instances={} leaves one rank per shard of "
+                                                   "the {} replicas: nothing sharded (zero_stage 0 says that)",
+                                                   p.dp_instances, p.replicas()); });
+    else if (p.zero == 0)
+      add("dp_instances", [&] { return fmt::format("num_distributed_optimizer_instances={} needs zero_stage >= 1: "
+                                                   "instances of a sharded optimizer (without sharding every replica "
+                                                   "holds everything already)", p.dp_instances); });
+    else if (cl.strata_stack)
+      add("dp_instances", [&] { return fmt::format("num_distributed_optimizer_instances={}: {} runs the strata executor, "
+                                                   "which shards over every replica", p.dp_instances, cl.name); });
+  }
   if (p.offload_modules) {
-    if (p.recompute == Recompute::full)
-      add("activation_offload", [&] { return fmt::format("offload_modules {} with recompute=full: a fully recomputed "
-                                                         "layer keeps only its input, none of its modules' activations "
-                                                         "(use recompute none or selective)",
+    if (p.recompute == Recompute::full && p.recompute_layers == 0)
+      add("activation_offload", [&] { return fmt::format("offload_modules {} with recompute=full on every layer: a "
+                                                         "recomputed layer keeps only its input, none of its modules' "
+                                                         "activations (use recompute none or selective, or "
+                                                         "recompute_num_layers for the layers it leaves)",
                                                          offload_modules_text(p.offload_modules, "+")); });
     else if (!m.moe() && (p.offload_modules & kOffloadExpertModules))
       add("activation_offload", [&] { return fmt::format("offload_modules {} names the experts' modules; {} is dense",

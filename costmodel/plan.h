@@ -60,7 +60,7 @@ enum RecomputeModule : unsigned { kRecomputeCoreAttn = 1u, kRecomputeLayernorm =
 // norm, the norm's input too); core_attn Q, K, V and the core's own; attn_proj the
 // projection's input (the core's output, which core_attn's backward needs as well:
 // Megatron takes it only with core_attn); expert_fc1 the experts' token copies, moe_act
-// their fc1 output, fused_group_mlp the three of the experts' MLP (alone).
+// their fc1 output. (fused_group_mlp, Transformer Engine's op fuser's, is refused.)
 enum OffloadModule : unsigned {
   kOffloadAttnNorm = 1u,
   kOffloadQkvLinear = 2u,
@@ -69,10 +69,9 @@ enum OffloadModule : unsigned {
   kOffloadMlpNorm = 16u,
   kOffloadExpertFc1 = 32u,
   kOffloadMoeAct = 64u,
-  kOffloadFusedGroupMlp = 128u,
 };
 // The modules inside the experts' MLP (a mixture-of-experts model's).
-inline constexpr unsigned kOffloadExpertModules = kOffloadExpertFc1 | kOffloadMoeAct | kOffloadFusedGroupMlp;
+inline constexpr unsigned kOffloadExpertModules = kOffloadExpertFc1 | kOffloadMoeAct;
 // Megatron-core's default min_offloaded_tensor_size: smaller tensors stay on the GPU.
 inline constexpr int64_t kMinOffloadedTensorSize = int64_t{1} << 20;
 
@@ -141,6 +140,13 @@ struct Plan {
   // MoE parallel folding: the experts' own layout, etp x ep dividing the tensor x data x
   // context parallel ranks). 0: tensor_parallel, Megatron's default.
   int64_t etp = 0;
+  // num_distributed_optimizer_instances (Megatron-core's partial distributed optimizer;
+  // hybrid sharding, HSDP, in PyTorch FSDP and torchtitan's data_parallel_replicate_degree;
+  // DeepSpeed's MiCS as replicas / mics_shard_size): ZeRO shards over the replicas of one
+  // instance, replicas() / instances consecutive data x context parallel ranks, and the
+  // instances hold alike copies (their shards' gradients all-reduced between them). 1: one
+  // shard group of every replica.
+  int64_t dp_instances = 1;
   // Fine-grained activation offloading (OffloadModule bits; 0: none): Megatron-core's
   // offload_modules, with activation_offload_fraction (the share of each chunk's
   // (layer, module) groups offloaded, the first in forward order) and
@@ -187,6 +193,9 @@ struct Plan {
   // data-parallel group, ranks etp x ep apart). Expert gradients are reduced and ZeRO
   // shards across them.
   int64_t expert_replicas() const { return t * d * c / (expert_tp() * ep); }
+  // The ranks a ZeRO shard group spans (dp_instances): all the replicas, or one instance's.
+  int64_t shard_ranks() const { return replicas() / dp_instances; }
+  int64_t expert_shard_ranks() const { return expert_replicas() / dp_instances; }
   int64_t microbatches() const { return gbs / (mbs * d); }  // per pipeline, per step
   // The interleaved schedule's micro-batch group (schedule.h): as given, else p when it
   // divides the micro-batches (Megatron's default), else the smallest g > p whose last
@@ -216,8 +225,8 @@ Json plan_to_json(const Plan& p);
 unsigned parse_recompute_modules(const Json& v, const std::string& field);
 std::string recompute_modules_text(unsigned bits, const char* sep);
 // --offload-modules: a list of names (a JSON array, or a string of names separated by
-// blanks, '+' or ','), onto OffloadModule bits; Megatron-core's rules on them (attn_proj
-// needs core_attn; fused_group_mlp alone of the experts' modules).
+// blanks, '+' or ','), onto OffloadModule bits; Megatron-core's rule on them (attn_proj
+// needs core_attn).
 unsigned parse_offload_modules(const Json& v, const std::string& field);
 std::string offload_modules_text(unsigned bits, const char* sep);
 std::string plan_to_inline(const Plan& p);

@@ -72,14 +72,17 @@ std::string format_estimate(const ModelSpec& m, const Cluster& cl, const Estimat
                      "moments, fp32 gradients)\n",
                      human_bytes(e.host_memory_bytes), human_bytes(cl.host.memory_bytes),
                      p.offload >= 1 ? std::string("all") : fmt::format("{:g}", p.offload));
-  if (p.offload_modules)
-    o += fmt::format("host      {} of {} per node{}: activations of {} offloaded ({} per GPU{})\n",
-                     human_bytes(e.host_memory_bytes), human_bytes(cl.host.memory_bytes),
-                     p.offload > 0 ? " with the optimizer share above" : "",
-                     offload_modules_text(p.offload_modules, ", "), human_bytes(e.memory.host_activations),
-                     p.activation_offload_fraction < 1
-                         ? fmt::format(", {:g} of each chunk's groups", p.activation_offload_fraction)
-                         : std::string());
+  if (p.offload_modules) {
+    const std::string share = fmt::format("activations of {} offloaded ({} per GPU{})",
+                                          offload_modules_text(p.offload_modules, ", "),
+                                          human_bytes(e.memory.host_activations),
+                                          p.activation_offload_fraction < 1
+                                              ? fmt::format(", {:g} of each chunk's layers", p.activation_offload_fraction)
+                                              : std::string());
+    if (p.offload > 0) o += fmt::format("          and {}, in that total\n", share);
+    else o += fmt::format("host      {} of {} per node: {}\n", human_bytes(e.host_memory_bytes),
+                          human_bytes(cl.host.memory_bytes), share);
+  }
   const TimeBreakdown& t = e.time;
   o += fmt::format("\n{:<22}{:>12}{:>8}   (stage {} finishes last; exposed time only)\n", "time per step", "seconds", "%",
                    e.critical_stage);

@@ -110,7 +110,10 @@ std::string export_megatron(const ModelSpec& m, const Plan& p, const Stack& stac
     if (p.main_params_dtype != OptDtype::fp32) flag(fmt::format("--main-params-dtype {}", to_string(p.main_params_dtype)));
     if (!p.store_param_remainders) flag("--no-store-param-remainders");
   }
+  if (p.dp_instances > 1) flag(fmt::format("--num-distributed-optimizer-instances {}", p.dp_instances));
   if (p.offload_modules) {
+    notes += "# fine-grained activation offloading: Megatron-LM asserts NVTE_CPU_OFFLOAD_V1=1 in the environment "
+             "with Transformer Engine >= 2.10.\n";
     flag("--fine-grained-activation-offloading");
     flag("--offload-modules " + offload_modules_text(p.offload_modules, " "));
     if (p.activation_offload_fraction != 1.0)
@@ -184,6 +187,8 @@ std::string export_deepspeed(const ModelSpec& m, const Plan& p, const Stack& sta
   if (p.zero == 3) {
     z["stage3_prefetch_bucket_size"] = m.layer_params(p.t, p.ep, p.etp);
     z["stage3_param_persistence_threshold"] = 0;
+    // Hybrid sharding: DeepSpeed's MiCS shards ZeRO-3 over groups of this many ranks.
+    if (p.dp_instances > 1) z["mics_shard_size"] = p.shard_ranks();
   }
   if (p.offload > 0) {
     z["offload_optimizer"] = {{"device", "cpu"}, {"pin_memory", true}};
@@ -238,6 +243,8 @@ std::string export_deepspeed(const ModelSpec& m, const Plan& p, const Stack& sta
         {"offload_modules", offload_modules_text(p.offload_modules, ",")},
         {"activation_offload_fraction", p.activation_offload_fraction},
         {"min_offloaded_tensor_size", p.min_offloaded_tensor_size}};
+  // (DeepSpeed shards ZeRO-1/2 over every replica: instances recorded for the launcher.)
+  if (p.dp_instances > 1 && p.zero < 3) split["num_distributed_optimizer_instances"] = p.dp_instances;
   if (p.ep > 1) split["expert_model_parallel_size"] = p.ep;
   if (m.moe() && p.expert_tp() != p.t) split["expert_tensor_parallel_size"] = p.expert_tp();
   if (p.layout) split["pipeline_model_parallel_layout"] = p.layout->text;
@@ -331,7 +338,10 @@ std::string export_bridge(const ModelSpec& m, const Plan& p, const Stack& stack)
                            "exp_avg_dtype {}, exp_avg_sq_dtype {}, main_params_dtype {}.\n",
                            to_string(p.exp_avg_dtype), to_string(p.exp_avg_sq_dtype), to_string(p.main_params_dtype));
   }
+  if (p.dp_instances > 1) set("ddp.num_distributed_optimizer_instances", num(p.dp_instances));
   if (p.offload_modules) {
+    notes += "# fine-grained activation offloading: set NVTE_CPU_OFFLOAD_V1=1 in the job's environment (Megatron-LM "
+             "asserts it with Transformer Engine >= 2.10).\n";
     set("model.fine_grained_activation_offloading", "true");
     set("model.offload_modules", fmt::format("[{}]", offload_modules_text(p.offload_modules, ",")));
     if (p.activation_offload_fraction != 1.0)

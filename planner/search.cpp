@@ -49,6 +49,8 @@ FixedDims parse_fixed(const std::string& text) {
     else if (k == "recompute_num_layers") f.recompute_layers = integer(0, 100000);
     else if (k == "ep" || k == "expert_model_parallel_size") f.ep = integer(1, 1 << 20);
     else if (k == "uneven_split") f.uneven_split = integer(0, 1) == 1;
+    else if (k == "num_distributed_optimizer_instances") f.dp_instances = integer(1, 1 << 20);
+    else if (k == "data_parallel_shard_size") f.dp_shard_size = integer(1, 1 << 20);
     else if (k == "offload" || k == "optimizer_offload_fraction") {
       if (!v.is_number() || v.get<double>() < 0 || v.get<double>() > 1)
         fail_field("--fix " + k, show_value(v), "must be a number in [0, 1]");
@@ -82,14 +84,17 @@ FixedDims parse_fixed(const std::string& text) {
       fail_field("--fix " + k, show_value(v),
                  "unknown key: use tp, pp, dp, cp, vp, mbs, zero, recompute, recompute_num_layers, sp, schedule, "
                  "uneven_split, cp_comm_type, offload, ep, grad_reduce_in_fp32, use_precision_aware_optimizer (and "
-                 "its exp_avg_dtype, exp_avg_sq_dtype, main_params_dtype, store_param_remainders) or offload_modules "
-                 "(and its activation_offload_fraction, min_offloaded_tensor_size)");
+                 "its exp_avg_dtype, exp_avg_sq_dtype, main_params_dtype, store_param_remainders), offload_modules "
+                 "(and its activation_offload_fraction, min_offloaded_tensor_size), num_distributed_optimizer_instances "
+                 "or data_parallel_shard_size");
     }
   }
   if (!optimizer.empty()) {
     const Plan o = plan_from_json(optimizer, "--fix");
     if (o.precision_aware_optimizer) f.optimizer = o;
   }
+  if (f.dp_instances && f.dp_shard_size)
+    throw InputError("--fix: num_distributed_optimizer_instances and data_parallel_shard_size both given: keep one");
   if (!activations.empty()) {
     if (!activations.contains("offload_modules") && !activations.contains("fine_grained_activation_offloading"))
       fail_field("--fix " + activations.begin().key(), show_value(activations.begin().value()),
@@ -101,6 +106,18 @@ FixedDims parse_fixed(const std::string& text) {
 }
 
 namespace {
+
+// --fix's hybrid sharding on a ZeRO >= 1 candidate: its instances, or as many as shard
+// groups of the fixed size make of its replicas (one that does not divide them, or a group
+// of every replica, is given an instance count check_plan refuses: dp_instances).
+void hybrid_sharding(const FixedDims& f, Plan* pl) {
+  if (f.dp_instances) {
+    pl->dp_instances = *f.dp_instances;
+  } else if (f.dp_shard_size) {
+    const int64_t r = pl->replicas(), s = *f.dp_shard_size;
+    pl->dp_instances = r % s == 0 ? r / s : r + 1;  // (r + 1 divides no r: refused)
+  }
+}
 
 // The main gradients' type every candidate takes: --fix grad_reduce_in_fp32, else Megatron's default.
 Tristate grad_reduce_of(const FixedDims& f) {
@@ -355,7 +372,7 @@ SearchResult search(const ModelSpec& m, const Cluster& cl, const SearchOptions& 
     auto fit = flights.find(fkey);
     if (fit == flights.end()) fit = flights.emplace(fkey, in_flight(kind, pl.p, pl.v, mb_count, g)).first;
     const size_t worst = stages_memory(m, cl, pl, lay, cs, fit->second, &mem);
-    const bool host_ok = pl.offload <= 0 || offloaded_host_bytes(cl, pl, mem) <= cl.host.memory_bytes;
+    const bool host_ok = (pl.offload <= 0 && !pl.offload_modules) || offloaded_host_bytes(cl, pl, mem) <= cl.host.memory_bytes;
     const Fit f{mem[worst].peak <= cl.device.memory_bytes && host_ok, mem[worst].peak, &fit->second};
     if (pl.c > 1) fits_by_type.emplace_back(std::move(key), f);
     return f;
@@ -638,6 +655,7 @@ SearchResult search(const ModelSpec& m, const Cluster& cl, const SearchOptions& 
                         pl.cp_comm = cc;
                         pl.offload = offload;
                         if (fx.optimizer && zero == 1) pl.take_optimizer_of(*fx.optimizer);
+                        if (zero >= 1 && (fx.dp_instances || fx.dp_shard_size)) hybrid_sharding(fx, &pl);
                         // One stack for every candidate: sharding alone does not make it modern here.
                         if (zero >= 2) pin_to_plain_stack(cl, stack, pl);
                         Plan q = pl;  // (before run() may set pl's recompute_num_layers)

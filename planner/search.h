@@ -37,6 +37,10 @@ struct FixedDims {
   // (Plan::offload_modules and its settings only; candidates it cannot run, those with full
   // recompute, are rejected as activation_offload).
   std::optional<Plan> activation_offload;
+  // Hybrid sharding for every ZeRO >= 1 candidate: --fix num_distributed_optimizer_instances=N
+  // (N instances) or data_parallel_shard_size=S (shard groups of S replicas, e.g. a node's);
+  // candidates whose replicas it does not split are rejected (dp_instances).
+  std::optional<int64_t> dp_instances, dp_shard_size;
 };
 FixedDims parse_fixed(const std::string& text);  // "tp=8,pp=4,recompute=full"
 

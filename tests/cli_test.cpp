@@ -603,6 +603,13 @@ TEST(Cli, BadInputExits2NamingTheField) {
       {"estimate --model tiny-gpt --cluster local-cpu --plan grad_reduce_in_fp32=0", "reduces its gradients in fp32"},
       {"train --model tiny-gpt --plan grad_reduce_in_fp32=0 --steps 2", "grad_reduce_in_fp32 = false is not implemented"},
       {S + "--gpus 8 --global-batch-size 8 --fix grad_reduce_in_fp32=bf16", "--fix grad_reduce_in_fp32"},
+      // Hybrid sharding
+      {P + "tp=8,dp=4,zero=1,num_distributed_optimizer_instances=3", "must divide data_parallel"},
+      {P + "tp=8,dp=4,zero=0,num_distributed_optimizer_instances=2", "needs zero_stage >= 1"},
+      {P + "tp=8,dp=4,zero=1,data_parallel_shard_size=3", "plan.data_parallel_shard_size"},
+      {P + "tp=8,dp=4,zero=1,num_distributed_optimizer_instances=0", "num_distributed_optimizer_instances"},
+      {S + "--gpus 64 --global-batch-size 64 --fix num_distributed_optimizer_instances=2,data_parallel_shard_size=4", "keep one"},
+      {S + "--gpus 64 --global-batch-size 64 --fix data_parallel_shard_size=0", "--fix data_parallel_shard_size"},
       // Fine-grained activation offloading
       {P + "tp=8,dp=2,offload_modules=attn_proj", "without core_attn"},
       {P + "tp=8,dp=2,offload_modules=core_attn+mlp", "plan.offload_modules"},

@@ -462,55 +462,62 @@ TEST(Compute, WorkSplitsExposedCommunication) {
   EXPECT_NEAR(tp, 2 * (30e-6 + 2048.0 * 12288 * 2 * 1.75 / 150e9), 1e-12);
 }
 
-// Activation offloading's copies: llama2-7b's core_attn + attn_proj, 4 x 2^25 bytes per
-// layer and micro-batch (memory_test), out beside the layer's forward and back beside its
-// backward. On one GPU they go at PCIe's 50 GB/s (2.68 ms), hidden behind the layer's
-// forward and backward; with 1 GB/s (134 ms) the compute waits for the rest. With the
-// node's 8 ranks copying at once through 8 GB/s of host memory bandwidth, each gets 1 GB/s.
-TEST(Compute, ActivationOffloadCopiesBesideTheLayer) {
+// Activation offloading's copies, llama2-7b (memory_test: u = 2^25 bytes per tensor). The
+// forward never waits for its copies out. The backward reloads a layer ahead, so a layer's
+// copies back (qkv_linear 2u; core_attn + attn_proj 5u, O copied by both) hide behind one
+// layer's backward: at 50 GB/s of PCIe nothing shows, at 0.25 GB/s most of them.
+TEST(Compute, ActivationOffloadReloadsALayerAhead) {
   const ModelSpec m = load_model("llama2-7b");
   const Cluster c = testing::round_cluster_with_host();
-  const double bytes = 4 * 33554432.0;
-  auto cost = [&](const Cluster& cl, const std::string& plan) {
+  const double u = 33554432;
+  auto cost = [&](const Cluster& cl, const std::string& plan, std::vector<OpCost>* ops = nullptr) {
     const Plan p = load_plan(plan);
-    return layer_cost(m, cl, p, compute_setup(m, cl, p));
+    return layer_cost(m, cl, p, compute_setup(m, cl, p), ops);
   };
   const LayerCost plain = cost(c, "dp=1");
-  const LayerCost hidden = cost(c, "dp=1,offload_modules=core_attn+attn_proj");
-  ASSERT_GT(plain.forward.total(), bytes / 50e9);
-  EXPECT_EQ(hidden.forward.offload_s, 0);
-  EXPECT_EQ(hidden.backward.offload_s, 0);
+  const LayerCost hidden = cost(c, "dp=1,offload_modules=qkv_linear+core_attn+attn_proj");
   EXPECT_EQ(hidden.forward.total(), plain.forward.total());
   EXPECT_EQ(hidden.backward.total(), plain.backward.total());
   Cluster slow = c;
-  slow.host.pcie_bandwidth_bytes_per_s = 1e9;
-  const LayerCost waits = cost(slow, "dp=1,offload_modules=core_attn+attn_proj");
-  ASSERT_LT(plain.backward.total(), bytes / 1e9);
-  EXPECT_NEAR(waits.forward.offload_s, bytes / 1e9 - plain.forward.total(), 1e-15);
-  EXPECT_NEAR(waits.backward.offload_s, bytes / 1e9 - plain.backward.total(), 1e-15);
-  EXPECT_NEAR(waits.forward.total(), bytes / 1e9, 1e-15);
-  // Half the groups: half the bytes.
-  const LayerCost half = cost(slow, "dp=1,offload_modules=core_attn+attn_proj,activation_offload_fraction=0.5");
-  EXPECT_NEAR(half.forward.total(), bytes / 2e9, 1e-15);
-  Cluster shared = c;
-  shared.host.memory_bandwidth_bytes_per_s = 8e9;
-  EXPECT_NEAR(cost(shared, "dp=8,offload_modules=core_attn+attn_proj").forward.total(), bytes / 1e9, 1e-15);
-  EXPECT_EQ(cost(shared, "dp=1,offload_modules=core_attn+attn_proj").forward.offload_s, 0);
-  // The op list names both copies; the estimate sums what waits as activation_offload.
+  slow.host.pcie_bandwidth_bytes_per_s = 0.25e9;
+  const double bwd = plain.backward.total();
+  ASSERT_GT(2 * u / 0.25e9, bwd);
+  const LayerCost one = cost(slow, "dp=1,offload_modules=qkv_linear");
+  EXPECT_EQ(one.forward.offload_s, 0);
+  EXPECT_NEAR(one.backward.offload_s, 2 * u / 0.25e9 - bwd, 1e-12);
   std::vector<OpCost> ops;
-  const Plan p = load_plan("dp=1,gbs=4,offload_modules=core_attn+attn_proj");
-  layer_cost(m, slow, p, compute_setup(m, slow, p), &ops);
+  const LayerCost two = cost(slow, "dp=1,offload_modules=core_attn+attn_proj", &ops);
+  EXPECT_NEAR(two.backward.offload_s, 5 * u / 0.25e9 - bwd, 1e-12);
+  EXPECT_EQ(two.forward.offload_s, 0);
   int copies = 0;
   for (const OpCost& o : ops)
     if (o.kind == OpKind::offload) {
       ++copies;
-      EXPECT_DOUBLE_EQ(o.bytes, bytes);
-      EXPECT_DOUBLE_EQ(o.time_s, bytes / 1e9);
+      EXPECT_DOUBLE_EQ(o.bytes, 5 * u);
+      EXPECT_DOUBLE_EQ(o.time_s, 5 * u / 0.25e9);
+      EXPECT_DOUBLE_EQ(o.exposed_s, o.phase == Phase::backward ? two.backward.offload_s : 0.0);
     }
   EXPECT_EQ(copies, 2);
+  // Half the layers offload, each whole: half the wait, on average.
+  EXPECT_NEAR(cost(slow, "dp=1,offload_modules=core_attn+attn_proj,activation_offload_fraction=0.5").backward.offload_s,
+              0.5 * two.backward.offload_s, 1e-12);
+  // Selective recompute: the core's replay runs before its backward, more cover (and the
+  // recomputed core moves nothing: attn_proj's u alone).
+  const LayerCost sel_plain = cost(c, "dp=1,recompute=selective");
+  const LayerCost sel = cost(slow, "dp=1,recompute=selective,offload_modules=core_attn+attn_proj");
+  ASSERT_GT(sel_plain.recompute.total(), 0);
+  EXPECT_NEAR(sel.backward.offload_s, u / 0.25e9 - sel_plain.backward.total() - sel_plain.recompute.total(), 1e-12);
+  // The node's 8 ranks copying at once through 2 GB/s of host memory get 0.25 GB/s each.
+  Cluster shared = c;
+  shared.host.memory_bandwidth_bytes_per_s = 2e9;
+  EXPECT_NEAR(cost(shared, "dp=8,offload_modules=core_attn+attn_proj").backward.offload_s, 5 * u / 0.25e9 - bwd, 1e-12);
+  EXPECT_NEAR(cost(shared, "dp=1,offload_modules=core_attn+attn_proj").backward.offload_s,
+              std::max(0.0, 5 * u / 2e9 - bwd), 1e-12);
+  // The estimate sums what waits as activation_offload: 4 micro-batches of 32 layers.
+  const Plan p = load_plan("dp=1,gbs=4,offload_modules=core_attn+attn_proj");
   const Estimate e = estimate(m, slow, p);
   ASSERT_TRUE(e.valid);
-  EXPECT_NEAR(e.time.activation_offload, 4 * 32 * (waits.forward.offload_s + waits.backward.offload_s), 1e-9);
+  EXPECT_NEAR(e.time.activation_offload, 4 * 32 * two.backward.offload_s, 1e-9);
   EXPECT_NEAR(estimate_to_json(e)["time_s"]["activation_offload"].get<double>(), e.time.activation_offload, 1e-12);
   EXPECT_FALSE(estimate_to_json(estimate(m, c, p))["time_s"].contains("activation_offload"));
 }

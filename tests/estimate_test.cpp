@@ -354,6 +354,46 @@ TEST_F(RoundGpt3, ExposedDataParallelReductionAndShardedOptimizer) {
 namespace strata {
 namespace {
 
+// Hybrid sharding (num_distributed_optimizer_instances = 2): tp 8 x dp 16 = 128 GPUs, the
+// 16 replicas one per node. ZeRO-1 shards over each instance's 8 consecutive replicas (8
+// nodes: 10 GB/s busbw, 3 steps of 10 us), whose shards' gradients (1/8 of them) are then
+// all-reduced between the 2 instances (2 nodes: 1 step each way); the weights are gathered
+// within the instance. Each rank keeps and steps 1/8 of the optimizer, as with dp 8.
+TEST_F(RoundGpt3, HybridShardingReducesWithinAndBetweenInstances) {
+  const Plan p = load_plan("tp=8,dp=16,gbs=16,zero=1,num_distributed_optimizer_instances=2");
+  const Estimate e = estimate(m, c, p);
+  ASSERT_TRUE(e.valid);
+  const double P = e.memory.params;
+  const double rs = 30e-6 + 4.0 * P * 0.875 / 10e9, ar = 20e-6 + 4.0 * P / 8 / 10e9, ag = 30e-6 + 2.0 * P * 0.875 / 10e9;
+  EXPECT_NEAR(e.time.dp_comm, rs + ar + ag, 1e-9);
+  EXPECT_NEAR(e.time.optimizer, optimizer_time(c.device, p, 4, P / 8, P), 1e-15);
+  const Estimate eight = estimate(m, c, load_plan("tp=8,dp=8,gbs=8,zero=1"));
+  EXPECT_DOUBLE_EQ(e.memory.optimizer_states, eight.memory.optimizer_states);
+  EXPECT_DOUBLE_EQ(e.memory.optimizer_states, 12 * P / 8);
+  // Without instances the 16 replicas shard 1/16 each, over 16 nodes (4 steps).
+  const Estimate all = estimate(m, c, load_plan("tp=8,dp=16,gbs=16,zero=1"));
+  EXPECT_NEAR(all.time.dp_comm, 40e-6 + 4.0 * P * 15 / 16 / 10e9 + 40e-6 + 2.0 * P * 15 / 16 / 10e9, 1e-9);
+  EXPECT_DOUBLE_EQ(all.memory.optimizer_states, 12 * P / 16);
+  // ZeRO-3: every layer's shard of its gradient is all-reduced between the instances each
+  // micro-batch, after its reduce-scatter: 4 bytes x layer parameters / 8, over 2 nodes.
+  const Plan z3 = load_plan("tp=8,dp=16,gbs=16,zero=3,num_distributed_optimizer_instances=2");
+  std::vector<OpCost> ops;
+  layer_cost(m, c, z3, compute_setup(m, c, z3), &ops);
+  const double lp = static_cast<double>(m.layer_params(8));
+  int found = 0;
+  for (const OpCost& o : ops)
+    if (o.name == "hsdp_all_reduce") {
+      ++found;
+      EXPECT_EQ(o.phase, Phase::backward);
+      EXPECT_DOUBLE_EQ(o.bytes, 4.0 * lp / 8);
+      EXPECT_NEAR(o.time_s, 20e-6 + 4.0 * lp / 8 / 10e9, 1e-15);
+    } else if (o.name == "zero3_reduce_scatter" || o.name == "zero3_all_gather") {
+      EXPECT_NEAR(o.time_s, 30e-6 + o.bytes * 0.875 / 10e9, 1e-15) << o.name;  // within the instance: 8 ranks
+    }
+  EXPECT_EQ(found, 1);
+  EXPECT_DOUBLE_EQ(estimate(m, c, z3).memory.weights, 2.0 * estimate(m, c, z3).memory.params / 8);
+}
+
 TEST_F(RoundGpt3, PartialRecomputeSitsBetweenNoneAndFull) {
   // tp 8, pp 8: 12 layers per stage; stage 0 of 1F1B keeps 8 micro-batches in flight.
   // Recomputing 4 of the 12 layers keeps the other 8 whole: activations grow over full

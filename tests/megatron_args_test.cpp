@@ -102,7 +102,8 @@ TEST(MegatronArgs, ExportedFlagsReadBackAsThePlan) {
         "tp=8,pp=1,dp=8,mbs=1,gbs=64,zero=1,use_precision_aware_optimizer=1,exp_avg_dtype=bf16,"
         "exp_avg_sq_dtype=bf16,store_param_remainders=0,grad_reduce_in_fp32=0,precision=bf16",
         "tp=4,pp=8,dp=2,vp=5,mbs=1,gbs=256,zero=1,sp=1,recompute=selective,offload_modules=qkv_linear+core_attn+attn_proj,"
-        "activation_offload_fraction=0.75,min_offloaded_tensor_size=65536,precision=fp8"}) {
+        "activation_offload_fraction=0.75,min_offloaded_tensor_size=65536,precision=fp8",
+        "tp=8,pp=1,dp=16,mbs=1,gbs=64,zero=1,num_distributed_optimizer_instances=2,precision=bf16"}) {
     const Plan p = load_plan(inline_plan);
     const std::string flags = export_megatron(m, p, resolve_stack(m, load_cluster("dgx-h100-80g"), p)) +
                               fmt::format(" --vocab-size {}", m.V);
@@ -122,6 +123,7 @@ TEST(MegatronArgs, ExportedFlagsReadBackAsThePlan) {
     EXPECT_EQ(std::tie(q.exp_avg_dtype, q.exp_avg_sq_dtype, q.main_params_dtype, q.store_param_remainders),
               std::tie(p.exp_avg_dtype, p.exp_avg_sq_dtype, p.main_params_dtype, p.store_param_remainders))
         << inline_plan << "\n" << flags;
+    EXPECT_EQ(q.dp_instances, p.dp_instances) << inline_plan << "\n" << flags;
     EXPECT_EQ(std::tie(q.offload_modules, q.activation_offload_fraction, q.min_offloaded_tensor_size),
               std::tie(p.offload_modules, p.activation_offload_fraction, p.min_offloaded_tensor_size))
         << inline_plan << "\n" << flags;

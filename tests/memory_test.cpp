@@ -340,71 +340,90 @@ TEST(Memory, OffloadMovesTheOptimizerShareToTheHost) {
   EXPECT_DOUBLE_EQ(legacy.optimizer_states, 0);
 }
 
-// stage_memories() reuses a middle stage's shape for the next stage with the same layers:
-// every term must equal stage_memory() of that stage alone, to the bit, on plans with
-// uneven layouts, partial recompute, interleaving and every ZeRO stage.
 // Fine-grained activation offloading (Megatron-core's offload_modules), llama2-7b (H = 4096,
 // 32 heads of 128, no GQA), one micro-batch of S = 4096 on one tensor-parallel rank, bf16
 // (e = 2), FlashAttention on the modern stack; each tensor below is 4096 x 4096 = 2^24
-// elements, 2^25 bytes:
-//   qkv_linear  the fused norm's input and the QKV input             2 x 2^25 = 67,108,864
-//   core_attn   Q, K, V (its log-sum-exp, 32 x 4096 = 131,072 fp32
-//               values, is under Megatron's 2^20-element least)        3 x 2^25 = 100,663,296
-//   attn_proj   the projection's input (the core's output)              2^25    = 33,554,432
+// elements, u = 2^25 bytes. What each group frees on the GPU and copies to the host:
+//   qkv_linear  the fused norm's input and the QKV input                    2u / 2u
+//   core_attn   Q, K, V, and its output O (the projection's input, freed
+//               with attn_proj's group); its log-sum-exp, 32 x 4096 fp32
+//               values, is under Megatron's 2^20-element least              3u / 4u
+//   attn_proj   O                                                           u / u
 //   attn_norm, mlp_norm: fused into the linear layers, nothing.
-// fp8: the QKV and projection inputs are 1-byte copies, and the core keeps its 2-byte
-// output (core_attn's): qkv 2^25 + 2^24, core 4 x 2^25, proj 2^24.
+// fp8: the QKV and projection inputs are 1-byte copies, and the core keeps its 2-byte O of
+// its own: qkv 1.5u, core 4u / 4u, proj u/2.
 TEST(Memory, ActivationOffloadBytesByModule) {
   const ModelSpec m = load_model("llama2-7b");
   const Cluster c = testing::round_cluster_with_host();
   auto off = [&](const std::string& plan) {
     const Plan p = load_plan(plan);
-    return layer_offload_bytes(m, p, compute_setup(m, c, p));
+    return layer_offload(m, p, compute_setup(m, c, p));
   };
   const double u = 33554432;  // 2^25
-  EXPECT_EQ(off("dp=1"), 0);
-  EXPECT_DOUBLE_EQ(off("offload_modules=qkv_linear"), 2 * u);
-  EXPECT_DOUBLE_EQ(off("offload_modules=core_attn"), 3 * u);
-  EXPECT_DOUBLE_EQ(off("offload_modules=core_attn+attn_proj"), 4 * u);
-  EXPECT_DOUBLE_EQ(off("offload_modules=qkv_linear+core_attn+attn_proj"), 6 * u);
-  EXPECT_DOUBLE_EQ(off("offload_modules=attn_norm+mlp_norm"), 0);
-  EXPECT_DOUBLE_EQ(off("offload_modules=core_attn,min_offloaded_tensor_size=0"), 3 * u + 4.0 * 32 * 4096);
-  EXPECT_DOUBLE_EQ(off("offload_modules=core_attn,min_offloaded_tensor_size=16777217"), 0);  // 2^24 + 1
-  EXPECT_DOUBLE_EQ(off("offload_modules=qkv_linear+core_attn+attn_proj,precision=fp8"),
-                   (u + u / 2) + 4 * u + u / 2);
-  // Recomputed modules keep less: the core recomputed keeps Q, K, V (and with fp8 no 16-bit
-  // output); recomputed norms keep no QKV input.
-  EXPECT_DOUBLE_EQ(off("offload_modules=core_attn+attn_proj,recompute=selective,precision=fp8"), 3 * u + u / 2);
-  EXPECT_DOUBLE_EQ(off("offload_modules=qkv_linear,recompute_modules=layernorm"), u);
-  EXPECT_DOUBLE_EQ(off("offload_modules=qkv_linear,recompute=full"), 0);
+  EXPECT_EQ(off("dp=1").n, 0);
+  auto expect = [&](const std::string& plan, double freed, double copied) {
+    const LayerOffload lo = off(plan);
+    EXPECT_DOUBLE_EQ(lo.freed, freed) << plan;
+    EXPECT_DOUBLE_EQ(lo.copied, copied) << plan;
+  };
+  expect("offload_modules=qkv_linear", 2 * u, 2 * u);
+  expect("offload_modules=core_attn", 3 * u, 4 * u);
+  expect("offload_modules=core_attn+attn_proj", 4 * u, 5 * u);
+  expect("offload_modules=qkv_linear+core_attn+attn_proj", 6 * u, 7 * u);
+  expect("offload_modules=attn_norm+mlp_norm", 0, 0);
+  expect("offload_modules=core_attn,min_offloaded_tensor_size=0", 3 * u + 4.0 * 32 * 4096, 4 * u + 4.0 * 32 * 4096);
+  expect("offload_modules=core_attn,min_offloaded_tensor_size=16777217", 0, 0);  // 2^24 + 1
+  expect("offload_modules=qkv_linear+core_attn+attn_proj,precision=fp8", 1.5 * u + 4 * u + u / 2, 1.5 * u + 4 * u + u / 2);
+  // The groups in the order of the backward.
+  const LayerOffload order = off("offload_modules=qkv_linear+core_attn+attn_proj");
+  ASSERT_EQ(order.n, 3);
+  EXPECT_EQ(order.group[0].module, kOffloadAttnProj);
+  EXPECT_EQ(order.group[1].module, kOffloadCoreAttn);
+  EXPECT_EQ(order.group[2].module, kOffloadQkvLinear);
+  // A recomputed core runs outside its group (core_attn moves nothing); recomputed norms keep
+  // no QKV input; a fully recomputed layer keeps its input only.
+  expect("offload_modules=core_attn+attn_proj,recompute=selective,precision=fp8", u / 2, u / 2);
+  expect("offload_modules=core_attn+attn_proj,recompute=selective", u, u);
+  expect("offload_modules=qkv_linear,recompute_modules=layernorm", u, u);
+  expect("offload_modules=qkv_linear,recompute=full", 0, 0);
   // Never more than the layer keeps.
   const Plan all = load_plan("offload_modules=qkv_linear+core_attn+attn_proj,min_offloaded_tensor_size=0");
   EXPECT_LT(layer_offload_bytes(m, all, compute_setup(m, c, all)), layer_activation_bytes(m, all, compute_setup(m, c, all)));
 }
 
-// qwen3-30b-a3b (H = 2048, 128 experts of 768, top 8), ep = 8: one rank's 16 experts see
-// the 4096 x 8 = 32,768 token copies, 2,048 each; bf16.
-//   mlp_norm         the pre-MLP norm's input: 4096 x 2048 x 2                 = 16,777,216
-//   expert_fc1       16 experts' inputs, 2048 x 2048 x 2 each (2^22 elements)   = 134,217,728
-//   moe_act          their fc1 output, 32,768 x 1536 x 2                        = 100,663,296
-//   fused_group_mlp  those two and the fc2 inputs, 16 x 2048 x 768 x 2          = 285,212,672
+// qwen3-30b-a3b (H = 2048, 128 experts of 768, top 8): a rank's experts see the 4096 x 8 =
+// 32,768 token copies; bf16.
+//   mlp_norm    the pre-MLP norm's input: 4096 x 2048 x 2                        16,777,216
+//   expert_fc1  the token copies' original 16-bit input, one tensor, 32,768 x 2048 x 2
+//               (with fp8 it frees the 1-byte copy the layer kept, half that)    134,217,728
+//   moe_act     their fc1 output, 32,768 x 1536 x 2                              100,663,296
+// The same with ep = 1 (one expert's share, 256 x 2048, would be under the least size: the
+// input is one tensor).
 TEST(Memory, ActivationOffloadOfTheExperts) {
   const ModelSpec m = load_model("qwen3-30b-a3b");
   const Cluster c = testing::round_cluster_with_host();
-  auto off = [&](const std::string& mods) {
-    const Plan p = load_plan("dp=8,ep=8,offload_modules=" + mods);
-    return layer_offload_bytes(m, p, compute_setup(m, c, p));
+  auto off = [&](const std::string& plan) {
+    const Plan p = load_plan(plan);
+    return layer_offload(m, p, compute_setup(m, c, p));
   };
-  EXPECT_DOUBLE_EQ(off("mlp_norm"), 16777216);
-  EXPECT_DOUBLE_EQ(off("expert_fc1"), 134217728);
-  EXPECT_DOUBLE_EQ(off("moe_act"), 100663296);
-  EXPECT_DOUBLE_EQ(off("fused_group_mlp"), 134217728 + 100663296 + 50331648);
-  EXPECT_DOUBLE_EQ(off("expert_fc1+moe_act+mlp_norm"), 134217728 + 100663296 + 16777216);
+  EXPECT_DOUBLE_EQ(off("dp=8,ep=8,offload_modules=mlp_norm").copied, 16777216);
+  EXPECT_DOUBLE_EQ(off("dp=8,ep=8,offload_modules=expert_fc1").copied, 134217728);
+  EXPECT_DOUBLE_EQ(off("dp=8,ep=8,offload_modules=moe_act").copied, 100663296);
+  EXPECT_DOUBLE_EQ(off("dp=8,ep=1,offload_modules=expert_fc1").copied, 134217728);
+  const LayerOffload fp8 = off("dp=8,ep=8,offload_modules=expert_fc1+moe_act+mlp_norm,precision=fp8");
+  EXPECT_DOUBLE_EQ(fp8.copied, 134217728 + 100663296 + 16777216);
+  EXPECT_DOUBLE_EQ(fp8.freed, 134217728 / 2 + 100663296 + 16777216);
+  ASSERT_EQ(fp8.n, 3);
+  EXPECT_EQ(fp8.group[0].module, kOffloadMoeAct);
+  EXPECT_EQ(fp8.group[1].module, kOffloadExpertFc1);
+  EXPECT_EQ(fp8.group[2].module, kOffloadMlpNorm);
 }
 
 // A stage's peak with offloading: llama2-7b on 2 stages of 16 layers, stage 0 with 2
-// micro-batches in flight. Its activations lose f x 16 x 2 layers' offloaded bytes and keep
-// two layers' (the backward's, reloaded, and Megatron's margin); the host holds what left.
+// micro-batches in flight, core_attn + attn_proj (4u freed, 5u copied per layer). Its
+// activations lose f x 16 x 2 layers' freed bytes and keep two layers' (Megatron's margin,
+// the layer whose backward runs, and the layer below it being reloaded); the host holds the
+// copies.
 TEST(Memory, ActivationOffloadMovesActivationsToTheHost) {
   const ModelSpec m = load_model("llama2-7b");
   const Cluster c = testing::round_cluster_with_host();
@@ -415,20 +434,26 @@ TEST(Memory, ActivationOffloadMovesActivationsToTheHost) {
   };
   const MemoryBreakdown none = memory("pp=2,gbs=8");
   EXPECT_EQ(none.host_activations, 0);
-  const double off = 4 * 33554432.0;  // core_attn + attn_proj (above)
+  const double u = 33554432;
   for (double f : {1.0, 0.5}) {
     const MemoryBreakdown mb =
         memory(fmt::format("pp=2,gbs=8,offload_modules=core_attn+attn_proj,activation_offload_fraction={}", f));
-    EXPECT_DOUBLE_EQ(mb.activations, none.activations - f * 32 * off + 2 * off) << f;
-    EXPECT_DOUBLE_EQ(mb.host_activations, f * 32 * off) << f;
+    EXPECT_DOUBLE_EQ(mb.activations, none.activations - f * 32 * 4 * u + 2 * 4 * u) << f;
+    EXPECT_DOUBLE_EQ(mb.host_activations, f * 32 * 5 * u) << f;
     EXPECT_DOUBLE_EQ(mb.weights + mb.gradients + mb.optimizer_states, none.weights + none.gradients + none.optimizer_states);
   }
+  // Partial recompute: the 4 recomputed layers of each stage keep their input, the other 12
+  // offload.
+  const MemoryBreakdown part = memory("pp=2,gbs=8,recompute=full,recompute_num_layers=4,offload_modules=core_attn+attn_proj");
+  const MemoryBreakdown part_none = memory("pp=2,gbs=8,recompute=full,recompute_num_layers=4");
+  EXPECT_DOUBLE_EQ(part.host_activations, 2 * 12 * 5 * u);
+  EXPECT_DOUBLE_EQ(part.activations, part_none.activations - 2 * 12 * 4 * u + 2 * 4 * u);
   // The estimate: the node's ranks' host bytes, and a node whose host cannot hold them does
   // not fit.
   Plan p = load_plan("pp=2,dp=4,gbs=64,offload_modules=core_attn+attn_proj");
   const Estimate e = estimate(m, c, p);
   ASSERT_TRUE(e.valid);
-  EXPECT_DOUBLE_EQ(e.host_memory_bytes, 8 * 2 * 16 * off);  // 8 ranks, stage 0's 2 micro-batches of 16 layers
+  EXPECT_DOUBLE_EQ(e.host_memory_bytes, 8 * 2 * 16 * 5 * u);  // 8 ranks, stage 0's 2 micro-batches of 16 layers
   EXPECT_TRUE(e.fits);
   Cluster small = c;
   small.host.memory_bytes = e.host_memory_bytes * 0.99;
@@ -439,6 +464,9 @@ TEST(Memory, ActivationOffloadMovesActivationsToTheHost) {
   EXPECT_FALSE(j["host_memory_bytes"].contains("optimizer_offload_per_gpu"));
 }
 
+// stage_memories() reuses a middle stage's shape for the next stage with the same layers:
+// every term must equal stage_memory() of that stage alone, to the bit, on plans with
+// uneven layouts, partial recompute, interleaving and every ZeRO stage.
 TEST(Memory, AllStagesAtOnceEqualEachStageAlone) {
   const Cluster c = testing::round_cluster();
   int stages = 0;

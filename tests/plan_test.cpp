@@ -270,10 +270,6 @@ TEST(Plan, GradReduceInFp32) {
   EXPECT_NE(cpu.at(0).message.find("strata executor"), std::string::npos);
 }
 
-// Megatron-core's precision-aware optimizer: its switch and the types of its tensors (this
-// schema's and torch's spellings), round trips, Megatron's main_grads_dtype onto
-// grad_reduce_in_fp32, and the rules (its distributed optimizer, 16-bit or fp8
-// parameters, not the strata executor; a type without the switch).
 // Megatron-core's fine-grained activation offloading: offload_modules (a list, or names
 // joined by '+'), activation_offload_fraction, min_offloaded_tensor_size; Megatron's rules.
 TEST(Plan, ActivationOffloading) {
@@ -305,6 +301,7 @@ TEST(Plan, ActivationOffloading) {
           "needs offload_modules");
   refused(R"({"offload_modules":["attn_proj"]})", "plan.offload_modules", "without core_attn");
   refused(R"({"offload_modules":"fused_group_mlp+moe_act"})", "plan.offload_modules", "fused_group_mlp");
+  refused(R"({"offload_modules":["fused_group_mlp"]})", "plan.offload_modules", "op fuser");
   refused(R"({"offload_modules":["gdp_qkv"]})", "plan.offload_modules", "gated delta-net");
   refused(R"({"offload_modules":["mlp"]})", "plan.offload_modules", "must be one of");
   refused(R"({"offload_modules":[]})", "plan.offload_modules", "at least one module");
@@ -312,8 +309,12 @@ TEST(Plan, ActivationOffloading) {
   refused(R"({"offload_modules":["core_attn"],"activation_offload_fraction":1.5})", "plan.activation_offload_fraction",
           "");
   refused(R"({"offload_modules":["core_attn"],"min_offloaded_tensor_size":-1})", "plan.min_offloaded_tensor_size", "");
-  refused(R"({"offload_modules":["core_attn"],"delta_offload_bytes_across_pp_ranks":1073741824})",
+  refused(R"({"pipeline_parallel":2,"offload_modules":["core_attn"],"delta_offload_bytes_across_pp_ranks":1073741824})",
           "plan.delta_offload_bytes_across_pp_ranks", "not modelled");
+  // (0, as a real too, and any value with one stage, which keeps nothing back: Megatron's reading.)
+  EXPECT_EQ(json_message(R"({"pipeline_parallel":2,"offload_modules":["core_attn"],"delta_offload_bytes_across_pp_ranks":0.0})"),
+            "no error");
+  EXPECT_EQ(json_message(R"({"offload_modules":["core_attn"],"delta_offload_bytes_across_pp_ranks":1073741824})"), "no error");
   // The rules against a model and a cluster.
   const ModelSpec llama = load_model("llama3-8b");
   const Cluster h100 = load_cluster("dgx-h100-80g");
@@ -321,6 +322,8 @@ TEST(Plan, ActivationOffloading) {
   EXPECT_EQ(check_plan(llama, h100, load_plan("dp=8,recompute=full,offload_modules=core_attn")).at(0).key,
             "activation_offload");
   EXPECT_TRUE(check_plan(llama, h100, load_plan("dp=8,recompute=selective,offload_modules=core_attn")).empty());
+  EXPECT_TRUE(check_plan(llama, h100, load_plan("dp=8,recompute=full,recompute_num_layers=8,offload_modules=core_attn"))
+                  .empty());
   const std::vector<Reason> dense = check_plan(llama, h100, load_plan("dp=8,offload_modules=expert_fc1"));
   ASSERT_FALSE(dense.empty());
   EXPECT_EQ(dense.at(0).key, "activation_offload");
@@ -343,6 +346,52 @@ TEST(Plan, ActivationOffloading) {
   EXPECT_NE(none.at(0).message.find("host"), std::string::npos);
 }
 
+// Hybrid sharding: Megatron-core's num_distributed_optimizer_instances, or the ranks of one
+// shard group (torchtitan's data_parallel_shard_degree, DeepSpeed's MiCS mics_shard_size).
+TEST(Plan, HybridSharding) {
+  const Plan p = load_plan("tp=2,dp=16,zero=3,num_distributed_optimizer_instances=4");
+  EXPECT_EQ(p.dp_instances, 4);
+  EXPECT_EQ(p.shard_ranks(), 4);
+  for (const Plan& q : {load_plan(plan_to_inline(p)), plan_from_json(plan_to_json(p), "plan")}) EXPECT_EQ(q.dp_instances, 4);
+  EXPECT_FALSE(plan_to_json(load_plan("dp=8")).contains("num_distributed_optimizer_instances"));
+  auto instances = [](const char* json) { return plan_from_json(Json::parse(json), "plan").dp_instances; };
+  EXPECT_EQ(instances(R"({"data_parallel":16,"context_parallel":2,"zero_stage":3,"data_parallel_shard_size":8})"), 4);
+  EXPECT_EQ(instances(R"({"data_parallel":16,"zero_stage":3,"data_parallel_replicate_degree":2,
+                          "data_parallel_shard_degree":-1})"), 2);
+  EXPECT_EQ(instances(R"({"data_parallel":16,"zero_stage":3,"data_parallel_shard_degree":8})"), 2);
+  EXPECT_EQ(instances(R"({"data_parallel_size":32,"zero_optimization":{"stage":3,"mics_shard_size":8}})"), 4);
+  EXPECT_EQ(instances(R"({"data_parallel_size":32,"zero_optimization":{"stage":3,"mics_shard_size":-1}})"), 1);
+  EXPECT_EQ(plan_from_json(Json::parse(R"({"data_parallel_size":32,"zero_optimization":{"stage":3,"mics_shard_size":8}})"),
+                           "plan").zero, 3);
+  EXPECT_NE(json_message(R"({"data_parallel":16,"data_parallel_shard_size":6})").find("plan.data_parallel_shard_size"),
+            std::string::npos);
+  EXPECT_NE(json_message(R"({"data_parallel":16,"data_parallel_shard_size":4,"num_distributed_optimizer_instances":2})")
+                .find("disagrees"),
+            std::string::npos);
+  EXPECT_NE(json_message(R"({"num_distributed_optimizer_instances":0})").find("plan.num_distributed_optimizer_instances"),
+            std::string::npos);
+  const ModelSpec llama = load_model("llama3-8b");
+  const Cluster h100 = load_cluster("dgx-h100-80g");
+  EXPECT_TRUE(check_plan(llama, h100, load_plan("dp=16,zero=1,num_distributed_optimizer_instances=2")).empty());
+  for (const char* bad : {"dp=16,zero=1,num_distributed_optimizer_instances=3", "dp=16,zero=1,num_distributed_optimizer_instances=16",
+                          "dp=16,zero=0,num_distributed_optimizer_instances=2"}) {
+    const std::vector<Reason> r = check_plan(llama, h100, load_plan(bad));
+    ASSERT_FALSE(r.empty()) << bad;
+    EXPECT_EQ(r.at(0).key, "dp_instances") << bad;
+  }
+  // The experts' replicas split too: qwen3-30b-a3b with dp 8, ep 8 has one expert replica.
+  EXPECT_EQ(check_plan(load_model("qwen3-30b-a3b"), h100, load_plan("dp=8,ep=8,zero=1,num_distributed_optimizer_instances=2"))
+                .at(0).key, "dp_instances");
+  const std::vector<Reason> cpu = check_plan(load_model("tiny-llama"), load_cluster("local-cpu"),
+                                             load_plan("dp=4,zero=1,num_distributed_optimizer_instances=2"));
+  ASSERT_FALSE(cpu.empty());
+  EXPECT_EQ(cpu.at(0).key, "dp_instances");
+}
+
+// Megatron-core's precision-aware optimizer: its switch and the types of its tensors (this
+// schema's and torch's spellings), round trips, Megatron's main_grads_dtype onto
+// grad_reduce_in_fp32, and the rules (its distributed optimizer, 16-bit or fp8
+// parameters, not the strata executor; a type without the switch).
 TEST(Plan, PrecisionAwareOptimizer) {
   const Plan p = load_plan("dp=8,zero=1,use_precision_aware_optimizer=1,exp_avg_dtype=bf16,exp_avg_sq_dtype=fp8,"
                            "store_param_remainders=0");
