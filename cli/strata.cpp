@@ -415,7 +415,8 @@ int cmd_plan(const std::vector<std::string>& argv) {
       compare.grad_reduce_in_fp32 = *so.fixed.grad_reduce_in_fp32 ? Tristate::on : Tristate::off;
     if (so.fixed.optimizer && compare.zero == 1 && !compare.precision_aware_optimizer)
       compare.take_optimizer_of(*so.fixed.optimizer);
-    if (so.fixed.activation_offload && !compare.offload_modules && compare.recompute != Recompute::full)
+    if (so.fixed.activation_offload && !compare.offload_modules &&
+        (compare.recompute != Recompute::full || compare.recompute_layers > 0))
       compare.take_activation_offload_of(*so.fixed.activation_offload);
     // Costed on the stack the search compares its candidates on (pin_to_plain_stack).
     pin_to_plain_stack(cl, search_stack(m, cl, so), compare);

@@ -671,7 +671,7 @@ void layer_backward(Acc& a) {
 // shard is then all-reduced between the instances, on the same stream, behind what the
 // collectives before it left of the window.
 void sharded_traffic(Acc& a, double params, const GroupSpan& group, const GroupSpan& across) {
-  if (a.p.zero < 2 || group.size <= 1 || params <= 0) return;
+  if (a.p.zero < 2 || (group.size <= 1 && across.size <= 1) || params <= 0) return;
   const double fwd = Acc::on_stream(a.lc.forward);
   const double bwd = Acc::on_stream(a.lc.backward) + Acc::on_stream(a.lc.recompute);
   const double g = a.cs.grad_bytes * params;

@@ -216,8 +216,10 @@ DpTail data_parallel_tail(const ModelSpec& m, const Cluster& cl, const Plan& p, 
   // reduce-scatter (Megatron-core's partial distributed optimizer).
   const GroupSpan dp = group_span(p.shard_ranks(), p.t, N), dp_across = group_span(I, p.t * p.shard_ranks(), N);
   double reduce = 0, gather = 0;
+  // (A shard group of one rank still all-reduces between the instances: with ZeRO-1 an
+  // expert replica per instance is a plain data-parallel replica.)
   auto over = [&](const GroupSpan& g, const GroupSpan& across, double n) {
-    if (g.size <= 1) return;
+    if (g.size <= 1 && across.size <= 1) return;
     if (p.zero == 0) reduce += collective_time(cl, g, Collective::all_reduce, cs.grad_bytes * n);
     if (p.zero == 1) {
       reduce += collective_time(cl, g, Collective::reduce_scatter, cs.grad_bytes * n);

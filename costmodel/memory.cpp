@@ -443,11 +443,14 @@ StageShape stage_shape(const ModelSpec& m, const Plan& p, const StageLayout& lay
     bool every_layer_recomputed = p.recompute == Recompute::full;
     for (int64_t c = 0; c < lay.v && every_layer_recomputed; ++c)
       every_layer_recomputed = p.recomputed_layers(lay.chunk_layers(s, c)) == lay.chunk_layers(s, c);
-    if (every_layer_recomputed) working += in.per_full_layer;
+    // (per_full_layer is what an offloading layer keeps; the rebuilt layer is whole.)
+    const double offloaded = p.activation_offload_fraction * in.offload_freed;
+    if (every_layer_recomputed) working += in.per_full_layer + (p.recompute == Recompute::full ? offloaded : 0.0);
     // Offloaded activations: Megatron-core keeps one layer's groups on the GPU (each
     // module's last group of the first chunk backwarded, its margin: the layer whose
-    // backward runs at the peak) and reloads the layer below's while it runs.
-    if (in.offload_freed > 0 && p.activation_offload_fraction > 0) working += 2.0 * in.offload_freed;
+    // backward runs at the peak) and reloads the layer below's while it runs; a stage whose
+    // every layer is recomputed offloads nothing.
+    if (offloaded > 0 && !every_layer_recomputed) working += 2.0 * in.offload_freed;
     // Selective recompute of an unfused core rebuilds one layer's S x S probabilities.
     if (p.recomputes(kRecomputeCoreAttn) && cs.attention == AttentionKernel::unfused)
       working += cs.act_bytes * static_cast<double>(p.mbs) * static_cast<double>(m.A / p.t) *

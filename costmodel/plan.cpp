@@ -145,11 +145,13 @@ void adopt_offload(Json& j, const std::string& source) {
   if (!j.contains("zero_optimization") || !j.at("zero_optimization").is_object()) return;
   Json& z = j["zero_optimization"];
   const std::string zp = source + ".zero_optimization";
-  // DeepSpeed's MiCS: ZeRO-3 sharded over groups of mics_shard_size ranks (-1: off).
+  // DeepSpeed's MiCS: ZeRO-3 sharded over groups of mics_shard_size ranks (0 or less: off;
+  // DeepSpeed reads it with stage 3 only).
   if (z.contains("mics_shard_size")) {
     const Json v = z.at("mics_shard_size");
     z.erase("mics_shard_size");
-    if (!v.is_null() && !(v.is_number_integer() && v.get<int64_t>() == -1)) {
+    const bool stage3 = z.contains("stage") && z.at("stage") == Json(3);
+    if (stage3 && !v.is_null() && !(v.is_number() && v.get<double>() <= 0)) {
       if (j.contains("data_parallel_shard_size"))
         throw InputError(fmt::format("{}.data_parallel_shard_size: given twice (as 'data_parallel_shard_size' and "
                                      "'zero_optimization.mics_shard_size'): keep one", source));
@@ -203,8 +205,7 @@ void adopt_foreign_names(Json& j, const std::string& source) {
            {"world_size", "num_gpus"},
            {"num_layers_in_first_pipeline_stage", "decoder_first_pipeline_num_layers"},
            {"num_layers_in_last_pipeline_stage", "decoder_last_pipeline_num_layers"},
-           {"data_parallel_replicate_degree", "num_distributed_optimizer_instances"},
-           {"data_parallel_shard_degree", "data_parallel_shard_size"}})
+           {"data_parallel_replicate_degree", "num_distributed_optimizer_instances"}})
     adopt_key(j, source, from, to);
   adopt_key(j, source, "recompute_activations", "recompute",
             [](const Json& v, const std::string& path) { return true_or_null(v, path, "selective"); });
@@ -535,7 +536,8 @@ Plan plan_from_json(const Json& in, const std::string& source) {
                            "exp_avg_dtype", "exp_avg_sq_dtype", "main_params_dtype", "store_param_remainders",
                            "fine_grained_activation_offloading", "offload_modules", "activation_offload_fraction",
                            "min_offloaded_tensor_size", "delta_offload_bytes_across_pp_ranks",
-                           "num_distributed_optimizer_instances", "data_parallel_shard_size", "description"});
+                           "num_distributed_optimizer_instances", "data_parallel_shard_size",
+                           "data_parallel_shard_degree", "description"});
   Plan p;
   p.t = f.integer_or("tensor_parallel", 1, 1, kMaxDegree);
   p.p = f.integer_or("pipeline_parallel", 1, 1, kMaxDegree);
@@ -676,28 +678,39 @@ Plan plan_from_json(const Json& in, const std::string& source) {
                           "delta_offload_bytes_across_pp_ranks"})
       f.ignore(k);
   }
-  // Hybrid sharding: the instances, or the ranks of one shard group (data_parallel_shard_size,
-  // torchtitan's data_parallel_shard_degree, DeepSpeed's mics_shard_size) out of the data x
-  // context parallel replicas.
+  // Hybrid sharding: the instances, or the replicas of one shard group out of the data x
+  // context parallel ones (data_parallel_shard_size, DeepSpeed's mics_shard_size), or
+  // torchtitan's data_parallel_shard_degree, whose FSDP groups are that many data-parallel
+  // ranks times the context-parallel ones.
   {
     const Json* inst = f.peek("num_distributed_optimizer_instances");
-    const Json* shard = f.peek("data_parallel_shard_size");
+    const Json* size = f.peek("data_parallel_shard_size");
+    const Json* degree = f.peek("data_parallel_shard_degree");
+    auto given = [](const Json* v) { return v && !v->is_null() && !(v->is_number_integer() && v->get<int64_t>() == -1); };
+    if (given(size) && given(degree))
+      throw InputError(fmt::format("{}.data_parallel_shard_size: given twice (as 'data_parallel_shard_size' and "
+                                   "'data_parallel_shard_degree'): keep one", source));
     p.dp_instances = f.integer_or("num_distributed_optimizer_instances", 1, 1, kMaxDegree);
     // (torchtitan's -1: the replicas the replicate degree leaves.)
-    if (shard && !shard->is_null() && !(shard->is_number_integer() && shard->get<int64_t>() == -1)) {
+    if (given(size) || given(degree)) {
+      const char* key = given(size) ? "data_parallel_shard_size" : "data_parallel_shard_degree";
       const int64_t replicas = p.d * p.c;
-      const int64_t sz = f.integer_or("data_parallel_shard_size", 1, 1, kMaxDegree);
-      const std::string field = source + ".data_parallel_shard_size";
+      const int64_t sz = f.integer_or(key, 1, 1, kMaxDegree) * (given(size) ? 1 : p.c);
+      const std::string field = source + "." + key;
+      const std::string shown = show_value(f.peek(key) ? *f.peek(key) : Json(sz));
       if (replicas % sz != 0)
-        fail_field(field, std::to_string(sz),
-                   fmt::format("must divide data_parallel x context_parallel = {} (the replicas it shards over)", replicas));
+        fail_field(field, shown,
+                   fmt::format("must divide data_parallel x context_parallel = {} (the replicas it shards over; "
+                               "torchtitan's degree counts data-parallel ranks, times context_parallel={})",
+                               replicas, p.c));
       if (inst && !inst->is_null() && p.dp_instances != replicas / sz)
-        fail_field(field, std::to_string(sz),
+        fail_field(field, shown,
                    fmt::format("disagrees with num_distributed_optimizer_instances={}: {} replicas in shards of {} make "
                                "{} instances", p.dp_instances, replicas, sz, replicas / sz));
       p.dp_instances = replicas / sz;
     }
     f.ignore("data_parallel_shard_size");
+    f.ignore("data_parallel_shard_degree");
   }
   const double world = static_cast<double>(p.t) * static_cast<double>(p.p) * static_cast<double>(p.d) *
                        static_cast<double>(p.c);

@@ -4,6 +4,7 @@
 // only malformed input (unknown key, wrong type) throws InputError.
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
 #include <memory>
 #include <string>
@@ -194,8 +195,15 @@ struct Plan {
   // shards across them.
   int64_t expert_replicas() const { return t * d * c / (expert_tp() * ep); }
   // The ranks a ZeRO shard group spans (dp_instances): all the replicas, or one instance's.
-  int64_t shard_ranks() const { return replicas() / dp_instances; }
-  int64_t expert_shard_ranks() const { return expert_replicas() / dp_instances; }
+  // (At least 1, so that a plan check_plan refuses, an instance count that does not divide
+  // the replicas, still sizes groups.)
+  int64_t shard_ranks() const {
+    return dp_instances == 1 ? replicas() : std::max<int64_t>(1, replicas() / std::max<int64_t>(1, dp_instances));
+  }
+  int64_t expert_shard_ranks() const {
+    return dp_instances == 1 ? expert_replicas()
+                             : std::max<int64_t>(1, expert_replicas() / std::max<int64_t>(1, dp_instances));
+  }
   int64_t microbatches() const { return gbs / (mbs * d); }  // per pipeline, per step
   // The interleaved schedule's micro-batch group (schedule.h): as given, else p when it
   // divides the micro-batches (Megatron's default), else the smallest g > p whose last

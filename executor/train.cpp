@@ -66,6 +66,10 @@ void validate_train_plan(const ModelSpec& m, const Plan& p, int world_size, bool
     fail(fmt::format("plan: optimizer_offload_fraction = {} is not implemented by the executor: it keeps the optimizer "
                      "on its own backend (strata estimate and plan model the offload on a GPU cluster)",
                      p.offload));
+  if (p.dp_instances > 1)
+    fail(fmt::format("plan: num_distributed_optimizer_instances = {} is not implemented by the executor: it shards over "
+                     "every replica (strata estimate and plan model hybrid sharding on a GPU cluster)",
+                     p.dp_instances));
   if (p.offload_modules)
     fail("plan: offload_modules " + offload_modules_text(p.offload_modules, " ") +
          " is not implemented by the executor: it keeps its activations on its own backend (strata estimate and plan "

@@ -60,7 +60,11 @@ std::string export_megatron(const ModelSpec& m, const Plan& p, const Stack& stac
              "# buffers and reduces them once per step; strata costed ZeRO-2 proper (a reduce-scatter every\n"
              "# micro-batch, sharded gradients): for that use --export deepspeed.\n";
   }
-  if (p.zero == 3) {
+  if (p.zero == 3 && p.dp_instances > 1) {  // (torch FSDP2's wrapper shards over the whole data-parallel group)
+    flag("--use-megatron-fsdp");
+    flag("--data-parallel-sharding-strategy optim_grads_params");
+    notes += "# zero_stage=3 with hybrid sharding: Megatron-FSDP (its instances shard within and replicate across).\n";
+  } else if (p.zero == 3) {
     flag("--use-torch-fsdp2");
     notes += "# zero_stage=3: Megatron-LM's FSDP2 path (--use-torch-fsdp2) shards parameters, gradients and optimizer states.\n";
   }

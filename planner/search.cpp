@@ -108,8 +108,9 @@ FixedDims parse_fixed(const std::string& text) {
 namespace {
 
 // --fix's hybrid sharding on a ZeRO >= 1 candidate: its instances, or as many as shard
-// groups of the fixed size make of its replicas (one that does not divide them, or a group
-// of every replica, is given an instance count check_plan refuses: dp_instances).
+// groups of the fixed size make of its replicas (a size that does not divide them is given
+// an instance count check_plan refuses, dp_instances; a group of every replica is one
+// instance, plain ZeRO).
 void hybrid_sharding(const FixedDims& f, Plan* pl) {
   if (f.dp_instances) {
     pl->dp_instances = *f.dp_instances;
@@ -282,6 +283,7 @@ std::optional<Plan> balanced_end_split(const ModelSpec& m, const Cluster& cl, co
   base.recompute_layers = 0;
   base.first_stage_layers = base.last_stage_layers = 0;
   base.layout.reset();
+  base.dp_instances = 1;  // (no ZeRO here)
   const ComputeSetup cs = compute_setup(m, cl, base);
   return balanced_end_split(m, p, split_work(layer_cost(m, cl, base, cs)), split_work(embedding_cost(m, cl, base, cs)),
                             split_work(head_cost(m, cl, base, cs)));
@@ -439,11 +441,18 @@ SearchResult search(const ModelSpec& m, const Cluster& cl, const SearchOptions& 
   // of them, recompute_num_layers = 0). Memory falls and time grows with k, so the fastest
   // plan that fits recomputes the fewest layers: bisect for it; every smaller k is out of
   // memory and every larger one slower (counted feasible, evaluated only for --pareto).
-  auto consider_partial = [&](Plan pl, const StageLayout& lay, int64_t chunk_max) {
-    auto at = [&](int64_t k) {
-      pl.recompute_layers = k >= chunk_max ? 0 : k;
+  auto consider_partial = [&](Plan pl, const StageLayout& lay, int64_t most) {
+    auto at = [&, most](int64_t k) {
+      pl.recompute_layers = k >= most ? 0 : k;
       return pl;
     };
+    // With activation offloading every layer recomputed is refused (a recomputed layer has
+    // nothing to offload): the candidates are those that leave a layer, one fewer.
+    int64_t chunk_max = most;
+    if (pl.offload_modules) {
+      reject("activation_offload", 1);
+      if (--chunk_max == 0) return;
+    }
     const std::vector<Reason> why = check_plan(m, cl, at(chunk_max), false);
     if (!why.empty()) return reject(why.front().key, chunk_max);
     res.candidates_evaluated += chunk_max;

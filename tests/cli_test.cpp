@@ -610,6 +610,8 @@ TEST(Cli, BadInputExits2NamingTheField) {
       {P + "tp=8,dp=4,zero=1,num_distributed_optimizer_instances=0", "num_distributed_optimizer_instances"},
       {S + "--gpus 64 --global-batch-size 64 --fix num_distributed_optimizer_instances=2,data_parallel_shard_size=4", "keep one"},
       {S + "--gpus 64 --global-batch-size 64 --fix data_parallel_shard_size=0", "--fix data_parallel_shard_size"},
+      {"train --model tiny-gpt --plan dp=4,zero=1,num_distributed_optimizer_instances=2 --steps 2",
+       "num_distributed_optimizer_instances = 2 is not implemented"},
       // Fine-grained activation offloading
       {P + "tp=8,dp=2,offload_modules=attn_proj", "without core_attn"},
       {P + "tp=8,dp=2,offload_modules=core_attn+mlp", "plan.offload_modules"},

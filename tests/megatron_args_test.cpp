@@ -103,7 +103,8 @@ TEST(MegatronArgs, ExportedFlagsReadBackAsThePlan) {
         "exp_avg_sq_dtype=bf16,store_param_remainders=0,grad_reduce_in_fp32=0,precision=bf16",
         "tp=4,pp=8,dp=2,vp=5,mbs=1,gbs=256,zero=1,sp=1,recompute=selective,offload_modules=qkv_linear+core_attn+attn_proj,"
         "activation_offload_fraction=0.75,min_offloaded_tensor_size=65536,precision=fp8",
-        "tp=8,pp=1,dp=16,mbs=1,gbs=64,zero=1,num_distributed_optimizer_instances=2,precision=bf16"}) {
+        "tp=8,pp=1,dp=16,mbs=1,gbs=64,zero=1,num_distributed_optimizer_instances=2,precision=bf16",
+        "tp=8,pp=1,dp=16,mbs=1,gbs=64,zero=3,num_distributed_optimizer_instances=4,precision=bf16"}) {
     const Plan p = load_plan(inline_plan);
     const std::string flags = export_megatron(m, p, resolve_stack(m, load_cluster("dgx-h100-80g"), p)) +
                               fmt::format(" --vocab-size {}", m.V);

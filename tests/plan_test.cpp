@@ -359,8 +359,16 @@ TEST(Plan, HybridSharding) {
   EXPECT_EQ(instances(R"({"data_parallel":16,"zero_stage":3,"data_parallel_replicate_degree":2,
                           "data_parallel_shard_degree":-1})"), 2);
   EXPECT_EQ(instances(R"({"data_parallel":16,"zero_stage":3,"data_parallel_shard_degree":8})"), 2);
+  // torchtitan's FSDP groups are its shard degree's data-parallel ranks times the context-parallel ones.
+  EXPECT_EQ(instances(R"({"data_parallel":16,"context_parallel":2,"zero_stage":3,"data_parallel_replicate_degree":2,
+                          "data_parallel_shard_degree":8})"), 2);
   EXPECT_EQ(instances(R"({"data_parallel_size":32,"zero_optimization":{"stage":3,"mics_shard_size":8}})"), 4);
   EXPECT_EQ(instances(R"({"data_parallel_size":32,"zero_optimization":{"stage":3,"mics_shard_size":-1}})"), 1);
+  EXPECT_EQ(instances(R"({"data_parallel_size":32,"zero_optimization":{"stage":3,"mics_shard_size":0}})"), 1);
+  // (DeepSpeed reads MiCS with stage 3 only.)
+  EXPECT_EQ(instances(R"({"data_parallel_size":32,"zero_optimization":{"stage":1,"mics_shard_size":8}})"), 1);
+  EXPECT_NE(json_message(R"({"data_parallel":16,"data_parallel_shard_size":8,"data_parallel_shard_degree":8})").find("keep one"),
+            std::string::npos);
   EXPECT_EQ(plan_from_json(Json::parse(R"({"data_parallel_size":32,"zero_optimization":{"stage":3,"mics_shard_size":8}})"),
                            "plan").zero, 3);
   EXPECT_NE(json_message(R"({"data_parallel":16,"data_parallel_shard_size":6})").find("plan.data_parallel_shard_size"),
