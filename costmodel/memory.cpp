@@ -445,7 +445,7 @@ StageShape stage_shape(const ModelSpec& m, const Plan& p, const StageLayout& lay
       every_layer_recomputed = p.recomputed_layers(lay.chunk_layers(s, c)) == lay.chunk_layers(s, c);
     // (per_full_layer is what an offloading layer keeps; the rebuilt layer is whole.)
     const double offloaded = p.activation_offload_fraction * in.offload_freed;
-    if (every_layer_recomputed) working += in.per_full_layer + (p.recompute == Recompute::full ? offloaded : 0.0);
+    if (every_layer_recomputed) working += in.per_full_layer + offloaded;
     // Offloaded activations: Megatron-core keeps one layer's groups on the GPU (each
     // module's last group of the first chunk backwarded, its margin: the layer whose
     // backward runs at the peak) and reloads the layer below's while it runs; a stage whose

@@ -151,12 +151,7 @@ void adopt_offload(Json& j, const std::string& source) {
     const Json v = z.at("mics_shard_size");
     z.erase("mics_shard_size");
     const bool stage3 = z.contains("stage") && z.at("stage") == Json(3);
-    if (stage3 && !v.is_null() && !(v.is_number() && v.get<double>() <= 0)) {
-      if (j.contains("data_parallel_shard_size"))
-        throw InputError(fmt::format("{}.data_parallel_shard_size: given twice (as 'data_parallel_shard_size' and "
-                                     "'zero_optimization.mics_shard_size'): keep one", source));
-      j["data_parallel_shard_size"] = v;
-    }
+    if (stage3 && !v.is_null() && !(v.is_number() && v.get<double>() <= 0)) j["mics_shard_size"] = v;
   }
   if (z.contains("offload_param")) {
     const Json& o = z.at("offload_param");
@@ -392,53 +387,6 @@ PipelineLayout parse_pipeline_layout(const std::string& text, const std::string&
   return out;
 }
 
-// Megatron-core's --recompute-modules: a list of names (a JSON array, or a string of names
-// separated by blanks or '+', as an inline plan gives it) onto RecomputeModule bits.
-// The modules strata recomputes, by Megatron's name.
-constexpr std::pair<unsigned, const char*> kRecomputeModuleNames[] = {
-    {kRecomputeCoreAttn, "core_attn"}, {kRecomputeLayernorm, "layernorm"}, {kRecomputeMoeAct, "moe_act"}};
-
-unsigned parse_recompute_modules(const Json& v, const std::string& field) {
-  std::vector<std::string> names;
-  if (v.is_array()) {
-    for (const Json& x : v) {
-      if (!x.is_string()) fail_field(field, show_value(v), "must be a list of module names");
-      names.push_back(x.get<std::string>());
-    }
-  } else if (v.is_string()) {
-    std::string word;
-    for (char ch : v.get<std::string>() + " ") {
-      if (ch == ' ' || ch == '+' || ch == ',') {
-        if (!word.empty()) names.push_back(word);
-        word.clear();
-      } else {
-        word += ch;
-      }
-    }
-  } else {
-    fail_field(field, show_value(v), "must be a list of module names (core_attn, layernorm, moe_act)");
-  }
-  if (names.empty()) fail_field(field, show_value(v), "must name at least one module (core_attn, layernorm, moe_act)");
-  unsigned bits = 0;
-  for (const std::string& n : names) {
-    const auto* it = std::find_if(std::begin(kRecomputeModuleNames), std::end(kRecomputeModuleNames),
-                                  [&](const auto& x) { return n == x.second; });
-    if (it != std::end(kRecomputeModuleNames)) bits |= it->first;
-    else if (n == "mlp" || n == "moe" || n == "shared_experts" || n == "mla_up_proj")
-      fail_field(field, "\"" + n + "\"", "is not modelled: strata recomputes core_attn, layernorm and moe_act");
-    else
-      fail_field(field, "\"" + n + "\"", "must be one of core_attn, layernorm, moe_act");
-  }
-  return bits;
-}
-
-std::string recompute_modules_text(unsigned bits, const char* sep) {
-  std::string s;
-  for (const auto& [bit, name] : kRecomputeModuleNames)
-    if (bits & bit) s += (s.empty() ? "" : sep) + std::string(name);
-  return s;
-}
-
 namespace {
 // The words of a module list: a JSON array of names, or one string of names separated by
 // blanks, '+' or ','. `kinds` names the list in its messages.
@@ -465,6 +413,37 @@ std::vector<std::string> module_words(const Json& v, const std::string& field, c
   if (names.empty()) fail_field(field, show_value(v), fmt::format("must name at least one module ({})", kinds));
   return names;
 }
+}  // namespace
+
+// Megatron-core's --recompute-modules: a list of names (a JSON array, or a string of names
+// separated by blanks or '+', as an inline plan gives it) onto RecomputeModule bits.
+// The modules strata recomputes, by Megatron's name.
+constexpr std::pair<unsigned, const char*> kRecomputeModuleNames[] = {
+    {kRecomputeCoreAttn, "core_attn"}, {kRecomputeLayernorm, "layernorm"}, {kRecomputeMoeAct, "moe_act"}};
+
+unsigned parse_recompute_modules(const Json& v, const std::string& field) {
+  const std::vector<std::string> names = module_words(v, field, "core_attn, layernorm, moe_act");
+  unsigned bits = 0;
+  for (const std::string& n : names) {
+    const auto* it = std::find_if(std::begin(kRecomputeModuleNames), std::end(kRecomputeModuleNames),
+                                  [&](const auto& x) { return n == x.second; });
+    if (it != std::end(kRecomputeModuleNames)) bits |= it->first;
+    else if (n == "mlp" || n == "moe" || n == "shared_experts" || n == "mla_up_proj")
+      fail_field(field, "\"" + n + "\"", "is not modelled: strata recomputes core_attn, layernorm and moe_act");
+    else
+      fail_field(field, "\"" + n + "\"", "must be one of core_attn, layernorm, moe_act");
+  }
+  return bits;
+}
+
+std::string recompute_modules_text(unsigned bits, const char* sep) {
+  std::string s;
+  for (const auto& [bit, name] : kRecomputeModuleNames)
+    if (bits & bit) s += (s.empty() ? "" : sep) + std::string(name);
+  return s;
+}
+
+namespace {
 
 constexpr std::pair<unsigned, const char*> kOffloadModuleNames[] = {
     {kOffloadAttnNorm, "attn_norm"},   {kOffloadQkvLinear, "qkv_linear"}, {kOffloadCoreAttn, "core_attn"},
@@ -537,7 +516,7 @@ Plan plan_from_json(const Json& in, const std::string& source) {
                            "fine_grained_activation_offloading", "offload_modules", "activation_offload_fraction",
                            "min_offloaded_tensor_size", "delta_offload_bytes_across_pp_ranks",
                            "num_distributed_optimizer_instances", "data_parallel_shard_size",
-                           "data_parallel_shard_degree", "description"});
+                           "data_parallel_shard_degree", "mics_shard_size", "description"});
   Plan p;
   p.t = f.integer_or("tensor_parallel", 1, 1, kMaxDegree);
   p.p = f.integer_or("pipeline_parallel", 1, 1, kMaxDegree);
@@ -578,6 +557,7 @@ Plan plan_from_json(const Json& in, const std::string& source) {
   p.vp_group = f.integer_or("microbatch_group_size_per_vp_stage", 0, 0, kMaxBatch);
   p.mbs = f.integer_or("micro_batch_size", 1, 1, kMaxBatch);
   p.gbs = f.integer_or("global_batch_size", 0, 0, kMaxBatch);
+  const bool zero_given = f.peek("zero_stage") && !f.peek("zero_stage")->is_null();
   p.zero = static_cast<int>(f.integer_or("zero_stage", 0, 0, 3));
   const bool rc_given = f.peek("recompute") && !f.peek("recompute")->is_null();
   const std::string rc = f.choice_or("recompute", "none", {"none", "selective", "full"});
@@ -681,36 +661,47 @@ Plan plan_from_json(const Json& in, const std::string& source) {
   // Hybrid sharding: the instances, or the replicas of one shard group out of the data x
   // context parallel ones (data_parallel_shard_size, DeepSpeed's mics_shard_size), or
   // torchtitan's data_parallel_shard_degree, whose FSDP groups are that many data-parallel
-  // ranks times the context-parallel ones.
+  // ranks times the context-parallel ones (and which means FSDP: ZeRO-3 unless said).
   {
     const Json* inst = f.peek("num_distributed_optimizer_instances");
-    const Json* size = f.peek("data_parallel_shard_size");
-    const Json* degree = f.peek("data_parallel_shard_degree");
-    auto given = [](const Json* v) { return v && !v->is_null() && !(v->is_number_integer() && v->get<int64_t>() == -1); };
-    if (given(size) && given(degree))
-      throw InputError(fmt::format("{}.data_parallel_shard_size: given twice (as 'data_parallel_shard_size' and "
-                                   "'data_parallel_shard_degree'): keep one", source));
+    auto given = [&](const char* k) {
+      const Json* v = f.peek(k);
+      return v && !v->is_null() && !(v->is_number_integer() && v->get<int64_t>() == -1);
+    };
+    const char* keys[] = {"data_parallel_shard_size", "mics_shard_size", "data_parallel_shard_degree"};
+    const char* key = nullptr;
+    for (const char* k : keys) {
+      if (!given(k)) continue;
+      if (key)
+        throw InputError(fmt::format("{}.{}: given twice (as '{}' and '{}'): keep one", source, k, key, k));
+      key = k;
+    }
     p.dp_instances = f.integer_or("num_distributed_optimizer_instances", 1, 1, kMaxDegree);
     // (torchtitan's -1: the replicas the replicate degree leaves.)
-    if (given(size) || given(degree)) {
-      const char* key = given(size) ? "data_parallel_shard_size" : "data_parallel_shard_degree";
+    if (key) {
+      const bool torchtitan = std::string_view(key) == "data_parallel_shard_degree";
       const int64_t replicas = p.d * p.c;
-      const int64_t sz = f.integer_or(key, 1, 1, kMaxDegree) * (given(size) ? 1 : p.c);
-      const std::string field = source + "." + key;
-      const std::string shown = show_value(f.peek(key) ? *f.peek(key) : Json(sz));
+      const int64_t sz = f.integer_or(key, 1, 1, kMaxDegree) * (torchtitan ? p.c : 1);
+      std::string field = source;
+      field += std::string_view(key) == "mics_shard_size" ? ".zero_optimization." : ".";
+      field += key;
+      const std::string shown = show_value(*f.peek(key));
       if (replicas % sz != 0)
         fail_field(field, shown,
-                   fmt::format("must divide data_parallel x context_parallel = {} (the replicas it shards over; "
-                               "torchtitan's degree counts data-parallel ranks, times context_parallel={})",
-                               replicas, p.c));
+                   fmt::format("must divide data_parallel x context_parallel = {} (the replicas it shards over{})",
+                               replicas,
+                               torchtitan ? fmt::format("; torchtitan's degree counts data-parallel ranks, times "
+                                                        "context_parallel={}", p.c)
+                                          : std::string()));
       if (inst && !inst->is_null() && p.dp_instances != replicas / sz)
         fail_field(field, shown,
-                   fmt::format("disagrees with num_distributed_optimizer_instances={}: {} replicas in shards of {} make "
-                               "{} instances", p.dp_instances, replicas, sz, replicas / sz));
+                   fmt::format("disagrees with num_distributed_optimizer_instances (data_parallel_replicate_degree)={}: "
+                               "{} replicas in shards of {} make {} instances", p.dp_instances, replicas, sz,
+                               replicas / sz));
       p.dp_instances = replicas / sz;
+      if (torchtitan && !zero_given) p.zero = 3;
     }
-    f.ignore("data_parallel_shard_size");
-    f.ignore("data_parallel_shard_degree");
+    for (const char* k : keys) f.ignore(k);
   }
   const double world = static_cast<double>(p.t) * static_cast<double>(p.p) * static_cast<double>(p.d) *
                        static_cast<double>(p.c);
@@ -1121,7 +1112,12 @@ std::vector<Reason> check_plan(const ModelSpec& m, const Cluster& cl, const Plan
                                                    "which shards over every replica", p.dp_instances, cl.name); });
   }
   if (p.offload_modules) {
-    if (p.recompute == Recompute::full && p.recompute_layers == 0)
+    // (Every layer recomputed: recompute_num_layers unset, or at least any chunk's layers.)
+    if (p.recompute == Recompute::full &&
+        (p.recompute_layers == 0 || [&] {
+          const StageLayout lay = make_layout(m.L, p);
+          return p.recompute_layers >= *std::max_element(lay.layers.begin(), lay.layers.end());
+        }()))
       add("activation_offload", [&] { return fmt::format("offload_modules {} with recompute=full on every layer: a "
                                                          "recomputed layer keeps only its input, none of its modules' "
                                                          "activations (use recompute none or selective, or "

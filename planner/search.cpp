@@ -450,7 +450,8 @@ SearchResult search(const ModelSpec& m, const Cluster& cl, const SearchOptions& 
     // nothing to offload): the candidates are those that leave a layer, one fewer.
     int64_t chunk_max = most;
     if (pl.offload_modules) {
-      reject("activation_offload", 1);
+      const std::vector<Reason> all = check_plan(m, cl, at(most), false);
+      reject(all.empty() ? "activation_offload" : all.front().key, 1);
       if (--chunk_max == 0) return;
     }
     const std::vector<Reason> why = check_plan(m, cl, at(chunk_max), false);

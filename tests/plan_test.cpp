@@ -324,6 +324,9 @@ TEST(Plan, ActivationOffloading) {
   EXPECT_TRUE(check_plan(llama, h100, load_plan("dp=8,recompute=selective,offload_modules=core_attn")).empty());
   EXPECT_TRUE(check_plan(llama, h100, load_plan("dp=8,recompute=full,recompute_num_layers=8,offload_modules=core_attn"))
                   .empty());
+  // (recompute_num_layers of at least a chunk's 32 layers recomputes every layer.)
+  EXPECT_EQ(check_plan(llama, h100, load_plan("dp=8,recompute=full,recompute_num_layers=32,offload_modules=core_attn"))
+                .at(0).key, "activation_offload");
   const std::vector<Reason> dense = check_plan(llama, h100, load_plan("dp=8,offload_modules=expert_fc1"));
   ASSERT_FALSE(dense.empty());
   EXPECT_EQ(dense.at(0).key, "activation_offload");
@@ -369,6 +372,11 @@ TEST(Plan, HybridSharding) {
   EXPECT_EQ(instances(R"({"data_parallel_size":32,"zero_optimization":{"stage":1,"mics_shard_size":8}})"), 1);
   EXPECT_NE(json_message(R"({"data_parallel":16,"data_parallel_shard_size":8,"data_parallel_shard_degree":8})").find("keep one"),
             std::string::npos);
+  EXPECT_NE(json_message(R"({"data_parallel_size":32,"zero_optimization":{"stage":3,"mics_shard_size":6}})")
+                .find("plan.zero_optimization.mics_shard_size"),
+            std::string::npos);
+  // torchtitan's shard degree is FSDP: ZeRO-3 unless the plan says.
+  EXPECT_EQ(plan_from_json(Json::parse(R"({"data_parallel":16,"data_parallel_shard_degree":8})"), "plan").zero, 3);
   EXPECT_EQ(plan_from_json(Json::parse(R"({"data_parallel_size":32,"zero_optimization":{"stage":3,"mics_shard_size":8}})"),
                            "plan").zero, 3);
   EXPECT_NE(json_message(R"({"data_parallel":16,"data_parallel_shard_size":6})").find("plan.data_parallel_shard_size"),

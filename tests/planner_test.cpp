@@ -376,6 +376,9 @@ TEST(Planner, ActivationOffloadingForEveryCandidate) {
   }
   EXPECT_GT(off.rejected.at("activation_offload"), 0);
   EXPECT_EQ(plain.rejected.count("activation_offload"), 0u);
+  // The same candidates, counted: the every-layer recompute of a partial unit is rejected,
+  // the units' other layer counts still searched.
+  EXPECT_EQ(off.candidates_evaluated, plain.candidates_evaluated);
   // A host that cannot hold the node's offloaded activations: no plan offloads more than fits.
   Cluster small = cl;
   small.host.memory_bytes = 64e9;
