@@ -172,13 +172,23 @@ double hardware_flops(const ModelSpec& m, const Plan& p, const StageLayout& lay)
   double f = model_flops_per_step(m, p);
   const double L = static_cast<double>(m.L);
   if (p.recompute == Recompute::full) {
-    double recomputed = L;  // every layer, unless recompute_num_layers caps each chunk's
-    if (p.recompute_layers > 0) {
-      recomputed = 0;
+    if (p.recompute_layers == 0) {
+      f += L * m.layer_forward_flops(p.gbs);  // every layer
+    } else if (!m.mixed()) {  // recompute_num_layers caps each chunk's
+      double recomputed = 0;
       for (int64_t s = 0; s < p.p; ++s)
         for (int64_t c = 0; c < lay.v; ++c) recomputed += static_cast<double>(p.recomputed_layers(lay.chunk_layers(s, c)));
+      f += recomputed * m.layer_forward_flops(p.gbs);
+    } else {  // the dense and MoE layers among them
+      double dense = 0, moe = 0;
+      for (int64_t s = 0; s < p.p; ++s)
+        for (int64_t c = 0; c < lay.v; ++c) {
+          const int64_t k = p.recomputed_layers(lay.chunk_layers(s, c)), kd = lay.chunk_dense_recomputed(s, c);
+          dense += static_cast<double>(kd);
+          moe += static_cast<double>(k - kd);
+        }
+      f += dense * m.layer_forward_flops(p.gbs, false) + moe * m.layer_forward_flops(p.gbs, true);
     }
-    f += recomputed * m.layer_forward_flops(p.gbs);
   }
   if (p.recomputes(kRecomputeCoreAttn))
     f += L * 4.0 * static_cast<double>(p.gbs) * static_cast<double>(m.S) * m.attention_keys() *
@@ -189,7 +199,7 @@ double hardware_flops(const ModelSpec& m, const Plan& p, const StageLayout& lay)
 }  // namespace
 
 double hardware_flops_per_step(const ModelSpec& m, const Plan& p) {
-  return hardware_flops(m, p, make_layout(m.L, p));
+  return hardware_flops(m, p, make_layout(m, p));
 }
 
 namespace {
@@ -274,7 +284,7 @@ Estimate estimate_once(const ModelSpec& m, const Cluster& cl, const Plan& p, con
   est.cp_comm = cs.cp_comm;
   est.stack = cs.stack;
   thread_local StageLayout lay;  // per-thread scratch (see st below)
-  make_layout_into(m.L, p, &lay);
+  make_layout_into(m, p, &lay);
   const ScheduleKind kind = p.schedule();
   const int64_t mbs_per_step = p.microbatches();
   est.microbatches = mbs_per_step;
@@ -289,6 +299,20 @@ Estimate estimate_once(const ModelSpec& m, const Cluster& cl, const Plan& p, con
     plain = opt.pre.plain_layer ? *opt.pre.plain_layer : layer_cost(m, cl, p.without_recompute(), cs);
   const LayerCost emb = opt.pre.embedding ? *opt.pre.embedding : embedding_cost(m, cl, p, cs);
   const LayerCost head = opt.pre.head ? *opt.pre.head : head_cost(m, cl, p, cs);
+  // A model that mixes dense and MoE layers: its dense layers' costs too (those above are
+  // its MoE layers').
+  LayerCost dense, dense_plain;
+  if (m.mixed()) {
+    if (opt.pre.dense_layer && !opt.want_ops) {
+      dense = *opt.pre.dense_layer;
+      dense_plain = *opt.pre.dense_plain_layer;
+    } else {
+      const ModelSpec dm = m.dense_layers();
+      dense = layer_cost(dm, cl, p, cs);
+      dense_plain = p.recompute == Recompute::full && p.recompute_layers > 0 ? layer_cost(dm, cl, p.without_recompute(), cs)
+                                                                              : dense;
+    }
+  }
 
   // Per-stage, per-chunk durations of one micro-batch.
   // Per-stage scratch, kept per thread between calls: a planner thread estimates millions
@@ -302,14 +326,25 @@ Estimate estimate_once(const ModelSpec& m, const Cluster& cl, const Plan& p, con
   // One micro-batch of chunk c on stage s: forward, recompute, backward. k layers run the
   // plan's forward, backward and recompute; with partial recompute the other n - k run the
   // forward and backward of a plan without recompute.
-  // Of n layers, k recomputed, with the embedding and the output layer where they are.
-  auto work_of = [&](double n, double k, bool with_embedding, bool with_head, Work* f, Work* r, Work* b) {
+  // Of n layers, k recomputed, with the embedding and the output layer where they are; of
+  // those, in a mixed model, nd and kd dense layers (the rest MoE layers).
+  auto work_of = [&](double n, double k, double nd, double kd, bool with_embedding, bool with_head, Work* f, Work* r,
+                     Work* b) {
     // (The forwards differ only on the strata stack, which packs what each layer keeps.)
+    n -= nd;
+    k -= kd;
     *f = k * layer.forward;
     *f += (n - k) * plain.forward;
     *r = k * layer.recompute;
     *b = k * layer.backward;
     *b += (n - k) * plain.backward;
+    if (nd > 0) {
+      *f += kd * dense.forward;
+      *f += (nd - kd) * dense_plain.forward;
+      *r += kd * dense.recompute;
+      *b += kd * dense.backward;
+      *b += (nd - kd) * dense_plain.backward;
+    }
     if (with_embedding) {
       *f += emb.forward;
       *b += emb.backward;
@@ -324,19 +359,24 @@ Estimate estimate_once(const ModelSpec& m, const Cluster& cl, const Plan& p, con
   };
   auto chunk_work = [&](int64_t s, int64_t c, Work* f, Work* r, Work* b) {
     const int64_t layers = lay.chunk_layers(s, c);
-    work_of(static_cast<double>(layers), recomputed(layers), lay.has_embedding(s, c), lay.has_head(s, c), f, r, b);
+    work_of(static_cast<double>(layers), recomputed(layers), static_cast<double>(lay.chunk_dense(s, c)),
+            static_cast<double>(lay.chunk_dense_recomputed(s, c)), lay.has_embedding(s, c), lay.has_head(s, c), f, r, b);
   };
   // A chunk like the one before it (the same layers, no embedding, no output layer: every
   // middle stage of an even split) costs the same: its sums are kept.
-  int64_t prev_layers = -1;
+  int64_t prev_layers = -1, prev_dense = -1, prev_dense_k = -1;
   bool prev_ends = true;
   Work f, r, b;
+  const bool mixed = !lay.dense.empty();
   for (int64_t s = 0; s < p.p; ++s) {
     for (int64_t c = 0; c < lay.v; ++c) {
       const int64_t layers = lay.chunk_layers(s, c);
+      const int64_t nd = mixed ? lay.chunk_dense(s, c) : 0, kd = mixed ? lay.chunk_dense_recomputed(s, c) : 0;
       const bool ends = lay.has_embedding(s, c) || lay.has_head(s, c);
-      if (layers != prev_layers || ends || prev_ends) chunk_work(s, c, &f, &r, &b);
+      if (layers != prev_layers || nd != prev_dense || kd != prev_dense_k || ends || prev_ends) chunk_work(s, c, &f, &r, &b);
       prev_layers = layers;
+      prev_dense = nd;
+      prev_dense_k = kd;
       prev_ends = ends;
       st.fwd_s[static_cast<size_t>(c * p.p + s)] = f.total();
       st.bwd_s[static_cast<size_t>(c * p.p + s)] = b.total() + r.total();
@@ -410,12 +450,14 @@ Estimate estimate_once(const ModelSpec& m, const Cluster& cl, const Plan& p, con
   Work F, Bw, R;
   {
     const int64_t cs_ = static_cast<int64_t>(crit);
-    double n = 0, k = 0;
+    double n = 0, k = 0, nd = 0, kd = 0;
     for (int64_t c = 0; c < lay.v; ++c) {
       n += static_cast<double>(lay.chunk_layers(cs_, c));
       k += recomputed(lay.chunk_layers(cs_, c));
+      nd += static_cast<double>(lay.chunk_dense(cs_, c));
+      kd += static_cast<double>(lay.chunk_dense_recomputed(cs_, c));
     }
-    work_of(n, k, lay.has_embedding(cs_, 0), lay.has_head(cs_, lay.v - 1), &F, &R, &Bw);
+    work_of(n, k, nd, kd, lay.has_embedding(cs_, 0), lay.has_head(cs_, lay.v - 1), &F, &R, &Bw);
   }
   tb.forward = mb * F.compute_s;
   tb.backward = mb * Bw.compute_s;

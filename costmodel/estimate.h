@@ -94,6 +94,10 @@ struct Precomputed {
   const LayerCost* embedding = nullptr;
   const LayerCost* head = nullptr;
   const InFlight* in_flight = nullptr;
+  // A model that mixes dense and MoE layers: its dense layers' costs (layer and plain_layer
+  // are its MoE layers'); dense_plain_layer is dense_layer without partial recompute.
+  const LayerCost* dense_layer = nullptr;
+  const LayerCost* dense_plain_layer = nullptr;
 };
 
 struct EstimateOptions {

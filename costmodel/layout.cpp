@@ -11,6 +11,40 @@ int64_t StageLayout::stage_layers(int64_t s) const {
   return n;
 }
 
+int64_t StageLayout::stage_dense(int64_t s) const {
+  int64_t n = 0;
+  for (int64_t c = 0; c < v && !dense.empty(); ++c) n += chunk_dense(s, c);
+  return n;
+}
+
+void count_layer_kinds(const ModelSpec& m, const Plan& p, StageLayout* out) {
+  out->dense.clear();
+  out->dense_recomputed.clear();
+  if (!m.mixed()) return;
+  const size_t q = out->layers.size();
+  out->dense.resize(q);
+  out->dense_recomputed.resize(q);
+  int64_t begin = 0;  // chunk i = c p + s holds the i-th run of layers in model order
+  for (size_t i = 0; i < q; ++i) {
+    const int64_t n = out->layers[i];
+    const int64_t k = p.recompute == Recompute::full ? p.recomputed_layers(n) : n;
+    out->dense[i] = n - m.moe_layers_in(begin, begin + n);
+    out->dense_recomputed[i] = k - m.moe_layers_in(begin, begin + k);
+    begin += n;
+  }
+}
+
+void make_layout_into(const ModelSpec& m, const Plan& p, StageLayout* out) {
+  make_layout_into(m.L, p, out);
+  if (m.mixed()) count_layer_kinds(m, p, out);
+}
+
+StageLayout make_layout(const ModelSpec& m, const Plan& p) {
+  StageLayout out;
+  make_layout_into(m, p, &out);
+  return out;
+}
+
 StageLayout make_layout(int64_t L, int64_t p, int64_t v) {
   StageLayout out;
   make_layout_into(L, p, v, &out);
@@ -18,6 +52,8 @@ StageLayout make_layout(int64_t L, int64_t p, int64_t v) {
 }
 
 void make_layout_into(int64_t L, int64_t p, int64_t v, StageLayout* out) {
+  out->dense.clear();
+  out->dense_recomputed.clear();
   out->p = p;
   out->v = v;
   std::vector<int64_t>& layers = out->layers;
@@ -89,6 +125,8 @@ void make_layout_into(int64_t L, const Plan& p, StageLayout* out) {
     make_layout_into(L, p.p, p.v, out);
     return;
   }
+  out->dense.clear();
+  out->dense_recomputed.clear();
   out->p = p.p;
   out->v = p.v;
   if (p.layout) {

@@ -22,8 +22,19 @@ struct StageLayout {
   int64_t p = 1, v = 1;
   std::vector<int64_t> layers;  // (v, p): layers of chunk c on stage s at [c*p + s]
 
+  // A model that mixes dense and MoE layers (ModelSpec::mixed; count_layer_kinds): of each
+  // chunk's layers, in model order, the dense ones, and the dense ones among those a plan's
+  // recompute recomputes (partial full recompute: each chunk's first recompute_num_layers;
+  // otherwise all). Empty for other models: every layer is of the model's one kind.
+  std::vector<int64_t> dense, dense_recomputed;
+
   int64_t chunk_layers(int64_t s, int64_t c) const { return layers[static_cast<size_t>(c * p + s)]; }
   int64_t stage_layers(int64_t s) const;
+  int64_t chunk_dense(int64_t s, int64_t c) const { return dense.empty() ? 0 : dense[static_cast<size_t>(c * p + s)]; }
+  int64_t chunk_dense_recomputed(int64_t s, int64_t c) const {
+    return dense_recomputed.empty() ? 0 : dense_recomputed[static_cast<size_t>(c * p + s)];
+  }
+  int64_t stage_dense(int64_t s) const;
   bool has_embedding(int64_t s, int64_t c) const { return s == 0 && c == 0; }
   bool has_head(int64_t s, int64_t c) const { return s == p - 1 && c == v - 1; }
 };
@@ -41,6 +52,11 @@ void make_layout_into(int64_t L, int64_t p, int64_t v, StageLayout* out);  // re
 // own activations along the schedule (weighted_activation_peak).
 StageLayout make_layout(int64_t L, const Plan& p);
 void make_layout_into(int64_t L, const Plan& p, StageLayout* out);
+// The layout of m's layers under p, the dense and MoE layers counted where m mixes them.
+void make_layout_into(const ModelSpec& m, const Plan& p, StageLayout* out);
+StageLayout make_layout(const ModelSpec& m, const Plan& p);
+// Fills out->dense and out->dense_recomputed for m's layers (clears them unless m.mixed()).
+void count_layer_kinds(const ModelSpec& m, const Plan& p, StageLayout* out);
 // Why the plan's own split cannot hold L layers; empty when it can (or there is none).
 std::string split_problem(int64_t L, const Plan& p);
 

@@ -233,13 +233,27 @@ StageMemoryInputs stage_memory_inputs(const ModelSpec& m, const Plan& p, const C
   in.word_embedding_params = static_cast<double>(m.word_embedding_params(p.t));
   in.position_params = static_cast<double>(m.position_params());
   in.final_norm_params = static_cast<double>(m.final_norm_params());
+  if (m.mixed()) {
+    const ModelSpec dm = m.dense_layers();
+    StageMemoryInputs d;
+    d.per_layer = layer_activation_bytes(dm, p, cs);
+    d.per_full_layer = layer_full_activation_bytes(dm, p, cs);
+    if (p.offload_modules) offload_inputs(dm, p, cs, &d);
+    in.dense = StageMemoryInputs::Dense{d.per_layer, d.per_full_layer, static_cast<double>(dm.layer_params(p.t, p.ep, p.etp)),
+                                        d.offload_freed, d.offload_copied};
+  }
   return in;
 }
 
 namespace {
 
-double stage_params(const ModelSpec& m, const Plan& p, const StageLayout& lay, int64_t s, const StageMemoryInputs& in) {
-  double n = static_cast<double>(lay.stage_layers(s)) * in.layer_params;
+// (layers: the stage's, lay.stage_layers(s).)
+inline double stage_params(const ModelSpec& m, const Plan& p, const StageLayout& lay, int64_t s, const StageMemoryInputs& in,
+                           int64_t layers) {
+  double n = static_cast<double>(layers) * in.layer_params;
+  if (!lay.dense.empty())  // a mixed model's dense layers
+    if (const int64_t nd = lay.stage_dense(s); nd > 0)
+      n = static_cast<double>(layers - nd) * in.layer_params + static_cast<double>(nd) * in.dense.layer_params;
   const double emb = in.word_embedding_params;
   if (s == 0) n += emb + in.position_params;
   if (s == p.p - 1) {
@@ -257,7 +271,8 @@ double stage_params(const ModelSpec& m, const Plan& p, const StageLayout& lay, i
   in.word_embedding_params = static_cast<double>(m.word_embedding_params(p.t));
   in.position_params = static_cast<double>(m.position_params());
   in.final_norm_params = static_cast<double>(m.final_norm_params());
-  return stage_params(m, p, lay, s, in);
+  if (m.mixed()) in.dense.layer_params = static_cast<double>(m.dense_layers().layer_params(p.t, p.ep, p.etp));
+  return stage_params(m, p, lay, s, in, lay.stage_layers(s));
 }
 
 double weighted_activation_peak(const Plan& p, int64_t s, const double* chunk_weights) {
@@ -334,10 +349,13 @@ StageShape stage_shape(const ModelSpec& m, const Plan& p, const StageLayout& lay
                        const StageMemoryInputs& in) {
   StageShape shape;
   MemoryBreakdown& mb = shape.fixed;
-  const double P = stage_params(m, p, lay, s, in);
+  const int64_t layers_here = lay.stage_layers(s);
+  const double P = stage_params(m, p, lay, s, in, layers_here);
   mb.params = P;
-  const double Pe = in.layer_expert_params > 0 ? static_cast<double>(lay.stage_layers(s)) * in.layer_expert_params
-                                               : 0.0;  // the routed experts' share of P
+  const int64_t dense_layers = lay.dense.empty() ? 0 : lay.stage_dense(s);  // a mixed model's dense layers here
+  const double Pe = in.layer_expert_params > 0
+                        ? static_cast<double>(layers_here - dense_layers) * in.layer_expert_params
+                        : 0.0;  // the routed experts' share of P
   mb.expert_params = Pe;
   const double d = static_cast<double>(p.shard_ranks());  // the ranks ZeRO shards over
   StateBytes sb = state_bytes(p.precision, cs.stack.grad_accumulation_fusion, cs.stack.grad_reduce_in_fp32);
@@ -401,6 +419,7 @@ StageShape stage_shape(const ModelSpec& m, const Plan& p, const StageLayout& lay
 
   // Activations: the layers of an average chunk of the stage (times the chunk-microbatches
   // in flight, below). With partial recompute, the recomputed layers keep their input only.
+  // A mixed model's dense layers keep their own.
   const double per_layer = in.per_layer;
   const double per_full_layer = in.per_full_layer;
   double& per_chunk = shape.per_chunk;
@@ -409,33 +428,56 @@ StageShape stage_shape(const ModelSpec& m, const Plan& p, const StageLayout& lay
     const int64_t k = p.recompute == Recompute::full ? p.recomputed_layers(n) : n;
     return static_cast<double>(k) * per_layer + static_cast<double>(n - k) * per_full_layer;
   };
+  // A mixed model's chunk, its dense layers' own (nd of the n, kd of the k).
+  auto mixed_chunk_act = [&](int64_t c) {
+    const int64_t n = lay.chunk_layers(s, c);
+    const int64_t k = p.recompute == Recompute::full ? p.recomputed_layers(n) : n;
+    const int64_t nd = lay.chunk_dense(s, c), kd = lay.chunk_dense_recomputed(s, c);
+    return static_cast<double>(k - kd) * per_layer + static_cast<double>(n - k - (nd - kd)) * per_full_layer +
+           static_cast<double>(kd) * in.dense.per_layer + static_cast<double>(nd - kd) * in.dense.per_full_layer;
+  };
   bool alike = true;
-  for (int64_t c = 0; c < lay.v; ++c) {
-    per_chunk += chunk_act(c);
-    alike = alike && lay.chunk_layers(s, c) == lay.chunk_layers(s, 0);
-  }
-  if (p.explicit_split() && !alike) {
+  if (dense_layers == 0) {
     for (int64_t c = 0; c < lay.v; ++c) {
-      double w = chunk_act(c);
+      per_chunk += chunk_act(c);
+      alike = alike && lay.chunk_layers(s, c) == lay.chunk_layers(s, 0);
+    }
+  } else {
+    for (int64_t c = 0; c < lay.v; ++c) {
+      per_chunk += mixed_chunk_act(c);
+      alike = alike && lay.chunk_layers(s, c) == lay.chunk_layers(s, 0) && lay.chunk_dense(s, c) == lay.chunk_dense(s, 0) &&
+              lay.chunk_dense_recomputed(s, c) == lay.chunk_dense_recomputed(s, 0);
+    }
+  }
+  if ((p.explicit_split() || dense_layers > 0) && !alike) {
+    for (int64_t c = 0; c < lay.v; ++c) {
+      double w = dense_layers == 0 ? chunk_act(c) : mixed_chunk_act(c);
       if (lay.has_embedding(s, c)) w += in.embedding_act;
       if (lay.has_head(s, c)) w += in.head_act;
       shape.chunk_weights.push_back(w);
     }
   }
   per_chunk /= static_cast<double>(lay.v);
+  // Of the layer kinds a mixed model's stage holds (one or both), the larger of what follows.
+  const bool moe_here = layers_here > dense_layers;
+  auto larger = [&](double moe_kind, double dense_kind) { return std::max(moe_here ? moe_kind : 0.0, dense_kind); };
   // Working set of the layer running its backward: the gradients of its largest
   // activations (fc1 output, activation output, two of width H) and, when recomputed, the
   // whole layer's activations rebuilt for it. The loss adds its own on the last stage.
   double& working = shape.working;
-  if (lay.stage_layers(s) > 0) {
-    const double fc1_cols = static_cast<double>(m.fc1_out());
+  if (layers_here > 0) {
+    auto dense_mlp = [&] {
+      return cs.act_bytes * cs.T *
+             ((static_cast<double>(m.fc1_out()) + static_cast<double>(m.F)) / static_cast<double>(p.t) +
+              2.0 * static_cast<double>(m.H));
+    };
     if (!m.moe()) {
-      working = cs.act_bytes * cs.T * ((fc1_cols + static_cast<double>(m.F)) / static_cast<double>(p.t) +
-                               2.0 * static_cast<double>(m.H));
+      working = dense_mlp();
     } else {  // the token copies' expert activations and the shared expert's in their place
       const double etp = static_cast<double>(p.expert_tp()), copies = cs.Tn * static_cast<double>(m.K) * etp;
       working = cs.act_bytes * (copies * (static_cast<double>(m.expert_fc1_out() + m.Fe) / etp + 2.0 * static_cast<double>(m.H)) +
                                 cs.T * static_cast<double>(m.shared_fc1_out() + m.Fs) / static_cast<double>(p.t));
+      if (dense_layers > 0) working = larger(working, dense_mlp());
     }
     // A recomputed layer rebuilds all its activations for its backward. With partial
     // recompute the recomputed (first) layers of a chunk run their backward last, after
@@ -444,13 +486,19 @@ StageShape stage_shape(const ModelSpec& m, const Plan& p, const StageLayout& lay
     for (int64_t c = 0; c < lay.v && every_layer_recomputed; ++c)
       every_layer_recomputed = p.recomputed_layers(lay.chunk_layers(s, c)) == lay.chunk_layers(s, c);
     // (per_full_layer is what an offloading layer keeps; the rebuilt layer is whole.)
-    const double offloaded = p.activation_offload_fraction * in.offload_freed;
-    if (every_layer_recomputed) working += in.per_full_layer + offloaded;
+    const double f = p.activation_offload_fraction;
+    double offloaded = f * in.offload_freed, freed = in.offload_freed, rebuilt = in.per_full_layer + offloaded;
+    if (dense_layers > 0) {
+      offloaded = larger(offloaded, f * in.dense.offload_freed);
+      freed = larger(freed, in.dense.offload_freed);
+      rebuilt = larger(rebuilt, in.dense.per_full_layer + f * in.dense.offload_freed);
+    }
+    if (every_layer_recomputed) working += rebuilt;
     // Offloaded activations: Megatron-core keeps one layer's groups on the GPU (each
     // module's last group of the first chunk backwarded, its margin: the layer whose
     // backward runs at the peak) and reloads the layer below's while it runs; a stage whose
     // every layer is recomputed offloads nothing.
-    if (offloaded > 0 && !every_layer_recomputed) working += 2.0 * in.offload_freed;
+    if (offloaded > 0 && !every_layer_recomputed) working += 2.0 * freed;
     // Selective recompute of an unfused core rebuilds one layer's S x S probabilities.
     if (p.recomputes(kRecomputeCoreAttn) && cs.attention == AttentionKernel::unfused)
       working += cs.act_bytes * static_cast<double>(p.mbs) * static_cast<double>(m.A / p.t) *
@@ -492,13 +540,13 @@ StageShape stage_shape(const ModelSpec& m, const Plan& p, const StageLayout& lay
     comm += std::min(P, kDeepSpeedBucketElements) * (cs.grad_bytes + cs.weight_bytes);
   }
   if (p.zero >= 3 && p.replicas() > 1 && !cs.stack.strata) {
-    const double lp = in.layer_params;
+    const double lp = dense_layers > 0 ? larger(in.layer_params, in.dense.layer_params) : in.layer_params;
     comm += 2.0 * cs.weight_bytes * lp + cs.grad_bytes * lp;
   }
   // ZeRO-2 on the modern stack (FSDP's SHARD_GRAD_OP): one layer's whole gradient waiting
   // for its reduce-scatter (legacy stacks stage it in DeepSpeed's bucket above).
   if (p.zero == 2 && p.replicas() > 1 && cs.stack.modern)
-    comm += cs.grad_bytes * in.layer_params;
+    comm += cs.grad_bytes * (dense_layers > 0 ? larger(in.layer_params, in.dense.layer_params) : in.layer_params);
   mb.comm_buffers = comm;
   return shape;
 }
@@ -508,13 +556,18 @@ StageShape stage_shape(const ModelSpec& m, const Plan& p, const StageLayout& lay
 // Out of line, and outside the breakdown's common path.
 [[gnu::noinline]] double host_activations(const Plan& p, const StageLayout& lay, int64_t s, int64_t in_flight,
                                           const StageMemoryInputs& in) {
-  double layers = 0;  // of an average chunk, those that offload (with partial recompute, the others)
+  double layers = 0, dense = 0;  // of an average chunk, those that offload (with partial recompute, the others)
   for (int64_t c = 0; c < lay.v; ++c) {
-    const int64_t n = lay.chunk_layers(s, c);
-    layers += static_cast<double>(p.recompute == Recompute::full ? n - p.recomputed_layers(n) : n);
+    const int64_t n = lay.chunk_layers(s, c), nd = lay.chunk_dense(s, c);  // (nd: a mixed model's dense layers)
+    const bool full = p.recompute == Recompute::full;
+    const int64_t d = full ? nd - lay.chunk_dense_recomputed(s, c) : nd;
+    layers += static_cast<double>((full ? n - p.recomputed_layers(n) : n) - d);
+    dense += static_cast<double>(d);
   }
-  return static_cast<double>(in_flight) * p.activation_offload_fraction * in.offload_copied * layers /
-         static_cast<double>(lay.v);
+  const double share = static_cast<double>(in_flight) * p.activation_offload_fraction;
+  double host = share * in.offload_copied * layers / static_cast<double>(lay.v);
+  if (dense > 0) host += share * in.dense.offload_copied * dense / static_cast<double>(lay.v);
+  return host;
 }
 
 // The optimizer step, where its fp32 gradient copy (stage_shape) outweighs the activations:
@@ -569,7 +622,7 @@ MemoryBreakdown stage_memory(const ModelSpec& m, const Cluster& cl, const Plan& 
   const StageMemoryInputs in = pre ? *pre : stage_memory_inputs(m, p, cs);
   MemoryBreakdown mb;
   with_in_flight(stage_shape(m, p, lay, cs, s, in), cl, p, cs, s, in_flight, in_flight_first, in_flight_last, in, &mb);
-  if (in.offload_copied > 0) mb.host_activations = host_activations(p, lay, s, in_flight, in);
+  if (in.offload_copied > 0 || in.dense.offload_copied > 0) mb.host_activations = host_activations(p, lay, s, in_flight, in);
   return mb;
 }
 
@@ -583,12 +636,15 @@ void stage_memories(const ModelSpec& m, const Cluster& cl, const Plan& p, const 
     // A middle stage with the layers of the middle stage before it holds what that one holds
     // but for its micro-batches in flight (no embedding, no output layer: 0 < s < p - 1).
     bool like = s >= 2 && s < p.p - 1;
-    for (int64_t c = 0; c < lay.v && like; ++c) like = lay.chunk_layers(s, c) == lay.chunk_layers(s - 1, c);
+    for (int64_t c = 0; c < lay.v && like; ++c)
+      like = lay.chunk_layers(s, c) == lay.chunk_layers(s - 1, c) &&
+             (lay.dense.empty() || (lay.chunk_dense(s, c) == lay.chunk_dense(s - 1, c) &&
+                                    lay.chunk_dense_recomputed(s, c) == lay.chunk_dense_recomputed(s - 1, c)));
     if (!like) shape = stage_shape(m, p, lay, cs, s, in);
     const size_t i = static_cast<size_t>(s);
     with_in_flight(shape, cl, p, cs, s, in_flight[i], in_flight_first[i], in_flight_last[i], in, &(*out)[i]);
   }
-  if (in.offload_copied > 0)
+  if (in.offload_copied > 0 || in.dense.offload_copied > 0)
     for (int64_t s = 0; s < p.p; ++s)
       (*out)[static_cast<size_t>(s)].host_activations = host_activations(p, lay, s, in_flight[s], in);
 }

@@ -92,6 +92,11 @@ struct StageMemoryInputs {
   // (per_full_layer) is what such a layer keeps on the GPU: activation_offload_fraction of
   // the freed bytes less.
   double offload_freed = 0, offload_copied = 0;
+  // A model that mixes dense and MoE layers (ModelSpec::mixed): the same of its dense layers
+  // (the fields above are its MoE layers').
+  struct Dense {
+    double per_layer = 0, per_full_layer = 0, layer_params = 0, offload_freed = 0, offload_copied = 0;
+  } dense;
 };
 StageMemoryInputs stage_memory_inputs(const ModelSpec& m, const Plan& p, const ComputeSetup& cs);
 // The activations stage s holds at its peak when each chunk-micro-batch of chunk c weighs

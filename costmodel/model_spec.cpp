@@ -32,13 +32,86 @@ void reject_experts(const Json& j, const std::string& source, std::initializer_l
   }
 }
 
-// Megatron-core's MoE arguments onto ModelSpec (E, K, Fe, Fs): num_experts (or
+// Megatron-core's moe_layer_freq over L layers, one flag per layer (1: MoE): an integer N
+// (every N-th layer from the first, Megatron's rule l % N == 0), a list of 0s and 1s, or
+// the string Megatron's --moe-layer-freq takes: a list, or a sum of lists repeated, such as
+// "([0]*3+[1]*58)" (DeepSeek-V3) or "[1,0]*24". `field` names the input in messages.
+std::vector<uint8_t> moe_layer_flags(const Json& v, int64_t L, const std::string& field) {
+  std::vector<uint8_t> flags;
+  auto bad = [&](const std::string& why) { fail_field(field, show_value(v), why); };
+  auto every = [&](int64_t n) {
+    if (n < 1 || n > L) bad(fmt::format("an integer frequency must be in [1, num_layers = {}]", L));
+    for (int64_t l = 0; l < L; ++l) flags.push_back(l % n == 0 ? 1 : 0);
+  };
+  if (v.is_number_integer()) {
+    every(v.get<int64_t>());
+  } else if (v.is_array()) {
+    for (const Json& x : v) {
+      if (x != Json(0) && x != Json(1)) bad("a list must hold only 0 (dense layer) and 1 (MoE layer)");
+      flags.push_back(x == Json(1) ? 1 : 0);
+      if (static_cast<int64_t>(flags.size()) > L) break;
+    }
+  } else if (v.is_string()) {
+    std::string s = v.get<std::string>();
+    s.erase(std::remove_if(s.begin(), s.end(), [](char ch) { return ch == ' ' || ch == '(' || ch == ')'; }), s.end());
+    if (!s.empty() && std::all_of(s.begin(), s.end(), [](char ch) { return ch >= '0' && ch <= '9'; })) {
+      if (s.size() > 6) bad(fmt::format("an integer frequency must be in [1, num_layers = {}]", L));
+      every(std::stoll(s));
+    } else {
+      const std::string rule = "must be an integer, a list of 0s and 1s, or lists repeated and summed as Megatron writes "
+                               "them, e.g. \"([0]*3+[1]*58)\"";
+      size_t i = 0;
+      while (i < s.size()) {
+        if (s[i] != '[') bad(rule);
+        std::vector<uint8_t> term;
+        for (++i; i < s.size() && s[i] != ']'; ++i) {
+          if (s[i] == ',') continue;
+          if (s[i] != '0' && s[i] != '1') bad(rule);
+          term.push_back(s[i] == '1' ? 1 : 0);
+        }
+        if (i >= s.size() || term.empty()) bad(rule);
+        ++i;  // past ']'
+        int64_t times = 1;
+        if (i < s.size() && s[i] == '*') {
+          size_t j = ++i;
+          while (j < s.size() && s[j] >= '0' && s[j] <= '9') ++j;
+          if (j == i || j - i > 6) bad(rule);
+          times = std::stoll(s.substr(i, j - i));
+          i = j;
+        }
+        for (int64_t r = 0; r < times && static_cast<int64_t>(flags.size()) <= L; ++r)
+          flags.insert(flags.end(), term.begin(), term.end());
+        if (i < s.size()) {
+          if (s[i] != '+') bad(rule);
+          if (++i == s.size()) bad(rule);
+        }
+      }
+    }
+  } else {
+    bad("must be an integer, a list of 0s and 1s, or Megatron's string form such as \"([0]*3+[1]*58)\"");
+  }
+  if (static_cast<int64_t>(flags.size()) > L) bad(fmt::format("names more layers than num_layers = {}", L));
+  if (static_cast<int64_t>(flags.size()) < L) bad(fmt::format("names {} layers, not num_layers = {}", flags.size(), L));
+  return flags;
+}
+
+// Sets m->moe_layer from one flag per layer: refused without an MoE layer, left empty
+// (every layer alike) when all are.
+void set_moe_layers(ModelSpec* m, std::vector<uint8_t> flags, const std::string& field, const std::string& value) {
+  const auto moe = std::count(flags.begin(), flags.end(), uint8_t{1});
+  if (moe == 0)
+    fail_field(field, value, "names no MoE layer: a model without one is dense (give no experts)");
+  if (moe == static_cast<int64_t>(flags.size())) flags.clear();  // every layer: the uniform model
+  m->moe_layer = std::move(flags);
+}
+
+// Megatron-core's MoE arguments onto ModelSpec (E, K, Fe, Fs, moe_layer): num_experts (or
 // num_moe_experts; 0 or 1 is a dense MLP, and then the others are left), moe_router_topk
-// (Megatron's default 2), moe_ffn_hidden_size (default ffn_hidden_size) and
-// moe_shared_expert_intermediate_size. Every layer is an MoE layer: moe_layer_freq other
-// than 1 (a mix of dense and MoE layers) is refused. Settings that change no count or cost
-// under balanced routing (the dispatcher, grouped GEMM, the load-balancing loss, a capacity
-// factor, which drops nothing when the experts' loads are even) are read and left.
+// (Megatron's default 2), moe_ffn_hidden_size (default ffn_hidden_size),
+// moe_shared_expert_intermediate_size and moe_layer_freq (default 1: every layer an MoE
+// layer; the others have a dense MLP of ffn_hidden_size). Settings that change no count or
+// cost under balanced routing (the dispatcher, grouped GEMM, the load-balancing loss, a
+// capacity factor, which drops nothing when the experts' loads are even) are read and left.
 void read_experts(Fields& f, const Json& j, const std::string& source, ModelSpec* m) {
   if (f.peek("num_experts") && f.peek("num_moe_experts"))
     fail_field(source + ".num_moe_experts", show_value(j.at("num_moe_experts")), "given twice (and as num_experts): keep one");
@@ -55,18 +128,9 @@ void read_experts(Fields& f, const Json& j, const std::string& source, ModelSpec
     m->K = f.integer_or("moe_router_topk", 2, 1, E);
     m->Fe = f.integer_or("moe_ffn_hidden_size", m->F, 1, kMaxFfn);
     m->Fs = f.integer_or("moe_shared_expert_intermediate_size", 0, 0, kMaxFfn);
-    auto every_layer = [](const Json& v) {  // 1, a list of 1s, or Megatron's "([1]*N)" / "[1]*N"
-      if (v == Json(1)) return true;
-      if (v.is_array()) return std::all_of(v.begin(), v.end(), [](const Json& x) { return x == Json(1); });
-      if (!v.is_string()) return false;
-      std::string s = v.get<std::string>();
-      s.erase(std::remove_if(s.begin(), s.end(), [](char ch) { return ch == ' ' || ch == '(' || ch == ')'; }), s.end());
-      if (s.rfind("[1]*", 0) != 0 || s.size() == 4) return false;
-      return std::all_of(s.begin() + 4, s.end(), [](char ch) { return ch >= '0' && ch <= '9'; });
-    };
-    if (const Json* freq = f.peek("moe_layer_freq"); freq && !freq->is_null() && !every_layer(*freq))
-      fail_field(source + ".moe_layer_freq", show_value(*freq),
-                 "must be 1: strata models an MoE layer on every layer (a mix of dense and MoE layers is not modelled)");
+    if (const Json* freq = f.peek("moe_layer_freq"); freq && !freq->is_null())
+      set_moe_layers(m, moe_layer_flags(*freq, m->L, source + ".moe_layer_freq"), source + ".moe_layer_freq",
+                     show_value(*freq));
     f.ignore("moe_layer_freq");
   }
   for (const char* k : {"moe_grouped_gemm", "moe_token_dispatcher_type", "moe_router_load_balancing_type",
@@ -105,6 +169,32 @@ const char* to_string(Position p) {
   return "?";
 }
 
+std::string moe_layer_freq_text(const std::vector<uint8_t>& flags) {
+  const size_t n = flags.size();
+  auto list = [&](size_t from, size_t len) {
+    std::string t = "[";
+    for (size_t i = 0; i < len; ++i) {
+      if (i) t += ',';
+      t += flags[from + i] ? '1' : '0';
+    }
+    return t + "]";
+  };
+  for (size_t period = 1; period <= n / 2; ++period) {  // a pattern repeated whole
+    if (n % period != 0) continue;
+    bool repeats = true;
+    for (size_t i = period; i < n && repeats; ++i) repeats = flags[i] == flags[i - period];
+    if (repeats) return fmt::format("{}*{}", list(0, period), n / period);
+  }
+  std::string text = "(";
+  for (size_t i = 0; i < n;) {
+    size_t run = 1;
+    while (i + run < n && flags[i + run] == flags[i]) ++run;
+    text += fmt::format("{}[{}]*{}", i ? "+" : "", flags[i], run);
+    i += run;
+  }
+  return text + ")";
+}
+
 int64_t llama_ffn_size(int64_t H, int64_t multiple_of) {
   const int64_t raw = (8 * H) / 3;
   return multiple_of * ((raw + multiple_of - 1) / multiple_of);
@@ -118,6 +208,21 @@ double ModelSpec::causal_share() const {
   const double w = static_cast<double>(window_size) / static_cast<double>(S);
   const double f = static_cast<double>(window_layers) / static_cast<double>(L);
   return f * (w - 0.5 * w * w) + (1.0 - f) * 0.5;
+}
+
+int64_t ModelSpec::moe_layers_in(int64_t begin, int64_t end) const {
+  if (!moe()) return 0;
+  if (moe_layer.empty()) return end - begin;
+  int64_t n = 0;
+  for (int64_t l = begin; l < end; ++l) n += moe_layer[static_cast<size_t>(l)];
+  return n;
+}
+
+ModelSpec ModelSpec::dense_layers() const {
+  ModelSpec d = *this;
+  d.E = d.K = d.Fe = d.Fs = 0;
+  d.moe_layer.clear();
+  return d;
 }
 
 int64_t ModelSpec::padded_vocab(int64_t t) const {
@@ -164,22 +269,32 @@ int64_t ModelSpec::final_norm_params() const { return normalization == Norm::lay
 
 double ModelSpec::total_params() const {
   const double emb = static_cast<double>(word_embedding_params(1)) * (tie_embeddings ? 1 : 2);
-  return static_cast<double>(L) * static_cast<double>(layer_params(1)) + emb +
-         static_cast<double>(position_params()) + static_cast<double>(final_norm_params());
+  const double moe_layers = static_cast<double>(moe_layer_count());
+  const double layers = mixed() ? moe_layers * static_cast<double>(layer_params(1)) +
+                                      (static_cast<double>(L) - moe_layers) * static_cast<double>(dense_layers().layer_params(1))
+                                : static_cast<double>(L) * static_cast<double>(layer_params(1));
+  return layers + emb + static_cast<double>(position_params()) + static_cast<double>(final_norm_params());
 }
 
 double ModelSpec::active_params() const {
   if (!moe()) return total_params();
-  return total_params() - static_cast<double>(L) * static_cast<double>(E - K) * static_cast<double>(expert_params(1));
+  return total_params() -
+         static_cast<double>(moe_layer_count()) * static_cast<double>(E - K) * static_cast<double>(expert_params(1));
 }
 
 double ModelSpec::layer_forward_flops(int64_t B) const {
+  if (!mixed()) return layer_forward_flops(B, moe());
+  const double moe_layers = static_cast<double>(moe_layer_count()), l = static_cast<double>(L);
+  return (moe_layers * layer_forward_flops(B, true) + (l - moe_layers) * layer_forward_flops(B, false)) / l;
+}
+
+double ModelSpec::layer_forward_flops(int64_t B, bool is_moe) const {
   const double tokens = static_cast<double>(B) * static_cast<double>(S);
   const double h = static_cast<double>(H);
   const double qkv_out = static_cast<double>(AD() + 2 * G * D());
   const double fc1 = static_cast<double>(fc1_out());
   double gemms = 2.0 * tokens * (h * qkv_out + static_cast<double>(AD()) * h + h * fc1 + static_cast<double>(F) * h);
-  if (moe())  // a token's K routed experts and the shared expert in place of the dense MLP
+  if (moe() && is_moe)  // a token's K routed experts and the shared expert in place of the dense MLP
     gemms = 2.0 * tokens * (h * qkv_out + static_cast<double>(AD()) * h +
                             static_cast<double>(K) * static_cast<double>(expert_fc1_out() + Fe) * h +
                             static_cast<double>(shared_fc1_out() + Fs) * h);
@@ -243,6 +358,15 @@ void validate_model(const ModelSpec& m, const std::string& src) {
       fail_field(src + ".moe_router_topk", std::to_string(m.K), fmt::format("must be in [1, num_experts = {}]", m.E));
     range("moe_ffn_hidden_size", m.Fe, 1, kMaxFfn);
     range("moe_shared_expert_intermediate_size", m.Fs, 0, kMaxFfn);
+  }
+  if (m.mixed()) {
+    const int64_t moe_layers = std::count(m.moe_layer.begin(), m.moe_layer.end(), uint8_t{1});
+    if (!m.moe() || static_cast<int64_t>(m.moe_layer.size()) != m.L || moe_layers == 0 || moe_layers == m.L ||
+        std::any_of(m.moe_layer.begin(), m.moe_layer.end(), [](uint8_t x) { return x > 1; }))
+      fail_field(src + ".moe_layer_freq", fmt::format("({} entries)", m.moe_layer.size()),
+                 fmt::format("must flag each of num_layers = {} layers 0 (dense) or 1 (MoE), both kinds among them, "
+                             "with num_experts above 1",
+                             m.L));
   }
   if (m.position == Position::learned && m.S * m.H > (int64_t{1} << 40))
     fail_field(src + ".seq_length", std::to_string(m.S), "learned position table seq_length*hidden_size exceeds 2^40");
@@ -374,10 +498,12 @@ ModelSpec model_from_hf_config(const Json& j, const std::string& source, int64_t
     fail_field(source + ".model_type", show_value(Json(model_type)),
                "encoder-only models (bidirectional attention, no causal language-model head) are not modelled: "
                "strata plans decoder-only transformers");
-  // DeepSeek's experts come with multi-head latent attention and dense first layers, DBRX's
-  // in its own ffn_config: neither is modelled.
-  reject_experts(j, source, {"n_routed_experts", "moe_num_experts", "num_routed_experts"},
-                 "DeepSeek-style models (multi-head latent attention, dense first layers) are not modelled");
+  // DeepSeek's experts come with multi-head latent attention, DBRX's in its own ffn_config:
+  // neither is modelled. (GLM-4.5's n_routed_experts are read below.)
+  const bool glm_moe = model_type == "glm4_moe";
+  if (!glm_moe)
+    reject_experts(j, source, {"n_routed_experts", "moe_num_experts", "num_routed_experts"},
+                   "DeepSeek-style models (multi-head latent attention) are not modelled");
   if (j.contains("ffn_config") && j["ffn_config"].is_object())  // DBRX
     reject_experts(j["ffn_config"], source + ".ffn_config", {"moe_num_experts"},
                    "DBRX's ffn_config is not read: give the model as a model JSON with num_experts");
@@ -434,31 +560,55 @@ ModelSpec model_from_hf_config(const Json& j, const std::string& source, int64_t
   if (m.kv_channels * m.A == m.H) m.kv_channels = 0;
   // Mixture of experts: Mixtral and GPT-OSS (num_local_experts, experts of intermediate_size),
   // Qwen2-MoE and Qwen3-MoE (num_experts of moe_intermediate_size, Qwen2-MoE's shared expert
-  // of shared_expert_intermediate_size), OLMoE (num_experts of intermediate_size); each with
-  // num_experts_per_tok. Every layer must be an MoE layer (decoder_sparse_step 1, no
-  // mlp_only_layers).
-  const int64_t experts = get_int({"num_local_experts", "num_experts"}, 0, kMaxExperts, false, 0);
-  // Only the families whose every layer is an MoE layer of these keys: others (Llama 4's
+  // of shared_expert_intermediate_size), OLMoE (num_experts of intermediate_size), GLM-4.5
+  // (n_routed_experts of moe_intermediate_size and n_shared_experts more as the shared one);
+  // each with num_experts_per_tok. The dense layers among them: Qwen-MoE's mlp_only_layers
+  // and those not on every decoder_sparse_step-th (layer l is an MoE layer where
+  // (l + 1) % step == 0), GLM's first first_k_dense_replace; their MLP is intermediate_size.
+  const int64_t experts = get_int({"num_local_experts", "num_experts", "n_routed_experts"}, 0, kMaxExperts, false, 0);
+  // Only the families whose layers are MoE layers of these keys: others (Llama 4's
   // interleaved layers and shared expert, Jamba, GraniteMoE, ...) would be misread.
   const bool known_moe = model_type == "mixtral" || model_type == "gpt_oss" || model_type == "qwen2_moe" ||
-                         model_type == "qwen3_moe" || model_type == "olmoe";
+                         model_type == "qwen3_moe" || model_type == "olmoe" || glm_moe;
+  const char* experts_key = j.contains("num_local_experts") ? ".num_local_experts"
+                            : j.contains("num_experts")     ? ".num_experts"
+                                                            : ".n_routed_experts";
   if (experts > 1 && !known_moe)
-    fail_field(source + (j.contains("num_local_experts") ? ".num_local_experts" : ".num_experts"), std::to_string(experts),
-               fmt::format("mixture-of-experts configs are read for model_type mixtral, gpt_oss, qwen2_moe, qwen3_moe and "
-                           "olmoe, not {}: give the model as a model JSON with num_experts, moe_router_topk and "
-                           "moe_ffn_hidden_size",
+    fail_field(source + experts_key, std::to_string(experts),
+               fmt::format("mixture-of-experts configs are read for model_type mixtral, gpt_oss, qwen2_moe, qwen3_moe, "
+                           "olmoe and glm4_moe, not {}: give the model as a model JSON with num_experts, moe_router_topk, "
+                           "moe_ffn_hidden_size and moe_layer_freq",
                            show_value(Json(model_type))));
   if (experts > 1) {
     m.E = experts;
     m.K = get_int({"num_experts_per_tok", "moe_topk", "top_k"}, 1, experts, true, 0);
     m.Fe = j.contains("moe_intermediate_size") ? get_int({"moe_intermediate_size"}, 1, kMaxFfn, true, 0) : m.F;
     m.Fs = get_int({"shared_expert_intermediate_size"}, 0, kMaxFfn, false, 0);
-    if (j.contains("decoder_sparse_step") && get_int({"decoder_sparse_step"}, 0, kMaxLayers, false, 1) != 1)
-      fail_field(source + ".decoder_sparse_step", show_value(j["decoder_sparse_step"]),
-                 "must be 1: strata models an MoE layer on every layer (a mix of dense and MoE layers is not modelled)");
-    if (j.contains("mlp_only_layers") && j["mlp_only_layers"].is_array() && !j["mlp_only_layers"].empty())
-      fail_field(source + ".mlp_only_layers", show_value(j["mlp_only_layers"]),
-                 "must be empty: strata models an MoE layer on every layer (a mix of dense and MoE layers is not modelled)");
+    if (glm_moe) m.Fs = get_int({"n_shared_experts"}, 0, 64, false, 0) * m.Fe;
+    std::vector<uint8_t> flags(static_cast<size_t>(m.L), 1);
+    std::string key, value;  // the config key that makes a layer dense, for messages
+    if (j.contains("decoder_sparse_step") && !j["decoder_sparse_step"].is_null()) {
+      const int64_t step = get_int({"decoder_sparse_step"}, 1, m.L, false, 1);
+      for (int64_t l = 0; l < m.L; ++l) flags[static_cast<size_t>(l)] = (l + 1) % step == 0 ? 1 : 0;
+      key = ".decoder_sparse_step", value = std::to_string(step);
+    }
+    if (j.contains("mlp_only_layers") && !j["mlp_only_layers"].is_null()) {
+      const Json& only = j["mlp_only_layers"];
+      if (!only.is_array()) fail_field(source + ".mlp_only_layers", show_value(only), "must be a list of layer indices");
+      for (const Json& x : only) {
+        if (!x.is_number_integer() || x.get<int64_t>() < 0 || x.get<int64_t>() >= m.L)
+          fail_field(source + ".mlp_only_layers", show_value(only),
+                     fmt::format("must list layer indices in [0, num_hidden_layers = {})", m.L));
+        flags[static_cast<size_t>(x.get<int64_t>())] = 0;
+      }
+      if (!only.empty()) key = ".mlp_only_layers", value = show_value(only);
+    }
+    if (glm_moe && j.contains("first_k_dense_replace") && !j["first_k_dense_replace"].is_null()) {
+      const int64_t k = get_int({"first_k_dense_replace"}, 0, m.L, false, 0);
+      for (int64_t l = 0; l < k; ++l) flags[static_cast<size_t>(l)] = 0;
+      key = ".first_k_dense_replace", value = std::to_string(k);
+    }
+    set_moe_layers(&m, std::move(flags), source + (key.empty() ? std::string(experts_key) : key), value);
   }
   m.normalization = (j.contains("rms_norm_eps") || llama) && !gpt2 ? Norm::rmsnorm : Norm::layernorm;
   m.position = gpt2 ? Position::learned  // RoPE sets the modern stack for the Llama family
@@ -544,6 +694,7 @@ Json model_to_json(const ModelSpec& m) {
     j["moe_router_topk"] = m.K;
     j["moe_ffn_hidden_size"] = m.Fe;
     j["moe_shared_expert_intermediate_size"] = m.Fs;
+    if (m.mixed()) j["moe_layer_freq"] = m.moe_layer;
   }
   return j;
 }

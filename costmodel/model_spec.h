@@ -56,6 +56,12 @@ struct ModelSpec {
   int64_t K = 0;   // moe_router_topk
   int64_t Fe = 0;  // moe_ffn_hidden_size
   int64_t Fs = 0;  // moe_shared_expert_intermediate_size
+  // Which layers are MoE layers where the model mixes them with dense ones (Megatron-core's
+  // moe_layer_freq as a list; DeepSeek's and GLM's first_k_dense_replace, Qwen-MoE's
+  // decoder_sparse_step and mlp_only_layers): moe_layer[l] is 1 for an MoE layer, 0 for a
+  // dense MLP of F. Empty: every layer is alike (MoE when moe()). When set it holds L
+  // entries, both kinds among them.
+  std::vector<uint8_t> moe_layer;
 
   int64_t D() const { return kv_channels > 0 ? kv_channels : H / A; }
   int64_t AD() const { return A * D(); }  // width of the queries and of the attention output
@@ -72,6 +78,13 @@ struct ModelSpec {
   double causal_share() const;
   int64_t fc1_out() const { return gated() ? 2 * F : F; }  // columns of the first MLP matrix
   bool moe() const { return E > 1; }
+  bool mixed() const { return !moe_layer.empty(); }  // dense and MoE layers
+  // MoE layers among layers [begin, end) (all of them in a model with experts on every layer).
+  int64_t moe_layers_in(int64_t begin, int64_t end) const;
+  int64_t moe_layer_count() const { return moe_layers_in(0, L); }
+  // The model's dense layers as a model of their own: no experts, the same attention and
+  // MLP of F (costed by the same functions as a dense model's layers).
+  ModelSpec dense_layers() const;
   int64_t expert_fc1_out() const { return gated() ? 2 * Fe : Fe; }  // an expert's first matrix
   int64_t shared_fc1_out() const { return gated() ? 2 * Fs : Fs; }  // the shared expert's
   // Parameters of one routed expert split over etp ranks (Megatron's
@@ -84,7 +97,7 @@ struct ModelSpec {
 
   // Parameters of one transformer layer held by one tensor-parallel rank: the split
   // matrices and biases divided by t, the norms and row-parallel biases replicated.
-  // With experts: the router (E x H, replicated), the shared expert (split like a dense
+  // With experts (a mixed model's MoE layers): the router (E x H, replicated), the shared expert (split like a dense
   // MLP) and the E/ep routed experts of an expert-parallel rank, each split over etp ranks
   // (layer_expert_params; etp 0: t, Megatron's default).
   int64_t layer_params(int64_t t, int64_t ep = 1, int64_t etp = 0) const;
@@ -105,6 +118,8 @@ struct ModelSpec {
   // and the shared expert a token passes (Megatron's count, the router left out). No recompute.
   double forward_flops(int64_t B) const;
   double layer_forward_flops(int64_t B) const;  // the mean of the L layers
+  // One MoE layer's (moe_layer true, for a model with experts) or one dense layer's.
+  double layer_forward_flops(int64_t B, bool is_moe) const;
   // Keys per query in that count, the mean over the layers: S, or with a sliding window
   // (L - window_layers) S + window_layers window_size, over L.
   double attention_keys() const;
@@ -124,6 +139,10 @@ Json model_to_json(const ModelSpec& m);
 // Presets (model_presets.cpp).
 std::vector<std::string> model_preset_names();
 bool find_model_preset(const std::string& name, ModelSpec* out);
+
+// moe_layer as Megatron-LM's --moe-layer-freq takes it: the shortest repeated list
+// ("[1,0]*24") or runs ("([0]*3+[1]*58)").
+std::string moe_layer_freq_text(const std::vector<uint8_t>& flags);
 
 // Llama's FFN size rule: multiple_of * ceil((8H/3) / multiple_of).
 int64_t llama_ffn_size(int64_t H, int64_t multiple_of = 256);

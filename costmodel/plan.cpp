@@ -413,21 +413,42 @@ std::vector<std::string> module_words(const Json& v, const std::string& field, c
   if (names.empty()) fail_field(field, show_value(v), fmt::format("must name at least one module ({})", kinds));
   return names;
 }
+// A table of module bits by Megatron's names: a name's bit (0: none), the bits' names
+// joined by `sep` or as a JSON list, in the table's order.
+using ModuleName = std::pair<unsigned, const char*>;
+template <size_t N>
+unsigned module_bit(const std::string& name, const ModuleName (&table)[N]) {
+  for (const auto& [bit, n] : table)
+    if (name == n) return bit;
+  return 0;
+}
+template <size_t N>
+std::string module_text(unsigned bits, const char* sep, const ModuleName (&table)[N]) {
+  std::string s;
+  for (const auto& [bit, name] : table)
+    if (bits & bit) s += (s.empty() ? "" : sep) + std::string(name);
+  return s;
+}
+template <size_t N>
+Json module_list(unsigned bits, const ModuleName (&table)[N]) {
+  Json list = Json::array();
+  for (const auto& [bit, name] : table)
+    if (bits & bit) list.push_back(name);
+  return list;
+}
+
+// The modules strata recomputes, by Megatron's name.
+constexpr ModuleName kRecomputeModuleNames[] = {
+    {kRecomputeCoreAttn, "core_attn"}, {kRecomputeLayernorm, "layernorm"}, {kRecomputeMoeAct, "moe_act"}};
 }  // namespace
 
 // Megatron-core's --recompute-modules: a list of names (a JSON array, or a string of names
 // separated by blanks or '+', as an inline plan gives it) onto RecomputeModule bits.
-// The modules strata recomputes, by Megatron's name.
-constexpr std::pair<unsigned, const char*> kRecomputeModuleNames[] = {
-    {kRecomputeCoreAttn, "core_attn"}, {kRecomputeLayernorm, "layernorm"}, {kRecomputeMoeAct, "moe_act"}};
-
 unsigned parse_recompute_modules(const Json& v, const std::string& field) {
   const std::vector<std::string> names = module_words(v, field, "core_attn, layernorm, moe_act");
   unsigned bits = 0;
   for (const std::string& n : names) {
-    const auto* it = std::find_if(std::begin(kRecomputeModuleNames), std::end(kRecomputeModuleNames),
-                                  [&](const auto& x) { return n == x.second; });
-    if (it != std::end(kRecomputeModuleNames)) bits |= it->first;
+    if (const unsigned bit = module_bit(n, kRecomputeModuleNames)) bits |= bit;
     else if (n == "mlp" || n == "moe" || n == "shared_experts" || n == "mla_up_proj")
       fail_field(field, "\"" + n + "\"", "is not modelled: strata recomputes core_attn, layernorm and moe_act");
     else
@@ -436,16 +457,11 @@ unsigned parse_recompute_modules(const Json& v, const std::string& field) {
   return bits;
 }
 
-std::string recompute_modules_text(unsigned bits, const char* sep) {
-  std::string s;
-  for (const auto& [bit, name] : kRecomputeModuleNames)
-    if (bits & bit) s += (s.empty() ? "" : sep) + std::string(name);
-  return s;
-}
+std::string recompute_modules_text(unsigned bits, const char* sep) { return module_text(bits, sep, kRecomputeModuleNames); }
 
 namespace {
 
-constexpr std::pair<unsigned, const char*> kOffloadModuleNames[] = {
+constexpr ModuleName kOffloadModuleNames[] = {
     {kOffloadAttnNorm, "attn_norm"},   {kOffloadQkvLinear, "qkv_linear"}, {kOffloadCoreAttn, "core_attn"},
     {kOffloadAttnProj, "attn_proj"},   {kOffloadMlpNorm, "mlp_norm"},     {kOffloadExpertFc1, "expert_fc1"},
     {kOffloadMoeAct, "moe_act"}};
@@ -455,9 +471,7 @@ constexpr const char* kOffloadModuleList = "attn_norm, qkv_linear, core_attn, at
 unsigned parse_offload_modules(const Json& v, const std::string& field) {
   unsigned bits = 0;
   for (const std::string& n : module_words(v, field, kOffloadModuleList)) {
-    const auto* it = std::find_if(std::begin(kOffloadModuleNames), std::end(kOffloadModuleNames),
-                                  [&](const auto& x) { return n == x.second; });
-    if (it != std::end(kOffloadModuleNames)) bits |= it->first;
+    if (const unsigned bit = module_bit(n, kOffloadModuleNames)) bits |= bit;
     else if (n == "gdp_qkv")
       fail_field(field, "\"gdp_qkv\"", "is a gated delta-net layer's, which strata's models do not have");
     else if (n == "fused_group_mlp")
@@ -475,12 +489,7 @@ unsigned parse_offload_modules(const Json& v, const std::string& field) {
   return bits;
 }
 
-std::string offload_modules_text(unsigned bits, const char* sep) {
-  std::string s;
-  for (const auto& [bit, name] : kOffloadModuleNames)
-    if (bits & bit) s += (s.empty() ? "" : sep) + std::string(name);
-  return s;
-}
+std::string offload_modules_text(unsigned bits, const char* sep) { return module_text(bits, sep, kOffloadModuleNames); }
 
 Plan plan_from_json(const Json& in, const std::string& source) {
   if (!in.is_object()) throw InputError(fmt::format("{}: {} is invalid: must be a JSON object", source, show_value(in)));
@@ -854,16 +863,12 @@ Json plan_to_json(const Plan& p) {
   if (p.ep > 1) j["expert_model_parallel_size"] = p.ep;
   if (p.etp > 0 && p.etp != p.t) j["expert_tensor_parallel_size"] = p.etp;
   if (p.recompute == Recompute::selective && p.recompute_modules != kRecomputeCoreAttn) {
-    j["recompute_modules"] = Json::array();
-    for (const auto& [bit, name] : kRecomputeModuleNames)
-      if (p.recompute_modules & bit) j["recompute_modules"].push_back(name);
+    j["recompute_modules"] = module_list(p.recompute_modules, kRecomputeModuleNames);
   }
   if (p.dp_instances > 1) j["num_distributed_optimizer_instances"] = p.dp_instances;
   if (p.offload_modules) {
     j["fine_grained_activation_offloading"] = true;
-    j["offload_modules"] = Json::array();
-    for (const auto& [bit, name] : kOffloadModuleNames)
-      if (p.offload_modules & bit) j["offload_modules"].push_back(name);
+    j["offload_modules"] = module_list(p.offload_modules, kOffloadModuleNames);
     j["activation_offload_fraction"] = p.activation_offload_fraction;
     j["min_offloaded_tensor_size"] = p.min_offloaded_tensor_size;
   }
@@ -990,8 +995,9 @@ std::vector<Reason> check_plan(const ModelSpec& m, const Cluster& cl, const Plan
     });
   if (p.recompute_layers > 0 && p.recompute != Recompute::full)
     add("recompute_layers", [&] { return fmt::format("recompute_num_layers={} needs recompute=full", p.recompute_layers); });
-  if (m.F % p.t != 0 && !m.moe())
-    add("tp_ffn", [&] { return fmt::format("tensor_parallel={} must divide ffn_hidden_size={}", p.t, m.F); });
+  if (m.F % p.t != 0 && (!m.moe() || m.mixed()))  // (a mixed model's dense layers)
+    add("tp_ffn", [&] { return fmt::format("tensor_parallel={} must divide ffn_hidden_size={}{}", p.t, m.F,
+                                           m.moe() ? " (the dense layers' MLP)" : ""); });
   if (m.moe() || p.ep > 1) moe_reasons(m, cl, p, add);
   if (!m.moe() && p.recompute == Recompute::selective && (p.recompute_modules & kRecomputeMoeAct))
     add("moe_act", [&] { return fmt::format("recompute_modules moe_act needs a mixture-of-experts model; {} is dense", m.name); });

@@ -42,6 +42,9 @@ std::string format_estimate(const ModelSpec& m, const Cluster& cl, const Estimat
     o += fmt::format("         {} experts of {} ({} per token{}): {} parameters active, {} experts per GPU\n", m.E,
                      m.Fe, m.K, m.Fs > 0 ? fmt::format(", shared expert {}", m.Fs) : std::string(),
                      human_count(m.active_params()), m.E / p.ep);
+  if (m.mixed())
+    o += fmt::format("         MoE on {} of the {} layers, dense MLP of {} on the others (moe_layer_freq {})\n",
+                     m.moe_layer_count(), m.L, m.F, moe_layer_freq_text(m.moe_layer));
   o += fmt::format("cluster  {} ({}, {} per node), {} GPUs\n", cl.name, cl.device.name, cl.devices_per_node,
                    p.world_size());
   o += fmt::format("plan     {}\n", plan_to_inline(p));

@@ -149,6 +149,7 @@ std::string export_megatron(const ModelSpec& m, const Plan& p, const Stack& stac
     flag(fmt::format("--moe-router-topk {}", m.K));
     flag(fmt::format("--moe-ffn-hidden-size {}", m.Fe));
     if (m.Fs > 0) flag(fmt::format("--moe-shared-expert-intermediate-size {}", m.Fs));
+    if (m.mixed()) flag(fmt::format("--moe-layer-freq \"{}\"", moe_layer_freq_text(m.moe_layer)));
     if (p.ep > 1) flag(fmt::format("--expert-model-parallel-size {}", p.ep));
     if (p.expert_tp() != p.t) flag(fmt::format("--expert-tensor-parallel-size {}", p.expert_tp()));
     flag("--moe-grouped-gemm");
@@ -251,6 +252,7 @@ std::string export_deepspeed(const ModelSpec& m, const Plan& p, const Stack& sta
   if (p.dp_instances > 1 && p.zero < 3) split["num_distributed_optimizer_instances"] = p.dp_instances;
   if (p.ep > 1) split["expert_model_parallel_size"] = p.ep;
   if (m.moe() && p.expert_tp() != p.t) split["expert_tensor_parallel_size"] = p.expert_tp();
+  if (m.mixed()) split["moe_layer_freq"] = moe_layer_freq_text(m.moe_layer);
   if (p.layout) split["pipeline_model_parallel_layout"] = p.layout->text;
   if (p.first_stage_layers > 0) split["decoder_first_pipeline_num_layers"] = p.first_stage_layers;
   if (p.last_stage_layers > 0) split["decoder_last_pipeline_num_layers"] = p.last_stage_layers;
@@ -373,6 +375,14 @@ std::string export_bridge(const ModelSpec& m, const Plan& p, const Stack& stack)
   set("model.num_attention_heads", num(m.A));
   set("model.num_query_groups", num(m.G));
   if (m.kv_channels > 0) set("model.kv_channels", num(m.kv_channels));
+  if (m.mixed()) {  // Bridge's providers take the list (first_k_dense_replace's, DeepSeek's and GLM's)
+    std::string list = "[";
+    for (size_t i = 0; i < m.moe_layer.size(); ++i) {
+      if (i) list += ',';
+      list += m.moe_layer[i] ? '1' : '0';
+    }
+    set("model.moe_layer_freq", list + "]");
+  }
   if (m.G < p.t)
     notes += fmt::format("# num_query_groups={} < tensor_parallel={}: strata replicated each key/value group on {} ranks;\n"
                          "# Megatron-core needs the groups divisible by the tensor-parallel size.\n",

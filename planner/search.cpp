@@ -285,8 +285,12 @@ std::optional<Plan> balanced_end_split(const ModelSpec& m, const Cluster& cl, co
   base.layout.reset();
   base.dp_instances = 1;  // (no ZeRO here)
   const ComputeSetup cs = compute_setup(m, cl, base);
-  return balanced_end_split(m, p, split_work(layer_cost(m, cl, base, cs)), split_work(embedding_cost(m, cl, base, cs)),
-                            split_work(head_cost(m, cl, base, cs)));
+  double w = split_work(layer_cost(m, cl, base, cs));
+  if (m.mixed()) {  // the layers' mean
+    const double moe = static_cast<double>(m.moe_layer_count()), L = static_cast<double>(m.L);
+    w = (moe * w + (L - moe) * split_work(layer_cost(m.dense_layers(), cl, base, cs))) / L;
+  }
+  return balanced_end_split(m, p, w, split_work(embedding_cost(m, cl, base, cs)), split_work(head_cost(m, cl, base, cs)));
 }
 
 Stack search_stack(const ModelSpec& m, const Cluster& cl, const SearchOptions& opt) {
@@ -320,15 +324,37 @@ SearchResult search(const ModelSpec& m, const Cluster& cl, const SearchOptions& 
   auto experts = [](const Plan& pl, CpComm cc) {  // (ep and etp are below 2^20: check_plan's bound)
     return static_cast<int64_t>(cc) + 4 * (pl.etp + (int64_t{1} << 21) * pl.ep);
   };
-  std::map<CostKey, std::array<LayerCost, 3>> costs;
-  auto costs_of = [&](const Plan& pl, const ComputeSetup& cs) -> const std::array<LayerCost, 3>& {
+  // [0] a layer (a mixed model's MoE layer), [1] the embedding, [2] the output layer, [3] a
+  // mixed model's dense layer (ModelSpec::mixed; else left empty).
+  std::map<CostKey, std::array<LayerCost, 4>> costs;
+  const ModelSpec dense_model = m.mixed() ? m.dense_layers() : ModelSpec{};
+  auto costs_of = [&](const Plan& pl, const ComputeSetup& cs) -> const std::array<LayerCost, 4>& {
     const CostKey key{pl.t, pl.c, pl.zero >= 2 ? pl.d : 0, pl.mbs, pl.sp, static_cast<int>(pl.recompute),
                       pl.zero >= 2 ? pl.zero : 0, experts(pl, cs.cp_comm)};
     auto it = costs.find(key);
     if (it == costs.end())
-      it = costs.emplace(key, std::array<LayerCost, 3>{layer_cost(m, cl, pl, cs), embedding_cost(m, cl, pl, cs),
-                                                       head_cost(m, cl, pl, cs)}).first;
+      it = costs.emplace(key, std::array<LayerCost, 4>{layer_cost(m, cl, pl, cs), embedding_cost(m, cl, pl, cs),
+                                                       head_cost(m, cl, pl, cs),
+                                                       m.mixed() ? layer_cost(dense_model, cl, pl, cs) : LayerCost{}})
+               .first;
     return it->second;
+  };
+  // One work per layer for balanced_end_split: a mixed model's layers' mean.
+  auto layer_split_work = [&](const std::array<LayerCost, 4>& lc) {
+    if (!m.mixed()) return split_work(lc[0]);
+    const double moe = static_cast<double>(m.moe_layer_count()), L = static_cast<double>(m.L);
+    return (moe * split_work(lc[0]) + (L - moe) * split_work(lc[3])) / L;
+  };
+  // The layout with a mixed model's dense layers counted for the plan (which of them its
+  // partial recompute recomputes); other models' layouts as they are.
+  StageLayout kinds_scratch;
+  auto with_kinds = [&](const Plan& pl, const StageLayout& lay) -> const StageLayout& {
+    if (!m.mixed()) return lay;
+    kinds_scratch.p = lay.p;
+    kinds_scratch.v = lay.v;
+    kinds_scratch.layers = lay.layers;
+    count_layer_kinds(m, pl, &kinds_scratch);
+    return kinds_scratch;
   };
   std::map<std::tuple<int, int64_t, int64_t, int64_t, int64_t>, InFlight> flights;
   auto reject = [&](const std::string& key, int64_t n) {
@@ -355,7 +381,8 @@ SearchResult search(const ModelSpec& m, const Cluster& cl, const SearchOptions& 
     bool operator==(const FitKey&) const = default;
   };
   std::vector<std::pair<FitKey, Fit>> fits_by_type;
-  auto memory_of = [&](const Plan& pl, const StageLayout& lay, const ComputeSetup& cs) {
+  auto memory_of = [&](const Plan& pl, const StageLayout& given, const ComputeSetup& cs) {
+    const StageLayout& lay = with_kinds(pl, given);
     FitKey key;
     if (pl.c > 1) {
       key = FitKey{pl.zero, pl.offload, experts(pl, CpComm::automatic), pl.recompute_layers, pl.first_stage_layers, pl.last_stage_layers,
@@ -390,20 +417,37 @@ SearchResult search(const ModelSpec& m, const Cluster& cl, const SearchOptions& 
   // Ranks that share processors may compute up to max_compute_speed() faster than these
   // costs (estimate.h): the bound divides by it.
   const double fastest = max_compute_speed(cl);
-  auto evaluate = [&](const Plan& pl, const StageLayout& lay, const ComputeSetup& cs, const Fit& f) {
+  auto evaluate = [&](const Plan& pl, const StageLayout& given, const ComputeSetup& cs, const Fit& f) {
+    const StageLayout& lay = with_kinds(pl, given);
     const auto& lc = costs_of(pl, cs);
     const LayerCost* plain = &lc[0];
-    if (pl.recompute == Recompute::full && pl.recompute_layers > 0) plain = &costs_of(pl.without_recompute(), cs)[0];
+    const LayerCost* dense_plain = &lc[3];
+    if (pl.recompute == Recompute::full && pl.recompute_layers > 0) {
+      const auto& without = costs_of(pl.without_recompute(), cs);
+      plain = &without[0];
+      dense_plain = &without[3];
+    }
     const double send = p2p_time(m, cl, pl, cs), mbs_per_step = static_cast<double>(pl.microbatches());
+    const bool mixed = !lay.dense.empty();
+    // A layer's forward, its backward with recompute, and a plain layer's backward (the
+    // same sums each chunk would form).
+    const double fwd = lc[0].forward.total(), bwd = lc[0].backward.total() + lc[0].recompute.total();
+    const double plain_bwd = plain->backward.total();
     double lb = 0, fill = 0;  // fill: forward and backward of chunk 0 on the stages before b
     for (int64_t s = 0; s < pl.p; ++s) {
       double work = 0, first_f = 0, first_b = 0;
       for (int64_t c = 0; c < lay.v; ++c) {
         const int64_t n = lay.chunk_layers(s, c);
         const int64_t k = pl.recompute == Recompute::full ? pl.recomputed_layers(n) : n;
-        const double f = static_cast<double>(n) * lc[0].forward.total();
-        const double b = static_cast<double>(k) * (lc[0].backward.total() + lc[0].recompute.total()) +
-                         static_cast<double>(n - k) * plain->backward.total();
+        double f = static_cast<double>(n) * fwd;
+        double b = static_cast<double>(k) * bwd + static_cast<double>(n - k) * plain_bwd;
+        if (const int64_t nd = mixed ? lay.chunk_dense(s, c) : 0; nd > 0) {  // a mixed model's dense layers
+          const int64_t kd = lay.chunk_dense_recomputed(s, c);
+          f = static_cast<double>(n - nd) * fwd + static_cast<double>(nd) * lc[3].forward.total();
+          b = static_cast<double>(k - kd) * bwd + static_cast<double>(n - k - (nd - kd)) * plain_bwd +
+              static_cast<double>(kd) * (lc[3].backward.total() + lc[3].recompute.total()) +
+              static_cast<double>(nd - kd) * dense_plain->backward.total();
+        }
         work += f + b;
         if (c == 0) first_f = f, first_b = b;
       }
@@ -415,7 +459,7 @@ SearchResult search(const ModelSpec& m, const Cluster& cl, const SearchOptions& 
     lb /= fastest;
     if (lb >= top.bound() && !(opt.pareto && !front.dominated(f.peak, lb))) return;
     EstimateOptions eo;
-    eo.pre = Precomputed{&lc[0], plain, &lc[1], &lc[2], f.flight};
+    eo.pre = Precomputed{&lc[0], plain, &lc[1], &lc[2], f.flight, &lc[3], dense_plain};
     Estimate e = estimate(m, cl, pl, eo);
     ++res.simulated;
     if (opt.pareto) front.add(e);
@@ -633,7 +677,7 @@ SearchResult search(const ModelSpec& m, const Cluster& cl, const SearchOptions& 
                       Plan q = probe_tpcv;
                       q.mbs = mbs; q.zero = 0; q.recompute = rc; q.sp = sp == 1; q.gpipe = gp == 1; q.cp_comm = cc;
                       const auto& lc = costs_of(q, compute_setup(m, cl, q));
-                      split = balanced_end_split(m, q, split_work(lc[0]), split_work(lc[1]), split_work(lc[2]));
+                      split = balanced_end_split(m, q, layer_split_work(lc), split_work(lc[1]), split_work(lc[2]));
                       if (split) {
                         std::tuple<int64_t, int64_t, std::string> key{split->first_stage_layers, split->last_stage_layers,
                                                                       split->layout ? split->layout->text : ""};

@@ -110,6 +110,75 @@ TEST(Estimate, AnExplicitSplitEqualToStrataSplitIsTheSameEstimate) {
   }
 }
 
+// A model that mixes dense and MoE layers (moe_layer_freq) costs each layer as its kind:
+// with its first 8 of 16 layers dense, a pipeline of two stages runs the dense model's first
+// stage and the all-MoE model's second, in time and in memory, with and without partial
+// recompute (its first 2 layers of each chunk, dense on stage 0); interleaved over 2 chunks
+// (layers 0-3, 8-11 on stage 0; 4-7, 12-15 on stage 1) the dense chunks are the dense
+// model's and the MoE chunks the other's, and a stage holds half of each model's
+// parameters. The model FLOPs are the two models' mean, and the search's top plans are
+// those of the twin that estimates every plan (planner_test).
+TEST(Estimate, DenseAndMoeLayersEachCostAsTheirKind) {
+  const Json spec = Json::parse(R"x({"name":"mixed","num_layers":16,"hidden_size":2048,"num_attention_heads":16,
+      "num_query_groups":4,"activation":"swiglu","ffn_hidden_size":5632,"vocab_size":32000,"seq_length":2048,
+      "num_experts":16,"moe_router_topk":4,"moe_ffn_hidden_size":1408,"moe_layer_freq":"([0]*8+[1]*8)"})x");
+  const ModelSpec m = model_from_json(spec, "model");
+  ModelSpec all_moe = m;
+  all_moe.moe_layer.clear();
+  const ModelSpec dense = m.dense_layers();
+  ASSERT_TRUE(m.mixed());
+  const Cluster cl = load_cluster("dgx-a100-80g");
+  for (const char* plan : {"tp=1,pp=2,dp=4,mbs=1,gbs=16,zero=1", "tp=2,pp=2,dp=2,mbs=2,gbs=16,zero=3,sp=1",
+                           "tp=1,pp=2,dp=4,mbs=1,gbs=16,zero=1,recompute=full,recompute_num_layers=2",
+                           "tp=1,pp=2,dp=4,mbs=1,gbs=16,zero=1,software_stack=modern,offload_modules=core_attn+qkv_linear",
+                           "tp=1,pp=2,vp=2,dp=4,mbs=1,gbs=16,zero=1", "tp=1,pp=2,vp=2,dp=4,mbs=1,gbs=16,zero=2,recompute=selective"}) {
+    const Plan p = load_plan(plan);
+    EstimateDetail dm, dd, du;
+    const Estimate em = estimate(m, cl, p, {}, &dm), ed = estimate(dense, cl, p, {}, &dd), eu = estimate(all_moe, cl, p, {}, &du);
+    ASSERT_TRUE(em.valid && ed.valid && eu.valid) << plan;
+    for (int64_t c = 0; c < p.v; ++c)
+      for (int64_t s = 0; s < 2; ++s) {
+        const size_t i = static_cast<size_t>(c * 2 + s);
+        const bool dense_chunk = p.v == 1 ? s == 0 : c == 0;  // layers 0-7
+        const EstimateDetail& like = dense_chunk ? dd : du;
+        EXPECT_EQ(dm.stage_times.fwd_s[i], like.stage_times.fwd_s[i]) << plan << " chunk " << c << " stage " << s;
+        EXPECT_EQ(dm.stage_times.bwd_s[i], like.stage_times.bwd_s[i]) << plan << " chunk " << c << " stage " << s;
+      }
+    EXPECT_DOUBLE_EQ(model_flops_per_step(m, p), (model_flops_per_step(dense, p) + model_flops_per_step(all_moe, p)) / 2) << plan;
+    for (size_t s = 0; s < 2; ++s) {
+      const MemoryBreakdown &mm = dm.stage_memory[s], &md = dd.stage_memory[s], &mu = du.stage_memory[s];
+      if (p.v == 1) {
+        const MemoryBreakdown& like = s == 0 ? md : mu;
+        EXPECT_EQ(mm.params, like.params) << plan << " stage " << s;
+        EXPECT_EQ(mm.weights, like.weights) << plan << " stage " << s;
+        EXPECT_EQ(mm.gradients, like.gradients) << plan << " stage " << s;
+        EXPECT_EQ(mm.optimizer_states, like.optimizer_states) << plan << " stage " << s;
+        EXPECT_EQ(mm.activations, like.activations) << plan << " stage " << s;
+        EXPECT_EQ(mm.comm_buffers, like.comm_buffers) << plan << " stage " << s;
+        EXPECT_EQ(mm.peak, like.peak) << plan << " stage " << s;
+        EXPECT_EQ(mm.host_activations, like.host_activations) << plan << " stage " << s;
+      } else {
+        EXPECT_DOUBLE_EQ(mm.params, (md.params + mu.params) / 2) << plan << " stage " << s;
+        EXPECT_DOUBLE_EQ(mm.expert_params, mu.expert_params / 2) << plan << " stage " << s;
+        // (Activations: the schedule walked with the dense and the MoE chunk's weights, between the two models'.)
+        EXPECT_GT(mm.activations, std::min(md.activations, mu.activations)) << plan << " stage " << s;
+        EXPECT_LT(mm.activations, std::max(md.activations, mu.activations)) << plan << " stage " << s;
+      }
+    }
+  }
+  // The layout's counts: chunk i = c p + s holds the i-th run of layers; with the first 3
+  // layers dense and recompute_num_layers=1, the dense layers of each chunk and of its first.
+  ModelSpec three = m;
+  three.moe_layer.assign(16, 1);
+  for (int l = 0; l < 3; ++l) three.moe_layer[static_cast<size_t>(l)] = 0;
+  const StageLayout lay = make_layout(three, load_plan("pp=2,vp=4,dp=4,gbs=16,recompute=full,recompute_num_layers=1"));
+  EXPECT_EQ(lay.dense, (std::vector<int64_t>{2, 1, 0, 0, 0, 0, 0, 0}));
+  EXPECT_EQ(lay.dense_recomputed, (std::vector<int64_t>{1, 1, 0, 0, 0, 0, 0, 0}));
+  EXPECT_EQ(lay.stage_dense(0), 2);
+  EXPECT_EQ(lay.stage_dense(1), 1);
+  EXPECT_TRUE(make_layout(all_moe, load_plan("pp=2,dp=4,gbs=16")).dense.empty());
+}
+
 // Megatron-Bridge's Llama 3 70B H100 FP8 recipe (TP4 PP8 VP5, batch 256) moves a layer off
 // the last virtual stage, which also carries the 128k-vocabulary output layer, onto stage 3's
 // last chunk: the last stage, the pipeline's bottleneck, holds 9 layers + the output layer

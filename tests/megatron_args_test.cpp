@@ -163,6 +163,23 @@ TEST(MegatronArgs, ExpertFlagsRoundTrip) {
     EXPECT_EQ(in.model.total_params(), m.total_params()) << name;
     EXPECT_EQ(estimate(in.model, cl, in.plan).step_time_s, estimate(m, cl, p).step_time_s) << name;
   }
+  // A mix of dense and MoE layers: --moe-layer-freq as Megatron's Python list expression.
+  {
+    Json j = model_to_json(load_model("mixtral-8x7b"));
+    j["moe_layer_freq"] = "([0]*2+[1]*30)";
+    const ModelSpec mixed = model_from_json(j, "model");
+    const Plan p = load_plan("tp=2,pp=2,dp=16,ep=8,mbs=1,gbs=256,zero=1,sp=1");
+    const std::string flags = export_megatron(mixed, p, resolve_stack(mixed, cl, p)) + fmt::format(" --vocab-size {}", mixed.V);
+    EXPECT_NE(flags.find("--moe-layer-freq \"([0]*2+[1]*30)\""), std::string::npos) << flags;
+    const LaunchInputs in = launch_inputs(parse_megatron_launch(flags, "export"), p.world_size(), "export");
+    EXPECT_EQ(in.model.moe_layer, mixed.moe_layer);
+    EXPECT_EQ(in.model.total_params(), mixed.total_params());
+    EXPECT_EQ(estimate(in.model, cl, in.plan).step_time_s, estimate(mixed, cl, p).step_time_s);
+    EXPECT_NE(error_of("--num-layers 8 --hidden-size 64 --num-attention-heads 4 --seq-length 32 --vocab-size 100 "
+                              "--num-experts 8 --moe-layer-freq \"([0]*3)\"", 8)
+                  .find("moe_layer_freq"),
+              std::string::npos);
+  }
   // --recompute-modules takes a list of words, and is written back.
   const ModelSpec m = load_model("mixtral-8x7b");
   const Plan p = load_plan("tp=2,dp=16,ep=8,mbs=1,gbs=256,zero=1,sp=1,recompute_modules=core_attn+moe_act+layernorm");

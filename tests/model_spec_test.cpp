@@ -244,10 +244,16 @@ TEST(ModelSpec, HuggingFaceConfigsOutsideTheModelAreRefused) {
       EXPECT_NE(what.find(rule), std::string::npos) << what;
     }
   };
-  refused(R"("model_type":"qwen2_moe","num_experts":60,"num_experts_per_tok":4,"decoder_sparse_step":2)",
-          "decoder_sparse_step", "every layer");
-  refused(R"("model_type":"qwen3_moe","num_experts":128,"num_experts_per_tok":8,"mlp_only_layers":[0])",
-          "mlp_only_layers", "every layer");
+  refused(R"("model_type":"qwen2_moe","num_experts":60,"num_experts_per_tok":4,"decoder_sparse_step":0)",
+          "decoder_sparse_step", "[1, 32]");
+  refused(R"("model_type":"qwen3_moe","num_experts":128,"num_experts_per_tok":8,"mlp_only_layers":[32])",
+          "mlp_only_layers", "[0, num_hidden_layers = 32)");
+  refused(R"("model_type":"qwen3_moe","num_experts":128,"num_experts_per_tok":8,"mlp_only_layers":"0")",
+          "mlp_only_layers", "a list");
+  refused(R"("model_type":"qwen2_moe","num_experts":60,"num_experts_per_tok":4,"decoder_sparse_step":64)",
+          "decoder_sparse_step", "[1, 32]");
+  refused(R"("model_type":"glm4_moe","n_routed_experts":8,"num_experts_per_tok":2,"first_k_dense_replace":32)",
+          "first_k_dense_replace", "no MoE layer");
   refused(R"("model_type":"mixtral","num_local_experts":8)", "num_experts_per_tok", "missing");
   refused(R"("model_type":"mixtral","num_local_experts":8,"num_experts_per_tok":9)", "num_experts_per_tok", "[1, 8]");
   refused(R"("model_type":"deepseek_v3","n_routed_experts":256)", "n_routed_experts", "latent attention");
@@ -267,18 +273,17 @@ TEST(ModelSpec, HuggingFaceConfigsOutsideTheModelAreRefused) {
   // One expert (or none) is a dense MLP.
   EXPECT_NO_THROW((void)model_from_hf_config(Json::parse(R"({"model_type":"llama","num_experts":1,)" + dense + "}"),
                                              "config.json"));
-  // The model JSON's Megatron names alike: a mix of dense and MoE layers, or a top-k
-  // beyond the experts, is refused; one expert is dense.
-  EXPECT_THROW((void)model_from_json(Json::parse(R"({"num_layers":2,"hidden_size":64,"num_attention_heads":4,
-      "vocab_size":100,"seq_length":32,"num_experts":8,"moe_layer_freq":2})"), "model"), InputError);
+  // The model JSON's Megatron names alike: a top-k beyond the experts is refused; one expert
+  // is dense.
   EXPECT_THROW((void)model_from_json(Json::parse(R"({"num_layers":2,"hidden_size":64,"num_attention_heads":4,
       "vocab_size":100,"seq_length":32,"num_experts":8,"moe_router_topk":9})"), "model"), InputError);
   // Megatron's spellings of "every layer": 1, a list of 1s, "([1]*N)".
-  for (const char* every : {R"(1)", R"([1,1])", R"x("([1]*48)")x", R"x("[1]*2")x"})
+  for (const char* every : {R"(1)", R"([1,1])", R"x("([1]*2)")x", R"x("[1]*2")x"})
     EXPECT_EQ(model_from_json(Json::parse(std::string(R"({"num_layers":2,"hidden_size":64,"num_attention_heads":4,
         "vocab_size":100,"seq_length":32,"num_experts":8,"moe_layer_freq":)") + every + "}"), "model").E, 8) << every;
-  EXPECT_THROW((void)model_from_json(Json::parse(R"x({"num_layers":2,"hidden_size":64,"num_attention_heads":4,
-      "vocab_size":100,"seq_length":32,"num_experts":8,"moe_layer_freq":"([0]*1+[1]*1)"})x"), "model"), InputError);
+  for (const char* every : {R"(1)", R"([1,1])", R"x("([1]*2)")x"})  // all MoE: the uniform model
+    EXPECT_FALSE(model_from_json(Json::parse(std::string(R"({"num_layers":2,"hidden_size":64,"num_attention_heads":4,
+        "vocab_size":100,"seq_length":32,"num_experts":8,"moe_layer_freq":)") + every + "}"), "model").mixed()) << every;
   EXPECT_EQ(model_from_json(Json::parse(R"({"num_layers":2,"hidden_size":64,"num_attention_heads":4,
       "vocab_size":100,"seq_length":32,"num_experts":1,"moe_router_topk":2})"), "model").L, 2);
 }
@@ -332,6 +337,86 @@ TEST(ModelSpec, MixtureOfExpertsCounts) {
   s.Fs = 4096;
   EXPECT_EQ(s.layer_params(1) - m.layer_params(1), 3 * 4096 * 4096);
   EXPECT_DOUBLE_EQ(s.layer_forward_flops(1) - m.layer_forward_flops(1), 2.0 * 4096 * 3 * 4096 * 4096);
+}
+
+// Dense and MoE layers mixed (DeepSeek's and GLM's first_k_dense_replace, Qwen-MoE's
+// decoder_sparse_step, Megatron-core's moe_layer_freq). Mixtral's layer (1,451,270,144
+// parameters, MixtureOfExpertsCounts) and a dense layer of the same attention and a SwiGLU
+// MLP of 14336: 41,943,040 + 3 x 4096 x 14336 + 8,192 = 218,112,000. With 2 of 32 layers
+// dense: 30 x 1,451,270,144 + 2 x 218,112,000 + 2 x 32000 x 4096 + 4096 = 44,236,476,416, of
+// which 30 x 6 x 176,160,768 fewer are active: 12,527,538,176. The forward FLOPs average
+// the two layers' (a dense layer's MLP: 2 x 4096 x 3 x 14336 x 4096 per sequence, the
+// MoE layer's two experts as much again).
+TEST(ModelSpec, DenseAndMoeLayersMixed) {
+  const ModelSpec mixtral = load_model("mixtral-8x7b");
+  auto with_freq = [&](const Json& freq) {
+    Json j = model_to_json(mixtral);
+    j["moe_layer_freq"] = freq;
+    return model_from_json(j, "model");
+  };
+  const ModelSpec m = with_freq("([0]*2+[1]*30)");
+  ASSERT_TRUE(m.mixed());
+  EXPECT_EQ(m.moe_layer_count(), 30);
+  EXPECT_EQ(m.moe_layers_in(0, 3), 1);
+  EXPECT_EQ(m.dense_layers().layer_params(1), 218112000);
+  EXPECT_FALSE(m.dense_layers().moe());
+  EXPECT_DOUBLE_EQ(m.total_params(), 44236476416.0);
+  EXPECT_DOUBLE_EQ(m.active_params(), 12527538176.0);
+  const double dense_mlp = 2.0 * 4096 * 3 * 14336 * 4096.0;
+  EXPECT_DOUBLE_EQ(m.layer_forward_flops(1, true) - m.layer_forward_flops(1, false), dense_mlp);
+  EXPECT_DOUBLE_EQ(m.layer_forward_flops(1), mixtral.layer_forward_flops(1) - 2.0 / 32.0 * dense_mlp);
+  EXPECT_DOUBLE_EQ(mixtral.layer_forward_flops(1, true), mixtral.layer_forward_flops(1));
+  // Megatron's spellings: a frequency (l % N == 0), lists, sums of repeated lists.
+  EXPECT_EQ(with_freq(2).moe_layer, std::vector<uint8_t>(with_freq("[1,0]*16").moe_layer));
+  EXPECT_EQ(with_freq(2).moe_layer[0], 1);
+  EXPECT_EQ(with_freq(2).moe_layer[1], 0);
+  EXPECT_EQ(with_freq("2").moe_layer_count(), 16);
+  EXPECT_EQ(with_freq("[0,0]+[1]*30").moe_layer, m.moe_layer);
+  Json list = Json::array();
+  for (int l = 0; l < 32; ++l) list.push_back(l < 2 ? 0 : 1);
+  EXPECT_EQ(with_freq(list).moe_layer, m.moe_layer);
+  // Written back as Megatron takes it, and read again.
+  EXPECT_EQ(moe_layer_freq_text(m.moe_layer), "([0]*2+[1]*30)");
+  EXPECT_EQ(moe_layer_freq_text(with_freq(2).moe_layer), "[1,0]*16");
+  EXPECT_EQ(model_from_json(model_to_json(m), "model").moe_layer, m.moe_layer);
+  // Refused, each naming moe_layer_freq and the rule.
+  for (const auto& [freq, rule] : std::vector<std::pair<Json, std::string>>{
+           {Json(0), "[1, num_layers = 32]"},
+           {Json(33), "[1, num_layers = 32]"},
+           {Json("([0]*2+[1]*31)"), "more layers than num_layers = 32"},
+           {Json("[1]*31"), "names 31 layers"},
+           {Json("([0]*32)"), "no MoE layer"},
+           {Json("([0]*2+[2]*30)"), "lists repeated and summed"},
+           {Json("[0,1]*"), "lists repeated and summed"},
+           {Json("[0]*2+"), "lists repeated and summed"},
+           {Json::array({0, 1, 2}), "only 0 (dense layer) and 1"},
+           {Json(true), "must be an integer"}}) {
+    try {
+      (void)with_freq(freq);
+      ADD_FAILURE() << freq.dump() << ": accepted";
+    } catch (const InputError& e) {
+      const std::string what = e.what();
+      EXPECT_NE(what.find("model.moe_layer_freq"), std::string::npos) << what;
+      EXPECT_NE(what.find(rule), std::string::npos) << freq.dump() << ": " << what;
+    }
+  }
+  // Hugging Face configs: Qwen-MoE's decoder_sparse_step (layer l an MoE layer where
+  // (l + 1) % step == 0) and mlp_only_layers, GLM-4.5's first_k_dense_replace with its
+  // n_shared_experts experts of moe_intermediate_size as the shared expert.
+  const std::string dims = R"("hidden_size":2048,"intermediate_size":5632,"moe_intermediate_size":1408,
+      "num_attention_heads":16,"num_hidden_layers":4,"num_key_value_heads":16,"vocab_size":151936,
+      "max_position_embeddings":4096,"num_experts_per_tok":4)";
+  auto hf = [&](const std::string& extra) { return model_from_hf_config(Json::parse("{" + extra + "," + dims + "}"), "config.json"); };
+  EXPECT_EQ(hf(R"("model_type":"qwen2_moe","num_experts":60,"decoder_sparse_step":2)").moe_layer,
+            (std::vector<uint8_t>{0, 1, 0, 1}));
+  EXPECT_EQ(hf(R"("model_type":"qwen3_moe","num_experts":60,"mlp_only_layers":[0,3])").moe_layer,
+            (std::vector<uint8_t>{0, 1, 1, 0}));
+  EXPECT_FALSE(hf(R"("model_type":"qwen3_moe","num_experts":60,"decoder_sparse_step":1,"mlp_only_layers":[])").mixed());
+  const ModelSpec glm = hf(R"("model_type":"glm4_moe","n_routed_experts":64,"n_shared_experts":1,"first_k_dense_replace":1)");
+  EXPECT_EQ(glm.moe_layer, (std::vector<uint8_t>{0, 1, 1, 1}));
+  EXPECT_EQ(glm.E, 64);
+  EXPECT_EQ(glm.Fs, 1408);
+  EXPECT_EQ(glm.F, 5632);
 }
 
 // Sliding-window attention from Hugging Face configs and from Megatron's names.

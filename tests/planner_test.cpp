@@ -123,6 +123,21 @@ TEST(Planner, SearchMatchesEstimatingEveryPlan) {
   EXPECT_EQ(r.plans.front().plan.first_stage_layers, 17);
 }
 
+// A model mixing dense and MoE layers (the same model with its first 2 layers dense, as
+// DeepSeek's and GLM's first_k_dense_replace make them): the search's bound and bisection
+// weigh each chunk's dense and MoE layers, and its top 10 are the twin's.
+TEST(Planner, DenseAndMoeLayersMixedAreSearched) {
+  const std::string path = ::testing::TempDir() + "strata_planner_mixed.json";
+  {
+    std::ofstream f(path);
+    f << R"x({"name":"mixed-test","num_layers":16,"hidden_size":2048,"num_attention_heads":16,"num_query_groups":4,
+             "activation":"swiglu","ffn_hidden_size":5632,"vocab_size":32000,"seq_length":2048,
+             "num_experts":16,"moe_router_topk":4,"moe_ffn_hidden_size":1408,"moe_layer_freq":"([0]*2+[1]*14)"})x";
+  }
+  ASSERT_TRUE(load_model(path).mixed());
+  search_matches_estimating_every_plan(path.c_str(), true);
+}
+
 // Expert parallelism as a searched dimension: a mixture-of-experts model of 16 layers (H
 // 2048, 16 SwiGLU experts of 1408, top 4) on one DGX A100: the search's top 10 are those of
 // the twin that estimates every plan with every ep dividing the experts and the data x
