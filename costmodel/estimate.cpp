@@ -308,7 +308,7 @@ Estimate estimate_once(const ModelSpec& m, const Cluster& cl, const Plan& p, con
       dense_plain = *opt.pre.dense_plain_layer;
     } else {
       const ModelSpec dm = m.dense_layers();
-      dense = layer_cost(dm, cl, p, cs);
+      dense = layer_cost(dm, cl, p, cs, opt.want_ops && detail ? &detail->dense_layer_ops : nullptr);
       dense_plain = p.recompute == Recompute::full && p.recompute_layers > 0 ? layer_cost(dm, cl, p.without_recompute(), cs)
                                                                               : dense;
     }
@@ -503,6 +503,8 @@ Estimate estimate_once(const ModelSpec& m, const Cluster& cl, const Plan& p, con
     detail->embedding = emb;
     detail->head = head;
     detail->layer_ops = std::move(layer_ops);
+    detail->dense_layer = dense;
+    detail->dense_plain_layer = dense_plain;
   }
   return est;
 }

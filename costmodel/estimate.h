@@ -78,6 +78,9 @@ struct EstimateDetail {
   LayerCost layer, embedding, head;
   LayerCost plain_layer;          // a layer partial full recompute leaves alone (= layer otherwise)
   std::vector<OpCost> layer_ops;  // one layer, per micro-batch
+  // A model mixing dense and MoE layers: its dense layers' (those above are its MoE layers').
+  LayerCost dense_layer, dense_plain_layer;
+  std::vector<OpCost> dense_layer_ops;
 };
 
 // The micro-batches in flight per stage (all chunks, first chunk, last chunk), from the

@@ -81,6 +81,7 @@ std::vector<std::string> words_of(const std::string& text) {
   std::string clean;
   clean.reserve(text.size());
   bool comment = false;
+  int open_parens = 0;  // kept '(' of the current word not yet closed
   for (size_t i = 0; i < text.size(); ++i) {
     const char c = text[i];
     if (comment) {
@@ -97,10 +98,21 @@ std::vector<std::string> words_of(const std::string& text) {
       continue;
     }
     // A pipeline layout's parentheses ("Et|(t*2|)*34,tL") are kept: '(' after a layout
-    // character, ')' before its "*n". Every other one (arrays, subshells) is a blank.
-    const bool layout_paren = (c == '(' && i > 0 && std::strchr("EtL|,", text[i - 1]) != nullptr) ||
-                              (c == ')' && i + 1 < text.size() && text[i + 1] == '*');
-    clean += (c == '"' || c == '\'' || c == ';' || ((c == '(' || c == ')') && !layout_paren)) ? ' ' : c;
+    // character; so are --moe-layer-freq's ("([1]*3+[0]*1)*3"): '(' before a list or another
+    // '(', or after '+' or '*'; and the ')' that closes a kept '(' in the same word. Every
+    // other one (arrays, subshells) is a blank.
+    bool kept_paren = false;
+    if (c == '(') {
+      const char before = i > 0 ? text[i - 1] : ' ', after = i + 1 < text.size() ? text[i + 1] : ' ';
+      kept_paren = (before != '\0' && std::strchr("EtL|,+*", before) != nullptr) || after == '[' || after == '(';
+      open_parens += kept_paren ? 1 : 0;
+    } else if (c == ')' && open_parens > 0) {
+      kept_paren = true;
+      --open_parens;
+    }
+    const bool blank = c == '"' || c == '\'' || c == ';' || ((c == '(' || c == ')') && !kept_paren);
+    if (blank || std::isspace(static_cast<unsigned char>(c))) open_parens = 0;  // a word ends
+    clean += blank ? ' ' : c;
   }
   std::istringstream in(clean);
   std::vector<std::string> words;

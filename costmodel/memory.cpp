@@ -263,9 +263,18 @@ inline double stage_params(const ModelSpec& m, const Plan& p, const StageLayout&
   return n;
 }
 
+// A layout of a mixed model's layers without their kinds counted (made from the layer count
+// alone): counted here, so that no caller costs every layer as an MoE layer.
+[[gnu::noinline]] StageLayout counted(const ModelSpec& m, const Plan& p, const StageLayout& lay) {
+  StageLayout c = lay;
+  count_layer_kinds(m, p, &c);
+  return c;
+}
+
 }  // namespace
 
 double stage_params(const ModelSpec& m, const Plan& p, const StageLayout& lay, int64_t s) {
+  if (m.mixed() && lay.dense.empty()) return stage_params(m, p, counted(m, p, lay), s);
   StageMemoryInputs in;
   in.layer_params = static_cast<double>(m.layer_params(p.t, p.ep, p.etp));
   in.word_embedding_params = static_cast<double>(m.word_embedding_params(p.t));
@@ -619,6 +628,8 @@ void with_in_flight(const StageShape& shape, const Cluster& cl, const Plan& p, c
 MemoryBreakdown stage_memory(const ModelSpec& m, const Cluster& cl, const Plan& p, const StageLayout& lay,
                              const ComputeSetup& cs, int64_t s, int64_t in_flight, int64_t in_flight_first,
                              int64_t in_flight_last, const StageMemoryInputs* pre) {
+  if (m.mixed() && lay.dense.empty())
+    return stage_memory(m, cl, p, counted(m, p, lay), cs, s, in_flight, in_flight_first, in_flight_last, pre);
   const StageMemoryInputs in = pre ? *pre : stage_memory_inputs(m, p, cs);
   MemoryBreakdown mb;
   with_in_flight(stage_shape(m, p, lay, cs, s, in), cl, p, cs, s, in_flight, in_flight_first, in_flight_last, in, &mb);
@@ -629,6 +640,8 @@ MemoryBreakdown stage_memory(const ModelSpec& m, const Cluster& cl, const Plan& 
 void stage_memories(const ModelSpec& m, const Cluster& cl, const Plan& p, const StageLayout& lay,
                     const ComputeSetup& cs, const int64_t* in_flight, const int64_t* in_flight_first,
                     const int64_t* in_flight_last, std::vector<MemoryBreakdown>* out) {
+  if (m.mixed() && lay.dense.empty())
+    return stage_memories(m, cl, p, counted(m, p, lay), cs, in_flight, in_flight_first, in_flight_last, out);
   const StageMemoryInputs in = stage_memory_inputs(m, p, cs);
   out->resize(static_cast<size_t>(p.p));
   StageShape shape;

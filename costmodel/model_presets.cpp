@@ -34,6 +34,14 @@ ModelSpec moe(ModelSpec m, int64_t E, int64_t K, int64_t Fe, int64_t kv_channels
   return m;
 }
 
+// The first k layers dense (MLP of F), the others MoE layers with a shared expert of Fs.
+ModelSpec first_dense(ModelSpec m, int64_t k, int64_t Fs) {
+  m.Fs = Fs;
+  m.moe_layer.assign(static_cast<size_t>(m.L), 1);
+  for (int64_t l = 0; l < k; ++l) m.moe_layer[static_cast<size_t>(l)] = 0;
+  return m;
+}
+
 const std::map<std::string, ModelSpec>& presets() {
   static const std::map<std::string, ModelSpec> p = [] {
     std::map<std::string, ModelSpec> m;
@@ -56,6 +64,12 @@ const std::map<std::string, ModelSpec>& presets() {
     add(moe(llama("mixtral-8x22b", 56, 6144, 48, 8, 16384, 32768, 4096), 8, 2, 16384));
     add(moe(llama("qwen3-30b-a3b", 48, 2048, 32, 4, 6144, 151936, 4096), 128, 8, 768, 128));
     add(moe(llama("qwen3-235b-a22b", 94, 4096, 64, 4, 12288, 151936, 4096), 128, 8, 1536, 128));
+    // GLM-4.5 and GLM-4.5-Air (zai-org's HF configs, Megatron-Bridge's GLM-4.5 providers):
+    // the first 3 (1) layers dense with an MLP of intermediate_size, the others 160 (128)
+    // routed experts and one shared expert of moe_intermediate_size; head_dim 128. (Their
+    // query/key/value biases and the multi-token-prediction layer are left out.)
+    add(first_dense(moe(llama("glm-4.5", 92, 5120, 96, 8, 12288, 151552, 4096), 160, 8, 1536, 128), 3, 1536));
+    add(first_dense(moe(llama("glm-4.5-air", 46, 4096, 96, 8, 10944, 151552, 4096), 128, 8, 1408, 128), 1, 1408));
     // Tiny models for the CPU executor: a few million parameters, a step well under a
     // second on one core. Vocabulary 512 (the synthetic token source).
     ModelSpec tg = gpt("tiny-gpt", 4, 256, 4, 512, 128);

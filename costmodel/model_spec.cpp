@@ -32,15 +32,93 @@ void reject_experts(const Json& j, const std::string& source, std::initializer_l
   }
 }
 
+// Megatron's --moe-layer-freq string after its blanks: the Python expression its
+// moe_freq_type evaluates, of lists of 0s and 1s, parentheses, '+' (concatenation) and
+// '*' by a count on either side ("([0]*3+[1]*58)", "[1,0]*24", "([1]*3+[0]*1)*3"). Each
+// list is cut at `cap` entries (anything longer is refused by the caller); false where the
+// text is not such an expression.
+class FreqParser {
+ public:
+  FreqParser(const std::string& s, size_t cap) : s_(s), cap_(cap) {}
+  bool parse(std::vector<uint8_t>* out) { return expr(out, 0) && i_ == s_.size(); }
+
+ private:
+  bool expr(std::vector<uint8_t>* out, int depth) {
+    if (depth > 32) return false;
+    if (!term(out, depth)) return false;
+    while (i_ < s_.size() && s_[i_] == '+') {
+      ++i_;
+      std::vector<uint8_t> more;
+      if (!term(&more, depth)) return false;
+      append(out, more, 1);
+    }
+    return true;
+  }
+  bool term(std::vector<uint8_t>* out, int depth) {
+    int64_t times = 1, n = 0;
+    while (count(&n)) {  // counts before the list: 3*[1]
+      if (i_ >= s_.size() || s_[i_] != '*') return false;
+      ++i_;
+      times = repeat(times, n);
+    }
+    std::vector<uint8_t> atom;
+    if (i_ < s_.size() && s_[i_] == '[') {
+      ++i_;
+      while (i_ < s_.size() && s_[i_] != ']') {  // 0 or 1, each followed by ',' or the ']'
+        if (s_[i_] != '0' && s_[i_] != '1') return false;
+        if (atom.size() <= cap_) atom.push_back(s_[i_] == '1' ? 1 : 0);
+        ++i_;
+        if (i_ < s_.size() && s_[i_] == ',') ++i_;
+        else if (i_ < s_.size() && s_[i_] != ']') return false;
+      }
+      if (i_ >= s_.size()) return false;
+      ++i_;
+    } else if (i_ < s_.size() && s_[i_] == '(') {
+      ++i_;
+      if (!expr(&atom, depth + 1) || i_ >= s_.size() || s_[i_] != ')') return false;
+      ++i_;
+    } else {
+      return false;
+    }
+    while (i_ < s_.size() && s_[i_] == '*') {  // counts after it: [1]*3
+      ++i_;
+      if (!count(&n)) return false;
+      times = repeat(times, n);
+    }
+    append(out, atom, times);
+    return true;
+  }
+  // times * n, saturated (counts past the layers are cut by append() anyway).
+  static int64_t repeat(int64_t times, int64_t n) {
+    constexpr int64_t kMost = int64_t{1} << 40;
+    return n != 0 && times > kMost / n ? kMost : times * n;
+  }
+  // A count of up to 9 digits at the cursor (consumed), or false (nothing consumed).
+  bool count(int64_t* n) {
+    size_t j = i_;
+    while (j < s_.size() && s_[j] >= '0' && s_[j] <= '9') ++j;
+    if (j == i_ || j - i_ > 9) return false;
+    *n = std::stoll(s_.substr(i_, j - i_));
+    i_ = j;
+    return true;
+  }
+  void append(std::vector<uint8_t>* out, const std::vector<uint8_t>& part, int64_t times) {
+    for (int64_t r = 0; r < times && out->size() <= cap_ && !part.empty(); ++r)
+      out->insert(out->end(), part.begin(), part.begin() + static_cast<std::ptrdiff_t>(std::min(part.size(), cap_ + 1 - out->size())));
+  }
+  const std::string& s_;
+  size_t cap_, i_ = 0;
+};
+
 // Megatron-core's moe_layer_freq over L layers, one flag per layer (1: MoE): an integer N
 // (every N-th layer from the first, Megatron's rule l % N == 0), a list of 0s and 1s, or
-// the string Megatron's --moe-layer-freq takes: a list, or a sum of lists repeated, such as
-// "([0]*3+[1]*58)" (DeepSeek-V3) or "[1,0]*24". `field` names the input in messages.
+// the string Megatron's --moe-layer-freq takes (FreqParser). `field` names the input in
+// messages.
 std::vector<uint8_t> moe_layer_flags(const Json& v, int64_t L, const std::string& field) {
   std::vector<uint8_t> flags;
   auto bad = [&](const std::string& why) { fail_field(field, show_value(v), why); };
   auto every = [&](int64_t n) {
-    if (n < 1 || n > L) bad(fmt::format("an integer frequency must be in [1, num_layers = {}]", L));
+    if (n < 1) bad("an integer frequency must be at least 1");
     for (int64_t l = 0; l < L; ++l) flags.push_back(l % n == 0 ? 1 : 0);
   };
   if (v.is_number_integer()) {
@@ -53,39 +131,12 @@ std::vector<uint8_t> moe_layer_flags(const Json& v, int64_t L, const std::string
     }
   } else if (v.is_string()) {
     std::string s = v.get<std::string>();
-    s.erase(std::remove_if(s.begin(), s.end(), [](char ch) { return ch == ' ' || ch == '(' || ch == ')'; }), s.end());
-    if (!s.empty() && std::all_of(s.begin(), s.end(), [](char ch) { return ch >= '0' && ch <= '9'; })) {
-      if (s.size() > 6) bad(fmt::format("an integer frequency must be in [1, num_layers = {}]", L));
+    s.erase(std::remove(s.begin(), s.end(), ' '), s.end());
+    if (!s.empty() && s.size() <= 18 && std::all_of(s.begin(), s.end(), [](char ch) { return ch >= '0' && ch <= '9'; })) {
       every(std::stoll(s));
-    } else {
-      const std::string rule = "must be an integer, a list of 0s and 1s, or lists repeated and summed as Megatron writes "
-                               "them, e.g. \"([0]*3+[1]*58)\"";
-      size_t i = 0;
-      while (i < s.size()) {
-        if (s[i] != '[') bad(rule);
-        std::vector<uint8_t> term;
-        for (++i; i < s.size() && s[i] != ']'; ++i) {
-          if (s[i] == ',') continue;
-          if (s[i] != '0' && s[i] != '1') bad(rule);
-          term.push_back(s[i] == '1' ? 1 : 0);
-        }
-        if (i >= s.size() || term.empty()) bad(rule);
-        ++i;  // past ']'
-        int64_t times = 1;
-        if (i < s.size() && s[i] == '*') {
-          size_t j = ++i;
-          while (j < s.size() && s[j] >= '0' && s[j] <= '9') ++j;
-          if (j == i || j - i > 6) bad(rule);
-          times = std::stoll(s.substr(i, j - i));
-          i = j;
-        }
-        for (int64_t r = 0; r < times && static_cast<int64_t>(flags.size()) <= L; ++r)
-          flags.insert(flags.end(), term.begin(), term.end());
-        if (i < s.size()) {
-          if (s[i] != '+') bad(rule);
-          if (++i == s.size()) bad(rule);
-        }
-      }
+    } else if (!FreqParser(s, static_cast<size_t>(L)).parse(&flags)) {
+      bad("must be an integer, a list of 0s and 1s, or Megatron's expression of lists joined by '+' and repeated by "
+          "'*', e.g. \"([0]*3+[1]*58)\"");
     }
   } else {
     bad("must be an integer, a list of 0s and 1s, or Megatron's string form such as \"([0]*3+[1]*58)\"");
@@ -565,7 +616,10 @@ ModelSpec model_from_hf_config(const Json& j, const std::string& source, int64_t
   // each with num_experts_per_tok. The dense layers among them: Qwen-MoE's mlp_only_layers
   // and those not on every decoder_sparse_step-th (layer l is an MoE layer where
   // (l + 1) % step == 0), GLM's first first_k_dense_replace; their MLP is intermediate_size.
-  const int64_t experts = get_int({"num_local_experts", "num_experts", "n_routed_experts"}, 0, kMaxExperts, false, 0);
+  // (Glm4MoeConfig's defaults where a key is missing: 128 experts of 1408, 8 per token, one
+  // shared, the first layer dense.)
+  const int64_t experts =
+      get_int({"num_local_experts", "num_experts", "n_routed_experts"}, 0, kMaxExperts, false, glm_moe ? 128 : 0);
   // Only the families whose layers are MoE layers of these keys: others (Llama 4's
   // interleaved layers and shared expert, Jamba, GraniteMoE, ...) would be misread.
   const bool known_moe = model_type == "mixtral" || model_type == "gpt_oss" || model_type == "qwen2_moe" ||
@@ -581,10 +635,12 @@ ModelSpec model_from_hf_config(const Json& j, const std::string& source, int64_t
                            show_value(Json(model_type))));
   if (experts > 1) {
     m.E = experts;
-    m.K = get_int({"num_experts_per_tok", "moe_topk", "top_k"}, 1, experts, true, 0);
-    m.Fe = j.contains("moe_intermediate_size") ? get_int({"moe_intermediate_size"}, 1, kMaxFfn, true, 0) : m.F;
+    m.K = get_int({"num_experts_per_tok", "moe_topk", "top_k"}, 1, experts, !glm_moe, 8);
+    m.Fe = j.contains("moe_intermediate_size") ? get_int({"moe_intermediate_size"}, 1, kMaxFfn, true, 0)
+           : glm_moe                          ? 1408
+                                              : m.F;
     m.Fs = get_int({"shared_expert_intermediate_size"}, 0, kMaxFfn, false, 0);
-    if (glm_moe) m.Fs = get_int({"n_shared_experts"}, 0, 64, false, 0) * m.Fe;
+    if (glm_moe) m.Fs = get_int({"n_shared_experts"}, 0, 64, false, 1) * m.Fe;
     std::vector<uint8_t> flags(static_cast<size_t>(m.L), 1);
     std::string key, value;  // the config key that makes a layer dense, for messages
     if (j.contains("decoder_sparse_step") && !j["decoder_sparse_step"].is_null()) {
@@ -603,8 +659,8 @@ ModelSpec model_from_hf_config(const Json& j, const std::string& source, int64_t
       }
       if (!only.empty()) key = ".mlp_only_layers", value = show_value(only);
     }
-    if (glm_moe && j.contains("first_k_dense_replace") && !j["first_k_dense_replace"].is_null()) {
-      const int64_t k = get_int({"first_k_dense_replace"}, 0, m.L, false, 0);
+    if (glm_moe) {
+      const int64_t k = get_int({"first_k_dense_replace"}, 0, m.L, false, 1);
       for (int64_t l = 0; l < k; ++l) flags[static_cast<size_t>(l)] = 0;
       key = ".first_k_dense_replace", value = std::to_string(k);
     }
@@ -621,8 +677,10 @@ ModelSpec model_from_hf_config(const Json& j, const std::string& source, int64_t
   }
   // Biases: GPT-2, BLOOM, GPT-NeoX and Phi have them on every linear layer; Falcon when
   // "bias" says so; Llama-style models when "attention_bias" does (on the attention only,
-  // counted here on all: a few parameters per layer).
-  m.bias = gpt2 || bloom || model_type == "gpt_neox" || model_type == "phi" || flag("attention_bias") ||
+  // counted here on all: a few parameters per layer). GLM-4.5's are on the query, key and
+  // value only (Megatron's add_qkv_bias beside --disable-bias-linear, which its shared
+  // expert requires): left out.
+  m.bias = gpt2 || bloom || model_type == "gpt_neox" || model_type == "phi" || (flag("attention_bias") && !glm_moe) ||
            (falcon && flag("bias"));
   auto dropout = [&](std::initializer_list<const char*> keys, double fallback) {
     for (const char* k : keys)

@@ -207,17 +207,20 @@ void write_trace(std::ostream& out, const ModelSpec& m, const Estimate& e, const
     const std::string args =
         n == 0 ? fmt::format(R"j({{"microbatch": {}, "chunk": {}, "layers": "none"}})j", x.mb, x.chunk)
                : fmt::format(R"j({{"microbatch": {}, "chunk": {}, "layers": "{}-{}"}})j", x.mb, x.chunk, l0, l0 + n - 1);
-    const bool recompute = d.layer.recompute.total() > 0;
+    const bool recompute = d.layer.recompute.total() > 0 || d.dense_layer.recompute.total() > 0;
+    // A mixed model's layer l is costed as its kind.
+    auto moe_layer = [&](int64_t l) { return m.moe_layer.empty() || m.moe_layer[static_cast<size_t>(l)] != 0; };
     // The backward holds its recompute.
     slice(x.forward ? "forward" : "backward", x.stage, 0, x.start_s, x.end_s, args);
     double t = x.start_s;
     if (per_layer) {
       // The first k layers of a chunk run the plan (and its recompute), the others the plan
       // without recompute.
-      auto layer = [&](int64_t i) -> const Work& {
-        const LayerCost& c = i < k ? d.layer : d.plain_layer;
-        return x.forward ? c.forward : c.backward;
+      auto cost = [&](int64_t i) -> const LayerCost& {
+        if (moe_layer(l0 + i)) return i < k ? d.layer : d.plain_layer;
+        return i < k ? d.dense_layer : d.dense_plain_layer;
       };
+      auto layer = [&](int64_t i) -> const Work& { return x.forward ? cost(i).forward : cost(i).backward; };
       if (x.forward) {
         if (emb) t = piece("embedding forward", x, -1, t, d.embedding.forward, x.end_s);
         for (int64_t i = 0; i < n; ++i) t = piece("layer forward", x, l0 + i, t, layer(i), x.end_s);
@@ -225,11 +228,15 @@ void write_trace(std::ostream& out, const ModelSpec& m, const Estimate& e, const
       } else {
         if (head) t = piece("output layer backward", x, -1, t, d.head.backward, x.end_s);
         for (int64_t i = n; i-- > 0;)
-          t = piece("layer backward", x, l0 + i, t, layer(i), x.end_s, recompute && i < k ? &d.layer.recompute : nullptr);
+          t = piece("layer backward", x, l0 + i, t, layer(i), x.end_s, recompute && i < k ? &cost(i).recompute : nullptr);
         if (emb) t = piece("embedding backward", x, -1, t, d.embedding.backward, x.end_s);
       }
     } else if (!x.forward && recompute) {
-      slice("recompute", x.stage, 0, t, std::min(x.end_s, t + d.layer.recompute.total() * static_cast<double>(k)), args);
+      const int64_t kd = d.layout.chunk_dense_recomputed(x.stage, x.chunk);  // (a mixed model's dense layers)
+      slice("recompute", x.stage, 0, t,
+            std::min(x.end_s, t + d.layer.recompute.total() * static_cast<double>(k - kd) +
+                                  d.dense_layer.recompute.total() * static_cast<double>(kd)),
+            args);
     }
     if (x.send_end_s > x.end_s) {
       slice(x.forward ? "send activations" : "send gradients", x.stage, 1, x.end_s, x.send_end_s, args);
@@ -255,11 +262,12 @@ void write_trace(std::ostream& out, const ModelSpec& m, const Estimate& e, const
   out << "\n]}\n";
 }
 
-std::string format_layer_ops(const EstimateDetail& d) {
-  std::string o = fmt::format("\none layer, one micro-batch, one GPU:\n  {:<10}{:<23}{:<9}{:>12}{:>12}{:>11}{:>11}{:>9}\n",
-                              "phase", "op", "kind", "GFLOP", "MB", "time_ms", "exposed", "TFLOP/s");
+namespace {
+std::string format_ops(const std::vector<OpCost>& ops, const char* which) {
+  std::string o = fmt::format("\none {}, one micro-batch, one GPU:\n  {:<10}{:<23}{:<9}{:>12}{:>12}{:>11}{:>11}{:>9}\n",
+                              which, "phase", "op", "kind", "GFLOP", "MB", "time_ms", "exposed", "TFLOP/s");
   double tot[3] = {0, 0, 0};
-  for (const OpCost& op : d.layer_ops) {
+  for (const OpCost& op : ops) {
     o += fmt::format("  {:<10}{:<23}{:<9}{:>12.2f}{:>12.2f}{:>11.4f}{:>11.4f}{:>9.1f}\n", to_string(op.phase), op.name,
                      to_string(op.kind), op.flops / 1e9, op.bytes / 1e6, op.time_s * 1e3, op.exposed_s * 1e3,
                      op.flops > 0 ? op.flops / op.time_s / 1e12 : 0.0);
@@ -268,6 +276,12 @@ std::string format_layer_ops(const EstimateDetail& d) {
   o += fmt::format("  exposed total: forward {:.4f} ms, backward {:.4f} ms, recompute {:.4f} ms\n", tot[0] * 1e3,
                    tot[1] * 1e3, tot[2] * 1e3);
   return o;
+}
+}  // namespace
+
+std::string format_layer_ops(const EstimateDetail& d) {
+  if (d.dense_layer_ops.empty()) return format_ops(d.layer_ops, "layer");
+  return format_ops(d.layer_ops, "MoE layer") + format_ops(d.dense_layer_ops, "dense layer");
 }
 
 void write_text_file(const std::string& path, const std::string& text, const std::string& what) {

@@ -330,6 +330,44 @@ TEST(Estimate, TraceHasOneSlicePerStepAndStage) {
   EXPECT_EQ(opt, 4);
 }
 
+// A mixed model's trace draws each layer as its kind: on the mixed test model (8 dense
+// layers, then 8 MoE layers), with a pipeline of one stage, layer 0's forward lasts the
+// dense layer's forward, layer 8's the MoE layer's; --ops lists both layers' ops.
+TEST(Estimate, TraceAndOpsOfAMixedModelTakeEachLayersKind) {
+  const ModelSpec m = model_from_json(Json::parse(R"x({"name":"mixed","num_layers":16,"hidden_size":2048,
+      "num_attention_heads":16,"num_query_groups":4,"activation":"swiglu","ffn_hidden_size":5632,"vocab_size":32000,
+      "seq_length":2048,"num_experts":16,"moe_router_topk":4,"moe_ffn_hidden_size":1408,
+      "moe_layer_freq":"([0]*8+[1]*8)"})x"), "model");
+  EstimateOptions o;
+  o.record_events = true;
+  o.want_ops = true;
+  EstimateDetail d;
+  const Estimate e = estimate(m, load_cluster("dgx-a100-80g"), load_plan("dp=8,gbs=8,zero=1,recompute=full"), o, &d);
+  ASSERT_TRUE(e.valid);
+  // (The router, the permutations and the experts' grouped GEMMs against one MLP of 5632.)
+  ASSERT_GT(std::abs(d.layer.forward.total() - d.dense_layer.forward.total()) * 1e6, 100.0);
+  std::stringstream ss;
+  write_trace(ss, m, e, d);
+  const Json t = Json::parse(ss.str());
+  int seen = 0;
+  for (const auto& ev : t["traceEvents"]) {
+    if (ev["name"] != "layer forward" || ev["args"]["microbatch"] != 0) continue;
+    const int64_t l = ev["args"]["layer"];
+    const double expected = (l < 8 ? d.dense_layer : d.layer).forward.total() * 1e6;
+    EXPECT_NEAR(ev["dur"].get<double>(), expected, 2e-3) << "layer " << l;
+    ++seen;
+  }
+  EXPECT_EQ(seen, 16);
+  const std::string ops = format_layer_ops(d);
+  EXPECT_NE(ops.find("one MoE layer"), std::string::npos) << ops;
+  EXPECT_NE(ops.find("one dense layer"), std::string::npos) << ops;
+  EXPECT_NE(ops.find("router"), std::string::npos) << ops;
+  // A layout made from the layer count alone is counted by the memory model itself.
+  const Plan p = load_plan("pp=2,dp=4,gbs=8,zero=1");
+  EXPECT_EQ(stage_params(m, p, make_layout(m.L, p), 0), stage_params(m, p, make_layout(m, p), 0));
+  EXPECT_NE(stage_params(m, p, make_layout(m, p), 0), stage_params(m, p, make_layout(m, p), 1));
+}
+
 }  // namespace
 }  // namespace strata
 

@@ -175,6 +175,15 @@ TEST(MegatronArgs, ExpertFlagsRoundTrip) {
     EXPECT_EQ(in.model.moe_layer, mixed.moe_layer);
     EXPECT_EQ(in.model.total_params(), mixed.total_params());
     EXPECT_EQ(estimate(in.model, cl, in.plan).step_time_s, estimate(mixed, cl, p).step_time_s);
+    // Megatron's grouped form inside a launch script's bash array, its parentheses kept.
+    const LaunchInputs grouped = launch_inputs(
+        parse_megatron_launch("MOE_ARGS=(\n  --num-experts 8\n  --moe-layer-freq \"([1]*3+[0]*1)*2\"\n)\n"
+                              "torchrun pretrain_gpt.py ${MOE_ARGS[@]} --num-layers 8 --hidden-size 64 "
+                              "--num-attention-heads 4 --seq-length 32 --max-position-embeddings 32 --vocab-size 100 "
+                              "--micro-batch-size 1 --bf16",
+                              "launch"),
+        8, "launch");
+    EXPECT_EQ(grouped.model.moe_layer, (std::vector<uint8_t>{1, 1, 1, 0, 1, 1, 1, 0}));
     EXPECT_NE(error_of("--num-layers 8 --hidden-size 64 --num-attention-heads 4 --seq-length 32 --vocab-size 100 "
                               "--num-experts 8 --moe-layer-freq \"([0]*3)\"", 8)
                   .find("moe_layer_freq"),

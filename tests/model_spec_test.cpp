@@ -372,6 +372,15 @@ TEST(ModelSpec, DenseAndMoeLayersMixed) {
   EXPECT_EQ(with_freq(2).moe_layer[1], 0);
   EXPECT_EQ(with_freq("2").moe_layer_count(), 16);
   EXPECT_EQ(with_freq("[0,0]+[1]*30").moe_layer, m.moe_layer);
+  EXPECT_EQ(with_freq("2*[0]+30*[1]").moe_layer, m.moe_layer);
+  EXPECT_EQ(with_freq("[0]*2+([1]*3+[1])*5+[1]*10").moe_layer, m.moe_layer);
+  // Megatron's help text's form, a group repeated: "([1]*3+[0]*1)*8", every fourth layer dense.
+  const ModelSpec grouped = with_freq("([1]*3+[0]*1)*8");
+  EXPECT_EQ(grouped.moe_layer_count(), 24);
+  EXPECT_EQ(grouped.moe_layer[3], 0);
+  EXPECT_EQ(grouped.moe_layer[4], 1);
+  // An integer beyond the layers: only the first (Megatron takes it so).
+  EXPECT_EQ(with_freq(33).moe_layer_count(), 1);
   Json list = Json::array();
   for (int l = 0; l < 32; ++l) list.push_back(l < 2 ? 0 : 1);
   EXPECT_EQ(with_freq(list).moe_layer, m.moe_layer);
@@ -381,14 +390,20 @@ TEST(ModelSpec, DenseAndMoeLayersMixed) {
   EXPECT_EQ(model_from_json(model_to_json(m), "model").moe_layer, m.moe_layer);
   // Refused, each naming moe_layer_freq and the rule.
   for (const auto& [freq, rule] : std::vector<std::pair<Json, std::string>>{
-           {Json(0), "[1, num_layers = 32]"},
-           {Json(33), "[1, num_layers = 32]"},
+           {Json(0), "at least 1"},
            {Json("([0]*2+[1]*31)"), "more layers than num_layers = 32"},
            {Json("[1]*31"), "names 31 layers"},
            {Json("([0]*32)"), "no MoE layer"},
-           {Json("([0]*2+[2]*30)"), "lists repeated and summed"},
-           {Json("[0,1]*"), "lists repeated and summed"},
-           {Json("[0]*2+"), "lists repeated and summed"},
+           {Json("([0]*2+[2]*30)"), "repeated by '*'"},
+           {Json("[0,1]*"), "repeated by '*'"},
+           {Json("[0]*2+"), "repeated by '*'"},
+           {Json("([0]*2+[1]*30"), "repeated by '*'"},
+           {Json("[1]*32+4"), "repeated by '*'"},
+           {Json(std::string(40, '(') + "[1]*32" + std::string(40, ')')), "repeated by '*'"},
+           {Json("[1]*999999999*999999999"), "more layers than num_layers = 32"},
+           {Json("[1]*999999999*999999999*999999999*999999999"), "more layers than num_layers = 32"},
+           {Json("999999999*999999999*999999999*[1]"), "more layers than num_layers = 32"},
+           {Json("[11]*16"), "repeated by '*'"},
            {Json::array({0, 1, 2}), "only 0 (dense layer) and 1"},
            {Json(true), "must be an integer"}}) {
     try {
@@ -417,6 +432,26 @@ TEST(ModelSpec, DenseAndMoeLayersMixed) {
   EXPECT_EQ(glm.E, 64);
   EXPECT_EQ(glm.Fs, 1408);
   EXPECT_EQ(glm.F, 5632);
+  // The GLM-4.5-Air preset by hand (H 4096, 96 heads of 128, 8 key/value groups, vocabulary
+  // 151552 untied, SwiGLU): attention 2 x 4096 x 12288 + 4096 x 2048 = 109,051,904; the
+  // dense layer + 3 x 4096 x 10944 + two norms 8,192 = 243,539,968; one expert (and the
+  // shared one) 3 x 4096 x 1408 = 17,301,504; an MoE layer 109,051,904 + 129 x 17,301,504 +
+  // the router 128 x 4096 + 8,192 = 2,341,478,400; in all 243,539,968 + 45 x 2,341,478,400 +
+  // 2 x 151552 x 4096 + 4096 = 106,851,586,048, of which 45 x 120 x 17,301,504 fewer are
+  // active: 13,423,464,448. Its Hugging Face config (qkv biases off) gives the same.
+  const ModelSpec air = load_model("glm-4.5-air");
+  EXPECT_EQ(air.moe_layer_count(), 45);
+  EXPECT_EQ(air.moe_layer[0], 0);
+  EXPECT_DOUBLE_EQ(air.total_params(), 106851586048.0);
+  EXPECT_DOUBLE_EQ(air.active_params(), 13423464448.0);
+  const ModelSpec air_hf = model_from_hf_config(Json::parse(R"({"model_type":"glm4_moe","attention_bias":false,
+      "first_k_dense_replace":1,"head_dim":128,"hidden_act":"silu","hidden_size":4096,"intermediate_size":10944,
+      "max_position_embeddings":131072,"moe_intermediate_size":1408,"n_routed_experts":128,"n_shared_experts":1,
+      "num_attention_heads":96,"num_experts_per_tok":8,"num_hidden_layers":46,"num_key_value_heads":8,
+      "rms_norm_eps":1e-05,"tie_word_embeddings":false,"vocab_size":151552})"), "config.json");
+  EXPECT_DOUBLE_EQ(air_hf.total_params(), air.total_params());
+  EXPECT_EQ(air_hf.moe_layer, air.moe_layer);
+  EXPECT_EQ(load_model("glm-4.5").moe_layer_count(), 89);
 }
 
 // Sliding-window attention from Hugging Face configs and from Megatron's names.
