@@ -65,7 +65,12 @@ namespace {
 
 // Columns per tensor-parallel rank of `q` query-wide tensors (Q, the attention output) and
 // `kv` key- or value-wide ones (ModelSpec::kv_width: replicated groups when t > G).
+// With multi-latent attention the second query-wide tensor (the output) and the second
+// key-wide one (V) are Dv wide per head.
 double head_columns(const ModelSpec& m, int64_t t, int q, int kv) {
+  if (m.mla())
+    return static_cast<double>(q >= 1 ? m.AD() / t : 0) + static_cast<double>(q >= 2 ? m.VD() / t : 0) +
+           static_cast<double>(kv >= 1 ? m.kv_width(t) : 0) + static_cast<double>(kv >= 2 ? m.v_width(t) : 0);
   return static_cast<double>(q) * static_cast<double>(m.AD()) / static_cast<double>(t) +
          static_cast<double>(kv) * static_cast<double>(m.kv_width(t));
 }
@@ -297,6 +302,19 @@ struct Acc {
     if (p.t == 1 || !p.sp) return;
     comm(name, ph, OpKind::tp_comm, tp, Collective::all_gather, cs.work_bytes * cs.T * static_cast<double>(m.H), hidden_s);
   }
+  // The same of a sequence-parallel activation `width` wide (MLA's latents), gathered before
+  // its column-parallel layer and its gradient reduce-scattered after it.
+  void sp_gather_width(const char* name, Phase ph, double width, double hidden_s = 0) {
+    if (p.t == 1 || !p.sp) return;
+    comm(name, ph, OpKind::tp_comm, tp, Collective::all_gather, cs.work_bytes * cs.T * width, hidden_s);
+  }
+  // The gradient of a `width`-wide input of column-parallel layers: reduce-scattered over
+  // the sequence (sequence parallelism) or all-reduced.
+  void tp_reduce_width(const char* name, Phase ph, double width, double hidden_s = 0) {
+    if (p.t == 1) return;
+    comm(name, ph, OpKind::tp_comm, tp, p.sp ? Collective::reduce_scatter : Collective::all_reduce,
+         cs.work_bytes * cs.T * width, hidden_s);
+  }
 };
 
 }  // namespace
@@ -344,24 +362,27 @@ double attention_core_forward(Acc& a, Phase ph) {
   if (a.cs.attention == AttentionKernel::flash) {
     // Causal: half of the S x S blocks (load-balanced across context-parallel ranks too),
     // less with a sliding window (ModelSpec::causal_share).
-    const double flops = 4.0 * heads * Sq * Sk * D * m.causal_share();
+    // (Multi-latent attention: QK^T over D, AV over Dv.)
+    const double flops = m.mla() ? 2.0 * heads * Sq * Sk * (D + static_cast<double>(m.Dv())) * m.causal_share()
+                                 : 4.0 * heads * Sq * Sk * D * m.causal_share();
     const double bytes = e * a.cs.T * head_columns(m, p.t, 2, 2);
     t = a.kernel("flash_attention", ph, flops, bytes, a.peak_flash * a.cl.device.flash_fwd_efficiency);
   } else {
     const double n_s = heads * Sq * Sk;  // attention score elements
-    // QK^T and AV as batched GEMMs: Bh products of (Sq x D)(D x Sk) and (Sq x Sk)(Sk x D).
+    // QK^T and AV as batched GEMMs: Bh products of (Sq x D)(D x Sk) and (Sq x Sk)(Sk x Dv).
     const double flops = 2.0 * heads * Sq * Sk * D * strata_cp_keys(a);
+    const double Dv = static_cast<double>(m.Dv()), av_flops = m.mla() ? flops / D * Dv : flops;
     t += a.batched("attn_scores", ph, flops, e * (heads * (Sq * D + Sk * D) + n_s), heads);
     t += a.mem("softmax", ph, 2.0 * e * n_s);  // fused scale + mask + softmax
     if (m.attention_dropout > 0) t += a.mem("attn_dropout", ph, (2.0 * e + 1.0) * n_s);
-    t += a.batched("attn_context", ph, flops, e * (n_s + heads * (Sk * D + Sq * D)), heads);
+    t += a.batched("attn_context", ph, av_flops, e * (n_s + heads * (Sk * Dv + Sq * Dv)), heads);
   }
   // Context parallel (cp_comm_type). p2p: ring exchange of K and V, (c-1) steps, hidden
   // behind the core. allgather: K and V gathered before the core (the same bytes), exposed;
   // the strata executor does this too. a2a: Q, K and V all-to-all'ed before the core (the
   // sequence split traded for a head split) and the output back after it, exposed.
   if (p.c > 1) {
-    const double kv_bytes = e * a.cs.T * static_cast<double>(2 * m.kv_width(p.t));  // this rank's K and V
+    const double kv_bytes = e * a.cs.T * static_cast<double>(m.kv_width(p.t) + m.v_width(p.t));  // this rank's K and V
     if (a.cs.stack.strata) {
       // Selective recompute's core reuses the keys and values its backward gathers.
       if (!(ph == Phase::recompute && p.recomputes(kRecomputeCoreAttn)))
@@ -369,9 +390,10 @@ double attention_core_forward(Acc& a, Phase ph) {
     } else if (a.cs.cp_comm == CpComm::allgather) {
       a.comm("cp_kv_gather", ph, OpKind::cp_comm, a.cp, Collective::all_gather, kv_bytes * static_cast<double>(p.c));
     } else if (a.cs.cp_comm == CpComm::a2a) {
-      const double q_bytes = e * a.cs.T * static_cast<double>(m.AD() / p.t);  // Q, or the core's output
+      const double q_bytes = e * a.cs.T * static_cast<double>(m.AD() / p.t);  // Q
+      const double o_bytes = e * a.cs.T * static_cast<double>(m.VD() / p.t);  // the core's output
       a.comm("cp_qkv_all_to_all", ph, OpKind::cp_comm, a.cp, Collective::all_to_all, q_bytes + kv_bytes);
-      a.comm("cp_out_all_to_all", ph, OpKind::cp_comm, a.cp, Collective::all_to_all, q_bytes);
+      a.comm("cp_out_all_to_all", ph, OpKind::cp_comm, a.cp, Collective::all_to_all, o_bytes);
     } else {
       a.comm("cp_kv_exchange", ph, OpKind::cp_comm, a.cp, Collective::send_recv,
              kv_bytes * static_cast<double>(p.c - 1), t);
@@ -393,15 +415,19 @@ double attention_core_backward(Acc& a, double mlp_s) {
   double t = 0;
   if (a.cs.attention == AttentionKernel::flash) {
     // FlashAttention-2 backward: five S x S x D products against two in forward.
-    const double flops = 10.0 * heads * Sq * Sk * D * m.causal_share();
+    // (Multi-latent attention: the recomputed S and dQ, dK, dS over D; dP, dV over Dv.)
+    const double flops = m.mla() ? 2.0 * heads * Sq * Sk * (3.0 * D + 2.0 * static_cast<double>(m.Dv())) * m.causal_share()
+                                 : 10.0 * heads * Sq * Sk * D * m.causal_share();
     const double bytes = 2.0 * e * a.cs.T * head_columns(m, p.t, 2, 2);
     t = a.kernel("flash_attention", ph, flops, bytes, a.peak_flash * a.cl.device.flash_bwd_efficiency);
   } else {
     const double n_s = heads * Sq * Sk;
     const double flops = 2.0 * heads * Sq * Sk * D * strata_cp_keys(a);
     const double bytes = e * n_s + e * heads * (Sk * D + Sq * D);
-    t += a.batched("attn_context", ph, flops, bytes, heads);  // dP = dO V^T
-    t += a.batched("attn_context", ph, flops, bytes, heads);  // dV = P^T dO
+    const double Dv = static_cast<double>(m.Dv());
+    const double av_flops = m.mla() ? flops / D * Dv : flops, av_bytes = m.mla() ? e * n_s + e * heads * (Sk * Dv + Sq * Dv) : bytes;
+    t += a.batched("attn_context", ph, av_flops, av_bytes, heads);  // dP = dO V^T
+    t += a.batched("attn_context", ph, av_flops, av_bytes, heads);  // dV = P^T dO
     if (m.attention_dropout > 0) t += a.mem("attn_dropout", ph, (2.0 * e + 1.0) * n_s);
     t += a.mem("softmax", ph, 3.0 * e * n_s);           // read y and dy, write dx
     t += a.batched("attn_scores", ph, flops, bytes, heads);   // dQ = dS K
@@ -412,7 +438,7 @@ double attention_core_backward(Acc& a, double mlp_s) {
     // before the MLP block's backward and a reduce-scatter, exposed; allgather: both
     // exposed; a2a: the output's gradient all-to-all'ed before the core and those of Q, K
     // and V after it, exposed).
-    const double kv_bytes = e * a.cs.T * static_cast<double>(2 * m.kv_width(p.t));
+    const double kv_bytes = e * a.cs.T * static_cast<double>(m.kv_width(p.t) + m.v_width(p.t));
     if (a.cs.stack.strata || a.cs.cp_comm == CpComm::allgather) {
       a.comm("cp_kv_gather", ph, OpKind::cp_comm, a.cp, Collective::all_gather, kv_bytes * static_cast<double>(p.c),
              a.cs.stack.strata ? mlp_s : 0.0);
@@ -420,7 +446,8 @@ double attention_core_backward(Acc& a, double mlp_s) {
              kv_bytes * static_cast<double>(p.c));
     } else if (a.cs.cp_comm == CpComm::a2a) {
       const double q_bytes = e * a.cs.T * static_cast<double>(m.AD() / p.t);
-      a.comm("cp_out_all_to_all", ph, OpKind::cp_comm, a.cp, Collective::all_to_all, q_bytes);
+      const double o_bytes = e * a.cs.T * static_cast<double>(m.VD() / p.t);
+      a.comm("cp_out_all_to_all", ph, OpKind::cp_comm, a.cp, Collective::all_to_all, o_bytes);
       a.comm("cp_qkv_all_to_all", ph, OpKind::cp_comm, a.cp, Collective::all_to_all, q_bytes + kv_bytes);
     } else {
       a.comm("cp_kv_exchange", ph, OpKind::cp_comm, a.cp, Collective::send_recv,
@@ -569,6 +596,72 @@ void moe_backward(Acc& a) {
   }
 }
 
+// Multi-latent attention's projections, forward (Megatron-core's MLASelfAttention): the
+// down projections to the query latent (q_lora_rank) and to the key/value latent with the
+// shared rotary key (kv_lora_rank + qk_pos_emb_head_dim), duplicated on every
+// tensor-parallel rank and run on its own tokens (the sequence shard with sequence
+// parallelism, so the hidden state is never gathered for them), their RMSNorms, then the
+// latents gathered over the sequence (sequence parallelism: kv_lora_rank + q_lora_rank +
+// the rotary key's columns, against H for a QKV layer) and the column-parallel up
+// projections to the heads' queries (D each) and keys and values (qk_head_dim + Dv each).
+// Without a query latent, one column-parallel query projection reads the gathered hidden
+// state. RoPE on the rotary columns of the queries and of the shared key.
+void mla_projections_forward(Acc& a, Phase ph) {
+  const ModelSpec& m = a.m;
+  const double e = a.cs.work_bytes, T = a.cs.T, Tn = a.cs.Tn, H = static_cast<double>(m.H);
+  const double t = static_cast<double>(a.p.t), A = static_cast<double>(m.A);
+  const double ql = static_cast<double>(m.q_lora_rank), kvl = static_cast<double>(m.kv_lora_rank);
+  const double rope = static_cast<double>(m.qk_pos_emb_head_dim);
+  const double q_cols = static_cast<double>(m.AD()) / t, kv_cols = A / t * static_cast<double>(m.qk_head_dim() + m.Dv());
+  if (ql > 0) {
+    a.linear("q_down_proj", ph, Tn, ql, H);
+    a.mem("q_norm", ph, 2.0 * e * Tn * ql);
+  }
+  a.linear("kv_down_proj", ph, Tn, kvl + rope, H);
+  a.mem("kv_norm", ph, 2.0 * e * Tn * kvl);
+  if (ql > 0) {
+    a.sp_gather_width("sp_all_gather", ph, ql + kvl + rope);
+    a.linear("q_up_proj", ph, T, q_cols, ql);
+  } else {
+    a.sp_gather_width("sp_all_gather", ph, kvl + rope);
+    a.tp_gather("sp_all_gather", ph);
+    a.linear("q_proj", ph, T, q_cols, H);
+  }
+  a.linear("kv_up_proj", ph, T, kv_cols, kvl);
+  a.mem("rope", ph, 2.0 * e * T * rope * (A / t + 1.0));
+}
+
+// Its backward: RoPE, the up projections (their inputs gathered again for the weight
+// gradients, behind the input gradients; the latents' gradients reduce-scattered behind the
+// weight gradients where the stack overlaps them), the norms, the down projections.
+void mla_projections_backward(Acc& a) {
+  const ModelSpec& m = a.m;
+  const Phase ph = Phase::backward;
+  const double e = a.cs.work_bytes, T = a.cs.T, Tn = a.cs.Tn, H = static_cast<double>(m.H);
+  const double t = static_cast<double>(a.p.t), A = static_cast<double>(m.A);
+  const double ql = static_cast<double>(m.q_lora_rank), kvl = static_cast<double>(m.kv_lora_rank);
+  const double rope = static_cast<double>(m.qk_pos_emb_head_dim);
+  const double q_cols = static_cast<double>(m.AD()) / t, kv_cols = A / t * static_cast<double>(m.qk_head_dim() + m.Dv());
+  a.mem("rope", ph, 2.0 * e * T * rope * (A / t + 1.0));
+  const double q_in = ql > 0 ? ql : H;  // the query projection's input width
+  const double dgrads = a.gemm_s(T, kvl, kv_cols) + a.gemm_s(T, q_in, q_cols);
+  a.sp_gather_width("sp_all_gather", ph, (ql > 0 ? ql : 0.0) + kvl + rope, dgrads);
+  if (ql <= 0) a.tp_gather("sp_all_gather", ph, dgrads);
+  a.linear("kv_up_proj", ph, T, kv_cols, kvl);
+  a.linear(ql > 0 ? "q_up_proj" : "q_proj", ph, T, q_cols, q_in);
+  const double wgrads = wgrad_overlap(a, T, kv_cols, kvl) + wgrad_overlap(a, T, q_cols, q_in);
+  // (The latents' gradients, summed over the ranks' heads: the down projections'
+  // outputs, duplicated.)
+  a.tp_reduce_width(a.p.sp ? "sp_reduce_scatter" : "tp_all_reduce", ph, (ql > 0 ? ql : 0.0) + kvl + rope, wgrads);
+  if (ql <= 0) a.tp_reduce(a.p.sp ? "sp_reduce_scatter" : "tp_all_reduce", ph, wgrads);
+  a.mem("kv_norm", ph, 3.0 * e * Tn * kvl);
+  a.linear("kv_down_proj", ph, Tn, kvl + rope, H);
+  if (ql > 0) {
+    a.mem("q_norm", ph, 3.0 * e * Tn * ql);
+    a.linear("q_down_proj", ph, Tn, ql, H);
+  }
+}
+
 // The forward of one layer (also replayed by full recompute), but for packing what it
 // keeps (pack_kept).
 void layer_forward(Acc& a, Phase ph) {
@@ -581,11 +674,15 @@ void layer_forward(Acc& a, Phase ph) {
   const double fc1_cols = static_cast<double>(m.fc1_out()) / t;
   const double Ft = static_cast<double>(m.F) / t;
   a.mem("norm1", ph, 2.0 * e * Tn * H);
-  a.tp_gather("sp_all_gather", ph);
-  a.linear("qkv", ph, T, qkv_cols, H);
-  if (m.position == Position::rope) a.mem("rope", ph, 2.0 * e * T * head_columns(m, p.t, 1, 1));
+  if (m.mla()) {
+    mla_projections_forward(a, ph);
+  } else {
+    a.tp_gather("sp_all_gather", ph);
+    a.linear("qkv", ph, T, qkv_cols, H);
+    if (m.position == Position::rope) a.mem("rope", ph, 2.0 * e * T * head_columns(m, p.t, 1, 1));
+  }
   attention_core_forward(a, ph);
-  a.linear("attn_proj", ph, T, H, ADt);
+  a.linear("attn_proj", ph, T, H, m.mla() ? static_cast<double>(m.VD()) / t : ADt);
   a.tp_reduce(p.sp ? "sp_reduce_scatter" : "tp_all_reduce", ph);
   a.mem("bias_dropout_add", ph, dropout_bytes(Tn * H, m.hidden_dropout, a.cs.work_bytes, true));
   a.mem("norm2", ph, 2.0 * e * Tn * H);
@@ -640,13 +737,17 @@ void layer_backward(Acc& a) {
   // Attention block, in reverse.
   a.mem("bias_dropout_add", ph, (2.0 * e + mask) * Tn * H);
   a.tp_gather("sp_all_gather", ph);
-  a.linear("attn_proj", ph, T, H, ADt);
+  a.linear("attn_proj", ph, T, H, m.mla() ? static_cast<double>(m.VD()) / t : ADt);
   attention_core_backward(a, mlp_s);
-  if (m.position == Position::rope) a.mem("rope", ph, 2.0 * e * T * head_columns(m, p.t, 1, 1));
-  const double qkv_dgrad = a.gemm_s(T, H, qkv_cols);
-  a.tp_gather("sp_all_gather", ph, qkv_dgrad);
-  a.linear("qkv", ph, T, qkv_cols, H);
-  a.tp_reduce(p.sp ? "sp_reduce_scatter" : "tp_all_reduce", ph, wgrad_overlap(a, T, qkv_cols, H));
+  if (m.mla()) {
+    mla_projections_backward(a);
+  } else {
+    if (m.position == Position::rope) a.mem("rope", ph, 2.0 * e * T * head_columns(m, p.t, 1, 1));
+    const double qkv_dgrad = a.gemm_s(T, H, qkv_cols);
+    a.tp_gather("sp_all_gather", ph, qkv_dgrad);
+    a.linear("qkv", ph, T, qkv_cols, H);
+    a.tp_reduce(p.sp ? "sp_reduce_scatter" : "tp_all_reduce", ph, wgrad_overlap(a, T, qkv_cols, H));
+  }
   a.mem("norm1", ph, 3.0 * e * Tn * H);
   if (!a.cs.stack.grad_accumulation_fusion)
     a.mem("grad_accumulation", ph, grad_accumulation_bytes(p.precision, a.cs.grad_bytes) * static_cast<double>(m.layer_params(p.t, p.ep, p.etp)));

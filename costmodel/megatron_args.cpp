@@ -28,7 +28,8 @@ const std::set<std::string>& model_flags() {
       "init_method_std", "apply_query_key_layer_scaling", "num_experts", "moe_router_topk", "moe_ffn_hidden_size",
       "moe_shared_expert_intermediate_size", "moe_layer_freq", "moe_grouped_gemm", "moe_token_dispatcher_type",
       "moe_router_load_balancing_type", "moe_aux_loss_coeff", "moe_z_loss_coeff", "moe_permute_fusion",
-      "moe_expert_capacity_factor"};
+      "moe_expert_capacity_factor", "multi_latent_attention", "q_lora_rank", "kv_lora_rank", "qk_head_dim",
+      "qk_pos_emb_head_dim", "v_head_dim"};
   return s;
 }
 // Megatron's store_true flags among them: never followed by a value.
@@ -40,7 +41,8 @@ const std::set<std::string>& switch_flags() {
       "use_flash_attn", "no_gradient_accumulation_fusion", "recompute_activations", "use_megatron_fsdp",
       "account_for_embedding_in_pipeline_split", "account_for_loss_in_pipeline_split", "optimizer_cpu_offload",
       "moe_grouped_gemm", "moe_permute_fusion", "grad_reduce_in_bf16", "accumulate_allreduce_grads_in_fp32",
-      "use_precision_aware_optimizer", "no_store_param_remainders", "fine_grained_activation_offloading"};
+      "use_precision_aware_optimizer", "no_store_param_remainders", "fine_grained_activation_offloading",
+      "multi_latent_attention"};
   return s;
 }
 // Flags that set what strata does not take from a launch: refused, naming the way to say it.

@@ -85,12 +85,18 @@ double layer_activation_bytes(const ModelSpec& m, const Plan& p, const ComputeSe
   const bool core_recomputed = p.recomputes(kRecomputeCoreAttn);
   const bool core_keeps_output = cs.attention != AttentionKernel::unfused && !core_recomputed;
   const double proj_in = !fp8 ? e : core_keeps_output ? e + 1.0 : 1.0;
+  // (Multi-latent attention: V and the output Dv wide per head.)
+  const double Vt = m.mla() ? static_cast<double>(m.v_width(p.t)) : GDt;
+  const double OD = m.mla() ? static_cast<double>(m.VD()) : AD;
   double bytes = 2.0 * e * Tn * H                  // norm inputs
                  + lin * Tn * H                    // QKV input
                  + e * T * (AD / t + GDt)          // Q, K
-                 + e * T * GDt                     // V
-                 + proj_in * T * AD / t            // attention output, projection input
+                 + e * T * Vt                      // V
+                 + proj_in * T * OD / t            // attention output, projection input
                  + lin * Tn * H;                   // MLP input
+  // Multi-latent attention: the latents' norms keep their inputs and the up projections
+  // theirs (the sequence shard, gathered again for the weight gradients).
+  if (m.mla()) bytes += (e + lin) * Tn * static_cast<double>(m.q_lora_rank + m.kv_lora_rank);
   if (m.moe()) {
     bytes += moe_mlp_activation_bytes(m, p, cs, lin);
   } else {  // (added in the order of one sum: the same bits)

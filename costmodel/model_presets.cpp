@@ -42,6 +42,15 @@ ModelSpec first_dense(ModelSpec m, int64_t k, int64_t Fs) {
   return m;
 }
 
+// Multi-latent attention (DeepSeek): query latent ql, key/value latent kvl, heads of
+// nope + rope for queries and keys, v for values.
+ModelSpec mla(ModelSpec m, int64_t ql, int64_t kvl, int64_t nope, int64_t rope, int64_t v) {
+  m.q_lora_rank = ql; m.kv_lora_rank = kvl; m.qk_pos_emb_head_dim = rope; m.v_head_dim = v;
+  m.kv_channels = nope + rope;
+  m.G = m.A;
+  return m;
+}
+
 const std::map<std::string, ModelSpec>& presets() {
   static const std::map<std::string, ModelSpec> p = [] {
     std::map<std::string, ModelSpec> m;
@@ -70,6 +79,11 @@ const std::map<std::string, ModelSpec>& presets() {
     // query/key/value biases and the multi-token-prediction layer are left out.)
     add(first_dense(moe(llama("glm-4.5", 92, 5120, 96, 8, 12288, 151552, 4096), 160, 8, 1536, 128), 3, 1536));
     add(first_dense(moe(llama("glm-4.5-air", 46, 4096, 96, 8, 10944, 151552, 4096), 128, 8, 1408, 128), 1, 1408));
+    // DeepSeek-V3 (DeepSeek-AI 2024, its HF config): multi-latent attention, the first 3 of 61
+    // layers dense (18432), then 256 routed experts of 2048, 8 per token, and one shared.
+    // (Its multi-token-prediction module is left out.)
+    add(mla(first_dense(moe(llama("deepseek-v3", 61, 7168, 128, 128, 18432, 129280, 4096), 256, 8, 2048), 3, 2048),
+            1536, 512, 128, 64, 128));
     // Tiny models for the CPU executor: a few million parameters, a step well under a
     // second on one core. Vocabulary 512 (the synthetic token source).
     ModelSpec tg = gpt("tiny-gpt", 4, 256, 4, 512, 128);

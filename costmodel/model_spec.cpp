@@ -292,11 +292,20 @@ int64_t ModelSpec::expert_params(int64_t etp) const {
   return n;
 }
 
+int64_t ModelSpec::mla_attention_params(int64_t t) const {
+  const int64_t q = q_lora_rank > 0 ? H * q_lora_rank + q_lora_rank + q_lora_rank * AD() / t : H * AD() / t;
+  const int64_t kv = H * (kv_lora_rank + qk_pos_emb_head_dim) + kv_lora_rank + kv_lora_rank * A * (qk_head_dim() + Dv()) / t;
+  return q + kv + VD() * H / t;
+}
+
 namespace {
 // A mixture-of-experts layer's parameters on one rank (ModelSpec::layer_params): out of
 // line, so the dense count stays short.
 [[gnu::noinline]] int64_t moe_layer_params(const ModelSpec& m, int64_t t, int64_t ep, int64_t etp) {
   const int64_t kv_cols = 2 * m.kv_width(t), H = m.H, AD = m.AD(), fs = m.shared_fc1_out();
+  if (m.mla())  // (MLA has no biases: validate_model)
+    return m.mla_attention_params(t) + (H * fs + m.Fs * H) / t + m.E * H + m.layer_norm_params() +
+           m.layer_expert_params(etp > 0 ? etp : t, ep);
   int64_t n = (H * AD + AD * H + H * fs + m.Fs * H) / t + H * kv_cols + m.E * H;  // + the router
   if (m.bias) n += (AD + fs) / t + kv_cols + (m.Fs > 0 ? 2 * H : H);
   return n + m.layer_norm_params() + m.layer_expert_params(etp > 0 ? etp : t, ep);
@@ -307,6 +316,7 @@ int64_t ModelSpec::layer_params(int64_t t, int64_t ep, int64_t etp) const {
   if (moe()) return moe_layer_params(*this, t, ep, etp);
   const int64_t kv_cols = 2 * kv_width(t);             // this rank's key and value columns
   const int64_t fc1 = fc1_out();
+  if (mla()) return mla_attention_params(t) + (H * fc1 + F * H) / t + layer_norm_params();
   int64_t n = (H * AD() + AD() * H + H * fc1 + F * H) / t + H * kv_cols;  // the four split matrices
   if (bias) n += (AD() + fc1) / t + kv_cols + 2 * H;  // column biases split, row biases replicated
   return n + layer_norm_params();
@@ -349,6 +359,15 @@ double ModelSpec::layer_forward_flops(int64_t B, bool is_moe) const {
     gemms = 2.0 * tokens * (h * qkv_out + static_cast<double>(AD()) * h +
                             static_cast<double>(K) * static_cast<double>(expert_fc1_out() + Fe) * h +
                             static_cast<double>(shared_fc1_out() + Fs) * h);
+  if (mla()) {  // the latent projections (mla_attention_params at t = 1, but for the norms) for Q, K, V and O
+    const double ql = static_cast<double>(q_lora_rank), kvl = static_cast<double>(kv_lora_rank);
+    const double q = q_lora_rank > 0 ? h * ql + ql * static_cast<double>(AD()) : h * static_cast<double>(AD());
+    const double kv = h * (kvl + static_cast<double>(qk_pos_emb_head_dim)) +
+                      kvl * static_cast<double>(A) * static_cast<double>(qk_head_dim() + Dv());
+    gemms += 2.0 * tokens * (q + kv + static_cast<double>(VD()) * h - h * qkv_out - static_cast<double>(AD()) * h);
+    // QK^T over D, AV over Dv.
+    return gemms + 2.0 * tokens * attention_keys() * static_cast<double>(AD() + VD());
+  }
   const double attention = 4.0 * tokens * attention_keys() * static_cast<double>(AD());  // QK^T, AV
   return gemms + attention;
 }
@@ -409,6 +428,23 @@ void validate_model(const ModelSpec& m, const std::string& src) {
       fail_field(src + ".moe_router_topk", std::to_string(m.K), fmt::format("must be in [1, num_experts = {}]", m.E));
     range("moe_ffn_hidden_size", m.Fe, 1, kMaxFfn);
     range("moe_shared_expert_intermediate_size", m.Fs, 0, kMaxFfn);
+  }
+  if (m.q_lora_rank < 0 || m.kv_lora_rank < 0 || m.qk_pos_emb_head_dim < 0 || m.v_head_dim < 0 ||
+      m.q_lora_rank > kMaxHidden || m.kv_lora_rank > kMaxHidden || m.qk_pos_emb_head_dim > kMaxHidden ||
+      m.v_head_dim > kMaxHidden)
+    fail_field(src + ".kv_lora_rank", std::to_string(m.kv_lora_rank),
+               fmt::format("multi-latent attention's sizes must be integers in [0, {}]", kMaxHidden));
+  if (m.mla()) {
+    if (m.qk_head_dim() < 1 || m.qk_pos_emb_head_dim < 1 || m.v_head_dim < 1)
+      fail_field(src + ".qk_head_dim", std::to_string(m.qk_head_dim()),
+                 "multi-latent attention needs qk_head_dim, qk_pos_emb_head_dim and v_head_dim of at least 1");
+    if (m.G != m.A)
+      fail_field(src + ".num_query_groups", std::to_string(m.G),
+                 fmt::format("multi-latent attention has a key and value per head: must be num_attention_heads = {}", m.A));
+    if (m.bias)
+      fail_field(src + ".add_bias_linear", "true", "multi-latent attention is costed without linear biases");
+    if (m.A * m.v_head_dim > (int64_t{1} << 24))
+      fail_field(src + ".v_head_dim", std::to_string(m.v_head_dim), "num_attention_heads * v_head_dim exceeds 2^24");
   }
   if (m.mixed()) {
     const int64_t moe_layers = std::count(m.moe_layer.begin(), m.moe_layer.end(), uint8_t{1});
@@ -503,6 +539,21 @@ ModelSpec model_from_json(const Json& in, const std::string& source) {
   if (skip > 0 && m.window_layers >= 0)
     fail_field(source + ".window_layers", std::to_string(m.window_layers), "give window_layers or window_attn_skip_freq, not both");
   if (m.window_layers < 0) m.window_layers = m.window_size > 0 ? m.L - (skip > 0 ? m.L / skip : 0) : 0;
+  // Multi-latent attention (Megatron's multi_latent_attention with its defaults: no query
+  // latent, kv_lora_rank 32, qk_head_dim 128, qk_pos_emb_head_dim 64, v_head_dim 128); its
+  // sizes are read only with it.
+  const char* mla_keys[] = {"q_lora_rank", "kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim", "v_head_dim"};
+  if (f.boolean_or("multi_latent_attention", false)) {  // (its heads' widths replace kv_channels, which MLA ignores)
+    m.q_lora_rank = f.integer_or("q_lora_rank", 0, 0, kMaxHidden);
+    m.kv_lora_rank = f.integer_or("kv_lora_rank", 32, 1, kMaxHidden);
+    const int64_t nope = f.integer_or("qk_head_dim", 128, 1, kMaxHidden);
+    m.qk_pos_emb_head_dim = f.integer_or("qk_pos_emb_head_dim", 64, 1, kMaxHidden);
+    m.v_head_dim = f.integer_or("v_head_dim", 128, 1, kMaxHidden);
+    m.kv_channels = nope + m.qk_pos_emb_head_dim;
+    m.G = m.A;
+  } else {
+    for (const char* k : mla_keys) f.ignore(k);
+  }
   read_experts(f, j, source, &m);
   f.ignore("description");
   f.ignore("_source");
@@ -549,12 +600,14 @@ ModelSpec model_from_hf_config(const Json& j, const std::string& source, int64_t
     fail_field(source + ".model_type", show_value(Json(model_type)),
                "encoder-only models (bidirectional attention, no causal language-model head) are not modelled: "
                "strata plans decoder-only transformers");
-  // DeepSeek's experts come with multi-head latent attention, DBRX's in its own ffn_config:
-  // neither is modelled. (GLM-4.5's n_routed_experts are read below.)
+  // DBRX's experts are in its own ffn_config, not read. (GLM-4.5's and DeepSeek's
+  // n_routed_experts are read below.)
   const bool glm_moe = model_type == "glm4_moe";
-  if (!glm_moe)
+  const bool deepseek = model_type == "deepseek_v2" || model_type == "deepseek_v3" || model_type == "kimi_k2";
+  if (!glm_moe && !deepseek)
     reject_experts(j, source, {"n_routed_experts", "moe_num_experts", "num_routed_experts"},
-                   "DeepSeek-style models (multi-head latent attention) are not modelled");
+                   "read for model_type glm4_moe, deepseek_v2, deepseek_v3 and kimi_k2 only: give the model as a "
+                   "model JSON with num_experts");
   if (j.contains("ffn_config") && j["ffn_config"].is_object())  // DBRX
     reject_experts(j["ffn_config"], source + ".ffn_config", {"moe_num_experts"},
                    "DBRX's ffn_config is not read: give the model as a model JSON with num_experts");
@@ -609,6 +662,16 @@ ModelSpec model_from_hf_config(const Json& j, const std::string& source, int64_t
   m.F = get_int({"intermediate_size", "n_inner"}, 1, kMaxFfn, false, llama ? llama_ffn_size(m.H) : 4 * m.H);
   m.kv_channels = get_int({"head_dim"}, 0, kMaxHidden, false, 0);
   if (m.kv_channels * m.A == m.H) m.kv_channels = 0;
+  // DeepSeek-V2/V3 and Kimi K2: multi-head latent attention (q_lora_rank null: one query
+  // projection), each head's query and key qk_nope_head_dim + qk_rope_head_dim wide.
+  if (deepseek) {
+    m.q_lora_rank = get_int({"q_lora_rank"}, 0, kMaxHidden, false, 0);
+    m.kv_lora_rank = get_int({"kv_lora_rank"}, 1, kMaxHidden, true, 0);
+    m.qk_pos_emb_head_dim = get_int({"qk_rope_head_dim"}, 1, kMaxHidden, true, 0);
+    m.v_head_dim = get_int({"v_head_dim"}, 1, kMaxHidden, true, 0);
+    m.kv_channels = get_int({"qk_nope_head_dim"}, 1, kMaxHidden, true, 0) + m.qk_pos_emb_head_dim;
+    m.G = m.A;
+  }
   // Mixture of experts: Mixtral and GPT-OSS (num_local_experts, experts of intermediate_size),
   // Qwen2-MoE and Qwen3-MoE (num_experts of moe_intermediate_size, Qwen2-MoE's shared expert
   // of shared_expert_intermediate_size), OLMoE (num_experts of intermediate_size), GLM-4.5
@@ -623,7 +686,7 @@ ModelSpec model_from_hf_config(const Json& j, const std::string& source, int64_t
   // Only the families whose layers are MoE layers of these keys: others (Llama 4's
   // interleaved layers and shared expert, Jamba, GraniteMoE, ...) would be misread.
   const bool known_moe = model_type == "mixtral" || model_type == "gpt_oss" || model_type == "qwen2_moe" ||
-                         model_type == "qwen3_moe" || model_type == "olmoe" || glm_moe;
+                         model_type == "qwen3_moe" || model_type == "olmoe" || glm_moe || deepseek;
   const char* experts_key = j.contains("num_local_experts") ? ".num_local_experts"
                             : j.contains("num_experts")     ? ".num_experts"
                                                             : ".n_routed_experts";
@@ -640,7 +703,7 @@ ModelSpec model_from_hf_config(const Json& j, const std::string& source, int64_t
            : glm_moe                          ? 1408
                                               : m.F;
     m.Fs = get_int({"shared_expert_intermediate_size"}, 0, kMaxFfn, false, 0);
-    if (glm_moe) m.Fs = get_int({"n_shared_experts"}, 0, 64, false, 1) * m.Fe;
+    if (glm_moe || deepseek) m.Fs = get_int({"n_shared_experts"}, 0, 64, false, glm_moe ? 1 : 0) * m.Fe;
     std::vector<uint8_t> flags(static_cast<size_t>(m.L), 1);
     std::string key, value;  // the config key that makes a layer dense, for messages
     if (j.contains("decoder_sparse_step") && !j["decoder_sparse_step"].is_null()) {
@@ -659,10 +722,16 @@ ModelSpec model_from_hf_config(const Json& j, const std::string& source, int64_t
       }
       if (!only.empty()) key = ".mlp_only_layers", value = show_value(only);
     }
-    if (glm_moe) {
-      const int64_t k = get_int({"first_k_dense_replace"}, 0, m.L, false, 1);
+    if (glm_moe || deepseek) {
+      const int64_t k = get_int({"first_k_dense_replace"}, 0, m.L, false, glm_moe ? 1 : 0);
       for (int64_t l = 0; l < k; ++l) flags[static_cast<size_t>(l)] = 0;
       key = ".first_k_dense_replace", value = std::to_string(k);
+    }
+    if (deepseek) {  // DeepSeek's MoE layers: from first_k_dense_replace on, every moe_layer_freq-th
+      const int64_t freq = get_int({"moe_layer_freq"}, 1, m.L, false, 1);
+      for (int64_t l = 0; l < m.L; ++l)
+        if (l % freq != 0) flags[static_cast<size_t>(l)] = 0;
+      if (freq > 1) key = ".moe_layer_freq", value = std::to_string(freq);
     }
     set_moe_layers(&m, std::move(flags), source + (key.empty() ? std::string(experts_key) : key), value);
   }
@@ -680,7 +749,7 @@ ModelSpec model_from_hf_config(const Json& j, const std::string& source, int64_t
   // counted here on all: a few parameters per layer). GLM-4.5's are on the query, key and
   // value only (Megatron's add_qkv_bias beside --disable-bias-linear, which its shared
   // expert requires): left out.
-  m.bias = gpt2 || bloom || model_type == "gpt_neox" || model_type == "phi" || (flag("attention_bias") && !glm_moe) ||
+  m.bias = gpt2 || bloom || model_type == "gpt_neox" || model_type == "phi" || (flag("attention_bias") && !glm_moe && !deepseek) ||
            (falcon && flag("bias"));
   auto dropout = [&](std::initializer_list<const char*> keys, double fallback) {
     for (const char* k : keys)
@@ -747,6 +816,15 @@ Json model_to_json(const ModelSpec& m) {
               {"kv_channels", m.kv_channels},
               {"window_size", m.window_size},
               {"window_layers", m.window_layers}};
+  if (m.mla()) {
+    j.erase("kv_channels");
+    j["multi_latent_attention"] = true;
+    j["q_lora_rank"] = m.q_lora_rank;
+    j["kv_lora_rank"] = m.kv_lora_rank;
+    j["qk_head_dim"] = m.qk_head_dim();
+    j["qk_pos_emb_head_dim"] = m.qk_pos_emb_head_dim;
+    j["v_head_dim"] = m.v_head_dim;
+  }
   if (m.moe()) {
     j["num_experts"] = m.E;
     j["moe_router_topk"] = m.K;

@@ -43,6 +43,16 @@ struct ModelSpec {
   // on the others to its whole causal prefix. 0 = none.
   int64_t window_size = 0;
   int64_t window_layers = 0;
+  // Multi-head latent attention (DeepSeek-V2/V3, Kimi K2; Megatron-core's
+  // --multi-latent-attention): queries through a low-rank q_lora_rank (0: one projection
+  // from H, Megatron's None), keys and values from a shared latent of kv_lora_rank plus a
+  // rotary part of qk_pos_emb_head_dim shared by the heads. Each head's query and key are
+  // kv_channels = qk_head_dim + qk_pos_emb_head_dim wide (D), its value and output
+  // v_head_dim (Dv); G = A. kv_lora_rank 0: ordinary attention.
+  int64_t q_lora_rank = 0;
+  int64_t kv_lora_rank = 0;
+  int64_t qk_pos_emb_head_dim = 0;
+  int64_t v_head_dim = 0;
   // A Hugging Face config whose rope_scaling extends the context (Llama 3.1, Qwen 2.5 with
   // YaRN, ...): its original_max_position_embeddings, the length the model was pre-trained
   // at, when shorter than S (taken from max_position_embeddings); 0 otherwise. Nothing is
@@ -70,6 +80,15 @@ struct ModelSpec {
   // the BigCode fork and Transformer Engine run it) each group replicated on t/G ranks.
   int64_t kv_heads_per_rank(int64_t t) const { return G >= t ? G / t : 1; }
   int64_t kv_width(int64_t t) const { return kv_heads_per_rank(t) * D(); }  // K (or V) columns per rank
+  bool mla() const { return kv_lora_rank > 0; }
+  int64_t qk_head_dim() const { return D() - qk_pos_emb_head_dim; }  // MLA: a head's query/key without rope
+  int64_t Dv() const { return mla() ? v_head_dim : D(); }  // a head's value (and output) width
+  int64_t VD() const { return A * Dv(); }                  // width of the attention output
+  int64_t v_width(int64_t t) const { return kv_heads_per_rank(t) * Dv(); }  // V columns per rank
+  // One layer's attention parameters on one tensor-parallel rank with MLA: the down
+  // projections and their norms on every rank (Megatron's "duplicated" linears), the up
+  // projections and the output projection split.
+  int64_t mla_attention_params(int64_t t) const;
   bool gated() const { return activation != Activation::gelu; }
   // A sliding window that cuts something: shorter than the sequence, on some layer.
   bool windowed() const { return window_size > 0 && window_size < S && window_layers > 0; }

@@ -995,6 +995,9 @@ std::vector<Reason> check_plan(const ModelSpec& m, const Cluster& cl, const Plan
     });
   if (p.recompute_layers > 0 && p.recompute != Recompute::full)
     add("recompute_layers", [&] { return fmt::format("recompute_num_layers={} needs recompute=full", p.recompute_layers); });
+  if (m.mla() && cl.strata_stack)
+    add("mla_strata", [&] { return fmt::format("{} has multi-latent attention, which the strata executor of {} does not "
+                                               "run", m.name, cl.name); });
   if (m.F % p.t != 0 && (!m.moe() || m.mixed()))  // (a mixed model's dense layers)
     add("tp_ffn", [&] { return fmt::format("tensor_parallel={} must divide ffn_hidden_size={}{}", p.t, m.F,
                                            m.moe() ? " (the dense layers' MLP)" : ""); });
@@ -1117,6 +1120,9 @@ std::vector<Reason> check_plan(const ModelSpec& m, const Cluster& cl, const Plan
       add("dp_instances", [&] { return fmt::format("num_distributed_optimizer_instances={}: {} runs the strata executor, "
                                                    "which shards over every replica", p.dp_instances, cl.name); });
   }
+  if (p.offload_modules && m.mla())
+    add("activation_offload", [&] { return fmt::format("offload_modules {} with multi-latent attention: its offload "
+                                                       "groups are not modelled", offload_modules_text(p.offload_modules, "+")); });
   if (p.offload_modules) {
     // (Every layer recomputed: recompute_num_layers unset, or at least any chunk's layers.)
     if (p.recompute == Recompute::full &&

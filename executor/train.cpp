@@ -43,6 +43,9 @@ void check_trainable_model(const ModelSpec& m) {
     fail("model: num_experts " + std::to_string(m.E) +
          " (mixture of experts) is not implemented by the executor: it trains dense MLPs (strata estimate and plan "
          "model the experts on a GPU cluster)");
+  if (m.mla())
+    fail("model: kv_lora_rank " + std::to_string(m.kv_lora_rank) +
+         " (multi-latent attention) is not implemented by the executor (strata estimate and plan model it)");
   if (m.windowed())
     fail("model: window_size " + std::to_string(m.window_size) +
          " (sliding-window attention) is not implemented by the executor: it attends to the whole causal prefix");

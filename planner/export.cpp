@@ -157,7 +157,16 @@ std::string export_megatron(const ModelSpec& m, const Plan& p, const Stack& stac
     notes += "# mixture of experts: strata costed balanced routing (every expert the same tokens); an uneven\n"
              "# load makes the busiest expert's rank the slowest.\n";
   }
-  if (m.kv_channels > 0) flag(fmt::format("--kv-channels {}", m.kv_channels));
+  if (m.mla()) {
+    flag("--multi-latent-attention");
+    if (m.q_lora_rank > 0) flag(fmt::format("--q-lora-rank {}", m.q_lora_rank));
+    flag(fmt::format("--kv-lora-rank {}", m.kv_lora_rank));
+    flag(fmt::format("--qk-head-dim {}", m.qk_head_dim()));
+    flag(fmt::format("--qk-pos-emb-head-dim {}", m.qk_pos_emb_head_dim));
+    flag(fmt::format("--v-head-dim {}", m.v_head_dim));
+  } else if (m.kv_channels > 0) {
+    flag(fmt::format("--kv-channels {}", m.kv_channels));
+  }
   flag(fmt::format("--seq-length {}", m.S));
   flag(fmt::format("--max-position-embeddings {}", m.S));
   if (m.activation == Activation::swiglu) flag("--swiglu");
@@ -374,7 +383,15 @@ std::string export_bridge(const ModelSpec& m, const Plan& p, const Stack& stack)
   set("model.ffn_hidden_size", num(m.F));
   set("model.num_attention_heads", num(m.A));
   set("model.num_query_groups", num(m.G));
-  if (m.kv_channels > 0) set("model.kv_channels", num(m.kv_channels));
+  if (m.mla()) {  // (Bridge's DeepSeek providers set multi_latent_attention)
+    if (m.q_lora_rank > 0) set("model.q_lora_rank", num(m.q_lora_rank));
+    set("model.kv_lora_rank", num(m.kv_lora_rank));
+    set("model.qk_head_dim", num(m.qk_head_dim()));
+    set("model.qk_pos_emb_head_dim", num(m.qk_pos_emb_head_dim));
+    set("model.v_head_dim", num(m.v_head_dim));
+  } else if (m.kv_channels > 0) {
+    set("model.kv_channels", num(m.kv_channels));
+  }
   if (m.mixed()) {  // Bridge's providers take the list (first_k_dense_replace's, DeepSeek's and GLM's)
     std::string list = "[";
     for (size_t i = 0; i < m.moe_layer.size(); ++i) {

@@ -480,6 +480,10 @@ TEST(Cli, BadInputExits2NamingTheField) {
       {model("x1.json", R"({"num_layers":2,"num_experts":8,"moe_layer_freq":[1,0,1],)" + ok_model + "}"), "moe_layer_freq"},
       {model("x4.json", R"x({"num_layers":2,"num_experts":8,"moe_layer_freq":"([0]*2)",)x" + ok_model + "}"), "moe_layer_freq"},
       {model("x5.json", R"({"num_layers":2,"num_experts":8,"moe_layer_freq":"[1]*x",)" + ok_model + "}"), "moe_layer_freq"},
+      {model("l1.json", R"({"num_layers":2,"multi_latent_attention":true,"kv_lora_rank":0,)" + ok_model + "}"), "kv_lora_rank"},
+      {model("l2.json", R"({"num_layers":2,"multi_latent_attention":true,"v_head_dim":-4,)" + ok_model + "}"), "v_head_dim"},
+      {model("l3.json", R"({"num_layers":2,"multi_latent_attention":true,"add_bias_linear":true,)" + ok_model + "}"), "add_bias_linear"},
+      {model("h12.json", R"({"hidden_size":64,"model_type":"deepseek_v3","num_hidden_layers":2,"num_attention_heads":4,"vocab_size":100,"max_position_embeddings":32,"kv_lora_rank":16,"qk_nope_head_dim":8,"v_head_dim":8})"), "qk_rope_head_dim"},
       {model("x2.json", R"({"num_layers":2,"num_experts":8,"moe_ffn_hidden_size":0,)" + ok_model + "}"), "moe_ffn_hidden_size"},
       // Plans
       {P + "tp=0", "tensor_parallel"},

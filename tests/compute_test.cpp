@@ -445,6 +445,53 @@ TEST(Compute, MixtureOfExpertsLayer) {
   EXPECT_EQ(other, 0.0);
 }
 
+// Multi-latent attention's projections by hand, on a small model (H 256, 4 heads of 32 + 16
+// rotary for queries and keys, 32 for values, query latent 64, key/value latent 32), 2
+// sequences of 128 on 2 tensor-parallel ranks with sequence parallelism (T 256, Tn 128):
+//   q_down  2 x 128 x 64 x 256 = 4,194,304 (duplicated on each rank, on its own tokens)
+//   kv_down 2 x 128 x 48 x 256 = 3,145,728
+//   q_up    2 x 256 x 96 x 64  = 3,145,728 (96 = 2 heads x 48 columns)
+//   kv_up   2 x 256 x 128 x 32 = 2,097,152 (2 heads x (32 + 32))
+//   attn_proj 2 x 256 x 256 x 64 = 8,388,608 (2 heads x 32)
+//   QK^T 2 x 4 x 128 x 128 x 48 = 6,291,456 and AV x 32 = 4,194,304 (4 = 2 sequences x 2 heads)
+// the latents gathered over the sequence (2 bytes x 256 x (64 + 32 + 16) = 57,344 bytes,
+// against 131,072 for the hidden state), and each pass's GEMMs add up to the model's count.
+TEST(Compute, MultiLatentAttentionProjections) {
+  const Cluster c = testing::round_cluster();
+  const ModelSpec m = model_from_json(Json::parse(R"({"num_layers":2,"hidden_size":256,"num_attention_heads":4,
+      "vocab_size":512,"seq_length":128,"activation":"swiglu","ffn_hidden_size":512,"multi_latent_attention":true,
+      "q_lora_rank":64,"kv_lora_rank":32,"qk_head_dim":32,"qk_pos_emb_head_dim":16,"v_head_dim":32})"), "model");
+  const Plan p = load_plan("tp=2,sp=1,dp=4,mbs=2,precision=bf16,attention=unfused");
+  const std::vector<OpCost> ops = layer_ops(m, c, p);
+  auto fwd = [&](const char* n) { return sum_of(ops, n, Phase::forward, &OpCost::flops); };
+  EXPECT_DOUBLE_EQ(fwd("q_down_proj"), 4194304.0);
+  EXPECT_DOUBLE_EQ(fwd("kv_down_proj"), 3145728.0);
+  EXPECT_DOUBLE_EQ(fwd("q_up_proj"), 3145728.0);
+  EXPECT_DOUBLE_EQ(fwd("kv_up_proj"), 2097152.0);
+  EXPECT_DOUBLE_EQ(fwd("attn_proj"), 8388608.0);
+  EXPECT_DOUBLE_EQ(fwd("attn_scores"), 6291456.0);
+  EXPECT_DOUBLE_EQ(fwd("attn_context"), 4194304.0);
+  EXPECT_DOUBLE_EQ(fwd("qkv"), 0.0);
+  EXPECT_DOUBLE_EQ(sum_of(ops, "q_up_proj", Phase::backward, &OpCost::flops), 2 * 3145728.0);  // dgrad, wgrad
+  EXPECT_DOUBLE_EQ(sum_of(ops, "kv_down_proj", Phase::backward, &OpCost::flops), 2 * 3145728.0);
+  EXPECT_DOUBLE_EQ(sum_of(ops, "sp_all_gather", Phase::forward, &OpCost::bytes), 57344.0 + 131072.0);  // + the MLP's
+  // (The backward gathers the latents again and reduce-scatters their gradients.)
+  EXPECT_DOUBLE_EQ(sum_of(ops, "sp_reduce_scatter", Phase::backward, &OpCost::bytes), 57344.0 + 131072.0);
+  for (const char* plan : {"tp=2,sp=1,dp=4,mbs=2,precision=bf16,attention=unfused", "dp=8,mbs=1,attention=unfused"}) {
+    const Plan q = load_plan(plan);
+    const Sums sums = sum_ops(layer_ops(m, c, q));
+    const double layer = m.layer_forward_flops(q.mbs) / static_cast<double>(q.t);
+    EXPECT_NEAR(sums.gemm_flops[0] / layer, 1.0, 1e-12) << plan;
+    EXPECT_NEAR(sums.gemm_flops[1] / (2 * layer), 1.0, 1e-12) << plan;
+  }
+  // Without sequence parallelism every rank runs the down projections on all T tokens, and
+  // the latents' gradients are all-reduced (2 x 256 x 112 bytes) with the MLP's.
+  const std::vector<OpCost> no_sp = layer_ops(m, c, load_plan("tp=2,dp=4,mbs=2,precision=bf16,attention=unfused"));
+  EXPECT_DOUBLE_EQ(sum_of(no_sp, "q_down_proj", Phase::forward, &OpCost::flops), 2 * 4194304.0);
+  EXPECT_DOUBLE_EQ(sum_of(no_sp, "sp_all_gather", Phase::forward, &OpCost::bytes), 0.0);
+  EXPECT_DOUBLE_EQ(sum_of(no_sp, "tp_all_reduce", Phase::backward, &OpCost::bytes), 57344.0 + 131072.0);
+}
+
 TEST(Compute, WorkSplitsExposedCommunication) {
   const Cluster c = testing::round_cluster();
   const ModelSpec m = load_model("gpt3-175b");

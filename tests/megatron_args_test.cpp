@@ -189,6 +189,20 @@ TEST(MegatronArgs, ExpertFlagsRoundTrip) {
                   .find("moe_layer_freq"),
               std::string::npos);
   }
+  // Multi-latent attention (DeepSeek-V3): --multi-latent-attention with its sizes, read back.
+  {
+    const ModelSpec ds = load_model("deepseek-v3");
+    const Plan p = load_plan("tp=2,pp=8,dp=64,ep=64,etp=1,mbs=1,gbs=8192,zero=1,sp=1");
+    const std::string flags = export_megatron(ds, p, resolve_stack(ds, cl, p)) + fmt::format(" --vocab-size {}", ds.V);
+    for (const char* f : {"--multi-latent-attention", "--q-lora-rank 1536", "--kv-lora-rank 512", "--qk-head-dim 128",
+                          "--qk-pos-emb-head-dim 64", "--v-head-dim 128", "--moe-layer-freq \"([0]*3+[1]*58)\""})
+      EXPECT_NE(flags.find(f), std::string::npos) << f << "\n" << flags;
+    EXPECT_EQ(flags.find("--kv-channels"), std::string::npos) << flags;
+    const LaunchInputs in = launch_inputs(parse_megatron_launch(flags, "export"), p.world_size(), "export");
+    EXPECT_TRUE(in.model.mla());
+    EXPECT_EQ(in.model.total_params(), ds.total_params());
+    EXPECT_EQ(estimate(in.model, cl, in.plan).step_time_s, estimate(ds, cl, p).step_time_s);
+  }
   // --recompute-modules takes a list of words, and is written back.
   const ModelSpec m = load_model("mixtral-8x7b");
   const Plan p = load_plan("tp=2,dp=16,ep=8,mbs=1,gbs=256,zero=1,sp=1,recompute_modules=core_attn+moe_act+layernorm");

@@ -656,6 +656,25 @@ TEST(Memory, MicrobatchesInFlight) {
   std::printf("%d grouped interleaved schedules counted\n", grouped);
 }
 
+// Multi-latent attention keeps V and the attention output at Dv = 128 per head where an
+// ordinary attention of the same 192-wide heads keeps 192, and the two latents' norm and
+// up-projection inputs: DeepSeek-V3, one sequence of 4096 on 2 tensor-parallel ranks with
+// sequence parallelism in bf16 (T 4096, Tn 2048, 64 heads per rank):
+//   V and O  2 x 2 x 4096 x 64 x (128 - 192) = -67,108,864
+//   latents  (2 + 2) x 2048 x (1536 + 512)   =  16,777,216
+TEST(Memory, MultiLatentAttentionActivations) {
+  const ModelSpec m = load_model("deepseek-v3").dense_layers();
+  ModelSpec plain = m;
+  plain.q_lora_rank = plain.kv_lora_rank = plain.qk_pos_emb_head_dim = plain.v_head_dim = 0;
+  ASSERT_TRUE(m.mla());
+  ASSERT_FALSE(plain.mla());
+  const Cluster c = load_cluster("dgx-h100-80g");
+  const Plan p = load_plan("tp=2,sp=1,dp=4,mbs=1,gbs=8,precision=bf16");
+  EXPECT_DOUBLE_EQ(layer_activation_bytes(m, p, compute_setup(m, c, p)) -
+                       layer_activation_bytes(plain, p, compute_setup(plain, c, p)),
+                   -67108864.0 + 16777216.0);
+}
+
 TEST(Memory, FrameworkOverheadAndPeak) {
   const ModelSpec m = load_model("tiny-gpt");
   Cluster c = testing::round_cluster();

@@ -1,6 +1,8 @@
 // ModelSpec: parameter and FLOP counts against published numbers and hand derivations,
 // vocabulary padding, presets, model JSON and Hugging Face config loading.
 #include <gtest/gtest.h>
+
+#include <tuple>
 #include <nlohmann/json.hpp>
 
 #include "costmodel/estimate.h"
@@ -452,6 +454,80 @@ TEST(ModelSpec, DenseAndMoeLayersMixed) {
   EXPECT_DOUBLE_EQ(air_hf.total_params(), air.total_params());
   EXPECT_EQ(air_hf.moe_layer, air.moe_layer);
   EXPECT_EQ(load_model("glm-4.5").moe_layer_count(), 89);
+}
+
+// Multi-latent attention, counted by hand for DeepSeek-V3 (H 7168, 128 heads, query latent
+// 1536, key/value latent 512, heads of 128 + 64 rotary for queries and keys, 128 for
+// values; vocabulary 129280 untied):
+//   queries   7168 x 1536 + 1536 (norm) + 1536 x 128 x 192     =  48,760,320
+//   keys/vals 7168 x (512 + 64) + 512 (norm) + 512 x 128 x 256 =  20,906,496
+//   output    128 x 128 x 7168                                 = 117,440,512
+//   attention                                                    187,107,328
+//   dense layer  + 3 x 7168 x 18432 + two norms 14,336           = 583,483,392
+//   MoE layer    + 257 x 3 x 7168 x 2048 + router 256 x 7168 + 14,336 = 11,507,286,016
+//   total  3 x 583,483,392 + 58 x 11,507,286,016 + 2 x 129280 x 7168 + 7168 = 671,026,404,352
+//   active total - 58 x 248 x 44,040,192                        =  37,552,282,624
+// (DeepSeek's 671B and 37B.) On 2 tensor-parallel ranks the down projections stay whole:
+// 7168 x 1536 + 1536 + 1536 x 64 x 192 + 7168 x 576 + 512 + 512 x 64 x 256 + 64 x 128 x 7168
+// = 101,124,096. A sequence of 4096 tokens through one layer: GEMMs 2 x 4096 x (7168 x 1536 +
+// 1536 x 24576 + 7168 x 576 + 512 x 32768 + 16384 x 7168 + 3 x 7168 x 18432) =
+// 4,779,761,729,536 FLOPs, attention 2 x 4096 x 4096 x (24576 + 16384) = 1,374,389,534,720;
+// an MoE layer's 9 experts of 2048 cost what the dense MLP of 18432 does.
+TEST(ModelSpec, MultiLatentAttention) {
+  const ModelSpec m = load_model("deepseek-v3");
+  ASSERT_TRUE(m.mla());
+  EXPECT_EQ(m.D(), 192);
+  EXPECT_EQ(m.Dv(), 128);
+  EXPECT_EQ(m.mla_attention_params(1), 187107328);
+  EXPECT_EQ(m.mla_attention_params(2), 101124096);
+  EXPECT_EQ(m.dense_layers().layer_params(1), 583483392);
+  EXPECT_EQ(m.layer_params(1), 11507286016);
+  EXPECT_DOUBLE_EQ(m.total_params(), 671026404352.0);
+  EXPECT_DOUBLE_EQ(m.active_params(), 37552282624.0);
+  EXPECT_DOUBLE_EQ(m.layer_forward_flops(1, false), 4779761729536.0 + 1374389534720.0);
+  EXPECT_DOUBLE_EQ(m.layer_forward_flops(1, true), m.layer_forward_flops(1, false));
+  // Its Hugging Face config (DeepseekV3Config's keys), and the model JSON with Megatron's names.
+  const ModelSpec hf = model_from_hf_config(Json::parse(R"({"model_type":"deepseek_v3","hidden_size":7168,
+      "intermediate_size":18432,"moe_intermediate_size":2048,"num_hidden_layers":61,"num_attention_heads":128,
+      "num_key_value_heads":128,"n_shared_experts":1,"n_routed_experts":256,"num_experts_per_tok":8,
+      "first_k_dense_replace":3,"moe_layer_freq":1,"q_lora_rank":1536,"kv_lora_rank":512,"qk_nope_head_dim":128,
+      "qk_rope_head_dim":64,"v_head_dim":128,"head_dim":64,"vocab_size":129280,"max_position_embeddings":163840,
+      "rms_norm_eps":1e-06,"hidden_act":"silu","tie_word_embeddings":false,"attention_bias":false,
+      "num_nextn_predict_layers":1})"), "config.json", 4096);
+  EXPECT_DOUBLE_EQ(hf.total_params(), m.total_params());
+  EXPECT_EQ(hf.moe_layer, m.moe_layer);
+  EXPECT_EQ(std::tie(hf.q_lora_rank, hf.kv_lora_rank, hf.qk_pos_emb_head_dim, hf.v_head_dim, hf.kv_channels, hf.G),
+            std::tie(m.q_lora_rank, m.kv_lora_rank, m.qk_pos_emb_head_dim, m.v_head_dim, m.kv_channels, m.G));
+  const ModelSpec back = model_from_json(model_to_json(m), "model");
+  EXPECT_DOUBLE_EQ(back.total_params(), m.total_params());
+  EXPECT_EQ(back.D(), 192);
+  // DeepSeek-V2-Lite's form: no query latent (one projection of 7168 x 24576 here).
+  Json lite = model_to_json(m);
+  lite["q_lora_rank"] = 0;
+  EXPECT_EQ(model_from_json(lite, "model").mla_attention_params(1), 187107328 - 48760320 + 7168 * 24576);
+  // Rules, each naming the field.
+  auto refused = [&](Json j, const std::string& field) {
+    try {
+      (void)model_from_json(j, "model");
+      ADD_FAILURE() << j.dump() << ": accepted";
+    } catch (const InputError& e) {
+      EXPECT_NE(std::string(e.what()).find("model." + field), std::string::npos) << e.what();
+    }
+  };
+  Json bias = model_to_json(m);
+  bias["add_bias_linear"] = true;
+  refused(bias, "add_bias_linear");
+  Json zero = model_to_json(m);
+  zero["kv_lora_rank"] = 0;
+  refused(zero, "kv_lora_rank");
+  Json v0 = model_to_json(m);
+  v0["v_head_dim"] = -1;
+  refused(v0, "v_head_dim");
+  // Without multi_latent_attention its sizes are read and left: ordinary attention.
+  Json plain = model_to_json(m);
+  plain["multi_latent_attention"] = false;
+  plain["kv_channels"] = 192;
+  EXPECT_FALSE(model_from_json(plain, "model").mla());
 }
 
 // Sliding-window attention from Hugging Face configs and from Megatron's names.

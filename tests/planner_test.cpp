@@ -138,6 +138,21 @@ TEST(Planner, DenseAndMoeLayersMixedAreSearched) {
   search_matches_estimating_every_plan(path.c_str(), true);
 }
 
+// Multi-latent attention (a small DeepSeek-style attention on a dense model): the search's
+// top 10 are the twin's.
+TEST(Planner, MultiLatentAttentionIsSearched) {
+  const std::string path = ::testing::TempDir() + "strata_planner_mla.json";
+  {
+    std::ofstream f(path);
+    f << R"({"name":"mla-test","num_layers":16,"hidden_size":2048,"num_attention_heads":16,
+             "activation":"swiglu","ffn_hidden_size":5632,"vocab_size":32000,"seq_length":2048,
+             "multi_latent_attention":true,"q_lora_rank":512,"kv_lora_rank":256,"qk_head_dim":128,
+             "qk_pos_emb_head_dim":64,"v_head_dim":128})";
+  }
+  ASSERT_TRUE(load_model(path).mla());
+  search_matches_estimating_every_plan(path.c_str(), true);
+}
+
 // Expert parallelism as a searched dimension: a mixture-of-experts model of 16 layers (H
 // 2048, 16 SwiGLU experts of 1408, top 4) on one DGX A100: the search's top 10 are those of
 // the twin that estimates every plan with every ep dividing the experts and the data x
