@@ -596,6 +596,28 @@ void moe_backward(Acc& a) {
   }
 }
 
+// Multi-latent attention's up projections and RoPE (also what recompute_modules
+// mla_up_proj runs again): the latents gathered over the sequence, the column-parallel up
+// projections, RoPE on the rotary columns.
+void mla_up_forward(Acc& a, Phase ph) {
+  const ModelSpec& m = a.m;
+  const double e = a.cs.work_bytes, T = a.cs.T, H = static_cast<double>(m.H);
+  const double t = static_cast<double>(a.p.t), A = static_cast<double>(m.A);
+  const double ql = static_cast<double>(m.q_lora_rank), kvl = static_cast<double>(m.kv_lora_rank);
+  const double rope = static_cast<double>(m.qk_pos_emb_head_dim);
+  const double q_cols = static_cast<double>(m.AD()) / t, kv_cols = A / t * static_cast<double>(m.qk_head_dim() + m.Dv());
+  if (ql > 0) {
+    a.sp_gather_width("sp_all_gather", ph, ql + kvl + rope);
+    a.linear("q_up_proj", ph, T, q_cols, ql);
+  } else {
+    a.sp_gather_width("sp_all_gather", ph, kvl + rope);
+    a.tp_gather("sp_all_gather", ph);
+    a.linear("q_proj", ph, T, q_cols, H);
+  }
+  a.linear("kv_up_proj", ph, T, kv_cols, kvl);
+  a.mem("rope", ph, 2.0 * e * T * rope * (A / t + 1.0));
+}
+
 // Multi-latent attention's projections, forward (Megatron-core's MLASelfAttention): the
 // down projections to the query latent (q_lora_rank) and to the key/value latent with the
 // shared rotary key (kv_lora_rank + qk_pos_emb_head_dim), duplicated on every
@@ -608,27 +630,16 @@ void moe_backward(Acc& a) {
 // state. RoPE on the rotary columns of the queries and of the shared key.
 void mla_projections_forward(Acc& a, Phase ph) {
   const ModelSpec& m = a.m;
-  const double e = a.cs.work_bytes, T = a.cs.T, Tn = a.cs.Tn, H = static_cast<double>(m.H);
-  const double t = static_cast<double>(a.p.t), A = static_cast<double>(m.A);
+  const double e = a.cs.work_bytes, Tn = a.cs.Tn, H = static_cast<double>(m.H);
   const double ql = static_cast<double>(m.q_lora_rank), kvl = static_cast<double>(m.kv_lora_rank);
   const double rope = static_cast<double>(m.qk_pos_emb_head_dim);
-  const double q_cols = static_cast<double>(m.AD()) / t, kv_cols = A / t * static_cast<double>(m.qk_head_dim() + m.Dv());
   if (ql > 0) {
     a.linear("q_down_proj", ph, Tn, ql, H);
     a.mem("q_norm", ph, 2.0 * e * Tn * ql);
   }
   a.linear("kv_down_proj", ph, Tn, kvl + rope, H);
   a.mem("kv_norm", ph, 2.0 * e * Tn * kvl);
-  if (ql > 0) {
-    a.sp_gather_width("sp_all_gather", ph, ql + kvl + rope);
-    a.linear("q_up_proj", ph, T, q_cols, ql);
-  } else {
-    a.sp_gather_width("sp_all_gather", ph, kvl + rope);
-    a.tp_gather("sp_all_gather", ph);
-    a.linear("q_proj", ph, T, q_cols, H);
-  }
-  a.linear("kv_up_proj", ph, T, kv_cols, kvl);
-  a.mem("rope", ph, 2.0 * e * T * rope * (A / t + 1.0));
+  mla_up_forward(a, ph);
 }
 
 // Its backward: RoPE, the up projections (their inputs gathered again for the weight
@@ -662,6 +673,18 @@ void mla_projections_backward(Acc& a) {
   }
 }
 
+// A dense MLP's forward (also what recompute_modules mlp runs again).
+void dense_mlp_forward(Acc& a, Phase ph) {
+  const ModelSpec& m = a.m;
+  const double e = a.cs.work_bytes, T = a.cs.T, H = static_cast<double>(m.H), t = static_cast<double>(a.p.t);
+  const double fc1_cols = static_cast<double>(m.fc1_out()) / t, Ft = static_cast<double>(m.F) / t;
+  a.tp_gather("sp_all_gather", ph);
+  a.linear("fc1", ph, T, fc1_cols, H);
+  a.mem(to_string(m.activation), ph, (m.gated() ? 3.0 : 2.0) * e * T * Ft);
+  a.linear("fc2", ph, T, H, Ft);
+  a.tp_reduce(a.p.sp ? "sp_reduce_scatter" : "tp_all_reduce", ph);
+}
+
 // The forward of one layer (also replayed by full recompute), but for packing what it
 // keeps (pack_kept).
 void layer_forward(Acc& a, Phase ph) {
@@ -671,8 +694,6 @@ void layer_forward(Acc& a, Phase ph) {
   const double t = static_cast<double>(p.t);
   const double qkv_cols = head_columns(m, p.t, 1, 2);
   const double ADt = static_cast<double>(m.AD()) / t;  // attention output width on this rank
-  const double fc1_cols = static_cast<double>(m.fc1_out()) / t;
-  const double Ft = static_cast<double>(m.F) / t;
   a.mem("norm1", ph, 2.0 * e * Tn * H);
   if (m.mla()) {
     mla_projections_forward(a, ph);
@@ -689,12 +710,7 @@ void layer_forward(Acc& a, Phase ph) {
   if (m.moe()) {
     moe_forward(a, ph);
   } else {
-    a.tp_gather("sp_all_gather", ph);
-    a.linear("fc1", ph, T, fc1_cols, H);
-    a.mem(to_string(m.activation), ph,
-          (m.gated() ? 3.0 : 2.0) * e * T * Ft);
-    a.linear("fc2", ph, T, H, Ft);
-    a.tp_reduce(p.sp ? "sp_reduce_scatter" : "tp_all_reduce", ph);
+    dense_mlp_forward(a, ph);
   }
   a.mem("bias_dropout_add", ph, dropout_bytes(Tn * H, m.hidden_dropout, a.cs.work_bytes, true));
   if (a.cs.stack.strata) passes(a, "round16", ph, sixteen_bit_passes(a).forward_rounds, 8.0);
@@ -851,6 +867,8 @@ LayerCost layer_cost(const ModelSpec& m, const Cluster& cl, const Plan& p, const
     const MoeSizes z = moe_sizes(a);
     a.mem(to_string(m.activation), Phase::recompute, (m.gated() ? 3.0 : 2.0) * cs.work_bytes * z.arriving * z.Ft);
   }
+  if (m.mla() && p.recomputes(kRecomputeMlaUpProj)) mla_up_forward(a, Phase::recompute);
+  if (!m.moe() && p.recomputes(kRecomputeMlp)) dense_mlp_forward(a, Phase::recompute);
   layer_backward(a);
   if (m.moe()) {  // the experts' parameters are sharded over their own replicas
     const double experts = static_cast<double>(m.layer_expert_params(p.expert_tp(), p.ep));

@@ -190,9 +190,11 @@ double hardware_flops(const ModelSpec& m, const Plan& p, const StageLayout& lay)
       f += dense * m.layer_forward_flops(p.gbs, false) + moe * m.layer_forward_flops(p.gbs, true);
     }
   }
-  if (p.recomputes(kRecomputeCoreAttn))
-    f += L * 4.0 * static_cast<double>(p.gbs) * static_cast<double>(m.S) * m.attention_keys() *
-         static_cast<double>(m.AD());
+  if (p.recomputes(kRecomputeCoreAttn))  // (multi-latent attention: QK^T over D, AV over Dv)
+    f += m.mla() ? L * 2.0 * static_cast<double>(p.gbs) * static_cast<double>(m.S) * m.attention_keys() *
+                       static_cast<double>(m.AD() + m.VD())
+                 : L * 4.0 * static_cast<double>(p.gbs) * static_cast<double>(m.S) * m.attention_keys() *
+                       static_cast<double>(m.AD());
   return f;
 }
 
@@ -217,8 +219,11 @@ struct DpTail {
 
 // expert_params: the routed experts' share of params, reduced over their own replicas (the
 // expert data-parallel group, d / ep ranks tp * ep apart) after the dense parameters'.
+// layers: the stage's (multi-latent attention's duplicated down projections, whose
+// gradients the tensor-parallel ranks sum at the end of the step under sequence parallelism).
 DpTail data_parallel_tail(const ModelSpec& m, const Cluster& cl, const Plan& p, const ComputeSetup& cs, int64_t stage,
-                          double params, double expert_params, double last_backward_s, double first_forward_s) {
+                          double params, double expert_params, double last_backward_s, double first_forward_s,
+                          int64_t layers) {
   constexpr double kMegatronGradBucketParams = 40e6;  // Megatron-core's default bucket
   const int64_t N = cl.devices_per_node, I = p.dp_instances;
   // The shard group (one instance's replicas, every replica without hybrid sharding) and the
@@ -254,6 +259,18 @@ DpTail data_parallel_tail(const ModelSpec& m, const Cluster& cl, const Plan& p, 
     exposed += gather - hidden + cl.overlap_slowdown * hidden;
   } else {
     exposed += gather;
+  }
+  // Multi-latent attention with sequence parallelism: each rank's down projections saw its
+  // own tokens, so their weight gradients are all-reduced over the tensor-parallel group
+  // (Megatron-core's finalize_model_grads, after the backward: exposed).
+  if (m.mla() && p.sp && p.t > 1 && layers > 0) {
+    const double H = static_cast<double>(m.H), ql = static_cast<double>(m.q_lora_rank);
+    const double kvl = static_cast<double>(m.kv_lora_rank), rope = static_cast<double>(m.qk_pos_emb_head_dim);
+    const double duplicated = static_cast<double>(layers) * (H * (ql + kvl + rope) + ql + kvl);
+    const double t_dup = collective_time(cl, group_span(p.t, 1, cl.devices_per_node), Collective::all_reduce,
+                                         cs.grad_bytes * duplicated);
+    exposed += t_dup;
+    reduce += t_dup;
   }
   if (m.tie_embeddings && p.p > 1 && (stage == 0 || stage == p.p - 1)) {
     const GroupSpan pair = group_span(2, p.t * p.c * p.d * (p.p - 1), cl.devices_per_node);
@@ -419,7 +436,7 @@ Estimate estimate_once(const ModelSpec& m, const Cluster& cl, const Plan& p, con
     before_backward = last_backward;
     if (!same) {
       const double Pe = mem[i].expert_params;
-      const DpTail tail = data_parallel_tail(m, cl, p, cs, s, P, Pe, last_backward, st.f(s, 0));
+      const DpTail tail = data_parallel_tail(m, cl, p, cs, s, P, Pe, last_backward, st.f(s, 0), m.mla() ? lay.stage_layers(s) : 0);
       dp_exposed[i] = tail.exposed_s;
       dp_total[i] = tail.total_s;
       const double shard = Pe == 0 ? P / static_cast<double>(p.shard_ranks())

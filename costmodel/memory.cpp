@@ -68,9 +68,27 @@ namespace {
          e * Tn * K * H + e * T * static_cast<double>(m.shared_fc1_out()) / t + lin * T * static_cast<double>(m.Fs) / t;
 }
 
-}  // namespace
+// What multi-latent attention changes in layer_activation_bytes' attention terms: V and the
+// output Dv wide per head (not D); the latents' norms keep their inputs and the up
+// projections theirs (the sequence shard, gathered again for the weight gradients); with
+// fp8 each down projection keeps its own 1-byte copy of the norm's output (one more); and
+// recompute_modules mla_up_proj drops the queries, keys and values, made again from the
+// latents. Out of line: the common path stays as it was.
+[[gnu::noinline]] double mla_activation_bytes(const ModelSpec& m, const Plan& p, const ComputeSetup& cs, double proj_in,
+                                              double lin) {
+  const double e = cs.act_bytes, T = cs.T, Tn = cs.Tn, H = static_cast<double>(m.H), t = static_cast<double>(p.t);
+  const double D_less = static_cast<double>(m.kv_width(p.t) - m.v_width(p.t));  // per rank, V and O alike
+  const bool fp8 = p.precision == Precision::fp8 && !cs.stack.strata;
+  double bytes = -(e + proj_in) * T * D_less + (e + lin) * Tn * static_cast<double>(m.q_lora_rank + m.kv_lora_rank);
+  if (fp8) bytes += Tn * H;
+  if (p.recomputes(kRecomputeMlaUpProj))
+    bytes -= e * T * (static_cast<double>(m.AD()) / t + static_cast<double>(m.kv_width(p.t) + m.v_width(p.t)));
+  return bytes;
+}
 
-double layer_activation_bytes(const ModelSpec& m, const Plan& p, const ComputeSetup& cs) {
+// layer_activation_bytes, inlined into it and into layer_full_activation_bytes (both run
+// for every candidate of a search).
+[[gnu::always_inline]] inline double activation_bytes(const ModelSpec& m, const Plan& p, const ComputeSetup& cs) {
   const double e = cs.act_bytes, T = cs.T, Tn = cs.Tn, H = static_cast<double>(m.H);
   const double t = static_cast<double>(p.t);
   // K or V columns on this rank (each replicated group counted where t > G), and the queries'.
@@ -85,24 +103,20 @@ double layer_activation_bytes(const ModelSpec& m, const Plan& p, const ComputeSe
   const bool core_recomputed = p.recomputes(kRecomputeCoreAttn);
   const bool core_keeps_output = cs.attention != AttentionKernel::unfused && !core_recomputed;
   const double proj_in = !fp8 ? e : core_keeps_output ? e + 1.0 : 1.0;
-  // (Multi-latent attention: V and the output Dv wide per head.)
-  const double Vt = m.mla() ? static_cast<double>(m.v_width(p.t)) : GDt;
-  const double OD = m.mla() ? static_cast<double>(m.VD()) : AD;
   double bytes = 2.0 * e * Tn * H                  // norm inputs
                  + lin * Tn * H                    // QKV input
                  + e * T * (AD / t + GDt)          // Q, K
-                 + e * T * Vt                      // V
-                 + proj_in * T * OD / t            // attention output, projection input
+                 + e * T * GDt                     // V
+                 + proj_in * T * AD / t            // attention output, projection input
                  + lin * Tn * H;                   // MLP input
-  // Multi-latent attention: the latents' norms keep their inputs and the up projections
-  // theirs (the sequence shard, gathered again for the weight gradients).
-  if (m.mla()) bytes += (e + lin) * Tn * static_cast<double>(m.q_lora_rank + m.kv_lora_rank);
+  if (m.mla()) bytes += mla_activation_bytes(m, p, cs, proj_in, lin);
   if (m.moe()) {
     bytes += moe_mlp_activation_bytes(m, p, cs, lin);
-  } else {  // (added in the order of one sum: the same bits)
+  } else if (!p.recomputes(kRecomputeMlp)) {  // (added in the order of one sum: the same bits)
     bytes += e * T * static_cast<double>(m.fc1_out()) / t;  // fc1 output
     bytes += lin * T * static_cast<double>(m.F) / t;        // fc2 input
   }
+
   // Recomputed norms (recompute_modules layernorm) keep neither output: the QKV and MLP inputs.
   if (p.recomputes(kRecomputeLayernorm)) bytes -= 2.0 * lin * Tn * H;
   if (m.hidden_dropout > 0) bytes += 2.0 * Tn * H;
@@ -119,6 +133,12 @@ double layer_activation_bytes(const ModelSpec& m, const Plan& p, const ComputeSe
     bytes += 4.0 * heads * Sq;
   }
   return bytes;
+}
+
+}  // namespace
+
+double layer_activation_bytes(const ModelSpec& m, const Plan& p, const ComputeSetup& cs) {
+  return activation_bytes(m, p, cs);
 }
 
 // The groups of layer_activation_bytes' tensors that the plan's offload modules hold (the
@@ -190,7 +210,7 @@ double layer_offload_bytes(const ModelSpec& m, const Plan& p, const ComputeSetup
 }
 
 double layer_full_activation_bytes(const ModelSpec& m, const Plan& p, const ComputeSetup& cs) {
-  return layer_activation_bytes(m, p.without_recompute(), cs);
+  return activation_bytes(m, p.without_recompute(), cs);
 }
 
 double embedding_activation_bytes(const ModelSpec& m, const Plan&, const ComputeSetup& cs) {

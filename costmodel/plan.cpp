@@ -438,21 +438,25 @@ Json module_list(unsigned bits, const ModuleName (&table)[N]) {
 }
 
 // The modules strata recomputes, by Megatron's name.
-constexpr ModuleName kRecomputeModuleNames[] = {
-    {kRecomputeCoreAttn, "core_attn"}, {kRecomputeLayernorm, "layernorm"}, {kRecomputeMoeAct, "moe_act"}};
+constexpr ModuleName kRecomputeModuleNames[] = {{kRecomputeCoreAttn, "core_attn"},
+                                                {kRecomputeLayernorm, "layernorm"},
+                                                {kRecomputeMoeAct, "moe_act"},
+                                                {kRecomputeMlaUpProj, "mla_up_proj"},
+                                                {kRecomputeMlp, "mlp"}};
+constexpr const char* kRecomputeModuleList = "core_attn, layernorm, moe_act, mla_up_proj, mlp";
 }  // namespace
 
 // Megatron-core's --recompute-modules: a list of names (a JSON array, or a string of names
 // separated by blanks or '+', as an inline plan gives it) onto RecomputeModule bits.
 unsigned parse_recompute_modules(const Json& v, const std::string& field) {
-  const std::vector<std::string> names = module_words(v, field, "core_attn, layernorm, moe_act");
+  const std::vector<std::string> names = module_words(v, field, kRecomputeModuleList);
   unsigned bits = 0;
   for (const std::string& n : names) {
     if (const unsigned bit = module_bit(n, kRecomputeModuleNames)) bits |= bit;
-    else if (n == "mlp" || n == "moe" || n == "shared_experts" || n == "mla_up_proj")
-      fail_field(field, "\"" + n + "\"", "is not modelled: strata recomputes core_attn, layernorm and moe_act");
+    else if (n == "moe" || n == "shared_experts")
+      fail_field(field, "\"" + n + "\"", std::string("is not modelled: strata recomputes ") + kRecomputeModuleList);
     else
-      fail_field(field, "\"" + n + "\"", "must be one of core_attn, layernorm, moe_act");
+      fail_field(field, "\"" + n + "\"", std::string("must be one of ") + kRecomputeModuleList);
   }
   return bits;
 }
@@ -1004,6 +1008,13 @@ std::vector<Reason> check_plan(const ModelSpec& m, const Cluster& cl, const Plan
   if (m.moe() || p.ep > 1) moe_reasons(m, cl, p, add);
   if (!m.moe() && p.recompute == Recompute::selective && (p.recompute_modules & kRecomputeMoeAct))
     add("moe_act", [&] { return fmt::format("recompute_modules moe_act needs a mixture-of-experts model; {} is dense", m.name); });
+  if (!m.mla() && p.recomputes(kRecomputeMlaUpProj))
+    add("mla_up_proj", [&] { return fmt::format("recompute_modules mla_up_proj needs multi-latent attention; {} has none",
+                                                m.name); });
+  if (m.moe() && !m.mixed() && p.recomputes(kRecomputeMlp))
+    add("recompute_mlp", [&] { return fmt::format("recompute_modules mlp recomputes a dense layer's MLP; every layer of {} "
+                                                  "is an MoE layer (moe_act recomputes the experts' activation)",
+                                                  m.name); });
   if (p.c > 1 && m.S % (2 * p.c) != 0)
     add("cp_seq", [&] { return fmt::format("context_parallel={} needs seq_length={} divisible by 2*context_parallel "
                               "(load-balanced causal attention)", p.c, m.S); });

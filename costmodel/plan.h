@@ -49,8 +49,17 @@ PipelineLayout parse_pipeline_layout(const std::string& text, const std::string&
 // a layer whose outputs are dropped after the forward and recomputed before the backward.
 // core_attn is the attention core (selective recompute's default), layernorm the two norms'
 // outputs (the QKV and MLP inputs), moe_act the experts' activation function (their fc2
-// input). Megatron's other modules (mlp, moe, shared_experts, mla_up_proj) are refused.
-enum RecomputeModule : unsigned { kRecomputeCoreAttn = 1u, kRecomputeLayernorm = 2u, kRecomputeMoeAct = 4u };
+// input), mla_up_proj multi-latent attention's up projections and RoPE (the queries, keys
+// and values they make, kept by the core, dropped and made again from the latents), mlp a
+// dense layer's MLP (fc1 and its activation's outputs; only its input kept). Megatron's
+// other modules (moe, shared_experts) are refused.
+enum RecomputeModule : unsigned {
+  kRecomputeCoreAttn = 1u,
+  kRecomputeLayernorm = 2u,
+  kRecomputeMoeAct = 4u,
+  kRecomputeMlaUpProj = 8u,
+  kRecomputeMlp = 16u
+};
 
 // Megatron-core's fine-grained activation offloading (--fine-grained-activation-offloading
 // --offload-modules ...): the modules whose saved tensors go to the host's pinned memory

@@ -159,6 +159,7 @@ std::string export_megatron(const ModelSpec& m, const Plan& p, const Stack& stac
   }
   if (m.mla()) {
     flag("--multi-latent-attention");
+    flag("--qk-layernorm");  // (MLA's latent norms exist only with it)
     if (m.q_lora_rank > 0) flag(fmt::format("--q-lora-rank {}", m.q_lora_rank));
     flag(fmt::format("--kv-lora-rank {}", m.kv_lora_rank));
     flag(fmt::format("--qk-head-dim {}", m.qk_head_dim()));
@@ -383,8 +384,8 @@ std::string export_bridge(const ModelSpec& m, const Plan& p, const Stack& stack)
   set("model.ffn_hidden_size", num(m.F));
   set("model.num_attention_heads", num(m.A));
   set("model.num_query_groups", num(m.G));
-  if (m.mla()) {  // (Bridge's DeepSeek providers set multi_latent_attention)
-    if (m.q_lora_rank > 0) set("model.q_lora_rank", num(m.q_lora_rank));
+  if (m.mla()) {  // (Bridge's DeepSeek providers set multi_latent_attention and qk_layernorm)
+    set("model.q_lora_rank", m.q_lora_rank > 0 ? num(m.q_lora_rank) : std::string("null"));
     set("model.kv_lora_rank", num(m.kv_lora_rank));
     set("model.qk_head_dim", num(m.qk_head_dim()));
     set("model.qk_pos_emb_head_dim", num(m.qk_pos_emb_head_dim));

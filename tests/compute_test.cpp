@@ -490,6 +490,17 @@ TEST(Compute, MultiLatentAttentionProjections) {
   EXPECT_DOUBLE_EQ(sum_of(no_sp, "q_down_proj", Phase::forward, &OpCost::flops), 2 * 4194304.0);
   EXPECT_DOUBLE_EQ(sum_of(no_sp, "sp_all_gather", Phase::forward, &OpCost::bytes), 0.0);
   EXPECT_DOUBLE_EQ(sum_of(no_sp, "tp_all_reduce", Phase::backward, &OpCost::bytes), 57344.0 + 131072.0);
+  // recompute_modules mla_up_proj runs the up projections (and the latents' gather) again
+  // before the backward; mlp the dense MLP: fc1 2 x 256 x 512 x 256 (SwiGLU: 2 x 512 columns
+  // over 2 ranks) and fc2 2 x 256 x 256 x 256.
+  const std::vector<OpCost> re =
+      layer_ops(m, c, load_plan("tp=2,sp=1,dp=4,mbs=2,precision=bf16,attention=unfused,recompute_modules=mla_up_proj+mlp"));
+  EXPECT_DOUBLE_EQ(sum_of(re, "q_up_proj", Phase::recompute, &OpCost::flops), 3145728.0);
+  EXPECT_DOUBLE_EQ(sum_of(re, "kv_up_proj", Phase::recompute, &OpCost::flops), 2097152.0);
+  EXPECT_DOUBLE_EQ(sum_of(re, "q_down_proj", Phase::recompute, &OpCost::flops), 0.0);
+  EXPECT_DOUBLE_EQ(sum_of(re, "fc1", Phase::recompute, &OpCost::flops), 67108864.0);
+  EXPECT_DOUBLE_EQ(sum_of(re, "fc2", Phase::recompute, &OpCost::flops), 33554432.0);
+  EXPECT_DOUBLE_EQ(sum_of(re, "attn_scores", Phase::recompute, &OpCost::flops), 0.0);  // (core_attn not asked)
 }
 
 TEST(Compute, WorkSplitsExposedCommunication) {

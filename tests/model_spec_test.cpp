@@ -258,7 +258,8 @@ TEST(ModelSpec, HuggingFaceConfigsOutsideTheModelAreRefused) {
           "first_k_dense_replace", "no MoE layer");
   refused(R"("model_type":"mixtral","num_local_experts":8)", "num_experts_per_tok", "missing");
   refused(R"("model_type":"mixtral","num_local_experts":8,"num_experts_per_tok":9)", "num_experts_per_tok", "[1, 8]");
-  refused(R"("model_type":"deepseek_v3","n_routed_experts":256)", "n_routed_experts", "latent attention");
+  refused(R"("model_type":"deepseek_v3","n_routed_experts":256)", "kv_lora_rank", "missing");
+  refused(R"("model_type":"llama","n_routed_experts":256)", "n_routed_experts", "read for model_type glm4_moe");
   refused(R"("model_type":"llama4_text","num_local_experts":16,"num_experts_per_tok":1)", "num_local_experts",
           "read for model_type mixtral");
   refused(R"("model_type":"dbrx","ffn_config":{"moe_num_experts":16})", "ffn_config.moe_num_experts",

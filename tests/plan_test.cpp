@@ -581,13 +581,21 @@ TEST(Plan, RecomputeModules) {
       EXPECT_NE(std::string(e.what()).find(what), std::string::npos) << e.what();
     }
   };
-  refused(R"({"recompute_modules":["mlp"]})", "not modelled");
+  refused(R"({"recompute_modules":["moe"]})", "not modelled");
+  refused(R"({"recompute_modules":["shared_experts"]})", "not modelled");
   refused(R"({"recompute_modules":["attention"]})", "must be one of");
   refused(R"({"recompute":"full","recompute_modules":["layernorm"]})", "needs recompute selective");
   refused(R"({"recompute_modules":3})", "list of module names");
   refused(R"({"recompute_modules":[]})", "at least one module");
   // moe_act on a dense model is a rule of the plan against the model.
   EXPECT_EQ(keys(load_model("llama2-7b"), load_plan("dp=8,recompute_modules=moe_act")), std::vector<std::string>{"moe_act"});
+  // mla_up_proj needs multi-latent attention, mlp a dense MLP somewhere.
+  EXPECT_EQ(keys(load_model("llama2-7b"), load_plan("dp=8,recompute_modules=mla_up_proj")),
+            std::vector<std::string>{"mla_up_proj"});
+  EXPECT_EQ(keys(load_model("mixtral-8x7b"), load_plan("dp=8,ep=8,recompute_modules=mlp")),
+            std::vector<std::string>{"recompute_mlp"});
+  EXPECT_TRUE(keys(load_model("deepseek-v3"), load_plan("dp=64,ep=64,recompute_modules=mla_up_proj+mlp")).empty());
+  EXPECT_EQ(load_plan("recompute_modules=mla_up_proj+mlp").recompute_modules, kRecomputeMlaUpProj | kRecomputeMlp);
 }
 
 TEST(Plan, PipelineLayoutStrings) {
