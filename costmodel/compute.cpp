@@ -599,13 +599,16 @@ void moe_backward(Acc& a) {
 // Multi-latent attention's up projections and RoPE (also what recompute_modules
 // mla_up_proj runs again): the latents gathered over the sequence, the column-parallel up
 // projections, RoPE on the rotary columns.
+// (Recomputed, the latents' norms, fused into the up projections, run again, and the
+// rotary key, gathered outside the recomputed region, is not gathered again.)
 void mla_up_forward(Acc& a, Phase ph) {
   const ModelSpec& m = a.m;
-  const double e = a.cs.work_bytes, T = a.cs.T, H = static_cast<double>(m.H);
+  const double e = a.cs.work_bytes, T = a.cs.T, Tn = a.cs.Tn, H = static_cast<double>(m.H);
   const double t = static_cast<double>(a.p.t), A = static_cast<double>(m.A);
   const double ql = static_cast<double>(m.q_lora_rank), kvl = static_cast<double>(m.kv_lora_rank);
-  const double rope = static_cast<double>(m.qk_pos_emb_head_dim);
+  const double rope = ph == Phase::recompute ? 0.0 : static_cast<double>(m.qk_pos_emb_head_dim);
   const double q_cols = static_cast<double>(m.AD()) / t, kv_cols = A / t * static_cast<double>(m.qk_head_dim() + m.Dv());
+  if (ph == Phase::recompute) a.mem("latent_norms", ph, 2.0 * e * Tn * (ql + kvl));
   if (ql > 0) {
     a.sp_gather_width("sp_all_gather", ph, ql + kvl + rope);
     a.linear("q_up_proj", ph, T, q_cols, ql);
@@ -615,7 +618,8 @@ void mla_up_forward(Acc& a, Phase ph) {
     a.linear("q_proj", ph, T, q_cols, H);
   }
   a.linear("kv_up_proj", ph, T, kv_cols, kvl);
-  a.mem("rope", ph, 2.0 * e * T * rope * (A / t + 1.0));
+  const double rope_cols = static_cast<double>(m.qk_pos_emb_head_dim);
+  a.mem("rope", ph, 2.0 * e * T * rope_cols * (A / t + 1.0));
 }
 
 // Multi-latent attention's projections, forward (Megatron-core's MLASelfAttention): the
@@ -868,7 +872,11 @@ LayerCost layer_cost(const ModelSpec& m, const Cluster& cl, const Plan& p, const
     a.mem(to_string(m.activation), Phase::recompute, (m.gated() ? 3.0 : 2.0) * cs.work_bytes * z.arriving * z.Ft);
   }
   if (m.mla() && p.recomputes(kRecomputeMlaUpProj)) mla_up_forward(a, Phase::recompute);
-  if (!m.moe() && p.recomputes(kRecomputeMlp)) dense_mlp_forward(a, Phase::recompute);
+  if (!m.moe() && p.recomputes(kRecomputeMlp)) {  // (the pre-MLP norm, fused into fc1 on the modern stack, again)
+    if (cs.stack.modern && !p.recomputes(kRecomputeLayernorm))
+      a.mem("norm2", Phase::recompute, 2.0 * cs.work_bytes * cs.Tn * static_cast<double>(m.H));
+    dense_mlp_forward(a, Phase::recompute);
+  }
   layer_backward(a);
   if (m.moe()) {  // the experts' parameters are sharded over their own replicas
     const double experts = static_cast<double>(m.layer_expert_params(p.expert_tp(), p.ep));

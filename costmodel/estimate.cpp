@@ -190,6 +190,17 @@ double hardware_flops(const ModelSpec& m, const Plan& p, const StageLayout& lay)
       f += dense * m.layer_forward_flops(p.gbs, false) + moe * m.layer_forward_flops(p.gbs, true);
     }
   }
+  // recompute_modules mla_up_proj: the up projections again on every layer; mlp: a dense
+  // layer's MLP again.
+  const double tokens = static_cast<double>(p.gbs) * static_cast<double>(m.S), H = static_cast<double>(m.H);
+  if (m.mla() && p.recomputes(kRecomputeMlaUpProj)) {
+    const double q_in = m.q_lora_rank > 0 ? static_cast<double>(m.q_lora_rank) : H;
+    f += L * 2.0 * tokens *
+         (q_in * static_cast<double>(m.AD()) +
+          static_cast<double>(m.kv_lora_rank) * static_cast<double>(m.A) * static_cast<double>(m.qk_head_dim() + m.Dv()));
+  }
+  if (p.recomputes(kRecomputeMlp) && (!m.moe() || m.mixed()))
+    f += static_cast<double>(m.L - m.moe_layer_count()) * 2.0 * tokens * H * static_cast<double>(m.fc1_out() + m.F);
   if (p.recomputes(kRecomputeCoreAttn))  // (multi-latent attention: QK^T over D, AV over Dv)
     f += m.mla() ? L * 2.0 * static_cast<double>(p.gbs) * static_cast<double>(m.S) * m.attention_keys() *
                        static_cast<double>(m.AD() + m.VD())

@@ -71,18 +71,21 @@ namespace {
 // What multi-latent attention changes in layer_activation_bytes' attention terms: V and the
 // output Dv wide per head (not D); the latents' norms keep their inputs and the up
 // projections theirs (the sequence shard, gathered again for the weight gradients); with
-// fp8 each down projection keeps its own 1-byte copy of the norm's output (one more); and
-// recompute_modules mla_up_proj drops the queries, keys and values, made again from the
-// latents. Out of line: the common path stays as it was.
+// fp8 each down projection keeps its own 1-byte copy of the norm's output (one more, unless
+// recompute_modules layernorm drops both); and recompute_modules mla_up_proj drops the
+// queries, keys and values, made again from the latents, and the up projections' inputs
+// (the latents' norms, fused into them, run again). Out of line: the common path stays as
+// it was.
 [[gnu::noinline]] double mla_activation_bytes(const ModelSpec& m, const Plan& p, const ComputeSetup& cs, double proj_in,
                                               double lin) {
   const double e = cs.act_bytes, T = cs.T, Tn = cs.Tn, H = static_cast<double>(m.H), t = static_cast<double>(p.t);
   const double D_less = static_cast<double>(m.kv_width(p.t) - m.v_width(p.t));  // per rank, V and O alike
   const bool fp8 = p.precision == Precision::fp8 && !cs.stack.strata;
   double bytes = -(e + proj_in) * T * D_less + (e + lin) * Tn * static_cast<double>(m.q_lora_rank + m.kv_lora_rank);
-  if (fp8) bytes += Tn * H;
+  if (fp8 && !p.recomputes(kRecomputeLayernorm)) bytes += Tn * H;
   if (p.recomputes(kRecomputeMlaUpProj))
-    bytes -= e * T * (static_cast<double>(m.AD()) / t + static_cast<double>(m.kv_width(p.t) + m.v_width(p.t)));
+    bytes -= e * T * (static_cast<double>(m.AD()) / t + static_cast<double>(m.kv_width(p.t) + m.v_width(p.t))) +
+             lin * Tn * static_cast<double>(m.q_lora_rank + m.kv_lora_rank);
   return bytes;
 }
 
@@ -115,6 +118,10 @@ namespace {
   } else if (!p.recomputes(kRecomputeMlp)) {  // (added in the order of one sum: the same bits)
     bytes += e * T * static_cast<double>(m.fc1_out()) / t;  // fc1 output
     bytes += lin * T * static_cast<double>(m.F) / t;        // fc2 input
+  } else if (cs.stack.modern && !p.recomputes(kRecomputeLayernorm)) {
+    // recompute_modules mlp keeps only the block's input: on the modern stack the pre-MLP
+    // norm is fused into fc1 and runs again with it, so its output (the MLP input) goes too.
+    bytes -= lin * Tn * H;
   }
 
   // Recomputed norms (recompute_modules layernorm) keep neither output: the QKV and MLP inputs.
@@ -534,6 +541,15 @@ StageShape stage_shape(const ModelSpec& m, const Plan& p, const StageLayout& lay
     // backward runs at the peak) and reloads the layer below's while it runs; a stage whose
     // every layer is recomputed offloads nothing.
     if (offloaded > 0 && !every_layer_recomputed) working += 2.0 * freed;
+    // recompute_modules mla_up_proj and mlp rebuild one layer's queries, keys and values
+    // and its MLP's fc1 output and fc2 input for its backward.
+    if (p.recomputes(kRecomputeMlaUpProj | kRecomputeMlp)) {
+      if (m.mla() && p.recomputes(kRecomputeMlaUpProj))
+        working += cs.act_bytes * cs.T *
+                   (static_cast<double>(m.AD()) / static_cast<double>(p.t) + static_cast<double>(m.kv_width(p.t) + m.v_width(p.t)));
+      if (p.recomputes(kRecomputeMlp) && (!m.moe() || dense_layers > 0))
+        working += cs.act_bytes * cs.T * (static_cast<double>(m.fc1_out()) + static_cast<double>(m.F)) / static_cast<double>(p.t);
+    }
     // Selective recompute of an unfused core rebuilds one layer's S x S probabilities.
     if (p.recomputes(kRecomputeCoreAttn) && cs.attention == AttentionKernel::unfused)
       working += cs.act_bytes * static_cast<double>(p.mbs) * static_cast<double>(m.A / p.t) *

@@ -1011,10 +1011,7 @@ std::vector<Reason> check_plan(const ModelSpec& m, const Cluster& cl, const Plan
   if (!m.mla() && p.recomputes(kRecomputeMlaUpProj))
     add("mla_up_proj", [&] { return fmt::format("recompute_modules mla_up_proj needs multi-latent attention; {} has none",
                                                 m.name); });
-  if (m.moe() && !m.mixed() && p.recomputes(kRecomputeMlp))
-    add("recompute_mlp", [&] { return fmt::format("recompute_modules mlp recomputes a dense layer's MLP; every layer of {} "
-                                                  "is an MoE layer (moe_act recomputes the experts' activation)",
-                                                  m.name); });
+
   if (p.c > 1 && m.S % (2 * p.c) != 0)
     add("cp_seq", [&] { return fmt::format("context_parallel={} needs seq_length={} divisible by 2*context_parallel "
                               "(load-balanced causal attention)", p.c, m.S); });

@@ -501,6 +501,11 @@ TEST(Compute, MultiLatentAttentionProjections) {
   EXPECT_DOUBLE_EQ(sum_of(re, "fc1", Phase::recompute, &OpCost::flops), 67108864.0);
   EXPECT_DOUBLE_EQ(sum_of(re, "fc2", Phase::recompute, &OpCost::flops), 33554432.0);
   EXPECT_DOUBLE_EQ(sum_of(re, "attn_scores", Phase::recompute, &OpCost::flops), 0.0);  // (core_attn not asked)
+  // Recomputed, the latents (not the rotary key: 2 x 256 x 96) are gathered again, with the
+  // MLP's input; their norms (2 x 2 x 128 x 96) and the pre-MLP norm run again.
+  EXPECT_DOUBLE_EQ(sum_of(re, "sp_all_gather", Phase::recompute, &OpCost::bytes), 49152.0 + 131072.0);
+  EXPECT_DOUBLE_EQ(sum_of(re, "latent_norms", Phase::recompute, &OpCost::bytes), 49152.0);
+  EXPECT_DOUBLE_EQ(sum_of(re, "norm2", Phase::recompute, &OpCost::bytes), 131072.0);
 }
 
 TEST(Compute, WorkSplitsExposedCommunication) {

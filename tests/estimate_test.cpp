@@ -330,6 +330,18 @@ TEST(Estimate, TraceHasOneSlicePerStepAndStage) {
   EXPECT_EQ(opt, 4);
 }
 
+// Hardware FLOPs count what recompute_modules runs again: DeepSeek-V3, one sequence of
+// 4096: mla_up_proj the up projections of all 61 layers, 61 x 2 x 4096 x (1536 x 24576 +
+// 512 x 128 x 256) = 27,247,272,525,824; mlp the 3 dense layers' MLPs, 3 x 2 x 4096 x 7168
+// x (36864 + 18432) = 9,740,985,827,328.
+TEST(Estimate, HardwareFlopsOfRecomputedModules) {
+  const ModelSpec m = load_model("deepseek-v3");
+  const double base = hardware_flops_per_step(m, load_plan("dp=1,gbs=1,recompute=none"));
+  EXPECT_DOUBLE_EQ(hardware_flops_per_step(m, load_plan("dp=1,gbs=1,recompute_modules=mla_up_proj")) - base,
+                   27247272525824.0);
+  EXPECT_DOUBLE_EQ(hardware_flops_per_step(m, load_plan("dp=1,gbs=1,recompute_modules=mlp")) - base, 9740985827328.0);
+}
+
 // A mixed model's trace draws each layer as its kind: on the mixed test model (8 dense
 // layers, then 8 MoE layers), with a pipeline of one stage, layer 0's forward lasts the
 // dense layer's forward, layer 8's the MoE layer's; --ops lists both layers' ops.
