@@ -152,6 +152,8 @@ struct Acc {
   // TFLOP/s; strata profile measures their efficiency against the same peak.
   double peak_flash;
   double lin_bytes;               // bytes per linear-GEMM operand element
+  bool ub;                        // Transformer Engine's user-buffer overlap (Stack::userbuffers)
+  double ub_gather_bytes;         // bytes per element its all-gathers move (fp8 where the GEMMs are)
   LayerCost lc;
   // The curves' values met before in this piece of work, computed once each (the same
   // bits): a linear layer's forward, input-gradient and weight-gradient GEMMs share their
@@ -187,6 +189,8 @@ struct Acc {
     peak_linear = dev.peak_flops(p.precision);
     peak_flash = cs.stack.strata ? dev.peak_fp32_flops : peak_attn;
     lin_bytes = p.precision == Precision::fp8 ? 1.0 : cs.work_bytes;
+    ub = cs.stack.userbuffers;
+    ub_gather_bytes = ub && p.precision == Precision::fp8 ? 1.0 : cs.work_bytes;
   }
 
   Work& w(Phase ph) {
@@ -274,7 +278,10 @@ struct Acc {
   // A collective, `hidden_s` of which overlaps compute issued alongside it.
   double comm(const char* name, Phase ph, OpKind kind, const GroupSpan& g, Collective c, double bytes,
               double hidden_s = 0) {
-    const double t = collective_time(cl, g, c, bytes);
+    return book(name, ph, kind, bytes, collective_time(cl, g, c, bytes), hidden_s);
+  }
+  // A collective of `t` seconds, `hidden_s` of which overlaps compute.
+  double book(const char* name, Phase ph, OpKind kind, double bytes, double t, double hidden_s) {
     // What overlaps still costs: the collective's kernels take SMs and memory bandwidth
     // from the compute running beside it.
     const double exposed = std::max(0.0, t - hidden_s) + cl.overlap_slowdown * std::min(t, hidden_s);
@@ -301,6 +308,46 @@ struct Acc {
   void tp_gather(const char* name, Phase ph, double hidden_s = 0) {
     if (p.t == 1 || !p.sp) return;
     comm(name, ph, OpKind::tp_comm, tp, Collective::all_gather, cs.work_bytes * cs.T * static_cast<double>(m.H), hidden_s);
+  }
+  // The sequence-parallel all-gather of the activation (or of its gradient) that feeds an
+  // (M x K)(K x N) GEMM of a layer's attention or MLP block. With Transformer Engine's user
+  // buffers (Acc::ub) it moves fp8 where the GEMMs are (their fp8 inputs are gathered) and
+  // overlaps that GEMM: split into t ring-exchange steps, each transfer beside the GEMM of
+  // the chunk before it, so all but one t-th of the GEMM hides it ("ring_exchange": the QKV
+  // and fc1 inputs, the output projection's and fc2's output gradients). `bulk`: gathered
+  // whole behind a GEMM that does not need it (the input gathered again for the weight
+  // gradient, behind the input-gradient GEMM), which Megatron-core overlaps without user
+  // buffers too.
+  // The ring's GEMM runs as t GEMMs of M/t rows, each at its own (lower) efficiency: what
+  // that costs beyond the whole GEMM is booked as "ub_split_gemm".
+  void block_gather(const char* name, Phase ph, double M, double N, double K, bool bulk) {
+    if (p.t == 1 || !p.sp) return;
+    if (!ub) return tp_gather(name, ph, bulk ? gemm_s(M, N, K) : 0.0);
+    const double t = static_cast<double>(p.t);
+    const double g = bulk ? gemm_s(M, N, K) : split_gemm(ph, M, N, K, t);
+    comm(name, ph, OpKind::tp_comm, tp, Collective::all_gather, ub_gather_bytes * cs.T * static_cast<double>(m.H),
+         bulk ? g : g * (t - 1.0) / t);
+  }
+  // An (M x K)(K x N) GEMM run as n GEMMs of M/n rows: their time, the excess over the whole
+  // GEMM's booked as compute.
+  double split_gemm(Phase ph, double M, double N, double K, double n) {
+    const double whole = gemm_s(M, N, K), split = n * gemm_s(M / n, N, K);
+    const double extra = std::max(0.0, split - whole);
+    w(ph).compute_s += extra;
+    if (ops) record("ub_split_gemm", ph, OpKind::gemm, 0, 0, extra, extra);
+    return split;
+  }
+  // The collective after a row-parallel (M x K)(K x N) GEMM in the forward (the output
+  // projection, fc2). With user buffers the GEMM runs in kUbPipelineSplits chunks, each
+  // chunk's reduce-scatter beside the next chunk's GEMM ("pipeline"): the last chunk's
+  // exposed, and whatever of the rest outlasts the GEMM.
+  static constexpr double kUbPipelineSplits = 4;  // Transformer Engine's default num_splits
+  void block_reduce(const char* name, Phase ph, double M, double N, double K) {
+    if (!ub) return tp_reduce(name, ph);
+    const double bytes = cs.work_bytes * cs.T * static_cast<double>(m.H);
+    const double c = collective_time(cl, tp, Collective::reduce_scatter, bytes);
+    const double g = split_gemm(ph, M, N, K, kUbPipelineSplits);
+    book(name, ph, OpKind::tp_comm, bytes, c, (kUbPipelineSplits - 1.0) / kUbPipelineSplits * std::min(c, g));
   }
   // The same of a sequence-parallel activation `width` wide (MLA's latents), gathered before
   // its column-parallel layer and its gradient reduce-scattered after it.
@@ -682,11 +729,11 @@ void dense_mlp_forward(Acc& a, Phase ph) {
   const ModelSpec& m = a.m;
   const double e = a.cs.work_bytes, T = a.cs.T, H = static_cast<double>(m.H), t = static_cast<double>(a.p.t);
   const double fc1_cols = static_cast<double>(m.fc1_out()) / t, Ft = static_cast<double>(m.F) / t;
-  a.tp_gather("sp_all_gather", ph);
+  a.block_gather("sp_all_gather", ph, T, fc1_cols, H, false);
   a.linear("fc1", ph, T, fc1_cols, H);
   a.mem(to_string(m.activation), ph, (m.gated() ? 3.0 : 2.0) * e * T * Ft);
   a.linear("fc2", ph, T, H, Ft);
-  a.tp_reduce(a.p.sp ? "sp_reduce_scatter" : "tp_all_reduce", ph);
+  a.block_reduce(a.p.sp ? "sp_reduce_scatter" : "tp_all_reduce", ph, T, H, Ft);
 }
 
 // The forward of one layer (also replayed by full recompute), but for packing what it
@@ -702,13 +749,14 @@ void layer_forward(Acc& a, Phase ph) {
   if (m.mla()) {
     mla_projections_forward(a, ph);
   } else {
-    a.tp_gather("sp_all_gather", ph);
+    a.block_gather("sp_all_gather", ph, T, qkv_cols, H, false);
     a.linear("qkv", ph, T, qkv_cols, H);
     if (m.position == Position::rope) a.mem("rope", ph, 2.0 * e * T * head_columns(m, p.t, 1, 1));
   }
   attention_core_forward(a, ph);
-  a.linear("attn_proj", ph, T, H, m.mla() ? static_cast<double>(m.VD()) / t : ADt);
-  a.tp_reduce(p.sp ? "sp_reduce_scatter" : "tp_all_reduce", ph);
+  const double proj_in = m.mla() ? static_cast<double>(m.VD()) / t : ADt;
+  a.linear("attn_proj", ph, T, H, proj_in);
+  a.block_reduce(p.sp ? "sp_reduce_scatter" : "tp_all_reduce", ph, T, H, proj_in);
   a.mem("bias_dropout_add", ph, dropout_bytes(Tn * H, m.hidden_dropout, a.cs.work_bytes, true));
   a.mem("norm2", ph, 2.0 * e * Tn * H);
   if (m.moe()) {
@@ -742,13 +790,12 @@ void layer_backward(Acc& a) {
   if (m.moe()) {
     moe_backward(a);
   } else {
-    a.tp_gather("sp_all_gather", ph);  // backward of the reduce-scatter after fc2
+    a.block_gather("sp_all_gather", ph, T, Ft, H, false);  // backward of the reduce-scatter after fc2, for its dgrad
     a.linear("fc2", ph, T, H, Ft);
     a.mem(to_string(m.activation), ph,
           (m.gated() ? 5.0 : 3.0) * e * T * Ft);
     // fc1: the sequence-parallel input is gathered again for wgrad, behind dgrad.
-    const double fc1_dgrad = a.gemm_s(T, H, fc1_cols);
-    a.tp_gather("sp_all_gather", ph, fc1_dgrad);
+    a.block_gather("sp_all_gather", ph, T, H, fc1_cols, true);
     a.linear("fc1", ph, T, fc1_cols, H);
     a.tp_reduce(p.sp ? "sp_reduce_scatter" : "tp_all_reduce", ph, wgrad_overlap(a, T, fc1_cols, H));
   }
@@ -756,15 +803,15 @@ void layer_backward(Acc& a) {
   const double mlp_s = a.w(ph).compute_s - compute0;
   // Attention block, in reverse.
   a.mem("bias_dropout_add", ph, (2.0 * e + mask) * Tn * H);
-  a.tp_gather("sp_all_gather", ph);
-  a.linear("attn_proj", ph, T, H, m.mla() ? static_cast<double>(m.VD()) / t : ADt);
+  const double proj_in = m.mla() ? static_cast<double>(m.VD()) / t : ADt;
+  a.block_gather("sp_all_gather", ph, T, proj_in, H, false);  // the output gradient, for the projection's dgrad
+  a.linear("attn_proj", ph, T, H, proj_in);
   attention_core_backward(a, mlp_s);
   if (m.mla()) {
     mla_projections_backward(a);
   } else {
     if (m.position == Position::rope) a.mem("rope", ph, 2.0 * e * T * head_columns(m, p.t, 1, 1));
-    const double qkv_dgrad = a.gemm_s(T, H, qkv_cols);
-    a.tp_gather("sp_all_gather", ph, qkv_dgrad);
+    a.block_gather("sp_all_gather", ph, T, H, qkv_cols, true);
     a.linear("qkv", ph, T, qkv_cols, H);
     a.tp_reduce(p.sp ? "sp_reduce_scatter" : "tp_all_reduce", ph, wgrad_overlap(a, T, qkv_cols, H));
   }

@@ -598,6 +598,14 @@ StageShape stage_shape(const ModelSpec& m, const Plan& p, const StageLayout& lay
   // for its reduce-scatter (legacy stacks stage it in DeepSpeed's bucket above).
   if (p.zero == 2 && p.replicas() > 1 && cs.stack.modern)
     comm += cs.grad_bytes * (dense_layers > 0 ? larger(in.layer_params, in.dense.layer_params) : in.layer_params);
+  // Transformer Engine's user buffers (Stack::userbuffers): one per GEMM beside a collective
+  // (qkv, proj, fc1, fc2 x fprop, dgrad, wgrad), each of Megatron's input shape, the whole
+  // micro-batch's sequence (of this context-parallel rank) x H; the eight that feed
+  // all-gathers hold fp8 in fp8 runs, the four of reduce-scatters the 16-bit outputs.
+  if (cs.stack.userbuffers) {
+    const double ag = p.precision == Precision::fp8 ? 1.0 : cs.work_bytes;
+    comm += cs.T * static_cast<double>(m.H) * (8.0 * ag + 4.0 * cs.work_bytes);
+  }
   mb.comm_buffers = comm;
   return shape;
 }

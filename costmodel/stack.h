@@ -33,6 +33,14 @@ struct Stack {
   AttentionKernel attention = AttentionKernel::unfused;
   bool overlap_grad_reduce = false, overlap_param_gather = false, tp_comm_overlap = false,
        grad_accumulation_fusion = false;
+  // tp_comm_overlap overlaps the input-gradient collectives of the column-parallel layers
+  // with their weight-gradient GEMMs (Megatron-core does so by default). A plan that sets
+  // tp_comm_overlap on explicitly, on the modern stack with sequence parallelism (which
+  // Megatron requires for it), also gets Transformer Engine's user buffers (Megatron's
+  // --tp-comm-overlap, which Megatron-Bridge's and NeMo's performance recipes set for their
+  // tensor-parallel models; off by default in Megatron-LM, and so under "auto"): every
+  // collective of the attention and MLP blocks beside the GEMM it feeds or follows.
+  bool userbuffers = false;
   // Main gradients accumulated and reduced in fp32 (else in the parameters' 16-bit type):
   // the plan's grad_reduce_in_fp32, "auto" on but in fp16 (Megatron's defaults; not a
   // property of the stack: every stack defaults alike); always on the strata stack.

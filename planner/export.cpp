@@ -99,7 +99,7 @@ std::string export_megatron(const ModelSpec& m, const Plan& p, const Stack& stac
   }
   if (stack.overlap_grad_reduce && p.replicas() > 1) flag("--overlap-grad-reduce");
   if (stack.overlap_param_gather && p.replicas() > 1 && p.zero >= 1) flag("--overlap-param-gather");
-  if (stack.tp_comm_overlap && p.t > 1) flag("--tp-comm-overlap");
+  if (stack.userbuffers) flag("--tp-comm-overlap");  // (Megatron's user buffers; it requires --sequence-parallel)
   if (!stack.grad_accumulation_fusion) flag("--no-gradient-accumulation-fusion");
   // Megatron-LM runs --optimizer-cpu-offload only with the precision-aware optimizer.
   if (p.offload > 0 && !p.precision_aware_optimizer) {
@@ -342,9 +342,9 @@ std::string export_bridge(const ModelSpec& m, const Plan& p, const Stack& stack)
   const bool replicated = p.replicas() > 1;
   set("ddp.overlap_grad_reduce", yes(stack.overlap_grad_reduce && replicated));
   set("ddp.overlap_param_gather", yes(stack.overlap_param_gather && replicated && p.zero >= 1));
-  if (stack.tp_comm_overlap && p.t > 1)
-    notes += "# tensor-parallel communication overlap was costed: the recipe's comm_overlap config with\n"
-             "# tp_comm_overlap=True (a CommOverlapConfig; its user-buffer settings are the recipe's).\n";
+  if (stack.userbuffers)
+    notes += "# tensor-parallel communication overlap with user buffers was costed: the recipe's comm_overlap\n"
+             "# config with tp_comm_overlap=True (a CommOverlapConfig; its user-buffer settings are the recipe's).\n";
   set("model.gradient_accumulation_fusion", yes(stack.grad_accumulation_fusion));
   if (p.precision_aware_optimizer) {
     set("optimizer.use_precision_aware_optimizer", "true");

@@ -69,6 +69,9 @@ FixedDims parse_fixed(const std::string& text) {
     } else if (k == "grad_reduce_in_fp32") {
       if (v.is_boolean()) f.grad_reduce_in_fp32 = v.get<bool>();
       else f.grad_reduce_in_fp32 = integer(0, 1) == 1;
+    } else if (k == "tp_comm_overlap") {
+      if (v.is_boolean()) f.tp_comm_overlap = v.get<bool>();
+      else f.tp_comm_overlap = integer(0, 1) == 1;
     } else if (k == "recompute") {
       const std::string s = v.is_string() ? v.get<std::string>() : "";
       if (s == "none") f.recompute = Recompute::none;
@@ -83,7 +86,7 @@ FixedDims parse_fixed(const std::string& text) {
     } else {
       fail_field("--fix " + k, show_value(v),
                  "unknown key: use tp, pp, dp, cp, vp, mbs, zero, recompute, recompute_num_layers, sp, schedule, "
-                 "uneven_split, cp_comm_type, offload, ep, grad_reduce_in_fp32, use_precision_aware_optimizer (and "
+                 "uneven_split, cp_comm_type, offload, ep, grad_reduce_in_fp32, tp_comm_overlap, use_precision_aware_optimizer (and "
                  "its exp_avg_dtype, exp_avg_sq_dtype, main_params_dtype, store_param_remainders), offload_modules "
                  "(and its activation_offload_fraction, min_offloaded_tensor_size), num_distributed_optimizer_instances "
                  "or data_parallel_shard_size");
@@ -621,6 +624,7 @@ SearchResult search(const ModelSpec& m, const Cluster& cl, const SearchOptions& 
           probe_tpcv.mbs = mbss.front(); probe_tpcv.gbs = opt.gbs; probe_tpcv.precision = opt.precision;
           probe_tpcv.attention = opt.attention;
           probe_tpcv.grad_reduce_in_fp32 = grad_reduce_of(fx);
+          if (fx.tp_comm_overlap) probe_tpcv.tp_comm_overlap = *fx.tp_comm_overlap ? Tristate::on : Tristate::off;
           if (fx.activation_offload) probe_tpcv.take_activation_offload_of(*fx.activation_offload);
           // (An MoE model needs sequence parallelism with tp > 1: the probe has it, so that
           // moe_sp does not hide a structural reason.)

@@ -28,6 +28,10 @@ struct FixedDims {
   std::optional<double> offload;     // optimizer_offload_fraction of every candidate (ZeRO >= 1)
   std::optional<int64_t> ep;         // expert_model_parallel_size (mixture-of-experts models)
   std::optional<bool> grad_reduce_in_fp32;  // the main gradients' type of every candidate (not searched)
+  // tp_comm_overlap of every candidate (not searched): on, the sequence-parallel ones on the
+  // modern stack run Transformer Engine's user buffers (Stack::userbuffers), as Megatron-Bridge's
+  // and NeMo's recipes do; off, no tensor-parallel collective overlaps.
+  std::optional<bool> tp_comm_overlap;
   // --fix use_precision_aware_optimizer=1 (with exp_avg_dtype, exp_avg_sq_dtype,
   // main_params_dtype, store_param_remainders): the optimizer of every ZeRO-1 candidate
   // (Megatron's distributed optimizer, the only one it runs with); its fields only.

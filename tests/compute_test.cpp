@@ -131,6 +131,110 @@ TEST(Compute, TensorParallelCollectivesPerLayer) {
   }
 }
 
+// Transformer Engine's user buffers (tp_comm_overlap set on, sequence parallelism, the
+// modern stack: fp8 selects it). GPT-3 175B, tp 8, one sequence of 2048 on the round
+// cluster (fp8 GEMMs at 100 TFLOP/s, no launch cost, nothing lost to overlap):
+// - every all-gather of a block moves the fp8 copy: 2048 x 12288 x 1 = 25,165,824 bytes
+//   (against 50,331,648 in 16 bits without user buffers);
+// - forward: the QKV and fc1 inputs' ring exchanges hide behind 7/8 of their GEMMs (QKV
+//   2 x 2048 x 4608 x 12288 / 1e14 = 2.319 ms, against an all-gather of about 0.15 ms):
+//   nothing exposed; the reduce-scatters after the output projection and fc2 run beside
+//   the 4 chunks of their GEMMs, each collective shorter than its GEMM, so the last chunk's,
+//   a quarter, shows;
+// - backward: the output gradients' ring exchanges before the projection's and fc2's input
+//   gradients, and the inputs' gathers behind the input-gradient GEMMs (as without user
+//   buffers), hide; the reduce-scatters behind the weight gradients too;
+// - a GEMM split into chunks of a flat efficiency curve costs what it did whole.
+TEST(Compute, UserBuffersOverlapTheBlocksCollectives) {
+  const Cluster c = testing::round_cluster();
+  const ModelSpec m = load_model("gpt3-175b");
+  auto tp_ops = [&](const char* plan, LayerCost* lc_out = nullptr) {
+    const Plan p = load_plan(plan);
+    std::vector<OpCost> ops;
+    const LayerCost lc = layer_cost(m, c, p, compute_setup(m, c, p), &ops);
+    if (lc_out) *lc_out = lc;
+    return ops;
+  };
+  LayerCost ub_lc, plain_lc;
+  const auto ub = tp_ops("tp=8,mbs=1,sp=1,precision=fp8,tp_comm_overlap=1", &ub_lc);
+  const auto plain = tp_ops("tp=8,mbs=1,sp=1,precision=fp8", &plain_lc);
+  const double H = 12288, T = 2048;
+  int gathers = 0, scatters = 0;
+  double split_extra = 0;
+  for (const OpCost& o : ub) {
+    if (o.name == std::string("ub_split_gemm")) split_extra += o.time_s;
+    if (o.kind != OpKind::tp_comm) continue;
+    if (o.name == std::string("sp_all_gather")) {
+      ++gathers;
+      EXPECT_DOUBLE_EQ(o.bytes, T * H);
+      EXPECT_DOUBLE_EQ(o.exposed_s, 0.0) << to_string(o.phase);
+    } else {
+      ASSERT_EQ(o.name, std::string("sp_reduce_scatter"));
+      ++scatters;
+      EXPECT_DOUBLE_EQ(o.bytes, 2 * T * H);
+      if (o.phase == Phase::forward)
+        EXPECT_NEAR(o.exposed_s, o.time_s / 4, 1e-15);
+      else
+        EXPECT_DOUBLE_EQ(o.exposed_s, 0.0);
+    }
+  }
+  EXPECT_EQ(gathers, 2 + 4);
+  EXPECT_EQ(scatters, 2 + 2);
+  EXPECT_NEAR(split_extra, 0.0, 1e-15);
+  // Without user buffers the forward's four collectives and the backward's two output
+  // gradient gathers are exposed whole, the gathers at 16 bits.
+  double plain_exposed = 0, rs = 0, ag16 = 0;
+  for (const OpCost& o : plain)
+    if (o.kind == OpKind::tp_comm) {
+      plain_exposed += o.exposed_s;
+      if (o.name == std::string("sp_reduce_scatter") && o.phase == Phase::forward) rs = o.time_s;
+      if (o.name == std::string("sp_all_gather")) {
+        EXPECT_DOUBLE_EQ(o.bytes, 2 * T * H);
+        ag16 = o.time_s;
+      }
+    }
+  EXPECT_NEAR(plain_exposed, 2 * rs + 4 * ag16, 1e-12);
+  EXPECT_NEAR(ub_lc.forward.tp_comm_s, 2 * rs / 4, 1e-12);
+  EXPECT_DOUBLE_EQ(ub_lc.backward.tp_comm_s, 0.0);
+  EXPECT_NEAR(ub_lc.forward.compute_s, plain_lc.forward.compute_s, 1e-15);
+  // Auto (Megatron-LM's default: no --tp-comm-overlap), sp off and the legacy stack take no
+  // user buffers.
+  EXPECT_FALSE(compute_setup(m, c, load_plan("tp=8,sp=1,precision=fp8")).stack.userbuffers);
+  EXPECT_FALSE(compute_setup(m, c, load_plan("tp=8,sp=0,precision=fp8,tp_comm_overlap=1")).stack.userbuffers);
+  EXPECT_FALSE(compute_setup(m, c, load_plan("tp=8,sp=1,precision=bf16,tp_comm_overlap=1")).stack.userbuffers);
+  EXPECT_TRUE(compute_setup(m, c, load_plan("tp=8,sp=1,precision=bf16,tp_comm_overlap=1,software_stack=modern"))
+                  .stack.userbuffers);
+  EXPECT_FALSE(compute_setup(m, c, load_plan("tp=1,sp=1,precision=fp8,tp_comm_overlap=1")).stack.userbuffers);
+}
+
+// A GEMM split into t chunks runs each at the efficiency of its own size: on the H100
+// preset's curve the QKV GEMM of Llama 3 405B at tp 8 (8192 x 6144 x 16384 in fp8) runs as
+// 8 of 1024 rows, and the ring exchange hides behind 7/8 of those; the excess is booked as
+// ub_split_gemm, in the forward (QKV, fc1; the projection's and fc2's 4 chunks) and the
+// backward (the projection's and fc2's input gradients).
+TEST(Compute, UserBufferChunksRunAtTheirOwnEfficiency) {
+  const Cluster c = load_cluster("dgx-h100-80g");
+  const ModelSpec m = load_model("llama3-405b");
+  const Plan p = load_plan("tp=8,mbs=1,sp=1,precision=fp8,tp_comm_overlap=1");
+  std::vector<OpCost> ops;
+  layer_cost(m, c, p, compute_setup(m, c, p), &ops);
+  const double fp8 = c.device.peak_fp8_flops, T = 8192, H = 16384, qkv = (16384.0 + 2 * 1024) / 8;
+  const double whole = gemm_time(c.device, fp8, T, qkv, H, 1), split = 8 * gemm_time(c.device, fp8, T / 8, qkv, H, 1);
+  ASSERT_GT(split, whole * 1.05);
+  std::vector<double> fwd_extra, bwd_extra;
+  for (const OpCost& o : ops)
+    if (o.name == std::string("ub_split_gemm")) (o.phase == Phase::forward ? fwd_extra : bwd_extra).push_back(o.time_s);
+  ASSERT_EQ(fwd_extra.size(), 4u);
+  ASSERT_EQ(bwd_extra.size(), 2u);
+  EXPECT_NEAR(fwd_extra[0], split - whole, 1e-15);  // QKV, the first
+  for (const OpCost& o : ops)
+    if (o.name == std::string("sp_all_gather") && o.phase == Phase::forward) {
+      EXPECT_NEAR(o.exposed_s, std::max(0.0, o.time_s - split * 7 / 8) + c.overlap_slowdown * std::min(o.time_s, split * 7 / 8),
+                  1e-15);
+      break;
+    }
+}
+
 // ZeRO-2 keeps no whole gradient between micro-batches: each layer's fp32 gradient of every
 // micro-batch (4 bytes x its parameters on this tensor-parallel rank) is reduce-scattered
 // over the data-parallel group as its backward ends: exposed on the legacy stack, behind

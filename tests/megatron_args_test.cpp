@@ -315,6 +315,24 @@ TEST(MegatronArgs, GradReduceFlags) {
   EXPECT_EQ(plain.find("--accumulate-allreduce"), std::string::npos);
 }
 
+// --tp-comm-overlap (Transformer Engine's user buffers) is what a plan's explicit
+// tp_comm_overlap=1 exports, with sequence parallelism only (Megatron asserts it); the
+// default plan, like Megatron-LM's default, runs without it, and reads back the same.
+TEST(MegatronArgs, TpCommOverlapFlag) {
+  const ModelSpec m = load_model("llama3-70b");
+  const Cluster h100 = load_cluster("dgx-h100-80g");
+  auto flags = [&](const char* plan) {
+    const Plan p = load_plan(plan);
+    return export_megatron(m, p, resolve_stack(m, h100, p));
+  };
+  const std::string ub = flags("tp=4,dp=2,sp=1,zero=1,precision=fp8,tp_comm_overlap=1");
+  EXPECT_NE(ub.find("--tp-comm-overlap"), std::string::npos) << ub;
+  EXPECT_EQ(flags("tp=4,dp=2,sp=1,zero=1,precision=fp8").find("--tp-comm-overlap"), std::string::npos);
+  EXPECT_EQ(flags("tp=4,dp=2,sp=0,zero=1,precision=fp8,tp_comm_overlap=1").find("--tp-comm-overlap"), std::string::npos);
+  const Plan q = launch_inputs(parse_megatron_launch(ub + fmt::format(" --vocab-size {}", m.V), "export"), 8, "export").plan;
+  EXPECT_TRUE(resolve_stack(m, h100, q).userbuffers);
+}
+
 // Fine-grained activation offloading: --offload-modules takes a list of words, read (with
 // its settings) only with --fine-grained-activation-offloading, as Megatron-LM does.
 TEST(MegatronArgs, ActivationOffloadingFlags) {

@@ -28,8 +28,9 @@ namespace {
 // With `pp` set, the twin and the search both keep that pipeline depth only (--fix pp=...).
 // With `offload`, every ZeRO >= 1 plan also with kOffloadFractions of its optimizer on the
 // host (--search-offload); with `only`, that recompute mode alone (--fix recompute=...).
+// With `userbuffers`, every plan with tp_comm_overlap on (--fix tp_comm_overlap=1).
 void search_matches_estimating_every_plan(const char* model, bool expect_splits, int64_t pp = 0, bool offload = false,
-                                          std::optional<Recompute> only = std::nullopt) {
+                                          std::optional<Recompute> only = std::nullopt, bool userbuffers = false) {
   const ModelSpec m = load_model(model);
   const Cluster c = load_cluster("dgx-a100-80g");
   const int64_t gpus = 8, gbs = 16;
@@ -62,6 +63,7 @@ void search_matches_estimating_every_plan(const char* model, bool expect_splits,
                         pl.gpipe = gp == 1 && v == 1; pl.sp = sp == 1 && t > 1; pl.zero = zero;
                         pl.recompute = static_cast<Recompute>(rc);
                         pl.recompute_layers = rl;
+                        if (userbuffers) pl.tp_comm_overlap = Tristate::on;
                         if (only && pl.recompute != *only) continue;
                         // Skip the settings that change nothing (no pipeline to schedule, no
                         // tensor-parallel group to shard over, no replicas for ZeRO).
@@ -95,6 +97,7 @@ void search_matches_estimating_every_plan(const char* model, bool expect_splits,
   if (pp > 0) o.fixed.p = pp;
   o.search_offload = offload;
   if (only) o.fixed.recompute = *only;
+  if (userbuffers) o.fixed.tp_comm_overlap = true;
   const SearchResult r = search(m, c, o);
   ASSERT_EQ(r.plans.size(), 10u);
   EXPECT_EQ(splits > 0, expect_splits) << splits;
@@ -121,6 +124,32 @@ TEST(Planner, SearchMatchesEstimatingEveryPlan) {
   const SearchResult r = search(load_model("llama3-8b"), load_cluster("dgx-a100-80g"), o);
   ASSERT_FALSE(r.plans.empty());
   EXPECT_EQ(r.plans.front().plan.first_stage_layers, 17);
+}
+
+// Transformer Engine's user buffers for every candidate (--fix tp_comm_overlap=1): the
+// search's bound still holds and its top 10 are the twin's; some of them hide their
+// sequence-parallel collectives that way.
+TEST(Planner, UserBuffersAreSearchedWhenFixed) {
+  search_matches_estimating_every_plan("llama3-8b", true, 0, false, std::nullopt, true);
+  SearchOptions o;
+  o.gpus = 64;
+  o.gbs = 128;
+  o.precision = Precision::fp8;
+  o.fixed.t = 4;
+  o.fixed.sp = true;
+  const ModelSpec m = load_model("llama3-70b");
+  const Cluster h100 = load_cluster("dgx-h100-80g");
+  const SearchResult plain = search(m, h100, o);
+  o.fixed.tp_comm_overlap = true;
+  const SearchResult ub = search(m, h100, o);
+  ASSERT_FALSE(plain.plans.empty());
+  ASSERT_FALSE(ub.plans.empty());
+  EXPECT_LT(ub.plans.front().step_time_s, plain.plans.front().step_time_s);
+  for (const auto& e : ub.plans) {
+    EXPECT_TRUE(e.stack.userbuffers);
+    EXPECT_EQ(estimate(m, h100, e.plan).step_time_s, e.step_time_s);
+  }
+  EXPECT_THROW(parse_fixed("tp_comm_overlap=2"), InputError);
 }
 
 // A model mixing dense and MoE layers (the same model with its first 2 layers dense, as
