@@ -153,7 +153,6 @@ struct Acc {
   double peak_flash;
   double lin_bytes;               // bytes per linear-GEMM operand element
   bool ub;                        // Transformer Engine's user-buffer overlap (Stack::userbuffers)
-  double ub_gather_bytes;         // bytes per element its all-gathers move (fp8 where the GEMMs are)
   LayerCost lc;
   // The curves' values met before in this piece of work, computed once each (the same
   // bits): a linear layer's forward, input-gradient and weight-gradient GEMMs share their
@@ -190,7 +189,6 @@ struct Acc {
     peak_flash = cs.stack.strata ? dev.peak_fp32_flops : peak_attn;
     lin_bytes = p.precision == Precision::fp8 ? 1.0 : cs.work_bytes;
     ub = cs.stack.userbuffers;
-    ub_gather_bytes = ub && p.precision == Precision::fp8 ? 1.0 : cs.work_bytes;
   }
 
   Work& w(Phase ph) {
@@ -310,44 +308,52 @@ struct Acc {
     comm(name, ph, OpKind::tp_comm, tp, Collective::all_gather, cs.work_bytes * cs.T * static_cast<double>(m.H), hidden_s);
   }
   // The sequence-parallel all-gather of the activation (or of its gradient) that feeds an
-  // (M x K)(K x N) GEMM of a layer's attention or MLP block. With Transformer Engine's user
-  // buffers (Acc::ub) it moves fp8 where the GEMMs are (their fp8 inputs are gathered) and
-  // overlaps that GEMM: split into t ring-exchange steps, each transfer beside the GEMM of
-  // the chunk before it, so all but one t-th of the GEMM hides it ("ring_exchange": the QKV
-  // and fc1 inputs, the output projection's and fc2's output gradients). `bulk`: gathered
-  // whole behind a GEMM that does not need it (the input gathered again for the weight
-  // gradient, behind the input-gradient GEMM), which Megatron-core overlaps without user
-  // buffers too.
-  // The ring's GEMM runs as t GEMMs of M/t rows, each at its own (lower) efficiency: what
-  // that costs beyond the whole GEMM is booked as "ub_split_gemm".
+  // (M x K)(K x N) GEMM of a layer's attention or MLP block (or a shared expert's). With
+  // Transformer Engine's user buffers (Acc::ub) it moves fp8 where the GEMMs are (their
+  // fp8 inputs are gathered: ub_element_bytes) and overlaps that GEMM: split into t ring-exchange
+  // steps, each transfer beside the GEMM of the chunk before it, so all but one t-th of the
+  // GEMM hides it ("ring_exchange": the QKV and fc1 inputs, the output projection's and
+  // fc2's output gradients). `bulk`: gathered whole behind a GEMM that does not need it
+  // (the input gathered again for the weight gradient, behind the input-gradient GEMM),
+  // which Megatron-core overlaps without user buffers too.
   void block_gather(const char* name, Phase ph, double M, double N, double K, bool bulk) {
     if (p.t == 1 || !p.sp) return;
     if (!ub) return tp_gather(name, ph, bulk ? gemm_s(M, N, K) : 0.0);
     const double t = static_cast<double>(p.t);
-    const double g = bulk ? gemm_s(M, N, K) : split_gemm(ph, M, N, K, t);
-    comm(name, ph, OpKind::tp_comm, tp, Collective::all_gather, ub_gather_bytes * cs.T * static_cast<double>(m.H),
+    const double g = bulk ? gemm_s(M, N, K) : split_gemm(ph, M / t, N, K, t, gemm_s(M, N, K));
+    comm(name, ph, OpKind::tp_comm, tp, Collective::all_gather, ub_element_bytes(p, true, cs.work_bytes) * cs.T * static_cast<double>(m.H),
          bulk ? g : g * (t - 1.0) / t);
   }
-  // An (M x K)(K x N) GEMM run as n GEMMs of M/n rows: their time, the excess over the whole
-  // GEMM's booked as compute.
-  double split_gemm(Phase ph, double M, double N, double K, double n) {
-    const double whole = gemm_s(M, N, K), split = n * gemm_s(M / n, N, K);
+  // An (M x K)(K x N) GEMM run as n GEMMs of (m_ x K)(K x n_) each: their time, the excess
+  // over the whole GEMM's, each chunk at the efficiency of its own size, booked as compute
+  // ("ub_split_gemm").
+  // `whole`: the unsplit GEMM's time, (n m_ x K)(K x n_) or (m_ x K)(K x n n_).
+  double split_gemm(Phase ph, double m_, double n_, double K, double n, double whole) {
+    const double split = n * gemm_s(m_, n_, K);
     const double extra = std::max(0.0, split - whole);
     w(ph).compute_s += extra;
     if (ops) record("ub_split_gemm", ph, OpKind::gemm, 0, 0, extra, extra);
     return split;
   }
   // The collective after a row-parallel (M x K)(K x N) GEMM in the forward (the output
-  // projection, fc2). With user buffers the GEMM runs in kUbPipelineSplits chunks, each
-  // chunk's reduce-scatter beside the next chunk's GEMM ("pipeline"): the last chunk's
-  // exposed, and whatever of the rest outlasts the GEMM.
+  // projection, fc2). With user buffers, in fp8 (Megatron-Bridge's and NeMo's fp8 configs
+  // of every tensor-parallel recipe but one) as a ring exchange of t steps beside the GEMM
+  // split over its M rows, exposed as the gathers' are; otherwise as Transformer Engine's
+  // default, "pipeline": the GEMM split over its N output columns in kUbPipelineSplits
+  // chunks, each chunk's reduce-scatter beside the next chunk's GEMM, the last chunk's
+  // exposed and whatever of the rest outlasts the GEMM.
   static constexpr double kUbPipelineSplits = 4;  // Transformer Engine's default num_splits
   void block_reduce(const char* name, Phase ph, double M, double N, double K) {
     if (!ub) return tp_reduce(name, ph);
     const double bytes = cs.work_bytes * cs.T * static_cast<double>(m.H);
     const double c = collective_time(cl, tp, Collective::reduce_scatter, bytes);
-    const double g = split_gemm(ph, M, N, K, kUbPipelineSplits);
-    book(name, ph, OpKind::tp_comm, bytes, c, (kUbPipelineSplits - 1.0) / kUbPipelineSplits * std::min(c, g));
+    if (p.precision == Precision::fp8) {
+      const double t = static_cast<double>(p.t), g = split_gemm(ph, M / t, N, K, t, gemm_s(M, N, K));
+      book(name, ph, OpKind::tp_comm, bytes, c, g * (t - 1.0) / t);
+      return;
+    }
+    const double n = kUbPipelineSplits, g = split_gemm(ph, M, N / n, K, n, gemm_s(M, N, K));
+    book(name, ph, OpKind::tp_comm, bytes, c, (n - 1.0) / n * std::min(c, g));
   }
   // The same of a sequence-parallel activation `width` wide (MLA's latents), gathered before
   // its column-parallel layer and its gradient reduce-scattered after it.
@@ -584,6 +590,72 @@ MoeSizes moe_sizes(const Acc& a) {
   return z;
 }
 
+// The chance that none of `draws` taken without replacement from `pool` falls outside
+// `inside` of them: every one among the other pool - inside.
+double none_inside(double pool, double inside, double draws) {
+  double q = 1;
+  for (double i = 0; i < draws; ++i) {
+    if (pool - inside - i <= 0) return 0;
+    q *= (pool - inside - i) / (pool - i);
+  }
+  return q;
+}
+
+double choose(double n, double k) {
+  if (k < 0 || k > n) return 0;
+  return std::exp(std::lgamma(n + 1) - std::lgamma(k + 1) - std::lgamma(n - k + 1));
+}
+
+// The chance that one of `holders` equal holders of the E experts (the nodes, or the
+// GPUs, of the expert-parallel group) holds none of a token's K under balanced routing:
+// the K drawn among E; with group-limited routing whose groups lie whole on a holder
+// (gph of its groups, of Eg experts each), the token's g groups drawn among the ng and
+// its K among their g Eg experts: the sum over j of P(j of the holder's groups drawn) x
+// P(none of the K among those j Eg).
+double holder_missed(const ModelSpec& m, int64_t holders) {
+  const double E = static_cast<double>(m.E), K = static_cast<double>(m.K);
+  const int64_t per = m.E / holders;
+  if (m.moe_groups > 0 && m.E % holders == 0) {
+    const int64_t Eg = m.E / m.moe_groups;
+    if (per % Eg == 0) {
+      const double gph = static_cast<double>(per / Eg), ng = static_cast<double>(m.moe_groups),
+                   g = static_cast<double>(m.moe_group_topk), eg = static_cast<double>(Eg);
+      double q = 0;
+      for (double j = 0; j <= std::min(gph, g); ++j)
+        q += choose(gph, j) * choose(ng - gph, g - j) / choose(ng, g) * none_inside(g * eg, j * eg, K);
+      return q;
+    }
+  }
+  return none_inside(E, static_cast<double>(per), K);
+}
+
+// The dispatch (or combine) of an MoE layer's `bytes` of token copies, Tn tokens of this
+// rank's. The all-to-all dispatcher sends one copy per expert (an all-to-all over the
+// expert-parallel group). The flex dispatcher (Plan::moe_dispatcher: DeepEP's or NVIDIA's
+// HybridEP kernels) sends a token once to each other node of the group holding any of its
+// experts, over the network to the GPU of the sender's local rank there, and on over
+// NVLink to each GPU holding them (the combine reduces them back the same way): per token
+// (nodes - 1)(1 - P(a node holds none of its experts)) copies through this GPU's NIC beside
+// (ep - 1)(1 - P(a GPU holds none)) over NVLink, the slower of the two after one latency.
+void ep_exchange(Acc& a, const char* name, const char* flex_name, Phase ph, double bytes) {
+  const GroupSpan& g = a.ep;
+  if (a.p.moe_dispatcher == MoeDispatcher::alltoall || g.size <= 1) {
+    a.comm(name, ph, OpKind::ep_comm, g, Collective::all_to_all, bytes);
+    return;
+  }
+  const ModelSpec& m = a.m;
+  const Cluster& cl = a.cl;
+  const double row = static_cast<double>(a.cs.work_bytes) * static_cast<double>(m.H), Tn = a.cs.Tn;
+  const double gpu_rows = Tn * static_cast<double>(g.size - 1) * (1.0 - holder_missed(m, g.size));
+  const double node_rows =
+      g.nodes > 1 ? Tn * static_cast<double>(g.nodes - 1) * (1.0 - holder_missed(m, g.nodes)) : 0.0;
+  const double nvlink = gpu_rows * row / (cl.intra.bandwidth_bytes_per_s * cl.intra.efficiency(Collective::all_to_all));
+  const double network =
+      node_rows * row / (cl.inter.bandwidth_bytes_per_s * cl.inter.efficiency(Collective::all_to_all));
+  const double t = (g.nodes > 1 ? cl.inter.latency_s : cl.intra.latency_s) + std::max(nvlink, network);
+  a.book(flex_name, ph, OpKind::ep_comm, (g.nodes > 1 ? node_rows : gpu_rows) * row, t, 0.0);
+}
+
 void moe_forward(Acc& a, Phase ph) {
   const ModelSpec& m = a.m;
   const Plan& p = a.p;
@@ -591,16 +663,16 @@ void moe_forward(Acc& a, Phase ph) {
   const double E = static_cast<double>(m.E);
   const MoeSizes z = moe_sizes(a);
   if (m.Fs > 0) {  // the shared expert: a dense MLP of Fs
-    a.tp_gather("sp_all_gather", ph);
+    a.block_gather("sp_all_gather", ph, T, z.fs1, H, false);
     a.linear("shared_fc1", ph, T, z.fs1, H);
     a.mem(to_string(m.activation), ph, (m.gated() ? 3.0 : 2.0) * e * T * z.Fst);
     a.linear("shared_fc2", ph, T, H, z.Fst);
-    a.tp_reduce(p.sp ? "sp_reduce_scatter" : "tp_all_reduce", ph);
+    a.block_reduce(p.sp ? "sp_reduce_scatter" : "tp_all_reduce", ph, T, H, z.Fst);
   }
   a.gemm("router", ph, Tn, E, H, a.peak_attn, e);
   a.mem("router_topk", ph, (e + 8.0) * Tn * E);
   a.mem("moe_permute", ph, 2.0 * e * z.sent * H);
-  a.comm("ep_dispatch_all_to_all", ph, OpKind::ep_comm, a.ep, Collective::all_to_all, e * z.sent * H);
+  ep_exchange(a, "ep_dispatch_all_to_all", "ep_dispatch_flex", ph, e * z.sent * H);
   if (p.expert_tp() > 1)
     a.comm("moe_tp_all_gather", ph, OpKind::tp_comm, a.etp, Collective::all_gather, e * z.arriving * H);
   a.grouped_linear("expert_fc1", ph, z.local, z.per_expert, z.fc1, H);
@@ -608,7 +680,7 @@ void moe_forward(Acc& a, Phase ph) {
   a.grouped_linear("expert_fc2", ph, z.local, z.per_expert, H, z.Ft);
   if (p.expert_tp() > 1)
     a.comm("moe_tp_reduce_scatter", ph, OpKind::tp_comm, a.etp, Collective::reduce_scatter, e * z.arriving * H);
-  a.comm("ep_combine_all_to_all", ph, OpKind::ep_comm, a.ep, Collective::all_to_all, e * z.sent * H);
+  ep_exchange(a, "ep_combine_all_to_all", "ep_combine_flex", ph, e * z.sent * H);
   a.mem("moe_unpermute", ph, 2.0 * e * z.sent * H + e * Tn * H);
 }
 
@@ -620,7 +692,7 @@ void moe_backward(Acc& a) {
   const double E = static_cast<double>(m.E);
   const MoeSizes z = moe_sizes(a);
   a.mem("moe_unpermute", ph, 2.0 * e * z.sent * H + e * Tn * H);
-  a.comm("ep_combine_all_to_all", ph, OpKind::ep_comm, a.ep, Collective::all_to_all, e * z.sent * H);
+  ep_exchange(a, "ep_combine_all_to_all", "ep_combine_flex", ph, e * z.sent * H);
   if (p.expert_tp() > 1)
     a.comm("moe_tp_all_gather", ph, OpKind::tp_comm, a.etp, Collective::all_gather, e * z.arriving * H);
   a.grouped_linear("expert_fc2", ph, z.local, z.per_expert, H, z.Ft);
@@ -628,16 +700,16 @@ void moe_backward(Acc& a) {
   a.grouped_linear("expert_fc1", ph, z.local, z.per_expert, z.fc1, H);
   if (p.expert_tp() > 1)
     a.comm("moe_tp_reduce_scatter", ph, OpKind::tp_comm, a.etp, Collective::reduce_scatter, e * z.arriving * H);
-  a.comm("ep_dispatch_all_to_all", ph, OpKind::ep_comm, a.ep, Collective::all_to_all, e * z.sent * H);
+  ep_exchange(a, "ep_dispatch_all_to_all", "ep_dispatch_flex", ph, e * z.sent * H);
   a.mem("moe_permute", ph, 2.0 * e * z.sent * H);
   a.mem("router_topk", ph, (e + 8.0) * Tn * E);
   a.gemm("router", ph, Tn, H, E, a.peak_attn, e);                                            // dgrad
   a.gemm("router", ph, H, E, Tn, a.peak_attn, e, a.wgrad_out_bytes());  // wgrad
   if (m.Fs > 0) {  // as the dense MLP's backward (layer_backward), at the shared expert's sizes
-    a.tp_gather("sp_all_gather", ph);
+    a.block_gather("sp_all_gather", ph, T, z.Fst, H, false);
     a.linear("shared_fc2", ph, T, H, z.Fst);
     a.mem(to_string(m.activation), ph, (m.gated() ? 5.0 : 3.0) * e * T * z.Fst);
-    a.tp_gather("sp_all_gather", ph, a.gemm_s(T, H, z.fs1));
+    a.block_gather("sp_all_gather", ph, T, H, z.fs1, true);
     a.linear("shared_fc1", ph, T, z.fs1, H);
     a.tp_reduce(p.sp ? "sp_reduce_scatter" : "tp_all_reduce", ph, wgrad_overlap(a, T, z.fs1, H));
   }
@@ -736,15 +808,19 @@ void dense_mlp_forward(Acc& a, Phase ph) {
   a.block_reduce(a.p.sp ? "sp_reduce_scatter" : "tp_all_reduce", ph, T, H, Ft);
 }
 
+// The attention output projection's input width on a tensor-parallel rank: heads x D, or
+// with multi-latent attention heads x v_head_dim.
+double proj_width(const ModelSpec& m, int64_t t) {
+  return static_cast<double>(m.mla() ? m.VD() : m.AD()) / static_cast<double>(t);
+}
+
 // The forward of one layer (also replayed by full recompute), but for packing what it
 // keeps (pack_kept).
 void layer_forward(Acc& a, Phase ph) {
   const ModelSpec& m = a.m;
   const Plan& p = a.p;
   const double e = a.cs.work_bytes, T = a.cs.T, Tn = a.cs.Tn, H = static_cast<double>(m.H);
-  const double t = static_cast<double>(p.t);
   const double qkv_cols = head_columns(m, p.t, 1, 2);
-  const double ADt = static_cast<double>(m.AD()) / t;  // attention output width on this rank
   a.mem("norm1", ph, 2.0 * e * Tn * H);
   if (m.mla()) {
     mla_projections_forward(a, ph);
@@ -754,7 +830,7 @@ void layer_forward(Acc& a, Phase ph) {
     if (m.position == Position::rope) a.mem("rope", ph, 2.0 * e * T * head_columns(m, p.t, 1, 1));
   }
   attention_core_forward(a, ph);
-  const double proj_in = m.mla() ? static_cast<double>(m.VD()) / t : ADt;
+  const double proj_in = proj_width(m, p.t);
   a.linear("attn_proj", ph, T, H, proj_in);
   a.block_reduce(p.sp ? "sp_reduce_scatter" : "tp_all_reduce", ph, T, H, proj_in);
   a.mem("bias_dropout_add", ph, dropout_bytes(Tn * H, m.hidden_dropout, a.cs.work_bytes, true));
@@ -780,7 +856,6 @@ void layer_backward(Acc& a) {
   const double e = a.cs.work_bytes, T = a.cs.T, Tn = a.cs.Tn, H = static_cast<double>(m.H);
   const double t = static_cast<double>(p.t);
   const double qkv_cols = head_columns(m, p.t, 1, 2);
-  const double ADt = static_cast<double>(m.AD()) / t;  // attention output width on this rank
   const double fc1_cols = static_cast<double>(m.fc1_out()) / t;
   const double Ft = static_cast<double>(m.F) / t;
   const double mask = m.hidden_dropout > 0 ? 1.0 : 0.0;
@@ -803,7 +878,7 @@ void layer_backward(Acc& a) {
   const double mlp_s = a.w(ph).compute_s - compute0;
   // Attention block, in reverse.
   a.mem("bias_dropout_add", ph, (2.0 * e + mask) * Tn * H);
-  const double proj_in = m.mla() ? static_cast<double>(m.VD()) / t : ADt;
+  const double proj_in = proj_width(m, p.t);
   a.block_gather("sp_all_gather", ph, T, proj_in, H, false);  // the output gradient, for the projection's dgrad
   a.linear("attn_proj", ph, T, H, proj_in);
   attention_core_backward(a, mlp_s);

@@ -67,6 +67,13 @@ struct ComputeSetup {
 };
 ComputeSetup compute_setup(const ModelSpec& m, const Cluster& cl, const Plan& p);
 
+// Transformer Engine's user buffers (Stack::userbuffers): bytes per element of those that
+// feed all-gathers (`gather`: the fp8 GEMM inputs in an fp8 run) or reduce-scatters (the
+// GEMM outputs), where the others carry `otherwise` bytes.
+inline double ub_element_bytes(const Plan& p, bool gather, double otherwise) {
+  return gather && p.precision == Precision::fp8 ? 1.0 : otherwise;
+}
+
 // Roofline: the slower of computing `flops` at `rate` FLOP/s and moving `bytes`, at least a launch.
 double roofline_time(const Device& dev, double flops, double bytes, double rate);
 // GEMM of an (M x K) by (K x N) product in the plan's precision: peak x efficiency(flops),

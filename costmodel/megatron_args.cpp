@@ -26,8 +26,8 @@ const std::set<std::string>& model_flags() {
       "use_rotary_position_embeddings", "untie_embeddings_and_output_weights", "disable_bias_linear",
       "attention_dropout", "hidden_dropout", "norm_epsilon", "layernorm_epsilon", "rotary_base", "rotary_percent",
       "init_method_std", "apply_query_key_layer_scaling", "num_experts", "moe_router_topk", "moe_ffn_hidden_size",
-      "moe_shared_expert_intermediate_size", "moe_layer_freq", "moe_grouped_gemm", "moe_token_dispatcher_type",
-      "moe_router_load_balancing_type", "moe_aux_loss_coeff", "moe_z_loss_coeff", "moe_permute_fusion",
+      "moe_shared_expert_intermediate_size", "moe_layer_freq", "moe_grouped_gemm", "moe_router_num_groups",
+      "moe_router_group_topk", "moe_router_load_balancing_type", "moe_aux_loss_coeff", "moe_z_loss_coeff", "moe_permute_fusion",
       "moe_expert_capacity_factor", "multi_latent_attention", "q_lora_rank", "kv_lora_rank", "qk_head_dim",
       "qk_pos_emb_head_dim", "v_head_dim"};
   return s;
@@ -42,7 +42,7 @@ const std::set<std::string>& switch_flags() {
       "account_for_embedding_in_pipeline_split", "account_for_loss_in_pipeline_split", "optimizer_cpu_offload",
       "moe_grouped_gemm", "moe_permute_fusion", "grad_reduce_in_bf16", "accumulate_allreduce_grads_in_fp32",
       "use_precision_aware_optimizer", "no_store_param_remainders", "fine_grained_activation_offloading",
-      "multi_latent_attention"};
+      "multi_latent_attention", "moe_enable_deepep"};
   return s;
 }
 // Flags that set what strata does not take from a launch: refused, naming the way to say it.
@@ -67,7 +67,8 @@ const std::set<std::string>& plan_flags() {
       "accumulate_allreduce_grads_in_fp32", "use_precision_aware_optimizer", "no_store_param_remainders",
       "exp_avg_dtype", "exp_avg_sq_dtype", "main_params_dtype", "main_grads_dtype",
       "fine_grained_activation_offloading", "offload_modules", "activation_offload_fraction",
-      "min_offloaded_tensor_size", "delta_offload_bytes_across_pp_ranks", "num_distributed_optimizer_instances"};
+      "min_offloaded_tensor_size", "delta_offload_bytes_across_pp_ranks", "num_distributed_optimizer_instances",
+      "moe_token_dispatcher_type", "moe_flex_dispatcher_backend", "moe_enable_deepep"};
   return s;
 }
 
@@ -342,6 +343,12 @@ LaunchInputs launch_inputs(const MegatronLaunch& launch, int64_t gpus, const std
                                  source, emb ? "embedding" : "loss", emb ? "loss" : "embedding"));
   plan.erase("account_for_embedding_in_pipeline_split");
   plan.erase("account_for_loss_in_pipeline_split");
+  // Megatron asserts --tp-comm-overlap only with sequence parallelism, which it turns off
+  // at tensor-parallel size 1.
+  if (set("tp_comm_overlap") && (t == 1 || !set("sequence_parallel")))
+    throw InputError(fmt::format("{}: --tp-comm-overlap {}: Megatron-LM runs it only with --sequence-parallel and "
+                                 "--tensor-model-parallel-size above 1 (it asserts)",
+                                 source, t == 1 ? "at tensor-parallel size 1" : "without --sequence-parallel"));
   // Megatron reads --recompute-modules only with --recompute-granularity selective.
   if (plan.contains("recompute_modules") &&
       !(plan.contains("recompute_granularity") && plan.at("recompute_granularity") == "selective")) {

@@ -598,13 +598,16 @@ StageShape stage_shape(const ModelSpec& m, const Plan& p, const StageLayout& lay
   // for its reduce-scatter (legacy stacks stage it in DeepSpeed's bucket above).
   if (p.zero == 2 && p.replicas() > 1 && cs.stack.modern)
     comm += cs.grad_bytes * (dense_layers > 0 ? larger(in.layer_params, in.dense.layer_params) : in.layer_params);
-  // Transformer Engine's user buffers (Stack::userbuffers): one per GEMM beside a collective
-  // (qkv, proj, fc1, fc2 x fprop, dgrad, wgrad), each of Megatron's input shape, the whole
-  // micro-batch's sequence (of this context-parallel rank) x H; the eight that feed
-  // all-gathers hold fp8 in fp8 runs, the four of reduce-scatters the 16-bit outputs.
+  // Transformer Engine's user buffers (Stack::userbuffers; Megatron's _initialize_tp_communicators
+  // with Transformer Engine 2.7 or later): twelve of Megatron's input shape, the
+  // micro-batch's sequence on this context-parallel rank x H, bf16 (Megatron gives no other
+  // type) but the eight that feed all-gathers (qkv, proj, fc1, fc2 dgrad; qkv, fc1 fprop;
+  // proj, fc2 wgrad), fp8 in an fp8 run; the forward reduce-scatters' (proj, fc2 fprop) run
+  // as ring exchanges in fp8 runs (compute.cpp) and hold (2t - 1)/t of the shape.
   if (cs.stack.userbuffers) {
-    const double ag = p.precision == Precision::fp8 ? 1.0 : cs.work_bytes;
-    comm += cs.T * static_cast<double>(m.H) * (8.0 * ag + 4.0 * cs.work_bytes);
+    const double t = static_cast<double>(p.t);
+    const double rs_fprop = p.precision == Precision::fp8 ? (2.0 * t - 1.0) / t : 1.0;
+    comm += cs.T * static_cast<double>(m.H) * (8.0 * ub_element_bytes(p, true, 2.0) + 2.0 * 2.0 * (rs_fprop + 1.0));
   }
   mb.comm_buffers = comm;
   return shape;

@@ -81,9 +81,13 @@ const std::map<std::string, ModelSpec>& presets() {
     add(first_dense(moe(llama("glm-4.5-air", 46, 4096, 96, 8, 10944, 151552, 4096), 128, 8, 1408, 128), 1, 1408));
     // DeepSeek-V3 (DeepSeek-AI 2024, its HF config): multi-latent attention, the first 3 of 61
     // layers dense (18432), then 256 routed experts of 2048, 8 per token, and one shared.
+    // Its routing limits each token to 4 of 8 groups of 32 experts (n_group, topk_group).
     // (Its multi-token-prediction module is left out.)
-    add(mla(first_dense(moe(llama("deepseek-v3", 61, 7168, 128, 128, 18432, 129280, 4096), 256, 8, 2048), 3, 2048),
-            1536, 512, 128, 64, 128));
+    ModelSpec ds = mla(first_dense(moe(llama("deepseek-v3", 61, 7168, 128, 128, 18432, 129280, 4096), 256, 8, 2048), 3, 2048),
+                       1536, 512, 128, 64, 128);
+    ds.moe_groups = 8;
+    ds.moe_group_topk = 4;
+    add(ds);
     // Tiny models for the CPU executor: a few million parameters, a step well under a
     // second on one core. Vocabulary 512 (the synthetic token source).
     ModelSpec tg = gpt("tiny-gpt", 4, 256, 4, 512, 128);

@@ -171,7 +171,7 @@ void read_experts(Fields& f, const Json& j, const std::string& source, ModelSpec
   const int64_t E = ej && !ej->is_null() ? f.integer_or(key, 0, 0, kMaxExperts) : 0;
   for (const char* k : {"num_experts", "num_moe_experts"}) f.ignore(k);
   const char* moe_keys[] = {"moe_router_topk", "moe_ffn_hidden_size", "moe_shared_expert_intermediate_size",
-                            "moe_layer_freq"};
+                            "moe_layer_freq", "moe_router_num_groups", "moe_router_group_topk"};
   if (E <= 1) {
     for (const char* k : moe_keys) f.ignore(k);
   } else {
@@ -179,6 +179,17 @@ void read_experts(Fields& f, const Json& j, const std::string& source, ModelSpec
     m->K = f.integer_or("moe_router_topk", 2, 1, E);
     m->Fe = f.integer_or("moe_ffn_hidden_size", m->F, 1, kMaxFfn);
     m->Fs = f.integer_or("moe_shared_expert_intermediate_size", 0, 0, kMaxFfn);
+    // (null: Megatron's None, no group limit)
+    auto groups = [&](const char* k) -> int64_t {
+      const Json* v = f.peek(k);
+      if (!v || v->is_null()) {
+        f.ignore(k);
+        return 0;
+      }
+      return f.integer_or(k, 0, 0, E);
+    };
+    m->moe_groups = groups("moe_router_num_groups");
+    m->moe_group_topk = groups("moe_router_group_topk");
     if (const Json* freq = f.peek("moe_layer_freq"); freq && !freq->is_null())
       set_moe_layers(m, moe_layer_flags(*freq, m->L, source + ".moe_layer_freq"), source + ".moe_layer_freq",
                      show_value(*freq));
@@ -428,6 +439,23 @@ void validate_model(const ModelSpec& m, const std::string& src) {
       fail_field(src + ".moe_router_topk", std::to_string(m.K), fmt::format("must be in [1, num_experts = {}]", m.E));
     range("moe_ffn_hidden_size", m.Fe, 1, kMaxFfn);
     range("moe_shared_expert_intermediate_size", m.Fs, 0, kMaxFfn);
+    if ((m.moe_groups > 0) != (m.moe_group_topk > 0))
+      fail_field(src + (m.moe_groups > 0 ? ".moe_router_group_topk" : ".moe_router_num_groups"), "0",
+                 "group-limited routing needs both moe_router_num_groups and moe_router_group_topk");
+    if (m.moe_groups > 0) {
+      if (m.moe_groups > m.E || m.E % m.moe_groups != 0)
+        fail_field(src + ".moe_router_num_groups", std::to_string(m.moe_groups),
+                   fmt::format("must divide num_experts = {}", m.E));
+      if (m.moe_group_topk > m.moe_groups)
+        fail_field(src + ".moe_router_group_topk", std::to_string(m.moe_group_topk),
+                   fmt::format("must be in [1, moe_router_num_groups = {}]", m.moe_groups));
+      if (m.K > m.moe_group_topk * (m.E / m.moe_groups))
+        fail_field(src + ".moe_router_topk", std::to_string(m.K),
+                   fmt::format("must be at most the experts of moe_router_group_topk groups ({} x {})", m.moe_group_topk,
+                               m.E / m.moe_groups));
+    }
+  } else if (m.moe_groups != 0 || m.moe_group_topk != 0) {
+    fail_field(src + ".moe_router_num_groups", std::to_string(m.moe_groups), "needs num_experts (a mixture of experts)");
   }
   if (m.q_lora_rank < 0 || m.kv_lora_rank < 0 || m.qk_pos_emb_head_dim < 0 || m.v_head_dim < 0 ||
       m.q_lora_rank > kMaxHidden || m.kv_lora_rank > kMaxHidden || m.qk_pos_emb_head_dim > kMaxHidden ||
@@ -704,6 +732,13 @@ ModelSpec model_from_hf_config(const Json& j, const std::string& source, int64_t
                                               : m.F;
     m.Fs = get_int({"shared_expert_intermediate_size"}, 0, kMaxFfn, false, 0);
     if (glm_moe || deepseek) m.Fs = get_int({"n_shared_experts"}, 0, 64, false, glm_moe ? 1 : 0) * m.Fe;
+    if (deepseek || glm_moe) {  // group-limited routing: n_group groups, topk_group of them per token
+      const int64_t ng = get_int({"n_group"}, 1, experts, false, 1), gt = get_int({"topk_group"}, 1, ng, false, 1);
+      if (ng > 1 && gt < ng) {
+        m.moe_groups = ng;
+        m.moe_group_topk = gt;
+      }
+    }
     std::vector<uint8_t> flags(static_cast<size_t>(m.L), 1);
     std::string key, value;  // the config key that makes a layer dense, for messages
     if (j.contains("decoder_sparse_step") && !j["decoder_sparse_step"].is_null()) {
@@ -831,6 +866,10 @@ Json model_to_json(const ModelSpec& m) {
     j["moe_ffn_hidden_size"] = m.Fe;
     j["moe_shared_expert_intermediate_size"] = m.Fs;
     if (m.mixed()) j["moe_layer_freq"] = m.moe_layer;
+    if (m.moe_groups > 0) {
+      j["moe_router_num_groups"] = m.moe_groups;
+      j["moe_router_group_topk"] = m.moe_group_topk;
+    }
   }
   return j;
 }

@@ -66,6 +66,12 @@ struct ModelSpec {
   int64_t K = 0;   // moe_router_topk
   int64_t Fe = 0;  // moe_ffn_hidden_size
   int64_t Fs = 0;  // moe_shared_expert_intermediate_size
+  // Group-limited routing (DeepSeek-V3's node-limited routing; Megatron-core's
+  // moe_router_num_groups and moe_router_group_topk, Hugging Face's n_group and
+  // topk_group): the experts in moe_groups equal groups of consecutive experts, each
+  // token's K chosen within moe_group_topk of them. 0: none. It bounds the nodes the flex
+  // dispatcher sends a token to (Plan::moe_dispatcher); nothing else is costed from it.
+  int64_t moe_groups = 0, moe_group_topk = 0;
   // Which layers are MoE layers where the model mixes them with dense ones (Megatron-core's
   // moe_layer_freq as a list; DeepSeek's and GLM's first_k_dense_replace, Qwen-MoE's
   // decoder_sparse_step and mlp_only_layers): moe_layer[l] is 1 for an MoE layer, 0 for a

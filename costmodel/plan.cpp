@@ -34,6 +34,15 @@ const char* to_string(ScheduleKind s) {
   return "?";
 }
 
+const char* to_string(MoeDispatcher d) {
+  switch (d) {
+    case MoeDispatcher::alltoall: return "alltoall";
+    case MoeDispatcher::deepep: return "deepep";
+    case MoeDispatcher::hybridep: return "hybridep";
+  }
+  return "?";
+}
+
 const char* to_string(CpComm c) {
   switch (c) {
     case CpComm::automatic: return "auto";
@@ -529,7 +538,8 @@ Plan plan_from_json(const Json& in, const std::string& source) {
                            "fine_grained_activation_offloading", "offload_modules", "activation_offload_fraction",
                            "min_offloaded_tensor_size", "delta_offload_bytes_across_pp_ranks",
                            "num_distributed_optimizer_instances", "data_parallel_shard_size",
-                           "data_parallel_shard_degree", "mics_shard_size", "description"});
+                           "data_parallel_shard_degree", "mics_shard_size", "moe_token_dispatcher_type",
+                           "moe_flex_dispatcher_backend", "moe_enable_deepep", "description"});
   Plan p;
   p.t = f.integer_or("tensor_parallel", 1, 1, kMaxDegree);
   p.p = f.integer_or("pipeline_parallel", 1, 1, kMaxDegree);
@@ -643,6 +653,32 @@ Plan plan_from_json(const Json& in, const std::string& source) {
   p.offload = f.real_or("optimizer_offload_fraction", 0.0, 0.0, 1.0);
   p.ep = f.integer_or("expert_model_parallel_size", 1, 1, kMaxDegree);
   p.etp = f.integer_or("expert_tensor_parallel_size", 0, 1, kMaxDegree);  // (absent: 0, tensor_parallel)
+  // The MoE token dispatcher: Megatron reads the flex backend (and the older
+  // moe_enable_deepep) only with moe_token_dispatcher_type flex; allgather is not modelled.
+  {
+    const Json* type = f.peek("moe_token_dispatcher_type");
+    const bool typed = type && !type->is_null();
+    const std::string kind = typed ? f.choice_or("moe_token_dispatcher_type", "alltoall", {"alltoall", "flex", "allgather"})
+                                   : (f.ignore("moe_token_dispatcher_type"), std::string("alltoall"));
+    if (kind == "allgather")
+      fail_field(source + ".moe_token_dispatcher_type", "\"allgather\"",
+                 "is not modelled: give alltoall (costed by default) or flex");
+    const Json* backend = f.peek("moe_flex_dispatcher_backend");
+    const bool backed = backend && !backend->is_null();
+    const std::string be = backed ? f.choice_or("moe_flex_dispatcher_backend", "deepep", {"deepep", "hybridep"})
+                                  : (f.ignore("moe_flex_dispatcher_backend"), std::string("deepep"));
+    const Json* deepep = f.peek("moe_enable_deepep");
+    const bool old_deepep = deepep && !deepep->is_null() && f.boolean_or("moe_enable_deepep", false);
+    f.ignore("moe_enable_deepep");
+    if (old_deepep && backed && be != "deepep")
+      fail_field(source + ".moe_enable_deepep", "true",
+                 fmt::format("contradicts moe_flex_dispatcher_backend {}: keep one", be));
+    if (kind != "flex" && (backed || old_deepep))
+      fail_field(source + (backed ? ".moe_flex_dispatcher_backend" : ".moe_enable_deepep"),
+                 backed ? show_value(*backend) : "true",
+                 "needs moe_token_dispatcher_type flex (Megatron reads it only then)");
+    if (kind == "flex") p.moe_dispatcher = be == "hybridep" ? MoeDispatcher::hybridep : MoeDispatcher::deepep;
+  }
   // Fine-grained activation offloading: on with a list of modules (Megatron-core asserts
   // one), unless fine_grained_activation_offloading says false (then, as Megatron does,
   // the list and its settings are not read).
@@ -855,6 +891,10 @@ Json plan_to_json(const Plan& p) {
   if (p.first_stage_layers > 0) j["decoder_first_pipeline_num_layers"] = p.first_stage_layers;
   if (p.last_stage_layers > 0) j["decoder_last_pipeline_num_layers"] = p.last_stage_layers;
   if (p.cp_comm != CpComm::automatic) j["cp_comm_type"] = to_string(p.cp_comm);
+  if (p.moe_dispatcher != MoeDispatcher::alltoall) {
+    j["moe_token_dispatcher_type"] = "flex";
+    j["moe_flex_dispatcher_backend"] = to_string(p.moe_dispatcher);
+  }
   if (p.grad_reduce_in_fp32 != Tristate::automatic) j["grad_reduce_in_fp32"] = p.grad_reduce_in_fp32 == Tristate::on;
   if (p.precision_aware_optimizer) {
     j["use_precision_aware_optimizer"] = true;
@@ -916,6 +956,8 @@ std::string plan_to_inline(const Plan& p) {
   if (p.software_stack != StackChoice::automatic)
     s += p.software_stack == StackChoice::legacy ? ",software_stack=legacy" : ",software_stack=modern";
   if (p.cp_comm != CpComm::automatic) s += fmt::format(",cp_comm_type={}", to_string(p.cp_comm));
+  if (p.moe_dispatcher != MoeDispatcher::alltoall)
+    s += fmt::format(",moe_token_dispatcher_type=flex,moe_flex_dispatcher_backend={}", to_string(p.moe_dispatcher));
   if (p.offload > 0) s += fmt::format(",offload={}", p.offload);
   if (p.ep > 1) s += fmt::format(",ep={}", p.ep);
   if (p.etp > 0 && p.etp != p.t) s += fmt::format(",etp={}", p.etp);
@@ -973,6 +1015,9 @@ void moe_reasons(const ModelSpec& m, const Cluster& cl, const Plan& p, const Add
   if (m.moe() && p.t > 1 && !p.sp)
     add("moe_sp", [&] { return fmt::format("a mixture-of-experts model with tensor_parallel={} needs sequence_parallel "
                                            "(Megatron-core's rule)", p.t); });
+  if (p.moe_dispatcher != MoeDispatcher::alltoall && !m.moe())
+    add("moe_dispatcher", [&] { return fmt::format("moe_token_dispatcher_type=flex needs a mixture-of-experts model; {} "
+                                                   "is dense", m.name); });
   if (m.moe() && cl.strata_stack)
     add("moe_strata", [&] { return fmt::format("{} runs the strata executor, which has no mixture-of-experts layer; "
                                                "plan {} on a GPU cluster preset", cl.name, m.name); });
@@ -1005,7 +1050,7 @@ std::vector<Reason> check_plan(const ModelSpec& m, const Cluster& cl, const Plan
   if (m.F % p.t != 0 && (!m.moe() || m.mixed()))  // (a mixed model's dense layers)
     add("tp_ffn", [&] { return fmt::format("tensor_parallel={} must divide ffn_hidden_size={}{}", p.t, m.F,
                                            m.moe() ? " (the dense layers' MLP)" : ""); });
-  if (m.moe() || p.ep > 1) moe_reasons(m, cl, p, add);
+  if (m.moe() || p.ep > 1 || p.moe_dispatcher != MoeDispatcher::alltoall) moe_reasons(m, cl, p, add);
   if (!m.moe() && p.recompute == Recompute::selective && (p.recompute_modules & kRecomputeMoeAct))
     add("moe_act", [&] { return fmt::format("recompute_modules moe_act needs a mixture-of-experts model; {} is dense", m.name); });
   if (!m.mla() && p.recomputes(kRecomputeMlaUpProj))

@@ -31,6 +31,10 @@ enum class Tristate { automatic, off, on };
 // ring does not run) a2a where the heads allow it, else allgather, as Megatron-Bridge sets
 // it for Mistral; the strata executor always gathers (allgather).
 enum class CpComm { automatic, p2p, a2a, allgather };
+// Megatron-core's token dispatcher of the MoE layers: alltoall (moe_token_dispatcher_type
+// alltoall; what strata costs unless told), or flex with its backend
+// (moe_flex_dispatcher_backend deepep or hybridep; Megatron's older moe_enable_deepep).
+enum class MoeDispatcher { alltoall, deepep, hybridep };
 
 // An explicit split of the decoder layers over the pipeline's model chunks, Megatron-core's
 // pipeline_model_parallel_layout: virtual stages separated by '|', 'E' the embedding, 't' a
@@ -114,10 +118,14 @@ struct Plan {
   AttentionChoice attention = AttentionChoice::automatic;
   Tristate overlap_grad_reduce = Tristate::automatic;       // DP reduction beside the last backward
   Tristate overlap_param_gather = Tristate::automatic;      // ZeRO-1/2 parameter all-gather beside the next forward
-  Tristate tp_comm_overlap = Tristate::automatic;           // backward TP collectives beside the wgrad GEMMs
+  Tristate tp_comm_overlap = Tristate::automatic;           // TP collectives beside GEMMs (Stack::userbuffers)
   Tristate grad_accumulation_fusion = Tristate::automatic;  // wgrad GEMMs accumulate into fp32 main grads
   StackChoice software_stack = StackChoice::automatic;      // legacy | modern: the defaults of the five above
   CpComm cp_comm = CpComm::automatic;                       // cp_comm_type (context_parallel > 1)
+  // The MoE layers' token dispatcher. flex (either backend: DeepEP, NVIDIA's HybridEP)
+  // sends a token once to each node holding any of its experts and on to each GPU holding
+  // them (the all-to-all dispatcher sends one copy per expert); compute.cpp.
+  MoeDispatcher moe_dispatcher = MoeDispatcher::alltoall;
   // grad_reduce_in_fp32 (Megatron-core's DDP setting; Megatron-LM's --grad-reduce-in-bf16 and
   // --accumulate-allreduce-grads-in-fp32): the main gradients accumulated and reduced in
   // fp32, or (off) in the parameters' 16-bit type, bf16 with fp8. "auto": on, but off in
@@ -265,6 +273,7 @@ void interleaved_reasons(const Plan& p, std::vector<Reason>* r, bool messages = 
 const char* to_string(Recompute r);
 const char* to_string(ScheduleKind s);
 const char* to_string(CpComm c);
+const char* to_string(MoeDispatcher d);  // the flex backend's name, or "alltoall"
 // The cp_comm_type a plan runs with (CpComm): never automatic. On the strata stack
 // (cluster software_stack "strata") always allgather, what its executor does.
 CpComm resolve_cp_comm(const ModelSpec& m, const Cluster& cl, const Plan& p);

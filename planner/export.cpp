@@ -99,7 +99,8 @@ std::string export_megatron(const ModelSpec& m, const Plan& p, const Stack& stac
   }
   if (stack.overlap_grad_reduce && p.replicas() > 1) flag("--overlap-grad-reduce");
   if (stack.overlap_param_gather && p.replicas() > 1 && p.zero >= 1) flag("--overlap-param-gather");
-  if (stack.userbuffers) flag("--tp-comm-overlap");  // (Megatron's user buffers; it requires --sequence-parallel)
+  // Megatron's user buffers, as the plan asked (Megatron asserts sequence parallelism for them).
+  if (p.tp_comm_overlap == Tristate::on && p.sp && p.t > 1) flag("--tp-comm-overlap");
   if (!stack.grad_accumulation_fusion) flag("--no-gradient-accumulation-fusion");
   // Megatron-LM runs --optimizer-cpu-offload only with the precision-aware optimizer.
   if (p.offload > 0 && !p.precision_aware_optimizer) {
@@ -152,8 +153,17 @@ std::string export_megatron(const ModelSpec& m, const Plan& p, const Stack& stac
     if (m.mixed()) flag(fmt::format("--moe-layer-freq \"{}\"", moe_layer_freq_text(m.moe_layer)));
     if (p.ep > 1) flag(fmt::format("--expert-model-parallel-size {}", p.ep));
     if (p.expert_tp() != p.t) flag(fmt::format("--expert-tensor-parallel-size {}", p.expert_tp()));
+    if (m.moe_groups > 0) {
+      flag(fmt::format("--moe-router-num-groups {}", m.moe_groups));
+      flag(fmt::format("--moe-router-group-topk {}", m.moe_group_topk));
+    }
     flag("--moe-grouped-gemm");
-    flag("--moe-token-dispatcher-type alltoall");
+    if (p.moe_dispatcher == MoeDispatcher::alltoall) {
+      flag("--moe-token-dispatcher-type alltoall");
+    } else {
+      flag("--moe-token-dispatcher-type flex");
+      flag(fmt::format("--moe-flex-dispatcher-backend {}", to_string(p.moe_dispatcher)));
+    }
     notes += "# mixture of experts: strata costed balanced routing (every expert the same tokens); an uneven\n"
              "# load makes the busiest expert's rank the slowest.\n";
   }
@@ -306,6 +316,12 @@ std::string export_bridge(const ModelSpec& m, const Plan& p, const Stack& stack)
   set("model.seq_length", num(m.S));
   if (p.ep > 1) set("model.expert_model_parallel_size", num(p.ep));
   if (m.moe() && p.expert_tp() != p.t) set("model.expert_tensor_parallel_size", num(p.expert_tp()));
+  if (m.moe()) {
+    // (Bridge's recipes name a flex backend and let apply_flex_dispatcher_backend switch to it.)
+    set("model.moe_token_dispatcher_type", p.moe_dispatcher == MoeDispatcher::alltoall ? "alltoall" : "flex");
+    if (p.moe_dispatcher != MoeDispatcher::alltoall)
+      set("model.moe_flex_dispatcher_backend", to_string(p.moe_dispatcher));
+  }
   // ZeRO: the distributed optimizer shards the optimizer states (1); Megatron-FSDP shards
   // gradients too (2) and the parameters (3).
   set("ddp.use_distributed_optimizer", yes(p.zero >= 1));
@@ -342,9 +358,8 @@ std::string export_bridge(const ModelSpec& m, const Plan& p, const Stack& stack)
   const bool replicated = p.replicas() > 1;
   set("ddp.overlap_grad_reduce", yes(stack.overlap_grad_reduce && replicated));
   set("ddp.overlap_param_gather", yes(stack.overlap_param_gather && replicated && p.zero >= 1));
-  if (stack.userbuffers)
-    notes += "# tensor-parallel communication overlap with user buffers was costed: the recipe's comm_overlap\n"
-             "# config with tp_comm_overlap=True (a CommOverlapConfig; its user-buffer settings are the recipe's).\n";
+  // (Megatron-Bridge's recipes of tensor-parallel models set user buffers on: said either way.)
+  if (p.t > 1) set("comm_overlap.tp_comm_overlap", yes(stack.userbuffers));
   set("model.gradient_accumulation_fusion", yes(stack.grad_accumulation_fusion));
   if (p.precision_aware_optimizer) {
     set("optimizer.use_precision_aware_optimizer", "true");

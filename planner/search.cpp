@@ -21,6 +21,7 @@ FixedDims parse_fixed(const std::string& text) {
   FixedDims f;
   Json optimizer = Json::object();  // the precision-aware optimizer's keys, read as a plan reads them
   Json activations = Json::object();  // activation offloading's keys, alike
+  Json dispatcher = Json::object();   // the MoE token dispatcher's keys, alike
   for (auto it = j.begin(); it != j.end(); ++it) {
     const std::string k = it.key();
     const Json& v = it.value();
@@ -32,6 +33,10 @@ FixedDims parse_fixed(const std::string& text) {
     if (k == "offload_modules" || k == "fine_grained_activation_offloading" || k == "activation_offload_fraction" ||
         k == "min_offloaded_tensor_size") {
       activations[k] = v;
+      continue;
+    }
+    if (k == "moe_token_dispatcher_type" || k == "moe_flex_dispatcher_backend" || k == "moe_enable_deepep") {
+      dispatcher[k] = v;
       continue;
     }
     auto integer = [&](int64_t lo, int64_t hi) -> int64_t {
@@ -86,7 +91,8 @@ FixedDims parse_fixed(const std::string& text) {
     } else {
       fail_field("--fix " + k, show_value(v),
                  "unknown key: use tp, pp, dp, cp, vp, mbs, zero, recompute, recompute_num_layers, sp, schedule, "
-                 "uneven_split, cp_comm_type, offload, ep, grad_reduce_in_fp32, tp_comm_overlap, use_precision_aware_optimizer (and "
+                 "uneven_split, cp_comm_type, offload, ep, grad_reduce_in_fp32, tp_comm_overlap, moe_token_dispatcher_type (and "
+                 "its moe_flex_dispatcher_backend), use_precision_aware_optimizer (and "
                  "its exp_avg_dtype, exp_avg_sq_dtype, main_params_dtype, store_param_remainders), offload_modules "
                  "(and its activation_offload_fraction, min_offloaded_tensor_size), num_distributed_optimizer_instances "
                  "or data_parallel_shard_size");
@@ -98,6 +104,7 @@ FixedDims parse_fixed(const std::string& text) {
   }
   if (f.dp_instances && f.dp_shard_size)
     throw InputError("--fix: num_distributed_optimizer_instances and data_parallel_shard_size both given: keep one");
+  if (!dispatcher.empty()) f.moe_dispatcher = plan_from_json(dispatcher, "--fix").moe_dispatcher;
   if (!activations.empty()) {
     if (!activations.contains("offload_modules") && !activations.contains("fine_grained_activation_offloading"))
       fail_field("--fix " + activations.begin().key(), show_value(activations.begin().value()),
@@ -625,6 +632,7 @@ SearchResult search(const ModelSpec& m, const Cluster& cl, const SearchOptions& 
           probe_tpcv.attention = opt.attention;
           probe_tpcv.grad_reduce_in_fp32 = grad_reduce_of(fx);
           if (fx.tp_comm_overlap) probe_tpcv.tp_comm_overlap = *fx.tp_comm_overlap ? Tristate::on : Tristate::off;
+          if (fx.moe_dispatcher) probe_tpcv.moe_dispatcher = *fx.moe_dispatcher;
           if (fx.activation_offload) probe_tpcv.take_activation_offload_of(*fx.activation_offload);
           // (An MoE model needs sequence parallelism with tp > 1: the probe has it, so that
           // moe_sp does not hide a structural reason.)

@@ -32,6 +32,9 @@ struct FixedDims {
   // modern stack run Transformer Engine's user buffers (Stack::userbuffers), as Megatron-Bridge's
   // and NeMo's recipes do; off, no tensor-parallel collective overlaps.
   std::optional<bool> tp_comm_overlap;
+  // --fix moe_token_dispatcher_type=flex (with moe_flex_dispatcher_backend): the MoE token
+  // dispatcher of every candidate (Plan::moe_dispatcher; not searched).
+  std::optional<MoeDispatcher> moe_dispatcher;
   // --fix use_precision_aware_optimizer=1 (with exp_avg_dtype, exp_avg_sq_dtype,
   // main_params_dtype, store_param_remainders): the optimizer of every ZeRO-1 candidate
   // (Megatron's distributed optimizer, the only one it runs with); its fields only.

@@ -589,6 +589,17 @@ TEST(Cli, BadInputExits2NamingTheField) {
       {"estimate --model mixtral-8x7b --cluster dgx-h100-80g --plan tp=2,dp=4,ep=8,sp=1", "2 x 8 must divide"},
       {"estimate --model mixtral-8x7b --cluster local-cpu --plan dp=2,ep=2", "no mixture-of-experts layer"},
       {S + "--gpus 8 --global-batch-size 8 --fix ep=0", "--fix ep"},
+      {P + "tp=8,dp=2,moe_token_dispatcher_type=allgather", "moe_token_dispatcher_type"},
+      {P + "tp=8,dp=2,moe_flex_dispatcher_backend=hybridep", "needs moe_token_dispatcher_type flex"},
+      {P + "tp=8,dp=2,moe_token_dispatcher_type=flex", "needs a mixture-of-experts model"},
+      {S + "--gpus 8 --global-batch-size 8 --fix moe_token_dispatcher_type=ring", "moe_token_dispatcher_type"},
+      {model("x6.json", R"({"num_layers":2,"num_experts":8,"moe_router_num_groups":3,"moe_router_group_topk":1,)" + ok_model + "}"),
+       "moe_router_num_groups"},
+      {model("x7.json", R"({"num_layers":2,"num_experts":8,"moe_router_num_groups":4,)" + ok_model + "}"),
+       "moe_router_group_topk"},
+      {"estimate --cluster dgx-a100-80g --gpus 8 --megatron-args '--num-layers 2 --hidden-size 64 --num-attention-heads 4 "
+       "--seq-length 32 --max-position-embeddings 32 --vocab-size 100 --micro-batch-size 1 --global-batch-size 8 "
+       "--tensor-model-parallel-size 2 --tp-comm-overlap'", "--tp-comm-overlap"},
       {"train --model mixtral-8x7b --plan dp=1 --steps 2", "mixture of experts) is not implemented"},
       {P + "tp=8,dp=2,recompute_modules=moe", "recompute_modules"},
       {P + "tp=8,dp=2,recompute_modules=mla_up_proj", "mla_up_proj"},

@@ -132,15 +132,16 @@ TEST(Compute, TensorParallelCollectivesPerLayer) {
 }
 
 // Transformer Engine's user buffers (tp_comm_overlap set on, sequence parallelism, the
-// modern stack: fp8 selects it). GPT-3 175B, tp 8, one sequence of 2048 on the round
-// cluster (fp8 GEMMs at 100 TFLOP/s, no launch cost, nothing lost to overlap):
-// - every all-gather of a block moves the fp8 copy: 2048 x 12288 x 1 = 25,165,824 bytes
-//   (against 50,331,648 in 16 bits without user buffers);
-// - forward: the QKV and fc1 inputs' ring exchanges hide behind 7/8 of their GEMMs (QKV
+// modern stack). GPT-3 175B, tp 8, one sequence of 2048 on the round cluster (GEMMs at
+// 50 TFLOP/s in bf16, 100 in fp8, no launch cost, nothing lost to overlap):
+// - in fp8 every all-gather of a block moves the fp8 copy: 2048 x 12288 x 1 = 25,165,824
+//   bytes (against 50,331,648 in 16 bits without user buffers);
+// - the QKV and fc1 inputs' ring exchanges hide behind 7/8 of their GEMMs (QKV in fp8
 //   2 x 2048 x 4608 x 12288 / 1e14 = 2.319 ms, against an all-gather of about 0.15 ms):
-//   nothing exposed; the reduce-scatters after the output projection and fc2 run beside
-//   the 4 chunks of their GEMMs, each collective shorter than its GEMM, so the last chunk's,
-//   a quarter, shows;
+//   nothing exposed; in fp8 the reduce-scatters after the output projection and fc2 are ring
+//   exchanges too (the recipes' fp8 configs) and hide; in bf16 they run beside the 4 column
+//   chunks of their GEMMs (Transformer Engine's pipeline), each collective shorter than its
+//   GEMM, so the last chunk's, a quarter, shows;
 // - backward: the output gradients' ring exchanges before the projection's and fc2's input
 //   gradients, and the inputs' gathers behind the input-gradient GEMMs (as without user
 //   buffers), hide; the reduce-scatters behind the weight gradients too;
@@ -155,48 +156,52 @@ TEST(Compute, UserBuffersOverlapTheBlocksCollectives) {
     if (lc_out) *lc_out = lc;
     return ops;
   };
-  LayerCost ub_lc, plain_lc;
-  const auto ub = tp_ops("tp=8,mbs=1,sp=1,precision=fp8,tp_comm_overlap=1", &ub_lc);
-  const auto plain = tp_ops("tp=8,mbs=1,sp=1,precision=fp8", &plain_lc);
   const double H = 12288, T = 2048;
-  int gathers = 0, scatters = 0;
-  double split_extra = 0;
-  for (const OpCost& o : ub) {
-    if (o.name == std::string("ub_split_gemm")) split_extra += o.time_s;
-    if (o.kind != OpKind::tp_comm) continue;
-    if (o.name == std::string("sp_all_gather")) {
-      ++gathers;
-      EXPECT_DOUBLE_EQ(o.bytes, T * H);
-      EXPECT_DOUBLE_EQ(o.exposed_s, 0.0) << to_string(o.phase);
-    } else {
-      ASSERT_EQ(o.name, std::string("sp_reduce_scatter"));
-      ++scatters;
-      EXPECT_DOUBLE_EQ(o.bytes, 2 * T * H);
-      if (o.phase == Phase::forward)
-        EXPECT_NEAR(o.exposed_s, o.time_s / 4, 1e-15);
-      else
-        EXPECT_DOUBLE_EQ(o.exposed_s, 0.0);
-    }
-  }
-  EXPECT_EQ(gathers, 2 + 4);
-  EXPECT_EQ(scatters, 2 + 2);
-  EXPECT_NEAR(split_extra, 0.0, 1e-15);
-  // Without user buffers the forward's four collectives and the backward's two output
-  // gradient gathers are exposed whole, the gathers at 16 bits.
-  double plain_exposed = 0, rs = 0, ag16 = 0;
-  for (const OpCost& o : plain)
-    if (o.kind == OpKind::tp_comm) {
-      plain_exposed += o.exposed_s;
-      if (o.name == std::string("sp_reduce_scatter") && o.phase == Phase::forward) rs = o.time_s;
+  for (const char* prec : {"fp8", "bf16"}) {
+    const bool fp8 = prec == std::string("fp8");
+    LayerCost ub_lc, plain_lc;
+    const std::string base = std::string("tp=8,mbs=1,sp=1,software_stack=modern,precision=") + prec;
+    const auto ub = tp_ops((base + ",tp_comm_overlap=1").c_str(), &ub_lc);
+    const auto plain = tp_ops(base.c_str(), &plain_lc);
+    int gathers = 0, scatters = 0;
+    double split_extra = 0;
+    for (const OpCost& o : ub) {
+      if (o.name == std::string("ub_split_gemm")) split_extra += o.time_s;
+      if (o.kind != OpKind::tp_comm) continue;
       if (o.name == std::string("sp_all_gather")) {
+        ++gathers;
+        EXPECT_DOUBLE_EQ(o.bytes, (fp8 ? 1 : 2) * T * H) << prec;
+        EXPECT_DOUBLE_EQ(o.exposed_s, 0.0) << to_string(o.phase) << prec;
+      } else {
+        ASSERT_EQ(o.name, std::string("sp_reduce_scatter"));
+        ++scatters;
         EXPECT_DOUBLE_EQ(o.bytes, 2 * T * H);
-        ag16 = o.time_s;
+        if (o.phase == Phase::forward && !fp8)
+          EXPECT_NEAR(o.exposed_s, o.time_s / 4, 1e-15);
+        else
+          EXPECT_DOUBLE_EQ(o.exposed_s, 0.0) << prec;
       }
     }
-  EXPECT_NEAR(plain_exposed, 2 * rs + 4 * ag16, 1e-12);
-  EXPECT_NEAR(ub_lc.forward.tp_comm_s, 2 * rs / 4, 1e-12);
-  EXPECT_DOUBLE_EQ(ub_lc.backward.tp_comm_s, 0.0);
-  EXPECT_NEAR(ub_lc.forward.compute_s, plain_lc.forward.compute_s, 1e-15);
+    EXPECT_EQ(gathers, 2 + 4);
+    EXPECT_EQ(scatters, 2 + 2);
+    EXPECT_NEAR(split_extra, 0.0, 1e-15);
+    // Without user buffers the forward's four collectives and the backward's two output
+    // gradient gathers are exposed whole, the gathers at 16 bits.
+    double plain_exposed = 0, rs = 0, ag16 = 0;
+    for (const OpCost& o : plain)
+      if (o.kind == OpKind::tp_comm) {
+        plain_exposed += o.exposed_s;
+        if (o.name == std::string("sp_reduce_scatter") && o.phase == Phase::forward) rs = o.time_s;
+        if (o.name == std::string("sp_all_gather")) {
+          EXPECT_DOUBLE_EQ(o.bytes, 2 * T * H);
+          ag16 = o.time_s;
+        }
+      }
+    EXPECT_NEAR(plain_exposed, 2 * rs + 4 * ag16, 1e-12);
+    EXPECT_NEAR(ub_lc.forward.tp_comm_s, fp8 ? 0.0 : 2 * rs / 4, 1e-12) << prec;
+    EXPECT_DOUBLE_EQ(ub_lc.backward.tp_comm_s, 0.0);
+    EXPECT_NEAR(ub_lc.forward.compute_s, plain_lc.forward.compute_s, 1e-15);
+  }
   // Auto (Megatron-LM's default: no --tp-comm-overlap), sp off and the legacy stack take no
   // user buffers.
   EXPECT_FALSE(compute_setup(m, c, load_plan("tp=8,sp=1,precision=fp8")).stack.userbuffers);
@@ -547,6 +552,54 @@ TEST(Compute, MixtureOfExpertsLayer) {
   for (const OpCost& o : re)
     if (o.phase == Phase::recompute && o.name != "norm1" && o.name != "norm2" && o.name != "gelu") other += o.time_s;
   EXPECT_EQ(other, 0.0);
+}
+
+// The flex dispatcher (DeepEP, HybridEP): 16 experts of 2 per token on ep 16 over two
+// nodes of 8 GPUs (one expert each), mbs 1 x 1024 tokens, H 1024, bf16 (2048-byte rows).
+// - a token misses the other node with P = (8/16)(7/15) = 7/30, so 23/30 of a copy per
+//   token crosses the network (the all-to-all sends K x 8/16 = 1);
+// - it misses a given GPU with P = (15/16)(14/15) = 7/8: 15/8 copies per token over NVLink;
+// - time: 10 us + max(1024 x 23/30 x 2048 / 10 GB/s, 1024 x 15/8 x 2048 / 150 GB/s)
+//   = 10 us + 160.8 us;
+// - with 4 groups of 4 experts and each token's experts in 1 group (group-limited
+//   routing: the groups lie whole on the nodes, 2 per node), it misses the other node with
+//   P = 1/2: 1/2 copy per token crosses;
+// - within one node (ep 8, 2 experts per GPU) only NVLink: 7 x (1 - (14/16)(13/15)) copies.
+TEST(Compute, FlexDispatcherSendsATokenOncePerNode) {
+  const Cluster c = testing::round_cluster();
+  const char* model = R"({"num_layers":2,"hidden_size":1024,"num_attention_heads":8,"vocab_size":512,
+      "seq_length":1024,"activation":"gelu","num_experts":16,"moe_router_topk":2,"moe_ffn_hidden_size":512,
+      "attention_dropout":0,"hidden_dropout":0%s})";
+  auto with = [&](const std::string& extra) {
+    std::string text = model;
+    text.replace(text.find("%s"), 2, extra);
+    return model_from_json(Json::parse(text), "model");
+  };
+  const ModelSpec m = with(""), grouped = with(R"(,"moe_router_num_groups":4,"moe_router_group_topk":1)");
+  const double row = 2048, Tn = 1024;
+  auto exchange = [&](const ModelSpec& mm, const char* plan, const char* name) {
+    const std::vector<OpCost> ops = layer_ops(mm, c, load_plan(plan));
+    return std::pair{sum_of(ops, name, Phase::forward, &OpCost::bytes), sum_of(ops, name, Phase::forward, &OpCost::time_s)};
+  };
+  const char* flex = "dp=16,ep=16,mbs=1,precision=bf16,moe_token_dispatcher_type=flex";
+  const auto [bytes, t] = exchange(m, flex, "ep_dispatch_flex");
+  EXPECT_NEAR(bytes, Tn * 23.0 / 30.0 * row, 1e-6);
+  EXPECT_NEAR(t, 10e-6 + std::max(Tn * 23.0 / 30.0 * row / 10e9, Tn * 15.0 / 8.0 * row / 150e9), 1e-15);
+  EXPECT_NEAR(exchange(m, flex, "ep_combine_flex").second, t, 1e-18);
+  EXPECT_DOUBLE_EQ(exchange(m, flex, "ep_dispatch_all_to_all").first, 0.0);
+  // The all-to-all dispatcher sends a copy per expert, half of them off the node.
+  const auto [a2a_bytes, a2a_t] = exchange(m, "dp=16,ep=16,mbs=1,precision=bf16", "ep_dispatch_all_to_all");
+  EXPECT_DOUBLE_EQ(a2a_bytes, Tn * 2 * row);
+  EXPECT_NEAR(a2a_t, 10e-6 + Tn * 2 * row * 0.5 / 10e9, 1e-15);
+  EXPECT_LT(t, a2a_t);
+  // Group-limited routing: half a copy per token crosses the network.
+  EXPECT_NEAR(exchange(grouped, flex, "ep_dispatch_flex").first, Tn * 0.5 * row, 1e-6);
+  // One node: NVLink only.
+  const auto [in_bytes, in_t] = exchange(m, "dp=8,ep=8,mbs=1,precision=bf16,moe_token_dispatcher_type=flex,"
+                                            "moe_flex_dispatcher_backend=hybridep", "ep_dispatch_flex");
+  const double gpus = 7.0 * (1.0 - 14.0 / 16.0 * 13.0 / 15.0);
+  EXPECT_NEAR(in_bytes, Tn * gpus * row, 1e-6);
+  EXPECT_NEAR(in_t, 5e-6 + Tn * gpus * row / 150e9, 1e-15);
 }
 
 // Multi-latent attention's projections by hand, on a small model (H 256, 4 heads of 32 + 16

@@ -198,8 +198,21 @@ TEST(MegatronArgs, ExpertFlagsRoundTrip) {
                           "--qk-pos-emb-head-dim 64", "--v-head-dim 128", "--moe-layer-freq \"([0]*3+[1]*58)\""})
       EXPECT_NE(flags.find(f), std::string::npos) << f << "\n" << flags;
     EXPECT_EQ(flags.find("--kv-channels"), std::string::npos) << flags;
+    for (const char* f : {"--moe-router-num-groups 8", "--moe-router-group-topk 4", "--moe-token-dispatcher-type alltoall"})
+      EXPECT_NE(flags.find(f), std::string::npos) << f << "\n" << flags;
     const LaunchInputs in = launch_inputs(parse_megatron_launch(flags, "export"), p.world_size(), "export");
     EXPECT_TRUE(in.model.mla());
+    EXPECT_EQ(std::tie(in.model.moe_groups, in.model.moe_group_topk), std::tie(ds.moe_groups, ds.moe_group_topk));
+    // The flex dispatcher, written and read back.
+    const Plan fp = load_plan("tp=2,pp=8,dp=64,ep=64,etp=1,mbs=1,gbs=8192,zero=1,sp=1,moe_token_dispatcher_type=flex,"
+                              "moe_flex_dispatcher_backend=hybridep");
+    const std::string ff = export_megatron(ds, fp, resolve_stack(ds, cl, fp)) + fmt::format(" --vocab-size {}", ds.V);
+    for (const char* f : {"--moe-token-dispatcher-type flex", "--moe-flex-dispatcher-backend hybridep"})
+      EXPECT_NE(ff.find(f), std::string::npos) << f << "\n" << ff;
+    const LaunchInputs fin = launch_inputs(parse_megatron_launch(ff, "export"), fp.world_size(), "export");
+    EXPECT_EQ(fin.plan.moe_dispatcher, MoeDispatcher::hybridep);
+    EXPECT_EQ(estimate(fin.model, cl, fin.plan).step_time_s, estimate(ds, cl, fp).step_time_s);
+
     EXPECT_EQ(in.model.total_params(), ds.total_params());
     EXPECT_EQ(estimate(in.model, cl, in.plan).step_time_s, estimate(ds, cl, p).step_time_s);
   }
@@ -331,6 +344,18 @@ TEST(MegatronArgs, TpCommOverlapFlag) {
   EXPECT_EQ(flags("tp=4,dp=2,sp=0,zero=1,precision=fp8,tp_comm_overlap=1").find("--tp-comm-overlap"), std::string::npos);
   const Plan q = launch_inputs(parse_megatron_launch(ub + fmt::format(" --vocab-size {}", m.V), "export"), 8, "export").plan;
   EXPECT_TRUE(resolve_stack(m, h100, q).userbuffers);
+  // Megatron asserts the flag without sequence parallelism (which tp 1 turns off): refused.
+  for (const char* bad : {"--tensor-model-parallel-size 2 --tp-comm-overlap",
+                          "--tensor-model-parallel-size 1 --sequence-parallel --tp-comm-overlap"})
+    EXPECT_THROW(small_launch_plan(bad), InputError) << bad;
+  EXPECT_EQ(small_launch_plan("--tensor-model-parallel-size 2 --sequence-parallel --tp-comm-overlap").tp_comm_overlap,
+            Tristate::on);
+  // The MoE token dispatcher's flags are the plan's (--moe-enable-deepep, the older form).
+  EXPECT_EQ(small_launch_plan("--moe-token-dispatcher-type flex --moe-enable-deepep").moe_dispatcher,
+            MoeDispatcher::deepep);
+  EXPECT_EQ(small_launch_plan("--moe-token-dispatcher-type flex --moe-flex-dispatcher-backend hybridep").moe_dispatcher,
+            MoeDispatcher::hybridep);
+  EXPECT_THROW(small_launch_plan("--moe-token-dispatcher-type allgather"), InputError);
 }
 
 // Fine-grained activation offloading: --offload-modules takes a list of words, read (with

@@ -203,10 +203,12 @@ TEST(Memory, ExpertsShardOverTheirReplicas) {
                    2.0 * 512 * 512);
 }
 
-// Transformer Engine's user buffers (tp_comm_overlap on, sequence parallelism): twelve of
-// Megatron's input shape, the micro-batch's sequence on this context-parallel rank x H,
-// eight of them (the all-gathers') in fp8 in an fp8 run. Llama 2 7B, mbs 2, cp 2: 4096 x
-// 4096 x (8 x 1 + 4 x 2) = 268,435,456 bytes in fp8; x (12 x 2) = 402,653,184 in bf16.
+// Transformer Engine's user buffers (tp_comm_overlap on, sequence parallelism; Transformer
+// Engine 2.7 or later): twelve of Megatron's input shape, the micro-batch's sequence on
+// this context-parallel rank x H, eight of them (the all-gathers') in fp8 in an fp8 run,
+// where the two forward reduce-scatters' are ring exchanges holding (2t - 1)/t of it.
+// Llama 2 7B, mbs 2, cp 2, tp 4: 4096 x 4096 x (8 x 1 + 2 x 2 x 7/4 + 2 x 2) = 318,767,104
+// bytes in fp8; x (12 x 2) = 402,653,184 in bf16.
 TEST(Memory, UserBuffers) {
   const ModelSpec m = load_model("llama2-7b");
   const Cluster c = testing::round_cluster();
@@ -216,7 +218,7 @@ TEST(Memory, UserBuffers) {
     return stage_memory(m, c, p, lay, compute_setup(m, c, p), 0, 1, 1, 1).comm_buffers;
   };
   EXPECT_DOUBLE_EQ(comm("tp=4,cp=2,mbs=2,sp=1,precision=fp8,tp_comm_overlap=1") - comm("tp=4,cp=2,mbs=2,sp=1,precision=fp8"),
-                   268435456.0);
+                   318767104.0);
   EXPECT_DOUBLE_EQ(comm("tp=4,cp=2,mbs=2,sp=1,precision=bf16,tp_comm_overlap=1") - comm("tp=4,cp=2,mbs=2,sp=1,precision=bf16"),
                    402653184.0);
   EXPECT_DOUBLE_EQ(comm("tp=4,cp=2,mbs=2,sp=0,precision=bf16,tp_comm_overlap=1"), comm("tp=4,cp=2,mbs=2,sp=0,precision=bf16"));

@@ -494,9 +494,29 @@ TEST(ModelSpec, MultiLatentAttention) {
       "first_k_dense_replace":3,"moe_layer_freq":1,"q_lora_rank":1536,"kv_lora_rank":512,"qk_nope_head_dim":128,
       "qk_rope_head_dim":64,"v_head_dim":128,"head_dim":64,"vocab_size":129280,"max_position_embeddings":163840,
       "rms_norm_eps":1e-06,"hidden_act":"silu","tie_word_embeddings":false,"attention_bias":false,
-      "num_nextn_predict_layers":1})"), "config.json", 4096);
+      "num_nextn_predict_layers":1,"n_group":8,"topk_group":4})"), "config.json", 4096);
   EXPECT_DOUBLE_EQ(hf.total_params(), m.total_params());
   EXPECT_EQ(hf.moe_layer, m.moe_layer);
+  // Its group-limited routing: 4 of 8 groups of 32 experts (moe_router_num_groups,
+  // moe_router_group_topk), through both files and checked.
+  EXPECT_EQ(std::tie(hf.moe_groups, hf.moe_group_topk), std::tie(m.moe_groups, m.moe_group_topk));
+  EXPECT_EQ(m.moe_groups, 8);
+  EXPECT_EQ(m.moe_group_topk, 4);
+  {
+    const ModelSpec rt = model_from_json(model_to_json(m), "model");
+    EXPECT_EQ(std::tie(rt.moe_groups, rt.moe_group_topk), std::tie(m.moe_groups, m.moe_group_topk));
+    for (const char* bad : {R"("moe_router_num_groups":8)", R"("moe_router_group_topk":2)",
+                            R"("moe_router_num_groups":7,"moe_router_group_topk":2)",
+                            R"("moe_router_num_groups":8,"moe_router_group_topk":9)",
+                            R"("moe_router_num_groups":64,"moe_router_group_topk":1)"}) {
+      Json j = model_to_json(load_model("mixtral-8x7b"));
+      j["num_experts"] = 64;
+      j["moe_router_topk"] = 8;
+      const Json extra = Json::parse(std::string("{") + bad + "}");
+      for (auto it = extra.begin(); it != extra.end(); ++it) j[it.key()] = it.value();
+      EXPECT_THROW(model_from_json(j, "model"), InputError) << bad;
+    }
+  }
   EXPECT_EQ(std::tie(hf.q_lora_rank, hf.kv_lora_rank, hf.qk_pos_emb_head_dim, hf.v_head_dim, hf.kv_channels, hf.G),
             std::tie(m.q_lora_rank, m.kv_lora_rank, m.qk_pos_emb_head_dim, m.v_head_dim, m.kv_channels, m.G));
   const ModelSpec back = model_from_json(model_to_json(m), "model");

@@ -556,6 +556,38 @@ TEST(Plan, ExpertParallelism) {
   EXPECT_TRUE(check_plan(odd, load_cluster("dgx-h100-80g"), load_plan("tp=8,dp=2,sp=1,etp=1")).empty());
 }
 
+// The MoE layers' token dispatcher (Megatron-core's moe_token_dispatcher_type, with the
+// flex dispatcher's moe_flex_dispatcher_backend or the older moe_enable_deepep).
+TEST(Plan, MoeTokenDispatcher) {
+  EXPECT_EQ(load_plan("dp=16,ep=8").moe_dispatcher, MoeDispatcher::alltoall);
+  EXPECT_EQ(load_plan("dp=16,ep=8,moe_token_dispatcher_type=alltoall").moe_dispatcher, MoeDispatcher::alltoall);
+  EXPECT_EQ(load_plan("dp=16,ep=8,moe_token_dispatcher_type=flex").moe_dispatcher, MoeDispatcher::deepep);
+  const Plan hy = load_plan("dp=16,ep=8,moe_token_dispatcher_type=flex,moe_flex_dispatcher_backend=hybridep");
+  EXPECT_EQ(hy.moe_dispatcher, MoeDispatcher::hybridep);
+  EXPECT_EQ(plan_from_json(plan_to_json(hy), "plan").moe_dispatcher, MoeDispatcher::hybridep);
+  EXPECT_EQ(load_plan(plan_to_inline(hy)).moe_dispatcher, MoeDispatcher::hybridep);
+  EXPECT_EQ(plan_from_json(Json::parse(R"({"data_parallel":16,"moe_token_dispatcher_type":"flex","moe_enable_deepep":true})"),
+                           "plan").moe_dispatcher, MoeDispatcher::deepep);
+  EXPECT_EQ(plan_from_json(Json::parse(R"({"data_parallel":16,"moe_token_dispatcher_type":null,
+                                          "moe_flex_dispatcher_backend":null})"), "plan").moe_dispatcher,
+            MoeDispatcher::alltoall);
+  for (const char* bad : {"dp=16,moe_token_dispatcher_type=allgather", "dp=16,moe_token_dispatcher_type=ring",
+                          "dp=16,moe_flex_dispatcher_backend=hybridep",
+                          "dp=16,moe_token_dispatcher_type=alltoall,moe_flex_dispatcher_backend=deepep",
+                          "dp=16,moe_token_dispatcher_type=flex,moe_flex_dispatcher_backend=nccl",
+                          "dp=16,moe_enable_deepep=1",
+                          "dp=16,moe_token_dispatcher_type=flex,moe_enable_deepep=1,moe_flex_dispatcher_backend=hybridep"})
+    EXPECT_THROW(load_plan(bad), InputError) << bad;
+  try {
+    load_plan("dp=16,moe_flex_dispatcher_backend=hybridep");
+  } catch (const InputError& e) {
+    EXPECT_NE(std::string(e.what()).find("needs moe_token_dispatcher_type flex"), std::string::npos) << e.what();
+  }
+  EXPECT_EQ(keys(load_model("llama2-7b"), load_plan("dp=8,moe_token_dispatcher_type=flex")),
+            std::vector<std::string>{"moe_dispatcher"});
+  EXPECT_TRUE(keys(load_model("mixtral-8x7b"), load_plan("dp=16,ep=8,moe_token_dispatcher_type=flex")).empty());
+}
+
 // Megatron-core's --recompute-modules under selective recompute.
 TEST(Plan, RecomputeModules) {
   EXPECT_EQ(load_plan("recompute=selective").recompute_modules, kRecomputeCoreAttn);
