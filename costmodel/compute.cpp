@@ -607,53 +607,68 @@ double choose(double n, double k) {
 }
 
 // The chance that one of `holders` equal holders of the E experts (the nodes, or the
-// GPUs, of the expert-parallel group) holds none of a token's K under balanced routing:
-// the K drawn among E; with group-limited routing whose groups lie whole on a holder
-// (gph of its groups, of Eg experts each), the token's g groups drawn among the ng and
-// its K among their g Eg experts: the sum over j of P(j of the holder's groups drawn) x
-// P(none of the K among those j Eg).
+// GPUs, of the expert-parallel group; Megatron gives each expert-parallel rank E/ep
+// consecutive experts) holds none of a token's K, routing balanced: the K drawn among
+// the E. With group-limited routing (ng groups of Eg consecutive experts, g of them per
+// token), Megatron scores a group by its best experts, so each chosen group supplies one
+// of the K or more: a holder of whole groups (gph of them) is missed when none of its
+// groups is chosen, C(ng - gph, g) / C(ng, g); a holder inside a group (of `per` of its
+// experts) when its group is not chosen, or is and the K fall among the chosen groups'
+// other experts: (1 - g/ng) + g/ng x P(none of the K among its per of g Eg).
 double holder_missed(const ModelSpec& m, int64_t holders) {
   const double E = static_cast<double>(m.E), K = static_cast<double>(m.K);
   const int64_t per = m.E / holders;
   if (m.moe_groups > 0 && m.E % holders == 0) {
     const int64_t Eg = m.E / m.moe_groups;
-    if (per % Eg == 0) {
-      const double gph = static_cast<double>(per / Eg), ng = static_cast<double>(m.moe_groups),
-                   g = static_cast<double>(m.moe_group_topk), eg = static_cast<double>(Eg);
-      double q = 0;
-      for (double j = 0; j <= std::min(gph, g); ++j)
-        q += choose(gph, j) * choose(ng - gph, g - j) / choose(ng, g) * none_inside(g * eg, j * eg, K);
-      return q;
-    }
+    const double ng = static_cast<double>(m.moe_groups), g = static_cast<double>(m.moe_group_topk);
+    if (per % Eg == 0) return choose(ng - static_cast<double>(per / Eg), g) / choose(ng, g);
+    if (Eg % per == 0)
+      return (1.0 - g / ng) + g / ng * none_inside(g * static_cast<double>(Eg), static_cast<double>(per), K);
   }
   return none_inside(E, static_cast<double>(per), K);
 }
 
 // The dispatch (or combine) of an MoE layer's `bytes` of token copies, Tn tokens of this
-// rank's. The all-to-all dispatcher sends one copy per expert (an all-to-all over the
-// expert-parallel group). The flex dispatcher (Plan::moe_dispatcher: DeepEP's or NVIDIA's
-// HybridEP kernels) sends a token once to each other node of the group holding any of its
-// experts, over the network to the GPU of the sender's local rank there, and on over
-// NVLink to each GPU holding them (the combine reduces them back the same way): per token
-// (nodes - 1)(1 - P(a node holds none of its experts)) copies through this GPU's NIC beside
-// (ep - 1)(1 - P(a GPU holds none)) over NVLink, the slower of the two after one latency.
-void ep_exchange(Acc& a, const char* name, const char* flex_name, Phase ph, double bytes) {
+// rank's (Plan::moe_dispatcher).
+// - alltoall: one copy per expert, an all-to-all over the expert-parallel group.
+// - allgather: every rank's tokens gathered over the expert-parallel x expert-tensor-
+//   parallel group (each rank keeps those of its experts), the outputs reduce-scattered
+//   back; no separate expert-tensor-parallel collective.
+// - flex (DeepEP's or NVIDIA's HybridEP kernels, expert_tensor_parallel_size 1): a token
+//   once to each other node of the group holding any of its experts, over the network to
+//   the GPU of the sender's local rank there, and from there (and on the sender's node)
+//   once to each other GPU holding them over NVLink; the combine reduces them back the same
+//   way: per token (nodes - 1)(1 - P(a node holds none of its experts)) copies through
+//   this GPU's NIC beside (ep - nodes)(1 - P(a GPU holds none)) over NVLink, the slower of
+//   the two after one latency.
+void ep_exchange(Acc& a, const char* name, Phase ph, bool dispatch, double bytes) {
   const GroupSpan& g = a.ep;
-  if (a.p.moe_dispatcher == MoeDispatcher::alltoall || g.size <= 1) {
+  const MoeDispatcher d = a.p.moe_dispatcher;
+  if (d == MoeDispatcher::alltoall || (g.size <= 1 && d != MoeDispatcher::allgather)) {
     a.comm(name, ph, OpKind::ep_comm, g, Collective::all_to_all, bytes);
     return;
   }
   const ModelSpec& m = a.m;
   const Cluster& cl = a.cl;
   const double row = static_cast<double>(a.cs.work_bytes) * static_cast<double>(m.H), Tn = a.cs.Tn;
-  const double gpu_rows = Tn * static_cast<double>(g.size - 1) * (1.0 - holder_missed(m, g.size));
+  if (d == MoeDispatcher::allgather) {  // (backward: the dispatch reduce-scatters, the combine gathers)
+    const int64_t n = a.p.ep * a.p.expert_tp();
+    const bool gathers = dispatch == (ph != Phase::backward);
+    const char* op = dispatch ? (gathers ? "ep_dispatch_all_gather" : "ep_dispatch_reduce_scatter")
+                              : (gathers ? "ep_combine_all_gather" : "ep_combine_reduce_scatter");
+    a.comm(op, ph, OpKind::ep_comm, group_span(n, 1, cl.devices_per_node),
+           gathers ? Collective::all_gather : Collective::reduce_scatter, Tn * row * static_cast<double>(n));
+    return;
+  }
+  const double gpu_rows = Tn * static_cast<double>(g.size - g.nodes) * (1.0 - holder_missed(m, g.size));
   const double node_rows =
       g.nodes > 1 ? Tn * static_cast<double>(g.nodes - 1) * (1.0 - holder_missed(m, g.nodes)) : 0.0;
   const double nvlink = gpu_rows * row / (cl.intra.bandwidth_bytes_per_s * cl.intra.efficiency(Collective::all_to_all));
   const double network =
       node_rows * row / (cl.inter.bandwidth_bytes_per_s * cl.inter.efficiency(Collective::all_to_all));
   const double t = (g.nodes > 1 ? cl.inter.latency_s : cl.intra.latency_s) + std::max(nvlink, network);
-  a.book(flex_name, ph, OpKind::ep_comm, (g.nodes > 1 ? node_rows : gpu_rows) * row, t, 0.0);
+  a.book(dispatch ? "ep_dispatch_flex" : "ep_combine_flex", ph, OpKind::ep_comm,
+         (g.nodes > 1 ? node_rows : gpu_rows) * row, t, 0.0);
 }
 
 void moe_forward(Acc& a, Phase ph) {
@@ -672,15 +687,15 @@ void moe_forward(Acc& a, Phase ph) {
   a.gemm("router", ph, Tn, E, H, a.peak_attn, e);
   a.mem("router_topk", ph, (e + 8.0) * Tn * E);
   a.mem("moe_permute", ph, 2.0 * e * z.sent * H);
-  ep_exchange(a, "ep_dispatch_all_to_all", "ep_dispatch_flex", ph, e * z.sent * H);
-  if (p.expert_tp() > 1)
+  ep_exchange(a, "ep_dispatch_all_to_all", ph, true, e * z.sent * H);
+  if (p.expert_tp() > 1 && p.moe_dispatcher != MoeDispatcher::allgather)
     a.comm("moe_tp_all_gather", ph, OpKind::tp_comm, a.etp, Collective::all_gather, e * z.arriving * H);
   a.grouped_linear("expert_fc1", ph, z.local, z.per_expert, z.fc1, H);
   a.mem(to_string(m.activation), ph, (m.gated() ? 3.0 : 2.0) * e * z.arriving * z.Ft);
   a.grouped_linear("expert_fc2", ph, z.local, z.per_expert, H, z.Ft);
-  if (p.expert_tp() > 1)
+  if (p.expert_tp() > 1 && p.moe_dispatcher != MoeDispatcher::allgather)
     a.comm("moe_tp_reduce_scatter", ph, OpKind::tp_comm, a.etp, Collective::reduce_scatter, e * z.arriving * H);
-  ep_exchange(a, "ep_combine_all_to_all", "ep_combine_flex", ph, e * z.sent * H);
+  ep_exchange(a, "ep_combine_all_to_all", ph, false, e * z.sent * H);
   a.mem("moe_unpermute", ph, 2.0 * e * z.sent * H + e * Tn * H);
 }
 
@@ -692,15 +707,15 @@ void moe_backward(Acc& a) {
   const double E = static_cast<double>(m.E);
   const MoeSizes z = moe_sizes(a);
   a.mem("moe_unpermute", ph, 2.0 * e * z.sent * H + e * Tn * H);
-  ep_exchange(a, "ep_combine_all_to_all", "ep_combine_flex", ph, e * z.sent * H);
-  if (p.expert_tp() > 1)
+  ep_exchange(a, "ep_combine_all_to_all", ph, false, e * z.sent * H);
+  if (p.expert_tp() > 1 && p.moe_dispatcher != MoeDispatcher::allgather)
     a.comm("moe_tp_all_gather", ph, OpKind::tp_comm, a.etp, Collective::all_gather, e * z.arriving * H);
   a.grouped_linear("expert_fc2", ph, z.local, z.per_expert, H, z.Ft);
   a.mem(to_string(m.activation), ph, (m.gated() ? 5.0 : 3.0) * e * z.arriving * z.Ft);
   a.grouped_linear("expert_fc1", ph, z.local, z.per_expert, z.fc1, H);
-  if (p.expert_tp() > 1)
+  if (p.expert_tp() > 1 && p.moe_dispatcher != MoeDispatcher::allgather)
     a.comm("moe_tp_reduce_scatter", ph, OpKind::tp_comm, a.etp, Collective::reduce_scatter, e * z.arriving * H);
-  ep_exchange(a, "ep_dispatch_all_to_all", "ep_dispatch_flex", ph, e * z.sent * H);
+  ep_exchange(a, "ep_dispatch_all_to_all", ph, true, e * z.sent * H);
   a.mem("moe_permute", ph, 2.0 * e * z.sent * H);
   a.mem("router_topk", ph, (e + 8.0) * Tn * E);
   a.gemm("router", ph, Tn, H, E, a.peak_attn, e);                                            // dgrad

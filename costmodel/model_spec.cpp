@@ -449,6 +449,10 @@ void validate_model(const ModelSpec& m, const std::string& src) {
       if (m.moe_group_topk > m.moe_groups)
         fail_field(src + ".moe_router_group_topk", std::to_string(m.moe_group_topk),
                    fmt::format("must be in [1, moe_router_num_groups = {}]", m.moe_groups));
+      if (m.K < m.moe_group_topk)
+        fail_field(src + ".moe_router_topk", std::to_string(m.K),
+                   fmt::format("must be at least moe_router_group_topk = {} (Megatron takes the top K / group_topk "
+                               "experts of each group)", m.moe_group_topk));
       if (m.K > m.moe_group_topk * (m.E / m.moe_groups))
         fail_field(src + ".moe_router_topk", std::to_string(m.K),
                    fmt::format("must be at most the experts of moe_router_group_topk groups ({} x {})", m.moe_group_topk,

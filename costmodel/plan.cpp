@@ -37,6 +37,7 @@ const char* to_string(ScheduleKind s) {
 const char* to_string(MoeDispatcher d) {
   switch (d) {
     case MoeDispatcher::alltoall: return "alltoall";
+    case MoeDispatcher::allgather: return "allgather";
     case MoeDispatcher::deepep: return "deepep";
     case MoeDispatcher::hybridep: return "hybridep";
   }
@@ -653,16 +654,14 @@ Plan plan_from_json(const Json& in, const std::string& source) {
   p.offload = f.real_or("optimizer_offload_fraction", 0.0, 0.0, 1.0);
   p.ep = f.integer_or("expert_model_parallel_size", 1, 1, kMaxDegree);
   p.etp = f.integer_or("expert_tensor_parallel_size", 0, 1, kMaxDegree);  // (absent: 0, tensor_parallel)
-  // The MoE token dispatcher: Megatron reads the flex backend (and the older
-  // moe_enable_deepep) only with moe_token_dispatcher_type flex; allgather is not modelled.
+  // The MoE token dispatcher: Megatron reads the flex backend only with
+  // moe_token_dispatcher_type flex (and ignores it otherwise); its older moe_enable_deepep
+  // asks for flex.
   {
     const Json* type = f.peek("moe_token_dispatcher_type");
     const bool typed = type && !type->is_null();
     const std::string kind = typed ? f.choice_or("moe_token_dispatcher_type", "alltoall", {"alltoall", "flex", "allgather"})
                                    : (f.ignore("moe_token_dispatcher_type"), std::string("alltoall"));
-    if (kind == "allgather")
-      fail_field(source + ".moe_token_dispatcher_type", "\"allgather\"",
-                 "is not modelled: give alltoall (costed by default) or flex");
     const Json* backend = f.peek("moe_flex_dispatcher_backend");
     const bool backed = backend && !backend->is_null();
     const std::string be = backed ? f.choice_or("moe_flex_dispatcher_backend", "deepep", {"deepep", "hybridep"})
@@ -673,11 +672,11 @@ Plan plan_from_json(const Json& in, const std::string& source) {
     if (old_deepep && backed && be != "deepep")
       fail_field(source + ".moe_enable_deepep", "true",
                  fmt::format("contradicts moe_flex_dispatcher_backend {}: keep one", be));
-    if (kind != "flex" && (backed || old_deepep))
-      fail_field(source + (backed ? ".moe_flex_dispatcher_backend" : ".moe_enable_deepep"),
-                 backed ? show_value(*backend) : "true",
-                 "needs moe_token_dispatcher_type flex (Megatron reads it only then)");
-    if (kind == "flex") p.moe_dispatcher = be == "hybridep" ? MoeDispatcher::hybridep : MoeDispatcher::deepep;
+    if (old_deepep && kind != "flex")
+      fail_field(source + ".moe_enable_deepep", "true", "needs moe_token_dispatcher_type flex (Megatron asserts it)");
+    p.moe_dispatcher = kind == "flex"        ? (be == "hybridep" ? MoeDispatcher::hybridep : MoeDispatcher::deepep)
+                       : kind == "allgather" ? MoeDispatcher::allgather
+                                             : MoeDispatcher::alltoall;
   }
   // Fine-grained activation offloading: on with a list of modules (Megatron-core asserts
   // one), unless fine_grained_activation_offloading says false (then, as Megatron does,
@@ -891,7 +890,8 @@ Json plan_to_json(const Plan& p) {
   if (p.first_stage_layers > 0) j["decoder_first_pipeline_num_layers"] = p.first_stage_layers;
   if (p.last_stage_layers > 0) j["decoder_last_pipeline_num_layers"] = p.last_stage_layers;
   if (p.cp_comm != CpComm::automatic) j["cp_comm_type"] = to_string(p.cp_comm);
-  if (p.moe_dispatcher != MoeDispatcher::alltoall) {
+  if (p.moe_dispatcher == MoeDispatcher::allgather) j["moe_token_dispatcher_type"] = "allgather";
+  if (p.flex()) {
     j["moe_token_dispatcher_type"] = "flex";
     j["moe_flex_dispatcher_backend"] = to_string(p.moe_dispatcher);
   }
@@ -956,7 +956,8 @@ std::string plan_to_inline(const Plan& p) {
   if (p.software_stack != StackChoice::automatic)
     s += p.software_stack == StackChoice::legacy ? ",software_stack=legacy" : ",software_stack=modern";
   if (p.cp_comm != CpComm::automatic) s += fmt::format(",cp_comm_type={}", to_string(p.cp_comm));
-  if (p.moe_dispatcher != MoeDispatcher::alltoall)
+  if (p.moe_dispatcher == MoeDispatcher::allgather) s += ",moe_token_dispatcher_type=allgather";
+  if (p.flex())
     s += fmt::format(",moe_token_dispatcher_type=flex,moe_flex_dispatcher_backend={}", to_string(p.moe_dispatcher));
   if (p.offload > 0) s += fmt::format(",offload={}", p.offload);
   if (p.ep > 1) s += fmt::format(",ep={}", p.ep);
@@ -1015,12 +1016,18 @@ void moe_reasons(const ModelSpec& m, const Cluster& cl, const Plan& p, const Add
   if (m.moe() && p.t > 1 && !p.sp)
     add("moe_sp", [&] { return fmt::format("a mixture-of-experts model with tensor_parallel={} needs sequence_parallel "
                                            "(Megatron-core's rule)", p.t); });
-  if (p.moe_dispatcher != MoeDispatcher::alltoall && !m.moe())
-    add("moe_dispatcher", [&] { return fmt::format("moe_token_dispatcher_type=flex needs a mixture-of-experts model; {} "
-                                                   "is dense", m.name); });
   if (m.moe() && cl.strata_stack)
     add("moe_strata", [&] { return fmt::format("{} runs the strata executor, which has no mixture-of-experts layer; "
                                                "plan {} on a GPU cluster preset", cl.name, m.name); });
+  if (p.moe_dispatcher != MoeDispatcher::alltoall && !m.moe())
+    add("moe_dispatcher", [&] { return fmt::format("moe_token_dispatcher_type={} needs a mixture-of-experts model; {} "
+                                                   "is dense", p.flex() ? "flex" : "allgather", m.name); });
+  else if (p.flex() && etp * p.ep == 1)
+    add("moe_dispatcher", [&] { return std::string("moe_token_dispatcher_type=flex needs expert_tensor_parallel_size x "
+                                                   "expert_model_parallel_size above 1 (Megatron asserts it)"); });
+  else if (p.flex() && etp > 1)
+    add("moe_dispatcher", [&] { return fmt::format("moe_token_dispatcher_type=flex with expert_tensor_parallel_size={} "
+                                                   "is not modelled: give etp=1, as the recipes that run it do", etp); });
 }
 
 }  // namespace

@@ -31,10 +31,11 @@ enum class Tristate { automatic, off, on };
 // ring does not run) a2a where the heads allow it, else allgather, as Megatron-Bridge sets
 // it for Mistral; the strata executor always gathers (allgather).
 enum class CpComm { automatic, p2p, a2a, allgather };
-// Megatron-core's token dispatcher of the MoE layers: alltoall (moe_token_dispatcher_type
-// alltoall; what strata costs unless told), or flex with its backend
-// (moe_flex_dispatcher_backend deepep or hybridep; Megatron's older moe_enable_deepep).
-enum class MoeDispatcher { alltoall, deepep, hybridep };
+// Megatron-core's token dispatcher of the MoE layers (moe_token_dispatcher_type):
+// alltoall (what strata costs unless told), allgather (Megatron-LM's default), or flex
+// with its backend (moe_flex_dispatcher_backend deepep or hybridep; Megatron's older
+// moe_enable_deepep).
+enum class MoeDispatcher { alltoall, allgather, deepep, hybridep };
 
 // An explicit split of the decoder layers over the pipeline's model chunks, Megatron-core's
 // pipeline_model_parallel_layout: virtual stages separated by '|', 'E' the embedding, 't' a
@@ -124,8 +125,10 @@ struct Plan {
   CpComm cp_comm = CpComm::automatic;                       // cp_comm_type (context_parallel > 1)
   // The MoE layers' token dispatcher. flex (either backend: DeepEP, NVIDIA's HybridEP)
   // sends a token once to each node holding any of its experts and on to each GPU holding
-  // them (the all-to-all dispatcher sends one copy per expert); compute.cpp.
+  // them (the all-to-all dispatcher sends one copy per expert; the all-gather one gathers
+  // every rank's tokens); compute.cpp ep_exchange.
   MoeDispatcher moe_dispatcher = MoeDispatcher::alltoall;
+  bool flex() const { return moe_dispatcher == MoeDispatcher::deepep || moe_dispatcher == MoeDispatcher::hybridep; }
   // grad_reduce_in_fp32 (Megatron-core's DDP setting; Megatron-LM's --grad-reduce-in-bf16 and
   // --accumulate-allreduce-grads-in-fp32): the main gradients accumulated and reduced in
   // fp32, or (off) in the parameters' 16-bit type, bf16 with fp8. "auto": on, but off in
@@ -273,7 +276,7 @@ void interleaved_reasons(const Plan& p, std::vector<Reason>* r, bool messages = 
 const char* to_string(Recompute r);
 const char* to_string(ScheduleKind s);
 const char* to_string(CpComm c);
-const char* to_string(MoeDispatcher d);  // the flex backend's name, or "alltoall"
+const char* to_string(MoeDispatcher d);  // the flex backend's name, or "alltoall" / "allgather"
 // The cp_comm_type a plan runs with (CpComm): never automatic. On the strata stack
 // (cluster software_stack "strata") always allgather, what its executor does.
 CpComm resolve_cp_comm(const ModelSpec& m, const Cluster& cl, const Plan& p);

@@ -158,11 +158,11 @@ std::string export_megatron(const ModelSpec& m, const Plan& p, const Stack& stac
       flag(fmt::format("--moe-router-group-topk {}", m.moe_group_topk));
     }
     flag("--moe-grouped-gemm");
-    if (p.moe_dispatcher == MoeDispatcher::alltoall) {
-      flag("--moe-token-dispatcher-type alltoall");
-    } else {
+    if (p.flex()) {
       flag("--moe-token-dispatcher-type flex");
       flag(fmt::format("--moe-flex-dispatcher-backend {}", to_string(p.moe_dispatcher)));
+    } else {
+      flag(fmt::format("--moe-token-dispatcher-type {}", to_string(p.moe_dispatcher)));
     }
     notes += "# mixture of experts: strata costed balanced routing (every expert the same tokens); an uneven\n"
              "# load makes the busiest expert's rank the slowest.\n";
@@ -318,9 +318,8 @@ std::string export_bridge(const ModelSpec& m, const Plan& p, const Stack& stack)
   if (m.moe() && p.expert_tp() != p.t) set("model.expert_tensor_parallel_size", num(p.expert_tp()));
   if (m.moe()) {
     // (Bridge's recipes name a flex backend and let apply_flex_dispatcher_backend switch to it.)
-    set("model.moe_token_dispatcher_type", p.moe_dispatcher == MoeDispatcher::alltoall ? "alltoall" : "flex");
-    if (p.moe_dispatcher != MoeDispatcher::alltoall)
-      set("model.moe_flex_dispatcher_backend", to_string(p.moe_dispatcher));
+    set("model.moe_token_dispatcher_type", p.flex() ? "flex" : to_string(p.moe_dispatcher));
+    if (p.flex()) set("model.moe_flex_dispatcher_backend", to_string(p.moe_dispatcher));
   }
   // ZeRO: the distributed optimizer shards the optimizer states (1); Megatron-FSDP shards
   // gradients too (2) and the parameters (3).

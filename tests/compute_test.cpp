@@ -558,13 +558,17 @@ TEST(Compute, MixtureOfExpertsLayer) {
 // nodes of 8 GPUs (one expert each), mbs 1 x 1024 tokens, H 1024, bf16 (2048-byte rows).
 // - a token misses the other node with P = (8/16)(7/15) = 7/30, so 23/30 of a copy per
 //   token crosses the network (the all-to-all sends K x 8/16 = 1);
-// - it misses a given GPU with P = (15/16)(14/15) = 7/8: 15/8 copies per token over NVLink;
-// - time: 10 us + max(1024 x 23/30 x 2048 / 10 GB/s, 1024 x 15/8 x 2048 / 150 GB/s)
-//   = 10 us + 160.8 us;
-// - with 4 groups of 4 experts and each token's experts in 1 group (group-limited
-//   routing: the groups lie whole on the nodes, 2 per node), it misses the other node with
-//   P = 1/2: 1/2 copy per token crosses;
-// - within one node (ep 8, 2 experts per GPU) only NVLink: 7 x (1 - (14/16)(13/15)) copies.
+// - it misses a given GPU with P = (15/16)(14/15) = 7/8, and reaches the 14 GPUs other than
+//   itself and the other node's entry GPU over NVLink: 14/8 copies per token;
+// - time: 10 us + max(1024 x 23/30 x 2048 / 10 GB/s, 1024 x 14/8 x 2048 / 150 GB/s)
+//   = 10 us + 160.8 us; the backward's exchanges alike;
+// - group-limited routing, 4 groups of 4 experts, 2 whole groups on each node: with each
+//   token's experts in 1 group it misses the other node with P = C(2,1)/C(4,1) = 1/2, with
+//   2 groups P = C(2,2)/C(4,2) = 1/6 (every chosen group supplies an expert);
+// - within one node (ep 8, 2 experts per GPU) only NVLink: 7 x (1 - (14/16)(13/15)) copies;
+// - the all-gather dispatcher gathers the 16 ranks' tokens (16 x 1024 x 2048 bytes) over
+//   both nodes: 4 rounds of 10 us and 15/16 of them at min(150, 8 x 12.5 x 0.8) = 80 GB/s,
+//   and reduce-scatters the outputs back (backward: the other way round).
 TEST(Compute, FlexDispatcherSendsATokenOncePerNode) {
   const Cluster c = testing::round_cluster();
   const char* model = R"({"num_layers":2,"hidden_size":1024,"num_attention_heads":8,"vocab_size":512,
@@ -575,7 +579,8 @@ TEST(Compute, FlexDispatcherSendsATokenOncePerNode) {
     text.replace(text.find("%s"), 2, extra);
     return model_from_json(Json::parse(text), "model");
   };
-  const ModelSpec m = with(""), grouped = with(R"(,"moe_router_num_groups":4,"moe_router_group_topk":1)");
+  const ModelSpec m = with(""), grouped = with(R"(,"moe_router_num_groups":4,"moe_router_group_topk":1)"),
+                  grouped2 = with(R"(,"moe_router_num_groups":4,"moe_router_group_topk":2)");
   const double row = 2048, Tn = 1024;
   auto exchange = [&](const ModelSpec& mm, const char* plan, const char* name) {
     const std::vector<OpCost> ops = layer_ops(mm, c, load_plan(plan));
@@ -584,8 +589,13 @@ TEST(Compute, FlexDispatcherSendsATokenOncePerNode) {
   const char* flex = "dp=16,ep=16,mbs=1,precision=bf16,moe_token_dispatcher_type=flex";
   const auto [bytes, t] = exchange(m, flex, "ep_dispatch_flex");
   EXPECT_NEAR(bytes, Tn * 23.0 / 30.0 * row, 1e-6);
-  EXPECT_NEAR(t, 10e-6 + std::max(Tn * 23.0 / 30.0 * row / 10e9, Tn * 15.0 / 8.0 * row / 150e9), 1e-15);
+  EXPECT_NEAR(t, 10e-6 + std::max(Tn * 23.0 / 30.0 * row / 10e9, Tn * 14.0 / 8.0 * row / 150e9), 1e-15);
   EXPECT_NEAR(exchange(m, flex, "ep_combine_flex").second, t, 1e-18);
+  {
+    const std::vector<OpCost> ops = layer_ops(m, c, load_plan(flex));
+    for (const char* name : {"ep_dispatch_flex", "ep_combine_flex"})
+      EXPECT_NEAR(sum_of(ops, name, Phase::backward, &OpCost::time_s), t, 1e-18) << name;
+  }
   EXPECT_DOUBLE_EQ(exchange(m, flex, "ep_dispatch_all_to_all").first, 0.0);
   // The all-to-all dispatcher sends a copy per expert, half of them off the node.
   const auto [a2a_bytes, a2a_t] = exchange(m, "dp=16,ep=16,mbs=1,precision=bf16", "ep_dispatch_all_to_all");
@@ -594,12 +604,23 @@ TEST(Compute, FlexDispatcherSendsATokenOncePerNode) {
   EXPECT_LT(t, a2a_t);
   // Group-limited routing: half a copy per token crosses the network.
   EXPECT_NEAR(exchange(grouped, flex, "ep_dispatch_flex").first, Tn * 0.5 * row, 1e-6);
+  EXPECT_NEAR(exchange(grouped2, flex, "ep_dispatch_flex").first, Tn * 5.0 / 6.0 * row, 1e-6);
   // One node: NVLink only.
   const auto [in_bytes, in_t] = exchange(m, "dp=8,ep=8,mbs=1,precision=bf16,moe_token_dispatcher_type=flex,"
                                             "moe_flex_dispatcher_backend=hybridep", "ep_dispatch_flex");
   const double gpus = 7.0 * (1.0 - 14.0 / 16.0 * 13.0 / 15.0);
   EXPECT_NEAR(in_bytes, Tn * gpus * row, 1e-6);
   EXPECT_NEAR(in_t, 5e-6 + Tn * gpus * row / 150e9, 1e-15);
+  // The all-gather dispatcher.
+  const char* ag = "dp=16,ep=16,mbs=1,precision=bf16,moe_token_dispatcher_type=allgather";
+  const std::vector<OpCost> ops = layer_ops(m, c, load_plan(ag));
+  const double gathered = 16 * Tn * row, t_ag = 4 * 10e-6 + gathered * 15.0 / 16.0 / 80e9;
+  EXPECT_DOUBLE_EQ(sum_of(ops, "ep_dispatch_all_gather", Phase::forward, &OpCost::bytes), gathered);
+  EXPECT_NEAR(sum_of(ops, "ep_dispatch_all_gather", Phase::forward, &OpCost::time_s), t_ag, 1e-15);
+  EXPECT_NEAR(sum_of(ops, "ep_combine_reduce_scatter", Phase::forward, &OpCost::time_s), t_ag, 1e-15);
+  EXPECT_NEAR(sum_of(ops, "ep_combine_all_gather", Phase::backward, &OpCost::time_s), t_ag, 1e-15);
+  EXPECT_NEAR(sum_of(ops, "ep_dispatch_reduce_scatter", Phase::backward, &OpCost::time_s), t_ag, 1e-15);
+  EXPECT_DOUBLE_EQ(sum_of(ops, "ep_dispatch_all_to_all", Phase::forward, &OpCost::bytes), 0.0);
 }
 
 // Multi-latent attention's projections by hand, on a small model (H 256, 4 heads of 32 + 16

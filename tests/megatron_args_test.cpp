@@ -355,7 +355,8 @@ TEST(MegatronArgs, TpCommOverlapFlag) {
             MoeDispatcher::deepep);
   EXPECT_EQ(small_launch_plan("--moe-token-dispatcher-type flex --moe-flex-dispatcher-backend hybridep").moe_dispatcher,
             MoeDispatcher::hybridep);
-  EXPECT_THROW(small_launch_plan("--moe-token-dispatcher-type allgather"), InputError);
+  EXPECT_EQ(small_launch_plan("--moe-token-dispatcher-type allgather").moe_dispatcher, MoeDispatcher::allgather);
+  EXPECT_THROW(small_launch_plan("--moe-enable-deepep"), InputError);
 }
 
 // Fine-grained activation offloading: --offload-modules takes a list of words, read (with

@@ -571,21 +571,35 @@ TEST(Plan, MoeTokenDispatcher) {
   EXPECT_EQ(plan_from_json(Json::parse(R"({"data_parallel":16,"moe_token_dispatcher_type":null,
                                           "moe_flex_dispatcher_backend":null})"), "plan").moe_dispatcher,
             MoeDispatcher::alltoall);
-  for (const char* bad : {"dp=16,moe_token_dispatcher_type=allgather", "dp=16,moe_token_dispatcher_type=ring",
-                          "dp=16,moe_flex_dispatcher_backend=hybridep",
-                          "dp=16,moe_token_dispatcher_type=alltoall,moe_flex_dispatcher_backend=deepep",
+  // Megatron-LM's default, and a backend beside a dispatcher that is not flex (Megatron
+  // ignores it, as Megatron-Bridge's DeepSeek-V2 recipe ships it).
+  EXPECT_EQ(load_plan("dp=16,moe_token_dispatcher_type=allgather").moe_dispatcher, MoeDispatcher::allgather);
+  EXPECT_EQ(load_plan(plan_to_inline(load_plan("dp=16,moe_token_dispatcher_type=allgather"))).moe_dispatcher,
+            MoeDispatcher::allgather);
+  EXPECT_EQ(load_plan("dp=16,moe_token_dispatcher_type=alltoall,moe_flex_dispatcher_backend=deepep").moe_dispatcher,
+            MoeDispatcher::alltoall);
+  for (const char* bad : {"dp=16,moe_token_dispatcher_type=ring",
                           "dp=16,moe_token_dispatcher_type=flex,moe_flex_dispatcher_backend=nccl",
                           "dp=16,moe_enable_deepep=1",
                           "dp=16,moe_token_dispatcher_type=flex,moe_enable_deepep=1,moe_flex_dispatcher_backend=hybridep"})
     EXPECT_THROW(load_plan(bad), InputError) << bad;
   try {
-    load_plan("dp=16,moe_flex_dispatcher_backend=hybridep");
+    load_plan("dp=16,moe_enable_deepep=1");
+    ADD_FAILURE() << "moe_enable_deepep without flex was taken";
   } catch (const InputError& e) {
     EXPECT_NE(std::string(e.what()).find("needs moe_token_dispatcher_type flex"), std::string::npos) << e.what();
   }
   EXPECT_EQ(keys(load_model("llama2-7b"), load_plan("dp=8,moe_token_dispatcher_type=flex")),
             std::vector<std::string>{"moe_dispatcher"});
   EXPECT_TRUE(keys(load_model("mixtral-8x7b"), load_plan("dp=16,ep=8,moe_token_dispatcher_type=flex")).empty());
+  // Megatron's flex dispatcher needs an expert-parallel (or expert-tensor-parallel) group;
+  // strata's model of it takes etp 1.
+  EXPECT_EQ(keys(load_model("mixtral-8x7b"), load_plan("dp=16,moe_token_dispatcher_type=flex")),
+            std::vector<std::string>{"moe_dispatcher"});
+  EXPECT_EQ(keys(load_model("mixtral-8x7b"), load_plan("tp=2,sp=1,dp=8,ep=8,moe_token_dispatcher_type=flex")),
+            std::vector<std::string>{"moe_dispatcher"});
+  EXPECT_TRUE(keys(load_model("mixtral-8x7b"), load_plan("tp=2,sp=1,dp=8,ep=8,etp=1,moe_token_dispatcher_type=flex")).empty());
+  EXPECT_TRUE(keys(load_model("mixtral-8x7b"), load_plan("tp=2,sp=1,dp=8,ep=8,moe_token_dispatcher_type=allgather")).empty());
 }
 
 // Megatron-core's --recompute-modules under selective recompute.

@@ -385,7 +385,7 @@ TEST(Planner, FlexDispatcherForEveryCandidateWhenFixed) {
   const SearchResult dense = search_fixed("llama2-7b", "dgx-h100-80g", 8, 64, "moe_token_dispatcher_type=flex");
   EXPECT_TRUE(dense.plans.empty());
   EXPECT_GT(dense.rejected.at("moe_dispatcher"), 0);
-  EXPECT_THROW(parse_fixed("moe_token_dispatcher_type=allgather"), InputError);
+  EXPECT_THROW(parse_fixed("moe_token_dispatcher_type=ring"), InputError);
 }
 
 TEST(Planner, FixPinsDimensions) {
