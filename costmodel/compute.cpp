@@ -987,9 +987,34 @@ namespace {
 
 }  // namespace
 
+// Megatron-core's overlap_moe_expert_parallel_comm (Megatron-Bridge's moe_a2a_overlap, run
+// with delay_wgrad_compute): the schedule's steady state runs one micro-batch's forward beside
+// another's backward, layer by layer, each pass's expert exchanges beside the other's
+// kernels. Costed per MoE layer as such a pair: the exchanges of both passes hide behind the
+// kernels of both, what outlasts them stays exposed and what hides costs overlap_slowdown;
+// the exposed rest is split between the passes as their exchanges are. (Every forward is
+// taken as paired, the warm-up's and the cool-down's too.) `first_op`: the layer's first
+// op in the op list, whose exchanges' exposed times follow.
+void overlap_expert_exchanges(Acc& a, size_t first_op) {
+  Work& f = a.lc.forward;
+  Work& b = a.lc.backward;
+  const double comm = f.ep_comm_s + b.ep_comm_s;
+  if (comm <= 0) return;
+  const double cover = f.compute_s + b.compute_s;
+  const double scale = (std::max(0.0, comm - cover) + a.cl.overlap_slowdown * std::min(comm, cover)) / comm;
+  f.ep_comm_s *= scale;
+  b.ep_comm_s *= scale;
+  if (a.ops)
+    for (size_t i = first_op; i < a.ops->size(); ++i) {
+      OpCost& o = (*a.ops)[i];
+      if (o.kind == OpKind::ep_comm && o.phase != Phase::recompute) o.exposed_s *= scale;
+    }
+}
+
 LayerCost layer_cost(const ModelSpec& m, const Cluster& cl, const Plan& p, const ComputeSetup& cs,
                      std::vector<OpCost>* ops) {
   Acc a(m, cl, p, cs, ops);
+  const size_t first_op = ops ? ops->size() : 0;
   layer_forward(a, Phase::forward);
   // Full recompute replays the forward's ops, each costing what it cost there (a function
   // of its sizes alone), summed in the same order: the same bits. Walked again only when
@@ -1015,6 +1040,7 @@ LayerCost layer_cost(const ModelSpec& m, const Cluster& cl, const Plan& p, const
     dense_mlp_forward(a, Phase::recompute);
   }
   layer_backward(a);
+  if (m.moe() && p.moe_a2a_overlap) overlap_expert_exchanges(a, first_op);
   if (m.moe()) {  // the experts' parameters are sharded over their own replicas
     const double experts = static_cast<double>(m.layer_expert_params(p.expert_tp(), p.ep));
     // (Each hides behind the layer's whole compute window: together they may claim more

@@ -42,7 +42,7 @@ const std::set<std::string>& switch_flags() {
       "account_for_embedding_in_pipeline_split", "account_for_loss_in_pipeline_split", "optimizer_cpu_offload",
       "moe_grouped_gemm", "moe_permute_fusion", "grad_reduce_in_bf16", "accumulate_allreduce_grads_in_fp32",
       "use_precision_aware_optimizer", "no_store_param_remainders", "fine_grained_activation_offloading",
-      "multi_latent_attention", "moe_enable_deepep"};
+      "multi_latent_attention", "moe_enable_deepep", "overlap_moe_expert_parallel_comm", "delay_wgrad_compute"};
   return s;
 }
 // Flags that set what strata does not take from a launch: refused, naming the way to say it.
@@ -68,7 +68,8 @@ const std::set<std::string>& plan_flags() {
       "exp_avg_dtype", "exp_avg_sq_dtype", "main_params_dtype", "main_grads_dtype",
       "fine_grained_activation_offloading", "offload_modules", "activation_offload_fraction",
       "min_offloaded_tensor_size", "delta_offload_bytes_across_pp_ranks", "num_distributed_optimizer_instances",
-      "moe_token_dispatcher_type", "moe_flex_dispatcher_backend", "moe_enable_deepep"};
+      "moe_token_dispatcher_type", "moe_flex_dispatcher_backend", "moe_enable_deepep",
+      "overlap_moe_expert_parallel_comm", "delay_wgrad_compute"};
   return s;
 }
 

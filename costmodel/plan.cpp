@@ -540,7 +540,8 @@ Plan plan_from_json(const Json& in, const std::string& source) {
                            "min_offloaded_tensor_size", "delta_offload_bytes_across_pp_ranks",
                            "num_distributed_optimizer_instances", "data_parallel_shard_size",
                            "data_parallel_shard_degree", "mics_shard_size", "moe_token_dispatcher_type",
-                           "moe_flex_dispatcher_backend", "moe_enable_deepep", "description"});
+                           "moe_flex_dispatcher_backend", "moe_enable_deepep", "overlap_moe_expert_parallel_comm",
+                           "moe_a2a_overlap", "delay_wgrad_compute", "description"});
   Plan p;
   p.t = f.integer_or("tensor_parallel", 1, 1, kMaxDegree);
   p.p = f.integer_or("pipeline_parallel", 1, 1, kMaxDegree);
@@ -677,6 +678,19 @@ Plan plan_from_json(const Json& in, const std::string& source) {
     p.moe_dispatcher = kind == "flex"        ? (be == "hybridep" ? MoeDispatcher::hybridep : MoeDispatcher::deepep)
                        : kind == "allgather" ? MoeDispatcher::allgather
                                              : MoeDispatcher::alltoall;
+  }
+  // The expert exchanges beside another micro-batch's compute (Megatron's name, or
+  // Megatron-Bridge's performance scripts'); delay_wgrad_compute, which runs with it, is
+  // read and left.
+  {
+    const bool megatron = f.peek("overlap_moe_expert_parallel_comm") != nullptr, bridge = f.peek("moe_a2a_overlap") != nullptr;
+    if (megatron && bridge)
+      throw InputError(fmt::format("{}.overlap_moe_expert_parallel_comm: given twice (and as moe_a2a_overlap): keep one",
+                                   source));
+    p.moe_a2a_overlap = f.boolean_or(bridge ? "moe_a2a_overlap" : "overlap_moe_expert_parallel_comm", false);
+    f.ignore("overlap_moe_expert_parallel_comm");
+    f.ignore("moe_a2a_overlap");
+    f.boolean_or("delay_wgrad_compute", false);
   }
   // Fine-grained activation offloading: on with a list of modules (Megatron-core asserts
   // one), unless fine_grained_activation_offloading says false (then, as Megatron does,
@@ -891,6 +905,7 @@ Json plan_to_json(const Plan& p) {
   if (p.last_stage_layers > 0) j["decoder_last_pipeline_num_layers"] = p.last_stage_layers;
   if (p.cp_comm != CpComm::automatic) j["cp_comm_type"] = to_string(p.cp_comm);
   if (p.moe_dispatcher == MoeDispatcher::allgather) j["moe_token_dispatcher_type"] = "allgather";
+  if (p.moe_a2a_overlap) j["overlap_moe_expert_parallel_comm"] = true;
   if (p.flex()) {
     j["moe_token_dispatcher_type"] = "flex";
     j["moe_flex_dispatcher_backend"] = to_string(p.moe_dispatcher);
@@ -957,6 +972,7 @@ std::string plan_to_inline(const Plan& p) {
     s += p.software_stack == StackChoice::legacy ? ",software_stack=legacy" : ",software_stack=modern";
   if (p.cp_comm != CpComm::automatic) s += fmt::format(",cp_comm_type={}", to_string(p.cp_comm));
   if (p.moe_dispatcher == MoeDispatcher::allgather) s += ",moe_token_dispatcher_type=allgather";
+  if (p.moe_a2a_overlap) s += ",overlap_moe_expert_parallel_comm=1";
   if (p.flex())
     s += fmt::format(",moe_token_dispatcher_type=flex,moe_flex_dispatcher_backend={}", to_string(p.moe_dispatcher));
   if (p.offload > 0) s += fmt::format(",offload={}", p.offload);
@@ -1028,6 +1044,16 @@ void moe_reasons(const ModelSpec& m, const Cluster& cl, const Plan& p, const Add
   else if (p.flex() && etp > 1)
     add("moe_dispatcher", [&] { return fmt::format("moe_token_dispatcher_type=flex with expert_tensor_parallel_size={} "
                                                    "is not modelled: give etp=1, as the recipes that run it do", etp); });
+  // Megatron's asserts for overlap_moe_expert_parallel_comm.
+  if (p.moe_a2a_overlap) {
+    const char* why = !m.moe() || p.ep <= 1 ? "needs expert parallelism (expert_model_parallel_size > 1)"
+                      : p.p > 1 && p.v <= 1 ? "needs virtual_pipeline_stages with pipeline_parallel > 1"
+                      : p.moe_dispatcher == MoeDispatcher::allgather ? "needs the alltoall or flex token dispatcher"
+                      : p.recompute == Recompute::full ? "does not run with full recompute"
+                      : p.precision == Precision::fp32 ? "needs bf16, fp16 or fp8"
+                                                       : nullptr;
+    if (why) add("a2a_overlap", [&] { return std::string("overlap_moe_expert_parallel_comm ") + why + " (Megatron asserts it)"; });
+  }
 }
 
 }  // namespace
@@ -1057,7 +1083,7 @@ std::vector<Reason> check_plan(const ModelSpec& m, const Cluster& cl, const Plan
   if (m.F % p.t != 0 && (!m.moe() || m.mixed()))  // (a mixed model's dense layers)
     add("tp_ffn", [&] { return fmt::format("tensor_parallel={} must divide ffn_hidden_size={}{}", p.t, m.F,
                                            m.moe() ? " (the dense layers' MLP)" : ""); });
-  if (m.moe() || p.ep > 1 || p.moe_dispatcher != MoeDispatcher::alltoall) moe_reasons(m, cl, p, add);
+  if (m.moe() || p.ep > 1 || p.moe_dispatcher != MoeDispatcher::alltoall || p.moe_a2a_overlap) moe_reasons(m, cl, p, add);
   if (!m.moe() && p.recompute == Recompute::selective && (p.recompute_modules & kRecomputeMoeAct))
     add("moe_act", [&] { return fmt::format("recompute_modules moe_act needs a mixture-of-experts model; {} is dense", m.name); });
   if (!m.mla() && p.recomputes(kRecomputeMlaUpProj))

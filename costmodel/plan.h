@@ -129,6 +129,10 @@ struct Plan {
   // every rank's tokens); compute.cpp ep_exchange.
   MoeDispatcher moe_dispatcher = MoeDispatcher::alltoall;
   bool flex() const { return moe_dispatcher == MoeDispatcher::deepep || moe_dispatcher == MoeDispatcher::hybridep; }
+  // overlap_moe_expert_parallel_comm (Megatron-Bridge's moe_a2a_overlap): the expert
+  // exchanges of one micro-batch beside another's compute (compute.cpp
+  // overlap_expert_exchanges; the check_plan rule a2a_overlap holds Megatron's asserts).
+  bool moe_a2a_overlap = false;
   // grad_reduce_in_fp32 (Megatron-core's DDP setting; Megatron-LM's --grad-reduce-in-bf16 and
   // --accumulate-allreduce-grads-in-fp32): the main gradients accumulated and reduced in
   // fp32, or (off) in the parameters' 16-bit type, bf16 with fp8. "auto": on, but off in

@@ -158,6 +158,10 @@ std::string export_megatron(const ModelSpec& m, const Plan& p, const Stack& stac
       flag(fmt::format("--moe-router-group-topk {}", m.moe_group_topk));
     }
     flag("--moe-grouped-gemm");
+    if (p.moe_a2a_overlap) {
+      flag("--overlap-moe-expert-parallel-comm");
+      flag("--delay-wgrad-compute");
+    }
     if (p.flex()) {
       flag("--moe-token-dispatcher-type flex");
       flag(fmt::format("--moe-flex-dispatcher-backend {}", to_string(p.moe_dispatcher)));
@@ -320,6 +324,10 @@ std::string export_bridge(const ModelSpec& m, const Plan& p, const Stack& stack)
     // (Bridge's recipes name a flex backend and let apply_flex_dispatcher_backend switch to it.)
     set("model.moe_token_dispatcher_type", p.flex() ? "flex" : to_string(p.moe_dispatcher));
     if (p.flex()) set("model.moe_flex_dispatcher_backend", to_string(p.moe_dispatcher));
+    if (p.moe_a2a_overlap) {
+      set("comm_overlap.overlap_moe_expert_parallel_comm", "true");
+      set("comm_overlap.delay_wgrad_compute", "true");
+    }
   }
   // ZeRO: the distributed optimizer shards the optimizer states (1); Megatron-FSDP shards
   // gradients too (2) and the parameters (3).

@@ -77,6 +77,9 @@ FixedDims parse_fixed(const std::string& text) {
     } else if (k == "tp_comm_overlap") {
       if (v.is_boolean()) f.tp_comm_overlap = v.get<bool>();
       else f.tp_comm_overlap = integer(0, 1) == 1;
+    } else if (k == "overlap_moe_expert_parallel_comm" || k == "moe_a2a_overlap") {
+      if (v.is_boolean()) f.moe_a2a_overlap = v.get<bool>();
+      else f.moe_a2a_overlap = integer(0, 1) == 1;
     } else if (k == "recompute") {
       const std::string s = v.is_string() ? v.get<std::string>() : "";
       if (s == "none") f.recompute = Recompute::none;
@@ -92,7 +95,7 @@ FixedDims parse_fixed(const std::string& text) {
       fail_field("--fix " + k, show_value(v),
                  "unknown key: use tp, pp, dp, cp, vp, mbs, zero, recompute, recompute_num_layers, sp, schedule, "
                  "uneven_split, cp_comm_type, offload, ep, grad_reduce_in_fp32, tp_comm_overlap, moe_token_dispatcher_type (and "
-                 "its moe_flex_dispatcher_backend), use_precision_aware_optimizer (and "
+                 "its moe_flex_dispatcher_backend), overlap_moe_expert_parallel_comm, use_precision_aware_optimizer (and "
                  "its exp_avg_dtype, exp_avg_sq_dtype, main_params_dtype, store_param_remainders), offload_modules "
                  "(and its activation_offload_fraction, min_offloaded_tensor_size), num_distributed_optimizer_instances "
                  "or data_parallel_shard_size");
@@ -633,6 +636,7 @@ SearchResult search(const ModelSpec& m, const Cluster& cl, const SearchOptions& 
           probe_tpcv.grad_reduce_in_fp32 = grad_reduce_of(fx);
           if (fx.tp_comm_overlap) probe_tpcv.tp_comm_overlap = *fx.tp_comm_overlap ? Tristate::on : Tristate::off;
           if (fx.moe_dispatcher) probe_tpcv.moe_dispatcher = *fx.moe_dispatcher;
+          if (fx.moe_a2a_overlap) probe_tpcv.moe_a2a_overlap = *fx.moe_a2a_overlap;
           if (fx.activation_offload) probe_tpcv.take_activation_offload_of(*fx.activation_offload);
           // (An MoE model needs sequence parallelism with tp > 1: the probe has it, so that
           // moe_sp does not hide a structural reason.)

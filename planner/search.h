@@ -35,6 +35,9 @@ struct FixedDims {
   // --fix moe_token_dispatcher_type=flex (with moe_flex_dispatcher_backend): the MoE token
   // dispatcher of every candidate (Plan::moe_dispatcher; not searched).
   std::optional<MoeDispatcher> moe_dispatcher;
+  // --fix overlap_moe_expert_parallel_comm=1 (or moe_a2a_overlap): every candidate overlaps
+  // its expert exchanges (Plan::moe_a2a_overlap; those that cannot are refused, a2a_overlap).
+  std::optional<bool> moe_a2a_overlap;
   // --fix use_precision_aware_optimizer=1 (with exp_avg_dtype, exp_avg_sq_dtype,
   // main_params_dtype, store_param_remainders): the optimizer of every ZeRO-1 candidate
   // (Megatron's distributed optimizer, the only one it runs with); its fields only.

@@ -600,6 +600,25 @@ TEST(Plan, MoeTokenDispatcher) {
             std::vector<std::string>{"moe_dispatcher"});
   EXPECT_TRUE(keys(load_model("mixtral-8x7b"), load_plan("tp=2,sp=1,dp=8,ep=8,etp=1,moe_token_dispatcher_type=flex")).empty());
   EXPECT_TRUE(keys(load_model("mixtral-8x7b"), load_plan("tp=2,sp=1,dp=8,ep=8,moe_token_dispatcher_type=allgather")).empty());
+  // overlap_moe_expert_parallel_comm (or Megatron-Bridge's moe_a2a_overlap) and Megatron's
+  // asserts on it; delay_wgrad_compute is read and left.
+  const ModelSpec mix = load_model("mixtral-8x7b");
+  EXPECT_TRUE(load_plan("dp=16,ep=8,overlap_moe_expert_parallel_comm=1").moe_a2a_overlap);
+  const Plan ov = plan_from_json(Json::parse(R"({"data_parallel":16,"expert_model_parallel_size":8,"moe_a2a_overlap":true,
+                                                "delay_wgrad_compute":true})"), "plan");
+  EXPECT_TRUE(ov.moe_a2a_overlap);
+  EXPECT_TRUE(plan_from_json(plan_to_json(ov), "plan").moe_a2a_overlap);
+  EXPECT_TRUE(load_plan(plan_to_inline(ov)).moe_a2a_overlap);
+  EXPECT_THROW(load_plan("dp=16,overlap_moe_expert_parallel_comm=1,moe_a2a_overlap=1"), InputError);
+  EXPECT_TRUE(keys(mix, ov).empty());
+  EXPECT_TRUE(keys(mix, load_plan("pp=2,vp=2,dp=8,ep=8,overlap_moe_expert_parallel_comm=1")).empty());
+  for (const char* bad : {"dp=16,overlap_moe_expert_parallel_comm=1", "pp=2,dp=8,ep=8,overlap_moe_expert_parallel_comm=1",
+                          "dp=16,ep=8,moe_token_dispatcher_type=allgather,overlap_moe_expert_parallel_comm=1",
+                          "dp=16,ep=8,recompute=full,overlap_moe_expert_parallel_comm=1",
+                          "dp=16,ep=8,precision=fp32,overlap_moe_expert_parallel_comm=1"})
+    EXPECT_EQ(keys(mix, load_plan(bad)), std::vector<std::string>{"a2a_overlap"}) << bad;
+  EXPECT_EQ(keys(load_model("llama2-7b"), load_plan("dp=8,overlap_moe_expert_parallel_comm=1")),
+            std::vector<std::string>{"a2a_overlap"});
 }
 
 // Megatron-core's --recompute-modules under selective recompute.
