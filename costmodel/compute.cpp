@@ -987,21 +987,32 @@ namespace {
 
 }  // namespace
 
+double paired_share(const Plan& p) {
+  const double chunks = static_cast<double>(std::max<int64_t>(1, p.microbatches()) * p.v);
+  const double warmup = static_cast<double>(p.p - 1 + (p.v - 1) * (p.v > 1 ? p.vp_group_size() : 0) + 1);
+  return (chunks - std::min(chunks, warmup)) / chunks;
+}
+
 // Megatron-core's overlap_moe_expert_parallel_comm (Megatron-Bridge's moe_a2a_overlap, run
 // with delay_wgrad_compute): the schedule's steady state runs one micro-batch's forward beside
 // another's backward, layer by layer, each pass's expert exchanges beside the other's
 // kernels. Costed per MoE layer as such a pair: the exchanges of both passes hide behind the
 // kernels of both, what outlasts them stays exposed and what hides costs overlap_slowdown;
-// the exposed rest is split between the passes as their exchanges are. (Every forward is
-// taken as paired, the warm-up's and the cool-down's too.) `first_op`: the layer's first
-// op in the op list, whose exchanges' exposed times follow.
+// the exposed rest is split between the passes as their exchanges are. The warm-up's
+// forwards and the cool-down's backwards run alone (paired_share: the layer's exchanges
+// exposed that share of the time, weighed by it). (An approximation that overstates the
+// hiding: Megatron pairs each exchange with one block of the other pass, a combine with
+// the attention, a dispatch with the experts, not with the pair's whole compute; and a
+// layer with the mirror layer of another chunk, which strata takes to be alike.)
+// `first_op`: the layer's first op in the op list, whose exchanges' exposed times follow.
 void overlap_expert_exchanges(Acc& a, size_t first_op) {
   Work& f = a.lc.forward;
   Work& b = a.lc.backward;
   const double comm = f.ep_comm_s + b.ep_comm_s;
   if (comm <= 0) return;
-  const double cover = f.compute_s + b.compute_s;
-  const double scale = (std::max(0.0, comm - cover) + a.cl.overlap_slowdown * std::min(comm, cover)) / comm;
+  const double cover = f.compute_s + b.compute_s, paired = paired_share(a.p);
+  const double scale =
+      paired * (std::max(0.0, comm - cover) + a.cl.overlap_slowdown * std::min(comm, cover)) / comm + (1.0 - paired);
   f.ep_comm_s *= scale;
   b.ep_comm_s *= scale;
   if (a.ops)

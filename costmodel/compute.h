@@ -67,6 +67,12 @@ struct ComputeSetup {
 };
 ComputeSetup compute_setup(const ModelSpec& m, const Cluster& cl, const Plan& p);
 
+// With overlap_moe_expert_parallel_comm, the share of a stage's forward chunks Megatron
+// runs beside another micro-batch's backward: all but its warm-up's, (p - 1 - r) x 2 +
+// (v - 1) g + 1 chunks on stage r, p - 1 + (v - 1) g + 1 on the mean stage (as many
+// backwards of the cool-down run alone), of the m v chunks.
+double paired_share(const Plan& p);
+
 // Transformer Engine's user buffers (Stack::userbuffers): bytes per element of those that
 // feed all-gathers (`gather`: the fp8 GEMM inputs in an fp8 run) or reduce-scatters (the
 // GEMM outputs), where the others carry `otherwise` bytes.

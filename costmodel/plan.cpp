@@ -690,7 +690,9 @@ Plan plan_from_json(const Json& in, const std::string& source) {
     p.moe_a2a_overlap = f.boolean_or(bridge ? "moe_a2a_overlap" : "overlap_moe_expert_parallel_comm", false);
     f.ignore("overlap_moe_expert_parallel_comm");
     f.ignore("moe_a2a_overlap");
-    f.boolean_or("delay_wgrad_compute", false);
+    if (f.boolean_or("delay_wgrad_compute", false) && !p.moe_a2a_overlap)
+      fail_field(source + ".delay_wgrad_compute", "true",
+                 "needs overlap_moe_expert_parallel_comm (Megatron asserts it; strata costs it only with it)");
   }
   // Fine-grained activation offloading: on with a list of modules (Megatron-core asserts
   // one), unless fine_grained_activation_offloading says false (then, as Megatron does,

@@ -327,6 +327,8 @@ std::string export_bridge(const ModelSpec& m, const Plan& p, const Stack& stack)
     if (p.moe_a2a_overlap) {
       set("comm_overlap.overlap_moe_expert_parallel_comm", "true");
       set("comm_overlap.delay_wgrad_compute", "true");
+      // (Bridge asserts it off with the overlap; its DeepSeek recipes set it on.)
+      if (m.Fs > 0) set("model.moe_shared_expert_overlap", "false");
     }
   }
   // ZeRO: the distributed optimizer shards the optimizer states (1); Megatron-FSDP shards

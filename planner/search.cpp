@@ -333,7 +333,8 @@ SearchResult search(const ModelSpec& m, const Cluster& cl, const SearchOptions& 
 
   // Layer costs depend on (t, c, d for ZeRO-2/3, mbs, sp, recompute, ZeRO-2 or 3, and
   // cp_comm_type with the experts' ep and etp packed in one: experts()): cached.
-  using CostKey = std::tuple<int64_t, int64_t, int64_t, int64_t, bool, int, int, int64_t>;
+  // (With the expert exchanges' overlap, its paired share too: paired_share.)
+  using CostKey = std::tuple<int64_t, int64_t, int64_t, int64_t, bool, int, int, int64_t, double>;
   auto experts = [](const Plan& pl, CpComm cc) {  // (ep and etp are below 2^20: check_plan's bound)
     return static_cast<int64_t>(cc) + 4 * (pl.etp + (int64_t{1} << 21) * pl.ep);
   };
@@ -343,7 +344,8 @@ SearchResult search(const ModelSpec& m, const Cluster& cl, const SearchOptions& 
   const ModelSpec dense_model = m.mixed() ? m.dense_layers() : ModelSpec{};
   auto costs_of = [&](const Plan& pl, const ComputeSetup& cs) -> const std::array<LayerCost, 4>& {
     const CostKey key{pl.t, pl.c, pl.zero >= 2 ? pl.d : 0, pl.mbs, pl.sp, static_cast<int>(pl.recompute),
-                      pl.zero >= 2 ? pl.zero : 0, experts(pl, cs.cp_comm)};
+                      pl.zero >= 2 ? pl.zero : 0, experts(pl, cs.cp_comm),
+                      pl.moe_a2a_overlap ? paired_share(pl) : 0.0};
     auto it = costs.find(key);
     if (it == costs.end())
       it = costs.emplace(key, std::array<LayerCost, 4>{layer_cost(m, cl, pl, cs), embedding_cost(m, cl, pl, cs),

@@ -610,6 +610,7 @@ TEST(Plan, MoeTokenDispatcher) {
   EXPECT_TRUE(plan_from_json(plan_to_json(ov), "plan").moe_a2a_overlap);
   EXPECT_TRUE(load_plan(plan_to_inline(ov)).moe_a2a_overlap);
   EXPECT_THROW(load_plan("dp=16,overlap_moe_expert_parallel_comm=1,moe_a2a_overlap=1"), InputError);
+  EXPECT_THROW(load_plan("dp=16,ep=8,delay_wgrad_compute=1"), InputError);  // (Megatron asserts the overlap with it)
   EXPECT_TRUE(keys(mix, ov).empty());
   EXPECT_TRUE(keys(mix, load_plan("pp=2,vp=2,dp=8,ep=8,overlap_moe_expert_parallel_comm=1")).empty());
   for (const char* bad : {"dp=16,overlap_moe_expert_parallel_comm=1", "pp=2,dp=8,ep=8,overlap_moe_expert_parallel_comm=1",
