@@ -170,10 +170,15 @@ namespace {
 // hardware_flops_per_step() with the plan's layout made already.
 double hardware_flops(const ModelSpec& m, const Plan& p, const StageLayout& lay) {
   double f = model_flops_per_step(m, p);
-  const double L = static_cast<double>(m.L);
+  // (With multi-token prediction its layers, too, run the recompute modules, and with full
+  // recompute of every layer the layers' forwards again.)
+  const double L = static_cast<double>(m.L + m.mtp_layers);
   if (p.recompute == Recompute::full) {
     if (p.recompute_layers == 0) {
-      f += L * m.layer_forward_flops(p.gbs);  // every layer
+      f += static_cast<double>(m.L) * m.layer_forward_flops(p.gbs);  // every layer
+      f += static_cast<double>(m.mtp_layers) * (m.layer_forward_flops(p.gbs, m.mtp_moe()) +
+                                                2.0 * static_cast<double>(p.gbs) * static_cast<double>(m.S) * 2.0 *
+                                                    static_cast<double>(m.H) * static_cast<double>(m.H));  // and eh_proj
     } else if (!m.mixed()) {  // recompute_num_layers caps each chunk's
       double recomputed = 0;
       for (int64_t s = 0; s < p.p; ++s)
@@ -200,7 +205,8 @@ double hardware_flops(const ModelSpec& m, const Plan& p, const StageLayout& lay)
           static_cast<double>(m.kv_lora_rank) * static_cast<double>(m.A) * static_cast<double>(m.qk_head_dim() + m.Dv()));
   }
   if (p.recomputes(kRecomputeMlp) && (!m.moe() || m.mixed()))
-    f += static_cast<double>(m.L - m.moe_layer_count()) * 2.0 * tokens * H * static_cast<double>(m.fc1_out() + m.F);
+    f += static_cast<double>(m.L - m.moe_layer_count() + (m.mtp_moe() ? 0 : m.mtp_layers)) * 2.0 * tokens * H *
+         static_cast<double>(m.fc1_out() + m.F);
   if (p.recomputes(kRecomputeCoreAttn))  // (multi-latent attention: QK^T over D, AV over Dv)
     f += m.mla() ? L * 2.0 * static_cast<double>(p.gbs) * static_cast<double>(m.S) * m.attention_keys() *
                        static_cast<double>(m.AD() + m.VD())
@@ -221,7 +227,7 @@ namespace {
 // (all-reduce, or with ZeRO-1 a reduce-scatter; ZeRO-2 reduce-scatters every micro-batch
 // inside the backward, sharded_traffic in compute.cpp), with ZeRO-1/2 the parameter
 // all-gather after the optimizer, and between the first and last stage the tied-embedding
-// all-reduce. When the
+// all-reduce (or that of multi-token prediction's copy of the embedding). When the
 // stack overlaps them, the reduction runs bucket by bucket beside the last micro-batch's
 // backward (its last bucket always exposed) and the gather beside the next forward.
 struct DpTail {
@@ -283,7 +289,8 @@ DpTail data_parallel_tail(const ModelSpec& m, const Cluster& cl, const Plan& p, 
     exposed += t_dup;
     reduce += t_dup;
   }
-  if (m.tie_embeddings && p.p > 1 && (stage == 0 || stage == p.p - 1)) {
+  // (Multi-token prediction's copy of the word embedding on the last stage too.)
+  if ((m.tie_embeddings || m.mtp_layers > 0) && p.p > 1 && (stage == 0 || stage == p.p - 1)) {
     const GroupSpan pair = group_span(2, p.t * p.c * p.d * (p.p - 1), cl.devices_per_node);
     const double t_emb = collective_time(cl, pair, Collective::all_reduce,
                                          cs.grad_bytes * static_cast<double>(m.word_embedding_params(p.t)));
@@ -342,6 +349,17 @@ Estimate estimate_once(const ModelSpec& m, const Cluster& cl, const Plan& p, con
     }
   }
 
+  // Multi-token prediction (ModelSpec::mtp_layers): each module's transformer layer, of the
+  // last decoder layer's kind, runs with the output layer (whose cost holds the modules'
+  // other work); recomputed with every layer (Megatron-core skips its recompute under the
+  // block method, partial recompute here).
+  const LayerCost* mtp_layer = nullptr;
+  if (m.mtp_layers > 0) {
+    const bool block = p.recompute == Recompute::full && p.recompute_layers > 0;
+    mtp_layer = m.mixed() && !m.mtp_moe() ? (block ? &dense_plain : &dense) : (block ? &plain : &layer);
+  }
+  const double n_mtp = static_cast<double>(m.mtp_layers);
+
   // Per-stage, per-chunk durations of one micro-batch.
   // Per-stage scratch, kept per thread between calls: a planner thread estimates millions
   // of plans, and these would otherwise be allocated and freed for each.
@@ -380,6 +398,12 @@ Estimate estimate_once(const ModelSpec& m, const Cluster& cl, const Plan& p, con
     if (with_head) {
       *f += head.forward;
       *b += head.backward;
+      if (mtp_layer) {
+        *r += head.recompute;  // (the modules' fronts, recomputed with every layer)
+        *f += n_mtp * mtp_layer->forward;
+        *r += n_mtp * mtp_layer->recompute;
+        *b += n_mtp * mtp_layer->backward;
+      }
     }
   };
   auto recomputed = [&](int64_t layers) {
@@ -447,7 +471,8 @@ Estimate estimate_once(const ModelSpec& m, const Cluster& cl, const Plan& p, con
     before_backward = last_backward;
     if (!same) {
       const double Pe = mem[i].expert_params;
-      const DpTail tail = data_parallel_tail(m, cl, p, cs, s, P, Pe, last_backward, st.f(s, 0), m.mla() ? lay.stage_layers(s) : 0);
+      const int64_t mla_layers = m.mla() ? lay.stage_layers(s) + (s == p.p - 1 ? m.mtp_layers : 0) : 0;
+      const DpTail tail = data_parallel_tail(m, cl, p, cs, s, P, Pe, last_backward, st.f(s, 0), mla_layers);
       dp_exposed[i] = tail.exposed_s;
       dp_total[i] = tail.total_s;
       const double shard = Pe == 0 ? P / static_cast<double>(p.shard_ranks())
@@ -533,6 +558,7 @@ Estimate estimate_once(const ModelSpec& m, const Cluster& cl, const Plan& p, con
     detail->layer_ops = std::move(layer_ops);
     detail->dense_layer = dense;
     detail->dense_plain_layer = dense_plain;
+    if (mtp_layer) detail->mtp_layer = *mtp_layer;
   }
   return est;
 }

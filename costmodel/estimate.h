@@ -81,6 +81,9 @@ struct EstimateDetail {
   // A model mixing dense and MoE layers: its dense layers' (those above are its MoE layers').
   LayerCost dense_layer, dense_plain_layer;
   std::vector<OpCost> dense_layer_ops;
+  // A multi-token prediction module's transformer layer (ModelSpec::mtp_layers; the
+  // modules' other work is in head): one of the above.
+  LayerCost mtp_layer;
 };
 
 // The micro-batches in flight per stage (all chunks, first chunk, last chunk), from the

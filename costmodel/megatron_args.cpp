@@ -29,7 +29,7 @@ const std::set<std::string>& model_flags() {
       "moe_shared_expert_intermediate_size", "moe_layer_freq", "moe_grouped_gemm", "moe_router_num_groups",
       "moe_router_group_topk", "moe_router_load_balancing_type", "moe_aux_loss_coeff", "moe_z_loss_coeff", "moe_permute_fusion",
       "moe_expert_capacity_factor", "multi_latent_attention", "q_lora_rank", "kv_lora_rank", "qk_head_dim",
-      "qk_pos_emb_head_dim", "v_head_dim"};
+      "qk_pos_emb_head_dim", "v_head_dim", "mtp_num_layers", "mtp_loss_scaling_factor"};
   return s;
 }
 // Megatron's store_true flags among them: never followed by a value.

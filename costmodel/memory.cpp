@@ -253,6 +253,37 @@ namespace {
 }
 }  // namespace
 
+namespace {
+// Multi-token prediction's parameters on the last stage (StageMemoryInputs::mtp_params):
+// with p > 1 the stage's own word embedding (and learned positions) too, which Megatron-core
+// builds there for the modules (GPTModel: pre_process or mtp_process); tied, the output
+// layer keeps its weight beside it, unused (the modules' logits take the embedding's).
+double mtp_stage_params(const ModelSpec& m, const Plan& p) {
+  return static_cast<double>(m.mtp_params(p.t, p.ep, p.etp)) +
+         (p.p > 1 ? static_cast<double>(m.word_embedding_params(p.t) + m.position_params()) : 0.0);
+}
+// Its share of the last stage. Per micro-batch in flight each module keeps its transformer
+// layer's activations (of the layer's kind; recomputed as compute.cpp recomputes it), the
+// embedding's norm input and eh_proj's (Tn x 2H: with sequence parallelism the shard,
+// gathered again in the backward; hnorm's input is the decoder's output, which the output
+// layer keeps already), and as the output layer does, its final norm's input and output and
+// the loss's logits (head_act). A module recomputed in full keeps its layer's input and,
+// outside the checkpoint, the final norm's output and the logits.
+[[gnu::noinline]] void mtp_inputs(const ModelSpec& m, const Plan& p, const ComputeSetup& cs, StageMemoryInputs* in) {
+  const double n = static_cast<double>(m.mtp_layers);
+  const bool dense_kind = m.mixed() && !m.mtp_moe();
+  const bool recomputed = p.recompute == Recompute::full && p.recompute_layers == 0;
+  const bool block = p.recompute == Recompute::full && p.recompute_layers > 0;  // (not recomputed)
+  const double per = dense_kind ? (block ? in->dense.per_full_layer : in->dense.per_layer)
+                                : (block ? in->per_full_layer : in->per_layer);
+  const double TnH = cs.act_bytes * cs.Tn * static_cast<double>(m.H);
+  const double extras = recomputed ? -TnH : 3.0 * TnH;
+  in->head_act += n * (per + extras + in->head_act);
+  in->mtp_params = mtp_stage_params(m, p);
+  in->mtp_expert_params = m.mtp_moe() ? n * in->layer_expert_params : 0.0;
+}
+}  // namespace
+
 StageMemoryInputs stage_memory_inputs(const ModelSpec& m, const Plan& p, const ComputeSetup& cs) {
   StageMemoryInputs in;
   in.per_layer = layer_activation_bytes(m, p, cs);
@@ -275,6 +306,7 @@ StageMemoryInputs stage_memory_inputs(const ModelSpec& m, const Plan& p, const C
     in.dense = StageMemoryInputs::Dense{d.per_layer, d.per_full_layer, static_cast<double>(dm.layer_params(p.t, p.ep, p.etp)),
                                         d.offload_freed, d.offload_copied};
   }
+  if (m.mtp_layers > 0) mtp_inputs(m, p, cs, &in);
   return in;
 }
 
@@ -290,7 +322,7 @@ inline double stage_params(const ModelSpec& m, const Plan& p, const StageLayout&
   const double emb = in.word_embedding_params;
   if (s == 0) n += emb + in.position_params;
   if (s == p.p - 1) {
-    n += in.final_norm_params;
+    n += in.final_norm_params + in.mtp_params;
     if (!m.tie_embeddings || p.p > 1) n += emb;  // untied output layer, or the tied copy
   }
   return n;
@@ -314,6 +346,7 @@ double stage_params(const ModelSpec& m, const Plan& p, const StageLayout& lay, i
   in.position_params = static_cast<double>(m.position_params());
   in.final_norm_params = static_cast<double>(m.final_norm_params());
   if (m.mixed()) in.dense.layer_params = static_cast<double>(m.dense_layers().layer_params(p.t, p.ep, p.etp));
+  if (m.mtp_layers > 0) in.mtp_params = mtp_stage_params(m, p);
   return stage_params(m, p, lay, s, in, lay.stage_layers(s));
 }
 
@@ -396,7 +429,8 @@ StageShape stage_shape(const ModelSpec& m, const Plan& p, const StageLayout& lay
   mb.params = P;
   const int64_t dense_layers = lay.dense.empty() ? 0 : lay.stage_dense(s);  // a mixed model's dense layers here
   const double Pe = in.layer_expert_params > 0
-                        ? static_cast<double>(layers_here - dense_layers) * in.layer_expert_params
+                        ? static_cast<double>(layers_here - dense_layers) * in.layer_expert_params +
+                              (s == p.p - 1 ? in.mtp_expert_params : 0.0)
                         : 0.0;  // the routed experts' share of P
   mb.expert_params = Pe;
   const double d = static_cast<double>(p.shard_ranks());  // the ranks ZeRO shards over

@@ -87,6 +87,10 @@ struct StageMemoryInputs {
   double embedding_act = 0, head_act = 0, head_working = 0;
   double layer_params = 0, word_embedding_params = 0, position_params = 0, final_norm_params = 0;
   double layer_expert_params = 0;  // the routed experts' share of layer_params
+  // Multi-token prediction (ModelSpec::mtp_layers), on the last stage: its modules'
+  // parameters (ModelSpec::mtp_params, and the word embedding's copy where the stage holds
+  // none: untied, p > 1), their routed experts' share, and (in head_act) their activations.
+  double mtp_params = 0, mtp_expert_params = 0;
   // Activation offloading: of an offloading layer (layer_offload; of a layer that partial
   // recompute leaves, with recompute full), the bytes its groups free and copy. per_layer
   // (per_full_layer) is what such a layer keeps on the GPU: activation_offload_fraction of

@@ -42,6 +42,12 @@ ModelSpec first_dense(ModelSpec m, int64_t k, int64_t Fs) {
   return m;
 }
 
+// n multi-token prediction modules (ModelSpec::mtp_layers).
+ModelSpec mtp(ModelSpec m, int64_t n) {
+  m.mtp_layers = n;
+  return m;
+}
+
 // Multi-latent attention (DeepSeek): query latent ql, key/value latent kvl, heads of
 // nope + rope for queries and keys, v for values.
 ModelSpec mla(ModelSpec m, int64_t ql, int64_t kvl, int64_t nope, int64_t rope, int64_t v) {
@@ -77,8 +83,10 @@ const std::map<std::string, ModelSpec>& presets() {
     // the first 3 (1) layers dense with an MLP of intermediate_size, the others 160 (128)
     // routed experts and one shared expert of moe_intermediate_size; head_dim 128. (Their
     // query/key/value biases and the multi-token-prediction layer are left out.)
-    add(first_dense(moe(llama("glm-4.5", 92, 5120, 96, 8, 12288, 151552, 4096), 160, 8, 1536, 128), 3, 1536));
-    add(first_dense(moe(llama("glm-4.5-air", 46, 4096, 96, 8, 10944, 151552, 4096), 128, 8, 1408, 128), 1, 1408));
+    // (GLM-4.5's and DeepSeek-V3's one multi-token prediction module, as their Hugging Face
+    // configs' num_nextn_predict_layers give it and Megatron-Bridge trains them.)
+    add(mtp(first_dense(moe(llama("glm-4.5", 92, 5120, 96, 8, 12288, 151552, 4096), 160, 8, 1536, 128), 3, 1536), 1));
+    add(mtp(first_dense(moe(llama("glm-4.5-air", 46, 4096, 96, 8, 10944, 151552, 4096), 128, 8, 1408, 128), 1, 1408), 1));
     // DeepSeek-V3 (DeepSeek-AI 2024, its HF config): multi-latent attention, the first 3 of 61
     // layers dense (18432), then 256 routed experts of 2048, 8 per token, and one shared.
     // Its routing limits each token to 4 of 8 groups of 32 experts (n_group, topk_group).
@@ -87,6 +95,7 @@ const std::map<std::string, ModelSpec>& presets() {
                        1536, 512, 128, 64, 128);
     ds.moe_groups = 8;
     ds.moe_group_topk = 4;
+    ds.mtp_layers = 1;
     add(ds);
     // Tiny models for the CPU executor: a few million parameters, a step well under a
     // second on one core. Vocabulary 512 (the synthetic token source).

@@ -19,6 +19,7 @@ constexpr int64_t kMaxFfn = 1 << 24;
 constexpr int64_t kMaxVocab = 1 << 28;
 constexpr int64_t kMaxSeq = 1 << 24;
 constexpr int64_t kMaxExperts = 1 << 16;
+constexpr int64_t kMaxMtpLayers = 64;  // multi-token prediction modules (DeepSeek-V3 and GLM-4.5 train 1)
 
 // A model the cost model would silently mistake for one it models is refused, naming the
 // key: an expert count above one under any of `keys` (zero or one expert is a dense MLP).
@@ -339,6 +340,12 @@ int64_t ModelSpec::position_params() const { return position == Position::learne
 
 int64_t ModelSpec::final_norm_params() const { return normalization == Norm::layernorm ? 2 * H : H; }
 
+int64_t ModelSpec::mtp_params(int64_t t, int64_t ep, int64_t etp) const {
+  if (mtp_layers == 0) return 0;
+  const int64_t layer = mtp_moe() || !mixed() ? layer_params(t, ep, etp) : dense_layers().layer_params(t, ep, etp);
+  return mtp_layers * (layer + 2 * H * H / t + 3 * final_norm_params());
+}
+
 double ModelSpec::total_params() const {
   const double emb = static_cast<double>(word_embedding_params(1)) * (tie_embeddings ? 1 : 2);
   const double moe_layers = static_cast<double>(moe_layer_count());
@@ -395,7 +402,13 @@ double ModelSpec::logits_forward_flops(int64_t B) const {
 }
 
 double ModelSpec::forward_flops(int64_t B) const {
-  return static_cast<double>(L) * layer_forward_flops(B) + logits_forward_flops(B);
+  double f = static_cast<double>(L) * layer_forward_flops(B) + logits_forward_flops(B);
+  if (mtp_layers > 0) {
+    const double h = static_cast<double>(H);
+    const double eh_proj = 2.0 * static_cast<double>(B) * static_cast<double>(S) * 2.0 * h * h;
+    f += static_cast<double>(mtp_layers) * (layer_forward_flops(B, mtp_moe()) + eh_proj + logits_forward_flops(B));
+  }
+  return f;
 }
 
 void validate_model(const ModelSpec& m, const std::string& src) {
@@ -410,6 +423,7 @@ void validate_model(const ModelSpec& m, const std::string& src) {
   range("ffn_hidden_size", m.F, 1, kMaxFfn);
   range("vocab_size", m.V, 1, kMaxVocab);
   range("seq_length", m.S, 1, kMaxSeq);
+  range("mtp_num_layers", m.mtp_layers, 0, kMaxMtpLayers);
   if (m.kv_channels < 0 || m.kv_channels > kMaxHidden)
     fail_field(src + ".kv_channels", std::to_string(m.kv_channels), fmt::format("must be an integer in [0, {}]", kMaxHidden));
   if (m.kv_channels == 0 && m.H % m.A != 0)
@@ -587,6 +601,11 @@ ModelSpec model_from_json(const Json& in, const std::string& source) {
     for (const char* k : mla_keys) f.ignore(k);
   }
   read_experts(f, j, source, &m);
+  // (null: Megatron's None, no multi-token prediction)
+  if (const Json* mtp = f.peek("mtp_num_layers"); mtp && !mtp->is_null())
+    m.mtp_layers = f.integer_or("mtp_num_layers", 0, 0, kMaxMtpLayers);
+  f.ignore("mtp_num_layers");
+  f.ignore("mtp_loss_scaling_factor");  // (the loss's weight: no cost)
   f.ignore("description");
   f.ignore("_source");
   f.reject_unknown();
@@ -774,6 +793,8 @@ ModelSpec model_from_hf_config(const Json& j, const std::string& source, int64_t
     }
     set_moe_layers(&m, std::move(flags), source + (key.empty() ? std::string(experts_key) : key), value);
   }
+  // DeepSeek-V3's and GLM-4.5's multi-token prediction modules (MiMo's and others' too).
+  m.mtp_layers = get_int({"num_nextn_predict_layers"}, 0, kMaxMtpLayers, false, 0);
   m.normalization = (j.contains("rms_norm_eps") || llama) && !gpt2 ? Norm::rmsnorm : Norm::layernorm;
   m.position = gpt2 ? Position::learned  // RoPE sets the modern stack for the Llama family
              : bloom || (falcon && flag("alibi")) ? Position::alibi : Position::rope;
@@ -855,6 +876,7 @@ Json model_to_json(const ModelSpec& m) {
               {"kv_channels", m.kv_channels},
               {"window_size", m.window_size},
               {"window_layers", m.window_layers}};
+  if (m.mtp_layers > 0) j["mtp_num_layers"] = m.mtp_layers;
   if (m.mla()) {
     j.erase("kv_channels");
     j["multi_latent_attention"] = true;

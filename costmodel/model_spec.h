@@ -78,6 +78,15 @@ struct ModelSpec {
   // dense MLP of F. Empty: every layer is alike (MoE when moe()). When set it holds L
   // entries, both kinds among them.
   std::vector<uint8_t> moe_layer;
+  // Multi-token prediction (DeepSeek-V3, GLM-4.5; Megatron-core's --mtp-num-layers, Hugging
+  // Face's num_nextn_predict_layers): after the decoder, mtp_layers modules each predict one
+  // token further: the next tokens' embeddings and the hidden states normed (enorm, hnorm),
+  // concatenated and projected from 2H to H (eh_proj), one transformer layer of the last
+  // decoder layer's kind, a final norm, and the shared output layer and loss again. Megatron
+  // places them with the loss (the last pipeline stage, or where a
+  // pipeline_model_parallel_layout puts its 'm's), with its own copy of the word embedding
+  // there. 0: none.
+  int64_t mtp_layers = 0;
 
   int64_t D() const { return kv_channels > 0 ? kv_channels : H / A; }
   int64_t AD() const { return A * D(); }  // width of the queries and of the attention output
@@ -110,6 +119,13 @@ struct ModelSpec {
   // The model's dense layers as a model of their own: no experts, the same attention and
   // MLP of F (costed by the same functions as a dense model's layers).
   ModelSpec dense_layers() const;
+  // Whether the multi-token prediction layers are MoE layers: of the last decoder layer's kind.
+  bool mtp_moe() const { return mixed() ? moe_layer.back() != 0 : moe(); }
+  // Parameters of the mtp_layers modules on one tensor-parallel rank, their transformer
+  // layers (of mtp_moe()'s kind, the experts as layer_params splits them) and per module
+  // eh_proj (2H x H, column-parallel, no bias) and three norms (enorm, hnorm, the final
+  // one); not the word embedding copy nor the output layer they share.
+  int64_t mtp_params(int64_t t, int64_t ep = 1, int64_t etp = 0) const;
   int64_t expert_fc1_out() const { return gated() ? 2 * Fe : Fe; }  // an expert's first matrix
   int64_t shared_fc1_out() const { return gated() ? 2 * Fs : Fs; }  // the shared expert's
   // Parameters of one routed expert split over etp ranks (Megatron's
@@ -132,7 +148,8 @@ struct ModelSpec {
   int64_t word_embedding_params(int64_t t) const;
   int64_t position_params() const;       // learned positions: S*H, replicated
   int64_t final_norm_params() const;
-  // Total parameters of the model (t = 1, padded vocab of t = 1).
+  // Total parameters of the model (t = 1, padded vocab of t = 1); the multi-token prediction
+  // modules' not among them (DeepSeek-V3's 671B; mtp_params(1) more are trained).
   double total_params() const;
   // Parameters one token passes through: total_params with K of the E experts.
   double active_params() const;
@@ -140,7 +157,9 @@ struct ModelSpec {
   // Model FLOPs of one forward pass over B sequences: every GEMM (2 per MAC),
   // attention over every key a query may see (Megatron's convention: the full S x S, causal
   // or not; a windowed layer's window_size keys), logits; with experts the K routed experts
-  // and the shared expert a token passes (Megatron's count, the router left out). No recompute.
+  // and the shared expert a token passes (Megatron's count, the router left out); with
+  // multi-token prediction its layers, eh_proj and logits again (Megatron's count but for
+  // its norms). No recompute.
   double forward_flops(int64_t B) const;
   double layer_forward_flops(int64_t B) const;  // the mean of the L layers
   // One MoE layer's (moe_layer true, for a model with experts) or one dense layer's.

@@ -363,16 +363,14 @@ PipelineLayout parse_pipeline_layout(const std::string& text, const std::string&
       const size_t n = count_at(&i);
       in_group = false;
       add(group, n);
-    } else if (ch == 'E' || ch == 't' || ch == 'L' || ch == '|') {
+    } else if (ch == 'E' || ch == 't' || ch == 'm' || ch == 'L' || ch == '|') {
       ++i;
       size_t n = 1;
       if (i < t.size() && t[i] == '*') n = count_at(&i);
       add(std::string(1, ch), n);
-    } else if (ch == 'm') {
-      fail("holds an MTP layer ('m'): strata does not model multi-token prediction");
     } else {
-      fail(fmt::format("has '{}' after '{}': the characters are E (embedding), t (decoder layer), L (loss), | "
-                       "(between virtual stages), parentheses, * with a count, and commas",
+      fail(fmt::format("has '{}' after '{}': the characters are E (embedding), t (decoder layer), m (multi-token "
+                       "prediction layer), L (loss), | (between virtual stages), parentheses, * with a count, and commas",
                        ch, before()));
     }
   }
@@ -385,10 +383,19 @@ PipelineLayout parse_pipeline_layout(const std::string& text, const std::string&
     const char ch = flat[k];
     if (ch == '|') out.layers.push_back(0);
     else if (ch == 't') ++out.layers.back();
+    else if (ch == 'm') ++out.mtp;
     else if (ch == 'E') ++embeddings;
     else if (ch == 'L') ++losses;
   }
   if (embeddings != 1 || losses != 1) fail("must hold the embedding 'E' and the loss 'L' exactly once each");
+  // Megatron-core: every decoder layer before the first 'm', all 'm's in one virtual stage.
+  if (const size_t first_m = flat.find('m'); first_m != std::string::npos) {
+    if (flat.find('t', first_m) != std::string::npos)
+      fail("places a decoder layer 't' after a multi-token prediction layer 'm': the 'm's follow every 't'");
+    if (flat.find('|', first_m) != std::string::npos)
+      fail("puts the multi-token prediction layers 'm' in a virtual stage before the loss 'L': strata costs them "
+           "with the loss, in its virtual stage (Megatron-core's standalone placement is not modelled)");
+  }
   // Megatron-core asks for E first and L last among the layers; strata also places them on
   // the first and the last virtual stage (stage 0's first chunk, the last stage's last).
   if (flat.front() != 'E')
@@ -1123,6 +1130,15 @@ std::vector<Reason> check_plan(const ModelSpec& m, const Cluster& cl, const Plan
       add("vp_needs_pp", [&] { return fmt::format("virtual_pipeline_stages={} needs pipeline_parallel >= 2", p.v); });
     else if (std::string why = split_problem(m.L, p); !why.empty())
       add("uneven_split", [&] { return why; });
+    else if (p.layout && p.layout->mtp != m.mtp_layers)  // (Megatron-core asserts the same)
+      add("uneven_split", [&] {
+        return fmt::format("pipeline_model_parallel_layout holds {} multi-token prediction layers ('m'), not the model's "
+                           "mtp_num_layers={}: {}",
+                           p.layout->mtp, m.mtp_layers,
+                           m.mtp_layers > 0 ? fmt::format("end the layout with \"{}L\", in the loss's virtual stage",
+                                                          m.mtp_layers == 1 ? std::string("m") : fmt::format("m*{}", m.mtp_layers))
+                                            : std::string("drop them, or give the model mtp_num_layers"));
+      });
   } else if (p.v > 1) {
     if (p.p < 2) add("vp_needs_pp", [&] { return fmt::format("virtual_pipeline_stages={} needs pipeline_parallel >= 2", p.v); });
     // Uneven splits are costed as Megatron's first/last-stage options give them: the

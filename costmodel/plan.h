@@ -39,12 +39,16 @@ enum class MoeDispatcher { alltoall, allgather, deepep, hybridep };
 
 // An explicit split of the decoder layers over the pipeline's model chunks, Megatron-core's
 // pipeline_model_parallel_layout: virtual stages separated by '|', 'E' the embedding, 't' a
-// decoder layer, 'L' the loss (output layer), "x*n" and "(...)*n" repeat, commas are
-// cosmetic; "Et*2|(t*2|)*34,t*3|(t*2|)*3,tL" is 40 virtual stages of 80 layers. Virtual stage
-// k runs on stage k mod p as chunk k / p, so `layers` is in StageLayout's order (c*p + s).
+// decoder layer, 'm' a multi-token prediction layer, 'L' the loss (output layer), "x*n" and
+// "(...)*n" repeat, commas are cosmetic; "Et*2|(t*2|)*34,t*3|(t*2|)*3,tL" is 40 virtual
+// stages of 80 layers. Virtual stage k runs on stage k mod p as chunk k / p, so `layers` is
+// in StageLayout's order (c*p + s). The 'm's follow every 't' in the virtual stage of 'L'
+// (strata costs them with the loss; Megatron-core also lets them stand in a virtual stage
+// of their own, which is refused).
 struct PipelineLayout {
   std::string text;             // as given
   std::vector<int64_t> layers;  // decoder layers of each virtual stage
+  int64_t mtp = 0;              // 'm's (ModelSpec::mtp_layers, check_plan compares)
 };
 // Parses a layout; malformed text (an unknown character, unbalanced or nested parentheses,
 // 'E' not first or 'L' not last, each exactly once) throws InputError naming `field`.

@@ -45,6 +45,10 @@ std::string format_estimate(const ModelSpec& m, const Cluster& cl, const Estimat
   if (m.mixed())
     o += fmt::format("         MoE on {} of the {} layers, dense MLP of {} on the others (moe_layer_freq {})\n",
                      m.moe_layer_count(), m.L, m.F, moe_layer_freq_text(m.moe_layer));
+  if (m.mtp_layers > 0)
+    o += fmt::format("         {} multi-token prediction module{} ({} {} layer{}, {} parameters more) with the output layer\n",
+                     m.mtp_layers, m.mtp_layers > 1 ? "s" : "", m.mtp_layers, m.mtp_moe() ? "MoE" : "dense",
+                     m.mtp_layers > 1 ? "s" : "", human_count(static_cast<double>(m.mtp_params(1))));
   o += fmt::format("cluster  {} ({}, {} per node), {} GPUs\n", cl.name, cl.device.name, cl.devices_per_node,
                    p.world_size());
   o += fmt::format("plan     {}\n", plan_to_inline(p));
@@ -224,9 +228,18 @@ void write_trace(std::ostream& out, const ModelSpec& m, const Estimate& e, const
       if (x.forward) {
         if (emb) t = piece("embedding forward", x, -1, t, d.embedding.forward, x.end_s);
         for (int64_t i = 0; i < n; ++i) t = piece("layer forward", x, l0 + i, t, layer(i), x.end_s);
+        // (multi-token prediction's layers, whose other work is the output layer's)
+        if (head)
+          for (int64_t k = 0; k < m.mtp_layers; ++k) t = piece("mtp layer forward", x, -1, t, d.mtp_layer.forward, x.end_s);
         if (head) t = piece("output layer forward", x, -1, t, d.head.forward, x.end_s);
       } else {
-        if (head) t = piece("output layer backward", x, -1, t, d.head.backward, x.end_s);
+        if (head)
+          t = piece("output layer backward", x, -1, t, d.head.backward, x.end_s,
+                    d.head.recompute.total() > 0 ? &d.head.recompute : nullptr);
+        if (head)
+          for (int64_t k = 0; k < m.mtp_layers; ++k)
+            t = piece("mtp layer backward", x, -1, t, d.mtp_layer.backward, x.end_s,
+                      d.mtp_layer.recompute.total() > 0 ? &d.mtp_layer.recompute : nullptr);
         for (int64_t i = n; i-- > 0;)
           t = piece("layer backward", x, l0 + i, t, layer(i), x.end_s, recompute && i < k ? &cost(i).recompute : nullptr);
         if (emb) t = piece("embedding backward", x, -1, t, d.embedding.backward, x.end_s);

@@ -46,6 +46,10 @@ void check_trainable_model(const ModelSpec& m) {
   if (m.mla())
     fail("model: kv_lora_rank " + std::to_string(m.kv_lora_rank) +
          " (multi-latent attention) is not implemented by the executor (strata estimate and plan model it)");
+  if (m.mtp_layers > 0)
+    fail("model: mtp_num_layers " + std::to_string(m.mtp_layers) +
+         " (multi-token prediction) is not implemented by the executor (strata estimate and plan model it; give "
+         "the model mtp_num_layers 0 to train without it)");
   if (m.windowed())
     fail("model: window_size " + std::to_string(m.window_size) +
          " (sliding-window attention) is not implemented by the executor: it attends to the whole causal prefix");

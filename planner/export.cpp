@@ -171,6 +171,7 @@ std::string export_megatron(const ModelSpec& m, const Plan& p, const Stack& stac
     notes += "# mixture of experts: strata costed balanced routing (every expert the same tokens); an uneven\n"
              "# load makes the busiest expert's rank the slowest.\n";
   }
+  if (m.mtp_layers > 0) flag(fmt::format("--mtp-num-layers {}", m.mtp_layers));
   if (m.mla()) {
     flag("--multi-latent-attention");
     flag("--qk-layernorm");  // (MLA's latent norms exist only with it)
@@ -277,6 +278,8 @@ std::string export_deepspeed(const ModelSpec& m, const Plan& p, const Stack& sta
   if (p.ep > 1) split["expert_model_parallel_size"] = p.ep;
   if (m.moe() && p.expert_tp() != p.t) split["expert_tensor_parallel_size"] = p.expert_tp();
   if (m.mixed()) split["moe_layer_freq"] = moe_layer_freq_text(m.moe_layer);
+  // (DeepSpeed has no multi-token prediction; costed with it, so said)
+  if (m.mtp_layers > 0) split["megatron_mtp_num_layers"] = m.mtp_layers;
   if (p.layout) split["pipeline_model_parallel_layout"] = p.layout->text;
   if (p.first_stage_layers > 0) split["decoder_first_pipeline_num_layers"] = p.first_stage_layers;
   if (p.last_stage_layers > 0) split["decoder_last_pipeline_num_layers"] = p.last_stage_layers;
@@ -320,6 +323,9 @@ std::string export_bridge(const ModelSpec& m, const Plan& p, const Stack& stack)
   set("model.seq_length", num(m.S));
   if (p.ep > 1) set("model.expert_model_parallel_size", num(p.ep));
   if (m.moe() && p.expert_tp() != p.t) set("model.expert_tensor_parallel_size", num(p.expert_tp()));
+  // Multi-token prediction as costed; null where none (Bridge's DeepSeek and GLM recipes
+  // turn it on from their models' configs).
+  if (m.mtp_layers > 0 || m.moe()) set("model.mtp_num_layers", m.mtp_layers > 0 ? num(m.mtp_layers) : "null");
   if (m.moe()) {
     // (Bridge's recipes name a flex backend and let apply_flex_dispatcher_backend switch to it.)
     set("model.moe_token_dispatcher_type", p.flex() ? "flex" : to_string(p.moe_dispatcher));

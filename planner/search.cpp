@@ -198,6 +198,13 @@ namespace {
 // One micro-batch's work of a layer (or the embedding, or the output layer) as
 // balanced_end_split weighs it: forward, backward and recompute.
 double split_work(const LayerCost& c) { return c.forward.total() + c.backward.total() + c.recompute.total(); }
+// The output layer's, with multi-token prediction's transformer layers (ModelSpec::mtp_layers),
+// which run beside it: of the last decoder layer's kind, the MoE (or only) layer's `layer` or
+// a mixed model's dense layer's `dense`.
+double head_split_work(const ModelSpec& m, const LayerCost& head, const LayerCost& layer, const LayerCost& dense) {
+  return split_work(head) +
+         static_cast<double>(m.mtp_layers) * (m.mtp_layers > 0 ? split_work(m.mixed() && !m.mtp_moe() ? dense : layer) : 0.0);
+}
 
 }  // namespace
 
@@ -274,10 +281,13 @@ std::optional<Plan> balanced_end_split(const ModelSpec& m, const Plan& p, double
         text += run > 1 ? fmt::format("({}|)*{},", part(layers[k]), run) : part(layers[k]) + "|";
         k += run;
       }
-      text += part(layers.back()) + "L";
+      // (multi-token prediction's layers with the loss, as Megatron-core places them)
+      text += part(layers.back()) + (m.mtp_layers == 0   ? std::string()
+                                     : m.mtp_layers == 1 ? std::string("m")
+                                                         : fmt::format("m*{}", m.mtp_layers)) + "L";
       Plan q = p;
       q.first_stage_layers = q.last_stage_layers = 0;
-      q.layout = std::make_shared<const PipelineLayout>(PipelineLayout{std::move(text), std::move(layers)});
+      q.layout = std::make_shared<const PipelineLayout>(PipelineLayout{std::move(text), std::move(layers), m.mtp_layers});
       return q;
     }
   }
@@ -298,12 +308,15 @@ std::optional<Plan> balanced_end_split(const ModelSpec& m, const Cluster& cl, co
   base.layout.reset();
   base.dp_instances = 1;  // (no ZeRO here)
   const ComputeSetup cs = compute_setup(m, cl, base);
-  double w = split_work(layer_cost(m, cl, base, cs));
+  const LayerCost layer = layer_cost(m, cl, base, cs);
+  const LayerCost dense = m.mixed() ? layer_cost(m.dense_layers(), cl, base, cs) : LayerCost{};
+  double w = split_work(layer);
   if (m.mixed()) {  // the layers' mean
     const double moe = static_cast<double>(m.moe_layer_count()), L = static_cast<double>(m.L);
-    w = (moe * w + (L - moe) * split_work(layer_cost(m.dense_layers(), cl, base, cs))) / L;
+    w = (moe * w + (L - moe) * split_work(dense)) / L;
   }
-  return balanced_end_split(m, p, w, split_work(embedding_cost(m, cl, base, cs)), split_work(head_cost(m, cl, base, cs)));
+  return balanced_end_split(m, p, w, split_work(embedding_cost(m, cl, base, cs)),
+                            head_split_work(m, head_cost(m, cl, base, cs), layer, dense));
 }
 
 Stack search_stack(const ModelSpec& m, const Cluster& cl, const SearchOptions& opt) {
@@ -343,7 +356,10 @@ SearchResult search(const ModelSpec& m, const Cluster& cl, const SearchOptions& 
   std::map<CostKey, std::array<LayerCost, 4>> costs;
   const ModelSpec dense_model = m.mixed() ? m.dense_layers() : ModelSpec{};
   auto costs_of = [&](const Plan& pl, const ComputeSetup& cs) -> const std::array<LayerCost, 4>& {
-    const CostKey key{pl.t, pl.c, pl.zero >= 2 ? pl.d : 0, pl.mbs, pl.sp, static_cast<int>(pl.recompute),
+    // (With multi-token prediction the output layer's cost says whether the block method
+    // leaves the modules unrecomputed: recompute_layers > 0.)
+    const int rc = static_cast<int>(pl.recompute) + (m.mtp_layers > 0 && pl.recompute_layers > 0 ? 8 : 0);
+    const CostKey key{pl.t, pl.c, pl.zero >= 2 ? pl.d : 0, pl.mbs, pl.sp, rc,
                       pl.zero >= 2 ? pl.zero : 0, experts(pl, cs.cp_comm),
                       pl.moe_a2a_overlap ? paired_share(pl) : 0.0};
     auto it = costs.find(key);
@@ -695,7 +711,8 @@ SearchResult search(const ModelSpec& m, const Cluster& cl, const SearchOptions& 
                       Plan q = probe_tpcv;
                       q.mbs = mbs; q.zero = 0; q.recompute = rc; q.sp = sp == 1; q.gpipe = gp == 1; q.cp_comm = cc;
                       const auto& lc = costs_of(q, compute_setup(m, cl, q));
-                      split = balanced_end_split(m, q, layer_split_work(lc), split_work(lc[1]), split_work(lc[2]));
+                      split = balanced_end_split(m, q, layer_split_work(lc), split_work(lc[1]),
+                                                 head_split_work(m, lc[2], lc[0], lc[3]));
                       if (split) {
                         std::tuple<int64_t, int64_t, std::string> key{split->first_stage_layers, split->last_stage_layers,
                                                                       split->layout ? split->layout->text : ""};

@@ -608,6 +608,18 @@ TEST(Cli, BadInputExits2NamingTheField) {
        "--seq-length 32 --max-position-embeddings 32 --vocab-size 100 --micro-batch-size 1 --global-batch-size 8 "
        "--tensor-model-parallel-size 2 --tp-comm-overlap'", "--tp-comm-overlap"},
       {"train --model mixtral-8x7b --plan dp=1 --steps 2", "mixture of experts) is not implemented"},
+      // Multi-token prediction
+      {model("mtp1.json", R"({"num_layers":2,"mtp_num_layers":-1,)" + ok_model + "}"), "mtp_num_layers"},
+      {model("mtp2.json", R"({"num_layers":2,"mtp_num_layers":65,)" + ok_model + "}"), "mtp_num_layers"},
+      {model("mtp3.json", R"({"num_layers":2,"mtp_num_layers":"one",)" + ok_model + "}"), "mtp_num_layers"},
+      {"estimate --model deepseek-v3 --cluster dgx-h100-80g --plan 'pp=2,dp=4,ep=8,pipeline_model_parallel_layout=Et*31|t*30L'",
+       "mtp_num_layers=1"},
+      {"estimate --model deepseek-v3 --cluster dgx-h100-80g --plan 'pp=2,dp=4,ep=8,pipeline_model_parallel_layout=Et*31|mt*30L'",
+       "after a multi-token prediction layer"},
+      {"estimate --model deepseek-v3 --cluster dgx-h100-80g --plan 'pp=2,vp=2,dp=4,ep=8,pipeline_model_parallel_layout=Et*31|t*30|m|L'",
+       "before the loss"},
+      {"train --plan dp=1 --steps 2 --model " + write("mtp4.json", R"({"num_layers":2,"mtp_num_layers":1,)" + ok_model + "}"),
+       "multi-token prediction) is not implemented"},
       {P + "tp=8,dp=2,recompute_modules=moe", "recompute_modules"},
       {P + "tp=8,dp=2,recompute_modules=mla_up_proj", "mla_up_proj"},
       {P + "tp=8,dp=2,recompute=none,recompute_modules=layernorm", "needs recompute selective"},

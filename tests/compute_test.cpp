@@ -351,6 +351,58 @@ TEST(Compute, CrossEntropyBytesPerStack) {
   EXPECT_DOUBLE_EQ(ce_bytes(Phase::backward), 4.0 * logits);
 }
 
+// A multi-token prediction module's work beside its transformer layer (head_cost with
+// mtp_num_layers 1 against 0), by hand on the round cluster (memory 1 TB/s, GEMMs 50
+// TFLOP/s in bf16, NVLink 150 GB/s and 5 us a round). A Llama-style model (modern stack:
+// fused cross-entropy, fused weight-gradient accumulation) of H 4096, vocabulary 32000
+// (16000 per rank), one sequence of 2048 on tp 2 with sequence parallelism: T 2048, Tn
+// 1024, e 2; a T x H activation is 16,777,216 bytes; its all-gather or reduce-scatter over 2
+// ranks 5 + 8,388,608 / 150e3 = 60.924053 us, of T x 2H 116.848107 us; an all-reduce of the
+// loss's 4T bytes 10 + 8192 / 150e3 = 10.054613 us.
+//   forward: embedding lookup 2eTH 33.554432 us, its reduce-scatter 60.924053, enorm and
+//     hnorm 2eTnH 16.777216 each, the concatenation 4eTnH 33.554432, eh_proj's input
+//     gathered (T x 2H) 116.848107, eh_proj 2 x 2048 x 2048 x 8192 FLOPs 1374.389535, its
+//     output gathered 60.924053, the final norm 16.777216, the output layer's input gathered
+//     60.924053, the logits 2 x 2048 x 16000 x 4096 FLOPs 5368.70912, the fused loss 6 bytes
+//     a logit 196.608, its three all-reduces 30.163840: 7386.931273 us, 329.784107 of it
+//     tensor-parallel collectives;
+//   backward: the loss 4 bytes a logit 131.072, the output layer's two GEMMs 2 x 5368.70912,
+//     its input gradient's reduce-scatter 60.924053, the final norm 3eTnH 25.165824, the
+//     split's all-gather 60.924053, eh_proj's two GEMMs 2 x 1374.389535 (its input gathered
+//     again behind the first: hidden), its input gradient's reduce-scatter (T x 2H)
+//     116.848107, the concatenation 33.554432, the two norms 2 x 25.165824, the lookup's
+//     gather 60.924053 and scatter-add (2 + 2 x 4) T H 83.88608: 14109.82756 us.
+TEST(Compute, MultiTokenPredictionModule) {
+  const Cluster c = testing::round_cluster();
+  const ModelSpec with = testing::llama_with_mtp(1), without = testing::llama_with_mtp(0);
+  const Plan p = load_plan("tp=2,sp=1,mbs=1,precision=bf16");
+  const ComputeSetup cs = compute_setup(with, c, p);
+  ASSERT_TRUE(cs.stack.modern && cs.stack.grad_accumulation_fusion);
+  std::vector<OpCost> ops;
+  const LayerCost a = head_cost(with, c, p, cs, &ops), b = head_cost(without, c, p, cs);
+  EXPECT_NEAR((a.forward.total() - b.forward.total()) * 1e6, 7386.931273, 1e-5);
+  EXPECT_NEAR((a.forward.tp_comm_s - b.forward.tp_comm_s) * 1e6, 329.784107, 1e-5);
+  EXPECT_NEAR((a.backward.total() - b.backward.total()) * 1e6, 14109.82756, 1e-5);
+  EXPECT_NEAR((a.backward.tp_comm_s - b.backward.tp_comm_s) * 1e6, 3 * 60.924053 + 116.848107, 1e-5);
+  EXPECT_EQ(a.recompute.total(), 0.0);
+  int eh_proj = 0;
+  for (const auto& o : ops)
+    if (o.name == "mtp_eh_proj" && o.kind == OpKind::gemm) {
+      EXPECT_NEAR(o.time_s * 1e6, 1374.389535, 1e-5);
+      ++eh_proj;
+    }
+  EXPECT_EQ(eh_proj, 3);  // forward, input gradient, weight gradient
+  // With every layer recomputed the module's checkpointed part runs again (Megatron-core's
+  // _checkpointed_forward: the norms to the final norm, the lookup outside it): 2 x
+  // 16.777216 + 33.554432 + 116.848107 + 1374.389535 + 60.924053 + 16.777216 = 1636.047775
+  // us; under the block method (recompute_num_layers) nothing.
+  const Plan full = load_plan("tp=2,sp=1,mbs=1,precision=bf16,recompute=full");
+  EXPECT_NEAR((head_cost(with, c, full, cs).recompute.total() - head_cost(without, c, full, cs).recompute.total()) * 1e6,
+              1636.047775, 1e-5);
+  const Plan block = load_plan("tp=2,sp=1,mbs=1,precision=bf16,recompute=full,recompute_num_layers=1");
+  EXPECT_EQ(head_cost(with, c, block, cs).recompute.total(), 0.0);
+}
+
 // The strata executor's passes over a layer's 16-bit tensors (it holds them as floats).
 // tiny-gpt (H 256, 4 heads, F 1024, S 128), tp 1, micro-batch 2: n = N = 256 tokens,
 // qkv width Q = 768, attention output 256, fc1 and activation 1024 each.

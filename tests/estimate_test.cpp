@@ -331,15 +331,54 @@ TEST(Estimate, TraceHasOneSlicePerStepAndStage) {
 }
 
 // Hardware FLOPs count what recompute_modules runs again: DeepSeek-V3, one sequence of
-// 4096: mla_up_proj the up projections of all 61 layers, 61 x 2 x 4096 x (1536 x 24576 +
-// 512 x 128 x 256) = 27,247,272,525,824; mlp the 3 dense layers' MLPs, 3 x 2 x 4096 x 7168
-// x (36864 + 18432) = 9,740,985,827,328.
+// 4096: mla_up_proj the up projections of all 61 layers and of its multi-token prediction
+// module's layer, 62 x 2 x 4096 x (1536 x 24576 + 512 x 128 x 256) = 27,693,949,124,608; mlp
+// the 3 dense layers' MLPs (the prediction module's layer is an MoE layer, as the last
+// decoder layer), 3 x 2 x 4096 x 7168 x (36864 + 18432) = 9,740,985,827,328.
 TEST(Estimate, HardwareFlopsOfRecomputedModules) {
   const ModelSpec m = load_model("deepseek-v3");
   const double base = hardware_flops_per_step(m, load_plan("dp=1,gbs=1,recompute=none"));
   EXPECT_DOUBLE_EQ(hardware_flops_per_step(m, load_plan("dp=1,gbs=1,recompute_modules=mla_up_proj")) - base,
-                   27247272525824.0);
+                   27693949124608.0);
   EXPECT_DOUBLE_EQ(hardware_flops_per_step(m, load_plan("dp=1,gbs=1,recompute_modules=mlp")) - base, 9740985827328.0);
+}
+
+// Multi-token prediction runs with the output layer: on a Llama-style model of 4 layers with
+// one module, pp 2, the last stage's forward of a micro-batch is its 2 layers', the module's
+// layer's (a dense layer, as the last decoder layer) and the output layer's (which holds the
+// module's other work); the trace draws the module's layer once per micro-batch there; the
+// first stage is the model's without it.
+TEST(Estimate, MultiTokenPredictionRunsWithTheOutputLayer) {
+  const ModelSpec m = testing::llama_with_mtp(1), plain = testing::llama_with_mtp(0);
+  const Cluster c = load_cluster("dgx-h100-80g");
+  for (const char* plan : {"tp=2,pp=2,sp=1,dp=4,mbs=1,gbs=16", "tp=2,pp=2,sp=1,dp=4,mbs=1,gbs=16,recompute=full"}) {
+    EstimateOptions o;
+    o.record_events = true;
+    o.want_ops = true;
+    EstimateDetail d, dp;
+    const Estimate e = estimate(m, c, load_plan(plan), o, &d);
+    estimate(plain, c, load_plan(plan), o, &dp);
+    ASSERT_TRUE(e.valid);
+    EXPECT_DOUBLE_EQ(d.mtp_layer.forward.total(), d.layer.forward.total());
+    EXPECT_NEAR(d.stage_times.f(1, 0), 2 * d.layer.forward.total() + d.mtp_layer.forward.total() + d.head.forward.total(),
+                1e-15);
+    EXPECT_NEAR(d.stage_times.b(1, 0),
+                2 * (d.layer.backward.total() + d.layer.recompute.total()) + d.mtp_layer.backward.total() +
+                    d.mtp_layer.recompute.total() + d.head.backward.total() + d.head.recompute.total(),
+                1e-15)
+        << plan;
+    EXPECT_DOUBLE_EQ(d.stage_times.f(0, 0), dp.stage_times.f(0, 0));
+    std::stringstream ss;
+    write_trace(ss, m, e, d);
+    const Json t = Json::parse(ss.str());
+    int forwards = 0, backwards = 0;
+    for (const auto& ev : t["traceEvents"]) {
+      if (ev["name"] == "mtp layer forward") ++forwards;
+      if (ev["name"] == "mtp layer backward") ++backwards;
+    }
+    EXPECT_EQ(forwards, 4);  // 16 / (1 x 4) micro-batches, on the last stage
+    EXPECT_EQ(backwards, 4);
+  }
 }
 
 // A mixed model's trace draws each layer as its kind: on the mixed test model (8 dense

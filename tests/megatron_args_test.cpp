@@ -225,6 +225,19 @@ TEST(MegatronArgs, ExpertFlagsRoundTrip) {
 
     EXPECT_EQ(in.model.total_params(), ds.total_params());
     EXPECT_EQ(estimate(in.model, cl, in.plan).step_time_s, estimate(ds, cl, p).step_time_s);
+    // Its multi-token prediction module: --mtp-num-layers, and a layout's 'm' (Megatron-Bridge's
+    // for pp 8 vp 4), written and read back to the same estimate.
+    EXPECT_NE(flags.find("--mtp-num-layers 1"), std::string::npos) << flags;
+    EXPECT_EQ(in.model.mtp_layers, 1);
+    const Plan lp = load_plan("tp=2,pp=8,vp=4,dp=64,ep=64,etp=1,mbs=1,gbs=8192,zero=1,sp=1,"
+                              "pipeline_model_parallel_layout=Et|(tt|)*30mL");
+    const std::string lf = export_megatron(ds, lp, resolve_stack(ds, cl, lp)) + fmt::format(" --vocab-size {}", ds.V);
+    EXPECT_NE(lf.find("--pipeline-model-parallel-layout \"Et|(tt|)*30mL\""), std::string::npos) << lf;
+    const LaunchInputs lin = launch_inputs(parse_megatron_launch(lf, "export"), lp.world_size(), "export");
+    EXPECT_EQ(estimate(lin.model, cl, lin.plan).step_time_s, estimate(ds, cl, lp).step_time_s);
+    EXPECT_TRUE(estimate(ds, cl, lp).valid);
+    const std::string bridge = export_bridge(ds, lp, resolve_stack(ds, cl, lp));
+    EXPECT_NE(bridge.find("model.mtp_num_layers=1"), std::string::npos) << bridge;
   }
   // --recompute-modules takes a list of words, and is written back.
   const ModelSpec m = load_model("mixtral-8x7b");

@@ -677,6 +677,58 @@ TEST(Memory, MicrobatchesInFlight) {
   std::printf("%d grouped interleaved schedules counted\n", grouped);
 }
 
+// Multi-token prediction on the last stage: a Llama-style model of H 4096 (32 heads, SwiGLU
+// of 11008, vocabulary 32000, untied), one module, tp 2 with sequence parallelism, pp 2,
+// one sequence of 2048 (T 2048, Tn 1024, 2-byte activations):
+//   parameters: the module's dense layer 4096 x 12288 / 2 + 4096 x 4096 / 2 + 4096 x 22016
+//     / 2 + 11008 x 4096 / 2 + two norms 8192 = 101,195,776; eh_proj 2 x 4096 x 4096 / 2 =
+//     16,777,216; enorm, hnorm and the final norm 12,288; and the stage's own word
+//     embedding 16000 x 4096 = 65,536,000 (tied too: the output layer keeps its weight,
+//     unused): 183,521,280 more on the last stage, none on the first.
+//   activations per micro-batch in flight on the last chunk: the layer's own
+//     (layer_activation_bytes), enorm's input and eh_proj's (Tn x 2H): 3 x 2 x 1024 x 4096
+//     = 25,165,824 (hnorm's input is the decoder's output, kept already), and the output
+//     layer's again: the final norm's input and output 2 x 2 x 1024 x 4096 = 16,777,216
+//     and the logits 2 x 2048 x 16000 = 65,536,000. With every layer recomputed the layer
+//     keeps its input only and, outside the checkpoint, the final norm's output and the
+//     logits (8,388,608 less than the output layer's); under the block method (not
+//     recomputed) the layer keeps everything.
+TEST(Memory, MultiTokenPrediction) {
+  const ModelSpec with = testing::llama_with_mtp(1), without = testing::llama_with_mtp(0);
+  const Cluster c = load_cluster("dgx-h100-80g");
+  const Plan p = load_plan("tp=2,pp=2,sp=1,dp=1,mbs=1,gbs=8,precision=bf16");
+  const StageLayout lay = make_layout(with, p);
+  EXPECT_EQ(with.mtp_params(2), 101195776 + 16777216 + 12288);
+  EXPECT_DOUBLE_EQ(stage_params(with, p, lay, 1) - stage_params(without, p, lay, 1), 183521280.0);
+  EXPECT_DOUBLE_EQ(stage_params(with, p, lay, 0), stage_params(without, p, lay, 0));
+  // (tied, the last stage holds the embedding already)
+  ModelSpec tied = with, tied0 = without;
+  tied.tie_embeddings = tied0.tie_embeddings = true;
+  EXPECT_DOUBLE_EQ(stage_params(tied, p, lay, 1) - stage_params(tied0, p, lay, 1), 183521280.0);
+  const ComputeSetup cs = compute_setup(with, c, p);
+  auto head_act = [&](const Plan& q) {
+    return stage_memory_inputs(with, q, cs).head_act - stage_memory_inputs(without, q, cs).head_act;
+  };
+  EXPECT_DOUBLE_EQ(stage_memory_inputs(without, p, cs).head_act, 16777216.0 + 65536000.0);
+  EXPECT_DOUBLE_EQ(head_act(p), layer_activation_bytes(with, p, cs) + 25165824.0 + 16777216.0 + 65536000.0);
+  const Plan full = load_plan("tp=2,pp=2,sp=1,dp=1,mbs=1,gbs=8,precision=bf16,recompute=full");
+  EXPECT_DOUBLE_EQ(head_act(full), layer_activation_bytes(with, full, cs) - 8388608.0 + 16777216.0 + 65536000.0);
+  EXPECT_DOUBLE_EQ(layer_activation_bytes(with, full, cs), 2.0 * 1024 * 4096);  // the layer's input
+  const Plan block = load_plan("tp=2,pp=2,sp=1,dp=1,mbs=1,gbs=8,precision=bf16,recompute=full,recompute_num_layers=1");
+  EXPECT_DOUBLE_EQ(head_act(block), layer_full_activation_bytes(with, block, cs) + 25165824.0 + 16777216.0 + 65536000.0);
+  // The estimate: the last stage's parameters and their states, and the embedding's
+  // gradient all-reduced between the first and the last stage.
+  const Estimate a = estimate(with, c, p), b = estimate(without, c, p);
+  ASSERT_TRUE(a.valid && b.valid);
+  EstimateDetail da, db;
+  estimate(with, c, p, EstimateOptions{}, &da);
+  estimate(without, c, p, EstimateOptions{}, &db);
+  EXPECT_DOUBLE_EQ(da.stage_memory[1].params - db.stage_memory[1].params, 183521280.0);
+  EXPECT_DOUBLE_EQ(da.stage_memory[0].params, db.stage_memory[0].params);
+  EXPECT_GT(da.stage_dp_total_s[0], db.stage_dp_total_s[0]);  // (the embedding's all-reduce)
+  EXPECT_GT(a.step_time_s, b.step_time_s);
+}
+
 // Multi-latent attention keeps V and the attention output at Dv = 128 per head where an
 // ordinary attention of the same 192-wide heads keeps 192, and the two latents' norm and
 // up-projection inputs: DeepSeek-V3, one sequence of 4096 on 2 tensor-parallel ranks with

@@ -457,6 +457,49 @@ TEST(ModelSpec, DenseAndMoeLayersMixed) {
   EXPECT_EQ(load_model("glm-4.5").moe_layer_count(), 89);
 }
 
+// Multi-token prediction (mtp_num_layers; Hugging Face's num_nextn_predict_layers):
+// DeepSeek-V3's one module: an MoE layer as its last decoder layer (11,507,286,016, below)
+// + eh_proj 2 x 7168 x 7168 = 102,760,448 + three norms 21,504 = 11,610,067,968 parameters,
+// not among the 671B (DeepSeek's count of the main model). Its forward FLOPs for one
+// sequence of 4096: the layer's 6,154,151,264,256 (below) + eh_proj 2 x 4096 x 2 x 7168 x
+// 7168 = 841,813,590,016 + the logits again 2 x 4096 x 7168 x 129280 = 7,591,354,695,680:
+// 14,587,319,549,952 more (Megatron's count, but for its norms).
+TEST(ModelSpec, MultiTokenPrediction) {
+  const ModelSpec m = load_model("deepseek-v3");
+  EXPECT_EQ(m.mtp_layers, 1);
+  EXPECT_TRUE(m.mtp_moe());
+  EXPECT_EQ(m.mtp_params(1), 11610067968);
+  EXPECT_DOUBLE_EQ(m.total_params(), 671026404352.0);
+  ModelSpec none = m;
+  none.mtp_layers = 0;
+  EXPECT_EQ(none.mtp_params(1), 0);
+  EXPECT_DOUBLE_EQ(m.forward_flops(1) - none.forward_flops(1), 14587319549952.0);
+  // GLM-4.5 trains one module too; its Hugging Face config says so, and the model JSON
+  // keeps it (Megatron's name).
+  EXPECT_EQ(load_model("glm-4.5").mtp_layers, 1);
+  EXPECT_EQ(load_model(STRATA_SOURCE_DIR "/examples/glm-4.5-air.config.json").mtp_layers, 1);
+  EXPECT_EQ(model_from_json(model_to_json(m), "model").mtp_layers, 1);
+  EXPECT_EQ(model_from_json(model_to_json(none), "model").mtp_layers, 0);
+  EXPECT_FALSE(model_to_json(none).contains("mtp_num_layers"));
+  // A dense model's module is a dense layer; a mixed model whose last layer is dense, too.
+  Json j = model_to_json(load_model("llama2-7b"));
+  j["mtp_num_layers"] = 2;
+  const ModelSpec llama = model_from_json(j, "model");
+  EXPECT_FALSE(llama.mtp_moe());
+  EXPECT_EQ(llama.mtp_params(1), 2 * (llama.layer_params(1) + 2 * 4096 * 4096 + 3 * 4096));
+  j["mtp_num_layers"] = nullptr;  // Megatron's None
+  EXPECT_EQ(model_from_json(j, "model").mtp_layers, 0);
+  for (const char* bad : {"-1", "65", "1.5", "\"1\"", "true"}) {
+    j["mtp_num_layers"] = Json::parse(bad);
+    try {
+      model_from_json(j, "model");
+      ADD_FAILURE() << bad;
+    } catch (const InputError& e) {
+      EXPECT_NE(std::string(e.what()).find("model.mtp_num_layers"), std::string::npos) << e.what();
+    }
+  }
+}
+
 // Multi-latent attention, counted by hand for DeepSeek-V3 (H 7168, 128 heads, query latent
 // 1536, key/value latent 512, heads of 128 + 64 rotary for queries and keys, 128 for
 // values; vocabulary 129280 untied):
@@ -497,6 +540,7 @@ TEST(ModelSpec, MultiLatentAttention) {
       "num_nextn_predict_layers":1,"n_group":8,"topk_group":4})"), "config.json", 4096);
   EXPECT_DOUBLE_EQ(hf.total_params(), m.total_params());
   EXPECT_EQ(hf.moe_layer, m.moe_layer);
+  EXPECT_EQ(hf.mtp_layers, m.mtp_layers);  // num_nextn_predict_layers
   // Its group-limited routing: 4 of 8 groups of 32 experts (moe_router_num_groups,
   // moe_router_group_topk), through both files and checked.
   EXPECT_EQ(std::tie(hf.moe_groups, hf.moe_group_topk), std::tie(m.moe_groups, m.moe_group_topk));

@@ -714,6 +714,33 @@ TEST(Plan, PipelineLayoutStrings) {
     EXPECT_EQ(std::tie(q.first_stage_layers, q.last_stage_layers, q.v), std::tie(f.first_stage_layers, f.last_stage_layers, f.v));
 }
 
+// Multi-token prediction layers in a layout ('m', Megatron-core's LayerType.mtp): counted,
+// and as many as the model's mtp_num_layers (Megatron-core asserts it), or the rule
+// uneven_split; DeepSeek-V3 (one module) with Megatron-Bridge's layout for pp 8 vp 4.
+TEST(Plan, MultiTokenPredictionInTheLayout) {
+  const ModelSpec ds = load_model("deepseek-v3");
+  ASSERT_EQ(ds.mtp_layers, 1);
+  const std::string base = "tp=2,pp=8,vp=4,dp=64,ep=64,etp=1,mbs=1,gbs=8192,sp=1,zero=1,pipeline_model_parallel_layout=";
+  const Plan p = load_plan(base + "Et|(tt|)*30mL");
+  ASSERT_TRUE(p.layout);
+  EXPECT_EQ(p.layout->mtp, 1);
+  EXPECT_EQ(load_plan(base + "Et|(tt|)*30,m*2L").layout->mtp, 2);
+  EXPECT_TRUE(keys(ds, p).empty());
+  EXPECT_EQ(keys(ds, load_plan(base + "Et|(tt|)*30L")), std::vector<std::string>{"uneven_split"});
+  EXPECT_EQ(keys(ds, load_plan(base + "Et|(tt|)*30,m*2L")), std::vector<std::string>{"uneven_split"});
+  ModelSpec none = ds;
+  none.mtp_layers = 0;
+  EXPECT_EQ(keys(none, p), std::vector<std::string>{"uneven_split"});
+  EXPECT_TRUE(keys(none, load_plan(base + "Et|(tt|)*30L")).empty());
+  // The message says what to write.
+  const auto r = check_plan(ds, load_cluster("dgx-h100-80g"), load_plan(base + "Et|(tt|)*30L"));
+  ASSERT_EQ(r.size(), 1u);
+  EXPECT_NE(r[0].message.find("holds 0 multi-token prediction layers ('m'), not the model's mtp_num_layers=1: end the "
+                              "layout with \"mL\""),
+            std::string::npos)
+      << r[0].message;
+}
+
 TEST(Plan, UnevenSplitsThatCannotHoldTheModel) {
   const std::string lay = "pp=2,pipeline_model_parallel_layout=";
   for (const auto& [text, rule] : std::vector<std::pair<std::string, std::string>>{
@@ -722,7 +749,9 @@ TEST(Plan, UnevenSplitsThatCannotHoldTheModel) {
            {"tE|tt|tt|tL", "must begin with the embedding"},
            {"Et|tt|tL|tt", "must end with the loss"},
            {"Et|tE|tt|tL", "exactly once"},
-           {"Et|tt|tt|tmL", "MTP"},
+           {"Et|tt|tt|tmL", "no error"},
+           {"Et|tt|tt|mtL", "places a decoder layer 't' after a multi-token prediction layer 'm'"},
+           {"Et|tt|tm|L", "in a virtual stage before the loss 'L'"},
            {"Et|tx|tt|tL", "has 'x' after 'Et|t'"},
            {"Et|((tt|)*2)*1tL", "nests parentheses"},
            {"Et|(tt|)tL", "needs \"*n\" after 'Et|(tt|)'"},

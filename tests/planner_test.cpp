@@ -182,6 +182,42 @@ TEST(Planner, MultiLatentAttentionIsSearched) {
   search_matches_estimating_every_plan(path.c_str(), true);
 }
 
+// Multi-token prediction (one module of a 16-layer Llama-style model): the search's top 10
+// are the twin's, over the whole space and over full recompute alone, whose block method
+// (recompute_num_layers) leaves the module unrecomputed: the search's cached output-layer
+// costs keep the two apart.
+TEST(Planner, MultiTokenPredictionIsSearched) {
+  const std::string path = ::testing::TempDir() + "strata_planner_mtp.json";
+  {
+    std::ofstream f(path);
+    f << R"({"name":"mtp-test","num_layers":16,"hidden_size":2048,"num_attention_heads":16,"num_query_groups":4,
+             "activation":"swiglu","ffn_hidden_size":5632,"vocab_size":32000,"seq_length":2048,"mtp_num_layers":1})";
+  }
+  ASSERT_EQ(load_model(path).mtp_layers, 1);
+  search_matches_estimating_every_plan(path.c_str(), true);
+  search_matches_estimating_every_plan(path.c_str(), true, 0, false, Recompute::full);
+  // Every plan --pareto estimates (each recompute_num_layers that fits, uniform and block
+  // alike) is costed as estimate() costs it alone.
+  SearchOptions o;
+  o.gpus = 8;
+  o.gbs = 64;
+  o.top_k = 50;
+  o.pareto = true;
+  o.fixed.recompute = Recompute::full;
+  const ModelSpec m = load_model(path);
+  const Cluster c = load_cluster("dgx-a100-40g");
+  const SearchResult r = search(m, c, o);
+  ASSERT_FALSE(r.plans.empty());
+  int uniform = 0, block = 0;
+  for (const auto* list : {&r.plans, &r.pareto})
+    for (const Estimate& e : *list) {
+      (e.plan.recompute_layers == 0 ? uniform : block) += 1;
+      EXPECT_EQ(estimate(m, c, e.plan).step_time_s, e.step_time_s) << plan_to_inline(e.plan);
+    }
+  EXPECT_GT(uniform, 0);
+  EXPECT_GT(block, 0);
+}
+
 // Expert parallelism as a searched dimension: a mixture-of-experts model of 16 layers (H
 // 2048, 16 SwiGLU experts of 1408, top 4) on one DGX A100: the search's top 10 are those of
 // the twin that estimates every plan with every ep dividing the experts and the data x
@@ -601,6 +637,43 @@ TEST(Planner, ContextParallelCommTypesAreSearched) {
 // 42 | 39 is max(42.1, 41.4) = 42.1, 41 | 40 is 42.4, so 42. With an embedding of 0.5 and an
 // output layer of 0.9 the even split's 10.9 is the best there is (10 | 10 again; 11 | 9 is
 // 11.5; middles of 11 are 11 or more): no split.
+// With multi-token prediction the modules' layers run with the output layer: the split
+// weighs them there, and a layout puts the 'm's before the 'L', as Megatron-core asks. By
+// hand as below (L 80, 8 stages of 2 chunks, w 1, embedding 0.1, output layer 1.3 and one
+// module's layer 1: 2.3): b = ceil(2.3) - 1 = 2 layers move off the last chunk, whose text
+// ends "t*3mL"; the plan passes check_plan against the model. Without the module (1.3): one.
+TEST(Planner, BalancedEndSplitCarriesTheMtpLayers) {
+  ModelSpec m = load_model("llama3-70b");
+  m.mtp_layers = 1;
+  const std::optional<Plan> q = balanced_end_split(m, load_plan("pp=8,vp=2,dp=1"), 1.0, 0.1, 2.3);
+  ASSERT_TRUE(q && q->layout);
+  EXPECT_EQ(q->layout->mtp, 1);
+  EXPECT_EQ(q->layout->text.substr(q->layout->text.size() - 5), "t*3mL") << q->layout->text;
+  EXPECT_EQ(load_plan("pp=8,vp=2,dp=1,pipeline_model_parallel_layout=" + q->layout->text).layout->mtp, 1);
+  ModelSpec none = m;
+  none.mtp_layers = 0;
+  const std::optional<Plan> one = balanced_end_split(none, load_plan("pp=8,vp=2,dp=1"), 1.0, 0.1, 1.3);
+  ASSERT_TRUE(one && one->layout);
+  EXPECT_EQ(one->layout->text.substr(one->layout->text.size() - 4), "t*4L") << one->layout->text;
+  Plan full = *q;
+  full.t = 8;
+  full.d = 8;
+  full.gbs = 64;
+  EXPECT_TRUE(check_plan(m, load_cluster("dgx-h100-80g"), full).empty());
+  // The search's own weighing: the module's layer with the output layer's work.
+  const Cluster c = load_cluster("dgx-h100-80g");
+  const Plan base = load_plan("tp=8,pp=8,vp=2,dp=1,mbs=1,gbs=64,sp=1");
+  ModelSpec plain = m;
+  plain.mtp_layers = 0;
+  const std::optional<Plan> with = balanced_end_split(m, c, base), without = balanced_end_split(plain, c, base);
+  ASSERT_TRUE(with && with->layout);
+  const StageLayout lw = make_layout(m.L, *with);
+  const int64_t last_with = lw.layers.back();
+  const int64_t last_without = without && without->layout ? make_layout(m.L, *without).layers.back() : m.L / 16;
+  EXPECT_LT(last_with, last_without);
+  EXPECT_TRUE(estimate(m, c, *with).valid);
+}
+
 TEST(Planner, BalancedEndSplitByHand) {
   ModelSpec m = load_model("llama3-70b");
   ASSERT_EQ(m.L, 80);

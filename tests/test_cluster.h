@@ -3,7 +3,10 @@
 // 8 devices per node, NVLink 200 GB/s at 75 %, 100 GB/s of NICs per node at 80 %.
 #pragma once
 
+#include <cstdint>
+
 #include "costmodel/hardware.h"
+#include "costmodel/model_spec.h"
 
 namespace strata::testing {
 
@@ -51,6 +54,17 @@ inline Cluster round_cluster_with_host() {
   c.host.pcie_bandwidth_bytes_per_s = 50e9;
   c.host.pcie_efficiency = 1;
   return c;
+}
+
+// A Llama-style model (4 layers of H 4096, 32 heads, SwiGLU of 11008, vocabulary 32000,
+// untied, sequence 2048) with `mtp` multi-token prediction modules: the multi-token
+// prediction tests' model (compute_test, memory_test, estimate_test).
+inline ModelSpec llama_with_mtp(int64_t mtp) {
+  Json j = Json::parse(R"({"name":"mtp","num_layers":4,"hidden_size":4096,"num_attention_heads":32,
+      "ffn_hidden_size":11008,"vocab_size":32000,"seq_length":2048,"activation":"swiglu","normalization":"rmsnorm",
+      "position_embedding":"rope","tie_embeddings":false,"add_bias_linear":false})");
+  j["mtp_num_layers"] = mtp;
+  return model_from_json(j, "model");
 }
 
 }  // namespace strata::testing
