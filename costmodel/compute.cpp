@@ -154,6 +154,13 @@ struct Acc {
   double lin_bytes;               // bytes per linear-GEMM operand element
   bool ub;                        // Transformer Engine's user-buffer overlap (Stack::userbuffers)
   LayerCost lc;
+  // With the expert exchanges' overlap (Plan::moe_a2a_overlap): each pass's dispatch and
+  // combine (in that pass's order), the time on the compute stream before each, and its
+  // duration (ep_exchange; overlap_expert_exchanges reads them).
+  struct Exchanges {
+    double before[2] = {0, 0}, time[2] = {0, 0};
+    int n = 0;
+  } exchanges[2];  // [0] forward, [1] backward
   // The curves' values met before in this piece of work, computed once each (the same
   // bits): a linear layer's forward, input-gradient and weight-gradient GEMMs share their
   // FLOPs, norms and residual adds repeat their bytes, and a recompute replays the forward.
@@ -196,6 +203,8 @@ struct Acc {
   }
   // A phase's time on the compute stream: its kernels and the collectives it waits for.
   static double on_stream(const Work& w) { return w.compute_s + w.tp_comm_s + w.cp_comm_s + w.ep_comm_s; }
+  // The same but for the expert exchanges (which the overlap moves to their own stream).
+  static double stream_s(const Work& w) { return w.compute_s + w.tp_comm_s + w.cp_comm_s; }
   // Callers test `ops` first: the estimate's hot path keeps no op list and so makes no call.
   void record(const char* name, Phase ph, OpKind k, double flops, double bytes, double t, double exposed) {
     ops->push_back(OpCost{name, ph, k, flops, bytes, t, exposed});
@@ -641,13 +650,25 @@ double holder_missed(const ModelSpec& m, int64_t holders) {
 //   way: per token (nodes - 1)(1 - P(a node holds none of its experts)) copies through
 //   this GPU's NIC beside (ep - nodes)(1 - P(a GPU holds none)) over NVLink, the slower of
 //   the two after one latency.
+double ep_exchange_time(Acc& a, const char* name, Phase ph, bool dispatch, double bytes);
 void ep_exchange(Acc& a, const char* name, Phase ph, bool dispatch, double bytes) {
+  const double before = Acc::stream_s(a.w(ph));
+  const double t = ep_exchange_time(a, name, ph, dispatch, bytes);
+  if (a.p.moe_a2a_overlap && ph != Phase::recompute) {
+    Acc::Exchanges& x = a.exchanges[ph == Phase::forward ? 0 : 1];
+    if (x.n < 2) {
+      x.before[x.n] = before;
+      x.time[x.n] = t;
+    }
+    ++x.n;
+  }
+}
+// ep_exchange's booking: the exchange's time.
+double ep_exchange_time(Acc& a, const char* name, Phase ph, bool dispatch, double bytes) {
   const GroupSpan& g = a.ep;
   const MoeDispatcher d = a.p.moe_dispatcher;
-  if (d == MoeDispatcher::alltoall || (g.size <= 1 && d != MoeDispatcher::allgather)) {
-    a.comm(name, ph, OpKind::ep_comm, g, Collective::all_to_all, bytes);
-    return;
-  }
+  if (d == MoeDispatcher::alltoall || (g.size <= 1 && d != MoeDispatcher::allgather))
+    return a.comm(name, ph, OpKind::ep_comm, g, Collective::all_to_all, bytes);
   const ModelSpec& m = a.m;
   const Cluster& cl = a.cl;
   const double row = static_cast<double>(a.cs.work_bytes) * static_cast<double>(m.H), Tn = a.cs.Tn;
@@ -656,9 +677,8 @@ void ep_exchange(Acc& a, const char* name, Phase ph, bool dispatch, double bytes
     const bool gathers = dispatch == (ph != Phase::backward);
     const char* op = dispatch ? (gathers ? "ep_dispatch_all_gather" : "ep_dispatch_reduce_scatter")
                               : (gathers ? "ep_combine_all_gather" : "ep_combine_reduce_scatter");
-    a.comm(op, ph, OpKind::ep_comm, group_span(n, 1, cl.devices_per_node),
-           gathers ? Collective::all_gather : Collective::reduce_scatter, Tn * row * static_cast<double>(n));
-    return;
+    return a.comm(op, ph, OpKind::ep_comm, group_span(n, 1, cl.devices_per_node),
+                  gathers ? Collective::all_gather : Collective::reduce_scatter, Tn * row * static_cast<double>(n));
   }
   const double gpu_rows = Tn * static_cast<double>(g.size - g.nodes) * (1.0 - holder_missed(m, g.size));
   const double node_rows =
@@ -667,8 +687,8 @@ void ep_exchange(Acc& a, const char* name, Phase ph, bool dispatch, double bytes
   const double network =
       node_rows * row / (cl.inter.bandwidth_bytes_per_s * cl.inter.efficiency(Collective::all_to_all));
   const double t = (g.nodes > 1 ? cl.inter.latency_s : cl.intra.latency_s) + std::max(nvlink, network);
-  a.book(dispatch ? "ep_dispatch_flex" : "ep_combine_flex", ph, OpKind::ep_comm,
-         (g.nodes > 1 ? node_rows : gpu_rows) * row, t, 0.0);
+  return a.book(dispatch ? "ep_dispatch_flex" : "ep_combine_flex", ph, OpKind::ep_comm,
+                (g.nodes > 1 ? node_rows : gpu_rows) * row, t, 0.0);
 }
 
 void moe_forward(Acc& a, Phase ph) {
@@ -995,24 +1015,44 @@ double paired_share(const Plan& p) {
 
 // Megatron-core's overlap_moe_expert_parallel_comm (Megatron-Bridge's moe_a2a_overlap, run
 // with delay_wgrad_compute): the schedule's steady state runs one micro-batch's forward beside
-// another's backward, layer by layer, each pass's expert exchanges beside the other's
-// kernels. Costed per MoE layer as such a pair: the exchanges of both passes hide behind the
-// kernels of both, what outlasts them stays exposed and what hides costs overlap_slowdown;
-// the exposed rest is split between the passes as their exchanges are. The warm-up's
+// another's backward, layer by layer (TransformerLayerSchedulePlan.run), each exchange on a
+// communication stream beside one block of the other pass on the compute stream:
+//   the backward's combine (after the unpermute's backward, which runs with it) beside the
+//     forward's attention block to its dispatch (A);
+//   the forward's dispatch beside the experts' input-gradient GEMMs (B) and then their
+//     delayed weight gradients (Bw; strata takes the experts' backward B' as half each);
+//   the backward's dispatch, once B is done, beside Bw and the forward's experts (M, after
+//     its dispatch);
+//   the forward's combine (and the unpermute after it) beside the backward's attention
+//     block (P'), once both M and the backward's dispatch are done.
+// So the pair lasts
+//   t1 = max(A, cb), then M starts at t1 + max(B + Bw, df) and the backward's dispatch at
+//   t1 + max(B, df); s2 = max(M's end, db's end); the pair ends at s2 + max(cf, P'),
+// and what it lasts beyond its kernels is the exchanges' exposed time (the hidden rest costs
+// overlap_slowdown), split between the passes as their exchanges are. The warm-up's
 // forwards and the cool-down's backwards run alone (paired_share: the layer's exchanges
-// exposed that share of the time, weighed by it). (An approximation that overstates the
-// hiding: Megatron pairs each exchange with one block of the other pass, a combine with
-// the attention, a dispatch with the experts, not with the pair's whole compute; and a
-// layer with the mirror layer of another chunk, which strata takes to be alike.)
+// exposed that share of the time, weighed by it). A layer is paired with the mirror layer
+// of another chunk, which strata takes to be alike.
 // `first_op`: the layer's first op in the op list, whose exchanges' exposed times follow.
 void overlap_expert_exchanges(Acc& a, size_t first_op) {
   Work& f = a.lc.forward;
   Work& b = a.lc.backward;
   const double comm = f.ep_comm_s + b.ep_comm_s;
-  if (comm <= 0) return;
-  const double cover = f.compute_s + b.compute_s, paired = paired_share(a.p);
-  const double scale =
-      paired * (std::max(0.0, comm - cover) + a.cl.overlap_slowdown * std::min(comm, cover)) / comm + (1.0 - paired);
+  const Acc::Exchanges& xf = a.exchanges[0];
+  const Acc::Exchanges& xb = a.exchanges[1];
+  if (comm <= 0 || xf.n != 2 || xb.n != 2) return;
+  // The forward: A to its dispatch, the experts M, the rest after its combine; the backward:
+  // the unpermute's backward to its combine, the experts B', the attention block P'.
+  const double A = xf.before[0], M = xf.before[1] - xf.before[0], post = Acc::stream_s(f) - xf.before[1];
+  const double q0 = xb.before[0], Bp = xb.before[1] - xb.before[0], P = Acc::stream_s(b) - xb.before[1];
+  const double df = xf.time[0], cf = xf.time[1] + post, cb = q0 + xb.time[0], db = xb.time[1];
+  const double B = Bp / 2, Bw = Bp - B;
+  const double t1 = std::max(A, cb);
+  const double s2 = std::max(t1 + std::max(B + Bw, df) + M, t1 + std::max(B, df) + db);
+  const double pair = s2 + std::max(cf, P);
+  const double kernels = A + M + post + q0 + Bp + P;
+  const double exposed = std::max(0.0, std::min(comm, pair - kernels)), paired = paired_share(a.p);
+  const double scale = paired * (exposed + a.cl.overlap_slowdown * (comm - exposed)) / comm + (1.0 - paired);
   f.ep_comm_s *= scale;
   b.ep_comm_s *= scale;
   if (a.ops)
