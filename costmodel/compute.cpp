@@ -158,9 +158,10 @@ struct Acc {
   // combine (in that pass's order), the time on the compute stream before each, and its
   // duration (ep_exchange; overlap_expert_exchanges reads them).
   struct Exchanges {
-    double before[2] = {0, 0}, time[2] = {0, 0};
+    double before[2] = {0, 0}, time[2] = {0, 0}, wgrad_before[2] = {0, 0};
     int n = 0;
   } exchanges[2];  // [0] forward, [1] backward
+  double wgrad_s = 0;  // the backward's weight-gradient GEMMs so far
   // The curves' values met before in this piece of work, computed once each (the same
   // bits): a linear layer's forward, input-gradient and weight-gradient GEMMs share their
   // FLOPs, norms and residual adds repeat their bytes, and a recompute replays the forward.
@@ -241,7 +242,9 @@ struct Acc {
   // pass (grad_accumulation ops).
   double wgrad_out_bytes() const { return cs.stack.grad_accumulation_fusion ? 2.0 * cs.grad_bytes : -1.0; }
   double wgrad(const char* name, Phase ph, double M, double N, double K, double peak, double eb) {
-    return gemm(name, ph, M, N, K, peak, eb, wgrad_out_bytes());
+    const double t = gemm(name, ph, M, N, K, peak, eb, wgrad_out_bytes());
+    if (ph == Phase::backward) wgrad_s += t;
+    return t;
   }
   // The attention core's batched GEMMs (QK^T, AV and their gradients) of `flops`.
   double batched(const char* name, Phase ph, double flops, double bytes, double count) {
@@ -273,7 +276,9 @@ struct Acc {
     if (ph != Phase::backward) return t + grouped(M, N, K, -1.0);
     if (p.precision == Precision::fp8) t += mem("fp8_cast", ph, 3.0 * n * M * N);
     t += grouped(M, K, N, -1.0);                                              // dgrad
-    t += grouped(K, N, M, wgrad_out_bytes());                                 // wgrad
+    const double w = grouped(K, N, M, wgrad_out_bytes());                    // wgrad
+    if (ph == Phase::backward) wgrad_s += w;
+    t += w;
     return t;
   }
   double mem(const char* name, Phase ph, double bytes) {
@@ -659,6 +664,7 @@ void ep_exchange(Acc& a, const char* name, Phase ph, bool dispatch, double bytes
     if (x.n < 2) {
       x.before[x.n] = before;
       x.time[x.n] = t;
+      x.wgrad_before[x.n] = a.wgrad_s;
     }
     ++x.n;
   }
@@ -739,7 +745,7 @@ void moe_backward(Acc& a) {
   a.mem("moe_permute", ph, 2.0 * e * z.sent * H);
   a.mem("router_topk", ph, (e + 8.0) * Tn * E);
   a.gemm("router", ph, Tn, H, E, a.peak_attn, e);                                            // dgrad
-  a.gemm("router", ph, H, E, Tn, a.peak_attn, e, a.wgrad_out_bytes());  // wgrad
+  a.wgrad("router", ph, H, E, Tn, a.peak_attn, e);                                          // wgrad
   if (m.Fs > 0) {  // as the dense MLP's backward (layer_backward), at the shared expert's sizes
     a.block_gather("sp_all_gather", ph, T, z.Fst, H, false);
     a.linear("shared_fc2", ph, T, H, z.Fst);
@@ -1013,19 +1019,20 @@ double paired_share(const Plan& p) {
   return (chunks - std::min(chunks, warmup)) / chunks;
 }
 
-// Megatron-core's overlap_moe_expert_parallel_comm (Megatron-Bridge's moe_a2a_overlap, run
-// with delay_wgrad_compute): the schedule's steady state runs one micro-batch's forward beside
-// another's backward, layer by layer (TransformerLayerSchedulePlan.run), each exchange on a
-// communication stream beside one block of the other pass on the compute stream:
+// Megatron-core's overlap_moe_expert_parallel_comm (Megatron-Bridge's moe_a2a_overlap, which
+// its recipes run with delay_wgrad_compute): the schedule's steady state runs one
+// micro-batch's forward beside another's backward, layer by layer
+// (TransformerLayerSchedulePlan.run), each exchange on a communication stream beside one
+// block of the other pass on the compute stream:
 //   the backward's combine (after the unpermute's backward, which runs with it) beside the
 //     forward's attention block to its dispatch (A);
-//   the forward's dispatch beside the experts' input-gradient GEMMs (B) and then their
-//     delayed weight gradients (Bw; strata takes the experts' backward B' as half each);
+//   the forward's dispatch beside the experts' backward B' = B + Bw (with delay_wgrad_compute
+//     their input gradients B, then their weight-gradient GEMMs Bw; without it Bw = 0);
 //   the backward's dispatch, once B is done, beside Bw and the forward's experts (M, after
 //     its dispatch);
 //   the forward's combine (and the unpermute after it) beside the backward's attention
 //     block (P'), once both M and the backward's dispatch are done.
-// So the pair lasts
+// So the pair lasts (cb starting up to the attention block's weight gradients early, below)
 //   t1 = max(A, cb), then M starts at t1 + max(B + Bw, df) and the backward's dispatch at
 //   t1 + max(B, df); s2 = max(M's end, db's end); the pair ends at s2 + max(cf, P'),
 // and what it lasts beyond its kernels is the exchanges' exposed time (the hidden rest costs
@@ -1046,8 +1053,16 @@ void overlap_expert_exchanges(Acc& a, size_t first_op) {
   const double A = xf.before[0], M = xf.before[1] - xf.before[0], post = Acc::stream_s(f) - xf.before[1];
   const double q0 = xb.before[0], Bp = xb.before[1] - xb.before[0], P = Acc::stream_s(b) - xb.before[1];
   const double df = xf.time[0], cf = xf.time[1] + post, cb = q0 + xb.time[0], db = xb.time[1];
-  const double B = Bp / 2, Bw = Bp - B;
-  const double t1 = std::max(A, cb);
+  // With delay_wgrad_compute the experts' weight gradients (Bw) run after the input
+  // gradients B that the backward's dispatch waits for, and the attention block's (Pw) after
+  // its input gradients, beside the next layer's backward combine, which so starts up to Pw
+  // early (by what of P' outlasts the forward's combine); without it B is the experts' whole
+  // backward.
+  const bool delayed = a.p.delay_wgrad;
+  const double Bw = delayed ? xb.wgrad_before[1] - xb.wgrad_before[0] : 0.0, B = Bp - Bw;
+  const double Pw = a.wgrad_s - xb.wgrad_before[1];
+  const double early = delayed ? std::min(Pw, std::max(0.0, P - cf)) : 0.0;
+  const double t1 = std::max(A, cb - early);
   const double s2 = std::max(t1 + std::max(B + Bw, df) + M, t1 + std::max(B, df) + db);
   const double pair = s2 + std::max(cf, P);
   const double kernels = A + M + post + q0 + Bp + P;

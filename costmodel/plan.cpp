@@ -687,8 +687,8 @@ Plan plan_from_json(const Json& in, const std::string& source) {
                                              : MoeDispatcher::alltoall;
   }
   // The expert exchanges beside another micro-batch's compute (Megatron's name, or
-  // Megatron-Bridge's performance scripts'); delay_wgrad_compute, which runs with it, is
-  // read and left.
+  // Megatron-Bridge's performance scripts') and delay_wgrad_compute, which the recipes run
+  // with it.
   {
     const bool megatron = f.peek("overlap_moe_expert_parallel_comm") != nullptr, bridge = f.peek("moe_a2a_overlap") != nullptr;
     if (megatron && bridge)
@@ -697,7 +697,8 @@ Plan plan_from_json(const Json& in, const std::string& source) {
     p.moe_a2a_overlap = f.boolean_or(bridge ? "moe_a2a_overlap" : "overlap_moe_expert_parallel_comm", false);
     f.ignore("overlap_moe_expert_parallel_comm");
     f.ignore("moe_a2a_overlap");
-    if (f.boolean_or("delay_wgrad_compute", false) && !p.moe_a2a_overlap)
+    p.delay_wgrad = f.boolean_or("delay_wgrad_compute", false);
+    if (p.delay_wgrad && !p.moe_a2a_overlap)
       fail_field(source + ".delay_wgrad_compute", "true",
                  "needs overlap_moe_expert_parallel_comm (Megatron asserts it; strata costs it only with it)");
   }
@@ -915,6 +916,7 @@ Json plan_to_json(const Plan& p) {
   if (p.cp_comm != CpComm::automatic) j["cp_comm_type"] = to_string(p.cp_comm);
   if (p.moe_dispatcher == MoeDispatcher::allgather) j["moe_token_dispatcher_type"] = "allgather";
   if (p.moe_a2a_overlap) j["overlap_moe_expert_parallel_comm"] = true;
+  if (p.delay_wgrad) j["delay_wgrad_compute"] = true;
   if (p.flex()) {
     j["moe_token_dispatcher_type"] = "flex";
     j["moe_flex_dispatcher_backend"] = to_string(p.moe_dispatcher);
@@ -982,6 +984,7 @@ std::string plan_to_inline(const Plan& p) {
   if (p.cp_comm != CpComm::automatic) s += fmt::format(",cp_comm_type={}", to_string(p.cp_comm));
   if (p.moe_dispatcher == MoeDispatcher::allgather) s += ",moe_token_dispatcher_type=allgather";
   if (p.moe_a2a_overlap) s += ",overlap_moe_expert_parallel_comm=1";
+  if (p.delay_wgrad) s += ",delay_wgrad_compute=1";
   if (p.flex())
     s += fmt::format(",moe_token_dispatcher_type=flex,moe_flex_dispatcher_backend={}", to_string(p.moe_dispatcher));
   if (p.offload > 0) s += fmt::format(",offload={}", p.offload);

@@ -137,6 +137,10 @@ struct Plan {
   // exchanges of one micro-batch beside another's compute (compute.cpp
   // overlap_expert_exchanges; the check_plan rule a2a_overlap holds Megatron's asserts).
   bool moe_a2a_overlap = false;
+  // delay_wgrad_compute (with the overlap only; Megatron's default off): the experts' and the
+  // attention block's weight gradients run after the input gradients that the next exchange
+  // waits for, beside the exchanges (compute.cpp overlap_expert_exchanges).
+  bool delay_wgrad = false;
   // grad_reduce_in_fp32 (Megatron-core's DDP setting; Megatron-LM's --grad-reduce-in-bf16 and
   // --accumulate-allreduce-grads-in-fp32): the main gradients accumulated and reduced in
   // fp32, or (off) in the parameters' 16-bit type, bf16 with fp8. "auto": on, but off in

@@ -158,10 +158,8 @@ std::string export_megatron(const ModelSpec& m, const Plan& p, const Stack& stac
       flag(fmt::format("--moe-router-group-topk {}", m.moe_group_topk));
     }
     flag("--moe-grouped-gemm");
-    if (p.moe_a2a_overlap) {
-      flag("--overlap-moe-expert-parallel-comm");
-      flag("--delay-wgrad-compute");
-    }
+    if (p.moe_a2a_overlap) flag("--overlap-moe-expert-parallel-comm");
+    if (p.delay_wgrad) flag("--delay-wgrad-compute");
     if (p.flex()) {
       flag("--moe-token-dispatcher-type flex");
       flag(fmt::format("--moe-flex-dispatcher-backend {}", to_string(p.moe_dispatcher)));
@@ -332,7 +330,7 @@ std::string export_bridge(const ModelSpec& m, const Plan& p, const Stack& stack)
     if (p.flex()) set("model.moe_flex_dispatcher_backend", to_string(p.moe_dispatcher));
     if (p.moe_a2a_overlap) {
       set("comm_overlap.overlap_moe_expert_parallel_comm", "true");
-      set("comm_overlap.delay_wgrad_compute", "true");
+      set("comm_overlap.delay_wgrad_compute", p.delay_wgrad ? "true" : "false");
       // (Bridge asserts it off with the overlap; its DeepSeek recipes set it on.)
       if (m.Fs > 0) set("model.moe_shared_expert_overlap", "false");
     }

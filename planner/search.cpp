@@ -361,7 +361,7 @@ SearchResult search(const ModelSpec& m, const Cluster& cl, const SearchOptions& 
     const int rc = static_cast<int>(pl.recompute) + (m.mtp_layers > 0 && pl.recompute_layers > 0 ? 8 : 0);
     const CostKey key{pl.t, pl.c, pl.zero >= 2 ? pl.d : 0, pl.mbs, pl.sp, rc,
                       pl.zero >= 2 ? pl.zero : 0, experts(pl, cs.cp_comm),
-                      pl.moe_a2a_overlap ? paired_share(pl) : 0.0};
+                      pl.moe_a2a_overlap ? paired_share(pl) + (pl.delay_wgrad ? 2.0 : 0.0) : 0.0};
     auto it = costs.find(key);
     if (it == costs.end())
       it = costs.emplace(key, std::array<LayerCost, 4>{layer_cost(m, cl, pl, cs), embedding_cost(m, cl, pl, cs),
@@ -654,7 +654,10 @@ SearchResult search(const ModelSpec& m, const Cluster& cl, const SearchOptions& 
           probe_tpcv.grad_reduce_in_fp32 = grad_reduce_of(fx);
           if (fx.tp_comm_overlap) probe_tpcv.tp_comm_overlap = *fx.tp_comm_overlap ? Tristate::on : Tristate::off;
           if (fx.moe_dispatcher) probe_tpcv.moe_dispatcher = *fx.moe_dispatcher;
-          if (fx.moe_a2a_overlap) probe_tpcv.moe_a2a_overlap = *fx.moe_a2a_overlap;
+          if (fx.moe_a2a_overlap) {  // (with delay_wgrad_compute, as Megatron-Bridge's recipes run it)
+            probe_tpcv.moe_a2a_overlap = *fx.moe_a2a_overlap;
+            probe_tpcv.delay_wgrad = *fx.moe_a2a_overlap;
+          }
           if (fx.activation_offload) probe_tpcv.take_activation_offload_of(*fx.activation_offload);
           // (An MoE model needs sequence parallelism with tp > 1: the probe has it, so that
           // moe_sp does not hide a structural reason.)

@@ -213,12 +213,13 @@ TEST(MegatronArgs, ExpertFlagsRoundTrip) {
     EXPECT_EQ(fin.plan.moe_dispatcher, MoeDispatcher::hybridep);
     {
       const Plan op = load_plan("dp=64,ep=64,etp=1,mbs=1,gbs=512,zero=1,moe_token_dispatcher_type=flex,"
-                                "overlap_moe_expert_parallel_comm=1");
+                                "overlap_moe_expert_parallel_comm=1,delay_wgrad_compute=1");
       const std::string of = export_megatron(ds, op, resolve_stack(ds, cl, op)) + fmt::format(" --vocab-size {}", ds.V);
       for (const char* f : {"--overlap-moe-expert-parallel-comm", "--delay-wgrad-compute"})
         EXPECT_NE(of.find(f), std::string::npos) << f << "\n" << of;
       const LaunchInputs oin = launch_inputs(parse_megatron_launch(of, "export"), op.world_size(), "export");
       EXPECT_TRUE(oin.plan.moe_a2a_overlap);
+      EXPECT_TRUE(oin.plan.delay_wgrad);
       EXPECT_EQ(estimate(oin.model, cl, oin.plan).step_time_s, estimate(ds, cl, op).step_time_s);
     }
     EXPECT_EQ(estimate(fin.model, cl, fin.plan).step_time_s, estimate(ds, cl, fp).step_time_s);

@@ -601,14 +601,17 @@ TEST(Plan, MoeTokenDispatcher) {
   EXPECT_TRUE(keys(load_model("mixtral-8x7b"), load_plan("tp=2,sp=1,dp=8,ep=8,etp=1,moe_token_dispatcher_type=flex")).empty());
   EXPECT_TRUE(keys(load_model("mixtral-8x7b"), load_plan("tp=2,sp=1,dp=8,ep=8,moe_token_dispatcher_type=allgather")).empty());
   // overlap_moe_expert_parallel_comm (or Megatron-Bridge's moe_a2a_overlap) and Megatron's
-  // asserts on it; delay_wgrad_compute is read and left.
+  // asserts on it; delay_wgrad_compute (costed with it: compute_test), kept by both forms.
   const ModelSpec mix = load_model("mixtral-8x7b");
   EXPECT_TRUE(load_plan("dp=16,ep=8,overlap_moe_expert_parallel_comm=1").moe_a2a_overlap);
   const Plan ov = plan_from_json(Json::parse(R"({"data_parallel":16,"expert_model_parallel_size":8,"moe_a2a_overlap":true,
                                                 "delay_wgrad_compute":true})"), "plan");
-  EXPECT_TRUE(ov.moe_a2a_overlap);
+  EXPECT_TRUE(ov.moe_a2a_overlap && ov.delay_wgrad);
   EXPECT_TRUE(plan_from_json(plan_to_json(ov), "plan").moe_a2a_overlap);
   EXPECT_TRUE(load_plan(plan_to_inline(ov)).moe_a2a_overlap);
+  EXPECT_TRUE(plan_from_json(plan_to_json(ov), "plan").delay_wgrad);
+  EXPECT_TRUE(load_plan(plan_to_inline(ov)).delay_wgrad);
+  EXPECT_FALSE(load_plan("dp=16,ep=8,overlap_moe_expert_parallel_comm=1").delay_wgrad);  // (Megatron's default)
   EXPECT_THROW(load_plan("dp=16,overlap_moe_expert_parallel_comm=1,moe_a2a_overlap=1"), InputError);
   EXPECT_THROW(load_plan("dp=16,ep=8,delay_wgrad_compute=1"), InputError);  // (Megatron asserts the overlap with it)
   EXPECT_TRUE(keys(mix, ov).empty());

@@ -423,12 +423,14 @@ TEST(Planner, FlexDispatcherForEveryCandidateWhenFixed) {
   EXPECT_GT(dense.rejected.at("moe_dispatcher"), 0);
   EXPECT_THROW(parse_fixed("moe_token_dispatcher_type=ring"), InputError);
   // --fix overlap_moe_expert_parallel_comm=1: the same for the exchanges beside another
-  // micro-batch's compute (candidates Megatron refuses it on are rejected as a2a_overlap).
+  // micro-batch's compute, with delay_wgrad_compute (candidates Megatron refuses it on are
+  // rejected as a2a_overlap).
   const auto [ov, plain, m2, cl2] = fixed_pair("qwen3-30b-a3b", "dgx-h100-80g", 32, 256,
                                                "ep=32,overlap_moe_expert_parallel_comm=1", "ep=32");
   ASSERT_FALSE(ov.plans.empty() || plain.plans.empty());
   for (const auto& e : ov.plans) {
     EXPECT_TRUE(e.plan.moe_a2a_overlap);
+    EXPECT_TRUE(e.plan.delay_wgrad);  // (as Megatron-Bridge's recipes run it)
     EXPECT_EQ(estimate(m2, cl2, e.plan).step_time_s, e.step_time_s);
   }
   EXPECT_LT(ov.plans.front().step_time_s, plain.plans.front().step_time_s);
