@@ -1143,85 +1143,18 @@ LayerCost embedding_cost(const ModelSpec& m, const Cluster& cl, const Plan& p, c
 
 namespace {
 
-// One multi-token prediction module (ModelSpec::mtp_layers; Megatron-core's
-// MultiTokenPredictionLayer) but for its transformer layer, which estimate.cpp adds as a
-// layer of its kind: the next tokens' embeddings looked up (the word embedding's copy on
-// this stage) and reduced as the embedding's are; enorm and hnorm; their concatenation
-// (T x 2H, written once); eh_proj, column-parallel (2H -> H/t; with sequence parallelism its
-// input gathered first), its output gathered over the tensor-parallel ranks (T x H: the
-// region's all-gather along the hidden dimension), then split onto the sequence shards
-// again (a view); after the layer the final norm, the shared output layer and the loss as
-// head_cost runs them. Backward: the split's all-gather of the gradient, eh_proj's GEMMs
-// (its input gathered again for the weight gradient beside the input-gradient GEMM) and the
-// input gradient's reduction, the concatenation, the two norms and the lookup's scatter-add.
-// With full recompute of every layer (Megatron recomputes MTP uniformly; with the block
-// method it skips them) the module's checkpointed part runs again: the norms to the final
-// norm (the lookup is outside it). `first`: the module that books the parameter gathers of
-// ZeRO-3 (eh_proj and norms of every module, the embedding copy).
-void mtp_module(Acc& a, bool first) {
+// The final norm `norm`, the vocabulary-parallel output layer and the loss of one
+// micro-batch, forward and backward: head_cost's, and each multi-token prediction module's
+// with the shared output layer.
+void output_and_loss(Acc& a, const char* norm) {
   const ModelSpec& m = a.m;
   const Plan& p = a.p;
   const ComputeSetup& cs = a.cs;
-  const double e = cs.work_bytes, T = cs.T, Tn = cs.Tn, H = static_cast<double>(m.H), t = static_cast<double>(p.t);
-  const double Vt = static_cast<double>(m.padded_vocab(p.t)) / t;
-  const double peak = p.precision == Precision::fp8 ? a.cl.device.peak_bf16_flops : a.cl.device.peak_flops(p.precision);
-  a.mem("mtp_embedding", Phase::forward, (m.position == Position::learned ? 4.0 : 2.0) * e * T * H);
-  a.tp_reduce(p.sp ? "sp_reduce_scatter" : "tp_all_reduce", Phase::forward);
-  auto front = [&](Phase ph) {
-    a.mem("mtp_norm", ph, 2.0 * e * Tn * H);  // enorm
-    a.mem("mtp_norm", ph, 2.0 * e * Tn * H);  // hnorm
-    a.mem("mtp_concat", ph, 4.0 * e * Tn * H);
-    a.sp_gather_width("sp_all_gather", ph, 2.0 * H);
-    a.linear("mtp_eh_proj", ph, T, H / t, 2.0 * H);
-    if (p.t > 1) a.comm("mtp_gather", ph, OpKind::tp_comm, a.tp, Collective::all_gather, e * T * H);
-  };
-  front(Phase::forward);
-  a.mem("mtp_final_norm", Phase::forward, 2.0 * e * Tn * H);
-  if (p.recompute == Recompute::full && p.recompute_layers == 0) {
-    front(Phase::recompute);
-    a.mem("mtp_final_norm", Phase::recompute, 2.0 * e * Tn * H);
-  }
-  a.tp_gather("sp_all_gather", Phase::forward);
-  a.gemm("lm_head", Phase::forward, T, Vt, H, peak, e);
-  const bool fused_ce = cs.stack.modern;  // (head_cost's bytes per logit)
-  a.mem("cross_entropy", Phase::forward, (fused_ce ? 3.0 * e : e + 36.0) * T * Vt);
-  if (p.t > 1)
-    for (int i = 0; i < 3; ++i) a.comm("ce_all_reduce", Phase::forward, OpKind::tp_comm, a.tp, Collective::all_reduce, 4.0 * T);
-  a.mem("cross_entropy", Phase::backward, (fused_ce ? 2.0 * e : 20.0 + e) * T * Vt);
-  a.gemm("lm_head", Phase::backward, T, H, Vt, peak, e);   // dgrad
-  a.wgrad("lm_head", Phase::backward, H, Vt, T, peak, e);  // wgrad, into the same gradient
-  a.tp_reduce(p.sp ? "sp_reduce_scatter" : "tp_all_reduce", Phase::backward);
-  a.mem("mtp_final_norm", Phase::backward, 3.0 * e * Tn * H);
-  a.tp_gather("sp_all_gather", Phase::backward);  // the split onto the sequence shards
-  a.linear("mtp_eh_proj", Phase::backward, T, H / t, 2.0 * H);
-  a.sp_gather_width("sp_all_gather", Phase::backward, 2.0 * H, a.gemm_s(T, 2.0 * H, H / t));
-  a.tp_reduce_width(p.sp ? "sp_reduce_scatter" : "tp_all_reduce", Phase::backward, 2.0 * H);
-  a.mem("mtp_concat", Phase::backward, 4.0 * e * Tn * H);
-  a.mem("mtp_norm", Phase::backward, 3.0 * e * Tn * H);
-  a.mem("mtp_norm", Phase::backward, 3.0 * e * Tn * H);
-  a.tp_gather("sp_all_gather", Phase::backward);
-  a.mem("mtp_embedding", Phase::backward, (e + 2.0 * cs.grad_bytes) * T * H);
-  const double eh_params = 2.0 * H * H / t, norms = 3.0 * static_cast<double>(m.final_norm_params());
-  if (!cs.stack.grad_accumulation_fusion)
-    a.mem("grad_accumulation", Phase::backward,
-          grad_accumulation_bytes(p.precision, cs.grad_bytes) * (eh_params + H * Vt));
-  if (first) {
-    // The stage's own word embedding (and learned positions) when p > 1 (memory.cpp).
-    const double copy = p.p > 1 ? static_cast<double>(m.word_embedding_params(p.t) + m.position_params()) : 0.0;
-    sharded_traffic(a, static_cast<double>(m.mtp_layers) * (eh_params + norms) + copy, a.dp, a.dp_across);
-  }
-}
-
-}  // namespace
-
-LayerCost head_cost(const ModelSpec& m, const Cluster& cl, const Plan& p, const ComputeSetup& cs,
-                    std::vector<OpCost>* ops) {
-  Acc a(m, cl, p, cs, ops);
   const double e = cs.work_bytes, T = cs.T, H = static_cast<double>(m.H);
   const double Vt = static_cast<double>(m.padded_vocab(p.t)) / static_cast<double>(p.t);
-  const double peak = p.precision == Precision::fp8 ? cl.device.peak_bf16_flops : cl.device.peak_flops(p.precision);
+  const double peak = p.precision == Precision::fp8 ? a.cl.device.peak_bf16_flops : a.cl.device.peak_flops(p.precision);
   const double eb = cs.work_bytes;
-  a.mem("final_norm", Phase::forward, 2.0 * e * cs.Tn * H);
+  a.mem(norm, Phase::forward, 2.0 * e * cs.Tn * H);
   a.tp_gather("sp_all_gather", Phase::forward);
   a.gemm("lm_head", Phase::forward, T, Vt, H, peak, eb);
   // Vocab-parallel cross-entropy on the T x V/t logits; three all-reduces of T floats (max,
@@ -1244,7 +1177,70 @@ LayerCost head_cost(const ModelSpec& m, const Cluster& cl, const Plan& p, const 
   a.gemm("lm_head", Phase::backward, T, H, Vt, peak, eb);   // dgrad
   a.wgrad("lm_head", Phase::backward, H, Vt, T, peak, eb);  // wgrad
   a.tp_reduce(p.sp ? "sp_reduce_scatter" : "tp_all_reduce", Phase::backward);
-  a.mem("final_norm", Phase::backward, 3.0 * e * cs.Tn * H);
+  a.mem(norm, Phase::backward, 3.0 * e * cs.Tn * H);
+}
+
+// One multi-token prediction module (ModelSpec::mtp_layers; Megatron-core's
+// MultiTokenPredictionLayer) but for its transformer layer, which estimate.cpp adds as a
+// layer of its kind: the next tokens' embeddings looked up (the word embedding's copy on
+// this stage) and reduced as the embedding's are; enorm and hnorm; their concatenation
+// (T x 2H, written once); eh_proj, column-parallel (2H -> H/t; with sequence parallelism its
+// input gathered first), its output gathered over the tensor-parallel ranks (T x H: the
+// region's all-gather along the hidden dimension), then split onto the sequence shards
+// again (a view); after the layer the final norm, the shared output layer and the loss as
+// head_cost runs them. Backward: the split's all-gather of the gradient, eh_proj's GEMMs
+// (its input gathered again for the weight gradient beside the input-gradient GEMM) and the
+// input gradient's reduction, the concatenation, the two norms and the lookup's scatter-add.
+// With full recompute of every layer (Megatron recomputes MTP uniformly; with the block
+// method it skips them) the module's checkpointed part runs again: the norms to the final
+// norm (the lookup is outside it). `first`: the module that books the parameter gathers of
+// ZeRO-3 (eh_proj and norms of every module, the embedding copy).
+void mtp_module(Acc& a, bool first) {
+  const ModelSpec& m = a.m;
+  const Plan& p = a.p;
+  const ComputeSetup& cs = a.cs;
+  const double e = cs.work_bytes, T = cs.T, Tn = cs.Tn, H = static_cast<double>(m.H), t = static_cast<double>(p.t);
+  a.mem("mtp_embedding", Phase::forward, (m.position == Position::learned ? 4.0 : 2.0) * e * T * H);
+  a.tp_reduce(p.sp ? "sp_reduce_scatter" : "tp_all_reduce", Phase::forward);
+  auto front = [&](Phase ph) {
+    a.mem("mtp_norm", ph, 2.0 * e * Tn * H);  // enorm
+    a.mem("mtp_norm", ph, 2.0 * e * Tn * H);  // hnorm
+    a.mem("mtp_concat", ph, 4.0 * e * Tn * H);
+    a.sp_gather_width("sp_all_gather", ph, 2.0 * H);
+    a.linear("mtp_eh_proj", ph, T, H / t, 2.0 * H);
+    if (p.t > 1) a.comm("mtp_gather", ph, OpKind::tp_comm, a.tp, Collective::all_gather, e * T * H);
+  };
+  front(Phase::forward);
+  if (p.recompute == Recompute::full && p.recompute_layers == 0) {
+    front(Phase::recompute);
+    a.mem("mtp_final_norm", Phase::recompute, 2.0 * e * Tn * H);
+  }
+  output_and_loss(a, "mtp_final_norm");
+  a.tp_gather("sp_all_gather", Phase::backward);  // the split onto the sequence shards
+  a.linear("mtp_eh_proj", Phase::backward, T, H / t, 2.0 * H);
+  a.sp_gather_width("sp_all_gather", Phase::backward, 2.0 * H, a.gemm_s(T, 2.0 * H, H / t));
+  a.tp_reduce_width(p.sp ? "sp_reduce_scatter" : "tp_all_reduce", Phase::backward, 2.0 * H);
+  a.mem("mtp_concat", Phase::backward, 4.0 * e * Tn * H);
+  a.mem("mtp_norm", Phase::backward, 3.0 * e * Tn * H);
+  a.mem("mtp_norm", Phase::backward, 3.0 * e * Tn * H);
+  a.tp_gather("sp_all_gather", Phase::backward);
+  a.mem("mtp_embedding", Phase::backward, (e + 2.0 * cs.grad_bytes) * T * H);
+  const double eh_params = 2.0 * H * H / t, norms = 3.0 * static_cast<double>(m.final_norm_params());
+  if (!cs.stack.grad_accumulation_fusion)
+    a.mem("grad_accumulation", Phase::backward, grad_accumulation_bytes(p.precision, cs.grad_bytes) * eh_params);
+  if (first) {
+    // The stage's own word embedding (and learned positions) when p > 1 (memory.cpp).
+    const double copy = p.p > 1 ? static_cast<double>(m.word_embedding_params(p.t) + m.position_params()) : 0.0;
+    sharded_traffic(a, static_cast<double>(m.mtp_layers) * (eh_params + norms) + copy, a.dp, a.dp_across);
+  }
+}
+
+}  // namespace
+
+LayerCost head_cost(const ModelSpec& m, const Cluster& cl, const Plan& p, const ComputeSetup& cs,
+                    std::vector<OpCost>* ops) {
+  Acc a(m, cl, p, cs, ops);
+  output_and_loss(a, "final_norm");
   // The output layer's own weights: untied, or the tied copy on the last stage when p > 1
   // (with p = 1 the embedding's gather serves both).
   const bool own = !m.tie_embeddings || p.p > 1;

@@ -203,21 +203,21 @@ TEST(MegatronArgs, ExpertFlagsRoundTrip) {
     const LaunchInputs in = launch_inputs(parse_megatron_launch(flags, "export"), p.world_size(), "export");
     EXPECT_TRUE(in.model.mla());
     EXPECT_EQ(std::tie(in.model.moe_groups, in.model.moe_group_topk), std::tie(ds.moe_groups, ds.moe_group_topk));
+    // A plan's flags exported with the model's, each of `expect` among them, read back.
+    auto round_trip = [&](const Plan& q, std::initializer_list<const char*> expect) {
+      const std::string text = export_megatron(ds, q, resolve_stack(ds, cl, q)) + fmt::format(" --vocab-size {}", ds.V);
+      for (const char* f : expect) EXPECT_NE(text.find(f), std::string::npos) << f << "\n" << text;
+      return launch_inputs(parse_megatron_launch(text, "export"), q.world_size(), "export");
+    };
     // The flex dispatcher, written and read back.
     const Plan fp = load_plan("tp=2,pp=8,dp=64,ep=64,etp=1,mbs=1,gbs=8192,zero=1,sp=1,moe_token_dispatcher_type=flex,"
                               "moe_flex_dispatcher_backend=hybridep");
-    const std::string ff = export_megatron(ds, fp, resolve_stack(ds, cl, fp)) + fmt::format(" --vocab-size {}", ds.V);
-    for (const char* f : {"--moe-token-dispatcher-type flex", "--moe-flex-dispatcher-backend hybridep"})
-      EXPECT_NE(ff.find(f), std::string::npos) << f << "\n" << ff;
-    const LaunchInputs fin = launch_inputs(parse_megatron_launch(ff, "export"), fp.world_size(), "export");
+    const LaunchInputs fin = round_trip(fp, {"--moe-token-dispatcher-type flex", "--moe-flex-dispatcher-backend hybridep"});
     EXPECT_EQ(fin.plan.moe_dispatcher, MoeDispatcher::hybridep);
     {
       const Plan op = load_plan("dp=64,ep=64,etp=1,mbs=1,gbs=512,zero=1,moe_token_dispatcher_type=flex,"
                                 "overlap_moe_expert_parallel_comm=1,delay_wgrad_compute=1");
-      const std::string of = export_megatron(ds, op, resolve_stack(ds, cl, op)) + fmt::format(" --vocab-size {}", ds.V);
-      for (const char* f : {"--overlap-moe-expert-parallel-comm", "--delay-wgrad-compute"})
-        EXPECT_NE(of.find(f), std::string::npos) << f << "\n" << of;
-      const LaunchInputs oin = launch_inputs(parse_megatron_launch(of, "export"), op.world_size(), "export");
+      const LaunchInputs oin = round_trip(op, {"--overlap-moe-expert-parallel-comm", "--delay-wgrad-compute"});
       EXPECT_TRUE(oin.plan.moe_a2a_overlap);
       EXPECT_TRUE(oin.plan.delay_wgrad);
       EXPECT_EQ(estimate(oin.model, cl, oin.plan).step_time_s, estimate(ds, cl, op).step_time_s);
@@ -232,9 +232,7 @@ TEST(MegatronArgs, ExpertFlagsRoundTrip) {
     EXPECT_EQ(in.model.mtp_layers, 1);
     const Plan lp = load_plan("tp=2,pp=8,vp=4,dp=64,ep=64,etp=1,mbs=1,gbs=8192,zero=1,sp=1,"
                               "pipeline_model_parallel_layout=Et|(tt|)*30mL");
-    const std::string lf = export_megatron(ds, lp, resolve_stack(ds, cl, lp)) + fmt::format(" --vocab-size {}", ds.V);
-    EXPECT_NE(lf.find("--pipeline-model-parallel-layout \"Et|(tt|)*30mL\""), std::string::npos) << lf;
-    const LaunchInputs lin = launch_inputs(parse_megatron_launch(lf, "export"), lp.world_size(), "export");
+    const LaunchInputs lin = round_trip(lp, {"--pipeline-model-parallel-layout \"Et|(tt|)*30mL\""});
     EXPECT_EQ(estimate(lin.model, cl, lin.plan).step_time_s, estimate(ds, cl, lp).step_time_s);
     EXPECT_TRUE(estimate(ds, cl, lp).valid);
     const std::string bridge = export_bridge(ds, lp, resolve_stack(ds, cl, lp));
