@@ -1166,12 +1166,19 @@ void output_and_loss(Acc& a, const char* norm) {
   //   Engine's kernel): one pass reads the e-byte logits for the running max and sum, a
   //   second reads them again and writes the gradient in their place (3e); backward scales
   //   that gradient in place (2e).
+  // - the strata executor's (executor/cuda/cross_entropy.cu, the CPU backend's alike) on
+  //   its fp32 logits: max (4), exponentials written in place with their sum (8), normalised
+  //   in place (8) = 20; backward: the gradient in place (8), rounded to 16 bits in place
+  //   (8, in 16-bit precisions) = 8 or 16.
   const bool fused_ce = cs.stack.modern;
-  a.mem("cross_entropy", Phase::forward, (fused_ce ? 3.0 * e : e + 36.0) * T * Vt);
+  const bool sixteen = p.precision != Precision::fp32;
+  const double fwd_ce = cs.stack.strata ? 20.0 : fused_ce ? 3.0 * e : e + 36.0;
+  const double bwd_ce = cs.stack.strata ? (sixteen ? 16.0 : 8.0) : fused_ce ? 2.0 * e : 20.0 + e;
+  a.mem("cross_entropy", Phase::forward, fwd_ce * T * Vt);
   if (p.t > 1)
     for (int i = 0; i < 3; ++i)
       a.comm("ce_all_reduce", Phase::forward, OpKind::tp_comm, a.tp, Collective::all_reduce, 4.0 * T);
-  a.mem("cross_entropy", Phase::backward, (fused_ce ? 2.0 * e : 20.0 + e) * T * Vt);
+  a.mem("cross_entropy", Phase::backward, bwd_ce * T * Vt);
   if (!cs.stack.grad_accumulation_fusion)
     a.mem("grad_accumulation", Phase::backward, grad_accumulation_bytes(p.precision, a.cs.grad_bytes) * H * Vt);
   a.gemm("lm_head", Phase::backward, T, H, Vt, peak, eb);   // dgrad

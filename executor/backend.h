@@ -23,6 +23,11 @@ class Backend {
  public:
   virtual ~Backend() = default;
   virtual const char* name() const = 0;
+  // Whether a batch of like products (the attention core's, one per head) runs one product
+  // after another, each at its own size's efficiency (the CPU backend), rather than as one
+  // batched kernel at the whole batch's (cuBLASLt's strided batch): the cost model's
+  // batched_gemm, which strata profile writes from it.
+  virtual bool batched_gemm_per_matrix() const { return true; }
 
   // This backend's memory (host memory for the CPU backend, device memory for CUDA), where
   // the executor's buffers live (memory_tracker.h): n floats, zeroed; freeing; zeroing; and

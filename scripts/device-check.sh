@@ -8,17 +8,20 @@
 #      with its GEMMs in fp32 and bf16, and the flash kernels, at the gpt2-124m shape);
 #   4. tiny-gpt, 30 steps bf16, on the GPU and on the CPU: the loss curves compared;
 #   5. gpt2-124m (sequence 1024, bf16, micro-batch 8), 6 steps on the GPU with the unfused
-#      and with the fused (flash) attention: step time, MFU against the H200's 989 TFLOP/s,
-#      the device's memory; `strata estimate` of the same plan on the dgx-h200-141g preset
+#      and with the fused (flash) attention: step time, MFU against 989 TFLOP/s (dense bf16
+#      of an H100 SXM and of an H200), the device's memory; `strata estimate` of the same plan
+#      on the dgx-h100-80g preset on an H100, else dgx-h200-141g
 #      beside it (predicted / measured);
 #   6. tp2 and dp2 ZeRO-1 tiny-gpt plans as 2 ranks sharing the one GPU (host-staged
 #      communicator), final loss against the same plan on the CPU;
 #   7. `strata profile --backend cuda` on one rank, and the estimate of the step-5 plans on
 #      the measured profile against their measured step times;
 #   8. the NCCL communicator: its op test (part of step 2) on its own row, and tiny-gpt
-#      trained through it (--comm nccl), losses against step 4's staged run.
+#      trained through it (--comm nccl), losses against step 4's staged run;
+#   9. the GPU time of a gpt2-124m step by kernel (Nsight Compute, where it is installed).
 # Prints one table at the end; given a folder, writes the full log and every JSON there.
-# Each step has its own time limit, capped so that the whole run ends within 520 s.
+# Each step has its own time limit, capped so that the whole run ends within 520 s
+# (STRATA_CHECK_BUDGET seconds where set, for a shorter first try inside a device lease).
 #   usage: scripts/device-check.sh [LOG_DIR]
 # On the device machine (no Debian packages, no network), use the bundle that
 # scripts/device-bundle.sh prepares on a machine with the packages, carried along:
@@ -34,7 +37,8 @@ log() { tee -a "$OUT/device-check.log"; }
 # Each step's time limit, capped so that the whole run ends by 520 s (the device call runs
 # it under `timeout 560`): a step that hangs costs its own row, never the final table. Once
 # the budget is spent each remaining step gets 1 s, so a dozen of them still end in time.
-lim() { local left=$((520 - SECONDS)); [ "$left" -lt 1 ] && left=1; echo $(($1 < left ? $1 : left)); }
+BUDGET=${STRATA_CHECK_BUDGET:-520}
+lim() { local left=$((BUDGET - SECONDS)); [ "$left" -lt 1 ] && left=1; echo $(($1 < left ? $1 : left)); }
 rows=()
 row() { rows+=("| $1 | $2 |"); }
 # The losses of two 30-step train JSONs: the largest relative difference against a tolerance.
@@ -55,8 +59,14 @@ EOF
 }
 if [ -n "${STRATA_BUNDLE:-}" ]; then
   B=$STRATA_BUNDLE/bin
-  { date -u; nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || echo "nvidia-smi: none"
-    echo "prebuilt bundle $B"; } 2>&1 | log
+  { date -u; nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv,noheader || echo "nvidia-smi: none"
+    echo "prebuilt bundle $B"
+    # What the bundle leaves to the device: CUDA's runtime and cuBLAS (linked), cuBLASLt and
+    # NCCL (loaded when first used).
+    ldd "$B/strata" | grep -E "not found|cuda|cublas" || true
+    for l in libcublasLt.so.13 libnccl.so.2; do
+      echo "$l: $(for d in ${LD_LIBRARY_PATH//:/ }; do [ -e "$d/$l" ] && echo "$d"; done | head -1)"
+    done; } 2>&1 | log
 else
   B=build-device
   {
@@ -103,12 +113,16 @@ row "tiny-gpt bf16 30 steps, GPU vs CPU loss curve" "$(compare_losses "$OUT/tiny
 # memory in use after training (context, libraries, pools' reserve), against the estimate.
 # The estimate runs on the H200 preset with the executor's software stack ("strata": no
 # dropout, fp32 gradient accumulation, its own overlap), the stack that actually runs here.
-python3 -c "import json,sys; c=json.load(open('hw_profiles/dgx-h200-141g.json')); c['framework']['software_stack']='strata'; c['name']=c.get('name','dgx-h200-141g')+'-strata'; json.dump(c,open(sys.argv[1],'w'),indent=1)" "$OUT/h200-strata.json"
+# The preset of the GPU found: an H100 (80 GB) or else the H200 the check was written for.
+PRESET=dgx-h200-141g
+nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | grep -q H100 && PRESET=dgx-h100-80g
+echo "estimates on the $PRESET preset" | log
+python3 -c "import json,sys; c=json.load(open('hw_profiles/$PRESET.json')); c['framework']['software_stack']='strata'; c['name']=c.get('name','$PRESET')+'-strata'; json.dump(c,open(sys.argv[1],'w'),indent=1)" "$OUT/preset-strata.json"
 for att in unfused flash; do
   P124="tp=1,mbs=8,gbs=8,precision=bf16,attention=$att"
   timeout $(lim 60) $S train --model gpt2-124m --plan $P124 --steps 6 --quiet --backend cuda --comm staged --json "$OUT/gpt2_$att.json" 2>&1 | log
-  $S estimate --model gpt2-124m --cluster "$OUT/h200-strata.json" --plan "$P124" --json > "$OUT/gpt2_${att}_estimate.json" 2>> "$OUT/device-check.log"
-  row "gpt2-124m bf16 S1024 mbs8 attention=$att on the GPU: step, MFU, memory; estimate (dgx-h200-141g, strata stack)" "$(python3 - "$OUT" "$att" <<'EOF' 2>&1
+  $S estimate --model gpt2-124m --cluster "$OUT/preset-strata.json" --plan "$P124" --json > "$OUT/gpt2_${att}_estimate.json" 2>> "$OUT/device-check.log"
+  row "gpt2-124m bf16 S1024 mbs8 attention=$att on the GPU: step, MFU, memory; estimate ($PRESET, strata stack)" "$(python3 - "$OUT" "$att" <<'EOF' 2>&1
 import json, sys
 d, att = sys.argv[1], sys.argv[2]
 try:
@@ -151,10 +165,11 @@ except Exception as e:
 EOF
 )"
 done
-# 7. strata profile on the GPU (GEMMs in bf16 and fp32, memory and kernels in device memory;
-# one rank: ranks sharing the GPU would each measure half of it), and the estimate of the
-# gpt2-124m plans on the measured profile against their measured step times.
-timeout $(lim 90) $S profile --backend cuda --comm staged \
+# 7. strata profile on the GPU (GEMMs in bf16 and fp32, gpt2-124m's shapes among them,
+# memory and kernels in device memory; one rank: ranks sharing the GPU would each measure
+# half of it), and the estimate of the gpt2-124m plans on the measured profile against
+# their measured step times and the device's memory in use.
+timeout $(lim 90) $S profile --backend cuda --comm staged --model gpt2-124m \
   --out "$OUT/profile_cuda.json" > "$OUT/profile_cuda.txt" 2>&1
 prof_rc=$?
 cat "$OUT/profile_cuda.txt" >> "$OUT/device-check.log"
@@ -175,7 +190,10 @@ try:
         e = json.load(open("%s/gpt2_%s_on_profile.json" % (d, att)))
         r = json.load(open("%s/gpt2_%s.json" % (d, att)))
         m = r["median_step_time_s"]
-        out.append("%s: predicted %.4f s vs measured %.4f s (%+.1f%%)" % (att, e["step_time_s"], m, 100 * (e["step_time_s"] / m - 1)))
+        dev = r["device_memory_bytes"]["device_in_use_after_training"]
+        pe = e["memory_bytes"]["peak"]
+        out.append("%s: predicted %.4f s vs measured %.4f s (%+.1f%%), peak %.2f GiB vs device in use %.2f GiB (%+.1f%%)"
+                   % (att, e["step_time_s"], m, 100 * (e["step_time_s"] / m - 1), pe / 2**30, dev / 2**30, 100 * (pe / dev - 1)))
     print("; ".join(out))
 except Exception as e:
     print("FAILED (exit %d; %s)" % (rc, e))
@@ -195,6 +213,22 @@ else
   # Equal up to the order of the kernels' atomic additions (scatter-add, norms).
   row "tiny-gpt bf16 30 steps through NCCL (--comm nccl), losses vs the staged run of step 4" \
     "$(compare_losses "$OUT/tiny_nccl.json" "$OUT/tiny_cuda.json" 1e-4 "atomic-order")"
+fi
+
+# 9. Where a gpt2-124m step's GPU time goes: Nsight Compute times every kernel of a 2-step
+# run (one at a time, so no launch gaps), summed by kernel name (scripts/kernel-times.py).
+NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu /usr/local/cuda/bin/ncu 2>/dev/null | head -1)
+if [ -n "$NCU" ]; then
+  timeout $(lim 150) "$NCU" --metrics gpu__time_duration.sum --csv --print-units base --clock-control none \
+    --launch-count 6000 $S train --model gpt2-124m --plan tp=1,mbs=8,gbs=8,precision=bf16,attention=unfused --steps 2 \
+    --quiet --backend cuda --comm staged > "$OUT/ncu_gpt2.csv" 2>> "$OUT/device-check.log"
+  python3 scripts/kernel-times.py "$OUT/ncu_gpt2.csv" 2 30 > "$OUT/kernel_times.md" 2>&1
+  kt_rc=$?
+  log < "$OUT/kernel_times.md" > /dev/null
+  row "gpt2-124m unfused, kernel time per step by kernel (ncu; table in the log)" \
+    "$([ $kt_rc -eq 0 ] && tail -1 "$OUT/kernel_times.md" || echo "FAILED (exit $kt_rc)")"
+else
+  row "gpt2-124m unfused, kernel time per step by kernel (ncu)" "skipped (no ncu on this machine)"
 fi
 
 {

@@ -331,7 +331,7 @@ TEST(Compute, StrataStackMovesFloats) {
 TEST(Compute, CrossEntropyBytesPerStack) {
   Cluster c = testing::round_cluster();
   const ModelSpec m = load_model("gpt3-175b");
-  const Plan p = load_plan("tp=8,mbs=1,precision=bf16");
+  Plan p = load_plan("tp=8,mbs=1,precision=bf16");
   auto ce_bytes = [&](Phase ph) {
     std::vector<OpCost> ops;
     head_cost(m, c, p, compute_setup(m, c, p), &ops);
@@ -349,6 +349,17 @@ TEST(Compute, CrossEntropyBytesPerStack) {
   ASSERT_TRUE(compute_setup(m, c, p).stack.modern);
   EXPECT_DOUBLE_EQ(ce_bytes(Phase::forward), 6.0 * logits);
   EXPECT_DOUBLE_EQ(ce_bytes(Phase::backward), 4.0 * logits);
+  // The strata executor's kernels on its fp32 logits (executor/cuda/cross_entropy.cu):
+  // max 4, exponentials in place 8, normalised in place 8; backward the gradient in place 8,
+  // then rounded to 16 bits in place 8 (none in fp32).
+  c.modern_stack = false;
+  c.strata_stack = true;
+  ASSERT_TRUE(compute_setup(m, c, p).stack.strata);
+  EXPECT_DOUBLE_EQ(ce_bytes(Phase::forward), 20.0 * logits);
+  EXPECT_DOUBLE_EQ(ce_bytes(Phase::backward), 16.0 * logits);
+  p = load_plan("tp=8,mbs=1,precision=fp32");
+  EXPECT_DOUBLE_EQ(ce_bytes(Phase::forward), 20.0 * logits);
+  EXPECT_DOUBLE_EQ(ce_bytes(Phase::backward), 8.0 * logits);
 }
 
 // A multi-token prediction module's work beside its transformer layer (head_cost with

@@ -69,6 +69,9 @@ TEST(Profile, TwoRanksTableIsCheckedAndTheProfileLoads) {
   EXPECT_GT(c.device.flash_bwd_efficiency, 1e-3);
   EXPECT_LE(c.device.flash_bwd_efficiency, 1.0);
   EXPECT_NE(c.device.flash_fwd_efficiency, 0.3);
+  // The CPU backend's batched products (the attention core's) run one by one; the CUDA
+  // backend's in one strided-batched call, which its profile writes as "batched".
+  EXPECT_TRUE(c.device.batched_gemm_per_matrix);
   EXPECT_EQ(sh(std::string(STRATA_BINARY) + " estimate --model tiny-gpt --cluster " + out +
                " --plan dp=2,mbs=2,gbs=8 --json > " + dir + "strata_profile_est.json"),
             0);

@@ -151,6 +151,7 @@ class CudaBackendImpl final : public CudaBackend {
 
  public:
   const char* name() const override { return "cuda"; }
+  bool batched_gemm_per_matrix() const override { return false; }  // one strided-batched cuBLASLt call
   std::string device_name() const override { return name_; }
   std::string device_id() const override { return bus_id_; }
   void* compute_stream() const override { return stream_; }
