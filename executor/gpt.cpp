@@ -35,14 +35,14 @@ void recomputed(const ModelCtx& c, double t0, double t1, double compute_s) {
 
 // (n, H) rows of every tp rank -> (N, H): sequence-parallel all-gather.
 Buf gather_rows(const ModelCtx& c, const Buf& in, int64_t H) {
-  Buf out = c.act(c.N() * H);
+  Buf out = c.act_out(c.N() * H);
   timed(c, "all_gather", [&] { c.comm->all_gather(in.data(), out.data(), c.n() * H, c.tp); });
   return out;
 }
 
 // (N, H) partial sums -> this rank's (n, H) rows of the sum: sequence-parallel reduce-scatter.
 Buf reduce_scatter_rows(const ModelCtx& c, const Buf& in, int64_t H) {
-  Buf out = c.f32(c.n() * H);
+  Buf out = c.f32_out(c.n() * H);
   timed(c, "reduce_scatter", [&] { c.comm->reduce_scatter(in.data(), out.data(), c.n() * H, c.tp); });
   return out;
 }
@@ -59,7 +59,7 @@ Buf reduce_rows(const ModelCtx& c, Buf in, int64_t H) {
 // else a copy (the caller rounds it).
 Buf gemm_input_rows(const ModelCtx& c, const Buf& in, int64_t H) {
   if (c.sp && c.t > 1) return gather_rows(c, in, H);
-  Buf out = c.act(in.size());
+  Buf out = c.act_out(in.size());
   c.be->copy(out.data(), in.data(), in.size());
   return out;
 }
@@ -74,10 +74,10 @@ void bias_grad(const ModelCtx& c, float* db, const float* dy, int64_t N, int64_t
 
 void norm_forward(const ModelCtx& c, const float* w, const float* b, const Buf& x, Buf* out, Buf* mean, Buf* rstd) {
   const int64_t n = c.n(), H = c.m->H;
-  *out = c.act(n * H);
-  *rstd = c.f32(n);
+  *out = c.act_out(n * H);
+  *rstd = c.f32_out(n);
   if (c.m->normalization == Norm::layernorm) {
-    *mean = c.f32(n);
+    *mean = c.f32_out(n);
     c.be->layernorm_forward(out->data(), mean->data(), rstd->data(), x.data(), w, b, n, H);
   } else {
     c.be->rmsnorm_forward(out->data(), rstd->data(), x.data(), w, n, H);
@@ -96,7 +96,7 @@ void norm_backward(const ModelCtx& c, float* dx, float* dw, float* db, const Buf
 void round(const ModelCtx& c, Buf& b) { c.be->round_to(b.data(), b.size(), c.precision); }
 
 Buf copy_of(const ModelCtx& c, const Buf& b) {
-  Buf out = c.f32(b.size());
+  Buf out = c.f32_out(b.size());
   c.be->copy(out.data(), b.data(), b.size());
   return out;
 }
@@ -212,7 +212,7 @@ Buf forward_all(const ModelCtx& c, const UnitView& u, int64_t l, LayerActs* a) {
   round(c, a->h1);
   if (c.sp && c.t > 1) a->g1 = gather_rows(c, a->h1, H);
   const float* g1 = (c.sp && c.t > 1) ? a->g1.data() : a->h1.data();
-  a->qkv = c.act(N * Q);
+  a->qkv = c.act_out(N * Q);
   c.be->gemm(false, true, N, Q, H, 1.0f, g1, H, u.weight(TensorKind::qkv_w, l), H, 0.0f, a->qkv.data(), Q);
   c.tick();
   add_bias(c, a->qkv.data(), u.weight_or_null(TensorKind::qkv_b, l), N, Q);
@@ -221,7 +221,7 @@ Buf forward_all(const ModelCtx& c, const UnitView& u, int64_t l, LayerActs* a) {
     rope_rows(c, a->qkv.data() + At * D, Gt, Q, false);
   }
   round(c, a->qkv);
-  a->att = c.act(N * At * D);
+  a->att = c.act_out(N * At * D);
   if (c.cp > 1) {
     const Buf kv = gather_kv(c, a->qkv, At, Gt);
     if (c.flash) {
@@ -235,22 +235,22 @@ Buf forward_all(const ModelCtx& c, const UnitView& u, int64_t l, LayerActs* a) {
     }
   } else if (c.flash) {
     // The log-sum-exp is what the fused backward needs; selective recompute drops it too.
-    Buf lse = c.f32(c.B * At * c.S);
+    Buf lse = c.f32_out(c.B * At * c.S);
     c.be->flash_attention_forward(a->att.data(), lse.data(), a->qkv.data(), c.S, c.B, At, Gt, D);
     if (c.recompute == Recompute::none) a->lse = std::move(lse);
   } else {
-    if (c.recompute == Recompute::none) a->probs = c.act(c.B * At * c.S * c.S);
+    if (c.recompute == Recompute::none) a->probs = c.act_out(c.B * At * c.S * c.S);
     c.be->attention_forward(a->att.data(), a->probs.empty() ? nullptr : a->probs.data(), a->qkv.data(), c.S, c.B, At,
                             Gt, D);
   }
   round(c, a->att);
-  Buf o = c.f32(N * H);
+  Buf o = c.f32_out(N * H);
   c.be->gemm(false, true, N, H, At * D, 1.0f, a->att.data(), At * D, u.weight(TensorKind::proj_w, l), At * D, 0.0f,
              o.data(), H);
              c.tick();
   o = reduce_rows(c, std::move(o), H);
   add_bias(c, o.data(), u.weight_or_null(TensorKind::proj_b, l), n, H);
-  a->x2 = c.act(n * H);
+  a->x2 = c.act_out(n * H);
   c.be->add(a->x2.data(), a->x.data(), o.data(), n * H);
   round(c, a->x2);
   o.release();
@@ -260,20 +260,20 @@ Buf forward_all(const ModelCtx& c, const UnitView& u, int64_t l, LayerActs* a) {
   round(c, a->h2);
   if (c.sp && c.t > 1) a->g2 = gather_rows(c, a->h2, H);
   const float* g2 = (c.sp && c.t > 1) ? a->g2.data() : a->h2.data();
-  a->u = c.act(N * F1);
+  a->u = c.act_out(N * F1);
   c.be->gemm(false, true, N, F1, H, 1.0f, g2, H, u.weight(TensorKind::fc1_w, l), H, 0.0f, a->u.data(), F1);
   c.tick();
   add_bias(c, a->u.data(), u.weight_or_null(TensorKind::fc1_b, l), N, F1);
   round(c, a->u);
-  a->a = c.act(N * Ft);
+  a->a = c.act_out(N * Ft);
   c.be->activation_forward(m.activation, a->a.data(), a->u.data(), N, Ft);
   round(c, a->a);
-  Buf y = c.f32(N * H);
+  Buf y = c.f32_out(N * H);
   c.be->gemm(false, true, N, H, Ft, 1.0f, a->a.data(), Ft, u.weight(TensorKind::fc2_w, l), Ft, 0.0f, y.data(), H);
   c.tick();
   y = reduce_rows(c, std::move(y), H);
   add_bias(c, y.data(), u.weight_or_null(TensorKind::fc2_b, l), n, H);
-  Buf out = c.act(n * H);
+  Buf out = c.act_out(n * H);
   c.be->add(out.data(), a->x2.data(), y.data(), n * H);
   return out;
 }
@@ -284,11 +284,11 @@ Buf embedding_forward(const ModelCtx& c, const UnitView& wte, const UnitView* wp
   const ModelSpec& m = *c.m;
   const int64_t H = m.H, N = c.N(), Vt = executor_vocab(m) / c.t, lo = c.r * Vt;
   const float* W = wte.weight(TensorKind::wte);
-  Buf x = c.f32(N * H);
+  Buf x = c.f32_out(N * H);
   const ByteBuf tok(c.be, tokens, static_cast<size_t>(c.S * c.B) * sizeof(int32_t));  // in the backend's memory
   c.be->embedding_forward(x.data(), W, reinterpret_cast<const int32_t*>(tok.data()), c.S, c.B, H, lo, Vt);
   x = reduce_rows(c, std::move(x), H);
-  Buf out = c.act(c.n() * H);
+  Buf out = c.act_out(c.n() * H);
   const int64_t row0 = c.sp ? c.r * c.n() : 0;
   if (wpe)
     for_segments(c, row0, c.n(), [&](int64_t off, int64_t rows, int64_t global_row0) {
@@ -378,13 +378,13 @@ Buf layer_backward(const ModelCtx& c, const UnitView& u, int64_t l, LayerActs* a
   bias_grad(c, u.grad_or_null(TensorKind::fc2_b, l), dout.data(), n, H);
   Buf dy = gemm_input_rows(c, dout, H);
   round(c, dy);
-  Buf da = c.f32(N * Ft);
+  Buf da = c.f32_out(N * Ft);
   c.be->gemm(false, false, N, Ft, H, 1.0f, dy.data(), H, u.weight(TensorKind::fc2_w, l), Ft, 0.0f, da.data(), Ft);
   tick();
   c.be->gemm(true, false, H, Ft, N, 1.0f, dy.data(), H, a->a.data(), Ft, 1.0f, u.grad(TensorKind::fc2_w, l), Ft);
   tick();
   dy.release();
-  Buf du = c.f32(N * F1);
+  Buf du = c.f32_out(N * F1);
   c.be->activation_backward(m.activation, du.data(), da.data(), a->u.data(), N, Ft);
   da.release();
   round(c, du);
@@ -392,7 +392,7 @@ Buf layer_backward(const ModelCtx& c, const UnitView& u, int64_t l, LayerActs* a
   c.be->gemm(true, false, F1, H, N, 1.0f, du.data(), F1, g2, H, 1.0f, u.grad(TensorKind::fc1_w, l), H);
   tick();
   bias_grad(c, u.grad_or_null(TensorKind::fc1_b, l), du.data(), N, F1);
-  Buf dg2 = c.f32(N * H);
+  Buf dg2 = c.f32_out(N * H);
   c.be->gemm(false, false, N, H, F1, 1.0f, du.data(), F1, u.weight(TensorKind::fc1_w, l), H, 0.0f, dg2.data(), H);
   tick();
   du.release();
@@ -405,7 +405,7 @@ Buf layer_backward(const ModelCtx& c, const UnitView& u, int64_t l, LayerActs* a
   bias_grad(c, u.grad_or_null(TensorKind::proj_b, l), dx.data(), n, H);
   Buf dO = gemm_input_rows(c, dx, H);
   round(c, dO);
-  Buf datt = c.f32(N * At * D);
+  Buf datt = c.f32_out(N * At * D);
   c.be->gemm(false, false, N, At * D, H, 1.0f, dO.data(), H, u.weight(TensorKind::proj_w, l), At * D, 0.0f,
              datt.data(), At * D);
              c.tick();
@@ -447,15 +447,15 @@ Buf layer_backward(const ModelCtx& c, const UnitView& u, int64_t l, LayerActs* a
   } else if (c.flash) {
     if (a->lse.empty()) {  // selective recompute: the fused forward again, for its log-sum-exp
       const double t0 = c.now();
-      a->lse = c.f32(c.B * At * c.S);
-      Buf again = c.f32(N * At * D);
+      a->lse = c.f32_out(c.B * At * c.S);
+      Buf again = c.f32_out(N * At * D);
       c.be->flash_attention_forward(again.data(), a->lse.data(), a->qkv.data(), c.S, c.B, At, Gt, D);
       const double t1 = c.now();
       recomputed(c, t0, t1, t1 - t0);
     }
     // The output as the projection saw it (rounded to the training precision) enters
     // rowsum(dO * O), so a recomputed and a kept log-sum-exp give the same gradients.
-    dqkv = c.f32(N * Q);
+    dqkv = c.f32_out(N * Q);
     c.be->flash_attention_backward(dqkv.data(), datt.data(), a->att.data(), a->lse.data(), a->qkv.data(), c.S, c.B,
                                    At, Gt, D);
   } else {
@@ -463,13 +463,13 @@ Buf layer_backward(const ModelCtx& c, const UnitView& u, int64_t l, LayerActs* a
       // Selective recompute: the core attention forward runs again (as Megatron's
       // checkpointed core attention does) to rebuild the probabilities; its time is recompute.
       const double t0 = c.now();
-      a->probs = c.act(c.B * At * c.S * c.S);
-      Buf again = c.f32(N * At * D);
+      a->probs = c.act_out(c.B * At * c.S * c.S);
+      Buf again = c.f32_out(N * At * D);
       c.be->attention_forward(again.data(), a->probs.data(), a->qkv.data(), c.S, c.B, At, Gt, D);
       const double t1 = c.now();
       recomputed(c, t0, t1, t1 - t0);
     }
-    dqkv = c.f32(N * Q);
+    dqkv = c.f32_out(N * Q);
     c.be->attention_backward(dqkv.data(), datt.data(), a->probs.data(), a->qkv.data(), c.S, c.B, At, Gt, D);
   }
   datt.release();
@@ -482,7 +482,7 @@ Buf layer_backward(const ModelCtx& c, const UnitView& u, int64_t l, LayerActs* a
   c.be->gemm(true, false, Q, H, N, 1.0f, dqkv.data(), Q, g1, H, 1.0f, u.grad(TensorKind::qkv_w, l), H);
   c.tick();
   bias_grad(c, u.grad_or_null(TensorKind::qkv_b, l), dqkv.data(), N, Q);
-  Buf dg1 = c.f32(N * H);
+  Buf dg1 = c.f32_out(N * H);
   c.be->gemm(false, false, N, H, Q, 1.0f, dqkv.data(), Q, u.weight(TensorKind::qkv_w, l), H, 0.0f, dg1.data(), H);
   c.tick();
   dqkv.release();
@@ -502,7 +502,7 @@ double head_forward(const ModelCtx& c, const UnitView& fu, const float* out_w, B
   round(c, h->hf);
   if (c.sp && c.t > 1) h->hf_full = gather_rows(c, h->hf, H);
   const float* hf = (c.sp && c.t > 1) ? h->hf_full.data() : h->hf.data();
-  h->probs = c.f32(N * Vt);
+  h->probs = c.f32_out(N * Vt);
   float* z = h->probs.data();
   c.be->gemm(false, true, N, Vt, H, 1.0f, hf, H, out_w, H, 0.0f, z, Vt);
   c.tick();
@@ -538,7 +538,7 @@ Buf head_backward(const ModelCtx& c, const UnitView& fu, const float* out_w, flo
   const float* hf = (c.sp && c.t > 1) ? h->hf_full.data() : h->hf.data();
   c.be->gemm(true, false, Vt, H, N, 1.0f, z, Vt, hf, H, 1.0f, out_grad, H);
   c.tick();
-  Buf dhf = c.f32(N * H);
+  Buf dhf = c.f32_out(N * H);
   c.be->gemm(false, false, N, H, Vt, 1.0f, z, Vt, out_w, H, 0.0f, dhf.data(), H);
   c.tick();
   dhf = reduce_rows(c, std::move(dhf), H);

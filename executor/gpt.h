@@ -122,6 +122,9 @@ struct ModelCtx {
   int act_bytes() const { return precision == Precision::fp32 ? 4 : 2; }
   Buf act(int64_t count) const { return Buf(mem, MemCategory::activations, count, act_bytes()); }
   Buf f32(int64_t count) const { return Buf(mem, MemCategory::activations, count, 4); }
+  // The same, not zeroed: for an output the next op writes whole (Buf::uninitialised).
+  Buf act_out(int64_t count) const { return Buf::uninitialised(mem, MemCategory::activations, count, act_bytes()); }
+  Buf f32_out(int64_t count) const { return Buf::uninitialised(mem, MemCategory::activations, count, 4); }
 };
 
 // Saved tensors of one layer for one micro-batch. With full recompute only x is kept

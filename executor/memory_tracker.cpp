@@ -54,12 +54,22 @@ Buf::Buf(MemoryTracker* tracker, MemCategory c, int64_t n, int element_bytes) {
 
 Buf Buf::untracked(Backend* be, int64_t n) { return allocated(be, n, kMemCategories); }
 
-Buf Buf::allocated(Backend* be, int64_t n, int pool) {
+Buf Buf::uninitialised(MemoryTracker* tracker, MemCategory c, int64_t n, int element_bytes) {
+  Buf b = allocated(tracker ? tracker->backend() : nullptr, n, static_cast<int>(c), false);
+  b.tracker_ = tracker;
+  b.cat_ = c;
+  b.bytes_ = b.n_ * element_bytes;
+  if (b.tracker_) b.tracker_->add(b.cat_, b.bytes_);
+  return b;
+}
+
+Buf Buf::allocated(Backend* be, int64_t n, int pool, bool zeroed) {
   Buf b;
   b.n_ = n > 0 ? n : 0;
   b.be_ = be;
   b.pool_ = pool;
-  if (b.n_ > 0) b.p_ = be ? be->allocate_in(b.n_, pool) : new float[static_cast<size_t>(b.n_)]();
+  if (b.n_ > 0 && be) b.p_ = zeroed ? be->allocate_in(b.n_, pool) : be->allocate_uninitialised_in(b.n_, pool);
+  else if (b.n_ > 0) b.p_ = new float[static_cast<size_t>(b.n_)]();
   return b;
 }
 

@@ -54,6 +54,11 @@ class Buf {
   // n zeroed floats in `be`'s memory (host memory when null), charged to no category:
   // staging for dumps and checkpoints, blocks in flight outside the cost model's terms.
   static Buf untracked(Backend* be, int64_t n);
+  // Like the constructor, but not zeroed: for a buffer that the op which follows writes
+  // whole before anything reads it (a GEMM's C with beta 0, a norm's or an activation's
+  // output), sparing a device a pass over it. The CPU backend fills such memory with NaN,
+  // so a read before that write shows in the tests.
+  static Buf uninitialised(MemoryTracker* tracker, MemCategory c, int64_t n, int element_bytes = 4);
   ~Buf() { release(); }
   Buf(Buf&& o) noexcept { *this = static_cast<Buf&&>(o); }
   Buf& operator=(Buf&& o) noexcept;
@@ -81,7 +86,8 @@ class Buf {
   int64_t storage_bytes() const;
 
  private:
-  static Buf allocated(Backend* be, int64_t n, int pool);  // from the backend's pool `pool`
+  // From the backend's pool `pool`, zeroed or not.
+  static Buf allocated(Backend* be, int64_t n, int pool, bool zeroed = true);
   float* p_ = nullptr;
   int64_t n_ = 0;
   Backend* be_ = nullptr;  // whose memory p_ is; null: host (new[])

@@ -205,6 +205,51 @@ TEST_F(CudaOps, GemmBf16AndFp16OnTensorCores) {
   EXPECT_THROW(gpu_->set_gemm_precision(Precision::fp8), std::invalid_argument);
 }
 
+// A 16-bit product whose operand copies pass the scratch limit runs in parts (C's rows, its
+// columns, or K, accumulating): the same product, and the scratch stays near the limit.
+// Operands rounded first, as the executor's are: fp32 accuracy against the CPU.
+TEST_F(CudaOps, GemmInPartsPastTheScratchLimit) {
+  gpu_->set_gemm_precision(Precision::bf16);
+  gpu_->set_gemm_scratch_limit(4096);
+  struct Shape {
+    int64_t M, N, K;
+  };
+  // A the larger (rows of C split), B the larger (columns), M = N = 1 (K split, accumulating).
+  for (const Shape& g : {Shape{70, 9, 200}, Shape{6, 130, 90}, Shape{1, 1, 5000}}) {
+    for (int t = 0; t < 4; ++t) {
+      const bool ta = t & 1, tb = t & 2;
+      const int64_t lda = (ta ? g.M : g.K) + 3, ldb = (tb ? g.K : g.N) + 3, ldc = g.N + 2;
+      Vec a = random(static_cast<size_t>((ta ? g.K : g.M) * lda)), b = random(static_cast<size_t>((tb ? g.N : g.K) * ldb));
+      cpu_->round_to(a.data(), static_cast<int64_t>(a.size()), Precision::bf16);
+      cpu_->round_to(b.data(), static_cast<int64_t>(b.size()), Precision::bf16);
+      Vec c = random(static_cast<size_t>(g.M * ldc));
+      float *da = dev(a), *db = dev(b), *dc = dev(c);
+      gpu_->gemm(ta, tb, g.M, g.N, g.K, 0.75f, da, lda, db, ldb, 0.5f, dc, ldc);
+      cpu_->gemm(ta, tb, g.M, g.N, g.K, 0.75f, a.data(), lda, b.data(), ldb, 0.5f, c.data(), ldc);
+      expect_close(host(dc, c.size()), c, 1e-5,
+                   "parts of " + std::to_string(g.M) + "x" + std::to_string(g.N) + "x" + std::to_string(g.K) +
+                       " ta=" + std::to_string(ta) + " tb=" + std::to_string(tb));
+    }
+  }
+  // 8 MiB of copies (2048 x 2048 and 2048 x 64 in bf16) under a 1 MiB limit: the untracked
+  // pool, where the scratch grows, stays within the limit and a pool's 2 MiB granularity.
+  gpu_->set_gemm_scratch_limit(size_t{1} << 20);
+  const int64_t M = 2048, N = 64, K = 2048;
+  Vec a = random(static_cast<size_t>(M * K)), b = random(static_cast<size_t>(K * N));
+  cpu_->round_to(a.data(), static_cast<int64_t>(a.size()), Precision::bf16);
+  cpu_->round_to(b.data(), static_cast<int64_t>(b.size()), Precision::bf16);
+  Vec c(static_cast<size_t>(M * N), 0.0f);
+  float *da = dev(a), *db = dev(b), *dc = dev(c);
+  gpu_->gemm(false, false, M, N, K, 1.0f, da, K, db, N, 0.0f, dc, N);
+  cpu_->gemm(false, false, M, N, K, 1.0f, a.data(), K, b.data(), N, 0.0f, c.data(), N);
+  expect_close(host(dc, c.size()), c, 1e-5, "2048 x 64 x 2048 in parts");
+  Backend::DeviceMemory dm;
+  ASSERT_TRUE(gpu_->device_memory(&dm));
+  EXPECT_LE(dm.used_peak[kMemPools - 1], (int64_t{1} << 20) + (int64_t{2} << 20));
+  gpu_->set_gemm_scratch_limit(kGemmScratchBytes);
+  gpu_->set_gemm_precision(Precision::fp32);
+}
+
 // The vocab-parallel cross-entropy's four phases on a slice [lo, lo + Vt) of the vocabulary,
 // with targets inside and outside the slice.
 TEST_F(CudaOps, VocabParallelCrossEntropyPhases) {

@@ -2,6 +2,7 @@
 // is one pair of GEMMs per (micro-batch row, head) on strided views of the (S, B, ...) buffers.
 #include <Eigen/Dense>
 #include <algorithm>
+#include <limits>
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
@@ -421,9 +422,13 @@ class CpuBackend final : public Backend {
       release_block(p);
     }
   }
-  // Zeroed always, allocate_uninitialised_in too: a packed buffer of an odd count has a
-  // half it never writes, and every byte stays deterministic.
+  // allocate zeroes; allocate_uninitialised_in fills with a quiet NaN, so a value read
+  // before the executor writes it turns the loss to NaN in every test on this backend
+  // rather than passing as the zero a fresh CUDA pool block may happen to hold. Either way
+  // every byte is deterministic (a packed buffer of an odd count has a half it never
+  // writes).
   float* allocate(int64_t n) override { return take(n); }
+  float* allocate_uninitialised_in(int64_t n, int) override { return take(n, std::numeric_limits<float>::quiet_NaN()); }
   void deallocate(float* p) override {
     if (!p) return;
     std::lock_guard<std::mutex> lock(mu_);
@@ -583,7 +588,7 @@ class CpuBackend final : public Backend {
   // The buffer cache (see kCachedFloats): sizes of the large buffers in use, and kept ones.
   // Every buffer comes back zeroed, with memset, which the sanitizers check as one range (a
   // loop is checked per element).
-  float* take(int64_t n) {
+  float* take(int64_t n, float fill = 0.0f) {
     if (n <= 0) return nullptr;
     float* p = nullptr;
     if (n >= kCachedFloats) {
@@ -597,7 +602,8 @@ class CpuBackend final : public Backend {
       }
     }
     if (!p) p = n >= kCachedFloats ? new_block(n) : new float[static_cast<size_t>(n)];
-    std::memset(p, 0, static_cast<size_t>(n) * sizeof(float));
+    if (fill == 0.0f) std::memset(p, 0, static_cast<size_t>(n) * sizeof(float));
+    else std::fill(p, p + n, fill);
     if (n >= kCachedFloats) {
       std::lock_guard<std::mutex> lock(mu_);
       sizes_.emplace(p, n);

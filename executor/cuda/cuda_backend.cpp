@@ -293,14 +293,41 @@ class CudaBackendImpl final : public CudaBackend {
       matmul(ta, tb, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc, CUDA_R_32F);
       return;
     }
-    // 16-bit copies of both operands in the scratch buffer, rows padded to 8 elements (16
-    // bytes, what the fast tensor-core kernels want) and B's copy 256-byte aligned after
-    // A's; then the same product on them.
+    gemm16(ta, tb, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc);
+  }
+  void set_gemm_scratch_limit(size_t bytes) override { scratch_limit_ = std::max<size_t>(bytes, 4096); }
+  // 16-bit copies of both operands in the scratch buffer, rows padded to 8 elements (16
+  // bytes, what the fast tensor-core kernels want) and B's copy 256-byte aligned after A's;
+  // then the same product on them. Copies over scratch_limit_ bytes: the product in two
+  // halves, each again so if still too large (the stream runs each half's casts after the
+  // previous half's product has read the scratch): C's rows where A's copy is the larger
+  // (A's rows, or its columns when transposed), else C's columns (B's); the shared
+  // dimension K, the second half adding into the first's C, only where M and N are 1.
+  void gemm16(bool ta, bool tb, int64_t M, int64_t N, int64_t K, float alpha, const float* A, int64_t lda,
+              const float* B, int64_t ldb, float beta, float* C, int64_t ldc) {
     const int kind = gemm_precision_ == Precision::bf16 ? 1 : 2;
     const int64_t rows_a = ta ? K : M, cols_a = ta ? M : K, rows_b = tb ? N : K, cols_b = tb ? K : N;
     const int64_t ld_a = (cols_a + 7) / 8 * 8, ld_b = (cols_b + 7) / 8 * 8;
     const size_t bytes_a = (static_cast<size_t>(rows_a * ld_a) * 2 + 255) / 256 * 256;
     const size_t bytes_b = static_cast<size_t>(rows_b * ld_b) * 2;
+    if (bytes_a + bytes_b > scratch_limit_ && (M > 1 || N > 1 || K > 1)) {
+      const bool split_m = M > 1 && (bytes_a >= bytes_b || N == 1);
+      if (split_m) {
+        const int64_t h = M / 2;
+        gemm16(ta, tb, h, N, K, alpha, A, lda, B, ldb, beta, C, ldc);
+        gemm16(ta, tb, M - h, N, K, alpha, ta ? A + h : A + h * lda, lda, B, ldb, beta, C + h * ldc, ldc);
+      } else if (N > 1) {
+        const int64_t h = N / 2;
+        gemm16(ta, tb, M, h, K, alpha, A, lda, B, ldb, beta, C, ldc);
+        gemm16(ta, tb, M, N - h, K, alpha, A, lda, tb ? B + h * ldb : B + h, ldb, beta, C + h, ldc);
+      } else {
+        const int64_t h = K / 2;
+        gemm16(ta, tb, M, N, h, alpha, A, lda, B, ldb, beta, C, ldc);
+        gemm16(ta, tb, M, N, K - h, alpha, ta ? A + h * lda : A + h, lda, tb ? B + h : B + h * ldb, ldb, 1.0f, C,
+               ldc);
+      }
+      return;
+    }
     char* scratch = static_cast<char*>(scratch_bytes(bytes_a + bytes_b));
     cuda::cast_matrix(scratch, ld_a, A, rows_a, cols_a, lda, kind, stream_);
     cuda::cast_matrix(scratch + bytes_a, ld_b, B, rows_b, cols_b, ldb, kind, stream_);
@@ -569,6 +596,7 @@ class CudaBackendImpl final : public CudaBackend {
   cudaStream_t stream_ = nullptr;
   cublasLtHandle_t lt_ = nullptr;
   void* workspace_ = nullptr;
+  size_t scratch_limit_ = kGemmScratchBytes;  // gemm16's operand copies, at most
   double* acc_ = nullptr;  // grad_norm_terms' device accumulators
   Grown scratch_, delta_, attn_;
   std::map<AlgoKey, Algo> algos_;  // run_matmul's choices

@@ -42,7 +42,15 @@ class CudaBackend : public Backend {
   // to its training precision already (round_to), so for it this changes the speed, not the
   // operands. fp8 is refused (std::invalid_argument): its GEMMs need per-tensor scales.
   virtual void set_gemm_precision(Precision p) = 0;
+  // The most bytes the 16-bit copies of one product's operands may take (default
+  // kGemmScratchBytes): a larger product runs as parts of at most that much each (tests
+  // lower it to check the parts).
+  virtual void set_gemm_scratch_limit(size_t bytes) = 0;
 };
+
+// 256 MiB: a product needing more (the output layer's input and weight gradients with a
+// large vocabulary: gpt2-124m's micro-batch of 8 made 0.90 GB of copies) runs in parts.
+constexpr size_t kGemmScratchBytes = size_t{256} << 20;
 
 // "" when a GPU is usable; otherwise the reason, e.g. "cudaGetDeviceCount returned error
 // 35 (cudaErrorInsufficientDriver): no NVIDIA driver or GPU on this machine".
