@@ -11,6 +11,7 @@
 
 #include "costmodel/comm.h"
 #include "costmodel/memory.h"
+#include "executor/cuda/limits.h"
 
 namespace strata {
 
@@ -246,9 +247,20 @@ struct Acc {
     if (ph == Phase::backward) wgrad_s += t;
     return t;
   }
-  // The attention core's batched GEMMs (QK^T, AV and their gradients) of `flops`.
-  double batched(const char* name, Phase ph, double flops, double bytes, double count) {
-    const double one = cl.device.batched_gemm_per_matrix ? flops / std::max(count, 1.0) : flops;
+  // The attention core's batched GEMMs (QK^T, AV and their gradients) of `flops`, `count`
+  // products of Sq x Sk scores: at the efficiency of one product (batched_gemm per_matrix),
+  // of the whole batch in one call, or on the strata executor's batched backend (CUDA) of
+  // the batch each of its calls runs (executor/cuda/attention_plan.h: one micro-batch row's
+  // query groups on this rank, as many as its workspace holds).
+  double batched(const char* name, Phase ph, double flops, double bytes, double count, double Sq, double Sk) {
+    double one = flops;
+    if (cl.device.batched_gemm_per_matrix) {
+      one = flops / std::max(count, 1.0);
+    } else if (cs.stack.strata) {
+      const double groups = std::max(1.0, static_cast<double>(m.G / p.t));
+      const double fit = std::floor(static_cast<double>(cuda::kUnfusedAttentionWorkspaceBytes) / (4.0 * Sq * Sk));
+      one = flops / std::max(count, 1.0) * std::min(count, std::clamp(fit, 1.0, groups));
+    }
     return kernel(name, ph, flops, bytes, peak_attn * efficiency(peak_attn, one));
   }
   // A linear layer y = x W with x (M x K), W (K x N). Backward: dgrad (M x N)(N x K) and
@@ -439,10 +451,10 @@ double attention_core_forward(Acc& a, Phase ph) {
     // QK^T and AV as batched GEMMs: Bh products of (Sq x D)(D x Sk) and (Sq x Sk)(Sk x Dv).
     const double flops = 2.0 * heads * Sq * Sk * D * strata_cp_keys(a);
     const double Dv = static_cast<double>(m.Dv()), av_flops = m.mla() ? flops / D * Dv : flops;
-    t += a.batched("attn_scores", ph, flops, e * (heads * (Sq * D + Sk * D) + n_s), heads);
+    t += a.batched("attn_scores", ph, flops, e * (heads * (Sq * D + Sk * D) + n_s), heads, Sq, Sk);
     t += a.mem("softmax", ph, 2.0 * e * n_s);  // fused scale + mask + softmax
     if (m.attention_dropout > 0) t += a.mem("attn_dropout", ph, (2.0 * e + 1.0) * n_s);
-    t += a.batched("attn_context", ph, av_flops, e * (n_s + heads * (Sk * Dv + Sq * Dv)), heads);
+    t += a.batched("attn_context", ph, av_flops, e * (n_s + heads * (Sk * Dv + Sq * Dv)), heads, Sq, Sk);
   }
   // Context parallel (cp_comm_type). p2p: ring exchange of K and V, (c-1) steps, hidden
   // behind the core. allgather: K and V gathered before the core (the same bytes), exposed;
@@ -493,12 +505,12 @@ double attention_core_backward(Acc& a, double mlp_s) {
     const double bytes = e * n_s + e * heads * (Sk * D + Sq * D);
     const double Dv = static_cast<double>(m.Dv());
     const double av_flops = m.mla() ? flops / D * Dv : flops, av_bytes = m.mla() ? e * n_s + e * heads * (Sk * Dv + Sq * Dv) : bytes;
-    t += a.batched("attn_context", ph, av_flops, av_bytes, heads);  // dP = dO V^T
-    t += a.batched("attn_context", ph, av_flops, av_bytes, heads);  // dV = P^T dO
+    t += a.batched("attn_context", ph, av_flops, av_bytes, heads, Sq, Sk);  // dP = dO V^T
+    t += a.batched("attn_context", ph, av_flops, av_bytes, heads, Sq, Sk);  // dV = P^T dO
     if (m.attention_dropout > 0) t += a.mem("attn_dropout", ph, (2.0 * e + 1.0) * n_s);
     t += a.mem("softmax", ph, 3.0 * e * n_s);           // read y and dy, write dx
-    t += a.batched("attn_scores", ph, flops, bytes, heads);   // dQ = dS K
-    t += a.batched("attn_scores", ph, flops, bytes, heads);   // dK = dS^T Q
+    t += a.batched("attn_scores", ph, flops, bytes, heads, Sq, Sk);   // dQ = dS K
+    t += a.batched("attn_scores", ph, flops, bytes, heads, Sq, Sk);   // dK = dS^T Q
   }
   if (p.c > 1) {
     // K, V travel again and their gradients travel back (strata: an all-gather started

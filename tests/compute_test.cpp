@@ -322,6 +322,33 @@ TEST(Compute, StrataStackMovesFloats) {
   EXPECT_EQ(compute_setup(m, c, p).work_bytes, 2);
 }
 
+// The unfused attention core's batched GEMMs: at the efficiency of one product where the
+// backend runs them one by one (per_matrix, the CPU's), of the whole batch where one call
+// runs it all, and on the strata executor's batched backend (CUDA) of what one of its
+// calls runs: one micro-batch row's query groups, as many S x S fp32 matrices as its 64
+// MiB workspace holds. gpt2-124m, micro-batch 8: 96 products of 1024 x 1024 x 64 (1.34e8
+// FLOPs each, 1.29e10 together), 12 to a call (16 would fit; 12 groups), 1.61e9. The curve
+// is flat at 0.1 up to 2e8, at 0.3 from 1e9 to 2e9, at 0.8 from 1e10; memory is free.
+TEST(Compute, BatchedAttentionGemmsAtTheSizeOfWhatOneCallRuns) {
+  Cluster c = testing::round_cluster();
+  c.device.gemm_efficiency = Curve({{2e8, 0.1}, {1e9, 0.3}, {2e9, 0.3}, {1e10, 0.8}});
+  c.device.memory_bandwidth_bytes_per_s = 1e18;
+  const ModelSpec m = load_model("gpt2-124m");
+  const Plan p = load_plan("tp=1,mbs=8,precision=bf16,attention=unfused");
+  auto scores_s = [&](bool per_matrix, bool strata) {
+    c.device.batched_gemm_per_matrix = per_matrix;
+    c.strata_stack = strata;
+    std::vector<OpCost> ops;
+    layer_cost(m, c, p, compute_setup(m, c, p), &ops);
+    double t = 0;
+    for (const auto& o : ops)
+      if (o.phase == Phase::forward && o.name == "attn_scores") t += o.time_s;
+    return t;
+  };
+  EXPECT_NEAR(scores_s(false, true) / scores_s(true, true), 0.1 / 0.3, 1e-12);    // a call's 12 against one
+  EXPECT_NEAR(scores_s(false, false) / scores_s(true, false), 0.1 / 0.8, 1e-12);  // all 96 against one
+}
+
 // The cross-entropy on the last stage's logits, bytes per logit element. Legacy (Megatron-LM's
 // unfused vocab-parallel kernel): forward e + 36 (cast to fp32, max, subtract, exp, sum,
 // normalise and keep), backward 20 + e (copy, subtract the one-hot and scale, cast back).

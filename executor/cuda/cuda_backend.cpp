@@ -412,7 +412,7 @@ class CudaBackendImpl final : public CudaBackend {
 
  private:
   static constexpr size_t kWorkspace = 32u << 20;
-  static constexpr int64_t kAttentionWorkspace = int64_t{64} << 20;  // the unfused attention's S x S matrices
+  static constexpr int64_t kAttentionWorkspace = cuda::kUnfusedAttentionWorkspaceBytes;  // its S x S matrices
 
   // C (fp32) = alpha op(A) op(B) + beta C with A and B of type `in` (fp32, bf16 or fp16):
   // row-major, so as the column-major C^T (N x M) = op(B)^T (N x K) op(A)^T (K x M). B as

@@ -8,6 +8,10 @@ namespace strata::cuda {
 // The unfused attention's S x S matrices (B A of them kept when a layer keeps its
 // probabilities, and a workspace of at least one): S is bounded.
 constexpr long long kUnfusedAttentionMaxSeq = 8192;
+// Its workspace: each batched product covers the query groups of one micro-batch row (for
+// one place of a head in its group), as many S x S fp32 matrices at a time as this holds
+// (at least one). The cost model charges the products at the size of such a batch.
+constexpr long long kUnfusedAttentionWorkspaceBytes = 64ll << 20;
 // flash_attention.cu keeps a tile's rows of D values in registers and shared memory.
 constexpr long long kFlashMaxHeadDim = 128;
 
