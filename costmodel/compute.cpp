@@ -1170,7 +1170,8 @@ void output_and_loss(Acc& a, const char* norm) {
   a.tp_gather("sp_all_gather", Phase::forward);
   a.gemm("lm_head", Phase::forward, T, Vt, H, peak, eb);
   // Vocab-parallel cross-entropy on the T x V/t logits; three all-reduces of T floats (max,
-  // sum, target logit). Bytes per logit element:
+  // sum, target logit; the strata executor's sum and target logit go in one of 2T).
+  // Bytes per logit element:
   // - unfused (Megatron-LM's, DeepSpeed's, this repository's): cast to fp32 (e + 4), max (4),
   //   subtract (8), exp (8), sum (4), normalise in place and keep for backward (8) = e + 36;
   //   backward: copy the softmax (8), subtract the one-hot and scale (8), cast back (4 + e).
@@ -1187,9 +1188,13 @@ void output_and_loss(Acc& a, const char* norm) {
   const double fwd_ce = cs.stack.strata ? 20.0 : fused_ce ? 3.0 * e : e + 36.0;
   const double bwd_ce = cs.stack.strata ? (sixteen ? 16.0 : 8.0) : fused_ce ? 2.0 * e : 20.0 + e;
   a.mem("cross_entropy", Phase::forward, fwd_ce * T * Vt);
-  if (p.t > 1)
+  if (p.t > 1 && cs.stack.strata) {  // the executor's two: the maximum, then the sum and target logit together
+    a.comm("ce_all_reduce", Phase::forward, OpKind::tp_comm, a.tp, Collective::all_reduce, 4.0 * T);
+    a.comm("ce_all_reduce", Phase::forward, OpKind::tp_comm, a.tp, Collective::all_reduce, 8.0 * T);
+  } else if (p.t > 1) {
     for (int i = 0; i < 3; ++i)
       a.comm("ce_all_reduce", Phase::forward, OpKind::tp_comm, a.tp, Collective::all_reduce, 4.0 * T);
+  }
   a.mem("cross_entropy", Phase::backward, bwd_ce * T * Vt);
   if (!cs.stack.grad_accumulation_fusion)
     a.mem("grad_accumulation", Phase::backward, grad_accumulation_bytes(p.precision, a.cs.grad_bytes) * H * Vt);

@@ -229,7 +229,9 @@ double head_activation_bytes(const ModelSpec& m, const Plan& p, const ComputeSet
   const double Vt = static_cast<double>(m.padded_vocab(p.t)) / static_cast<double>(p.t);
   // Final norm input and output (the output layer's input), and what the loss keeps for
   // backward: legacy stacks an fp32 softmax, modern fused cross-entropy the logits as they are.
-  return 2.0 * cs.act_bytes * cs.Tn * H + (cs.stack.modern ? cs.act_bytes : 4.0) * cs.T * Vt;
+  // The strata executor keeps the gathered (full-sequence) norm output as well.
+  const double gathered = cs.stack.strata && p.sp && p.t > 1 ? cs.act_bytes * cs.T * H : 0.0;
+  return 2.0 * cs.act_bytes * cs.Tn * H + gathered + (cs.stack.modern ? cs.act_bytes : 4.0) * cs.T * Vt;
 }
 
 double head_working_bytes(const ModelSpec& m, const Plan& p, const ComputeSetup& cs) {

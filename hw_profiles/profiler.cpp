@@ -426,6 +426,8 @@ ProfileResult run_profile(Comm& comm, Backend& be, const ProfileOptions& o) {
     // On a device, enough sequences to fill it as a micro-batch of several does (a kernel
     // of one short sequence and few heads leaves most of a GPU's processors idle: on an
     // H100, S=512 with 8 heads ran at a sixth of the rate of S=1024 with 8 x 12 heads).
+    // The estimate applies the one rate measured here to every plan's shape, so a plan of
+    // far fewer query rows (micro-batch x heads x sequence) than this is estimated fast.
     AttentionShape a = o.attention;
     if (device) a.B = std::max<int64_t>(a.B, kFlashFillRows / std::max<int64_t>(a.S * a.A, 1));
     const int64_t q = a.S * a.B * (a.A + 2 * a.G) * a.D, rows = a.S * a.B * a.A * a.D;

@@ -2,7 +2,6 @@
 // is one pair of GEMMs per (micro-batch row, head) on strided views of the (S, B, ...) buffers.
 #include <Eigen/Dense>
 #include <algorithm>
-#include <limits>
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
@@ -422,13 +421,13 @@ class CpuBackend final : public Backend {
       release_block(p);
     }
   }
-  // allocate zeroes; allocate_uninitialised_in fills with a quiet NaN, so a value read
+  // allocate zeroes; allocate_uninitialised_in fills with NaN (every byte 0xFF), so a value read
   // before the executor writes it turns the loss to NaN in every test on this backend
   // rather than passing as the zero a fresh CUDA pool block may happen to hold. Either way
   // every byte is deterministic (a packed buffer of an odd count has a half it never
   // writes).
   float* allocate(int64_t n) override { return take(n); }
-  float* allocate_uninitialised_in(int64_t n, int) override { return take(n, std::numeric_limits<float>::quiet_NaN()); }
+  float* allocate_uninitialised_in(int64_t n, int) override { return take(n, 0xFF); }
   void deallocate(float* p) override {
     if (!p) return;
     std::lock_guard<std::mutex> lock(mu_);
@@ -586,9 +585,9 @@ class CpuBackend final : public Backend {
 
  private:
   // The buffer cache (see kCachedFloats): sizes of the large buffers in use, and kept ones.
-  // Every buffer comes back zeroed, with memset, which the sanitizers check as one range (a
-  // loop is checked per element).
-  float* take(int64_t n, float fill = 0.0f) {
+  // Every buffer comes back filled with the byte `fill` (0: zeroed; 0xFF: NaN), with memset,
+  // which the sanitizers check as one range (a loop is checked per element).
+  float* take(int64_t n, int fill = 0) {
     if (n <= 0) return nullptr;
     float* p = nullptr;
     if (n >= kCachedFloats) {
@@ -602,8 +601,7 @@ class CpuBackend final : public Backend {
       }
     }
     if (!p) p = n >= kCachedFloats ? new_block(n) : new float[static_cast<size_t>(n)];
-    if (fill == 0.0f) std::memset(p, 0, static_cast<size_t>(n) * sizeof(float));
-    else std::fill(p, p + n, fill);
+    std::memset(p, fill, static_cast<size_t>(n) * sizeof(float));
     if (n >= kCachedFloats) {
       std::lock_guard<std::mutex> lock(mu_);
       sizes_.emplace(p, n);
