@@ -11,6 +11,7 @@
 
 #include "costmodel/comm.h"
 #include "costmodel/memory.h"
+#include "executor/cuda/attention_plan.h"
 #include "executor/cuda/limits.h"
 
 namespace strata {
@@ -248,18 +249,18 @@ struct Acc {
     return t;
   }
   // The attention core's batched GEMMs (QK^T, AV and their gradients) of `flops`, `count`
-  // products of Sq x Sk scores: at the efficiency of one product (batched_gemm per_matrix),
+  // products over Sk keys: at the efficiency of one product (batched_gemm per_matrix),
   // of the whole batch in one call, or on the strata executor's batched backend (CUDA) of
   // the batch each of its calls runs (executor/cuda/attention_plan.h: one micro-batch row's
   // query groups on this rank, as many as its workspace holds).
-  double batched(const char* name, Phase ph, double flops, double bytes, double count, double Sq, double Sk) {
+  double batched(const char* name, Phase ph, double flops, double bytes, double count, double Sk) {
     double one = flops;
     if (cl.device.batched_gemm_per_matrix) {
       one = flops / std::max(count, 1.0);
-    } else if (cs.stack.strata) {
-      const double groups = std::max(1.0, static_cast<double>(m.G / p.t));
-      const double fit = std::floor(static_cast<double>(cuda::kUnfusedAttentionWorkspaceBytes) / (4.0 * Sq * Sk));
-      one = flops / std::max(count, 1.0) * std::min(count, std::clamp(fit, 1.0, groups));
+    } else if (cs.stack.strata) {  // (no context parallelism there: Sq = Sk = S)
+      const attention_plan::Heads hd{static_cast<int64_t>(Sk), p.mbs, m.A / p.t, std::max<int64_t>(1, m.G / p.t), m.D()};
+      const double per_call = static_cast<double>(hd.groups_per_pass(cuda::kUnfusedAttentionWorkspaceBytes));
+      one = flops / std::max(count, 1.0) * std::min(count, per_call);
     }
     return kernel(name, ph, flops, bytes, peak_attn * efficiency(peak_attn, one));
   }
@@ -451,10 +452,10 @@ double attention_core_forward(Acc& a, Phase ph) {
     // QK^T and AV as batched GEMMs: Bh products of (Sq x D)(D x Sk) and (Sq x Sk)(Sk x Dv).
     const double flops = 2.0 * heads * Sq * Sk * D * strata_cp_keys(a);
     const double Dv = static_cast<double>(m.Dv()), av_flops = m.mla() ? flops / D * Dv : flops;
-    t += a.batched("attn_scores", ph, flops, e * (heads * (Sq * D + Sk * D) + n_s), heads, Sq, Sk);
+    t += a.batched("attn_scores", ph, flops, e * (heads * (Sq * D + Sk * D) + n_s), heads, Sk);
     t += a.mem("softmax", ph, 2.0 * e * n_s);  // fused scale + mask + softmax
     if (m.attention_dropout > 0) t += a.mem("attn_dropout", ph, (2.0 * e + 1.0) * n_s);
-    t += a.batched("attn_context", ph, av_flops, e * (n_s + heads * (Sk * Dv + Sq * Dv)), heads, Sq, Sk);
+    t += a.batched("attn_context", ph, av_flops, e * (n_s + heads * (Sk * Dv + Sq * Dv)), heads, Sk);
   }
   // Context parallel (cp_comm_type). p2p: ring exchange of K and V, (c-1) steps, hidden
   // behind the core. allgather: K and V gathered before the core (the same bytes), exposed;
@@ -505,12 +506,12 @@ double attention_core_backward(Acc& a, double mlp_s) {
     const double bytes = e * n_s + e * heads * (Sk * D + Sq * D);
     const double Dv = static_cast<double>(m.Dv());
     const double av_flops = m.mla() ? flops / D * Dv : flops, av_bytes = m.mla() ? e * n_s + e * heads * (Sk * Dv + Sq * Dv) : bytes;
-    t += a.batched("attn_context", ph, av_flops, av_bytes, heads, Sq, Sk);  // dP = dO V^T
-    t += a.batched("attn_context", ph, av_flops, av_bytes, heads, Sq, Sk);  // dV = P^T dO
+    t += a.batched("attn_context", ph, av_flops, av_bytes, heads, Sk);  // dP = dO V^T
+    t += a.batched("attn_context", ph, av_flops, av_bytes, heads, Sk);  // dV = P^T dO
     if (m.attention_dropout > 0) t += a.mem("attn_dropout", ph, (2.0 * e + 1.0) * n_s);
     t += a.mem("softmax", ph, 3.0 * e * n_s);           // read y and dy, write dx
-    t += a.batched("attn_scores", ph, flops, bytes, heads, Sq, Sk);   // dQ = dS K
-    t += a.batched("attn_scores", ph, flops, bytes, heads, Sq, Sk);   // dK = dS^T Q
+    t += a.batched("attn_scores", ph, flops, bytes, heads, Sk);   // dQ = dS K
+    t += a.batched("attn_scores", ph, flops, bytes, heads, Sk);   // dK = dS^T Q
   }
   if (p.c > 1) {
     // K, V travel again and their gradients travel back (strata: an all-gather started
