@@ -165,10 +165,10 @@ class Backend {
                                       float scale) = 0;
   // The optimizer on an owned shard (executor/zero.h's adamw_update) and the clipping
   // norm's terms (zero.h's grad_norm_terms; acc on the host, added to); decay and counted
-  // are byte masks in this backend's memory.
-  virtual void adamw(float* p, const float* g, float* m, float* v, const uint8_t* decay, int64_t n, const AdamW& opt,
+  // are bit masks (zero.h's FlagBits) in this backend's memory.
+  virtual void adamw(float* p, const float* g, float* m, float* v, FlagBits decay, int64_t n, const AdamW& opt,
                      double lr, int64_t step, float grad_mul) = 0;
-  virtual void grad_norm_terms(const float* g, const uint8_t* counted, int64_t n, double acc[2]) = 0;
+  virtual void grad_norm_terms(const float* g, FlagBits counted, int64_t n, double acc[2]) = 0;
   // Rounds n values to the nearest value of `p` (bf16, fp16; fp32 leaves them), as the
   // inputs of a low-precision GEMM are. fp16 overflows to inf.
   virtual void round_to(float* x, int64_t n, Precision p) = 0;

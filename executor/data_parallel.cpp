@@ -233,7 +233,7 @@ void Engine::optimizer_step(StepRecord* rec) {
     be_.to_device(g, &nan, 1);
   }
   double acc[2] = {0.0, 0.0};  // sum of squares, non-finite count
-  be_.grad_norm_terms(g, counted_mask_.data(), sh_.shard_size, acc);
+  be_.grad_norm_terms(g, FlagBits{counted_mask_.data(), 0}, sh_.shard_size, acc);
   comm_.all_reduce(acc, 2, world_);
   const double norm = std::sqrt(acc[0]) / loss_scale_;
   rec->loss_scale = loss_scale_;
@@ -259,7 +259,7 @@ void Engine::optimizer_step(StepRecord* rec) {
   for (size_t u = 0; u < lay_.units.size(); ++u) {
     const int64_t off = sh_.shard_off[u];
     const float* gu = zero_ == 0 ? g + sh_.full_off[u] : g + off;
-    be_.adamw(master_block(u), gu, adam_m_.data() + off, adam_v_.data() + off, decay_mask_.data() + off, sh_.shard[u],
+    be_.adamw(master_block(u), gu, adam_m_.data() + off, adam_v_.data() + off, FlagBits{decay_mask_.data(), off}, sh_.shard[u],
               opt, lr, adam_step_, mul);
   }
   if (o_.fault.at(comm_.rank(), rec->step, FaultInjection::Kind::bitflip)) {

@@ -150,8 +150,9 @@ class Engine {
   Buf adam_m_, adam_v_;
   Buf grad_full_;   // (full) zero < 2
   Buf grad_shard_;  // (shard) zero >= 1
-  std::vector<uint8_t> decay_, counted_;  // (shard) AdamW decay; counted in the global norm
-  ByteBuf decay_mask_, counted_mask_;     // the same in the backend's memory, for its kernels
+  // Per owned element, bits (zero.h's FlagBits) in the backend's memory: AdamW's weight
+  // decay; counted in the global gradient norm.
+  ByteBuf decay_mask_, counted_mask_;
   std::map<int, Buf> gathered_;           // zero 3: resident units
   struct Prefetch {
     Request req;

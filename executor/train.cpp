@@ -250,8 +250,7 @@ void Engine::allocate() {
   // Per owned element: weight decay, and whether it counts in the global gradient norm
   // (once per model: data-parallel rank 0 without ZeRO, tp rank 0 for replicated
   // tensors, the first stage's wte and not the tied copy).
-  decay_.assign(static_cast<size_t>(shard), 0);
-  counted_.assign(static_cast<size_t>(shard), 0);
+  std::vector<uint8_t> decay(static_cast<size_t>(shard), 0), counted(static_cast<size_t>(shard), 0);
   for (size_t u = 0; u < lay_.units.size(); ++u) {
     const int64_t lo = sh_.me * sh_.shard[u], b = lay_.units[u].begin;
     for (const TensorSlot& s : lay_.tensors) {
@@ -262,12 +261,15 @@ void Engine::allocate() {
       const int64_t first = std::max(lo, s.offset - b), end = std::min(lo + sh_.shard[u], s.offset - b + s.size());
       if (first >= end) continue;
       const auto at = static_cast<std::ptrdiff_t>(sh_.shard_off[u] + first - lo);
-      std::fill_n(decay_.begin() + at, end - first, s.decay ? 1 : 0);
-      std::fill_n(counted_.begin() + at, end - first, count ? 1 : 0);
+      std::fill_n(decay.begin() + at, end - first, s.decay ? 1 : 0);
+      std::fill_n(counted.begin() + at, end - first, count ? 1 : 0);
     }
   }
-  decay_mask_ = ByteBuf(&be_, decay_.data(), decay_.size());
-  counted_mask_ = ByteBuf(&be_, counted_.data(), counted_.size());
+  // In the backend's memory one bit per element (a byte each was a quarter of a GB for
+  // gpt2-124m's two masks on the GPU, outside every category).
+  const std::vector<uint8_t> decay_bits = pack_flags(decay), counted_bits = pack_flags(counted);
+  decay_mask_ = ByteBuf(&be_, decay_bits.data(), decay_bits.size());
+  counted_mask_ = ByteBuf(&be_, counted_bits.data(), counted_bits.size());
   done_count_.assign(lay_.units.size(), 0);
   loss_scale_ = plan_.precision == Precision::fp16 ? o_.loss_scale : 1.0;
 }

@@ -21,7 +21,14 @@ Sharding make_sharding(const ParamLayout& lay, int64_t dz, int64_t me) {
   return s;
 }
 
-void adamw_update(float* p, const float* g, float* m, float* v, const uint8_t* decay, int64_t n, const AdamW& opt,
+std::vector<uint8_t> pack_flags(const std::vector<uint8_t>& flags) {
+  std::vector<uint8_t> bits((flags.size() + 7) / 8, 0);
+  for (size_t i = 0; i < flags.size(); ++i)
+    if (flags[i]) bits[i >> 3] = static_cast<uint8_t>(bits[i >> 3] | (1u << (i & 7)));
+  return bits;
+}
+
+void adamw_update(float* p, const float* g, float* m, float* v, FlagBits decay, int64_t n, const AdamW& opt,
                   double lr, int64_t step, float grad_mul) {
   const double bc1 = 1.0 - std::pow(opt.beta1, static_cast<double>(step));
   const double bc2 = 1.0 - std::pow(opt.beta2, static_cast<double>(step));
@@ -37,7 +44,7 @@ void adamw_update(float* p, const float* g, float* m, float* v, const uint8_t* d
   }
 }
 
-void grad_norm_terms(const float* g, const uint8_t* counted, int64_t n, double acc[2]) {
+void grad_norm_terms(const float* g, FlagBits counted, int64_t n, double acc[2]) {
   for (int64_t i = 0; i < n; ++i) {
     const double x = g[i];
     if (!std::isfinite(x)) acc[1] += 1;

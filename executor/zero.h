@@ -30,16 +30,31 @@ struct AdamW {
   double lr = 1e-3, beta1 = 0.9, beta2 = 0.95, eps = 1e-8, weight_decay = 0.1;
 };
 
+// A flag per element, one bit each (least significant first): element i's flag is bit
+// first + i of `bits`. The optimizer's per-parameter flags (weight decay, counted in the
+// clipping norm) take an eighth of a byte per parameter in the backend's memory this way.
+struct FlagBits {
+  const uint8_t* bits = nullptr;
+  int64_t first = 0;
+  bool operator[](int64_t i) const {
+    const int64_t b = first + i;
+    return ((bits[b >> 3] >> (b & 7)) & 1) != 0;
+  }
+  FlagBits operator+(int64_t k) const { return FlagBits{bits, first + k}; }
+};
+// n flags packed as FlagBits reads them: ceil(n / 8) bytes.
+std::vector<uint8_t> pack_flags(const std::vector<uint8_t>& flags);
+
 // One AdamW step on n elements: p master weights, g gradients (already unscaled and
-// clipped by `grad_mul`), m and v moments, decay[i] != 0 where weight decay applies.
+// clipped by `grad_mul`), m and v moments, decay[i] set where weight decay applies.
 // step is 1-based (bias correction).
-void adamw_update(float* p, const float* g, float* m, float* v, const uint8_t* decay, int64_t n, const AdamW& opt,
+void adamw_update(float* p, const float* g, float* m, float* v, FlagBits decay, int64_t n, const AdamW& opt,
                   double lr, int64_t step, float grad_mul);
 
 // The clipping norm's inputs over n gradients: acc[0] += the sum of squares of the
-// finite ones with counted[i] != 0 (each parameter counted once across replicas), acc[1] +=
+// finite ones with counted[i] set (each parameter counted once across replicas), acc[1] +=
 // the number of non-finite ones.
-void grad_norm_terms(const float* g, const uint8_t* counted, int64_t n, double acc[2]);
+void grad_norm_terms(const float* g, FlagBits counted, int64_t n, double acc[2]);
 
 // Learning rate at 0-based step k: linear warm-up over `warmup` steps to lr, then cosine
 // decay to min_lr at `total` steps (Megatron's --lr-warmup-iters / --lr-decay-style cosine).

@@ -194,7 +194,7 @@ double time_kernel(Comm& comm, Backend& be, const MemoryKernel& k, double min_ti
   if (k.kind == KernelKind::optimizer) {
     m = Buf::untracked(&be, n);
     v = Buf::untracked(&be, n);
-    const std::vector<uint8_t> ones(static_cast<size_t>(n), 1);
+    const std::vector<uint8_t> ones = pack_flags(std::vector<uint8_t>(static_cast<size_t>(n), 1));
     decay = ByteBuf(&be, ones.data(), ones.size());
     counted = ByteBuf(&be, ones.data(), ones.size());
   }
@@ -217,8 +217,8 @@ double time_kernel(Comm& comm, Backend& be, const MemoryKernel& k, double min_ti
         break;
       case KernelKind::optimizer: {  // what Engine::optimizer_step runs per parameter
         double acc[2] = {0, 0};
-        be.grad_norm_terms(x.data(), counted.data(), n, acc);
-        be.adamw(y.data(), x.data(), m.data(), v.data(), decay.data(), n, AdamW{}, 1e-4, ++step, 1.0f);
+        be.grad_norm_terms(x.data(), FlagBits{counted.data(), 0}, n, acc);
+        be.adamw(y.data(), x.data(), m.data(), v.data(), FlagBits{decay.data(), 0}, n, AdamW{}, 1e-4, ++step, 1.0f);
         break;
       }
     }

@@ -451,14 +451,17 @@ TEST_F(CudaOps, AdamWMatchesTheCpuStep) {
   Vec p = random(n), m = random(n, 0.01f), v = random(n, 0.01f);
   for (float& x : v) x = x * x;
   const Vec g = random(n);
-  std::vector<uint8_t> decay(static_cast<size_t>(n));
-  for (size_t i = 0; i < decay.size(); ++i) decay[i] = static_cast<uint8_t>(i % 3 != 0);
+  // The flags as bits from bit 5 of the mask on (an owned block's, one unit in).
+  const int64_t first = 5;
+  std::vector<uint8_t> flags(static_cast<size_t>(first + n));
+  for (size_t i = 0; i < flags.size(); ++i) flags[i] = static_cast<uint8_t>(i % 3 != 0);
+  const std::vector<uint8_t> decay = pack_flags(flags);
   float *gp = dev(p), *gm = dev(m), *gv = dev(v), *gg = dev(g);
   auto* gdecay = static_cast<uint8_t*>(gpu_->allocate_bytes(decay.size()));
   gpu_->bytes_to_device(gdecay, decay.data(), decay.size());
   AdamW opt;
-  gpu_->adamw(gp, gg, gm, gv, gdecay, n, opt, 3e-4, 3, 0.5f);
-  adamw_update(p.data(), g.data(), m.data(), v.data(), decay.data(), n, opt, 3e-4, 3, 0.5f);
+  gpu_->adamw(gp, gg, gm, gv, FlagBits{gdecay, first}, n, opt, 3e-4, 3, 0.5f);
+  adamw_update(p.data(), g.data(), m.data(), v.data(), FlagBits{decay.data(), first}, n, opt, 3e-4, 3, 0.5f);
   expect_close(host(gp, p.size()), p, 1e-5, "adamw p");
   expect_close(host(gm, m.size()), m, 1e-5, "adamw m");
   expect_close(host(gv, v.size()), v, 1e-5, "adamw v");
@@ -471,14 +474,16 @@ TEST_F(CudaOps, GradNormTermsMatchTheCpu) {
   g[17] = std::numeric_limits<float>::quiet_NaN();
   g[50000] = std::numeric_limits<float>::infinity();
   g[n - 1] = -std::numeric_limits<float>::infinity();
-  std::vector<uint8_t> counted(static_cast<size_t>(n));
-  for (size_t i = 0; i < counted.size(); ++i) counted[i] = static_cast<uint8_t>(i % 4 != 1);
+  const int64_t first = 11;  // bits from bit 11 on
+  std::vector<uint8_t> flags(static_cast<size_t>(first + n));
+  for (size_t i = 0; i < flags.size(); ++i) flags[i] = static_cast<uint8_t>(i % 4 != 1);
+  const std::vector<uint8_t> counted = pack_flags(flags);
   float* gg = dev(g);
   auto* gc = static_cast<uint8_t*>(gpu_->allocate_bytes(counted.size()));
   gpu_->bytes_to_device(gc, counted.data(), counted.size());
   double got[2] = {1.0, 2.0}, want[2] = {1.0, 2.0};  // both add to what is there
-  gpu_->grad_norm_terms(gg, gc, n, got);
-  grad_norm_terms(g.data(), counted.data(), n, want);
+  gpu_->grad_norm_terms(gg, FlagBits{gc, first}, n, got);
+  grad_norm_terms(g.data(), FlagBits{counted.data(), first}, n, want);
   EXPECT_NEAR(got[0], want[0], 1e-10 * want[0]);  // double sums on both sides, in other orders
   EXPECT_EQ(got[1], want[1]);
   EXPECT_EQ(want[1], 5.0);  // 2 + the three non-finite values

@@ -854,17 +854,36 @@ TEST(Zero, AdamWStepByHand) {
   // Step 1 with g = 2: m = 0.1*2 = 0.2, v = 0.05*4 = 0.2; bias-corrected m/(1-0.9) = 2,
   // v/(1-0.95) = 4, update = lr * 2 / (2 + eps) = lr. Decay first: p -= lr*wd*p.
   float p[2] = {1.0f, 1.0f}, g[2] = {2.0f, 2.0f}, mo[2] = {0, 0}, v[2] = {0, 0};
-  const uint8_t decay[2] = {1, 0};
+  const uint8_t decay = 0x40;  // bit 6: element 0 from bit 6 on decays, element 1 does not
   AdamW opt;
   opt.beta2 = 0.95;
   opt.weight_decay = 0.1;
-  adamw_update(p, g, mo, v, decay, 2, opt, 0.01, 1, 1.0f);
+  adamw_update(p, g, mo, v, FlagBits{&decay, 6}, 2, opt, 0.01, 1, 1.0f);
   EXPECT_NEAR(p[0], 1.0 - 0.01 * 0.1 - 0.01, 1e-6);
   EXPECT_NEAR(p[1], 1.0 - 0.01, 1e-6);
   EXPECT_NEAR(learning_rate(0, 10, 100, 1.0, 0.1), 0.1, 1e-12);   // warm-up 1/10
   EXPECT_NEAR(learning_rate(9, 10, 100, 1.0, 0.1), 1.0, 1e-12);
   EXPECT_NEAR(learning_rate(55, 10, 100, 1.0, 0.1), 0.55, 1e-12);  // half way down the cosine
   EXPECT_NEAR(learning_rate(100, 10, 100, 1.0, 0.1), 0.1, 1e-12);
+}
+
+TEST(Zero, FlagsPackedAsBits) {
+  // 11 flags: bytes 0b10100101 (flags 0, 2, 5, 7) and 0b00000110 (flags 9, 10).
+  const std::vector<uint8_t> flags = {1, 0, 1, 0, 0, 1, 0, 1, 0, 1, 1};
+  const std::vector<uint8_t> bits = pack_flags(flags);
+  ASSERT_EQ(bits.size(), 2u);
+  EXPECT_EQ(bits[0], 0xA5);
+  EXPECT_EQ(bits[1], 0x06);
+  const FlagBits f{bits.data(), 0};
+  for (size_t i = 0; i < flags.size(); ++i) EXPECT_EQ(f[static_cast<int64_t>(i)], flags[i] != 0) << i;
+  const FlagBits from3 = f + 3;  // a block starting at element 3, across the byte boundary
+  for (int64_t i = 0; i + 3 < static_cast<int64_t>(flags.size()); ++i) EXPECT_EQ(from3[i], flags[i + 3] != 0) << i;
+  // The clipping norm counts the flagged ones only: 1 + 9 + 36 (elements 0, 2, 5 of 1, 2, ... 6).
+  const float g[6] = {1, 2, 3, 4, 5, 6};
+  double acc[2] = {0, 0};
+  grad_norm_terms(g, f, 6, acc);
+  EXPECT_EQ(acc[0], 1.0 + 9.0 + 36.0);
+  EXPECT_EQ(acc[1], 0.0);
 }
 
 TEST(MemoryTracker, LiveAndPeakPerCategory) {

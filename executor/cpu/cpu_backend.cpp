@@ -456,11 +456,11 @@ class CpuBackend final : public Backend {
   void bytes_to_device(void* dst, const void* host_src, size_t bytes) override {
     if (bytes > 0) std::memcpy(dst, host_src, bytes);
   }
-  void adamw(float* p, const float* g, float* m, float* v, const uint8_t* decay, int64_t n, const AdamW& opt, double lr,
+  void adamw(float* p, const float* g, float* m, float* v, FlagBits decay, int64_t n, const AdamW& opt, double lr,
              int64_t step, float grad_mul) override {
     adamw_update(p, g, m, v, decay, n, opt, lr, step, grad_mul);
   }
-  void grad_norm_terms(const float* g, const uint8_t* counted, int64_t n, double acc[2]) override {
+  void grad_norm_terms(const float* g, FlagBits counted, int64_t n, double acc[2]) override {
     strata::grad_norm_terms(g, counted, n, acc);
   }
   void copy(float* dst, const float* src, int64_t n) override { std::copy(src, src + n, dst); }

@@ -228,7 +228,7 @@ class CudaBackendImpl final : public CudaBackend {
   }
 
 
-  void adamw(float* p, const float* g, float* m, float* v, const uint8_t* decay, int64_t n, const AdamW& opt, double lr,
+  void adamw(float* p, const float* g, float* m, float* v, FlagBits decay, int64_t n, const AdamW& opt, double lr,
              int64_t step, float grad_mul) override {
     // The scalars exactly as executor/zero.cpp's adamw_update computes them.
     const double bc1 = 1.0 - std::pow(opt.beta1, static_cast<double>(step));
@@ -241,12 +241,12 @@ class CudaBackendImpl final : public CudaBackend {
     k.eps = static_cast<float>(opt.eps);
     k.wd = static_cast<float>(lr * opt.weight_decay);
     k.grad_mul = grad_mul;
-    cuda::adamw(p, g, m, v, decay, n, k, stream_);
+    cuda::adamw(p, g, m, v, decay.bits, decay.first, n, k, stream_);
   }
-  void grad_norm_terms(const float* g, const uint8_t* counted, int64_t n, double acc[2]) override {
+  void grad_norm_terms(const float* g, FlagBits counted, int64_t n, double acc[2]) override {
     if (acc_ == nullptr) acc_ = static_cast<double*>(allocate_bytes(2 * sizeof(double)));
     CUDA_CHECK(cudaMemsetAsync(acc_, 0, 2 * sizeof(double), stream_));
-    cuda::grad_norm_terms(g, counted, n, acc_, stream_);
+    cuda::grad_norm_terms(g, counted.bits, counted.first, n, acc_, stream_);
     double h[2] = {0, 0};
     CUDA_CHECK(cudaMemcpyAsync(h, acc_, sizeof(h), cudaMemcpyDeviceToHost, stream_));
     CUDA_CHECK(cudaStreamSynchronize(stream_));

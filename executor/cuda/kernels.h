@@ -41,10 +41,13 @@ void flash_attention_backward(float* dqkv, float* delta, const float* dout, cons
 struct AdamWScalars {
   float b1, b2, step_size, inv_bc2, eps, wd, grad_mul;
 };
-void adamw(float* p, const float* g, float* m, float* v, const unsigned char* decay, int64_t n, const AdamWScalars& k,
-           cudaStream_t s);
+// The per-element flags are bits (executor/zero.h's FlagBits): element i's is bit
+// first + i of the bytes at `decay` / `counted`, least significant first.
+void adamw(float* p, const float* g, float* m, float* v, const unsigned char* decay, int64_t first, int64_t n,
+           const AdamWScalars& k, cudaStream_t s);
 // acc (device, 2 doubles) += {sum of squares of the finite counted values, non-finite count}.
-void grad_norm_terms(const float* g, const unsigned char* counted, int64_t n, double* acc, cudaStream_t s);
+void grad_norm_terms(const float* g, const unsigned char* counted, int64_t first, int64_t n, double* acc,
+                     cudaStream_t s);
 // x (S*B, H) = rows of wte (Vt, H) for tokens (B, S) in [lo, lo + Vt), zero otherwise; the
 // backward adds dx's rows into dwte.
 void embedding_forward(float* x, const float* wte, const int* tokens, int64_t S, int64_t B, int64_t H, int64_t lo,
