@@ -57,10 +57,14 @@ class Backend {
   virtual void synchronise() {}
   // The device's own memory accounting, for backends that have one (false on the CPU): free
   // and total bytes now, and for each pool (MemCategory index, then the untracked pool) the
-  // peak bytes in use and reserved since the start.
+  // peak bytes in use and reserved since the start; and the most that the backend's own
+  // workspaces, grown on demand while it trains, may take beyond what it holds now (a GPU's
+  // 16-bit GEMM operand copies and unfused attention scores: strata profile counts them
+  // with the framework's memory).
   struct DeviceMemory {
     int64_t free = 0, total = 0;
     int64_t used_peak[kMemPools] = {}, reserved_peak[kMemPools] = {};
+    int64_t workspace_growth = 0;
   };
   virtual bool device_memory(DeviceMemory* out) {
     (void)out;

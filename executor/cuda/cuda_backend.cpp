@@ -207,6 +207,11 @@ class CudaBackendImpl final : public CudaBackend {
       out->used_peak[i] = static_cast<int64_t>(used);
       out->reserved_peak[i] = static_cast<int64_t>(reserved);
     }
+    // gemm16's copies (up to scratch_limit_, A's 256-byte aligned) and the unfused
+    // attention's scores (kAttentionWorkspace), less what they hold already.
+    const size_t bound = scratch_limit_ + 256 + static_cast<size_t>(kAttentionWorkspace);
+    const size_t held = scratch_.size + attn_.size;
+    out->workspace_growth = bound > held ? static_cast<int64_t>(bound - held) : 0;
     return true;
   }
   StagingCopier staging_copier() override {
