@@ -48,6 +48,7 @@ usage:
                    [--dump-params FILE] [--checkpoint-dir D [--checkpoint-every N] [--keep-checkpoints K]
                    [--resume]] [--quiet] [--backend cpu|cuda [--comm auto|nccl|staged]] [--seq-length S]
                    [--inject-fault KIND@RANK:STEP] [--max-bad-steps N] [--distributed-timeout-minutes X]
+                   [--ops [--cluster C]]
                                                        (under mpirun -np tp*pp*dp*cp)
   strata profile   [--backend cpu|cuda [--comm auto|nccl|staged]] [--out FILE] [--quick] [--json]
                    [--max-bytes N] [--model M [--tp T]]

@@ -3,15 +3,20 @@
 // and writes the SPEC training JSON (rank 0).
 #include <mpi.h>
 
+#include <cmath>
 #include <cstdio>
 #include <fstream>
 #include <iostream>
+#include <optional>
 
 #include <fmt/format.h>
 
 #include "cli/args.h"
 #include "cli/progress.h"
 #include "cli/commands.h"
+#include "costmodel/estimate.h"
+#include "costmodel/layout.h"
+#include "costmodel/stack.h"
 #include "executor/checkpoint.h"
 #include "executor/data.h"
 #include "executor/param_layout.h"
@@ -33,13 +38,14 @@ int cmd_train(const std::vector<std::string>& argv) {
   Plan plan;
   TrainOptions o;
   std::string json_path, error, backend = "cpu", comm_choice = "auto";
+  std::optional<Cluster> op_cluster;  // --ops --cluster C: the cost model's op times beside the measured
   try {
     const Args a(argv, "train",
                  {"model", "plan", "steps", "backend", "data", "seed", "json", "trace", "lr", "min-lr", "lr-warmup-iters",
                   "weight-decay", "clip-grad", "loss-scale", "loss-scale-window", "dump-params", "seq-length",
                   "checkpoint-dir", "checkpoint-every", "keep-checkpoints", "inject-fault", "max-bad-steps",
-                  "distributed-timeout-minutes", "comm"},
-                 {"quiet", "resume"});
+                  "distributed-timeout-minutes", "comm", "cluster"},
+                 {"quiet", "resume", "ops"});
     m = load_model(a.required("model", "a preset, model JSON or config.json"), a.integer("seq-length", 0, 0, 1 << 20));
     plan = load_plan(a.required("plan", "a plan JSON or inline pairs tp=2,dp=2,..."));
     o.steps = a.integer("steps", 10, 1, 100000000);
@@ -76,6 +82,11 @@ int cmd_train(const std::vector<std::string>& argv) {
     o.checkpoint_every = a.integer("checkpoint-every", 0, 1, 100000000);
     o.keep_checkpoints = a.integer("keep-checkpoints", 2, 1, 1000000);
     o.resume = a.has("resume");
+    o.op_times = a.has("ops");
+    if (a.has("cluster")) {
+      if (!o.op_times) throw InputError("--cluster: '" + a.get("cluster") + "' is for --ops (the predicted op times); pass --ops");
+      op_cluster = load_cluster(a.get("cluster"));
+    }
     o.max_bad_steps = a.integer("max-bad-steps", o.max_bad_steps, 1, 1000000000);
     // Megatron's name; fractions allowed (0.1 = 6 s, for tests); 0 turns the watchdog off.
     o.distributed_timeout_s = 60.0 * real("distributed-timeout-minutes", o.distributed_timeout_s / 60.0, 0.0, 1e6);
@@ -154,7 +165,29 @@ int cmd_train(const std::vector<std::string>& argv) {
     }
     const TrainResult r = train(m, plan, o, *comm, *be);
     if (rank == 0) {
-      const Json j = train_result_to_json(r);
+      Json j = train_result_to_json(r);
+      std::vector<OpRow> op_rows;
+      if (o.op_times) {  // rank 0's per-op times, and the cost model's for the same plan
+        const StageLayout sl = make_layout(m.L, plan);
+        int64_t layers = 0;
+        for (int64_t c = 0; c < sl.v; ++c) layers += sl.chunk_layers(0, c);
+        EstimateDetail d;
+        bool predicted = false;
+        if (op_cluster) {
+          EstimateOptions eo;
+          eo.want_ops = true;
+          predicted = estimate(model_on_stack(m, *op_cluster), *op_cluster, plan, eo, &d).valid;
+          if (!predicted) fmt::print(stderr, "strata: the plan is not valid on --cluster {}: no predicted op times\n",
+                                     op_cluster->name);
+        }
+        op_rows = op_table(r.ops, layers, predicted ? &d.layer_ops : nullptr);
+        Json rows = Json::array();
+        for (const OpRow& x : op_rows)
+          rows.push_back({{"phase", x.phase}, {"op", x.op}, {"per", x.in_layer ? "layer" : "micro_batch"},
+                          {"measured_s", x.measured_s},
+                          {"predicted_s", std::isfinite(x.predicted_s) ? Json(x.predicted_s) : Json(nullptr)}});
+        j["ops"] = {{"rank", 0}, {"steps", r.op_steps}, {"rows", rows}};
+      }
       if (json_path == "-") {
         std::cout << j.dump(2) << "\n";
       } else if (!json_path.empty()) {
@@ -169,6 +202,7 @@ int cmd_train(const std::vector<std::string>& argv) {
                    plan_to_inline(plan), r.world_size, r.steps.front().loss, r.steps.back().loss);
         if (r.entropy_rate_nats >= 0) fmt::print(" (source entropy rate {:.4f} nats)", r.entropy_rate_nats);
         fmt::print(", median step {:.4f} s\n", r.median_step_time_s);
+        if (o.op_times) fmt::print("\n{}", format_op_table(op_rows, r.op_steps, op_cluster.has_value()));
       }
     }
   } catch (const InputError& e) {

@@ -5,9 +5,11 @@
 // gradients (dw, db) and into dx where noted; layers_ref.h holds the naive twins.
 #pragma once
 
+#include <chrono>
 #include <cstddef>
 #include <cstdint>
 #include <memory>
+#include <vector>
 
 #include "costmodel/hardware.h"
 #include "costmodel/model_spec.h"
@@ -55,6 +57,18 @@ class Backend {
   // whose ops finish when they return). The executor's clocks call it, so phase times are
   // the device's, as Megatron's timers synchronise.
   virtual void synchronise() {}
+  // A clock for per-op times (executor/op_log.h, strata train --ops): mark() stamps the
+  // point the work queued so far reaches and returns the stamp's index; once synchronise()
+  // has returned, mark_seconds(i) is that point's time in seconds from a fixed origin;
+  // reset_marks() forgets the stamps. The CPU's ops are done when they return, so the host
+  // clock serves (this default); a GPU backend records events on its stream, so nothing waits.
+  virtual int64_t mark() {
+    marks_.push_back(static_cast<double>(std::chrono::steady_clock::now().time_since_epoch().count()) *
+                     std::chrono::steady_clock::period::num / std::chrono::steady_clock::period::den);
+    return static_cast<int64_t>(marks_.size()) - 1;
+  }
+  virtual double mark_seconds(int64_t i) { return marks_[static_cast<size_t>(i)]; }
+  virtual void reset_marks() { marks_.clear(); }
   // The device's own memory accounting, for backends that have one (false on the CPU): free
   // and total bytes now, and for each pool (MemCategory index, then the untracked pool) the
   // peak bytes in use and reserved since the start; and the most that the backend's own
@@ -181,6 +195,8 @@ class Backend {
   // bytes each; and back to floats, exactly the rounded values.
   virtual void pack16(uint16_t* dst, const float* src, int64_t n, Precision p) = 0;
   virtual void unpack16(float* dst, const uint16_t* src, int64_t n, Precision p) = 0;
+ private:
+  std::vector<double> marks_;  // the default clock's stamps
 };
 
 std::unique_ptr<Backend> make_cpu_backend();

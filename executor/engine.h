@@ -6,6 +6,7 @@
 #pragma once
 
 #include <map>
+#include <memory>
 #include <string>
 #include <thread>
 #include <utility>
@@ -153,6 +154,7 @@ class Engine {
   // Per owned element, bits (zero.h's FlagBits) in the backend's memory: AdamW's weight
   // decay; counted in the global gradient norm.
   ByteBuf decay_mask_, counted_mask_;
+  std::unique_ptr<OpLog> ops_;  // strata train --ops: per-op times (TrainOptions::op_times)
   std::map<int, Buf> gathered_;           // zero 3: resident units
   struct Prefetch {
     Request req;

@@ -17,6 +17,7 @@ namespace {
 // launch < 0: a blocking call, started when called.
 void timed_into(const ModelCtx& c, double* sum, CommWaits* waits, const char* term, const char* op, auto&& fn,
                 double launch = -1) {
+  const OpScope region(c.ops, term);  // not the time of the op it sits in
   const double t0 = c.now();
   fn();
   const double t1 = c.now();
@@ -93,7 +94,12 @@ void norm_backward(const ModelCtx& c, float* dx, float* dw, float* db, const Buf
     c.be->rmsnorm_backward(dx, dw, dout.data(), x.data(), rstd.data(), w, n, H);
 }
 
-void round(const ModelCtx& c, Buf& b) { c.be->round_to(b.data(), b.size(), c.precision); }
+// Rounds to the training precision (nothing in fp32): the cost model's round16 passes.
+void round(const ModelCtx& c, Buf& b) {
+  if (c.precision == Precision::fp32) return;
+  const OpScope op(c.ops, "round16");
+  c.be->round_to(b.data(), b.size(), c.precision);
+}
 
 Buf copy_of(const ModelCtx& c, const Buf& b) {
   Buf out = c.f32_out(b.size());
@@ -198,84 +204,121 @@ void attention_cp_forward(const ModelCtx& c, float* out, float* probs, float* ls
   }
 }
 
+// forward_all's part after the attention core (whose region ends as this begins): the
+// projection, the residual, the MLP block.
+Buf attention_out_and_mlp(const ModelCtx& c, const UnitView& u, int64_t l, LayerActs* a) {
+  const ModelSpec& m = *c.m;
+  const int64_t H = m.H, D = m.D(), At = m.A / c.t;
+  const int64_t Ft = m.F / c.t, F1 = m.fc1_out() / c.t, N = c.N(), n = c.n();
+  round(c, a->att);
+  Buf o = c.f32_out(N * H);
+  {
+    const OpScope op(c.ops, "attn_proj");
+    c.be->gemm(false, true, N, H, At * D, 1.0f, a->att.data(), At * D, u.weight(TensorKind::proj_w, l), At * D, 0.0f,
+               o.data(), H);
+    c.tick();
+  }
+  o = reduce_rows(c, std::move(o), H);
+  a->x2 = c.act_out(n * H);
+  {
+    const OpScope op(c.ops, "bias_dropout_add");
+    add_bias(c, o.data(), u.weight_or_null(TensorKind::proj_b, l), n, H);
+    c.be->add(a->x2.data(), a->x.data(), o.data(), n * H);
+  }
+  round(c, a->x2);
+  o.release();
+  // MLP block.
+  {
+    const OpScope op(c.ops, "norm2");
+    norm_forward(c, u.weight(TensorKind::ln2_w, l), u.weight_or_null(TensorKind::ln2_b, l), a->x2, &a->h2, &a->mean2,
+                 &a->rstd2);
+  }
+  round(c, a->h2);
+  if (c.sp && c.t > 1) a->g2 = gather_rows(c, a->h2, H);
+  const float* g2 = (c.sp && c.t > 1) ? a->g2.data() : a->h2.data();
+  a->u = c.act_out(N * F1);
+  {
+    const OpScope op(c.ops, "fc1");
+    c.be->gemm(false, true, N, F1, H, 1.0f, g2, H, u.weight(TensorKind::fc1_w, l), H, 0.0f, a->u.data(), F1);
+    c.tick();
+    add_bias(c, a->u.data(), u.weight_or_null(TensorKind::fc1_b, l), N, F1);
+  }
+  round(c, a->u);
+  a->a = c.act_out(N * Ft);
+  {
+    const OpScope op(c.ops, to_string(m.activation));
+    c.be->activation_forward(m.activation, a->a.data(), a->u.data(), N, Ft);
+  }
+  round(c, a->a);
+  Buf y = c.f32_out(N * H);
+  {
+    const OpScope op(c.ops, "fc2");
+    c.be->gemm(false, true, N, H, Ft, 1.0f, a->a.data(), Ft, u.weight(TensorKind::fc2_w, l), Ft, 0.0f, y.data(), H);
+    c.tick();
+  }
+  y = reduce_rows(c, std::move(y), H);
+  Buf out = c.act_out(n * H);
+  const OpScope op(c.ops, "bias_dropout_add");
+  add_bias(c, y.data(), u.weight_or_null(TensorKind::fc2_b, l), n, H);
+  c.be->add(out.data(), a->x2.data(), y.data(), n * H);
+  return out;
+}
+
 // The forward of layer l keeping every saved tensor; returns the output.
 Buf forward_all(const ModelCtx& c, const UnitView& u, int64_t l, LayerActs* a) {
   const ModelSpec& m = *c.m;
-  const int64_t H = m.H, D = m.D(), At = m.A / c.t, Gt = m.G / c.t, Q = (At + 2 * Gt) * D;
-  const int64_t Ft = m.F / c.t, F1 = m.fc1_out() / c.t, N = c.N(), n = c.n();
+  const int64_t H = m.H, D = m.D(), At = m.A / c.t, Gt = m.G / c.t, Q = (At + 2 * Gt) * D, N = c.N();
   // The residual stream, like every tensor the layer keeps, in the training precision (as
   // Megatron's 16-bit activations): the forward uses the values its backward will read.
   round(c, a->x);
-  // Attention block.
-  norm_forward(c, u.weight(TensorKind::ln1_w, l), u.weight_or_null(TensorKind::ln1_b, l), a->x, &a->h1, &a->mean1,
-               &a->rstd1);
+  // Attention block. (Each op in a region of the cost model's name for it: OpLog.)
+  {
+    const OpScope op(c.ops, "norm1");
+    norm_forward(c, u.weight(TensorKind::ln1_w, l), u.weight_or_null(TensorKind::ln1_b, l), a->x, &a->h1, &a->mean1,
+                 &a->rstd1);
+  }
   round(c, a->h1);
   if (c.sp && c.t > 1) a->g1 = gather_rows(c, a->h1, H);
   const float* g1 = (c.sp && c.t > 1) ? a->g1.data() : a->h1.data();
   a->qkv = c.act_out(N * Q);
-  c.be->gemm(false, true, N, Q, H, 1.0f, g1, H, u.weight(TensorKind::qkv_w, l), H, 0.0f, a->qkv.data(), Q);
-  c.tick();
-  add_bias(c, a->qkv.data(), u.weight_or_null(TensorKind::qkv_b, l), N, Q);
+  {
+    const OpScope op(c.ops, "qkv");
+    c.be->gemm(false, true, N, Q, H, 1.0f, g1, H, u.weight(TensorKind::qkv_w, l), H, 0.0f, a->qkv.data(), Q);
+    c.tick();
+    add_bias(c, a->qkv.data(), u.weight_or_null(TensorKind::qkv_b, l), N, Q);
+  }
   if (m.position == Position::rope) {
+    const OpScope op(c.ops, "rope");
     rope_rows(c, a->qkv.data(), At, Q, false);
     rope_rows(c, a->qkv.data() + At * D, Gt, Q, false);
   }
   round(c, a->qkv);
   a->att = c.act_out(N * At * D);
-  if (c.cp > 1) {
-    const Buf kv = gather_kv(c, a->qkv, At, Gt);
-    if (c.flash) {
-      Buf lse = c.f32(c.B * At * c.S);
-      attention_cp_forward(c, a->att.data(), nullptr, lse.data(), a->qkv.data(), kv, At, Gt);
+  {
+    const OpScope core(c.ops, c.flash ? "flash_attention" : "core_attention");
+    if (c.cp > 1) {
+      const Buf kv = gather_kv(c, a->qkv, At, Gt);
+      if (c.flash) {
+        Buf lse = c.f32(c.B * At * c.S);
+        attention_cp_forward(c, a->att.data(), nullptr, lse.data(), a->qkv.data(), kv, At, Gt);
+        if (c.recompute == Recompute::none) a->lse = std::move(lse);
+      } else {
+        if (c.recompute == Recompute::none) a->probs = c.act(c.B * At * c.S * c.S_global());
+        attention_cp_forward(c, a->att.data(), a->probs.empty() ? nullptr : a->probs.data(), nullptr, a->qkv.data(), kv,
+                             At, Gt);
+      }
+    } else if (c.flash) {
+      // The log-sum-exp is what the fused backward needs; selective recompute drops it too.
+      Buf lse = c.f32_out(c.B * At * c.S);
+      c.be->flash_attention_forward(a->att.data(), lse.data(), a->qkv.data(), c.S, c.B, At, Gt, D);
       if (c.recompute == Recompute::none) a->lse = std::move(lse);
     } else {
-      if (c.recompute == Recompute::none) a->probs = c.act(c.B * At * c.S * c.S_global());
-      attention_cp_forward(c, a->att.data(), a->probs.empty() ? nullptr : a->probs.data(), nullptr, a->qkv.data(), kv,
-                           At, Gt);
+      if (c.recompute == Recompute::none) a->probs = c.act_out(c.B * At * c.S * c.S);
+      c.be->attention_forward(a->att.data(), a->probs.empty() ? nullptr : a->probs.data(), a->qkv.data(), c.S, c.B, At,
+                              Gt, D);
     }
-  } else if (c.flash) {
-    // The log-sum-exp is what the fused backward needs; selective recompute drops it too.
-    Buf lse = c.f32_out(c.B * At * c.S);
-    c.be->flash_attention_forward(a->att.data(), lse.data(), a->qkv.data(), c.S, c.B, At, Gt, D);
-    if (c.recompute == Recompute::none) a->lse = std::move(lse);
-  } else {
-    if (c.recompute == Recompute::none) a->probs = c.act_out(c.B * At * c.S * c.S);
-    c.be->attention_forward(a->att.data(), a->probs.empty() ? nullptr : a->probs.data(), a->qkv.data(), c.S, c.B, At,
-                            Gt, D);
   }
-  round(c, a->att);
-  Buf o = c.f32_out(N * H);
-  c.be->gemm(false, true, N, H, At * D, 1.0f, a->att.data(), At * D, u.weight(TensorKind::proj_w, l), At * D, 0.0f,
-             o.data(), H);
-             c.tick();
-  o = reduce_rows(c, std::move(o), H);
-  add_bias(c, o.data(), u.weight_or_null(TensorKind::proj_b, l), n, H);
-  a->x2 = c.act_out(n * H);
-  c.be->add(a->x2.data(), a->x.data(), o.data(), n * H);
-  round(c, a->x2);
-  o.release();
-  // MLP block.
-  norm_forward(c, u.weight(TensorKind::ln2_w, l), u.weight_or_null(TensorKind::ln2_b, l), a->x2, &a->h2, &a->mean2,
-               &a->rstd2);
-  round(c, a->h2);
-  if (c.sp && c.t > 1) a->g2 = gather_rows(c, a->h2, H);
-  const float* g2 = (c.sp && c.t > 1) ? a->g2.data() : a->h2.data();
-  a->u = c.act_out(N * F1);
-  c.be->gemm(false, true, N, F1, H, 1.0f, g2, H, u.weight(TensorKind::fc1_w, l), H, 0.0f, a->u.data(), F1);
-  c.tick();
-  add_bias(c, a->u.data(), u.weight_or_null(TensorKind::fc1_b, l), N, F1);
-  round(c, a->u);
-  a->a = c.act_out(N * Ft);
-  c.be->activation_forward(m.activation, a->a.data(), a->u.data(), N, Ft);
-  round(c, a->a);
-  Buf y = c.f32_out(N * H);
-  c.be->gemm(false, true, N, H, Ft, 1.0f, a->a.data(), Ft, u.weight(TensorKind::fc2_w, l), Ft, 0.0f, y.data(), H);
-  c.tick();
-  y = reduce_rows(c, std::move(y), H);
-  add_bias(c, y.data(), u.weight_or_null(TensorKind::fc2_b, l), n, H);
-  Buf out = c.act_out(n * H);
-  c.be->add(out.data(), a->x2.data(), y.data(), n * H);
-  return out;
+  return attention_out_and_mlp(c, u, l, a);
 }
 
 }  // namespace
@@ -328,15 +371,19 @@ namespace {
 // probabilities excepted: its output was computed from the unrounded ones), so packing
 // loses nothing the forward used.
 void pack_saved(const ModelCtx& c, LayerActs* a) {
+  if (c.precision == Precision::fp32) return;  // (pack keeps fp32 as it is)
+  const OpScope op(c.ops, "pack16");
   for (Buf* b : a->sixteen_bit()) b->pack(c.precision);
 }
-void unpack_saved(LayerActs* a) {
+void unpack_saved(const ModelCtx& c, LayerActs* a) {
+  const OpScope op(c.precision == Precision::fp32 ? nullptr : c.ops, "unpack16");
   for (Buf* b : a->sixteen_bit()) b->unpack();
 }
 
 }  // namespace
 
 Buf layer_forward(const ModelCtx& c, const UnitView& u, int64_t l, Buf x, LayerActs* a) {
+  const OpScope layer(c.ops, kLayerRegion);  // its own time: what no op covers ("other")
   a->x = std::move(x);
   Buf out = forward_all(c, u, l, a);
   if (c.recompute == Recompute::full) {  // keep the input only
@@ -349,12 +396,17 @@ Buf layer_forward(const ModelCtx& c, const UnitView& u, int64_t l, Buf x, LayerA
 }
 
 Buf layer_backward(const ModelCtx& c, const UnitView& u, int64_t l, LayerActs* a, const Buf& dout) {
-  unpack_saved(a);
+  const OpScope layer(c.ops, kLayerRegion);
+  unpack_saved(c, a);
   if (c.recompute == Recompute::full) {  // run the forward again, with every tensor kept
     ModelCtx again = c;
     again.recompute = Recompute::none;
     const double t0 = c.now(), tp0 = c.tp_comm_s ? *c.tp_comm_s : 0.0, cp0 = c.cp_comm_s ? *c.cp_comm_s : 0.0;
-    forward_all(again, u, l, a);
+    {
+      const OpPhase phase(c.ops, "recompute");
+      const OpScope layer(c.ops, kLayerRegion);
+      forward_all(again, u, l, a);
+    }
     // Its tensor- and context-parallel collectives stay in tp_comm and cp_comm; recompute
     // is the compute.
     const double t1 = c.now();
@@ -373,122 +425,171 @@ Buf layer_backward(const ModelCtx& c, const UnitView& u, int64_t l, LayerActs* a
     c.tick();
     if (c.cp > 1) c.comm->test(kv_pre.req);
   };
-  Buf dx = copy_of(c, dout);  // (n, H) gradient of the residual stream
-  // MLP block: out = x2 + fc2(act(fc1(norm2(x2)))).
-  bias_grad(c, u.grad_or_null(TensorKind::fc2_b, l), dout.data(), n, H);
-  Buf dy = gemm_input_rows(c, dout, H);
+  // MLP block: out = x2 + fc2(act(fc1(norm2(x2)))). (Each op in a region of the cost
+  // model's name for it: OpLog; the copies feeding a rounding count with it.)
+  Buf dx;  // (n, H) gradient of the residual stream
+  {
+    const OpScope op(c.ops, "bias_dropout_add");
+    dx = copy_of(c, dout);
+    bias_grad(c, u.grad_or_null(TensorKind::fc2_b, l), dout.data(), n, H);
+  }
+  Buf dy;
+  {
+    const OpScope op(c.ops, gathered || c.precision == Precision::fp32 ? nullptr : "round16");
+    dy = gemm_input_rows(c, dout, H);
+  }
   round(c, dy);
   Buf da = c.f32_out(N * Ft);
-  c.be->gemm(false, false, N, Ft, H, 1.0f, dy.data(), H, u.weight(TensorKind::fc2_w, l), Ft, 0.0f, da.data(), Ft);
-  tick();
-  c.be->gemm(true, false, H, Ft, N, 1.0f, dy.data(), H, a->a.data(), Ft, 1.0f, u.grad(TensorKind::fc2_w, l), Ft);
-  tick();
+  {
+    const OpScope op(c.ops, "fc2");
+    c.be->gemm(false, false, N, Ft, H, 1.0f, dy.data(), H, u.weight(TensorKind::fc2_w, l), Ft, 0.0f, da.data(), Ft);
+    tick();
+    c.be->gemm(true, false, H, Ft, N, 1.0f, dy.data(), H, a->a.data(), Ft, 1.0f, u.grad(TensorKind::fc2_w, l), Ft);
+    tick();
+  }
   dy.release();
   Buf du = c.f32_out(N * F1);
-  c.be->activation_backward(m.activation, du.data(), da.data(), a->u.data(), N, Ft);
+  {
+    const OpScope op(c.ops, to_string(m.activation));
+    c.be->activation_backward(m.activation, du.data(), da.data(), a->u.data(), N, Ft);
+  }
   da.release();
   round(c, du);
   const float* g2 = gathered ? a->g2.data() : a->h2.data();
-  c.be->gemm(true, false, F1, H, N, 1.0f, du.data(), F1, g2, H, 1.0f, u.grad(TensorKind::fc1_w, l), H);
-  tick();
-  bias_grad(c, u.grad_or_null(TensorKind::fc1_b, l), du.data(), N, F1);
-  Buf dg2 = c.f32_out(N * H);
-  c.be->gemm(false, false, N, H, F1, 1.0f, du.data(), F1, u.weight(TensorKind::fc1_w, l), H, 0.0f, dg2.data(), H);
-  tick();
+  Buf dg2;
+  {
+    const OpScope op(c.ops, "fc1");
+    c.be->gemm(true, false, F1, H, N, 1.0f, du.data(), F1, g2, H, 1.0f, u.grad(TensorKind::fc1_w, l), H);
+    tick();
+    bias_grad(c, u.grad_or_null(TensorKind::fc1_b, l), du.data(), N, F1);
+    dg2 = c.f32_out(N * H);
+    c.be->gemm(false, false, N, H, F1, 1.0f, du.data(), F1, u.weight(TensorKind::fc1_w, l), H, 0.0f, dg2.data(), H);
+    tick();
+  }
   du.release();
   Buf dh2 = reduce_rows(c, std::move(dg2), H);
-  norm_backward(c, dx.data(), u.grad(TensorKind::ln2_w, l), u.grad_or_null(TensorKind::ln2_b, l), dh2, a->x2, a->mean2,
-                a->rstd2, u.weight(TensorKind::ln2_w, l));
+  {
+    const OpScope op(c.ops, "norm2");
+    norm_backward(c, dx.data(), u.grad(TensorKind::ln2_w, l), u.grad_or_null(TensorKind::ln2_b, l), dh2, a->x2,
+                  a->mean2, a->rstd2, u.weight(TensorKind::ln2_w, l));
+  }
   dh2.release();
   if (c.mlp_grads_done) c.mlp_grads_done(l);
   // Attention block: x2 = x + proj(attention(qkv(norm1(x)))).
-  bias_grad(c, u.grad_or_null(TensorKind::proj_b, l), dx.data(), n, H);
-  Buf dO = gemm_input_rows(c, dx, H);
+  {
+    const OpScope op(c.ops, "bias_dropout_add");
+    bias_grad(c, u.grad_or_null(TensorKind::proj_b, l), dx.data(), n, H);
+  }
+  Buf dO;
+  {
+    const OpScope op(c.ops, gathered || c.precision == Precision::fp32 ? nullptr : "round16");
+    dO = gemm_input_rows(c, dx, H);
+  }
   round(c, dO);
   Buf datt = c.f32_out(N * At * D);
-  c.be->gemm(false, false, N, At * D, H, 1.0f, dO.data(), H, u.weight(TensorKind::proj_w, l), At * D, 0.0f,
-             datt.data(), At * D);
-             c.tick();
-  c.be->gemm(true, false, H, At * D, N, 1.0f, dO.data(), H, a->att.data(), At * D, 1.0f,
-             u.grad(TensorKind::proj_w, l), At * D);
-             c.tick();
+  {
+    const OpScope op(c.ops, "attn_proj");
+    c.be->gemm(false, false, N, At * D, H, 1.0f, dO.data(), H, u.weight(TensorKind::proj_w, l), At * D, 0.0f,
+               datt.data(), At * D);
+    c.tick();
+    c.be->gemm(true, false, H, At * D, N, 1.0f, dO.data(), H, a->att.data(), At * D, 1.0f,
+               u.grad(TensorKind::proj_w, l), At * D);
+    c.tick();
+  }
   dO.release();
   round(c, datt);
   Buf dqkv;
-  if (c.cp > 1) {
-    // The keys and values travelled again (the forward kept only this rank's; gathered
-    // behind the MLP block above), and their gradients, summed over the cp ranks, travel back.
-    const int64_t Sc = c.seg_len(), Sg = c.S_global(), KV = 2 * Gt * D;
-    const Buf kv = finish_gather_kv(c, &kv_pre, Gt);
-    if (c.flash ? a->lse.empty() : a->probs.empty()) {  // selective recompute: the core's forward again
-      const double t0 = c.now(), cp0 = c.cp_comm_s ? *c.cp_comm_s : 0.0;
-      Buf again = c.f32(N * At * D);
-      if (c.flash) a->lse = c.f32(c.B * At * c.S);
-      else a->probs = c.act(c.B * At * c.S * Sg);
-      attention_cp_forward(c, again.data(), c.flash ? nullptr : a->probs.data(), c.flash ? a->lse.data() : nullptr,
-                           a->qkv.data(), kv, At, Gt);
-      const double t1 = c.now();
-      recomputed(c, t0, t1, t1 - t0 - ((c.cp_comm_s ? *c.cp_comm_s : 0.0) - cp0));
+  {
+    const OpScope core(c.ops, c.flash ? "flash_attention" : "core_attention");
+    if (c.cp > 1) {
+      // The keys and values travelled again (the forward kept only this rank's; gathered
+      // behind the MLP block above), and their gradients, summed over the cp ranks, travel back.
+      const int64_t Sc = c.seg_len(), Sg = c.S_global(), KV = 2 * Gt * D;
+      const Buf kv = finish_gather_kv(c, &kv_pre, Gt);
+      if (c.flash ? a->lse.empty() : a->probs.empty()) {  // selective recompute: the core's forward again
+        const double t0 = c.now(), cp0 = c.cp_comm_s ? *c.cp_comm_s : 0.0;
+        const OpPhase phase(c.ops, "recompute");
+        const OpScope op(c.ops, "core_attention");
+        Buf again = c.f32(N * At * D);
+        if (c.flash) a->lse = c.f32(c.B * At * c.S);
+        else a->probs = c.act(c.B * At * c.S * Sg);
+        attention_cp_forward(c, again.data(), c.flash ? nullptr : a->probs.data(), c.flash ? a->lse.data() : nullptr,
+                             a->qkv.data(), kv, At, Gt);
+        const double t1 = c.now();
+        recomputed(c, t0, t1, t1 - t0 - ((c.cp_comm_s ? *c.cp_comm_s : 0.0) - cp0));
+      }
+      dqkv = c.f32(N * Q);
+      Buf dkv = c.f32(Sg * c.B * KV);
+      for (int64_t k = 0; k < c.segments(); ++k) {
+        const int64_t rows = k * Sc * c.B;
+        if (c.flash)
+          c.be->flash_attention_backward_cp(dqkv.data() + rows * Q, Q, dkv.data(), KV, datt.data() + rows * At * D,
+                                            a->att.data() + rows * At * D, a->lse.data() + k * c.B * At * Sc,
+                                            a->qkv.data() + rows * Q, kv.data(), Sc, c.seg_pos(k), c.B, At, Gt, D);
+        else
+          c.be->attention_backward_cp(dqkv.data() + rows * Q, Q, dkv.data(), KV, datt.data() + rows * At * D,
+                                      a->probs.data() + k * c.B * At * Sc * Sg, Sg, a->qkv.data() + rows * Q, kv.data(),
+                                      Sc, c.seg_pos(k), c.B, At, Gt, D);
+      }
+      scatter_dkv(c, dkv, dqkv.data(), At, Gt);
+    } else if (c.flash) {
+      if (a->lse.empty()) {  // selective recompute: the fused forward again, for its log-sum-exp
+        const double t0 = c.now();
+        const OpPhase phase(c.ops, "recompute");
+        const OpScope op(c.ops, "flash_attention");
+        a->lse = c.f32_out(c.B * At * c.S);
+        Buf again = c.f32_out(N * At * D);
+        c.be->flash_attention_forward(again.data(), a->lse.data(), a->qkv.data(), c.S, c.B, At, Gt, D);
+        const double t1 = c.now();
+        recomputed(c, t0, t1, t1 - t0);
+      }
+      // The output as the projection saw it (rounded to the training precision) enters
+      // rowsum(dO * O), so a recomputed and a kept log-sum-exp give the same gradients.
+      dqkv = c.f32_out(N * Q);
+      c.be->flash_attention_backward(dqkv.data(), datt.data(), a->att.data(), a->lse.data(), a->qkv.data(), c.S, c.B,
+                                     At, Gt, D);
+    } else {
+      if (a->probs.empty()) {
+        // Selective recompute: the core attention forward runs again (as Megatron's
+        // checkpointed core attention does) to rebuild the probabilities; its time is recompute.
+        const double t0 = c.now();
+        const OpPhase phase(c.ops, "recompute");
+        const OpScope op(c.ops, "core_attention");
+        a->probs = c.act_out(c.B * At * c.S * c.S);
+        Buf again = c.f32_out(N * At * D);
+        c.be->attention_forward(again.data(), a->probs.data(), a->qkv.data(), c.S, c.B, At, Gt, D);
+        const double t1 = c.now();
+        recomputed(c, t0, t1, t1 - t0);
+      }
+      dqkv = c.f32_out(N * Q);
+      c.be->attention_backward(dqkv.data(), datt.data(), a->probs.data(), a->qkv.data(), c.S, c.B, At, Gt, D);
     }
-    dqkv = c.f32(N * Q);
-    Buf dkv = c.f32(Sg * c.B * KV);
-    for (int64_t k = 0; k < c.segments(); ++k) {
-      const int64_t rows = k * Sc * c.B;
-      if (c.flash)
-        c.be->flash_attention_backward_cp(dqkv.data() + rows * Q, Q, dkv.data(), KV, datt.data() + rows * At * D,
-                                          a->att.data() + rows * At * D, a->lse.data() + k * c.B * At * Sc,
-                                          a->qkv.data() + rows * Q, kv.data(), Sc, c.seg_pos(k), c.B, At, Gt, D);
-      else
-        c.be->attention_backward_cp(dqkv.data() + rows * Q, Q, dkv.data(), KV, datt.data() + rows * At * D,
-                                    a->probs.data() + k * c.B * At * Sc * Sg, Sg, a->qkv.data() + rows * Q, kv.data(),
-                                    Sc, c.seg_pos(k), c.B, At, Gt, D);
-    }
-    scatter_dkv(c, dkv, dqkv.data(), At, Gt);
-  } else if (c.flash) {
-    if (a->lse.empty()) {  // selective recompute: the fused forward again, for its log-sum-exp
-      const double t0 = c.now();
-      a->lse = c.f32_out(c.B * At * c.S);
-      Buf again = c.f32_out(N * At * D);
-      c.be->flash_attention_forward(again.data(), a->lse.data(), a->qkv.data(), c.S, c.B, At, Gt, D);
-      const double t1 = c.now();
-      recomputed(c, t0, t1, t1 - t0);
-    }
-    // The output as the projection saw it (rounded to the training precision) enters
-    // rowsum(dO * O), so a recomputed and a kept log-sum-exp give the same gradients.
-    dqkv = c.f32_out(N * Q);
-    c.be->flash_attention_backward(dqkv.data(), datt.data(), a->att.data(), a->lse.data(), a->qkv.data(), c.S, c.B,
-                                   At, Gt, D);
-  } else {
-    if (a->probs.empty()) {
-      // Selective recompute: the core attention forward runs again (as Megatron's
-      // checkpointed core attention does) to rebuild the probabilities; its time is recompute.
-      const double t0 = c.now();
-      a->probs = c.act_out(c.B * At * c.S * c.S);
-      Buf again = c.f32_out(N * At * D);
-      c.be->attention_forward(again.data(), a->probs.data(), a->qkv.data(), c.S, c.B, At, Gt, D);
-      const double t1 = c.now();
-      recomputed(c, t0, t1, t1 - t0);
-    }
-    dqkv = c.f32_out(N * Q);
-    c.be->attention_backward(dqkv.data(), datt.data(), a->probs.data(), a->qkv.data(), c.S, c.B, At, Gt, D);
   }
   datt.release();
   if (m.position == Position::rope) {
+    const OpScope op(c.ops, "rope");
     rope_rows(c, dqkv.data(), At, Q, true);
     rope_rows(c, dqkv.data() + At * D, Gt, Q, true);
   }
   round(c, dqkv);
   const float* g1 = gathered ? a->g1.data() : a->h1.data();
-  c.be->gemm(true, false, Q, H, N, 1.0f, dqkv.data(), Q, g1, H, 1.0f, u.grad(TensorKind::qkv_w, l), H);
-  c.tick();
-  bias_grad(c, u.grad_or_null(TensorKind::qkv_b, l), dqkv.data(), N, Q);
-  Buf dg1 = c.f32_out(N * H);
-  c.be->gemm(false, false, N, H, Q, 1.0f, dqkv.data(), Q, u.weight(TensorKind::qkv_w, l), H, 0.0f, dg1.data(), H);
-  c.tick();
+  Buf dg1;
+  {
+    const OpScope op(c.ops, "qkv");
+    c.be->gemm(true, false, Q, H, N, 1.0f, dqkv.data(), Q, g1, H, 1.0f, u.grad(TensorKind::qkv_w, l), H);
+    c.tick();
+    bias_grad(c, u.grad_or_null(TensorKind::qkv_b, l), dqkv.data(), N, Q);
+    dg1 = c.f32_out(N * H);
+    c.be->gemm(false, false, N, H, Q, 1.0f, dqkv.data(), Q, u.weight(TensorKind::qkv_w, l), H, 0.0f, dg1.data(), H);
+    c.tick();
+  }
   dqkv.release();
   Buf dh1 = reduce_rows(c, std::move(dg1), H);
-  norm_backward(c, dx.data(), u.grad(TensorKind::ln1_w, l), u.grad_or_null(TensorKind::ln1_b, l), dh1, a->x, a->mean1,
-                a->rstd1, u.weight(TensorKind::ln1_w, l));
+  {
+    const OpScope op(c.ops, "norm1");
+    norm_backward(c, dx.data(), u.grad(TensorKind::ln1_w, l), u.grad_or_null(TensorKind::ln1_b, l), dh1, a->x,
+                  a->mean1, a->rstd1, u.weight(TensorKind::ln1_w, l));
+  }
   *a = LayerActs{};
   return dx;
 }

@@ -18,6 +18,7 @@
 #include "executor/backend.h"
 #include "executor/comm.h"
 #include "executor/memory_tracker.h"
+#include "executor/op_log.h"
 #include "executor/param_layout.h"
 
 namespace strata {
@@ -107,6 +108,8 @@ struct ModelCtx {
   // Set when tracing: each tensor- or context-parallel collective a layer runs, as its time
   // term ("tp_comm", "cp_comm"), the collective and its start and end on the clock.
   std::function<void(const char* term, const char* op, double t0, double t1)> on_comm;
+  // Set with strata train --ops: each op of a layer as a region of this log (op_log.h).
+  OpLog* ops = nullptr;
   // Set when tracing: each recompute a layer's backward runs (the whole forward again with
   // full recompute, the attention core's with selective), its start and end.
   std::function<void(double t0, double t1)> on_recompute;

@@ -36,6 +36,7 @@ int tag_of(int64_t mb, int64_t chunk, int64_t v, bool backward) {
 void Engine::forward_step(int64_t k, const Step& st, double* loss_sum) {
   trace_mb_ = st.mb;  // for the collectives' trace slices
   trace_chunk_ = st.chunk;
+  if (ops_) ops_->set_phase("forward");
   const ModelCtx c = ctx();
   const int64_t p = plan_.p, v = plan_.v, vs = st.chunk * p + me_.pp, last = p * v - 1;
   MicroState& ms = micro_[{st.chunk, st.mb}];
@@ -61,7 +62,10 @@ void Engine::forward_step(int64_t k, const Step& st, double* loss_sum) {
     if (!layers.empty()) prefetch(layer_unit_.at(layers.front()));
     UnitView wpe;
     if (wpe_unit_ >= 0) wpe = weights_view(wpe_unit_);
-    x = embedding_forward(c, weights_view(wte_unit_), wpe_unit_ >= 0 ? &wpe : nullptr, ms.tokens.data());
+    {
+      const OpScope op(c.ops, "embedding");
+      x = embedding_forward(c, weights_view(wte_unit_), wpe_unit_ >= 0 ? &wpe : nullptr, ms.tokens.data());
+    }
     release_weights(wte_unit_);
     if (wpe_unit_ >= 0) release_weights(wpe_unit_);
     forward_s_ += now() - t0 - (tp_s_ - tp0) - (dp_s_ - dp0);
@@ -93,7 +97,10 @@ void Engine::forward_step(int64_t k, const Step& st, double* loss_sum) {
     const float* w = weights(head_w_unit_);
     const TensorKind k_out = m_.tie_embeddings ? TensorKind::wte : TensorKind::lm_head;
     const float* out_w = w + (lay_.at(k_out).offset - lay_.units[static_cast<size_t>(head_w_unit_)].begin);
-    *loss_sum += head_forward(c, weights_view(final_unit_), out_w, std::move(x), ms.targets.data(), &ms.head);
+    {
+      const OpScope op(c.ops, "output_layer");  // final norm, logits and loss
+      *loss_sum += head_forward(c, weights_view(final_unit_), out_w, std::move(x), ms.targets.data(), &ms.head);
+    }
     release_weights(final_unit_);
     release_weights(head_w_unit_);
   }
@@ -116,6 +123,7 @@ void Engine::forward_step(int64_t k, const Step& st, double* loss_sum) {
 void Engine::backward_step(const Step& st) {
   trace_mb_ = st.mb;  // for the collectives' trace slices
   trace_chunk_ = st.chunk;
+  if (ops_) ops_->set_phase("backward");
   const ModelCtx c = ctx();
   const int64_t p = plan_.p, v = plan_.v, vs = st.chunk * p + me_.pp, last = p * v - 1;
   MicroState& ms = micro_.at({st.chunk, st.mb});
@@ -131,7 +139,10 @@ void Engine::backward_step(const Step& st) {
     const TensorKind k_out = m_.tie_embeddings ? TensorKind::wte : TensorKind::lm_head;
     const int64_t rel = lay_.at(k_out).offset - lay_.units[static_cast<size_t>(head_w_unit_)].begin;
     float* gw = grads(head_w_unit_) + rel;
-    dx = head_backward(c, view(final_unit_), w + rel, gw, &ms.head, dloss);
+    {
+      const OpScope op(c.ops, "output_layer");
+      dx = head_backward(c, view(final_unit_), w + rel, gw, &ms.head, dloss);
+    }
     release_weights(final_unit_);
     release_weights(head_w_unit_);
     unit_done(final_unit_);
@@ -167,7 +178,10 @@ void Engine::backward_step(const Step& st) {
   if (vs == 0) {
     UnitView wpe;
     if (wpe_unit_ >= 0) wpe = view(wpe_unit_);
-    embedding_backward(c, view(wte_unit_), wpe_unit_ >= 0 ? &wpe : nullptr, ms.tokens.data(), dx);
+    {
+      const OpScope op(c.ops, "embedding");
+      embedding_backward(c, view(wte_unit_), wpe_unit_ >= 0 ? &wpe : nullptr, ms.tokens.data(), dx);
+    }
     release_weights(wte_unit_);
     if (wpe_unit_ >= 0) release_weights(wpe_unit_);
     unit_done(wte_unit_);

@@ -153,6 +153,7 @@ Engine::Engine(const ModelSpec& m, const Plan& p, const TrainOptions& o, Comm& c
   mallopt(M_MMAP_THRESHOLD, 1 << 30);
   mallopt(M_TRIM_THRESHOLD, 1 << 30);
   mem_.set_backend(&be_);  // every Buf of the run lives in the backend's memory
+  if (o.op_times) ops_ = std::make_unique<OpLog>(&be_);
   grid_.t = p.t;
   grid_.c = p.c;
   grid_.d = p.d;
@@ -298,6 +299,7 @@ ModelCtx Engine::ctx() {
   if (plan_.t > 1) c.tp_waits = &tp_waits_;
   if (plan_.c > 1) c.cp_waits = &cp_waits_;
   c.recompute_s = &recompute_s_;
+  c.ops = ops_.get();
   c.poll = [this] { poll(); };
   c.mlp_grads_done = [this](int64_t layer) { mlp_done(layer); };
   if (tracing()) {
@@ -357,7 +359,12 @@ TrainResult Engine::run() {
     rec.step_time_s = dt;
     rec.tokens_per_s = tokens / dt;
     res.steps.push_back(rec);
-    if (k > start_step_ || o_.steps - start_step_ == 1) {  // the first step run is a warm-up
+    const bool counted = k > start_step_ || o_.steps - start_step_ == 1;
+    if (ops_) {  // the step's op regions, read once the backend has caught up
+      be_.synchronise();
+      ops_->step_done(counted);
+    }
+    if (counted) {  // the first step run is a warm-up
       const double ph[16] = {forward_s_,  backward_s_, recompute_s_, optimizer_s_, tp_s_,      pp_s_,
                              dp_s_,       dp_total_s_, bubble_s_,    1.0,          dp_skew_s_, cp_s_,
                              tp_skew_s_,  cp_skew_s_,  bubble_schedule_s_, bubble_variation_s_};
@@ -365,6 +372,10 @@ TrainResult Engine::run() {
     }
     if (o_.on_step && comm_.rank() == 0) o_.on_step(rec, o_.steps);
     if (o_.checkpoint_every > 0 && (k + 1) % o_.checkpoint_every == 0) save_checkpoint(k + 1);
+  }
+  if (ops_) {
+    res.ops = ops_->rows();
+    res.op_steps = ops_->steps();
   }
   std::vector<double> times(res.steps.size());
   for (size_t i = 0; i < times.size(); ++i) times[i] = res.steps[i].step_time_s;

@@ -17,6 +17,7 @@
 #include "executor/backend.h"
 #include "executor/comm.h"
 #include "executor/fault.h"
+#include "executor/op_log.h"
 
 namespace strata {
 
@@ -51,6 +52,9 @@ struct TrainOptions {
   // The collective watchdog's timeout (Comm::start_watchdog), seconds; 0: none.
   double distributed_timeout_s = 600;
   FaultInjection fault;  // --inject-fault, for tests
+  // Per-op times of the layers (executor/op_log.h; strata train --ops): each op a region on
+  // the backend's clock, named as the cost model names it; TrainResult::ops.
+  bool op_times = false;
   // Called on rank 0 after every step with the step's record (the CLI draws progress).
   std::function<void(const StepRecord&, int64_t steps)> on_step;
 };
@@ -101,6 +105,10 @@ struct TrainResult {
   bool has_device_memory = false;
   int64_t device_used_peak[kMemPools] = {}, device_reserved_peak[kMemPools] = {};
   int64_t device_in_use = 0, device_total = 0;
+  // TrainOptions::op_times: this rank's per-op times over the steps after the first
+  // (op_steps of them), each (phase, op) row's own seconds and calls summed over those steps.
+  std::vector<OpLog::Row> ops;
+  int64_t op_steps = 0;
 };
 
 // Throws InputError (exit 2) naming the field and the rule: world size, divisibility of

@@ -199,6 +199,35 @@ except Exception as e:
     print("FAILED (exit %d; %s)" % (rc, e))
 EOF
 )"
+# 7b. Where the predicted and the measured step part: gpt2-124m (unfused) op by op on the
+# GPU (strata train --ops: each op between two events on the stream, by the cost model's op
+# names), beside the cost model's op times on the profile just measured. The table is in
+# the log and in gpt2_ops.txt.
+timeout $(lim 60) $S train --model gpt2-124m --plan tp=1,mbs=8,gbs=8,precision=bf16,attention=unfused --steps 4 \
+  --quiet --backend cuda --comm staged --ops --cluster "$OUT/profile_cuda.json" --json "$OUT/gpt2_ops.json" \
+  > "$OUT/gpt2_ops.txt" 2>&1
+ops_rc=$?
+cat "$OUT/gpt2_ops.txt" >> "$OUT/device-check.log"
+row "gpt2-124m per-op times on the GPU against the profile's estimate (table in the log)" "$(python3 - "$OUT" "$ops_rc" <<'EOF' 2>&1
+import json, sys
+d, rc = sys.argv[1], int(sys.argv[2])
+try:
+    rows = json.load(open(d + "/gpt2_ops.json"))["ops"]["rows"]
+    out = []
+    for ph in ("forward", "backward"):
+        lay = [r for r in rows if r["per"] == "layer" and r["phase"] == ph]
+        m = sum(r["measured_s"] for r in lay)
+        p = sum(r["predicted_s"] or 0 for r in lay)
+        gaps = [r for r in lay if r["predicted_s"] is not None]
+        worst = max(gaps, key=lambda r: abs(r["predicted_s"] - r["measured_s"])) if gaps else None
+        out.append("%s layer %.3f ms measured, %.3f predicted%s" % (ph, 1e3 * m, 1e3 * p, "" if worst is None else
+                   " (largest gap: %s %.3f vs %.3f ms)" % (worst["op"], 1e3 * worst["measured_s"], 1e3 * worst["predicted_s"])))
+    print("exit %d; " % rc + "; ".join(out))
+except Exception as e:
+    print("FAILED (exit %d; %s)" % (rc, e))
+EOF
+)"
+
 # 8. The NCCL communicator: its op test (a world of one, every group through NCCL) from
 # step 2, then tiny-gpt trained through it (steps 4, 5 and 7 used the staged one).
 nccl_case='CudaOps.NcclCommunicatorOrdersItsStreamsAfterTheOps'

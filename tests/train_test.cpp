@@ -12,13 +12,17 @@
 #include <cstdlib>
 #include <fstream>
 #include <map>
+#include <set>
 #include <sstream>
 #include <string>
 #include <vector>
 
 #include <nlohmann/json.hpp>
 
+#include "costmodel/estimate.h"
+#include "costmodel/stack.h"
 #include "executor/fault.h"
+#include "executor/op_log.h"
 #include "train_runner.h"
 
 namespace {
@@ -283,6 +287,47 @@ TEST(TrainMemory, ActivationsOfALargeVocabularyMatchTheCostModel) {
     const double tracked = r.j["peak_memory_bytes"]["activations"].get<double>();
     EXPECT_NEAR(predicted / tracked, 1.0, 0.01) << plan << ": predicted " << predicted << ", tracked " << tracked;
   }
+}
+
+// strata train --ops: every op the executor times in a layer is one the cost model costs
+// for that phase, under its name (the unfused attention core's products and softmax as
+// core_attention), and every op the model costs is timed; own times are not negative, and
+// with --cluster each op has its predicted time. Counts and names only: no clock threshold.
+TEST(TrainOutput, OpTimesNameTheCostModelsOps) {
+  const std::string cluster = "local-cpu";
+  for (const std::string plan : {"tp=2,sp=1,mbs=2,gbs=4,precision=bf16,attention=unfused,recompute=selective",
+                                 "mbs=2,gbs=4,precision=bf16,attention=flash,recompute=full",
+                                 "pp=2,mbs=1,gbs=4,attention=unfused"}) {
+    const TrainRun r = train("tiny-llama", plan, 3, "--seq-length 32 --ops --cluster " + cluster);
+    ASSERT_EQ(r.rc, 0) << plan << ": " << r.err;
+    EXPECT_NE(r.out.find("per-op times on rank 0"), std::string::npos) << r.out;
+    ASSERT_TRUE(r.j.contains("ops")) << plan;
+    EXPECT_EQ(r.j["ops"]["steps"].get<int>(), 2) << plan;  // the first step is a warm-up
+    // What the cost model costs per layer, by phase, under the executor's names.
+    const strata::Cluster cl = strata::load_cluster(cluster);
+    const strata::ModelSpec m = strata::model_on_stack(strata::load_model("tiny-llama", 32), cl);
+    strata::EstimateOptions eo;
+    eo.want_ops = true;
+    strata::EstimateDetail d;
+    ASSERT_TRUE(strata::estimate(m, cl, strata::load_plan(plan), eo, &d).valid) << plan;
+    std::map<std::string, std::set<std::string>> model_ops, timed_ops;
+    for (const strata::OpCost& c : d.layer_ops)
+      if (c.kind == strata::OpKind::gemm || c.kind == strata::OpKind::memory)
+        model_ops[strata::to_string(c.phase)].insert(strata::executor_op_name(c.name));
+    for (const Json& row : r.j["ops"]["rows"]) {
+      const std::string phase = row["phase"], op = row["op"];
+      ASSERT_TRUE(row["measured_s"].is_number()) << plan << " " << phase << " " << op;
+      EXPECT_GE(row["measured_s"].get<double>(), 0.0) << plan << " " << phase << " " << op;
+      if (row["per"] != "layer" || op == strata::kOtherOp || op == "tp_comm" || op == "cp_comm") continue;
+      timed_ops[phase].insert(op);
+      EXPECT_TRUE(row["predicted_s"].is_number()) << plan << ": no prediction for " << phase << " " << op;
+    }
+    EXPECT_GE(model_ops["forward"].size(), 8u) << plan;
+    EXPECT_EQ(timed_ops, model_ops) << plan;
+  }
+  const TrainRun bad = train("tiny-gpt", "mbs=2,gbs=2", 1, "--seq-length 32 --cluster local-cpu");
+  EXPECT_EQ(bad.rc, 2);
+  EXPECT_NE(bad.err.find("--cluster"), std::string::npos) << bad.err;
 }
 
 TEST(TrainPrecision, Bf16AndFp16TrackFp32) {

@@ -141,6 +141,8 @@ class CudaBackendImpl final : public CudaBackend {
       if (pool) cudaMemPoolDestroy(pool);
       pool = nullptr;
     }
+    for (cudaEvent_t e : events_) cudaEventDestroy(e);
+    events_.clear();
     if (workspace_) cudaFree(workspace_);
     if (lt_) cuda::lt().Destroy(lt_);
     if (stream_) cudaStreamDestroy(stream_);
@@ -193,6 +195,23 @@ class CudaBackendImpl final : public CudaBackend {
     CUDA_CHECK(cudaStreamSynchronize(stream_));
   }
   void synchronise() override { CUDA_CHECK(cudaStreamSynchronize(stream_)); }
+  // Per-op times: an event on the stream per stamp (kept and reused after reset_marks),
+  // read once the stream has synchronised; seconds from the first stamp.
+  int64_t mark() override {
+    if (used_events_ == events_.size()) {
+      cudaEvent_t e = nullptr;
+      CUDA_CHECK(cudaEventCreate(&e));
+      events_.push_back(e);
+    }
+    CUDA_CHECK(cudaEventRecord(events_[used_events_], stream_));
+    return static_cast<int64_t>(used_events_++);
+  }
+  double mark_seconds(int64_t i) override {
+    float ms = 0;
+    CUDA_CHECK(cudaEventElapsedTime(&ms, events_[0], events_[static_cast<size_t>(i)]));
+    return static_cast<double>(ms) / 1e3;
+  }
+  void reset_marks() override { used_events_ = 0; }
   bool device_memory(DeviceMemory* out) override {
     CUDA_CHECK(cudaSetDevice(dev_));  // cudaMemGetInfo reports the current device
     size_t free = 0, total = 0;
@@ -603,6 +622,8 @@ class CudaBackendImpl final : public CudaBackend {
   void* workspace_ = nullptr;
   size_t scratch_limit_ = kGemmScratchBytes;  // gemm16's operand copies, at most
   double* acc_ = nullptr;  // grad_norm_terms' device accumulators
+  std::vector<cudaEvent_t> events_;  // mark()'s stamps; the first used_events_ hold this round's
+  size_t used_events_ = 0;
   Grown scratch_, delta_, attn_;
   std::map<AlgoKey, Algo> algos_;  // run_matmul's choices
   bool warned_no_fast_ = false;
