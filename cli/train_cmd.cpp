@@ -15,7 +15,6 @@
 #include "cli/progress.h"
 #include "cli/commands.h"
 #include "costmodel/estimate.h"
-#include "costmodel/layout.h"
 #include "costmodel/stack.h"
 #include "executor/checkpoint.h"
 #include "executor/data.h"
@@ -86,6 +85,14 @@ int cmd_train(const std::vector<std::string>& argv) {
     if (a.has("cluster")) {
       if (!o.op_times) throw InputError("--cluster: '" + a.get("cluster") + "' is for --ops (the predicted op times); pass --ops");
       op_cluster = load_cluster(a.get("cluster"));
+      // Checked here, on every rank, not after the run: a plan the cost model cannot cost there.
+      const Estimate e = estimate(model_on_stack(m, *op_cluster), *op_cluster, plan);
+      if (!e.valid) {
+        std::string why;
+        for (const auto& r : e.reasons) why += (why.empty() ? "" : "; ") + r.message;
+        throw InputError("--cluster: '" + a.get("cluster") + "': the cost model cannot cost this plan there (" + why +
+                         "), so it has no op times to predict");
+      }
     }
     o.max_bad_steps = a.integer("max-bad-steps", o.max_bad_steps, 1, 1000000000);
     // Megatron's name; fractions allowed (0.1 = 6 s, for tests); 0 turns the watchdog off.
@@ -168,9 +175,6 @@ int cmd_train(const std::vector<std::string>& argv) {
       Json j = train_result_to_json(r);
       std::vector<OpRow> op_rows;
       if (o.op_times) {  // rank 0's per-op times, and the cost model's for the same plan
-        const StageLayout sl = make_layout(m.L, plan);
-        int64_t layers = 0;
-        for (int64_t c = 0; c < sl.v; ++c) layers += sl.chunk_layers(0, c);
         EstimateDetail d;
         bool predicted = false;
         if (op_cluster) {
@@ -180,7 +184,7 @@ int cmd_train(const std::vector<std::string>& argv) {
           if (!predicted) fmt::print(stderr, "strata: the plan is not valid on --cluster {}: no predicted op times\n",
                                      op_cluster->name);
         }
-        op_rows = op_table(r.ops, layers, predicted ? &d.layer_ops : nullptr);
+        op_rows = op_table(r.ops, r.op_steps * plan.microbatches(), predicted ? &d.layer_ops : nullptr);
         Json rows = Json::array();
         for (const OpRow& x : op_rows)
           rows.push_back({{"phase", x.phase}, {"op", x.op}, {"per", x.in_layer ? "layer" : "micro_batch"},

@@ -509,7 +509,7 @@ Buf layer_backward(const ModelCtx& c, const UnitView& u, int64_t l, LayerActs* a
       if (c.flash ? a->lse.empty() : a->probs.empty()) {  // selective recompute: the core's forward again
         const double t0 = c.now(), cp0 = c.cp_comm_s ? *c.cp_comm_s : 0.0;
         const OpPhase phase(c.ops, "recompute");
-        const OpScope op(c.ops, "core_attention");
+        const OpScope op(c.ops, c.flash ? "flash_attention" : "core_attention");
         Buf again = c.f32(N * At * D);
         if (c.flash) a->lse = c.f32(c.B * At * c.S);
         else a->probs = c.act(c.B * At * c.S * Sg);

@@ -3,6 +3,7 @@
 #include <cmath>
 #include <cstring>
 #include <stdexcept>
+#include <utility>
 
 #include <fmt/format.h>
 
@@ -18,13 +19,22 @@ void OpLog::begin(const char* op) {
   open_.push_back(static_cast<int>(regions_.size()) - 1);
 }
 
-void OpLog::end() {
-  if (open_.empty()) throw std::logic_error("OpLog::end without a region open");
-  regions_[static_cast<size_t>(open_.back())].end = be_->mark();
+// Called from OpScope's destructor: never throws. A stamp that fails (a GPU's error
+// surfacing at the event record) closes the region empty, and step_done throws it.
+void OpLog::end() noexcept {
+  if (open_.empty()) return;
+  Region& r = regions_[static_cast<size_t>(open_.back())];
   open_.pop_back();
+  try {
+    r.end = be_->mark();
+  } catch (...) {
+    r.end = r.begin;
+    if (!failed_) failed_ = std::current_exception();
+  }
 }
 
 void OpLog::step_done(bool count) {
+  if (failed_) std::rethrow_exception(std::exchange(failed_, nullptr));
   if (!open_.empty()) throw std::logic_error("OpLog::step_done with a region still open");
   std::vector<double> own(regions_.size(), 0.0);
   for (size_t i = 0; i < regions_.size(); ++i) {
@@ -63,7 +73,7 @@ std::string executor_op_name(const std::string& model_op) {
   return model_op;
 }
 
-std::vector<OpRow> op_table(const std::vector<OpLog::Row>& rows, int64_t layers,
+std::vector<OpRow> op_table(const std::vector<OpLog::Row>& rows, int64_t micro_batches,
                             const std::vector<OpCost>* predicted) {
   auto layer_runs = [&](const std::string& phase) {
     int64_t n = 0;
@@ -71,7 +81,7 @@ std::vector<OpRow> op_table(const std::vector<OpLog::Row>& rows, int64_t layers,
       if (r.in_layer && r.op == kOtherOp && r.phase == phase) n += r.calls;
     return n;
   };
-  const int64_t backward_runs = layer_runs("backward"), forward_runs = layer_runs("forward");
+  const int64_t backward_runs = layer_runs("backward");
   std::vector<OpRow> out;
   for (const OpLog::Row& r : rows) {
     OpRow o;
@@ -80,7 +90,7 @@ std::vector<OpRow> op_table(const std::vector<OpLog::Row>& rows, int64_t layers,
     o.in_layer = r.in_layer;
     int64_t runs = r.in_layer ? layer_runs(r.phase) : 0;
     if (r.in_layer && runs == 0) runs = backward_runs;  // selective recompute, inside the backward
-    if (!r.in_layer) runs = layers > 0 ? forward_runs / layers : 0;  // the micro-batches
+    if (!r.in_layer) runs = micro_batches;
     o.measured_s = runs > 0 ? r.seconds / static_cast<double>(runs) : std::numeric_limits<double>::quiet_NaN();
     if (predicted && r.in_layer) {
       double sum = 0;

@@ -9,6 +9,7 @@
 #pragma once
 
 #include <cstdint>
+#include <exception>
 #include <limits>
 #include <string>
 #include <vector>
@@ -23,7 +24,7 @@ class OpLog {
   explicit OpLog(Backend* be) : be_(be) {}
   // Opens a region inside the one open (if any), in the current phase; closes the newest.
   void begin(const char* op);
-  void end();
+  void end() noexcept;
   // "forward", "backward" or "recompute": the phase of the regions opened from now on.
   const char* phase() const { return phase_; }
   void set_phase(const char* phase) { phase_ = phase; }
@@ -52,6 +53,7 @@ class OpLog {
   std::vector<int> open_;
   std::vector<Row> rows_;
   int64_t steps_ = 0;
+  std::exception_ptr failed_;  // a stamp that failed in end(), thrown by step_done
 };
 
 // The region of one op for the scope's life; nothing when the context keeps no log (or
@@ -97,7 +99,7 @@ std::string executor_op_name(const std::string& model_op);
 // (its own seconds over the layer runs of its phase, counted by the "other" rows; a
 // recompute inside the backward, selective recompute's, over the backward's), or of what
 // runs outside the layers (the embedding, the output layer, their collectives) per
-// micro-batch (over the forward's layer runs divided by the layers: the micro-batches).
+// micro-batch (over the micro-batches of the counted steps).
 // predicted_s: the cost model's layer ops of the same phase and executor_op_name summed
 // (compute ops and tensor- or context-parallel collectives, before overlap); NaN where it
 // has none or none was given.
@@ -107,8 +109,8 @@ struct OpRow {
   double measured_s = 0;
   double predicted_s = std::numeric_limits<double>::quiet_NaN();
 };
-// layers: the layers this rank runs per micro-batch (its stage's).
-std::vector<OpRow> op_table(const std::vector<OpLog::Row>& rows, int64_t layers,
+// micro_batches: those the counted steps ran (steps x micro-batches per step).
+std::vector<OpRow> op_table(const std::vector<OpLog::Row>& rows, int64_t micro_batches,
                             const std::vector<OpCost>* predicted);
 // The table as strata train --ops prints it.
 std::string format_op_table(const std::vector<OpRow>& table, int64_t steps, bool with_predicted);

@@ -216,7 +216,7 @@ try:
     out = []
     for ph in ("forward", "backward"):
         lay = [r for r in rows if r["per"] == "layer" and r["phase"] == ph]
-        m = sum(r["measured_s"] for r in lay)
+        m = sum(r["measured_s"] or 0 for r in lay)
         p = sum(r["predicted_s"] or 0 for r in lay)
         gaps = [r for r in lay if r["predicted_s"] is not None]
         worst = max(gaps, key=lambda r: abs(r["predicted_s"] - r["measured_s"])) if gaps else None
