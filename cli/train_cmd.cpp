@@ -184,7 +184,8 @@ int cmd_train(const std::vector<std::string>& argv) {
           if (!predicted) fmt::print(stderr, "strata: the plan is not valid on --cluster {}: no predicted op times\n",
                                      op_cluster->name);
         }
-        op_rows = op_table(r.ops, r.op_steps * plan.microbatches(), predicted ? &d.layer_ops : nullptr);
+        const OpPredictions pred{&d.layer_ops, &d.embedding_ops, &d.head_ops};
+        op_rows = op_table(r.ops, r.op_steps * plan.microbatches(), predicted ? &pred : nullptr);
         Json rows = Json::array();
         for (const OpRow& x : op_rows)
           rows.push_back({{"phase", x.phase}, {"op", x.op}, {"per", x.in_layer ? "layer" : "micro_batch"},

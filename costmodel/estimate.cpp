@@ -332,8 +332,11 @@ Estimate estimate_once(const ModelSpec& m, const Cluster& cl, const Plan& p, con
   LayerCost plain = layer;
   if (p.recompute == Recompute::full && p.recompute_layers > 0)
     plain = opt.pre.plain_layer ? *opt.pre.plain_layer : layer_cost(m, cl, p.without_recompute(), cs);
-  const LayerCost emb = opt.pre.embedding ? *opt.pre.embedding : embedding_cost(m, cl, p, cs);
-  const LayerCost head = opt.pre.head ? *opt.pre.head : head_cost(m, cl, p, cs);
+  std::vector<OpCost> embedding_ops, head_ops;
+  const bool end_ops = opt.want_ops && detail;
+  const LayerCost emb = opt.pre.embedding && !end_ops ? *opt.pre.embedding
+                                                      : embedding_cost(m, cl, p, cs, end_ops ? &embedding_ops : nullptr);
+  const LayerCost head = opt.pre.head && !end_ops ? *opt.pre.head : head_cost(m, cl, p, cs, end_ops ? &head_ops : nullptr);
   // A model that mixes dense and MoE layers: its dense layers' costs too (those above are
   // its MoE layers').
   LayerCost dense, dense_plain;
@@ -556,6 +559,8 @@ Estimate estimate_once(const ModelSpec& m, const Cluster& cl, const Plan& p, con
     detail->embedding = emb;
     detail->head = head;
     detail->layer_ops = std::move(layer_ops);
+    detail->embedding_ops = std::move(embedding_ops);
+    detail->head_ops = std::move(head_ops);
     detail->dense_layer = dense;
     detail->dense_plain_layer = dense_plain;
     if (mtp_layer) detail->mtp_layer = *mtp_layer;

@@ -78,6 +78,9 @@ struct EstimateDetail {
   LayerCost layer, embedding, head;
   LayerCost plain_layer;          // a layer partial full recompute leaves alone (= layer otherwise)
   std::vector<OpCost> layer_ops;  // one layer, per micro-batch
+  // The embedding's and the output layer's (with the loss), per micro-batch, where the
+  // layer's are asked for (EstimateOptions::want_ops).
+  std::vector<OpCost> embedding_ops, head_ops;
   // A model mixing dense and MoE layers: its dense layers' (those above are its MoE layers').
   LayerCost dense_layer, dense_plain_layer;
   std::vector<OpCost> dense_layer_ops;

@@ -1,5 +1,6 @@
 #include "executor/op_log.h"
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <stdexcept>
@@ -73,8 +74,25 @@ std::string executor_op_name(const std::string& model_op) {
   return model_op;
 }
 
+namespace {
+// The row of the table an op of the cost model falls in: a collective in its term's, any
+// other op in its executor name's (within a layer) or in `region`'s (outside).
+std::string row_of(const OpCost& c, const char* region) {
+  if (c.kind == OpKind::tp_comm) return "tp_comm";
+  if (c.kind == OpKind::cp_comm) return "cp_comm";
+  if (c.kind != OpKind::gemm && c.kind != OpKind::memory) return "";
+  return region ? std::string(region) : executor_op_name(c.name);
+}
+}  // namespace
+
 std::vector<OpRow> op_table(const std::vector<OpLog::Row>& rows, int64_t micro_batches,
-                            const std::vector<OpCost>* predicted) {
+                            const OpPredictions* predicted) {
+  // Outside the layers, the embedding's and the output layer's ops count where rank 0 ran
+  // them (its table has their rows).
+  auto ran = [&](const char* op) {
+    return std::any_of(rows.begin(), rows.end(), [&](const OpLog::Row& r) { return !r.in_layer && r.op == op; });
+  };
+  const bool ran_embedding = ran("embedding"), ran_head = ran("output_layer");
   auto layer_runs = [&](const std::string& phase) {
     int64_t n = 0;
     for (const OpLog::Row& r : rows)
@@ -92,16 +110,22 @@ std::vector<OpRow> op_table(const std::vector<OpLog::Row>& rows, int64_t micro_b
     if (r.in_layer && runs == 0) runs = backward_runs;  // selective recompute, inside the backward
     if (!r.in_layer) runs = micro_batches;
     o.measured_s = runs > 0 ? r.seconds / static_cast<double>(runs) : std::numeric_limits<double>::quiet_NaN();
-    if (predicted && r.in_layer) {
+    if (predicted) {
       double sum = 0;
       bool any = false;
-      for (const OpCost& c : *predicted) {
-        const bool comm = c.kind == OpKind::tp_comm || c.kind == OpKind::cp_comm;
-        const std::string name = comm ? (c.kind == OpKind::tp_comm ? "tp_comm" : "cp_comm") : executor_op_name(c.name);
-        if (std::string(to_string(c.phase)) != r.phase || name != r.op) continue;
-        if (!comm && c.kind != OpKind::gemm && c.kind != OpKind::memory) continue;
-        sum += c.time_s;
-        any = true;
+      auto add = [&](const std::vector<OpCost>* ops, const char* region) {
+        if (!ops) return;
+        for (const OpCost& c : *ops) {
+          if (to_string(c.phase) != r.phase || row_of(c, region) != r.op) continue;
+          sum += c.time_s;
+          any = true;
+        }
+      };
+      if (r.in_layer) {
+        add(predicted->layer, nullptr);
+      } else {
+        if (ran_embedding) add(predicted->embedding, "embedding");
+        if (ran_head) add(predicted->head, "output_layer");
       }
       if (any) o.predicted_s = sum;
     }

@@ -100,18 +100,27 @@ std::string executor_op_name(const std::string& model_op);
 // recompute inside the backward, selective recompute's, over the backward's), or of what
 // runs outside the layers (the embedding, the output layer, their collectives) per
 // micro-batch (over the micro-batches of the counted steps).
-// predicted_s: the cost model's layer ops of the same phase and executor_op_name summed
-// (compute ops and tensor- or context-parallel collectives, before overlap); NaN where it
-// has none or none was given.
+// predicted_s: the cost model's ops of the same phase summed (compute ops and tensor- or
+// context-parallel collectives, before overlap): in a layer, its layer ops under that
+// executor_op_name; outside, the embedding's compute ops for "embedding", the output
+// layer's (final norm, logits, loss) for "output_layer", and the collectives of those of
+// the two that rank 0 ran for "tp_comm" / "cp_comm". NaN where it has none or none was given.
 struct OpRow {
   std::string phase, op;
   bool in_layer = false;
   double measured_s = 0;
   double predicted_s = std::numeric_limits<double>::quiet_NaN();
 };
+// The cost model's ops for a table (EstimateDetail's, per micro-batch): one layer's, the
+// embedding's and the output layer's.
+struct OpPredictions {
+  const std::vector<OpCost>* layer = nullptr;
+  const std::vector<OpCost>* embedding = nullptr;
+  const std::vector<OpCost>* head = nullptr;
+};
 // micro_batches: those the counted steps ran (steps x micro-batches per step).
 std::vector<OpRow> op_table(const std::vector<OpLog::Row>& rows, int64_t micro_batches,
-                            const std::vector<OpCost>* predicted);
+                            const OpPredictions* predicted);
 // The table as strata train --ops prints it.
 std::string format_op_table(const std::vector<OpRow>& table, int64_t steps, bool with_predicted);
 

@@ -24,6 +24,7 @@
 #include "executor/gpt.h"
 #include "executor/layers_ref.h"
 #include "executor/memory_tracker.h"
+#include "executor/op_log.h"
 #include "executor/param_layout.h"
 #include "executor/process_grid.h"
 #include "executor/zero.h"
@@ -865,6 +866,56 @@ TEST(Zero, AdamWStepByHand) {
   EXPECT_NEAR(learning_rate(9, 10, 100, 1.0, 0.1), 1.0, 1e-12);
   EXPECT_NEAR(learning_rate(55, 10, 100, 1.0, 0.1), 0.55, 1e-12);  // half way down the cosine
   EXPECT_NEAR(learning_rate(100, 10, 100, 1.0, 0.1), 0.1, 1e-12);
+}
+
+// The per-op table's predictions, by hand. Rank 0's rows: a layer's qkv and its own time,
+// the embedding and a tensor-parallel collective outside the layers (no output layer: a
+// first pipeline stage). Two micro-batches per counted step, two layer runs per phase.
+TEST(OpTable, PredictionsInsideAndOutsideTheLayers) {
+  using R = OpLog::Row;
+  const std::vector<R> rows = {{"forward", "other", true, 2, 0.002},  {"forward", "qkv", true, 2, 0.010},
+                               {"forward", "embedding", false, 2, 0.004}, {"forward", "tp_comm", false, 2, 0.001},
+                               {"backward", "other", true, 2, 0.004}, {"backward", "embedding", false, 2, 0.006}};
+  auto op = [](const char* name, Phase ph, OpKind k, double t) { return OpCost{name, ph, k, 0, 0, t, t}; };
+  const std::vector<OpCost> layer = {op("qkv", Phase::forward, OpKind::gemm, 0.004),
+                                     op("tp_all_reduce", Phase::forward, OpKind::tp_comm, 1.0)};
+  const std::vector<OpCost> embedding = {op("embedding", Phase::forward, OpKind::memory, 0.0015),
+                                         op("embedding_dropout", Phase::forward, OpKind::memory, 0.0005),
+                                         op("tp_all_reduce", Phase::forward, OpKind::tp_comm, 0.0003),
+                                         op("embedding", Phase::backward, OpKind::memory, 0.002),
+                                         op("dp_thing", Phase::backward, OpKind::dp_comm, 9.0)};
+  // The output layer's ops count only where rank 0 ran it: not here.
+  const std::vector<OpCost> head = {op("lm_head", Phase::forward, OpKind::gemm, 7.0),
+                                    op("ce_all_reduce", Phase::forward, OpKind::tp_comm, 7.0)};
+  const OpPredictions pred{&layer, &embedding, &head};
+  const std::vector<OpRow> t = op_table(rows, 2, &pred);
+  ASSERT_EQ(t.size(), rows.size());
+  auto at = [&](const char* phase, const char* name, bool in_layer) {
+    for (const OpRow& r : t)
+      if (r.phase == phase && r.op == name && r.in_layer == in_layer) return r;
+    ADD_FAILURE() << phase << " " << name;
+    return OpRow{};
+  };
+  EXPECT_DOUBLE_EQ(at("forward", "qkv", true).measured_s, 0.005);  // 10 ms over 2 layer runs
+  EXPECT_DOUBLE_EQ(at("forward", "qkv", true).predicted_s, 0.004);
+  EXPECT_TRUE(std::isnan(at("forward", "other", true).predicted_s));
+  EXPECT_DOUBLE_EQ(at("forward", "embedding", false).measured_s, 0.002);  // 4 ms over 2 micro-batches
+  EXPECT_DOUBLE_EQ(at("forward", "embedding", false).predicted_s, 0.002);   // 1.5 + 0.5 ms
+  EXPECT_DOUBLE_EQ(at("forward", "tp_comm", false).predicted_s, 0.0003);    // the embedding's only
+  EXPECT_DOUBLE_EQ(at("backward", "embedding", false).predicted_s, 0.002);  // no data-parallel term
+  // With the output layer on rank 0 its ops join the rows outside.
+  std::vector<R> last = rows;
+  last.push_back({"forward", "output_layer", false, 2, 0.02});
+  const std::vector<OpRow> t2 = op_table(last, 2, &pred);
+  for (const OpRow& r : t2) {
+    if (r.op == "output_layer") {
+      EXPECT_DOUBLE_EQ(r.predicted_s, 7.0);
+    } else if (r.op == "tp_comm" && !r.in_layer) {
+      EXPECT_DOUBLE_EQ(r.predicted_s, 7.0003);
+    }
+  }
+  // Without predictions, none.
+  for (const OpRow& r : op_table(rows, 2, nullptr)) EXPECT_TRUE(std::isnan(r.predicted_s)) << r.op;
 }
 
 TEST(Zero, FlagsPackedAsBits) {

@@ -311,6 +311,7 @@ TEST(TrainOutput, OpTimesNameTheCostModelsOps) {
     strata::EstimateDetail d;
     ASSERT_TRUE(strata::estimate(m, cl, strata::load_plan(plan), eo, &d).valid) << plan;
     std::map<std::string, std::set<std::string>> model_ops, timed_ops;
+    std::set<std::string> outside;
     for (const strata::OpCost& c : d.layer_ops)
       if (c.kind == strata::OpKind::gemm || c.kind == strata::OpKind::memory)
         model_ops[strata::to_string(c.phase)].insert(strata::executor_op_name(c.name));
@@ -318,12 +319,25 @@ TEST(TrainOutput, OpTimesNameTheCostModelsOps) {
       const std::string phase = row["phase"], op = row["op"];
       ASSERT_TRUE(row["measured_s"].is_number()) << plan << " " << phase << " " << op;
       EXPECT_GE(row["measured_s"].get<double>(), 0.0) << plan << " " << phase << " " << op;
-      if (row["per"] != "layer" || op == strata::kOtherOp || op == "tp_comm" || op == "cp_comm") continue;
+      if (row["per"] != "layer") {
+        // Outside the layers: the embedding and the output layer (with the loss) are costed
+        // too, where rank 0 runs them.
+        if (op == "embedding" || op == "output_layer") {
+          outside.insert(phase + " " + op);
+          EXPECT_TRUE(row["predicted_s"].is_number()) << plan << ": no prediction for " << phase << " " << op;
+        }
+        continue;
+      }
+      if (op == strata::kOtherOp || op == "tp_comm" || op == "cp_comm") continue;
       timed_ops[phase].insert(op);
       EXPECT_TRUE(row["predicted_s"].is_number()) << plan << ": no prediction for " << phase << " " << op;
     }
     EXPECT_GE(model_ops["forward"].size(), 8u) << plan;
     EXPECT_EQ(timed_ops, model_ops) << plan;
+    // Rank 0 holds the embedding, and the output layer unless the pipeline has two stages.
+    std::set<std::string> expect = {"forward embedding", "backward embedding"};
+    if (plan.find("pp=2") == std::string::npos) expect.insert({"forward output_layer", "backward output_layer"});
+    EXPECT_EQ(outside, expect) << plan;
   }
   const TrainRun bad = train("tiny-gpt", "mbs=2,gbs=2", 1, "--seq-length 32 --cluster local-cpu");
   EXPECT_EQ(bad.rc, 2);

@@ -512,21 +512,50 @@ class CpuBackend final : public Backend {
     }
   }
 
+  // The loss over the logits runs once per vocabulary entry and token (50,304 per token for
+  // GPT-2): a row's max and its sum of exponentials in kLanes independent lanes (each lane
+  // the same elements in the same order on every run, so the same bits; a single running
+  // sum is a chain of dependent adds, one per entry), and the exponentials vectorised as in
+  // softmax_causal. Max is exact in any order; a NaN logit makes the loss NaN either way.
+  static constexpr int64_t kLanes = 16;
+  static float lane_sum(const float* x, int64_t n) {
+    float acc[kLanes] = {};
+    int64_t j = 0;
+    for (; j + kLanes <= n; j += kLanes)
+      for (int64_t k = 0; k < kLanes; ++k) acc[k] += x[j + k];
+    for (int64_t k = 0; j < n; ++j, ++k) acc[k] += x[j];
+    float sum = 0;
+    for (int64_t k = 0; k < kLanes; ++k) sum += acc[k];
+    return sum;
+  }
   void cross_entropy_max(float* mx, const float* z, int64_t N, int64_t Vt) override {
-    for (int64_t i = 0; i < N; ++i) mx[i] = *std::max_element(z + i * Vt, z + (i + 1) * Vt);
+    for (int64_t i = 0; i < N; ++i) {
+      const float* row = z + i * Vt;
+      if (Vt < kLanes) {
+        mx[i] = *std::max_element(row, row + Vt);
+        continue;
+      }
+      float acc[kLanes];
+      std::copy(row, row + kLanes, acc);
+      int64_t j = kLanes;
+      for (; j + kLanes <= Vt; j += kLanes)
+        for (int64_t k = 0; k < kLanes; ++k) acc[k] = std::max(acc[k], row[j + k]);
+      float m = *std::max_element(acc, acc + kLanes);
+      for (; j < Vt; ++j) m = std::max(m, row[j]);
+      mx[i] = m;
+    }
   }
   void cross_entropy_exp_sum(float* st, float* z, const float* mx, const int32_t* targets, int64_t N, int64_t Vt,
                              int64_t lo) override {
+    thread_local Eigen::ArrayXf e;  // aligned (see softmax_causal)
+    if (e.size() < Vt) e.resize(Vt);
     for (int64_t i = 0; i < N; ++i) {
       const int64_t tg = targets[i];
       float* row = z + i * Vt;
       st[2 * i + 1] = tg >= lo && tg < lo + Vt ? row[tg - lo] - mx[i] : 0.0f;
-      float sum = 0;
-      for (int64_t j = 0; j < Vt; ++j) {
-        row[j] = std::exp(row[j] - mx[i]);
-        sum += row[j];
-      }
-      st[2 * i] = sum;
+      e.head(Vt) = (CAMap(row, Vt) - mx[i]).exp();
+      AMap(row, Vt) = e.head(Vt);
+      st[2 * i] = lane_sum(e.data(), Vt);
     }
   }
   void cross_entropy_normalise(float* z, const float* st, int64_t N, int64_t Vt) override {
