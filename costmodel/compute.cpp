@@ -113,6 +113,12 @@ double memory_time(const Device& dev, double bytes) {
   return std::max(t, dev.kernel_launch_s);
 }
 
+double memory_time(const Device& dev, double bytes, MemKind kind) {
+  if (bytes <= 0) return 0;
+  const double t = bytes / (dev.memory_bandwidth_bytes_per_s * dev.memory_curve(kind).at(bytes));
+  return std::max(t, dev.kernel_launch_s);
+}
+
 ComputeSetup compute_setup(const ModelSpec& m, const Cluster& cl, const Plan& p) {
   ComputeSetup cs;
   cs.stack = resolve_stack(m, cl, p);
@@ -180,7 +186,7 @@ struct Acc {
       return value[i] = f();
     }
   };
-  Memo gemm_memo, memory_memo;
+  Memo gemm_memo, memory_memo, kind_memo[kMemKinds];
 
   Acc(const ModelSpec& m_, const Cluster& cl_, const Plan& p_, const ComputeSetup& cs_, std::vector<OpCost>* ops_)
       : m(m_), cl(cl_), p(p_), cs(cs_), ops(ops_) {
@@ -294,8 +300,12 @@ struct Acc {
     t += w;
     return t;
   }
-  double mem(const char* name, Phase ph, double bytes) {
-    const double t = memory_s(bytes);
+  // A memory-bound op; of `kind` (MemKind), at that kind's curve where the device has one.
+  double mem(const char* name, Phase ph, double bytes, MemKind kind = MemKind::generic) {
+    const int k = static_cast<int>(kind);
+    const double t = k == 0 || cl.device.kernel_efficiency[k].empty()
+                         ? memory_s(bytes)
+                         : kind_memo[k](bytes, [&] { return memory_time(cl.device, bytes, kind); });
     w(ph).compute_s += t;
     if (ops) record(name, ph, OpKind::memory, 0, bytes, t, t);
     return t;
@@ -584,8 +594,8 @@ SixteenBitPasses sixteen_bit_passes(const Acc& a) {
 }
 
 // One memory-bound pass per tensor, `bytes_per_value` each.
-void passes(Acc& a, const char* name, Phase ph, const Tensors& ts, double bytes_per_value) {
-  for (int i = 0; i < ts.count; ++i) a.mem(name, ph, bytes_per_value * ts.values[static_cast<size_t>(i)]);
+void passes(Acc& a, const char* name, Phase ph, const Tensors& ts, double bytes_per_value, MemKind kind) {
+  for (int i = 0; i < ts.count; ++i) a.mem(name, ph, bytes_per_value * ts.values[static_cast<size_t>(i)], kind);
 }
 
 // The MoE block after norm2 (Megatron-core's MoE layer with the all-to-all dispatcher),
@@ -719,7 +729,7 @@ void moe_forward(Acc& a, Phase ph) {
   if (m.Fs > 0) {  // the shared expert: a dense MLP of Fs
     a.block_gather("sp_all_gather", ph, T, z.fs1, H, false);
     a.linear("shared_fc1", ph, T, z.fs1, H);
-    a.mem(to_string(m.activation), ph, (m.gated() ? 3.0 : 2.0) * e * T * z.Fst);
+    a.mem(to_string(m.activation), ph, (m.gated() ? 3.0 : 2.0) * e * T * z.Fst, MemKind::activation);
     a.linear("shared_fc2", ph, T, H, z.Fst);
     a.block_reduce(p.sp ? "sp_reduce_scatter" : "tp_all_reduce", ph, T, H, z.Fst);
   }
@@ -730,7 +740,7 @@ void moe_forward(Acc& a, Phase ph) {
   if (p.expert_tp() > 1 && p.moe_dispatcher != MoeDispatcher::allgather)
     a.comm("moe_tp_all_gather", ph, OpKind::tp_comm, a.etp, Collective::all_gather, e * z.arriving * H);
   a.grouped_linear("expert_fc1", ph, z.local, z.per_expert, z.fc1, H);
-  a.mem(to_string(m.activation), ph, (m.gated() ? 3.0 : 2.0) * e * z.arriving * z.Ft);
+  a.mem(to_string(m.activation), ph, (m.gated() ? 3.0 : 2.0) * e * z.arriving * z.Ft, MemKind::activation);
   a.grouped_linear("expert_fc2", ph, z.local, z.per_expert, H, z.Ft);
   if (p.expert_tp() > 1 && p.moe_dispatcher != MoeDispatcher::allgather)
     a.comm("moe_tp_reduce_scatter", ph, OpKind::tp_comm, a.etp, Collective::reduce_scatter, e * z.arriving * H);
@@ -750,7 +760,7 @@ void moe_backward(Acc& a) {
   if (p.expert_tp() > 1 && p.moe_dispatcher != MoeDispatcher::allgather)
     a.comm("moe_tp_all_gather", ph, OpKind::tp_comm, a.etp, Collective::all_gather, e * z.arriving * H);
   a.grouped_linear("expert_fc2", ph, z.local, z.per_expert, H, z.Ft);
-  a.mem(to_string(m.activation), ph, (m.gated() ? 5.0 : 3.0) * e * z.arriving * z.Ft);
+  a.mem(to_string(m.activation), ph, (m.gated() ? 5.0 : 3.0) * e * z.arriving * z.Ft, MemKind::activation);
   a.grouped_linear("expert_fc1", ph, z.local, z.per_expert, z.fc1, H);
   if (p.expert_tp() > 1 && p.moe_dispatcher != MoeDispatcher::allgather)
     a.comm("moe_tp_reduce_scatter", ph, OpKind::tp_comm, a.etp, Collective::reduce_scatter, e * z.arriving * H);
@@ -762,7 +772,7 @@ void moe_backward(Acc& a) {
   if (m.Fs > 0) {  // as the dense MLP's backward (layer_backward), at the shared expert's sizes
     a.block_gather("sp_all_gather", ph, T, z.Fst, H, false);
     a.linear("shared_fc2", ph, T, H, z.Fst);
-    a.mem(to_string(m.activation), ph, (m.gated() ? 5.0 : 3.0) * e * T * z.Fst);
+    a.mem(to_string(m.activation), ph, (m.gated() ? 5.0 : 3.0) * e * T * z.Fst, MemKind::activation);
     a.block_gather("sp_all_gather", ph, T, H, z.fs1, true);
     a.linear("shared_fc1", ph, T, z.fs1, H);
     a.tp_reduce(p.sp ? "sp_reduce_scatter" : "tp_all_reduce", ph, wgrad_overlap(a, T, z.fs1, H));
@@ -781,7 +791,7 @@ void mla_up_forward(Acc& a, Phase ph) {
   const double ql = static_cast<double>(m.q_lora_rank), kvl = static_cast<double>(m.kv_lora_rank);
   const double rope = ph == Phase::recompute ? 0.0 : static_cast<double>(m.qk_pos_emb_head_dim);
   const double q_cols = static_cast<double>(m.AD()) / t, kv_cols = A / t * static_cast<double>(m.qk_head_dim() + m.Dv());
-  if (ph == Phase::recompute) a.mem("latent_norms", ph, 2.0 * e * Tn * (ql + kvl));
+  if (ph == Phase::recompute) a.mem("latent_norms", ph, 2.0 * e * Tn * (ql + kvl), MemKind::norm);
   if (ql > 0) {
     a.sp_gather_width("sp_all_gather", ph, ql + kvl + rope);
     a.linear("q_up_proj", ph, T, q_cols, ql);
@@ -812,10 +822,10 @@ void mla_projections_forward(Acc& a, Phase ph) {
   const double rope = static_cast<double>(m.qk_pos_emb_head_dim);
   if (ql > 0) {
     a.linear("q_down_proj", ph, Tn, ql, H);
-    a.mem("q_norm", ph, 2.0 * e * Tn * ql);
+    a.mem("q_norm", ph, 2.0 * e * Tn * ql, MemKind::norm);
   }
   a.linear("kv_down_proj", ph, Tn, kvl + rope, H);
-  a.mem("kv_norm", ph, 2.0 * e * Tn * kvl);
+  a.mem("kv_norm", ph, 2.0 * e * Tn * kvl, MemKind::norm);
   mla_up_forward(a, ph);
 }
 
@@ -842,10 +852,10 @@ void mla_projections_backward(Acc& a) {
   // outputs, duplicated.)
   a.tp_reduce_width(a.p.sp ? "sp_reduce_scatter" : "tp_all_reduce", ph, (ql > 0 ? ql : 0.0) + kvl + rope, wgrads);
   if (ql <= 0) a.tp_reduce(a.p.sp ? "sp_reduce_scatter" : "tp_all_reduce", ph, wgrads);
-  a.mem("kv_norm", ph, 3.0 * e * Tn * kvl);
+  a.mem("kv_norm", ph, 3.0 * e * Tn * kvl, MemKind::norm);
   a.linear("kv_down_proj", ph, Tn, kvl + rope, H);
   if (ql > 0) {
-    a.mem("q_norm", ph, 3.0 * e * Tn * ql);
+    a.mem("q_norm", ph, 3.0 * e * Tn * ql, MemKind::norm);
     a.linear("q_down_proj", ph, Tn, ql, H);
   }
 }
@@ -857,7 +867,7 @@ void dense_mlp_forward(Acc& a, Phase ph) {
   const double fc1_cols = static_cast<double>(m.fc1_out()) / t, Ft = static_cast<double>(m.F) / t;
   a.block_gather("sp_all_gather", ph, T, fc1_cols, H, false);
   a.linear("fc1", ph, T, fc1_cols, H);
-  a.mem(to_string(m.activation), ph, (m.gated() ? 3.0 : 2.0) * e * T * Ft);
+  a.mem(to_string(m.activation), ph, (m.gated() ? 3.0 : 2.0) * e * T * Ft, MemKind::activation);
   a.linear("fc2", ph, T, H, Ft);
   a.block_reduce(a.p.sp ? "sp_reduce_scatter" : "tp_all_reduce", ph, T, H, Ft);
 }
@@ -875,7 +885,7 @@ void layer_forward(Acc& a, Phase ph) {
   const Plan& p = a.p;
   const double e = a.cs.work_bytes, T = a.cs.T, Tn = a.cs.Tn, H = static_cast<double>(m.H);
   const double qkv_cols = head_columns(m, p.t, 1, 2);
-  a.mem("norm1", ph, 2.0 * e * Tn * H);
+  a.mem("norm1", ph, 2.0 * e * Tn * H, MemKind::norm);
   if (m.mla()) {
     mla_projections_forward(a, ph);
   } else {
@@ -888,19 +898,19 @@ void layer_forward(Acc& a, Phase ph) {
   a.linear("attn_proj", ph, T, H, proj_in);
   a.block_reduce(p.sp ? "sp_reduce_scatter" : "tp_all_reduce", ph, T, H, proj_in);
   a.mem("bias_dropout_add", ph, dropout_bytes(Tn * H, m.hidden_dropout, a.cs.work_bytes, true));
-  a.mem("norm2", ph, 2.0 * e * Tn * H);
+  a.mem("norm2", ph, 2.0 * e * Tn * H, MemKind::norm);
   if (m.moe()) {
     moe_forward(a, ph);
   } else {
     dense_mlp_forward(a, ph);
   }
   a.mem("bias_dropout_add", ph, dropout_bytes(Tn * H, m.hidden_dropout, a.cs.work_bytes, true));
-  if (a.cs.stack.strata) passes(a, "round16", ph, sixteen_bit_passes(a).forward_rounds, 8.0);
+  if (a.cs.stack.strata) passes(a, "round16", ph, sixteen_bit_passes(a).forward_rounds, 8.0, MemKind::round16);
 }
 
 // After the forward (not its replay): the tensors it keeps packed into 16 bits.
 void pack_kept(Acc& a) {
-  if (a.cs.stack.strata) passes(a, "pack16", Phase::forward, sixteen_bit_passes(a).kept, 6.0);
+  if (a.cs.stack.strata) passes(a, "pack16", Phase::forward, sixteen_bit_passes(a).kept, 6.0, MemKind::generic);
 }
 
 void layer_backward(Acc& a) {
@@ -922,13 +932,13 @@ void layer_backward(Acc& a) {
     a.block_gather("sp_all_gather", ph, T, Ft, H, false);  // backward of the reduce-scatter after fc2, for its dgrad
     a.linear("fc2", ph, T, H, Ft);
     a.mem(to_string(m.activation), ph,
-          (m.gated() ? 5.0 : 3.0) * e * T * Ft);
+          (m.gated() ? 5.0 : 3.0) * e * T * Ft, MemKind::activation);
     // fc1: the sequence-parallel input is gathered again for wgrad, behind dgrad.
     a.block_gather("sp_all_gather", ph, T, H, fc1_cols, true);
     a.linear("fc1", ph, T, fc1_cols, H);
     a.tp_reduce(p.sp ? "sp_reduce_scatter" : "tp_all_reduce", ph, wgrad_overlap(a, T, fc1_cols, H));
   }
-  a.mem("norm2", ph, 3.0 * e * Tn * H);
+  a.mem("norm2", ph, 3.0 * e * Tn * H, MemKind::norm);
   const double mlp_s = a.w(ph).compute_s - compute0;
   // Attention block, in reverse.
   a.mem("bias_dropout_add", ph, (2.0 * e + mask) * Tn * H);
@@ -944,13 +954,13 @@ void layer_backward(Acc& a) {
     a.linear("qkv", ph, T, qkv_cols, H);
     a.tp_reduce(p.sp ? "sp_reduce_scatter" : "tp_all_reduce", ph, wgrad_overlap(a, T, qkv_cols, H));
   }
-  a.mem("norm1", ph, 3.0 * e * Tn * H);
+  a.mem("norm1", ph, 3.0 * e * Tn * H, MemKind::norm);
   if (!a.cs.stack.grad_accumulation_fusion)
     a.mem("grad_accumulation", ph, grad_accumulation_bytes(p.precision, a.cs.grad_bytes) * static_cast<double>(m.layer_params(p.t, p.ep, p.etp)));
   if (!a.cs.stack.strata) return;
   const SixteenBitPasses sb = sixteen_bit_passes(a);
-  passes(a, "unpack16", ph, sb.kept, 6.0);
-  passes(a, "round16", ph, sb.backward_rounds, 8.0);
+  passes(a, "unpack16", ph, sb.kept, 6.0, MemKind::generic);
+  passes(a, "round16", ph, sb.backward_rounds, 8.0, MemKind::round16);
 }
 
 // ZeRO-2/3: a piece of work's gradient of every micro-batch is reduce-scattered into the
@@ -1105,17 +1115,17 @@ LayerCost layer_cost(const ModelSpec& m, const Cluster& cl, const Plan& p, const
   if (p.recomputes(kRecomputeCoreAttn)) attention_core_forward(a, Phase::recompute);
   if (p.recomputes(kRecomputeLayernorm)) {  // both norms' outputs again
     const double bytes = 2.0 * cs.work_bytes * cs.Tn * static_cast<double>(m.H);
-    a.mem("norm1", Phase::recompute, bytes);
-    a.mem("norm2", Phase::recompute, bytes);
+    a.mem("norm1", Phase::recompute, bytes, MemKind::norm);
+    a.mem("norm2", Phase::recompute, bytes, MemKind::norm);
   }
   if (m.moe() && p.recomputes(kRecomputeMoeAct)) {  // the experts' activation function again
     const MoeSizes z = moe_sizes(a);
-    a.mem(to_string(m.activation), Phase::recompute, (m.gated() ? 3.0 : 2.0) * cs.work_bytes * z.arriving * z.Ft);
+    a.mem(to_string(m.activation), Phase::recompute, (m.gated() ? 3.0 : 2.0) * cs.work_bytes * z.arriving * z.Ft, MemKind::activation);
   }
   if (m.mla() && p.recomputes(kRecomputeMlaUpProj)) mla_up_forward(a, Phase::recompute);
   if (!m.moe() && p.recomputes(kRecomputeMlp)) {  // (the pre-MLP norm, fused into fc1 on the modern stack, again)
     if (cs.stack.modern && !p.recomputes(kRecomputeLayernorm))
-      a.mem("norm2", Phase::recompute, 2.0 * cs.work_bytes * cs.Tn * static_cast<double>(m.H));
+      a.mem("norm2", Phase::recompute, 2.0 * cs.work_bytes * cs.Tn * static_cast<double>(m.H), MemKind::norm);
     dense_mlp_forward(a, Phase::recompute);
   }
   layer_backward(a);
@@ -1167,7 +1177,7 @@ void output_and_loss(Acc& a, const char* norm) {
   const double Vt = static_cast<double>(m.padded_vocab(p.t)) / static_cast<double>(p.t);
   const double peak = p.precision == Precision::fp8 ? a.cl.device.peak_bf16_flops : a.cl.device.peak_flops(p.precision);
   const double eb = cs.work_bytes;
-  a.mem(norm, Phase::forward, 2.0 * e * cs.Tn * H);
+  a.mem(norm, Phase::forward, 2.0 * e * cs.Tn * H, MemKind::norm);
   a.tp_gather("sp_all_gather", Phase::forward);
   a.gemm("lm_head", Phase::forward, T, Vt, H, peak, eb);
   // Vocab-parallel cross-entropy on the T x V/t logits; three all-reduces of T floats (max,
@@ -1202,7 +1212,7 @@ void output_and_loss(Acc& a, const char* norm) {
   a.gemm("lm_head", Phase::backward, T, H, Vt, peak, eb);   // dgrad
   a.wgrad("lm_head", Phase::backward, H, Vt, T, peak, eb);  // wgrad
   a.tp_reduce(p.sp ? "sp_reduce_scatter" : "tp_all_reduce", Phase::backward);
-  a.mem(norm, Phase::backward, 3.0 * e * cs.Tn * H);
+  a.mem(norm, Phase::backward, 3.0 * e * cs.Tn * H, MemKind::norm);
 }
 
 // One multi-token prediction module (ModelSpec::mtp_layers; Megatron-core's
@@ -1228,8 +1238,8 @@ void mtp_module(Acc& a, bool first) {
   a.mem("mtp_embedding", Phase::forward, (m.position == Position::learned ? 4.0 : 2.0) * e * T * H);
   a.tp_reduce(p.sp ? "sp_reduce_scatter" : "tp_all_reduce", Phase::forward);
   auto front = [&](Phase ph) {
-    a.mem("mtp_norm", ph, 2.0 * e * Tn * H);  // enorm
-    a.mem("mtp_norm", ph, 2.0 * e * Tn * H);  // hnorm
+    a.mem("mtp_norm", ph, 2.0 * e * Tn * H, MemKind::norm);  // enorm
+    a.mem("mtp_norm", ph, 2.0 * e * Tn * H, MemKind::norm);  // hnorm
     a.mem("mtp_concat", ph, 4.0 * e * Tn * H);
     a.sp_gather_width("sp_all_gather", ph, 2.0 * H);
     a.linear("mtp_eh_proj", ph, T, H / t, 2.0 * H);
@@ -1238,7 +1248,7 @@ void mtp_module(Acc& a, bool first) {
   front(Phase::forward);
   if (p.recompute == Recompute::full && p.recompute_layers == 0) {
     front(Phase::recompute);
-    a.mem("mtp_final_norm", Phase::recompute, 2.0 * e * Tn * H);
+    a.mem("mtp_final_norm", Phase::recompute, 2.0 * e * Tn * H, MemKind::norm);
   }
   output_and_loss(a, "mtp_final_norm");
   a.tp_gather("sp_all_gather", Phase::backward);  // the split onto the sequence shards
@@ -1246,8 +1256,8 @@ void mtp_module(Acc& a, bool first) {
   a.sp_gather_width("sp_all_gather", Phase::backward, 2.0 * H, a.gemm_s(T, 2.0 * H, H / t));
   a.tp_reduce_width(p.sp ? "sp_reduce_scatter" : "tp_all_reduce", Phase::backward, 2.0 * H);
   a.mem("mtp_concat", Phase::backward, 4.0 * e * Tn * H);
-  a.mem("mtp_norm", Phase::backward, 3.0 * e * Tn * H);
-  a.mem("mtp_norm", Phase::backward, 3.0 * e * Tn * H);
+  a.mem("mtp_norm", Phase::backward, 3.0 * e * Tn * H, MemKind::norm);
+  a.mem("mtp_norm", Phase::backward, 3.0 * e * Tn * H, MemKind::norm);
   a.tp_gather("sp_all_gather", Phase::backward);
   a.mem("mtp_embedding", Phase::backward, (e + 2.0 * cs.grad_bytes) * T * H);
   const double eh_params = 2.0 * H * H / t, norms = 3.0 * static_cast<double>(m.final_norm_params());

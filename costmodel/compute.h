@@ -90,6 +90,9 @@ double gemm_time(const Device& dev, double peak_flops, double M, double N, doubl
 double gemm_efficiency(const Device& dev, double peak_flops, double flops);
 // A memory-bound kernel moving `bytes`.
 double memory_time(const Device& dev, double bytes);
+// The same for a kernel of `kind`, at the device's curve for that kind where it has one
+// (Device::memory_curve; `generic` has none: memory_efficiency).
+double memory_time(const Device& dev, double bytes, MemKind kind);
 
 // One transformer layer (per micro-batch, per GPU). `ops` receives the op list if given.
 // With activation offloading (Plan::offload_modules) the layer's offloaded tensors go to

@@ -135,6 +135,14 @@ Cluster cluster_from_json(const Json& j, const std::string& source) {
     c.device.memory_bandwidth_bytes_per_s = d.real("memory_bandwidth_gbps", 1e-3, 1e6) * 1e9;
     c.device.gemm_efficiency = read_curve(d, "gemm_efficiency", 1.0);
     c.device.memory_efficiency = read_curve(d, "memory_efficiency", 1.0);
+    if (d.peek("kernel_efficiency")) {  // (present, even as null: then the type error names it)
+      Fields k(d.object("kernel_efficiency"), d.path_of("kernel_efficiency"));
+      for (int i = 1; i < kMemKinds; ++i) {
+        const char* kind = to_string(static_cast<MemKind>(i));
+        if (k.peek(kind)) c.device.kernel_efficiency[i] = read_curve(k, kind, 1.0);
+      }
+      k.reject_unknown();
+    }
     Fields fa(d.object("flash_attention_efficiency"), d.path_of("flash_attention_efficiency"));
     c.device.flash_fwd_efficiency = fa.real("forward", 1e-3, 1.0);
     c.device.flash_bwd_efficiency = fa.real("backward", 1e-3, 1.0);
@@ -224,6 +232,9 @@ Json cluster_to_json(const Cluster& c) {
         {"overlap_slowdown", c.overlap_slowdown},
         {"software_stack", c.strata_stack ? "strata" : c.modern_stack ? "modern" : "legacy"}}}};
   if (c.processors_per_node > 0) j["processors_per_node"] = c.processors_per_node;
+  for (int i = 1; i < kMemKinds; ++i)
+    if (!d.kernel_efficiency[i].empty())
+      j["device"]["kernel_efficiency"][to_string(static_cast<MemKind>(i))] = curve(d.kernel_efficiency[i]);
   if (c.host.present())
     j["host"] = {{"memory_bytes", c.host.memory_bytes},
                  {"memory_bandwidth_gbps", c.host.memory_bandwidth_bytes_per_s / 1e9},
@@ -250,6 +261,16 @@ Cluster load_cluster(const std::string& name_or_path) {
     throw InputError(fmt::format("--cluster: '{}' is neither a preset ({}) nor a readable file", name_or_path, names));
   }
   return cluster_from_json(read_json_file(name_or_path, "--cluster"), "cluster");
+}
+
+const char* to_string(MemKind k) {
+  switch (k) {
+    case MemKind::generic: return "generic";
+    case MemKind::norm: return "norm";
+    case MemKind::activation: return "activation";
+    case MemKind::round16: return "round16";
+  }
+  return "generic";
 }
 
 }  // namespace strata

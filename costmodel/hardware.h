@@ -59,6 +59,7 @@ class Curve {
     return remember(e, bits, x);  // a miss
   }
   const std::vector<std::pair<double, double>>& points() const { return points_; }
+  bool empty() const { return points_.empty(); }
 
  private:
   // i with points_[i-1].first < x <= points_[i].first (x inside)
@@ -75,6 +76,13 @@ class Curve {
   std::vector<double> slope_;                      // [i]: dy / dlog(x) between points i-1 and i
 };
 
+// The memory-bound ops a profile times on the executor's own kernel, each at its own curve
+// (Device::kernel_efficiency): the norms, the activations and the strata executor's 16-bit
+// rounding pass; anything else `generic` (memory_efficiency).
+enum class MemKind { generic, norm, activation, round16 };
+inline constexpr int kMemKinds = 4;
+const char* to_string(MemKind k);  // "generic", "norm", "activation", "round16"
+
 struct Device {
   std::string name;
   double memory_bytes = 0;
@@ -82,6 +90,14 @@ struct Device {
   double memory_bandwidth_bytes_per_s = 0;
   Curve gemm_efficiency;    // x: FLOPs of one GEMM, y: fraction of peak
   Curve memory_efficiency;  // x: bytes one kernel moves, y: fraction of memory bandwidth
+  // Kinds of memory-bound op that strata profile times on the executor's own kernel, each
+  // its own curve (x: bytes, y: fraction of the bandwidth); an empty one (every preset)
+  // leaves its kind at memory_efficiency.
+  Curve kernel_efficiency[kMemKinds];
+  const Curve& memory_curve(MemKind k) const {
+    const Curve& c = kernel_efficiency[static_cast<int>(k)];  // ([generic] is never set)
+    return k == MemKind::generic || c.empty() ? memory_efficiency : c;
+  }
   // Fractions of the attention's peak: 16-bit (fp8 plans: bf16), or fp32 on the strata stack.
   double flash_fwd_efficiency = 0.5, flash_bwd_efficiency = 0.4;
   double kernel_launch_s = 0;  // the least time any kernel takes

@@ -263,14 +263,16 @@ void Engine::optimizer_step(StepRecord* rec) {
               opt, lr, adam_step_, mul);
   }
   if (o_.fault.at(comm_.rank(), rec->step, FaultInjection::Kind::bitflip)) {
-    // Injected silent data corruption: the lowest mantissa bit of the rank's first owned weight.
+    // Injected silent data corruption: mantissa bit 10 of the rank's first owned weight (a
+    // change of 2^-14 to 2^-13 of it; the lowest bit's 2^-23 can vanish in the rounding of the next
+    // update, which then leaves the replicas alike again).
     for (size_t u = 0; u < lay_.units.size(); ++u) {
       if (sh_.shard[u] == 0) continue;
       float x = 0;
       be_.to_host(&x, master_block(u), 1);
       uint32_t bits = 0;
       std::memcpy(&bits, &x, 4);
-      bits ^= 1u;
+      bits ^= 1u << 10;
       std::memcpy(&x, &bits, 4);
       be_.to_device(master_block(u), &x, 1);
       break;

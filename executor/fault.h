@@ -4,7 +4,7 @@
 // through writing its shard of that step's checkpoint) and slow (the rank sleeps
 // kSlowRankSeconds before its first backward of the step: a straggler, whose peers' waits
 // the executor must count as skew, not communication) and bitflip (after that step's
-// optimizer update the rank flips the lowest mantissa bit of its first weight: silent data
+// optimizer update the rank flips mantissa bit 10 of its first weight: silent data
 // corruption, which the end-of-run replica check must see under plain data parallelism).
 // For nan and slow, STEP may be a range FIRST-LAST or FIRST- (every step from FIRST on), to
 // test K bad steps in a row.

@@ -45,11 +45,21 @@ void adamw_update(float* p, const float* g, float* m, float* v, FlagBits decay, 
 }
 
 void grad_norm_terms(const float* g, FlagBits counted, int64_t n, double acc[2]) {
+  // Eight fixed lanes (element i into lane i % 8, the lanes added in order at the end): the
+  // same bits on every run, without a chain of dependent adds, one per parameter.
+  constexpr int64_t kLanes = 8;
+  double sum[kLanes] = {};
+  int64_t bad = 0;
   for (int64_t i = 0; i < n; ++i) {
     const double x = g[i];
-    if (!std::isfinite(x)) acc[1] += 1;
-    else if (counted[i]) acc[0] += x * x;
+    const bool finite = std::isfinite(x);
+    bad += finite ? 0 : 1;
+    sum[i % kLanes] += finite && counted[i] ? x * x : 0.0;
   }
+  double s = 0;
+  for (int64_t k = 0; k < kLanes; ++k) s += sum[k];
+  acc[0] += s;
+  acc[1] += static_cast<double>(bad);
 }
 
 double learning_rate(int64_t k, int64_t warmup, int64_t total, double lr, double min_lr) {

@@ -221,6 +221,7 @@ double time_kernel(Comm& comm, Backend& be, const MemoryKernel& k, double min_ti
         be.adamw(y.data(), x.data(), m.data(), v.data(), FlagBits{decay.data(), 0}, n, AdamW{}, 1e-4, ++step, 1.0f);
         break;
       }
+      case KernelKind::round16: be.round_to(x.data(), n, Precision::bf16); break;  // (idempotent: the same work each call)
     }
   });
 }
@@ -247,6 +248,7 @@ double kernel_bytes(const MemoryKernel& k) {
     case KernelKind::activation_forward: return (gated ? 3.0 : 2.0) * e * n;
     case KernelKind::activation_backward: return (gated ? 5.0 : 3.0) * e * n;
     case KernelKind::optimizer: return 40.0 * static_cast<double>(k.width);
+    case KernelKind::round16: return 8.0 * n;  // as the cost model charges it (compute.cpp)
   }
   return 0;
 }
@@ -258,6 +260,7 @@ const char* kernel_name(KernelKind k) {
     case KernelKind::activation_forward: return "activation forward";
     case KernelKind::activation_backward: return "activation backward";
     case KernelKind::optimizer: return "optimizer";
+    case KernelKind::round16: return "round16";
   }
   return "?";
 }
@@ -271,6 +274,8 @@ std::vector<MemoryKernel> model_memory_kernels(const ModelSpec& m, int64_t t) {
     for (KernelKind k : {KernelKind::activation_forward, KernelKind::activation_backward})
       out.push_back({k, N, m.F / t, m.normalization, m.activation});
   }
+  for (int64_t B : {1, 2, 4, 8, 16})  // the 16-bit rounding pass over tensors of the hidden and the ffn width
+    for (int64_t width : {m.H, m.F / t}) out.push_back({KernelKind::round16, B * m.S, width, m.normalization, m.activation});
   const int64_t layer = m.layer_params(t), all = std::min<int64_t>(m.total_params() / t, int64_t{1} << 26);
   out.push_back({KernelKind::optimizer, 1, layer, m.normalization, m.activation});
   if (all > 2 * layer) out.push_back({KernelKind::optimizer, 1, all, m.normalization, m.activation});
@@ -486,20 +491,38 @@ ProfileResult run_profile(Comm& comm, Backend& be, const ProfileOptions& o) {
   // busy core held it below one of the executor's kernels).
   double bw = 0;
   for (const auto& [b, r] : res.memory) bw = std::max(bw, r);
+  // (The rounding pass too, in place on buffers a cache may hold: where it beats STREAM add
+  // the bandwidth is its rate, every efficiency below relative to it, and the times alike.)
   for (const auto& k : res.kernels) bw = std::max(bw, k.bytes_per_s);
   // The efficiency curve is that of the kernels training runs (STREAM add gives the peak):
   // points at the same size are averaged.
-  std::vector<std::pair<double, double>> me;
-  std::vector<std::pair<double, double>> kp;
-  for (const auto& k : res.kernels) kp.push_back({k.bytes, k.bytes_per_s / bw});
-  std::sort(kp.begin(), kp.end());
-  for (size_t i = 0; i < kp.size();) {
-    size_t j = i;
-    double sum = 0;
-    while (j < kp.size() && kp[j].first <= kp[i].first * 1.01) sum += kp[j++].second;
-    me.push_back({kp[i].first, sum / static_cast<double>(j - i)});
-    i = j;
-  }
+  // Points of the kernels `of` selects, sorted by size, those within 1 % of a size averaged.
+  auto curve_of = [&](auto&& of) {
+    std::vector<std::pair<double, double>> kp, out;
+    for (const auto& k : res.kernels)
+      if (of(k.kernel.kind)) kp.push_back({k.bytes, k.bytes_per_s / bw});
+    std::sort(kp.begin(), kp.end());
+    for (size_t i = 0; i < kp.size();) {
+      size_t j = i;
+      double sum = 0;
+      while (j < kp.size() && kp[j].first <= kp[i].first * 1.01) sum += kp[j++].second;
+      out.push_back({kp[i].first, std::clamp(sum / static_cast<double>(j - i), 1e-6, 1.0)});
+      i = j;
+    }
+    return out;
+  };
+  // The generic curve: the norm, activation and optimizer kernels together (what any other
+  // memory-bound op is charged at); and each kind's own (Device::kernel_efficiency).
+  using K = KernelKind;
+  std::vector<std::pair<double, double>> me =
+      curve_of([](K k) { return k != K::round16; });
+  auto kind_curve = [&](MemKind mk, auto&& of) {
+    const auto pts = curve_of(of);
+    if (!pts.empty()) c.device.kernel_efficiency[static_cast<int>(mk)] = Curve(pts);
+  };
+  kind_curve(MemKind::norm, [](K k) { return k == K::norm_forward || k == K::norm_backward; });
+  kind_curve(MemKind::activation, [](K k) { return k == K::activation_forward || k == K::activation_backward; });
+  kind_curve(MemKind::round16, [](K k) { return k == K::round16; });
   if (me.empty())
     for (const auto& [b, r] : res.memory) me.push_back({b, r / bw});
   c.device.memory_bandwidth_bytes_per_s = bw;

@@ -33,7 +33,9 @@ std::vector<GemmShape> model_gemm_shapes(const ModelSpec& m, int64_t t);
 // A memory-bound kernel of the executor, measured at a size training runs it: norm and
 // activation forward / backward over (rows, width), or the optimizer step (gradient norm
 // terms + AdamW) over `width` parameters.
-enum class KernelKind { norm_forward, norm_backward, activation_forward, activation_backward, optimizer };
+// The executor's memory-bound kernels the profile times: the norms and activations, the
+// optimizer step, and the strata stack's 16-bit rounding pass.
+enum class KernelKind { norm_forward, norm_backward, activation_forward, activation_backward, optimizer, round16 };
 struct MemoryKernel {
   KernelKind kind = KernelKind::norm_forward;
   int64_t rows = 1, width = 0;

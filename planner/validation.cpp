@@ -87,18 +87,27 @@ std::vector<ValidationPlan> choose_validation_plans(const ModelSpec& m, const Cl
 
 Cluster apply_calibration(const Cluster& cl, const Calibration& c) {
   Cluster r = cl;
-  // Scales a curve by k; what would exceed 1 (not a valid efficiency) moves into the peak.
-  auto scaled = [](const Curve& cv, double k, double* peak_factor) {
-    std::vector<std::pair<double, double>> pts = cv.points();
+  // Scales curves by k; what would exceed 1 (not a valid efficiency) moves into the peak,
+  // which the curves share (the memory-bound kernels', generic and by kind).
+  auto scaled = [](std::vector<Curve*> cvs, double k, double* peak_factor) {
+    std::vector<std::vector<std::pair<double, double>>> pts;
     double top = 0;
-    for (auto& pt : pts) top = std::max(top, pt.second *= k);
+    for (Curve* cv : cvs) {
+      pts.push_back(cv->points());
+      for (auto& pt : pts.back()) top = std::max(top, pt.second *= k);
+    }
     *peak_factor = std::max(1.0, top);
-    for (auto& pt : pts) pt.second /= *peak_factor;
-    return Curve(pts);
+    for (size_t i = 0; i < cvs.size(); ++i) {
+      if (pts[i].empty()) continue;  // (an absent curve stays absent)
+      for (auto& pt : pts[i]) pt.second /= *peak_factor;
+      *cvs[i] = Curve(pts[i]);
+    }
   };
   double fg = 1, fm = 1;
-  r.device.gemm_efficiency = scaled(cl.device.gemm_efficiency, c.gemm, &fg);
-  r.device.memory_efficiency = scaled(cl.device.memory_efficiency, c.memory, &fm);
+  scaled({&r.device.gemm_efficiency}, c.gemm, &fg);
+  std::vector<Curve*> memory_curves = {&r.device.memory_efficiency};
+  for (Curve& k : r.device.kernel_efficiency) memory_curves.push_back(&k);
+  scaled(memory_curves, c.memory, &fm);
   for (double* peak : {&r.device.peak_fp32_flops, &r.device.peak_tf32_flops, &r.device.peak_bf16_flops,
                        &r.device.peak_fp16_flops, &r.device.peak_fp8_flops})
     *peak *= fg;

@@ -491,6 +491,66 @@ double sum_of(const std::vector<OpCost>& ops, const std::string& name, Phase ph,
   return x;
 }
 
+// Memory-bound ops at their kind's curve where the device has one (Device::kernel_efficiency,
+// strata profile's), the generic curve otherwise. round_cluster: 1 TB/s; here the generic
+// curve at 0.1, rounding at 0.25, norms at 0.05 and activations at 0.4. tiny-gpt bf16 on
+// the strata stack, mbs 2 (floats, e = 4, T = 256 tokens, H = 256, F = 1024): the forward's
+// rounding passes move 8 x 1,048,576 bytes (StrataSixteenBitPasses); norm1 2 e T H =
+// 524,288; GELU 2 e T F = 2,097,152.
+TEST(Compute, MemoryBoundOpsAtTheirKindsCurve) {
+  Cluster c = testing::round_cluster();
+  c.strata_stack = true;
+  c.device.memory_efficiency = Curve({{1.0, 0.1}});
+  const ModelSpec m = load_model("tiny-gpt");
+  const Plan p = load_plan("tp=1,mbs=2,precision=bf16");
+  auto time_of = [&](const std::string& name, Phase ph) { return sum_of(layer_ops(m, c, p), name, ph, &OpCost::time_s); };
+  // Without kind curves (every preset): all at the generic curve.
+  EXPECT_DOUBLE_EQ(time_of("round16", Phase::forward), 8.0 * 1048576 / 0.1e12);
+  EXPECT_NEAR(time_of("norm1", Phase::forward), 524288 / 0.1e12, 1e-18);
+  const double bda = time_of("bias_dropout_add", Phase::forward), pack = time_of("pack16", Phase::forward);
+  auto set = [&](MemKind k, double eff) { c.device.kernel_efficiency[static_cast<int>(k)] = Curve({{1.0, eff}}); };
+  set(MemKind::round16, 0.25);
+  set(MemKind::norm, 0.05);
+  set(MemKind::activation, 0.4);
+  EXPECT_NEAR(time_of("round16", Phase::forward), 8.0 * 1048576 / 0.25e12, 1e-18);
+  EXPECT_NEAR(time_of("round16", Phase::backward), 8.0 * 655360 / 0.25e12, 1e-18);
+  EXPECT_NEAR(time_of("norm1", Phase::forward), 524288 / 0.05e12, 1e-18);
+  EXPECT_NEAR(time_of("gelu", Phase::forward), 2097152 / 0.4e12, 1e-18);
+  // Ops of no kind stay at the generic curve (the packing pass also allocates its buffer in
+  // the executor, and the bias-dropout-add draws its mask: not the kernels timed).
+  EXPECT_DOUBLE_EQ(time_of("bias_dropout_add", Phase::forward), bda);
+  EXPECT_DOUBLE_EQ(time_of("pack16", Phase::forward), pack);
+  // Every norm and activation op of every phase, recompute included, at its kind's curve:
+  // GPT (LayerNorm, GELU) and a multi-latent-attention model (RMSNorm, SwiGLU, the latent
+  // norms) under full recompute.
+  const ModelSpec mla = model_from_json(Json::parse(R"({"num_layers":2,"hidden_size":256,"num_attention_heads":4,
+      "vocab_size":512,"seq_length":128,"activation":"swiglu","ffn_hidden_size":512,"multi_latent_attention":true,
+      "q_lora_rank":64,"kv_lora_rank":32,"qk_head_dim":32,"qk_pos_emb_head_dim":16,"v_head_dim":32})"), "model");
+  for (const auto& [model, plan] : {std::pair<const ModelSpec*, const char*>{&m, "tp=1,mbs=2,precision=bf16,recompute=full"},
+                                    {&mla, "tp=2,sp=1,mbs=2,precision=bf16,recompute=full"},
+                                    {&mla, "tp=2,sp=1,mbs=2,precision=bf16,recompute=selective"}}) {
+    int norms = 0, acts = 0;
+    for (const OpCost& o : layer_ops(*model, c, load_plan(plan))) {
+      if (o.kind != OpKind::memory) continue;
+      const bool norm = o.name.find("norm") != std::string::npos, act = o.name == "gelu" || o.name == "swiglu";
+      if (norm) {
+        ++norms;
+        EXPECT_NEAR(o.time_s, o.bytes / 0.05e12, 1e-18) << plan << " " << o.name;
+      }
+      if (act) {
+        ++acts;
+        EXPECT_NEAR(o.time_s, o.bytes / 0.4e12, 1e-18) << plan << " " << o.name;
+      }
+    }
+    EXPECT_GE(norms, 4) << plan;
+    EXPECT_GE(acts, 2) << plan;
+  }
+  EXPECT_DOUBLE_EQ(memory_time(c.device, 1e6, MemKind::norm), 1e6 / 0.05e12);
+  EXPECT_DOUBLE_EQ(memory_time(c.device, 1e6, MemKind::generic), memory_time(c.device, 1e6));
+  c.device.kernel_efficiency[static_cast<int>(MemKind::norm)] = Curve();
+  EXPECT_DOUBLE_EQ(memory_time(c.device, 1e6, MemKind::norm), memory_time(c.device, 1e6));
+}
+
 // Context parallelism on the strata executor (gpt.cpp): an all-gather of every rank's keys
 // and values before the core, again in the backward (started before the MLP block's
 // backward, behind it) with a reduce-scatter of their gradients (exposed); and its unfused core computes each of its two chunks of S/2c

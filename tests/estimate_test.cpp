@@ -296,6 +296,16 @@ TEST(Estimate, RanksSharingProcessorsComputeFasterWhileOthersIdle) {
   EXPECT_EQ(cluster_to_json(shared)["processors_per_node"], 2);
   EXPECT_FALSE(cluster_to_json(own).contains("processors_per_node"));
   EXPECT_EQ(cluster_from_json(cluster_to_json(shared), "c").processors_per_node, 2);
+  // Kernel kinds' curves (strata profile's) go through the JSON; the presets have none.
+  EXPECT_FALSE(cluster_to_json(own).at("device").contains("kernel_efficiency"));
+  Cluster kinds = own;
+  kinds.device.kernel_efficiency[static_cast<int>(MemKind::round16)] = Curve({{1e3, 0.25}, {1e8, 0.75}});
+  kinds.device.kernel_efficiency[static_cast<int>(MemKind::activation)] = Curve({{1e3, 0.5}});
+  const Cluster back = cluster_from_json(cluster_to_json(kinds), "c");
+  ASSERT_EQ(back.device.kernel_efficiency[static_cast<int>(MemKind::round16)].points().size(), 2u);
+  EXPECT_DOUBLE_EQ(back.device.memory_curve(MemKind::round16).at(1e8), 0.75);
+  EXPECT_DOUBLE_EQ(back.device.memory_curve(MemKind::activation).at(1e3), 0.5);
+  EXPECT_TRUE(back.device.kernel_efficiency[static_cast<int>(MemKind::norm)].empty());
   Cluster four = own;
   four.processors_per_node = 4;
   EXPECT_FALSE(four.shares_processors());

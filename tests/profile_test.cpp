@@ -6,8 +6,10 @@
 #include <sched.h>
 #include <sys/wait.h>
 
+#include <cstdio>
 #include <cstdlib>
 #include <fstream>
+#include <map>
 #include <set>
 #include <sstream>
 #include <string>
@@ -63,6 +65,34 @@ TEST(Profile, TwoRanksTableIsCheckedAndTheProfileLoads) {
   EXPECT_GT(c.device.memory_bandwidth_bytes_per_s, 1e8);
   EXPECT_GT(c.intra.bandwidth_bytes_per_s, 1e7);
   EXPECT_LE(c.device.gemm_efficiency.at(1e12), 1.0);
+  // The norms, the activations and the 16-bit rounding pass each their own curve, as
+  // fractions of the bandwidth. The rounding curve holds what the progress log says was
+  // measured ("round16 ROWSxWIDTH: R GB/s per rank", 8 bytes a value): one point per size,
+  // at rate / bandwidth (points of one size averaged: the hidden and ffn widths can meet).
+  for (MemKind k : {MemKind::norm, MemKind::activation, MemKind::round16})
+    EXPECT_GE(c.device.kernel_efficiency[static_cast<int>(k)].points().size(), 3u) << to_string(k);
+  std::map<double, std::vector<double>> rounds;  // bytes -> rates (bytes/s)
+  {
+    std::istringstream log(slurp(dir + "strata_profile.err"));
+    for (std::string l; std::getline(log, l);) {
+      const size_t at = l.find("round16 ");
+      long long r = 0, w = 0;
+      double gbs = 0;
+      if (at != std::string::npos && std::sscanf(l.c_str() + at, "round16 %lldx%lld: %lf GB/s", &r, &w, &gbs) == 3)
+        rounds[8.0 * static_cast<double>(r) * static_cast<double>(w)].push_back(gbs * 1e9);
+    }
+  }
+  const auto& pts = c.device.kernel_efficiency[static_cast<int>(MemKind::round16)].points();
+  ASSERT_EQ(pts.size(), rounds.size());
+  size_t i = 0;
+  for (const auto& [bytes, rates] : rounds) {
+    double mean = 0;
+    for (double x : rates) mean += x / static_cast<double>(rates.size());
+    EXPECT_DOUBLE_EQ(pts[i].first, bytes);
+    // The log prints one decimal of GB/s.
+    EXPECT_NEAR(pts[i].second * c.device.memory_bandwidth_bytes_per_s, mean, 0.06e9) << bytes;
+    ++i;
+  }
   // The fused attention measured against the GEMM peak (local-cpu's preset says 0.3 / 0.25).
   EXPECT_GT(c.device.flash_fwd_efficiency, 1e-3);
   EXPECT_LE(c.device.flash_fwd_efficiency, 1.0);

@@ -51,6 +51,22 @@ void gemm_checked(bool ta, bool tb, int64_t M, int64_t N, int64_t K, float alpha
 }
 
 constexpr float kEps = 1e-5f;
+
+// sum over j < n of term(j) in double, in kSumLanes fixed lanes (j into lane j % kSumLanes,
+// the lanes added in order at the end): the same bits on every run, and no chain of
+// dependent adds, one per element, for the core to wait on.
+constexpr int64_t kSumLanes = 8;
+template <class Term>
+double sum_in_lanes(int64_t n, Term&& term) {
+  double acc[kSumLanes] = {};
+  int64_t j = 0;
+  for (; j + kSumLanes <= n; j += kSumLanes)
+    for (int64_t k = 0; k < kSumLanes; ++k) acc[k] += term(j + k);
+  for (int64_t k = 0; j < n; ++j, ++k) acc[k] += term(j);
+  double s = 0;
+  for (int64_t k = 0; k < kSumLanes; ++k) s += acc[k];
+  return s;
+}
 constexpr float kGeluK = 0.7978845608028654f;  // sqrt(2/pi)
 
 using CAMap = Eigen::Map<const Eigen::ArrayXf>;
@@ -116,10 +132,9 @@ class CpuBackend final : public Backend {
                          int64_t N, int64_t H) override {
     for (int64_t i = 0; i < N; ++i) {
       const float* xi = x + i * H;
-      double s = 0, s2 = 0;
-      for (int64_t j = 0; j < H; ++j) s += xi[j];
+      const double s = sum_in_lanes(H, [&](int64_t j) { return static_cast<double>(xi[j]); });
       const float mu = static_cast<float>(s / static_cast<double>(H));
-      for (int64_t j = 0; j < H; ++j) s2 += static_cast<double>((xi[j] - mu) * (xi[j] - mu));
+      const double s2 = sum_in_lanes(H, [&](int64_t j) { return static_cast<double>((xi[j] - mu) * (xi[j] - mu)); });
       const float rs = 1.0f / std::sqrt(static_cast<float>(s2 / static_cast<double>(H)) + kEps);
       mean[i] = mu;
       rstd[i] = rs;
@@ -153,8 +168,7 @@ class CpuBackend final : public Backend {
   void rmsnorm_forward(float* out, float* rstd, const float* x, const float* w, int64_t N, int64_t H) override {
     for (int64_t i = 0; i < N; ++i) {
       const float* xi = x + i * H;
-      double s2 = 0;
-      for (int64_t j = 0; j < H; ++j) s2 += static_cast<double>(xi[j] * xi[j]);
+      const double s2 = sum_in_lanes(H, [&](int64_t j) { return static_cast<double>(xi[j] * xi[j]); });
       const float rs = 1.0f / std::sqrt(static_cast<float>(s2 / static_cast<double>(H)) + kEps);
       rstd[i] = rs;
       float* oi = out + i * H;
@@ -513,21 +527,11 @@ class CpuBackend final : public Backend {
   }
 
   // The loss over the logits runs once per vocabulary entry and token (50,304 per token for
-  // GPT-2): a row's max and its sum of exponentials in kLanes independent lanes (each lane
-  // the same elements in the same order on every run, so the same bits; a single running
-  // sum is a chain of dependent adds, one per entry), and the exponentials vectorised as in
-  // softmax_causal. Max is exact in any order; a NaN logit makes the loss NaN either way.
+  // GPT-2): a row's max and its sum of exponentials in fixed lanes (sum_in_lanes: the same
+  // bits on every run, without a chain of dependent adds, one per entry), and the
+  // exponentials vectorised as in softmax_causal. Max is exact in any order; a NaN logit
+  // makes the loss NaN either way.
   static constexpr int64_t kLanes = 16;
-  static float lane_sum(const float* x, int64_t n) {
-    float acc[kLanes] = {};
-    int64_t j = 0;
-    for (; j + kLanes <= n; j += kLanes)
-      for (int64_t k = 0; k < kLanes; ++k) acc[k] += x[j + k];
-    for (int64_t k = 0; j < n; ++j, ++k) acc[k] += x[j];
-    float sum = 0;
-    for (int64_t k = 0; k < kLanes; ++k) sum += acc[k];
-    return sum;
-  }
   void cross_entropy_max(float* mx, const float* z, int64_t N, int64_t Vt) override {
     for (int64_t i = 0; i < N; ++i) {
       const float* row = z + i * Vt;
@@ -555,7 +559,8 @@ class CpuBackend final : public Backend {
       st[2 * i + 1] = tg >= lo && tg < lo + Vt ? row[tg - lo] - mx[i] : 0.0f;
       e.head(Vt) = (CAMap(row, Vt) - mx[i]).exp();
       AMap(row, Vt) = e.head(Vt);
-      st[2 * i] = lane_sum(e.data(), Vt);
+      const float* ex = e.data();
+      st[2 * i] = static_cast<float>(sum_in_lanes(Vt, [&](int64_t j) { return static_cast<double>(ex[j]); }));
     }
   }
   void cross_entropy_normalise(float* z, const float* st, int64_t N, int64_t Vt) override {
