@@ -1177,7 +1177,12 @@ void output_and_loss(Acc& a, const char* norm) {
   const double Vt = static_cast<double>(m.padded_vocab(p.t)) / static_cast<double>(p.t);
   const double peak = p.precision == Precision::fp8 ? a.cl.device.peak_bf16_flops : a.cl.device.peak_flops(p.precision);
   const double eb = cs.work_bytes;
+  // The strata executor in 16-bit precisions rounds the final norm's output (its rows on
+  // this rank) and, in backward, the logit gradients to 16 bits, each in place: their own
+  // `round16` passes, as in the layers (executor/gpt.cpp head_forward, head_backward).
+  const bool rounds16 = cs.stack.strata && p.precision != Precision::fp32;
   a.mem(norm, Phase::forward, 2.0 * e * cs.Tn * H, MemKind::norm);
+  if (rounds16) a.mem("round16", Phase::forward, 8.0 * cs.Tn * H, MemKind::round16);
   a.tp_gather("sp_all_gather", Phase::forward);
   a.gemm("lm_head", Phase::forward, T, Vt, H, peak, eb);
   // Vocab-parallel cross-entropy on the T x V/t logits; three all-reduces of T floats (max,
@@ -1192,12 +1197,11 @@ void output_and_loss(Acc& a, const char* norm) {
   //   that gradient in place (2e).
   // - the strata executor's (executor/cuda/cross_entropy.cu, the CPU backend's alike) on
   //   its fp32 logits: max (4), exponentials written in place with their sum (8), normalised
-  //   in place (8) = 20; backward: the gradient in place (8), rounded to 16 bits in place
-  //   (8, in 16-bit precisions) = 8 or 16.
+  //   in place (8) = 20; backward: the gradient in place (8), then (16-bit precisions) a
+  //   round16 pass of its own.
   const bool fused_ce = cs.stack.modern;
-  const bool sixteen = p.precision != Precision::fp32;
   const double fwd_ce = cs.stack.strata ? 20.0 : fused_ce ? 3.0 * e : e + 36.0;
-  const double bwd_ce = cs.stack.strata ? (sixteen ? 16.0 : 8.0) : fused_ce ? 2.0 * e : 20.0 + e;
+  const double bwd_ce = cs.stack.strata ? 8.0 : fused_ce ? 2.0 * e : 20.0 + e;
   a.mem("cross_entropy", Phase::forward, fwd_ce * T * Vt);
   if (p.t > 1 && cs.stack.strata) {  // the executor's two: the maximum, then the sum and target logit together
     a.comm("ce_all_reduce", Phase::forward, OpKind::tp_comm, a.tp, Collective::all_reduce, 4.0 * T);
@@ -1207,6 +1211,7 @@ void output_and_loss(Acc& a, const char* norm) {
       a.comm("ce_all_reduce", Phase::forward, OpKind::tp_comm, a.tp, Collective::all_reduce, 4.0 * T);
   }
   a.mem("cross_entropy", Phase::backward, bwd_ce * T * Vt);
+  if (rounds16) a.mem("round16", Phase::backward, 8.0 * T * Vt, MemKind::round16);
   if (!cs.stack.grad_accumulation_fusion)
     a.mem("grad_accumulation", Phase::backward, grad_accumulation_bytes(p.precision, a.cs.grad_bytes) * H * Vt);
   a.gemm("lm_head", Phase::backward, T, H, Vt, peak, eb);   // dgrad

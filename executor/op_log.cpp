@@ -75,12 +75,14 @@ std::string executor_op_name(const std::string& model_op) {
 }
 
 namespace {
-// The row of the table an op of the cost model falls in: a collective in its term's, any
-// other op in its executor name's (within a layer) or in `region`'s (outside).
+// The row of the table an op of the cost model falls in: a collective in its term's, a
+// 16-bit rounding pass in round16's (the executor times it apart, in a layer or outside),
+// any other op in its executor name's (within a layer) or in `region`'s (outside).
 std::string row_of(const OpCost& c, const char* region) {
   if (c.kind == OpKind::tp_comm) return "tp_comm";
   if (c.kind == OpKind::cp_comm) return "cp_comm";
   if (c.kind != OpKind::gemm && c.kind != OpKind::memory) return "";
+  if (c.name == "round16") return c.name;
   return region ? std::string(region) : executor_op_name(c.name);
 }
 }  // namespace

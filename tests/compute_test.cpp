@@ -377,13 +377,13 @@ TEST(Compute, CrossEntropyBytesPerStack) {
   EXPECT_DOUBLE_EQ(ce_bytes(Phase::forward), 6.0 * logits);
   EXPECT_DOUBLE_EQ(ce_bytes(Phase::backward), 4.0 * logits);
   // The strata executor's kernels on its fp32 logits (executor/cuda/cross_entropy.cu):
-  // max 4, exponentials in place 8, normalised in place 8; backward the gradient in place 8,
-  // then rounded to 16 bits in place 8 (none in fp32).
+  // max 4, exponentials in place 8, normalised in place 8; backward the gradient in place 8
+  // (its rounding to 16 bits is a round16 op of its own: StrataOutputLayerRounds16Bit).
   c.modern_stack = false;
   c.strata_stack = true;
   ASSERT_TRUE(compute_setup(m, c, p).stack.strata);
   EXPECT_DOUBLE_EQ(ce_bytes(Phase::forward), 20.0 * logits);
-  EXPECT_DOUBLE_EQ(ce_bytes(Phase::backward), 16.0 * logits);
+  EXPECT_DOUBLE_EQ(ce_bytes(Phase::backward), 8.0 * logits);
   p = load_plan("tp=8,mbs=1,precision=fp32");
   EXPECT_DOUBLE_EQ(ce_bytes(Phase::forward), 20.0 * logits);
   EXPECT_DOUBLE_EQ(ce_bytes(Phase::backward), 8.0 * logits);
@@ -441,6 +441,24 @@ TEST(Compute, MultiTokenPredictionModule) {
   EXPECT_EQ(head_cost(with, c, block, cs).recompute.total(), 0.0);
 }
 
+// One layer's ops under plan p, the output layer's, and a field of the ops of one name and phase summed.
+std::vector<OpCost> layer_ops(const ModelSpec& m, const Cluster& c, const Plan& p) {
+  std::vector<OpCost> ops;
+  layer_cost(m, c, p, compute_setup(m, c, p), &ops);
+  return ops;
+}
+std::vector<OpCost> head_ops(const ModelSpec& m, const Cluster& c, const Plan& p) {
+  std::vector<OpCost> ops;
+  head_cost(m, c, p, compute_setup(m, c, p), &ops);
+  return ops;
+}
+double sum_of(const std::vector<OpCost>& ops, const std::string& name, Phase ph, double OpCost::*field) {
+  double x = 0;
+  for (const auto& o : ops)
+    if (o.phase == ph && o.name == name) x += o.*field;
+  return x;
+}
+
 // The strata executor's passes over a layer's 16-bit tensors (it holds them as floats).
 // tiny-gpt (H 256, 4 heads, F 1024, S 128), tp 1, micro-batch 2: n = N = 256 tokens,
 // qkv width Q = 768, attention output 256, fc1 and activation 1024 each.
@@ -454,13 +472,7 @@ TEST(Compute, StrataSixteenBitPasses) {
   c.strata_stack = true;
   const ModelSpec m = load_model("tiny-gpt");
   auto bytes = [&](const std::string& plan, const std::string& name, Phase ph) {
-    const Plan p = load_plan(plan);
-    std::vector<OpCost> ops;
-    layer_cost(m, c, p, compute_setup(m, c, p), &ops);
-    double b = 0;
-    for (const auto& o : ops)
-      if (o.phase == ph && o.name == name) b += o.bytes;
-    return b;
+    return sum_of(layer_ops(m, c, load_plan(plan)), name, ph, &OpCost::bytes);
   };
   const std::string bf16 = "tp=1,mbs=2,precision=bf16";
   EXPECT_DOUBLE_EQ(bytes(bf16, "round16", Phase::forward), 8.0 * 1048576);
@@ -478,17 +490,36 @@ TEST(Compute, StrataSixteenBitPasses) {
   EXPECT_DOUBLE_EQ(bytes(bf16, "pack16", Phase::forward), 0.0);
 }
 
-// One layer's ops under plan p, and a field of the ops of one name and phase summed.
-std::vector<OpCost> layer_ops(const ModelSpec& m, const Cluster& c, const Plan& p) {
-  std::vector<OpCost> ops;
-  layer_cost(m, c, p, compute_setup(m, c, p), &ops);
-  return ops;
-}
-double sum_of(const std::vector<OpCost>& ops, const std::string& name, Phase ph, double OpCost::*field) {
-  double x = 0;
-  for (const auto& o : ops)
-    if (o.phase == ph && o.name == name) x += o.*field;
-  return x;
+// The output layer's 16-bit rounding passes on the strata stack (executor/gpt.cpp
+// head_forward rounds the final norm's output rows, head_backward the logit gradients), each
+// its own round16 op as the executor times them. tiny-gpt (H 256, vocabulary 512, padded to
+// a multiple of 128 t), micro-batch 2: T = 256 tokens.
+//   tp 1: forward 8 B x 256 x 256 = 524,288; backward 8 x 256 x 512 = 1,048,576, and the
+//         cross-entropy's backward keeps its own 8 B a logit (the gradient in place): 1,048,576
+//   tp 2, sp: the norm's rows on this rank 128: 8 x 128 x 256 = 262,144; logits 256 x 256 a
+//         rank: 8 x 256 x 256 = 524,288
+//   fp32, or another stack: no rounding; the cross-entropy's backward unchanged.
+TEST(Compute, StrataOutputLayerRounds16Bit) {
+  Cluster c = testing::round_cluster();
+  c.strata_stack = true;
+  const ModelSpec m = load_model("tiny-gpt");
+  auto bytes = [&](const std::string& plan, const std::string& name, Phase ph) {
+    return sum_of(head_ops(m, c, load_plan(plan)), name, ph, &OpCost::bytes);
+  };
+  const std::string bf16 = "tp=1,mbs=2,precision=bf16";
+  EXPECT_DOUBLE_EQ(bytes(bf16, "round16", Phase::forward), 524288.0);
+  EXPECT_DOUBLE_EQ(bytes(bf16, "round16", Phase::backward), 1048576.0);
+  EXPECT_DOUBLE_EQ(bytes(bf16, "cross_entropy", Phase::backward), 1048576.0);
+  const std::string tp2 = "tp=2,sp=1,mbs=2,precision=fp16";
+  EXPECT_DOUBLE_EQ(bytes(tp2, "round16", Phase::forward), 262144.0);
+  EXPECT_DOUBLE_EQ(bytes(tp2, "round16", Phase::backward), 524288.0);
+  const std::string fp32 = "tp=1,mbs=2,precision=fp32";
+  EXPECT_DOUBLE_EQ(bytes(fp32, "round16", Phase::forward), 0.0);
+  EXPECT_DOUBLE_EQ(bytes(fp32, "round16", Phase::backward), 0.0);
+  EXPECT_DOUBLE_EQ(bytes(fp32, "cross_entropy", Phase::backward), 1048576.0);
+  c.strata_stack = false;
+  EXPECT_DOUBLE_EQ(bytes(bf16, "round16", Phase::forward), 0.0);
+  EXPECT_DOUBLE_EQ(bytes(bf16, "round16", Phase::backward), 0.0);
 }
 
 // Memory-bound ops at their kind's curve where the device has one (Device::kernel_efficiency,

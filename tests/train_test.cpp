@@ -321,8 +321,9 @@ TEST(TrainOutput, OpTimesNameTheCostModelsOps) {
       EXPECT_GE(row["measured_s"].get<double>(), 0.0) << plan << " " << phase << " " << op;
       if (row["per"] != "layer") {
         // Outside the layers: the embedding and the output layer (with the loss) are costed
-        // too, where rank 0 runs them.
-        if (op == "embedding" || op == "output_layer") {
+        // too, where rank 0 runs them, with the output layer's 16-bit rounding passes and
+        // the tensor-parallel collectives of both.
+        if (op == "embedding" || op == "output_layer" || op == "round16" || op == "tp_comm") {
           outside.insert(phase + " " + op);
           EXPECT_TRUE(row["predicted_s"].is_number()) << plan << ": no prediction for " << phase << " " << op;
         }
@@ -336,7 +337,11 @@ TEST(TrainOutput, OpTimesNameTheCostModelsOps) {
     EXPECT_EQ(timed_ops, model_ops) << plan;
     // Rank 0 holds the embedding, and the output layer unless the pipeline has two stages.
     std::set<std::string> expect = {"forward embedding", "backward embedding"};
-    if (plan.find("pp=2") == std::string::npos) expect.insert({"forward output_layer", "backward output_layer"});
+    if (plan.find("pp=2") == std::string::npos) {
+      expect.insert({"forward output_layer", "backward output_layer"});
+      if (plan.find("bf16") != std::string::npos) expect.insert({"forward round16", "backward round16"});
+    }
+    if (plan.find("tp=2") != std::string::npos) expect.insert({"forward tp_comm", "backward tp_comm"});
     EXPECT_EQ(outside, expect) << plan;
   }
   const TrainRun bad = train("tiny-gpt", "mbs=2,gbs=2", 1, "--seq-length 32 --cluster local-cpu");

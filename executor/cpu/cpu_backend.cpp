@@ -1,6 +1,6 @@
-// The CPU backend: Eigen GEMMs (one core, cpu_gemm.h), plain loops for the rest. Attention
-// is one pair of GEMMs per (micro-batch row, head) on strided views of the (S, B, ...) buffers.
-#include <Eigen/Dense>
+// The CPU backend: Eigen GEMMs (one core, cpu_gemm.h), Eigen's vectorised exp and tanh
+// (cpu_eltwise.h), plain loops for the rest. Attention is one pair of GEMMs per (micro-batch
+// row, head) on strided views of the (S, B, ...) buffers.
 #include <algorithm>
 #include <cmath>
 #include <cstdlib>
@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "executor/backend.h"
+#include "executor/cpu/cpu_eltwise.h"
 #include "executor/cpu/cpu_gemm.h"
 
 #include <sys/mman.h>
@@ -67,31 +68,6 @@ double sum_in_lanes(int64_t n, Term&& term) {
   for (int64_t k = 0; k < kSumLanes; ++k) s += acc[k];
   return s;
 }
-constexpr float kGeluK = 0.7978845608028654f;  // sqrt(2/pi)
-
-using CAMap = Eigen::Map<const Eigen::ArrayXf>;
-using AMap = Eigen::Map<Eigen::ArrayXf>;
-
-// GELU (tanh form) of n values, and its derivative into `grad` when given. Eigen's tanh
-// and exp are vectorised rational / polynomial approximations (a few ulp from libm's),
-// which keeps these element-wise kernels near memory speed instead of 10+ ns per value.
-// They are evaluated into Eigen's own (aligned) arrays, so no element falls into a scalar
-// peel that depends on the caller's pointer: results are the same on every run.
-void gelu_row(float* out, const float* x_, int64_t n, float* grad) {
-  const CAMap x(x_, n);
-  const Eigen::ArrayXf th = (kGeluK * (x + 0.044715f * x.cube())).tanh();
-  if (grad)
-    AMap(grad, n) = 0.5f * (1.0f + th) + 0.5f * x * (1.0f - th.square()) * kGeluK * (1.0f + 3.0f * 0.044715f * x.square());
-  AMap(out, n) = 0.5f * x * (1.0f + th);
-}
-// SiLU x * sigmoid(x) and its derivative s * (1 + x (1 - s)).
-void silu_row(float* out, const float* x_, int64_t n, float* grad) {
-  const CAMap x(x_, n);
-  const Eigen::ArrayXf s = 1.0f / (1.0f + (-x).exp());
-  if (grad) AMap(grad, n) = s * (1.0f + x * (1.0f - s));
-  AMap(out, n) = x * s;
-}
-
 float round_bf16(float x) {
   uint32_t u;
   std::memcpy(&u, &x, 4);
@@ -192,37 +168,20 @@ class CpuBackend final : public Backend {
     }
   }
 
+  // Eigen's vectorised tanh and exp, uninstrumented under the sanitizers (cpu_eltwise.h).
   void activation_forward(Activation act, float* out, const float* u, int64_t N, int64_t F) override {
-    if (act == Activation::gelu) {
-      for (int64_t i = 0; i < N; ++i) gelu_row(out + i * F, u + i * F, F, nullptr);
-      return;
-    }
-    std::vector<float> a(static_cast<size_t>(F));
-    for (int64_t i = 0; i < N; ++i) {
-      const float* g = u + i * 2 * F;
-      if (act == Activation::swiglu) silu_row(a.data(), g, F, nullptr);
-      else gelu_row(a.data(), g, F, nullptr);
-      AMap(out + i * F, F) = CAMap(a.data(), F) * CAMap(g + F, F);
-    }
+    const int64_t U = act == Activation::gelu ? F : 2 * F;
+    check_span(u, N, U, U);
+    check_span(out, N, F, F);
+    cpu_activation_forward(act, out, u, N, F);
   }
   void activation_backward(Activation act, float* du, const float* dout, const float* u, int64_t N,
                            int64_t F) override {
-    std::vector<float> a(static_cast<size_t>(F)), da(static_cast<size_t>(F));
-    if (act == Activation::gelu) {
-      for (int64_t i = 0; i < N; ++i) {
-        gelu_row(a.data(), u + i * F, F, da.data());
-        AMap(du + i * F, F) = CAMap(dout + i * F, F) * CAMap(da.data(), F);
-      }
-      return;
-    }
-    for (int64_t i = 0; i < N; ++i) {
-      const float* g = u + i * 2 * F;
-      const CAMap up(g + F, F), d(dout + i * F, F);
-      if (act == Activation::swiglu) silu_row(a.data(), g, F, da.data());
-      else gelu_row(a.data(), g, F, da.data());
-      AMap(du + i * 2 * F, F) = d * up * CAMap(da.data(), F);
-      AMap(du + i * 2 * F + F, F) = d * CAMap(a.data(), F);
-    }
+    const int64_t U = act == Activation::gelu ? F : 2 * F;
+    check_span(u, N, U, U);
+    check_span(du, N, U, U);
+    check_span(dout, N, F, F);
+    cpu_activation_backward(act, du, dout, u, N, F);
   }
 
   void rope(float* x, int64_t S, int64_t B, int64_t heads, int64_t D, int64_t ld, bool inverse) override {
@@ -551,16 +510,13 @@ class CpuBackend final : public Backend {
   }
   void cross_entropy_exp_sum(float* st, float* z, const float* mx, const int32_t* targets, int64_t N, int64_t Vt,
                              int64_t lo) override {
-    thread_local Eigen::ArrayXf e;  // aligned (see softmax_causal)
-    if (e.size() < Vt) e.resize(Vt);
+    check_span(z, N, Vt, Vt);
     for (int64_t i = 0; i < N; ++i) {
       const int64_t tg = targets[i];
       float* row = z + i * Vt;
       st[2 * i + 1] = tg >= lo && tg < lo + Vt ? row[tg - lo] - mx[i] : 0.0f;
-      e.head(Vt) = (CAMap(row, Vt) - mx[i]).exp();
-      AMap(row, Vt) = e.head(Vt);
-      const float* ex = e.data();
-      st[2 * i] = static_cast<float>(sum_in_lanes(Vt, [&](int64_t j) { return static_cast<double>(ex[j]); }));
+      cpu_exp_shifted(row, row, Vt, mx[i]);
+      st[2 * i] = static_cast<float>(sum_in_lanes(Vt, [&](int64_t j) { return static_cast<double>(row[j]); }));
     }
   }
   void cross_entropy_normalise(float* z, const float* st, int64_t N, int64_t Vt) override {
@@ -678,16 +634,14 @@ class CpuBackend final : public Backend {
       const int64_t n = q0 + i + 1;
       float mx = row[0];
       for (int64_t j = 1; j < n; ++j) mx = std::max(mx, row[j]);
-      // exp into an aligned buffer (Eigen peels unaligned heads with the scalar exp, so the
-      // row's address would decide which elements get which exp), then a plain
-      // left-to-right sum (a vectorised sum() associates by alignment too): the same bits
-      // on every run.
-      thread_local Eigen::ArrayXf e;
-      if (e.size() < n) e.resize(n);
-      e.head(n) = (CAMap(row, n) - mx).exp();
+      // exp through an aligned scratch (cpu_exp_shifted), then a plain left-to-right sum
+      // (a vectorised sum() associates by alignment): the same bits on every run.
+      check_span(row, 1, n, n);
+      cpu_exp_shifted(row, row, n, mx);
       float sum = 0;
-      for (int64_t j = 0; j < n; ++j) sum += e[j];
-      AMap(row, n) = e.head(n) * (1.0f / sum);
+      for (int64_t j = 0; j < n; ++j) sum += row[j];
+      const float inv = 1.0f / sum;
+      for (int64_t j = 0; j < n; ++j) row[j] *= inv;
       for (int64_t j = n; j < ld; ++j) row[j] = 0.0f;
     }
   }
