@@ -9,6 +9,7 @@
 #include <bit>
 #include <cmath>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <fstream>
 #include <limits>
@@ -100,6 +101,24 @@ TEST(CpuBackend, ReusedBuffersComeBackZeroed) {
   float* small = be->allocate(16);  // under the threshold: plain new[], zeroed
   EXPECT_EQ(std::count(small, small + 16, 0.0f), 16);
   be->deallocate(small);
+}
+
+// Every test runs with buffer poisoning on (STRATA_POISON_BUFFERS=1, CMakeLists.txt): a
+// buffer handed out unwritten holds NaN, a reused one too, so a read before the executor's
+// write shows in the loss. (A Release run without the variable skips the fill.)
+TEST(CpuBackend, UnwrittenBuffersHoldNaNInTests) {
+  const char* env = std::getenv("STRATA_POISON_BUFFERS");
+  ASSERT_TRUE(env && std::string(env) == "1") << "the tests' environment sets STRATA_POISON_BUFFERS=1";
+  auto be = make_cpu_backend();
+  for (const int64_t n : {int64_t{16}, int64_t{1} << 17}) {
+    float* a = be->allocate_uninitialised_in(n, 0);
+    EXPECT_EQ(std::count_if(a, a + n, [](float x) { return std::isnan(x); }), n) << n;
+    std::fill(a, a + n, 2.0f);
+    be->deallocate(a);
+    float* again = be->allocate_uninitialised_in(n, 0);
+    EXPECT_EQ(std::count_if(again, again + n, [](float x) { return std::isnan(x); }), n) << n;
+    be->deallocate(again);
+  }
 }
 
 #ifdef STRATA_UNDER_SANITIZER

@@ -394,13 +394,16 @@ class CpuBackend final : public Backend {
       release_block(p);
     }
   }
-  // allocate zeroes; allocate_uninitialised_in fills with NaN (every byte 0xFF), so a value read
-  // before the executor writes it turns the loss to NaN in every test on this backend
-  // rather than passing as the zero a fresh CUDA pool block may happen to hold. Either way
-  // every byte is deterministic (a packed buffer of an odd count has a half it never
-  // writes).
-  float* allocate(int64_t n) override { return take(n); }
-  float* allocate_uninitialised_in(int64_t n, int) override { return take(n, 0xFF); }
+  // allocate zeroes. allocate_uninitialised_in, with buffer poisoning on, fills with NaN
+  // (every byte 0xFF), so a value read before the executor writes it turns the loss to NaN
+  // in every test on this backend rather than passing as the zero a fresh CUDA pool block
+  // may happen to hold; off, it hands the block out as it is (a reused one holds old
+  // values), as the CUDA backend does. The fill was most of the ~1 ms a layer that no op
+  // covers (`strata train --ops`'s "other": tiny-gpt's forward allocates ~17 MB a layer
+  // and micro-batch) and about 4 % of a training step. On under the sanitizers and in every
+  // test (STRATA_POISON_BUFFERS=1, CMakeLists.txt), off in a Release run unless set.
+  float* allocate(int64_t n) override { return take(n, 0); }
+  float* allocate_uninitialised_in(int64_t n, int) override { return take(n, poison_buffers() ? 0xFF : -1); }
   void deallocate(float* p) override {
     if (!p) return;
     std::lock_guard<std::mutex> lock(mu_);
@@ -577,7 +580,20 @@ class CpuBackend final : public Backend {
   // The buffer cache (see kCachedFloats): sizes of the large buffers in use, and kept ones.
   // Every buffer comes back filled with the byte `fill` (0: zeroed; 0xFF: NaN), with memset,
   // which the sanitizers check as one range (a loop is checked per element).
-  float* take(int64_t n, int fill = 0) {
+  static bool poison_buffers() {
+    static const bool on = [] {
+      const char* v = std::getenv("STRATA_POISON_BUFFERS");
+      if (v && *v) return std::strcmp(v, "0") != 0;
+#if defined(__SANITIZE_ADDRESS__)
+      return true;
+#else
+      return false;
+#endif
+    }();
+    return on;
+  }
+  // n floats from the cache or fresh, every byte set to `fill` (none where fill < 0).
+  float* take(int64_t n, int fill) {
     if (n <= 0) return nullptr;
     float* p = nullptr;
     if (n >= kCachedFloats) {
@@ -591,7 +607,7 @@ class CpuBackend final : public Backend {
       }
     }
     if (!p) p = n >= kCachedFloats ? new_block(n) : new float[static_cast<size_t>(n)];
-    std::memset(p, fill, static_cast<size_t>(n) * sizeof(float));
+    if (fill >= 0) std::memset(p, fill, static_cast<size_t>(n) * sizeof(float));
     if (n >= kCachedFloats) {
       std::lock_guard<std::mutex> lock(mu_);
       sizes_.emplace(p, n);
