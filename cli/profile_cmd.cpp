@@ -14,6 +14,7 @@
 #include "cli/args.h"
 #include "cli/progress.h"
 #include "cli/commands.h"
+#include "costmodel/json_input.h"
 #include "executor/cuda/cuda_backend.h"
 #include "hw_profiles/profiler.h"
 
@@ -29,7 +30,7 @@ int cmd_profile(const std::vector<std::string>& argv) {
   ProfileOptions o;
   bool json = false;
   try {
-    const Args a(argv, "profile", {"backend", "out", "max-bytes", "model", "tp", "comm"}, {"quick", "json"});
+    const Args a(argv, "profile", {"backend", "out", "max-bytes", "model", "tp", "comm", "seq-length"}, {"quick", "json", "gemm-probe"});
     backend = a.get("backend", "cpu");
     check_backend(backend, "profile");
     comm_choice = a.get("comm", "auto");
@@ -40,13 +41,18 @@ int cmd_profile(const std::vector<std::string>& argv) {
     o.max_message_bytes = a.integer("max-bytes", o.max_message_bytes, 4096, int64_t{1} << 30);
     json = a.has("json");
     if (a.has("model")) {  // the GEMM shapes this model runs, at its tensor-parallel size
-      const ModelSpec m = load_model(a.get("model"));
+      const ModelSpec m = load_model(a.get("model"), a.integer("seq-length", 0, 0, 1 << 20));
       const int64_t t = a.integer("tp", 1, 1, 1024);
       if (m.A % t || m.G % t || m.F % t)
         throw InputError("--tp: " + std::to_string(t) + " does not divide the heads, query groups and ffn of " + m.name);
       o.extra_gemms = model_gemm_shapes(m, t);
       o.kernels = model_memory_kernels(m, t);
       o.attention = model_attention_shape(m, t);
+    }
+    if (a.has("gemm-probe")) {  // the model's GEMMs only, briefly: the rate now, for strata validate
+      if (!a.has("model")) fail_field("--gemm-probe", "(without --model)", "times the model's GEMM shapes: give --model");
+      o.gemms_only = true;
+      o.min_time_s = 0.02;
     }
   } catch (const InputError& e) {
     error = e.what();
@@ -107,8 +113,12 @@ int cmd_profile(const std::vector<std::string>& argv) {
   }
   if (rank == 0) {
     bar.finish();
-    const Json j = cluster_to_json(r.cluster);
+    // A probe writes its points, (FLOPs of one GEMM, FLOP/s on the slowest rank), not a cluster.
+    Json probe = Json::array();
+    for (const auto& [f, rate] : r.gemm) probe.push_back({f, rate});
+    const Json j = o.gemms_only ? Json{{"gemm", probe}} : cluster_to_json(r.cluster);
     if (json) std::cout << j.dump(2) << "\n";
+    else if (o.gemms_only) fmt::print("GEMM probe: {} shapes\n", r.gemm.size());
     else fmt::print("{}", format_profile_summary(r));
     if (!out_path.empty()) {
       std::ofstream f(out_path);
@@ -117,7 +127,7 @@ int cmd_profile(const std::vector<std::string>& argv) {
         fmt::print(stderr, "strata: error: --out: cannot write '{}'\n", out_path);
         MPI_Abort(MPI_COMM_WORLD, 2);
       }
-      if (!json) fmt::print("\ncluster profile written to {} (use it as --cluster {})\n", out_path, out_path);
+      if (!json && !o.gemms_only) fmt::print("\ncluster profile written to {} (use it as --cluster {})\n", out_path, out_path);
     }
   }
   MPI_Finalize();

@@ -51,7 +51,7 @@ usage:
                    [--ops [--cluster C]]
                                                        (under mpirun -np tp*pp*dp*cp)
   strata profile   [--backend cpu|cuda [--comm auto|nccl|staged]] [--out FILE] [--quick] [--json]
-                   [--max-bytes N] [--model M [--tp T]]
+                   [--max-bytes N] [--model M [--tp T] [--seq-length S] [--gemm-probe]]
                                                           (under mpirun: one rank per core to use)
   strata plan --list-models | --list-clusters
 
@@ -63,7 +63,8 @@ usage:
 
   strata validate  --model M --cluster C|measure --ranks N [--plans K] [--steps S] [--report DIR]
                    [--global-batch-size B] [--precision fp32|bf16|fp16] [--seq-length S] [--json]
-                   [--no-spread] [--quick-profile] [--calibrate] [--mpirun PATH]   (runs mpirun itself)
+                   [--no-spread] [--quick-profile] [--calibrate] [--no-gemm-probe] [--mpirun PATH]
+                                                                                (runs mpirun itself)
   KIND  kill, throw, hang, nan, kill-in-checkpoint, slow or bitflip (fault injection, e.g. kill@1:3)
 
 exit codes: 0 ok, 2 invalid input, 3 nothing feasible, 1 internal error

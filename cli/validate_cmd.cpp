@@ -94,7 +94,7 @@ int cmd_validate(const std::vector<std::string>& argv) {
   const Args a(argv, "validate",
                {"model", "cluster", "ranks", "plans", "steps", "report", "global-batch-size", "precision", "seq-length",
                 "mpirun"},
-               {"json", "no-spread", "quick-profile", "calibrate"});
+               {"json", "no-spread", "quick-profile", "calibrate", "no-gemm-probe"});
   const std::string model_arg = a.required("model", "a preset, model JSON or config.json");
   const int64_t seq = a.integer("seq-length", 0, 0, 1 << 20);
   const ModelSpec model = load_model(model_arg, seq);
@@ -180,6 +180,7 @@ int cmd_validate(const std::vector<std::string>& argv) {
     }
     for (const fs::path& d : stale) fs::remove_all(d, ec);
   }
+  const bool probe = cluster_arg == "measure" && !a.has("no-gemm-probe");
   Progress bar("validate", static_cast<int64_t>(chosen.size()));
   for (size_t i = 0; i < chosen.size(); ++i) {
     ValidatedRun r;
@@ -201,6 +202,33 @@ int cmd_validate(const std::vector<std::string>& argv) {
       f.close();
       if (!f) throw InputError("--report: cannot write '" + (dir / "predicted.trace.json").string() + "'");
     }
+    // With the profile measured in this run, a GEMM probe first (the model's GEMM shapes at
+    // the plan's tensor-parallel size, every rank at once, ~1 s): on a shared host the rate
+    // moves between the profile and the runs, and the probe says by how much.
+    if (probe) {
+      bar.update(static_cast<int64_t>(i), fmt::format("GEMM probe before {}", plan_to_inline(p)));
+      const int prc = run.run(fmt::format("profile --gemm-probe {} --tp {} --out {}", model_flags, p.t,
+                                          quote((dir / "probe.json").string())),
+                              dir / "probe.log");
+      if (prc == 130 || prc == 128 + SIGINT) throw std::runtime_error("interrupted (Ctrl-C); the report is incomplete");
+      try {
+        if (prc != 0) throw std::runtime_error(fmt::format("exit {}", prc));
+        std::ifstream f(dir / "probe.json");
+        const Json pj = Json::parse(f);
+        std::vector<std::pair<double, double>> pts;
+        for (const Json& pt : pj.at("gemm")) pts.push_back({pt.at(0).get<double>(), pt.at(1).get<double>()});
+        r.drift = gemm_drift(cl, pts);
+      } catch (const std::exception& e) {  // the run goes on, its row without a probe
+        fmt::print(stderr, "strata: warning: GEMM probe before plan {} failed ({}); see {}\n", plan_to_inline(p),
+                   e.what(), (dir / "probe.log").string());
+        r.drift = 0;
+      }
+      if (r.drift > 0) {
+        Calibration k;
+        k.gemm = r.drift;
+        r.predicted_at_probe_s = estimate(m, apply_calibration(cl, k), p).step_time_s;
+      }
+    }
     bar.update(static_cast<int64_t>(i), fmt::format("training {} ({})", plan_to_inline(p), r.choice.why));
     const int rc = run.run(fmt::format("train {} --plan {} --steps {} --quiet --json {} --trace {}", model_flags,
                                        quote((dir / "plan.json").string()), steps,
@@ -215,6 +243,7 @@ int cmd_validate(const std::vector<std::string>& argv) {
         std::ifstream f(dir / "measured.json");
         r.measured = Json::parse(f);
         r.cmp = compare_run(r.choice.predicted, r.measured);
+        if (r.drift > 0) r.error_at_probe = relative_error(r.predicted_at_probe_s, r.cmp.measured_step_s);
         r.ok = true;
       } catch (const std::exception& e) {
         r.failure = std::string("measured.json: ") + e.what();

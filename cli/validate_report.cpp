@@ -125,6 +125,19 @@ void summarise(ValidationSummary& s) {
   s.spearman_step_time = spearman(pred, meas);
   s.median_abs_memory_error = median(mem_err);
   s.max_abs_memory_term_error = max_term;
+  std::vector<double> probe_err, drifts;
+  for (const ValidatedRun& r : s.runs)
+    if (r.ok && r.drift > 0) {
+      probe_err.push_back(std::fabs(r.error_at_probe));
+      drifts.push_back(r.drift);
+    }
+  s.probed = static_cast<int64_t>(drifts.size());
+  if (!drifts.empty()) {
+    s.median_abs_error_at_probe = median(probe_err);
+    s.max_abs_error_at_probe = *std::max_element(probe_err.begin(), probe_err.end());
+    s.min_drift = *std::min_element(drifts.begin(), drifts.end());
+    s.max_drift = *std::max_element(drifts.begin(), drifts.end());
+  }
 }
 
 void calibrate(ValidationSummary& s, const ModelSpec& m, const Cluster& cl) {
@@ -184,6 +197,11 @@ Json validation_to_json(const ValidationSummary& s) {
     x["measured"] = r.measured;
     x["step_time_error"] = num(r.cmp.step_time_error);
     x["memory_error"] = num(r.cmp.memory_error);
+    if (r.drift > 0) {
+      x["gemm_drift"] = num(r.drift);
+      x["predicted_at_probe_step_s"] = num(r.predicted_at_probe_s);
+      x["step_time_error_at_probe"] = num(r.error_at_probe);
+    }
     Json te = Json::object(), me = Json::object();
     for (const TermError& t : r.cmp.time) te[t.term] = {{"predicted", t.predicted}, {"measured", t.measured}, {"error", num(t.error)}};
     for (const TermError& t : r.cmp.memory) me[t.term] = {{"predicted", t.predicted}, {"measured", t.measured}, {"error", num(t.error)}};
@@ -199,6 +217,12 @@ Json validation_to_json(const ValidationSummary& s) {
   j["spearman_step_time"] = num(s.spearman_step_time);
   j["median_abs_memory_error"] = num(s.median_abs_memory_error);
   j["max_abs_memory_term_error"] = num(s.max_abs_memory_term_error);
+  if (s.probed > 0)
+    j["gemm_probe"] = {{"runs", s.probed},
+                       {"min_drift", num(s.min_drift)},
+                       {"max_drift", num(s.max_drift)},
+                       {"median_abs_step_time_error", num(s.median_abs_error_at_probe)},
+                       {"max_abs_step_time_error", num(s.max_abs_error_at_probe)}};
   if (s.calibrated) {
     Json c = calibration_to_json(s.calibration);
     Json held = Json::array();
@@ -214,9 +238,23 @@ Json validation_to_json(const ValidationSummary& s) {
   return j;
 }
 
+namespace {
+// The GEMM probes' line: how far the host's GEMM rate moved from the profile's before the
+// runs, and the step-time error with each run predicted at its probe's rate.
+std::string probe_line(const ValidationSummary& s) {
+  if (s.probed == 0) return "";
+  return fmt::format("host drift: GEMMs at x{:.2f} to x{:.2f} of the profile's rate just before the runs ({} probes); "
+                     "predicted at the probe's rate: median |error| {}, max |error| {}\n",
+                     s.min_drift, s.max_drift, s.probed, apct(s.median_abs_error_at_probe),
+                     apct(s.max_abs_error_at_probe));
+}
+}  // namespace
+
 std::string format_validation_table(const ValidationSummary& s) {
-  std::string o = fmt::format("{:>3}  {:<46} {:<24} {:>10} {:>10} {:>8} {:>9} {:>9} {:>8}\n", "#", "plan", "why",
-                              "pred ms", "meas ms", "error", "pred MiB", "meas MiB", "error");
+  const bool probed = s.probed > 0;
+  std::string o = fmt::format("{:>3}  {:<46} {:<24} {:>10} {:>10} {:>8} {:>9} {:>9} {:>8}{}\n", "#", "plan", "why",
+                              "pred ms", "meas ms", "error", "pred MiB", "meas MiB", "error",
+                              probed ? fmt::format(" {:>6} {:>10}", "drift", "err@probe") : "");
   for (size_t i = 0; i < s.runs.size(); ++i) {
     const ValidatedRun& r = s.runs[i];
     const std::string plan = plan_to_inline(r.choice.plan);
@@ -225,9 +263,13 @@ std::string format_validation_table(const ValidationSummary& s) {
                        1e3 * r.choice.predicted.step_time_s, r.failure);
       continue;
     }
-    o += fmt::format("{:>3}  {:<46} {:<24} {:>10.1f} {:>10.1f} {:>8} {:>9} {:>9} {:>8}\n", i + 1, plan, r.choice.why,
+    const std::string at_probe = !probed       ? ""
+                                 : r.drift > 0 ? fmt::format(" {:>6.2f} {:>10}", r.drift, pct(r.error_at_probe))
+                                               : fmt::format(" {:>6} {:>10}", "-", "-");
+    o += fmt::format("{:>3}  {:<46} {:<24} {:>10.1f} {:>10.1f} {:>8} {:>9} {:>9} {:>8}{}\n", i + 1, plan, r.choice.why,
                      1e3 * r.cmp.predicted_step_s, 1e3 * r.cmp.measured_step_s, pct(r.cmp.step_time_error),
-                     mib(r.cmp.predicted_memory_bytes), mib(r.cmp.measured_memory_bytes), pct(r.cmp.memory_error));
+                     mib(r.cmp.predicted_memory_bytes), mib(r.cmp.measured_memory_bytes), pct(r.cmp.memory_error),
+                     at_probe);
   }
   o += fmt::format("\nstep time: median |error| {}, max |error| {}, Spearman rank correlation {:.2f}\n",
                    apct(s.median_abs_step_error), apct(s.max_abs_step_error), s.spearman_step_time);
@@ -235,6 +277,7 @@ std::string format_validation_table(const ValidationSummary& s) {
                    apct(s.median_abs_step_error_net_skew), apct(s.max_abs_step_error_net_skew));
   o += fmt::format("memory (tracked peak): median |error| {}; largest |error| of any memory term {}\n",
                    apct(s.median_abs_memory_error), apct(s.max_abs_memory_term_error));
+  o += probe_line(s);
   return o;
 }
 
@@ -255,6 +298,7 @@ std::string validation_markdown(const ValidationSummary& s) {
   o += fmt::format("- memory (tracked peak, without the framework overhead): median |error| **{}**; largest |error| "
                    "of any memory term **{}**\n\n",
                    apct(s.median_abs_memory_error), apct(s.max_abs_memory_term_error));
+  if (s.probed > 0) o += "- " + probe_line(s) + "\n";
   if (s.calibrated) o += "## Calibration\n\n```\n" + format_calibration(s) + "```\n\n";
   o += "![predicted against measured step time](step_time.svg)\n\n![time by term](time_breakdown.svg)\n\n"
        "![memory by term](memory.svg)\n\n";

@@ -21,6 +21,9 @@ struct ValidatedRun {
   std::string failure;    // why not
   Json measured;          // strata train --json
   RunComparison cmp;
+  // The GEMM probe just before the run (--cluster measure): gemm_drift, 0 where none ran;
+  // the step predicted by the profile at the probe's rate, and its error.
+  double drift = 0, predicted_at_probe_s = 0, error_at_probe = 0;
 };
 
 struct ValidationSummary {
@@ -32,6 +35,9 @@ struct ValidationSummary {
   // that reached a collective later), which no plan-level model predicts.
   double median_abs_step_error_net_skew = 0, max_abs_step_error_net_skew = 0;
   double median_abs_memory_error = 0, max_abs_memory_term_error = 0;
+  // Over the runs with a probe: the step-time error at the probe's rate, and the drifts.
+  int64_t probed = 0;
+  double median_abs_error_at_probe = 0, max_abs_error_at_probe = 0, min_drift = 0, max_drift = 0;
   // --calibrate: factors fitted to every finished run, and each run's step-time error when
   // predicted by a profile fitted to the other runs only (leave-one-out).
   bool calibrated = false;

@@ -1180,7 +1180,9 @@ void output_and_loss(Acc& a, const char* norm) {
   // The strata executor in 16-bit precisions rounds the final norm's output (its rows on
   // this rank) and, in backward, the logit gradients to 16 bits, each in place: their own
   // `round16` passes, as in the layers (executor/gpt.cpp head_forward, head_backward).
-  const bool rounds16 = cs.stack.strata && p.precision != Precision::fp32;
+  // (bf16 and fp16 only, as the layers' passes: sixteen_bit_passes. The executor refuses
+  // fp8; the modules of multi-token prediction, which it refuses too, book theirs alike.)
+  const bool rounds16 = cs.stack.strata && (p.precision == Precision::bf16 || p.precision == Precision::fp16);
   a.mem(norm, Phase::forward, 2.0 * e * cs.Tn * H, MemKind::norm);
   if (rounds16) a.mem("round16", Phase::forward, 8.0 * cs.Tn * H, MemKind::round16);
   a.tp_gather("sp_all_gather", Phase::forward);
@@ -1197,8 +1199,8 @@ void output_and_loss(Acc& a, const char* norm) {
   //   that gradient in place (2e).
   // - the strata executor's (executor/cuda/cross_entropy.cu, the CPU backend's alike) on
   //   its fp32 logits: max (4), exponentials written in place with their sum (8), normalised
-  //   in place (8) = 20; backward: the gradient in place (8), then (16-bit precisions) a
-  //   round16 pass of its own.
+  //   in place (8) = 20; backward: the gradient in place (8), then (bf16, fp16) a round16
+  //   pass of its own.
   const bool fused_ce = cs.stack.modern;
   const double fwd_ce = cs.stack.strata ? 20.0 : fused_ce ? 3.0 * e : e + 36.0;
   const double bwd_ce = cs.stack.strata ? 8.0 : fused_ce ? 2.0 * e : 20.0 + e;

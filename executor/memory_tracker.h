@@ -56,8 +56,9 @@ class Buf {
   static Buf untracked(Backend* be, int64_t n);
   // Like the constructor, but not zeroed: for a buffer that the op which follows writes
   // whole before anything reads it (a GEMM's C with beta 0, a norm's or an activation's
-  // output), sparing a device a pass over it. The CPU backend fills such memory with NaN,
-  // so a read before that write shows in the tests.
+  // output), sparing a device a pass over it. The CPU backend fills such memory with NaN
+  // in the tests and under the sanitizers (STRATA_POISON_BUFFERS), so a read before that
+  // write shows there.
   static Buf uninitialised(MemoryTracker* tracker, MemCategory c, int64_t n, int element_bytes = 4);
   ~Buf() { release(); }
   Buf(Buf&& o) noexcept { *this = static_cast<Buf&&>(o); }

@@ -313,8 +313,9 @@ ProfileResult run_profile(Comm& comm, Backend& be, const ProfileOptions& o) {
   const int n = comm.size();
   // The sweep points, counted first so progress can show an ETA.
   std::vector<GemmShape> shapes;
-  const std::vector<int64_t> sizes = o.quick ? std::vector<int64_t>{32, 128, 256, 512, 1024}
-                                             : std::vector<int64_t>{16, 32, 64, 128, 256, 384, 512, 768, 1024, 1536, 2048};
+  const std::vector<int64_t> sizes = o.gemms_only ? std::vector<int64_t>{}
+                                     : o.quick    ? std::vector<int64_t>{32, 128, 256, 512, 1024}
+                                                  : std::vector<int64_t>{16, 32, 64, 128, 256, 384, 512, 768, 1024, 1536, 2048};
   for (int64_t N : sizes) {  // square, and the (N, 4N) x (4N, N) shape of an MLP
     shapes.push_back({N, N, N});
     shapes.push_back({N, N, 4 * N});
@@ -355,8 +356,9 @@ ProfileResult run_profile(Comm& comm, Backend& be, const ProfileOptions& o) {
     }
     kernels = std::move(kept);
   }
-  const int total = static_cast<int>(shapes.size() + (o.gemm_precision ? 1 : 0) + stream_bytes.size() + kernels.size() +
-                                     1 + 4 * message_bytes.size());
+  const int total = o.gemms_only ? static_cast<int>(shapes.size())
+                                 : static_cast<int>(shapes.size() + (o.gemm_precision ? 1 : 0) + stream_bytes.size() +
+                                                    kernels.size() + 1 + 4 * message_bytes.size());
   // What the device holds before the profile allocates anything (driver context, library
   // handles and workspaces): the framework's own memory, where the backend can say.
   Backend::DeviceMemory dm0;
@@ -397,6 +399,7 @@ ProfileResult run_profile(Comm& comm, Backend& be, const ProfileOptions& o) {
     say(fmt::format("gemm {}x{}x{}: {:.1f} GFLOP/s per rank", g.M, g.N, g.K, flops / t / 1e9));
   }
   std::sort(res.gemm.begin(), res.gemm.end());
+  if (o.gemms_only) return res;
   // The fp32 GEMM peak, where the sweep ran in 16 bits (CUDA): one large square product in
   // fp32 (no TF32, as the executor runs fp32 plans).
   double fp32_peak = 0;

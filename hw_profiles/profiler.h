@@ -61,6 +61,9 @@ AttentionShape model_attention_shape(const ModelSpec& m, int64_t t);
 
 struct ProfileOptions {
   bool quick = false;            // fewer sizes and shorter timings (tests, demos)
+  // Only extra_gemms, nothing else and no cluster (strata profile --gemm-probe: the GEMM
+  // rate just before a validation run, against the profile's; planner/validation.h).
+  bool gemms_only = false;
   std::vector<GemmShape> extra_gemms;  // e.g. model_gemm_shapes of the model to be trained
   std::vector<MemoryKernel> kernels;   // memory-bound kernels; empty: those of a generic model
   AttentionShape attention;            // where the fused attention is timed (default: a generic one)

@@ -9,6 +9,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include "costmodel/compute.h"
 #include "planner/search.h"
 
 namespace strata {
@@ -83,6 +84,18 @@ std::vector<ValidationPlan> choose_validation_plans(const ModelSpec& m, const Cl
     taken[i] = true;
   }
   return out;
+}
+
+double gemm_drift(const Cluster& cl, const std::vector<std::pair<double, double>>& probe) {
+  const Device& dev = cl.device;
+  const double peak = dev.peak_bf16_flops > 0 ? dev.peak_bf16_flops : dev.peak_fp32_flops;
+  double profiled = 0, now = 0;
+  for (const auto& [flops, rate] : probe) {
+    if (!(flops > 0) || !(rate > 0) || !std::isfinite(rate)) continue;
+    profiled += flops / (peak * gemm_efficiency(dev, peak, flops));
+    now += flops / rate;
+  }
+  return now > 0 && std::isfinite(profiled) ? profiled / now : 0.0;
 }
 
 Cluster apply_calibration(const Cluster& cl, const Calibration& c) {

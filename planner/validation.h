@@ -9,6 +9,7 @@
 #include <functional>
 #include <map>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "costmodel/estimate.h"
@@ -59,6 +60,13 @@ struct RunComparison {
 };
 // `measured` is the JSON `strata train --json` writes.
 RunComparison compare_run(const Estimate& predicted, const Json& measured);
+
+// Host drift: a GEMM probe's points (FLOPs of one GEMM, FLOP/s; strata profile
+// --gemm-probe, run just before a validation run) against the cluster's GEMM curve: the
+// time the curve gives those GEMMs over the time they took (1: as profiled, 0.8: the host
+// runs them at four fifths of the profile's rate now). Calibration{gemm = drift} is the
+// profile at the probe's rate.
+double gemm_drift(const Cluster& cl, const std::vector<std::pair<double, double>>& probe);
 
 // --calibrate: the profile's free parameters, as factors on what it measured. Fitted to
 // measured runs (Nelder-Mead) minimising the mean squared log ratio of predicted to

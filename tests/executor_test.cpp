@@ -103,7 +103,7 @@ TEST(CpuBackend, ReusedBuffersComeBackZeroed) {
   be->deallocate(small);
 }
 
-// Every test runs with buffer poisoning on (STRATA_POISON_BUFFERS=1, CMakeLists.txt): a
+// Every test runs with buffer poisoning on (STRATA_POISON_BUFFERS=1: tests/test_env.cpp): a
 // buffer handed out unwritten holds NaN, a reused one too, so a read before the executor's
 // write shows in the loss. (A Release run without the variable skips the fill.)
 TEST(CpuBackend, UnwrittenBuffersHoldNaNInTests) {
@@ -134,6 +134,17 @@ TEST(CpuBackendDeathTest, GemmOperandPastItsBufferIsReported) {
   // C of row stride 6 for 6 x 5: its span is 35 floats, past the 30 of the vector.
   EXPECT_DEATH(be->gemm(false, false, 6, 5, 4, 1.0f, a.data(), 4, b.data(), 5, 0.0f, c.data(), 6),
                "heap-buffer-overflow");
+}
+// Likewise Eigen's exp and tanh (cpu_eltwise.h): a gated activation's input one row short,
+// and logits one row short of the cross-entropy's N.
+TEST(CpuBackendDeathTest, ElementwiseOperandPastItsBufferIsReported) {
+  auto be = make_cpu_backend();
+  const int64_t N = 3, F = 8;
+  std::vector<float> u((N - 1) * 2 * F, 0.5f), out(N * F);
+  EXPECT_DEATH(be->activation_forward(Activation::swiglu, out.data(), u.data(), N, F), "heap-buffer-overflow");
+  std::vector<float> z((N - 1) * F, 0.25f), st(2 * N), mx(N, 0.0f);
+  std::vector<int32_t> tg(N, 1);
+  EXPECT_DEATH(be->cross_entropy_exp_sum(st.data(), z.data(), mx.data(), tg.data(), N, F, 0), "heap-buffer-overflow");
 }
 TEST(CpuBackendDeathTest, KeptBufferUsedAfterItsFreeIsReported) {
   auto be = make_cpu_backend();

@@ -167,6 +167,20 @@ TEST(Validation, CalibrationRecoversAKnownSlowdown) {
   EXPECT_NO_THROW(cluster_from_json(cluster_to_json(apply_calibration(cl, up)), "calibrated"));
 }
 
+// gemm_drift: the probe's GEMMs at the profile's rate over their time. A flat curve at 0.5
+// of 100 GFLOP/s gives 50 GFLOP/s at every size; a probe of 1 GFLOP at 40 GFLOP/s and 3 at
+// 60: the profile's 0.02 + 0.06 = 0.08 s against 0.025 + 0.05 = 0.075 s, drift 16/15.
+// Points that measured nothing are skipped; no points, no drift (0).
+TEST(Validation, GemmDriftIsTheProfilesTimeOverTheProbes) {
+  Cluster cl = load_cluster("local-cpu");
+  cl.device.peak_bf16_flops = 100e9;
+  cl.device.gemm_efficiency = Curve({{1.0, 0.5}});
+  EXPECT_NEAR(gemm_drift(cl, {{1e9, 40e9}, {3e9, 60e9}}), 0.08 / 0.075, 1e-12);
+  EXPECT_NEAR(gemm_drift(cl, {{1e9, 40e9}, {3e9, 60e9}, {0.0, 5e9}, {2e9, 0.0}}), 0.08 / 0.075, 1e-12);
+  EXPECT_EQ(gemm_drift(cl, {}), 0.0);
+  EXPECT_NEAR(gemm_drift(cl, {{1e9, 50e9}}), 1.0, 1e-12);  // as profiled
+}
+
 int run_strata(const std::string& args, std::string* err) {
   const fs::path e = fs::temp_directory_path() / ("strata_validate_err_" + std::to_string(::getpid()));
   const std::string cmd = std::string("ASAN_OPTIONS=detect_leaks=0 ") + STRATA_BINARY + " " + args + " >/dev/null 2>" + e.string();
@@ -224,6 +238,42 @@ TEST(Validation, EndToEndOnTwoRanksWritesAReportThatParses) {
   const std::string md = slurp(dir / "report.md");
   EXPECT_NE(md.find("| # | plan |"), std::string::npos);
   EXPECT_NE(md.find("step_time.svg"), std::string::npos);
+  fs::remove_all(dir);
+}
+
+// With the profile measured in the run, a GEMM probe before each plan: its drift, the step
+// predicted at the probe's rate and that prediction's error, in the JSON and the table.
+TEST(Validation, GemmProbeBeforeEachRunOnAMeasuredProfile) {
+  const fs::path dir = fs::temp_directory_path() / ("strata_validate_probe_" + std::to_string(::getpid()));
+  fs::remove_all(dir);
+  std::string err;
+  const int rc = run_strata("validate --model tiny-gpt --cluster measure --quick-profile --ranks 2 --plans 1 "
+                            "--no-spread --steps 2 --seq-length 32 --global-batch-size 8 --report " + dir.string(),
+                            &err);
+  ASSERT_EQ(rc, 0) << err;
+  const Json v = Json::parse(slurp(dir / "validation.json"));
+  const Json& runs = v.at("runs");
+  ASSERT_EQ(runs.size(), 1u);
+  const Json& r = runs.at(0);
+  ASSERT_TRUE(r.at("ok").get<bool>()) << r.dump();
+  const double drift = r.at("gemm_drift").get<double>();
+  EXPECT_GT(drift, 0.05) << "a probe within 20x of its profile, minutes apart";
+  EXPECT_LT(drift, 20.0);
+  const double at_probe = r.at("predicted_at_probe_step_s").get<double>();
+  const double measured = r.at("measured").at("median_step_time_s").get<double>();
+  EXPECT_NEAR(r.at("step_time_error_at_probe").get<double>(), (at_probe - measured) / measured, 1e-12);
+  // The profile at the probe's rate is the measured cluster with its GEMMs scaled by the drift.
+  Calibration k;
+  k.gemm = drift;
+  const Cluster cl = load_cluster((dir / "cluster.json").string());
+  const ModelSpec m = model_on_stack(load_model("tiny-gpt", 32), cl);
+  EXPECT_NEAR(estimate(m, apply_calibration(cl, k), load_plan((dir / r.at("report_dir").get<std::string>() / "plan.json").string())).step_time_s, at_probe, 1e-12 * at_probe);
+  EXPECT_EQ(v.at("gemm_probe").at("runs").get<int>(), 1);
+  EXPECT_TRUE(fs::exists(dir / r.at("report_dir").get<std::string>() / "probe.json"));
+  EXPECT_NE(slurp(dir / "report.md").find("host drift"), std::string::npos);
+  // A probe needs the model whose GEMMs it times.
+  EXPECT_EQ(run_strata("profile --gemm-probe", &err), 2);
+  EXPECT_NE(err.find("--gemm-probe"), std::string::npos) << err;
   fs::remove_all(dir);
 }
 

@@ -578,8 +578,10 @@ class CpuBackend final : public Backend {
 
  private:
   // The buffer cache (see kCachedFloats): sizes of the large buffers in use, and kept ones.
-  // Every buffer comes back filled with the byte `fill` (0: zeroed; 0xFF: NaN), with memset,
-  // which the sanitizers check as one range (a loop is checked per element).
+  // A buffer comes back filled with the byte `fill` (0: zeroed; 0xFF: NaN; < 0: as it is),
+  // with memset, which the sanitizers check as one range (a loop is checked per element).
+  // Buffer poisoning (NaN for allocate_uninitialised_in): STRATA_POISON_BUFFERS=1 or 0,
+  // else on under AddressSanitizer only.
   static bool poison_buffers() {
     static const bool on = [] {
       const char* v = std::getenv("STRATA_POISON_BUFFERS");
@@ -592,7 +594,6 @@ class CpuBackend final : public Backend {
     }();
     return on;
   }
-  // n floats from the cache or fresh, every byte set to `fill` (none where fill < 0).
   float* take(int64_t n, int fill) {
     if (n <= 0) return nullptr;
     float* p = nullptr;

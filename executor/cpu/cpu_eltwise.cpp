@@ -2,7 +2,6 @@
 #include "executor/cpu/cpu_eltwise.h"
 
 #include <Eigen/Dense>
-#include <vector>
 
 namespace strata {
 namespace {
@@ -39,7 +38,8 @@ void cpu_activation_forward(Activation act, float* out, const float* u, int64_t 
     for (int64_t i = 0; i < N; ++i) gelu_row(out + i * F, u + i * F, F, nullptr);
     return;
   }
-  std::vector<float> a(static_cast<size_t>(F));
+  thread_local Eigen::ArrayXf a;  // scratch (no standard containers here: cpu_eltwise.h)
+  if (a.size() < F) a.resize(F);
   for (int64_t i = 0; i < N; ++i) {
     const float* g = u + i * 2 * F;
     if (act == Activation::swiglu) silu_row(a.data(), g, F, nullptr);
@@ -49,7 +49,9 @@ void cpu_activation_forward(Activation act, float* out, const float* u, int64_t 
 }
 
 void cpu_activation_backward(Activation act, float* du, const float* dout, const float* u, int64_t N, int64_t F) {
-  std::vector<float> a(static_cast<size_t>(F)), da(static_cast<size_t>(F));
+  thread_local Eigen::ArrayXf a, da;  // scratch
+  if (a.size() < F) a.resize(F);
+  if (da.size() < F) da.resize(F);
   if (act == Activation::gelu) {
     for (int64_t i = 0; i < N; ++i) {
       gelu_row(a.data(), u + i * F, F, da.data());

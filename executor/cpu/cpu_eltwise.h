@@ -5,7 +5,8 @@
 // than libm's scalar one (docs/MEASUREMENTS.md), which made the cross-entropy the slowest
 // op of the sanitizer tests. The backend checks the spans it hands over (check_span in
 // cpu_backend.cpp), so an overflow or a freed operand is still reported. Every Eigen array
-// expression of the backend lives here, so no instrumented copy of the same templates exists.
+// expression of the backend lives here, and nothing else that is a template (no standard
+// containers), so no instrumented copy of the same templates exists.
 #pragma once
 
 #include <cstdint>
