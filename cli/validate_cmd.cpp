@@ -203,8 +203,9 @@ int cmd_validate(const std::vector<std::string>& argv) {
       if (!f) throw InputError("--report: cannot write '" + (dir / "predicted.trace.json").string() + "'");
     }
     // With the profile measured in this run, a GEMM probe first (the model's GEMM shapes at
-    // the plan's tensor-parallel size, every rank at once, ~1 s): on a shared host the rate
-    // moves between the profile and the runs, and the probe says by how much.
+    // the plan's tensor-parallel size, every rank at once, a few seconds): on a shared host
+    // the rate moves between the profile and the runs, and the probe says by how much.
+    fs::remove(dir / "probe.json", ec);  // (a report folder used before: no stale probe read)
     if (probe) {
       bar.update(static_cast<int64_t>(i), fmt::format("GEMM probe before {}", plan_to_inline(p)));
       const int prc = run.run(fmt::format("profile --gemm-probe {} --tp {} --out {}", model_flags, p.t,
@@ -219,8 +220,8 @@ int cmd_validate(const std::vector<std::string>& argv) {
         for (const Json& pt : pj.at("gemm")) pts.push_back({pt.at(0).get<double>(), pt.at(1).get<double>()});
         r.drift = gemm_drift(cl, pts);
       } catch (const std::exception& e) {  // the run goes on, its row without a probe
-        fmt::print(stderr, "strata: warning: GEMM probe before plan {} failed ({}); see {}\n", plan_to_inline(p),
-                   e.what(), (dir / "probe.log").string());
+        r.probe_error = fmt::format("{}; see {}", e.what(), (dir / "probe.log").string());
+        fmt::print(stderr, "\nstrata: warning: GEMM probe before plan {} failed ({})\n", plan_to_inline(p), r.probe_error);
         r.drift = 0;
       }
       if (r.drift > 0) {

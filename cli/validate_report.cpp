@@ -197,6 +197,7 @@ Json validation_to_json(const ValidationSummary& s) {
     x["measured"] = r.measured;
     x["step_time_error"] = num(r.cmp.step_time_error);
     x["memory_error"] = num(r.cmp.memory_error);
+    if (!r.probe_error.empty()) x["gemm_probe_error"] = r.probe_error;
     if (r.drift > 0) {
       x["gemm_drift"] = num(r.drift);
       x["predicted_at_probe_step_s"] = num(r.predicted_at_probe_s);

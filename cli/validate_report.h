@@ -24,6 +24,7 @@ struct ValidatedRun {
   // The GEMM probe just before the run (--cluster measure): gemm_drift, 0 where none ran;
   // the step predicted by the profile at the probe's rate, and its error.
   double drift = 0, predicted_at_probe_s = 0, error_at_probe = 0;
+  std::string probe_error;  // why a probe that ran gave no drift; empty otherwise
 };
 
 struct ValidationSummary {

@@ -165,6 +165,12 @@ TEST(Validation, CalibrationRecoversAKnownSlowdown) {
   Calibration up;
   up.gemm = 3.0;
   EXPECT_NO_THROW(cluster_from_json(cluster_to_json(apply_calibration(cl, up)), "calibrated"));
+  // The factor moves into the peaks there, which the fused attention is charged against
+  // too: its rate (peak x efficiency) stays as profiled.
+  const Cluster fast = apply_calibration(cl, up);
+  for (auto eff : {&Device::flash_fwd_efficiency, &Device::flash_bwd_efficiency})
+    EXPECT_NEAR(fast.device.peak_fp32_flops * (fast.device.*eff), cl.device.peak_fp32_flops * (cl.device.*eff),
+                1e-12 * cl.device.peak_fp32_flops * (cl.device.*eff));
 }
 
 // gemm_drift: the probe's GEMMs at the profile's rate over their time. A flat curve at 0.5
