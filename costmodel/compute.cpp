@@ -1178,8 +1178,9 @@ void output_and_loss(Acc& a, const char* norm) {
   const double peak = p.precision == Precision::fp8 ? a.cl.device.peak_bf16_flops : a.cl.device.peak_flops(p.precision);
   const double eb = cs.work_bytes;
   // The strata executor in 16-bit precisions rounds the final norm's output (its rows on
-  // this rank) and, in backward, the logit gradients to 16 bits, each in place: their own
-  // `round16` passes, as in the layers (executor/gpt.cpp head_forward, head_backward).
+  // this rank) to 16 bits in place: a `round16` pass of its own, as in the layers
+  // (executor/gpt.cpp head_forward); the logit gradients it rounds in the cross-entropy's
+  // backward pass, which writes them (below).
   // (bf16 and fp16 only, as the layers' passes: sixteen_bit_passes. The executor refuses
   // fp8; the modules of multi-token prediction, which it refuses too, book theirs alike.)
   const bool rounds16 = cs.stack.strata && (p.precision == Precision::bf16 || p.precision == Precision::fp16);
@@ -1198,11 +1199,11 @@ void output_and_loss(Acc& a, const char* norm) {
   //   second reads them again and writes the gradient in their place (3e); backward scales
   //   that gradient in place (2e).
   // - the strata executor's (executor/cuda/cross_entropy.cu, the CPU backend's alike) on
-  //   its fp32 logits: max (4), exponentials written in place with their sum (8), normalised
-  //   in place (8) = 20; backward: the gradient in place (8), then (bf16, fp16) a round16
-  //   pass of its own.
+  //   its fp32 logits: max (4), the sum of exponentials (4), reading the logits only = 8;
+  //   backward: each probability computed again from its logit, the gradient written in
+  //   its place, rounded to 16 bits in the same pass (8).
   const bool fused_ce = cs.stack.modern;
-  const double fwd_ce = cs.stack.strata ? 20.0 : fused_ce ? 3.0 * e : e + 36.0;
+  const double fwd_ce = cs.stack.strata ? 8.0 : fused_ce ? 3.0 * e : e + 36.0;
   const double bwd_ce = cs.stack.strata ? 8.0 : fused_ce ? 2.0 * e : 20.0 + e;
   a.mem("cross_entropy", Phase::forward, fwd_ce * T * Vt);
   if (p.t > 1 && cs.stack.strata) {  // the executor's two: the maximum, then the sum and target logit together
@@ -1213,7 +1214,6 @@ void output_and_loss(Acc& a, const char* norm) {
       a.comm("ce_all_reduce", Phase::forward, OpKind::tp_comm, a.tp, Collective::all_reduce, 4.0 * T);
   }
   a.mem("cross_entropy", Phase::backward, bwd_ce * T * Vt);
-  if (rounds16) a.mem("round16", Phase::backward, 8.0 * T * Vt, MemKind::round16);
   if (!cs.stack.grad_accumulation_fusion)
     a.mem("grad_accumulation", Phase::backward, grad_accumulation_bytes(p.precision, a.cs.grad_bytes) * H * Vt);
   a.gemm("lm_head", Phase::backward, T, H, Vt, peak, eb);   // dgrad

@@ -172,15 +172,17 @@ class Backend {
   // columns [lo, lo + Vt); targets (N) are global token ids; st (N, 2).
   //   max:       mx (N) = each row's maximum                              (then all-reduce max)
   //   exp_sum:   st[i] = {sum_j exp(z - mx), z[target] - mx if the target is in the slice
-  //              else 0}; z = exp(z - mx)                                 (then all-reduce sum)
-  //   normalise: z = z / st[i][0], the probabilities (the loss is log st[i][0] - st[i][1])
-  //   backward:  z[target] -= 1 where the target is in the slice, then z *= scale: dlogits
+  //              else 0}; z is only read                                  (then all-reduce sum)
+  //              (the loss is log st[i][0] - st[i][1])
+  //   backward:  z = ((exp(z - mx) * (1 / st[i][0])) - 1 at the target, in the slice) * scale,
+  //              rounded to `p` (round_to's rounding; fp32 leaves it): dlogits, in one pass
+  //              over the logits the forward left (the probabilities are not kept: each is
+  //              computed again, bit for bit as exp_sum summed it)
   virtual void cross_entropy_max(float* mx, const float* z, int64_t N, int64_t Vt) = 0;
-  virtual void cross_entropy_exp_sum(float* st, float* z, const float* mx, const int32_t* targets, int64_t N,
+  virtual void cross_entropy_exp_sum(float* st, const float* z, const float* mx, const int32_t* targets, int64_t N,
                                      int64_t Vt, int64_t lo) = 0;
-  virtual void cross_entropy_normalise(float* z, const float* st, int64_t N, int64_t Vt) = 0;
-  virtual void cross_entropy_backward(float* z, const int32_t* targets, int64_t N, int64_t Vt, int64_t lo,
-                                      float scale) = 0;
+  virtual void cross_entropy_backward(float* z, const float* mx, const float* st, const int32_t* targets, int64_t N,
+                                      int64_t Vt, int64_t lo, float scale, Precision p) = 0;
   // The optimizer on an owned shard (executor/zero.h's adamw_update) and the clipping
   // norm's terms (zero.h's grad_norm_terms; acc on the host, added to); decay and counted
   // are bit masks (zero.h's FlagBits) in this backend's memory.
@@ -190,6 +192,8 @@ class Backend {
   // Rounds n values to the nearest value of `p` (bf16, fp16; fp32 leaves them), as the
   // inputs of a low-precision GEMM are. fp16 overflows to inf.
   virtual void round_to(float* x, int64_t n, Precision p) = 0;
+  // dst = src rounded as round_to() rounds (fp32: a copy), in one pass over both.
+  virtual void round_copy(float* dst, const float* src, int64_t n, Precision p) = 0;
   // 16-bit storage of the activations a layer keeps for its backward (memory_tracker.h's
   // Buf::pack): n values rounded to `p` (bf16, fp16; fp8 as bf16) as round_to() does, 2
   // bytes each; and back to floats, exactly the rounded values.

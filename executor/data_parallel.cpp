@@ -282,8 +282,7 @@ void Engine::optimizer_step(StepRecord* rec) {
   if (mixed()) {
     for (size_t u = 0; u < lay_.units.size(); ++u) {
       float* dst = zero_ == 3 ? work_shard_.data() + sh_.shard_off[u] : work_.data() + sh_.full_off[u] + sh_.me * sh_.shard[u];
-      be_.copy(dst, master_.data() + sh_.shard_off[u], sh_.shard[u]);
-      be_.round_to(dst, sh_.shard[u], plan_.precision);
+      be_.round_copy(dst, master_.data() + sh_.shard_off[u], sh_.shard[u], plan_.precision);
     }
   }
   const double t1 = now();

@@ -56,12 +56,24 @@ Buf reduce_rows(const ModelCtx& c, Buf in, int64_t H) {
   return in;
 }
 
-// (n, H) -> (N, H) input of a column-parallel GEMM: gathered with sequence parallelism,
-// else a copy (the caller rounds it).
+// Rounds to the training precision (nothing in fp32): the cost model's round16 passes.
+void round(const ModelCtx& c, Buf& b) {
+  if (c.precision == Precision::fp32) return;
+  const OpScope op(c.ops, "round16");
+  c.be->round_to(b.data(), b.size(), c.precision);
+}
+
+// (n, H) -> (N, H) input of a column-parallel GEMM in the training precision: gathered with
+// sequence parallelism and then rounded in place, else rounded into a copy in one pass.
+// (The caller's region names the copy; the gather's rounding is a round16 region of its own.)
 Buf gemm_input_rows(const ModelCtx& c, const Buf& in, int64_t H) {
-  if (c.sp && c.t > 1) return gather_rows(c, in, H);
+  if (c.sp && c.t > 1) {
+    Buf out = gather_rows(c, in, H);
+    round(c, out);
+    return out;
+  }
   Buf out = c.act_out(in.size());
-  c.be->copy(out.data(), in.data(), in.size());
+  c.be->round_copy(out.data(), in.data(), in.size(), c.precision);
   return out;
 }
 
@@ -92,13 +104,6 @@ void norm_backward(const ModelCtx& c, float* dx, float* dw, float* db, const Buf
     c.be->layernorm_backward(dx, dw, db, dout.data(), x.data(), mean.data(), rstd.data(), w, n, H);
   else
     c.be->rmsnorm_backward(dx, dw, dout.data(), x.data(), rstd.data(), w, n, H);
-}
-
-// Rounds to the training precision (nothing in fp32): the cost model's round16 passes.
-void round(const ModelCtx& c, Buf& b) {
-  if (c.precision == Precision::fp32) return;
-  const OpScope op(c.ops, "round16");
-  c.be->round_to(b.data(), b.size(), c.precision);
 }
 
 Buf copy_of(const ModelCtx& c, const Buf& b) {
@@ -438,7 +443,6 @@ Buf layer_backward(const ModelCtx& c, const UnitView& u, int64_t l, LayerActs* a
     const OpScope op(c.ops, gathered || c.precision == Precision::fp32 ? nullptr : "round16");
     dy = gemm_input_rows(c, dout, H);
   }
-  round(c, dy);
   Buf da = c.f32_out(N * Ft);
   {
     const OpScope op(c.ops, "fc2");
@@ -485,7 +489,6 @@ Buf layer_backward(const ModelCtx& c, const UnitView& u, int64_t l, LayerActs* a
     const OpScope op(c.ops, gathered || c.precision == Precision::fp32 ? nullptr : "round16");
     dO = gemm_input_rows(c, dx, H);
   }
-  round(c, dO);
   Buf datt = c.f32_out(N * At * D);
   {
     const OpScope op(c.ops, "attn_proj");
@@ -614,18 +617,20 @@ double head_forward(const ModelCtx& c, const UnitView& fu, const float* out_w, B
     for (int64_t b = 0; b < c.B; ++b) tg[static_cast<size_t>(s * c.B + b)] = targets[b * c.S + s];
   h->targets = ByteBuf(c.be, tg.data(), tg.size() * sizeof(int32_t));
   const int32_t* dtg = reinterpret_cast<const int32_t*>(h->targets.data());
-  Buf mx = Buf::untracked(c.be, N), st = Buf::untracked(c.be, 2 * N);
-  c.be->cross_entropy_max(mx.data(), z, N, Vt);
-  if (c.t > 1) timed(c, "all_reduce", [&] { c.comm->all_reduce(mx.data(), N, c.tp, ReduceOp::max); });
-  c.be->cross_entropy_exp_sum(st.data(), z, mx.data(), dtg, N, Vt, lo);
-  if (c.t > 1) timed(c, "all_reduce", [&] { c.comm->all_reduce(st.data(), 2 * N, c.tp); });
+  // The logits stay as they are: the backward computes the probabilities from them, the
+  // row maxima and the sums in one pass (backend.h).
+  h->mx = Buf::untracked(c.be, N);
+  h->st = Buf::untracked(c.be, 2 * N);
+  c.be->cross_entropy_max(h->mx.data(), z, N, Vt);
+  if (c.t > 1) timed(c, "all_reduce", [&] { c.comm->all_reduce(h->mx.data(), N, c.tp, ReduceOp::max); });
+  c.be->cross_entropy_exp_sum(h->st.data(), z, h->mx.data(), dtg, N, Vt, lo);
+  if (c.t > 1) timed(c, "all_reduce", [&] { c.comm->all_reduce(h->st.data(), 2 * N, c.tp); });
   std::vector<float> hst(static_cast<size_t>(2 * N));
-  c.be->to_host(hst.data(), st.data(), 2 * N);
+  c.be->to_host(hst.data(), h->st.data(), 2 * N);
   double loss = 0;
   for (int64_t i = 0; i < N; ++i)
     loss += std::log(static_cast<double>(hst[static_cast<size_t>(2 * i)])) -
             static_cast<double>(hst[static_cast<size_t>(2 * i + 1)]);
-  c.be->cross_entropy_normalise(z, st.data(), N, Vt);
   return loss;
 }
 
@@ -633,9 +638,10 @@ Buf head_backward(const ModelCtx& c, const UnitView& fu, const float* out_w, flo
                   float dloss_scale) {
   const ModelSpec& m = *c.m;
   const int64_t H = m.H, N = c.N(), Vt = executor_vocab(m) / c.t, lo = c.r * Vt;
-  float* z = h->probs.data();  // becomes dlogits
-  c.be->cross_entropy_backward(z, reinterpret_cast<const int32_t*>(h->targets.data()), N, Vt, lo, dloss_scale);
-  round(c, h->probs);
+  float* z = h->probs.data();  // becomes dlogits, rounded to the training precision (the
+                               // GEMMs' input) in the same pass
+  c.be->cross_entropy_backward(z, h->mx.data(), h->st.data(), reinterpret_cast<const int32_t*>(h->targets.data()), N,
+                               Vt, lo, dloss_scale, c.precision);
   const float* hf = (c.sp && c.t > 1) ? h->hf_full.data() : h->hf.data();
   c.be->gemm(true, false, Vt, H, N, 1.0f, z, Vt, hf, H, 1.0f, out_grad, H);
   c.tick();

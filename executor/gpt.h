@@ -156,7 +156,9 @@ struct HeadActs {
   Buf x;              // (n, H) input of the final norm
   Buf hf, mean, rstd; // (n, H), (n), (n)
   Buf hf_full;        // (N, H) gathered (sequence parallel only)
-  Buf probs;          // (N, V/t) softmax of the logits (fp32)
+  Buf probs;          // (N, V/t) the logits (fp32), their gradient after the backward
+  Buf mx, st;         // (N), (N, 2): each row's maximum and sum of exponentials (backend.h;
+                      // untracked: 12 bytes a token against the logits' 4 V/t)
   ByteBuf targets;    // (N) int32 in (S, B) order, in the backend's memory
 };
 

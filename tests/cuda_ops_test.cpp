@@ -250,43 +250,45 @@ TEST_F(CudaOps, GemmInPartsPastTheScratchLimit) {
   gpu_->set_gemm_precision(Precision::fp32);
 }
 
-// The vocab-parallel cross-entropy's four phases on a slice [lo, lo + Vt) of the vocabulary,
-// with targets inside and outside the slice.
+// The vocab-parallel cross-entropy's three phases on a slice [lo, lo + Vt) of the
+// vocabulary, with targets inside and outside the slice: the forward reads the logits only,
+// the backward writes the gradient rounded to the precision (fp32: none; bf16, fp16).
 TEST_F(CudaOps, VocabParallelCrossEntropyPhases) {
   const int64_t N = 37, Vt = 1000, lo = 2000;
-  Vec z = random(static_cast<size_t>(N * Vt), 3.0f);
+  const Vec logits = random(static_cast<size_t>(N * Vt), 3.0f);
   std::vector<int32_t> targets(static_cast<size_t>(N));
   std::uniform_int_distribution<int32_t> pick(static_cast<int32_t>(lo - Vt), static_cast<int32_t>(lo + 2 * Vt - 1));
   for (auto& x : targets) x = pick(rng_);
   auto* dt = static_cast<int32_t*>(gpu_->allocate_bytes(targets.size() * sizeof(int32_t)));
   gpu_->bytes_to_device(dt, targets.data(), targets.size() * sizeof(int32_t));
   owned_.push_back(reinterpret_cast<float*>(dt));
-  float* dz = dev(z);
-  Vec mx(static_cast<size_t>(N)), st(static_cast<size_t>(2 * N));
-  float* dmx = dev(nans(mx.size()));
-  float* dst = dev(nans(st.size()));
-  gpu_->cross_entropy_max(dmx, dz, N, Vt);
-  cpu_->cross_entropy_max(mx.data(), z.data(), N, Vt);
-  expect_close(host(dmx, mx.size()), mx, 1e-6, "cross-entropy max");
-  gpu_->cross_entropy_exp_sum(dst, dz, dmx, dt, N, Vt, lo);
-  cpu_->cross_entropy_exp_sum(st.data(), z.data(), mx.data(), targets.data(), N, Vt, lo);
-  expect_close(host(dst, st.size()), st, 1e-5, "cross-entropy sums and target logits");
-  expect_close(host(dz, z.size()), z, 1e-5, "cross-entropy exponentials");
-  gpu_->cross_entropy_normalise(dz, dst, N, Vt);
-  cpu_->cross_entropy_normalise(z.data(), st.data(), N, Vt);
-  expect_close(host(dz, z.size()), z, 1e-5, "cross-entropy probabilities");
-  gpu_->cross_entropy_backward(dz, dt, N, Vt, lo, 0.25f);
-  cpu_->cross_entropy_backward(z.data(), targets.data(), N, Vt, lo, 0.25f);
-  expect_close(host(dz, z.size()), z, 1e-5, "cross-entropy dlogits");
+  for (Precision p : {Precision::fp32, Precision::bf16, Precision::fp16}) {
+    Vec z = logits;
+    float* dz = dev(z);
+    Vec mx(static_cast<size_t>(N)), st(static_cast<size_t>(2 * N));
+    float* dmx = dev(nans(mx.size()));
+    float* dst = dev(nans(st.size()));
+    gpu_->cross_entropy_max(dmx, dz, N, Vt);
+    cpu_->cross_entropy_max(mx.data(), z.data(), N, Vt);
+    expect_close(host(dmx, mx.size()), mx, 1e-6, "cross-entropy max");
+    gpu_->cross_entropy_exp_sum(dst, dz, dmx, dt, N, Vt, lo);
+    cpu_->cross_entropy_exp_sum(st.data(), z.data(), mx.data(), targets.data(), N, Vt, lo);
+    expect_close(host(dst, st.size()), st, 1e-5, "cross-entropy sums and target logits");
+    const Vec after = host(dz, z.size());
+    EXPECT_EQ(std::memcmp(after.data(), logits.data(), logits.size() * sizeof(float)), 0) << "the forward wrote the logits";
+    gpu_->cross_entropy_backward(dz, dmx, dst, dt, N, Vt, lo, 0.25f, p);
+    cpu_->cross_entropy_backward(z.data(), mx.data(), st.data(), targets.data(), N, Vt, lo, 0.25f, p);
+    expect_close(host(dz, z.size()), z, p == Precision::fp32 ? 1e-5 : 1e-2, "cross-entropy dlogits");
+  }
 }
 
 TEST_F(CudaOps, LayerNormForwardBackward) { layernorm_case(13, 300); }
 
 TEST_F(CudaOps, RmsNormForwardBackward) { rmsnorm_case(11, 257); }
 
-// The parameter gradients' column sums (reduce.cuh's column_sum: 32 columns x 32 row lanes
-// per block) over many rows: lanes that each sum dozens of rows, a partial last column tile
-// (H = 100) and a row count that is no multiple of 32 (N = 2053).
+// The parameter gradients' column sums (reduce.cuh's column_sum: 8 columns x 128 row lanes
+// per block) over many rows: lanes that each sum a dozen rows or more, a partial last column
+// tile (H = 100) and a row count that is no multiple of 128 (N = 2053).
 TEST_F(CudaOps, ColumnReductionsOverManyRows) {
   const int64_t N = 2053, H = 100;
   layernorm_case(N, H);

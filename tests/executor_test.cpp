@@ -121,6 +121,56 @@ TEST(CpuBackend, UnwrittenBuffersHoldNaNInTests) {
   }
 }
 
+// The vocabulary-parallel cross-entropy's phases (backend.h) on two slices of the
+// vocabulary, their maxima and sums combined as the tensor-parallel all-reduces would, against
+// the double-precision reference: the loss, and the gradient the backward writes over the
+// logits the forward left untouched (fp32; in bf16 the same values rounded, every one a bf16).
+TEST(CpuBackend, CrossEntropyPhasesMatchTheReference) {
+  auto be = make_cpu_backend();
+  const int64_t N = 7, V = 40, Vt = V / 2;
+  std::mt19937 rng(5);
+  std::normal_distribution<float> nd(0.0f, 3.0f);
+  std::vector<float> logits(static_cast<size_t>(N * V));
+  for (float& x : logits) x = nd(rng);
+  std::vector<int32_t> tg(static_cast<size_t>(N));
+  for (int64_t i = 0; i < N; ++i) tg[static_cast<size_t>(i)] = static_cast<int32_t>((i * 13) % V);
+  Vec ld(logits.begin(), logits.end()), losses(N), probs(N * V), dref(N * V, 0.0);
+  ref::crossentropy_forward(losses.data(), probs.data(), ld.data(), tg.data(), N, V);
+  const double scale = 0.25;
+  ref::crossentropy_backward(dref.data(), probs.data(), tg.data(), scale, N, V);
+  for (Precision p : {Precision::fp32, Precision::bf16}) {
+    // Each slice's logits (N, Vt), as a tensor-parallel rank holds them.
+    std::vector<std::vector<float>> z(2, std::vector<float>(static_cast<size_t>(N * Vt)));
+    for (int r = 0; r < 2; ++r)
+      for (int64_t i = 0; i < N; ++i)
+        for (int64_t j = 0; j < Vt; ++j) z[r][static_cast<size_t>(i * Vt + j)] = logits[static_cast<size_t>(i * V + r * Vt + j)];
+    const std::vector<std::vector<float>> kept = z;
+    std::vector<float> mx(N), m1(N), st(2 * N, 0.0f), s1(2 * N);
+    be->cross_entropy_max(mx.data(), z[0].data(), N, Vt);
+    be->cross_entropy_max(m1.data(), z[1].data(), N, Vt);
+    for (int64_t i = 0; i < N; ++i) mx[i] = std::max(mx[i], m1[i]);  // the all-reduce max
+    for (int r = 0; r < 2; ++r) {
+      be->cross_entropy_exp_sum(s1.data(), z[r].data(), mx.data(), tg.data(), N, Vt, r * Vt);
+      for (int64_t k = 0; k < 2 * N; ++k) st[k] += s1[k];  // the all-reduce sum
+      EXPECT_EQ(z[r], kept[r]) << "the forward wrote the logits";
+    }
+    for (int64_t i = 0; i < N; ++i)
+      EXPECT_NEAR(std::log(static_cast<double>(st[2 * i])) - st[2 * i + 1], losses[i], 1e-5) << i;
+    for (int r = 0; r < 2; ++r) {
+      be->cross_entropy_backward(z[r].data(), mx.data(), st.data(), tg.data(), N, Vt, r * Vt, static_cast<float>(scale), p);
+      for (int64_t i = 0; i < N; ++i)
+        for (int64_t j = 0; j < Vt; ++j) {
+          const float g = z[r][static_cast<size_t>(i * Vt + j)];
+          const double want = dref[static_cast<size_t>(i * V + r * Vt + j)];
+          EXPECT_NEAR(g, want, p == Precision::fp32 ? 1e-6 : std::fabs(want) / 256 + 1e-9) << i << " " << r * Vt + j;
+          if (p == Precision::bf16) {
+            EXPECT_EQ(std::bit_cast<uint32_t>(g) & 0xffffu, 0u) << g;
+          }
+        }
+    }
+  }
+}
+
 #ifdef STRATA_UNDER_SANITIZER
 // Eigen's GEMM kernels are not instrumented under the sanitizers (cpu_gemm.h); the backend
 // checks each operand's span against ASan's shadow memory first, so an operand that runs
@@ -145,6 +195,8 @@ TEST(CpuBackendDeathTest, ElementwiseOperandPastItsBufferIsReported) {
   std::vector<float> z((N - 1) * F, 0.25f), st(2 * N), mx(N, 0.0f);
   std::vector<int32_t> tg(N, 1);
   EXPECT_DEATH(be->cross_entropy_exp_sum(st.data(), z.data(), mx.data(), tg.data(), N, F, 0), "heap-buffer-overflow");
+  EXPECT_DEATH(be->cross_entropy_backward(z.data(), mx.data(), st.data(), tg.data(), N, F, 0, 1.0f, Precision::bf16),
+               "heap-buffer-overflow");
 }
 TEST(CpuBackendDeathTest, KeptBufferUsedAfterItsFreeIsReported) {
   auto be = make_cpu_backend();

@@ -511,29 +511,34 @@ class CpuBackend final : public Backend {
       mx[i] = m;
     }
   }
-  void cross_entropy_exp_sum(float* st, float* z, const float* mx, const int32_t* targets, int64_t N, int64_t Vt,
+  void cross_entropy_exp_sum(float* st, const float* z, const float* mx, const int32_t* targets, int64_t N, int64_t Vt,
                              int64_t lo) override {
     check_span(z, N, Vt, Vt);
+    thread_local std::vector<float> e;  // a row's exponentials, summed and dropped
+    e.resize(static_cast<size_t>(Vt));
     for (int64_t i = 0; i < N; ++i) {
       const int64_t tg = targets[i];
-      float* row = z + i * Vt;
+      const float* row = z + i * Vt;
       st[2 * i + 1] = tg >= lo && tg < lo + Vt ? row[tg - lo] - mx[i] : 0.0f;
+      cpu_exp_shifted(e.data(), row, Vt, mx[i]);
+      st[2 * i] = static_cast<float>(sum_in_lanes(Vt, [&](int64_t j) { return static_cast<double>(e[static_cast<size_t>(j)]); }));
+    }
+  }
+  // The exponentials as exp_sum computed them (the same call on the same row), each times
+  // the reciprocal of the row's sum, the target's less one, times the scale, then rounded:
+  // the operations, in their order, of the probabilities' normalisation and the gradient.
+  void cross_entropy_backward(float* z, const float* mx, const float* st, const int32_t* targets, int64_t N, int64_t Vt,
+                              int64_t lo, float scale, Precision p) override {
+    check_span(z, N, Vt, Vt);
+    for (int64_t i = 0; i < N; ++i) {
+      float* row = z + i * Vt;
       cpu_exp_shifted(row, row, Vt, mx[i]);
-      st[2 * i] = static_cast<float>(sum_in_lanes(Vt, [&](int64_t j) { return static_cast<double>(row[j]); }));
-    }
-  }
-  void cross_entropy_normalise(float* z, const float* st, int64_t N, int64_t Vt) override {
-    for (int64_t i = 0; i < N; ++i) {
       const float inv = 1.0f / st[2 * i];
-      for (int64_t j = 0; j < Vt; ++j) z[i * Vt + j] *= inv;
-    }
-  }
-  void cross_entropy_backward(float* z, const int32_t* targets, int64_t N, int64_t Vt, int64_t lo,
-                              float scale) override {
-    for (int64_t i = 0; i < N; ++i) {
+      for (int64_t j = 0; j < Vt; ++j) row[j] *= inv;
       const int64_t tg = targets[i];
-      if (tg >= lo && tg < lo + Vt) z[i * Vt + (tg - lo)] -= 1.0f;
-      for (int64_t j = 0; j < Vt; ++j) z[i * Vt + j] *= scale;
+      if (tg >= lo && tg < lo + Vt) row[tg - lo] -= 1.0f;
+      for (int64_t j = 0; j < Vt; ++j) row[j] *= scale;
+      round_to(row, Vt, p);
     }
   }
 
@@ -542,6 +547,15 @@ class CpuBackend final : public Backend {
       for (int64_t i = 0; i < n; ++i) x[i] = round_bf16(x[i]);
     } else if (p == Precision::fp16) {
       for (int64_t i = 0; i < n; ++i) x[i] = round_fp16(x[i]);
+    }
+  }
+  void round_copy(float* dst, const float* src, int64_t n, Precision p) override {
+    if (p == Precision::bf16 || p == Precision::fp8) {
+      for (int64_t i = 0; i < n; ++i) dst[i] = round_bf16(src[i]);
+    } else if (p == Precision::fp16) {
+      for (int64_t i = 0; i < n; ++i) dst[i] = round_fp16(src[i]);
+    } else if (n > 0) {
+      std::copy(src, src + n, dst);
     }
   }
   void pack16(uint16_t* dst, const float* src, int64_t n, Precision p) override {

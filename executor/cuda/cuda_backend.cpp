@@ -413,19 +413,20 @@ class CudaBackendImpl final : public CudaBackend {
   void cross_entropy_max(float* mx, const float* z, int64_t N, int64_t Vt) override {
     cuda::cross_entropy_max(mx, z, N, Vt, stream_);
   }
-  void cross_entropy_exp_sum(float* st, float* z, const float* mx, const int32_t* targets, int64_t N, int64_t Vt,
+  void cross_entropy_exp_sum(float* st, const float* z, const float* mx, const int32_t* targets, int64_t N, int64_t Vt,
                              int64_t lo) override {
     cuda::cross_entropy_exp_sum(st, z, mx, targets, N, Vt, lo, stream_);
   }
-  void cross_entropy_normalise(float* z, const float* st, int64_t N, int64_t Vt) override {
-    cuda::cross_entropy_normalise(z, st, N, Vt, stream_);
+  void cross_entropy_backward(float* z, const float* mx, const float* st, const int32_t* targets, int64_t N, int64_t Vt,
+                              int64_t lo, float scale, Precision p) override {
+    cuda::cross_entropy_backward(z, mx, st, targets, N, Vt, lo, scale, round_kind(p), stream_);
   }
-  void cross_entropy_backward(float* z, const int32_t* targets, int64_t N, int64_t Vt, int64_t lo,
-                              float scale) override {
-    cuda::cross_entropy_backward(z, targets, N, Vt, lo, scale, stream_);
+  static int round_kind(Precision p) {
+    return p == Precision::fp16 ? 2 : (p == Precision::bf16 || p == Precision::fp8) ? 1 : 0;
   }
-  void round_to(float* x, int64_t n, Precision p) override {
-    cuda::round_to(x, n, p == Precision::fp16 ? 2 : (p == Precision::bf16 || p == Precision::fp8) ? 1 : 0, stream_);
+  void round_to(float* x, int64_t n, Precision p) override { cuda::round_to(x, n, round_kind(p), stream_); }
+  void round_copy(float* dst, const float* src, int64_t n, Precision p) override {
+    cuda::round_copy(dst, src, n, round_kind(p), stream_);
   }
   void pack16(uint16_t* dst, const float* src, int64_t n, Precision p) override {
     cuda::pack16(dst, src, n, p == Precision::fp16 ? 2 : 1, stream_);

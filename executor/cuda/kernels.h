@@ -63,15 +63,17 @@ void add_positions(float* out, const float* x, const float* P, int64_t n, int64_
 void position_grad(float* dP, const float* dx, int64_t n, int64_t H, int64_t B, int64_t row0, cudaStream_t s);
 // Vocab-parallel cross-entropy, the phases of backend.h (targets: device int32, N).
 void cross_entropy_max(float* mx, const float* z, int64_t N, int64_t Vt, cudaStream_t s);
-void cross_entropy_exp_sum(float* st, float* z, const float* mx, const int* targets, int64_t N, int64_t Vt, int64_t lo,
-                           cudaStream_t s);
-void cross_entropy_normalise(float* z, const float* st, int64_t N, int64_t Vt, cudaStream_t s);
-void cross_entropy_backward(float* z, const int* targets, int64_t N, int64_t Vt, int64_t lo, float scale,
-                            cudaStream_t s);
+void cross_entropy_exp_sum(float* st, const float* z, const float* mx, const int* targets, int64_t N, int64_t Vt,
+                           int64_t lo, cudaStream_t s);
+// kind: round_to's (1 bf16, 2 fp16, 0 none).
+void cross_entropy_backward(float* z, const float* mx, const float* st, const int* targets, int64_t N, int64_t Vt,
+                            int64_t lo, float scale, int kind, cudaStream_t s);
 // C (M, N, row stride ldc) = beta * C; beta = 0 writes zeros.
 void scale_matrix(float* c, int64_t M, int64_t N, int64_t ldc, float beta, cudaStream_t s);
 // kind: 1 bf16, 2 fp16 (round to nearest even; fp16 overflows to inf).
 void round_to(float* x, int64_t n, int kind, cudaStream_t s);
+// dst = src rounded as round_to does (kind 0: copied).
+void round_copy(float* dst, const float* src, int64_t n, int kind, cudaStream_t s);
 // dst (n 2-byte patterns) = src rounded as round_to does (kind 1 bf16, 2 fp16); and back.
 void pack16(uint16_t* dst, const float* src, int64_t n, int kind, cudaStream_t s);
 void unpack16(float* dst, const uint16_t* src, int64_t n, int kind, cudaStream_t s);

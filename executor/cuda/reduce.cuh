@@ -40,12 +40,14 @@ __device__ inline float block_max(float v, float* scratch) {
 inline unsigned blocks_for(long long n, int threads) { return static_cast<unsigned>((n + threads - 1) / threads); }
 
 // Column sums of (N, F) row-major data (parameter gradients: dw, db): a block holds
-// kColTile columns x kRowLanes row lanes, so every warp reads 32 consecutive values of one
-// row; lane r of a column sums rows r, r + kRowLanes, ... in order, then column_sum adds
-// the lanes' partial sums in lane order. A fixed order: the sums are deterministic, and
-// N / kRowLanes rows per thread instead of N keep many loads in flight (one thread per
-// column walking all N rows left a 768-column gradient to 24 warps).
-constexpr int kColTile = 32, kRowLanes = 32;
+// kColTile columns x kRowLanes row lanes, so every warp reads 8 consecutive values (one
+// 32-byte sector) of each of 4 rows; lane r of a column sums rows r, r + kRowLanes, ... in
+// order, then column_sum adds the lanes' partial sums in lane order. A fixed order: the
+// sums are deterministic, and N / kRowLanes rows per thread instead of N keep many loads in
+// flight (one thread per column walking all N rows left a 768-column gradient to 24 warps).
+// Tiles of 8 columns give such a gradient 96 blocks, one per SM on most of an H100's 132
+// (tiles of 32 gave it 24: a quarter of the device's bandwidth; issue 5's review).
+constexpr int kColTile = 8, kRowLanes = 128;
 inline dim3 column_block() { return dim3(kColTile, kRowLanes); }
 inline unsigned column_tiles(long long F) { return blocks_for(F, kColTile); }
 // Row lane 0 gets its column's sum of the block's partials (the other lanes 0). Every
