@@ -46,7 +46,7 @@ inline unsigned blocks_for(long long n, int threads) { return static_cast<unsign
 // sums are deterministic, and N / kRowLanes rows per thread instead of N keep many loads in
 // flight (one thread per column walking all N rows left a 768-column gradient to 24 warps).
 // Tiles of 8 columns give such a gradient 96 blocks, one per SM on most of an H100's 132
-// (tiles of 32 gave it 24: a quarter of the device's bandwidth; issue 5's review).
+// (tiles of 32 gave it 24, under a fifth of the SMs; issue 5's review).
 constexpr int kColTile = 8, kRowLanes = 128;
 inline dim3 column_block() { return dim3(kColTile, kRowLanes); }
 inline unsigned column_tiles(long long F) { return blocks_for(F, kColTile); }
