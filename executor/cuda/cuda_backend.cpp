@@ -12,6 +12,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <map>
+#include <memory>
 #include <stdexcept>
 #include <string>
 #include <unordered_map>
@@ -144,6 +145,7 @@ class CudaBackendImpl final : public CudaBackend {
     for (cudaEvent_t e : events_) cudaEventDestroy(e);
     events_.clear();
     if (workspace_) cudaFree(workspace_);
+    algos_.clear();  // their descriptors before the handle
     if (lt_) cuda::lt().Destroy(lt_);
     if (stream_) cudaStreamDestroy(stream_);
     workspace_ = nullptr;
@@ -473,37 +475,41 @@ class CudaBackendImpl final : public CudaBackend {
     const uint32_t align_a = alignment(B, batched ? static_cast<uint64_t>(batch.b) * elem : 0),
                    align_b = alignment(A, batched ? static_cast<uint64_t>(batch.a) * elem : 0),
                    align_c = alignment(C, batched ? static_cast<uint64_t>(batch.c) * sizeof(float) : 0);
-    LtObjects o;
-    CUBLAS_CHECK(cuda::lt().MatmulDescCreate(&o.desc, compute, CUDA_R_32F));
-    const cublasOperation_t op_first = tb ? CUBLAS_OP_T : CUBLAS_OP_N, op_second = ta ? CUBLAS_OP_T : CUBLAS_OP_N;
-    CUBLAS_CHECK(cuda::lt().MatmulDescSetAttribute(o.desc, CUBLASLT_MATMUL_DESC_TRANSA, &op_first, sizeof(op_first)));
-    CUBLAS_CHECK(cuda::lt().MatmulDescSetAttribute(o.desc, CUBLASLT_MATMUL_DESC_TRANSB, &op_second, sizeof(op_second)));
-    CUBLAS_CHECK(cuda::lt().MatrixLayoutCreate(&o.la, in, tb ? K : N, tb ? N : K, ldb));
-    CUBLAS_CHECK(cuda::lt().MatrixLayoutCreate(&o.lb, in, ta ? M : K, ta ? K : M, lda));
-    CUBLAS_CHECK(cuda::lt().MatrixLayoutCreate(&o.lc, CUDA_R_32F, N, M, ldc));
-    if (batched) {
-      const std::pair<cublasLtMatrixLayout_t, int64_t> strided[] = {{o.la, batch.b}, {o.lb, batch.a}, {o.lc, batch.c}};
-      for (const auto& [layout, offset] : strided) {
-        CUBLAS_CHECK(cuda::lt().MatrixLayoutSetAttribute(layout, CUBLASLT_MATRIX_LAYOUT_BATCH_COUNT, &batch.count,
-                                                      sizeof(batch.count)));
-        CUBLAS_CHECK(cuda::lt().MatrixLayoutSetAttribute(layout, CUBLASLT_MATRIX_LAYOUT_STRIDED_BATCH_OFFSET, &offset,
-                                                      sizeof(offset)));
-      }
-    }
     const AlgoKey key{ta, tb, M, N, K, lda, ldb, ldc, static_cast<int64_t>(in), static_cast<int64_t>(compute),
                       batch.count, batch.a, batch.b, batch.c, align_a, align_b, align_c};
     auto it = algos_.find(key);
     if (it == algos_.end()) {
-      CUBLAS_CHECK(cuda::lt().MatmulPreferenceCreate(&o.pref));
+      // The descriptor and the layouts hold nothing but what the key holds (the operations,
+      // the shapes, the types, the batch): made once per key and kept with its algorithm,
+      // not made and destroyed again on every product (ten cuBLASLt calls on the host each).
+      auto o = std::make_unique<LtObjects>();
+      CUBLAS_CHECK(cuda::lt().MatmulDescCreate(&o->desc, compute, CUDA_R_32F));
+      const cublasOperation_t op_first = tb ? CUBLAS_OP_T : CUBLAS_OP_N, op_second = ta ? CUBLAS_OP_T : CUBLAS_OP_N;
+      CUBLAS_CHECK(cuda::lt().MatmulDescSetAttribute(o->desc, CUBLASLT_MATMUL_DESC_TRANSA, &op_first, sizeof(op_first)));
+      CUBLAS_CHECK(cuda::lt().MatmulDescSetAttribute(o->desc, CUBLASLT_MATMUL_DESC_TRANSB, &op_second, sizeof(op_second)));
+      CUBLAS_CHECK(cuda::lt().MatrixLayoutCreate(&o->la, in, tb ? K : N, tb ? N : K, ldb));
+      CUBLAS_CHECK(cuda::lt().MatrixLayoutCreate(&o->lb, in, ta ? M : K, ta ? K : M, lda));
+      CUBLAS_CHECK(cuda::lt().MatrixLayoutCreate(&o->lc, CUDA_R_32F, N, M, ldc));
+      if (batched) {
+        const std::pair<cublasLtMatrixLayout_t, int64_t> strided[] = {{o->la, batch.b}, {o->lb, batch.a}, {o->lc, batch.c}};
+        for (const auto& [layout, offset] : strided) {
+          CUBLAS_CHECK(cuda::lt().MatrixLayoutSetAttribute(layout, CUBLASLT_MATRIX_LAYOUT_BATCH_COUNT, &batch.count,
+                                                        sizeof(batch.count)));
+          CUBLAS_CHECK(cuda::lt().MatrixLayoutSetAttribute(layout, CUBLASLT_MATRIX_LAYOUT_STRIDED_BATCH_OFFSET, &offset,
+                                                        sizeof(offset)));
+        }
+      }
+      CUBLAS_CHECK(cuda::lt().MatmulPreferenceCreate(&o->pref));
       const size_t ws = kWorkspace;
-      CUBLAS_CHECK(cuda::lt().MatmulPreferenceSetAttribute(o.pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws, sizeof(ws)));
-      CUBLAS_CHECK(cuda::lt().MatmulPreferenceSetAttribute(o.pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, &align_a, sizeof(align_a)));
-      CUBLAS_CHECK(cuda::lt().MatmulPreferenceSetAttribute(o.pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, &align_b, sizeof(align_b)));
-      CUBLAS_CHECK(cuda::lt().MatmulPreferenceSetAttribute(o.pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, &align_c, sizeof(align_c)));
-      CUBLAS_CHECK(cuda::lt().MatmulPreferenceSetAttribute(o.pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, &align_c, sizeof(align_c)));
+      CUBLAS_CHECK(cuda::lt().MatmulPreferenceSetAttribute(o->pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws, sizeof(ws)));
+      CUBLAS_CHECK(cuda::lt().MatmulPreferenceSetAttribute(o->pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, &align_a, sizeof(align_a)));
+      CUBLAS_CHECK(cuda::lt().MatmulPreferenceSetAttribute(o->pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, &align_b, sizeof(align_b)));
+      CUBLAS_CHECK(cuda::lt().MatmulPreferenceSetAttribute(o->pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, &align_c, sizeof(align_c)));
+      CUBLAS_CHECK(cuda::lt().MatmulPreferenceSetAttribute(o->pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, &align_c, sizeof(align_c)));
       cublasLtMatmulHeuristicResult_t heur{};
       int found = 0;
-      const cublasStatus_t rc = cuda::lt().MatmulAlgoGetHeuristic(lt_, o.desc, o.la, o.lb, o.lc, o.lc, o.pref, 1, &heur, &found);
+      const cublasStatus_t rc =
+          cuda::lt().MatmulAlgoGetHeuristic(lt_, o->desc, o->la, o->lb, o->lc, o->lc, o->pref, 1, &heur, &found);
       const bool ok = rc == CUBLAS_STATUS_SUCCESS && found > 0;
       if (!ok && (!may_fail || rc != CUBLAS_STATUS_NOT_SUPPORTED)) {
         CUBLAS_CHECK(rc);
@@ -515,9 +521,10 @@ class CudaBackendImpl final : public CudaBackend {
                      "K=%lld); such products run in fp32\n", static_cast<long long>(M), static_cast<long long>(N),
                      static_cast<long long>(K));
       }
-      it = algos_.emplace(key, Algo{ok, heur.algo}).first;
+      it = algos_.emplace(key, Algo{ok, heur.algo, std::move(o)}).first;
     }
     if (!it->second.ok) return false;
+    const LtObjects& o = *it->second.lt;
     CUBLAS_CHECK(cuda::lt().Matmul(lt_, o.desc, &alpha, B, o.la, A, o.lb, &beta, C, o.lc, C, o.lc, &it->second.algo,
                                 workspace_, kWorkspace, stream_));
     return true;
@@ -526,6 +533,7 @@ class CudaBackendImpl final : public CudaBackend {
   struct Algo {
     bool ok;
     cublasLtMatmulAlgo_t algo;
+    std::unique_ptr<LtObjects> lt;  // the descriptor and layouts it runs with
   };
 
   // What attention_plan.h runs on.
