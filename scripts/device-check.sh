@@ -8,7 +8,8 @@
 #      with its GEMMs in fp32 and bf16, and the flash kernels, at the gpt2-124m shape);
 #   4. tiny-gpt, 30 steps bf16, on the GPU and on the CPU: the loss curves compared;
 #   5. gpt2-124m (sequence 1024, bf16, micro-batch 8), 6 steps on the GPU with the unfused
-#      and with the fused (flash) attention: step time, MFU against 989 TFLOP/s (dense bf16
+#      and with the fused (flash) attention, and the unfused with selective recompute (its
+#      probabilities recomputed, not kept): step time, MFU against 989 TFLOP/s (dense bf16
 #      of an H100 SXM and of an H200), the device's memory; `strata estimate` of the same plan
 #      on the dgx-h100-80g preset on an H100, else dgx-h200-141g
 #      beside it (predicted / measured);
@@ -118,11 +119,14 @@ PRESET=dgx-h200-141g
 nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | grep -q H100 && PRESET=dgx-h100-80g
 echo "estimates on the $PRESET preset" | log
 python3 -c "import json,sys; c=json.load(open('hw_profiles/$PRESET.json')); c['framework']['software_stack']='strata'; c['name']=c.get('name','$PRESET')+'-strata'; json.dump(c,open(sys.argv[1],'w'),indent=1)" "$OUT/preset-strata.json"
-for att in unfused flash; do
+# (selective: the unfused attention with its S x S probabilities recomputed in the backward
+# instead of kept, packed to 16 bits and unpacked: whether that is the faster plan here.)
+for att in unfused flash selective; do
   P124="tp=1,mbs=8,gbs=8,precision=bf16,attention=$att"
+  [ "$att" = selective ] && P124="tp=1,mbs=8,gbs=8,precision=bf16,attention=unfused,recompute=selective"
   timeout $(lim 60) $S train --model gpt2-124m --plan $P124 --steps 6 --quiet --backend cuda --comm staged --json "$OUT/gpt2_$att.json" 2>&1 | log
   $S estimate --model gpt2-124m --cluster "$OUT/preset-strata.json" --plan "$P124" --json > "$OUT/gpt2_${att}_estimate.json" 2>> "$OUT/device-check.log"
-  row "gpt2-124m bf16 S1024 mbs8 attention=$att on the GPU: step, MFU, memory; estimate ($PRESET, strata stack)" "$(python3 - "$OUT" "$att" <<'EOF' 2>&1
+  row "gpt2-124m bf16 S1024 mbs8 $P124 on the GPU: step, MFU, memory; estimate ($PRESET, strata stack)" "$(python3 - "$OUT" "$att" <<'EOF' 2>&1
 import json, sys
 d, att = sys.argv[1], sys.argv[2]
 try:
