@@ -15,8 +15,8 @@
 #      beside it (predicted / measured);
 #   6. tp2 and dp2 ZeRO-1 tiny-gpt plans as 2 ranks sharing the one GPU (host-staged
 #      communicator), final loss against the same plan on the CPU;
-#   7. `strata profile --backend cuda` on one rank, and the estimate of the step-5 plans on
-#      the measured profile against their measured step times;
+#   7. `strata profile --backend cuda` on one rank, and the estimate of step 5's unfused and
+#      flash plans on the measured profile against their measured step times;
 #   8. the NCCL communicator: its op test (part of step 2) on its own row, and tiny-gpt
 #      trained through it (--comm nccl), losses against step 4's staged run;
 #   9. the GPU time of a gpt2-124m step by kernel (Nsight Compute, where it is installed).
@@ -109,8 +109,8 @@ timeout $(lim 60) $S train $T --plan tp=1,precision=bf16 --backend cuda --comm s
 timeout $(lim 60) $S train $T --plan tp=1,precision=bf16 --json "$OUT/tiny_cpu.json" 2>&1 | log
 row "tiny-gpt bf16 30 steps, GPU vs CPU loss curve" "$(compare_losses "$OUT/tiny_cuda.json" "$OUT/tiny_cpu.json" 1e-2 bf16)"
 
-# 5. gpt2-124m on the GPU with the unfused and the fused attention, and the estimate of
-# each plan. Memory: the device's own pool peaks (by category; saved activations in 16 bits) and its
+# 5. gpt2-124m on the GPU with the unfused and the fused attention, and the unfused with
+# selective recompute, and the estimate of each plan. Memory: the device's own pool peaks (by category; saved activations in 16 bits) and its
 # memory in use after training (context, libraries, pools' reserve), against the estimate.
 # The estimate runs on the H200 preset with the executor's software stack ("strata": no
 # dropout, fp32 gradient accumulation, its own overlap), the stack that actually runs here.
