@@ -153,12 +153,11 @@ struct Acc {
   // Hybrid sharding (Plan::dp_instances): dp and edp are one instance's shard group, these
   // the instances holding alike shards (the shard group's size apart); size 1 without it.
   GroupSpan dp_across, edp_across;
-  double peak_linear, peak_attn;  // FLOP/s for the linear layers and the attention core
-  // What the fused attention's efficiency multiplies: the attention peak, or on the strata
-  // stack the fp32 peak whatever the precision: its flash kernels run in fp32 on the CUDA
-  // cores (Eigen on the CPU) in every plan, so an H200 runs them against 67, not 989,
-  // TFLOP/s; strata profile measures their efficiency against the same peak.
-  double peak_flash;
+  // FLOP/s for the linear layers and the attention core, the fused attention's included: on
+  // every stack its products run at the plan's 16-bit rate (the strata executor's CUDA
+  // kernels on the tensor cores since flash_attention_tc.cu; Eigen's fp32 on the CPU, whose
+  // profile gives every precision one peak), in fp32 in an fp32 plan.
+  double peak_linear, peak_attn;
   double lin_bytes;               // bytes per linear-GEMM operand element
   bool ub;                        // Transformer Engine's user-buffer overlap (Stack::userbuffers)
   LayerCost lc;
@@ -202,7 +201,6 @@ struct Acc {
     const Device& dev = cl.device;
     peak_attn = p.precision == Precision::fp8 ? dev.peak_bf16_flops : dev.peak_flops(p.precision);
     peak_linear = dev.peak_flops(p.precision);
-    peak_flash = cs.stack.strata ? dev.peak_fp32_flops : peak_attn;
     lin_bytes = p.precision == Precision::fp8 ? 1.0 : cs.work_bytes;
     ub = cs.stack.userbuffers;
   }
@@ -456,7 +454,7 @@ double attention_core_forward(Acc& a, Phase ph) {
     const double flops = m.mla() ? 2.0 * heads * Sq * Sk * (D + static_cast<double>(m.Dv())) * m.causal_share()
                                  : 4.0 * heads * Sq * Sk * D * m.causal_share();
     const double bytes = e * a.cs.T * head_columns(m, p.t, 2, 2);
-    t = a.kernel("flash_attention", ph, flops, bytes, a.peak_flash * a.cl.device.flash_fwd_efficiency);
+    t = a.kernel("flash_attention", ph, flops, bytes, a.peak_attn * a.cl.device.flash_fwd_efficiency);
   } else {
     const double n_s = heads * Sq * Sk;  // attention score elements
     // QK^T and AV as batched GEMMs: Bh products of (Sq x D)(D x Sk) and (Sq x Sk)(Sk x Dv).
@@ -509,7 +507,7 @@ double attention_core_backward(Acc& a, double mlp_s) {
     const double flops = m.mla() ? 2.0 * heads * Sq * Sk * (3.0 * D + 2.0 * static_cast<double>(m.Dv())) * m.causal_share()
                                  : 10.0 * heads * Sq * Sk * D * m.causal_share();
     const double bytes = 2.0 * e * a.cs.T * head_columns(m, p.t, 2, 2);
-    t = a.kernel("flash_attention", ph, flops, bytes, a.peak_flash * a.cl.device.flash_bwd_efficiency);
+    t = a.kernel("flash_attention", ph, flops, bytes, a.peak_attn * a.cl.device.flash_bwd_efficiency);
   } else {
     const double n_s = heads * Sq * Sk;
     const double flops = 2.0 * heads * Sq * Sk * D * strata_cp_keys(a);

@@ -483,11 +483,13 @@ ProfileResult run_profile(Comm& comm, Backend& be, const ProfileOptions& o) {
   c.device.batched_gemm_per_matrix = be.batched_gemm_per_matrix();
   c.device.peak_fp32_flops = c.device.peak_tf32_flops = c.device.peak_bf16_flops = c.device.peak_fp16_flops = peak;
   if (fp32_peak > 0) c.device.peak_fp32_flops = c.device.peak_tf32_flops = fp32_peak;  // the sweep was 16-bit
-  // The fused attention as a fraction of the fp32 peak, what the strata stack charges its
-  // fp32 flash kernels against in every precision (compute.cpp), so the estimate gives back
-  // the measured rate.
-  c.device.flash_fwd_efficiency = std::clamp(res.flash_forward_flops_per_s / c.device.peak_fp32_flops, 1e-3, 1.0);
-  c.device.flash_bwd_efficiency = std::clamp(res.flash_backward_flops_per_s / c.device.peak_fp32_flops, 1e-3, 1.0);
+  // The fused attention as a fraction of the 16-bit peak, what the cost model charges it
+  // against in a 16-bit plan (compute.cpp), so the estimate gives back the measured rate: it
+  // ran at the sweep's precision (CUDA: bf16, on the tensor cores; the CPU: fp32, whose peak
+  // is every precision's). An fp32 plan on a GPU is charged the same fraction of the fp32
+  // peak: not measured (its kernels are the CUDA cores' fp32 ones).
+  c.device.flash_fwd_efficiency = std::clamp(res.flash_forward_flops_per_s / c.device.peak_bf16_flops, 1e-3, 1.0);
+  c.device.flash_bwd_efficiency = std::clamp(res.flash_backward_flops_per_s / c.device.peak_bf16_flops, 1e-3, 1.0);
   c.device.peak_fp8_flops = 0;
   c.device.gemm_efficiency = Curve(ge);
   // The peak: the best any memory kernel reached (STREAM add, unless a slower build or a

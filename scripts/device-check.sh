@@ -4,9 +4,13 @@
 #   1. builds for sm_90 (Release);
 #   2. every CUDA op against the CPU backend (cuda_ops_test: normalised error <= 1e-5 in
 #      fp32, 1e-2 for 16-bit GEMMs on unrounded operands, bf16/fp16 rounding bit for bit);
+#   2b. the tensor-core flash kernels' op test under compute-sanitizer's racecheck and
+#      synccheck (where compute-sanitizer is installed);
 #   3. the kernels' speed (cuda_bench: GEMMs in fp32, bf16, fp16; the unfused attention
-#      with its GEMMs in fp32 and bf16, and the flash kernels, at the gpt2-124m shape);
-#   4. tiny-gpt, 30 steps bf16, on the GPU and on the CPU: the loss curves compared;
+#      with its GEMMs in fp32 and bf16, and the flash kernels in fp32 and on the tensor
+#      cores in bf16, at the gpt2-124m shape);
+#   4. tiny-gpt, 30 steps bf16, on the GPU and on the CPU: the loss curves compared, with
+#      the unfused and with the fused attention;
 #   5. gpt2-124m (sequence 1024, bf16, micro-batch 8), 6 steps on the GPU with the unfused
 #      and with the fused (flash) attention, and the unfused with selective recompute (its
 #      probabilities recomputed, not kept): step time, MFU against 989 TFLOP/s (dense bf16
@@ -93,6 +97,22 @@ elif [ "$skipped" -gt 1 ]; then ops="FAILED ($skipped cases skipped: $(grep -m1 
 else ops="pass (exit 0; skipped: $skipped)"; fi
 row "CUDA ops vs CPU backend (cuda_ops_test)" "$ops"
 
+# 2b. The tensor-core flash kernels (flash_attention_tc.cu: shared tiles, warp-level
+# hand-offs) under the sanitizer's shared-memory race and barrier checks.
+SAN=$(command -v compute-sanitizer || ls /usr/local/cuda/bin/compute-sanitizer 2>/dev/null | head -1)
+if [ -n "$SAN" ] && [ -x $B/cuda_ops_test ]; then
+  for tool in racecheck synccheck; do
+    timeout $(lim 60) "$SAN" --tool $tool --error-exitcode 3 $B/cuda_ops_test \
+      --gtest_filter='*FlashAttentionOnTensorCores*' > "$OUT/sanitizer_$tool.log" 2>&1
+    san_rc=$?
+    log < "$OUT/sanitizer_$tool.log" > /dev/null
+    row "tensor-core flash kernels' op test under compute-sanitizer --tool $tool" \
+      "$([ $san_rc -eq 0 ] && echo "clean: $(grep -m1 -o 'ERROR SUMMARY: .*' "$OUT/sanitizer_$tool.log")" || echo "FAILED (exit $san_rc)")"
+  done
+else
+  row "tensor-core flash kernels under compute-sanitizer" "skipped (no compute-sanitizer on this machine)"
+fi
+
 bench_rc=1
 if [ -x $B/cuda_bench ]; then
   timeout $(lim 60) $B/cuda_bench 2>&1 | tee "$OUT/cuda_bench.txt" | log
@@ -108,6 +128,10 @@ T="--model tiny-gpt --steps 30 --quiet --seed 7"
 timeout $(lim 60) $S train $T --plan tp=1,precision=bf16 --backend cuda --comm staged --json "$OUT/tiny_cuda.json" 2>&1 | log
 timeout $(lim 60) $S train $T --plan tp=1,precision=bf16 --json "$OUT/tiny_cpu.json" 2>&1 | log
 row "tiny-gpt bf16 30 steps, GPU vs CPU loss curve" "$(compare_losses "$OUT/tiny_cuda.json" "$OUT/tiny_cpu.json" 1e-2 bf16)"
+# The same with the fused attention (on the tensor cores on the GPU, fp32 on the CPU).
+timeout $(lim 60) $S train $T --plan tp=1,precision=bf16,attention=flash --backend cuda --comm staged --json "$OUT/tiny_flash_cuda.json" 2>&1 | log
+timeout $(lim 60) $S train $T --plan tp=1,precision=bf16,attention=flash --json "$OUT/tiny_flash_cpu.json" 2>&1 | log
+row "tiny-gpt bf16 attention=flash 30 steps, GPU vs CPU loss curve" "$(compare_losses "$OUT/tiny_flash_cuda.json" "$OUT/tiny_flash_cpu.json" 1e-2 bf16)"
 
 # 5. gpt2-124m on the GPU with the unfused and the fused attention, and the unfused with
 # selective recompute, and the estimate of each plan. Memory: the device's own pool peaks (by category; saved activations in 16 bits) and its

@@ -1114,32 +1114,36 @@ TEST(Compute, FlashAttentionIsCheaperThanUnfusedForLongSequences) {
   EXPECT_LT(f.backward.total(), u.backward.total());
 }
 
-// The strata executor's flash kernels run in fp32 on the CUDA cores in every precision, so
-// its stack charges them against the fp32 peak; Megatron's stacks against the 16-bit one.
-// Round cluster: fp32 25, bf16 100 TFLOP/s, flash forward 0.5 and backward 0.4 of the
-// peak, 1 TB/s. Llama 2 7B at S = 8192, mbs 1: the forward computes 4 x 32 heads x 8192^2 x
-// 128 x 1/2 (causal) = 1.759e12 FLOPs: 1.759e12 / (0.5 x 25e12) = 0.1407 s on the strata
-// stack, / (0.5 x 100e12) = 0.0352 s on the other; the backward 2.5 times the FLOPs at 0.4.
-// (Its bytes, 2 x 8192 x 4096 x 4 x 4 at most, take well under a millisecond: compute-bound.)
-TEST(Compute, StrataFlashKernelsRunAgainstTheFp32Peak) {
+// The fused attention runs at the plan's attention peak on every stack: the 16-bit one in a
+// bf16 plan (the strata executor's CUDA kernels on the tensor cores, flash_attention_tc.cu),
+// the fp32 one in an fp32 plan. Round cluster: fp32 25, bf16 100 TFLOP/s, flash forward 0.5
+// and backward 0.4 of the peak, 1 TB/s. Llama 2 7B at S = 8192, mbs 1: the forward computes
+// 4 x 32 heads x 8192^2 x 128 x 1/2 (causal) = 1.759e12 FLOPs: 1.759e12 / (0.5 x 100e12) =
+// 0.0352 s in bf16, / (0.5 x 25e12) = 0.1407 s in fp32; the backward 2.5 times the FLOPs at
+// 0.4. (Its bytes, 2 x 8192 x 4096 x 4 x 4 at most, take well under a millisecond:
+// compute-bound.)
+TEST(Compute, FlashKernelsRunAgainstThePlansAttentionPeak) {
   Cluster c = testing::round_cluster();
   const ModelSpec m = load_model("llama2-7b", 8192);
-  const Plan p = load_plan("tp=1,mbs=1,precision=bf16,attention=flash");
-  auto flash = [&](Phase ph) {
+  auto flash = [&](const Plan& p, Phase ph) {
     std::vector<OpCost> ops;
     (void)layer_cost(m, c, p, compute_setup(m, c, p), &ops);
     for (const OpCost& o : ops)
       if (std::string(o.name) == "flash_attention" && o.phase == ph) return o;
     return OpCost{};
   };
+  const Plan bf16 = load_plan("tp=1,mbs=1,precision=bf16,attention=flash");
+  const Plan fp32 = load_plan("tp=1,mbs=1,precision=fp32,attention=flash");
   const double f = 4.0 * 32 * 8192.0 * 8192.0 * 128 * 0.5;
-  c.strata_stack = true;
-  EXPECT_DOUBLE_EQ(flash(Phase::forward).flops, f);
-  EXPECT_DOUBLE_EQ(flash(Phase::forward).time_s, f / (0.5 * 25e12));
-  EXPECT_DOUBLE_EQ(flash(Phase::backward).time_s, 2.5 * f / (0.4 * 25e12));
-  c.strata_stack = false;
-  EXPECT_DOUBLE_EQ(flash(Phase::forward).time_s, f / (0.5 * 100e12));
-  EXPECT_DOUBLE_EQ(flash(Phase::backward).time_s, 2.5 * f / (0.4 * 100e12));
+  for (bool strata : {true, false}) {
+    SCOPED_TRACE(strata ? "strata stack" : "Megatron's stack");
+    c.strata_stack = strata;
+    EXPECT_DOUBLE_EQ(flash(bf16, Phase::forward).flops, f);
+    EXPECT_DOUBLE_EQ(flash(bf16, Phase::forward).time_s, f / (0.5 * 100e12));
+    EXPECT_DOUBLE_EQ(flash(bf16, Phase::backward).time_s, 2.5 * f / (0.4 * 100e12));
+    EXPECT_DOUBLE_EQ(flash(fp32, Phase::forward).time_s, f / (0.5 * 25e12));
+    EXPECT_DOUBLE_EQ(flash(fp32, Phase::backward).time_s, 2.5 * f / (0.4 * 25e12));
+  }
 }
 
 // A sliding window of w keys on all layers: the fused kernel computes w S - w^2/2 of the

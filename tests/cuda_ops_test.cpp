@@ -402,6 +402,62 @@ TEST_F(CudaOps, FlashAttentionForwardBackward) {
   }
 }
 
+// In a 16-bit plan the fused attention's products run on the tensor cores
+// (flash_attention_tc.cu: Q, K, V, dO, P and dS in 16 bits, fp32 accumulation): on rounded
+// qkv and dout, as the executor passes them, within the 16-bit tolerance of the
+// CPU's fp32 attention; the lse (from fp32 scores of exactly multiplied 16-bit operands)
+// closer. Tiles of 64 crossed (S = 130, 1030), exactly filled (128) and not filled (5, 33,
+// 70), every head dim the kernels take (16, 32, 64, 128), G = A, A/2, A/4 and 1; scores
+// spread wide (qkv of standard deviation 2) so the running maximum moves.
+TEST_F(CudaOps, FlashAttentionOnTensorCoresIn16Bit) {
+  {
+    const std::string why = gpu_->flash_tensor_core_reason(64);
+    if (!why.empty()) GTEST_SKIP() << "the tensor-core flash kernels do not run here: " << why;
+  }
+  struct Shape {
+    int64_t S, B, A, G, D;
+  };
+  for (Precision p : {Precision::bf16, Precision::fp16})
+    for (const Shape sh : {Shape{130, 2, 4, 2, 64}, Shape{70, 1, 2, 1, 128}, Shape{33, 2, 4, 4, 16},
+                           Shape{100, 1, 2, 2, 32}, Shape{1030, 1, 2, 1, 64}, Shape{128, 1, 8, 2, 64},
+                           Shape{5, 2, 2, 1, 32}}) {
+      const int64_t S = sh.S, B = sh.B, A = sh.A, G = sh.G, D = sh.D;
+      const std::string what = std::string(to_string(p)) + " flash S=" + std::to_string(S) + " D=" + std::to_string(D) +
+                               " A=" + std::to_string(A) + " G=" + std::to_string(G);
+      Vec qkv = random(static_cast<size_t>(S * B * (A + 2 * G) * D), 2.0f), dout = random(static_cast<size_t>(S * B * A * D));
+      cpu_->round_to(qkv.data(), static_cast<int64_t>(qkv.size()), p);
+      cpu_->round_to(dout.data(), static_cast<int64_t>(dout.size()), p);
+      Vec out = nans(static_cast<size_t>(S * B * A * D)), dqkv = nans(qkv.size());
+      float *gqkv = dev(qkv), *gout = dev(out), *gdout = dev(dout), *gdqkv = dev(dqkv);
+      float* glse = dev(nans(static_cast<size_t>(B * A * S)));
+      gpu_->set_gemm_precision(p);
+      EXPECT_TRUE(gpu_->flash_on_tensor_cores(D)) << what << ": the fp32 kernels ran instead ("
+                                                  << gpu_->flash_tensor_core_reason(D) << ")";
+      gpu_->flash_attention_forward(gout, glse, gqkv, S, B, A, G, D);
+      gpu_->flash_attention_backward(gdqkv, gdout, gout, glse, gqkv, S, B, A, G, D);
+      gpu_->set_gemm_precision(Precision::fp32);
+      Vec cout(out.size()), clse(static_cast<size_t>(B * A * S)), cdqkv(qkv.size());
+      cpu_->flash_attention_forward(cout.data(), clse.data(), qkv.data(), S, B, A, G, D);
+      cpu_->flash_attention_backward(cdqkv.data(), dout.data(), cout.data(), clse.data(), qkv.data(), S, B, A, G, D);
+      expect_close(host(gout, out.size()), cout, 1e-2, what + " out");
+      expect_close(host(glse, clse.size()), clse, 1e-4, what + " lse");
+      // dQ, dK and dV each against its own largest value.
+      const Vec got = host(gdqkv, dqkv.size());
+      const int64_t ld = (A + 2 * G) * D;
+      for (int part = 0; part < 3; ++part) {
+        const int64_t lo = part == 0 ? 0 : part == 1 ? A * D : (A + G) * D, width = part == 0 ? A * D : G * D;
+        Vec g, c;
+        for (int64_t r = 0; r < S * B; ++r)
+          for (int64_t e = lo; e < lo + width; ++e) {
+            g.push_back(got[static_cast<size_t>(r * ld + e)]);
+            c.push_back(cdqkv[static_cast<size_t>(r * ld + e)]);
+          }
+        expect_close(g, c, 1e-2, what + (part == 0 ? " dq" : part == 1 ? " dk" : " dv"));
+      }
+    }
+  EXPECT_FALSE(gpu_->flash_on_tensor_cores(64)) << "fp32 plans keep the fp32 kernels";
+}
+
 // The executor's buffers come from a stream-ordered pool per memory category: each pool
 // reports its own peak, a freed block is reused rather than reserved again, and
 // allocations are zeroed.

@@ -8,22 +8,12 @@
 #include "executor/cuda/check.h"
 #include "executor/cuda/kernels.h"
 #include "executor/cuda/reduce.cuh"
+#include "executor/cuda/round.cuh"
 
 namespace strata::cuda {
 namespace {
 
 constexpr int kThreads = 256;
-
-template <typename T>
-__device__ T from_float(float v);
-template <>
-__device__ __nv_bfloat16 from_float<__nv_bfloat16>(float v) {
-  return __float2bfloat16_rn(v);
-}
-template <>
-__device__ __half from_float<__half>(float v) {
-  return __float2half_rn(v);
-}
 
 template <typename T>
 __global__ void cast_kernel(T* dst, long long ld_dst, const float* src, long long rows, long long cols, long long ld) {

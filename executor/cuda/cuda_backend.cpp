@@ -88,6 +88,10 @@ class CudaBackendImpl final : public CudaBackend {
     CUDA_CHECK(cudaGetDeviceProperties(&prop, dev));
     name_ = prop.name;
     dev_ = dev;
+    const char* tc = std::getenv("STRATA_FLASH_TC");
+    for (int64_t D : {16, 32, 64, 128})
+      flash_tc_why_[D / 32] = tc != nullptr && std::string(tc) == "0" ? "STRATA_FLASH_TC=0"
+                                                                       : cuda::flash_tc_unavailable_reason(D, dev);
     char bus[32] = {};
     CUDA_CHECK(cudaDeviceGetPCIBusId(bus, sizeof(bus), dev));
     bus_id_ = bus;
@@ -405,12 +409,24 @@ class CudaBackendImpl final : public CudaBackend {
   }
   void flash_attention_forward(float* out, float* lse, const float* qkv, int64_t S, int64_t B, int64_t A, int64_t G,
                                int64_t D) override {
-    cuda::flash_attention_forward(out, lse, qkv, S, B, A, G, D, stream_);
+    cuda::flash_attention_forward(out, lse, qkv, S, B, A, G, D, flash_kind(D), stream_);
   }
   void flash_attention_backward(float* dqkv, const float* dout, const float* out, const float* lse, const float* qkv,
                                 int64_t S, int64_t B, int64_t A, int64_t G, int64_t D) override {
     auto* delta = static_cast<float*>(delta_bytes(sizeof(float) * static_cast<size_t>(B * A * S)));
-    cuda::flash_attention_backward(dqkv, delta, dout, out, lse, qkv, S, B, A, G, D, stream_);
+    cuda::flash_attention_backward(dqkv, delta, dout, out, lse, qkv, S, B, A, G, D, flash_kind(D), stream_);
+  }
+  // The fused attention's products run on the tensor cores in the GEMM precision where that
+  // is 16 bits (flash_attention_tc.cu: head dims 16, 32, 64 and 128, compute capability 8 or
+  // more), else in fp32 on the CUDA cores. STRATA_FLASH_TC=0 keeps the fp32 kernels, to
+  // time one against the other.
+  bool flash_on_tensor_cores(int64_t D) const override { return flash_kind(D) != 0; }
+  std::string flash_tensor_core_reason(int64_t D) const override {
+    return cuda::flash_tc_supported(D) ? flash_tc_why_[D / 32] : cuda::flash_tc_unavailable_reason(D, dev_);
+  }
+  int flash_kind(int64_t D) const {
+    if (gemm_precision_ == Precision::fp32 || !cuda::flash_tc_supported(D) || !flash_tc_why_[D / 32].empty()) return 0;
+    return round_kind(gemm_precision_);
   }
   void cross_entropy_max(float* mx, const float* z, int64_t N, int64_t Vt) override {
     cuda::cross_entropy_max(mx, z, N, Vt, stream_);
@@ -641,6 +657,9 @@ class CudaBackendImpl final : public CudaBackend {
   std::unordered_map<void*, std::pair<size_t, int>> plain_;  // bytes and pool of each allocation
   int64_t plain_live_[kMemPools] = {}, plain_peak_[kMemPools] = {};
   Precision gemm_precision_ = Precision::fp32;
+  // Why the fused attention of head dim 16, 32, 64, 128 (at D / 32) may not use the
+  // tensor-core kernels ("" where it may: flash_kind).
+  std::string flash_tc_why_[5];
   std::string name_, bus_id_;
   int dev_ = 0;
 };

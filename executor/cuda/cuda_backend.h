@@ -40,8 +40,16 @@ class CudaBackend : public Backend {
   // and multiplied on the tensor cores with fp32 accumulation and an fp32 C; fp32 (the
   // default) multiplies them as they are in fp32 (no TF32). The executor rounds GEMM inputs
   // to its training precision already (round_to), so for it this changes the speed, not the
-  // operands. fp8 is refused (std::invalid_argument): its GEMMs need per-tensor scales.
+  // operands. The fused attention's products follow it (flash_attention_tc.cu: P and dS
+  // rounded to `p` as well, as the unfused attention's batched GEMMs round theirs). fp8 is
+  // refused (std::invalid_argument): its GEMMs need per-tensor scales.
   virtual void set_gemm_precision(Precision p) = 0;
+  // Whether the fused attention of head dim D runs on the tensor cores at the GEMM
+  // precision set now (flash_attention_tc.cu), rather than in fp32 on the CUDA cores.
+  virtual bool flash_on_tensor_cores(int64_t D) const = 0;
+  // "" where the fused attention of head dim D would run on the tensor cores at a 16-bit GEMM
+  // precision; otherwise why not (STRATA_FLASH_TC=0, the head dim, the device or the build).
+  virtual std::string flash_tensor_core_reason(int64_t D) const = 0;
   // The most bytes the 16-bit copies of one product's operands may take (default
   // kGemmScratchBytes): a larger product runs as parts of at most that much each (tests
   // lower it to check the parts).

@@ -9,8 +9,10 @@
 //             and accumulates dK and dV in shared memory; dQ and (with GQA, several heads
 //             feed one key group) dK, dV go to dqkv with atomics, so dqkv is zeroed first.
 // Layouts are those of backend.h: qkv (S, B, (A + 2G) D), out and dout (S, B, A D); lse and
-// delta (B, A, S).
+// delta (B, A, S). With kind 1 or 2 (a 16-bit plan's) the launchers below hand the products
+// to flash_attention_tc.cu's tensor-core kernels, after the same checks, zeroing and delta.
 #include "executor/cuda/check.h"
+#include "executor/cuda/flash_dims.cuh"
 #include "executor/cuda/kernels.h"
 #include "executor/cuda/reduce.cuh"
 
@@ -19,16 +21,7 @@ namespace {
 
 constexpr int kThreads = 128;
 
-struct Dims {
-  long long S, B, A, G, D;
-  __device__ long long ld() const { return (A + 2 * G) * D; }
-  __device__ long long q_off(long long h) const { return h * D; }
-  __device__ long long k_off(long long h) const { return (A + h / (A / G)) * D; }
-  __device__ long long v_off(long long h) const { return (A + G + h / (A / G)) * D; }
-  // Row of (position s, micro-batch row b) in the (S, B, ...) layouts.
-  __device__ long long row(long long s, long long b) const { return s * B + b; }
-  __device__ long long stat(long long b, long long h, long long s) const { return (b * A + h) * S + s; }
-};
+using Dims = FlashDims;
 
 // Copies T rows of D values (rows past S are zeros) into shared memory with row stride ld_sh.
 __device__ void load_tile(float* dst, long long ld_sh, const float* src, const Dims& d, long long first, long long b,
@@ -249,16 +242,17 @@ void check_dims(int64_t B, int64_t A, int64_t G, int64_t D) {
 }  // namespace
 
 void flash_attention_forward(float* out, float* lse, const float* qkv, int64_t S, int64_t B, int64_t A, int64_t G,
-                             int64_t D, cudaStream_t s) {
+                             int64_t D, int kind, cudaStream_t s) {
   if (S == 0 || B == 0 || A == 0) return;
   check_dims(B, A, G, D);
+  if (kind != 0) return flash_attention_forward_tc(out, lse, qkv, S, B, A, G, D, kind, s);
   const Dims d{S, B, A, G, D};
   if (D <= 64) launch_forward<32>(out, lse, qkv, d, s);
   else launch_forward<16>(out, lse, qkv, d, s);
 }
 
 void flash_attention_backward(float* dqkv, float* delta, const float* dout, const float* out, const float* lse,
-                              const float* qkv, int64_t S, int64_t B, int64_t A, int64_t G, int64_t D,
+                              const float* qkv, int64_t S, int64_t B, int64_t A, int64_t G, int64_t D, int kind,
                               cudaStream_t s) {
   const size_t dqkv_bytes = sizeof(float) * static_cast<size_t>(S * B * (A + 2 * G) * D);
   if (dqkv_bytes > 0) CUDA_CHECK(cudaMemsetAsync(dqkv, 0, dqkv_bytes, s));  // overwritten, whatever the shape
@@ -268,6 +262,7 @@ void flash_attention_backward(float* dqkv, float* delta, const float* dout, cons
   const long long warps = S * B * A;
   flash_delta<<<blocks_for(warps * 32, 256), 256, 0, s>>>(delta, dout, out, d);
   CUDA_CHECK_LAUNCH();
+  if (kind != 0) return flash_attention_backward_tc(dqkv, delta, dout, lse, qkv, S, B, A, G, D, kind, s);
   if (D <= 64) launch_backward<32>(dqkv, dout, lse, delta, qkv, d, s);
   else launch_backward<16>(dqkv, dout, lse, delta, qkv, d, s);
 }

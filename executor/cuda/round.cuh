@@ -1,9 +1,10 @@
 // The rounding of round_to (round.cu), for kernels that round what they write in the same
 // pass: bf16 by the CPU backend's integer rounding (NaN and inf kept bit for bit), fp16 by
 // the hardware conversion with NaN kept as it is (as on the CPU). kind: 1 bf16, 2 fp16,
-// anything else leaves the value.
+// anything else leaves the value. And from_float, a float as a 16-bit tensor-core operand.
 #pragma once
 
+#include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
 namespace strata::cuda {
@@ -19,6 +20,19 @@ __device__ __forceinline__ float round_value(float v, int kind) {
   }
   if (kind == 2 && !isnan(v)) return __half2float(__float2half_rn(v));
   return v;
+}
+
+// A float as a 16-bit operand of the tensor cores (the GEMM casts, the tensor-core flash
+// attention), round to nearest even.
+template <typename T>
+__device__ T from_float(float v);
+template <>
+__device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float v) {
+  return __float2bfloat16_rn(v);
+}
+template <>
+__device__ __forceinline__ __half from_float<__half>(float v) {
+  return __float2half_rn(v);
 }
 
 }  // namespace strata::cuda
