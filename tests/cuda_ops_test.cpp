@@ -408,7 +408,8 @@ TEST_F(CudaOps, FlashAttentionForwardBackward) {
 // CPU's fp32 attention; the lse (from fp32 scores of exactly multiplied 16-bit operands)
 // closer. Tiles of 64 crossed (S = 130, 1030), exactly filled (128) and not filled (5, 33,
 // 70), every head dim the kernels take (16, 32, 64, 128), G = A, A/2, A/4 and 1; scores
-// spread wide (qkv of standard deviation 2) so the running maximum moves.
+// spread wide (qkv of standard deviation 2) so the running maximum moves; qkv and dout as
+// 16-byte aligned buffers (float4 loads) and as views one float in (S = 33).
 TEST_F(CudaOps, FlashAttentionOnTensorCoresIn16Bit) {
   {
     const std::string why = gpu_->flash_tensor_core_reason(64);
@@ -429,6 +430,13 @@ TEST_F(CudaOps, FlashAttentionOnTensorCoresIn16Bit) {
       cpu_->round_to(dout.data(), static_cast<int64_t>(dout.size()), p);
       Vec out = nans(static_cast<size_t>(S * B * A * D)), dqkv = nans(qkv.size());
       float *gqkv = dev(qkv), *gout = dev(out), *gdout = dev(dout), *gdqkv = dev(dqkv);
+      if (S == 33) {  // views one float into their buffers: the loads' scalar path
+        Vec q1(qkv.size() + 1, 0.0f), d1(dout.size() + 1, 0.0f);
+        std::copy(qkv.begin(), qkv.end(), q1.begin() + 1);
+        std::copy(dout.begin(), dout.end(), d1.begin() + 1);
+        gqkv = dev(q1) + 1;
+        gdout = dev(d1) + 1;
+      }
       float* glse = dev(nans(static_cast<size_t>(B * A * S)));
       gpu_->set_gemm_precision(p);
       EXPECT_TRUE(gpu_->flash_on_tensor_cores(D)) << what << ": the fp32 kernels ran instead ("

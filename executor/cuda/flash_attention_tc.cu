@@ -48,10 +48,26 @@ using FragB = wmma::fragment<wmma::matrix_b, 16, 16, 16, T, Layout>;
 using Acc = wmma::fragment<wmma::accumulator, 16, 16, 16, float>;
 
 // kTile rows of D values from rows [first, first + kTile) of src (zeros past S) into shared
-// memory in 16 bits, row stride ldh.
+// memory in 16 bits, row stride ldh. Row lengths and offsets are multiples of D (of 16), so
+// where src itself is 16-byte aligned every row is read as float4s.
 template <class T, int D>
 __device__ void load16(T* dst, int ldh, const float* src, const Dims& d, long long first, long long b, long long off,
                        long long row_len) {
+  if ((reinterpret_cast<unsigned long long>(src) & 15) == 0) {
+    constexpr int V = D / 4;
+    for (int t = threadIdx.x; t < kTile * V; t += blockDim.x) {
+      const int r = t / V, e = (t % V) * 4;
+      const long long s = first + r;
+      float4 x = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+      if (s < d.S) x = *reinterpret_cast<const float4*>(src + d.row(s, b) * row_len + off + e);
+      T* o = dst + r * ldh + e;
+      o[0] = from_float<T>(x.x);
+      o[1] = from_float<T>(x.y);
+      o[2] = from_float<T>(x.z);
+      o[3] = from_float<T>(x.w);
+    }
+    return;
+  }
   for (int t = threadIdx.x; t < kTile * D; t += blockDim.x) {
     const int r = t / D, e = t % D;
     const long long s = first + r;
@@ -99,7 +115,10 @@ __global__ void __launch_bounds__(kThreads) tc_forward(float* out, float* lse, c
   float* M = reinterpret_cast<float*>(smem + Lay::m);
   float* L = reinterpret_cast<float*>(smem + Lay::l);
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, r0 = warp * 16;
-  const long long i0 = static_cast<long long>(blockIdx.x) * kTile, h = blockIdx.y, b = blockIdx.z, ld = d.ld();
+  // The last query tiles, which stream the most key tiles, first (the grid's tail is then
+  // the short ones).
+  const long long i0 = static_cast<long long>(gridDim.x - 1 - blockIdx.x) * kTile, h = blockIdx.y, b = blockIdx.z;
+  const long long ld = d.ld();
   load16<T, D>(Qs, LH, qkv, d, i0, b, d.q_off(h), ld);
   for (int t = threadIdx.x; t < kTile * LO; t += blockDim.x) Os[t] = 0.0f;
   for (int r = threadIdx.x; r < kTile; r += blockDim.x) {
