@@ -62,7 +62,7 @@ struct ComputeSetup {
   double Tn;        // tokens of norm / dropout / residual work
   double grad_bytes;  // bytes per gradient element as reduced and accumulated
   double weight_bytes;  // bytes per parameter as stored for compute
-  double weight_work_bytes;  // the same as parameter gathers send it
+  double weight_work_bytes;  // the same as parameter gathers send it and the strata executor stores it
   CpComm cp_comm;           // how context parallelism moves keys and values (resolve_cp_comm)
 };
 ComputeSetup compute_setup(const ModelSpec& m, const Cluster& cl, const Plan& p);

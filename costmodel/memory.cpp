@@ -442,9 +442,10 @@ StageShape stage_shape(const ModelSpec& m, const Plan& p, const StageLayout& lay
   mb.expert_params = Pe;
   const double d = static_cast<double>(p.shard_ranks());  // the ranks ZeRO shards over
   StateBytes sb = state_bytes(p.precision, cs.stack.grad_accumulation_fusion, cs.stack.grad_reduce_in_fp32);
-  // The strata executor: compute-precision weights, fp32 gradients, fp32 master (mixed
+  // The strata executor: its working weights as floats (holding the values rounded to the
+  // compute precision: 4 bytes each in every precision), fp32 gradients, fp32 master (mixed
   // precision only) and Adam moments.
-  if (cs.stack.strata) sb = {cs.weight_bytes, 4.0, p.precision == Precision::fp32 ? 8.0 : 12.0};
+  if (cs.stack.strata) sb = {cs.weight_work_bytes, 4.0, p.precision == Precision::fp32 ? 8.0 : 12.0};
   // Megatron-core with 16-bit main gradients (grad_reduce_in_fp32 off; fp16's default): the
   // optimizer casts its shard's gradients to fp32 at the step (shard_main_param.grad =
   // grad.float()) and drops them when the next step zeroes its gradients (set to None),
@@ -622,7 +623,7 @@ StageShape stage_shape(const ModelSpec& m, const Plan& p, const StageLayout& lay
     const double top2 = (units.size() > 0 ? units[0] : 0.0) + (units.size() > 1 ? units[1] : 0.0);
     const bool tied_here = m.tie_embeddings && p.p == 1;
     comm += cs.grad_bytes * (top2 + (tied_here ? in.word_embedding_params : 0.0));
-    if (p.zero >= 3) comm += cs.weight_bytes * top2;
+    if (p.zero >= 3) comm += cs.weight_work_bytes * top2;  // gathered as floats
   }
   if ((p.zero == 1 || p.zero == 2) && p.replicas() > 1 && !cs.stack.modern && !cs.stack.strata) {
     // Legacy sharded optimizers stage gradients and parameters through flat buckets:

@@ -29,7 +29,7 @@ const float* Engine::weights(int u) {
     }
     return it->second.data();
   }
-  Buf b(&mem_, MemCategory::comm_buffers, sh_.padded(su), elem_bytes());
+  Buf b(&mem_, MemCategory::comm_buffers, sh_.padded(su), kWeightBytes);
   const double t0 = now();
   comm_.all_gather(work_shard_.data() + sh_.shard_off[su], b.data(), sh_.shard[su], dp_);
   const double t1 = now();
@@ -43,7 +43,7 @@ const float* Engine::weights(int u) {
 void Engine::prefetch(int u) {
   if (zero_ < 3 || u < 0 || u >= static_cast<int>(lay_.units.size()) || gathered_.count(u)) return;
   const size_t su = static_cast<size_t>(u);
-  Buf b(&mem_, MemCategory::comm_buffers, sh_.padded(su), elem_bytes());
+  Buf b(&mem_, MemCategory::comm_buffers, sh_.padded(su), kWeightBytes);
   Prefetch& pf = prefetching_[u];
   pf.idx = dp_waits_.launched(comm_.wtime());
   pf.req = comm_.iall_gather(work_shard_.data() + sh_.shard_off[su], b.data(), sh_.shard[su], dp_);

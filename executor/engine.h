@@ -61,7 +61,10 @@ class Engine {
       if (s.offset == lay_.units[u].begin) return s;
     return lay_.tensors.front();
   }
-  int elem_bytes() const { return plan_.precision == Precision::fp32 ? 4 : 2; }
+  // The working weights (and ZeRO-3's gathered units) are floats holding values rounded to
+  // the training precision: charged at the 4 bytes each they take (the cost model's strata
+  // stack books them so too).
+  static constexpr int kWeightBytes = 4;
   bool mixed() const { return plan_.precision != Precision::fp32; }
 
   void allocate();

@@ -218,7 +218,7 @@ void Engine::allocate() {
   std::vector<float> tmp(static_cast<size_t>(lay_.size));
   initialise(m_, lay_, o_.seed, tmp.data());
   if (zero_ < 3) {
-    work_ = Buf(&mem_, MemCategory::weights, full, elem_bytes());
+    work_ = Buf(&mem_, MemCategory::weights, full, kWeightBytes);
     for (size_t u = 0; u < lay_.units.size(); ++u)
       be_.to_device(work_.data() + sh_.full_off[u], tmp.data() + lay_.units[u].begin, lay_.units[u].size());
   }
@@ -235,7 +235,7 @@ void Engine::allocate() {
   }
   std::vector<float>().swap(tmp);  // freed before the optimizer's buffers are made
   if (zero_ == 3) {
-    work_shard_ = Buf(&mem_, MemCategory::weights, shard, elem_bytes());
+    work_shard_ = Buf(&mem_, MemCategory::weights, shard, kWeightBytes);
     be_.to_device(work_shard_.data(), owned.data(), shard);
   }
   if (mixed()) {

@@ -162,6 +162,30 @@ TEST(Memory, ZeroStagesDivideTheirStates) {
   }
 }
 
+// The strata executor's states (its own stack): working weights as floats holding the
+// rounded values, 4 bytes a parameter in bf16 as in fp32, fp32 gradients (4), fp32 master
+// weights and Adam moments (12 in bf16, 8 in fp32: no master copy); ZeRO-1 shards the
+// optimizer states and (a separate reduce-scatter target) adds the gradient shard, 4 P / 8;
+// ZeRO-3 shards the weights too. Llama 2 7B on dp = 8.
+TEST(Memory, StrataExecutorStates) {
+  const ModelSpec m = load_model("llama2-7b");
+  Cluster c = testing::round_cluster();
+  c.strata_stack = true;
+  const StageLayout lay = make_layout(m.L, 1, 1);
+  for (const char* prec : {"bf16", "fp32"})
+    for (int z : {0, 1, 3}) {
+      SCOPED_TRACE(std::string(prec) + " zero " + std::to_string(z));
+      Plan p = load_plan(std::string("dp=8,precision=") + prec);
+      p.zero = z;
+      const ComputeSetup cs = compute_setup(m, c, p);
+      const MemoryBreakdown mb = stage_memory(m, c, p, lay, cs, 0, 1, 1, 1);
+      const double P = mb.params, states = std::string(prec) == "bf16" ? 12.0 : 8.0;
+      EXPECT_DOUBLE_EQ(mb.weights, 4 * P / (z >= 3 ? 8 : 1));
+      EXPECT_DOUBLE_EQ(mb.optimizer_states, states * P / (z >= 1 ? 8 : 1));
+      EXPECT_DOUBLE_EQ(mb.gradients, z == 0 ? 4 * P : z == 1 ? 4 * P + 4 * P / 8 : 4 * P / 8);
+    }
+}
+
 // Mixture of experts: Mixtral 8x7B on dp = 16 with ep = 8 and ZeRO-1. Its 7,242,780,672
 // parameters per GPU (32 layers of 218,144,768 with one expert, model_spec_test, the untied
 // embedding and output layer 2 x 32000 x 4096, the final norm 4096) include the one expert's
