@@ -13,6 +13,7 @@
 #include "costmodel/memory.h"
 #include "executor/cuda/attention_plan.h"
 #include "executor/cuda/limits.h"
+#include "executor/cuda/limits.h"
 
 namespace strata {
 
@@ -153,11 +154,13 @@ struct Acc {
   // Hybrid sharding (Plan::dp_instances): dp and edp are one instance's shard group, these
   // the instances holding alike shards (the shard group's size apart); size 1 without it.
   GroupSpan dp_across, edp_across;
-  // FLOP/s for the linear layers and the attention core, the fused attention's included: on
-  // every stack its products run at the plan's 16-bit rate (the strata executor's CUDA
-  // kernels on the tensor cores since flash_attention_tc.cu; Eigen's fp32 on the CPU, whose
-  // profile gives every precision one peak), in fp32 in an fp32 plan.
-  double peak_linear, peak_attn;
+  double peak_linear, peak_attn;  // FLOP/s for the linear layers and the attention core
+  // What the fused attention's efficiency multiplies: the attention peak (16-bit in a 16-bit
+  // plan, the strata executor's CUDA kernels on the tensor cores since flash_attention_tc.cu;
+  // Eigen's fp32 on the CPU, whose profile gives every precision one peak), except where the
+  // strata executor's CUDA kernels run in fp32 on the CUDA cores: head dims other than
+  // flash_tc_head_dim's, and devices without bf16 tensor cores (before sm_80: no bf16 peak).
+  double peak_flash;
   double lin_bytes;               // bytes per linear-GEMM operand element
   bool ub;                        // Transformer Engine's user-buffer overlap (Stack::userbuffers)
   LayerCost lc;
@@ -201,6 +204,8 @@ struct Acc {
     const Device& dev = cl.device;
     peak_attn = p.precision == Precision::fp8 ? dev.peak_bf16_flops : dev.peak_flops(p.precision);
     peak_linear = dev.peak_flops(p.precision);
+    const bool tc_flash = !cs.stack.strata || (cuda::flash_tc_head_dim(m.D()) && dev.peak_bf16_flops > 0);
+    peak_flash = tc_flash ? peak_attn : dev.peak_fp32_flops;
     lin_bytes = p.precision == Precision::fp8 ? 1.0 : cs.work_bytes;
     ub = cs.stack.userbuffers;
   }
@@ -454,7 +459,7 @@ double attention_core_forward(Acc& a, Phase ph) {
     const double flops = m.mla() ? 2.0 * heads * Sq * Sk * (D + static_cast<double>(m.Dv())) * m.causal_share()
                                  : 4.0 * heads * Sq * Sk * D * m.causal_share();
     const double bytes = e * a.cs.T * head_columns(m, p.t, 2, 2);
-    t = a.kernel("flash_attention", ph, flops, bytes, a.peak_attn * a.cl.device.flash_fwd_efficiency);
+    t = a.kernel("flash_attention", ph, flops, bytes, a.peak_flash * a.cl.device.flash_fwd_efficiency);
   } else {
     const double n_s = heads * Sq * Sk;  // attention score elements
     // QK^T and AV as batched GEMMs: Bh products of (Sq x D)(D x Sk) and (Sq x Sk)(Sk x Dv).
@@ -507,7 +512,7 @@ double attention_core_backward(Acc& a, double mlp_s) {
     const double flops = m.mla() ? 2.0 * heads * Sq * Sk * (3.0 * D + 2.0 * static_cast<double>(m.Dv())) * m.causal_share()
                                  : 10.0 * heads * Sq * Sk * D * m.causal_share();
     const double bytes = 2.0 * e * a.cs.T * head_columns(m, p.t, 2, 2);
-    t = a.kernel("flash_attention", ph, flops, bytes, a.peak_attn * a.cl.device.flash_bwd_efficiency);
+    t = a.kernel("flash_attention", ph, flops, bytes, a.peak_flash * a.cl.device.flash_bwd_efficiency);
   } else {
     const double n_s = heads * Sq * Sk;
     const double flops = 2.0 * heads * Sq * Sk * D * strata_cp_keys(a);

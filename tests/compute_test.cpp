@@ -1146,6 +1146,38 @@ TEST(Compute, FlashKernelsRunAgainstThePlansAttentionPeak) {
   }
 }
 
+// Where the strata executor's CUDA flash kernels run in fp32 on the CUDA cores its stack
+// charges them against the fp32 peak in every precision: a head dim its tensor-core kernels
+// are not built for (kv_channels 96: forward 4 x 32 x 8192^2 x 96 x 1/2 FLOPs), and a device
+// without bf16 tensor cores (bf16 peak 0, as V100's: fp16 plan). Megatron's stack keeps the
+// 16-bit peak. Round cluster as above.
+TEST(Compute, StrataFlashFallsBackToTheFp32PeakWhereItsKernelsDo) {
+  Cluster c = testing::round_cluster();
+  ModelSpec m = load_model("llama2-7b", 8192);
+  auto forward = [&](const ModelSpec& mm, const Plan& p) {
+    std::vector<OpCost> ops;
+    (void)layer_cost(mm, c, p, compute_setup(mm, c, p), &ops);
+    for (const OpCost& o : ops)
+      if (std::string(o.name) == "flash_attention" && o.phase == Phase::forward) return o.time_s;
+    return 0.0;
+  };
+  const Plan bf16 = load_plan("tp=1,mbs=1,precision=bf16,attention=flash");
+  const Plan fp16 = load_plan("tp=1,mbs=1,precision=fp16,attention=flash");
+  m.kv_channels = 96;
+  const double f96 = 4.0 * 32 * 8192.0 * 8192.0 * 96 * 0.5;
+  c.strata_stack = true;
+  EXPECT_DOUBLE_EQ(forward(m, bf16), f96 / (0.5 * 25e12));
+  c.strata_stack = false;
+  EXPECT_DOUBLE_EQ(forward(m, bf16), f96 / (0.5 * 100e12));
+  m.kv_channels = 0;
+  const double f = 4.0 * 32 * 8192.0 * 8192.0 * 128 * 0.5;
+  c.device.peak_bf16_flops = 0;
+  c.strata_stack = true;
+  EXPECT_DOUBLE_EQ(forward(m, fp16), f / (0.5 * 25e12));
+  c.strata_stack = false;
+  EXPECT_DOUBLE_EQ(forward(m, fp16), f / (0.5 * 100e12));
+}
+
 // A sliding window of w keys on all layers: the fused kernel computes w S - w^2/2 of the
 // S^2 pairs instead of S^2/2. Llama 2 7B at S = 8192, w = 2048: 2048/8192 - (1/4)^2/2 =
 // 0.21875 of S^2, so the forward's flash FLOPs are 4 x 32 heads x 8192^2 x 128 x 0.21875

@@ -425,6 +425,11 @@ TEST_F(CudaOps, FlashAttentionOnTensorCoresIn16Bit) {
       const int64_t S = sh.S, B = sh.B, A = sh.A, G = sh.G, D = sh.D;
       const std::string what = std::string(to_string(p)) + " flash S=" + std::to_string(S) + " D=" + std::to_string(D) +
                                " A=" + std::to_string(A) + " G=" + std::to_string(G);
+      if (const std::string why = gpu_->flash_tensor_core_reason(D); !why.empty()) {
+        // (a device whose shared memory per block is below the D = 128 kernels')
+        std::printf("  %s: not on the tensor cores here (%s), not checked\n", what.c_str(), why.c_str());
+        continue;
+      }
       Vec qkv = random(static_cast<size_t>(S * B * (A + 2 * G) * D), 2.0f), dout = random(static_cast<size_t>(S * B * A * D));
       cpu_->round_to(qkv.data(), static_cast<int64_t>(qkv.size()), p);
       cpu_->round_to(dout.data(), static_cast<int64_t>(dout.size()), p);

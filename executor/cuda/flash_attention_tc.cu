@@ -23,6 +23,7 @@
 #include <cuda_fp16.h>
 #include <mma.h>
 
+#include <atomic>
 #include <string>
 
 #include "executor/cuda/check.h"
@@ -345,19 +346,24 @@ __global__ void __launch_bounds__(kThreads)
 #endif
 }
 
-// Opts a kernel in to the dynamic shared memory it needs, once per process and kernel.
+// Opts a kernel in to the dynamic shared memory it needs, once per kernel and device (the
+// attribute belongs to the current device's context). done: a flag per device ordinal (ranks
+// in one process may launch from several host threads).
+constexpr int kMaxDevices = 64;
 template <class Kernel>
-void opt_in(Kernel k, int bytes, int* done) {
-  if (*done >= bytes) return;
+void opt_in(Kernel k, int bytes, std::atomic<bool>* done) {
+  int dev = 0;
+  CUDA_CHECK(cudaGetDevice(&dev));
+  if (dev >= 0 && dev < kMaxDevices && done[dev]) return;
   CUDA_CHECK(cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes));
-  *done = bytes;
+  if (dev >= 0 && dev < kMaxDevices) done[dev] = true;
 }
 
 template <class T, int D>
 void forward_as(float* out, float* lse, const float* qkv, const Dims& d, cudaStream_t s) {
-  static int opted = 0;
+  static std::atomic<bool> opted[kMaxDevices];  // zero: static storage
   const int bytes = ForwardLayout<D>::bytes;
-  opt_in(tc_forward<T, D>, bytes, &opted);
+  opt_in(tc_forward<T, D>, bytes, opted);
   const dim3 grid(static_cast<unsigned>((d.S + kTile - 1) / kTile), static_cast<unsigned>(d.A),
                   static_cast<unsigned>(d.B));
   tc_forward<T, D><<<grid, kThreads, bytes, s>>>(out, lse, qkv, d, 1.0f / sqrtf(static_cast<float>(d.D)));
@@ -367,9 +373,9 @@ void forward_as(float* out, float* lse, const float* qkv, const Dims& d, cudaStr
 template <class T, int D>
 void backward_as(float* dqkv, const float* dout, const float* lse, const float* delta, const float* qkv, const Dims& d,
                  cudaStream_t s) {
-  static int opted = 0;
+  static std::atomic<bool> opted[kMaxDevices];  // zero: static storage
   const int bytes = BackwardLayout<D>::bytes;
-  opt_in(tc_backward<T, D>, bytes, &opted);
+  opt_in(tc_backward<T, D>, bytes, opted);
   const dim3 grid(static_cast<unsigned>((d.S + kTile - 1) / kTile), static_cast<unsigned>(d.A),
                   static_cast<unsigned>(d.B));
   tc_backward<T, D><<<grid, kThreads, bytes, s>>>(dqkv, dout, lse, delta, qkv, d, 1.0f / sqrtf(static_cast<float>(d.D)));
@@ -407,7 +413,7 @@ struct Backward {
 
 }  // namespace
 
-bool flash_tc_supported(int64_t D) { return D == 16 || D == 32 || D == 64 || D == 128; }
+bool flash_tc_supported(int64_t D) { return flash_tc_head_dim(D); }
 
 std::string flash_tc_unavailable_reason(int64_t D, int device) {
   if (!flash_tc_supported(D)) return "head dim " + std::to_string(D) + " (the kernels take 16, 32, 64 and 128)";

@@ -14,5 +14,9 @@ constexpr long long kUnfusedAttentionMaxSeq = 8192;
 constexpr long long kUnfusedAttentionWorkspaceBytes = 64ll << 20;
 // flash_attention.cu keeps a tile's rows of D values in registers and shared memory.
 constexpr long long kFlashMaxHeadDim = 128;
+// The head dims flash_attention_tc.cu's tensor-core kernels are built for (16-bit plans on
+// sm_80 or later); others run flash_attention.cu's fp32 kernels. The cost model charges them
+// accordingly.
+constexpr bool flash_tc_head_dim(long long D) { return D == 16 || D == 32 || D == 64 || D == 128; }
 
 }  // namespace strata::cuda
