@@ -1,33 +1,39 @@
 // A CPU emulation of the CUDA names the tensor-core flash attention's kernels use
 // (executor/cuda/flash_attention_tc.cuh), so that the very kernels run here, without a GPU:
 //   - a launch runs the grid block by block; a block's threads are fibers (ucontext) on the
-//     calling thread, run in turn: each runs until it reaches a barrier (__syncthreads: the
-//     block's; __syncwarp: its warp's) and waits there until every thread of that block or
-//     warp has arrived. A barrier that some thread of the block never reaches (it finished,
-//     or waits at another) is a deadlock on a GPU: the launch throws, naming it;
+//     calling thread, run in turn (in thread order, or in reverse: a launch's `order`): each
+//     runs until it reaches a barrier (__syncthreads: the block's; __syncwarp: its warp's)
+//     and waits there until every thread of that block or warp has arrived. A barrier some
+//     thread never reaches (it finished, or waits at another) is a deadlock on a GPU: the
+//     launch throws, naming it;
 //   - __shfl_xor_sync exchanges through the warp's slots between two warp barriers;
-//   - WMMA: a fragment holds its whole 16 x 16 matrix in every lane; load, store and mma
-//     are whole-matrix operations by the documented layouts (row_major: element (r, c) at
-//     p[r ldm + c]; col_major: at p[r + c ldm]); a store and an mma run between warp
-//     barriers (lane 0 writes, every lane reads after), so no lane's load meets another's
-//     store half done, as the API's warp-synchronous operations ensure; they check WMMA's rules on
+//   - WMMA: a fragment holds its whole 16 x 16 matrix in every lane; each lane loads it and
+//     multiplies its own fragments (by the documented layouts: row_major element (r, c) at
+//     p[r ldm + c], col_major at p[r + c ldm]); a store writes only the lane's share of the
+//     elements (every 32nd), with no barrier of its own, so a kernel that reads what other
+//     lanes stored without its own __syncwarp reads what was there before (0xFF bytes, NaN,
+//     in a fresh block's shared memory), as on a GPU. Every operation checks WMMA's rules on
 //     pointers (32-byte aligned) and leading dimensions (multiples of 8 16-bit or 4 fp32
-//     values) and throw where a GPU's result would be undefined;
-//   - atomicAdd is a plain add (one OS thread); dynamic shared memory is 128-byte aligned
-//     and filled with 0xFF bytes (NaN), so a read before a write shows.
-// What it cannot show: races between threads (the fibers run in one fixed order), the real
-// fragment layouts' element ownership, speed. compute-sanitizer on a GPU (the device
-// check's step 2b) covers the first.
+//     values) and throws where a GPU's result would be undefined;
+//   - float4 is 16-byte aligned (UBSan's alignment check sees a misaligned float4 load);
+//     atomicAdd is a plain add (one OS thread); dynamic shared memory is exactly the bytes
+//     asked for, 128-byte aligned, filled with 0xFF bytes.
+// What it cannot show: races the two run orders do not expose, the real fragment layouts'
+// element ownership, speed. compute-sanitizer on a GPU (the device check's step 2b) covers
+// races.
 #pragma once
 
 #include <ucontext.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
 #include <cstring>
 #include <stdexcept>
 #include <functional>
+#include <memory>
+#include <new>
 #include <string>
 #include <type_traits>
 #include <vector>
@@ -43,7 +49,7 @@ struct Dim3 {
 inline Dim3 threadIdx, blockIdx;  // of the thread running now
 inline Dim3 blockDim, gridDim;
 
-struct float4 {
+struct alignas(16) float4 {
   float x, y, z, w;
 };
 inline float4 make_float4(float a, float b, float c, float d) { return float4{a, b, c, d}; }
@@ -63,7 +69,6 @@ struct Block {
   ucontext_t scheduler;
   int current = 0;
   std::vector<float> slots;  // 32 per warp
-  std::vector<float> products;  // 256 per warp: an mma's result, computed by lane 0
   unsigned char* shared = nullptr;
   std::function<void()> body;
   std::string error;  // an exception a thread threw
@@ -82,15 +87,17 @@ inline void fiber_main() {
   try {
     block->body();
   } catch (const std::exception& e) {
-    if (block->error.empty())
-      block->error = "thread " + std::to_string(threadIdx.x) + ": " + e.what();
+    if (block->error.empty()) block->error = "thread " + std::to_string(threadIdx.x) + ": " + e.what();
+  } catch (...) {
+    if (block->error.empty()) block->error = "thread " + std::to_string(threadIdx.x) + ": an exception";
   }
   block->fibers[static_cast<size_t>(block->current)].done = true;
   // (returns to uc_link: the scheduler)
 }
 
-// Thread t's fiber, ready to run the block's body from the start. (Apart from launch():
-// getcontext returns twice, as setjmp does, which a caller's loop counters must not see.)
+// Thread t's fiber, ready to run the block's body from the start (in a function of its own:
+// getcontext is declared to return twice, as setjmp, which launch()'s loop counters would
+// be warned about).
 inline void start_fiber(Fiber* f, unsigned t, ucontext_t* scheduler) {
   f->idx = Dim3{t, 0, 0};
   f->waits = -1;
@@ -102,11 +109,15 @@ inline void start_fiber(Fiber* f, unsigned t, ucontext_t* scheduler) {
   makecontext(&f->ctx, fiber_main, 0);
 }
 
+// The order a block's runnable threads run in, each round until they wait at a barrier.
+enum class Order { forward, reverse };
+
 // Runs kernel(args...) on every block of `grid`, `threads` threads each (a multiple of 32),
 // with `shared` bytes of dynamic shared memory. Throws std::runtime_error for an exception
 // in a kernel (a WMMA rule broken, __trap) or a barrier some threads never reach.
 template <class Kernel, class... Args>
-void launch(Dim3 grid, unsigned threads, size_t shared, Kernel kernel, Args... args) {
+void launch(Order order, Dim3 grid, unsigned threads, size_t shared, Kernel kernel, Args... args) {
+  if (threads == 0 || threads % 32 != 0) throw std::invalid_argument("launch: threads must be a multiple of 32");
   gridDim = grid;
   blockDim = Dim3{threads, 1, 1};
   const unsigned warps = threads / 32;
@@ -114,11 +125,18 @@ void launch(Dim3 grid, unsigned threads, size_t shared, Kernel kernel, Args... a
   b.fibers.resize(threads);
   for (Fiber& f : b.fibers) f.stack.resize(size_t{1} << 18);
   b.slots.resize(threads);
-  b.products.resize(static_cast<size_t>(warps) * 256);
-  std::vector<unsigned char> mem(shared + 128);
-  b.shared = mem.data() + (128 - reinterpret_cast<uintptr_t>(mem.data()) % 128) % 128;
+  // Exactly `shared` bytes, so that the sanitizers see an access past them.
+  struct Free {
+    void operator()(unsigned char* p) const { ::operator delete[](p, std::align_val_t{128}); }
+  };
+  const std::unique_ptr<unsigned char[], Free> mem(
+      static_cast<unsigned char*>(::operator new[](std::max<size_t>(shared, 1), std::align_val_t{128})));
+  b.shared = mem.get();
   b.body = [&] { kernel(args...); };
-  block = &b;
+  struct Current {  // `block` points at b while it runs, and at nothing after, thrown or not
+    explicit Current(Block* p) { block = p; }
+    ~Current() { block = nullptr; }
+  } current(&b);
   for (unsigned z = 0; z < grid.z; ++z)
     for (unsigned y = 0; y < grid.y; ++y)
       for (unsigned x = 0; x < grid.x; ++x) {
@@ -128,7 +146,8 @@ void launch(Dim3 grid, unsigned threads, size_t shared, Kernel kernel, Args... a
         // Run every runnable thread in turn; then release each barrier all its threads
         // reached; stop when all are done, or none can move (a deadlock on a GPU).
         for (;;) {
-          for (unsigned t = 0; t < threads; ++t) {
+          for (unsigned k = 0; k < threads; ++k) {
+            const unsigned t = order == Order::forward ? k : threads - 1 - k;
             Fiber& f = b.fibers[t];
             if (f.done || f.waits >= 0) continue;
             b.current = static_cast<int>(t);
@@ -161,7 +180,6 @@ void launch(Dim3 grid, unsigned threads, size_t shared, Kernel kernel, Args... a
                                      "that not every thread reaches (a deadlock on a GPU)");
         }
       }
-  block = nullptr;
 }
 
 // The 16-bit operand types: bf16 as its bits, fp16 as the compiler's _Float16.
@@ -229,32 +247,28 @@ inline void load_matrix_sync(fragment<accumulator, 16, 16, 16, float>& f, const 
     for (int c = 0; c < 16; ++c) f.x[r * 16 + c] = l == mem_row_major ? p[r * ldm + c] : p[r + c * ldm];
 }
 inline void store_matrix_sync(float* p, const fragment<accumulator, 16, 16, 16, float>& f, unsigned ldm, layout_t l) {
-  __syncwarp();
   check(p, ldm, 4, "wmma::store_matrix_sync");
-  if (threadIdx.x % 32 == 0)  // every lane holds the same matrix
-    for (int r = 0; r < 16; ++r)
-      for (int c = 0; c < 16; ++c) (l == mem_row_major ? p[r * ldm + c] : p[r + c * ldm]) = f.x[r * 16 + c];
-  __syncwarp();
+  for (int i = static_cast<int>(threadIdx.x % 32); i < 256; i += 32) {  // this lane's share
+    const int r = i / 16, c = i % 16;
+    (l == mem_row_major ? p[r * ldm + c] : p[r + c * ldm]) = f.x[i];
+  }
 }
 inline void fill_fragment(fragment<accumulator, 16, 16, 16, float>& f, float v) {
   for (float& x : f.x) x = v;
 }
-// d = a b + c, each product exact in fp32 (16-bit operands), summed in fp32: computed once
-// by lane 0 (every lane holds the same operands) and copied by each.
+// d = a b + c, each product exact in fp32 (16-bit operands), summed in fp32, by each lane on
+// its own fragments.
 template <class T, class LA, class LB>
 void mma_sync(fragment<accumulator, 16, 16, 16, float>& d, const fragment<matrix_a, 16, 16, 16, T, LA>& a,
               const fragment<matrix_b, 16, 16, 16, T, LB>& b, const fragment<accumulator, 16, 16, 16, float>& c) {
-  float* out = block->products.data() + threadIdx.x / 32 * 256;
-  __syncwarp();
-  if (threadIdx.x % 32 == 0)
-    for (int r = 0; r < 16; ++r)
-      for (int n = 0; n < 16; ++n) {
-        float s = c.x[r * 16 + n];
-        for (int k = 0; k < 16; ++k) s += a.x[r * 16 + k] * b.x[k * 16 + n];
-        out[r * 16 + n] = s;
-      }
-  __syncwarp();
-  std::memcpy(d.x, out, 256 * sizeof(float));
+  float out[256];
+  for (int r = 0; r < 16; ++r)
+    for (int n = 0; n < 16; ++n) {
+      float s = c.x[r * 16 + n];
+      for (int k = 0; k < 16; ++k) s += a.x[r * 16 + k] * b.x[k * 16 + n];
+      out[r * 16 + n] = s;
+    }
+  std::memcpy(d.x, out, sizeof out);
 }
 
 }  // namespace strata::cuda_emu::wmma

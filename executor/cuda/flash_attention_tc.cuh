@@ -1,7 +1,7 @@
 // The tensor-core flash attention's kernels (flash_attention_tc.cu has the algorithm and the
 // launchers), kept apart so that a CPU emulation of the CUDA names they use runs the very
-// same code (tests/flash_tc_emulation_test.cpp: WMMA as whole-matrix operations between
-// warp barriers, a block's threads as std::threads). No includes and no namespace of its
+// same code (tests/flash_tc_emulation_test.cpp, tests/cuda_emulation.h: a block's threads
+// as fibers, WMMA by its documented layouts). No includes and no namespace of its
 // own: the includer opens its namespace and provides, before including it,
 //   Dims (FlashDims, flash_dims.cuh); from_float<T> (round.cuh); namespace wmma (mma.h's);
 //   STRATA_DYNAMIC_SHARED(name): declares `unsigned char name[]`-like dynamic shared memory
