@@ -24,6 +24,7 @@
 #include "executor/memory_tracker.h"
 #include "executor/process_grid.h"
 #include "executor/zero.h"
+#include "qkv_parts.h"
 
 namespace strata {
 namespace {
@@ -456,17 +457,9 @@ TEST_F(CudaOps, FlashAttentionOnTensorCoresIn16Bit) {
       expect_close(host(glse, clse.size()), clse, 1e-4, what + " lse");
       // dQ, dK and dV each against its own largest value.
       const Vec got = host(gdqkv, dqkv.size());
-      const int64_t ld = (A + 2 * G) * D;
-      for (int part = 0; part < 3; ++part) {
-        const int64_t lo = part == 0 ? 0 : part == 1 ? A * D : (A + G) * D, width = part == 0 ? A * D : G * D;
-        Vec g, c;
-        for (int64_t r = 0; r < S * B; ++r)
-          for (int64_t e = lo; e < lo + width; ++e) {
-            g.push_back(got[static_cast<size_t>(r * ld + e)]);
-            c.push_back(cdqkv[static_cast<size_t>(r * ld + e)]);
-          }
-        expect_close(g, c, 1e-2, what + (part == 0 ? " dq" : part == 1 ? " dk" : " dv"));
-      }
+      for (int part = 0; part < 3; ++part)
+        expect_close(testing::qkv_part(got, S * B, A, G, D, part), testing::qkv_part(cdqkv, S * B, A, G, D, part), 1e-2,
+                     what + " " + testing::qkv_part_name(part));
     }
   EXPECT_FALSE(gpu_->flash_on_tensor_cores(64)) << "fp32 plans keep the fp32 kernels";
 }

@@ -22,6 +22,7 @@
 #include <vector>
 
 #include "executor/backend.h"
+#include "qkv_parts.h"
 // The emulation last: its macros (__device__, __global__) are for the kernels' headers only.
 #include "cuda_emulation.h"
 #include "executor/cuda/flash_dims.cuh"
@@ -117,17 +118,10 @@ void check(int64_t S, int64_t B, int64_t A, int64_t G, Precision p, bool offset,
     EXPECT_LE(lse_error, 1e-4) << "lse";
     double worst_d = 0;
     // dQ, dK and dV each against its own largest value.
-    const int64_t ld = (A + 2 * G) * D;
     for (int part = 0; part < 3; ++part) {
-      const int64_t lo = part == 0 ? 0 : part == 1 ? A * D : (A + G) * D, width = part == 0 ? A * D : G * D;
-      Vec got, want;
-      for (int64_t r = 0; r < S * B; ++r)
-        for (int64_t e = lo; e < lo + width; ++e) {
-          got.push_back(dqkv[static_cast<size_t>(r * ld + e)]);
-          want.push_back(cdqkv[static_cast<size_t>(r * ld + e)]);
-        }
-      const double e = normalised_error(got, want);
-      EXPECT_LE(e, 1e-2) << (part == 0 ? "dq" : part == 1 ? "dk" : "dv");
+      const double e = normalised_error(testing::qkv_part(dqkv, S * B, A, G, D, part),
+                                        testing::qkv_part(cdqkv, S * B, A, G, D, part));
+      EXPECT_LE(e, 1e-2) << testing::qkv_part_name(part);
       worst_d = std::max(worst_d, e);
     }
     if (order == cuda_emu::Order::forward)

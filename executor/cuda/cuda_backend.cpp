@@ -422,10 +422,10 @@ class CudaBackendImpl final : public CudaBackend {
   // time one against the other.
   bool flash_on_tensor_cores(int64_t D) const override { return flash_kind(D) != 0; }
   std::string flash_tensor_core_reason(int64_t D) const override {
-    return cuda::flash_tc_supported(D) ? flash_tc_why_[D / 32] : cuda::flash_tc_unavailable_reason(D, dev_);
+    return cuda::flash_tc_head_dim(D) ? flash_tc_why_[D / 32] : cuda::flash_tc_unavailable_reason(D, dev_);
   }
   int flash_kind(int64_t D) const {
-    if (gemm_precision_ == Precision::fp32 || !cuda::flash_tc_supported(D) || !flash_tc_why_[D / 32].empty()) return 0;
+    if (gemm_precision_ == Precision::fp32 || !cuda::flash_tc_head_dim(D) || !flash_tc_why_[D / 32].empty()) return 0;
     return round_kind(gemm_precision_);
   }
   void cross_entropy_max(float* mx, const float* z, int64_t N, int64_t Vt) override {

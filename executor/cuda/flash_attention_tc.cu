@@ -95,7 +95,7 @@ void dispatch(int kind, int64_t D, Args... args) {
     case 1128: return Call<__half, 128>::run(args...);
     default:
       fail("flash attention (tensor cores)", __FILE__, __LINE__,
-           "no kernel for head dim " + std::to_string(D) + " (flash_tc_supported)");
+           "no kernel for head dim " + std::to_string(D) + " (flash_tc_head_dim)");
   }
 }
 template <class T, int D>
@@ -112,10 +112,8 @@ struct Backward {
 
 }  // namespace
 
-bool flash_tc_supported(int64_t D) { return flash_tc_head_dim(D); }
-
 std::string flash_tc_unavailable_reason(int64_t D, int device) {
-  if (!flash_tc_supported(D)) return "head dim " + std::to_string(D) + " (the kernels take 16, 32, 64 and 128)";
+  if (!flash_tc_head_dim(D)) return "head dim " + std::to_string(D) + " (the kernels take 16, 32, 64 and 128)";
   // The code the device runs: built for sm_80 or later (a build for older architectures
   // would run the kernels' __trap through a JIT of older PTX).
   cudaFuncAttributes fa{};

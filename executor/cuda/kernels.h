@@ -35,13 +35,12 @@ void causal_softmax_backward(float* d, int64_t d_stride, const float* p, int64_t
 // and uses delta (B, A, S) as workspace. Head dim at most kFlashMaxHeadDim (limits.h).
 // kind 0: fp32 on the CUDA cores; 1 (bf16) or 2 (fp16): the products on the tensor cores in
 // that type with fp32 accumulation (flash_attention_tc.cu), for head dims where
-// flash_tc_supported and devices of compute capability 8 or more.
+// flash_tc_head_dim (limits.h) and devices of compute capability 8 or more.
 void flash_attention_forward(float* out, float* lse, const float* qkv, int64_t S, int64_t B, int64_t A, int64_t G,
                              int64_t D, int kind, cudaStream_t s);
 void flash_attention_backward(float* dqkv, float* delta, const float* dout, const float* out, const float* lse,
                               const float* qkv, int64_t S, int64_t B, int64_t A, int64_t G, int64_t D, int kind,
                               cudaStream_t s);
-bool flash_tc_supported(int64_t D);
 // "" when the tensor-core kernels can run head dim D on `device`; else why not (the head dim,
 // a build for architectures before sm_80, or a shared-memory limit below theirs).
 std::string flash_tc_unavailable_reason(int64_t D, int device);
