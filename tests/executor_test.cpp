@@ -570,6 +570,75 @@ TEST(CpuBackend, Pack16GivesBackTheRoundedValues) {
   }
 }
 
+// The CPU backend's fp16 passes run eight values at a time (F16C) with a scalar tail:
+// bit for bit the IEEE conversion (here the test's own _Float16 casts, which this file's
+// flags leave to libgcc's software routines), over every sign, exponent and top 7 mantissa
+// bits of a float with low halves that put the dropped bits at, just below and just above
+// a tie for every normal and subnormal fp16 result, at lengths that leave every tail.
+TEST(CpuBackend, Fp16PassesMatchTheScalarConversion) {
+  auto be = make_cpu_backend();
+  std::vector<uint32_t> lows = {0x0000, 0x0001, 0xffff, 0x7fff, 0x8001};
+  for (int b = 12; b <= 15; ++b)  // a tie at bit b - 1, the kept bit above it 0 and 1; one above and one below
+    for (uint32_t t : {1u, 3u})
+      for (uint32_t d : {0u, 1u, ~0u}) lows.push_back(((t << (b - 1)) + d) & 0xffffu);
+  std::mt19937 gen(11);
+  for (int i = 0; i < 8; ++i) lows.push_back(gen() & 0xffffu);
+  std::vector<float> x;
+  for (uint32_t hi = 0; hi < 0x10000u; ++hi)
+    for (uint32_t lo : lows) {
+      const uint32_t u = hi << 16 | lo;
+      float f;
+      std::memcpy(&f, &u, 4);
+      x.push_back(f);
+    }
+  auto bits = [](float f) {
+    uint32_t u;
+    std::memcpy(&u, &f, 4);
+    return u;
+  };
+  int64_t checked = 0;
+  for (int64_t n : {static_cast<int64_t>(x.size()), int64_t{13}, int64_t{7}}) {
+    for (int64_t off : {int64_t{0}, int64_t{3}}) {
+      const float* src = x.data() + off;
+      const int64_t len = std::min<int64_t>(n, static_cast<int64_t>(x.size()) - off);
+      std::vector<float> r(src, src + len), c(static_cast<size_t>(len));
+      std::vector<uint16_t> h(static_cast<size_t>(len));
+      be->round_to(r.data(), len, Precision::fp16);
+      be->round_copy(c.data(), src, len, Precision::fp16);
+      be->pack16(h.data(), src, len, Precision::fp16);
+      for (int64_t i = 0; i < len; ++i) {
+        const float v = src[i];
+        const _Float16 ref = static_cast<_Float16>(v);
+        uint16_t ref_bits;
+        std::memcpy(&ref_bits, &ref, 2);
+        const float ref_round = std::isnan(v) ? v : static_cast<float>(ref);
+        if (std::isnan(v)) ref_bits = static_cast<uint16_t>((ref_bits & 0x8000u) | 0x7e00u);
+        ASSERT_EQ(bits(r[i]), bits(ref_round)) << "round_to of 0x" << std::hex << bits(v);
+        ASSERT_EQ(bits(c[i]), bits(ref_round)) << "round_copy of 0x" << std::hex << bits(v);
+        ASSERT_EQ(h[i], ref_bits) << "pack16 of 0x" << std::hex << bits(v);
+        ++checked;
+      }
+    }
+  }
+  EXPECT_GT(checked, 65536 * 20);
+  // Every 16-bit pattern back to a float, from an odd start too.
+  std::vector<uint16_t> all(65536 + 3);
+  for (size_t i = 0; i < all.size(); ++i) all[i] = static_cast<uint16_t>(i);
+  std::vector<float> back(all.size() - 3);
+  be->unpack16(back.data(), all.data() + 3, static_cast<int64_t>(back.size()), Precision::fp16);
+  for (size_t i = 0; i < back.size(); ++i) {
+    _Float16 hv;
+    std::memcpy(&hv, &all[i + 3], 2);
+    const float want = static_cast<float>(hv);
+    if (std::isnan(want)) {
+      ASSERT_TRUE(std::isnan(back[i])) << i;
+      ASSERT_EQ(std::signbit(back[i]), std::signbit(want)) << i;
+    } else {
+      ASSERT_EQ(bits(back[i]), bits(want)) << "unpack16 of 0x" << std::hex << all[i + 3];
+    }
+  }
+}
+
 TEST(MemoryTracker, PackedBufferHoldsTwoBytesPerValue) {
   auto be = make_cpu_backend();
   MemoryTracker t;
