@@ -100,7 +100,7 @@ struct Device {
   }
   // Fractions of the fused attention's peak: 16-bit (fp8 plans: bf16), fp32 in fp32 plans;
   // on the strata stack fp32 too where its CUDA kernels do not run on the tensor cores
-  // (compute.cpp's peak_flash).
+  // (compute_acc.h's peak_flash).
   double flash_fwd_efficiency = 0.5, flash_bwd_efficiency = 0.4;
   double kernel_launch_s = 0;  // the least time any kernel takes
   // A batched GEMM (the attention core's, one product per head) runs as one GEMM per

@@ -54,7 +54,7 @@ namespace {
 // A mixture-of-experts layer's activations in place of the dense MLP's fc1 output and fc2
 // input: the router's logits and fp32
 // probabilities (Tn x E), the token copies as the experts' fc1 reads them (Tn K etp after
-// the expert-tensor-parallel gather, compute.cpp), each expert's fc1 output and fc2 input
+// the expert-tensor-parallel gather, compute_moe.cpp), each expert's fc1 output and fc2 input
 // (split over etp), the experts' outputs the probability-weighted sum keeps (Tn K x H), and
 // the shared expert's fc1 output and fc2 input. Out of line: the dense path stays short.
 [[gnu::noinline]] double moe_mlp_activation_bytes(const ModelSpec& m, const Plan& p, const ComputeSetup& cs, double lin) {

@@ -130,16 +130,16 @@ struct Plan {
   // The MoE layers' token dispatcher. flex (either backend: DeepEP, NVIDIA's HybridEP)
   // sends a token once to each node holding any of its experts and on to each GPU holding
   // them (the all-to-all dispatcher sends one copy per expert; the all-gather one gathers
-  // every rank's tokens); compute.cpp ep_exchange.
+  // every rank's tokens); compute_moe.cpp ep_exchange.
   MoeDispatcher moe_dispatcher = MoeDispatcher::alltoall;
   bool flex() const { return moe_dispatcher == MoeDispatcher::deepep || moe_dispatcher == MoeDispatcher::hybridep; }
   // overlap_moe_expert_parallel_comm (Megatron-Bridge's moe_a2a_overlap): the expert
-  // exchanges of one micro-batch beside another's compute (compute.cpp
+  // exchanges of one micro-batch beside another's compute (compute_moe.cpp
   // overlap_expert_exchanges; the check_plan rule a2a_overlap holds Megatron's asserts).
   bool moe_a2a_overlap = false;
   // delay_wgrad_compute (with the overlap only; Megatron's default off): the experts' and the
   // attention block's weight gradients run after the input gradients that the next exchange
-  // waits for, beside the exchanges (compute.cpp overlap_expert_exchanges).
+  // waits for, beside the exchanges (compute_moe.cpp overlap_expert_exchanges).
   bool delay_wgrad = false;
   // grad_reduce_in_fp32 (Megatron-core's DDP setting; Megatron-LM's --grad-reduce-in-bf16 and
   // --accumulate-allreduce-grads-in-fp32): the main gradients accumulated and reduced in

@@ -253,7 +253,7 @@ TEST(Calibration, HopperAndBlackwellRuns) {
 // 30B-A3B, Qwen3 235B-A22B and GPT-OSS 120B rows on H100 and B200 and NeMo 25.02's Mixtral
 // 8x7B on B200, all with the token load forced even over the experts (as their pages say),
 // which is what the cost model assumes. A guard, not a claim of accuracy: the cost model's
-// MoE layer (compute.cpp) prices the router, the permutation, the all-to-alls and the
+// MoE layer (compute_moe.cpp) prices the router, the permutation, the all-to-alls and the
 // grouped GEMMs from the same presets, and today it predicts the runs whose experts stay in
 // a node 11-44 % fast and those whose all-to-alls cross nodes 8-16 % slow (README,
 // "Mixture of experts"). The bounds hold those errors where they are, so a change that
