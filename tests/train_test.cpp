@@ -30,7 +30,7 @@ namespace {
 using namespace strata_test;
 
 // The equivalence matrix trains 10 steps in Release. Under the sanitizers (each step ~3x
-// slower, and the 2 x 23 runs were the long pole of CI) 4 steps run the same code paths --
+// slower, and the 2 x 25 runs were the long pole of CI) 4 steps run the same code paths --
 // every plan still takes several optimizer steps with accumulated state -- and the Release
 // ctest of make test checks the full 10 steps.
 #ifdef STRATA_UNDER_SANITIZER
@@ -39,7 +39,7 @@ constexpr int kSteps = 4;  // the loss falls from 6.26 to 5.0 (gpt) and 5.4 (lla
 constexpr int kSteps = 10;
 #endif
 const std::string kShort = "--seq-length 64";
-// The equivalence matrix (2 x 23 runs): a learning rate at which 10 steps train smoothly.
+// The equivalence matrix (2 x 25 runs): a learning rate at which 10 steps train smoothly.
 // (At 1e-3 with one warm-up step, tiny-llama's loss spikes at step 5 and amplifies float
 // rounding differences of 1e-10 at step 1 to 1e-5 by step 10 -- chaos, not a bug.)
 const std::string kTiny = "--seq-length 32 --lr 5e-4 --lr-warmup-iters 3";
