@@ -1,12 +1,19 @@
-// A CPU emulation of the CUDA names the tensor-core flash attention's kernels use
-// (executor/cuda/flash_attention_tc.cuh), so that the very kernels run here, without a GPU:
-//   - a launch runs the grid block by block; a block's threads are fibers (ucontext) on the
-//     calling thread, run in turn (in thread order, or in reverse: a launch's `order`): each
-//     runs until it reaches a barrier (__syncthreads: the block's; __syncwarp: its warp's)
-//     and waits there until every thread of that block or warp has arrived. A barrier some
-//     thread never reaches (it finished, or waits at another) is a deadlock on a GPU: the
-//     launch throws, naming it;
+// A CPU emulation of the CUDA names the backend's kernels use, so that the very kernels run
+// here, without a GPU: the tensor-core flash attention's (executor/cuda/flash_attention_tc.cuh,
+// flash_tc_emulation_test) and, whole .cu files with their launchers, the row, column and
+// elementwise kernels (compiled by g++ with this header forced in: cuda_kernels_emulation_test):
+//   - a launch runs the grid block by block; a block's threads (1, 2 or 3 dimensions, x
+//     fastest, warps of 32 consecutive threads) are fibers on the calling thread (below),
+//     run in turn (in thread order, in reverse, or warp by warp each as far ahead as its own
+//     barriers let it: a launch's `order`, Order below; STRATA_LAUNCH takes
+//     cuda_emu::launch_order): each runs until it reaches a barrier (__syncthreads: the
+//     block's; __syncwarp: its warp's) and waits there until every thread of that block or
+//     warp has arrived. A barrier some thread never reaches (it finished, or waits at
+//     another) is a deadlock on a GPU: the launch throws, naming it;
 //   - __shfl_xor_sync exchanges through the warp's slots between two warp barriers;
+//   - shared memory: STRATA_SHARED arrays (a kernel's `__shared__`), one per block, and the
+//     dynamic bytes a launch asks for, exactly those, 128-byte aligned; both filled with
+//     0xFF bytes (NaN floats) at each block's start;
 //   - WMMA: a fragment holds its whole 16 x 16 matrix in every lane; each lane loads it and
 //     multiplies its own fragments (by the documented layouts: row_major element (r, c) at
 //     p[r ldm + c], col_major at p[r + c ldm]); a store writes only the lane's share of the
@@ -16,14 +23,44 @@
 //     pointers (32-byte aligned) and leading dimensions (multiples of 8 16-bit or 4 fp32
 //     values) and throws where a GPU's result would be undefined;
 //   - float4 is 16-byte aligned (UBSan's alignment check sees a misaligned float4 load);
-//     atomicAdd is a plain add (one OS thread); dynamic shared memory is exactly the bytes
-//     asked for, 128-byte aligned, filled with 0xFF bytes.
+//     atomicAdd is a plain add (one OS thread); the math functions are the host's (expf,
+//     rsqrtf and tanhf within a few ulp of the GPU's), __fmul_rn and the like the plain
+//     operation (the emulated files are built without contraction), fp16 the compiler's
+//     _Float16; the runtime's names a launcher uses (cudaStream_t, cudaGetLastError) stubs.
 // What it cannot show: races the two run orders do not expose, the real fragment layouts'
-// element ownership, speed. compute-sanitizer on a GPU (the device check's step 2b) covers
-// races.
+// element ownership, a GPU's last bits, speed. compute-sanitizer on a GPU (the device
+// check's step 2b) covers races; cuda_ops_test on a GPU the bits.
 #pragma once
 
 #include <ucontext.h>
+
+// Switching between a block's fibers: glibc's swapcontext saves and restores the signal
+// mask with a system call at every switch (two per barrier and thread: most of a run's
+// time), so on x86-64 a switch saves the callee-saved registers on the fiber's stack and
+// swaps stack pointers (strata_emulation_switch below, one local copy per file that
+// includes this), telling AddressSanitizer of each switch (its fiber interface) where it
+// runs; swapcontext elsewhere.
+#if defined(__x86_64__)
+#define STRATA_EMULATION_FAST_SWITCH 1
+#if defined(__SANITIZE_ADDRESS__)
+#include <sanitizer/common_interface_defs.h>
+#define STRATA_EMULATION_ASAN_FIBERS 1
+#endif
+// Saves rbp, rbx, r12-r15 on the current stack, stores its pointer in *save, loads `load`
+// as the stack pointer and pops the same registers from it, then returns there.
+extern "C" void strata_emulation_switch(void** save, void* load);
+__asm__(
+    ".text\n"
+    ".local strata_emulation_switch\n"
+    ".type strata_emulation_switch,@function\n"
+    "strata_emulation_switch:\n"
+    "  pushq %rbp\n  pushq %rbx\n  pushq %r12\n  pushq %r13\n  pushq %r14\n  pushq %r15\n"
+    "  movq %rsp, (%rdi)\n"
+    "  movq %rsi, %rsp\n"
+    "  popq %r15\n  popq %r14\n  popq %r13\n  popq %r12\n  popq %rbx\n  popq %rbp\n"
+    "  ret\n"
+    ".size strata_emulation_switch, .-strata_emulation_switch\n");
+#endif
 
 #include <algorithm>
 #include <cmath>
@@ -45,9 +82,18 @@
 
 struct Dim3 {
   unsigned x = 1, y = 1, z = 1;
+  Dim3(unsigned x_ = 1, unsigned y_ = 1, unsigned z_ = 1) : x(x_), y(y_), z(z_) {}
 };
+using dim3 = Dim3;
 inline Dim3 threadIdx, blockIdx;  // of the thread running now
 inline Dim3 blockDim, gridDim;
+
+// The runtime's names a launcher uses.
+using cudaStream_t = struct CUstream_st*;
+enum cudaError_t { cudaSuccess = 0 };
+inline cudaError_t cudaGetLastError() { return cudaSuccess; }
+inline const char* cudaGetErrorName(cudaError_t) { return "cudaSuccess"; }
+inline const char* cudaGetErrorString(cudaError_t) { return "no error"; }
 
 struct alignas(16) float4 {
   float x, y, z, w;
@@ -57,30 +103,97 @@ inline float4 make_float4(float a, float b, float c, float d) { return float4{a,
 namespace strata::cuda_emu {
 
 // The fibers of the block being run and the scheduler's context.
+constexpr size_t kStackBytes = size_t{1} << 18;  // a thread's stack (the flash kernels' fragments)
 struct Fiber {
   ucontext_t ctx;
-  std::vector<char> stack;
+  void* sp = nullptr;    // (the fast switch: its saved stack pointer,
+  void* fake = nullptr;  // and AddressSanitizer's fake stack while it is switched out)
+  std::unique_ptr<char[]> stack;  // kStackBytes, not zeroed (a page is touched when used)
   Dim3 idx;
-  int waits = -1;  // the barrier it waits at: -1 none, 0 the block's, 1 + w warp w's
+  unsigned warp = 0;  // its linear index / 32
+  int waits = -1;     // the barrier it waits at: -1 none, 0 the block's, 1 + w warp w's
   bool done = false;
+  size_t statics = 0;  // STRATA_SHARED arrays met so far in this block
 };
+struct FreeAligned {
+  void operator()(unsigned char* p) const { ::operator delete[](p, std::align_val_t{128}); }
+};
+using SharedBytes = std::unique_ptr<unsigned char[], FreeAligned>;
+inline SharedBytes shared_bytes(size_t n) {
+  return SharedBytes(static_cast<unsigned char*>(::operator new[](std::max<size_t>(n, 1), std::align_val_t{128})));
+}
 struct Block {
   std::vector<Fiber> fibers;
-  ucontext_t scheduler;
+  ucontext_t scheduler{};
+  void* scheduler_sp = nullptr;
+  const void* scheduler_bottom = nullptr;  // (the scheduler's stack, for AddressSanitizer)
+  size_t scheduler_size = 0;
   int current = 0;
-  std::vector<float> slots;  // 32 per warp
+  std::vector<double> slots;  // 32 per warp
   unsigned char* shared = nullptr;
+  // The kernel's STRATA_SHARED arrays in the order its threads meet them, with their sizes.
+  std::vector<SharedBytes> statics;
+  std::vector<size_t> static_sizes;
   std::function<void()> body;
   std::string error;  // an exception a thread threw
 };
 inline Block* block = nullptr;
 inline unsigned char* dynamic_shared() { return block->shared; }
+inline Fiber& running() { return block->fibers[static_cast<size_t>(block->current)]; }
+
+#ifdef STRATA_EMULATION_FAST_SWITCH
+// The scheduler into fiber f, until f leaves.
+inline void enter(Fiber& f) {
+#ifdef STRATA_EMULATION_ASAN_FIBERS
+  void* fake = nullptr;
+  __sanitizer_start_switch_fiber(&fake, f.stack.get(), kStackBytes);
+#endif
+  strata_emulation_switch(&block->scheduler_sp, f.sp);
+#ifdef STRATA_EMULATION_ASAN_FIBERS
+  __sanitizer_finish_switch_fiber(fake, nullptr, nullptr);
+#endif
+}
+// The running fiber back to the scheduler, to be entered again (or not: `last`).
+inline void leave(bool last) {
+  Fiber& f = running();
+  (void)last;
+#ifdef STRATA_EMULATION_ASAN_FIBERS
+  __sanitizer_start_switch_fiber(last ? nullptr : &f.fake, block->scheduler_bottom, block->scheduler_size);
+#endif
+  strata_emulation_switch(&f.sp, block->scheduler_sp);
+#ifdef STRATA_EMULATION_ASAN_FIBERS
+  __sanitizer_finish_switch_fiber(f.fake, nullptr, nullptr);
+#endif
+}
+#endif
+
+// The k-th STRATA_SHARED array a thread meets is the block's k-th, made (0xFF bytes) by the
+// first thread to meet it. (So a kernel declares its shared arrays once each, at its top,
+// as every kernel here does: one declared in a loop or a function called twice would be a
+// new array each time here and one array on a GPU.)
+template <class T>
+T& shared_var() {
+  Fiber& f = running();
+  const size_t k = f.statics++;
+  if (k == block->statics.size()) {
+    block->statics.push_back(shared_bytes(sizeof(T)));
+    block->static_sizes.push_back(sizeof(T));
+    std::memset(block->statics.back().get(), 0xFF, sizeof(T));
+  } else if (k > block->statics.size() || block->static_sizes[k] != sizeof(T)) {
+    throw std::runtime_error("STRATA_SHARED: threads of a block declare different shared arrays");
+  }
+  return *reinterpret_cast<T*>(block->statics[k].get());
+}
 
 // The running thread waits at barrier `id` until every thread it covers has arrived.
 inline void arrive(int id) {
-  Fiber& f = block->fibers[static_cast<size_t>(block->current)];
+  Fiber& f = running();
   f.waits = id;
+#ifdef STRATA_EMULATION_FAST_SWITCH
+  leave(false);
+#else
   swapcontext(&f.ctx, &block->scheduler);
+#endif
 }
 
 inline void fiber_main() {
@@ -91,46 +204,76 @@ inline void fiber_main() {
   } catch (...) {
     if (block->error.empty()) block->error = "thread " + std::to_string(threadIdx.x) + ": an exception";
   }
-  block->fibers[static_cast<size_t>(block->current)].done = true;
-  // (returns to uc_link: the scheduler)
+  running().done = true;
+  // (returns to uc_link: the scheduler; fiber_entry switches to it)
 }
+
+#ifdef STRATA_EMULATION_FAST_SWITCH
+// A fast-switch fiber's first frame: runs the body, then gives the stack back for good.
+[[noreturn]] inline void fiber_entry() {
+#ifdef STRATA_EMULATION_ASAN_FIBERS
+  __sanitizer_finish_switch_fiber(nullptr, &block->scheduler_bottom, &block->scheduler_size);
+#endif
+  fiber_main();
+  leave(true);
+  __builtin_unreachable();
+}
+#endif
 
 // Thread t's fiber, ready to run the block's body from the start (in a function of its own:
 // getcontext is declared to return twice, as setjmp, which launch()'s loop counters would
 // be warned about).
 inline void start_fiber(Fiber* f, unsigned t, ucontext_t* scheduler) {
-  f->idx = Dim3{t, 0, 0};
+  f->idx = Dim3{t % blockDim.x, t / blockDim.x % blockDim.y, t / (blockDim.x * blockDim.y)};
+  f->warp = t / 32;
   f->waits = -1;
   f->done = false;
+  f->statics = 0;
+#ifdef STRATA_EMULATION_FAST_SWITCH
+  (void)scheduler;
+  // What strata_emulation_switch pops: six registers (zero), then fiber_entry as the return
+  // address, entered with the stack pointer 8 past a 16-byte boundary, as after a call.
+  const uintptr_t top = (reinterpret_cast<uintptr_t>(f->stack.get()) + kStackBytes) & ~uintptr_t{15};
+  void** sp = reinterpret_cast<void**>(top - 64);
+  for (int i = 0; i < 6; ++i) sp[i] = nullptr;
+  sp[6] = reinterpret_cast<void*>(&fiber_entry);
+  sp[7] = nullptr;
+  f->sp = sp;
+#else
   getcontext(&f->ctx);
-  f->ctx.uc_stack.ss_sp = f->stack.data();
-  f->ctx.uc_stack.ss_size = f->stack.size();
+  f->ctx.uc_stack.ss_sp = f->stack.get();
+  f->ctx.uc_stack.ss_size = kStackBytes;
   f->ctx.uc_link = scheduler;
   makecontext(&f->ctx, fiber_main, 0);
+#endif
 }
 
-// The order a block's runnable threads run in, each round until they wait at a barrier.
-enum class Order { forward, reverse };
+// The order a block's threads run in: each runnable thread in turn until it waits at a
+// barrier, in thread order or in reverse, the barriers that every thread reached released
+// after each round (warps in lockstep); or warps_ahead: warp by warp, each running on
+// through its own __syncwarp barriers as far as it can (to a __syncthreads, or its end)
+// before the next warp starts, as a warp scheduled early on a GPU may, so that a warp that
+// reuses shared memory another has not finished reading shows.
+// warps_ahead_last_first: the same from the last warp down (a warp overwriting what a
+// lower one has still to read shows only so).
+enum class Order { forward, reverse, warps_ahead, warps_ahead_last_first };
 
 // Runs kernel(args...) on every block of `grid`, `threads` threads each (a multiple of 32),
 // with `shared` bytes of dynamic shared memory. Throws std::runtime_error for an exception
 // in a kernel (a WMMA rule broken, __trap) or a barrier some threads never reach.
 template <class Kernel, class... Args>
-void launch(Order order, Dim3 grid, unsigned threads, size_t shared, Kernel kernel, Args... args) {
+void launch(Order order, Dim3 grid, Dim3 block_dim, size_t shared, Kernel kernel, Args... args) {
+  const unsigned threads = block_dim.x * block_dim.y * block_dim.z;
   if (threads == 0 || threads % 32 != 0) throw std::invalid_argument("launch: threads must be a multiple of 32");
   gridDim = grid;
-  blockDim = Dim3{threads, 1, 1};
+  blockDim = block_dim;
   const unsigned warps = threads / 32;
   Block b;
   b.fibers.resize(threads);
-  for (Fiber& f : b.fibers) f.stack.resize(size_t{1} << 18);
+  for (Fiber& f : b.fibers) f.stack.reset(new char[kStackBytes]);
   b.slots.resize(threads);
   // Exactly `shared` bytes, so that the sanitizers see an access past them.
-  struct Free {
-    void operator()(unsigned char* p) const { ::operator delete[](p, std::align_val_t{128}); }
-  };
-  const std::unique_ptr<unsigned char[], Free> mem(
-      static_cast<unsigned char*>(::operator new[](std::max<size_t>(shared, 1), std::align_val_t{128})));
+  const SharedBytes mem = shared_bytes(shared);
   b.shared = mem.get();
   b.body = [&] { kernel(args...); };
   struct Current {  // `block` points at b while it runs, and at nothing after, thrown or not
@@ -142,18 +285,37 @@ void launch(Order order, Dim3 grid, unsigned threads, size_t shared, Kernel kern
       for (unsigned x = 0; x < grid.x; ++x) {
         blockIdx = Dim3{x, y, z};
         std::memset(b.shared, 0xFF, shared);
+        for (size_t k = 0; k < b.statics.size(); ++k) std::memset(b.statics[k].get(), 0xFF, b.static_sizes[k]);
         for (unsigned t = 0; t < threads; ++t) start_fiber(&b.fibers[t], t, &b.scheduler);
         // Run every runnable thread in turn; then release each barrier all its threads
         // reached; stop when all are done, or none can move (a deadlock on a GPU).
+        auto run = [&](unsigned t) {
+          Fiber& f = b.fibers[t];
+          if (f.done || f.waits >= 0) return;
+          b.current = static_cast<int>(t);
+          threadIdx = f.idx;
+#ifdef STRATA_EMULATION_FAST_SWITCH
+          enter(f);
+#else
+          swapcontext(&b.scheduler, &f.ctx);
+#endif
+          if (!b.error.empty()) throw std::runtime_error("emulated kernel: " + b.error);
+        };
         for (;;) {
-          for (unsigned k = 0; k < threads; ++k) {
-            const unsigned t = order == Order::forward ? k : threads - 1 - k;
-            Fiber& f = b.fibers[t];
-            if (f.done || f.waits >= 0) continue;
-            b.current = static_cast<int>(t);
-            threadIdx = f.idx;
-            swapcontext(&b.scheduler, &f.ctx);
-            if (!b.error.empty()) throw std::runtime_error("emulated kernel: " + b.error);
+          if (order == Order::warps_ahead || order == Order::warps_ahead_last_first) {
+            for (unsigned k = 0; k < warps; ++k) {
+              const unsigned w = order == Order::warps_ahead_last_first ? warps - 1 - k : k;
+              for (bool again = true; again;) {
+                for (unsigned l = 0; l < 32; ++l) run(w * 32 + l);
+                unsigned at = 0;
+                for (unsigned l = 0; l < 32; ++l) at += b.fibers[w * 32 + l].waits == static_cast<int>(1 + w) ? 1 : 0;
+                again = at == 32;
+                if (again)
+                  for (unsigned l = 0; l < 32; ++l) b.fibers[w * 32 + l].waits = -1;
+              }
+            }
+          } else {
+            for (unsigned k = 0; k < threads; ++k) run(order == Order::forward ? k : threads - 1 - k);
           }
           unsigned done = 0, at_block = 0;
           std::vector<unsigned> at_warp(warps, 0);
@@ -182,6 +344,24 @@ void launch(Order order, Dim3 grid, unsigned threads, size_t shared, Kernel kern
       }
 }
 
+// What STRATA_LAUNCH(kernel, grid, block, shared, stream)(args...) runs: launch() in
+// launch_order (a test sets it; the stream is ignored: each launch is done when it returns).
+inline Order launch_order = Order::forward;
+template <class Kernel>
+struct BoundLaunch {
+  Kernel kernel;
+  Dim3 grid, block_dim;
+  size_t shared;
+  template <class... Args>
+  void operator()(Args... args) const {
+    launch(launch_order, grid, block_dim, shared, kernel, args...);
+  }
+};
+template <class Kernel>
+BoundLaunch<Kernel> bind_launch(Kernel kernel, Dim3 grid, Dim3 block_dim, size_t shared) {
+  return BoundLaunch<Kernel>{kernel, grid, block_dim, shared};
+}
+
 // The 16-bit operand types: bf16 as its bits, fp16 as the compiler's _Float16.
 struct Bf16 {
   uint16_t bits;
@@ -196,22 +376,64 @@ inline float to_float(_Float16 v) { return static_cast<float>(v); }
 
 }  // namespace strata::cuda_emu
 
+#define STRATA_LAUNCH(kernel, grid, block, shared, stream) \
+  (static_cast<void>(stream), ::strata::cuda_emu::bind_launch(kernel, grid, block, shared))
+#define STRATA_SHARED(type, name, dims) auto& name = ::strata::cuda_emu::shared_var<type dims>()
+
 inline void __syncthreads() { strata::cuda_emu::arrive(0); }
-inline void __syncwarp() { strata::cuda_emu::arrive(1 + static_cast<int>(threadIdx.x / 32)); }
-inline float __shfl_xor_sync(unsigned, float v, int lane_mask) {
-  const unsigned lane = threadIdx.x % 32;
-  float* s = strata::cuda_emu::block->slots.data() + threadIdx.x / 32 * 32;
-  s[lane] = v;
+inline void __syncwarp() { strata::cuda_emu::arrive(1 + static_cast<int>(strata::cuda_emu::running().warp)); }
+// (float and double: exact through a double slot)
+template <class T>
+T __shfl_xor_sync(unsigned, T v, int lane_mask) {
+  static_assert(std::is_same_v<T, float> || std::is_same_v<T, double>, "__shfl_xor_sync: float or double");
+  strata::cuda_emu::Fiber& f = strata::cuda_emu::running();
+  const unsigned lane = static_cast<unsigned>(strata::cuda_emu::block->current) % 32;
+  double* s = strata::cuda_emu::block->slots.data() + f.warp * 32;
+  s[lane] = static_cast<double>(v);
   __syncwarp();
-  const float r = s[lane ^ static_cast<unsigned>(lane_mask)];
+  const T r = static_cast<T>(s[lane ^ static_cast<unsigned>(lane_mask)]);
   __syncwarp();
   return r;
 }
 inline void __trap() { throw std::runtime_error("__trap()"); }
-inline float atomicAdd(float* p, float v) {
-  const float old = *p;
+template <class T>
+T atomicAdd(T* p, T v) {
+  const T old = *p;
   *p = old + v;
   return old;
+}
+
+// The device math and conversion intrinsics the kernels call.
+using std::isfinite;
+using std::isnan;
+// (rsqrtf through a name of its own: C23's libm may declare an rsqrtf of its own.)
+inline float strata_emulated_rsqrtf(float x) { return 1.0f / std::sqrt(x); }
+#define rsqrtf strata_emulated_rsqrtf
+inline float __fmul_rn(float a, float b) { return a * b; }
+inline float __fsub_rn(float a, float b) { return a - b; }
+inline float __fadd_rn(float a, float b) { return a + b; }
+inline unsigned __float_as_uint(float v) {
+  unsigned u;
+  std::memcpy(&u, &v, 4);
+  return u;
+}
+inline float __uint_as_float(unsigned u) {
+  float v;
+  std::memcpy(&v, &u, 4);
+  return v;
+}
+using __half = _Float16;
+inline float __half2float(__half h) { return static_cast<float>(h); }
+inline __half __float2half_rn(float v) { return static_cast<__half>(v); }
+inline unsigned short __half_as_ushort(__half h) {
+  unsigned short u;
+  std::memcpy(&u, &h, 2);
+  return u;
+}
+inline __half __ushort_as_half(unsigned short u) {
+  __half h;
+  std::memcpy(&h, &u, 2);
+  return h;
 }
 
 namespace strata::cuda_emu::wmma {
@@ -229,8 +451,10 @@ struct fragment {
 };
 
 inline void check(const void* p, unsigned ldm, unsigned multiple, const char* what) {
-  if (reinterpret_cast<uintptr_t>(p) % 32 != 0) throw std::runtime_error(std::string(what) + ": pointer not 32-byte aligned");
-  if (ldm % multiple != 0) throw std::runtime_error(std::string(what) + ": leading dimension not a multiple of " + std::to_string(multiple));
+  if (reinterpret_cast<uintptr_t>(p) % 32 != 0)
+    throw std::runtime_error(std::string(what) + ": pointer not 32-byte aligned");
+  if (ldm % multiple != 0)
+    throw std::runtime_error(std::string(what) + ": leading dimension not a multiple of " + std::to_string(multiple));
 }
 
 template <class Use, class T, class Layout, class P>
@@ -248,7 +472,7 @@ inline void load_matrix_sync(fragment<accumulator, 16, 16, 16, float>& f, const 
 }
 inline void store_matrix_sync(float* p, const fragment<accumulator, 16, 16, 16, float>& f, unsigned ldm, layout_t l) {
   check(p, ldm, 4, "wmma::store_matrix_sync");
-  for (int i = static_cast<int>(threadIdx.x % 32); i < 256; i += 32) {  // this lane's share
+  for (int i = block->current % 32; i < 256; i += 32) {  // this lane's share
     const int r = i / 16, c = i % 16;
     (l == mem_row_major ? p[r * ldm + c] : p[r + c * ldm]) = f.x[i];
   }

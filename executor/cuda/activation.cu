@@ -57,13 +57,13 @@ __global__ void backward(int kind, float* du, const float* dout, const float* u,
 
 void activation_forward(int kind, float* out, const float* u, int64_t N, int64_t F, cudaStream_t s) {
   if (N * F == 0) return;
-  forward<<<blocks_for(N * F, kThreads), kThreads, 0, s>>>(kind, out, u, N, F);
+  STRATA_LAUNCH(forward, blocks_for(N * F, kThreads), kThreads, 0, s)(kind, out, u, N, F);
   CUDA_CHECK_LAUNCH();
 }
 
 void activation_backward(int kind, float* du, const float* dout, const float* u, int64_t N, int64_t F, cudaStream_t s) {
   if (N * F == 0) return;
-  backward<<<blocks_for(N * F, kThreads), kThreads, 0, s>>>(kind, du, dout, u, N, F);
+  STRATA_LAUNCH(backward, blocks_for(N * F, kThreads), kThreads, 0, s)(kind, du, dout, u, N, F);
   CUDA_CHECK_LAUNCH();
 }
 

@@ -27,7 +27,7 @@ __global__ void adamw_kernel(float* p, const float* g, float* m, float* v, const
 void adamw(float* p, const float* g, float* m, float* v, const unsigned char* decay, int64_t first, int64_t n,
            const AdamWScalars& k, cudaStream_t s) {
   if (n == 0) return;
-  adamw_kernel<<<blocks_for(n, kThreads), kThreads, 0, s>>>(p, g, m, v, decay, first, n, k);
+  STRATA_LAUNCH(adamw_kernel, blocks_for(n, kThreads), kThreads, 0, s)(p, g, m, v, decay, first, n, k);
   CUDA_CHECK_LAUNCH();
 }
 

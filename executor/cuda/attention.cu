@@ -14,7 +14,7 @@ namespace {
 constexpr int kThreads = 256;
 
 __global__ void causal_softmax_rows(float* p, long long stride, long long S) {
-  __shared__ float scratch[32];
+  STRATA_SHARED(float, scratch, [32]);
   const long long row = blockIdx.x, g = row / S, i = row % S;
   float* x = p + g * stride + i * S;
   float mx = -INFINITY;
@@ -34,7 +34,7 @@ __global__ void causal_softmax_rows(float* p, long long stride, long long S) {
 // d holds dP = dO V^T; becomes dS = scale * P (dP - sum_j P_j dP_j) on the causal columns.
 __global__ void causal_softmax_backward_rows(float* d, long long d_stride, const float* p, long long p_stride,
                                              long long S, float scale) {
-  __shared__ float scratch[32];
+  STRATA_SHARED(float, scratch, [32]);
   const long long row = blockIdx.x, g = row / S, i = row % S;
   float* dr = d + g * d_stride + i * S;
   const float* pr = p + g * p_stride + i * S;
@@ -56,14 +56,15 @@ void check_attention_shape(int64_t S, int64_t B, int64_t A, int64_t G, int64_t D
 
 void causal_softmax(float* p, int64_t stride, int64_t count, int64_t S, cudaStream_t s) {
   if (count * S == 0) return;
-  causal_softmax_rows<<<static_cast<unsigned>(count * S), kThreads, 0, s>>>(p, stride, S);
+  STRATA_LAUNCH(causal_softmax_rows, static_cast<unsigned>(count * S), kThreads, 0, s)(p, stride, S);
   CUDA_CHECK_LAUNCH();
 }
 
 void causal_softmax_backward(float* d, int64_t d_stride, const float* p, int64_t p_stride, int64_t count, int64_t S,
                              float scale, cudaStream_t s) {
   if (count * S == 0) return;
-  causal_softmax_backward_rows<<<static_cast<unsigned>(count * S), kThreads, 0, s>>>(d, d_stride, p, p_stride, S, scale);
+  STRATA_LAUNCH(causal_softmax_backward_rows, static_cast<unsigned>(count * S), kThreads, 0, s)
+  (d, d_stride, p, p_stride, S, scale);
   CUDA_CHECK_LAUNCH();
 }
 

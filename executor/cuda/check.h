@@ -3,7 +3,9 @@
 // (the CLI turns it into "strata: internal error" and aborts every rank).
 #pragma once
 
+#ifndef STRATA_CUDA_EMULATION  // (tests/cuda_emulation.h: the kernels on the CPU)
 #include <cuda_runtime_api.h>
+#endif
 
 #include <stdexcept>
 #include <string>
@@ -28,3 +30,14 @@ namespace strata::cuda {
 
 // After a kernel launch: the launch error now (bad configuration), not the kernel's result.
 #define CUDA_CHECK_LAUNCH() CUDA_CHECK(cudaGetLastError())
+
+// A kernel launch, kernel<<<grid, block, shared, stream>>>(args...) as
+// STRATA_LAUNCH(kernel, grid, block, shared, stream)(args...), and a kernel's shared array,
+// `__shared__ type name dims` as STRATA_SHARED(type, name, dims): the CPU emulation of the
+// kernels (tests/cuda_emulation.h, cuda_kernels_emulation_test) defines them its own way.
+#ifndef STRATA_LAUNCH
+#define STRATA_LAUNCH(kernel, grid, block, shared, stream) kernel<<<grid, block, shared, stream>>>
+#endif
+#ifndef STRATA_SHARED
+#define STRATA_SHARED(type, name, dims) __shared__ type name dims
+#endif

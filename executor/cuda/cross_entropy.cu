@@ -13,7 +13,7 @@ namespace {
 constexpr int kThreads = 256;
 
 __global__ void xent_max(float* mx, const float* z, long long Vt) {
-  __shared__ float scratch[32];
+  STRATA_SHARED(float, scratch, [32]);
   const float* row = z + blockIdx.x * Vt;
   float m = -INFINITY;
   for (long long j = threadIdx.x; j < Vt; j += blockDim.x) m = fmaxf(m, row[j]);
@@ -23,7 +23,7 @@ __global__ void xent_max(float* mx, const float* z, long long Vt) {
 
 __global__ void xent_exp_sum(float* st, const float* z, const float* mx, const int* targets, long long Vt,
                              long long lo) {
-  __shared__ float scratch[32];
+  STRATA_SHARED(float, scratch, [32]);
   const long long i = blockIdx.x;
   const float* row = z + i * Vt;
   const float m = mx[i];
@@ -53,21 +53,22 @@ __global__ void xent_backward(float* z, const float* mx, const float* st, const 
 
 void cross_entropy_max(float* mx, const float* z, int64_t N, int64_t Vt, cudaStream_t s) {
   if (N == 0) return;
-  xent_max<<<static_cast<unsigned>(N), kThreads, 0, s>>>(mx, z, Vt);
+  STRATA_LAUNCH(xent_max, static_cast<unsigned>(N), kThreads, 0, s)(mx, z, Vt);
   CUDA_CHECK_LAUNCH();
 }
 
 void cross_entropy_exp_sum(float* st, const float* z, const float* mx, const int* targets, int64_t N, int64_t Vt,
                            int64_t lo, cudaStream_t s) {
   if (N == 0) return;
-  xent_exp_sum<<<static_cast<unsigned>(N), kThreads, 0, s>>>(st, z, mx, targets, Vt, lo);
+  STRATA_LAUNCH(xent_exp_sum, static_cast<unsigned>(N), kThreads, 0, s)(st, z, mx, targets, Vt, lo);
   CUDA_CHECK_LAUNCH();
 }
 
 void cross_entropy_backward(float* z, const float* mx, const float* st, const int* targets, int64_t N, int64_t Vt,
                             int64_t lo, float scale, int kind, cudaStream_t s) {
   if (N * Vt == 0) return;
-  xent_backward<<<blocks_for(N * Vt, kThreads), kThreads, 0, s>>>(z, mx, st, targets, N, Vt, lo, scale, kind);
+  STRATA_LAUNCH(xent_backward, blocks_for(N * Vt, kThreads), kThreads, 0, s)
+  (z, mx, st, targets, N, Vt, lo, scale, kind);
   CUDA_CHECK_LAUNCH();
 }
 

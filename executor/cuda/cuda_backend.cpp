@@ -260,17 +260,8 @@ class CudaBackendImpl final : public CudaBackend {
 
   void adamw(float* p, const float* g, float* m, float* v, FlagBits decay, int64_t n, const AdamW& opt, double lr,
              int64_t step, float grad_mul) override {
-    // The scalars exactly as executor/zero.cpp's adamw_update computes them.
-    const double bc1 = 1.0 - std::pow(opt.beta1, static_cast<double>(step));
-    const double bc2 = 1.0 - std::pow(opt.beta2, static_cast<double>(step));
-    cuda::AdamWScalars k{};
-    k.b1 = static_cast<float>(opt.beta1);
-    k.b2 = static_cast<float>(opt.beta2);
-    k.step_size = static_cast<float>(lr / bc1);
-    k.inv_bc2 = static_cast<float>(1.0 / bc2);
-    k.eps = static_cast<float>(opt.eps);
-    k.wd = static_cast<float>(lr * opt.weight_decay);
-    k.grad_mul = grad_mul;
+    const cuda::AdamWScalars k =
+        cuda::adamw_scalars(opt.beta1, opt.beta2, opt.eps, opt.weight_decay, lr, step, grad_mul);
     cuda::adamw(p, g, m, v, decay.bits, decay.first, n, k, stream_);
   }
   void grad_norm_terms(const float* g, FlagBits counted, int64_t n, double acc[2]) override {

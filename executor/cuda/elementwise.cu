@@ -23,7 +23,7 @@ __global__ void add_bias_kernel(float* y, const float* b, long long N, long long
 
 __global__ void __launch_bounds__(kColTile * kRowLanes)
     bias_grad_kernel(float* db, const float* dy, long long N, long long F) {
-  __shared__ float part[kRowLanes][kColTile + 1];
+  STRATA_SHARED(float, part, [kRowLanes][kColTile + 1]);
   const long long j = blockIdx.x * static_cast<long long>(kColTile) + threadIdx.x;
   float acc = 0.0f;
   if (j < F)
@@ -56,33 +56,34 @@ __global__ void position_grad_kernel(float* dP, const float* dx, long long n, lo
 
 void add(float* out, const float* a, const float* b, int64_t n, cudaStream_t s) {
   if (n == 0) return;
-  add_kernel<<<blocks_for(n, kThreads), kThreads, 0, s>>>(out, a, b, n);
+  STRATA_LAUNCH(add_kernel, blocks_for(n, kThreads), kThreads, 0, s)(out, a, b, n);
   CUDA_CHECK_LAUNCH();
 }
 
 void add_bias(float* y, const float* b, int64_t N, int64_t F, cudaStream_t s) {
   if (N * F == 0) return;
-  add_bias_kernel<<<blocks_for(N * F, kThreads), kThreads, 0, s>>>(y, b, N, F);
+  STRATA_LAUNCH(add_bias_kernel, blocks_for(N * F, kThreads), kThreads, 0, s)(y, b, N, F);
   CUDA_CHECK_LAUNCH();
 }
 
 void bias_grad(float* db, const float* dy, int64_t N, int64_t F, cudaStream_t s) {
   if (F == 0) return;
-  bias_grad_kernel<<<column_tiles(F), column_block(), 0, s>>>(db, dy, N, F);
+  STRATA_LAUNCH(bias_grad_kernel, column_tiles(F), column_block(), 0, s)(db, dy, N, F);
   CUDA_CHECK_LAUNCH();
 }
 
 void add_positions(float* out, const float* x, const float* P, int64_t n, int64_t H, int64_t B, int64_t row0,
                    cudaStream_t s) {
   if (n * H == 0) return;
-  add_positions_kernel<<<blocks_for(n * H, kThreads), kThreads, 0, s>>>(out, x, P, n, H, B, row0);
+  STRATA_LAUNCH(add_positions_kernel, blocks_for(n * H, kThreads), kThreads, 0, s)(out, x, P, n, H, B, row0);
   CUDA_CHECK_LAUNCH();
 }
 
 void position_grad(float* dP, const float* dx, int64_t n, int64_t H, int64_t B, int64_t row0, cudaStream_t s) {
   if (n * H == 0) return;
   const long long s_first = row0 / B, s_count = (row0 + n - 1) / B - s_first + 1;
-  position_grad_kernel<<<blocks_for(s_count * H, kThreads), kThreads, 0, s>>>(dP, dx, n, H, B, row0, s_first, s_count);
+  STRATA_LAUNCH(position_grad_kernel, blocks_for(s_count * H, kThreads), kThreads, 0, s)
+  (dP, dx, n, H, B, row0, s_first, s_count);
   CUDA_CHECK_LAUNCH();
 }
 

@@ -40,14 +40,14 @@ __global__ void scatter(float* dwte, const float* dx, const int* tokens, long lo
 void embedding_forward(float* x, const float* wte, const int* tokens, int64_t S, int64_t B, int64_t H, int64_t lo,
                        int64_t Vt, cudaStream_t s) {
   if (S * B * H == 0) return;
-  gather<<<blocks_for(S * B * H, kThreads), kThreads, 0, s>>>(x, wte, tokens, S, B, H, lo, Vt);
+  STRATA_LAUNCH(gather, blocks_for(S * B * H, kThreads), kThreads, 0, s)(x, wte, tokens, S, B, H, lo, Vt);
   CUDA_CHECK_LAUNCH();
 }
 
 void embedding_backward(float* dwte, const float* dx, const int* tokens, int64_t S, int64_t B, int64_t H, int64_t lo,
                         int64_t Vt, cudaStream_t s) {
   if (S * B * H == 0) return;
-  scatter<<<blocks_for(S * B * H, kThreads), kThreads, 0, s>>>(dwte, dx, tokens, S, B, H, lo, Vt);
+  STRATA_LAUNCH(scatter, blocks_for(S * B * H, kThreads), kThreads, 0, s)(dwte, dx, tokens, S, B, H, lo, Vt);
   CUDA_CHECK_LAUNCH();
 }
 

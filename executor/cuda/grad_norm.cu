@@ -16,7 +16,7 @@ constexpr int kBlocks = 1024;
 
 __global__ void grad_norm_kernel(const float* g, const unsigned char* counted, long long first, long long n,
                                  double* acc) {
-  __shared__ double scratch[32];
+  STRATA_SHARED(double, scratch, [32]);
   double sq = 0.0, bad = 0.0;
   for (long long i = blockIdx.x * static_cast<long long>(blockDim.x) + threadIdx.x; i < n;
        i += static_cast<long long>(gridDim.x) * blockDim.x) {
@@ -37,7 +37,7 @@ void grad_norm_terms(const float* g, const unsigned char* counted, int64_t first
                      cudaStream_t s) {
   if (n == 0) return;
   const unsigned blocks = std::min<unsigned>(kBlocks, blocks_for(n, kThreads));
-  grad_norm_kernel<<<blocks, kThreads, 0, s>>>(g, counted, first, n, acc);
+  STRATA_LAUNCH(grad_norm_kernel, blocks, kThreads, 0, s)(g, counted, first, n, acc);
   CUDA_CHECK_LAUNCH();
 }
 

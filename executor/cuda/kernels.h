@@ -4,8 +4,11 @@
 #pragma once
 
 #include "executor/cuda/limits.h"
+#ifndef STRATA_CUDA_EMULATION  // (tests/cuda_emulation.h: the kernels on the CPU)
 #include <cuda_runtime_api.h>
+#endif
 
+#include <cmath>
 #include <cstdint>
 #include <string>
 
@@ -50,10 +53,25 @@ void flash_attention_forward_tc(float* out, float* lse, const float* qkv, int64_
                                 int64_t D, int kind, cudaStream_t s);
 void flash_attention_backward_tc(float* dqkv, const float* delta, const float* dout, const float* lse, const float* qkv,
                                  int64_t S, int64_t B, int64_t A, int64_t G, int64_t D, int kind, cudaStream_t s);
-// AdamW's per-step scalars, computed on the host in double as executor/zero.cpp does.
+// AdamW's per-step scalars, computed on the host in double as executor/zero.cpp's
+// adamw_update does (bias corrections of step `step`, the step size, the decay).
 struct AdamWScalars {
   float b1, b2, step_size, inv_bc2, eps, wd, grad_mul;
 };
+inline AdamWScalars adamw_scalars(double beta1, double beta2, double eps, double weight_decay, double lr, int64_t step,
+                                  float grad_mul) {
+  const double bc1 = 1.0 - std::pow(beta1, static_cast<double>(step));
+  const double bc2 = 1.0 - std::pow(beta2, static_cast<double>(step));
+  AdamWScalars k{};
+  k.b1 = static_cast<float>(beta1);
+  k.b2 = static_cast<float>(beta2);
+  k.step_size = static_cast<float>(lr / bc1);
+  k.inv_bc2 = static_cast<float>(1.0 / bc2);
+  k.eps = static_cast<float>(eps);
+  k.wd = static_cast<float>(lr * weight_decay);
+  k.grad_mul = grad_mul;
+  return k;
+}
 // The per-element flags are bits (executor/zero.h's FlagBits): element i's is bit
 // first + i of the bytes at `decay` / `counted`, least significant first.
 void adamw(float* p, const float* g, float* m, float* v, const unsigned char* decay, int64_t first, int64_t n,

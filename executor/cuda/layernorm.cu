@@ -13,7 +13,7 @@ constexpr int kThreads = 256;
 
 __global__ void ln_forward(float* out, float* mean, float* rstd, const float* x, const float* w, const float* b,
                            long long H) {
-  __shared__ float scratch[32];
+  STRATA_SHARED(float, scratch, [32]);
   const long long i = blockIdx.x;
   const float* xi = x + i * H;
   float s = 0.0f;
@@ -31,7 +31,7 @@ __global__ void ln_forward(float* out, float* mean, float* rstd, const float* x,
 
 __global__ void ln_backward_dx(float* dx, const float* dout, const float* x, const float* mean, const float* rstd,
                                const float* w, long long H) {
-  __shared__ float scratch[32];
+  STRATA_SHARED(float, scratch, [32]);
   const long long i = blockIdx.x;
   const float* xi = x + i * H;
   const float* gi = dout + i * H;
@@ -51,7 +51,8 @@ __global__ void ln_backward_dx(float* dx, const float* dout, const float* x, con
 __global__ void __launch_bounds__(kColTile * kRowLanes)
     ln_backward_dwdb(float* dw, float* db, const float* dout, const float* x, const float* mean, const float* rstd,
         long long N, long long H) {
-  __shared__ float pw[kRowLanes][kColTile + 1], pb[kRowLanes][kColTile + 1];
+  STRATA_SHARED(float, pw, [kRowLanes][kColTile + 1]);
+  STRATA_SHARED(float, pb, [kRowLanes][kColTile + 1]);
   const long long j = blockIdx.x * static_cast<long long>(kColTile) + threadIdx.x;
   float sw = 0.0f, sb = 0.0f;
   if (j < H)
@@ -73,16 +74,16 @@ __global__ void __launch_bounds__(kColTile * kRowLanes)
 void layernorm_forward(float* out, float* mean, float* rstd, const float* x, const float* w, const float* b,
                        int64_t N, int64_t H, cudaStream_t s) {
   if (N == 0) return;
-  ln_forward<<<static_cast<unsigned>(N), kThreads, 0, s>>>(out, mean, rstd, x, w, b, H);
+  STRATA_LAUNCH(ln_forward, static_cast<unsigned>(N), kThreads, 0, s)(out, mean, rstd, x, w, b, H);
   CUDA_CHECK_LAUNCH();
 }
 
 void layernorm_backward(float* dx, float* dw, float* db, const float* dout, const float* x, const float* mean,
                         const float* rstd, const float* w, int64_t N, int64_t H, cudaStream_t s) {
   if (N == 0 || H == 0) return;
-  ln_backward_dx<<<static_cast<unsigned>(N), kThreads, 0, s>>>(dx, dout, x, mean, rstd, w, H);
+  STRATA_LAUNCH(ln_backward_dx, static_cast<unsigned>(N), kThreads, 0, s)(dx, dout, x, mean, rstd, w, H);
   CUDA_CHECK_LAUNCH();
-  ln_backward_dwdb<<<column_tiles(H), column_block(), 0, s>>>(dw, db, dout, x, mean, rstd, N, H);
+  STRATA_LAUNCH(ln_backward_dwdb, column_tiles(H), column_block(), 0, s)(dw, db, dout, x, mean, rstd, N, H);
   CUDA_CHECK_LAUNCH();
 }
 

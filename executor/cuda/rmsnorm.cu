@@ -10,7 +10,7 @@ constexpr float kEps = 1e-5f;
 constexpr int kThreads = 256;
 
 __global__ void rms_forward(float* out, float* rstd, const float* x, const float* w, long long H) {
-  __shared__ float scratch[32];
+  STRATA_SHARED(float, scratch, [32]);
   const long long i = blockIdx.x;
   const float* xi = x + i * H;
   float s2 = 0.0f;
@@ -22,7 +22,7 @@ __global__ void rms_forward(float* out, float* rstd, const float* x, const float
 
 __global__ void rms_backward_dx(float* dx, const float* dout, const float* x, const float* rstd, const float* w,
                                 long long H) {
-  __shared__ float scratch[32];
+  STRATA_SHARED(float, scratch, [32]);
   const long long i = blockIdx.x;
   const float* xi = x + i * H;
   const float* gi = dout + i * H;
@@ -35,7 +35,7 @@ __global__ void rms_backward_dx(float* dx, const float* dout, const float* x, co
 
 __global__ void __launch_bounds__(kColTile * kRowLanes)
     rms_backward_dw(float* dw, const float* dout, const float* x, const float* rstd, long long N, long long H) {
-  __shared__ float part[kRowLanes][kColTile + 1];
+  STRATA_SHARED(float, part, [kRowLanes][kColTile + 1]);
   const long long j = blockIdx.x * static_cast<long long>(kColTile) + threadIdx.x;
   float sw = 0.0f;
   if (j < H)
@@ -48,16 +48,16 @@ __global__ void __launch_bounds__(kColTile * kRowLanes)
 
 void rmsnorm_forward(float* out, float* rstd, const float* x, const float* w, int64_t N, int64_t H, cudaStream_t s) {
   if (N == 0) return;
-  rms_forward<<<static_cast<unsigned>(N), kThreads, 0, s>>>(out, rstd, x, w, H);
+  STRATA_LAUNCH(rms_forward, static_cast<unsigned>(N), kThreads, 0, s)(out, rstd, x, w, H);
   CUDA_CHECK_LAUNCH();
 }
 
 void rmsnorm_backward(float* dx, float* dw, const float* dout, const float* x, const float* rstd, const float* w,
                       int64_t N, int64_t H, cudaStream_t s) {
   if (N == 0 || H == 0) return;
-  rms_backward_dx<<<static_cast<unsigned>(N), kThreads, 0, s>>>(dx, dout, x, rstd, w, H);
+  STRATA_LAUNCH(rms_backward_dx, static_cast<unsigned>(N), kThreads, 0, s)(dx, dout, x, rstd, w, H);
   CUDA_CHECK_LAUNCH();
-  rms_backward_dw<<<column_tiles(H), column_block(), 0, s>>>(dw, dout, x, rstd, N, H);
+  STRATA_LAUNCH(rms_backward_dw, column_tiles(H), column_block(), 0, s)(dw, dout, x, rstd, N, H);
   CUDA_CHECK_LAUNCH();
 }
 

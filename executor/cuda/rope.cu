@@ -29,7 +29,7 @@ __global__ void rotate(float* x, long long S, long long B, long long heads, long
 void rope(float* x, int64_t S, int64_t B, int64_t heads, int64_t D, int64_t ld, bool inverse, cudaStream_t s) {
   const int64_t n = S * B * heads * (D / 2);
   if (n == 0) return;
-  rotate<<<blocks_for(n, kThreads), kThreads, 0, s>>>(x, S, B, heads, D, ld, inverse);
+  STRATA_LAUNCH(rotate, blocks_for(n, kThreads), kThreads, 0, s)(x, S, B, heads, D, ld, inverse);
   CUDA_CHECK_LAUNCH();
 }
 

@@ -1,8 +1,5 @@
 // Rounds float values to bf16 or fp16 and back (round to nearest even; fp16 overflows to
 // inf), as the inputs of a low-precision GEMM are rounded on the CPU.
-#include <cuda_bf16.h>
-#include <cuda_fp16.h>
-
 #include "executor/cuda/check.h"
 #include "executor/cuda/kernels.h"
 #include "executor/cuda/reduce.cuh"
@@ -29,13 +26,13 @@ __global__ void round_copy_kernel(float* dst, const float* src, long long n, int
 
 void round_copy(float* dst, const float* src, int64_t n, int kind, cudaStream_t s) {
   if (n == 0) return;
-  round_copy_kernel<<<blocks_for(n, kThreads), kThreads, 0, s>>>(dst, src, n, kind);
+  STRATA_LAUNCH(round_copy_kernel, blocks_for(n, kThreads), kThreads, 0, s)(dst, src, n, kind);
   CUDA_CHECK_LAUNCH();
 }
 
 void round_to(float* x, int64_t n, int kind, cudaStream_t s) {
   if (n == 0 || (kind != 1 && kind != 2)) return;
-  round_kernel<<<blocks_for(n, kThreads), kThreads, 0, s>>>(x, n, kind);
+  STRATA_LAUNCH(round_kernel, blocks_for(n, kThreads), kThreads, 0, s)(x, n, kind);
   CUDA_CHECK_LAUNCH();
 }
 

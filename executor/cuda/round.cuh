@@ -4,8 +4,10 @@
 // anything else leaves the value. And from_float, a float as a 16-bit tensor-core operand.
 #pragma once
 
+#ifndef STRATA_CUDA_EMULATION  // (tests/cuda_emulation.h: the kernels on the CPU, fp16 as _Float16)
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
+#endif
 
 namespace strata::cuda {
 
@@ -22,6 +24,7 @@ __device__ __forceinline__ float round_value(float v, int kind) {
   return v;
 }
 
+#ifndef STRATA_CUDA_EMULATION
 // A float as a 16-bit operand of the tensor cores (the GEMM casts, the tensor-core flash
 // attention), round to nearest even.
 template <typename T>
@@ -34,5 +37,7 @@ template <>
 __device__ __forceinline__ __half from_float<__half>(float v) {
   return __float2half_rn(v);
 }
+
+#endif
 
 }  // namespace strata::cuda

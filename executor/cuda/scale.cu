@@ -20,7 +20,7 @@ __global__ void scale_kernel(float* c, long long M, long long N, long long ldc, 
 
 void scale_matrix(float* c, int64_t M, int64_t N, int64_t ldc, float beta, cudaStream_t s) {
   if (M * N == 0) return;
-  scale_kernel<<<blocks_for(M * N, kThreads), kThreads, 0, s>>>(c, M, N, ldc, beta);
+  STRATA_LAUNCH(scale_kernel, blocks_for(M * N, kThreads), kThreads, 0, s)(c, M, N, ldc, beta);
   CUDA_CHECK_LAUNCH();
 }
 
