@@ -1,6 +1,7 @@
 // Op-by-op compute model of a transformer layer (its dense and attention blocks, the
-// executor's 16-bit passes, the sharded parameters' traffic) and the shared helpers; see
-// compute.h, compute_acc.h (the accumulator), compute_moe.cpp, compute_ends.cpp. Every
+// executor's 16-bit passes, the sharded parameters' traffic) and compute.h's public
+// helpers; see compute_acc.h (the accumulator and shared helpers), compute_moe.cpp,
+// compute_ends.cpp. Every
 // byte count below is per GPU and per micro-batch; e is the activation element size,
 // 1-byte dropout masks.
 #include "costmodel/compute.h"

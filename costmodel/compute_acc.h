@@ -20,7 +20,6 @@
 
 namespace strata::compute_detail {
 
-
 // Columns per tensor-parallel rank of `q` query-wide tensors (Q, the attention output) and
 // `kv` key- or value-wide ones (ModelSpec::kv_width: replicated groups when t > G).
 // With multi-latent attention the second query-wide tensor (the output) and the second
@@ -46,8 +45,6 @@ template <class MemoryTime>
 double roofline(const Device& dev, double flops, double bytes, double rate, MemoryTime&& memory_s) {
   return std::max({flops / rate, memory_s(bytes), dev.kernel_launch_s});
 }
-
-
 
 // Accumulates the ops of one piece of work into a LayerCost.
 struct Acc {

@@ -27,7 +27,7 @@
 //     rsqrtf and tanhf within a few ulp of the GPU's), __fmul_rn and the like the plain
 //     operation (the emulated files are built without contraction), fp16 the compiler's
 //     _Float16; the runtime's names a launcher uses (cudaStream_t, cudaGetLastError) stubs.
-// What it cannot show: races the two run orders do not expose, the real fragment layouts'
+// What it cannot show: races the run orders do not expose, the real fragment layouts'
 // element ownership, a GPU's last bits, speed. compute-sanitizer on a GPU (the device
 // check's step 2b) covers races; cuda_ops_test on a GPU the bits.
 #pragma once
@@ -37,29 +37,28 @@
 // Switching between a block's fibers: glibc's swapcontext saves and restores the signal
 // mask with a system call at every switch (two per barrier and thread: most of a run's
 // time), so on x86-64 a switch saves the callee-saved registers on the fiber's stack and
-// swaps stack pointers (strata_emulation_switch below, one local copy per file that
-// includes this), telling AddressSanitizer of each switch (its fiber interface) where it
-// runs; swapcontext elsewhere.
+// swaps stack pointers (strata_emulation_switch below), telling AddressSanitizer of each
+// switch (its fiber interface) where it runs; swapcontext elsewhere. (MXCSR and the x87
+// control word are not switched: every fiber runs with the thread's, which no kernel
+// changes.)
 #if defined(__x86_64__)
 #define STRATA_EMULATION_FAST_SWITCH 1
 #if defined(__SANITIZE_ADDRESS__)
+#include <sanitizer/asan_interface.h>
 #include <sanitizer/common_interface_defs.h>
 #define STRATA_EMULATION_ASAN_FIBERS 1
 #endif
-// Saves rbp, rbx, r12-r15 on the current stack, stores its pointer in *save, loads `load`
-// as the stack pointer and pops the same registers from it, then returns there.
-extern "C" void strata_emulation_switch(void** save, void* load);
-__asm__(
-    ".text\n"
-    ".local strata_emulation_switch\n"
-    ".type strata_emulation_switch,@function\n"
-    "strata_emulation_switch:\n"
-    "  pushq %rbp\n  pushq %rbx\n  pushq %r12\n  pushq %r13\n  pushq %r14\n  pushq %r15\n"
-    "  movq %rsp, (%rdi)\n"
-    "  movq %rsi, %rsp\n"
-    "  popq %r15\n  popq %r14\n  popq %r13\n  popq %r12\n  popq %rbx\n  popq %rbp\n"
-    "  ret\n"
-    ".size strata_emulation_switch, .-strata_emulation_switch\n");
+// Saves rbp, rbx, r12-r15 on the current stack, stores its pointer in *save (rdi), loads
+// `load` (rsi) as the stack pointer and pops the same registers from it, then returns there.
+// (A naked inline function: one definition however many files include this.)
+__attribute__((naked, noinline)) inline void strata_emulation_switch(void** /*save*/, void* /*load*/) {
+  __asm__(
+      "  pushq %rbp\n  pushq %rbx\n  pushq %r12\n  pushq %r13\n  pushq %r14\n  pushq %r15\n"
+      "  movq %rsp, (%rdi)\n"
+      "  movq %rsi, %rsp\n"
+      "  popq %r15\n  popq %r14\n  popq %r13\n  popq %r12\n  popq %rbx\n  popq %rbp\n"
+      "  ret\n");
+}
 #endif
 
 #include <algorithm>
@@ -196,13 +195,20 @@ inline void arrive(int id) {
 #endif
 }
 
+// The running thread as (x, y, z) of its block, and the block.
+inline std::string thread_name() {
+  return "(" + std::to_string(threadIdx.x) + ", " + std::to_string(threadIdx.y) + ", " + std::to_string(threadIdx.z) +
+         ") of block (" + std::to_string(blockIdx.x) + ", " + std::to_string(blockIdx.y) + ", " +
+         std::to_string(blockIdx.z) + ")";
+}
+
 inline void fiber_main() {
   try {
     block->body();
   } catch (const std::exception& e) {
-    if (block->error.empty()) block->error = "thread " + std::to_string(threadIdx.x) + ": " + e.what();
+    if (block->error.empty()) block->error = "thread " + thread_name() + ": " + e.what();
   } catch (...) {
-    if (block->error.empty()) block->error = "thread " + std::to_string(threadIdx.x) + ": an exception";
+    if (block->error.empty()) block->error = "thread " + thread_name() + ": an exception";
   }
   running().done = true;
   // (returns to uc_link: the scheduler; fiber_entry switches to it)
@@ -231,6 +237,10 @@ inline void start_fiber(Fiber* f, unsigned t, ucontext_t* scheduler) {
   f->statics = 0;
 #ifdef STRATA_EMULATION_FAST_SWITCH
   (void)scheduler;
+#ifdef STRATA_EMULATION_ASAN_FIBERS
+  // (A fiber's frames never return: whatever ASan poisoned on its stack last block goes.)
+  __asan_unpoison_memory_region(f->stack.get(), kStackBytes);
+#endif
   // What strata_emulation_switch pops: six registers (zero), then fiber_entry as the return
   // address, entered with the stack pointer 8 past a 16-byte boundary, as after a call.
   const uintptr_t top = (reinterpret_cast<uintptr_t>(f->stack.get()) + kStackBytes) & ~uintptr_t{15};
@@ -257,8 +267,14 @@ inline void start_fiber(Fiber* f, unsigned t, ucontext_t* scheduler) {
 // warps_ahead_last_first: the same from the last warp down (a warp overwriting what a
 // lower one has still to read shows only so).
 enum class Order { forward, reverse, warps_ahead, warps_ahead_last_first };
+inline const char* to_string(Order o) {
+  return o == Order::forward       ? "threads in order"
+         : o == Order::reverse     ? "threads in reverse"
+         : o == Order::warps_ahead ? "warps running ahead"
+                                   : "warps running ahead, the last first";
+}
 
-// Runs kernel(args...) on every block of `grid`, `threads` threads each (a multiple of 32),
+// Runs kernel(args...) on every block of `grid`, of `block_dim` threads (a multiple of 32),
 // with `shared` bytes of dynamic shared memory. Throws std::runtime_error for an exception
 // in a kernel (a WMMA rule broken, __trap) or a barrier some threads never reach.
 template <class Kernel, class... Args>
@@ -379,6 +395,7 @@ inline float to_float(_Float16 v) { return static_cast<float>(v); }
 #define STRATA_LAUNCH(kernel, grid, block, shared, stream) \
   (static_cast<void>(stream), ::strata::cuda_emu::bind_launch(kernel, grid, block, shared))
 #define STRATA_SHARED(type, name, dims) auto& name = ::strata::cuda_emu::shared_var<type dims>()
+#define STRATA_DYNAMIC_SHARED(name) unsigned char* name = ::strata::cuda_emu::dynamic_shared()
 
 inline void __syncthreads() { strata::cuda_emu::arrive(0); }
 inline void __syncwarp() { strata::cuda_emu::arrive(1 + static_cast<int>(strata::cuda_emu::running().warp)); }

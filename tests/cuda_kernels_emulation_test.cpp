@@ -1,16 +1,8 @@
-// The CUDA backend's row, column and elementwise kernels, with their launchers (each .cu
-// file of executor/cuda/ compiled by g++ against tests/cuda_emulation.h: CMakeLists.txt's
-// strata_cuda_emulated, in namespace strata::cuda_emulated), run on the CPU against the CPU
-// backend, as cuda_ops_test runs them on a GPU: normalised error max|emulated - cpu| /
-// max|cpu| within 1e-5 (fp32), the 16-bit roundings bit for bit. What the emulation checks
-// that compiling does not: the launchers' grids and blocks against the kernels' indexing
-// (rows, column tiles of 8 x 128 threads with partial tiles and rows past 128 lanes, bit
-// offsets of the optimizer's flags), the barriers and shared arrays of the block and column
-// reductions (each launch runs with a block's threads in order, in reverse, and with each warp
-// running ahead of the next as far as its own barriers let it: a missing __syncthreads
-// meets both the old and the new value), the accumulating outputs
-// (+=). What it cannot: the GPU's last bits (its expf, rsqrtf, summation order), speed.
-// cuda_ops_test on a GPU checks those; these run in every make test.
+// The CUDA backend's row, column and elementwise kernels, with their launchers, run on the
+// CPU under tests/cuda_emulation.h (CMakeLists.txt's strata_cuda_emulated: each .cu file
+// built by g++ in namespace strata::cuda_emulated) against the CPU backend, as cuda_ops_test
+// runs them on a GPU: normalised error max|emulated - cpu| / max|cpu| within 1e-5 (fp32),
+// the 16-bit roundings bit for bit. More below.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -33,6 +25,15 @@
 #include "executor/cuda/kernels.h"
 #undef cuda
 
+// What the emulation checks that compiling does not: the launchers' grids and blocks
+// against the kernels' indexing (rows, column tiles of 8 x 128 threads with partial tiles
+// and rows past 128 lanes, bit offsets of the optimizer's flags), the barriers and shared
+// arrays of the block and column reductions (each launch runs with a block's threads in
+// order, in reverse, and warp by warp with each warp running ahead of the others as far as
+// its own barriers let it, from the first warp and from the last: a missing __syncthreads
+// meets both the old and the new value), the accumulating outputs (+=), outputs left
+// unwritten (they start as NaN). What it cannot: the GPU's last bits (its expf, rsqrtf,
+// summation order), speed. cuda_ops_test on a GPU checks those; these run in every make test.
 namespace strata {
 namespace {
 
@@ -65,7 +66,8 @@ void expect_close(const Vec& got, const Vec& want, double tol, const std::string
   ASSERT_EQ(got.size(), want.size()) << what;
   const double e = normalised_error(got, want);
   EXPECT_LE(e, tol) << what;
-  if (cuda_emu::launch_order == cuda_emu::Order::forward) std::printf("    %-28s %.1e (tolerance %.0e)\n", what.c_str(), e, tol);
+  if (cuda_emu::launch_order == cuda_emu::Order::forward)
+    std::printf("    %-28s %.1e (tolerance %.0e)\n", what.c_str(), e, tol);
 }
 
 // Runs `run` with a block's threads in order, in reverse, and warp by warp each as far ahead
@@ -84,10 +86,7 @@ void every_order(const std::function<void()>& run) {
                                     cuda_emu::Order::warps_ahead_last_first};
 #endif
   for (cuda_emu::Order o : orders) {
-    SCOPED_TRACE(o == cuda_emu::Order::forward       ? "threads in order"
-                 : o == cuda_emu::Order::reverse     ? "threads in reverse"
-                 : o == cuda_emu::Order::warps_ahead ? "warps running ahead"
-                                                     : "warps running ahead, the last first");
+    SCOPED_TRACE(cuda_emu::to_string(o));
     cuda_emu::launch_order = o;
     run();
   }
@@ -108,7 +107,7 @@ TEST_F(Emulated, LayerNormForwardAndBackward) {
     cpu_->layernorm_backward(dx.data(), dw.data(), db.data(), dout.data(), x.data(), mean.data(), rstd.data(),
                              w.data(), N, H);
     every_order([&] {
-      Vec eo(N * H), em(N), er(N), edx = dx0, edw = dw0, edb = db0;
+      Vec eo(N * H, NAN), em(N, NAN), er(N, NAN), edx = dx0, edw = dw0, edb = db0;
       emu::layernorm_forward(eo.data(), em.data(), er.data(), x.data(), w.data(), b.data(), N, H, nullptr);
       expect_close(eo, out, 1e-5, "out");
       expect_close(em, mean, 1e-5, "mean");
@@ -132,7 +131,7 @@ TEST_F(Emulated, RmsNormForwardAndBackward) {
     cpu_->rmsnorm_forward(out.data(), rstd.data(), x.data(), w.data(), N, H);
     cpu_->rmsnorm_backward(dx.data(), dw.data(), dout.data(), x.data(), rstd.data(), w.data(), N, H);
     every_order([&] {
-      Vec eo(N * H), er(N), edx = dx0, edw = dw0;
+      Vec eo(N * H, NAN), er(N, NAN), edx = dx0, edw = dw0;
       emu::rmsnorm_forward(eo.data(), er.data(), x.data(), w.data(), N, H, nullptr);
       expect_close(eo, out, 1e-5, "out");
       expect_close(er, rstd, 1e-5, "rstd");
@@ -182,7 +181,8 @@ TEST_F(Emulated, CrossEntropyPhases) {
   });
   // The gradient: fp32 within 1e-5; in 16 bits every value a bf16 or fp16 value (rounded,
   // not left in fp32) and each within one 16-bit step of its own size of the CPU's.
-  for (auto [p, kind, step] : {std::tuple{Precision::fp32, 0, 0.0}, {Precision::bf16, 1, 0x1p-8}, {Precision::fp16, 2, 0x1p-11}}) {
+  for (auto [p, kind, step] :
+       {std::tuple{Precision::fp32, 0, 0.0}, {Precision::bf16, 1, 0x1p-8}, {Precision::fp16, 2, 0x1p-11}}) {
     SCOPED_TRACE(to_string(p));
     Vec g = z;
     cpu_->cross_entropy_backward(g.data(), mx.data(), st.data(), targets.data(), N, Vt, lo, 0.25f, p);
@@ -335,7 +335,8 @@ TEST_F(Emulated, EmbeddingPositionsAndAdds) {
   // Tokens at the slice's edges (lo - 1, lo, lo + Vt - 1, lo + Vt), repeated (the scatter
   // adds them up), and spread.
   std::vector<int32_t> tokens = {29, 30, 69, 70, 30, 69, 30};
-  for (size_t i = tokens.size(); i < static_cast<size_t>(B * S); ++i) tokens.push_back(static_cast<int32_t>((i * 13) % 90));
+  for (size_t i = tokens.size(); i < static_cast<size_t>(B * S); ++i)
+    tokens.push_back(static_cast<int32_t>((i * 13) % 90));
   const Vec wte = random(Vt * H), dx = random(n * H), P = random(S * H);
   const Vec dwte0 = random(Vt * H), dP0 = random(S * H);
   Vec x(n * H), dwte = dwte0;
@@ -382,7 +383,10 @@ TEST_F(Emulated, CausalSoftmaxRowsForwardAndBackward) {
       for (int64_t j = 0; j <= i; ++j) mx = std::max(mx, static_cast<double>(r[j]));
       for (int64_t j = 0; j <= i; ++j) sum += std::exp(r[j] - mx);
       for (int64_t j = 0; j <= i; ++j) want[g * stride + i * S + j] = static_cast<float>(std::exp(r[j] - mx) / sum);
-      for (int64_t j = 0; j <= i; ++j) dot += static_cast<double>(want[g * stride + i * S + j]) * dp[g * stride + i * S + j];
+      for (int64_t j = 0; j <= i; ++j) {
+        const size_t k = static_cast<size_t>(g * stride + i * S + j);
+        dot += static_cast<double>(want[k]) * dp[k];
+      }
       for (int64_t j = 0; j <= i; ++j) {
         const size_t k = static_cast<size_t>(g * stride + i * S + j);
         dwant[k] = static_cast<float>(scale * want[k] * (dp[k] - dot));

@@ -578,7 +578,10 @@ TEST(CpuBackend, Pack16GivesBackTheRoundedValues) {
 TEST(CpuBackend, Fp16PassesMatchTheScalarConversion) {
   auto be = make_cpu_backend();
   std::vector<uint32_t> lows = {0x0000, 0x0001, 0xffff, 0x7fff, 0x8001};
-  for (int b = 12; b <= 15; ++b)  // a tie at bit b - 1, the kept bit above it 0 and 1; one above and one below
+  // Ties at bits 12 (normal results: 13 bits dropped) to 15 (subnormal ones drop more;
+  // ties above bit 15 lie in the enumerated high half), the kept bit above each 0 and 1
+  // (t = 1, 3; a carry past bit 15 lands in the high half), each exact, one above, one below.
+  for (int b = 13; b <= 16; ++b)
     for (uint32_t t : {1u, 3u})
       for (uint32_t d : {0u, 1u, ~0u}) lows.push_back(((t << (b - 1)) + d) & 0xffffu);
   std::mt19937 gen(11);
@@ -597,7 +600,9 @@ TEST(CpuBackend, Fp16PassesMatchTheScalarConversion) {
     return u;
   };
   int64_t checked = 0;
-  for (int64_t n : {static_cast<int64_t>(x.size()), int64_t{13}, int64_t{7}}) {
+  std::vector<int64_t> lengths = {static_cast<int64_t>(x.size())};  // (and 1-17: every tail of 8)
+  for (int64_t n = 1; n <= 17; ++n) lengths.push_back(n);
+  for (int64_t n : lengths) {
     for (int64_t off : {int64_t{0}, int64_t{3}}) {
       const float* src = x.data() + off;
       const int64_t len = std::min<int64_t>(n, static_cast<int64_t>(x.size()) - off);

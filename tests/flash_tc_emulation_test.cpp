@@ -49,11 +49,9 @@ _Float16 from_float<_Float16>(float v) {
   return static_cast<_Float16>(v);
 }
 
-#define STRATA_DYNAMIC_SHARED(name) unsigned char* name = strata::cuda_emu::dynamic_shared()
 #define STRATA_UNROLL
 #include "executor/cuda/flash_attention_tc.cuh"
 #undef STRATA_UNROLL
-#undef STRATA_DYNAMIC_SHARED
 
 namespace {
 
@@ -98,17 +96,17 @@ void check(int64_t S, int64_t B, int64_t A, int64_t G, Precision p, bool offset,
   Vec cout(no), clse(static_cast<size_t>(B * A * S)), cdqkv(nq);
   cpu->flash_attention_forward(cout.data(), clse.data(), qkv_in.data(), S, B, A, G, D);
   cpu->flash_attention_backward(cdqkv.data(), dout_in.data(), cout.data(), clse.data(), qkv_in.data(), S, B, A, G, D);
+  // (Not warps ahead from the last warp down: every warp loads its share of each tile and
+  // reads all of it, so a refill's hazard shows from either end. Under the sanitizers,
+  // several times slower, two orders: the memory checks need one, the barriers are the
+  // Release run's.)
 #ifdef STRATA_UNDER_SANITIZER
-  // (Under the sanitizers, many times slower, two orders: the memory checks need one, the
-  // barriers are the Release run's.)
   const cuda_emu::Order orders[] = {cuda_emu::Order::forward, cuda_emu::Order::warps_ahead};
 #else
   const cuda_emu::Order orders[] = {cuda_emu::Order::forward, cuda_emu::Order::reverse, cuda_emu::Order::warps_ahead};
 #endif
   for (cuda_emu::Order order : orders) {
-    SCOPED_TRACE(order == cuda_emu::Order::forward   ? "threads in order"
-                 : order == cuda_emu::Order::reverse ? "threads in reverse"
-                                                     : "warps running ahead");
+    SCOPED_TRACE(cuda_emu::to_string(order));
     Vec out(no, NAN), lse(clse.size(), NAN), dqkv(nq, 0.0f), delta(clse.size());
     cuda_emu::launch(order, grid, kThreads, ForwardLayout<D>::bytes, tc_forward<T, D>, out.data(), lse.data(), qkv, d,
                      scale);

@@ -41,3 +41,7 @@ namespace strata::cuda {
 #ifndef STRATA_SHARED
 #define STRATA_SHARED(type, name, dims) __shared__ type name dims
 #endif
+// A kernel's dynamic shared memory, `unsigned char name[]` aligned to 128 bytes.
+#ifndef STRATA_DYNAMIC_SHARED
+#define STRATA_DYNAMIC_SHARED(name) extern __shared__ __align__(128) unsigned char name[]
+#endif

@@ -39,11 +39,9 @@ using namespace nvcuda;
 
 using Dims = FlashDims;
 
-#define STRATA_DYNAMIC_SHARED(name) extern __shared__ __align__(128) unsigned char name[]
 #define STRATA_UNROLL _Pragma("unroll")
 #include "executor/cuda/flash_attention_tc.cuh"
 #undef STRATA_UNROLL
-#undef STRATA_DYNAMIC_SHARED
 
 // Opts a kernel in to the dynamic shared memory it needs, once per kernel and device (the
 // attribute belongs to the current device's context). done: a flag per device ordinal (ranks
@@ -77,7 +75,8 @@ void backward_as(float* dqkv, const float* dout, const float* lse, const float* 
   opt_in(tc_backward<T, D>, bytes, opted);
   const dim3 grid(static_cast<unsigned>((d.S + kTile - 1) / kTile), static_cast<unsigned>(d.A),
                   static_cast<unsigned>(d.B));
-  tc_backward<T, D><<<grid, kThreads, bytes, s>>>(dqkv, dout, lse, delta, qkv, d, 1.0f / sqrtf(static_cast<float>(d.D)));
+  const float scale = 1.0f / sqrtf(static_cast<float>(d.D));
+  tc_backward<T, D><<<grid, kThreads, bytes, s>>>(dqkv, dout, lse, delta, qkv, d, scale);
   CUDA_CHECK_LAUNCH();
 }
 
@@ -100,7 +99,9 @@ void dispatch(int kind, int64_t D, Args... args) {
 }
 template <class T, int D>
 struct Forward {
-  static void run(float* out, float* lse, const float* qkv, Dims d, cudaStream_t s) { forward_as<T, D>(out, lse, qkv, d, s); }
+  static void run(float* out, float* lse, const float* qkv, Dims d, cudaStream_t s) {
+    forward_as<T, D>(out, lse, qkv, d, s);
+  }
 };
 template <class T, int D>
 struct Backward {
@@ -119,13 +120,17 @@ std::string flash_tc_unavailable_reason(int64_t D, int device) {
   cudaFuncAttributes fa{};
   CUDA_CHECK(cudaFuncGetAttributes(&fa, tc_backward<__nv_bfloat16, 16>));
   if (fa.ptxVersion < 80)
-    return "the kernels were compiled for compute_" + std::to_string(fa.ptxVersion) + " (16-bit WMMA needs 80 or later)";
+    return "the kernels were compiled for compute_" + std::to_string(fa.ptxVersion) +
+           " (16-bit WMMA needs 80 or later)";
   int optin = 0;
   CUDA_CHECK(cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
-  const int bytes = D == 16 ? shared_bytes<16>() : D == 32 ? shared_bytes<32>() : D == 64 ? shared_bytes<64>() : shared_bytes<128>();
+  const int bytes = D == 16   ? shared_bytes<16>()
+                    : D == 32 ? shared_bytes<32>()
+                    : D == 64 ? shared_bytes<64>()
+                              : shared_bytes<128>();
   if (bytes > optin)
-    return "head dim " + std::to_string(D) + " needs " + std::to_string(bytes) + " bytes of shared memory a block, the device " +
-           std::to_string(optin);
+    return "head dim " + std::to_string(D) + " needs " + std::to_string(bytes) +
+           " bytes of shared memory a block, the device " + std::to_string(optin);
   return "";
 }
 

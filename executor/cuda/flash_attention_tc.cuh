@@ -4,8 +4,8 @@
 // as fibers, WMMA by its documented layouts). No includes and no namespace of its
 // own: the includer opens its namespace and provides, before including it,
 //   Dims (FlashDims, flash_dims.cuh); from_float<T> (round.cuh); namespace wmma (mma.h's);
-//   STRATA_DYNAMIC_SHARED(name): declares `unsigned char name[]`-like dynamic shared memory
-//   aligned to 128 bytes; STRATA_UNROLL: nvcc's `#pragma unroll` (or nothing);
+//   STRATA_DYNAMIC_SHARED(name) (check.h; the emulation's own): `unsigned char name[]`-like
+//   dynamic shared memory aligned to 128 bytes; STRATA_UNROLL: nvcc's `#pragma unroll` (or nothing);
 //   and CUDA's builtins (threadIdx, __syncthreads, __shfl_xor_sync, atomicAdd, float4,
 //   expf, ...).
 
