@@ -1,7 +1,7 @@
 // A CPU emulation of the CUDA names the backend's kernels use, so that the very kernels run
 // here, without a GPU: the tensor-core flash attention's (executor/cuda/flash_attention_tc.cuh,
-// flash_tc_emulation_test) and, whole .cu files with their launchers, the row, column and
-// elementwise kernels (compiled by g++ with this header forced in: cuda_kernels_emulation_test):
+// flash_tc_emulation_test) and, whole .cu files with their launchers, every kernel of the
+// backend (compiled by g++ with this header forced in: cuda_kernels_emulation_test):
 //   - a launch runs the grid block by block; a block's threads (1, 2 or 3 dimensions, x
 //     fastest, warps of 32 consecutive threads) are fibers on the calling thread (below),
 //     run in turn (in thread order, in reverse, or warp by warp each as far ahead as its own
@@ -26,7 +26,11 @@
 //     atomicAdd is a plain add (one OS thread); the math functions are the host's (expf,
 //     rsqrtf and tanhf within a few ulp of the GPU's), __fmul_rn and the like the plain
 //     operation (the emulated files are built without contraction), fp16 the compiler's
-//     _Float16; the runtime's names a launcher uses (cudaStream_t, cudaGetLastError) stubs.
+//     _Float16, bf16 as its bits (__float2bfloat16_rn rounds to nearest even, a NaN to
+//     0x7fff); the runtime's names a launcher uses on one device with an H100's shared
+//     memory: a launch's dynamic shared memory past 48 KiB is refused unless
+//     cudaFuncSetAttribute opted its kernel in to as many bytes (at most 227 KiB), as a GPU
+//     refuses it; cudaMemsetAsync a memset; the rest (cudaGetLastError, ...) stubs.
 // What it cannot show: races the run orders do not expose, the real fragment layouts'
 // element ownership, a GPU's last bits, speed. compute-sanitizer on a GPU (the device
 // check's step 2b) covers races; cuda_ops_test on a GPU the bits.
@@ -68,6 +72,7 @@ __attribute__((naked, noinline)) inline void strata_emulation_switch(void** /*sa
 #include <cstring>
 #include <stdexcept>
 #include <functional>
+#include <map>
 #include <memory>
 #include <new>
 #include <string>
@@ -87,12 +92,49 @@ using dim3 = Dim3;
 inline Dim3 threadIdx, blockIdx;  // of the thread running now
 inline Dim3 blockDim, gridDim;
 
-// The runtime's names a launcher uses.
+// The runtime's names a launcher uses: one device, an H100's shared memory (a launch's
+// dynamic shared memory past 48 KiB only after cudaFuncSetAttribute opted its kernel in to
+// as many bytes, at most 227 KiB; BoundLaunch checks), a memset on the host's memory.
 using cudaStream_t = struct CUstream_st*;
-enum cudaError_t { cudaSuccess = 0 };
+enum cudaError_t { cudaSuccess = 0, cudaErrorInvalidValue = 1 };
 inline cudaError_t cudaGetLastError() { return cudaSuccess; }
-inline const char* cudaGetErrorName(cudaError_t) { return "cudaSuccess"; }
-inline const char* cudaGetErrorString(cudaError_t) { return "no error"; }
+inline const char* cudaGetErrorName(cudaError_t e) {
+  return e == cudaSuccess ? "cudaSuccess" : "cudaErrorInvalidValue";
+}
+inline const char* cudaGetErrorString(cudaError_t e) { return e == cudaSuccess ? "no error" : "invalid argument"; }
+inline cudaError_t cudaGetDevice(int* device) {
+  *device = 0;
+  return cudaSuccess;
+}
+inline cudaError_t cudaMemsetAsync(void* p, int value, size_t bytes, cudaStream_t) {
+  std::memset(p, value, bytes);
+  return cudaSuccess;
+}
+enum cudaFuncAttribute { cudaFuncAttributeMaxDynamicSharedMemorySize };
+enum cudaDeviceAttr { cudaDevAttrMaxSharedMemoryPerBlockOptin };
+struct cudaFuncAttributes {
+  int ptxVersion = 0;
+};
+namespace strata::cuda_emu {
+constexpr int kDefaultSharedBytes = 48 << 10, kOptInSharedBytes = 227 << 10;
+// The dynamic shared memory each kernel was opted in to (a kernel by its address).
+inline std::map<const void*, int> opted_in;
+}  // namespace strata::cuda_emu
+template <class Kernel>
+cudaError_t cudaFuncSetAttribute(Kernel kernel, cudaFuncAttribute, int bytes) {
+  if (bytes < 0 || bytes > strata::cuda_emu::kOptInSharedBytes) return cudaErrorInvalidValue;
+  strata::cuda_emu::opted_in[reinterpret_cast<const void*>(kernel)] = bytes;
+  return cudaSuccess;
+}
+template <class Kernel>
+cudaError_t cudaFuncGetAttributes(cudaFuncAttributes* a, Kernel) {
+  a->ptxVersion = 90;
+  return cudaSuccess;
+}
+inline cudaError_t cudaDeviceGetAttribute(int* value, cudaDeviceAttr, int) {
+  *value = strata::cuda_emu::kOptInSharedBytes;
+  return cudaSuccess;
+}
 
 struct alignas(16) float4 {
   float x, y, z, w;
@@ -370,6 +412,13 @@ struct BoundLaunch {
   size_t shared;
   template <class... Args>
   void operator()(Args... args) const {
+    if (shared > static_cast<size_t>(kDefaultSharedBytes)) {
+      const auto it = opted_in.find(reinterpret_cast<const void*>(kernel));
+      if (it == opted_in.end() || static_cast<size_t>(it->second) < shared)
+        throw std::runtime_error("emulated launch: " + std::to_string(shared) +
+                                 " bytes of dynamic shared memory, past 48 KiB without the kernel opted in to as many "
+                                 "(cudaFuncSetAttribute; a GPU refuses the launch)");
+    }
     launch(launch_order, grid, block_dim, shared, kernel, args...);
   }
 };
@@ -438,6 +487,15 @@ inline float __uint_as_float(unsigned u) {
   float v;
   std::memcpy(&v, &u, 4);
   return v;
+}
+using __nv_bfloat16 = strata::cuda_emu::Bf16;
+// Round to nearest even; a NaN as the canonical 0x7fff, as the GPU's conversion gives.
+inline __nv_bfloat16 __float2bfloat16_rn(float v) {
+  uint32_t u;
+  std::memcpy(&u, &v, 4);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return __nv_bfloat16{0x7fffu};
+  u += 0x7fffu + ((u >> 16) & 1u);
+  return __nv_bfloat16{static_cast<uint16_t>(u >> 16)};
 }
 using __half = _Float16;
 inline float __half2float(__half h) { return static_cast<float>(h); }
@@ -513,3 +571,8 @@ void mma_sync(fragment<accumulator, 16, 16, 16, float>& d, const fragment<matrix
 }
 
 }  // namespace strata::cuda_emu::wmma
+
+// mma.h's name for it (flash_attention_tc.cu's `using namespace nvcuda`).
+namespace nvcuda {
+namespace wmma = ::strata::cuda_emu::wmma;
+}

@@ -1,5 +1,5 @@
-// The CUDA backend's row, column and elementwise kernels, with their launchers, run on the
-// CPU under tests/cuda_emulation.h (CMakeLists.txt's strata_cuda_emulated: each .cu file
+// The CUDA backend's kernels (every .cu file of executor/cuda/), with their launchers, run on
+// the CPU under tests/cuda_emulation.h (CMakeLists.txt's strata_cuda_emulated: each .cu file
 // built by g++ in namespace strata::cuda_emulated) against the CPU backend, as cuda_ops_test
 // runs them on a GPU: normalised error max|emulated - cpu| / max|cpu| within 1e-5 (fp32),
 // the 16-bit roundings bit for bit. More below.
@@ -17,6 +17,7 @@
 
 #include "executor/backend.h"
 #include "executor/zero.h"
+#include "qkv_parts.h"
 // The emulation (its launch order, the runtime's names), then the emulated launchers'
 // declarations (kernels.h) in their own namespace, as CMakeLists.txt compiles them.
 #include "cuda_emulation.h"
@@ -418,6 +419,121 @@ TEST_F(Emulated, ScaleMatrixAsAGemmWithoutK) {
     emu::scale_matrix(ec.data(), M, N, ldc, 0.5f, nullptr);
     expect_close(ec, c, 0, "C");
   });
+}
+
+// The GEMMs' operand casts (cast.cu): a view of rows x cols floats (row stride ld) into 16
+// bits (row stride ld_dst), round to nearest even, bit for bit the CPU backend's rounding
+// (ties to even, overflow to infinity, fp16 subnormals); the padding past each row left as
+// it was.
+TEST_F(Emulated, GemmOperandCastsBitForBit) {
+  const int64_t rows = 37, cols = 45, ld = 50, ld_dst = 48;
+  Vec x = random(rows * ld, 3.0f);
+  const float specials[] = {0.0f, -0.0f, 1.0f + 1.0f / 256.0f, 1.0f + 3.0f / 256.0f, 70000.0f, -1e-30f, 1e-40f,
+                            3.0e38f, 65520.0f, 6.1e-5f, -2.5e-6f};
+  std::copy(std::begin(specials), std::end(specials), x.begin());
+  for (auto [p, kind] : {std::pair{Precision::bf16, 1}, {Precision::fp16, 2}}) {
+    SCOPED_TRACE(to_string(p));
+    std::vector<uint16_t> want(static_cast<size_t>(rows * ld_dst), 0xABCD);
+    for (int64_t r = 0; r < rows; ++r)
+      for (int64_t c = 0; c < cols; ++c) {
+        float v = x[static_cast<size_t>(r * ld + c)];
+        uint16_t bits;
+        if (kind == 1) {
+          cpu_->round_to(&v, 1, p);
+          uint32_t u;
+          std::memcpy(&u, &v, 4);
+          bits = static_cast<uint16_t>(u >> 16);
+        } else {
+          const _Float16 h = static_cast<_Float16>(v);
+          std::memcpy(&bits, &h, 2);
+        }
+        want[static_cast<size_t>(r * ld_dst + c)] = bits;
+      }
+    every_order([&] {
+      std::vector<uint16_t> got(want.size(), 0xABCD);
+      emu::cast_matrix(got.data(), ld_dst, x.data(), rows, cols, ld, kind, nullptr);
+      EXPECT_EQ(got, want);
+    });
+  }
+}
+
+// The fused attention's launchers (flash_attention.cu), as the CUDA backend calls them:
+// delta, the zeroed dqkv (NaN before), the fp32 kernels' tiles of 32 (D <= 64) and 16 rows
+// (D 80, 128: larger rows), their dynamic shared memory past 48 KiB opted in, against the
+// CPU backend's fused attention within 1e-5 (fp32) in every order; and in 16-bit plans the
+// hand-over to the tensor-core kernels (flash_attention_tc.cu: bf16 or fp16, the head dim's
+// instantiation, its grid and shared memory), within 1e-2 (lse 1e-4) of the fp32 attention
+// on inputs rounded to the precision, as cuda_ops_test asks on a GPU. (The tensor-core
+// kernels' barriers in every order: flash_tc_emulation_test; here one order.)
+struct FlashCase {
+  int64_t S, B, A, G, D;
+  int kind;  // 0 fp32, 1 bf16, 2 fp16
+};
+void check_flash_launchers(Backend& cpu, const FlashCase& f) {
+  const auto [S, B, A, G, D, kind] = f;
+  SCOPED_TRACE(::testing::Message() << "S=" << S << " B=" << B << " A=" << A << " G=" << G << " D=" << D
+                                    << " kind=" << kind);
+  const int64_t nq = S * B * (A + 2 * G) * D, no = S * B * A * D, ns = B * A * S;
+  Vec qkv = random(nq, 2.0f), dout = random(no);
+  const Precision p = kind == 1 ? Precision::bf16 : kind == 2 ? Precision::fp16 : Precision::fp32;
+  cpu.round_to(qkv.data(), nq, p);
+  cpu.round_to(dout.data(), no, p);
+  Vec out(no), lse(ns), dqkv(nq);
+  cpu.flash_attention_forward(out.data(), lse.data(), qkv.data(), S, B, A, G, D);
+  cpu.flash_attention_backward(dqkv.data(), dout.data(), out.data(), lse.data(), qkv.data(), S, B, A, G, D);
+  const double tol = kind == 0 ? 1e-5 : 1e-2, lse_tol = kind == 0 ? 1e-5 : 1e-4;
+  auto run = [&] {
+    Vec eo(no, NAN), el(ns, NAN), edqkv(nq, NAN), edelta(ns, NAN);
+    emu::flash_attention_forward(eo.data(), el.data(), qkv.data(), S, B, A, G, D, kind, nullptr);
+    emu::flash_attention_backward(edqkv.data(), edelta.data(), dout.data(), eo.data(), el.data(), qkv.data(), S, B,
+                                  A, G, D, kind, nullptr);
+    expect_close(eo, out, tol, "out");
+    expect_close(el, lse, lse_tol, "lse");
+    for (int part = 0; part < 3; ++part)
+      expect_close(testing::qkv_part(edqkv, S * B, A, G, D, part), testing::qkv_part(dqkv, S * B, A, G, D, part), tol,
+                   testing::qkv_part_name(part));
+  };
+  if (kind == 0) every_order(run);
+  else run();
+}
+
+TEST_F(Emulated, FusedAttentionLaunchersFp32) {
+  const FlashCase cases[] = {{70, 2, 4, 2, 64, 0}, {33, 1, 2, 1, 80, 0}, {17, 1, 2, 2, 128, 0}, {5, 2, 2, 1, 8, 0}};
+  for (const FlashCase& f : cases)
+    check_flash_launchers(*cpu_, f);
+}
+
+TEST_F(Emulated, FusedAttentionLaunchersHandSixteenBitPlansToTheTensorCores) {
+  const FlashCase cases[] = {{70, 1, 2, 1, 64, 1}, {33, 2, 2, 2, 32, 2}, {20, 1, 2, 1, 128, 1}, {9, 1, 2, 2, 16, 2}};
+  for (const FlashCase& f : cases)
+    check_flash_launchers(*cpu_, f);
+}
+
+// A launch that asks more than 48 KiB of dynamic shared memory is refused (as a GPU refuses
+// it) unless its kernel was opted in to as many bytes; more than the device's 227 KiB cannot
+// be opted in to.
+void big_shared_kernel(float* x) {
+  if (threadIdx.x == 0) x[blockIdx.x] = 1.0f;
+}
+void other_big_shared_kernel(float* x) {
+  if (threadIdx.x == 0) x[blockIdx.x] = 2.0f;
+}
+TEST(Emulation, SharedMemoryPast48KiBNeedsTheKernelOptedIn) {
+  Vec x(2, 0.0f);
+  const size_t bytes = 64 << 10;
+  EXPECT_THROW(STRATA_LAUNCH(big_shared_kernel, 2, 32, bytes, nullptr)(x.data()), std::runtime_error);
+  EXPECT_EQ(cudaFuncSetAttribute(big_shared_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, 48 << 10),
+            cudaSuccess);
+  EXPECT_THROW(STRATA_LAUNCH(big_shared_kernel, 2, 32, bytes, nullptr)(x.data()), std::runtime_error);
+  EXPECT_EQ(cudaFuncSetAttribute(big_shared_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, 64 << 10),
+            cudaSuccess);
+  EXPECT_NO_THROW(STRATA_LAUNCH(big_shared_kernel, 2, 32, bytes, nullptr)(x.data()));
+  EXPECT_EQ(x, (Vec{1.0f, 1.0f}));
+  // (another kernel is not opted in by the first's attribute)
+  EXPECT_THROW(STRATA_LAUNCH(other_big_shared_kernel, 2, 32, bytes, nullptr)(x.data()), std::runtime_error);
+  EXPECT_EQ(cudaFuncSetAttribute(other_big_shared_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, 228 << 10),
+            cudaErrorInvalidValue);
+  EXPECT_NO_THROW(STRATA_LAUNCH(other_big_shared_kernel, 2, 32, 48 << 10, nullptr)(x.data()));
 }
 
 // A broken barrier is caught, in every order: a __syncthreads half the block skips, a

@@ -13,7 +13,9 @@
 // not rounded), the lse within 1e-4, as cuda_ops_test asks of the GPU. Tiles of 64 crossed
 // (130), exactly filled (128), not filled (5, 33, 70); head dims 16, 32, 64, 128 in bf16
 // and in fp16; G = A, A/2, A/4, 1; aligned inputs (float4 loads) and views one float in.
-// What the launchers add (grid, shared bytes, dispatch, zeroing, delta) is the test's own.
+// Here the launch is the test's own; the launchers (flash_attention_tc.cu's grid, shared
+// bytes, opt-in and dispatch, flash_attention.cu's zeroing and delta) run in
+// cuda_kernels_emulation_test.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -38,11 +40,8 @@ using cuda_emu::Bf16;
 template <class T>
 T from_float(float v);
 template <>
-Bf16 from_float<Bf16>(float v) {  // round to nearest even, as __float2bfloat16_rn (finite values)
-  uint32_t u;
-  std::memcpy(&u, &v, 4);
-  if ((u & 0x7f800000u) != 0x7f800000u) u += 0x7fffu + ((u >> 16) & 1u);
-  return Bf16{static_cast<uint16_t>(u >> 16)};
+Bf16 from_float<Bf16>(float v) {
+  return __float2bfloat16_rn(v);
 }
 template <>
 _Float16 from_float<_Float16>(float v) {

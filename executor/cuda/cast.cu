@@ -2,8 +2,10 @@
 // fp16 matrix (row stride ld_dst, padded by the caller so rows start 16-byte aligned), round
 // to nearest even, for cuBLASLt's tensor-core GEMMs. The executor rounds GEMM operands to the training precision already (round.cu),
 // so on its inputs the cast is exact.
+#ifndef STRATA_CUDA_EMULATION  // (tests/cuda_emulation.h: the kernels on the CPU)
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
+#endif
 
 #include "executor/cuda/check.h"
 #include "executor/cuda/kernels.h"
@@ -29,11 +31,11 @@ void cast_matrix(void* dst, int64_t ld_dst, const float* src, int64_t rows, int6
                  cudaStream_t s) {
   if (rows * cols == 0) return;
   if (kind == 1)
-    cast_kernel<<<blocks_for(rows * cols, kThreads), kThreads, 0, s>>>(static_cast<__nv_bfloat16*>(dst), ld_dst, src,
-                                                                        rows, cols, ld);
+    STRATA_LAUNCH(cast_kernel<__nv_bfloat16>, blocks_for(rows * cols, kThreads), kThreads, 0, s)(
+        static_cast<__nv_bfloat16*>(dst), ld_dst, src, rows, cols, ld);
   else
-    cast_kernel<<<blocks_for(rows * cols, kThreads), kThreads, 0, s>>>(static_cast<__half*>(dst), ld_dst, src, rows,
-                                                                        cols, ld);
+    STRATA_LAUNCH(cast_kernel<__half>, blocks_for(rows * cols, kThreads), kThreads, 0, s)(static_cast<__half*>(dst),
+                                                                                           ld_dst, src, rows, cols, ld);
   CUDA_CHECK_LAUNCH();
 }
 

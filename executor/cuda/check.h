@@ -7,6 +7,7 @@
 #include <cuda_runtime_api.h>
 #endif
 
+#include <mutex>
 #include <stdexcept>
 #include <string>
 
@@ -45,3 +46,25 @@ namespace strata::cuda {
 #ifndef STRATA_DYNAMIC_SHARED
 #define STRATA_DYNAMIC_SHARED(name) extern __shared__ __align__(128) unsigned char name[]
 #endif
+
+namespace strata::cuda {
+
+// Opts `kernel` in to `bytes` of dynamic shared memory a block (past the 48 KiB a launch gets
+// without) on the current device, where it has not been for as many: the attribute belongs
+// to the device's context, and ranks in one process may launch from several host threads,
+// a device each. largest[dev]: the most asked for so far on device dev (a launcher's own
+// static array, zero to begin with).
+constexpr int kMaxDevices = 64;
+template <class Kernel>
+void opt_in_shared(Kernel kernel, int bytes, int* largest) {
+  int dev = 0;
+  CUDA_CHECK(cudaGetDevice(&dev));
+  const bool tracked = dev >= 0 && dev < kMaxDevices;
+  static std::mutex mu;
+  const std::lock_guard<std::mutex> lock(mu);
+  if (tracked && bytes <= largest[dev]) return;
+  CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes));
+  if (tracked) largest[dev] = bytes;
+}
+
+}  // namespace strata::cuda

@@ -34,7 +34,8 @@ __device__ void load_tile(float* dst, long long ld_sh, const float* src, const D
 
 template <int T>
 __global__ void flash_forward(float* out, float* lse, const float* qkv, Dims d, float scale) {
-  extern __shared__ float sh[];
+  STRATA_DYNAMIC_SHARED(smem);
+  float* const sh = reinterpret_cast<float*>(smem);
   const long long D = d.D, Dp = D + 1;  // +1: rows of K start in different banks
   float* Qs = sh;                        // T x D
   float* Ks = Qs + T * D;                // T x Dp
@@ -120,7 +121,8 @@ __global__ void flash_delta(float* delta, const float* dout, const float* out, D
 template <int T>
 __global__ void flash_backward(float* dqkv, const float* dout, const float* lse, const float* delta,
                                const float* qkv, Dims d, float scale) {
-  extern __shared__ float sh[];
+  STRATA_DYNAMIC_SHARED(smem);
+  float* const sh = reinterpret_cast<float*>(smem);
   const long long D = d.D, Dp = D + 1;
   float* Ks = sh;                  // T x Dp
   float* Vs = Ks + T * Dp;         // T x Dp
@@ -204,13 +206,10 @@ size_t backward_shared(int T, long long D) {
 template <int T>
 void launch_forward(float* out, float* lse, const float* qkv, const Dims& d, cudaStream_t s) {
   const size_t shared = forward_shared(T, d.D);
-  static int opted_in = 0;  // the largest dynamic shared memory asked for so far (host threads: one per rank)
-  if (static_cast<int>(shared) > opted_in) {
-    CUDA_CHECK(cudaFuncSetAttribute(flash_forward<T>, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(shared)));
-    opted_in = static_cast<int>(shared);
-  }
+  static int opted[kMaxDevices];  // (zero: static storage)
+  opt_in_shared(flash_forward<T>, static_cast<int>(shared), opted);
   const dim3 grid(static_cast<unsigned>((d.S + T - 1) / T), static_cast<unsigned>(d.A), static_cast<unsigned>(d.B));
-  flash_forward<T><<<grid, kThreads, shared, s>>>(out, lse, qkv, d, 1.0f / sqrtf(static_cast<float>(d.D)));
+  STRATA_LAUNCH(flash_forward<T>, grid, kThreads, shared, s)(out, lse, qkv, d, 1.0f / sqrtf(static_cast<float>(d.D)));
   CUDA_CHECK_LAUNCH();
 }
 
@@ -218,15 +217,11 @@ template <int T>
 void launch_backward(float* dqkv, const float* dout, const float* lse, const float* delta, const float* qkv,
                      const Dims& d, cudaStream_t s) {
   const size_t shared = backward_shared(T, d.D);
-  static int opted_in = 0;
-  if (static_cast<int>(shared) > opted_in) {
-    CUDA_CHECK(
-        cudaFuncSetAttribute(flash_backward<T>, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(shared)));
-    opted_in = static_cast<int>(shared);
-  }
+  static int opted[kMaxDevices];  // (zero: static storage)
+  opt_in_shared(flash_backward<T>, static_cast<int>(shared), opted);
   const dim3 grid(static_cast<unsigned>((d.S + T - 1) / T), static_cast<unsigned>(d.A), static_cast<unsigned>(d.B));
-  flash_backward<T><<<grid, kThreads, shared, s>>>(dqkv, dout, lse, delta, qkv, d,
-                                                    1.0f / sqrtf(static_cast<float>(d.D)));
+  STRATA_LAUNCH(flash_backward<T>, grid, kThreads, shared, s)(dqkv, dout, lse, delta, qkv, d,
+                                                               1.0f / sqrtf(static_cast<float>(d.D)));
   CUDA_CHECK_LAUNCH();
 }
 
@@ -260,7 +255,7 @@ void flash_attention_backward(float* dqkv, float* delta, const float* dout, cons
   check_dims(B, A, G, D);
   const Dims d{S, B, A, G, D};
   const long long warps = S * B * A;
-  flash_delta<<<blocks_for(warps * 32, 256), 256, 0, s>>>(delta, dout, out, d);
+  STRATA_LAUNCH(flash_delta, blocks_for(warps * 32, 256), 256, 0, s)(delta, dout, out, d);
   CUDA_CHECK_LAUNCH();
   if (kind != 0) return flash_attention_backward_tc(dqkv, delta, dout, lse, qkv, S, B, A, G, D, kind, s);
   if (D <= 64) launch_backward<32>(dqkv, dout, lse, delta, qkv, d, s);

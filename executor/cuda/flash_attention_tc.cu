@@ -20,11 +20,12 @@
 // Layouts are those of backend.h: qkv (S, B, (A + 2G) D), out and dout (S, B, A D); lse and
 // delta (B, A, S). The kernels themselves are in flash_attention_tc.cuh, which
 // tests/flash_tc_emulation_test.cpp also runs on the CPU under an emulation of CUDA's names.
+#ifndef STRATA_CUDA_EMULATION  // (tests/cuda_emulation.h: the launchers on the CPU)
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <mma.h>
+#endif
 
-#include <atomic>
 #include <string>
 
 #include "executor/cuda/check.h"
@@ -39,44 +40,37 @@ using namespace nvcuda;
 
 using Dims = FlashDims;
 
+#ifdef STRATA_CUDA_EMULATION
+#define STRATA_UNROLL
+#else
 #define STRATA_UNROLL _Pragma("unroll")
+#endif
 #include "executor/cuda/flash_attention_tc.cuh"
 #undef STRATA_UNROLL
 
-// Opts a kernel in to the dynamic shared memory it needs, once per kernel and device (the
-// attribute belongs to the current device's context). done: a flag per device ordinal (ranks
-// in one process may launch from several host threads).
-constexpr int kMaxDevices = 64;
-template <class Kernel>
-void opt_in(Kernel k, int bytes, std::atomic<bool>* done) {
-  int dev = 0;
-  CUDA_CHECK(cudaGetDevice(&dev));
-  if (dev >= 0 && dev < kMaxDevices && done[dev]) return;
-  CUDA_CHECK(cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes));
-  if (dev >= 0 && dev < kMaxDevices) done[dev] = true;
-}
-
 template <class T, int D>
 void forward_as(float* out, float* lse, const float* qkv, const Dims& d, cudaStream_t s) {
-  static std::atomic<bool> opted[kMaxDevices];  // zero: static storage
+  static int opted[kMaxDevices];  // (zero: static storage)
   const int bytes = ForwardLayout<D>::bytes;
-  opt_in(tc_forward<T, D>, bytes, opted);
+  const auto kernel = tc_forward<T, D>;
+  opt_in_shared(kernel, bytes, opted);
   const dim3 grid(static_cast<unsigned>((d.S + kTile - 1) / kTile), static_cast<unsigned>(d.A),
                   static_cast<unsigned>(d.B));
-  tc_forward<T, D><<<grid, kThreads, bytes, s>>>(out, lse, qkv, d, 1.0f / sqrtf(static_cast<float>(d.D)));
+  STRATA_LAUNCH(kernel, grid, kThreads, bytes, s)(out, lse, qkv, d, 1.0f / sqrtf(static_cast<float>(d.D)));
   CUDA_CHECK_LAUNCH();
 }
 
 template <class T, int D>
 void backward_as(float* dqkv, const float* dout, const float* lse, const float* delta, const float* qkv, const Dims& d,
                  cudaStream_t s) {
-  static std::atomic<bool> opted[kMaxDevices];  // zero: static storage
+  static int opted[kMaxDevices];  // (zero: static storage)
   const int bytes = BackwardLayout<D>::bytes;
-  opt_in(tc_backward<T, D>, bytes, opted);
+  const auto kernel = tc_backward<T, D>;
+  opt_in_shared(kernel, bytes, opted);
   const dim3 grid(static_cast<unsigned>((d.S + kTile - 1) / kTile), static_cast<unsigned>(d.A),
                   static_cast<unsigned>(d.B));
   const float scale = 1.0f / sqrtf(static_cast<float>(d.D));
-  tc_backward<T, D><<<grid, kThreads, bytes, s>>>(dqkv, dout, lse, delta, qkv, d, scale);
+  STRATA_LAUNCH(kernel, grid, kThreads, bytes, s)(dqkv, dout, lse, delta, qkv, d, scale);
   CUDA_CHECK_LAUNCH();
 }
 

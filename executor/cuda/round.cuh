@@ -24,7 +24,6 @@ __device__ __forceinline__ float round_value(float v, int kind) {
   return v;
 }
 
-#ifndef STRATA_CUDA_EMULATION
 // A float as a 16-bit operand of the tensor cores (the GEMM casts, the tensor-core flash
 // attention), round to nearest even.
 template <typename T>
@@ -37,7 +36,5 @@ template <>
 __device__ __forceinline__ __half from_float<__half>(float v) {
   return __float2half_rn(v);
 }
-
-#endif
 
 }  // namespace strata::cuda
