@@ -27,10 +27,14 @@
 //     rsqrtf and tanhf within a few ulp of the GPU's), __fmul_rn and the like the plain
 //     operation (the emulated files are built without contraction), fp16 the compiler's
 //     _Float16, bf16 as its bits (__float2bfloat16_rn rounds to nearest even, a NaN to
-//     0x7fff); the runtime's names a launcher uses on one device with an H100's shared
-//     memory: a launch's dynamic shared memory past 48 KiB is refused unless
-//     cudaFuncSetAttribute opted its kernel in to as many bytes (at most 227 KiB), as a GPU
-//     refuses it; cudaMemsetAsync a memset; the rest (cudaGetLastError, ...) stubs.
+//     0x7fff);
+//   - the runtime's names (below): one device of host memory, synchronous, with an H100's
+//     shared memory (a launch past 48 KiB of dynamic shared memory refused unless its
+//     kernel was opted in, as a GPU refuses it) and memory pools that keep their peaks.
+// One host thread launches: the emulation's state (the running block, the allocations, the
+// opt-ins) is unguarded. In a build with CUDA the test binary holds the real backend too;
+// the emulation's functions are C++ inline functions of its own names' signatures, the
+// runtime's are C functions, so nothing links across.
 // What it cannot show: races the run orders do not expose, the real fragment layouts'
 // element ownership, a GPU's last bits, speed. compute-sanitizer on a GPU (the device
 // check's step 2b) covers races; cuda_ops_test on a GPU the bits.
@@ -66,6 +70,7 @@ __attribute__((naked, noinline)) inline void strata_emulation_switch(void** /*sa
 #endif
 
 #include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
@@ -92,34 +97,116 @@ using dim3 = Dim3;
 inline Dim3 threadIdx, blockIdx;  // of the thread running now
 inline Dim3 blockDim, gridDim;
 
-// The runtime's names a launcher uses: one device, an H100's shared memory (a launch's
-// dynamic shared memory past 48 KiB only after cudaFuncSetAttribute opted its kernel in to
-// as many bytes, at most 227 KiB; BoundLaunch checks), a memset on the host's memory.
-using cudaStream_t = struct CUstream_st*;
-enum cudaError_t { cudaSuccess = 0, cudaErrorInvalidValue = 1 };
+// The runtime's names the launchers and the CUDA backend use (cuda_backend.cpp, built for
+// cuda_ops_emulated_test): one device whose memory is the host's (allocations 256-byte
+// aligned and filled with NaN, device_bytes at most, pools' reserves counted), everything
+// synchronous (a stream is a name, a copy or memset
+// done on return, a host function run at once, an event the host clock's time), an H100's
+// shared memory (a launch's dynamic shared memory past 48 KiB only after
+// cudaFuncSetAttribute opted its kernel in to as many bytes, at most 227 KiB; BoundLaunch
+// checks), and stream-ordered memory pools that count the bytes in use and reserved (a
+// pool keeps what it reserved until trimmed) with their peaks.
+struct CUstream_st {
+  int id;
+};
+using cudaStream_t = CUstream_st*;
+enum cudaError_t { cudaSuccess = 0, cudaErrorInvalidValue = 1, cudaErrorMemoryAllocation = 2 };
 inline cudaError_t cudaGetLastError() { return cudaSuccess; }
 inline const char* cudaGetErrorName(cudaError_t e) {
-  return e == cudaSuccess ? "cudaSuccess" : "cudaErrorInvalidValue";
+  return e == cudaSuccess             ? "cudaSuccess"
+         : e == cudaErrorInvalidValue ? "cudaErrorInvalidValue"
+                                      : "cudaErrorMemoryAllocation";
 }
-inline const char* cudaGetErrorString(cudaError_t e) { return e == cudaSuccess ? "no error" : "invalid argument"; }
+inline const char* cudaGetErrorString(cudaError_t e) {
+  return e == cudaSuccess ? "no error" : e == cudaErrorInvalidValue ? "invalid argument" : "out of memory";
+}
+inline cudaError_t cudaGetDeviceCount(int* n) {
+  *n = 1;
+  return cudaSuccess;
+}
 inline cudaError_t cudaGetDevice(int* device) {
   *device = 0;
   return cudaSuccess;
 }
-inline cudaError_t cudaMemsetAsync(void* p, int value, size_t bytes, cudaStream_t) {
-  std::memset(p, value, bytes);
+inline cudaError_t cudaSetDevice(int device) { return device == 0 ? cudaSuccess : cudaErrorInvalidValue; }
+struct cudaDeviceProp {
+  char name[256];
+};
+inline cudaError_t cudaGetDeviceProperties(cudaDeviceProp* p, int) {
+  std::snprintf(p->name, sizeof p->name, "%s", "CPU emulation of a CUDA device");
+  return cudaSuccess;
+}
+inline cudaError_t cudaDeviceGetPCIBusId(char* bus, int len, int) {
+  std::snprintf(bus, static_cast<size_t>(len), "%s", "0000:00:00.0");
   return cudaSuccess;
 }
 enum cudaFuncAttribute { cudaFuncAttributeMaxDynamicSharedMemorySize };
-enum cudaDeviceAttr { cudaDevAttrMaxSharedMemoryPerBlockOptin };
+enum cudaDeviceAttr { cudaDevAttrMaxSharedMemoryPerBlockOptin, cudaDevAttrMemoryPoolsSupported };
 struct cudaFuncAttributes {
   int ptxVersion = 0;
 };
+struct CUmemPoolHandle_st {
+  uint64_t used = 0, used_high = 0, reserved = 0, reserved_high = 0;
+  bool destroyed = false;  // (its memory goes once its last allocation is freed, as on a GPU)
+};
+using cudaMemPool_t = CUmemPoolHandle_st*;
 namespace strata::cuda_emu {
 constexpr int kDefaultSharedBytes = 48 << 10, kOptInSharedBytes = 227 << 10;
 // The dynamic shared memory each kernel was opted in to (a kernel by its address).
 inline std::map<const void*, int> opted_in;
+// The device's memory: what cudaMalloc holds plus what every pool has reserved (a pool
+// keeps what it reserved until trimmed or destroyed), at most device_bytes (a test may
+// lower it). New memory is filled with 0xFF bytes (NaN floats), as a pool hands back stale
+// memory: a read before a write shows.
+inline size_t device_bytes = size_t{80} << 30;
+inline size_t device_held = 0;
+struct Allocation {
+  size_t bytes;
+  cudaMemPool_t pool;  // null: cudaMalloc's
+};
+inline std::map<void*, Allocation> allocations;
+inline cudaError_t device_alloc(void** p, size_t bytes, cudaMemPool_t pool) {
+  // What the device must find: the bytes, or what the pool lacks of them.
+  const size_t grow = pool == nullptr ? bytes : (pool->used + bytes > pool->reserved ? pool->used + bytes - pool->reserved : 0);
+  if (grow > device_bytes - device_held) return cudaErrorMemoryAllocation;
+  *p = ::operator new[](std::max<size_t>(bytes, 1), std::align_val_t{256}, std::nothrow);
+  if (*p == nullptr) return cudaErrorMemoryAllocation;
+  std::memset(*p, 0xFF, bytes);
+  allocations[*p] = Allocation{bytes, pool};
+  device_held += grow;
+  if (pool) {
+    pool->used += bytes;
+    pool->used_high = std::max(pool->used_high, pool->used);
+    pool->reserved += grow;
+    pool->reserved_high = std::max(pool->reserved_high, pool->reserved);
+  }
+  return cudaSuccess;
+}
+inline void release_pool(cudaMemPool_t pool) {  // a destroyed pool, once its last block is freed
+  device_held -= pool->reserved;
+  delete pool;
+}
+// (cudaFree and cudaFreeAsync both take either kind of allocation, as on a GPU; a pointer
+// that is not a live allocation's start is refused.)
+inline cudaError_t device_free(void* p) {
+  if (p == nullptr) return cudaSuccess;
+  const auto it = allocations.find(p);
+  if (it == allocations.end()) return cudaErrorInvalidValue;
+  if (cudaMemPool_t pool = it->second.pool) {
+    pool->used -= it->second.bytes;
+    if (pool->destroyed && pool->used == 0) release_pool(pool);
+  } else {
+    device_held -= it->second.bytes;
+  }
+  allocations.erase(it);
+  ::operator delete[](p, std::align_val_t{256});
+  return cudaSuccess;
+}
 }  // namespace strata::cuda_emu
+inline cudaError_t cudaDeviceGetAttribute(int* value, cudaDeviceAttr a, int) {
+  *value = a == cudaDevAttrMemoryPoolsSupported ? 1 : strata::cuda_emu::kOptInSharedBytes;
+  return cudaSuccess;
+}
 template <class Kernel>
 cudaError_t cudaFuncSetAttribute(Kernel kernel, cudaFuncAttribute, int bytes) {
   if (bytes < 0 || bytes > strata::cuda_emu::kOptInSharedBytes) return cudaErrorInvalidValue;
@@ -131,10 +218,101 @@ cudaError_t cudaFuncGetAttributes(cudaFuncAttributes* a, Kernel) {
   a->ptxVersion = 90;
   return cudaSuccess;
 }
-inline cudaError_t cudaDeviceGetAttribute(int* value, cudaDeviceAttr, int) {
-  *value = strata::cuda_emu::kOptInSharedBytes;
+inline cudaError_t cudaMalloc(void** p, size_t bytes) { return strata::cuda_emu::device_alloc(p, bytes, nullptr); }
+inline cudaError_t cudaFree(void* p) { return strata::cuda_emu::device_free(p); }
+inline cudaError_t cudaMemGetInfo(size_t* free, size_t* total) {
+  *total = strata::cuda_emu::device_bytes;
+  *free = *total - std::min(*total, strata::cuda_emu::device_held);
   return cudaSuccess;
 }
+constexpr unsigned cudaStreamNonBlocking = 1;
+inline cudaError_t cudaStreamCreateWithFlags(cudaStream_t* s, unsigned) {
+  *s = new CUstream_st{0};
+  return cudaSuccess;
+}
+inline cudaError_t cudaStreamDestroy(cudaStream_t s) {
+  delete s;
+  return cudaSuccess;
+}
+inline cudaError_t cudaStreamSynchronize(cudaStream_t) { return cudaSuccess; }
+enum cudaMemcpyKind {
+  cudaMemcpyHostToHost,
+  cudaMemcpyHostToDevice,
+  cudaMemcpyDeviceToHost,
+  cudaMemcpyDeviceToDevice,
+  cudaMemcpyDefault
+};
+inline cudaError_t cudaMemcpyAsync(void* dst, const void* src, size_t bytes, cudaMemcpyKind, cudaStream_t) {
+  if (bytes > 0) std::memcpy(dst, src, bytes);
+  return cudaSuccess;
+}
+inline cudaError_t cudaMemsetAsync(void* p, int value, size_t bytes, cudaStream_t) {
+  if (bytes > 0) std::memset(p, value, bytes);
+  return cudaSuccess;
+}
+using cudaHostFn_t = void (*)(void*);
+inline cudaError_t cudaLaunchHostFunc(cudaStream_t, cudaHostFn_t fn, void* arg) {
+  fn(arg);
+  return cudaSuccess;
+}
+struct CUevent_st {
+  std::chrono::steady_clock::time_point t;
+};
+using cudaEvent_t = CUevent_st*;
+inline cudaError_t cudaEventCreate(cudaEvent_t* e) {
+  *e = new CUevent_st{};
+  return cudaSuccess;
+}
+inline cudaError_t cudaEventDestroy(cudaEvent_t e) {
+  delete e;
+  return cudaSuccess;
+}
+inline cudaError_t cudaEventRecord(cudaEvent_t e, cudaStream_t) {
+  e->t = std::chrono::steady_clock::now();
+  return cudaSuccess;
+}
+inline cudaError_t cudaEventElapsedTime(float* ms, cudaEvent_t a, cudaEvent_t b) {
+  *ms = std::chrono::duration<float, std::milli>(b->t - a->t).count();
+  return cudaSuccess;
+}
+enum cudaMemAllocationType { cudaMemAllocationTypePinned = 1 };
+enum cudaMemLocationType { cudaMemLocationTypeDevice = 1 };
+struct cudaMemLocation {
+  cudaMemLocationType type;
+  int id;
+};
+struct cudaMemPoolProps {
+  cudaMemAllocationType allocType;
+  cudaMemLocation location;
+};
+enum cudaMemPoolAttr { cudaMemPoolAttrReleaseThreshold, cudaMemPoolAttrReservedMemHigh, cudaMemPoolAttrUsedMemHigh };
+inline cudaError_t cudaMemPoolCreate(cudaMemPool_t* pool, const cudaMemPoolProps*) {
+  *pool = new CUmemPoolHandle_st{};
+  return cudaSuccess;
+}
+inline cudaError_t cudaMemPoolDestroy(cudaMemPool_t pool) {
+  pool->destroyed = true;
+  if (pool->used == 0) strata::cuda_emu::release_pool(pool);
+  return cudaSuccess;
+}
+inline cudaError_t cudaMemPoolSetAttribute(cudaMemPool_t, cudaMemPoolAttr a, void*) {
+  return a == cudaMemPoolAttrReleaseThreshold ? cudaSuccess : cudaErrorInvalidValue;
+}
+inline cudaError_t cudaMemPoolGetAttribute(cudaMemPool_t pool, cudaMemPoolAttr a, void* value) {
+  if (a == cudaMemPoolAttrReleaseThreshold) return cudaErrorInvalidValue;
+  *static_cast<uint64_t*>(value) = a == cudaMemPoolAttrUsedMemHigh ? pool->used_high : pool->reserved_high;
+  return cudaSuccess;
+}
+inline cudaError_t cudaMemPoolTrimTo(cudaMemPool_t pool, size_t keep) {
+  const uint64_t kept = std::max<uint64_t>(pool->used, std::min<uint64_t>(pool->reserved, keep));
+  strata::cuda_emu::device_held -= pool->reserved - kept;
+  pool->reserved = kept;
+  return cudaSuccess;
+}
+inline cudaError_t cudaMallocFromPoolAsync(void** p, size_t bytes, cudaMemPool_t pool, cudaStream_t) {
+  return strata::cuda_emu::device_alloc(p, bytes, pool);
+}
+inline cudaError_t cudaFreeAsync(void* p, cudaStream_t) { return strata::cuda_emu::device_free(p); }
 
 struct alignas(16) float4 {
   float x, y, z, w;
@@ -149,7 +327,7 @@ struct Fiber {
   ucontext_t ctx;
   void* sp = nullptr;    // (the fast switch: its saved stack pointer,
   void* fake = nullptr;  // and AddressSanitizer's fake stack while it is switched out)
-  std::unique_ptr<char[]> stack;  // kStackBytes, not zeroed (a page is touched when used)
+  char* stack = nullptr;  // kStackBytes, not zeroed (a page is touched when used); launch()'s, kept between launches
   Dim3 idx;
   unsigned warp = 0;  // its linear index / 32
   int waits = -1;     // the barrier it waits at: -1 none, 0 the block's, 1 + w warp w's
@@ -179,6 +357,9 @@ struct Block {
   std::string error;  // an exception a thread threw
 };
 inline Block* block = nullptr;
+// The threads' stacks, kept from launch to launch by every kernel's launches (allocating
+// them was most of a small launch's time, and under ASan each a fresh mapping).
+inline thread_local std::vector<std::unique_ptr<char[]>> fiber_stacks;
 inline unsigned char* dynamic_shared() { return block->shared; }
 inline Fiber& running() { return block->fibers[static_cast<size_t>(block->current)]; }
 
@@ -187,7 +368,7 @@ inline Fiber& running() { return block->fibers[static_cast<size_t>(block->curren
 inline void enter(Fiber& f) {
 #ifdef STRATA_EMULATION_ASAN_FIBERS
   void* fake = nullptr;
-  __sanitizer_start_switch_fiber(&fake, f.stack.get(), kStackBytes);
+  __sanitizer_start_switch_fiber(&fake, f.stack, kStackBytes);
 #endif
   strata_emulation_switch(&block->scheduler_sp, f.sp);
 #ifdef STRATA_EMULATION_ASAN_FIBERS
@@ -281,11 +462,11 @@ inline void start_fiber(Fiber* f, unsigned t, ucontext_t* scheduler) {
   (void)scheduler;
 #ifdef STRATA_EMULATION_ASAN_FIBERS
   // (A fiber's frames never return: whatever ASan poisoned on its stack last block goes.)
-  __asan_unpoison_memory_region(f->stack.get(), kStackBytes);
+  __asan_unpoison_memory_region(f->stack, kStackBytes);
 #endif
   // What strata_emulation_switch pops: six registers (zero), then fiber_entry as the return
   // address, entered with the stack pointer 8 past a 16-byte boundary, as after a call.
-  const uintptr_t top = (reinterpret_cast<uintptr_t>(f->stack.get()) + kStackBytes) & ~uintptr_t{15};
+  const uintptr_t top = (reinterpret_cast<uintptr_t>(f->stack) + kStackBytes) & ~uintptr_t{15};
   void** sp = reinterpret_cast<void**>(top - 64);
   for (int i = 0; i < 6; ++i) sp[i] = nullptr;
   sp[6] = reinterpret_cast<void*>(&fiber_entry);
@@ -293,7 +474,7 @@ inline void start_fiber(Fiber* f, unsigned t, ucontext_t* scheduler) {
   f->sp = sp;
 #else
   getcontext(&f->ctx);
-  f->ctx.uc_stack.ss_sp = f->stack.get();
+  f->ctx.uc_stack.ss_sp = f->stack;
   f->ctx.uc_stack.ss_size = kStackBytes;
   f->ctx.uc_link = scheduler;
   makecontext(&f->ctx, fiber_main, 0);
@@ -328,8 +509,10 @@ void launch(Order order, Dim3 grid, Dim3 block_dim, size_t shared, Kernel kernel
   const unsigned warps = threads / 32;
   Block b;
   b.fibers.resize(threads);
-  for (Fiber& f : b.fibers) f.stack.reset(new char[kStackBytes]);
+  while (fiber_stacks.size() < threads) fiber_stacks.emplace_back(new char[kStackBytes]);
+  for (unsigned t = 0; t < threads; ++t) b.fibers[t].stack = fiber_stacks[t].get();
   b.slots.resize(threads);
+  std::vector<unsigned> at_warp(warps);  // (a round's count of the threads at each warp's barrier)
   // Exactly `shared` bytes, so that the sanitizers see an access past them.
   const SharedBytes mem = shared_bytes(shared);
   b.shared = mem.get();
@@ -376,7 +559,7 @@ void launch(Order order, Dim3 grid, Dim3 block_dim, size_t shared, Kernel kernel
             for (unsigned k = 0; k < threads; ++k) run(order == Order::forward ? k : threads - 1 - k);
           }
           unsigned done = 0, at_block = 0;
-          std::vector<unsigned> at_warp(warps, 0);
+          std::fill(at_warp.begin(), at_warp.end(), 0u);
           for (const Fiber& f : b.fibers) {
             done += f.done ? 1 : 0;
             if (f.waits == 0) ++at_block;

@@ -4,7 +4,11 @@
 // training run) included. The pointers have the types of cublasLt.h's declarations.
 #pragma once
 
+#ifdef STRATA_CUDA_EMULATION  // (the CPU emulation of cuBLASLt's names: tests/cublaslt_emulation.h)
+#include "cublaslt_emulation.h"
+#else
 #include <cublasLt.h>
+#endif
 
 #include <string>
 

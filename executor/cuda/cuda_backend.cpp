@@ -3,7 +3,9 @@
 // fp32 or, after set_gemm_precision, on 16-bit copies of the operands (cast.cu).
 #include "executor/cuda/cuda_backend.h"
 
+#ifndef STRATA_CUDA_EMULATION  // (tests/cuda_emulation.h: this backend on the CPU)
 #include <cuda_runtime_api.h>
+#endif
 
 #include <algorithm>
 #include <array>
