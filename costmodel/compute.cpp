@@ -241,16 +241,20 @@ double attention_core_backward(Acc& a, double mlp_s) {
 }
 
 // The strata executor's own passes over a layer's 16-bit tensors (executor/gpt.cpp), which
-// it holds as floats, one pass per tensor: rounding reads and writes 4 bytes per value;
-// packing a saved tensor into 16 bits after the forward reads 4 and writes 2 bytes per value,
-// unpacking it before the backward the reverse. Values per layer and micro-batch on this rank,
-// with n tokens (sequence shard) and N (gathered): the forward rounds x, h1, x2, h2 (n H
-// each), qkv (N Q), the attention output (N AD/t), the fc1 output (N F1/t) and the activation
-// (N F/t); the backward rounds the GEMM inputs dy, dO (N H each), du (N F1/t), datt (N AD/t)
-// and dqkv (N Q). Kept and packed: those of the forward, the gathered g1 and g2 with sequence
-// parallelism (N H each) and the unfused core's probabilities (B A/t S^2) when nothing is
-// recomputed; full recompute keeps only x. Nothing of this runs outside the strata stack or
-// in fp32.
+// it holds as floats: a rounding pass reads and writes 4 bytes per value; packing a saved
+// tensor into 16 bits after the forward reads 4 and writes 2 bytes per value, unpacking it
+// before the backward the reverse. Values per layer and micro-batch on this rank, with n
+// tokens (sequence shard) and N (gathered): the forward's 16-bit tensors are x, h1, x2, h2
+// (n H each), qkv (N Q), the attention output (N AD/t), the fc1 output (N F1/t) and the
+// activation (N F/t). The ops that make h1 and h2 (the norms), x2 (the residual add), the
+// activation and, where a bias add ends the product, the fc1 output and qkv (no RoPE after
+// it) round them as they write them (backend.h); the others take a pass each: x, the
+// attention output, and qkv and the fc1 output without biases (qkv also after RoPE). The
+// backward rounds the GEMM inputs dy, dO (N H each), datt (N AD/t) and dqkv (N Q) in passes,
+// du (N F1/t) in the activation's backward. Kept and packed: the forward's, the gathered
+// g1 and g2 with sequence parallelism (N H each) and the unfused core's probabilities
+// (B A/t S^2) when nothing is recomputed; full recompute keeps only x. Nothing of this runs
+// outside the strata stack or in fp32.
 struct Tensors {
   std::array<double, 12> values{};
   int count = 0;
@@ -268,13 +272,16 @@ SixteenBitPasses sixteen_bit_passes(const Acc& a) {
   const double T = a.cs.T, Tn = a.cs.Tn, H = static_cast<double>(m.H), t = static_cast<double>(p.t);
   const double Q = head_columns(m, p.t, 1, 2), ADt = static_cast<double>(m.AD()) / t;
   const double F1 = static_cast<double>(m.fc1_out()) / t, Ft = static_cast<double>(m.F) / t;
-  for (double x : {Tn * H, Tn * H, T * Q, T * ADt, Tn * H, Tn * H, T * F1, T * Ft}) v.forward_rounds.add(x);
-  for (double x : {T * H, T * F1, T * H, T * ADt, T * Q}) v.backward_rounds.add(x);
+  const bool qkv_fused = m.bias && m.position != Position::rope;
+  for (double x : {Tn * H, T * ADt}) v.forward_rounds.add(x);
+  if (!qkv_fused) v.forward_rounds.add(T * Q);
+  if (!m.bias) v.forward_rounds.add(T * F1);
+  for (double x : {T * H, T * H, T * ADt, T * Q}) v.backward_rounds.add(x);
   if (p.recompute == Recompute::full) {
     v.kept.add(Tn * H);
     return v;
   }
-  v.kept = v.forward_rounds;
+  for (double x : {Tn * H, Tn * H, T * Q, T * ADt, Tn * H, Tn * H, T * F1, T * Ft}) v.kept.add(x);
   if (p.sp && p.t > 1) {
     v.kept.add(T * H);
     v.kept.add(T * H);

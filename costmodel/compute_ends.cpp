@@ -45,14 +45,10 @@ void output_and_loss(Acc& a, const char* norm) {
   const double peak = p.precision == Precision::fp8 ? a.cl.device.peak_bf16_flops : a.cl.device.peak_flops(p.precision);
   const double eb = cs.work_bytes;
   // The strata executor in 16-bit precisions rounds the final norm's output (its rows on
-  // this rank) to 16 bits in place: a `round16` pass of its own, as in the layers
-  // (executor/gpt.cpp head_forward); the logit gradients it rounds in the cross-entropy's
-  // backward pass, which writes them (below).
-  // (bf16 and fp16 only, as the layers' passes: sixteen_bit_passes. The executor refuses
-  // fp8; the modules of multi-token prediction, which it refuses too, book theirs alike.)
-  const bool rounds16 = cs.stack.strata && (p.precision == Precision::bf16 || p.precision == Precision::fp16);
+  // this rank) as the norm writes it, and the logit gradients in the cross-entropy's
+  // backward pass, which writes them (below): neither is a pass of its own
+  // (executor/gpt.cpp head_forward).
   a.mem(norm, Phase::forward, 2.0 * e * cs.Tn * H, MemKind::norm);
-  if (rounds16) a.mem("round16", Phase::forward, 8.0 * cs.Tn * H, MemKind::round16);
   a.tp_gather("sp_all_gather", Phase::forward);
   a.gemm("lm_head", Phase::forward, T, Vt, H, peak, eb);
   // Vocab-parallel cross-entropy on the T x V/t logits; three all-reduces of T floats (max,

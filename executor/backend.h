@@ -90,19 +90,23 @@ class Backend {
                     const float* A, int64_t lda, const float* B, int64_t ldb, float beta, float* C,
                     int64_t ldc) = 0;
   // out, x (N, H); mean, rstd (N); w, b (H). Backward: dx +=, dw +=, db +=.
+  // `round` (the forwards here, the activation's backward, add, add_bias): the output
+  // rounded to it as round_to() rounds (fp32 leaves it), in the op's own pass: the
+  // executor's 16-bit tensors rounded where they are made, with no pass of their own.
   virtual void layernorm_forward(float* out, float* mean, float* rstd, const float* x, const float* w,
-                                 const float* b, int64_t N, int64_t H) = 0;
+                                 const float* b, int64_t N, int64_t H, Precision round = Precision::fp32) = 0;
   virtual void layernorm_backward(float* dx, float* dw, float* db, const float* dout, const float* x,
                                   const float* mean, const float* rstd, const float* w, int64_t N,
                                   int64_t H) = 0;
-  virtual void rmsnorm_forward(float* out, float* rstd, const float* x, const float* w, int64_t N,
-                               int64_t H) = 0;
+  virtual void rmsnorm_forward(float* out, float* rstd, const float* x, const float* w, int64_t N, int64_t H,
+                               Precision round = Precision::fp32) = 0;
   virtual void rmsnorm_backward(float* dx, float* dw, const float* dout, const float* x, const float* rstd,
                                 const float* w, int64_t N, int64_t H) = 0;
   // u (N, F) for gelu, (N, 2F) = [gate | up] for swiglu/geglu; out (N, F). Backward: du =.
-  virtual void activation_forward(Activation a, float* out, const float* u, int64_t N, int64_t F) = 0;
-  virtual void activation_backward(Activation a, float* du, const float* dout, const float* u, int64_t N,
-                                   int64_t F) = 0;
+  virtual void activation_forward(Activation a, float* out, const float* u, int64_t N, int64_t F,
+                                  Precision round = Precision::fp32) = 0;
+  virtual void activation_backward(Activation a, float* du, const float* dout, const float* u, int64_t N, int64_t F,
+                                   Precision round = Precision::fp32) = 0;
   // Rotates heads [0, heads) of each row of x (S*B rows of stride ld, D per head), row
   // s*B + b at position s; inverse = true applies the transpose (the backward).
   virtual void rope(float* x, int64_t S, int64_t B, int64_t heads, int64_t D, int64_t ld, bool inverse) = 0;
@@ -153,8 +157,8 @@ class Backend {
   // out may alias a or b); y (N, F) += b (F) on every row; db (F) += the column sums of dy
   // (N, F).
   virtual void copy(float* dst, const float* src, int64_t n) = 0;
-  virtual void add(float* out, const float* a, const float* b, int64_t n) = 0;
-  virtual void add_bias(float* y, const float* b, int64_t N, int64_t F) = 0;
+  virtual void add(float* out, const float* a, const float* b, int64_t n, Precision round = Precision::fp32) = 0;
+  virtual void add_bias(float* y, const float* b, int64_t N, int64_t F, Precision round = Precision::fp32) = 0;
   virtual void bias_grad(float* db, const float* dy, int64_t N, int64_t F) = 0;
   // The token embedding of a tensor-parallel vocabulary slice [lo, lo + Vt): x (S*B, H) row
   // s*B + b = wte row (token - lo) for tokens (B, S) in the slice, zero otherwise; the

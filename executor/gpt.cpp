@@ -56,12 +56,16 @@ Buf reduce_rows(const ModelCtx& c, Buf in, int64_t H) {
   return in;
 }
 
-// Rounds to the training precision (nothing in fp32): the cost model's round16 passes.
-void round(const ModelCtx& c, Buf& b) {
+// Rounds to the training precision (nothing in fp32): the cost model's round16 passes,
+// where the op that made the tensor did not round it as it wrote it (the norms, the
+// activation and its backward, the residual add after the attention and the bias adds
+// that end a product round in their own pass: backend.h).
+void round(const ModelCtx& c, float* x, int64_t n) {
   if (c.precision == Precision::fp32) return;
   const OpScope op(c.ops, "round16");
-  c.be->round_to(b.data(), b.size(), c.precision);
+  c.be->round_to(x, n, c.precision);
 }
+void round(const ModelCtx& c, Buf& b) { round(c, b.data(), b.size()); }
 
 // (n, H) -> (N, H) input of a column-parallel GEMM in the training precision: gathered with
 // sequence parallelism and then rounded in place, else rounded into a copy in one pass.
@@ -77,8 +81,11 @@ Buf gemm_input_rows(const ModelCtx& c, const Buf& in, int64_t H) {
   return out;
 }
 
-void add_bias(const ModelCtx& c, float* y, const float* b, int64_t N, int64_t F) {
-  if (b) c.be->add_bias(y, b, N, F);
+// y += b, rounded to `rounded` in the same pass (fp32: not rounded); without a bias the
+// rounding is a pass of its own.
+void add_bias(const ModelCtx& c, float* y, const float* b, int64_t N, int64_t F, Precision rounded = Precision::fp32) {
+  if (b) c.be->add_bias(y, b, N, F, rounded);
+  else if (rounded != Precision::fp32) round(c, y, N * F);
 }
 
 void bias_grad(const ModelCtx& c, float* db, const float* dy, int64_t N, int64_t F) {
@@ -91,9 +98,9 @@ void norm_forward(const ModelCtx& c, const float* w, const float* b, const Buf& 
   *rstd = c.f32_out(n);
   if (c.m->normalization == Norm::layernorm) {
     *mean = c.f32_out(n);
-    c.be->layernorm_forward(out->data(), mean->data(), rstd->data(), x.data(), w, b, n, H);
+    c.be->layernorm_forward(out->data(), mean->data(), rstd->data(), x.data(), w, b, n, H, c.precision);
   } else {
-    c.be->rmsnorm_forward(out->data(), rstd->data(), x.data(), w, n, H);
+    c.be->rmsnorm_forward(out->data(), rstd->data(), x.data(), w, n, H, c.precision);
   }
 }
 
@@ -228,9 +235,8 @@ Buf attention_out_and_mlp(const ModelCtx& c, const UnitView& u, int64_t l, Layer
   {
     const OpScope op(c.ops, "bias_dropout_add");
     add_bias(c, o.data(), u.weight_or_null(TensorKind::proj_b, l), n, H);
-    c.be->add(a->x2.data(), a->x.data(), o.data(), n * H);
+    c.be->add(a->x2.data(), a->x.data(), o.data(), n * H, c.precision);
   }
-  round(c, a->x2);
   o.release();
   // MLP block.
   {
@@ -238,7 +244,6 @@ Buf attention_out_and_mlp(const ModelCtx& c, const UnitView& u, int64_t l, Layer
     norm_forward(c, u.weight(TensorKind::ln2_w, l), u.weight_or_null(TensorKind::ln2_b, l), a->x2, &a->h2, &a->mean2,
                  &a->rstd2);
   }
-  round(c, a->h2);
   if (c.sp && c.t > 1) a->g2 = gather_rows(c, a->h2, H);
   const float* g2 = (c.sp && c.t > 1) ? a->g2.data() : a->h2.data();
   a->u = c.act_out(N * F1);
@@ -246,15 +251,13 @@ Buf attention_out_and_mlp(const ModelCtx& c, const UnitView& u, int64_t l, Layer
     const OpScope op(c.ops, "fc1");
     c.be->gemm(false, true, N, F1, H, 1.0f, g2, H, u.weight(TensorKind::fc1_w, l), H, 0.0f, a->u.data(), F1);
     c.tick();
-    add_bias(c, a->u.data(), u.weight_or_null(TensorKind::fc1_b, l), N, F1);
+    add_bias(c, a->u.data(), u.weight_or_null(TensorKind::fc1_b, l), N, F1, c.precision);
   }
-  round(c, a->u);
   a->a = c.act_out(N * Ft);
   {
     const OpScope op(c.ops, to_string(m.activation));
-    c.be->activation_forward(m.activation, a->a.data(), a->u.data(), N, Ft);
+    c.be->activation_forward(m.activation, a->a.data(), a->u.data(), N, Ft, c.precision);
   }
-  round(c, a->a);
   Buf y = c.f32_out(N * H);
   {
     const OpScope op(c.ops, "fc2");
@@ -282,7 +285,6 @@ Buf forward_all(const ModelCtx& c, const UnitView& u, int64_t l, LayerActs* a) {
     norm_forward(c, u.weight(TensorKind::ln1_w, l), u.weight_or_null(TensorKind::ln1_b, l), a->x, &a->h1, &a->mean1,
                  &a->rstd1);
   }
-  round(c, a->h1);
   if (c.sp && c.t > 1) a->g1 = gather_rows(c, a->h1, H);
   const float* g1 = (c.sp && c.t > 1) ? a->g1.data() : a->h1.data();
   a->qkv = c.act_out(N * Q);
@@ -290,14 +292,18 @@ Buf forward_all(const ModelCtx& c, const UnitView& u, int64_t l, LayerActs* a) {
     const OpScope op(c.ops, "qkv");
     c.be->gemm(false, true, N, Q, H, 1.0f, g1, H, u.weight(TensorKind::qkv_w, l), H, 0.0f, a->qkv.data(), Q);
     c.tick();
-    add_bias(c, a->qkv.data(), u.weight_or_null(TensorKind::qkv_b, l), N, Q);
+    // (Rounded with the bias, or after RoPE, the last to write it.)
+    add_bias(c, a->qkv.data(), u.weight_or_null(TensorKind::qkv_b, l), N, Q,
+             m.position == Position::rope ? Precision::fp32 : c.precision);
   }
   if (m.position == Position::rope) {
-    const OpScope op(c.ops, "rope");
-    rope_rows(c, a->qkv.data(), At, Q, false);
-    rope_rows(c, a->qkv.data() + At * D, Gt, Q, false);
+    {
+      const OpScope op(c.ops, "rope");
+      rope_rows(c, a->qkv.data(), At, Q, false);
+      rope_rows(c, a->qkv.data() + At * D, Gt, Q, false);
+    }
+    round(c, a->qkv);
   }
-  round(c, a->qkv);
   a->att = c.act_out(N * At * D);
   {
     const OpScope core(c.ops, c.flash ? "flash_attention" : "core_attention");
@@ -455,10 +461,9 @@ Buf layer_backward(const ModelCtx& c, const UnitView& u, int64_t l, LayerActs* a
   Buf du = c.f32_out(N * F1);
   {
     const OpScope op(c.ops, to_string(m.activation));
-    c.be->activation_backward(m.activation, du.data(), da.data(), a->u.data(), N, Ft);
+    c.be->activation_backward(m.activation, du.data(), da.data(), a->u.data(), N, Ft, c.precision);
   }
   da.release();
-  round(c, du);
   const float* g2 = gathered ? a->g2.data() : a->h2.data();
   Buf dg2;
   {
@@ -603,7 +608,6 @@ double head_forward(const ModelCtx& c, const UnitView& fu, const float* out_w, B
   const int64_t H = m.H, N = c.N(), Vt = executor_vocab(m) / c.t, lo = c.r * Vt;
   h->x = std::move(x);
   norm_forward(c, fu.weight(TensorKind::lnf_w), fu.weight_or_null(TensorKind::lnf_b), h->x, &h->hf, &h->mean, &h->rstd);
-  round(c, h->hf);
   if (c.sp && c.t > 1) h->hf_full = gather_rows(c, h->hf, H);
   const float* hf = (c.sp && c.t > 1) ? h->hf_full.data() : h->hf.data();
   h->probs = c.f32_out(N * Vt);

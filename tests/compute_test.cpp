@@ -460,13 +460,21 @@ double sum_of(const std::vector<OpCost>& ops, const std::string& name, Phase ph,
 }
 
 // The strata executor's passes over a layer's 16-bit tensors (it holds them as floats).
-// tiny-gpt (H 256, 4 heads, F 1024, S 128), tp 1, micro-batch 2: n = N = 256 tokens,
-// qkv width Q = 768, attention output 256, fc1 and activation 1024 each.
-//   forward rounds x, h1, x2, h2 (4 x 256 x 256) + 256 x (768 + 256 + 1024 + 1024) = 1,048,576
-//   backward rounds dy, dO (2 x 256) + du 1024 + datt 256 + dqkv 768, x 256 tokens = 655,360
+// tiny-gpt (H 256, 4 heads, F 1024, S 128, biases, learned positions), tp 1, micro-batch 2:
+// n = N = 256 tokens, qkv width Q = 768, attention output 256, fc1 and activation 1024 each.
+//   forward's 16-bit tensors: x, h1, x2, h2 (4 x 256 x 256) + 256 x (768 + 256 + 1024 + 1024)
+//     = 1,048,576; of them rounded in passes of their own: x and the attention output,
+//     2 x 256 x 256 = 131,072 (the norms, the residual add, the bias adds ending qkv and
+//     fc1 and the activation round theirs as they write them)
+//   backward rounds dy, dO (2 x 256) + datt 256 + dqkv 768, x 256 tokens = 393,216 in passes
+//     (du in the activation's backward)
 //   kept: the forward's 1,048,576 + the unfused core's probabilities 2 x 4 x 128^2 = 1,179,648
 // Bytes: a rounding pass 8 per value (read and write 4), pack and unpack 6 (4 + 2).
 // Full recompute keeps x only (65,536 values) and rounds its replayed forward again.
+// Without biases (Llama's layout) and with RoPE, qkv (N Q) and the fc1 output (N F1) take
+// passes too: tiny-llama (H 256, 8 heads of 32 in 2 groups: Q = 384, SwiGLU F 704: F1
+// 1408), micro-batch 2: x and the attention output 2 x 256 x 256 + 256 x (384 + 1408) =
+// 589,824 forward values; backward dy, dO, datt 3 x 256 x 256 + dqkv 256 x 384 = 294,912.
 TEST(Compute, StrataSixteenBitPasses) {
   Cluster c = testing::round_cluster();
   c.strata_stack = true;
@@ -475,30 +483,32 @@ TEST(Compute, StrataSixteenBitPasses) {
     return sum_of(layer_ops(m, c, load_plan(plan)), name, ph, &OpCost::bytes);
   };
   const std::string bf16 = "tp=1,mbs=2,precision=bf16";
-  EXPECT_DOUBLE_EQ(bytes(bf16, "round16", Phase::forward), 8.0 * 1048576);
+  EXPECT_DOUBLE_EQ(bytes(bf16, "round16", Phase::forward), 8.0 * 131072);
   EXPECT_DOUBLE_EQ(bytes(bf16, "pack16", Phase::forward), 6.0 * 1179648);
   EXPECT_DOUBLE_EQ(bytes(bf16, "unpack16", Phase::backward), 6.0 * 1179648);
-  EXPECT_DOUBLE_EQ(bytes(bf16, "round16", Phase::backward), 8.0 * 655360);
+  EXPECT_DOUBLE_EQ(bytes(bf16, "round16", Phase::backward), 8.0 * 393216);
   const std::string full = "tp=1,mbs=2,precision=fp16,recompute=full";
   EXPECT_DOUBLE_EQ(bytes(full, "pack16", Phase::forward), 6.0 * 65536);
   EXPECT_DOUBLE_EQ(bytes(full, "unpack16", Phase::backward), 6.0 * 65536);
-  EXPECT_DOUBLE_EQ(bytes(full, "round16", Phase::recompute), 8.0 * 1048576);
+  EXPECT_DOUBLE_EQ(bytes(full, "round16", Phase::recompute), 8.0 * 131072);
   EXPECT_DOUBLE_EQ(bytes(full, "pack16", Phase::recompute), 0.0);
+  const ModelSpec llama = load_model("tiny-llama");
+  EXPECT_DOUBLE_EQ(sum_of(layer_ops(llama, c, load_plan(bf16)), "round16", Phase::forward, &OpCost::bytes), 8.0 * 589824);
+  EXPECT_DOUBLE_EQ(sum_of(layer_ops(llama, c, load_plan(bf16)), "round16", Phase::backward, &OpCost::bytes), 8.0 * 294912);
   // fp32, or another stack: no such passes.
   EXPECT_DOUBLE_EQ(bytes("tp=1,mbs=2,precision=fp32", "round16", Phase::forward), 0.0);
   c.strata_stack = false;
   EXPECT_DOUBLE_EQ(bytes(bf16, "pack16", Phase::forward), 0.0);
 }
 
-// The output layer's 16-bit rounding on the strata stack (executor/gpt.cpp head_forward
-// rounds the final norm's output rows, a round16 op as the executor times it; the
-// cross-entropy's backward rounds the logit gradients as it writes them, no pass of its
-// own). tiny-gpt (H 256, vocabulary 512, padded to a multiple of 128 t), micro-batch 2:
-// T = 256 tokens.
-//   tp 1: forward 8 B x 256 x 256 = 524,288; backward none, the cross-entropy's backward
-//         8 B a logit (read, the rounded gradient written): 8 x 256 x 512 = 1,048,576
-//   tp 2, sp: the norm's rows on this rank 128: 8 x 128 x 256 = 262,144
-//   fp32, or another stack: no rounding; the cross-entropy's backward unchanged.
+// The output layer's 16-bit rounding on the strata stack: none in a pass of its own
+// (executor/gpt.cpp head_forward: the final norm rounds its output rows as it writes them,
+// the cross-entropy's backward the logit gradients). tiny-gpt (H 256, vocabulary 512,
+// padded to a multiple of 128 t), micro-batch 2: T = 256 tokens.
+//   the final norm: 2 e T H = 2 x 4 x 256 x 256 = 524,288 bytes, as in fp32 (tp 2 with
+//     sequence parallelism: its 128 rows, 262,144)
+//   the cross-entropy's backward: 8 B a logit (read, the rounded gradient written):
+//     8 x 256 x 512 = 1,048,576 (tp 2: 524,288)
 TEST(Compute, StrataOutputLayerRounds16Bit) {
   Cluster c = testing::round_cluster();
   c.strata_stack = true;
@@ -507,12 +517,14 @@ TEST(Compute, StrataOutputLayerRounds16Bit) {
     return sum_of(head_ops(m, c, load_plan(plan)), name, ph, &OpCost::bytes);
   };
   const std::string bf16 = "tp=1,mbs=2,precision=bf16";
-  EXPECT_DOUBLE_EQ(bytes(bf16, "round16", Phase::forward), 524288.0);
+  EXPECT_DOUBLE_EQ(bytes(bf16, "round16", Phase::forward), 0.0);
   EXPECT_DOUBLE_EQ(bytes(bf16, "round16", Phase::backward), 0.0);
+  EXPECT_DOUBLE_EQ(bytes(bf16, "final_norm", Phase::forward), 524288.0);
   EXPECT_DOUBLE_EQ(bytes(bf16, "cross_entropy", Phase::backward), 1048576.0);
   const std::string tp2 = "tp=2,sp=1,mbs=2,precision=fp16";
-  EXPECT_DOUBLE_EQ(bytes(tp2, "round16", Phase::forward), 262144.0);
+  EXPECT_DOUBLE_EQ(bytes(tp2, "round16", Phase::forward), 0.0);
   EXPECT_DOUBLE_EQ(bytes(tp2, "round16", Phase::backward), 0.0);
+  EXPECT_DOUBLE_EQ(bytes(tp2, "final_norm", Phase::forward), 262144.0);
   EXPECT_DOUBLE_EQ(bytes(tp2, "cross_entropy", Phase::backward), 524288.0);
   const std::string fp32 = "tp=1,mbs=2,precision=fp32";
   EXPECT_DOUBLE_EQ(bytes(fp32, "round16", Phase::forward), 0.0);
@@ -527,8 +539,8 @@ TEST(Compute, StrataOutputLayerRounds16Bit) {
 // strata profile's), the generic curve otherwise. round_cluster: 1 TB/s; here the generic
 // curve at 0.1, rounding at 0.25, norms at 0.05 and activations at 0.4. tiny-gpt bf16 on
 // the strata stack, mbs 2 (floats, e = 4, T = 256 tokens, H = 256, F = 1024): the forward's
-// rounding passes move 8 x 1,048,576 bytes (StrataSixteenBitPasses); norm1 2 e T H =
-// 524,288; GELU 2 e T F = 2,097,152.
+// rounding passes move 8 x 131,072 bytes, the backward's 8 x 393,216
+// (StrataSixteenBitPasses); norm1 2 e T H = 524,288; GELU 2 e T F = 2,097,152.
 TEST(Compute, MemoryBoundOpsAtTheirKindsCurve) {
   Cluster c = testing::round_cluster();
   c.strata_stack = true;
@@ -537,15 +549,15 @@ TEST(Compute, MemoryBoundOpsAtTheirKindsCurve) {
   const Plan p = load_plan("tp=1,mbs=2,precision=bf16");
   auto time_of = [&](const std::string& name, Phase ph) { return sum_of(layer_ops(m, c, p), name, ph, &OpCost::time_s); };
   // Without kind curves (every preset): all at the generic curve.
-  EXPECT_DOUBLE_EQ(time_of("round16", Phase::forward), 8.0 * 1048576 / 0.1e12);
+  EXPECT_DOUBLE_EQ(time_of("round16", Phase::forward), 8.0 * 131072 / 0.1e12);
   EXPECT_NEAR(time_of("norm1", Phase::forward), 524288 / 0.1e12, 1e-18);
   const double bda = time_of("bias_dropout_add", Phase::forward), pack = time_of("pack16", Phase::forward);
   auto set = [&](MemKind k, double eff) { c.device.kernel_efficiency[static_cast<int>(k)] = Curve({{1.0, eff}}); };
   set(MemKind::round16, 0.25);
   set(MemKind::norm, 0.05);
   set(MemKind::activation, 0.4);
-  EXPECT_NEAR(time_of("round16", Phase::forward), 8.0 * 1048576 / 0.25e12, 1e-18);
-  EXPECT_NEAR(time_of("round16", Phase::backward), 8.0 * 655360 / 0.25e12, 1e-18);
+  EXPECT_NEAR(time_of("round16", Phase::forward), 8.0 * 131072 / 0.25e12, 1e-18);
+  EXPECT_NEAR(time_of("round16", Phase::backward), 8.0 * 393216 / 0.25e12, 1e-18);
   EXPECT_NEAR(time_of("norm1", Phase::forward), 524288 / 0.05e12, 1e-18);
   EXPECT_NEAR(time_of("gelu", Phase::forward), 2097152 / 0.4e12, 1e-18);
   // Ops of no kind stay at the generic curve (the packing pass also allocates its buffer in

@@ -1,6 +1,7 @@
 // The emulated cuBLASLt (see cublaslt_emulation.h) and the loader's lt() of the emulated CUDA
 // backend (executor/cuda/cublaslt_api.h; built with the emulated kernels, namespace
 // strata::cuda_emulated), which hands out these functions instead of the library's.
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <string>
@@ -190,7 +191,8 @@ cublasStatus_t cublasLtMatmulAlgoGetHeuristic(cublasLtHandle_t handle, cublasLtM
 cublasStatus_t cublasLtMatmul(cublasLtHandle_t handle, cublasLtMatmulDesc_t desc, const void* alpha, const void* A,
                               cublasLtMatrixLayout_t a, const void* B, cublasLtMatrixLayout_t b, const void* beta,
                               const void* C, cublasLtMatrixLayout_t c, void* D, cublasLtMatrixLayout_t d,
-                              const cublasLtMatmulAlgo_t* algo, void*, size_t, cudaStream_t) {
+                              const cublasLtMatmulAlgo_t* algo, void* workspace, size_t workspace_bytes,
+                              cudaStream_t) {
   if (!handle || !desc || !algo || algo->data[0] != kAlgoMark) return CUBLAS_STATUS_INVALID_VALUE;
   // The algorithm was chosen for this operation and these shapes; D is C's layout where it is
   // C's buffer, and overlaps neither A nor B.
@@ -209,6 +211,25 @@ cublasStatus_t cublasLtMatmul(cublasLtHandle_t handle, cublasLtMatmulDesc_t desc
       return CUBLAS_STATUS_INVALID_VALUE;
   }
   const float al = *static_cast<const float*>(alpha), be = *static_cast<const float*>(beta);
+  // The operands, whole, and the workspace in device memory (cuda_emulation.h's
+  // check_device_pointers; C only where it is read: beta != 0).
+  if (strata::cuda_emu::check_device_pointers) {
+    auto whole = [](const void* p, const cublasLtMatrixLayoutOpaque_t& l) {
+      if (l.rows == 0 || l.cols == 0) return true;
+      const auto [lo, hi] = extent(p, l);
+      return strata::cuda_emu::on_device(p, hi - lo);
+    };
+    const char* bad = !whole(A, *a)                  ? "A"
+                      : !whole(B, *b)                ? "B"
+                      : be != 0.0f && !whole(C, *c)  ? "C"
+                      : !whole(D, *d)                ? "D"
+                      : workspace_bytes > 0 && !strata::cuda_emu::on_device(workspace, workspace_bytes) ? "the workspace"
+                                                     : nullptr;
+    if (bad != nullptr) {
+      std::fprintf(stderr, "emulated cublasLtMatmul: %s not (wholly) in device memory\n", bad);
+      return CUBLAS_STATUS_INVALID_VALUE;
+    }
+  }
   const Shape oa = op_shape(*a, desc->transa), ob = op_shape(*b, desc->transb);
   const int64_t m = static_cast<int64_t>(oa.rows), k = static_cast<int64_t>(oa.cols), n = static_cast<int64_t>(ob.cols);
   std::vector<float> ra(static_cast<size_t>(m * k)), rb(static_cast<size_t>(n * k));  // op(A) by rows, op(B) by columns

@@ -30,13 +30,18 @@
 //     0x7fff);
 //   - the runtime's names (below): one device of host memory, synchronous, with an H100's
 //     shared memory (a launch past 48 KiB of dynamic shared memory refused unless its
-//     kernel was opted in, as a GPU refuses it) and memory pools that keep their peaks.
+//     kernel was opted in, as a GPU refuses it; static and dynamic bytes counted together)
+//     and memory pools that keep their peaks; with check_device_pointers, a host pointer
+//     where device memory belongs (a kernel's argument, a copy's side, a memset, a
+//     cuBLASLt operand) fails, as it would on a GPU.
 // One host thread launches: the emulation's state (the running block, the allocations, the
 // opt-ins) is unguarded. In a build with CUDA the test binary holds the real backend too;
 // the emulation's functions are C++ inline functions of its own names' signatures, the
 // runtime's are C functions, so nothing links across.
 // What it cannot show: races the run orders do not expose, the real fragment layouts'
-// element ownership, a GPU's last bits, speed. compute-sanitizer on a GPU (the device
+// element ownership, a GPU's last bits, speed; and of a kernel's pointer arguments only
+// where they point is checked, not how far the kernel reads from them (the sanitizer
+// build's AddressSanitizer reports a read past an allocation). compute-sanitizer on a GPU (the device
 // check's step 2b) covers races; cuda_ops_test on a GPU the bits.
 #pragma once
 
@@ -202,6 +207,40 @@ inline cudaError_t device_free(void* p) {
   ::operator delete[](p, std::align_val_t{256});
   return cudaSuccess;
 }
+// Device pointers. On a GPU a host pointer where device memory belongs is an illegal
+// address in a kernel (a sticky error: the context is lost) and an invalid value in a copy
+// or a memset of the wrong kind; here, where all memory is the host's, nothing would show
+// it. With check_device_pointers (cuda_ops_emulated_test sets it; the kernel tests launch on
+// host vectors and leave it off) every non-null pointer a launch passes must point into a
+// live allocation (its start up to its end), a copy's or memset's bytes must lie in one
+// where its kind says device and outside every one where it says host, and cuBLASLt's
+// operands (their whole extent) and workspace in one.
+inline bool check_device_pointers = false;
+// The live allocation holding [p, p + bytes) whole, or null (bytes 0: p may be its end).
+inline const Allocation* allocation_of(const void* p, size_t bytes) {
+  auto it = allocations.upper_bound(const_cast<void*>(p));
+  const uintptr_t q = reinterpret_cast<uintptr_t>(p);
+  for (int back = 0; back < 2 && it != allocations.begin(); ++back) {  // (p may be one's end and the next's start)
+    --it;
+    const uintptr_t base = reinterpret_cast<uintptr_t>(it->first);
+    if (q >= base && q - base <= it->second.bytes && bytes <= it->second.bytes - (q - base)) return &it->second;
+  }
+  return nullptr;
+}
+inline bool on_device(const void* p, size_t bytes) { return allocation_of(p, bytes) != nullptr; }
+// No byte of [p, p + bytes) in any allocation.
+inline bool on_host(const void* p, size_t bytes) {
+  const uintptr_t q = reinterpret_cast<uintptr_t>(p);
+  auto it = allocations.lower_bound(const_cast<void*>(p));
+  if (it != allocations.end() && reinterpret_cast<uintptr_t>(it->first) < q + bytes) return false;
+  if (it == allocations.begin()) return true;
+  --it;
+  return reinterpret_cast<uintptr_t>(it->first) + it->second.bytes <= q;
+}
+inline cudaError_t refused(const char* what) {
+  std::fprintf(stderr, "emulated CUDA runtime: %s\n", what);
+  return cudaErrorInvalidValue;
+}
 }  // namespace strata::cuda_emu
 inline cudaError_t cudaDeviceGetAttribute(int* value, cudaDeviceAttr a, int) {
   *value = a == cudaDevAttrMemoryPoolsSupported ? 1 : strata::cuda_emu::kOptInSharedBytes;
@@ -242,11 +281,25 @@ enum cudaMemcpyKind {
   cudaMemcpyDeviceToDevice,
   cudaMemcpyDefault
 };
-inline cudaError_t cudaMemcpyAsync(void* dst, const void* src, size_t bytes, cudaMemcpyKind, cudaStream_t) {
+inline cudaError_t cudaMemcpyAsync(void* dst, const void* src, size_t bytes, cudaMemcpyKind kind, cudaStream_t) {
+  namespace emu = strata::cuda_emu;
+  if (emu::check_device_pointers && bytes > 0) {
+    // Each side where the kind puts it (cudaMemcpyDefault: either, but whole).
+    auto side_ok = [&](const void* p, bool device) { return device ? emu::on_device(p, bytes) : emu::on_host(p, bytes); };
+    auto either = [&](const void* p) { return emu::on_device(p, bytes) || emu::on_host(p, bytes); };
+    const bool ok = kind == cudaMemcpyHostToDevice   ? side_ok(dst, true) && side_ok(src, false)
+                    : kind == cudaMemcpyDeviceToHost ? side_ok(dst, false) && side_ok(src, true)
+                    : kind == cudaMemcpyDeviceToDevice ? side_ok(dst, true) && side_ok(src, true)
+                    : kind == cudaMemcpyHostToHost     ? side_ok(dst, false) && side_ok(src, false)
+                                                       : either(dst) && either(src);
+    if (!ok) return emu::refused("cudaMemcpyAsync: a side not where the copy's kind says (or past its allocation)");
+  }
   if (bytes > 0) std::memcpy(dst, src, bytes);
   return cudaSuccess;
 }
 inline cudaError_t cudaMemsetAsync(void* p, int value, size_t bytes, cudaStream_t) {
+  if (strata::cuda_emu::check_device_pointers && bytes > 0 && !strata::cuda_emu::on_device(p, bytes))
+    return strata::cuda_emu::refused("cudaMemsetAsync: bytes outside device memory");
   if (bytes > 0) std::memset(p, value, bytes);
   return cudaSuccess;
 }
@@ -353,6 +406,11 @@ struct Block {
   // The kernel's STRATA_SHARED arrays in the order its threads meet them, with their sizes.
   std::vector<SharedBytes> statics;
   std::vector<size_t> static_sizes;
+  size_t static_total = 0;
+  // The launch's dynamic shared memory, and the most its kernel was opted in to (0: never;
+  // -1: a direct launch(), whose shared memory is not checked against a GPU's rules).
+  size_t dynamic = 0;
+  int opted_in = -1;
   std::function<void()> body;
   std::string error;  // an exception a thread threw
 };
@@ -389,6 +447,24 @@ inline void leave(bool last) {
 }
 #endif
 
+// A GPU's rules for static and dynamic shared memory together: at most 48 KiB of static
+// arrays; a launch's dynamic bytes at most what its kernel was opted in to, or else 48 KiB
+// less its static arrays; an opt-in and the static arrays at most 227 KiB together. (Here
+// the static arrays are known as a kernel's threads declare them, so this checks then.)
+inline void check_static_shared() {
+  const size_t st = block->static_total;
+  std::string why;
+  if (st > static_cast<size_t>(kDefaultSharedBytes)) why = "static shared arrays past 48 KiB";
+  else if (block->opted_in < 0) return;
+  else if (block->opted_in == 0 && block->dynamic > static_cast<size_t>(kDefaultSharedBytes) - st)
+    why = "static and dynamic shared memory past 48 KiB together without an opt-in";
+  else if (block->opted_in > 0 && st + static_cast<size_t>(block->opted_in) > static_cast<size_t>(kOptInSharedBytes))
+    why = "an opt-in and the static shared arrays past 227 KiB together";
+  if (!why.empty())
+    throw std::runtime_error("emulated launch: " + std::to_string(st) + " bytes of static shared memory, " +
+                             std::to_string(block->dynamic) + " dynamic: " + why + " (a GPU refuses it)");
+}
+
 // The k-th STRATA_SHARED array a thread meets is the block's k-th, made (0xFF bytes) by the
 // first thread to meet it. (So a kernel declares its shared arrays once each, at its top,
 // as every kernel here does: one declared in a loop or a function called twice would be a
@@ -400,6 +476,8 @@ T& shared_var() {
   if (k == block->statics.size()) {
     block->statics.push_back(shared_bytes(sizeof(T)));
     block->static_sizes.push_back(sizeof(T));
+    block->static_total += sizeof(T);
+    check_static_shared();
     std::memset(block->statics.back().get(), 0xFF, sizeof(T));
   } else if (k > block->statics.size() || block->static_sizes[k] != sizeof(T)) {
     throw std::runtime_error("STRATA_SHARED: threads of a block declare different shared arrays");
@@ -497,6 +575,9 @@ inline const char* to_string(Order o) {
                                    : "warps running ahead, the last first";
 }
 
+// BoundLaunch's opt-in for its kernel while launch() runs (Block::opted_in), else -1.
+inline int launch_opted_in = -1;
+
 // Runs kernel(args...) on every block of `grid`, of `block_dim` threads (a multiple of 32),
 // with `shared` bytes of dynamic shared memory. Throws std::runtime_error for an exception
 // in a kernel (a WMMA rule broken, __trap) or a barrier some threads never reach.
@@ -516,6 +597,8 @@ void launch(Order order, Dim3 grid, Dim3 block_dim, size_t shared, Kernel kernel
   // Exactly `shared` bytes, so that the sanitizers see an access past them.
   const SharedBytes mem = shared_bytes(shared);
   b.shared = mem.get();
+  b.dynamic = shared;
+  b.opted_in = launch_opted_in;
   b.body = [&] { kernel(args...); };
   struct Current {  // `block` points at b while it runs, and at nothing after, thrown or not
     explicit Current(Block* p) { block = p; }
@@ -588,6 +671,16 @@ void launch(Order order, Dim3 grid, Dim3 block_dim, size_t shared, Kernel kernel
 // What STRATA_LAUNCH(kernel, grid, block, shared, stream)(args...) runs: launch() in
 // launch_order (a test sets it; the stream is ignored: each launch is done when it returns).
 inline Order launch_order = Order::forward;
+// A kernel's pointer argument must point into device memory (check_device_pointers).
+template <class A>
+void check_argument(const A& a, int i) {
+  if constexpr (std::is_pointer_v<A>) {
+    if (a != nullptr && !on_device(a, 0))
+      throw std::runtime_error("emulated launch: argument " + std::to_string(i) +
+                               " points outside device memory (a host pointer where the kernel reads or writes "
+                               "device memory: an illegal address on a GPU)");
+  }
+}
 template <class Kernel>
 struct BoundLaunch {
   Kernel kernel;
@@ -595,13 +688,21 @@ struct BoundLaunch {
   size_t shared;
   template <class... Args>
   void operator()(Args... args) const {
-    if (shared > static_cast<size_t>(kDefaultSharedBytes)) {
-      const auto it = opted_in.find(reinterpret_cast<const void*>(kernel));
-      if (it == opted_in.end() || static_cast<size_t>(it->second) < shared)
-        throw std::runtime_error("emulated launch: " + std::to_string(shared) +
-                                 " bytes of dynamic shared memory, past 48 KiB without the kernel opted in to as many "
-                                 "(cudaFuncSetAttribute; a GPU refuses the launch)");
+    if (check_device_pointers) {
+      int i = 0;
+      (check_argument(args, i++), ...);
     }
+    const auto it = opted_in.find(reinterpret_cast<const void*>(kernel));
+    const int opt = it == opted_in.end() ? 0 : it->second;
+    if ((shared > static_cast<size_t>(kDefaultSharedBytes) || opt > 0) && static_cast<size_t>(opt) < shared)
+      throw std::runtime_error("emulated launch: " + std::to_string(shared) + " bytes of dynamic shared memory, " +
+                               (opt > 0 ? "past the " + std::to_string(opt) + " its kernel was opted in to"
+                                        : std::string("past 48 KiB without the kernel opted in to as many")) +
+                               " (cudaFuncSetAttribute; a GPU refuses the launch)");
+    struct Opted {  // (the static arrays' check, in the launch; reset however it ends)
+      explicit Opted(int v) { launch_opted_in = v; }
+      ~Opted() { launch_opted_in = -1; }
+    } opted(opt);
     launch(launch_order, grid, block_dim, shared, kernel, args...);
   }
 };

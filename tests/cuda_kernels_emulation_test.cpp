@@ -95,6 +95,14 @@ void every_order(const std::function<void()>& run) {
 
 class Emulated : public ::testing::Test {
  protected:
+  // An op's output rounded as it is written (round kind k: 1 bf16, 2 fp16) is its unrounded
+  // output rounded by the CPU backend's round_to, bit for bit.
+  void expect_rounded(const Vec& rounded, Vec plain, int k, const char* what) {
+    cpu_->round_to(plain.data(), static_cast<int64_t>(plain.size()), k == 1 ? Precision::bf16 : Precision::fp16);
+    ASSERT_EQ(rounded.size(), plain.size()) << what;
+    EXPECT_EQ(std::memcmp(rounded.data(), plain.data(), plain.size() * sizeof(float)), 0)
+        << what << " rounded to " << (k == 1 ? "bf16" : "fp16") << " as it is written: not the output rounded";
+  }
   std::unique_ptr<Backend> cpu_ = make_cpu_backend();
 };
 
@@ -109,8 +117,13 @@ TEST_F(Emulated, LayerNormForwardAndBackward) {
                              w.data(), N, H);
     every_order([&] {
       Vec eo(N * H, NAN), em(N, NAN), er(N, NAN), edx = dx0, edw = dw0, edb = db0;
-      emu::layernorm_forward(eo.data(), em.data(), er.data(), x.data(), w.data(), b.data(), N, H, nullptr);
+      emu::layernorm_forward(eo.data(), em.data(), er.data(), x.data(), w.data(), b.data(), N, H, 0, nullptr);
       expect_close(eo, out, 1e-5, "out");
+      for (int k : {1, 2}) {  // rounded as it is written: the output rounded, bit for bit
+        Vec r(N * H, NAN);
+        emu::layernorm_forward(r.data(), em.data(), er.data(), x.data(), w.data(), b.data(), N, H, k, nullptr);
+        expect_rounded(r, eo, k, "out");
+      }
       expect_close(em, mean, 1e-5, "mean");
       expect_close(er, rstd, 1e-5, "rstd");
       emu::layernorm_backward(edx.data(), edw.data(), edb.data(), dout.data(), x.data(), mean.data(), rstd.data(),
@@ -133,8 +146,13 @@ TEST_F(Emulated, RmsNormForwardAndBackward) {
     cpu_->rmsnorm_backward(dx.data(), dw.data(), dout.data(), x.data(), rstd.data(), w.data(), N, H);
     every_order([&] {
       Vec eo(N * H, NAN), er(N, NAN), edx = dx0, edw = dw0;
-      emu::rmsnorm_forward(eo.data(), er.data(), x.data(), w.data(), N, H, nullptr);
+      emu::rmsnorm_forward(eo.data(), er.data(), x.data(), w.data(), N, H, 0, nullptr);
       expect_close(eo, out, 1e-5, "out");
+      for (int k : {1, 2}) {
+        Vec r(N * H, NAN);
+        emu::rmsnorm_forward(r.data(), er.data(), x.data(), w.data(), N, H, k, nullptr);
+        expect_rounded(r, eo, k, "out");
+      }
       expect_close(er, rstd, 1e-5, "rstd");
       emu::rmsnorm_backward(edx.data(), edw.data(), dout.data(), x.data(), rstd.data(), w.data(), N, H, nullptr);
       expect_close(edx, dx, 1e-5, "dx");
@@ -306,10 +324,17 @@ TEST_F(Emulated, ActivationsForwardAndBackward) {
     cpu_->activation_backward(a, du.data(), dout.data(), u.data(), N, F);
     every_order([&] {
       Vec eout(N * F, NAN), edu(N * width, NAN);
-      emu::activation_forward(kind, eout.data(), u.data(), N, F, nullptr);
-      emu::activation_backward(kind, edu.data(), dout.data(), u.data(), N, F, nullptr);
+      emu::activation_forward(kind, eout.data(), u.data(), N, F, 0, nullptr);
+      emu::activation_backward(kind, edu.data(), dout.data(), u.data(), N, F, 0, nullptr);
       expect_close(eout, out, 1e-5, "out");
       expect_close(edu, du, 1e-5, "du");
+      for (int k : {1, 2}) {
+        Vec rout(N * F, NAN), rdu(N * width, NAN);
+        emu::activation_forward(kind, rout.data(), u.data(), N, F, k, nullptr);
+        emu::activation_backward(kind, rdu.data(), dout.data(), u.data(), N, F, k, nullptr);
+        expect_rounded(rout, eout, k, "out");
+        expect_rounded(rdu, edu, k, "du");
+      }
     });
   }
 }
@@ -360,10 +385,17 @@ TEST_F(Emulated, EmbeddingPositionsAndAdds) {
     expect_close(eout, out, 0, "positions");
     emu::position_grad(edP.data(), dx.data(), rows, H, B, row0, nullptr);
     expect_close(edP, dP, 1e-6, "position gradient");
-    emu::add(esum.data(), x.data(), dx.data(), n * H, nullptr);
+    emu::add(esum.data(), x.data(), dx.data(), n * H, 0, nullptr);
     expect_close(esum, sum, 0, "add");
-    emu::add_bias(ey.data(), P.data(), n, H, nullptr);
+    emu::add_bias(ey.data(), P.data(), n, H, 0, nullptr);
     expect_close(ey, y, 0, "bias");
+    for (int k : {1, 2}) {
+      Vec rsum(n * H, NAN), ry = x;
+      emu::add(rsum.data(), x.data(), dx.data(), n * H, k, nullptr);
+      expect_rounded(rsum, esum, k, "add");
+      emu::add_bias(ry.data(), P.data(), n, H, k, nullptr);
+      expect_rounded(ry, ey, k, "bias");
+    }
   });
 }
 
@@ -534,6 +566,38 @@ TEST(Emulation, SharedMemoryPast48KiBNeedsTheKernelOptedIn) {
   EXPECT_EQ(cudaFuncSetAttribute(other_big_shared_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, 228 << 10),
             cudaErrorInvalidValue);
   EXPECT_NO_THROW(STRATA_LAUNCH(other_big_shared_kernel, 2, 32, 48 << 10, nullptr)(x.data()));
+}
+
+// Static and dynamic shared memory count together, as on a GPU: 40 KiB of static arrays
+// leave 8 KiB of dynamic without an opt-in; an opt-in sets the most a launch may ask for
+// and, with the static arrays, stays within 227 KiB; static arrays alone within 48 KiB.
+void static_shared_kernel(float* x) {
+  STRATA_SHARED(float, big, [10 << 10]);  // 40 KiB
+  if (threadIdx.x == 0) big[blockIdx.x] = 3.0f;
+  __syncthreads();
+  if (threadIdx.x == 0) x[blockIdx.x] = big[blockIdx.x];
+}
+void too_much_static_kernel(float* x) {
+  STRATA_SHARED(float, a, [8 << 10]);  // 32 KiB
+  STRATA_SHARED(float, b, [5 << 10]);  // 20 KiB more
+  if (threadIdx.x == 0) x[blockIdx.x] = a[0] + b[0];
+}
+TEST(Emulation, StaticAndDynamicSharedMemoryCountTogether) {
+  Vec x(2, 0.0f);
+  EXPECT_NO_THROW(STRATA_LAUNCH(static_shared_kernel, 2, 32, 8 << 10, nullptr)(x.data()));
+  EXPECT_EQ(x, (Vec{3.0f, 3.0f}));
+  EXPECT_THROW(STRATA_LAUNCH(static_shared_kernel, 2, 32, (8 << 10) + 4, nullptr)(x.data()), std::runtime_error);
+  EXPECT_EQ(cudaFuncSetAttribute(static_shared_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, 16 << 10),
+            cudaSuccess);
+  EXPECT_NO_THROW(STRATA_LAUNCH(static_shared_kernel, 2, 32, 16 << 10, nullptr)(x.data()));
+  EXPECT_THROW(STRATA_LAUNCH(static_shared_kernel, 2, 32, 20 << 10, nullptr)(x.data()), std::runtime_error);
+  EXPECT_EQ(cudaFuncSetAttribute(static_shared_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, 190 << 10),
+            cudaSuccess);  // (the static arrays' 40 KiB: 230 together, past 227)
+  EXPECT_THROW(STRATA_LAUNCH(static_shared_kernel, 2, 32, 64 << 10, nullptr)(x.data()), std::runtime_error);
+  EXPECT_EQ(cudaFuncSetAttribute(static_shared_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, 187 << 10),
+            cudaSuccess);
+  EXPECT_NO_THROW(STRATA_LAUNCH(static_shared_kernel, 2, 32, 187 << 10, nullptr)(x.data()));
+  EXPECT_THROW(STRATA_LAUNCH(too_much_static_kernel, 1, 32, 0, nullptr)(x.data()), std::runtime_error);
 }
 
 // A broken barrier is caught, in every order: a __syncthreads half the block skips, a

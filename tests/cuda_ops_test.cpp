@@ -53,6 +53,9 @@ class CudaOps : public ::testing::Test {
   void SetUp() override {
     const std::string why = cuda_unavailable_reason();
     if (!why.empty()) GTEST_SKIP() << "no GPU: " << why;
+#ifdef STRATA_CUDA_EMULATION
+    cuda_emu::check_device_pointers = true;  // (a host pointer where device memory belongs fails, as on a GPU)
+#endif
     gpu_ = make_cuda_backend();
     ASSERT_NE(gpu_, nullptr);
     cpu_ = make_cpu_backend();
@@ -359,6 +362,15 @@ TEST_F(CudaOps, AttentionForwardBackwardWithAndWithoutProbs) {
   const int64_t S1 = kEmulated ? 40 : 200, S2 = kEmulated ? 33 : 150;
   for (const Shape sh : {Shape{17, 2, 4, 2, 8}, Shape{S1, 1, 4, 4, 64}, Shape{S2, 2, 4, 1, 64}})
     for (bool keep : {true, false}) attention_case(sh.S, sh.B, sh.A, sh.G, sh.D, keep);
+  // A workspace of fewer S x S matrices than a row's query groups: the groups in passes of
+  // two (the last of one: 5 groups) and of one (attention_plan.h), kept and recomputed.
+  const int64_t S = 19;
+  for (const int64_t fit : {2, 1}) {
+    SCOPED_TRACE(::testing::Message() << "passes of " << fit << " group(s)");
+    gpu_->set_attention_workspace_limit(static_cast<size_t>(fit * S * S) * sizeof(float));
+    for (bool keep : {true, false}) attention_case(S, 2, 10, 5, 8, keep);
+  }
+  gpu_->set_attention_workspace_limit(static_cast<size_t>(cuda::kUnfusedAttentionWorkspaceBytes));
 }
 
 // In a 16-bit plan the unfused attention's products run on the tensor cores (cuBLASLt
@@ -551,6 +563,49 @@ TEST_F(CudaOps, AFullDeviceTrimsThePoolsAndRetries) {
     EXPECT_NE(std::string(e.what()).find("gradients"), std::string::npos) << e.what();
   }
 }
+
+// A host pointer where device memory belongs (or bytes past a device buffer's end): on a
+// GPU an illegal address in a kernel, an invalid value in a copy; in the emulation, whose
+// memory is all the host's, only cuda_emulation.h's check_device_pointers shows it. Each
+// planted misuse below must fail, naming what; the same calls on device buffers pass.
+TEST_F(CudaOps, HostPointersWhereDeviceMemoryBelongsFail) {
+  const int64_t n = 1000;
+  const Vec a = random(n), b = random(n);
+  Vec on_host = nans(n);
+  float *da = dev(a), *db = dev(b), *dout = dev(nans(n));
+  auto fails = [](const char* what, const std::string& says, auto&& call) {
+    try {
+      call();
+      ADD_FAILURE() << what << ": no error";
+    } catch (const std::runtime_error& e) {
+      EXPECT_NE(std::string(e.what()).find(says), std::string::npos) << what << ": " << e.what();
+    }
+  };
+  // What is right passes.
+  gpu_->add(dout, da, db, n);
+  gpu_->copy(dout, da, n);
+  gpu_->gemm(false, true, 20, 25, 40, 1.0f, da, 40, db, 40, 0.0f, dout, 25);
+  EXPECT_EQ(host(dout, 1).size(), 1u);
+  // A kernel's argument: the output, then an input, on the host.
+  fails("add into host memory", "argument 0 points outside device memory", [&] { gpu_->add(on_host.data(), da, db, n); });
+  fails("add from host memory", "argument 2 points outside device memory", [&] { gpu_->add(dout, da, b.data(), n); });
+  // Copies of the wrong kind, and past a buffer's end.
+  fails("to_device into host memory", "cudaMemcpyAsync", [&] { gpu_->to_device(on_host.data(), a.data(), n); });
+  fails("to_host from host memory", "cudaMemcpyAsync", [&] { gpu_->to_host(on_host.data(), a.data(), n); });
+  fails("to_device from device memory", "cudaMemcpyAsync", [&] { gpu_->to_device(dout, da, n); });
+  fails("a device copy one value past the end", "cudaMemcpyAsync", [&] { gpu_->copy(dout + 1, da, n); });
+  fails("a device copy from the host", "cudaMemcpyAsync", [&] { gpu_->copy(dout, a.data(), n); });
+  fails("zeroing host memory", "cudaMemsetAsync", [&] { gpu_->fill_zero(on_host.data(), n); });
+  fails("zeroing past the end", "cudaMemsetAsync", [&] { gpu_->fill_zero(da + 1, n); });
+  // cuBLASLt's operands: A on the host; C (= D) reaching past its buffer by a row.
+  fails("a GEMM reading the host", "Matmul", [&] {
+    gpu_->gemm(false, true, 20, 25, 40, 1.0f, a.data(), 40, db, 40, 0.0f, dout, 25);
+  });
+  fails("a GEMM writing a value past the end", "Matmul", [&] {
+    gpu_->gemm(false, true, 20, 25, 40, 1.0f, da, 40, db, 40, 0.0f, dout + 501, 25);
+  });
+  for (float x : on_host) EXPECT_TRUE(std::isnan(x)) << "host memory written";
+}
 #endif
 
 void CudaOps::attention_case(int64_t S, int64_t B, int64_t A, int64_t G, int64_t D, bool keep) {
@@ -590,26 +645,31 @@ TEST_F(CudaOps, AdamWMatchesTheCpuStep) {
   gpu_->deallocate_bytes(gdecay);
 }
 
+// (The second size is past the kernel's grid of 1024 blocks of 256 threads: its threads
+// take a second and a third value each, a non-finite one among them.)
 TEST_F(CudaOps, GradNormTermsMatchTheCpu) {
-  const int64_t n = 100003;
-  Vec g = random(n);
-  g[17] = std::numeric_limits<float>::quiet_NaN();
-  g[50000] = std::numeric_limits<float>::infinity();
-  g[n - 1] = -std::numeric_limits<float>::infinity();
-  const int64_t first = 11;  // bits from bit 11 on
-  std::vector<uint8_t> flags(static_cast<size_t>(first + n));
-  for (size_t i = 0; i < flags.size(); ++i) flags[i] = static_cast<uint8_t>(i % 4 != 1);
-  const std::vector<uint8_t> counted = pack_flags(flags);
-  float* gg = dev(g);
-  auto* gc = static_cast<uint8_t*>(gpu_->allocate_bytes(counted.size()));
-  gpu_->bytes_to_device(gc, counted.data(), counted.size());
-  double got[2] = {1.0, 2.0}, want[2] = {1.0, 2.0};  // both add to what is there
-  gpu_->grad_norm_terms(gg, FlagBits{gc, first}, n, got);
-  grad_norm_terms(g.data(), FlagBits{counted.data(), first}, n, want);
-  EXPECT_NEAR(got[0], want[0], 1e-10 * want[0]);  // double sums on both sides, in other orders
-  EXPECT_EQ(got[1], want[1]);
-  EXPECT_EQ(want[1], 5.0);  // 2 + the three non-finite values
-  gpu_->deallocate_bytes(gc);
+  for (const int64_t n : {int64_t{100003}, int64_t{2 * 1024 * 256 + 777}}) {
+    SCOPED_TRACE(::testing::Message() << "n = " << n);
+    Vec g = random(n);
+    g[17] = std::numeric_limits<float>::quiet_NaN();
+    g[50000] = std::numeric_limits<float>::infinity();
+    g[n - 1] = -std::numeric_limits<float>::infinity();
+    if (n > 1024 * 256) g[1024 * 256 + 5] = std::numeric_limits<float>::quiet_NaN();
+    const int64_t first = 11;  // bits from bit 11 on
+    std::vector<uint8_t> flags(static_cast<size_t>(first + n));
+    for (size_t i = 0; i < flags.size(); ++i) flags[i] = static_cast<uint8_t>(i % 4 != 1);
+    const std::vector<uint8_t> counted = pack_flags(flags);
+    float* gg = dev(g);
+    auto* gc = static_cast<uint8_t*>(gpu_->allocate_bytes(counted.size()));
+    gpu_->bytes_to_device(gc, counted.data(), counted.size());
+    double got[2] = {1.0, 2.0}, want[2] = {1.0, 2.0};  // both add to what is there
+    gpu_->grad_norm_terms(gg, FlagBits{gc, first}, n, got);
+    grad_norm_terms(g.data(), FlagBits{counted.data(), first}, n, want);
+    EXPECT_NEAR(got[0], want[0], 1e-10 * want[0]);  // double sums on both sides, in other orders
+    EXPECT_EQ(got[1], want[1]);
+    EXPECT_EQ(want[1], n > 1024 * 256 ? 6.0 : 5.0);  // 2 + the non-finite values
+    gpu_->deallocate_bytes(gc);
+  }
 }
 
 TEST_F(CudaOps, EmbeddingOfAVocabularySliceForwardBackward) {
@@ -662,6 +722,63 @@ TEST_F(CudaOps, ElementwiseOpsOfTheLayer) {
   gpu_->position_grad(gdP, gdx, n, H, B, row0);
   cpu_->position_grad(dP.data(), dx.data(), n, H, B, row0);
   expect_close(host(gdP, dP.size()), dP, 1e-5, "position_grad");
+}
+
+// The ops that round their output to a 16-bit precision as they write it (backend.h's
+// `round`: the norms, the activation and its backward, the residual and bias adds): on each
+// backend the rounded output is, bit for bit, the unrounded one after round_to, in bf16 and
+// fp16 (values scaled so that fp16 rounds and some overflow: its inf kept).
+TEST_F(CudaOps, OutputsRoundedAsTheyAreWritten) {
+  const int64_t N = 37, H = 70, F = 45;
+  const Vec x = random(N * H, 3.0f), w = random(H, 2.0f), b = random(H), u = random(N * 2 * F, 2.0f);
+  const Vec dout = random(N * F, 3e4f), a = random(N * H, 4e4f), bias = random(H, 4e4f);
+  float *gx = dev(x), *gw = dev(w), *gb = dev(b), *gu = dev(u), *gdout = dev(dout), *ga = dev(a), *gbias = dev(bias);
+  float *gout = dev(nans(N * 2 * F)), *gstat = dev(nans(2 * N)), *gref = dev(nans(N * 2 * F));
+  Vec out(N * 2 * F), stat(2 * N), ref(N * 2 * F);
+  // Runs op(outputs, round) on both backends, unrounded and rounded, and compares n values.
+  auto check = [&](const char* what, int64_t n, Precision p, auto&& op) {
+    SCOPED_TRACE(::testing::Message() << what << " in " << to_string(p));
+    for (Backend* be : {static_cast<Backend*>(gpu_.get()), cpu_.get()}) {
+      const bool gpu = be == gpu_.get();
+      float* o = gpu ? gout : out.data();
+      float* r = gpu ? gref : ref.data();
+      float* st = gpu ? gstat : stat.data();
+      op(be, r, st, Precision::fp32, gpu);
+      be->round_to(r, n, p);
+      op(be, o, st, p, gpu);
+      const Vec got = gpu ? host(o, static_cast<size_t>(n)) : Vec(o, o + n);
+      const Vec want = gpu ? host(r, static_cast<size_t>(n)) : Vec(r, r + n);
+      EXPECT_EQ(std::memcmp(got.data(), want.data(), static_cast<size_t>(n) * sizeof(float)), 0)
+          << (gpu ? "GPU" : "CPU") << ": not the unrounded output rounded";
+    }
+  };
+  for (Precision p : {Precision::bf16, Precision::fp16}) {
+    check("layernorm", N * H, p, [&](Backend* be, float* o, float* st, Precision r, bool g) {
+      be->layernorm_forward(o, st, st + N, g ? gx : x.data(), g ? gw : w.data(), g ? gb : b.data(), N, H, r);
+    });
+    check("rmsnorm", N * H, p, [&](Backend* be, float* o, float* st, Precision r, bool g) {
+      be->rmsnorm_forward(o, st, g ? gx : x.data(), g ? gw : w.data(), N, H, r);
+    });
+    for (Activation act : {Activation::gelu, Activation::swiglu}) {
+      const int64_t width = act == Activation::gelu ? F : 2 * F;
+      check("activation", N * F, p, [&](Backend* be, float* o, float*, Precision r, bool g) {
+        be->activation_forward(act, o, g ? gu : u.data(), N, F, r);
+      });
+      check("activation backward", N * width, p, [&](Backend* be, float* o, float*, Precision r, bool g) {
+        be->activation_backward(act, o, g ? gdout : dout.data(), g ? gu : u.data(), N, F, r);
+      });
+    }
+    check("add", N * H, p, [&](Backend* be, float* o, float*, Precision r, bool g) {
+      be->add(o, g ? ga : a.data(), g ? gx : x.data(), N * H, r);
+    });
+    check("add_bias", N * H, p, [&](Backend* be, float* o, float*, Precision r, bool g) {
+      be->copy(o, g ? ga : a.data(), N * H);
+      be->add_bias(o, g ? gbias : bias.data(), N, H, r);
+    });
+  }
+  bool overflowed = false;  // (the fp16 cases reach past 65504 somewhere)
+  for (float v : ref) overflowed = overflowed || std::isinf(v);
+  EXPECT_TRUE(overflowed);
 }
 
 TEST_F(CudaOps, RoundingToBf16AndFp16IsBitwiseTheCpus) {

@@ -155,8 +155,9 @@ class CpuBackend final : public Backend {
     gemm_checked(ta, tb, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc);
   }
 
+  // (The rounding of `round`, a row at a time as each row is written, while it is in cache.)
   void layernorm_forward(float* out, float* mean, float* rstd, const float* x, const float* w, const float* b,
-                         int64_t N, int64_t H) override {
+                         int64_t N, int64_t H, Precision round) override {
     for (int64_t i = 0; i < N; ++i) {
       const float* xi = x + i * H;
       const double s = sum_in_lanes(H, [&](int64_t j) { return static_cast<double>(xi[j]); });
@@ -167,6 +168,7 @@ class CpuBackend final : public Backend {
       rstd[i] = rs;
       float* oi = out + i * H;
       for (int64_t j = 0; j < H; ++j) oi[j] = (xi[j] - mu) * rs * w[j] + b[j];
+      round_to(oi, H, round);
     }
   }
   void layernorm_backward(float* dx, float* dw, float* db, const float* dout, const float* x, const float* mean,
@@ -192,7 +194,8 @@ class CpuBackend final : public Backend {
       }
     }
   }
-  void rmsnorm_forward(float* out, float* rstd, const float* x, const float* w, int64_t N, int64_t H) override {
+  void rmsnorm_forward(float* out, float* rstd, const float* x, const float* w, int64_t N, int64_t H,
+                       Precision round) override {
     for (int64_t i = 0; i < N; ++i) {
       const float* xi = x + i * H;
       const double s2 = sum_in_lanes(H, [&](int64_t j) { return static_cast<double>(xi[j] * xi[j]); });
@@ -200,6 +203,7 @@ class CpuBackend final : public Backend {
       rstd[i] = rs;
       float* oi = out + i * H;
       for (int64_t j = 0; j < H; ++j) oi[j] = xi[j] * rs * w[j];
+      round_to(oi, H, round);
     }
   }
   void rmsnorm_backward(float* dx, float* dw, const float* dout, const float* x, const float* rstd, const float* w,
@@ -220,19 +224,33 @@ class CpuBackend final : public Backend {
   }
 
   // Eigen's vectorised tanh and exp, uninstrumented under the sanitizers (cpu_eltwise.h).
-  void activation_forward(Activation act, float* out, const float* u, int64_t N, int64_t F) override {
+  // (With `round`, in blocks of rows, each rounded while it is in cache.)
+  void activation_forward(Activation act, float* out, const float* u, int64_t N, int64_t F, Precision round) override {
     const int64_t U = act == Activation::gelu ? F : 2 * F;
     check_span(u, N, U, U);
     check_span(out, N, F, F);
-    cpu_activation_forward(act, out, u, N, F);
+    by_row_blocks(N, U + F, round, [&](int64_t r0, int64_t rows) {
+      cpu_activation_forward(act, out + r0 * F, u + r0 * U, rows, F);
+      round_to(out + r0 * F, rows * F, round);
+    });
   }
-  void activation_backward(Activation act, float* du, const float* dout, const float* u, int64_t N,
-                           int64_t F) override {
+  void activation_backward(Activation act, float* du, const float* dout, const float* u, int64_t N, int64_t F,
+                           Precision round) override {
     const int64_t U = act == Activation::gelu ? F : 2 * F;
     check_span(u, N, U, U);
     check_span(du, N, U, U);
     check_span(dout, N, F, F);
-    cpu_activation_backward(act, du, dout, u, N, F);
+    by_row_blocks(N, 2 * U + F, round, [&](int64_t r0, int64_t rows) {
+      cpu_activation_backward(act, du + r0 * U, dout + r0 * F, u + r0 * U, rows, F);
+      round_to(du + r0 * U, rows * U, round);
+    });
+  }
+  // fn(first row, rows) over all N rows: in one call without rounding (fp32), else in blocks
+  // of rows that touch about 64 KiB (`width` floats a row, inputs and outputs together).
+  template <class Fn>
+  static void by_row_blocks(int64_t N, int64_t width, Precision round, const Fn& fn) {
+    const int64_t block = round == Precision::fp32 ? std::max<int64_t>(N, 1) : std::max<int64_t>(1, 16384 / std::max<int64_t>(width, 1));
+    for (int64_t r0 = 0; r0 < N; r0 += block) fn(r0, std::min(block, N - r0));
   }
 
   void rope(float* x, int64_t S, int64_t B, int64_t heads, int64_t D, int64_t ld, bool inverse) override {
@@ -491,12 +509,17 @@ class CpuBackend final : public Backend {
     strata::grad_norm_terms(g, counted, n, acc);
   }
   void copy(float* dst, const float* src, int64_t n) override { std::copy(src, src + n, dst); }
-  void add(float* out, const float* a, const float* b, int64_t n) override {
-    for (int64_t i = 0; i < n; ++i) out[i] = a[i] + b[i];
+  void add(float* out, const float* a, const float* b, int64_t n, Precision round) override {
+    by_row_blocks(n, 3, round, [&](int64_t i0, int64_t m) {
+      for (int64_t i = i0; i < i0 + m; ++i) out[i] = a[i] + b[i];
+      round_to(out + i0, m, round);
+    });
   }
-  void add_bias(float* y, const float* b, int64_t N, int64_t F) override {
-    for (int64_t i = 0; i < N; ++i)
+  void add_bias(float* y, const float* b, int64_t N, int64_t F, Precision round) override {
+    for (int64_t i = 0; i < N; ++i) {
       for (int64_t j = 0; j < F; ++j) y[i * F + j] += b[j];
+      round_to(y + i * F, F, round);
+    }
   }
   void bias_grad(float* db, const float* dy, int64_t N, int64_t F) override {
     for (int64_t i = 0; i < N; ++i)

@@ -3,6 +3,7 @@
 #include "executor/cuda/check.h"
 #include "executor/cuda/kernels.h"
 #include "executor/cuda/reduce.cuh"
+#include "executor/cuda/round.cuh"
 
 namespace strata::cuda {
 namespace {
@@ -25,45 +26,46 @@ __device__ inline float silu(float x, float* grad) {
 
 __device__ inline float act(int kind, float x, float* grad) { return kind == 1 ? silu(x, grad) : gelu(x, grad); }
 
-__global__ void forward(int kind, float* out, const float* u, long long N, long long F) {
+__global__ void forward(int kind, float* out, const float* u, long long N, long long F, int round) {
   const long long t = blockIdx.x * static_cast<long long>(blockDim.x) + threadIdx.x;
   if (t >= N * F) return;
   if (kind == 0) {
-    out[t] = gelu(u[t], nullptr);
+    out[t] = round_value(gelu(u[t], nullptr), round);
     return;
   }
   const long long i = t / F, j = t % F;
   const float* row = u + i * 2 * F;
-  out[t] = act(kind, row[j], nullptr) * row[F + j];
+  out[t] = round_value(act(kind, row[j], nullptr) * row[F + j], round);
 }
 
-__global__ void backward(int kind, float* du, const float* dout, const float* u, long long N, long long F) {
+__global__ void backward(int kind, float* du, const float* dout, const float* u, long long N, long long F, int round) {
   const long long t = blockIdx.x * static_cast<long long>(blockDim.x) + threadIdx.x;
   if (t >= N * F) return;
   float g = 0.0f;
   if (kind == 0) {
     gelu(u[t], &g);
-    du[t] = dout[t] * g;
+    du[t] = round_value(dout[t] * g, round);
     return;
   }
   const long long i = t / F, j = t % F;
   const float* row = u + i * 2 * F;
   const float a = act(kind, row[j], &g);
-  du[i * 2 * F + j] = dout[t] * row[F + j] * g;
-  du[i * 2 * F + F + j] = dout[t] * a;
+  du[i * 2 * F + j] = round_value(dout[t] * row[F + j] * g, round);
+  du[i * 2 * F + F + j] = round_value(dout[t] * a, round);
 }
 
 }  // namespace
 
-void activation_forward(int kind, float* out, const float* u, int64_t N, int64_t F, cudaStream_t s) {
+void activation_forward(int kind, float* out, const float* u, int64_t N, int64_t F, int round, cudaStream_t s) {
   if (N * F == 0) return;
-  STRATA_LAUNCH(forward, blocks_for(N * F, kThreads), kThreads, 0, s)(kind, out, u, N, F);
+  STRATA_LAUNCH(forward, blocks_for(N * F, kThreads), kThreads, 0, s)(kind, out, u, N, F, round);
   CUDA_CHECK_LAUNCH();
 }
 
-void activation_backward(int kind, float* du, const float* dout, const float* u, int64_t N, int64_t F, cudaStream_t s) {
+void activation_backward(int kind, float* du, const float* dout, const float* u, int64_t N, int64_t F, int round,
+                         cudaStream_t s) {
   if (N * F == 0) return;
-  STRATA_LAUNCH(backward, blocks_for(N * F, kThreads), kThreads, 0, s)(kind, du, dout, u, N, F);
+  STRATA_LAUNCH(backward, blocks_for(N * F, kThreads), kThreads, 0, s)(kind, du, dout, u, N, F, round);
   CUDA_CHECK_LAUNCH();
 }
 

@@ -235,8 +235,8 @@ class CudaBackendImpl final : public CudaBackend {
       out->reserved_peak[i] = static_cast<int64_t>(reserved);
     }
     // gemm16's copies (up to scratch_limit_, A's 256-byte aligned) and the unfused
-    // attention's scores (kAttentionWorkspace), less what they hold already.
-    const size_t bound = scratch_limit_ + 256 + static_cast<size_t>(kAttentionWorkspace);
+    // attention's scores (attention_limit_), less what they hold already.
+    const size_t bound = scratch_limit_ + 256 + static_cast<size_t>(attention_limit_);
     const size_t held = scratch_.size + attn_.size;
     out->workspace_growth = bound > held ? static_cast<int64_t>(bound - held) : 0;
     return true;
@@ -280,8 +280,12 @@ class CudaBackendImpl final : public CudaBackend {
     if (n > 0)
       CUDA_CHECK(cudaMemcpyAsync(dst, src, static_cast<size_t>(n) * sizeof(float), cudaMemcpyDeviceToDevice, stream_));
   }
-  void add(float* out, const float* a, const float* b, int64_t n) override { cuda::add(out, a, b, n, stream_); }
-  void add_bias(float* y, const float* b, int64_t N, int64_t F) override { cuda::add_bias(y, b, N, F, stream_); }
+  void add(float* out, const float* a, const float* b, int64_t n, Precision round) override {
+    cuda::add(out, a, b, n, round_kind(round), stream_);
+  }
+  void add_bias(float* y, const float* b, int64_t N, int64_t F, Precision round) override {
+    cuda::add_bias(y, b, N, F, round_kind(round), stream_);
+  }
   void bias_grad(float* db, const float* dy, int64_t N, int64_t F) override { cuda::bias_grad(db, dy, N, F, stream_); }
   void add_positions(float* out, const float* x, const float* P, int64_t n, int64_t H, int64_t B,
                      int64_t row0) override {
@@ -319,6 +323,7 @@ class CudaBackendImpl final : public CudaBackend {
     gemm16(ta, tb, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc);
   }
   void set_gemm_scratch_limit(size_t bytes) override { scratch_limit_ = std::max<size_t>(bytes, 4096); }
+  void set_attention_workspace_limit(size_t bytes) override { attention_limit_ = static_cast<int64_t>(bytes); }
   // 16-bit copies of both operands in the scratch buffer, rows padded to 8 elements (16
   // bytes, what the fast tensor-core kernels want) and B's copy 256-byte aligned after A's;
   // then the same product on them. Copies over scratch_limit_ bytes: the product in two
@@ -358,25 +363,27 @@ class CudaBackendImpl final : public CudaBackend {
            kind == 1 ? CUDA_R_16BF : CUDA_R_16F);
   }
   void layernorm_forward(float* out, float* mean, float* rstd, const float* x, const float* w, const float* b,
-                         int64_t N, int64_t H) override {
-    cuda::layernorm_forward(out, mean, rstd, x, w, b, N, H, stream_);
+                         int64_t N, int64_t H, Precision round) override {
+    cuda::layernorm_forward(out, mean, rstd, x, w, b, N, H, round_kind(round), stream_);
   }
   void layernorm_backward(float* dx, float* dw, float* db, const float* dout, const float* x, const float* mean,
                           const float* rstd, const float* w, int64_t N, int64_t H) override {
     cuda::layernorm_backward(dx, dw, db, dout, x, mean, rstd, w, N, H, stream_);
   }
-  void rmsnorm_forward(float* out, float* rstd, const float* x, const float* w, int64_t N, int64_t H) override {
-    cuda::rmsnorm_forward(out, rstd, x, w, N, H, stream_);
+  void rmsnorm_forward(float* out, float* rstd, const float* x, const float* w, int64_t N, int64_t H,
+                       Precision round) override {
+    cuda::rmsnorm_forward(out, rstd, x, w, N, H, round_kind(round), stream_);
   }
   void rmsnorm_backward(float* dx, float* dw, const float* dout, const float* x, const float* rstd, const float* w,
                         int64_t N, int64_t H) override {
     cuda::rmsnorm_backward(dx, dw, dout, x, rstd, w, N, H, stream_);
   }
-  void activation_forward(Activation a, float* out, const float* u, int64_t N, int64_t F) override {
-    cuda::activation_forward(kind(a), out, u, N, F, stream_);
+  void activation_forward(Activation a, float* out, const float* u, int64_t N, int64_t F, Precision round) override {
+    cuda::activation_forward(kind(a), out, u, N, F, round_kind(round), stream_);
   }
-  void activation_backward(Activation a, float* du, const float* dout, const float* u, int64_t N, int64_t F) override {
-    cuda::activation_backward(kind(a), du, dout, u, N, F, stream_);
+  void activation_backward(Activation a, float* du, const float* dout, const float* u, int64_t N, int64_t F,
+                           Precision round) override {
+    cuda::activation_backward(kind(a), du, dout, u, N, F, round_kind(round), stream_);
   }
   void rope(float* x, int64_t S, int64_t B, int64_t heads, int64_t D, int64_t ld, bool inverse) override {
     cuda::rope(x, S, B, heads, D, ld, inverse, stream_);
@@ -388,7 +395,7 @@ class CudaBackendImpl final : public CudaBackend {
     if (S * B * A == 0) return;
     cuda::check_attention_shape(S, B, A, G, D);
     AttentionOps ops{this};
-    attention_plan::forward(ops, out, probs, qkv, attention_plan::Heads{S, B, A, G, D}, kAttentionWorkspace);
+    attention_plan::forward(ops, out, probs, qkv, attention_plan::Heads{S, B, A, G, D}, attention_limit_);
   }
   void attention_backward(float* dqkv, const float* dout, const float* probs, const float* qkv, int64_t S, int64_t B,
                           int64_t A, int64_t G, int64_t D) override {
@@ -398,7 +405,7 @@ class CudaBackendImpl final : public CudaBackend {
       return;
     }
     cuda::check_attention_shape(S, B, A, G, D);
-    attention_plan::backward(ops, dqkv, dout, probs, qkv, attention_plan::Heads{S, B, A, G, D}, kAttentionWorkspace);
+    attention_plan::backward(ops, dqkv, dout, probs, qkv, attention_plan::Heads{S, B, A, G, D}, attention_limit_);
   }
   void flash_attention_forward(float* out, float* lse, const float* qkv, int64_t S, int64_t B, int64_t A, int64_t G,
                                int64_t D) override {
@@ -448,7 +455,6 @@ class CudaBackendImpl final : public CudaBackend {
 
  private:
   static constexpr size_t kWorkspace = 32u << 20;
-  static constexpr int64_t kAttentionWorkspace = cuda::kUnfusedAttentionWorkspaceBytes;  // its S x S matrices
 
   // C (fp32) = alpha op(A) op(B) + beta C with A and B of type `in` (fp32, bf16 or fp16):
   // row-major, so as the column-major C^T (N x M) = op(B)^T (N x K) op(A)^T (K x M). B as
@@ -639,6 +645,7 @@ class CudaBackendImpl final : public CudaBackend {
   cublasLtHandle_t lt_ = nullptr;
   void* workspace_ = nullptr;
   size_t scratch_limit_ = kGemmScratchBytes;  // gemm16's operand copies, at most
+  int64_t attention_limit_ = cuda::kUnfusedAttentionWorkspaceBytes;  // the unfused attention's S x S matrices, at most
   double* acc_ = nullptr;  // grad_norm_terms' device accumulators
   std::vector<cudaEvent_t> events_;  // mark()'s stamps; the first used_events_ hold this round's
   size_t used_events_ = 0;

@@ -54,6 +54,11 @@ class CudaBackend : public Backend {
   // kGemmScratchBytes): a larger product runs as parts of at most that much each (tests
   // lower it to check the parts).
   virtual void set_gemm_scratch_limit(size_t bytes) = 0;
+  // The most bytes the unfused attention's S x S matrices take at once (default
+  // cuda::kUnfusedAttentionWorkspaceBytes, the size the cost model charges its products
+  // at): the query groups of one micro-batch row run as many to a batched product as fit, at
+  // least one (attention_plan.h; tests lower it to check the passes).
+  virtual void set_attention_workspace_limit(size_t bytes) = 0;
 };
 
 // 256 MiB: a product needing more (the output layer's input and weight gradients with a

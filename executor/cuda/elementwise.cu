@@ -5,20 +5,21 @@
 #include "executor/cuda/check.h"
 #include "executor/cuda/kernels.h"
 #include "executor/cuda/reduce.cuh"
+#include "executor/cuda/round.cuh"
 
 namespace strata::cuda {
 namespace {
 
 constexpr int kThreads = 256;
 
-__global__ void add_kernel(float* out, const float* a, const float* b, long long n) {
+__global__ void add_kernel(float* out, const float* a, const float* b, long long n, int round) {
   const long long t = blockIdx.x * static_cast<long long>(blockDim.x) + threadIdx.x;
-  if (t < n) out[t] = a[t] + b[t];
+  if (t < n) out[t] = round_value(a[t] + b[t], round);
 }
 
-__global__ void add_bias_kernel(float* y, const float* b, long long N, long long F) {
+__global__ void add_bias_kernel(float* y, const float* b, long long N, long long F, int round) {
   const long long t = blockIdx.x * static_cast<long long>(blockDim.x) + threadIdx.x;
-  if (t < N * F) y[t] += b[t % F];
+  if (t < N * F) y[t] = round_value(y[t] + b[t % F], round);
 }
 
 __global__ void __launch_bounds__(kColTile * kRowLanes)
@@ -54,15 +55,15 @@ __global__ void position_grad_kernel(float* dP, const float* dx, long long n, lo
 
 }  // namespace
 
-void add(float* out, const float* a, const float* b, int64_t n, cudaStream_t s) {
+void add(float* out, const float* a, const float* b, int64_t n, int round, cudaStream_t s) {
   if (n == 0) return;
-  STRATA_LAUNCH(add_kernel, blocks_for(n, kThreads), kThreads, 0, s)(out, a, b, n);
+  STRATA_LAUNCH(add_kernel, blocks_for(n, kThreads), kThreads, 0, s)(out, a, b, n, round);
   CUDA_CHECK_LAUNCH();
 }
 
-void add_bias(float* y, const float* b, int64_t N, int64_t F, cudaStream_t s) {
+void add_bias(float* y, const float* b, int64_t N, int64_t F, int round, cudaStream_t s) {
   if (N * F == 0) return;
-  STRATA_LAUNCH(add_bias_kernel, blocks_for(N * F, kThreads), kThreads, 0, s)(y, b, N, F);
+  STRATA_LAUNCH(add_bias_kernel, blocks_for(N * F, kThreads), kThreads, 0, s)(y, b, N, F, round);
   CUDA_CHECK_LAUNCH();
 }
 

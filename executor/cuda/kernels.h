@@ -14,16 +14,20 @@
 
 namespace strata::cuda {
 
+// `round` (here and below): the output rounded as round_to rounds it (1 bf16, 2 fp16, 0 none)
+// as the kernel writes it.
 void layernorm_forward(float* out, float* mean, float* rstd, const float* x, const float* w, const float* b,
-                       int64_t N, int64_t H, cudaStream_t s);
+                       int64_t N, int64_t H, int round, cudaStream_t s);
 void layernorm_backward(float* dx, float* dw, float* db, const float* dout, const float* x, const float* mean,
                         const float* rstd, const float* w, int64_t N, int64_t H, cudaStream_t s);
-void rmsnorm_forward(float* out, float* rstd, const float* x, const float* w, int64_t N, int64_t H, cudaStream_t s);
+void rmsnorm_forward(float* out, float* rstd, const float* x, const float* w, int64_t N, int64_t H, int round,
+                     cudaStream_t s);
 void rmsnorm_backward(float* dx, float* dw, const float* dout, const float* x, const float* rstd, const float* w,
                       int64_t N, int64_t H, cudaStream_t s);
 // kind: 0 gelu (u (N, F)), 1 swiglu, 2 geglu (u (N, 2F) = [gate | up]).
-void activation_forward(int kind, float* out, const float* u, int64_t N, int64_t F, cudaStream_t s);
-void activation_backward(int kind, float* du, const float* dout, const float* u, int64_t N, int64_t F, cudaStream_t s);
+void activation_forward(int kind, float* out, const float* u, int64_t N, int64_t F, int round, cudaStream_t s);
+void activation_backward(int kind, float* du, const float* dout, const float* u, int64_t N, int64_t F, int round,
+                         cudaStream_t s);
 void rope(float* x, int64_t S, int64_t B, int64_t heads, int64_t D, int64_t ld, bool inverse, cudaStream_t s);
 // The unfused attention's row kernels (attention.cu; its GEMMs are cuBLASLt calls in
 // cuda_backend.cpp): in place on `count` S x S matrices `stride` floats apart, the causal
@@ -86,8 +90,8 @@ void embedding_forward(float* x, const float* wte, const int* tokens, int64_t S,
 void embedding_backward(float* dwte, const float* dx, const int* tokens, int64_t S, int64_t B, int64_t H, int64_t lo,
                         int64_t Vt, cudaStream_t s);
 // The elementwise ops of backend.h (elementwise.cu).
-void add(float* out, const float* a, const float* b, int64_t n, cudaStream_t s);
-void add_bias(float* y, const float* b, int64_t N, int64_t F, cudaStream_t s);
+void add(float* out, const float* a, const float* b, int64_t n, int round, cudaStream_t s);
+void add_bias(float* y, const float* b, int64_t N, int64_t F, int round, cudaStream_t s);
 void bias_grad(float* db, const float* dy, int64_t N, int64_t F, cudaStream_t s);
 void add_positions(float* out, const float* x, const float* P, int64_t n, int64_t H, int64_t B, int64_t row0,
                    cudaStream_t s);

@@ -4,6 +4,7 @@
 #include "executor/cuda/check.h"
 #include "executor/cuda/kernels.h"
 #include "executor/cuda/reduce.cuh"
+#include "executor/cuda/round.cuh"
 
 namespace strata::cuda {
 namespace {
@@ -12,7 +13,7 @@ constexpr float kEps = 1e-5f;
 constexpr int kThreads = 256;
 
 __global__ void ln_forward(float* out, float* mean, float* rstd, const float* x, const float* w, const float* b,
-                           long long H) {
+                           long long H, int round) {
   STRATA_SHARED(float, scratch, [32]);
   const long long i = blockIdx.x;
   const float* xi = x + i * H;
@@ -26,7 +27,7 @@ __global__ void ln_forward(float* out, float* mean, float* rstd, const float* x,
     mean[i] = mu;
     rstd[i] = rs;
   }
-  for (long long j = threadIdx.x; j < H; j += blockDim.x) out[i * H + j] = (xi[j] - mu) * rs * w[j] + b[j];
+  for (long long j = threadIdx.x; j < H; j += blockDim.x) out[i * H + j] = round_value((xi[j] - mu) * rs * w[j] + b[j], round);
 }
 
 __global__ void ln_backward_dx(float* dx, const float* dout, const float* x, const float* mean, const float* rstd,
@@ -72,9 +73,9 @@ __global__ void __launch_bounds__(kColTile * kRowLanes)
 }  // namespace
 
 void layernorm_forward(float* out, float* mean, float* rstd, const float* x, const float* w, const float* b,
-                       int64_t N, int64_t H, cudaStream_t s) {
+                       int64_t N, int64_t H, int round, cudaStream_t s) {
   if (N == 0) return;
-  STRATA_LAUNCH(ln_forward, static_cast<unsigned>(N), kThreads, 0, s)(out, mean, rstd, x, w, b, H);
+  STRATA_LAUNCH(ln_forward, static_cast<unsigned>(N), kThreads, 0, s)(out, mean, rstd, x, w, b, H, round);
   CUDA_CHECK_LAUNCH();
 }
 

@@ -2,6 +2,7 @@
 #include "executor/cuda/check.h"
 #include "executor/cuda/kernels.h"
 #include "executor/cuda/reduce.cuh"
+#include "executor/cuda/round.cuh"
 
 namespace strata::cuda {
 namespace {
@@ -9,7 +10,7 @@ namespace {
 constexpr float kEps = 1e-5f;
 constexpr int kThreads = 256;
 
-__global__ void rms_forward(float* out, float* rstd, const float* x, const float* w, long long H) {
+__global__ void rms_forward(float* out, float* rstd, const float* x, const float* w, long long H, int round) {
   STRATA_SHARED(float, scratch, [32]);
   const long long i = blockIdx.x;
   const float* xi = x + i * H;
@@ -17,7 +18,7 @@ __global__ void rms_forward(float* out, float* rstd, const float* x, const float
   for (long long j = threadIdx.x; j < H; j += blockDim.x) s2 += xi[j] * xi[j];
   const float rs = rsqrtf(block_sum(s2, scratch) / static_cast<float>(H) + kEps);
   if (threadIdx.x == 0) rstd[i] = rs;
-  for (long long j = threadIdx.x; j < H; j += blockDim.x) out[i * H + j] = xi[j] * rs * w[j];
+  for (long long j = threadIdx.x; j < H; j += blockDim.x) out[i * H + j] = round_value(xi[j] * rs * w[j], round);
 }
 
 __global__ void rms_backward_dx(float* dx, const float* dout, const float* x, const float* rstd, const float* w,
@@ -46,9 +47,10 @@ __global__ void __launch_bounds__(kColTile * kRowLanes)
 
 }  // namespace
 
-void rmsnorm_forward(float* out, float* rstd, const float* x, const float* w, int64_t N, int64_t H, cudaStream_t s) {
+void rmsnorm_forward(float* out, float* rstd, const float* x, const float* w, int64_t N, int64_t H, int round,
+                     cudaStream_t s) {
   if (N == 0) return;
-  STRATA_LAUNCH(rms_forward, static_cast<unsigned>(N), kThreads, 0, s)(out, rstd, x, w, H);
+  STRATA_LAUNCH(rms_forward, static_cast<unsigned>(N), kThreads, 0, s)(out, rstd, x, w, H, round);
   CUDA_CHECK_LAUNCH();
 }
 
