@@ -76,7 +76,7 @@ std::string executor_op_name(const std::string& model_op) {
 
 namespace {
 // The row of the table an op of the cost model falls in: a collective in its term's, a
-// 16-bit rounding pass in round16's (the executor times it apart, in a layer or outside),
+// 16-bit rounding pass in round16's (the executor times it apart, in its own region),
 // any other op in its executor name's (within a layer) or in `region`'s (outside).
 std::string row_of(const OpCost& c, const char* region) {
   if (c.kind == OpKind::tp_comm) return "tp_comm";

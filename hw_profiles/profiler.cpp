@@ -171,8 +171,11 @@ CollectiveFit fit(Collective op, const std::vector<CollectiveRow>& rows, int n) 
 }
 
 // One memory-bound kernel of the executor on buffers of its size; seconds per call on the
-// slowest rank.
+// slowest rank. The norms' forwards and the activation's forward and backward round their
+// outputs to bf16 as they write them, as the executor runs them in 16-bit training
+// (backend.h's `round`; an fp32 plan's skip it: on the CPU 12-15 % less time).
 double time_kernel(Comm& comm, Backend& be, const MemoryKernel& k, double min_time_s) {
+  constexpr Precision r = Precision::bf16;
   const int64_t n = k.rows * k.width;
   const bool gated = k.act != Activation::gelu;
   const int64_t un = gated && (k.kind == KernelKind::activation_forward || k.kind == KernelKind::activation_backward)
@@ -202,8 +205,8 @@ double time_kernel(Comm& comm, Backend& be, const MemoryKernel& k, double min_ti
   return time_calls(comm, be, min_time_s, [&] {
     switch (k.kind) {
       case KernelKind::norm_forward:
-        if (ln) be.layernorm_forward(y.data(), mean.data(), rstd.data(), x.data(), w.data(), bias.data(), k.rows, k.width);
-        else be.rmsnorm_forward(y.data(), rstd.data(), x.data(), w.data(), k.rows, k.width);
+        if (ln) be.layernorm_forward(y.data(), mean.data(), rstd.data(), x.data(), w.data(), bias.data(), k.rows, k.width, r);
+        else be.rmsnorm_forward(y.data(), rstd.data(), x.data(), w.data(), k.rows, k.width, r);
         break;
       case KernelKind::norm_backward:
         if (ln)
@@ -211,9 +214,9 @@ double time_kernel(Comm& comm, Backend& be, const MemoryKernel& k, double min_ti
                                 k.rows, k.width);
         else be.rmsnorm_backward(y.data(), dw.data(), dy.data(), x.data(), rstd.data(), w.data(), k.rows, k.width);
         break;
-      case KernelKind::activation_forward: be.activation_forward(k.act, y.data(), x.data(), k.rows, k.width); break;
+      case KernelKind::activation_forward: be.activation_forward(k.act, y.data(), x.data(), k.rows, k.width, r); break;
       case KernelKind::activation_backward:
-        be.activation_backward(k.act, y.data(), dy.data(), x.data(), k.rows, k.width);
+        be.activation_backward(k.act, y.data(), dy.data(), x.data(), k.rows, k.width, r);
         break;
       case KernelKind::optimizer: {  // what Engine::optimizer_step runs per parameter
         double acc[2] = {0, 0};

@@ -107,10 +107,11 @@ inline Dim3 blockDim, gridDim;
 // aligned and filled with NaN, device_bytes at most, pools' reserves counted), everything
 // synchronous (a stream is a name, a copy or memset
 // done on return, a host function run at once, an event the host clock's time), an H100's
-// shared memory (a launch's dynamic shared memory past 48 KiB only after
-// cudaFuncSetAttribute opted its kernel in to as many bytes, at most 227 KiB; BoundLaunch
-// checks), and stream-ordered memory pools that count the bytes in use and reserved (a
-// pool keeps what it reserved until trimmed) with their peaks.
+// shared memory (a launch's dynamic bytes at most what cudaFuncSetAttribute opted its
+// kernel in to, at most 227 KiB, or without an opt-in 48 KiB less its static arrays;
+// BoundLaunch and check_static_shared check), stream-ordered memory pools that count the
+// bytes in use and reserved (a pool keeps what it reserved until trimmed) with their
+// peaks, and with check_device_pointers device pointers where they belong (below).
 struct CUstream_st {
   int id;
 };
@@ -407,10 +408,11 @@ struct Block {
   std::vector<SharedBytes> statics;
   std::vector<size_t> static_sizes;
   size_t static_total = 0;
-  // The launch's dynamic shared memory, and the most its kernel was opted in to (0: never;
-  // -1: a direct launch(), whose shared memory is not checked against a GPU's rules).
+  // The launch's dynamic shared memory, and the most its kernel was opted in to (-1: never;
+  // -2: a direct launch(), whose dynamic bytes are not checked against a GPU's rules: only
+  // the 48 KiB of static arrays are).
   size_t dynamic = 0;
-  int opted_in = -1;
+  int opted_in = -2;
   std::function<void()> body;
   std::string error;  // an exception a thread threw
 };
@@ -450,15 +452,17 @@ inline void leave(bool last) {
 // A GPU's rules for static and dynamic shared memory together: at most 48 KiB of static
 // arrays; a launch's dynamic bytes at most what its kernel was opted in to, or else 48 KiB
 // less its static arrays; an opt-in and the static arrays at most 227 KiB together. (Here
-// the static arrays are known as a kernel's threads declare them, so this checks then.)
+// the static arrays are known only as a kernel's threads declare them, so this checks
+// then: an opt-in that a GPU's cudaFuncSetAttribute would refuse already, for the static
+// arrays beside it, is refused at the launch.)
 inline void check_static_shared() {
   const size_t st = block->static_total;
   std::string why;
   if (st > static_cast<size_t>(kDefaultSharedBytes)) why = "static shared arrays past 48 KiB";
-  else if (block->opted_in < 0) return;
-  else if (block->opted_in == 0 && block->dynamic > static_cast<size_t>(kDefaultSharedBytes) - st)
+  else if (block->opted_in == -2) return;
+  else if (block->opted_in == -1 && block->dynamic > static_cast<size_t>(kDefaultSharedBytes) - st)
     why = "static and dynamic shared memory past 48 KiB together without an opt-in";
-  else if (block->opted_in > 0 && st + static_cast<size_t>(block->opted_in) > static_cast<size_t>(kOptInSharedBytes))
+  else if (block->opted_in >= 0 && st + static_cast<size_t>(block->opted_in) > static_cast<size_t>(kOptInSharedBytes))
     why = "an opt-in and the static shared arrays past 227 KiB together";
   if (!why.empty())
     throw std::runtime_error("emulated launch: " + std::to_string(st) + " bytes of static shared memory, " +
@@ -575,8 +579,9 @@ inline const char* to_string(Order o) {
                                    : "warps running ahead, the last first";
 }
 
-// BoundLaunch's opt-in for its kernel while launch() runs (Block::opted_in), else -1.
-inline int launch_opted_in = -1;
+// BoundLaunch's opt-in for its kernel while launch() runs (Block::opted_in: -1 none), else
+// -2 (a direct launch()).
+inline int launch_opted_in = -2;
 
 // Runs kernel(args...) on every block of `grid`, of `block_dim` threads (a multiple of 32),
 // with `shared` bytes of dynamic shared memory. Throws std::runtime_error for an exception
@@ -693,15 +698,15 @@ struct BoundLaunch {
       (check_argument(args, i++), ...);
     }
     const auto it = opted_in.find(reinterpret_cast<const void*>(kernel));
-    const int opt = it == opted_in.end() ? 0 : it->second;
-    if ((shared > static_cast<size_t>(kDefaultSharedBytes) || opt > 0) && static_cast<size_t>(opt) < shared)
+    const int opt = it == opted_in.end() ? -1 : it->second;  // (-1: never opted in)
+    if (opt >= 0 ? static_cast<size_t>(opt) < shared : shared > static_cast<size_t>(kDefaultSharedBytes))
       throw std::runtime_error("emulated launch: " + std::to_string(shared) + " bytes of dynamic shared memory, " +
-                               (opt > 0 ? "past the " + std::to_string(opt) + " its kernel was opted in to"
-                                        : std::string("past 48 KiB without the kernel opted in to as many")) +
+                               (opt >= 0 ? "past the " + std::to_string(opt) + " its kernel was opted in to"
+                                         : std::string("past 48 KiB without the kernel opted in to as many")) +
                                " (cudaFuncSetAttribute; a GPU refuses the launch)");
     struct Opted {  // (the static arrays' check, in the launch; reset however it ends)
       explicit Opted(int v) { launch_opted_in = v; }
-      ~Opted() { launch_opted_in = -1; }
+      ~Opted() { launch_opted_in = -2; }
     } opted(opt);
     launch(launch_order, grid, block_dim, shared, kernel, args...);
   }

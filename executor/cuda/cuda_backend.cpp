@@ -235,8 +235,10 @@ class CudaBackendImpl final : public CudaBackend {
       out->reserved_peak[i] = static_cast<int64_t>(reserved);
     }
     // gemm16's copies (up to scratch_limit_, A's 256-byte aligned) and the unfused
-    // attention's scores (attention_limit_), less what they hold already.
-    const size_t bound = scratch_limit_ + 256 + static_cast<size_t>(attention_limit_);
+    // attention's S x S matrices (attention_limit_, twice in a backward that recomputes
+    // the probabilities beside dS; at least one group's, which sequences past 4096 exceed),
+    // less what they hold already.
+    const size_t bound = scratch_limit_ + 256 + 2 * static_cast<size_t>(attention_limit_);
     const size_t held = scratch_.size + attn_.size;
     out->workspace_growth = bound > held ? static_cast<int64_t>(bound - held) : 0;
     return true;
