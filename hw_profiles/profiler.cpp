@@ -171,11 +171,9 @@ CollectiveFit fit(Collective op, const std::vector<CollectiveRow>& rows, int n) 
 }
 
 // One memory-bound kernel of the executor on buffers of its size; seconds per call on the
-// slowest rank. The norms' forwards and the activation's forward and backward round their
-// outputs to bf16 as they write them, as the executor runs them in 16-bit training
-// (backend.h's `round`; an fp32 plan's skip it: on the CPU 12-15 % less time).
+// slowest rank. A `rounded` one rounds its output to bf16 as it writes it.
 double time_kernel(Comm& comm, Backend& be, const MemoryKernel& k, double min_time_s) {
-  constexpr Precision r = Precision::bf16;
+  const Precision r = k.rounded ? Precision::bf16 : Precision::fp32;
   const int64_t n = k.rows * k.width;
   const bool gated = k.act != Activation::gelu;
   const int64_t un = gated && (k.kind == KernelKind::activation_forward || k.kind == KernelKind::activation_backward)
@@ -272,10 +270,16 @@ std::vector<MemoryKernel> model_memory_kernels(const ModelSpec& m, int64_t t) {
   std::vector<MemoryKernel> out;
   for (int64_t B : {1, 2, 4, 8, 16}) {
     const int64_t N = B * m.S;
-    for (KernelKind k : {KernelKind::norm_forward, KernelKind::norm_backward})
+    // (The norm's forward and the activation's also as 16-bit training runs them: rounding
+    // their outputs as they write them.)
+    for (KernelKind k : {KernelKind::norm_forward, KernelKind::norm_backward}) {
       out.push_back({k, N, m.H, m.normalization, m.activation});
-    for (KernelKind k : {KernelKind::activation_forward, KernelKind::activation_backward})
+      if (k == KernelKind::norm_forward) out.push_back({k, N, m.H, m.normalization, m.activation, true});
+    }
+    for (KernelKind k : {KernelKind::activation_forward, KernelKind::activation_backward}) {
       out.push_back({k, N, m.F / t, m.normalization, m.activation});
+      out.push_back({k, N, m.F / t, m.normalization, m.activation, true});
+    }
   }
   for (int64_t B : {1, 2, 4, 8, 16})  // the 16-bit rounding pass over tensors of the hidden and the ffn width
     for (int64_t width : {m.H, m.F / t}) out.push_back({KernelKind::round16, B * m.S, width, m.normalization, m.activation});
@@ -353,7 +357,7 @@ ProfileResult run_profile(Comm& comm, Backend& be, const ProfileOptions& o) {
       else if (kernel_bytes(k) > kQuickKernelBytes)
         continue;
       const bool again = std::any_of(kept.begin(), kept.end(), [&](const MemoryKernel& x) {
-        return x.kind == k.kind && x.rows == k.rows && x.width == k.width;
+        return x.kind == k.kind && x.rows == k.rows && x.width == k.width && x.rounded == k.rounded;
       });
       if (!again) kept.push_back(k);
     }
@@ -430,7 +434,8 @@ ProfileResult run_profile(Comm& comm, Backend& be, const ProfileOptions& o) {
     const double bytes = kernel_bytes(k);
     const double t = time_kernel(comm, be, k, o.min_time_s);
     res.kernels.push_back({k, bytes, bytes / t});
-    say(fmt::format("{} {}x{}: {:.1f} GB/s per rank", kernel_name(k.kind), k.rows, k.width, bytes / t / 1e9));
+    say(fmt::format("{}{} {}x{}: {:.1f} GB/s per rank", kernel_name(k.kind), k.rounded ? " (bf16 out)" : "", k.rows,
+                    k.width, bytes / t / 1e9));
   }
   // The fused attention forward and backward (the executor's `attention: flash`).
   {
@@ -508,7 +513,7 @@ ProfileResult run_profile(Comm& comm, Backend& be, const ProfileOptions& o) {
   auto curve_of = [&](auto&& of) {
     std::vector<std::pair<double, double>> kp, out;
     for (const auto& k : res.kernels)
-      if (of(k.kernel.kind)) kp.push_back({k.bytes, k.bytes_per_s / bw});
+      if (of(k.kernel)) kp.push_back({k.bytes, k.bytes_per_s / bw});
     std::sort(kp.begin(), kp.end());
     for (size_t i = 0; i < kp.size();) {
       size_t j = i;
@@ -519,18 +524,31 @@ ProfileResult run_profile(Comm& comm, Backend& be, const ProfileOptions& o) {
     }
     return out;
   };
-  // The generic curve: the norm, activation and optimizer kernels together (what any other
-  // memory-bound op is charged at); and each kind's own (Device::kernel_efficiency).
+  // The generic curve: the norm, activation and optimizer kernels together, unrounded (what
+  // any other memory-bound op is charged at); and each kind's own (Device::
+  // kernel_efficiency), the norm's forward and the activation's as 16-bit training runs them,
+  // rounding what they write (an fp32 plan's are so charged a little slow: on the 2-core CPU
+  // 12-19 %). Without rounded points (a profile's own kernel list) the unrounded ones serve.
   using K = KernelKind;
+  using MK = MemoryKernel;
   std::vector<std::pair<double, double>> me =
-      curve_of([](K k) { return k != K::round16; });
+      curve_of([](const MK& k) { return k.kind != K::round16 && !k.rounded; });
   auto kind_curve = [&](MemKind mk, auto&& of) {
     const auto pts = curve_of(of);
     if (!pts.empty()) c.device.kernel_efficiency[static_cast<int>(mk)] = Curve(pts);
   };
-  kind_curve(MemKind::norm, [](K k) { return k == K::norm_forward || k == K::norm_backward; });
-  kind_curve(MemKind::activation, [](K k) { return k == K::activation_forward || k == K::activation_backward; });
-  kind_curve(MemKind::round16, [](K k) { return k == K::round16; });
+  auto sixteen_bit = [&](K kind) {  // whether rounded points of the kind were timed
+    return std::any_of(res.kernels.begin(), res.kernels.end(),
+                       [&](const ProfileResult::KernelPoint& p) { return p.kernel.kind == kind && p.kernel.rounded; });
+  };
+  const bool norm16 = sixteen_bit(K::norm_forward), act16 = sixteen_bit(K::activation_forward);
+  kind_curve(MemKind::norm, [&](const MK& k) {
+    return (k.kind == K::norm_forward && k.rounded == norm16) || (k.kind == K::norm_backward && !k.rounded);
+  });
+  kind_curve(MemKind::activation, [&](const MK& k) {
+    return (k.kind == K::activation_forward || k.kind == K::activation_backward) && k.rounded == act16;
+  });
+  kind_curve(MemKind::round16, [](const MK& k) { return k.kind == K::round16; });
   if (me.empty())
     for (const auto& [b, r] : res.memory) me.push_back({b, r / bw});
   c.device.memory_bandwidth_bytes_per_s = bw;
@@ -596,7 +614,8 @@ std::string format_profile_summary(const ProfileResult& r) {
                    r.flash_forward_flops_per_s / 1e9, r.flash_backward_flops_per_s / 1e9);
   s += "memory-bound kernels of the executor, in the cost model's bytes (per rank, all ranks at once)\n";
   for (const auto& k : r.kernels)
-    s += fmt::format("  {:<20} {:>7} x {:<7} {:>12.3g} bytes  {:>8.2f} GB/s\n", kernel_name(k.kernel.kind), k.kernel.rows,
+    s += fmt::format("  {:<20} {:>7} x {:<7} {:>12.3g} bytes  {:>8.2f} GB/s\n",
+                     std::string(kernel_name(k.kernel.kind)) + (k.kernel.rounded ? " (bf16)" : ""), k.kernel.rows,
                      k.kernel.width, k.bytes, k.bytes_per_s / 1e9);
   if (!r.rows.empty()) {
     s += "\n";

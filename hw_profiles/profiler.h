@@ -41,6 +41,9 @@ struct MemoryKernel {
   int64_t rows = 1, width = 0;
   Norm norm = Norm::layernorm;
   Activation act = Activation::gelu;
+  // The output rounded to bf16 as the kernel writes it (backend.h's `round`), as 16-bit
+  // training runs the norms' forwards and the activation's forward and backward.
+  bool rounded = false;
 };
 // The bytes the cost model charges the kernel in fp32 (costmodel/compute.cpp: norms 2 and
 // 3 passes, activations 2 / 3 (gated 3 / 5), the fp32 optimizer 40 bytes per parameter),

@@ -8,7 +8,8 @@
 // turn, the unfused attention runs shorter sequences, the fused one leaves out its longest
 // shapes (the kernels' own emulation tests take long rows and many tiles) and tiny-gpt is 2
 // layers of 64 on sequences of 32; the two cases that need the real libraries (cuBLASLt's
-// loading, NCCL) are left out, and a full-device case is the emulation's alone.
+// loading, NCCL) are left out, and two are the emulation's alone (a full device; host
+// pointers where device memory belongs).
 #include <gtest/gtest.h>
 
 #include <algorithm>
