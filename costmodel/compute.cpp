@@ -241,27 +241,34 @@ double attention_core_backward(Acc& a, double mlp_s) {
 }
 
 // The strata executor's own passes over a layer's 16-bit tensors (executor/gpt.cpp), which
-// it holds as floats: a rounding pass reads and writes 4 bytes per value; packing a saved
-// tensor into 16 bits after the forward reads 4 and writes 2 bytes per value, unpacking it
-// before the backward the reverse. Values per layer and micro-batch on this rank, with n
-// tokens (sequence shard) and N (gathered): the forward's 16-bit tensors are x, h1, x2, h2
-// (n H each), qkv (N Q), the attention output (N AD/t), the fc1 output (N F1/t) and the
-// activation (N F/t). The ops that make h1 and h2 (the norms), x2 (the residual add), the
-// activation and, where a bias add ends the product, the fc1 output and qkv (no RoPE after
-// it) round them as they write them (backend.h); the others take a pass each: x, the
-// attention output, and qkv and the fc1 output without biases (qkv also after RoPE). The
-// backward rounds the GEMM inputs dy, dO (N H each), datt (N AD/t) and dqkv (N Q) in passes,
-// du (N F1/t) in the activation's backward. Kept and packed: the forward's, the gathered
-// g1 and g2 with sequence parallelism (N H each) and the unfused core's probabilities
-// (B A/t S^2) when nothing is recomputed; full recompute keeps only x. Nothing of this runs
-// outside the strata stack or in fp32.
+// it holds as floats: a rounding pass reads and writes 4 bytes per value; packing a tensor
+// into 16 bits reads 4 and writes 2 bytes per value, unpacking it the reverse. Values per
+// layer and micro-batch on this rank, with n tokens (sequence shard) and N (gathered): the
+// forward's 16-bit tensors are x, h1, x2, h2 (n H each), qkv (N Q), the attention output
+// (N AD/t), the fc1 output (N F1/t) and the activation (N F/t). The ops that make h1 and h2
+// (the norms), x2 (the residual add), the activation and, where a bias add ends the product,
+// the fc1 output and qkv (no RoPE after it) round them as they write them (backend.h); the
+// others take a pass each: x, the attention output, and qkv and the fc1 output without
+// biases (qkv also after RoPE). The backward rounds the GEMM inputs dy, dO (N H each), datt
+// (N AD/t) and dqkv (N Q) in passes, du (N F1/t) in the activation's backward. Kept and
+// packed: the forward's, the gathered g1 and g2 with sequence parallelism (N H each) and the
+// unfused core's probabilities (B A/t S^2) when nothing is recomputed; full recompute keeps
+// only x; all unpacked before the backward.
+// Where the device's GEMMs read 16-bit operands (Device::gemm_reads_16bit: the CUDA
+// backend), every GEMM input is packed once where it is made and read so: the GEMM inputs
+// of the forward (h1 or g1, the attention output, h2 or g2, the activation) as soon as they
+// are written, in the forward and in a full recompute's replay (the attention output packed
+// instead of rounded); those kept stay packed for the backward (the attention output
+// unpacked for the fused attention's backward); dy and dO are packed instead of rounded,
+// du and dqkv packed after their rounding (dqkv's rounding pass only for a bias gradient:
+// packing rounds). Nothing of this runs outside the strata stack or in fp32.
 struct Tensors {
   std::array<double, 12> values{};
   int count = 0;
   void add(double v) { values[static_cast<size_t>(count++)] = v; }
 };
 struct SixteenBitPasses {
-  Tensors forward_rounds, backward_rounds, kept;
+  Tensors forward_rounds, gemm_input_packs, kept, unpacked, backward_rounds, backward_packs;
 };
 
 SixteenBitPasses sixteen_bit_passes(const Acc& a) {
@@ -269,26 +276,56 @@ SixteenBitPasses sixteen_bit_passes(const Acc& a) {
   const Plan& p = a.p;
   if (!a.cs.stack.strata || (p.precision != Precision::bf16 && p.precision != Precision::fp16)) return v;
   const ModelSpec& m = a.m;
+  const bool as_stored = a.cl.device.gemm_reads_16bit;
   const double T = a.cs.T, Tn = a.cs.Tn, H = static_cast<double>(m.H), t = static_cast<double>(p.t);
   const double Q = head_columns(m, p.t, 1, 2), ADt = static_cast<double>(m.AD()) / t;
   const double F1 = static_cast<double>(m.fc1_out()) / t, Ft = static_cast<double>(m.F) / t;
   const bool qkv_fused = m.bias && m.position != Position::rope;
-  for (double x : {Tn * H, T * ADt}) v.forward_rounds.add(x);
+  const bool gathered = p.sp && p.t > 1;
+  const bool full = p.recompute == Recompute::full;
+  const bool flash = a.cs.attention != AttentionKernel::unfused;
+  v.forward_rounds.add(Tn * H);
+  if (!as_stored) v.forward_rounds.add(T * ADt);
   if (!qkv_fused) v.forward_rounds.add(T * Q);
   if (!m.bias) v.forward_rounds.add(T * F1);
-  for (double x : {T * H, T * H, T * ADt, T * Q}) v.backward_rounds.add(x);
-  if (p.recompute == Recompute::full) {
+  if (as_stored) {
+    for (double x : {Tn * H, T * ADt, Tn * H, T * Ft}) v.gemm_input_packs.add(x);  // h1, att, h2, act
+    if (gathered) {
+      v.gemm_input_packs.add(T * H);
+      v.gemm_input_packs.add(T * H);
+    }
+    v.backward_rounds.add(T * ADt);
+    if (m.bias) v.backward_rounds.add(T * Q);
+    for (double x : {T * H, T * F1, T * H, T * Q}) v.backward_packs.add(x);  // dy, du, dO, dqkv
+  } else {
+    for (double x : {T * H, T * H, T * ADt, T * Q}) v.backward_rounds.add(x);
+  }
+  // What the forward's end packs, and the backward's start unpacks.
+  if (full) {
     v.kept.add(Tn * H);
+    v.unpacked.add(Tn * H);
+    if (as_stored && flash) v.unpacked.add(T * ADt);  // the replay's output, for the fused backward
     return v;
   }
-  for (double x : {Tn * H, Tn * H, T * Q, T * ADt, Tn * H, Tn * H, T * F1, T * Ft}) v.kept.add(x);
-  if (p.sp && p.t > 1) {
-    v.kept.add(T * H);
-    v.kept.add(T * H);
+  auto both = [&](double x) {
+    v.kept.add(x);
+    v.unpacked.add(x);
+  };
+  if (as_stored) {
+    for (double x : {Tn * H, T * Q, Tn * H, T * F1}) both(x);  // x, qkv, x2, u
+    if (flash) v.unpacked.add(T * ADt);
+  } else {
+    for (double x : {Tn * H, Tn * H, T * Q, T * ADt, Tn * H, Tn * H, T * F1, T * Ft}) both(x);  // x, h1, qkv, att, x2, h2, u, act
+    if (gathered) {
+      both(T * H);
+      both(T * H);
+    }
   }
   if (a.cs.attention == AttentionKernel::unfused && p.recompute == Recompute::none) {
     const double S = static_cast<double>(m.S);
-    v.kept.add(static_cast<double>(p.mbs) * static_cast<double>(m.A / p.t) * S * S);
+    const double probs = static_cast<double>(p.mbs) * static_cast<double>(m.A / p.t) * S * S;
+    v.kept.add(probs);
+    v.unpacked.add(probs);
   }
   return v;
 }
@@ -343,7 +380,11 @@ void layer_forward(Acc& a, Phase ph) {
     dense_mlp_forward(a, ph);
   }
   a.mem("bias_dropout_add", ph, dropout_bytes(Tn * H, m.hidden_dropout, a.cs.work_bytes, true));
-  if (a.cs.stack.strata) passes(a, "round16", ph, sixteen_bit_passes(a).forward_rounds, 8.0, MemKind::round16);
+  if (a.cs.stack.strata) {
+    const SixteenBitPasses sb = sixteen_bit_passes(a);
+    passes(a, "round16", ph, sb.forward_rounds, 8.0, MemKind::round16);
+    passes(a, "pack16", ph, sb.gemm_input_packs, 6.0, MemKind::generic);
+  }
 }
 
 // After the forward (not its replay): the tensors it keeps packed into 16 bits.
@@ -397,8 +438,9 @@ void layer_backward(Acc& a) {
     a.mem("grad_accumulation", ph, grad_accumulation_bytes(p.precision, a.cs.grad_bytes) * static_cast<double>(m.layer_params(p.t, p.ep, p.etp)));
   if (!a.cs.stack.strata) return;
   const SixteenBitPasses sb = sixteen_bit_passes(a);
-  passes(a, "unpack16", ph, sb.kept, 6.0, MemKind::generic);
+  passes(a, "unpack16", ph, sb.unpacked, 6.0, MemKind::generic);
   passes(a, "round16", ph, sb.backward_rounds, 8.0, MemKind::round16);
+  passes(a, "pack16", ph, sb.backward_packs, 6.0, MemKind::generic);
 }
 
 }  // namespace

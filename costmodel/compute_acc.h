@@ -66,6 +66,12 @@ struct Acc {
   // flash_tc_head_dim's, and devices without bf16 tensor cores (before sm_80: no bf16 peak).
   double peak_flash;
   double lin_bytes;               // bytes per linear-GEMM operand element
+  // The strata executor's 16-bit GEMMs on a device that reads 16-bit operands (Device::
+  // gemm_reads_16bit): its float weights are cast into a 16-bit copy (4 bytes read, 2
+  // written a weight) for each GEMM that reads them, the forward's and the input
+  // gradient's, timed with the GEMM (its op name); its other operands are 16-bit already
+  // (compute.cpp sixteen_bit_passes).
+  bool casts_weights;
   bool ub;                        // Transformer Engine's user-buffer overlap (Stack::userbuffers)
   LayerCost lc;
   // With the expert exchanges' overlap (Plan::moe_a2a_overlap): each pass's dispatch and
@@ -111,6 +117,8 @@ struct Acc {
     const bool tc_flash = !cs.stack.strata || (cuda::flash_tc_head_dim(m.D()) && dev.peak_bf16_flops > 0);
     peak_flash = tc_flash ? peak_attn : dev.peak_fp32_flops;
     lin_bytes = p.precision == Precision::fp8 ? 1.0 : cs.work_bytes;
+    casts_weights = cs.stack.strata && (p.precision == Precision::bf16 || p.precision == Precision::fp16) &&
+                    dev.gemm_reads_16bit;
     ub = cs.stack.userbuffers;
   }
 
@@ -182,9 +190,10 @@ struct Acc {
   double linear(const char* name, Phase ph, double M, double N, double K) {
     double t = 0;
     if (p.precision == Precision::fp8) t += mem("fp8_cast", ph, 3.0 * M * K);
+    if (casts_weights) t += mem(name, ph, 6.0 * K * N);  // W's 16-bit copy: the forward's, or dgrad's
     if (ph != Phase::backward) return t + gemm(name, ph, M, N, K, peak_linear, lin_bytes);
     if (p.precision == Precision::fp8) t += mem("fp8_cast", ph, 3.0 * M * N);
-    t += gemm(name, ph, M, K, N, peak_linear, lin_bytes);   // dgrad
+    t += gemm(name, ph, M, K, N, peak_linear, lin_bytes);   // dgrad (its own copy of W, above)
     t += wgrad(name, ph, K, N, M, peak_linear, lin_bytes);  // wgrad
     return t;
   }

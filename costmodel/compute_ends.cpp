@@ -50,6 +50,14 @@ void output_and_loss(Acc& a, const char* norm) {
   // (executor/gpt.cpp head_forward).
   a.mem(norm, Phase::forward, 2.0 * e * cs.Tn * H, MemKind::norm);
   a.tp_gather("sp_all_gather", Phase::forward);
+  // Where the device's GEMMs read 16-bit operands (compute_acc.h casts_weights) the strata
+  // executor packs the norm's output (gathered or not) into 16 bits for the GEMMs and casts
+  // the weight for each GEMM that reads it; in the backward it packs the logit gradients
+  // for both GEMMs (executor/gpt.cpp).
+  if (a.casts_weights) {
+    a.mem("pack16", Phase::forward, 6.0 * T * H);
+    a.mem("lm_head", Phase::forward, 6.0 * Vt * H);
+  }
   a.gemm("lm_head", Phase::forward, T, Vt, H, peak, eb);
   // Vocab-parallel cross-entropy on the T x V/t logits; three all-reduces of T floats (max,
   // sum, target logit; the strata executor's sum and target logit go in one of 2T).
@@ -79,6 +87,10 @@ void output_and_loss(Acc& a, const char* norm) {
   a.mem("cross_entropy", Phase::backward, bwd_ce * T * Vt);
   if (!cs.stack.grad_accumulation_fusion)
     a.mem("grad_accumulation", Phase::backward, grad_accumulation_bytes(p.precision, a.cs.grad_bytes) * H * Vt);
+  if (a.casts_weights) {
+    a.mem("pack16", Phase::backward, 6.0 * T * Vt);
+    a.mem("lm_head", Phase::backward, 6.0 * Vt * H);
+  }
   a.gemm("lm_head", Phase::backward, T, H, Vt, peak, eb);   // dgrad
   a.wgrad("lm_head", Phase::backward, H, Vt, T, peak, eb);  // wgrad
   a.tp_reduce(p.sp ? "sp_reduce_scatter" : "tp_all_reduce", Phase::backward);

@@ -149,6 +149,11 @@ Cluster cluster_from_json(const Json& j, const std::string& source) {
     fa.reject_unknown();
     c.device.kernel_launch_s = d.real_or("kernel_launch_us", 0, 0, 1e5) * 1e-6;
     c.device.batched_gemm_per_matrix = d.choice_or("batched_gemm", "batched", {"batched", "per_matrix"}) == "per_matrix";
+    // (Absent: as stored, but in a profile of batches run matrix by matrix: the CPU
+    // backend's, written before the field was.)
+    c.device.gemm_reads_16bit =
+        d.choice_or("gemm_16bit_operands", c.device.batched_gemm_per_matrix ? "unpacked" : "as_stored",
+                    {"as_stored", "unpacked"}) == "as_stored";
     d.ignore("description");
     d.ignore("_source");
     d.reject_unknown();
@@ -222,7 +227,8 @@ Json cluster_to_json(const Cluster& c) {
         {"memory_efficiency", curve(d.memory_efficiency)},
         {"flash_attention_efficiency", {{"forward", d.flash_fwd_efficiency}, {"backward", d.flash_bwd_efficiency}}},
         {"kernel_launch_us", d.kernel_launch_s * 1e6},
-        {"batched_gemm", d.batched_gemm_per_matrix ? "per_matrix" : "batched"}}},
+        {"batched_gemm", d.batched_gemm_per_matrix ? "per_matrix" : "batched"},
+        {"gemm_16bit_operands", d.gemm_reads_16bit ? "as_stored" : "unpacked"}}},
       {"devices_per_node", c.devices_per_node},
       {"links", {{"intra_node", link(c.intra)}, {"inter_node", link(c.inter)}}},
       {"framework",

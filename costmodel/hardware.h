@@ -107,6 +107,12 @@ struct Device {
   // matrix, each at the efficiency of its own size (a CPU library looping over heads),
   // rather than as one kernel at the efficiency of the whole batch (cuBLAS batched).
   bool batched_gemm_per_matrix = false;
+  // A 16-bit GEMM reads 16-bit operands (a GPU's tensor cores): the strata executor then
+  // keeps its GEMM inputs in 16-bit storage and casts only float operands (its weights);
+  // false where the GEMMs run on floats (the CPU backend's Eigen), and the executor's
+  // 16-bit tensors are unpacked for them. Backend::gemm_reads_16bit, as strata profile
+  // writes it ("gemm_16bit_operands": "as_stored" | "unpacked").
+  bool gemm_reads_16bit = true;
 
   double peak_flops(Precision p) const;
 };

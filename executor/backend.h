@@ -21,6 +21,21 @@ namespace strata {
 // charged to none.
 constexpr int kMemPools = 6;
 
+// A GEMM operand of Backend::gemm_mixed: `type` fp32 for float values, bf16 or fp16 for
+// 16-bit values as Backend::pack16 stores them (fp8 stands for bf16 there, as in pack16).
+struct GemmOperand {
+  const void* p = nullptr;
+  Precision type = Precision::fp32;
+  static GemmOperand floats(const float* x) { return {x, Precision::fp32}; }
+  static GemmOperand sixteen(const uint16_t* x, Precision t) { return {x, t}; }
+  bool is_16bit() const { return type != Precision::fp32; }
+  // The operand `elements` values on.
+  GemmOperand offset(int64_t elements) const {
+    return is_16bit() ? GemmOperand{static_cast<const uint16_t*>(p) + elements, type}
+                      : GemmOperand{static_cast<const float*>(p) + elements, type};
+  }
+};
+
 class Backend {
  public:
   virtual ~Backend() = default;
@@ -89,6 +104,16 @@ class Backend {
   virtual void gemm(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K, float alpha,
                     const float* A, int64_t lda, const float* B, int64_t ldb, float beta, float* C,
                     int64_t ldc) = 0;
+  // The same product with operands in either storage (GemmOperand): floats, or 16-bit values
+  // as pack16 stores them. The default unpacks a 16-bit operand into floats (the rows it
+  // spans, in this backend's memory) and calls gemm(): the same values, so the same C.
+  virtual void gemm_mixed(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K, float alpha, GemmOperand A,
+                          int64_t lda, GemmOperand B, int64_t ldb, float beta, float* C, int64_t ldc);
+  // Whether gemm_mixed reads a 16-bit operand as it is stored (a GPU's 16-bit GEMMs, whose
+  // float operands are converted first) rather than unpacking it (the CPU's fp32 GEMMs):
+  // the executor then hands its 16-bit tensors to the GEMMs in 16 bits. The cost model's
+  // Device::gemm_reads_16bit, which strata profile writes from it.
+  virtual bool gemm_reads_16bit() const { return false; }
   // out, x (N, H); mean, rstd (N); w, b (H). Backward: dx +=, dw +=, db +=.
   // `round` (the forwards here, the activation's backward, add, add_bias): the output
   // rounded to it as round_to() rounds (fp32 leaves it), in the op's own pass: the

@@ -67,15 +67,53 @@ void round(const ModelCtx& c, float* x, int64_t n) {
 }
 void round(const ModelCtx& c, Buf& b) { round(c, b.data(), b.size()); }
 
+// Whether the GEMMs take their 16-bit inputs in 16-bit storage (Backend::gemm_reads_16bit:
+// the CUDA backend's; its float operands would be cast into 16-bit copies first). Then each
+// GEMM input of the layer is stored in 16 bits once, where it is made (Buf::pack, which
+// rounds as round() does: a packed input needs no rounding pass of its own), and every GEMM
+// that takes it reads it so, forward and backward; the kept ones are not unpacked for the
+// backward. Otherwise (the CPU backend's fp32 GEMMs on rounded floats) the inputs stay
+// rounded floats and the kept ones go back to floats before the backward.
+bool sixteen_operands(const ModelCtx& c) { return c.precision != Precision::fp32 && c.be->gemm_reads_16bit(); }
+
+// b stored in 16 bits, in place, where sixteen_operands(c): in a region of its own (pack16)
+// within a layer, in the caller's outside (the output layer's).
+void pack_operand(const ModelCtx& c, Buf& b, bool own_region = true) {
+  if (!sixteen_operands(c) || b.packed()) return;
+  const OpScope op(own_region ? c.ops : nullptr, "pack16");
+  b.pack(c.precision);
+}
+
+// A buffer as a GEMM operand: its 16-bit values while packed, else its floats.
+GemmOperand operand(const Buf& b) {
+  return b.packed() ? GemmOperand::sixteen(b.data16(), b.packed_as()) : GemmOperand::floats(b.data());
+}
+GemmOperand operand(const float* x) { return GemmOperand::floats(x); }
+
+// Backend::gemm on operands in either storage.
+void gemm(const ModelCtx& c, bool ta, bool tb, int64_t M, int64_t N, int64_t K, GemmOperand A, int64_t lda,
+          GemmOperand B, int64_t ldb, float beta, float* C, int64_t ldc) {
+  if (A.is_16bit() || B.is_16bit())
+    c.be->gemm_mixed(ta, tb, M, N, K, 1.0f, A, lda, B, ldb, beta, C, ldc);
+  else
+    c.be->gemm(ta, tb, M, N, K, 1.0f, static_cast<const float*>(A.p), lda, static_cast<const float*>(B.p), ldb, beta, C,
+               ldc);
+}
+
 // (n, H) -> (N, H) input of a column-parallel GEMM in the training precision: gathered with
-// sequence parallelism and then rounded in place, else rounded into a copy in one pass.
-// (The caller's region names the copy; the gather's rounding is a round16 region of its own.)
+// sequence parallelism and then rounded in place, else rounded into a copy in one pass;
+// where sixteen_operands(c), stored in 16 bits instead of rounded (the copy made so).
+// (The caller's region names the copy; the gather's rounding is a round16 region of its
+// own, its packing a pack16 one.)
 Buf gemm_input_rows(const ModelCtx& c, const Buf& in, int64_t H) {
   if (c.sp && c.t > 1) {
     Buf out = gather_rows(c, in, H);
-    round(c, out);
+    if (sixteen_operands(c)) pack_operand(c, out);
+    else round(c, out);
     return out;
   }
+  if (sixteen_operands(c))
+    return Buf::packed_copy(c.mem, MemCategory::activations, in.data(), in.size(), c.precision, c.act_bytes());
   Buf out = c.act_out(in.size());
   c.be->round_copy(out.data(), in.data(), in.size(), c.precision);
   return out;
@@ -222,12 +260,13 @@ Buf attention_out_and_mlp(const ModelCtx& c, const UnitView& u, int64_t l, Layer
   const ModelSpec& m = *c.m;
   const int64_t H = m.H, D = m.D(), At = m.A / c.t;
   const int64_t Ft = m.F / c.t, F1 = m.fc1_out() / c.t, N = c.N(), n = c.n();
-  round(c, a->att);
+  if (sixteen_operands(c)) pack_operand(c, a->att);
+  else round(c, a->att);
   Buf o = c.f32_out(N * H);
   {
     const OpScope op(c.ops, "attn_proj");
-    c.be->gemm(false, true, N, H, At * D, 1.0f, a->att.data(), At * D, u.weight(TensorKind::proj_w, l), At * D, 0.0f,
-               o.data(), H);
+    gemm(c, false, true, N, H, At * D, operand(a->att), At * D, operand(u.weight(TensorKind::proj_w, l)), At * D, 0.0f,
+         o.data(), H);
     c.tick();
   }
   o = reduce_rows(c, std::move(o), H);
@@ -244,12 +283,15 @@ Buf attention_out_and_mlp(const ModelCtx& c, const UnitView& u, int64_t l, Layer
     norm_forward(c, u.weight(TensorKind::ln2_w, l), u.weight_or_null(TensorKind::ln2_b, l), a->x2, &a->h2, &a->mean2,
                  &a->rstd2);
   }
-  if (c.sp && c.t > 1) a->g2 = gather_rows(c, a->h2, H);
-  const float* g2 = (c.sp && c.t > 1) ? a->g2.data() : a->h2.data();
+  const bool gathered = c.sp && c.t > 1;
+  if (gathered) a->g2 = gather_rows(c, a->h2, H);
+  pack_operand(c, a->h2);
+  if (gathered) pack_operand(c, a->g2);
+  const Buf& g2 = gathered ? a->g2 : a->h2;
   a->u = c.act_out(N * F1);
   {
     const OpScope op(c.ops, "fc1");
-    c.be->gemm(false, true, N, F1, H, 1.0f, g2, H, u.weight(TensorKind::fc1_w, l), H, 0.0f, a->u.data(), F1);
+    gemm(c, false, true, N, F1, H, operand(g2), H, operand(u.weight(TensorKind::fc1_w, l)), H, 0.0f, a->u.data(), F1);
     c.tick();
     add_bias(c, a->u.data(), u.weight_or_null(TensorKind::fc1_b, l), N, F1, c.precision);
   }
@@ -258,10 +300,11 @@ Buf attention_out_and_mlp(const ModelCtx& c, const UnitView& u, int64_t l, Layer
     const OpScope op(c.ops, to_string(m.activation));
     c.be->activation_forward(m.activation, a->a.data(), a->u.data(), N, Ft, c.precision);
   }
+  pack_operand(c, a->a);
   Buf y = c.f32_out(N * H);
   {
     const OpScope op(c.ops, "fc2");
-    c.be->gemm(false, true, N, H, Ft, 1.0f, a->a.data(), Ft, u.weight(TensorKind::fc2_w, l), Ft, 0.0f, y.data(), H);
+    gemm(c, false, true, N, H, Ft, operand(a->a), Ft, operand(u.weight(TensorKind::fc2_w, l)), Ft, 0.0f, y.data(), H);
     c.tick();
   }
   y = reduce_rows(c, std::move(y), H);
@@ -285,12 +328,15 @@ Buf forward_all(const ModelCtx& c, const UnitView& u, int64_t l, LayerActs* a) {
     norm_forward(c, u.weight(TensorKind::ln1_w, l), u.weight_or_null(TensorKind::ln1_b, l), a->x, &a->h1, &a->mean1,
                  &a->rstd1);
   }
-  if (c.sp && c.t > 1) a->g1 = gather_rows(c, a->h1, H);
-  const float* g1 = (c.sp && c.t > 1) ? a->g1.data() : a->h1.data();
+  const bool gathered = c.sp && c.t > 1;
+  if (gathered) a->g1 = gather_rows(c, a->h1, H);
+  pack_operand(c, a->h1);
+  if (gathered) pack_operand(c, a->g1);
+  const Buf& g1 = gathered ? a->g1 : a->h1;
   a->qkv = c.act_out(N * Q);
   {
     const OpScope op(c.ops, "qkv");
-    c.be->gemm(false, true, N, Q, H, 1.0f, g1, H, u.weight(TensorKind::qkv_w, l), H, 0.0f, a->qkv.data(), Q);
+    gemm(c, false, true, N, Q, H, operand(g1), H, operand(u.weight(TensorKind::qkv_w, l)), H, 0.0f, a->qkv.data(), Q);
     c.tick();
     // (Rounded with the bias, or after RoPE, the last to write it.)
     add_bias(c, a->qkv.data(), u.weight_or_null(TensorKind::qkv_b, l), N, Q,
@@ -386,9 +432,24 @@ void pack_saved(const ModelCtx& c, LayerActs* a) {
   const OpScope op(c.ops, "pack16");
   for (Buf* b : a->sixteen_bit()) b->pack(c.precision);
 }
+// With sixteen_operands(c) the GEMM inputs stay packed: the norms' outputs (gathered or
+// not), the activation and the attention's output, whose backward GEMM reads it first (the
+// fused attention's backward, after it, unpacks it: unpack_for_attention).
 void unpack_saved(const ModelCtx& c, LayerActs* a) {
   const OpScope op(c.precision == Precision::fp32 ? nullptr : c.ops, "unpack16");
-  for (Buf* b : a->sixteen_bit()) b->unpack();
+  const bool keep = sixteen_operands(c);
+  for (Buf* b : a->sixteen_bit()) {
+    const bool gemm_input = b == &a->h1 || b == &a->g1 || b == &a->h2 || b == &a->g2 || b == &a->a || b == &a->att;
+    if (!(keep && gemm_input)) b->unpack();
+  }
+}
+
+// The attention's output as floats for the fused attention's backward, once the
+// projection's weight-gradient GEMM has read it (packed where sixteen_operands(c)).
+void unpack_for_attention(const ModelCtx& c, Buf& att) {
+  if (!att.packed()) return;
+  const OpScope op(c.ops, "unpack16");
+  att.unpack();
 }
 
 }  // namespace
@@ -444,17 +505,20 @@ Buf layer_backward(const ModelCtx& c, const UnitView& u, int64_t l, LayerActs* a
     dx = copy_of(c, dout);
     bias_grad(c, u.grad_or_null(TensorKind::fc2_b, l), dout.data(), n, H);
   }
+  const bool sixteen = sixteen_operands(c);
+  const char* const input_region =
+      gathered || c.precision == Precision::fp32 ? nullptr : sixteen ? "pack16" : "round16";
   Buf dy;
   {
-    const OpScope op(c.ops, gathered || c.precision == Precision::fp32 ? nullptr : "round16");
+    const OpScope op(c.ops, input_region);
     dy = gemm_input_rows(c, dout, H);
   }
   Buf da = c.f32_out(N * Ft);
   {
     const OpScope op(c.ops, "fc2");
-    c.be->gemm(false, false, N, Ft, H, 1.0f, dy.data(), H, u.weight(TensorKind::fc2_w, l), Ft, 0.0f, da.data(), Ft);
+    gemm(c, false, false, N, Ft, H, operand(dy), H, operand(u.weight(TensorKind::fc2_w, l)), Ft, 0.0f, da.data(), Ft);
     tick();
-    c.be->gemm(true, false, H, Ft, N, 1.0f, dy.data(), H, a->a.data(), Ft, 1.0f, u.grad(TensorKind::fc2_w, l), Ft);
+    gemm(c, true, false, H, Ft, N, operand(dy), H, operand(a->a), Ft, 1.0f, u.grad(TensorKind::fc2_w, l), Ft);
     tick();
   }
   dy.release();
@@ -464,15 +528,19 @@ Buf layer_backward(const ModelCtx& c, const UnitView& u, int64_t l, LayerActs* a
     c.be->activation_backward(m.activation, du.data(), da.data(), a->u.data(), N, Ft, c.precision);
   }
   da.release();
-  const float* g2 = gathered ? a->g2.data() : a->h2.data();
+  const Buf& g2 = gathered ? a->g2 : a->h2;
   Buf dg2;
   {
     const OpScope op(c.ops, "fc1");
-    c.be->gemm(true, false, F1, H, N, 1.0f, du.data(), F1, g2, H, 1.0f, u.grad(TensorKind::fc1_w, l), H);
+    if (sixteen) {  // the bias gradient from the floats, then both GEMMs from 16 bits
+      bias_grad(c, u.grad_or_null(TensorKind::fc1_b, l), du.data(), N, F1);
+      pack_operand(c, du);
+    }
+    gemm(c, true, false, F1, H, N, operand(du), F1, operand(g2), H, 1.0f, u.grad(TensorKind::fc1_w, l), H);
     tick();
-    bias_grad(c, u.grad_or_null(TensorKind::fc1_b, l), du.data(), N, F1);
+    if (!sixteen) bias_grad(c, u.grad_or_null(TensorKind::fc1_b, l), du.data(), N, F1);
     dg2 = c.f32_out(N * H);
-    c.be->gemm(false, false, N, H, F1, 1.0f, du.data(), F1, u.weight(TensorKind::fc1_w, l), H, 0.0f, dg2.data(), H);
+    gemm(c, false, false, N, H, F1, operand(du), F1, operand(u.weight(TensorKind::fc1_w, l)), H, 0.0f, dg2.data(), H);
     tick();
   }
   du.release();
@@ -491,17 +559,17 @@ Buf layer_backward(const ModelCtx& c, const UnitView& u, int64_t l, LayerActs* a
   }
   Buf dO;
   {
-    const OpScope op(c.ops, gathered || c.precision == Precision::fp32 ? nullptr : "round16");
+    const OpScope op(c.ops, input_region);
     dO = gemm_input_rows(c, dx, H);
   }
   Buf datt = c.f32_out(N * At * D);
   {
     const OpScope op(c.ops, "attn_proj");
-    c.be->gemm(false, false, N, At * D, H, 1.0f, dO.data(), H, u.weight(TensorKind::proj_w, l), At * D, 0.0f,
-               datt.data(), At * D);
+    gemm(c, false, false, N, At * D, H, operand(dO), H, operand(u.weight(TensorKind::proj_w, l)), At * D, 0.0f,
+         datt.data(), At * D);
     c.tick();
-    c.be->gemm(true, false, H, At * D, N, 1.0f, dO.data(), H, a->att.data(), At * D, 1.0f,
-               u.grad(TensorKind::proj_w, l), At * D);
+    gemm(c, true, false, H, At * D, N, operand(dO), H, operand(a->att), At * D, 1.0f, u.grad(TensorKind::proj_w, l),
+         At * D);
     c.tick();
   }
   dO.release();
@@ -528,6 +596,7 @@ Buf layer_backward(const ModelCtx& c, const UnitView& u, int64_t l, LayerActs* a
       }
       dqkv = c.f32(N * Q);
       Buf dkv = c.f32(Sg * c.B * KV);
+      if (c.flash) unpack_for_attention(c, a->att);
       for (int64_t k = 0; k < c.segments(); ++k) {
         const int64_t rows = k * Sc * c.B;
         if (c.flash)
@@ -554,6 +623,7 @@ Buf layer_backward(const ModelCtx& c, const UnitView& u, int64_t l, LayerActs* a
       // The output as the projection saw it (rounded to the training precision) enters
       // rowsum(dO * O), so a recomputed and a kept log-sum-exp give the same gradients.
       dqkv = c.f32_out(N * Q);
+      unpack_for_attention(c, a->att);
       c.be->flash_attention_backward(dqkv.data(), datt.data(), a->att.data(), a->lse.data(), a->qkv.data(), c.S, c.B,
                                      At, Gt, D);
     } else {
@@ -579,16 +649,23 @@ Buf layer_backward(const ModelCtx& c, const UnitView& u, int64_t l, LayerActs* a
     rope_rows(c, dqkv.data(), At, Q, true);
     rope_rows(c, dqkv.data() + At * D, Gt, Q, true);
   }
-  round(c, dqkv);
-  const float* g1 = gathered ? a->g1.data() : a->h1.data();
+  float* const qkv_b_grad = u.grad_or_null(TensorKind::qkv_b, l);
+  // With sixteen: packing rounds, so only a bias gradient (summed from the rounded values)
+  // needs the rounding pass first.
+  if (!sixteen || qkv_b_grad) round(c, dqkv);
+  const Buf& g1 = gathered ? a->g1 : a->h1;
   Buf dg1;
   {
     const OpScope op(c.ops, "qkv");
-    c.be->gemm(true, false, Q, H, N, 1.0f, dqkv.data(), Q, g1, H, 1.0f, u.grad(TensorKind::qkv_w, l), H);
+    if (sixteen) {
+      bias_grad(c, qkv_b_grad, dqkv.data(), N, Q);
+      pack_operand(c, dqkv);
+    }
+    gemm(c, true, false, Q, H, N, operand(dqkv), Q, operand(g1), H, 1.0f, u.grad(TensorKind::qkv_w, l), H);
     c.tick();
-    bias_grad(c, u.grad_or_null(TensorKind::qkv_b, l), dqkv.data(), N, Q);
+    if (!sixteen) bias_grad(c, qkv_b_grad, dqkv.data(), N, Q);
     dg1 = c.f32_out(N * H);
-    c.be->gemm(false, false, N, H, Q, 1.0f, dqkv.data(), Q, u.weight(TensorKind::qkv_w, l), H, 0.0f, dg1.data(), H);
+    gemm(c, false, false, N, H, Q, operand(dqkv), Q, operand(u.weight(TensorKind::qkv_w, l)), H, 0.0f, dg1.data(), H);
     c.tick();
   }
   dqkv.release();
@@ -608,11 +685,13 @@ double head_forward(const ModelCtx& c, const UnitView& fu, const float* out_w, B
   const int64_t H = m.H, N = c.N(), Vt = executor_vocab(m) / c.t, lo = c.r * Vt;
   h->x = std::move(x);
   norm_forward(c, fu.weight(TensorKind::lnf_w), fu.weight_or_null(TensorKind::lnf_b), h->x, &h->hf, &h->mean, &h->rstd);
-  if (c.sp && c.t > 1) h->hf_full = gather_rows(c, h->hf, H);
-  const float* hf = (c.sp && c.t > 1) ? h->hf_full.data() : h->hf.data();
+  const bool gathered = c.sp && c.t > 1;
+  if (gathered) h->hf_full = gather_rows(c, h->hf, H);
+  Buf& hf = gathered ? h->hf_full : h->hf;
+  pack_operand(c, hf, false);  // (only the GEMMs read it: sixteen_operands)
   h->probs = c.f32_out(N * Vt);
   float* z = h->probs.data();
-  c.be->gemm(false, true, N, Vt, H, 1.0f, hf, H, out_w, H, 0.0f, z, Vt);
+  gemm(c, false, true, N, Vt, H, operand(hf), H, operand(out_w), H, 0.0f, z, Vt);
   c.tick();
   // Vocab-parallel cross-entropy: the row maximum, then the sum of exponentials and the
   // target's logit, each reduced over tp (backend.h).
@@ -646,11 +725,12 @@ Buf head_backward(const ModelCtx& c, const UnitView& fu, const float* out_w, flo
                                // GEMMs' input) in the same pass
   c.be->cross_entropy_backward(z, h->mx.data(), h->st.data(), reinterpret_cast<const int32_t*>(h->targets.data()), N,
                                Vt, lo, dloss_scale, c.precision);
-  const float* hf = (c.sp && c.t > 1) ? h->hf_full.data() : h->hf.data();
-  c.be->gemm(true, false, Vt, H, N, 1.0f, z, Vt, hf, H, 1.0f, out_grad, H);
+  const Buf& hf = (c.sp && c.t > 1) ? h->hf_full : h->hf;
+  pack_operand(c, h->probs, false);  // (sixteen_operands: both GEMMs read the gradient in 16 bits)
+  gemm(c, true, false, Vt, H, N, operand(h->probs), Vt, operand(hf), H, 1.0f, out_grad, H);
   c.tick();
   Buf dhf = c.f32_out(N * H);
-  c.be->gemm(false, false, N, H, Vt, 1.0f, z, Vt, out_w, H, 0.0f, dhf.data(), H);
+  gemm(c, false, false, N, H, Vt, operand(h->probs), Vt, operand(out_w), H, 0.0f, dhf.data(), H);
   c.tick();
   dhf = reduce_rows(c, std::move(dhf), H);
   Buf dx = c.f32(c.n() * H);

@@ -4,6 +4,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <stdexcept>
 
 #include "executor/backend.h"
 
@@ -80,6 +81,27 @@ void Buf::pack(Precision p) {
   packed_as_ = p;
   be_->deallocate(p_);
   p_ = nullptr;
+}
+
+Buf Buf::packed_copy(MemoryTracker* tracker, MemCategory c, const float* src, int64_t n, Precision p,
+                     int element_bytes) {
+  Backend* be = tracker ? tracker->backend() : nullptr;
+  if (!be && p != Precision::fp32) throw std::logic_error("Buf::packed_copy: 16-bit storage needs a backend's memory");
+  if (p == Precision::fp32 || n <= 0) {
+    Buf b = uninitialised(tracker, c, n, element_bytes);
+    if (be) be->copy(b.data(), src, b.size());
+    else std::copy(src, src + b.size(), b.data());
+    return b;
+  }
+  Buf b = uninitialised(tracker, c, 0, element_bytes);
+  b.be_ = be;
+  b.n_ = n;
+  b.bytes_ = n * element_bytes;
+  if (b.tracker_) b.tracker_->add(b.cat_, b.bytes_);
+  b.packed_ = be->allocate_uninitialised_in((n + 1) / 2, b.pool_);
+  be->pack16(reinterpret_cast<uint16_t*>(b.packed_), src, n, p);
+  b.packed_as_ = p;
+  return b;
 }
 
 void Buf::unpack() {

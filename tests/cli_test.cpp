@@ -558,6 +558,7 @@ TEST(Cli, BadInputExits2NamingTheField) {
       {cluster_with("c8.json", [](Json& j) { j["links"]["inter_node"]["bandwidth_gbps"] = -5; }), "bandwidth_gbps"},
       {cluster_with("c9.json", [](Json& j) { j["device"]["peak_tflops"]["bf16"] = "fast"; }), "bf16"},
       {cluster_with("c10.json", [](Json& j) { j["framework"]["default_attention"] = "sparse"; }), "default_attention"},
+      {cluster_with("c18.json", [](Json& j) { j["device"]["gemm_16bit_operands"] = "converted"; }), "gemm_16bit_operands"},
       // Command line
       {S + "--global-batch-size 8", "--gpus"},
       {S + "--gpus 0 --global-batch-size 8", "--gpus"},

@@ -459,7 +459,8 @@ double sum_of(const std::vector<OpCost>& ops, const std::string& name, Phase ph,
   return x;
 }
 
-// The strata executor's passes over a layer's 16-bit tensors (it holds them as floats).
+// The strata executor's passes over a layer's 16-bit tensors (it holds them as floats), on
+// the CPU backend (Device::gemm_reads_16bit false: its GEMMs run on floats).
 // tiny-gpt (H 256, 4 heads, F 1024, S 128, biases, learned positions), tp 1, micro-batch 2:
 // n = N = 256 tokens, qkv width Q = 768, attention output 256, fc1 and activation 1024 each.
 //   forward's 16-bit tensors: x, h1, x2, h2 (4 x 256 x 256) + 256 x (768 + 256 + 1024 + 1024)
@@ -478,6 +479,7 @@ double sum_of(const std::vector<OpCost>& ops, const std::string& name, Phase ph,
 TEST(Compute, StrataSixteenBitPasses) {
   Cluster c = testing::round_cluster();
   c.strata_stack = true;
+  c.device.gemm_reads_16bit = false;
   const ModelSpec m = load_model("tiny-gpt");
   auto bytes = [&](const std::string& plan, const std::string& name, Phase ph) {
     return sum_of(layer_ops(m, c, load_plan(plan)), name, ph, &OpCost::bytes);
@@ -501,6 +503,71 @@ TEST(Compute, StrataSixteenBitPasses) {
   EXPECT_DOUBLE_EQ(bytes(bf16, "pack16", Phase::forward), 0.0);
 }
 
+// The same where the GEMMs read 16-bit operands as stored (a GPU: the CUDA backend). Every
+// GEMM input is packed once where it is made (pack16 6 B a value) and read so; the float
+// weights are cast into a 16-bit copy (6 B a weight) for the forward's GEMM and again for
+// the input gradient's, under the linear layer's own name. tiny-gpt as above, mbs 2:
+//   forward: round16 x alone (65,536: the attention output is packed instead of rounded);
+//     pack16 the GEMM inputs h1, att, h2 (65,536 each) and the activation (262,144) =
+//     458,752, then the kept rest x, qkv (196,608), x2, u (262,144) and the probabilities
+//     (131,072) = 720,896: 1,179,648, as many as before (each packed once)
+//   backward: unpack16 only what is not a GEMM's: 720,896 (fused attention: x, qkv, x2, u
+//     and its output again, 655,360); round16 datt (65,536) and dqkv (196,608, for its bias
+//     gradient) = 262,144; pack16 dy (65,536), du (262,144), dO (65,536), dqkv (196,608) =
+//     589,824
+//   weight casts: qkv 256 x 768 = 196,608, attn_proj 65,536, fc1 and fc2 262,144 each;
+//     per phase 786,432 weights
+//   full recompute (fp16): forward pack16 the GEMM inputs 458,752 + x 65,536 = 524,288; the
+//     replay packs its GEMM inputs again (458,752); the backward unpacks x (65,536), with the
+//     fused attention also the replay's output (131,072)
+// tiny-llama (no biases, RoPE; Q 384, F1 1408, F 704): forward round16 x, qkv (98,304) and
+// the fc1 output (360,448) = 524,288; backward round16 datt alone (65,536: no bias gradient
+// for dqkv), pack16 dy, du (360,448), dO, dqkv (98,304) = 589,824.
+TEST(Compute, StrataSixteenBitOperandsAsStored) {
+  Cluster c = testing::round_cluster();
+  c.strata_stack = true;
+  ASSERT_TRUE(c.device.gemm_reads_16bit);  // (the default: every GPU preset)
+  const ModelSpec m = load_model("tiny-gpt");
+  auto bytes = [&](const std::string& plan, const std::string& name, Phase ph) {
+    return sum_of(layer_ops(m, c, load_plan(plan)), name, ph, &OpCost::bytes);
+  };
+  auto cast_bytes = [&](const std::string& plan, Phase ph) {  // the memory ops under the linear layers' names
+    double x = 0;
+    for (const auto& o : layer_ops(m, c, load_plan(plan)))
+      if (o.phase == ph && o.kind == OpKind::memory && (o.name == "qkv" || o.name == "attn_proj" || o.name == "fc1" || o.name == "fc2"))
+        x += o.bytes;
+    return x;
+  };
+  const std::string bf16 = "tp=1,mbs=2,precision=bf16";
+  EXPECT_DOUBLE_EQ(bytes(bf16, "round16", Phase::forward), 8.0 * 65536);
+  EXPECT_DOUBLE_EQ(bytes(bf16, "pack16", Phase::forward), 6.0 * 1179648);
+  EXPECT_DOUBLE_EQ(bytes(bf16, "unpack16", Phase::backward), 6.0 * 720896);
+  EXPECT_DOUBLE_EQ(bytes(bf16, "round16", Phase::backward), 8.0 * 262144);
+  EXPECT_DOUBLE_EQ(bytes(bf16, "pack16", Phase::backward), 6.0 * 589824);
+  EXPECT_DOUBLE_EQ(cast_bytes(bf16, Phase::forward), 6.0 * 786432);
+  EXPECT_DOUBLE_EQ(cast_bytes(bf16, Phase::backward), 6.0 * 786432);
+  EXPECT_DOUBLE_EQ(bytes(bf16 + ",attention=flash", "unpack16", Phase::backward), 6.0 * 655360);
+  const std::string full = "tp=1,mbs=2,precision=fp16,recompute=full";
+  EXPECT_DOUBLE_EQ(bytes(full, "pack16", Phase::forward), 6.0 * 524288);
+  EXPECT_DOUBLE_EQ(bytes(full, "pack16", Phase::recompute), 6.0 * 458752);
+  EXPECT_DOUBLE_EQ(bytes(full, "unpack16", Phase::backward), 6.0 * 65536);
+  EXPECT_DOUBLE_EQ(bytes(full + ",attention=flash", "unpack16", Phase::backward), 6.0 * 131072);
+  EXPECT_DOUBLE_EQ(cast_bytes(full, Phase::recompute), 6.0 * 786432);
+  const ModelSpec llama = load_model("tiny-llama");
+  auto llama_bytes = [&](const std::string& name, Phase ph) {
+    return sum_of(layer_ops(llama, c, load_plan(bf16)), name, ph, &OpCost::bytes);
+  };
+  EXPECT_DOUBLE_EQ(llama_bytes("round16", Phase::forward), 8.0 * 524288);
+  EXPECT_DOUBLE_EQ(llama_bytes("round16", Phase::backward), 8.0 * 65536);
+  EXPECT_DOUBLE_EQ(llama_bytes("pack16", Phase::backward), 6.0 * 589824);
+  // fp32 and other stacks: no casts, no packs.
+  EXPECT_DOUBLE_EQ(cast_bytes("tp=1,mbs=2,precision=fp32", Phase::forward), 0.0);
+  EXPECT_DOUBLE_EQ(bytes("tp=1,mbs=2,precision=fp32", "pack16", Phase::backward), 0.0);
+  c.strata_stack = false;
+  EXPECT_DOUBLE_EQ(cast_bytes(bf16, Phase::forward), 0.0);
+  EXPECT_DOUBLE_EQ(bytes(bf16, "pack16", Phase::backward), 0.0);
+}
+
 // The output layer's 16-bit rounding on the strata stack: none in a pass of its own
 // (executor/gpt.cpp head_forward: the final norm rounds its output rows as it writes them,
 // the cross-entropy's backward the logit gradients). tiny-gpt (H 256, vocabulary 512,
@@ -512,6 +579,7 @@ TEST(Compute, StrataSixteenBitPasses) {
 TEST(Compute, StrataOutputLayerRounds16Bit) {
   Cluster c = testing::round_cluster();
   c.strata_stack = true;
+  c.device.gemm_reads_16bit = false;
   const ModelSpec m = load_model("tiny-gpt");
   auto bytes = [&](const std::string& plan, const std::string& name, Phase ph) {
     return sum_of(head_ops(m, c, load_plan(plan)), name, ph, &OpCost::bytes);
@@ -533,6 +601,22 @@ TEST(Compute, StrataOutputLayerRounds16Bit) {
   c.strata_stack = false;
   EXPECT_DOUBLE_EQ(bytes(bf16, "round16", Phase::forward), 0.0);
   EXPECT_DOUBLE_EQ(bytes(bf16, "round16", Phase::backward), 0.0);
+  // Where the GEMMs read 16-bit operands: the final norm's output packed for them (6 T H =
+  // 6 x 65,536) and the weight cast (6 Vt H = 6 x 131,072) in the forward; the logit
+  // gradients packed (6 T Vt = 6 x 131,072) and the weight cast again in the backward.
+  c.strata_stack = true;
+  c.device.gemm_reads_16bit = true;
+  auto memory_named = [&](const std::string& name, Phase ph) {
+    double x = 0;
+    for (const auto& o : head_ops(m, c, load_plan(bf16)))
+      if (o.phase == ph && o.kind == OpKind::memory && o.name == name) x += o.bytes;
+    return x;
+  };
+  EXPECT_DOUBLE_EQ(memory_named("pack16", Phase::forward), 6.0 * 65536);
+  EXPECT_DOUBLE_EQ(memory_named("lm_head", Phase::forward), 6.0 * 131072);
+  EXPECT_DOUBLE_EQ(memory_named("pack16", Phase::backward), 6.0 * 131072);
+  EXPECT_DOUBLE_EQ(memory_named("lm_head", Phase::backward), 6.0 * 131072);
+  EXPECT_DOUBLE_EQ(bytes(bf16, "round16", Phase::backward), 0.0);
 }
 
 // Memory-bound ops at their kind's curve where the device has one (Device::kernel_efficiency,
@@ -544,6 +628,7 @@ TEST(Compute, StrataOutputLayerRounds16Bit) {
 TEST(Compute, MemoryBoundOpsAtTheirKindsCurve) {
   Cluster c = testing::round_cluster();
   c.strata_stack = true;
+  c.device.gemm_reads_16bit = false;  // (StrataSixteenBitPasses' numbers: the CPU backend's passes)
   c.device.memory_efficiency = Curve({{1.0, 0.1}});
   const ModelSpec m = load_model("tiny-gpt");
   const Plan p = load_plan("tp=1,mbs=2,precision=bf16");

@@ -102,6 +102,9 @@ TEST(Profile, TwoRanksTableIsCheckedAndTheProfileLoads) {
   // The CPU backend's batched products (the attention core's) run one by one; the CUDA
   // backend's in one strided-batched call, which its profile writes as "batched".
   EXPECT_TRUE(c.device.batched_gemm_per_matrix);
+  // Its GEMMs run on floats: the executor's 16-bit tensors are unpacked for them
+  // ("gemm_16bit_operands": "unpacked"; the CUDA backend's profile says "as_stored").
+  EXPECT_FALSE(c.device.gemm_reads_16bit);
   EXPECT_EQ(sh(std::string(STRATA_BINARY) + " estimate --model tiny-gpt --cluster " + out +
                " --plan dp=2,mbs=2,gbs=8 --json > " + dir + "strata_profile_est.json"),
             0);

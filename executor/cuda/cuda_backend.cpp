@@ -322,48 +322,80 @@ class CudaBackendImpl final : public CudaBackend {
       matmul(ta, tb, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc, CUDA_R_32F);
       return;
     }
+    gemm16(ta, tb, M, N, K, alpha, GemmOperand::floats(A), lda, GemmOperand::floats(B), ldb, beta, C, ldc);
+  }
+  // 16-bit operands of the GEMM precision, their rows 16-byte aligned (as the operand copies
+  // are: what the tensor-core kernels want; the executor's row widths are multiples of 8),
+  // go to cuBLASLt as they are: no cast, no copy. Others (fp32 products, the other 16-bit
+  // type, rows not so aligned) as the default unpacks them, then cast like any float operand.
+  bool gemm_reads_16bit() const override { return true; }
+  void gemm_mixed(bool ta, bool tb, int64_t M, int64_t N, int64_t K, float alpha, GemmOperand A, int64_t lda,
+                  GemmOperand B, int64_t ldb, float beta, float* C, int64_t ldc) override {
+    auto native = [&](const GemmOperand& x, int64_t ld) {
+      return !x.is_16bit() || (sixteen_kind(x.type) == sixteen_kind(gemm_precision_) &&
+                               reinterpret_cast<uintptr_t>(x.p) % 16 == 0 && ld % 8 == 0);
+    };
+    if (gemm_precision_ == Precision::fp32 || !native(A, lda) || !native(B, ldb) || K == 0 || M == 0 || N == 0) {
+      Backend::gemm_mixed(ta, tb, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc);
+      return;
+    }
     gemm16(ta, tb, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc);
   }
   void set_gemm_scratch_limit(size_t bytes) override { scratch_limit_ = std::max<size_t>(bytes, 4096); }
   void set_attention_workspace_limit(size_t bytes) override { attention_limit_ = static_cast<int64_t>(bytes); }
-  // 16-bit copies of both operands in the scratch buffer, rows padded to 8 elements (16
-  // bytes, what the fast tensor-core kernels want) and B's copy 256-byte aligned after A's;
-  // then the same product on them. Copies over scratch_limit_ bytes: the product in two
-  // halves, each again so if still too large (the stream runs each half's casts after the
-  // previous half's product has read the scratch): C's rows where A's copy is the larger
-  // (A's rows, or its columns when transposed), else C's columns (B's); the shared
-  // dimension K, the second half adding into the first's C, only where M and N are 1.
-  void gemm16(bool ta, bool tb, int64_t M, int64_t N, int64_t K, float alpha, const float* A, int64_t lda,
-              const float* B, int64_t ldb, float beta, float* C, int64_t ldc) {
-    const int kind = gemm_precision_ == Precision::bf16 ? 1 : 2;
+  // 16-bit copies of the float operands in the scratch buffer, rows padded to 8 elements
+  // (16 bytes, what the fast tensor-core kernels want) and B's copy 256-byte aligned after
+  // A's; a 16-bit operand (gemm_mixed) is read where it is, with its own row stride; then the
+  // same product on them. Copies over scratch_limit_ bytes: the product in two halves, each
+  // again so if still too large (the stream runs each half's casts after the previous
+  // half's product has read the scratch): C's rows where A's copy is the larger (A's rows,
+  // or its columns when transposed), else C's columns (B's), else the other operand's where
+  // it has a copy; otherwise the shared dimension K, the second half adding into the first's
+  // C. A half of 16 or more splits at a multiple of 8, so a 16-bit operand's part starts
+  // 16-byte aligned too.
+  void gemm16(bool ta, bool tb, int64_t M, int64_t N, int64_t K, float alpha, GemmOperand A, int64_t lda,
+              GemmOperand B, int64_t ldb, float beta, float* C, int64_t ldc) {
+    const int kind = sixteen_kind(gemm_precision_);
     const int64_t rows_a = ta ? K : M, cols_a = ta ? M : K, rows_b = tb ? N : K, cols_b = tb ? K : N;
-    const int64_t ld_a = (cols_a + 7) / 8 * 8, ld_b = (cols_b + 7) / 8 * 8;
-    const size_t bytes_a = (static_cast<size_t>(rows_a * ld_a) * 2 + 255) / 256 * 256;
-    const size_t bytes_b = static_cast<size_t>(rows_b * ld_b) * 2;
+    const int64_t ld_a = A.is_16bit() ? lda : (cols_a + 7) / 8 * 8, ld_b = B.is_16bit() ? ldb : (cols_b + 7) / 8 * 8;
+    const size_t bytes_a = A.is_16bit() ? 0 : (static_cast<size_t>(rows_a * ld_a) * 2 + 255) / 256 * 256;
+    const size_t bytes_b = B.is_16bit() ? 0 : static_cast<size_t>(rows_b * ld_b) * 2;
     if (bytes_a + bytes_b > scratch_limit_ && (M > 1 || N > 1 || K > 1)) {
-      const bool split_m = M > 1 && (bytes_a >= bytes_b || N == 1);
+      const bool a_first = bytes_a >= bytes_b;  // (the larger copy is A's; with both 16-bit none is)
+      const bool split_m = M > 1 && (a_first || (N == 1 && bytes_a > 0));
+      const bool split_n = !split_m && N > 1 && (!a_first || bytes_b > 0);
+      auto half = [](int64_t d) { return d >= 16 ? d / 2 / 8 * 8 : d / 2; };
       if (split_m) {
-        const int64_t h = M / 2;
+        const int64_t h = half(M);
         gemm16(ta, tb, h, N, K, alpha, A, lda, B, ldb, beta, C, ldc);
-        gemm16(ta, tb, M - h, N, K, alpha, ta ? A + h : A + h * lda, lda, B, ldb, beta, C + h * ldc, ldc);
-      } else if (N > 1) {
-        const int64_t h = N / 2;
+        gemm16(ta, tb, M - h, N, K, alpha, A.offset(ta ? h : h * lda), lda, B, ldb, beta, C + h * ldc, ldc);
+      } else if (split_n) {
+        const int64_t h = half(N);
         gemm16(ta, tb, M, h, K, alpha, A, lda, B, ldb, beta, C, ldc);
-        gemm16(ta, tb, M, N - h, K, alpha, A, lda, tb ? B + h * ldb : B + h, ldb, beta, C + h, ldc);
+        gemm16(ta, tb, M, N - h, K, alpha, A, lda, B.offset(tb ? h * ldb : h), ldb, beta, C + h, ldc);
       } else {
-        const int64_t h = K / 2;
+        const int64_t h = half(K);
         gemm16(ta, tb, M, N, h, alpha, A, lda, B, ldb, beta, C, ldc);
-        gemm16(ta, tb, M, N, K - h, alpha, ta ? A + h * lda : A + h, lda, tb ? B + h : B + h * ldb, ldb, 1.0f, C,
+        gemm16(ta, tb, M, N, K - h, alpha, A.offset(ta ? h * lda : h), lda, B.offset(tb ? h : h * ldb), ldb, 1.0f, C,
                ldc);
       }
       return;
     }
-    char* scratch = static_cast<char*>(scratch_bytes(bytes_a + bytes_b));
-    cuda::cast_matrix(scratch, ld_a, A, rows_a, cols_a, lda, kind, stream_);
-    cuda::cast_matrix(scratch + bytes_a, ld_b, B, rows_b, cols_b, ldb, kind, stream_);
-    matmul(ta, tb, M, N, K, alpha, scratch, ld_a, scratch + bytes_a, ld_b, beta, C, ldc,
-           kind == 1 ? CUDA_R_16BF : CUDA_R_16F);
+    char* scratch = bytes_a + bytes_b > 0 ? static_cast<char*>(scratch_bytes(bytes_a + bytes_b)) : nullptr;
+    const void* a16 = A.p;
+    const void* b16 = B.p;
+    if (!A.is_16bit()) {
+      cuda::cast_matrix(scratch, ld_a, static_cast<const float*>(A.p), rows_a, cols_a, lda, kind, stream_);
+      a16 = scratch;
+    }
+    if (!B.is_16bit()) {
+      cuda::cast_matrix(scratch + bytes_a, ld_b, static_cast<const float*>(B.p), rows_b, cols_b, ldb, kind, stream_);
+      b16 = scratch + bytes_a;
+    }
+    matmul(ta, tb, M, N, K, alpha, a16, ld_a, b16, ld_b, beta, C, ldc, kind == 1 ? CUDA_R_16BF : CUDA_R_16F);
   }
+  // The 16-bit type a precision stores as (pack16's kinds: fp16 2, bf16 and fp8 1).
+  static int sixteen_kind(Precision p) { return p == Precision::fp16 ? 2 : 1; }
   void layernorm_forward(float* out, float* mean, float* rstd, const float* x, const float* w, const float* b,
                          int64_t N, int64_t H, Precision round) override {
     cuda::layernorm_forward(out, mean, rstd, x, w, b, N, H, round_kind(round), stream_);
