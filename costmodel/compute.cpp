@@ -261,7 +261,10 @@ double attention_core_backward(Acc& a, double mlp_s) {
 // instead of rounded); those kept stay packed for the backward (the attention output
 // unpacked for the fused attention's backward); dy and dO are packed instead of rounded,
 // du and dqkv packed after their rounding (dqkv's rounding pass only for a bias gradient:
-// packing rounds). Nothing of this runs outside the strata stack or in fp32.
+// packing rounds). The norms' inputs x and x2 and the fc1 output stay packed too, read so
+// by the norms' and the activation's backwards (reads_kept_16bit), but under full
+// recompute (its replay starts from x as floats). Nothing of this runs outside the strata
+// stack or in fp32.
 struct Tensors {
   std::array<double, 12> values{};
   int count = 0;
@@ -312,7 +315,8 @@ SixteenBitPasses sixteen_bit_passes(const Acc& a) {
     v.unpacked.add(x);
   };
   if (as_stored) {
-    for (double x : {Tn * H, T * Q, Tn * H, T * F1}) both(x);  // x, qkv, x2, u
+    for (double x : {Tn * H, T * Q, Tn * H, T * F1}) v.kept.add(x);  // x, qkv, x2, u
+    v.unpacked.add(T * Q);  // (x, x2 and u read as stored)
     if (flash) v.unpacked.add(T * ADt);
   } else {
     for (double x : {Tn * H, Tn * H, T * Q, T * ADt, Tn * H, Tn * H, T * F1, T * Ft}) both(x);  // x, h1, qkv, att, x2, h2, u, act
@@ -328,6 +332,13 @@ SixteenBitPasses sixteen_bit_passes(const Acc& a) {
     v.unpacked.add(probs);
   }
   return v;
+}
+
+// Whether the norms' and the activation's backwards read their kept inputs (x, x2; the fc1
+// output) in 16 bits, 2 bytes a value where floats take work_bytes (sixteen_bit_passes).
+bool reads_kept_16bit(const Acc& a) {
+  return a.cs.stack.strata && a.cl.device.gemm_reads_16bit && a.p.recompute != Recompute::full &&
+         (a.p.precision == Precision::bf16 || a.p.precision == Precision::fp16);
 }
 
 // One memory-bound pass per tensor, `bytes_per_value` each.
@@ -402,6 +413,9 @@ void layer_backward(Acc& a) {
   const double fc1_cols = static_cast<double>(m.fc1_out()) / t;
   const double Ft = static_cast<double>(m.F) / t;
   const double mask = m.hidden_dropout > 0 ? 1.0 : 0.0;
+  // A norm's and the activation's backward read their output gradient, their kept input
+  // (x; u: 16-bit where reads_kept_16bit) and write their input gradient.
+  const double kept_in = reads_kept_16bit(a) ? 2.0 : e;
   // MLP block, in reverse.
   const double compute0 = a.w(ph).compute_s;
   a.mem("bias_dropout_add", ph, (2.0 * e + mask) * Tn * H);
@@ -411,13 +425,13 @@ void layer_backward(Acc& a) {
     a.block_gather("sp_all_gather", ph, T, Ft, H, false);  // backward of the reduce-scatter after fc2, for its dgrad
     a.linear("fc2", ph, T, H, Ft);
     a.mem(to_string(m.activation), ph,
-          (m.gated() ? 5.0 : 3.0) * e * T * Ft, MemKind::activation);
+          (m.gated() ? 3.0 * e + 2.0 * kept_in : 2.0 * e + kept_in) * T * Ft, MemKind::activation);
     // fc1: the sequence-parallel input is gathered again for wgrad, behind dgrad.
     a.block_gather("sp_all_gather", ph, T, H, fc1_cols, true);
     a.linear("fc1", ph, T, fc1_cols, H);
     a.tp_reduce(p.sp ? "sp_reduce_scatter" : "tp_all_reduce", ph, wgrad_overlap(a, T, fc1_cols, H));
   }
-  a.mem("norm2", ph, 3.0 * e * Tn * H, MemKind::norm);
+  a.mem("norm2", ph, (2.0 * e + kept_in) * Tn * H, MemKind::norm);
   const double mlp_s = a.w(ph).compute_s - compute0;
   // Attention block, in reverse.
   a.mem("bias_dropout_add", ph, (2.0 * e + mask) * Tn * H);
@@ -433,7 +447,7 @@ void layer_backward(Acc& a) {
     a.linear("qkv", ph, T, qkv_cols, H);
     a.tp_reduce(p.sp ? "sp_reduce_scatter" : "tp_all_reduce", ph, wgrad_overlap(a, T, qkv_cols, H));
   }
-  a.mem("norm1", ph, 3.0 * e * Tn * H, MemKind::norm);
+  a.mem("norm1", ph, (2.0 * e + kept_in) * Tn * H, MemKind::norm);
   if (!a.cs.stack.grad_accumulation_fusion)
     a.mem("grad_accumulation", ph, grad_accumulation_bytes(p.precision, a.cs.grad_bytes) * static_cast<double>(m.layer_params(p.t, p.ep, p.etp)));
   if (!a.cs.stack.strata) return;

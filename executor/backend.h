@@ -21,18 +21,19 @@ namespace strata {
 // charged to none.
 constexpr int kMemPools = 6;
 
-// A GEMM operand of Backend::gemm_mixed: `type` fp32 for float values, bf16 or fp16 for
-// 16-bit values as Backend::pack16 stores them (fp8 stands for bf16 there, as in pack16).
-struct GemmOperand {
+// An op's input in either storage (Backend::gemm_mixed's operands, the kept inputs of the
+// *_stored backwards): `type` fp32 for float values, bf16 or fp16 for 16-bit values as
+// Backend::pack16 stores them (fp8 stands for bf16 there, as in pack16).
+struct Operand {
   const void* p = nullptr;
   Precision type = Precision::fp32;
-  static GemmOperand floats(const float* x) { return {x, Precision::fp32}; }
-  static GemmOperand sixteen(const uint16_t* x, Precision t) { return {x, t}; }
+  static Operand floats(const float* x) { return {x, Precision::fp32}; }
+  static Operand sixteen(const uint16_t* x, Precision t) { return {x, t}; }
   bool is_16bit() const { return type != Precision::fp32; }
   // The operand `elements` values on.
-  GemmOperand offset(int64_t elements) const {
-    return is_16bit() ? GemmOperand{static_cast<const uint16_t*>(p) + elements, type}
-                      : GemmOperand{static_cast<const float*>(p) + elements, type};
+  Operand offset(int64_t elements) const {
+    return is_16bit() ? Operand{static_cast<const uint16_t*>(p) + elements, type}
+                      : Operand{static_cast<const float*>(p) + elements, type};
   }
 };
 
@@ -104,11 +105,11 @@ class Backend {
   virtual void gemm(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K, float alpha,
                     const float* A, int64_t lda, const float* B, int64_t ldb, float beta, float* C,
                     int64_t ldc) = 0;
-  // The same product with operands in either storage (GemmOperand): floats, or 16-bit values
+  // The same product with operands in either storage (Operand): floats, or 16-bit values
   // as pack16 stores them. The default unpacks a 16-bit operand into floats (the rows it
   // spans, in this backend's memory) and calls gemm(): the same values, so the same C.
-  virtual void gemm_mixed(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K, float alpha, GemmOperand A,
-                          int64_t lda, GemmOperand B, int64_t ldb, float beta, float* C, int64_t ldc);
+  virtual void gemm_mixed(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K, float alpha, Operand A,
+                          int64_t lda, Operand B, int64_t ldb, float beta, float* C, int64_t ldc);
   // Whether gemm_mixed reads a 16-bit operand as it is stored (a GPU's 16-bit GEMMs, whose
   // float operands are converted first) rather than unpacking it (the CPU's fp32 GEMMs):
   // the executor then hands its 16-bit tensors to the GEMMs in 16 bits. The cost model's
@@ -132,6 +133,15 @@ class Backend {
                                   Precision round = Precision::fp32) = 0;
   virtual void activation_backward(Activation a, float* du, const float* dout, const float* u, int64_t N, int64_t F,
                                    Precision round = Precision::fp32) = 0;
+  // The same three backwards with their kept input (x; u) in either storage (Operand): where
+  // gemm_reads_16bit the executor keeps those inputs packed through the backward. The
+  // defaults unpack a 16-bit input (in this backend's memory) and call the ops above.
+  virtual void layernorm_backward_stored(float* dx, float* dw, float* db, const float* dout, Operand x,
+                                         const float* mean, const float* rstd, const float* w, int64_t N, int64_t H);
+  virtual void rmsnorm_backward_stored(float* dx, float* dw, const float* dout, Operand x, const float* rstd,
+                                       const float* w, int64_t N, int64_t H);
+  virtual void activation_backward_stored(Activation a, float* du, const float* dout, Operand u, int64_t N, int64_t F,
+                                          Precision round = Precision::fp32);
   // Rotates heads [0, heads) of each row of x (S*B rows of stride ld, D per head), row
   // s*B + b at position s; inverse = true applies the transpose (the backward).
   virtual void rope(float* x, int64_t S, int64_t B, int64_t heads, int64_t D, int64_t ld, bool inverse) = 0;

@@ -85,14 +85,14 @@ void pack_operand(const ModelCtx& c, Buf& b, bool own_region = true) {
 }
 
 // A buffer as a GEMM operand: its 16-bit values while packed, else its floats.
-GemmOperand operand(const Buf& b) {
-  return b.packed() ? GemmOperand::sixteen(b.data16(), b.packed_as()) : GemmOperand::floats(b.data());
+Operand operand(const Buf& b) {
+  return b.packed() ? Operand::sixteen(b.data16(), b.packed_as()) : Operand::floats(b.data());
 }
-GemmOperand operand(const float* x) { return GemmOperand::floats(x); }
+Operand operand(const float* x) { return Operand::floats(x); }
 
 // Backend::gemm on operands in either storage.
-void gemm(const ModelCtx& c, bool ta, bool tb, int64_t M, int64_t N, int64_t K, GemmOperand A, int64_t lda,
-          GemmOperand B, int64_t ldb, float beta, float* C, int64_t ldc) {
+void gemm(const ModelCtx& c, bool ta, bool tb, int64_t M, int64_t N, int64_t K, Operand A, int64_t lda,
+          Operand B, int64_t ldb, float beta, float* C, int64_t ldc) {
   if (A.is_16bit() || B.is_16bit())
     c.be->gemm_mixed(ta, tb, M, N, K, 1.0f, A, lda, B, ldb, beta, C, ldc);
   else
@@ -142,10 +142,18 @@ void norm_forward(const ModelCtx& c, const float* w, const float* b, const Buf& 
   }
 }
 
+// x packed (sixteen_operands: kept so through the backward) is read as it is stored.
 void norm_backward(const ModelCtx& c, float* dx, float* dw, float* db, const Buf& dout, const Buf& x,
                    const Buf& mean, const Buf& rstd, const float* w) {
   const int64_t n = c.n(), H = c.m->H;
-  if (c.m->normalization == Norm::layernorm)
+  const bool layernorm = c.m->normalization == Norm::layernorm;
+  if (x.packed()) {
+    const Operand xs = Operand::sixteen(x.data16(), x.packed_as());
+    if (layernorm) c.be->layernorm_backward_stored(dx, dw, db, dout.data(), xs, mean.data(), rstd.data(), w, n, H);
+    else c.be->rmsnorm_backward_stored(dx, dw, dout.data(), xs, rstd.data(), w, n, H);
+    return;
+  }
+  if (layernorm)
     c.be->layernorm_backward(dx, dw, db, dout.data(), x.data(), mean.data(), rstd.data(), w, n, H);
   else
     c.be->rmsnorm_backward(dx, dw, dout.data(), x.data(), rstd.data(), w, n, H);
@@ -434,13 +442,17 @@ void pack_saved(const ModelCtx& c, LayerActs* a) {
 }
 // With sixteen_operands(c) the GEMM inputs stay packed: the norms' outputs (gathered or
 // not), the activation and the attention's output, whose backward GEMM reads it first (the
-// fused attention's backward, after it, unpacks it: unpack_for_attention).
+// fused attention's backward, after it, unpacks it: unpack_for_attention); and so do the
+// norms' inputs and the fc1 output, which the norms' and the activation's backwards read as
+// stored (Backend::*_stored), but under full recompute, whose replay starts from the input.
 void unpack_saved(const ModelCtx& c, LayerActs* a) {
   const OpScope op(c.precision == Precision::fp32 ? nullptr : c.ops, "unpack16");
   const bool keep = sixteen_operands(c);
+  const bool replayed = c.recompute == Recompute::full;
   for (Buf* b : a->sixteen_bit()) {
     const bool gemm_input = b == &a->h1 || b == &a->g1 || b == &a->h2 || b == &a->g2 || b == &a->a || b == &a->att;
-    if (!(keep && gemm_input)) b->unpack();
+    const bool read_stored = !replayed && (b == &a->x || b == &a->x2 || b == &a->u);
+    if (!(keep && (gemm_input || read_stored))) b->unpack();
   }
 }
 
@@ -525,7 +537,10 @@ Buf layer_backward(const ModelCtx& c, const UnitView& u, int64_t l, LayerActs* a
   Buf du = c.f32_out(N * F1);
   {
     const OpScope op(c.ops, to_string(m.activation));
-    c.be->activation_backward(m.activation, du.data(), da.data(), a->u.data(), N, Ft, c.precision);
+    if (a->u.packed())  // (sixteen_operands: kept so through the backward)
+      c.be->activation_backward_stored(m.activation, du.data(), da.data(), operand(a->u), N, Ft, c.precision);
+    else
+      c.be->activation_backward(m.activation, du.data(), da.data(), a->u.data(), N, Ft, c.precision);
   }
   da.release();
   const Buf& g2 = gathered ? a->g2 : a->h2;

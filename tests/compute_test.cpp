@@ -511,18 +511,22 @@ TEST(Compute, StrataSixteenBitPasses) {
 //     pack16 the GEMM inputs h1, att, h2 (65,536 each) and the activation (262,144) =
 //     458,752, then the kept rest x, qkv (196,608), x2, u (262,144) and the probabilities
 //     (131,072) = 720,896: 1,179,648, as many as before (each packed once)
-//   backward: unpack16 only what is not a GEMM's: 720,896 (fused attention: x, qkv, x2, u
-//     and its output again, 655,360); round16 datt (65,536) and dqkv (196,608, for its bias
-//     gradient) = 262,144; pack16 dy (65,536), du (262,144), dO (65,536), dqkv (196,608) =
-//     589,824
+//   backward: unpack16 only what neither a GEMM nor a norm's or the activation's backward
+//     reads as stored: qkv and the probabilities, 327,680 (fused attention: qkv and its
+//     output, 262,144); round16 datt (65,536) and dqkv (196,608, for its bias gradient) =
+//     262,144; pack16 dy (65,536), du (262,144), dO (65,536), dqkv (196,608) = 589,824;
+//     norm1 reads x at 2 bytes: (2 x 4 + 2) x 65,536 = 655,360 bytes (floats: 786,432),
+//     GELU u: (2 x 4 + 2) x 262,144 = 2,621,440 (3,145,728)
 //   weight casts: qkv 256 x 768 = 196,608, attn_proj 65,536, fc1 and fc2 262,144 each;
 //     per phase 786,432 weights
 //   full recompute (fp16): forward pack16 the GEMM inputs 458,752 + x 65,536 = 524,288; the
 //     replay packs its GEMM inputs again (458,752); the backward unpacks x (65,536), with the
-//     fused attention also the replay's output (131,072)
+//     fused attention also the replay's output (131,072); the norms and the activation read
+//     the replay's floats (786,432 bytes for norm1)
 // tiny-llama (no biases, RoPE; Q 384, F1 1408, F 704): forward round16 x, qkv (98,304) and
 // the fc1 output (360,448) = 524,288; backward round16 datt alone (65,536: no bias gradient
-// for dqkv), pack16 dy, du (360,448), dO, dqkv (98,304) = 589,824.
+// for dqkv), pack16 dy, du (360,448), dO, dqkv (98,304) = 589,824; SwiGLU's backward reads
+// its 2F-wide u at 2 bytes: (3 x 4 + 2 x 2) x 256 x 704 = 2,883,584 bytes (floats: 3,604,480).
 TEST(Compute, StrataSixteenBitOperandsAsStored) {
   Cluster c = testing::round_cluster();
   c.strata_stack = true;
@@ -541,17 +545,20 @@ TEST(Compute, StrataSixteenBitOperandsAsStored) {
   const std::string bf16 = "tp=1,mbs=2,precision=bf16";
   EXPECT_DOUBLE_EQ(bytes(bf16, "round16", Phase::forward), 8.0 * 65536);
   EXPECT_DOUBLE_EQ(bytes(bf16, "pack16", Phase::forward), 6.0 * 1179648);
-  EXPECT_DOUBLE_EQ(bytes(bf16, "unpack16", Phase::backward), 6.0 * 720896);
+  EXPECT_DOUBLE_EQ(bytes(bf16, "unpack16", Phase::backward), 6.0 * 327680);
+  EXPECT_DOUBLE_EQ(bytes(bf16, "norm1", Phase::backward), 655360.0);
+  EXPECT_DOUBLE_EQ(bytes(bf16, "gelu", Phase::backward), 2621440.0);
   EXPECT_DOUBLE_EQ(bytes(bf16, "round16", Phase::backward), 8.0 * 262144);
   EXPECT_DOUBLE_EQ(bytes(bf16, "pack16", Phase::backward), 6.0 * 589824);
   EXPECT_DOUBLE_EQ(cast_bytes(bf16, Phase::forward), 6.0 * 786432);
   EXPECT_DOUBLE_EQ(cast_bytes(bf16, Phase::backward), 6.0 * 786432);
-  EXPECT_DOUBLE_EQ(bytes(bf16 + ",attention=flash", "unpack16", Phase::backward), 6.0 * 655360);
+  EXPECT_DOUBLE_EQ(bytes(bf16 + ",attention=flash", "unpack16", Phase::backward), 6.0 * 262144);
   const std::string full = "tp=1,mbs=2,precision=fp16,recompute=full";
   EXPECT_DOUBLE_EQ(bytes(full, "pack16", Phase::forward), 6.0 * 524288);
   EXPECT_DOUBLE_EQ(bytes(full, "pack16", Phase::recompute), 6.0 * 458752);
   EXPECT_DOUBLE_EQ(bytes(full, "unpack16", Phase::backward), 6.0 * 65536);
   EXPECT_DOUBLE_EQ(bytes(full + ",attention=flash", "unpack16", Phase::backward), 6.0 * 131072);
+  EXPECT_DOUBLE_EQ(bytes(full, "norm1", Phase::backward), 786432.0);
   EXPECT_DOUBLE_EQ(cast_bytes(full, Phase::recompute), 6.0 * 786432);
   const ModelSpec llama = load_model("tiny-llama");
   auto llama_bytes = [&](const std::string& name, Phase ph) {
@@ -560,6 +567,7 @@ TEST(Compute, StrataSixteenBitOperandsAsStored) {
   EXPECT_DOUBLE_EQ(llama_bytes("round16", Phase::forward), 8.0 * 524288);
   EXPECT_DOUBLE_EQ(llama_bytes("round16", Phase::backward), 8.0 * 65536);
   EXPECT_DOUBLE_EQ(llama_bytes("pack16", Phase::backward), 6.0 * 589824);
+  EXPECT_DOUBLE_EQ(llama_bytes("swiglu", Phase::backward), 2883584.0);
   // fp32 and other stacks: no casts, no packs.
   EXPECT_DOUBLE_EQ(cast_bytes("tp=1,mbs=2,precision=fp32", Phase::forward), 0.0);
   EXPECT_DOUBLE_EQ(bytes("tp=1,mbs=2,precision=fp32", "pack16", Phase::backward), 0.0);

@@ -69,6 +69,19 @@ class CudaOps : public ::testing::Test {
     owned_.push_back(d);
     return d;
   }
+  // A device copy of 16-bit values (pack16's storage), freed with the test.
+  const uint16_t* dev16(const std::vector<uint16_t>& h) {
+    void* d = gpu_->allocate_bytes(h.size() * sizeof(uint16_t));
+    gpu_->bytes_to_device(d, h.data(), h.size() * sizeof(uint16_t));
+    owned_bytes_.push_back(d);
+    return static_cast<const uint16_t*>(d);
+  }
+  // x's values in 16-bit storage (pack16's, rounding to p).
+  std::vector<uint16_t> sixteen(const Vec& x, Precision p) {
+    std::vector<uint16_t> h(x.size());
+    cpu_->pack16(h.data(), x.data(), static_cast<int64_t>(x.size()), p);
+    return h;
+  }
   Vec host(const float* d, size_t n) {
     Vec h(n);
     gpu_->synchronise();
@@ -77,6 +90,7 @@ class CudaOps : public ::testing::Test {
   }
   void TearDown() override {
     for (float* d : owned_) gpu_->device_free(d);
+    for (void* d : owned_bytes_) gpu_->deallocate_bytes(d);
   }
   // LayerNorm / RMSNorm forward and backward of (N, H) against the CPU backend.
   void layernorm_case(int64_t N, int64_t H) {
@@ -137,6 +151,7 @@ class CudaOps : public ::testing::Test {
   std::unique_ptr<CudaBackend> gpu_;
   std::unique_ptr<Backend> cpu_;
   std::vector<float*> owned_;
+  std::vector<void*> owned_bytes_;
   std::mt19937 rng_{42};
 };
 
@@ -286,18 +301,6 @@ TEST_F(CudaOps, GemmInPartsPastTheScratchLimit) {
 TEST_F(CudaOps, GemmReadsSixteenBitOperandsAsStored) {
   EXPECT_TRUE(gpu_->gemm_reads_16bit());
   EXPECT_FALSE(cpu_->gemm_reads_16bit());
-  std::vector<void*> bytes;
-  auto dev16 = [&](const std::vector<uint16_t>& h) {
-    void* d = gpu_->allocate_bytes(h.size() * sizeof(uint16_t));
-    gpu_->bytes_to_device(d, h.data(), h.size() * sizeof(uint16_t));
-    bytes.push_back(d);
-    return static_cast<const uint16_t*>(d);
-  };
-  auto sixteen = [&](const Vec& x, Precision p) {
-    std::vector<uint16_t> h(x.size());
-    cpu_->pack16(h.data(), x.data(), static_cast<int64_t>(x.size()), p);
-    return h;
-  };
   const int64_t M = 40, N = 48, K = 64;
   for (Precision p : {Precision::bf16, Precision::fp16}) {
     gpu_->set_gemm_precision(p);
@@ -313,12 +316,12 @@ TEST_F(CudaOps, GemmReadsSixteenBitOperandsAsStored) {
             cpu_->round_to(b.data(), static_cast<int64_t>(b.size()), p);
             Vec c = random(static_cast<size_t>(M * ldc));
             const std::vector<uint16_t> ha = sixteen(a, p), hb = sixteen(b, p);
-            const GemmOperand A = a16 ? GemmOperand::sixteen(dev16(ha), p) : GemmOperand::floats(dev(a));
-            const GemmOperand B = b16 ? GemmOperand::sixteen(dev16(hb), p) : GemmOperand::floats(dev(b));
+            const Operand A = a16 ? Operand::sixteen(dev16(ha), p) : Operand::floats(dev(a));
+            const Operand B = b16 ? Operand::sixteen(dev16(hb), p) : Operand::floats(dev(b));
             float* dc = dev(c);
             gpu_->gemm_mixed(ta, tb, M, N, K, 0.75f, A, lda, B, ldb, 0.5f, dc, ldc);
-            cpu_->gemm_mixed(ta, tb, M, N, K, 0.75f, a16 ? GemmOperand::sixteen(ha.data(), p) : GemmOperand::floats(a.data()),
-                             lda, b16 ? GemmOperand::sixteen(hb.data(), p) : GemmOperand::floats(b.data()), ldb, 0.5f,
+            cpu_->gemm_mixed(ta, tb, M, N, K, 0.75f, a16 ? Operand::sixteen(ha.data(), p) : Operand::floats(a.data()),
+                             lda, b16 ? Operand::sixteen(hb.data(), p) : Operand::floats(b.data()), ldb, 0.5f,
                              c.data(), ldc);
             expect_close(host(dc, c.size()), c, 1e-5,
                          std::string(to_string(p)) + " gemm_mixed ta=" + std::to_string(ta) + " tb=" + std::to_string(tb) +
@@ -334,12 +337,68 @@ TEST_F(CudaOps, GemmReadsSixteenBitOperandsAsStored) {
   cpu_->round_to(a.data(), static_cast<int64_t>(a.size()), Precision::fp16);
   Vec c(static_cast<size_t>(M * N), 0.0f);
   float* dc = dev(c);
-  gpu_->gemm_mixed(false, false, M, N, K, 1.0f, GemmOperand::sixteen(dev16(sixteen(a, Precision::fp16)), Precision::fp16),
-                   K, GemmOperand::floats(dev(b)), N, 0.0f, dc, N);
+  gpu_->gemm_mixed(false, false, M, N, K, 1.0f, Operand::sixteen(dev16(sixteen(a, Precision::fp16)), Precision::fp16),
+                   K, Operand::floats(dev(b)), N, 0.0f, dc, N);
   cpu_->gemm(false, false, M, N, K, 1.0f, a.data(), K, b.data(), N, 0.0f, c.data(), N);
   expect_close(host(dc, c.size()), c, 1e-2, "fp16 storage in a bf16 GEMM");
   gpu_->set_gemm_precision(Precision::fp32);
-  for (void* d : bytes) gpu_->deallocate_bytes(d);
+}
+
+// The norms' and the activation's backwards with their kept input in 16-bit storage
+// (Backend::*_stored: where the GEMMs read 16-bit operands the executor keeps x, x2 and
+// the fc1 output packed through the backward), each value loaded as pack16 stores it:
+// against the CPU backend's float op on the same values, fp32 accuracy; and the CPU
+// backend's own *_stored (the default: unpacked first) its float op bit for bit.
+TEST_F(CudaOps, NormAndActivationBackwardsReadStoredInputs) {
+  const int64_t N = 37, H = 200, F = 96;
+  for (Precision p : {Precision::bf16, Precision::fp16}) {
+    SCOPED_TRACE(to_string(p));
+    Vec x = random(N * H, 2.0f);
+    cpu_->round_to(x.data(), N * H, p);
+    const std::vector<uint16_t> x16 = sixteen(x, p);
+    const Operand on_gpu = Operand::sixteen(dev16(x16), p), on_cpu = Operand::sixteen(x16.data(), p);
+    const Vec w = random(H), b = random(H), dout = random(N * H), dx0 = random(N * H), dw0 = random(H), db0 = random(H);
+    Vec out(N * H), mean(N), rstd(N);
+    for (bool layernorm : {true, false}) {
+      SCOPED_TRACE(layernorm ? "layernorm" : "rmsnorm");
+      if (layernorm) cpu_->layernorm_forward(out.data(), mean.data(), rstd.data(), x.data(), w.data(), b.data(), N, H);
+      else cpu_->rmsnorm_forward(out.data(), rstd.data(), x.data(), w.data(), N, H);
+      Vec dx = dx0, dw = dw0, db = db0, sx = dx0, sw = dw0, sb = db0;
+      float *gdx = dev(dx0), *gdw = dev(dw0), *gdb = dev(db0), *gdout = dev(dout), *gw = dev(w);
+      float *gmean = dev(mean), *grstd = dev(rstd);
+      if (layernorm) {
+        gpu_->layernorm_backward_stored(gdx, gdw, gdb, gdout, on_gpu, gmean, grstd, gw, N, H);
+        cpu_->layernorm_backward(dx.data(), dw.data(), db.data(), dout.data(), x.data(), mean.data(), rstd.data(), w.data(), N, H);
+        cpu_->layernorm_backward_stored(sx.data(), sw.data(), sb.data(), dout.data(), on_cpu, mean.data(), rstd.data(),
+                                        w.data(), N, H);
+      } else {
+        gpu_->rmsnorm_backward_stored(gdx, gdw, gdout, on_gpu, grstd, gw, N, H);
+        cpu_->rmsnorm_backward(dx.data(), dw.data(), dout.data(), x.data(), rstd.data(), w.data(), N, H);
+        cpu_->rmsnorm_backward_stored(sx.data(), sw.data(), dout.data(), on_cpu, rstd.data(), w.data(), N, H);
+      }
+      expect_close(host(gdx, dx.size()), dx, 1e-5, "dx");
+      expect_close(host(gdw, dw.size()), dw, 1e-5, "dw");
+      if (layernorm) expect_close(host(gdb, db.size()), db, 1e-5, "db");
+      EXPECT_EQ(sx, dx);
+      EXPECT_EQ(sw, dw);
+      EXPECT_EQ(sb, db);
+    }
+    for (Activation a : {Activation::gelu, Activation::swiglu, Activation::geglu}) {
+      SCOPED_TRACE(to_string(a));
+      const int64_t width = a == Activation::gelu ? F : 2 * F;
+      Vec u = random(N * width, 2.0f);
+      cpu_->round_to(u.data(), N * width, p);
+      const std::vector<uint16_t> u16 = sixteen(u, p);
+      const Vec da = random(N * F);
+      Vec du(N * width), su(N * width);
+      float* gdu = dev(nans(du.size()));
+      gpu_->activation_backward_stored(a, gdu, dev(da), Operand::sixteen(dev16(u16), p), N, F);
+      cpu_->activation_backward(a, du.data(), da.data(), u.data(), N, F);
+      cpu_->activation_backward_stored(a, su.data(), da.data(), Operand::sixteen(u16.data(), p), N, F);
+      expect_close(host(gdu, du.size()), du, 1e-5, "du");
+      EXPECT_EQ(su, du);
+    }
+  }
 }
 
 // The vocab-parallel cross-entropy's three phases on a slice [lo, lo + Vt) of the

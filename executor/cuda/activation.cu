@@ -38,19 +38,21 @@ __global__ void forward(int kind, float* out, const float* u, long long N, long 
   out[t] = round_value(act(kind, row[j], nullptr) * row[F + j], round);
 }
 
-__global__ void backward(int kind, float* du, const float* dout, const float* u, long long N, long long F, int round) {
+// u in either storage (uk: round.cuh's load_stored).
+__global__ void backward(int kind, float* du, const float* dout, const void* u, int uk, long long N, long long F,
+                         int round) {
   const long long t = blockIdx.x * static_cast<long long>(blockDim.x) + threadIdx.x;
   if (t >= N * F) return;
   float g = 0.0f;
   if (kind == 0) {
-    gelu(u[t], &g);
+    gelu(load_stored(u, t, uk), &g);
     du[t] = round_value(dout[t] * g, round);
     return;
   }
   const long long i = t / F, j = t % F;
-  const float* row = u + i * 2 * F;
-  const float a = act(kind, row[j], &g);
-  du[i * 2 * F + j] = round_value(dout[t] * row[F + j] * g, round);
+  const float gate = load_stored(u, i * 2 * F + j, uk), up = load_stored(u, i * 2 * F + F + j, uk);
+  const float a = act(kind, gate, &g);
+  du[i * 2 * F + j] = round_value(dout[t] * up * g, round);
   du[i * 2 * F + F + j] = round_value(dout[t] * a, round);
 }
 
@@ -62,11 +64,16 @@ void activation_forward(int kind, float* out, const float* u, int64_t N, int64_t
   CUDA_CHECK_LAUNCH();
 }
 
+void activation_backward(int kind, float* du, const float* dout, const void* u, int u_kind, int64_t N, int64_t F,
+                         int round, cudaStream_t s) {
+  if (N * F == 0) return;
+  STRATA_LAUNCH(backward, blocks_for(N * F, kThreads), kThreads, 0, s)(kind, du, dout, u, u_kind, N, F, round);
+  CUDA_CHECK_LAUNCH();
+}
+
 void activation_backward(int kind, float* du, const float* dout, const float* u, int64_t N, int64_t F, int round,
                          cudaStream_t s) {
-  if (N * F == 0) return;
-  STRATA_LAUNCH(backward, blocks_for(N * F, kThreads), kThreads, 0, s)(kind, du, dout, u, N, F, round);
-  CUDA_CHECK_LAUNCH();
+  activation_backward(kind, du, dout, u, 0, N, F, round, s);
 }
 
 }  // namespace strata::cuda

@@ -322,16 +322,16 @@ class CudaBackendImpl final : public CudaBackend {
       matmul(ta, tb, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc, CUDA_R_32F);
       return;
     }
-    gemm16(ta, tb, M, N, K, alpha, GemmOperand::floats(A), lda, GemmOperand::floats(B), ldb, beta, C, ldc);
+    gemm16(ta, tb, M, N, K, alpha, Operand::floats(A), lda, Operand::floats(B), ldb, beta, C, ldc);
   }
   // 16-bit operands of the GEMM precision, their rows 16-byte aligned (as the operand copies
   // are: what the tensor-core kernels want; the executor's row widths are multiples of 8),
   // go to cuBLASLt as they are: no cast, no copy. Others (fp32 products, the other 16-bit
   // type, rows not so aligned) as the default unpacks them, then cast like any float operand.
   bool gemm_reads_16bit() const override { return true; }
-  void gemm_mixed(bool ta, bool tb, int64_t M, int64_t N, int64_t K, float alpha, GemmOperand A, int64_t lda,
-                  GemmOperand B, int64_t ldb, float beta, float* C, int64_t ldc) override {
-    auto native = [&](const GemmOperand& x, int64_t ld) {
+  void gemm_mixed(bool ta, bool tb, int64_t M, int64_t N, int64_t K, float alpha, Operand A, int64_t lda,
+                  Operand B, int64_t ldb, float beta, float* C, int64_t ldc) override {
+    auto native = [&](const Operand& x, int64_t ld) {
       return !x.is_16bit() || (sixteen_kind(x.type) == sixteen_kind(gemm_precision_) &&
                                reinterpret_cast<uintptr_t>(x.p) % 16 == 0 && ld % 8 == 0);
     };
@@ -353,8 +353,8 @@ class CudaBackendImpl final : public CudaBackend {
   // it has a copy; otherwise the shared dimension K, the second half adding into the first's
   // C. A half of 16 or more splits at a multiple of 8, so a 16-bit operand's part starts
   // 16-byte aligned too.
-  void gemm16(bool ta, bool tb, int64_t M, int64_t N, int64_t K, float alpha, GemmOperand A, int64_t lda,
-              GemmOperand B, int64_t ldb, float beta, float* C, int64_t ldc) {
+  void gemm16(bool ta, bool tb, int64_t M, int64_t N, int64_t K, float alpha, Operand A, int64_t lda,
+              Operand B, int64_t ldb, float beta, float* C, int64_t ldc) {
     const int kind = sixteen_kind(gemm_precision_);
     const int64_t rows_a = ta ? K : M, cols_a = ta ? M : K, rows_b = tb ? N : K, cols_b = tb ? K : N;
     const int64_t ld_a = A.is_16bit() ? lda : (cols_a + 7) / 8 * 8, ld_b = B.is_16bit() ? ldb : (cols_b + 7) / 8 * 8;
@@ -419,6 +419,22 @@ class CudaBackendImpl final : public CudaBackend {
                            Precision round) override {
     cuda::activation_backward(kind(a), du, dout, u, N, F, round_kind(round), stream_);
   }
+  // The kept input read where it lies, in either storage (kernels.h: the kernels load each
+  // value as pack16 stores it).
+  void layernorm_backward_stored(float* dx, float* dw, float* db, const float* dout, Operand x, const float* mean,
+                                 const float* rstd, const float* w, int64_t N, int64_t H) override {
+    cuda::layernorm_backward(dx, dw, db, dout, x.p, stored_kind(x), mean, rstd, w, N, H, stream_);
+  }
+  void rmsnorm_backward_stored(float* dx, float* dw, const float* dout, Operand x, const float* rstd, const float* w,
+                               int64_t N, int64_t H) override {
+    cuda::rmsnorm_backward(dx, dw, dout, x.p, stored_kind(x), rstd, w, N, H, stream_);
+  }
+  void activation_backward_stored(Activation a, float* du, const float* dout, Operand u, int64_t N, int64_t F,
+                                  Precision round) override {
+    cuda::activation_backward(kind(a), du, dout, u.p, stored_kind(u), N, F, round_kind(round), stream_);
+  }
+  // An input's storage as the kernels' loads name it: 0 floats, else pack16's kind.
+  static int stored_kind(const Operand& x) { return x.is_16bit() ? sixteen_kind(x.type) : 0; }
   void rope(float* x, int64_t S, int64_t B, int64_t heads, int64_t D, int64_t ld, bool inverse) override {
     cuda::rope(x, S, B, heads, D, ld, inverse, stream_);
   }

@@ -20,14 +20,22 @@ void layernorm_forward(float* out, float* mean, float* rstd, const float* x, con
                        int64_t N, int64_t H, int round, cudaStream_t s);
 void layernorm_backward(float* dx, float* dw, float* db, const float* dout, const float* x, const float* mean,
                         const float* rstd, const float* w, int64_t N, int64_t H, cudaStream_t s);
+// The backwards below also take their kept input (x; u) in either storage: x_kind (u_kind)
+// 0 floats, 1 bf16, 2 fp16 as pack16 stores them (round.cuh's load_stored).
+void layernorm_backward(float* dx, float* dw, float* db, const float* dout, const void* x, int x_kind,
+                        const float* mean, const float* rstd, const float* w, int64_t N, int64_t H, cudaStream_t s);
 void rmsnorm_forward(float* out, float* rstd, const float* x, const float* w, int64_t N, int64_t H, int round,
                      cudaStream_t s);
 void rmsnorm_backward(float* dx, float* dw, const float* dout, const float* x, const float* rstd, const float* w,
                       int64_t N, int64_t H, cudaStream_t s);
+void rmsnorm_backward(float* dx, float* dw, const float* dout, const void* x, int x_kind, const float* rstd,
+                      const float* w, int64_t N, int64_t H, cudaStream_t s);
 // kind: 0 gelu (u (N, F)), 1 swiglu, 2 geglu (u (N, 2F) = [gate | up]).
 void activation_forward(int kind, float* out, const float* u, int64_t N, int64_t F, int round, cudaStream_t s);
 void activation_backward(int kind, float* du, const float* dout, const float* u, int64_t N, int64_t F, int round,
                          cudaStream_t s);
+void activation_backward(int kind, float* du, const float* dout, const void* u, int u_kind, int64_t N, int64_t F,
+                         int round, cudaStream_t s);
 void rope(float* x, int64_t S, int64_t B, int64_t heads, int64_t D, int64_t ld, bool inverse, cudaStream_t s);
 // The unfused attention's row kernels (attention.cu; its GEMMs are cuBLASLt calls in
 // cuda_backend.cpp): in place on `count` S x S matrices `stride` floats apart, the causal

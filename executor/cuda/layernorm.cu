@@ -30,28 +30,27 @@ __global__ void ln_forward(float* out, float* mean, float* rstd, const float* x,
   for (long long j = threadIdx.x; j < H; j += blockDim.x) out[i * H + j] = round_value((xi[j] - mu) * rs * w[j] + b[j], round);
 }
 
-__global__ void ln_backward_dx(float* dx, const float* dout, const float* x, const float* mean, const float* rstd,
+__global__ void ln_backward_dx(float* dx, const float* dout, const void* x, int xk, const float* mean, const float* rstd,
                                const float* w, long long H) {
   STRATA_SHARED(float, scratch, [32]);
   const long long i = blockIdx.x;
-  const float* xi = x + i * H;
   const float* gi = dout + i * H;
   const float mu = mean[i], rs = rstd[i];
   float m1 = 0.0f, m2 = 0.0f;
   for (long long j = threadIdx.x; j < H; j += blockDim.x) {
     const float dn = gi[j] * w[j];
     m1 += dn;
-    m2 += dn * (xi[j] - mu) * rs;
+    m2 += dn * (load_stored(x, i * H + j, xk) - mu) * rs;
   }
   m1 = block_sum(m1, scratch) / static_cast<float>(H);
   m2 = block_sum(m2, scratch) / static_cast<float>(H);
   for (long long j = threadIdx.x; j < H; j += blockDim.x)
-    dx[i * H + j] += rs * (gi[j] * w[j] - m1 - (xi[j] - mu) * rs * m2);
+    dx[i * H + j] += rs * (gi[j] * w[j] - m1 - (load_stored(x, i * H + j, xk) - mu) * rs * m2);
 }
 
 __global__ void __launch_bounds__(kColTile * kRowLanes)
-    ln_backward_dwdb(float* dw, float* db, const float* dout, const float* x, const float* mean, const float* rstd,
-        long long N, long long H) {
+    ln_backward_dwdb(float* dw, float* db, const float* dout, const void* x, int xk, const float* mean,
+        const float* rstd, long long N, long long H) {
   STRATA_SHARED(float, pw, [kRowLanes][kColTile + 1]);
   STRATA_SHARED(float, pb, [kRowLanes][kColTile + 1]);
   const long long j = blockIdx.x * static_cast<long long>(kColTile) + threadIdx.x;
@@ -59,7 +58,7 @@ __global__ void __launch_bounds__(kColTile * kRowLanes)
   if (j < H)
     for (long long i = threadIdx.y; i < N; i += kRowLanes) {
       const float g = dout[i * H + j];
-      sw += g * (x[i * H + j] - mean[i]) * rstd[i];
+      sw += g * (load_stored(x, i * H + j, xk) - mean[i]) * rstd[i];
       sb += g;
     }
   sw = column_sum(sw, pw);
@@ -79,13 +78,18 @@ void layernorm_forward(float* out, float* mean, float* rstd, const float* x, con
   CUDA_CHECK_LAUNCH();
 }
 
+void layernorm_backward(float* dx, float* dw, float* db, const float* dout, const void* x, int x_kind,
+                        const float* mean, const float* rstd, const float* w, int64_t N, int64_t H, cudaStream_t s) {
+  if (N == 0 || H == 0) return;
+  STRATA_LAUNCH(ln_backward_dx, static_cast<unsigned>(N), kThreads, 0, s)(dx, dout, x, x_kind, mean, rstd, w, H);
+  CUDA_CHECK_LAUNCH();
+  STRATA_LAUNCH(ln_backward_dwdb, column_tiles(H), column_block(), 0, s)(dw, db, dout, x, x_kind, mean, rstd, N, H);
+  CUDA_CHECK_LAUNCH();
+}
+
 void layernorm_backward(float* dx, float* dw, float* db, const float* dout, const float* x, const float* mean,
                         const float* rstd, const float* w, int64_t N, int64_t H, cudaStream_t s) {
-  if (N == 0 || H == 0) return;
-  STRATA_LAUNCH(ln_backward_dx, static_cast<unsigned>(N), kThreads, 0, s)(dx, dout, x, mean, rstd, w, H);
-  CUDA_CHECK_LAUNCH();
-  STRATA_LAUNCH(ln_backward_dwdb, column_tiles(H), column_block(), 0, s)(dw, db, dout, x, mean, rstd, N, H);
-  CUDA_CHECK_LAUNCH();
+  layernorm_backward(dx, dw, db, dout, x, 0, mean, rstd, w, N, H, s);
 }
 
 }  // namespace strata::cuda

@@ -1,7 +1,8 @@
 // The rounding of round_to (round.cu), for kernels that round what they write in the same
 // pass: bf16 by the CPU backend's integer rounding (NaN and inf kept bit for bit), fp16 by
 // the hardware conversion with NaN kept as it is (as on the CPU). kind: 1 bf16, 2 fp16,
-// anything else leaves the value. And from_float, a float as a 16-bit tensor-core operand.
+// anything else leaves the value. And from_float, a float as a 16-bit tensor-core operand;
+// load_stored, a kept input's value in either storage.
 #pragma once
 
 #ifndef STRATA_CUDA_EMULATION  // (tests/cuda_emulation.h: the kernels on the CPU, fp16 as _Float16)
@@ -35,6 +36,14 @@ __device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float v) {
 template <>
 __device__ __forceinline__ __half from_float<__half>(float v) {
   return __float2half_rn(v);
+}
+
+// Value i of an input in either storage (backend.h's Operand): kind 0 floats, 1 bf16 and 2
+// fp16 as pack16 stores them (pack16.cu's unpacking, exactly).
+__device__ __forceinline__ float load_stored(const void* p, long long i, int kind) {
+  if (kind == 0) return static_cast<const float*>(p)[i];
+  const unsigned short b = static_cast<const unsigned short*>(p)[i];
+  return kind == 2 ? __half2float(__ushort_as_half(b)) : __uint_as_float(static_cast<unsigned>(b) << 16);
 }
 
 }  // namespace strata::cuda
