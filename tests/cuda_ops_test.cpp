@@ -347,7 +347,8 @@ TEST_F(CudaOps, GemmReadsSixteenBitOperandsAsStored) {
 // The norms' and the activation's backwards with their kept input in 16-bit storage
 // (Backend::*_stored: where the GEMMs read 16-bit operands the executor keeps x, x2 and
 // the fc1 output packed through the backward), each value loaded as pack16 stores it:
-// against the CPU backend's float op on the same values, fp32 accuracy; and the CPU
+// against the CPU backend's float op on the same values, fp32 accuracy; the activation's
+// rounded to 16 bits as it writes, bit for bit this backend's float op; and the CPU
 // backend's own *_stored (the default: unpacked first) its float op bit for bit.
 TEST_F(CudaOps, NormAndActivationBackwardsReadStoredInputs) {
   const int64_t N = 37, H = 200, F = 96;
@@ -397,6 +398,13 @@ TEST_F(CudaOps, NormAndActivationBackwardsReadStoredInputs) {
       cpu_->activation_backward_stored(a, su.data(), da.data(), Operand::sixteen(u16.data(), p), N, F);
       expect_close(host(gdu, du.size()), du, 1e-5, "du");
       EXPECT_EQ(su, du);
+      // Rounded to p as it is written (the executor's call): the same bits as the float
+      // op on this backend, from the same values.
+      float* stored = dev(nans(du.size()));
+      float* floats = dev(nans(du.size()));
+      gpu_->activation_backward_stored(a, stored, dev(da), Operand::sixteen(dev16(u16), p), N, F, p);
+      gpu_->activation_backward(a, floats, dev(da), dev(u), N, F, p);
+      EXPECT_EQ(host(stored, du.size()), host(floats, du.size())) << "rounded to " << to_string(p);
     }
   }
 }
