@@ -84,7 +84,7 @@ void pack_operand(const ModelCtx& c, Buf& b, bool own_region = true) {
   b.pack(c.precision);
 }
 
-// A buffer as a GEMM operand: its 16-bit values while packed, else its floats.
+// A buffer as an operand (GEMMs, the *_stored backwards): its 16-bit values while packed, else its floats.
 Operand operand(const Buf& b) {
   return b.packed() ? Operand::sixteen(b.data16(), b.packed_as()) : Operand::floats(b.data());
 }
@@ -142,21 +142,15 @@ void norm_forward(const ModelCtx& c, const float* w, const float* b, const Buf& 
   }
 }
 
-// x packed (sixteen_operands: kept so through the backward) is read as it is stored.
+// x as it is kept: packed (sixteen_operands: kept so through the backward) it is read as
+// stored; the *_stored ops take floats as they are.
 void norm_backward(const ModelCtx& c, float* dx, float* dw, float* db, const Buf& dout, const Buf& x,
                    const Buf& mean, const Buf& rstd, const float* w) {
   const int64_t n = c.n(), H = c.m->H;
-  const bool layernorm = c.m->normalization == Norm::layernorm;
-  if (x.packed()) {
-    const Operand xs = Operand::sixteen(x.data16(), x.packed_as());
-    if (layernorm) c.be->layernorm_backward_stored(dx, dw, db, dout.data(), xs, mean.data(), rstd.data(), w, n, H);
-    else c.be->rmsnorm_backward_stored(dx, dw, dout.data(), xs, rstd.data(), w, n, H);
-    return;
-  }
-  if (layernorm)
-    c.be->layernorm_backward(dx, dw, db, dout.data(), x.data(), mean.data(), rstd.data(), w, n, H);
+  if (c.m->normalization == Norm::layernorm)
+    c.be->layernorm_backward_stored(dx, dw, db, dout.data(), operand(x), mean.data(), rstd.data(), w, n, H);
   else
-    c.be->rmsnorm_backward(dx, dw, dout.data(), x.data(), rstd.data(), w, n, H);
+    c.be->rmsnorm_backward_stored(dx, dw, dout.data(), operand(x), rstd.data(), w, n, H);
 }
 
 Buf copy_of(const ModelCtx& c, const Buf& b) {
@@ -537,10 +531,8 @@ Buf layer_backward(const ModelCtx& c, const UnitView& u, int64_t l, LayerActs* a
   Buf du = c.f32_out(N * F1);
   {
     const OpScope op(c.ops, to_string(m.activation));
-    if (a->u.packed())  // (sixteen_operands: kept so through the backward)
-      c.be->activation_backward_stored(m.activation, du.data(), da.data(), operand(a->u), N, Ft, c.precision);
-    else
-      c.be->activation_backward(m.activation, du.data(), da.data(), a->u.data(), N, Ft, c.precision);
+    // u packed (sixteen_operands: kept so through the backward) or floats, as kept
+    c.be->activation_backward_stored(m.activation, du.data(), da.data(), operand(a->u), N, Ft, c.precision);
   }
   da.release();
   const Buf& g2 = gathered ? a->g2 : a->h2;
