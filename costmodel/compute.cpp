@@ -263,8 +263,13 @@ double attention_core_backward(Acc& a, double mlp_s) {
 // du and dqkv packed after their rounding (dqkv's rounding pass only for a bias gradient:
 // packing rounds). The norms' inputs x and x2 and the fc1 output stay packed too, read so
 // by the norms' and the activation's backwards (reads_kept_16bit), but under full
-// recompute (its replay starts from x as floats). Nothing of this runs outside the strata
-// stack or in fp32.
+// recompute (its replay starts from x as floats). The ops that make a GEMM input write it
+// in 16 bits themselves where they can (Backend::*_packed), so no pack follows them: the
+// norms (not where sequence parallelism gathers their output: norms_write_16bit), the
+// activation (which writes the fc1 output's kept 16-bit copy in the same pass, in the
+// forward but under full recompute and in its replay) and the activation's backward (du,
+// which fc1's bias gradient reads so). Nothing of this runs outside the strata stack or in
+// fp32.
 struct Tensors {
   std::array<double, 12> values{};
   int count = 0;
@@ -292,14 +297,12 @@ SixteenBitPasses sixteen_bit_passes(const Acc& a) {
   if (!qkv_fused) v.forward_rounds.add(T * Q);
   if (!m.bias) v.forward_rounds.add(T * F1);
   if (as_stored) {
-    for (double x : {Tn * H, T * ADt, Tn * H, T * Ft}) v.gemm_input_packs.add(x);  // h1, att, h2, act
-    if (gathered) {
-      v.gemm_input_packs.add(T * H);
-      v.gemm_input_packs.add(T * H);
-    }
+    v.gemm_input_packs.add(T * ADt);  // att (h1, h2 and the activation written so: norms_write_16bit)
+    if (gathered)
+      for (double x : {Tn * H, Tn * H, T * H, T * H}) v.gemm_input_packs.add(x);  // h1, h2, g1, g2
     v.backward_rounds.add(T * ADt);
     if (m.bias) v.backward_rounds.add(T * Q);
-    for (double x : {T * H, T * F1, T * H, T * Q}) v.backward_packs.add(x);  // dy, du, dO, dqkv
+    for (double x : {T * H, T * H, T * Q}) v.backward_packs.add(x);  // dy, dO, dqkv (du written so)
   } else {
     for (double x : {T * H, T * H, T * ADt, T * Q}) v.backward_rounds.add(x);
   }
@@ -315,7 +318,7 @@ SixteenBitPasses sixteen_bit_passes(const Acc& a) {
     v.unpacked.add(x);
   };
   if (as_stored) {
-    for (double x : {Tn * H, T * Q, Tn * H, T * F1}) v.kept.add(x);  // x, qkv, x2, u
+    for (double x : {Tn * H, T * Q, Tn * H}) v.kept.add(x);  // x, qkv, x2 (u written so by the activation)
     v.unpacked.add(T * Q);  // (x, x2 and u read as stored)
     if (flash) v.unpacked.add(T * ADt);
   } else {
@@ -334,8 +337,13 @@ SixteenBitPasses sixteen_bit_passes(const Acc& a) {
   return v;
 }
 
-// Whether the norms' and the activation's backwards read their kept inputs (x, x2; the fc1
-// output) in 16 bits, 2 bytes a value where floats take work_bytes (sixteen_bit_passes).
+// Whether the layer's norms write their output in 16 bits, 2 bytes a value where floats
+// take work_bytes (sixteen_bit_passes; the executor's norm_forward).
+bool norms_write_16bit(const Acc& a) { return a.casts_weights && !(a.p.sp && a.p.t > 1); }
+
+// Whether the norms' backwards read their kept inputs (x, x2) in 16 bits, 2 bytes a value
+// where floats take work_bytes (sixteen_bit_passes); the activation's reads the fc1 output
+// so wherever casts_weights (full recompute's replay writes it so too).
 bool reads_kept_16bit(const Acc& a) {
   return a.cs.stack.strata && a.cl.device.gemm_reads_16bit && a.p.recompute != Recompute::full &&
          (a.p.precision == Precision::bf16 || a.p.precision == Precision::fp16);
@@ -353,7 +361,15 @@ void dense_mlp_forward(Acc& a, Phase ph) {
   const double fc1_cols = static_cast<double>(m.fc1_out()) / t, Ft = static_cast<double>(m.F) / t;
   a.block_gather("sp_all_gather", ph, T, fc1_cols, H, false);
   a.linear("fc1", ph, T, fc1_cols, H);
-  a.mem(to_string(m.activation), ph, (m.gated() ? 3.0 : 2.0) * e * T * Ft, MemKind::activation);
+  if (a.casts_weights) {
+    // The strata executor's activation reads the fc1 output and writes its output and (where
+    // the fc1 output is kept: not in a fully recomputed layer's first forward) the fc1
+    // output's 16-bit copy (sixteen_bit_passes).
+    const bool keep_u = ph == Phase::recompute || a.p.recompute != Recompute::full;
+    a.mem(to_string(m.activation), ph, ((keep_u ? e + 2.0 : e) * fc1_cols + 2.0 * Ft) * T, MemKind::activation);
+  } else {
+    a.mem(to_string(m.activation), ph, (m.gated() ? 3.0 : 2.0) * e * T * Ft, MemKind::activation);
+  }
   a.linear("fc2", ph, T, H, Ft);
   a.block_reduce(a.p.sp ? "sp_reduce_scatter" : "tp_all_reduce", ph, T, H, Ft);
 }
@@ -371,7 +387,8 @@ void layer_forward(Acc& a, Phase ph) {
   const Plan& p = a.p;
   const double e = a.cs.work_bytes, T = a.cs.T, Tn = a.cs.Tn, H = static_cast<double>(m.H);
   const double qkv_cols = head_columns(m, p.t, 1, 2);
-  a.mem("norm1", ph, 2.0 * e * Tn * H, MemKind::norm);
+  const double norm_out = norms_write_16bit(a) ? 2.0 : e;
+  a.mem("norm1", ph, (e + norm_out) * Tn * H, MemKind::norm);
   if (m.mla()) {
     mla_projections_forward(a, ph);
   } else {
@@ -384,7 +401,7 @@ void layer_forward(Acc& a, Phase ph) {
   a.linear("attn_proj", ph, T, H, proj_in);
   a.block_reduce(p.sp ? "sp_reduce_scatter" : "tp_all_reduce", ph, T, H, proj_in);
   a.mem("bias_dropout_add", ph, dropout_bytes(Tn * H, m.hidden_dropout, a.cs.work_bytes, true));
-  a.mem("norm2", ph, 2.0 * e * Tn * H, MemKind::norm);
+  a.mem("norm2", ph, (e + norm_out) * Tn * H, MemKind::norm);
   if (m.moe()) {
     moe_forward(a, ph);
   } else {
@@ -414,8 +431,10 @@ void layer_backward(Acc& a) {
   const double Ft = static_cast<double>(m.F) / t;
   const double mask = m.hidden_dropout > 0 ? 1.0 : 0.0;
   // A norm's and the activation's backward read their output gradient, their kept input
-  // (x; u: 16-bit where reads_kept_16bit) and write their input gradient.
+  // (x: 16-bit where reads_kept_16bit; u where casts_weights) and write their input gradient
+  // (du: 16-bit where casts_weights).
   const double kept_in = reads_kept_16bit(a) ? 2.0 : e;
+  const double u_bytes = a.casts_weights ? 2.0 : e;
   // MLP block, in reverse.
   const double compute0 = a.w(ph).compute_s;
   a.mem("bias_dropout_add", ph, (2.0 * e + mask) * Tn * H);
@@ -424,8 +443,7 @@ void layer_backward(Acc& a) {
   } else {
     a.block_gather("sp_all_gather", ph, T, Ft, H, false);  // backward of the reduce-scatter after fc2, for its dgrad
     a.linear("fc2", ph, T, H, Ft);
-    a.mem(to_string(m.activation), ph,
-          (m.gated() ? 3.0 * e + 2.0 * kept_in : 2.0 * e + kept_in) * T * Ft, MemKind::activation);
+    a.mem(to_string(m.activation), ph, (e + (m.gated() ? 2.0 : 1.0) * 2.0 * u_bytes) * T * Ft, MemKind::activation);
     // fc1: the sequence-parallel input is gathered again for wgrad, behind dgrad.
     a.block_gather("sp_all_gather", ph, T, H, fc1_cols, true);
     a.linear("fc1", ph, T, fc1_cols, H);
@@ -539,11 +557,13 @@ LayerCost layer_cost(const ModelSpec& m, const Cluster& cl, const Plan& p, const
   layer_forward(a, Phase::forward);
   // Full recompute replays the forward's ops, each costing what it cost there (a function
   // of its sizes alone), summed in the same order: the same bits. Walked again only when
-  // the op list is asked for.
+  // the op list is asked for, or where the replay differs (the strata executor's activation
+  // writes the fc1 output's kept copy in the replay alone: dense_mlp_forward).
   const bool replay = p.recompute == Recompute::full;
-  if (replay && !ops) a.lc.recompute = a.lc.forward;
+  const bool copied = replay && !ops && !a.casts_weights;
+  if (copied) a.lc.recompute = a.lc.forward;
   pack_kept(a);
-  if (replay && ops) layer_forward(a, Phase::recompute);
+  if (replay && !copied) layer_forward(a, Phase::recompute);
   if (p.recomputes(kRecomputeCoreAttn)) attention_core_forward(a, Phase::recompute);
   if (p.recomputes(kRecomputeLayernorm)) {  // both norms' outputs again
     const double bytes = 2.0 * cs.work_bytes * cs.Tn * static_cast<double>(m.H);

@@ -47,15 +47,16 @@ void output_and_loss(Acc& a, const char* norm) {
   // The strata executor in 16-bit precisions rounds the final norm's output (its rows on
   // this rank) as the norm writes it, and the logit gradients in the cross-entropy's
   // backward pass, which writes them (below): neither is a pass of its own
-  // (executor/gpt.cpp head_forward).
-  a.mem(norm, Phase::forward, 2.0 * e * cs.Tn * H, MemKind::norm);
+  // (executor/gpt.cpp head_forward). Where the device's GEMMs read 16-bit operands
+  // (compute_acc.h casts_weights) the norm writes its output in 16 bits for the GEMMs, or
+  // with sequence parallelism it is gathered and then packed so; the weight is cast for
+  // each GEMM that reads it; in the backward the logit gradients are packed for both GEMMs
+  // (executor/gpt.cpp).
+  const bool gathered = p.sp && p.t > 1;
+  a.mem(norm, Phase::forward, (e + (a.casts_weights && !gathered ? 2.0 : e)) * cs.Tn * H, MemKind::norm);
   a.tp_gather("sp_all_gather", Phase::forward);
-  // Where the device's GEMMs read 16-bit operands (compute_acc.h casts_weights) the strata
-  // executor packs the norm's output (gathered or not) into 16 bits for the GEMMs and casts
-  // the weight for each GEMM that reads it; in the backward it packs the logit gradients
-  // for both GEMMs (executor/gpt.cpp).
   if (a.casts_weights) {
-    a.mem("pack16", Phase::forward, 6.0 * T * H);
+    if (gathered) a.mem("pack16", Phase::forward, 6.0 * T * H);
     a.mem("lm_head", Phase::forward, 6.0 * Vt * H);
   }
   a.gemm("lm_head", Phase::forward, T, Vt, H, peak, eb);

@@ -51,6 +51,12 @@ const float* as_floats(Backend* be, const Operand& x, int64_t n, Unpacked* keep)
   be->unpack16(keep->p, static_cast<const uint16_t*>(x.p), n, x.type);
   return keep->p;
 }
+// n uninitialised floats, held by `keep` as an unpacked input is.
+float* scratch(Backend* be, int64_t n, Unpacked* keep) {
+  if (n > 0) keep->p = be->allocate_uninitialised_in(n, kMemPools - 1);
+  return keep->p;
+}
+int64_t activation_width(Activation a, int64_t F) { return a == Activation::gelu ? F : 2 * F; }
 // The values a row-major (rows x cols) operand of row stride ld spans.
 int64_t span(int64_t rows, int64_t cols, int64_t ld) { return rows == 0 || cols == 0 ? 0 : (rows - 1) * ld + cols; }
 
@@ -79,8 +85,42 @@ void Backend::rmsnorm_backward_stored(float* dx, float* dw, const float* dout, O
 void Backend::activation_backward_stored(Activation a, float* du, const float* dout, Operand u, int64_t N, int64_t F,
                                          Precision round) {
   Unpacked uu{this};
-  const int64_t width = a == Activation::gelu ? F : 2 * F;
-  activation_backward(a, du, dout, as_floats(this, u, N * width, &uu), N, F, round);
+  activation_backward(a, du, dout, as_floats(this, u, N * activation_width(a, F), &uu), N, F, round);
+}
+
+void Backend::layernorm_forward_packed(uint16_t* out, float* mean, float* rstd, const float* x, const float* w,
+                                       const float* b, int64_t N, int64_t H, Precision p) {
+  Unpacked y{this};
+  layernorm_forward(scratch(this, N * H, &y), mean, rstd, x, w, b, N, H, p);
+  pack16(out, y.p, N * H, p);
+}
+
+void Backend::rmsnorm_forward_packed(uint16_t* out, float* rstd, const float* x, const float* w, int64_t N, int64_t H,
+                                     Precision p) {
+  Unpacked y{this};
+  rmsnorm_forward(scratch(this, N * H, &y), rstd, x, w, N, H, p);
+  pack16(out, y.p, N * H, p);
+}
+
+void Backend::activation_forward_packed(Activation a, uint16_t* out, uint16_t* u16, const float* u, int64_t N,
+                                        int64_t F, Precision p) {
+  Unpacked y{this};
+  activation_forward(a, scratch(this, N * F, &y), u, N, F, p);
+  pack16(out, y.p, N * F, p);
+  if (u16) pack16(u16, u, N * activation_width(a, F), p);
+}
+
+void Backend::activation_backward_packed(Activation a, uint16_t* du, const float* dout, Operand u, int64_t N,
+                                         int64_t F, Precision p) {
+  const int64_t n = N * activation_width(a, F);
+  Unpacked d{this};
+  activation_backward_stored(a, scratch(this, n, &d), dout, u, N, F, p);
+  pack16(du, d.p, n, p);
+}
+
+void Backend::bias_grad_stored(float* db, Operand dy, int64_t N, int64_t F) {
+  Unpacked ud{this};
+  bias_grad(db, as_floats(this, dy, N * F, &ud), N, F);
 }
 
 void Backend::rope_at(float* x, int64_t S, int64_t B, int64_t heads, int64_t D, int64_t ld, bool inverse,

@@ -142,6 +142,20 @@ class Backend {
                                        const float* w, int64_t N, int64_t H);
   virtual void activation_backward_stored(Activation a, float* du, const float* dout, Operand u, int64_t N, int64_t F,
                                           Precision round = Precision::fp32);
+  // The forwards and the activation's backward writing their output in 16-bit storage
+  // (pack16's layout, rounded to p: bf16 or fp16) instead of floats, and the activation's
+  // forward also its input u into u16 where not null (the fc1 output the executor keeps):
+  // where gemm_reads_16bit, the executor stores a GEMM input so where it is made. The
+  // defaults run the float op into scratch (this backend's memory) and pack16 it; the
+  // values are those of the float op rounded to p, then packed.
+  virtual void layernorm_forward_packed(uint16_t* out, float* mean, float* rstd, const float* x, const float* w,
+                                        const float* b, int64_t N, int64_t H, Precision p);
+  virtual void rmsnorm_forward_packed(uint16_t* out, float* rstd, const float* x, const float* w, int64_t N, int64_t H,
+                                      Precision p);
+  virtual void activation_forward_packed(Activation a, uint16_t* out, uint16_t* u16, const float* u, int64_t N,
+                                         int64_t F, Precision p);
+  virtual void activation_backward_packed(Activation a, uint16_t* du, const float* dout, Operand u, int64_t N,
+                                          int64_t F, Precision p);
   // Rotates heads [0, heads) of each row of x (S*B rows of stride ld, D per head), row
   // s*B + b at position s; inverse = true applies the transpose (the backward).
   virtual void rope(float* x, int64_t S, int64_t B, int64_t heads, int64_t D, int64_t ld, bool inverse) = 0;
@@ -195,6 +209,8 @@ class Backend {
   virtual void add(float* out, const float* a, const float* b, int64_t n, Precision round = Precision::fp32) = 0;
   virtual void add_bias(float* y, const float* b, int64_t N, int64_t F, Precision round = Precision::fp32) = 0;
   virtual void bias_grad(float* db, const float* dy, int64_t N, int64_t F) = 0;
+  // The same from dy in either storage (the default unpacks a 16-bit dy first).
+  virtual void bias_grad_stored(float* db, Operand dy, int64_t N, int64_t F);
   // The token embedding of a tensor-parallel vocabulary slice [lo, lo + Vt): x (S*B, H) row
   // s*B + b = wte row (token - lo) for tokens (B, S) in the slice, zero otherwise; the
   // backward adds dx's rows into dwte. Learned positions: out (n, H) row i = x row i + P row

@@ -130,13 +130,27 @@ void bias_grad(const ModelCtx& c, float* db, const float* dy, int64_t N, int64_t
   if (db) c.be->bias_grad(db, dy, N, F);
 }
 
+// A 16-bit tensor that only GEMMs read, made where sixteen_operands(c): a buffer its op
+// writes in 16-bit storage (Backend::*_packed), so no pack16 pass follows.
+Buf packed_out(const ModelCtx& c, int64_t count) {
+  return Buf::packed_out(c.mem, MemCategory::activations, count, c.precision, c.act_bytes());
+}
+
+// The output in 16-bit storage where sixteen_operands(c) and only GEMMs read it (not
+// gathered first: sequence parallelism gathers floats).
 void norm_forward(const ModelCtx& c, const float* w, const float* b, const Buf& x, Buf* out, Buf* mean, Buf* rstd) {
   const int64_t n = c.n(), H = c.m->H;
-  *out = c.act_out(n * H);
+  const bool packed = sixteen_operands(c) && !(c.sp && c.t > 1);
+  *out = packed ? packed_out(c, n * H) : c.act_out(n * H);
   *rstd = c.f32_out(n);
   if (c.m->normalization == Norm::layernorm) {
     *mean = c.f32_out(n);
-    c.be->layernorm_forward(out->data(), mean->data(), rstd->data(), x.data(), w, b, n, H, c.precision);
+    if (packed)
+      c.be->layernorm_forward_packed(out->data16(), mean->data(), rstd->data(), x.data(), w, b, n, H, c.precision);
+    else
+      c.be->layernorm_forward(out->data(), mean->data(), rstd->data(), x.data(), w, b, n, H, c.precision);
+  } else if (packed) {
+    c.be->rmsnorm_forward_packed(out->data16(), rstd->data(), x.data(), w, n, H, c.precision);
   } else {
     c.be->rmsnorm_forward(out->data(), rstd->data(), x.data(), w, n, H, c.precision);
   }
@@ -297,12 +311,21 @@ Buf attention_out_and_mlp(const ModelCtx& c, const UnitView& u, int64_t l, Layer
     c.tick();
     add_bias(c, a->u.data(), u.weight_or_null(TensorKind::fc1_b, l), N, F1, c.precision);
   }
-  a->a = c.act_out(N * Ft);
   {
     const OpScope op(c.ops, to_string(m.activation));
-    c.be->activation_forward(m.activation, a->a.data(), a->u.data(), N, Ft, c.precision);
+    if (sixteen_operands(c)) {
+      // The activation written in 16 bits (fc2's input), and in the same pass the fc1 output
+      // as it is kept for the backward where it is (not under full recompute but in its replay).
+      a->a = packed_out(c, N * Ft);
+      Buf u16 = c.recompute == Recompute::full ? Buf{} : packed_out(c, N * F1);
+      c.be->activation_forward_packed(m.activation, a->a.data16(), u16.empty() ? nullptr : u16.data16(), a->u.data(),
+                                      N, Ft, c.precision);
+      if (!u16.empty()) a->u = std::move(u16);
+    } else {
+      a->a = c.act_out(N * Ft);
+      c.be->activation_forward(m.activation, a->a.data(), a->u.data(), N, Ft, c.precision);
+    }
   }
-  pack_operand(c, a->a);
   Buf y = c.f32_out(N * H);
   {
     const OpScope op(c.ops, "fc2");
@@ -528,24 +551,24 @@ Buf layer_backward(const ModelCtx& c, const UnitView& u, int64_t l, LayerActs* a
     tick();
   }
   dy.release();
-  Buf du = c.f32_out(N * F1);
+  // du in 16-bit storage where sixteen (fc1's GEMMs and its bias gradient read it so); u as
+  // kept: packed where sixteen, else floats
+  Buf du = sixteen ? packed_out(c, N * F1) : c.f32_out(N * F1);
   {
     const OpScope op(c.ops, to_string(m.activation));
-    // u packed (sixteen_operands: kept so through the backward) or floats, as kept
-    c.be->activation_backward_stored(m.activation, du.data(), da.data(), operand(a->u), N, Ft, c.precision);
+    if (sixteen)
+      c.be->activation_backward_packed(m.activation, du.data16(), da.data(), operand(a->u), N, Ft, c.precision);
+    else
+      c.be->activation_backward_stored(m.activation, du.data(), da.data(), operand(a->u), N, Ft, c.precision);
   }
   da.release();
   const Buf& g2 = gathered ? a->g2 : a->h2;
   Buf dg2;
   {
     const OpScope op(c.ops, "fc1");
-    if (sixteen) {  // the bias gradient from the floats, then both GEMMs from 16 bits
-      bias_grad(c, u.grad_or_null(TensorKind::fc1_b, l), du.data(), N, F1);
-      pack_operand(c, du);
-    }
     gemm(c, true, false, F1, H, N, operand(du), F1, operand(g2), H, 1.0f, u.grad(TensorKind::fc1_w, l), H);
     tick();
-    if (!sixteen) bias_grad(c, u.grad_or_null(TensorKind::fc1_b, l), du.data(), N, F1);
+    if (float* db = u.grad_or_null(TensorKind::fc1_b, l)) c.be->bias_grad_stored(db, operand(du), N, F1);
     dg2 = c.f32_out(N * H);
     gemm(c, false, false, N, H, F1, operand(du), F1, operand(u.weight(TensorKind::fc1_w, l)), H, 0.0f, dg2.data(), H);
     tick();

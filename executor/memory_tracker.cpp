@@ -93,13 +93,20 @@ Buf Buf::packed_copy(MemoryTracker* tracker, MemCategory c, const float* src, in
     else std::copy(src, src + b.size(), b.data());
     return b;
   }
+  Buf b = packed_out(tracker, c, n, p, element_bytes);
+  be->pack16(b.data16(), src, n, p);
+  return b;
+}
+
+Buf Buf::packed_out(MemoryTracker* tracker, MemCategory c, int64_t n, Precision p, int element_bytes) {
+  Backend* be = tracker ? tracker->backend() : nullptr;
+  if (!be || p == Precision::fp32) throw std::logic_error("Buf::packed_out: 16-bit storage in a backend's memory only");
   Buf b = uninitialised(tracker, c, 0, element_bytes);
   b.be_ = be;
   b.n_ = n;
   b.bytes_ = n * element_bytes;
   if (b.tracker_) b.tracker_->add(b.cat_, b.bytes_);
-  b.packed_ = be->allocate_uninitialised_in((n + 1) / 2, b.pool_);
-  be->pack16(reinterpret_cast<uint16_t*>(b.packed_), src, n, p);
+  if (n > 0) b.packed_ = be->allocate_uninitialised_in((n + 1) / 2, b.pool_);
   b.packed_as_ = p;
   return b;
 }

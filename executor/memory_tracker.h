@@ -85,12 +85,17 @@ class Buf {
   bool packed() const { return packed_ != nullptr; }
   // The 16-bit values while packed (null otherwise) and the precision they were rounded to.
   const uint16_t* data16() const { return reinterpret_cast<const uint16_t*>(packed_); }
+  uint16_t* data16() { return reinterpret_cast<uint16_t*>(packed_); }
   Precision packed_as() const { return packed_as_; }
   // A buffer holding src's n values rounded to `p` in 16-bit storage from the start, as
   // pack() would leave a copy of them (one pass, no float storage); fp32 gives a float copy.
   // 16-bit storage needs a backend's memory (none: std::logic_error).
   static Buf packed_copy(MemoryTracker* tracker, MemCategory c, const float* src, int64_t n, Precision p,
                          int element_bytes);
+  // n values in 16-bit storage rounded to `p` (bf16, fp16), not yet written: for an op that
+  // writes its output so (Backend::*_packed). 16-bit storage needs a backend's memory (none,
+  // or p fp32: std::logic_error).
+  static Buf packed_out(MemoryTracker* tracker, MemCategory c, int64_t n, Precision p, int element_bytes);
   // Bytes this buffer holds in its memory now: 4 per value, 2 while packed.
   int64_t storage_bytes() const;
 

@@ -504,29 +504,36 @@ TEST(Compute, StrataSixteenBitPasses) {
 }
 
 // The same where the GEMMs read 16-bit operands as stored (a GPU: the CUDA backend). Every
-// GEMM input is packed once where it is made (pack16 6 B a value) and read so; the float
-// weights are cast into a 16-bit copy (6 B a weight) for the forward's GEMM and again for
-// the input gradient's, under the linear layer's own name. tiny-gpt as above, mbs 2:
+// GEMM input is stored in 16 bits once where it is made and read so: written so by the op
+// that makes it (the norms, the activation, the activation's backward) or packed after it
+// (pack16 6 B a value); the float weights are cast into a 16-bit copy (6 B a weight) for the
+// forward's GEMM and again for the input gradient's, under the linear layer's own name.
+// tiny-gpt as above, mbs 2:
 //   forward: round16 x alone (65,536: the attention output is packed instead of rounded);
-//     pack16 the GEMM inputs h1, att, h2 (65,536 each) and the activation (262,144) =
-//     458,752, then the kept rest x, qkv (196,608), x2, u (262,144) and the probabilities
-//     (131,072) = 720,896: 1,179,648, as many as before (each packed once)
+//     norm1 reads x and writes h1 in 16 bits: (4 + 2) x 65,536 = 393,216 bytes (floats:
+//     524,288; with sequence parallelism, tp 2, the gathered output is packed after: 2 x 4
+//     x 128 x 256 = 262,144); GELU reads u and writes the activation and u's kept copy in
+//     16 bits: (4 + 2 + 2) x 262,144 = 2,097,152; pack16 the attention output (65,536), then
+//     the kept rest x, qkv (196,608), x2 and the probabilities (131,072) = 458,752: 524,288
 //   backward: unpack16 only what neither a GEMM nor a norm's or the activation's backward
 //     reads as stored: qkv and the probabilities, 327,680 (fused attention: qkv and its
 //     output, 262,144); round16 datt (65,536) and dqkv (196,608, for its bias gradient) =
-//     262,144; pack16 dy (65,536), du (262,144), dO (65,536), dqkv (196,608) = 589,824;
-//     norm1 reads x at 2 bytes: (2 x 4 + 2) x 65,536 = 655,360 bytes (floats: 786,432),
-//     GELU u: (2 x 4 + 2) x 262,144 = 2,621,440 (3,145,728)
+//     262,144; pack16 dy (65,536), dO (65,536), dqkv (196,608) = 327,680 (du written in 16
+//     bits by GELU's backward); norm1 reads x at 2 bytes: (2 x 4 + 2) x 65,536 = 655,360
+//     bytes (floats: 786,432); GELU reads dout, u at 2 bytes and writes du at 2: (4 + 2 + 2)
+//     x 262,144 = 2,097,152 (floats: 3,145,728)
 //   weight casts: qkv 256 x 768 = 196,608, attn_proj 65,536, fc1 and fc2 262,144 each;
 //     per phase 786,432 weights
-//   full recompute (fp16): forward pack16 the GEMM inputs 458,752 + x 65,536 = 524,288; the
-//     replay packs its GEMM inputs again (458,752); the backward unpacks x (65,536), with the
-//     fused attention also the replay's output (131,072); the norms and the activation read
-//     the replay's floats (786,432 bytes for norm1)
+//   full recompute (fp16): forward pack16 the attention output 65,536 + x 65,536 = 131,072,
+//     GELU no kept copy of u: (4 + 2) x 262,144 = 1,572,864; the replay packs the attention
+//     output again (65,536) and GELU writes u's copy (2,097,152); the backward unpacks x
+//     (65,536), with the fused attention also the replay's output (131,072); the norms read
+//     the replay's floats (786,432 bytes for norm1), GELU u in 16 bits (2,097,152)
 // tiny-llama (no biases, RoPE; Q 384, F1 1408, F 704): forward round16 x, qkv (98,304) and
 // the fc1 output (360,448) = 524,288; backward round16 datt alone (65,536: no bias gradient
-// for dqkv), pack16 dy, du (360,448), dO, dqkv (98,304) = 589,824; SwiGLU's backward reads
-// its 2F-wide u at 2 bytes: (3 x 4 + 2 x 2) x 256 x 704 = 2,883,584 bytes (floats: 3,604,480).
+// for dqkv), pack16 dy, dO, dqkv (98,304) = 229,376; SwiGLU's backward reads dout (4 B) and
+// its 2F-wide u at 2 bytes and writes the 2F-wide du at 2: (4 + 2 x 2 + 2 x 2) x 256 x 704 =
+// 2,162,688 bytes (floats: 3,604,480).
 TEST(Compute, StrataSixteenBitOperandsAsStored) {
   Cluster c = testing::round_cluster();
   c.strata_stack = true;
@@ -544,21 +551,27 @@ TEST(Compute, StrataSixteenBitOperandsAsStored) {
   };
   const std::string bf16 = "tp=1,mbs=2,precision=bf16";
   EXPECT_DOUBLE_EQ(bytes(bf16, "round16", Phase::forward), 8.0 * 65536);
-  EXPECT_DOUBLE_EQ(bytes(bf16, "pack16", Phase::forward), 6.0 * 1179648);
+  EXPECT_DOUBLE_EQ(bytes(bf16, "norm1", Phase::forward), 393216.0);
+  EXPECT_DOUBLE_EQ(bytes("tp=2,sp=1,mbs=2,precision=bf16", "norm1", Phase::forward), 262144.0);
+  EXPECT_DOUBLE_EQ(bytes(bf16, "gelu", Phase::forward), 2097152.0);
+  EXPECT_DOUBLE_EQ(bytes(bf16, "pack16", Phase::forward), 6.0 * 524288);
   EXPECT_DOUBLE_EQ(bytes(bf16, "unpack16", Phase::backward), 6.0 * 327680);
   EXPECT_DOUBLE_EQ(bytes(bf16, "norm1", Phase::backward), 655360.0);
-  EXPECT_DOUBLE_EQ(bytes(bf16, "gelu", Phase::backward), 2621440.0);
+  EXPECT_DOUBLE_EQ(bytes(bf16, "gelu", Phase::backward), 2097152.0);
   EXPECT_DOUBLE_EQ(bytes(bf16, "round16", Phase::backward), 8.0 * 262144);
-  EXPECT_DOUBLE_EQ(bytes(bf16, "pack16", Phase::backward), 6.0 * 589824);
+  EXPECT_DOUBLE_EQ(bytes(bf16, "pack16", Phase::backward), 6.0 * 327680);
   EXPECT_DOUBLE_EQ(cast_bytes(bf16, Phase::forward), 6.0 * 786432);
   EXPECT_DOUBLE_EQ(cast_bytes(bf16, Phase::backward), 6.0 * 786432);
   EXPECT_DOUBLE_EQ(bytes(bf16 + ",attention=flash", "unpack16", Phase::backward), 6.0 * 262144);
   const std::string full = "tp=1,mbs=2,precision=fp16,recompute=full";
-  EXPECT_DOUBLE_EQ(bytes(full, "pack16", Phase::forward), 6.0 * 524288);
-  EXPECT_DOUBLE_EQ(bytes(full, "pack16", Phase::recompute), 6.0 * 458752);
+  EXPECT_DOUBLE_EQ(bytes(full, "pack16", Phase::forward), 6.0 * 131072);
+  EXPECT_DOUBLE_EQ(bytes(full, "gelu", Phase::forward), 1572864.0);
+  EXPECT_DOUBLE_EQ(bytes(full, "pack16", Phase::recompute), 6.0 * 65536);
+  EXPECT_DOUBLE_EQ(bytes(full, "gelu", Phase::recompute), 2097152.0);
   EXPECT_DOUBLE_EQ(bytes(full, "unpack16", Phase::backward), 6.0 * 65536);
   EXPECT_DOUBLE_EQ(bytes(full + ",attention=flash", "unpack16", Phase::backward), 6.0 * 131072);
   EXPECT_DOUBLE_EQ(bytes(full, "norm1", Phase::backward), 786432.0);
+  EXPECT_DOUBLE_EQ(bytes(full, "gelu", Phase::backward), 2097152.0);
   EXPECT_DOUBLE_EQ(cast_bytes(full, Phase::recompute), 6.0 * 786432);
   const ModelSpec llama = load_model("tiny-llama");
   auto llama_bytes = [&](const std::string& name, Phase ph) {
@@ -566,8 +579,8 @@ TEST(Compute, StrataSixteenBitOperandsAsStored) {
   };
   EXPECT_DOUBLE_EQ(llama_bytes("round16", Phase::forward), 8.0 * 524288);
   EXPECT_DOUBLE_EQ(llama_bytes("round16", Phase::backward), 8.0 * 65536);
-  EXPECT_DOUBLE_EQ(llama_bytes("pack16", Phase::backward), 6.0 * 589824);
-  EXPECT_DOUBLE_EQ(llama_bytes("swiglu", Phase::backward), 2883584.0);
+  EXPECT_DOUBLE_EQ(llama_bytes("pack16", Phase::backward), 6.0 * 229376);
+  EXPECT_DOUBLE_EQ(llama_bytes("swiglu", Phase::backward), 2162688.0);
   // fp32 and other stacks: no casts, no packs.
   EXPECT_DOUBLE_EQ(cast_bytes("tp=1,mbs=2,precision=fp32", Phase::forward), 0.0);
   EXPECT_DOUBLE_EQ(bytes("tp=1,mbs=2,precision=fp32", "pack16", Phase::backward), 0.0);
@@ -609,9 +622,11 @@ TEST(Compute, StrataOutputLayerRounds16Bit) {
   c.strata_stack = false;
   EXPECT_DOUBLE_EQ(bytes(bf16, "round16", Phase::forward), 0.0);
   EXPECT_DOUBLE_EQ(bytes(bf16, "round16", Phase::backward), 0.0);
-  // Where the GEMMs read 16-bit operands: the final norm's output packed for them (6 T H =
-  // 6 x 65,536) and the weight cast (6 Vt H = 6 x 131,072) in the forward; the logit
-  // gradients packed (6 T Vt = 6 x 131,072) and the weight cast again in the backward.
+  // Where the GEMMs read 16-bit operands: the final norm writes its output for them in 16
+  // bits ((4 + 2) T H = 393,216 bytes, no pack16; with sequence parallelism, tp 2, its 128
+  // rows as floats, 262,144, gathered and packed after: 6 T H = 6 x 65,536) and the weight
+  // is cast (6 Vt H = 6 x 131,072) in the forward; the logit gradients packed (6 T Vt = 6 x
+  // 131,072) and the weight cast again in the backward.
   c.strata_stack = true;
   c.device.gemm_reads_16bit = true;
   auto memory_named = [&](const std::string& name, Phase ph) {
@@ -620,7 +635,10 @@ TEST(Compute, StrataOutputLayerRounds16Bit) {
       if (o.phase == ph && o.kind == OpKind::memory && o.name == name) x += o.bytes;
     return x;
   };
-  EXPECT_DOUBLE_EQ(memory_named("pack16", Phase::forward), 6.0 * 65536);
+  EXPECT_DOUBLE_EQ(memory_named("pack16", Phase::forward), 0.0);
+  EXPECT_DOUBLE_EQ(bytes(bf16, "final_norm", Phase::forward), 393216.0);
+  EXPECT_DOUBLE_EQ(bytes(tp2, "final_norm", Phase::forward), 262144.0);
+  EXPECT_DOUBLE_EQ(sum_of(head_ops(m, c, load_plan(tp2)), "pack16", Phase::forward, &OpCost::bytes), 6.0 * 65536);
   EXPECT_DOUBLE_EQ(memory_named("lm_head", Phase::forward), 6.0 * 131072);
   EXPECT_DOUBLE_EQ(memory_named("pack16", Phase::backward), 6.0 * 131072);
   EXPECT_DOUBLE_EQ(memory_named("lm_head", Phase::backward), 6.0 * 131072);

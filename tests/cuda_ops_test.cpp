@@ -82,6 +82,22 @@ class CudaOps : public ::testing::Test {
     cpu_->pack16(h.data(), x.data(), static_cast<int64_t>(x.size()), p);
     return h;
   }
+  // n 16-bit values of device memory (a whole number of floats, as Buf's packed storage),
+  // filled with 0xffff (a NaN pattern in both types) so a value an op leaves unwritten
+  // shows; freed with the test.
+  uint16_t* out16(size_t n) {
+    const std::vector<uint16_t> fill(n + n % 2, 0xffff);
+    return const_cast<uint16_t*>(dev16(fill));
+  }
+  // n 16-bit values of out16's memory (read as its floats).
+  std::vector<uint16_t> host16(const uint16_t* d, size_t n) {
+    gpu_->synchronise();
+    std::vector<float> words((n + 1) / 2);
+    gpu_->to_host(words.data(), reinterpret_cast<const float*>(d), static_cast<int64_t>(words.size()));
+    std::vector<uint16_t> h(n);
+    std::memcpy(h.data(), words.data(), n * sizeof(uint16_t));
+    return h;
+  }
   Vec host(const float* d, size_t n) {
     Vec h(n);
     gpu_->synchronise();
@@ -405,6 +421,72 @@ TEST_F(CudaOps, NormAndActivationBackwardsReadStoredInputs) {
       gpu_->activation_backward_stored(a, stored, dev(da), Operand::sixteen(dev16(u16), p), N, F, p);
       gpu_->activation_backward(a, floats, dev(da), dev(u), N, F, p);
       EXPECT_EQ(host(stored, du.size()), host(floats, du.size())) << "rounded to " << to_string(p);
+    }
+  }
+}
+
+// The ops that write their output in 16-bit storage (Backend::*_packed: the norms' and the
+// activation's forwards, the activation's backward) and the bias gradient reading it
+// (bias_grad_stored): on this backend the bits its float op and pack16 give (the defaults,
+// Backend::*, called on the same backend), the activation's copy of u exactly pack16's of
+// u, every value written (odd counts: the last 16-bit word's half); against the CPU
+// backend within 16-bit tolerance.
+TEST_F(CudaOps, OpsWriteSixteenBitOutputsAsPack16Would) {
+  const int64_t N = 37, H = 201, F = 97;
+  for (Precision p : {Precision::bf16, Precision::fp16}) {
+    SCOPED_TRACE(to_string(p));
+    const Vec x = random(N * H, 2.0f), w = random(H), b = random(H);
+    float *gx = dev(x), *gw = dev(w), *gb = dev(b);
+    for (bool layernorm : {true, false}) {
+      SCOPED_TRACE(layernorm ? "layernorm" : "rmsnorm");
+      float *gmean = dev(nans(N)), *grstd = dev(nans(N)), *smean = dev(nans(N)), *srstd = dev(nans(N));
+      uint16_t *o = out16(N * H), *s = out16(N * H);
+      Vec out(N * H), mean(N), rstd(N);
+      if (layernorm) {
+        gpu_->layernorm_forward_packed(o, gmean, grstd, gx, gw, gb, N, H, p);
+        gpu_->Backend::layernorm_forward_packed(s, smean, srstd, gx, gw, gb, N, H, p);
+        cpu_->layernorm_forward(out.data(), mean.data(), rstd.data(), x.data(), w.data(), b.data(), N, H, p);
+        EXPECT_EQ(host(gmean, N), host(smean, N));
+      } else {
+        gpu_->rmsnorm_forward_packed(o, grstd, gx, gw, N, H, p);
+        gpu_->Backend::rmsnorm_forward_packed(s, srstd, gx, gw, N, H, p);
+        cpu_->rmsnorm_forward(out.data(), rstd.data(), x.data(), w.data(), N, H, p);
+      }
+      const std::vector<uint16_t> got = host16(o, N * H);
+      EXPECT_EQ(got, host16(s, N * H));
+      EXPECT_EQ(host(grstd, N), host(srstd, N));
+      Vec back(N * H);
+      cpu_->unpack16(back.data(), got.data(), N * H, p);
+      expect_close(back, out, 1e-2, "16-bit norm output");
+    }
+    for (Activation a : {Activation::gelu, Activation::swiglu, Activation::geglu}) {
+      SCOPED_TRACE(to_string(a));
+      const int64_t width = a == Activation::gelu ? F : 2 * F;
+      Vec u = random(N * width, 2.0f);
+      cpu_->round_to(u.data(), N * width, p);
+      const float* gu = dev(u);
+      uint16_t *o = out16(N * F), *s = out16(N * F), *uk = out16(N * width);
+      gpu_->activation_forward_packed(a, o, uk, gu, N, F, p);
+      gpu_->Backend::activation_forward_packed(a, s, nullptr, gu, N, F, p);
+      EXPECT_EQ(host16(o, N * F), host16(s, N * F)) << "activation";
+      EXPECT_EQ(host16(uk, N * width), sixteen(u, p)) << "the kept copy of u";
+      Vec act(N * F), back(N * F);
+      cpu_->activation_forward(a, act.data(), u.data(), N, F, p);
+      const std::vector<uint16_t> got = host16(o, N * F);
+      cpu_->unpack16(back.data(), got.data(), N * F, p);
+      expect_close(back, act, 1e-2, "16-bit activation");
+      // The backward from u as kept, du in 16 bits; fc1's bias gradient from it.
+      const Vec da = random(N * F);
+      const Operand u16 = Operand::sixteen(uk, p);
+      uint16_t *du = out16(N * width), *sdu = out16(N * width);
+      gpu_->activation_backward_packed(a, du, dev(da), u16, N, F, p);
+      gpu_->Backend::activation_backward_packed(a, sdu, dev(da), u16, N, F, p);
+      EXPECT_EQ(host16(du, N * width), host16(sdu, N * width)) << "du";
+      const Vec db0 = random(width);
+      float *db = dev(db0), *sdb = dev(db0);
+      gpu_->bias_grad_stored(db, Operand::sixteen(du, p), N, width);
+      gpu_->Backend::bias_grad_stored(sdb, Operand::sixteen(du, p), N, width);
+      EXPECT_EQ(host(db, width), host(sdb, width)) << "bias gradient";
     }
   }
 }

@@ -26,54 +26,75 @@ __device__ inline float silu(float x, float* grad) {
 
 __device__ inline float act(int kind, float x, float* grad) { return kind == 1 ? silu(x, grad) : gelu(x, grad); }
 
-__global__ void forward(int kind, float* out, const float* u, long long N, long long F, int round) {
+// out in either storage (ok: round.cuh's store_value); u16, where not null, gets u as
+// pack16 stores it in kind ok (1 or 2).
+__global__ void forward(int kind, void* out, int ok, unsigned short* u16, const float* u, long long N, long long F,
+                        int round) {
   const long long t = blockIdx.x * static_cast<long long>(blockDim.x) + threadIdx.x;
   if (t >= N * F) return;
   if (kind == 0) {
-    out[t] = round_value(gelu(u[t], nullptr), round);
+    const float x = u[t];
+    store_value(out, t, gelu(x, nullptr), ok, round);
+    if (u16) u16[t] = pack_value(x, ok);
     return;
   }
   const long long i = t / F, j = t % F;
   const float* row = u + i * 2 * F;
-  out[t] = round_value(act(kind, row[j], nullptr) * row[F + j], round);
+  const float gate = row[j], up = row[F + j];
+  store_value(out, t, act(kind, gate, nullptr) * up, ok, round);
+  if (u16) {
+    u16[i * 2 * F + j] = pack_value(gate, ok);
+    u16[i * 2 * F + F + j] = pack_value(up, ok);
+  }
 }
 
-// u in either storage (uk: round.cuh's load_stored).
-__global__ void backward(int kind, float* du, const float* dout, const void* u, int uk, long long N, long long F,
-                         int round) {
+// u in either storage (uk: round.cuh's load_stored), du too (dk: store_value).
+__global__ void backward(int kind, void* du, int dk, const float* dout, const void* u, int uk, long long N,
+                         long long F, int round) {
   const long long t = blockIdx.x * static_cast<long long>(blockDim.x) + threadIdx.x;
   if (t >= N * F) return;
   float g = 0.0f;
   if (kind == 0) {
     gelu(load_stored(u, t, uk), &g);
-    du[t] = round_value(dout[t] * g, round);
+    store_value(du, t, dout[t] * g, dk, round);
     return;
   }
   const long long i = t / F, j = t % F;
   const float gate = load_stored(u, i * 2 * F + j, uk), up = load_stored(u, i * 2 * F + F + j, uk);
   const float a = act(kind, gate, &g);
-  du[i * 2 * F + j] = round_value(dout[t] * up * g, round);
-  du[i * 2 * F + F + j] = round_value(dout[t] * a, round);
+  store_value(du, i * 2 * F + j, dout[t] * up * g, dk, round);
+  store_value(du, i * 2 * F + F + j, dout[t] * a, dk, round);
 }
 
 }  // namespace
 
-void activation_forward(int kind, float* out, const float* u, int64_t N, int64_t F, int round, cudaStream_t s) {
+void activation_forward(int kind, void* out, int out_kind, uint16_t* u16, const float* u, int64_t N, int64_t F,
+                        int round, cudaStream_t s) {
   if (N * F == 0) return;
-  STRATA_LAUNCH(forward, blocks_for(N * F, kThreads), kThreads, 0, s)(kind, out, u, N, F, round);
+  STRATA_LAUNCH(forward, blocks_for(N * F, kThreads), kThreads, 0, s)(kind, out, out_kind, u16, u, N, F, round);
+  CUDA_CHECK_LAUNCH();
+}
+
+void activation_forward(int kind, float* out, const float* u, int64_t N, int64_t F, int round, cudaStream_t s) {
+  activation_forward(kind, out, 0, nullptr, u, N, F, round, s);
+}
+
+void activation_backward(int kind, void* du, int du_kind, const float* dout, const void* u, int u_kind, int64_t N,
+                         int64_t F, int round, cudaStream_t s) {
+  if (N * F == 0) return;
+  STRATA_LAUNCH(backward, blocks_for(N * F, kThreads), kThreads, 0, s)(kind, du, du_kind, dout, u, u_kind, N, F,
+                                                                        round);
   CUDA_CHECK_LAUNCH();
 }
 
 void activation_backward(int kind, float* du, const float* dout, const void* u, int u_kind, int64_t N, int64_t F,
                          int round, cudaStream_t s) {
-  if (N * F == 0) return;
-  STRATA_LAUNCH(backward, blocks_for(N * F, kThreads), kThreads, 0, s)(kind, du, dout, u, u_kind, N, F, round);
-  CUDA_CHECK_LAUNCH();
+  activation_backward(kind, du, 0, dout, u, u_kind, N, F, round, s);
 }
 
 void activation_backward(int kind, float* du, const float* dout, const float* u, int64_t N, int64_t F, int round,
                          cudaStream_t s) {
-  activation_backward(kind, du, dout, u, 0, N, F, round, s);
+  activation_backward(kind, du, 0, dout, u, 0, N, F, round, s);
 }
 
 }  // namespace strata::cuda

@@ -433,6 +433,27 @@ class CudaBackendImpl final : public CudaBackend {
                                   Precision round) override {
     cuda::activation_backward(kind(a), du, dout, u.p, stored_kind(u), N, F, round_kind(round), stream_);
   }
+  // The outputs written in 16 bits as stored (kernels.h's out_kind; the u16 copy the
+  // activation's forward writes beside its output).
+  void layernorm_forward_packed(uint16_t* out, float* mean, float* rstd, const float* x, const float* w,
+                                const float* b, int64_t N, int64_t H, Precision p) override {
+    cuda::layernorm_forward(out, sixteen_kind(p), mean, rstd, x, w, b, N, H, 0, stream_);
+  }
+  void rmsnorm_forward_packed(uint16_t* out, float* rstd, const float* x, const float* w, int64_t N, int64_t H,
+                              Precision p) override {
+    cuda::rmsnorm_forward(out, sixteen_kind(p), rstd, x, w, N, H, 0, stream_);
+  }
+  void activation_forward_packed(Activation a, uint16_t* out, uint16_t* u16, const float* u, int64_t N, int64_t F,
+                                 Precision p) override {
+    cuda::activation_forward(kind(a), out, sixteen_kind(p), u16, u, N, F, 0, stream_);
+  }
+  void activation_backward_packed(Activation a, uint16_t* du, const float* dout, Operand u, int64_t N, int64_t F,
+                                  Precision p) override {
+    cuda::activation_backward(kind(a), du, sixteen_kind(p), dout, u.p, stored_kind(u), N, F, 0, stream_);
+  }
+  void bias_grad_stored(float* db, Operand dy, int64_t N, int64_t F) override {
+    cuda::bias_grad(db, dy.p, stored_kind(dy), N, F, stream_);
+  }
   // An input's storage as the kernels' loads name it: 0 floats, else pack16's kind.
   static int stored_kind(const Operand& x) { return x.is_16bit() ? sixteen_kind(x.type) : 0; }
   void rope(float* x, int64_t S, int64_t B, int64_t heads, int64_t D, int64_t ld, bool inverse) override {

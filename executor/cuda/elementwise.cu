@@ -23,12 +23,12 @@ __global__ void add_bias_kernel(float* y, const float* b, long long N, long long
 }
 
 __global__ void __launch_bounds__(kColTile * kRowLanes)
-    bias_grad_kernel(float* db, const float* dy, long long N, long long F) {
+    bias_grad_kernel(float* db, const void* dy, int dyk, long long N, long long F) {
   STRATA_SHARED(float, part, [kRowLanes][kColTile + 1]);
   const long long j = blockIdx.x * static_cast<long long>(kColTile) + threadIdx.x;
   float acc = 0.0f;
   if (j < F)
-    for (long long i = threadIdx.y; i < N; i += kRowLanes) acc += dy[i * F + j];
+    for (long long i = threadIdx.y; i < N; i += kRowLanes) acc += load_stored(dy, i * F + j, dyk);
   acc = column_sum(acc, part);
   if (threadIdx.y == 0 && j < F) db[j] += acc;
 }
@@ -67,11 +67,13 @@ void add_bias(float* y, const float* b, int64_t N, int64_t F, int round, cudaStr
   CUDA_CHECK_LAUNCH();
 }
 
-void bias_grad(float* db, const float* dy, int64_t N, int64_t F, cudaStream_t s) {
+void bias_grad(float* db, const void* dy, int dy_kind, int64_t N, int64_t F, cudaStream_t s) {
   if (F == 0) return;
-  STRATA_LAUNCH(bias_grad_kernel, column_tiles(F), column_block(), 0, s)(db, dy, N, F);
+  STRATA_LAUNCH(bias_grad_kernel, column_tiles(F), column_block(), 0, s)(db, dy, dy_kind, N, F);
   CUDA_CHECK_LAUNCH();
 }
+
+void bias_grad(float* db, const float* dy, int64_t N, int64_t F, cudaStream_t s) { bias_grad(db, dy, 0, N, F, s); }
 
 void add_positions(float* out, const float* x, const float* P, int64_t n, int64_t H, int64_t B, int64_t row0,
                    cudaStream_t s) {

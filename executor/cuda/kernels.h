@@ -18,6 +18,11 @@ namespace strata::cuda {
 // as the kernel writes it.
 void layernorm_forward(float* out, float* mean, float* rstd, const float* x, const float* w, const float* b,
                        int64_t N, int64_t H, int round, cudaStream_t s);
+// The forwards (and the activation's backward) also write their output in either storage:
+// out_kind 0 floats rounded to `round`, 1 bf16 or 2 fp16 as pack16 stores them (rounded so;
+// round.cuh's store_value).
+void layernorm_forward(void* out, int out_kind, float* mean, float* rstd, const float* x, const float* w,
+                       const float* b, int64_t N, int64_t H, int round, cudaStream_t s);
 void layernorm_backward(float* dx, float* dw, float* db, const float* dout, const float* x, const float* mean,
                         const float* rstd, const float* w, int64_t N, int64_t H, cudaStream_t s);
 // The backwards below also take their kept input (x; u) in either storage: x_kind (u_kind)
@@ -26,16 +31,23 @@ void layernorm_backward(float* dx, float* dw, float* db, const float* dout, cons
                         const float* mean, const float* rstd, const float* w, int64_t N, int64_t H, cudaStream_t s);
 void rmsnorm_forward(float* out, float* rstd, const float* x, const float* w, int64_t N, int64_t H, int round,
                      cudaStream_t s);
+void rmsnorm_forward(void* out, int out_kind, float* rstd, const float* x, const float* w, int64_t N, int64_t H,
+                     int round, cudaStream_t s);
 void rmsnorm_backward(float* dx, float* dw, const float* dout, const float* x, const float* rstd, const float* w,
                       int64_t N, int64_t H, cudaStream_t s);
 void rmsnorm_backward(float* dx, float* dw, const float* dout, const void* x, int x_kind, const float* rstd,
                       const float* w, int64_t N, int64_t H, cudaStream_t s);
 // kind: 0 gelu (u (N, F)), 1 swiglu, 2 geglu (u (N, 2F) = [gate | up]).
 void activation_forward(int kind, float* out, const float* u, int64_t N, int64_t F, int round, cudaStream_t s);
+// u16, where not null (out_kind 1 or 2 only), gets u in that storage in the same pass.
+void activation_forward(int kind, void* out, int out_kind, uint16_t* u16, const float* u, int64_t N, int64_t F,
+                        int round, cudaStream_t s);
 void activation_backward(int kind, float* du, const float* dout, const float* u, int64_t N, int64_t F, int round,
                          cudaStream_t s);
 void activation_backward(int kind, float* du, const float* dout, const void* u, int u_kind, int64_t N, int64_t F,
                          int round, cudaStream_t s);
+void activation_backward(int kind, void* du, int du_kind, const float* dout, const void* u, int u_kind, int64_t N,
+                         int64_t F, int round, cudaStream_t s);
 void rope(float* x, int64_t S, int64_t B, int64_t heads, int64_t D, int64_t ld, bool inverse, cudaStream_t s);
 // The unfused attention's row kernels (attention.cu; its GEMMs are cuBLASLt calls in
 // cuda_backend.cpp): in place on `count` S x S matrices `stride` floats apart, the causal
@@ -101,6 +113,8 @@ void embedding_backward(float* dwte, const float* dx, const int* tokens, int64_t
 void add(float* out, const float* a, const float* b, int64_t n, int round, cudaStream_t s);
 void add_bias(float* y, const float* b, int64_t N, int64_t F, int round, cudaStream_t s);
 void bias_grad(float* db, const float* dy, int64_t N, int64_t F, cudaStream_t s);
+// dy in either storage (dy_kind as x_kind above).
+void bias_grad(float* db, const void* dy, int dy_kind, int64_t N, int64_t F, cudaStream_t s);
 void add_positions(float* out, const float* x, const float* P, int64_t n, int64_t H, int64_t B, int64_t row0,
                    cudaStream_t s);
 void position_grad(float* dP, const float* dx, int64_t n, int64_t H, int64_t B, int64_t row0, cudaStream_t s);

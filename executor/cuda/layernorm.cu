@@ -12,7 +12,8 @@ namespace {
 constexpr float kEps = 1e-5f;
 constexpr int kThreads = 256;
 
-__global__ void ln_forward(float* out, float* mean, float* rstd, const float* x, const float* w, const float* b,
+// out in either storage (ok: round.cuh's store_value).
+__global__ void ln_forward(void* out, int ok, float* mean, float* rstd, const float* x, const float* w, const float* b,
                            long long H, int round) {
   STRATA_SHARED(float, scratch, [32]);
   const long long i = blockIdx.x;
@@ -27,7 +28,7 @@ __global__ void ln_forward(float* out, float* mean, float* rstd, const float* x,
     mean[i] = mu;
     rstd[i] = rs;
   }
-  for (long long j = threadIdx.x; j < H; j += blockDim.x) out[i * H + j] = round_value((xi[j] - mu) * rs * w[j] + b[j], round);
+  for (long long j = threadIdx.x; j < H; j += blockDim.x) store_value(out, i * H + j, (xi[j] - mu) * rs * w[j] + b[j], ok, round);
 }
 
 __global__ void ln_backward_dx(float* dx, const float* dout, const void* x, int xk, const float* mean, const float* rstd,
@@ -71,11 +72,16 @@ __global__ void __launch_bounds__(kColTile * kRowLanes)
 
 }  // namespace
 
+void layernorm_forward(void* out, int out_kind, float* mean, float* rstd, const float* x, const float* w,
+                       const float* b, int64_t N, int64_t H, int round, cudaStream_t s) {
+  if (N == 0) return;
+  STRATA_LAUNCH(ln_forward, static_cast<unsigned>(N), kThreads, 0, s)(out, out_kind, mean, rstd, x, w, b, H, round);
+  CUDA_CHECK_LAUNCH();
+}
+
 void layernorm_forward(float* out, float* mean, float* rstd, const float* x, const float* w, const float* b,
                        int64_t N, int64_t H, int round, cudaStream_t s) {
-  if (N == 0) return;
-  STRATA_LAUNCH(ln_forward, static_cast<unsigned>(N), kThreads, 0, s)(out, mean, rstd, x, w, b, H, round);
-  CUDA_CHECK_LAUNCH();
+  layernorm_forward(out, 0, mean, rstd, x, w, b, N, H, round, s);
 }
 
 void layernorm_backward(float* dx, float* dw, float* db, const float* dout, const void* x, int x_kind,

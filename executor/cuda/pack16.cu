@@ -14,16 +14,7 @@ constexpr int kThreads = 256;
 __global__ void pack16_kernel(unsigned short* dst, const float* src, long long n, int kind) {
   const long long t = blockIdx.x * static_cast<long long>(blockDim.x) + threadIdx.x;
   if (t >= n) return;
-  const float v = src[t];
-  if (kind == 2) {  // a NaN as the quiet NaN of its sign, as on the CPU
-    dst[t] = isnan(v) ? static_cast<unsigned short>(((__float_as_uint(v) >> 16) & 0x8000u) | 0x7e00u)
-                      : __half_as_ushort(__float2half_rn(v));
-    return;
-  }
-  unsigned u = __float_as_uint(v);
-  if ((u & 0x7f800000u) != 0x7f800000u) u += 0x7fffu + ((u >> 16) & 1u);
-  // A NaN stays a NaN when its payload is in the low half only.
-  dst[t] = static_cast<unsigned short>(u >> 16) | (isnan(v) ? 0x0040u : 0u);
+  dst[t] = pack_value(src[t], kind);
 }
 
 __global__ void unpack16_kernel(float* dst, const unsigned short* src, long long n, int kind) {

@@ -10,7 +10,8 @@ namespace {
 constexpr float kEps = 1e-5f;
 constexpr int kThreads = 256;
 
-__global__ void rms_forward(float* out, float* rstd, const float* x, const float* w, long long H, int round) {
+// out in either storage (ok: round.cuh's store_value).
+__global__ void rms_forward(void* out, int ok, float* rstd, const float* x, const float* w, long long H, int round) {
   STRATA_SHARED(float, scratch, [32]);
   const long long i = blockIdx.x;
   const float* xi = x + i * H;
@@ -18,7 +19,7 @@ __global__ void rms_forward(float* out, float* rstd, const float* x, const float
   for (long long j = threadIdx.x; j < H; j += blockDim.x) s2 += xi[j] * xi[j];
   const float rs = rsqrtf(block_sum(s2, scratch) / static_cast<float>(H) + kEps);
   if (threadIdx.x == 0) rstd[i] = rs;
-  for (long long j = threadIdx.x; j < H; j += blockDim.x) out[i * H + j] = round_value(xi[j] * rs * w[j], round);
+  for (long long j = threadIdx.x; j < H; j += blockDim.x) store_value(out, i * H + j, xi[j] * rs * w[j], ok, round);
 }
 
 __global__ void rms_backward_dx(float* dx, const float* dout, const void* x, int xk, const float* rstd, const float* w,
@@ -47,11 +48,16 @@ __global__ void __launch_bounds__(kColTile * kRowLanes)
 
 }  // namespace
 
+void rmsnorm_forward(void* out, int out_kind, float* rstd, const float* x, const float* w, int64_t N, int64_t H,
+                     int round, cudaStream_t s) {
+  if (N == 0) return;
+  STRATA_LAUNCH(rms_forward, static_cast<unsigned>(N), kThreads, 0, s)(out, out_kind, rstd, x, w, H, round);
+  CUDA_CHECK_LAUNCH();
+}
+
 void rmsnorm_forward(float* out, float* rstd, const float* x, const float* w, int64_t N, int64_t H, int round,
                      cudaStream_t s) {
-  if (N == 0) return;
-  STRATA_LAUNCH(rms_forward, static_cast<unsigned>(N), kThreads, 0, s)(out, rstd, x, w, H, round);
-  CUDA_CHECK_LAUNCH();
+  rmsnorm_forward(out, 0, rstd, x, w, N, H, round, s);
 }
 
 void rmsnorm_backward(float* dx, float* dw, const float* dout, const void* x, int x_kind, const float* rstd,

@@ -2,6 +2,7 @@
 // pass: bf16 by the CPU backend's integer rounding (NaN and inf kept bit for bit), fp16 by
 // the hardware conversion with NaN kept as it is (as on the CPU). kind: 1 bf16, 2 fp16,
 // anything else leaves the value. And from_float, a float as a 16-bit tensor-core operand;
+// pack_value and store_value, a value written in 16-bit storage as pack16 writes it;
 // load_stored, a kept input's value in either storage.
 #pragma once
 
@@ -36,6 +37,25 @@ __device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float v) {
 template <>
 __device__ __forceinline__ __half from_float<__half>(float v) {
   return __float2half_rn(v);
+}
+
+// A float as pack16 stores it (pack16.cu): kind 2 fp16 (a NaN as the quiet NaN of its sign,
+// as on the CPU), else bf16 by round_value's rounding (a NaN stays a NaN when its payload is
+// in the low half only). Storing a value round_value rounded gives the same pattern.
+__device__ __forceinline__ unsigned short pack_value(float v, int kind) {
+  if (kind == 2)
+    return isnan(v) ? static_cast<unsigned short>(((__float_as_uint(v) >> 16) & 0x8000u) | 0x7e00u)
+                    : __half_as_ushort(__float2half_rn(v));
+  unsigned u = __float_as_uint(v);
+  if ((u & 0x7f800000u) != 0x7f800000u) u += 0x7fffu + ((u >> 16) & 1u);
+  return static_cast<unsigned short>(u >> 16) | (isnan(v) ? 0x0040u : 0u);
+}
+
+// Value i of an output in either storage: kind 0 a float rounded to `round` (round_value),
+// 1 bf16 or 2 fp16 as pack16 stores them (rounding so).
+__device__ __forceinline__ void store_value(void* p, long long i, float v, int kind, int round) {
+  if (kind == 0) static_cast<float*>(p)[i] = round_value(v, round);
+  else static_cast<unsigned short*>(p)[i] = pack_value(v, kind);
 }
 
 // Value i of an input in either storage (backend.h's Operand): kind 0 floats, 1 bf16 and 2
