@@ -259,17 +259,17 @@ double attention_core_backward(Acc& a, double mlp_s) {
 // of the forward (h1 or g1, the attention output, h2 or g2, the activation) as soon as they
 // are written, in the forward and in a full recompute's replay (the attention output packed
 // instead of rounded); those kept stay packed for the backward (the attention output
-// unpacked for the fused attention's backward); dy and dO are packed instead of rounded,
-// du and dqkv packed after their rounding (dqkv's rounding pass only for a bias gradient:
-// packing rounds). The norms' inputs x and x2 and the fc1 output stay packed too, read so
-// by the norms' and the activation's backwards (reads_kept_16bit), but under full
-// recompute (its replay starts from x as floats). The ops that make a GEMM input write it
-// in 16 bits themselves where they can (Backend::*_packed), so no pack follows them: the
-// norms (not where sequence parallelism gathers their output: norms_write_16bit), the
-// activation (which writes the fc1 output's kept 16-bit copy in the same pass, in the
-// forward but under full recompute and in its replay) and the activation's backward (du,
-// which fc1's bias gradient reads so). Nothing of this runs outside the strata stack or in
-// fp32.
+// unpacked for the fused attention's backward); dy, dO and dqkv are packed instead of
+// rounded (packing rounds; dqkv's bias gradient reads it packed). The norms' inputs x and
+// x2 stay packed too, read so by the norms' backwards (reads_kept_16bit), but under full
+// recompute (its replay starts from x as floats); the fc1 output's 16-bit copy is read so
+// by the activation's backward even then (the replay writes it). The ops that make a GEMM
+// input write it in 16 bits themselves where they can (Backend::*_packed), so no pack
+// follows them: the norms (not where sequence parallelism gathers their output:
+// norms_write_16bit), the activation (which writes the fc1 output's kept 16-bit copy in
+// the same pass, in the forward but under full recompute and in its replay) and the
+// activation's backward (du, which fc1's bias gradient reads so). Nothing of this runs
+// outside the strata stack or in fp32.
 struct Tensors {
   std::array<double, 12> values{};
   int count = 0;
@@ -300,8 +300,7 @@ SixteenBitPasses sixteen_bit_passes(const Acc& a) {
     v.gemm_input_packs.add(T * ADt);  // att (h1, h2 and the activation written so: norms_write_16bit)
     if (gathered)
       for (double x : {Tn * H, Tn * H, T * H, T * H}) v.gemm_input_packs.add(x);  // h1, h2, g1, g2
-    v.backward_rounds.add(T * ADt);
-    if (m.bias) v.backward_rounds.add(T * Q);
+    v.backward_rounds.add(T * ADt);  // (dqkv's bias gradient reads it packed: no rounding pass)
     for (double x : {T * H, T * H, T * Q}) v.backward_packs.add(x);  // dy, dO, dqkv (du written so)
   } else {
     for (double x : {T * H, T * H, T * ADt, T * Q}) v.backward_rounds.add(x);

@@ -126,8 +126,9 @@ void add_bias(const ModelCtx& c, float* y, const float* b, int64_t N, int64_t F,
   else if (rounded != Precision::fp32) round(c, y, N * F);
 }
 
-void bias_grad(const ModelCtx& c, float* db, const float* dy, int64_t N, int64_t F) {
-  if (db) c.be->bias_grad(db, dy, N, F);
+// dy in either storage (Backend::bias_grad_stored: a packed gradient read as stored).
+void bias_grad(const ModelCtx& c, float* db, Operand dy, int64_t N, int64_t F) {
+  if (db) c.be->bias_grad_stored(db, dy, N, F);
 }
 
 // A 16-bit tensor that only GEMMs read, made where sixteen_operands(c): a buffer its op
@@ -461,7 +462,8 @@ void pack_saved(const ModelCtx& c, LayerActs* a) {
 // not), the activation and the attention's output, whose backward GEMM reads it first (the
 // fused attention's backward, after it, unpacks it: unpack_for_attention); and so do the
 // norms' inputs and the fc1 output, which the norms' and the activation's backwards read as
-// stored (Backend::*_stored), but under full recompute, whose replay starts from the input.
+// stored (Backend::*_stored), but under full recompute, whose replay starts from the input
+// (only x is here then; the replay writes the fc1 output's 16-bit copy itself).
 void unpack_saved(const ModelCtx& c, LayerActs* a) {
   const OpScope op(c.precision == Precision::fp32 ? nullptr : c.ops, "unpack16");
   const bool keep = sixteen_operands(c);
@@ -532,7 +534,7 @@ Buf layer_backward(const ModelCtx& c, const UnitView& u, int64_t l, LayerActs* a
   {
     const OpScope op(c.ops, "bias_dropout_add");
     dx = copy_of(c, dout);
-    bias_grad(c, u.grad_or_null(TensorKind::fc2_b, l), dout.data(), n, H);
+    bias_grad(c, u.grad_or_null(TensorKind::fc2_b, l), operand(dout), n, H);
   }
   const bool sixteen = sixteen_operands(c);
   const char* const input_region =
@@ -568,7 +570,7 @@ Buf layer_backward(const ModelCtx& c, const UnitView& u, int64_t l, LayerActs* a
     const OpScope op(c.ops, "fc1");
     gemm(c, true, false, F1, H, N, operand(du), F1, operand(g2), H, 1.0f, u.grad(TensorKind::fc1_w, l), H);
     tick();
-    if (float* db = u.grad_or_null(TensorKind::fc1_b, l)) c.be->bias_grad_stored(db, operand(du), N, F1);
+    bias_grad(c, u.grad_or_null(TensorKind::fc1_b, l), operand(du), N, F1);
     dg2 = c.f32_out(N * H);
     gemm(c, false, false, N, H, F1, operand(du), F1, operand(u.weight(TensorKind::fc1_w, l)), H, 0.0f, dg2.data(), H);
     tick();
@@ -585,7 +587,7 @@ Buf layer_backward(const ModelCtx& c, const UnitView& u, int64_t l, LayerActs* a
   // Attention block: x2 = x + proj(attention(qkv(norm1(x)))).
   {
     const OpScope op(c.ops, "bias_dropout_add");
-    bias_grad(c, u.grad_or_null(TensorKind::proj_b, l), dx.data(), n, H);
+    bias_grad(c, u.grad_or_null(TensorKind::proj_b, l), operand(dx), n, H);
   }
   Buf dO;
   {
@@ -679,21 +681,17 @@ Buf layer_backward(const ModelCtx& c, const UnitView& u, int64_t l, LayerActs* a
     rope_rows(c, dqkv.data(), At, Q, true);
     rope_rows(c, dqkv.data() + At * D, Gt, Q, true);
   }
-  float* const qkv_b_grad = u.grad_or_null(TensorKind::qkv_b, l);
-  // With sixteen: packing rounds, so only a bias gradient (summed from the rounded values)
-  // needs the rounding pass first.
-  if (!sixteen || qkv_b_grad) round(c, dqkv);
+  // With sixteen: packing rounds (and the bias gradient sums the packed values), so no
+  // rounding pass.
+  if (!sixteen) round(c, dqkv);
   const Buf& g1 = gathered ? a->g1 : a->h1;
   Buf dg1;
   {
     const OpScope op(c.ops, "qkv");
-    if (sixteen) {
-      bias_grad(c, qkv_b_grad, dqkv.data(), N, Q);
-      pack_operand(c, dqkv);
-    }
+    pack_operand(c, dqkv);
     gemm(c, true, false, Q, H, N, operand(dqkv), Q, operand(g1), H, 1.0f, u.grad(TensorKind::qkv_w, l), H);
     c.tick();
-    if (!sixteen) bias_grad(c, qkv_b_grad, dqkv.data(), N, Q);
+    bias_grad(c, u.grad_or_null(TensorKind::qkv_b, l), operand(dqkv), N, Q);
     dg1 = c.f32_out(N * H);
     gemm(c, false, false, N, H, Q, operand(dqkv), Q, operand(u.weight(TensorKind::qkv_w, l)), H, 0.0f, dg1.data(), H);
     c.tick();

@@ -517,9 +517,9 @@ TEST(Compute, StrataSixteenBitPasses) {
 //     the kept rest x, qkv (196,608), x2 and the probabilities (131,072) = 458,752: 524,288
 //   backward: unpack16 only what neither a GEMM nor a norm's or the activation's backward
 //     reads as stored: qkv and the probabilities, 327,680 (fused attention: qkv and its
-//     output, 262,144); round16 datt (65,536) and dqkv (196,608, for its bias gradient) =
-//     262,144; pack16 dy (65,536), dO (65,536), dqkv (196,608) = 327,680 (du written in 16
-//     bits by GELU's backward); norm1 reads x at 2 bytes: (2 x 4 + 2) x 65,536 = 655,360
+//     output, 262,144); round16 datt alone (65,536: dqkv is packed instead, and its bias
+//     gradient reads it so); pack16 dy (65,536), dO (65,536), dqkv (196,608) = 327,680 (du
+//     written in 16 bits by GELU's backward); norm1 reads x at 2 bytes: (2 x 4 + 2) x 65,536 = 655,360
 //     bytes (floats: 786,432); GELU reads dout, u at 2 bytes and writes du at 2: (4 + 2 + 2)
 //     x 262,144 = 2,097,152 (floats: 3,145,728)
 //   weight casts: qkv 256 x 768 = 196,608, attn_proj 65,536, fc1 and fc2 262,144 each;
@@ -530,8 +530,7 @@ TEST(Compute, StrataSixteenBitPasses) {
 //     (65,536), with the fused attention also the replay's output (131,072); the norms read
 //     the replay's floats (786,432 bytes for norm1), GELU u in 16 bits (2,097,152)
 // tiny-llama (no biases, RoPE; Q 384, F1 1408, F 704): forward round16 x, qkv (98,304) and
-// the fc1 output (360,448) = 524,288; backward round16 datt alone (65,536: no bias gradient
-// for dqkv), pack16 dy, dO, dqkv (98,304) = 229,376; SwiGLU's backward reads dout (4 B) and
+// the fc1 output (360,448) = 524,288; backward round16 datt alone (65,536), pack16 dy, dO, dqkv (98,304) = 229,376; SwiGLU's backward reads dout (4 B) and
 // its 2F-wide u at 2 bytes and writes the 2F-wide du at 2: (4 + 2 x 2 + 2 x 2) x 256 x 704 =
 // 2,162,688 bytes (floats: 3,604,480).
 TEST(Compute, StrataSixteenBitOperandsAsStored) {
@@ -558,7 +557,7 @@ TEST(Compute, StrataSixteenBitOperandsAsStored) {
   EXPECT_DOUBLE_EQ(bytes(bf16, "unpack16", Phase::backward), 6.0 * 327680);
   EXPECT_DOUBLE_EQ(bytes(bf16, "norm1", Phase::backward), 655360.0);
   EXPECT_DOUBLE_EQ(bytes(bf16, "gelu", Phase::backward), 2097152.0);
-  EXPECT_DOUBLE_EQ(bytes(bf16, "round16", Phase::backward), 8.0 * 262144);
+  EXPECT_DOUBLE_EQ(bytes(bf16, "round16", Phase::backward), 8.0 * 65536);
   EXPECT_DOUBLE_EQ(bytes(bf16, "pack16", Phase::backward), 6.0 * 327680);
   EXPECT_DOUBLE_EQ(cast_bytes(bf16, Phase::forward), 6.0 * 786432);
   EXPECT_DOUBLE_EQ(cast_bytes(bf16, Phase::backward), 6.0 * 786432);
