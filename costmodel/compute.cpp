@@ -148,7 +148,9 @@ double attention_core_forward(Acc& a, Phase ph) {
     // (Multi-latent attention: QK^T over D, AV over Dv.)
     const double flops = m.mla() ? 2.0 * heads * Sq * Sk * (D + static_cast<double>(m.Dv())) * m.causal_share()
                                  : 4.0 * heads * Sq * Sk * D * m.causal_share();
-    const double bytes = e * a.cs.T * head_columns(m, p.t, 2, 2);
+    // Reads q, k, v and writes the output (qkv in 16 bits where qkv16).
+    const double bytes = a.qkv16 ? a.cs.T * (2.0 * head_columns(m, p.t, 1, 2) + e * head_columns(m, p.t, 1, 0))
+                                 : e * a.cs.T * head_columns(m, p.t, 2, 2);
     t = a.kernel("flash_attention", ph, flops, bytes, a.peak_flash * a.cl.device.flash_fwd_efficiency);
   } else {
     const double n_s = heads * Sq * Sk;  // attention score elements
@@ -201,7 +203,10 @@ double attention_core_backward(Acc& a, double mlp_s) {
     // (Multi-latent attention: the recomputed S and dQ, dK, dS over D; dP, dV over Dv.)
     const double flops = m.mla() ? 2.0 * heads * Sq * Sk * (3.0 * D + 2.0 * static_cast<double>(m.Dv())) * m.causal_share()
                                  : 10.0 * heads * Sq * Sk * D * m.causal_share();
-    const double bytes = 2.0 * e * a.cs.T * head_columns(m, p.t, 2, 2);
+    // Reads q, k, v, the output and its gradient, writes dq, dk, dv (qkv and the output in
+    // 16 bits where qkv16).
+    const double bytes = a.qkv16 ? a.cs.T * (2.0 + e) * head_columns(m, p.t, 2, 2)
+                                 : 2.0 * e * a.cs.T * head_columns(m, p.t, 2, 2);
     t = a.kernel("flash_attention", ph, flops, bytes, a.peak_flash * a.cl.device.flash_bwd_efficiency);
   } else {
     const double n_s = heads * Sq * Sk;
@@ -268,8 +273,10 @@ double attention_core_backward(Acc& a, double mlp_s) {
 // follows them: the norms (not where sequence parallelism gathers their output:
 // norms_write_16bit), the activation (which writes the fc1 output's kept 16-bit copy in
 // the same pass, in the forward but under full recompute and in its replay) and the
-// activation's backward (du, which fc1's bias gradient reads so). Nothing of this runs
-// outside the strata stack or in fp32.
+// activation's backward (du, which fc1's bias gradient reads so). With the fused attention
+// on the tensor cores and no context parallelism (Acc::qkv16) qkv is packed where it is
+// made instead of rounded and kept so, neither it nor the attention's output unpacked for
+// the fused backward. Nothing of this runs outside the strata stack or in fp32.
 struct Tensors {
   std::array<double, 12> values{};
   int count = 0;
@@ -294,10 +301,11 @@ SixteenBitPasses sixteen_bit_passes(const Acc& a) {
   const bool flash = a.cs.attention != AttentionKernel::unfused;
   v.forward_rounds.add(Tn * H);
   if (!as_stored) v.forward_rounds.add(T * ADt);
-  if (!qkv_fused) v.forward_rounds.add(T * Q);
+  if (!qkv_fused && !a.qkv16) v.forward_rounds.add(T * Q);
   if (!m.bias) v.forward_rounds.add(T * F1);
   if (as_stored) {
     v.gemm_input_packs.add(T * ADt);  // att (h1, h2 and the activation written so: norms_write_16bit)
+    if (a.qkv16) v.gemm_input_packs.add(T * Q);  // qkv, packed instead of rounded
     if (gathered)
       for (double x : {Tn * H, Tn * H, T * H, T * H}) v.gemm_input_packs.add(x);  // h1, h2, g1, g2
     v.backward_rounds.add(T * ADt);  // (dqkv's bias gradient reads it packed: no rounding pass)
@@ -309,7 +317,7 @@ SixteenBitPasses sixteen_bit_passes(const Acc& a) {
   if (full) {
     v.kept.add(Tn * H);
     v.unpacked.add(Tn * H);
-    if (as_stored && flash) v.unpacked.add(T * ADt);  // the replay's output, for the fused backward
+    if (as_stored && flash && !a.qkv16) v.unpacked.add(T * ADt);  // the replay's output, for the fused backward
     return v;
   }
   auto both = [&](double x) {
@@ -317,9 +325,16 @@ SixteenBitPasses sixteen_bit_passes(const Acc& a) {
     v.unpacked.add(x);
   };
   if (as_stored) {
-    for (double x : {Tn * H, T * Q, Tn * H}) v.kept.add(x);  // x, qkv, x2 (u written so by the activation)
-    v.unpacked.add(T * Q);  // (x, x2 and u read as stored)
-    if (flash) v.unpacked.add(T * ADt);
+    // x, qkv (but where packed already: qkv16), x2 (u written so by the activation); unpacked
+    // qkv and the fused attention's output, but where its kernels read them so (qkv16; x, x2
+    // and u read as stored)
+    v.kept.add(Tn * H);
+    if (!a.qkv16) v.kept.add(T * Q);
+    v.kept.add(Tn * H);
+    if (!a.qkv16) {
+      v.unpacked.add(T * Q);
+      if (flash) v.unpacked.add(T * ADt);
+    }
   } else {
     for (double x : {Tn * H, Tn * H, T * Q, T * ADt, Tn * H, Tn * H, T * F1, T * Ft}) both(x);  // x, h1, qkv, att, x2, h2, u, act
     if (gathered) {

@@ -72,6 +72,10 @@ struct Acc {
   // gradient's, timed with the GEMM (its op name); its other operands are 16-bit already
   // (compute.cpp sixteen_bit_passes).
   bool casts_weights;
+  // There, with the fused attention on the tensor cores and no context parallelism: qkv is
+  // packed where it is made and kept so, the kernels reading it (and the backward's delta
+  // the attention's output) in 16 bits (executor/gpt.cpp qkv_sixteen).
+  bool qkv16;
   bool ub;                        // Transformer Engine's user-buffer overlap (Stack::userbuffers)
   LayerCost lc;
   // With the expert exchanges' overlap (Plan::moe_a2a_overlap): each pass's dispatch and
@@ -119,6 +123,7 @@ struct Acc {
     lin_bytes = p.precision == Precision::fp8 ? 1.0 : cs.work_bytes;
     casts_weights = cs.stack.strata && (p.precision == Precision::bf16 || p.precision == Precision::fp16) &&
                     dev.gemm_reads_16bit;
+    qkv16 = casts_weights && cs.attention == AttentionKernel::flash && p.c == 1 && tc_flash;
     ub = cs.stack.userbuffers;
   }
 

@@ -123,6 +123,19 @@ void Backend::bias_grad_stored(float* db, Operand dy, int64_t N, int64_t F) {
   bias_grad(db, as_floats(this, dy, N * F, &ud), N, F);
 }
 
+void Backend::flash_attention_forward_stored(float* out, float* lse, Operand qkv, int64_t S, int64_t B, int64_t A,
+                                             int64_t G, int64_t D) {
+  Unpacked uq{this};
+  flash_attention_forward(out, lse, as_floats(this, qkv, S * B * (A + 2 * G) * D, &uq), S, B, A, G, D);
+}
+
+void Backend::flash_attention_backward_stored(float* dqkv, const float* dout, Operand out, const float* lse,
+                                              Operand qkv, int64_t S, int64_t B, int64_t A, int64_t G, int64_t D) {
+  Unpacked uo{this}, uq{this};
+  flash_attention_backward(dqkv, dout, as_floats(this, out, S * B * A * D, &uo), lse,
+                           as_floats(this, qkv, S * B * (A + 2 * G) * D, &uq), S, B, A, G, D);
+}
+
 void Backend::rope_at(float* x, int64_t S, int64_t B, int64_t heads, int64_t D, int64_t ld, bool inverse,
                       int64_t pos0) {
   if (pos0 != 0) no_cp(*this, "rope_at with a position offset");

@@ -172,6 +172,20 @@ class Backend {
                                        int64_t G, int64_t D) = 0;
   virtual void flash_attention_backward(float* dqkv, const float* dout, const float* out, const float* lse,
                                         const float* qkv, int64_t S, int64_t B, int64_t A, int64_t G, int64_t D) = 0;
+  // The same with qkv and (the backward's) the forward's output in either storage (Operand).
+  // Where flash_reads_16bit(D, p) the backend's kernels read 16-bit qkv of precision p as it
+  // is stored (the CUDA backend's tensor-core kernels, in their own type), and the executor
+  // keeps qkv and the output packed from their making through the backward. The defaults
+  // unpack a 16-bit input (in this backend's memory) and call the ops above.
+  virtual bool flash_reads_16bit(int64_t D, Precision p) const {
+    (void)D;
+    (void)p;
+    return false;
+  }
+  virtual void flash_attention_forward_stored(float* out, float* lse, Operand qkv, int64_t S, int64_t B, int64_t A,
+                                              int64_t G, int64_t D);
+  virtual void flash_attention_backward_stored(float* dqkv, const float* dout, Operand out, const float* lse,
+                                               Operand qkv, int64_t S, int64_t B, int64_t A, int64_t G, int64_t D);
   // Context parallelism (a plan's cp > 1, the CPU backend): the attention of Sq queries at
   // global positions [q0, q0 + Sq) against the keys and values of positions [0, q0 + Sq),
   // causal (query q0 + i sees keys 0..q0 + i). q: (Sq, B) rows of stride ldq, query heads

@@ -76,6 +76,14 @@ void round(const ModelCtx& c, Buf& b) { round(c, b.data(), b.size()); }
 // rounded floats and the kept ones go back to floats before the backward.
 bool sixteen_operands(const ModelCtx& c) { return c.precision != Precision::fp32 && c.be->gemm_reads_16bit(); }
 
+// Whether qkv is stored in 16 bits from its making (packed instead of rounded, after its bias
+// or RoPE) through the backward: where sixteen_operands(c) and the fused attention, without
+// context parallelism, reads it as stored (Backend::flash_reads_16bit), as its backward
+// reads the attention's output (packed for the projection's GEMMs) for its delta.
+bool qkv_sixteen(const ModelCtx& c) {
+  return c.flash && c.cp == 1 && sixteen_operands(c) && c.be->flash_reads_16bit(c.m->D(), c.precision);
+}
+
 // b stored in 16 bits, in place, where sixteen_operands(c): in a region of its own (pack16)
 // within a layer, in the caller's outside (the output layer's).
 void pack_operand(const ModelCtx& c, Buf& b, bool own_region = true) {
@@ -364,18 +372,18 @@ Buf forward_all(const ModelCtx& c, const UnitView& u, int64_t l, LayerActs* a) {
     const OpScope op(c.ops, "qkv");
     gemm(c, false, true, N, Q, H, operand(g1), H, operand(u.weight(TensorKind::qkv_w, l)), H, 0.0f, a->qkv.data(), Q);
     c.tick();
-    // (Rounded with the bias, or after RoPE, the last to write it.)
+    // (Rounded with the bias, or after RoPE, the last to write it; where qkv_sixteen,
+    // packed after both instead: packing rounds.)
     add_bias(c, a->qkv.data(), u.weight_or_null(TensorKind::qkv_b, l), N, Q,
-             m.position == Position::rope ? Precision::fp32 : c.precision);
+             m.position == Position::rope || qkv_sixteen(c) ? Precision::fp32 : c.precision);
   }
   if (m.position == Position::rope) {
-    {
-      const OpScope op(c.ops, "rope");
-      rope_rows(c, a->qkv.data(), At, Q, false);
-      rope_rows(c, a->qkv.data() + At * D, Gt, Q, false);
-    }
-    round(c, a->qkv);
+    const OpScope op(c.ops, "rope");
+    rope_rows(c, a->qkv.data(), At, Q, false);
+    rope_rows(c, a->qkv.data() + At * D, Gt, Q, false);
   }
+  if (qkv_sixteen(c)) pack_operand(c, a->qkv);
+  else if (m.position == Position::rope) round(c, a->qkv);
   a->att = c.act_out(N * At * D);
   {
     const OpScope core(c.ops, c.flash ? "flash_attention" : "core_attention");
@@ -393,7 +401,7 @@ Buf forward_all(const ModelCtx& c, const UnitView& u, int64_t l, LayerActs* a) {
     } else if (c.flash) {
       // The log-sum-exp is what the fused backward needs; selective recompute drops it too.
       Buf lse = c.f32_out(c.B * At * c.S);
-      c.be->flash_attention_forward(a->att.data(), lse.data(), a->qkv.data(), c.S, c.B, At, Gt, D);
+      c.be->flash_attention_forward_stored(a->att.data(), lse.data(), operand(a->qkv), c.S, c.B, At, Gt, D);
       if (c.recompute == Recompute::none) a->lse = std::move(lse);
     } else {
       if (c.recompute == Recompute::none) a->probs = c.act_out(c.B * At * c.S * c.S);
@@ -460,17 +468,20 @@ void pack_saved(const ModelCtx& c, LayerActs* a) {
 }
 // With sixteen_operands(c) the GEMM inputs stay packed: the norms' outputs (gathered or
 // not), the activation and the attention's output, whose backward GEMM reads it first (the
-// fused attention's backward, after it, unpacks it: unpack_for_attention); and so do the
+// fused attention's backward, after it, unpacks it unless it reads it as stored:
+// unpack_for_attention, qkv_sixteen); and so do the
 // norms' inputs and the fc1 output, which the norms' and the activation's backwards read as
 // stored (Backend::*_stored), but under full recompute, whose replay starts from the input
-// (only x is here then; the replay writes the fc1 output's 16-bit copy itself).
+// (only x is here then; the replay writes the fc1 output's 16-bit copy itself); and qkv
+// where the fused attention reads it as stored (qkv_sixteen).
 void unpack_saved(const ModelCtx& c, LayerActs* a) {
   const OpScope op(c.precision == Precision::fp32 ? nullptr : c.ops, "unpack16");
   const bool keep = sixteen_operands(c);
   const bool replayed = c.recompute == Recompute::full;
   for (Buf* b : a->sixteen_bit()) {
     const bool gemm_input = b == &a->h1 || b == &a->g1 || b == &a->h2 || b == &a->g2 || b == &a->a || b == &a->att;
-    const bool read_stored = !replayed && (b == &a->x || b == &a->x2 || b == &a->u);
+    const bool read_stored = (!replayed && (b == &a->x || b == &a->x2 || b == &a->u)) ||
+                             (b == &a->qkv && qkv_sixteen(c));
     if (!(keep && (gemm_input || read_stored))) b->unpack();
   }
 }
@@ -648,16 +659,17 @@ Buf layer_backward(const ModelCtx& c, const UnitView& u, int64_t l, LayerActs* a
         const OpScope op(c.ops, "flash_attention");
         a->lse = c.f32_out(c.B * At * c.S);
         Buf again = c.f32_out(N * At * D);
-        c.be->flash_attention_forward(again.data(), a->lse.data(), a->qkv.data(), c.S, c.B, At, Gt, D);
+        c.be->flash_attention_forward_stored(again.data(), a->lse.data(), operand(a->qkv), c.S, c.B, At, Gt, D);
         const double t1 = c.now();
         recomputed(c, t0, t1, t1 - t0);
       }
       // The output as the projection saw it (rounded to the training precision) enters
       // rowsum(dO * O), so a recomputed and a kept log-sum-exp give the same gradients.
+      // (Where qkv_sixteen, qkv and the output are read as they are kept: packed.)
       dqkv = c.f32_out(N * Q);
-      unpack_for_attention(c, a->att);
-      c.be->flash_attention_backward(dqkv.data(), datt.data(), a->att.data(), a->lse.data(), a->qkv.data(), c.S, c.B,
-                                     At, Gt, D);
+      if (!qkv_sixteen(c)) unpack_for_attention(c, a->att);
+      c.be->flash_attention_backward_stored(dqkv.data(), datt.data(), operand(a->att), a->lse.data(), operand(a->qkv),
+                                            c.S, c.B, At, Gt, D);
     } else {
       if (a->probs.empty()) {
         // Selective recompute: the core attention forward runs again (as Megatron's

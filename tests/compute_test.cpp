@@ -516,8 +516,7 @@ TEST(Compute, StrataSixteenBitPasses) {
 //     16 bits: (4 + 2 + 2) x 262,144 = 2,097,152; pack16 the attention output (65,536), then
 //     the kept rest x, qkv (196,608), x2 and the probabilities (131,072) = 458,752: 524,288
 //   backward: unpack16 only what neither a GEMM nor a norm's or the activation's backward
-//     reads as stored: qkv and the probabilities, 327,680 (fused attention: qkv and its
-//     output, 262,144); round16 datt alone (65,536: dqkv is packed instead, and its bias
+//     reads as stored: qkv and the probabilities, 327,680; round16 datt alone (65,536: dqkv is packed instead, and its bias
 //     gradient reads it so); pack16 dy (65,536), dO (65,536), dqkv (196,608) = 327,680 (du
 //     written in 16 bits by GELU's backward); norm1 reads x at 2 bytes: (2 x 4 + 2) x 65,536 = 655,360
 //     bytes (floats: 786,432); GELU reads dout, u at 2 bytes and writes du at 2: (4 + 2 + 2)
@@ -527,8 +526,18 @@ TEST(Compute, StrataSixteenBitPasses) {
 //   full recompute (fp16): forward pack16 the attention output 65,536 + x 65,536 = 131,072,
 //     GELU no kept copy of u: (4 + 2) x 262,144 = 1,572,864; the replay packs the attention
 //     output again (65,536) and GELU writes u's copy (2,097,152); the backward unpacks x
-//     (65,536), with the fused attention also the replay's output (131,072); the norms read
-//     the replay's floats (786,432 bytes for norm1), GELU u in 16 bits (2,097,152)
+//     (65,536); the norms read the replay's floats (786,432 bytes for norm1), GELU u in 16
+//     bits (2,097,152)
+//   the fused attention, its kernels on the tensor cores (head dim 64): qkv packed where it
+//     is made instead of kept and unpacked (the kernels read it, and the backward's delta the
+//     output, as stored): forward pack16 att, qkv (196,608), then x, x2 = 393,216; round16 x
+//     alone; no unpack16; the kernel reads q, k, v at 2 bytes and writes the output at 4: 256
+//     x (2 x 768 + 4 x 256) = 655,360 bytes (floats: 4 x 256 x 1,024 = 1,048,576); its
+//     backward reads qkv, the output at 2 and dO at 4, writes dqkv at 4: 256 x (2 + 4) x
+//     1,024 = 1,572,864 (2,097,152); under full recompute the replay packs att and qkv
+//     (262,144) and the backward unpacks x alone. Head dim 96 (kv_channels; no tensor-core
+//     kernel): qkv (256 x 1,152) and the output (256 x 384) unpacked, 393,216, and the kernel
+//     reads and writes floats: 4 x 256 x 2 x (384 + 384)
 // tiny-llama (no biases, RoPE; Q 384, F1 1408, F 704): forward round16 x, qkv (98,304) and
 // the fc1 output (360,448) = 524,288; backward round16 datt alone (65,536), pack16 dy, dO, dqkv (98,304) = 229,376; SwiGLU's backward reads dout (4 B) and
 // its 2F-wide u at 2 bytes and writes the 2F-wide du at 2: (4 + 2 x 2 + 2 x 2) x 256 x 704 =
@@ -561,14 +570,27 @@ TEST(Compute, StrataSixteenBitOperandsAsStored) {
   EXPECT_DOUBLE_EQ(bytes(bf16, "pack16", Phase::backward), 6.0 * 327680);
   EXPECT_DOUBLE_EQ(cast_bytes(bf16, Phase::forward), 6.0 * 786432);
   EXPECT_DOUBLE_EQ(cast_bytes(bf16, Phase::backward), 6.0 * 786432);
-  EXPECT_DOUBLE_EQ(bytes(bf16 + ",attention=flash", "unpack16", Phase::backward), 6.0 * 262144);
+  // The fused attention on the tensor cores (head dim 64) reads qkv and its output as stored.
+  const std::string flash = bf16 + ",attention=flash";
+  EXPECT_DOUBLE_EQ(bytes(flash, "unpack16", Phase::backward), 0.0);
+  EXPECT_DOUBLE_EQ(bytes(flash, "pack16", Phase::forward), 6.0 * 393216);
+  EXPECT_DOUBLE_EQ(bytes(flash, "round16", Phase::forward), 8.0 * 65536);
+  EXPECT_DOUBLE_EQ(bytes(flash, "flash_attention", Phase::forward), 655360.0);
+  EXPECT_DOUBLE_EQ(bytes(flash, "flash_attention", Phase::backward), 1572864.0);
+  ModelSpec wide = m;
+  wide.kv_channels = 96;  // no tensor-core kernel: qkv (1,152 columns) and the output (384) unpacked
+  EXPECT_DOUBLE_EQ(sum_of(layer_ops(wide, c, load_plan(flash)), "unpack16", Phase::backward, &OpCost::bytes),
+                   6.0 * 393216);
+  EXPECT_DOUBLE_EQ(sum_of(layer_ops(wide, c, load_plan(flash)), "flash_attention", Phase::forward, &OpCost::bytes),
+                   4.0 * 256 * 2 * (384 + 384));
   const std::string full = "tp=1,mbs=2,precision=fp16,recompute=full";
   EXPECT_DOUBLE_EQ(bytes(full, "pack16", Phase::forward), 6.0 * 131072);
   EXPECT_DOUBLE_EQ(bytes(full, "gelu", Phase::forward), 1572864.0);
   EXPECT_DOUBLE_EQ(bytes(full, "pack16", Phase::recompute), 6.0 * 65536);
   EXPECT_DOUBLE_EQ(bytes(full, "gelu", Phase::recompute), 2097152.0);
   EXPECT_DOUBLE_EQ(bytes(full, "unpack16", Phase::backward), 6.0 * 65536);
-  EXPECT_DOUBLE_EQ(bytes(full + ",attention=flash", "unpack16", Phase::backward), 6.0 * 131072);
+  EXPECT_DOUBLE_EQ(bytes(full + ",attention=flash", "unpack16", Phase::backward), 6.0 * 65536);
+  EXPECT_DOUBLE_EQ(bytes(full + ",attention=flash", "pack16", Phase::recompute), 6.0 * 262144);
   EXPECT_DOUBLE_EQ(bytes(full, "norm1", Phase::backward), 786432.0);
   EXPECT_DOUBLE_EQ(bytes(full, "gelu", Phase::backward), 2097152.0);
   EXPECT_DOUBLE_EQ(cast_bytes(full, Phase::recompute), 6.0 * 786432);

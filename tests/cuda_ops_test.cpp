@@ -721,6 +721,61 @@ TEST_F(CudaOps, FlashAttentionOnTensorCoresIn16Bit) {
   EXPECT_FALSE(gpu_->flash_on_tensor_cores(64)) << "fp32 plans keep the fp32 kernels";
 }
 
+// The fused attention on 16-bit qkv and output as stored (Backend::flash_*_stored): where the
+// tensor-core kernels read them (flash_reads_16bit: their own type), the same bits as on the
+// rounded floats (a kernel converts each float to that type, exactly, as it loads it; the
+// backward's delta reads the output either way), dqkv within atomics' order; qkv in the
+// other 16-bit type (or for the fp32 kernels) unpacked first, the same values again.
+TEST_F(CudaOps, FlashAttentionReadsSixteenBitInputsAsStored) {
+  const int64_t S = 40, B = 1, A = 2, G = 1;
+  for (const int64_t D : {int64_t{64}, int64_t{24}})  // (24: no tensor-core kernel, the fp32 ones)
+    for (Precision p : {Precision::bf16, Precision::fp16}) {
+      const std::string what = std::string(to_string(p)) + " D=" + std::to_string(D);
+      SCOPED_TRACE(what);
+      const size_t nq = static_cast<size_t>(S * B * (A + 2 * G) * D), no = static_cast<size_t>(S * B * A * D);
+      // Multiples of 1/64 below 4 (8 significant bits): exact in bf16 and in fp16 alike.
+      Vec qkv = random(nq, 1.5f), dout = random(no);
+      for (float& x : qkv) x = std::round(std::clamp(x, -3.95f, 3.95f) * 64.0f) / 64.0f;
+      cpu_->round_to(dout.data(), static_cast<int64_t>(no), p);
+      gpu_->set_gemm_precision(p);
+      const bool tc = gpu_->flash_on_tensor_cores(D);
+      EXPECT_EQ(tc, D == 64 && gpu_->flash_tensor_core_reason(D).empty());
+      EXPECT_EQ(gpu_->flash_reads_16bit(D, p), tc);
+      EXPECT_FALSE(gpu_->flash_reads_16bit(D, p == Precision::bf16 ? Precision::fp16 : Precision::bf16));
+      const float *gqkv = dev(qkv), *gdout = dev(dout);
+      float *out = dev(nans(no)), *lse = dev(nans(static_cast<size_t>(B * A * S))), *dqkv = dev(nans(nq));
+      gpu_->flash_attention_forward(out, lse, gqkv, S, B, A, G, D);
+      Vec o = host(out, no);
+      cpu_->round_to(o.data(), static_cast<int64_t>(no), p);  // the output as the executor keeps it
+      const float* go = dev(o);
+      gpu_->flash_attention_backward(dqkv, gdout, go, lse, gqkv, S, B, A, G, D);
+      const Vec want_out = host(out, no), want_lse = host(lse, static_cast<size_t>(B * A * S)), want_d = host(dqkv, nq);
+      // The output in the plan's type (as the executor keeps it), qkv in it and in the other.
+      const Operand o16 = Operand::sixteen(dev16(sixteen(o, p)), p);
+      // floats through the same calls: the ops above
+      float* dqkv3 = dev(nans(nq));
+      gpu_->flash_attention_backward_stored(dqkv3, gdout, Operand::floats(go), lse, Operand::floats(gqkv), S, B, A, G,
+                                            D);
+      expect_close(host(dqkv3, nq), want_d, 1e-5, what + " dqkv from floats");
+      std::vector<Precision> storages = {p};
+      if (p == Precision::bf16) storages.push_back(Precision::fp16);  // (the other type once)
+      for (Precision stored : storages) {
+        SCOPED_TRACE(std::string("qkv stored as ") + to_string(stored));
+        Vec q2 = qkv;
+        cpu_->round_to(q2.data(), static_cast<int64_t>(nq), stored);
+        ASSERT_EQ(q2, qkv) << "the values are exact in " << to_string(stored);
+        const Operand q16 = Operand::sixteen(dev16(sixteen(qkv, stored)), stored);
+        float *out2 = dev(nans(no)), *lse2 = dev(nans(static_cast<size_t>(B * A * S))), *dqkv2 = dev(nans(nq));
+        gpu_->flash_attention_forward_stored(out2, lse2, q16, S, B, A, G, D);
+        EXPECT_EQ(host(out2, no), want_out);
+        EXPECT_EQ(host(lse2, static_cast<size_t>(B * A * S)), want_lse);
+        gpu_->flash_attention_backward_stored(dqkv2, gdout, o16, lse, q16, S, B, A, G, D);
+        expect_close(host(dqkv2, nq), want_d, 1e-5, what + " dqkv");
+      }
+      gpu_->set_gemm_precision(Precision::fp32);
+    }
+}
+
 // The executor's buffers come from a stream-ordered pool per memory category: each pool
 // reports its own peak, a freed block is reused rather than reserved again, and
 // allocations are zeroed.

@@ -487,6 +487,26 @@ class CudaBackendImpl final : public CudaBackend {
     auto* delta = static_cast<float*>(delta_bytes(sizeof(float) * static_cast<size_t>(B * A * S)));
     cuda::flash_attention_backward(dqkv, delta, dout, out, lse, qkv, S, B, A, G, D, flash_kind(D), stream_);
   }
+  // The tensor-core kernels read a 16-bit qkv of their own type as it lies (kernels.h); the
+  // backward's delta reads the output in either storage. Any other 16-bit qkv is unpacked
+  // first (the defaults).
+  bool flash_reads_16bit(int64_t D, Precision p) const override {
+    return p != Precision::fp32 && flash_kind(D) != 0 && flash_kind(D) == sixteen_kind(p);
+  }
+  void flash_attention_forward_stored(float* out, float* lse, Operand qkv, int64_t S, int64_t B, int64_t A, int64_t G,
+                                      int64_t D) override {
+    if (qkv.is_16bit() && !flash_reads_16bit(D, qkv.type))
+      return Backend::flash_attention_forward_stored(out, lse, qkv, S, B, A, G, D);
+    cuda::flash_attention_forward(out, lse, qkv.p, stored_kind(qkv), S, B, A, G, D, flash_kind(D), stream_);
+  }
+  void flash_attention_backward_stored(float* dqkv, const float* dout, Operand out, const float* lse, Operand qkv,
+                                       int64_t S, int64_t B, int64_t A, int64_t G, int64_t D) override {
+    if (qkv.is_16bit() && !flash_reads_16bit(D, qkv.type))
+      return Backend::flash_attention_backward_stored(dqkv, dout, out, lse, qkv, S, B, A, G, D);
+    auto* delta = static_cast<float*>(delta_bytes(sizeof(float) * static_cast<size_t>(B * A * S)));
+    cuda::flash_attention_backward(dqkv, delta, dout, out.p, stored_kind(out), lse, qkv.p, stored_kind(qkv), S, B, A,
+                                   G, D, flash_kind(D), stream_);
+  }
   // The fused attention's products run on the tensor cores in the GEMM precision where that
   // is 16 bits (flash_attention_tc.cu: head dims 16, 32, 64 and 128, compute capability 8 or
   // more), else in fp32 on the CUDA cores. STRATA_FLASH_TC=0 keeps the fp32 kernels, to

@@ -15,6 +15,7 @@
 #include "executor/cuda/flash_dims.cuh"
 #include "executor/cuda/kernels.h"
 #include "executor/cuda/reduce.cuh"
+#include "executor/cuda/round.cuh"
 
 namespace strata::cuda {
 namespace {
@@ -105,15 +106,16 @@ __global__ void flash_forward(float* out, float* lse, const float* qkv, Dims d, 
 }
 
 // delta (B, A, S) = rowsum(dout * out) per (query, head): a warp per (query, row, head).
-__global__ void flash_delta(float* delta, const float* dout, const float* out, Dims d) {
+// out in either storage (ok: round.cuh's load_stored).
+__global__ void flash_delta(float* delta, const float* dout, const void* out, int ok, Dims d) {
   const long long warp = (static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x) / 32;
   const int lane = threadIdx.x & 31;
   if (warp >= d.S * d.B * d.A) return;
   const long long h = warp % d.A, rb = warp / d.A, b = rb % d.B, i = rb / d.B;
-  const float* o = out + d.row(i, b) * (d.A * d.D) + h * d.D;
-  const float* g = dout + d.row(i, b) * (d.A * d.D) + h * d.D;
+  const long long o = d.row(i, b) * (d.A * d.D) + h * d.D;
+  const float* g = dout + o;
   float acc = 0.0f;
-  for (long long e = lane; e < d.D; e += 32) acc += o[e] * g[e];
+  for (long long e = lane; e < d.D; e += 32) acc += load_stored(out, o + e, ok) * g[e];
   acc = warp_sum(acc);
   if (lane == 0) delta[d.stat(b, h, i)] = acc;
 }
@@ -234,32 +236,54 @@ void check_dims(int64_t B, int64_t A, int64_t G, int64_t D) {
              ")");
 }
 
+// A 16-bit qkv of another kind than the kernels' (or for the fp32 kernels) is refused.
+void check_qkv_kind(int qkv_kind, int kind) {
+  if (qkv_kind != 0 && qkv_kind != kind)
+    fail("flash attention", __FILE__, __LINE__,
+         "qkv in 16-bit storage of kind " + std::to_string(qkv_kind) + " for kernels of kind " + std::to_string(kind) +
+             " (the tensor-core kernels read their own type; the fp32 ones floats)");
+}
+
 }  // namespace
+
+void flash_attention_forward(float* out, float* lse, const void* qkv, int qkv_kind, int64_t S, int64_t B, int64_t A,
+                             int64_t G, int64_t D, int kind, cudaStream_t s) {
+  if (S == 0 || B == 0 || A == 0) return;
+  check_dims(B, A, G, D);
+  check_qkv_kind(qkv_kind, kind);
+  if (kind != 0) return flash_attention_forward_tc(out, lse, qkv, qkv_kind != 0, S, B, A, G, D, kind, s);
+  const Dims d{S, B, A, G, D};
+  if (D <= 64) launch_forward<32>(out, lse, static_cast<const float*>(qkv), d, s);
+  else launch_forward<16>(out, lse, static_cast<const float*>(qkv), d, s);
+}
 
 void flash_attention_forward(float* out, float* lse, const float* qkv, int64_t S, int64_t B, int64_t A, int64_t G,
                              int64_t D, int kind, cudaStream_t s) {
+  flash_attention_forward(out, lse, qkv, 0, S, B, A, G, D, kind, s);
+}
+
+void flash_attention_backward(float* dqkv, float* delta, const float* dout, const void* out, int out_kind,
+                              const float* lse, const void* qkv, int qkv_kind, int64_t S, int64_t B, int64_t A,
+                              int64_t G, int64_t D, int kind, cudaStream_t s) {
+  const size_t dqkv_bytes = sizeof(float) * static_cast<size_t>(S * B * (A + 2 * G) * D);
+  if (dqkv_bytes > 0) CUDA_CHECK(cudaMemsetAsync(dqkv, 0, dqkv_bytes, s));  // overwritten, whatever the shape
   if (S == 0 || B == 0 || A == 0) return;
   check_dims(B, A, G, D);
-  if (kind != 0) return flash_attention_forward_tc(out, lse, qkv, S, B, A, G, D, kind, s);
+  check_qkv_kind(qkv_kind, kind);
   const Dims d{S, B, A, G, D};
-  if (D <= 64) launch_forward<32>(out, lse, qkv, d, s);
-  else launch_forward<16>(out, lse, qkv, d, s);
+  const long long warps = S * B * A;
+  STRATA_LAUNCH(flash_delta, blocks_for(warps * 32, 256), 256, 0, s)(delta, dout, out, out_kind, d);
+  CUDA_CHECK_LAUNCH();
+  if (kind != 0)
+    return flash_attention_backward_tc(dqkv, delta, dout, lse, qkv, qkv_kind != 0, S, B, A, G, D, kind, s);
+  if (D <= 64) launch_backward<32>(dqkv, dout, lse, delta, static_cast<const float*>(qkv), d, s);
+  else launch_backward<16>(dqkv, dout, lse, delta, static_cast<const float*>(qkv), d, s);
 }
 
 void flash_attention_backward(float* dqkv, float* delta, const float* dout, const float* out, const float* lse,
                               const float* qkv, int64_t S, int64_t B, int64_t A, int64_t G, int64_t D, int kind,
                               cudaStream_t s) {
-  const size_t dqkv_bytes = sizeof(float) * static_cast<size_t>(S * B * (A + 2 * G) * D);
-  if (dqkv_bytes > 0) CUDA_CHECK(cudaMemsetAsync(dqkv, 0, dqkv_bytes, s));  // overwritten, whatever the shape
-  if (S == 0 || B == 0 || A == 0) return;
-  check_dims(B, A, G, D);
-  const Dims d{S, B, A, G, D};
-  const long long warps = S * B * A;
-  STRATA_LAUNCH(flash_delta, blocks_for(warps * 32, 256), 256, 0, s)(delta, dout, out, d);
-  CUDA_CHECK_LAUNCH();
-  if (kind != 0) return flash_attention_backward_tc(dqkv, delta, dout, lse, qkv, S, B, A, G, D, kind, s);
-  if (D <= 64) launch_backward<32>(dqkv, dout, lse, delta, qkv, d, s);
-  else launch_backward<16>(dqkv, dout, lse, delta, qkv, d, s);
+  flash_attention_backward(dqkv, delta, dout, out, 0, lse, qkv, 0, S, B, A, G, D, kind, s);
 }
 
 }  // namespace strata::cuda

@@ -49,7 +49,7 @@ using Dims = FlashDims;
 #undef STRATA_UNROLL
 
 template <class T, int D>
-void forward_as(float* out, float* lse, const float* qkv, const Dims& d, cudaStream_t s) {
+void forward_as(float* out, float* lse, const void* qkv, const Dims& d, cudaStream_t s) {
   static int opted[kMaxDevices];  // (zero: static storage)
   const int bytes = ForwardLayout<D>::bytes;
   const auto kernel = tc_forward<T, D>;
@@ -61,7 +61,7 @@ void forward_as(float* out, float* lse, const float* qkv, const Dims& d, cudaStr
 }
 
 template <class T, int D>
-void backward_as(float* dqkv, const float* dout, const float* lse, const float* delta, const float* qkv, const Dims& d,
+void backward_as(float* dqkv, const float* dout, const float* lse, const float* delta, const void* qkv, const Dims& d,
                  cudaStream_t s) {
   static int opted[kMaxDevices];  // (zero: static storage)
   const int bytes = BackwardLayout<D>::bytes;
@@ -93,13 +93,13 @@ void dispatch(int kind, int64_t D, Args... args) {
 }
 template <class T, int D>
 struct Forward {
-  static void run(float* out, float* lse, const float* qkv, Dims d, cudaStream_t s) {
+  static void run(float* out, float* lse, const void* qkv, Dims d, cudaStream_t s) {
     forward_as<T, D>(out, lse, qkv, d, s);
   }
 };
 template <class T, int D>
 struct Backward {
-  static void run(float* dqkv, const float* dout, const float* lse, const float* delta, const float* qkv, Dims d,
+  static void run(float* dqkv, const float* dout, const float* lse, const float* delta, const void* qkv, Dims d,
                   cudaStream_t s) {
     backward_as<T, D>(dqkv, dout, lse, delta, qkv, d, s);
   }
@@ -128,16 +128,17 @@ std::string flash_tc_unavailable_reason(int64_t D, int device) {
   return "";
 }
 
-void flash_attention_forward_tc(float* out, float* lse, const float* qkv, int64_t S, int64_t B, int64_t A, int64_t G,
-                                int64_t D, int kind, cudaStream_t s) {
+void flash_attention_forward_tc(float* out, float* lse, const void* qkv, bool qkv16, int64_t S, int64_t B, int64_t A,
+                                int64_t G, int64_t D, int kind, cudaStream_t s) {
   if (S == 0 || B == 0 || A == 0) return;
-  dispatch<Forward>(kind, D, out, lse, qkv, Dims{S, B, A, G, D}, s);
+  dispatch<Forward>(kind, D, out, lse, qkv, Dims{S, B, A, G, D, qkv16}, s);
 }
 
-void flash_attention_backward_tc(float* dqkv, const float* delta, const float* dout, const float* lse, const float* qkv,
-                                 int64_t S, int64_t B, int64_t A, int64_t G, int64_t D, int kind, cudaStream_t s) {
+void flash_attention_backward_tc(float* dqkv, const float* delta, const float* dout, const float* lse, const void* qkv,
+                                 bool qkv16, int64_t S, int64_t B, int64_t A, int64_t G, int64_t D, int kind,
+                                 cudaStream_t s) {
   if (S == 0 || B == 0 || A == 0) return;
-  dispatch<Backward>(kind, D, dqkv, dout, lse, delta, qkv, Dims{S, B, A, G, D}, s);
+  dispatch<Backward>(kind, D, dqkv, dout, lse, delta, qkv, Dims{S, B, A, G, D, qkv16}, s);
 }
 
 }  // namespace strata::cuda

@@ -20,11 +20,22 @@ using FragB = wmma::fragment<wmma::matrix_b, 16, 16, 16, T, Layout>;
 using Acc = wmma::fragment<wmma::accumulator, 16, 16, 16, float>;
 
 // kTile rows of D values from rows [first, first + kTile) of src (zeros past S) into shared
-// memory in 16 bits, row stride ldh. Row lengths and offsets are multiples of D (of 16), so
-// where src itself is 16-byte aligned every row is read as float4s.
+// memory in 16 bits, row stride ldh: src floats (converted), or with `sixteen` T values as
+// pack16 stores them (copied). Row lengths and offsets are multiples of D (of 16), so where
+// float src itself is 16-byte aligned every row is read as float4s.
 template <class T, int D>
-__device__ void load16(T* dst, int ldh, const float* src, const Dims& d, long long first, long long b, long long off,
-                       long long row_len) {
+__device__ void load16(T* dst, int ldh, const void* src_any, bool sixteen, const Dims& d, long long first, long long b,
+                       long long off, long long row_len) {
+  if (sixteen) {
+    const T* src = static_cast<const T*>(src_any);
+    for (int t = threadIdx.x; t < kTile * D; t += blockDim.x) {
+      const int r = t / D, e = t % D;
+      const long long s = first + r;
+      dst[r * ldh + e] = s < d.S ? src[d.row(s, b) * row_len + off + e] : from_float<T>(0.0f);
+    }
+    return;
+  }
+  const float* src = static_cast<const float*>(src_any);
   if ((reinterpret_cast<unsigned long long>(src) & 15) == 0) {
     constexpr int V = D / 4;
     for (int t = threadIdx.x; t < kTile * V; t += blockDim.x) {
@@ -71,7 +82,7 @@ constexpr int shared_bytes() {
 }
 
 template <class T, int D>
-__global__ void __launch_bounds__(kThreads) tc_forward(float* out, float* lse, const float* qkv, Dims d, float scale) {
+__global__ void __launch_bounds__(kThreads) tc_forward(float* out, float* lse, const void* qkv, Dims d, float scale) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 800
   __trap();  // 16-bit WMMA needs sm_80 (the dispatch checks the device first)
 #else
@@ -91,7 +102,7 @@ __global__ void __launch_bounds__(kThreads) tc_forward(float* out, float* lse, c
   // the short ones).
   const long long i0 = static_cast<long long>(gridDim.x - 1 - blockIdx.x) * kTile, h = blockIdx.y, b = blockIdx.z;
   const long long ld = d.ld();
-  load16<T, D>(Qs, LH, qkv, d, i0, b, d.q_off(h), ld);
+  load16<T, D>(Qs, LH, qkv, d.qkv16, d, i0, b, d.q_off(h), ld);
   for (int t = threadIdx.x; t < kTile * LO; t += blockDim.x) Os[t] = 0.0f;
   for (int r = threadIdx.x; r < kTile; r += blockDim.x) {
     M[r] = -INFINITY;
@@ -107,8 +118,8 @@ __global__ void __launch_bounds__(kThreads) tc_forward(float* out, float* lse, c
   const long long last = i0 + kTile - 1 < d.S - 1 ? i0 + kTile - 1 : d.S - 1;
   for (long long j0 = 0; j0 <= last; j0 += kTile) {
     __syncthreads();  // the previous tile's K and V are no longer read
-    load16<T, D>(Ks, LH, qkv, d, j0, b, d.k_off(h), ld);
-    load16<T, D>(Vs, LH, qkv, d, j0, b, d.v_off(h), ld);
+    load16<T, D>(Ks, LH, qkv, d.qkv16, d, j0, b, d.k_off(h), ld);
+    load16<T, D>(Vs, LH, qkv, d.qkv16, d, j0, b, d.v_off(h), ld);
     __syncthreads();
     // S (16 x kTile) = Q K^T: K's rows, read column-major, are K^T's columns.
     for (int n = 0; n < kTile / 16; ++n) {
@@ -182,7 +193,7 @@ __global__ void __launch_bounds__(kThreads) tc_forward(float* out, float* lse, c
 
 template <class T, int D>
 __global__ void __launch_bounds__(kThreads)
-    tc_backward(float* dqkv, const float* dout, const float* lse, const float* delta, const float* qkv, Dims d,
+    tc_backward(float* dqkv, const float* dout, const float* lse, const float* delta, const void* qkv, Dims d,
                 float scale) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 800
   __trap();
@@ -202,8 +213,8 @@ __global__ void __launch_bounds__(kThreads)
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, r0 = warp * 16;
   const long long j0 = static_cast<long long>(blockIdx.x) * kTile, h = blockIdx.y, b = blockIdx.z, ld = d.ld();
   const long long ldo = d.A * D;
-  load16<T, D>(Ks, LH, qkv, d, j0, b, d.k_off(h), ld);
-  load16<T, D>(Vs, LH, qkv, d, j0, b, d.v_off(h), ld);
+  load16<T, D>(Ks, LH, qkv, d.qkv16, d, j0, b, d.k_off(h), ld);
+  load16<T, D>(Vs, LH, qkv, d.qkv16, d, j0, b, d.v_off(h), ld);
   // This warp's 16 key rows of dK and dV, over every query tile.
   Acc dK[ND], dV[ND];
 STRATA_UNROLL
@@ -217,8 +228,8 @@ STRATA_UNROLL
   const int rr = lane >> 1, half = lane & 1;
   for (long long i0 = j0; i0 < d.S; i0 += kTile) {
     __syncthreads();  // the previous query tile, P and dS are no longer read
-    load16<T, D>(Qs, LH, qkv, d, i0, b, d.q_off(h), ld);
-    load16<T, D>(dOs, LH, dout, d, i0, b, h * D, ldo);
+    load16<T, D>(Qs, LH, qkv, d.qkv16, d, i0, b, d.q_off(h), ld);
+    load16<T, D>(dOs, LH, dout, false, d, i0, b, h * D, ldo);
     for (int r = threadIdx.x; r < kTile; r += blockDim.x) {
       const long long i = i0 + r;
       Lq[r] = i < d.S ? lse[d.stat(b, h, i)] : 0.0f;

@@ -8,6 +8,9 @@ namespace strata::cuda {
 
 struct FlashDims {
   long long S, B, A, G, D;
+  // The tensor-core kernels' qkv in 16-bit storage of their own type (pack16's layout), not
+  // floats (flash_attention_tc.cuh load16).
+  bool qkv16 = false;
   __device__ long long ld() const { return (A + 2 * G) * D; }
   __device__ long long q_off(long long h) const { return h * D; }
   __device__ long long k_off(long long h) const { return (A + h / (A / G)) * D; }

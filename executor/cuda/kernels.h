@@ -71,12 +71,21 @@ void flash_attention_backward(float* dqkv, float* delta, const float* dout, cons
 // "" when the tensor-core kernels can run head dim D on `device`; else why not (the head dim,
 // a build for architectures before sm_80, or a shared-memory limit below theirs).
 std::string flash_tc_unavailable_reason(int64_t D, int device);
+// The same with qkv (and the forward's output, which the backward's delta reads) in either
+// storage: qkv_kind (out_kind) 0 floats, else pack16's kind, which must be the kernels' own
+// (`kind`: the tensor-core kernels read it as it lies; fp32 kernels take floats only).
+void flash_attention_forward(float* out, float* lse, const void* qkv, int qkv_kind, int64_t S, int64_t B, int64_t A,
+                             int64_t G, int64_t D, int kind, cudaStream_t s);
+void flash_attention_backward(float* dqkv, float* delta, const float* dout, const void* out, int out_kind,
+                              const float* lse, const void* qkv, int qkv_kind, int64_t S, int64_t B, int64_t A,
+                              int64_t G, int64_t D, int kind, cudaStream_t s);
 // The tensor-core kernels themselves (flash_attention_tc.cu); the backward's dqkv zeroed and
-// delta computed by the caller.
-void flash_attention_forward_tc(float* out, float* lse, const float* qkv, int64_t S, int64_t B, int64_t A, int64_t G,
-                                int64_t D, int kind, cudaStream_t s);
-void flash_attention_backward_tc(float* dqkv, const float* delta, const float* dout, const float* lse, const float* qkv,
-                                 int64_t S, int64_t B, int64_t A, int64_t G, int64_t D, int kind, cudaStream_t s);
+// delta computed by the caller. qkv16: qkv in 16-bit storage of their type (kind), else floats.
+void flash_attention_forward_tc(float* out, float* lse, const void* qkv, bool qkv16, int64_t S, int64_t B, int64_t A,
+                                int64_t G, int64_t D, int kind, cudaStream_t s);
+void flash_attention_backward_tc(float* dqkv, const float* delta, const float* dout, const float* lse, const void* qkv,
+                                 bool qkv16, int64_t S, int64_t B, int64_t A, int64_t G, int64_t D, int kind,
+                                 cudaStream_t s);
 // AdamW's per-step scalars, computed on the host in double as executor/zero.cpp's
 // adamw_update does (bias corrections of step `step`, the step size, the decay).
 struct AdamWScalars {
