@@ -473,17 +473,21 @@ void pack_saved(const ModelCtx& c, LayerActs* a) {
 // norms' inputs and the fc1 output, which the norms' and the activation's backwards read as
 // stored (Backend::*_stored), but under full recompute, whose replay starts from the input
 // (only x is here then; the replay writes the fc1 output's 16-bit copy itself); and qkv
-// where the fused attention reads it as stored (qkv_sixteen).
+// where the fused attention reads it as stored (qkv_sixteen). (The region only where there
+// is something to unpack: the cost model books no unpack16 op otherwise.)
 void unpack_saved(const ModelCtx& c, LayerActs* a) {
-  const OpScope op(c.precision == Precision::fp32 ? nullptr : c.ops, "unpack16");
   const bool keep = sixteen_operands(c);
   const bool replayed = c.recompute == Recompute::full;
+  std::vector<Buf*> unpacked;
   for (Buf* b : a->sixteen_bit()) {
     const bool gemm_input = b == &a->h1 || b == &a->g1 || b == &a->h2 || b == &a->g2 || b == &a->a || b == &a->att;
     const bool read_stored = (!replayed && (b == &a->x || b == &a->x2 || b == &a->u)) ||
                              (b == &a->qkv && qkv_sixteen(c));
-    if (!(keep && (gemm_input || read_stored))) b->unpack();
+    if (b->packed() && !(keep && (gemm_input || read_stored))) unpacked.push_back(b);
   }
+  if (unpacked.empty()) return;
+  const OpScope op(c.ops, "unpack16");
+  for (Buf* b : unpacked) b->unpack();
 }
 
 // The attention's output as floats for the fused attention's backward, once the

@@ -1131,18 +1131,19 @@ TEST_F(CudaOps, Pack16IsBitwiseTheCpus) {
 // the tensor cores, activations kept in 16 bits.
 TEST_F(CudaOps, TinyGptTrainsAsOnTheCpu) {
   // The 16-bit plans take the GEMM inputs in 16-bit storage on this backend (gemm_reads_16bit;
-  // the CPU's GEMMs take rounded floats): with the fused attention; under full recompute,
-  // whose replay packs them again and whose fused backward reads its output unpacked; and a
-  // Llama-shaped model in fp16 with the unfused attention (its output kept packed for the
-  // projection's weight gradient alone, its probabilities unpacked; qkv without a bias, so
-  // its gradient packed without a rounding pass of its own; RoPE; grouped queries).
+  // the CPU's GEMMs take rounded floats): with the fused attention, which reads qkv (packed
+  // after its bias) and its output as stored; a Llama-shaped model (RoPE, then qkv packed;
+  // no biases; grouped queries) with it under full recompute, whose replay packs them again;
+  // and that model in fp16 with the unfused attention (its output kept packed for the
+  // projection's weight gradient alone, qkv and its probabilities unpacked; qkv's gradient
+  // packed without a rounding pass of its own).
   struct Case {
     const char* model;
     const char* plan;
   };
   static const char* const kThreeSteps[] = {"mbs=1,gbs=2,precision=fp32", "mbs=1,gbs=2,precision=bf16,attention=flash"};
   for (const Case& k : {Case{"tiny-gpt", kThreeSteps[0]}, Case{"tiny-gpt", kThreeSteps[1]},
-                        Case{"tiny-gpt", "mbs=1,gbs=2,precision=bf16,attention=flash,recompute=full"},
+                        Case{"tiny-llama", "mbs=1,gbs=2,precision=bf16,attention=flash,recompute=full"},
                         Case{"tiny-llama", "mbs=1,gbs=2,precision=fp16"}}) {
     const char* plan = k.plan;
     SCOPED_TRACE(std::string(k.model) + " " + plan);
