@@ -11,6 +11,7 @@ PACKAGES=(
   libbenchmark-dev            # Google Benchmark binaries
   libeigen3-dev               # CPU executor GEMMs
   libopenmpi-dev openmpi-bin  # CPU executor communicator, profile links
+  clang-16 libclang-rt-16-dev # make test's ASan + UBSan build (compiles faster than g++; Makefile SAN_CXX)
 )
 
 missing=()

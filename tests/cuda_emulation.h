@@ -56,8 +56,8 @@
 // changes.)
 #if defined(__x86_64__)
 #define STRATA_EMULATION_FAST_SWITCH 1
-#if defined(__SANITIZE_ADDRESS__)
-#include <sanitizer/asan_interface.h>
+#include "executor/asan.h"
+#if defined(STRATA_ASAN)
 #include <sanitizer/common_interface_defs.h>
 #define STRATA_EMULATION_ASAN_FIBERS 1
 #endif

@@ -19,9 +19,7 @@
 #include <immintrin.h>
 #endif
 
-#if defined(__SANITIZE_ADDRESS__)
-#include <sanitizer/asan_interface.h>
-#endif
+#include "executor/asan.h"
 
 namespace strata {
 namespace {
@@ -31,7 +29,7 @@ namespace {
 // poisoned byte of the span, if any, in instrumented code, so AddressSanitizer reports the
 // overflow or use-after-free with this call's stack, as it would inside the GEMM.
 inline void check_span(const float* p, int64_t rows, int64_t cols, int64_t ld) {
-#if defined(__SANITIZE_ADDRESS__)
+#if defined(STRATA_ASAN)
   if (rows <= 0 || cols <= 0) return;
   const size_t bytes = static_cast<size_t>((rows - 1) * ld + cols) * sizeof(float);
   if (void* bad = __asan_region_is_poisoned(const_cast<float*>(p), bytes)) {
@@ -670,7 +668,7 @@ class CpuBackend final : public Backend {
     static const bool on = [] {
       const char* v = std::getenv("STRATA_POISON_BUFFERS");
       if (v && *v) return std::strcmp(v, "0") != 0;
-#if defined(__SANITIZE_ADDRESS__)
+#if defined(STRATA_ASAN)
       return true;
 #else
       return false;
@@ -716,7 +714,7 @@ class CpuBackend final : public Backend {
   static void release_block(float* p) { std::free(p); }
   // A kept buffer is out of bounds for AddressSanitizer until it is handed out again.
   static void set_poisoned(float* p, int64_t n, bool poisoned) {
-#if defined(__SANITIZE_ADDRESS__)
+#if defined(STRATA_ASAN)
     if (poisoned) __asan_poison_memory_region(p, static_cast<size_t>(n) * sizeof(float));
     else __asan_unpoison_memory_region(p, static_cast<size_t>(n) * sizeof(float));
 #else
