@@ -53,8 +53,12 @@ test-fast: build
 
 test-sanitize: deps
 	@echo "[$$(date +%T)] build: ASan + UBSan in $(SANBUILD) ($(SAN_CXX))"
+	@# (CMake drops every -D but the compiler's when a folder's compiler changes: start afresh.)
+	@if [ -f $(SANBUILD)/CMakeCache.txt ] && ! grep -q '^CMAKE_CXX_COMPILER:.*/$(SAN_CXX)$$' $(SANBUILD)/CMakeCache.txt; then \
+	  echo "$(SANBUILD) was configured with another compiler: configuring it afresh"; rm -rf $(SANBUILD); fi
 	cmake -S . -B $(SANBUILD) -DCMAKE_BUILD_TYPE=RelWithDebInfo -DSTRATA_SANITIZE=ON \
 	    -DCMAKE_CXX_COMPILER=$(SAN_CXX) $(CMAKE_ARGS)
+	@grep -q '^STRATA_SANITIZE:BOOL=ON' $(SANBUILD)/CMakeCache.txt || { echo "$(SANBUILD): not a sanitizer build"; exit 1; }
 	cmake --build $(SANBUILD) -j $(JOBS)
 	@echo "[$$(date +%T)] test: ctest in $(SANBUILD)"
 	cd $(SANBUILD) && ctest --output-on-failure -j $(SAN_CTEST_JOBS)

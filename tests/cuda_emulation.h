@@ -1,7 +1,8 @@
 // A CPU emulation of the CUDA names the backend's kernels use, so that the very kernels run
 // here, without a GPU: the tensor-core flash attention's (executor/cuda/flash_attention_tc.cuh,
 // flash_tc_emulation_test) and, whole .cu files with their launchers, every kernel of the
-// backend (compiled by g++ with this header forced in: cuda_kernels_emulation_test):
+// backend (compiled by the host compiler, g++ or, in make test's sanitizer build, clang, with
+// this header forced in: cuda_kernels_emulation_test):
 //   - a launch runs the grid block by block; a block's threads (1, 2 or 3 dimensions, x
 //     fastest, warps of 32 consecutive threads) are fibers on the calling thread (below),
 //     run in turn (in thread order, in reverse, or warp by warp each as far ahead as its own

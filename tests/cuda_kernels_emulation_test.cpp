@@ -1,6 +1,6 @@
 // The CUDA backend's kernels (every .cu file of executor/cuda/), with their launchers, run on
 // the CPU under tests/cuda_emulation.h (CMakeLists.txt's strata_cuda_emulated: each .cu file
-// built by g++ in namespace strata::cuda_emulated) against the CPU backend, as cuda_ops_test
+// built by the host compiler in namespace strata::cuda_emulated) against the CPU backend, as cuda_ops_test
 // runs them on a GPU: normalised error max|emulated - cpu| / max|cpu| within 1e-5 (fp32),
 // the 16-bit roundings bit for bit. More below.
 #include <gtest/gtest.h>

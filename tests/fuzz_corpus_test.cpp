@@ -1,7 +1,7 @@
 // Replays the fuzz corpus (tests/fuzz/corpus: the inputs libFuzzer kept for new coverage,
 // minimised by scripts/fuzz.sh; tests/fuzz/regressions: the inputs of the bugs it found)
-// through the loaders, in the g++ build and under ASan +
-// UBSan in CI: every input either loads or is refused with InputError; any other exception,
+// through the loaders, in the Release build (g++) and under ASan +
+// UBSan (clang) in CI: every input either loads or is refused with InputError; any other exception,
 // crash or sanitizer report fails. scripts/fuzz.sh generates new inputs (libFuzzer, clang).
 #include <gtest/gtest.h>
 

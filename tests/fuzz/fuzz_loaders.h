@@ -5,7 +5,7 @@
 // crash what comes after. InputError is the one allowed failure (exit 2 in the CLI); any
 // other exception, crash, hang, sanitizer report or oversized allocation is a bug.
 // Used by tests/fuzz/loaders_fuzz.cpp (libFuzzer, clang) and tests/fuzz_corpus_test.cpp
-// (the corpus replayed by ctest, g++).
+// (the corpus replayed by ctest: g++ in Release, clang under the sanitizers).
 #pragma once
 
 #include <unistd.h>
