@@ -1,7 +1,10 @@
 // Flag parsing; see args.h.
 #include "cli/args.h"
 
+#include <unistd.h>
+
 #include <cctype>
+#include <filesystem>
 
 #include <fmt/format.h>
 
@@ -93,6 +96,65 @@ void check_backend(const std::string& backend, const std::string& command) {
   if (!why.empty()) throw InputError("--backend cuda: " + why);
   if (command == "train" || command == "profile") return;
   throw InputError("--backend cuda: `strata " + command + "` does not run on the CUDA backend (train and profile do)");
+}
+
+namespace {
+
+// The folder a path's file goes in ("." for a bare name).
+std::filesystem::path folder_of(const std::filesystem::path& p) {
+  const std::filesystem::path parent = p.parent_path();
+  return parent.empty() ? std::filesystem::path(".") : parent;
+}
+
+}  // namespace
+
+void check_output_file(const std::string& flag, const std::string& path) {
+  if (path.empty() || path == "-") return;
+  namespace fs = std::filesystem;
+  std::error_code ec;
+  const fs::file_status st = fs::status(path, ec);
+  if (fs::exists(st)) {
+    if (fs::is_directory(st)) fail_field(flag, "'" + path + "'", "is a folder; give a file name");
+    if (!fs::is_regular_file(st)) fail_field(flag, "'" + path + "'", "is not a regular file (a pipe or a device?)");
+    if (access(path.c_str(), W_OK) != 0) fail_field(flag, "'" + path + "'", "exists and cannot be written");
+    return;
+  }
+  const fs::path dir = folder_of(path);
+  if (!fs::is_directory(dir, ec)) fail_field(flag, "'" + path + "'", "names a folder that does not exist: " + dir.string());
+  if (access(dir.c_str(), W_OK | X_OK) != 0)
+    fail_field(flag, "'" + path + "'", "cannot be written: its folder " + dir.string() + " is not writable");
+}
+
+void check_output_folder(const std::string& flag, const std::string& path) {
+  if (path.empty()) return;
+  namespace fs = std::filesystem;
+  std::error_code ec;
+  fs::path at = path;
+  if (fs::exists(at, ec)) {
+    if (!fs::is_directory(at, ec)) fail_field(flag, "'" + path + "'", "is not a folder");
+    if (access(path.c_str(), W_OK | X_OK) != 0) fail_field(flag, "'" + path + "'", "is a folder that cannot be written");
+    return;
+  }
+  // The nearest existing folder above it must let the rest be created.
+  at = fs::absolute(at, ec);
+  while (at.has_parent_path() && at != at.parent_path() && !fs::exists(at, ec)) at = at.parent_path();
+  if (!fs::is_directory(at, ec))
+    fail_field(flag, "'" + path + "'", "cannot be created: " + at.string() + " is not a folder");
+  if (access(at.c_str(), W_OK | X_OK) != 0)
+    fail_field(flag, "'" + path + "'", "cannot be created: " + at.string() + " is not writable");
+}
+
+void check_distinct_outputs(const std::vector<std::pair<std::string, std::string>>& flag_paths) {
+  namespace fs = std::filesystem;
+  for (size_t i = 0; i < flag_paths.size(); ++i)
+    for (size_t k = i + 1; k < flag_paths.size(); ++k) {
+      const std::string& a = flag_paths[i].second;
+      const std::string& b = flag_paths[k].second;
+      if (a.empty() || b.empty() || a == "-" || b == "-") continue;
+      std::error_code ec;
+      if (fs::weakly_canonical(a, ec) == fs::weakly_canonical(b, ec))
+        fail_field(flag_paths[k].first, "'" + b + "'", "names the same file as " + flag_paths[i].first + ": give another");
+    }
 }
 
 }  // namespace strata

@@ -38,4 +38,15 @@ void check_precision_on(const Cluster& cl, Precision p);
 // anything else names the allowed values.
 void check_backend(const std::string& backend, const std::string& command);
 
+// An output file of `flag` ("--json", "--trace", "--out", ...), checked before the work that
+// produces it, on every rank, so that a path that cannot be written fails at once (exit 2)
+// rather than after a run: not a folder or a pipe, its folder existing and writable, and
+// the file writable where it exists. "" (not asked for) and "-" (stdout) pass.
+void check_output_file(const std::string& flag, const std::string& path);
+// An output folder (--checkpoint-dir, --report): a folder where it exists, else creatable
+// (the nearest existing folder above it writable), and writable. "" passes.
+void check_output_folder(const std::string& flag, const std::string& path);
+// Two output flags naming one file: the second would overwrite the first.
+void check_distinct_outputs(const std::vector<std::pair<std::string, std::string>>& flag_paths);
+
 }  // namespace strata

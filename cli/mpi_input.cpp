@@ -5,6 +5,7 @@
 #include <cmath>
 #include <cstdint>
 #include <string>
+#include <vector>
 
 #include <fmt/format.h>
 
@@ -18,15 +19,25 @@
 
 namespace strata {
 
-bool any_rank_rejected_input(const std::string& error) {
+bool any_rank_rejected_input(const std::string& error, const std::vector<std::string>* argv) {
   int rank = 0, size = 1;
   MPI_Comm_rank(MPI_COMM_WORLD, &rank);
   MPI_Comm_size(MPI_COMM_WORLD, &size);
-  int bad = error.empty() ? 0 : 1;
+  std::string why = error;
+  if (argv) {  // one command line on every rank: the largest hash and the largest complement agree
+    std::string joined;
+    for (const std::string& w : *argv) joined += w + '\0';
+    uint64_t h[2] = {fnv1a64(joined.data(), joined.size()), 0};
+    h[1] = ~h[0];
+    MPI_Allreduce(MPI_IN_PLACE, h, 2, MPI_UINT64_T, MPI_MAX, MPI_COMM_WORLD);
+    if (h[0] != ~h[1] && why.empty())
+      why = "the ranks were started with different arguments (mpirun's ':' form?): every rank must run the same command";
+  }
+  int bad = why.empty() ? 0 : 1;
   MPI_Allreduce(MPI_IN_PLACE, &bad, 1, MPI_INT, MPI_MAX, MPI_COMM_WORLD);
   if (!bad) return false;
   fmt::print(stderr, "strata: error: rank {} of {}: {}\n", rank, size,
-             error.empty() ? "another rank found invalid input (see its message)" : error);
+             why.empty() ? "another rank found invalid input (see its message)" : why);
   MPI_Finalize();
   return true;
 }

@@ -16,6 +16,7 @@
 #include "cli/commands.h"
 #include "costmodel/json_input.h"
 #include "executor/cuda/cuda_backend.h"
+#include "executor/memory_tracker.h"
 #include "hw_profiles/profiler.h"
 
 namespace strata {
@@ -36,6 +37,7 @@ int cmd_profile(const std::vector<std::string>& argv) {
     comm_choice = a.get("comm", "auto");
     check_comm_choice(comm_choice, backend);
     out_path = a.get("out");
+    check_output_file("--out", out_path);  // now, on every rank, not after the profile
     o.quick = a.has("quick");
     if (o.quick) o.min_time_s = 0.01;
     o.max_message_bytes = a.integer("max-bytes", o.max_message_bytes, 4096, int64_t{1} << 30);
@@ -48,6 +50,26 @@ int cmd_profile(const std::vector<std::string>& argv) {
       o.extra_gemms = model_gemm_shapes(m, t);
       o.kernels = model_memory_kernels(m, t);
       o.attention = model_attention_shape(m, t);
+      // The model's largest GEMM holds its three fp32 operands at once on each rank: one
+      // this machine cannot hold (a sequence of a million: S x S scores) is refused now
+      // rather than swapping for hours.
+      if (backend == "cpu") {
+        double most = 0;
+        GemmShape big;
+        for (const GemmShape& g : o.extra_gemms) {
+          const double bytes = 4.0 * (static_cast<double>(g.M) * static_cast<double>(g.K) +
+                                      static_cast<double>(g.K) * static_cast<double>(g.N) +
+                                      static_cast<double>(g.M) * static_cast<double>(g.N));
+          if (bytes > most) most = bytes, big = g;
+        }
+        const double ram = physical_memory_bytes();
+        if (ram > 0 && most * size > ram / 2)
+          fail_field("--model", a.get("model"),
+                     fmt::format("its largest GEMM ({} x {} x {}) needs {:.1f} GB of operands per rank, more than half "
+                                 "of this machine's {:.1f} GB over {} rank(s): profile a shorter --seq-length or a "
+                                 "larger --tp",
+                                 big.M, big.N, big.K, most / 1e9, ram / 1e9, size));
+      }
     }
     if (a.has("gemm-probe")) {  // the model's GEMMs only, briefly: the rate now, for strata validate
       if (!a.has("model")) fail_field("--gemm-probe", "(without --model)", "times the model's GEMM shapes: give --model");
@@ -57,7 +79,7 @@ int cmd_profile(const std::vector<std::string>& argv) {
   } catch (const InputError& e) {
     error = e.what();
   }
-  if (any_rank_rejected_input(error)) return 2;
+  if (any_rank_rejected_input(error, &argv)) return 2;
   // One GPU per process of this machine (by its rank there), buffers in device memory,
   // links through the communicator the executor uses between GPU ranks (NCCL when each rank
   // has its own GPU, else host staging; --comm).

@@ -3,6 +3,7 @@
 // 2 invalid input (message names the field, value and rule), 3 nothing feasible,
 // 1 internal error.
 #include <algorithm>
+#include <chrono>
 #include <cctype>
 #include <cmath>
 #include <cstdio>
@@ -19,6 +20,7 @@
 
 #include "cli/args.h"
 #include "cli/commands.h"
+#include "cli/progress.h"
 #include "costmodel/estimate.h"
 #include "costmodel/megatron_args.h"
 #include "costmodel/report.h"
@@ -95,7 +97,23 @@ std::string usage_of(const std::string& cmd) {
   return title + "\n\nusage:\n" + synopsis + "\n" + legend + "\n" + exits;
 }
 
-void list_presets(bool models) {
+void list_presets(bool models, bool json) {
+  if (json) {  // one JSON array: each preset in its own schema (model JSON, cluster JSON)
+    Json all = Json::array();
+    if (models) {
+      for (const auto& n : model_preset_names()) {
+        ModelSpec m;
+        find_model_preset(n, &m);
+        Json j = model_to_json(m);
+        j["parameters"] = static_cast<int64_t>(m.total_params());
+        all.push_back(std::move(j));
+      }
+    } else {
+      for (const auto& n : cluster_preset_names()) all.push_back(cluster_to_json(load_cluster(n)));
+    }
+    fmt::print("{}\n", all.dump(2));
+    return;
+  }
   if (models) {
     for (const auto& n : model_preset_names()) {
       ModelSpec m;
@@ -211,7 +229,7 @@ int cmd_estimate(const std::vector<std::string>& argv) {
                {"model", "cluster", "plan", "trace", "seq-length", "gpus", "megatron-args", "memory-limit"},
                {"json", "ops", "list-models", "list-clusters", "help"});
   if (a.has("help")) return fmt::print("{}", kUsage), kExitOk;
-  if (a.has("list-models") || a.has("list-clusters")) return list_presets(a.has("list-models")), kExitOk;
+  if (a.has("list-models") || a.has("list-clusters")) return list_presets(a.has("list-models"), a.has("json")), kExitOk;
   Cluster cl = load_cluster(a.required("cluster", "a preset or a cluster JSON"));
   const double device_bytes = cl.device.memory_bytes;
   const double limit = apply_memory_limit(a, &cl);
@@ -314,7 +332,7 @@ int cmd_plan(const std::vector<std::string>& argv) {
                 "seq-length", "compare", "attention", "megatron-args", "memory-limit"},
                {"json", "pareto", "search-offload", "list-models", "list-clusters", "help"});
   if (a.has("help")) return fmt::print("{}", kUsage), kExitOk;
-  if (a.has("list-models") || a.has("list-clusters")) return list_presets(a.has("list-models")), kExitOk;
+  if (a.has("list-models") || a.has("list-clusters")) return list_presets(a.has("list-models"), a.has("json")), kExitOk;
   Cluster cl = load_cluster(a.required("cluster", "a preset or a cluster JSON"));
   const double device_bytes = cl.device.memory_bytes;
   const double limit = apply_memory_limit(a, &cl);
@@ -434,14 +452,28 @@ int cmd_plan(const std::vector<std::string>& argv) {
     }
   }
 
+  // A search that runs past a second shows its progress on stderr (a pathological space:
+  // hundreds of millions of feasible candidates), redrawn at most twice a second.
+  std::optional<Progress> bar;
+  const auto began = std::chrono::steady_clock::now();
+  double shown_s = 0;
+  so.on_progress = [&](int64_t done, int64_t total, int64_t candidates) {
+    const double el = std::chrono::duration<double>(std::chrono::steady_clock::now() - began).count();
+    if (el < 1.0 || (el - shown_s < 0.5 && done < total)) return;
+    shown_s = el;
+    if (!bar) bar.emplace("plan: (tp, pp) units", total);
+    bar->update(done, fmt::format("{} candidates", candidates), 5.0);
+  };
   const SearchResult r = search(m, cl, so);
+  if (bar) bar->finish();
   // A --fix no candidate can meet (tp=16 on 8 GPUs, a vp that divides no stage's layers)
   // is bad input, not an infeasible search.
   if (r.candidates_evaluated == 0 && a.has("fix"))
     fail_field("--fix", a.get("fix"),
-               fmt::format("leaves no candidate plan: tp*pp*dp*cp must equal --gpus {} and each fixed size must "
-                           "suit the model ({} layers, {} heads, {} query groups, sequence {}){}{}",
-                           so.gpus, m.L, m.A, m.G, m.S,
+               fmt::format("leaves no candidate plan: tp*pp*dp*cp must equal --gpus {}, mbs x dp must divide the "
+                           "global batch {}, sp needs tp > 1, and each fixed size must suit the model ({} layers, {} "
+                           "heads, {} query groups, sequence {}){}{}",
+                           so.gpus, so.gbs, m.L, m.A, m.G, m.S,
                            so.fixed.uneven_split.value_or(false)
                                ? "; uneven_split=1 keeps only pipelines whose ends a first/last split or a layout balances better"
                                : "",

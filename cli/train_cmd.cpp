@@ -5,6 +5,7 @@
 
 #include <cmath>
 #include <cstdio>
+#include <filesystem>
 #include <fstream>
 #include <iostream>
 #include <optional>
@@ -15,6 +16,7 @@
 #include "cli/progress.h"
 #include "cli/commands.h"
 #include "costmodel/estimate.h"
+#include "costmodel/json_input.h"
 #include "costmodel/stack.h"
 #include "executor/checkpoint.h"
 #include "executor/data.h"
@@ -97,6 +99,10 @@ int cmd_train(const std::vector<std::string>& argv) {
     o.max_bad_steps = a.integer("max-bad-steps", o.max_bad_steps, 1, 1000000000);
     // Megatron's name; fractions allowed (0.1 = 6 s, for tests); 0 turns the watchdog off.
     o.distributed_timeout_s = 60.0 * real("distributed-timeout-minutes", o.distributed_timeout_s / 60.0, 0.0, 1e6);
+    // (Below a second a healthy step's collectives outlast it: the watchdog would stop the run.)
+    if (o.distributed_timeout_s > 0 && o.distributed_timeout_s < 1.0)
+      fail_field("--distributed-timeout-minutes", a.get("distributed-timeout-minutes"),
+                 "must be 0 (no watchdog) or at least 1/60 (one second)");
     if (a.has("inject-fault")) {
       o.fault = parse_fault(a.get("inject-fault"), size);
       // A fault after the last step would never fire: the run would pass without the test.
@@ -108,8 +114,17 @@ int cmd_train(const std::vector<std::string>& argv) {
         (o.checkpoint_every == 0 || o.fault.first % o.checkpoint_every != 0))
       throw InputError("--inject-fault: kill-in-checkpoint at step " + std::to_string(o.fault.first) +
                        " needs a checkpoint written at that step (--checkpoint-dir D --checkpoint-every N with N dividing it)");
-    if ((o.checkpoint_every > 0 || o.resume) && o.checkpoint_dir.empty())
-      throw InputError(std::string(o.resume ? "--resume" : "--checkpoint-every") + " needs --checkpoint-dir D");
+    if ((o.checkpoint_every > 0 || o.resume || a.has("keep-checkpoints")) && o.checkpoint_dir.empty())
+      throw InputError(std::string(o.resume ? "--resume" : o.checkpoint_every > 0 ? "--checkpoint-every" : "--keep-checkpoints") +
+                       " needs --checkpoint-dir D");
+    // The checkpoint folder and the output files are checked now, on every rank, not when
+    // the first checkpoint or the end of the run writes them.
+    if (!o.checkpoint_dir.empty()) {
+      std::error_code ec;
+      if (std::filesystem::exists(o.checkpoint_dir, ec) && !std::filesystem::is_directory(o.checkpoint_dir, ec))
+        fail_field("--checkpoint-dir", "'" + o.checkpoint_dir + "'", "is not a folder");
+      if (o.checkpoint_every > 0) check_output_folder("--checkpoint-dir", o.checkpoint_dir);
+    }
     // A new run must not mix its checkpoints with another run's (keep-K would prune by step
     // across both, and a later --resume would pick the other run's newest).
     if (o.checkpoint_every > 0 && !o.resume && !checkpoints_in(o.checkpoint_dir).empty())
@@ -126,6 +141,10 @@ int cmd_train(const std::vector<std::string>& argv) {
       };
     }
     json_path = a.get("json");
+    check_output_file("--json", json_path);
+    check_output_file("--trace", o.trace_path);
+    check_output_file("--dump-params", o.dump_params_path);
+    check_distinct_outputs({{"--json", json_path}, {"--trace", o.trace_path}, {"--dump-params", o.dump_params_path}});
     validate_train_plan(m, plan, size, backend != "cuda");
     if (backend == "cuda") {  // the CUDA kernels' limits (executor/cuda/limits.h)
       if (plan.attention == AttentionChoice::flash && m.D() > cuda::kFlashMaxHeadDim)
@@ -138,11 +157,19 @@ int cmd_train(const std::vector<std::string>& argv) {
                          ": the CUDA backend's unfused attention keeps S x S score matrices and needs "
                          "seq_length <= " + std::to_string(cuda::kUnfusedAttentionMaxSeq) + "; use attention: flash");
     }
-    TokenSource check(o.data, executor_vocab(m), m.S, o.seed);  // a missing or bad token file fails here
+    TokenSource check(o.data, m.V, m.S, o.seed);  // a missing or bad token file fails here
+    // A checkpoint of another run (model, seed, data) or past --steps fails here too, on
+    // every rank, before any rank loads it.
+    if (o.resume) {
+      const std::string newest = newest_checkpoint(o.checkpoint_dir);
+      if (!newest.empty())
+        check_resume_meta(read_checkpoint_meta(newest), newest, m.name, global_param_layout(m).size, o.seed, o.data,
+                          o.steps);
+    }
   } catch (const InputError& e) {
     error = e.what();
   }
-  if (any_rank_rejected_input(error)) return 2;
+  if (any_rank_rejected_input(error, &argv)) return 2;
   try {
     std::unique_ptr<Backend> be;  // declared first, destroyed last: the communicator may use it
     std::unique_ptr<Comm> comm;

@@ -111,7 +111,22 @@ int cmd_validate(const std::vector<std::string>& argv) {
   std::error_code ec;
   fs::create_directories(report / "plans", ec);
   if (ec) throw InputError("--report: cannot create '" + report.string() + "': " + ec.message());
-  const Launcher run{a.get("mpirun", "mpirun"), self_path(), ranks};
+  const std::string mpirun = a.get("mpirun", "mpirun");
+  {  // a launcher that is not there fails every run: said now, as bad input
+    bool found = false;
+    if (mpirun.find('/') != std::string::npos) {
+      found = access(mpirun.c_str(), X_OK) == 0 && fs::is_regular_file(mpirun, ec);
+    } else if (const char* path = std::getenv("PATH")) {
+      std::stringstream dirs(path);
+      for (std::string d; !found && std::getline(dirs, d, ':');)
+        found = !d.empty() && access((fs::path(d) / mpirun).c_str(), X_OK) == 0;
+    }
+    if (!found)
+      fail_field("--mpirun", "'" + mpirun + "'", mpirun.find('/') != std::string::npos
+                                                     ? "is not an executable file"
+                                                     : "is not on PATH (Open MPI: apt-get install openmpi-bin)");
+  }
+  const Launcher run{mpirun, self_path(), ranks};
   if (geteuid() == 0) {  // Open MPI refuses root unless told twice
     setenv("OMPI_ALLOW_RUN_AS_ROOT", "1", 0);
     setenv("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1", 0);

@@ -85,8 +85,9 @@ Curve read_curve(Fields& f, const std::string& key, double max_y) {
       fail_field(fi, show_value(p), "must be a pair [size, efficiency] of numbers");
     const double x = p[0].get<double>(), y = p[1].get<double>();
     if (!std::isfinite(x) || x <= 0) fail_field(fi, show_value(p), "size must be a positive number");
-    if (!std::isfinite(y) || y <= 0 || y > max_y)
-      fail_field(fi, show_value(p), fmt::format("efficiency must be in (0, {}]", max_y));
+    // (A floor: below it a rate underflows toward 0 and times toward infinity.)
+    if (!std::isfinite(y) || y < kMinCurveEfficiency || y > max_y)
+      fail_field(fi, show_value(p), fmt::format("efficiency must be in [{:g}, {}]", kMinCurveEfficiency, max_y));
     if (!c.empty() && x <= c.back().first) fail_field(fi, show_value(p), "sizes must increase strictly");
     c.emplace_back(x, y);
   }

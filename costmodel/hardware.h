@@ -31,6 +31,10 @@ enum class AttentionKernel { unfused, flash };
 // made gets its own number (a copy shares it: same points; one made later at a destroyed
 // one's address gets another), so an entry can only ever return what interpolate() would:
 // the cache changes the time a lookup takes, never its value.
+// The least efficiency a cluster JSON's curve may give (a measured profile's are clamped
+// to it): below it a rate underflows toward 0 and a time toward infinity.
+inline constexpr double kMinCurveEfficiency = 1e-6;
+
 class Curve {
   // The cache: 256 entries of (curve number, bits of x, y).
   struct ValueCache {

@@ -252,7 +252,15 @@ MegatronLaunch parse_megatron_launch(const std::string& text, const std::string&
     }
     seen[key] = value;
     const bool shell = value.find('$') != std::string::npos || value.find('`') != std::string::npos;
-    if (shell && (key == "nproc_per_node" || key == "nnodes")) continue;  // then --gpus says it
+    if (shell && (key == "nproc_per_node" || key == "nnodes")) {  // then --gpus says it
+      // ($NAME or ${NAME...}: the name, to say why it did not resolve)
+      const size_t from = raw.find_first_not_of("${");
+      const std::string name = from == std::string::npos ? "" : raw.substr(from, raw.find_first_of("}:-", from) - from);
+      out.world_unread += fmt::format("{}{} {} ({})", out.world_unread.empty() ? "" : ", ", flag_of(key), raw,
+                                      ambiguous.count(name) ? "its variable is set to two values"
+                                                            : "a shell expression strata does not resolve");
+      continue;
+    }
     if (shell)
       throw InputError(fmt::format("{}: {} {}: a shell expression strata does not evaluate (only NAME=value set in "
                                    "the same text is resolved); give the value",
@@ -260,10 +268,15 @@ MegatronLaunch parse_megatron_launch(const std::string& text, const std::string&
     const Json v = value_of(value);
     if (key == "nproc_per_node" || key == "nnodes") {
       // torchrun's world; an elastic range (1:4) or "gpu" says no fixed count.
-      if (v.is_number_integer() && v.get<int64_t>() > 0) {
+      if (v.is_number() && !(v.is_number_integer() && v.get<int64_t>() > 0))
+        fail_field(source + ": " + flag_of(key), show_value(v),
+                   "must be a positive integer (an elastic range such as 1:4, or gpu, leaves the count to --gpus)");
+      if (v.is_number_integer()) {
         if (v.get<int64_t>() > (int64_t{1} << 24))
           fail_field(source + ": " + flag_of(key), show_value(v), "must be at most 2^24");
         (key == "nnodes" ? nnodes : nproc) = v.get<int64_t>();
+      } else {
+        out.world_unread += fmt::format("{}{} {} (no fixed count)", out.world_unread.empty() ? "" : ", ", flag_of(key), raw);
       }
       continue;
     }
@@ -397,9 +410,12 @@ LaunchInputs launch_inputs(const MegatronLaunch& launch, int64_t gpus, const std
   }
   const int64_t world = gpus > 0 ? gpus : launch.gpus;
   if (world <= 0)
-    throw InputError(fmt::format("{}: --gpus: missing: the GPU count (the launch gives no torchrun --nproc-per-node "
-                                 "and --nnodes to take it from)",
-                                 source));
+    throw InputError(launch.world_unread.empty()
+                         ? fmt::format("{}: --gpus: missing: the GPU count (the launch gives no torchrun --nproc-per-node "
+                                       "and --nnodes to take it from)",
+                                       source)
+                         : fmt::format("{}: --gpus: missing: the GPU count (the launch's {} gives none)", source,
+                                       launch.world_unread));
   if (world % (t * p * c) != 0)
     fail_field("--gpus", std::to_string(world),
                fmt::format("must be a multiple of tensor x pipeline x context parallel = {} x {} x {}", t, p, c));

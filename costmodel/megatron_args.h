@@ -22,6 +22,7 @@ struct MegatronLaunch {
   Json model;                        // Megatron names, for model_from_json
   Json plan;                         // Megatron names, for plan_from_json (no data_parallel)
   int64_t gpus = 0;                  // torchrun's nproc-per-node x nnodes; 0: not given
+  std::string world_unread;          // why not, where the launch gives them: "--nproc-per-node ${N}" ...
   std::vector<std::string> ignored;  // flags read but not modelled, in order of appearance
 };
 

@@ -616,17 +616,35 @@ ModelSpec model_from_json(const Json& in, const std::string& source) {
 // Hugging Face config.json: LlamaConfig / MistralConfig / Qwen2 keys, GPT2Config keys.
 ModelSpec model_from_hf_config(const Json& j, const std::string& source, int64_t seq_length_override) {
   if (!j.is_object()) throw InputError(source + ": must be a JSON object");
-  auto get_int = [&](std::initializer_list<const char*> keys, int64_t lo, int64_t hi, bool required,
-                     int64_t fallback) -> int64_t {
+  // The first of `keys` present; *used (when asked) names it, for the messages below.
+  auto get_int = [&](std::initializer_list<const char*> keys, int64_t lo, int64_t hi, bool required, int64_t fallback,
+                     const char** used = nullptr) -> int64_t {
     for (const char* k : keys) {
       if (j.contains(k) && !j.at(k).is_null()) {
         Fields f(j, source);
+        if (used) *used = k;
         return f.integer(k, lo, hi);
       }
     }
     if (required) throw InputError(fmt::format("{}.{}: missing: an integer is required", source, *keys.begin()));
     return fallback;
   };
+  // Two names of one size (num_hidden_layers and GPT-2's n_layer, ...) given different values
+  // leave the model undefined: refused rather than one of them read.
+  auto agree = [&](std::initializer_list<const char*> keys) {
+    const char* first = nullptr;
+    for (const char* k : keys) {
+      if (!j.contains(k) || j.at(k).is_null()) continue;
+      if (!first) first = k;
+      else if (j.at(k) != j.at(first))
+        fail_field(source + "." + k, show_value(j.at(k)),
+                   fmt::format("disagrees with {} = {}: give one of them", first, show_value(j.at(first))));
+    }
+  };
+  agree({"num_hidden_layers", "n_layer"});
+  agree({"hidden_size", "n_embd", "n_embed"});
+  agree({"num_attention_heads", "n_head"});
+  agree({"num_key_value_heads", "num_kv_heads", "n_head_kv"});
   ModelSpec m;
   std::string model_type;
   if (j.contains("model_type") && j["model_type"].is_string()) model_type = j["model_type"].get<std::string>();
@@ -637,7 +655,10 @@ ModelSpec model_from_hf_config(const Json& j, const std::string& source, int64_t
   // RoPE. (GPT-BigCode / StarCoder keeps GPT-2's.)
   const bool bloom = model_type == "bloom";
   const bool falcon = model_type == "falcon" || model_type == "RefinedWeb" || model_type == "RefinedWebModel";
-  const bool gpt2 = model_type == "gpt2" || (j.contains("n_layer") && !bloom && !falcon && model_type != "gptj");
+  // (GPT-2's short names without a model_type are GPT-2's; with another model_type, that
+  // model's, whatever names it uses.)
+  const bool gpt2 = model_type == "gpt2" || model_type == "gpt_bigcode" ||
+                    (model_type.empty() && j.contains("n_layer") && !bloom && !falcon);
   auto flag = [&](const char* k) { return j.contains(k) && j[k].is_boolean() && j[k].get<bool>(); };
   if (!j.contains("num_hidden_layers") && !j.contains("n_layer") && j.contains("text_config") &&
       j["text_config"].is_object())
@@ -669,10 +690,17 @@ ModelSpec model_from_hf_config(const Json& j, const std::string& source, int64_t
   // (40B, 180B), else one with multi-query attention (7B; FalconConfig's default), which a
   // re-saved config lists as num_kv_heads = heads anyway; StarCoder's multi_query alike.
   const bool multi_query = flag("multi_query") || (falcon && !j.contains("multi_query"));
-  if (falcon && !flag("new_decoder_architecture"))
+  if (falcon && !flag("new_decoder_architecture")) {
     m.G = multi_query ? 1 : m.A;
-  else
-    m.G = get_int({"num_key_value_heads", "num_kv_heads", "n_head_kv"}, 1, kMaxHeads, false, multi_query ? 1 : m.A);
+  } else {
+    const char* kv = nullptr;
+    m.G = get_int({"num_key_value_heads", "num_kv_heads", "n_head_kv"}, 1, kMaxHeads, false, multi_query ? 1 : m.A, &kv);
+    if (kv && (m.G > m.A || m.A % m.G != 0))
+      fail_field(source + "." + kv, std::to_string(m.G),
+                 fmt::format("must divide num_attention_heads = {} (grouped-query attention: each key/value head "
+                             "serves the same number of query heads)",
+                             m.A));
+  }
   m.V = get_int({"vocab_size"}, 1, kMaxVocab, true, 0);
   // BLOOM's config has no length (ALiBi): --seq-length gives it.
   m.S = get_int({"max_position_embeddings", "n_positions", "n_ctx", "seq_length"}, 1, kMaxSeq, false, 0);
@@ -839,7 +867,14 @@ ModelSpec model_from_hf_config(const Json& j, const std::string& source, int64_t
       if (j["layer_types"].size() != static_cast<size_t>(m.L))
         fail_field(source + ".layer_types", fmt::format("({} entries)", j["layer_types"].size()),
                    fmt::format("must name one attention type per layer ({})", m.L));
-      for (const Json& t : j["layer_types"]) m.window_layers += t.is_string() && t.get<std::string>() == "sliding_attention";
+      for (size_t i = 0; i < j["layer_types"].size(); ++i) {
+        const Json& t = j["layer_types"][i];
+        const std::string kind = t.is_string() ? t.get<std::string>() : "";
+        if (kind != "sliding_attention" && kind != "full_attention")
+          fail_field(fmt::format("{}.layer_types[{}]", source, i), show_value(t),
+                     "must be \"full_attention\" or \"sliding_attention\" (other attention kinds are not modelled)");
+        m.window_layers += kind == "sliding_attention";
+      }
     } else if (j.contains("sliding_window_pattern") && !j["sliding_window_pattern"].is_null()) {
       m.window_layers = m.L - m.L / get_int({"sliding_window_pattern"}, 1, kMaxLayers, true, 1);
     } else if (model_type.rfind("gemma3", 0) == 0) {  // Gemma3TextConfig's default pattern: 6
@@ -910,8 +945,12 @@ ModelSpec load_model(const std::string& name_or_path, int64_t seq_length_overrid
       throw InputError(fmt::format("--model: '{}' is neither a preset ({}) nor a readable file", name_or_path, names));
     }
     const Json j = read_json_file(name_or_path, "--model");
-    const bool hf = j.is_object() && (j.contains("num_hidden_layers") || j.contains("n_layer") ||
-                                      j.contains("architectures") || j.contains("model_type"));
+    // A Hugging Face config: it names its model_type or architectures, or gives its layers
+    // under its own names and not Megatron's (a model JSON with a stray num_hidden_layers is
+    // read as a model JSON, which refuses the key).
+    const bool hf = j.is_object() && (j.contains("architectures") || j.contains("model_type") ||
+                                      ((j.contains("num_hidden_layers") || j.contains("n_layer")) &&
+                                       !j.contains("num_layers")));
     m = hf ? model_from_hf_config(j, "model '" + name_or_path + "'", seq_length_override)
            : model_from_json(j, "model");
   }

@@ -122,13 +122,18 @@ std::vector<std::pair<int64_t, fs::path>> checkpoints_in(const std::string& dir)
 std::string newest_checkpoint(const std::string& dir) {
   const std::vector<std::pair<int64_t, fs::path>> found = checkpoints_in(dir);
   for (auto it = found.rbegin(); it != found.rend(); ++it)
-    if (fs::exists(it->second / "manifest.json")) return it->second.string();
+    if (fs::exists(it->second / "manifest.json")) return it->second.string();  // (read_checkpoint checks it)
   return "";
 }
 
-std::vector<float> read_checkpoint(const std::string& path, CheckpointMeta* meta) {
+CheckpointMeta read_checkpoint_meta(const std::string& path, Json* manifest) {
+  CheckpointMeta m;
   Json j;
+  CheckpointMeta* meta = &m;
   {
+    std::error_code ec;
+    if (fs::exists(fs::path(path) / "manifest.json", ec) && !fs::is_regular_file(fs::path(path) / "manifest.json", ec))
+      throw InputError("checkpoint '" + path + "': manifest.json is not a regular file (a pipe or a device?)");
     std::ifstream f(fs::path(path) / "manifest.json");
     if (!f) throw InputError("checkpoint '" + path + "': no manifest.json");
     try {
@@ -158,9 +163,29 @@ std::vector<float> read_checkpoint(const std::string& path, CheckpointMeta* meta
   } catch (const std::exception& e) {
     throw InputError("checkpoint '" + path + "': manifest.json: " + e.what());
   }
-  const int64_t total = 3 * meta->global_params;
   if (meta->global_params <= 0 || meta->global_params > (int64_t{1} << 34) || meta->step < 0)
     throw InputError("checkpoint '" + path + "': manifest.json: implausible global_params or step");
+  if (manifest) *manifest = std::move(j);
+  return m;
+}
+
+void check_resume_meta(const CheckpointMeta& meta, const std::string& path, const std::string& model,
+                       int64_t global_params, uint64_t seed, const std::string& data, int64_t steps) {
+  if (meta.model != model || meta.global_params != global_params)
+    throw InputError("checkpoint '" + path + "': holds model " + meta.model + " (" + std::to_string(meta.global_params) +
+                     " parameters), not " + model + " (" + std::to_string(global_params) + ")");
+  if (meta.seed != seed || meta.data != data)
+    throw InputError("checkpoint '" + path + "': was trained with --seed " + std::to_string(meta.seed) + " --data " +
+                     meta.data + "; resume with the same ones (the data order depends on them)");
+  if (meta.step > steps)
+    throw InputError("checkpoint '" + path + "': is at step " + std::to_string(meta.step) + ", beyond --steps " +
+                     std::to_string(steps));
+}
+
+std::vector<float> read_checkpoint(const std::string& path, CheckpointMeta* meta) {
+  Json j;
+  *meta = read_checkpoint_meta(path, &j);
+  const int64_t total = 3 * meta->global_params;
   std::vector<std::pair<std::string, int64_t>> entries;
   std::vector<std::string> hashes;
   try {

@@ -51,6 +51,13 @@ void commit_checkpoint(const std::string& dir, const std::string& tmp_dir, const
 std::vector<std::pair<int64_t, std::filesystem::path>> checkpoints_in(const std::string& dir);
 // The newest checkpoint folder under dir ("" when none). Only complete (renamed) folders.
 std::string newest_checkpoint(const std::string& dir);
+// A checkpoint folder's manifest alone (its meta data; the manifest's JSON into `manifest`
+// when asked): what a run checks before it loads the state. Throws InputError.
+CheckpointMeta read_checkpoint_meta(const std::string& path, Json* manifest = nullptr);
+// Whether a run may resume from it: the same model (name and parameter count), seed and
+// data, and not past the run's last step; else an InputError naming the difference.
+void check_resume_meta(const CheckpointMeta& meta, const std::string& path, const std::string& model,
+                       int64_t global_params, uint64_t seed, const std::string& data, int64_t steps);
 // Reads and verifies a checkpoint folder (sizes and hashes of every file): the meta data and
 // the global state (3 * global_params floats). Throws InputError naming what is wrong.
 std::vector<float> read_checkpoint(const std::string& path, CheckpointMeta* meta);

@@ -89,15 +89,7 @@ void Engine::load_checkpoint(const std::string& path) {
   CheckpointMeta meta;
   const std::vector<float> state = read_checkpoint(path, &meta);
   const int64_t G = global_param_layout(m_).size;
-  if (meta.model != m_.name || meta.global_params != G)
-    throw InputError("checkpoint '" + path + "': holds model " + meta.model + " (" + std::to_string(meta.global_params) +
-                     " parameters), not " + m_.name + " (" + std::to_string(G) + ")");
-  if (meta.seed != o_.seed || meta.data != o_.data)
-    throw InputError("checkpoint '" + path + "': was trained with --seed " + std::to_string(meta.seed) + " --data " +
-                     meta.data + "; resume with the same ones (the data order depends on them)");
-  if (meta.step > o_.steps)
-    throw InputError("checkpoint '" + path + "': is at step " + std::to_string(meta.step) + ", beyond --steps " +
-                     std::to_string(o_.steps));
+  check_resume_meta(meta, path, m_.name, G, o_.seed, o_.data, o_.steps);
   const std::vector<int64_t> idx = global_index();
   auto value = [&](int which, int64_t local) {
     return state[static_cast<size_t>(which * G + idx[static_cast<size_t>(local)])];

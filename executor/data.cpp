@@ -94,6 +94,9 @@ TokenSource::TokenSource(const std::string& spec, int64_t V, int64_t S, uint64_t
   std::error_code ec;
   if (std::filesystem::is_directory(spec, ec))
     throw InputError("--data: '" + spec + "' is a folder; expected a file of uint16 tokens (or synthetic)");
+  // (A pipe or a device would block or never end: a token file is a regular file.)
+  if (std::filesystem::exists(spec, ec) && !std::filesystem::is_regular_file(spec, ec))
+    throw InputError("--data: '" + spec + "' is not a regular file (a pipe or a device?); expected a file of uint16 tokens");
   std::ifstream f(spec, std::ios::binary | std::ios::ate);
   if (!f) throw InputError("--data: cannot open token file '" + spec + "'");
   const auto bytes = static_cast<int64_t>(f.tellg());
@@ -118,7 +121,8 @@ TokenSource::TokenSource(const std::string& spec, int64_t V, int64_t S, uint64_t
   for (int64_t i = 0; i < n; ++i)
     if (tokens_[static_cast<size_t>(i)] >= V)
       throw InputError("--data: token file '" + spec + "' has token " + std::to_string(tokens_[static_cast<size_t>(i)]) +
-                       " at position " + std::to_string(i) + "; the model's vocabulary is " + std::to_string(V));
+                       " at position " + std::to_string(i) + "; the model's vocab_size is " + std::to_string(V) +
+                       " (tokens 0 to " + std::to_string(V - 1) + ")");
   samples_ = (n - 1) / S;
 }
 

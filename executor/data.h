@@ -24,7 +24,8 @@ MarkovChain make_markov_chain(int64_t states, int64_t branch, uint64_t seed);
 class TokenSource {
  public:
   // "synthetic" or "synthetic:STATES" or a file path. Throws InputError (exit 2) when the
-  // file is missing, has an odd number of bytes, fewer than S + 1 tokens, or a token >= V.
+  // file is missing or not a regular file, has an odd number of bytes, fewer than S + 1
+  // tokens, or a token >= V (the model's vocab_size, not the embedding's padded rows).
   TokenSource(const std::string& spec, int64_t V, int64_t S, uint64_t seed);
   int64_t samples() const { return samples_; }
   bool synthetic() const { return synthetic_; }

@@ -145,7 +145,7 @@ void check_rank_fits(const ModelSpec& m, const Plan& p, double capacity, const s
 }
 
 Engine::Engine(const ModelSpec& m, const Plan& p, const TrainOptions& o, Comm& comm, Backend& be)
-    : m_(m), plan_(p), o_(o), comm_(comm), be_(be), data_(o.data, executor_vocab(m), m.S, o.seed) {
+    : m_(m), plan_(p), o_(o), comm_(comm), be_(be), data_(o.data, m.V, m.S, o.seed) {
   // Activations are allocated and freed every micro-batch. glibc maps every block above
   // its mmap threshold afresh (and trims freed heap), so each step would page-fault and
   // zero all of them again; keep freed blocks in the heap instead, as the caching

@@ -484,8 +484,9 @@ ProfileResult run_profile(Comm& comm, Backend& be, const ProfileOptions& o) {
   for (const auto& [f, r] : res.gemm) peak = std::max(peak, r);
   std::vector<std::pair<double, double>> ge;
   for (const auto& [f, r] : res.gemm) {
-    if (!ge.empty() && ge.back().first == f) ge.back().second = std::max(ge.back().second, r / peak);
-    else ge.push_back({f, r / peak});
+    const double e = std::max(r / peak, kMinCurveEfficiency);
+    if (!ge.empty() && ge.back().first == f) ge.back().second = std::max(ge.back().second, e);
+    else ge.push_back({f, e});
   }
   c.device.name = o.device_name.empty() ? "CPU core per rank (Eigen fp32), measured" : o.device_name + ", measured";
   c.device.batched_gemm_per_matrix = be.batched_gemm_per_matrix();
@@ -520,7 +521,7 @@ ProfileResult run_profile(Comm& comm, Backend& be, const ProfileOptions& o) {
       size_t j = i;
       double sum = 0;
       while (j < kp.size() && kp[j].first <= kp[i].first * 1.01) sum += kp[j++].second;
-      out.push_back({kp[i].first, std::clamp(sum / static_cast<double>(j - i), 1e-6, 1.0)});
+      out.push_back({kp[i].first, std::clamp(sum / static_cast<double>(j - i), kMinCurveEfficiency, 1.0)});
       i = j;
     }
     return out;

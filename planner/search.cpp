@@ -107,6 +107,14 @@ FixedDims parse_fixed(const std::string& text) {
   }
   if (f.dp_instances && f.dp_shard_size)
     throw InputError("--fix: num_distributed_optimizer_instances and data_parallel_shard_size both given: keep one");
+  // Megatron-LM's --recompute-num-layers applies to full recompute only: fixing it fixes that.
+  if (f.recompute_layers && *f.recompute_layers > 0) {
+    if (f.recompute && *f.recompute != Recompute::full)
+      fail_field("--fix recompute_num_layers", std::to_string(*f.recompute_layers),
+                 fmt::format("needs recompute=full (--fix gives recompute={})",
+                             *f.recompute == Recompute::none ? "none" : "selective"));
+    f.recompute = Recompute::full;
+  }
   if (!dispatcher.empty()) f.moe_dispatcher = plan_from_json(dispatcher, "--fix").moe_dispatcher;
   if (!activations.empty()) {
     if (!activations.contains("offload_modules") && !activations.contains("fine_grained_activation_offloading"))
@@ -588,10 +596,24 @@ SearchResult search(const ModelSpec& m, const Cluster& cl, const SearchOptions& 
   };
 
   const Recompute recomputes[] = {Recompute::none, Recompute::selective, Recompute::full};
+  int64_t units = 0, units_done = 0;  // (tensor, pipeline) pairs, for on_progress
+  if (opt.on_progress)
+    for (int64_t t : divisors(N))
+      if (allowed(fx.t, t))
+        for (int64_t p : divisors(N / t)) units += allowed(fx.p, p) ? 1 : 0;
   for (int64_t t : divisors(N)) {
     if (!allowed(fx.t, t)) continue;
     for (int64_t p : divisors(N / t)) {
       if (!allowed(fx.p, p)) continue;
+      struct Done {  // on_progress once the unit is searched, however the loop below leaves it
+        const SearchOptions& o;
+        int64_t& done;
+        int64_t total;
+        const SearchResult& r;
+        ~Done() {
+          if (o.on_progress) o.on_progress(++done, total, r.candidates_evaluated);
+        }
+      } done_unit{opt, units_done, units, res};
       for (int64_t c : divisors(N / (t * p))) {
         if (!allowed(fx.c, c)) continue;
         const int64_t d = N / (t * p * c);
@@ -636,6 +658,20 @@ SearchResult search(const ModelSpec& m, const Cluster& cl, const SearchOptions& 
           // strata's own uneven pipelines are searched only in the (L+2)/p embedding-slot
           // form (estimate also takes the as-even-as-possible split); Megatron's first/last
           // split that balances the ends (balanced_end_split) may still hold the layers.
+          // A unit none of whose candidates --fix allows (a micro-batch size that does not
+          // divide its batch, sp=1 with tp=1, ...) has no candidate to count, rejected or not:
+          // a --fix that leaves none anywhere is bad input (cli), not an infeasible search.
+          {
+            int64_t recompute_choices = 0;
+            for (Recompute rc : recomputes) recompute_choices += allowed(fx.recompute, rc) ? 1 : 0;
+            if (count(mbss, fx.mbs) *
+                    (v > 1 || p == 1 ? count(std::vector<bool>{false}, fx.gpipe)
+                                     : count(std::vector<bool>{false, true}, fx.gpipe)) *
+                    (t > 1 ? count(std::vector<bool>{false, true}, fx.sp) : count(std::vector<bool>{false}, fx.sp)) *
+                    recompute_choices * zero_units(zeros) * count(cps, fx.cp_comm) ==
+                0)
+              continue;
+          }
           const bool own_ok = !(v == 1 && p > 1 && m.L % p != 0 && (m.L + 2) % p != 0);
           const bool splits = p > 1 && allowed(fx.uneven_split, true);
           if (!own_ok && !splits) {

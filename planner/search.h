@@ -8,6 +8,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <optional>
 #include <string>
@@ -69,6 +70,9 @@ struct SearchOptions {
   // --fix does not pin the fraction. Off by default: the search then offloads nothing.
   bool search_offload = false;
   FixedDims fixed;
+  // Called after each (tensor, pipeline) unit of the space with the units done, their
+  // total and the candidates counted so far: the progress of a long search. Optional.
+  std::function<void(int64_t done, int64_t total, int64_t candidates)> on_progress;
 };
 // The offload fractions --search-offload tries besides none.
 inline constexpr double kOffloadFractions[] = {0.25, 0.5, 0.75, 1.0};

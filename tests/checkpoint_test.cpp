@@ -161,6 +161,19 @@ TEST(CheckpointResume, BadUseIsRefused) {
   r = strata_test::train("tiny-llama", "mbs=1,gbs=2,precision=fp32", 2, kArgs + " --checkpoint-dir " + dir.string() + " --resume");
   EXPECT_EQ(r.rc, 2);
   EXPECT_NE(r.err.find("holds model tiny-gpt"), std::string::npos) << r.err;
+  // On two ranks, both say so (checked before any rank loads the state, not by the first
+  // rank to fail aborting the others).
+  r = strata_test::train("tiny-llama", "dp=2,mbs=1,gbs=2,precision=fp32", 2,
+                         kArgs + " --checkpoint-dir " + dir.string() + " --resume", 2);
+  EXPECT_EQ(r.rc, 2);
+  size_t lines = 0;
+  for (size_t at = 0; (at = r.err.find("holds model tiny-gpt", at)) != std::string::npos; ++at) ++lines;
+  EXPECT_EQ(lines, 2u) << r.err;
+  // A checkpoint folder that is a file, even only to resume from, is refused.
+  r = strata_test::train("tiny-gpt", "mbs=1,gbs=2,precision=fp32", 2,
+                         kArgs + " --checkpoint-dir " + (dir / "step-00000001" / "manifest.json").string() + " --resume");
+  EXPECT_EQ(r.rc, 2);
+  EXPECT_NE(r.err.find("is not a folder"), std::string::npos) << r.err;
   r = strata_test::train("tiny-gpt", "mbs=1,gbs=2,precision=fp32", 2,
                          kArgs + " --seed 7 --checkpoint-dir " + dir.string() + " --resume");
   EXPECT_EQ(r.rc, 2);

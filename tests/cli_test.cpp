@@ -371,6 +371,31 @@ TEST(Cli, ListsPresets) {
   for (const char* n : {"dgx2-v100-32g", "dgx-a100-40g", "dgx-a100-80g", "dgx-h100-80g", "dgx-h200-141g",
                         "dgx-b200-180g", "local-cpu"})
     EXPECT_NE(c.out.find(n), std::string::npos) << n;
+  // --json: one JSON array, each preset in its own schema (a model JSON, a cluster JSON)
+  const Outcome mj = strata("plan --list-models --json"), cj = strata("plan --list-clusters --json");
+  ASSERT_EQ(mj.code, 0);
+  ASSERT_EQ(cj.code, 0);
+  const Json models = Json::parse(mj.out), clusters = Json::parse(cj.out);
+  ASSERT_TRUE(models.is_array());
+  ASSERT_TRUE(clusters.is_array());
+  bool gpt3 = false;
+  for (const Json& x : models)
+    if (x.at("name") == "gpt3-175b") {
+      gpt3 = true;
+      EXPECT_EQ(x.at("num_layers"), 96);
+      EXPECT_NEAR(x.at("parameters").get<double>(), 175e9, 2e9);
+      Json y = x;  // (a model JSON but for the count)
+      y.erase("parameters");
+      EXPECT_EQ(model_from_json(y, "m").L, 96);
+    }
+  EXPECT_TRUE(gpt3);
+  bool h100 = false;
+  for (const Json& x : clusters)
+    if (x.at("name") == "dgx-h100-80g") {
+      h100 = true;
+      EXPECT_EQ(cluster_from_json(x, "c").devices_per_node, 8);
+    }
+  EXPECT_TRUE(h100);
 }
 
 
@@ -743,6 +768,33 @@ TEST(Cli, BadInputExits2NamingTheField) {
       {"estimate --cluster dgx-a100-80g --gpus 8 --megatron-args '--num-layers 2 --hidden-size 64 "
        "--num-attention-heads 4 --seq-length 32 --vocab-size 100 --tensor-model-parallel-size $TP'",
        "--tensor-model-parallel-size $TP"},
+      // torchrun's count: a negative one named, one whose variable is set twice said so
+      {"estimate --cluster dgx-a100-80g --megatron-args 'torchrun --nproc_per_node -2 pretrain_gpt.py --num-layers 2 "
+       "--hidden-size 64 --num-attention-heads 4 --seq-length 32 --vocab-size 100'", "--nproc-per-node: -2 is invalid"},
+      {"estimate --cluster dgx-a100-80g --megatron-args 'A=1 B=${A} A=${B} torchrun --nproc_per_node ${A} pretrain_gpt.py "
+       "--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 32 --vocab-size 100'",
+       "--nproc-per-node ${A} (its variable is set to two values)"},
+      // A --fix no candidate meets (a micro-batch size dividing no replica's batch, sequence
+      // parallelism without tensor parallelism) is bad input, not an infeasible search, on
+      // a model whose layers some pipeline depth does not divide too (gpt2-124m: 12 layers, 8 GPUs).
+      {"plan --model gpt2-124m --cluster dgx-h100-80g --gpus 8 --global-batch-size 64 --fix mbs=3", "leaves no candidate"},
+      {"plan --model tiny-gpt --cluster dgx-h100-80g --gpus 8 --global-batch-size 64 --fix sp=1,tp=1", "leaves no candidate"},
+      // recompute_num_layers is full recompute's
+      {S + "--gpus 8 --global-batch-size 8 --fix recompute=selective,recompute_num_layers=2", "--fix recompute_num_layers"},
+      // Two outputs of one run naming one file (the second would overwrite the first)
+      {"train --model tiny-gpt --plan mbs=1,gbs=1 --steps 1 --quiet --json " + write("same_out.json", "") + " --trace " +
+           write("same_out.json", ""),
+       "names the same file as --json"},
+      // A curve's efficiency so small its rates underflow (NaN and inf step times once)
+      {cluster_with("tiny_eff1.json", [](Json& j) { j["device"]["gemm_efficiency"] = Json::parse("[[1e6,5e-324]]"); }), "gemm_efficiency[0]"},
+      {cluster_with("tiny_eff2.json", [](Json& j) { j["device"]["memory_efficiency"] = Json::parse("[[1e6,1e-300]]"); }), "memory_efficiency[0]"},
+      // Hugging Face configs: two names of one size that disagree, a key of the other
+      // format (read as a model JSON, which refuses it), an attention kind not modelled,
+      // key/value heads named by the config's own key
+      {model("h13.json", R"({"hidden_size":64,"n_layer":8,)" + hf_ok + "}"), "n_layer: 8 is invalid: disagrees with num_hidden_layers = 2"},
+      {model("h14.json", R"({"num_layers":2,"num_hidden_layers":8,)" + ok_model + "}"), "num_hidden_layers"},
+      {model("h15.json", R"({"hidden_size":64,"sliding_window":8,"layer_types":["foo","full_attention"],)" + hf_ok + "}"), "layer_types[0]"},
+      {model("h16.json", R"({"hidden_size":64,"num_key_value_heads":3,)" + hf_ok + "}"), "num_key_value_heads: 3 is invalid: must divide"},
   };
   ASSERT_GE(cases.size(), 50u);
   for (const Bad& b : cases) {

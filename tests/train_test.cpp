@@ -4,6 +4,7 @@
 // the JSON and trace have what SPEC.md names, and bad input exits 2 on every rank.
 // Runs use --seq-length 32 or 64 so the whole file stays a few minutes on two cores.
 #include <gtest/gtest.h>
+#include <sys/stat.h>
 #include <sys/wait.h>
 
 #include <algorithm>
@@ -430,6 +431,41 @@ TEST(TrainErrors, BadInputExitsTwoOnEveryRank) {
                      "leaves a last group of 1");
   expect_input_error("missing file", "dp=2,mbs=1,gbs=2", 2, "--data " + dir + "no_such_tokens.bin", "cannot open token file");
   expect_input_error("truncated file", "dp=2,mbs=1,gbs=2", 2, "--data " + dir + "odd_tokens.bin", "truncated");
+  // A pipe would block the run for ever: refused like a folder.
+  const std::string fifo = dir + "strata_tokens.fifo";
+  std::remove(fifo.c_str());
+  ASSERT_EQ(mkfifo(fifo.c_str(), 0600), 0);
+  expect_input_error("pipe", "dp=2,mbs=1,gbs=2", 2, "--data " + fifo, "is not a regular file");
+  std::remove(fifo.c_str());
+  // Outputs that cannot be written fail before the run, not after it.
+  expect_input_error("unwritable trace", "dp=2,mbs=1,gbs=2", 2, "--trace /nonexistent_strata_dir/run.trace",
+                     "--trace: '/nonexistent_strata_dir/run.trace' is invalid: names a folder that does not exist");
+  expect_input_error("checkpoint folder a file", "dp=2,mbs=1,gbs=2", 2,
+                     "--checkpoint-every 1 --checkpoint-dir " + dir + "odd_tokens.bin", "is not a folder");
+  expect_input_error("watchdog below a second", "dp=2,mbs=1,gbs=2", 2, "--distributed-timeout-minutes 0.001",
+                     "--distributed-timeout-minutes");
+}
+
+// A token outside the model's vocab_size is refused, though the embedding has rows for it
+// (500 padded to 512, make_vocab_size_divisible_by 128).
+TEST(TrainErrors, TokenBeyondTheVocabularyIsRefusedNotPadded) {
+  const std::string dir = ::testing::TempDir();
+  {
+    std::ofstream f(dir + "vocab500.json");
+    f << R"({"num_layers":2,"hidden_size":64,"num_attention_heads":4,"vocab_size":500,"seq_length":32})";
+  }
+  {
+    std::ofstream f(dir + "token505.bin", std::ios::binary);
+    for (int i = 0; i < 200; ++i) {
+      const uint16_t t = static_cast<uint16_t>(i == 150 ? 505 : i % 50);
+      f.write(reinterpret_cast<const char*>(&t), 2);
+    }
+  }
+  const TrainRun r = train(dir + "vocab500.json", "dp=2,mbs=1,gbs=2", 1, "--data " + dir + "token505.bin", 2);
+  EXPECT_EQ(r.rc, 2) << r.err;
+  size_t lines = 0, at = 0;
+  while ((at = r.err.find("the model's vocab_size is 500", at)) != std::string::npos) ++lines, ++at;
+  EXPECT_EQ(lines, 2u) << r.err;
 }
 
 TEST(TrainData, TokenFileTrainsLikeAnyOther) {

@@ -293,6 +293,9 @@ TEST(Validation, BadInputExitsTwo) {
   EXPECT_EQ(run_strata("validate --model tiny-gpt --cluster local-cpu --ranks 2 --steps 1", &err), 2);
   EXPECT_NE(err.find("--steps"), std::string::npos) << err;
   EXPECT_EQ(run_strata("validate --model tiny-gpt --cluster no-such-cluster --ranks 2", &err), 2);
+  // A launcher that is not there, said before anything runs (not exit 1 from each run)
+  EXPECT_EQ(run_strata("validate --model tiny-gpt --cluster local-cpu --ranks 2 --mpirun /nonexistent/mpirun", &err), 2);
+  EXPECT_NE(err.find("--mpirun: '/nonexistent/mpirun' is invalid: is not an executable file"), std::string::npos) << err;
 }
 
 }  // namespace
