@@ -115,9 +115,8 @@ void check_output_file(const std::string& flag, const std::string& path) {
   const fs::file_status st = fs::status(path, ec);
   if (fs::exists(st)) {
     if (fs::is_directory(st)) fail_field(flag, "'" + path + "'", "is a folder; give a file name");
-    if (!fs::is_regular_file(st)) fail_field(flag, "'" + path + "'", "is not a regular file (a pipe or a device?)");
     if (access(path.c_str(), W_OK) != 0) fail_field(flag, "'" + path + "'", "exists and cannot be written");
-    return;
+    return;  // (a file, or /dev/null, /dev/stdout, a shell's >(...) pipe: the user's to give)
   }
   const fs::path dir = folder_of(path);
   if (!fs::is_directory(dir, ec)) fail_field(flag, "'" + path + "'", "names a folder that does not exist: " + dir.string());
@@ -151,8 +150,11 @@ void check_distinct_outputs(const std::vector<std::pair<std::string, std::string
       const std::string& a = flag_paths[i].second;
       const std::string& b = flag_paths[k].second;
       if (a.empty() || b.empty() || a == "-" || b == "-") continue;
-      std::error_code ec;
-      if (fs::weakly_canonical(a, ec) == fs::weakly_canonical(b, ec))
+      std::error_code ea, eb;
+      const fs::path ca = fs::weakly_canonical(a, ea), cb = fs::weakly_canonical(b, eb);
+      bool same = !ea && !eb && ca == cb;
+      if (!same && fs::exists(ca, ea) && fs::exists(cb, eb)) same = fs::equivalent(ca, cb, ea) && !ea;  // hard links
+      if (same && !fs::is_character_file(ca, ea))  // (two outputs to /dev/null are fine)
         fail_field(flag_paths[k].first, "'" + b + "'", "names the same file as " + flag_paths[i].first + ": give another");
     }
 }

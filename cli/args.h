@@ -40,8 +40,9 @@ void check_backend(const std::string& backend, const std::string& command);
 
 // An output file of `flag` ("--json", "--trace", "--out", ...), checked before the work that
 // produces it, on every rank, so that a path that cannot be written fails at once (exit 2)
-// rather than after a run: not a folder or a pipe, its folder existing and writable, and
-// the file writable where it exists. "" (not asked for) and "-" (stdout) pass.
+// rather than after a run: not a folder, its folder existing and writable, and the file
+// writable where it exists (/dev/null or a pipe too). "" (not asked for) and "-" (stdout)
+// pass. Callers check on the rank that writes it.
 void check_output_file(const std::string& flag, const std::string& path);
 // An output folder (--checkpoint-dir, --report): a folder where it exists, else creatable
 // (the nearest existing folder above it writable), and writable. "" passes.

@@ -17,9 +17,10 @@ int cmd_validate(const std::vector<std::string>& argv);
 // For subcommands under mpirun: every rank checks its input, then they agree. When any
 // rank rejected it (error non-empty there), every rank prints one line naming its rank
 // (the message, or that another rank failed), finalises MPI and returns true: exit 2.
-// With `argv`, ranks started with different arguments (mpirun's MPMD ':' form) are
+// With `argv` (of subcommand `command`), ranks started with different arguments (mpirun's MPMD ':' form) are
 // rejected too, rather than hanging in mismatched collectives.
-bool any_rank_rejected_input(const std::string& error, const std::vector<std::string>* argv = nullptr);
+bool any_rank_rejected_input(const std::string& error, const std::string& command = "",
+                             const std::vector<std::string>* argv = nullptr);
 
 // This process's rank among the processes of its machine (MPI_COMM_TYPE_SHARED), which
 // picks its GPU. Collective over MPI_COMM_WORLD.

@@ -19,13 +19,13 @@
 
 namespace strata {
 
-bool any_rank_rejected_input(const std::string& error, const std::vector<std::string>* argv) {
+bool any_rank_rejected_input(const std::string& error, const std::string& command, const std::vector<std::string>* argv) {
   int rank = 0, size = 1;
   MPI_Comm_rank(MPI_COMM_WORLD, &rank);
   MPI_Comm_size(MPI_COMM_WORLD, &size);
   std::string why = error;
   if (argv) {  // one command line on every rank: the largest hash and the largest complement agree
-    std::string joined;
+    std::string joined = command + '\0';
     for (const std::string& w : *argv) joined += w + '\0';
     uint64_t h[2] = {fnv1a64(joined.data(), joined.size()), 0};
     h[1] = ~h[0];

@@ -37,7 +37,7 @@ int cmd_profile(const std::vector<std::string>& argv) {
     comm_choice = a.get("comm", "auto");
     check_comm_choice(comm_choice, backend);
     out_path = a.get("out");
-    check_output_file("--out", out_path);  // now, on every rank, not after the profile
+    if (rank == 0) check_output_file("--out", out_path);  // now, not after the profile (rank 0 writes it)
     o.quick = a.has("quick");
     if (o.quick) o.min_time_s = 0.01;
     o.max_message_bytes = a.integer("max-bytes", o.max_message_bytes, 4096, int64_t{1} << 30);
@@ -63,12 +63,14 @@ int cmd_profile(const std::vector<std::string>& argv) {
           if (bytes > most) most = bytes, big = g;
         }
         const double ram = physical_memory_bytes();
-        if (ram > 0 && most * size > ram / 2)
+        int here = 1;  // the ranks on this machine, all profiling at once
+        node_local_rank(&here);
+        if (ram > 0 && most * here > ram / 2)
           fail_field("--model", a.get("model"),
                      fmt::format("its largest GEMM ({} x {} x {}) needs {:.1f} GB of operands per rank, more than half "
-                                 "of this machine's {:.1f} GB over {} rank(s): profile a shorter --seq-length or a "
+                                 "of this machine's {:.1f} GB over its {} rank(s): profile a shorter --seq-length or a "
                                  "larger --tp",
-                                 big.M, big.N, big.K, most / 1e9, ram / 1e9, size));
+                                 big.M, big.N, big.K, most / 1e9, ram / 1e9, here));
       }
     }
     if (a.has("gemm-probe")) {  // the model's GEMMs only, briefly: the rate now, for strata validate
@@ -79,7 +81,7 @@ int cmd_profile(const std::vector<std::string>& argv) {
   } catch (const InputError& e) {
     error = e.what();
   }
-  if (any_rank_rejected_input(error, &argv)) return 2;
+  if (any_rank_rejected_input(error, "profile", &argv)) return 2;
   // One GPU per process of this machine (by its rank there), buffers in device memory,
   // links through the communicator the executor uses between GPU ranks (NCCL when each rank
   // has its own GPU, else host staging; --comm).

@@ -10,9 +10,8 @@
 
 namespace strata {
 
-Progress::Progress(std::string label, int64_t total)
-    : label_(std::move(label)), total_(std::max<int64_t>(total, 1)), tty_(isatty(2) != 0),
-      start_(std::chrono::steady_clock::now()) {}
+Progress::Progress(std::string label, int64_t total, std::chrono::steady_clock::time_point start)
+    : label_(std::move(label)), total_(std::max<int64_t>(total, 1)), tty_(isatty(2) != 0), start_(start) {}
 
 double Progress::elapsed_s() const {
   return std::chrono::duration<double>(std::chrono::steady_clock::now() - start_).count();

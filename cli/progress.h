@@ -10,8 +10,10 @@ namespace strata {
 
 class Progress {
  public:
-  // `label` prefixes every line ("train", "validate"); total > 0.
-  Progress(std::string label, int64_t total);
+  // `label` prefixes every line ("train", "validate"); total > 0. `start`: when the work
+  // began (a bar shown only once the work runs long), for the elapsed time and the ETA.
+  Progress(std::string label, int64_t total,
+           std::chrono::steady_clock::time_point start = std::chrono::steady_clock::now());
   // `done` units of `total` finished; `line` says what just happened. Without a terminal a
   // line is printed for every call when `every_s` is 0, else at most once per every_s seconds
   // (and always for the last unit).

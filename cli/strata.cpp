@@ -256,6 +256,17 @@ int cmd_estimate(const std::vector<std::string>& argv) {
   if (a.has("json")) {
     Json j = estimate_to_json(e);
     if (limit > 0) j["memory_limit_bytes"] = limit;
+    if (a.has("ops")) {  // one layer's operations, per micro-batch, as the text table has them
+      auto rows = [](const std::vector<OpCost>& ops) {
+        Json r = Json::array();
+        for (const OpCost& o : ops)
+          r.push_back({{"op", o.name}, {"phase", to_string(o.phase)}, {"kind", to_string(o.kind)}, {"flops", o.flops},
+                       {"bytes", o.bytes}, {"time_s", o.time_s}, {"exposed_s", o.exposed_s}});
+        return r;
+      };
+      j["ops"] = {{"layer", rows(d.layer_ops)}};
+      if (!d.dense_layer_ops.empty()) j["ops"]["dense_layer"] = rows(d.dense_layer_ops);
+    }
     fmt::print("{}\n", j.dump(2));
   } else {
     fmt::print("{}", format_estimate(m, cl, e, &d, device_bytes));
@@ -461,7 +472,7 @@ int cmd_plan(const std::vector<std::string>& argv) {
     const double el = std::chrono::duration<double>(std::chrono::steady_clock::now() - began).count();
     if (el < 1.0 || (el - shown_s < 0.5 && done < total)) return;
     shown_s = el;
-    if (!bar) bar.emplace("plan: (tp, pp) units", total);
+    if (!bar) bar.emplace("plan: (tp, pp) units", total, began);
     bar->update(done, fmt::format("{} candidates", candidates), 5.0);
   };
   const SearchResult r = search(m, cl, so);

@@ -141,10 +141,12 @@ int cmd_train(const std::vector<std::string>& argv) {
       };
     }
     json_path = a.get("json");
-    check_output_file("--json", json_path);
-    check_output_file("--trace", o.trace_path);
-    check_output_file("--dump-params", o.dump_params_path);
-    check_distinct_outputs({{"--json", json_path}, {"--trace", o.trace_path}, {"--dump-params", o.dump_params_path}});
+    if (rank == 0) {  // the rank that writes them (on another node the folder may not exist)
+      check_output_file("--json", json_path);
+      check_output_file("--trace", o.trace_path);
+      check_output_file("--dump-params", o.dump_params_path);
+      check_distinct_outputs({{"--json", json_path}, {"--trace", o.trace_path}, {"--dump-params", o.dump_params_path}});
+    }
     validate_train_plan(m, plan, size, backend != "cuda");
     if (backend == "cuda") {  // the CUDA kernels' limits (executor/cuda/limits.h)
       if (plan.attention == AttentionChoice::flash && m.D() > cuda::kFlashMaxHeadDim)
@@ -169,7 +171,7 @@ int cmd_train(const std::vector<std::string>& argv) {
   } catch (const InputError& e) {
     error = e.what();
   }
-  if (any_rank_rejected_input(error, &argv)) return 2;
+  if (any_rank_rejected_input(error, "train", &argv)) return 2;
   try {
     std::unique_ptr<Backend> be;  // declared first, destroyed last: the communicator may use it
     std::unique_ptr<Comm> comm;

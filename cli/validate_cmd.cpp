@@ -108,24 +108,27 @@ int cmd_validate(const std::vector<std::string>& argv) {
   const int64_t gbs = a.integer("global-batch-size", 16, 1, 1 << 20);
   const Precision prec = parse_precision(a.get("precision", "fp32"), false);
   const bool json = a.has("json");
-  std::error_code ec;
-  fs::create_directories(report / "plans", ec);
-  if (ec) throw InputError("--report: cannot create '" + report.string() + "': " + ec.message());
   const std::string mpirun = a.get("mpirun", "mpirun");
   {  // a launcher that is not there fails every run: said now, as bad input
     bool found = false;
     if (mpirun.find('/') != std::string::npos) {
+      std::error_code ec;
       found = access(mpirun.c_str(), X_OK) == 0 && fs::is_regular_file(mpirun, ec);
     } else if (const char* path = std::getenv("PATH")) {
       std::stringstream dirs(path);
-      for (std::string d; !found && std::getline(dirs, d, ':');)
-        found = !d.empty() && access((fs::path(d) / mpirun).c_str(), X_OK) == 0;
+      for (std::string d; !found && std::getline(dirs, d, ':');)  // (an empty entry: this folder)
+        found = access((fs::path(d.empty() ? "." : d) / mpirun).c_str(), X_OK) == 0;
+    } else {
+      found = true;  // no PATH: the shell's default search, left to it
     }
     if (!found)
       fail_field("--mpirun", "'" + mpirun + "'", mpirun.find('/') != std::string::npos
                                                      ? "is not an executable file"
                                                      : "is not on PATH (Open MPI: apt-get install openmpi-bin)");
   }
+  std::error_code ec;
+  fs::create_directories(report / "plans", ec);
+  if (ec) throw InputError("--report: cannot create '" + report.string() + "': " + ec.message());
   const Launcher run{mpirun, self_path(), ranks};
   if (geteuid() == 0) {  // Open MPI refuses root unless told twice
     setenv("OMPI_ALLOW_RUN_AS_ROOT", "1", 0);

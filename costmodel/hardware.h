@@ -20,6 +20,10 @@ enum class Precision { fp32, bf16, fp16, fp8 };
 enum class Collective { all_reduce, all_gather, reduce_scatter, send_recv, all_to_all };
 enum class AttentionKernel { unfused, flash };
 
+// The least efficiency a cluster JSON's curve may give (a measured profile's are clamped
+// to it): below it a rate underflows toward 0 and a time toward infinity.
+inline constexpr double kMinCurveEfficiency = 1e-6;
+
 // y(x) by linear interpolation in log(x) between points sorted by x, clamped at the ends.
 // The logarithms of the points and each segment's slope in log(x) are kept, so a lookup
 // takes one logarithm and one multiply-add.
@@ -31,10 +35,6 @@ enum class AttentionKernel { unfused, flash };
 // made gets its own number (a copy shares it: same points; one made later at a destroyed
 // one's address gets another), so an entry can only ever return what interpolate() would:
 // the cache changes the time a lookup takes, never its value.
-// The least efficiency a cluster JSON's curve may give (a measured profile's are clamped
-// to it): below it a rate underflows toward 0 and a time toward infinity.
-inline constexpr double kMinCurveEfficiency = 1e-6;
-
 class Curve {
   // The cache: 256 entries of (curve number, bits of x, y).
   struct ValueCache {

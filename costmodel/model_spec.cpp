@@ -655,10 +655,10 @@ ModelSpec model_from_hf_config(const Json& j, const std::string& source, int64_t
   // RoPE. (GPT-BigCode / StarCoder keeps GPT-2's.)
   const bool bloom = model_type == "bloom";
   const bool falcon = model_type == "falcon" || model_type == "RefinedWeb" || model_type == "RefinedWebModel";
-  // (GPT-2's short names without a model_type are GPT-2's; with another model_type, that
-  // model's, whatever names it uses.)
-  const bool gpt2 = model_type == "gpt2" || model_type == "gpt_bigcode" ||
-                    (model_type.empty() && j.contains("n_layer") && !bloom && !falcon);
+  // (A config that also gives num_hidden_layers, a Llama's with a stray n_layer, is not
+  // GPT-2's: GPT2Config saves n_layer alone.)
+  const bool gpt2 = model_type == "gpt2" || (j.contains("n_layer") && !j.contains("num_hidden_layers") && !bloom &&
+                                             !falcon && model_type != "gptj");
   auto flag = [&](const char* k) { return j.contains(k) && j[k].is_boolean() && j[k].get<bool>(); };
   if (!j.contains("num_hidden_layers") && !j.contains("n_layer") && j.contains("text_config") &&
       j["text_config"].is_object())

@@ -208,6 +208,13 @@ Engine::Engine(const ModelSpec& m, const Plan& p, const TrainOptions& o, Comm& c
     if (comm_.rank() == 0 && o.on_step)
       std::fprintf(stderr, "%s\n", path.empty() ? ("no checkpoint under " + o.checkpoint_dir + ": starting at step 0").c_str()
                                                  : ("resuming from " + path).c_str());
+    // A newer step folder without its manifest is not a checkpoint (strata renames a folder
+    // into place only once its manifest is written): said, not passed over in silence.
+    const auto all = checkpoints_in(o.checkpoint_dir);
+    if (comm_.rank() == 0 && !all.empty() && all.back().second.string() != path)
+      std::fprintf(stderr, "strata: note: %s has no manifest.json (not a complete checkpoint): %s\n",
+                   all.back().second.string().c_str(),
+                   path.empty() ? "starting at step 0" : ("resuming from the newest complete one, " + path).c_str());
   }
 }
 

@@ -577,6 +577,13 @@ ProfileResult run_profile(Comm& comm, Backend& be, const ProfileOptions& o) {
   if (n > 1 && !fitted && o.progress && comm.rank() == 0)
     o.progress("too few message sizes (or a non-positive slope) to fit the links: local-cpu's link values kept", total,
                total, comm.wtime() - t_begin, 0.0);
+  // One rank has no link to time: the profile says its link values are not measured.
+  if (n == 1) {
+    c.description += "; links not measured (one rank): local-cpu's values";
+    if (o.progress && comm.rank() == 0)
+      o.progress("one rank: no links to measure (run it under mpirun -np N for them): local-cpu's link values kept",
+                 total, total, comm.wtime() - t_begin, 0.0);
+  }
   if (fitted) {
     double link = 0;
     for (const CollectiveFit& f : res.fits) link = std::max(link, f.busbw_bytes_per_s);

@@ -611,7 +611,11 @@ SearchResult search(const ModelSpec& m, const Cluster& cl, const SearchOptions& 
         int64_t total;
         const SearchResult& r;
         ~Done() {
-          if (o.on_progress) o.on_progress(++done, total, r.candidates_evaluated);
+          ++done;
+          try {
+            if (o.on_progress) o.on_progress(done, total, r.candidates_evaluated);
+          } catch (...) {  // (a destructor must not throw: progress is not worth stopping the search for)
+          }
         }
       } done_unit{opt, units_done, units, res};
       for (int64_t c : divisors(N / (t * p))) {

@@ -77,6 +77,24 @@ TEST(Cli, EstimateJsonMatchesTheLibrary) {
   EXPECT_DOUBLE_EQ(j["step_time_s"].get<double>(), e.step_time_s);
   EXPECT_EQ(j["fits"], true);
   EXPECT_EQ(j["plan"]["pipeline_parallel"], 16);
+  EXPECT_FALSE(j.contains("ops"));
+  // --ops --json: the layer's operations, as the library costs them
+  const Outcome o = strata("estimate --model gpt3-175b --cluster dgx-a100-80g --plan tp=8,pp=16,dp=8,gbs=1536,"
+                           "recompute=full,precision=fp16 --json --ops");
+  ASSERT_EQ(o.code, 0) << o.err;
+  const Json jo = Json::parse(o.out);
+  EstimateOptions eo;
+  eo.want_ops = true;
+  EstimateDetail d;
+  estimate(load_model("gpt3-175b"), load_cluster("dgx-a100-80g"),
+           load_plan("tp=8,pp=16,dp=8,gbs=1536,recompute=full,precision=fp16"), eo, &d);
+  ASSERT_EQ(jo["ops"]["layer"].size(), d.layer_ops.size());
+  ASSERT_FALSE(d.layer_ops.empty());
+  for (size_t i = 0; i < d.layer_ops.size(); ++i) {
+    EXPECT_EQ(jo["ops"]["layer"][i]["op"], d.layer_ops[i].name);
+    EXPECT_EQ(jo["ops"]["layer"][i]["phase"], to_string(d.layer_ops[i].phase));
+    EXPECT_DOUBLE_EQ(jo["ops"]["layer"][i]["time_s"].get<double>(), d.layer_ops[i].time_s);
+  }
 }
 
 TEST(Cli, EstimateReadsFilesAndHuggingFaceConfigs) {
@@ -361,6 +379,20 @@ TEST(Cli, NothingFeasibleExits3WithCounts) {
   EXPECT_NE(v.err.find("no plan of gpt3-175b on 2 ranks"), std::string::npos) << v.err;
   EXPECT_NE(v.err.find("rejected: "), std::string::npos) << v.err;
   EXPECT_NE(v.err.find("out_of_memory"), std::string::npos) << v.err;
+}
+
+// Megatron's --recompute-num-layers is full recompute's: fixing it fixes that (it was once
+// dropped, and the search returned plans without recompute).
+TEST(Cli, FixedRecomputeNumLayersMeansFullRecompute) {
+  const Outcome r = strata("plan --model llama3-8b --cluster dgx-h100-80g --gpus 8 --global-batch-size 64 "
+                           "--fix recompute_num_layers=2 --top 3 --json");
+  ASSERT_EQ(r.code, 0) << r.err;
+  const Json j = Json::parse(r.out);
+  ASSERT_FALSE(j["plans"].empty());
+  for (const Json& e : j["plans"]) {
+    EXPECT_EQ(e["plan"]["recompute"], "full") << e["plan"].dump();
+    EXPECT_EQ(e["plan"]["recompute_num_layers"], 2) << e["plan"].dump();
+  }
 }
 
 TEST(Cli, ListsPresets) {

@@ -175,6 +175,20 @@ TEST(ModelSpec, HuggingFaceLlamaConfig) {
   EXPECT_EQ(m.S, 8192);
   EXPECT_EQ(m.activation, Activation::swiglu);
   EXPECT_EQ(m.normalization, Norm::rmsnorm);
+  // A stray GPT-2 name beside the config's own (equal values) leaves it a Llama; two that
+  // disagree are refused; GPT-2's names alone, whatever the model_type (GPT-1's
+  // openai-gpt), are GPT-2's layout.
+  Json stray = hf;
+  stray["n_layer"] = 32;
+  EXPECT_EQ(model_from_hf_config(stray, "config.json").activation, Activation::swiglu);
+  stray["n_layer"] = 16;
+  EXPECT_THROW(model_from_hf_config(stray, "config.json"), InputError);
+  const ModelSpec gpt1 = model_from_hf_config(
+      Json::parse(R"({"model_type":"openai-gpt","n_layer":12,"n_embd":768,"n_head":12,"vocab_size":40478,"n_positions":512})"),
+      "config.json");
+  EXPECT_EQ(gpt1.activation, Activation::gelu);
+  EXPECT_EQ(gpt1.position, Position::learned);
+  EXPECT_EQ(gpt1.normalization, Norm::layernorm);
 }
 
 // Llama 3.1's config: max_position_embeddings is the extended context (131072), and

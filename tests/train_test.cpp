@@ -444,6 +444,8 @@ TEST(TrainErrors, BadInputExitsTwoOnEveryRank) {
                      "--checkpoint-every 1 --checkpoint-dir " + dir + "odd_tokens.bin", "is not a folder");
   expect_input_error("watchdog below a second", "dp=2,mbs=1,gbs=2", 2, "--distributed-timeout-minutes 0.001",
                      "--distributed-timeout-minutes");
+  expect_input_error("keep without a folder", "dp=2,mbs=1,gbs=2", 2, "--keep-checkpoints 3",
+                     "--keep-checkpoints needs --checkpoint-dir D");
 }
 
 // A token outside the model's vocab_size is refused, though the embedding has rows for it
