@@ -657,8 +657,11 @@ ModelSpec model_from_hf_config(const Json& j, const std::string& source, int64_t
   const bool falcon = model_type == "falcon" || model_type == "RefinedWeb" || model_type == "RefinedWebModel";
   // (A config that also gives num_hidden_layers, a Llama's with a stray n_layer, is not
   // GPT-2's: GPT2Config saves n_layer alone.)
+  // Qwen (v1, model_type qwen) and the first Phi-1.5/Phi-2 configs (phi-msft) use GPT-2's
+  // names too, for a Llama-style and a rotary model.
+  const bool qwen1 = model_type == "qwen";
   const bool gpt2 = model_type == "gpt2" || (j.contains("n_layer") && !j.contains("num_hidden_layers") && !bloom &&
-                                             !falcon && model_type != "gptj");
+                                             !falcon && model_type != "gptj" && !qwen1 && model_type != "phi-msft");
   auto flag = [&](const char* k) { return j.contains(k) && j[k].is_boolean() && j[k].get<bool>(); };
   if (!j.contains("num_hidden_layers") && !j.contains("n_layer") && j.contains("text_config") &&
       j["text_config"].is_object())
@@ -668,6 +671,11 @@ ModelSpec model_from_hf_config(const Json& j, const std::string& source, int64_t
   if (j.contains("is_encoder_decoder") && j["is_encoder_decoder"].is_boolean() && j["is_encoder_decoder"].get<bool>())
     fail_field(source + ".is_encoder_decoder", "true",
                "encoder-decoder models (T5, BART, ...) are not modelled: strata plans decoder-only transformers");
+  // Families whose own key names strata does not read: named, rather than a missing
+  // num_hidden_layers.
+  if (model_type == "chatglm" || model_type == "mpt")
+    fail_field(source + ".model_type", show_value(Json(model_type)),
+               "is not read (its own key names: num_layers / n_layers, d_model, ...): give the model as a model JSON");
   if (encoder_only(model_type))
     fail_field(source + ".model_type", show_value(Json(model_type)),
                "encoder-only models (bidirectional attention, no causal language-model head) are not modelled: "
@@ -690,7 +698,9 @@ ModelSpec model_from_hf_config(const Json& j, const std::string& source, int64_t
   // (40B, 180B), else one with multi-query attention (7B; FalconConfig's default), which a
   // re-saved config lists as num_kv_heads = heads anyway; StarCoder's multi_query alike.
   const bool multi_query = flag("multi_query") || (falcon && !j.contains("multi_query"));
-  if (falcon && !flag("new_decoder_architecture")) {
+  // (RefinedWeb, the 40B and 180B models' own type, is the new decoder architecture:
+  // n_head_kv groups; RefinedWebModel, the 7B's, multi-query.)
+  if (falcon && !flag("new_decoder_architecture") && model_type != "RefinedWeb") {
     m.G = multi_query ? 1 : m.A;
   } else {
     const char* kv = nullptr;
@@ -703,7 +713,8 @@ ModelSpec model_from_hf_config(const Json& j, const std::string& source, int64_t
   }
   m.V = get_int({"vocab_size"}, 1, kMaxVocab, true, 0);
   // BLOOM's config has no length (ALiBi): --seq-length gives it.
-  m.S = get_int({"max_position_embeddings", "n_positions", "n_ctx", "seq_length"}, 1, kMaxSeq, false, 0);
+  m.S = get_int({"max_position_embeddings", "n_positions", "n_ctx", "seq_length"}, 1, kMaxSeq, false,
+                falcon ? 2048 : 0);  // (FalconConfig's default: Falcon's configs name none)
   if (seq_length_override > 0) m.S = seq_length_override;
   else if (m.S == 0)
     throw InputError(source + ".max_position_embeddings: missing: an integer is required (or give --seq-length)");
@@ -722,7 +733,7 @@ ModelSpec model_from_hf_config(const Json& j, const std::string& source, int64_t
   // Transformers' defaults when the key is absent: GPT-2 "gelu_new", BLOOM and Falcon
   // "gelu", the rest (Llama, Mistral, Qwen2, ...) "silu".
   std::string act = gpt2 || model_type == "gptj" ? "gelu_new" : bloom || falcon ? "gelu" : "silu";
-  for (const char* k : {"hidden_act", "activation_function"}) {
+  for (const char* k : {"hidden_act", "activation_function", "hidden_activation"}) {  // (Gemma 3: the last)
     if (j.contains(k)) {
       if (!j[k].is_string()) fail_field(source + "." + k, show_value(j[k]), "must be a string");
       act = j[k].get<std::string>();
@@ -739,6 +750,9 @@ ModelSpec model_from_hf_config(const Json& j, const std::string& source, int64_t
   }
   const bool llama = m.gated();
   m.F = get_int({"intermediate_size", "n_inner"}, 1, kMaxFfn, false, llama ? llama_ffn_size(m.H) : 4 * m.H);
+  // Qwen v1's intermediate_size (ffn_hidden_size in its first configs) is its two gate and up
+  // projections' together: each is half of it wide.
+  if (qwen1) m.F = get_int({"intermediate_size", "ffn_hidden_size"}, 2, kMaxFfn, true, 0) / 2;
   m.kv_channels = get_int({"head_dim"}, 0, kMaxHidden, false, 0);
   if (m.kv_channels * m.A == m.H) m.kv_channels = 0;
   // DeepSeek-V2/V3 and Kimi K2: multi-head latent attention (q_lora_rank null: one query
@@ -823,10 +837,14 @@ ModelSpec model_from_hf_config(const Json& j, const std::string& source, int64_t
   }
   // DeepSeek-V3's and GLM-4.5's multi-token prediction modules (MiMo's and others' too).
   m.mtp_layers = get_int({"num_nextn_predict_layers"}, 0, kMaxMtpLayers, false, 0);
-  m.normalization = (j.contains("rms_norm_eps") || llama) && !gpt2 ? Norm::rmsnorm : Norm::layernorm;
+  // (Cohere's and StableLM's gated models keep LayerNorm: layer_norm_eps, no rms_norm_eps.)
+  const bool cohere = model_type == "cohere" || model_type == "cohere2";
+  const bool layernorm_gated = cohere || model_type == "stablelm";
+  m.normalization = (j.contains("rms_norm_eps") || (llama && !layernorm_gated)) && !gpt2 ? Norm::rmsnorm : Norm::layernorm;
   m.position = gpt2 ? Position::learned  // RoPE sets the modern stack for the Llama family
              : bloom || (falcon && flag("alibi")) ? Position::alibi : Position::rope;
-  m.tie_embeddings = gpt2 || gemma || bloom || falcon;  // their config classes' defaults
+  // Their config classes' defaults where the key is absent (Starcoder2Config, CohereConfig: tied).
+  m.tie_embeddings = gpt2 || gemma || bloom || falcon || cohere || model_type == "starcoder2";
   if (j.contains("tie_word_embeddings")) {
     if (!j["tie_word_embeddings"].is_boolean())
       fail_field(source + ".tie_word_embeddings", show_value(j["tie_word_embeddings"]), "must be true or false");
@@ -837,7 +855,8 @@ ModelSpec model_from_hf_config(const Json& j, const std::string& source, int64_t
   // counted here on all: a few parameters per layer). GLM-4.5's are on the query, key and
   // value only (Megatron's add_qkv_bias beside --disable-bias-linear, which its shared
   // expert requires): left out.
-  m.bias = gpt2 || bloom || model_type == "gpt_neox" || model_type == "phi" || (flag("attention_bias") && !glm_moe && !deepseek) ||
+  m.bias = gpt2 || bloom || model_type == "gpt_neox" || model_type == "phi" || model_type == "phi-msft" ||
+           (flag("attention_bias") && !glm_moe && !deepseek) ||
            (falcon && flag("bias"));
   auto dropout = [&](std::initializer_list<const char*> keys, double fallback) {
     for (const char* k : keys)

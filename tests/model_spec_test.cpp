@@ -191,6 +191,61 @@ TEST(ModelSpec, HuggingFaceLlamaConfig) {
   EXPECT_EQ(gpt1.normalization, Norm::layernorm);
 }
 
+// Families whose configs leave out what their config class defaults (checked against the
+// real configs' published parameter counts, 2026-12-07: Aya-23-8B 8.028B, StarCoder2-7B
+// 7.174B, Qwen-1.8B 1.837B, Falcon-40B 41.30B tied, Phi-1.5 1.418B; README "Inputs and
+// outputs"), each in a minimal config.
+TEST(ModelSpec, HuggingFaceFamiliesTheirClassDefaults) {
+  auto read = [](const char* text) { return model_from_hf_config(Json::parse(text), "config.json"); };
+  // Cohere: tied, LayerNorm, a gated SiLU MLP
+  const ModelSpec cohere = read(R"({"model_type":"cohere","num_hidden_layers":2,"hidden_size":64,"num_attention_heads":4,
+      "vocab_size":100,"max_position_embeddings":32,"intermediate_size":128,"layer_norm_eps":1e-5})");
+  EXPECT_TRUE(cohere.tie_embeddings);
+  EXPECT_EQ(cohere.normalization, Norm::layernorm);
+  EXPECT_EQ(cohere.activation, Activation::swiglu);
+  // StarCoder2: tied; StableLM: LayerNorm
+  EXPECT_TRUE(read(R"({"model_type":"starcoder2","num_hidden_layers":2,"hidden_size":64,"num_attention_heads":4,
+      "vocab_size":100,"max_position_embeddings":32,"hidden_act":"gelu_pytorch_tanh"})").tie_embeddings);
+  EXPECT_EQ(read(R"({"model_type":"stablelm","num_hidden_layers":2,"hidden_size":64,"num_attention_heads":4,
+      "vocab_size":100,"max_position_embeddings":32,"layer_norm_eps":1e-5})").normalization, Norm::layernorm);
+  // Qwen v1: intermediate_size (ffn_hidden_size in its first configs, with GPT-2's names)
+  // is both halves of its gated MLP; a Llama-style model, not GPT-2
+  for (const char* text : {R"({"model_type":"qwen","num_hidden_layers":2,"hidden_size":64,"num_attention_heads":4,
+                               "vocab_size":100,"seq_length":32,"intermediate_size":256})",
+                           R"({"model_type":"qwen","n_layer":2,"n_embd":64,"n_head":4,"vocab_size":100,"seq_length":32,
+                               "ffn_hidden_size":256})"}) {
+    const ModelSpec q = read(text);
+    EXPECT_EQ(q.F, 128) << text;
+    EXPECT_EQ(q.activation, Activation::swiglu) << text;
+    EXPECT_EQ(q.normalization, Norm::rmsnorm) << text;
+    EXPECT_EQ(q.position, Position::rope) << text;
+  }
+  // Falcon 40B/180B's own type (RefinedWeb): n_head_kv groups; no length in the config:
+  // FalconConfig's 2048. The 7B's (RefinedWebModel): multi-query.
+  const ModelSpec rw = read(R"({"model_type":"RefinedWeb","n_layer":2,"hidden_size":64,"n_head":4,"n_head_kv":2,"vocab_size":100})");
+  EXPECT_EQ(rw.G, 2);
+  EXPECT_EQ(rw.S, 2048);
+  EXPECT_EQ(read(R"({"model_type":"RefinedWebModel","n_layer":2,"hidden_size":64,"n_head":4,"vocab_size":100})").G, 1);
+  // Gemma 3 names its activation hidden_activation: a gated GELU
+  EXPECT_EQ(read(R"({"model_type":"gemma3_text","num_hidden_layers":2,"hidden_size":64,"num_attention_heads":4,
+      "vocab_size":100,"max_position_embeddings":32,"intermediate_size":128,"hidden_activation":"gelu_pytorch_tanh"})")
+                .activation,
+            Activation::geglu);
+  // The first Phi-1.5/Phi-2 configs (phi-msft): GPT-2's names, rotary positions, biases
+  const ModelSpec phi = read(R"({"model_type":"phi-msft","n_layer":2,"n_embd":64,"n_head":4,"vocab_size":100,
+      "n_positions":32,"rotary_dim":8,"activation_function":"gelu_new"})");
+  EXPECT_EQ(phi.position, Position::rope);
+  EXPECT_EQ(phi.activation, Activation::gelu);
+  EXPECT_TRUE(phi.bias);
+  // ChatGLM's and MPT's own key names are not read: said so
+  try {
+    read(R"({"model_type":"chatglm","num_layers":2,"hidden_size":64})");
+    ADD_FAILURE() << "chatglm read";
+  } catch (const InputError& e) {
+    EXPECT_NE(std::string(e.what()).find("model_type: \"chatglm\" is invalid: is not read"), std::string::npos) << e.what();
+  }
+}
+
 // Llama 3.1's config: max_position_embeddings is the extended context (131072), and
 // rope_scaling names the pre-training length (8192). The sequence stays the config's, as
 // documented; the pre-training length is kept for the CLI's note, and dropped when
