@@ -109,6 +109,8 @@ ComputeSetup compute_setup(const ModelSpec& m, const Cluster& cl, const Plan& p)
   cs.weight_bytes = p.precision == Precision::fp32 ? 4.0 : p.precision == Precision::fp8 ? 1.0 : 2.0;
   cs.weight_work_bytes = cs.stack.strata ? 4.0 : cs.weight_bytes;  // its parameter gathers send floats
   cs.cp_comm = p.c > 1 ? resolve_cp_comm(m, cl, p) : CpComm::p2p;  // (nothing to move without context parallelism)
+  cs.sixteen_operands = cs.stack.strata && (p.precision == Precision::bf16 || p.precision == Precision::fp16) &&
+                        cl.device.gemm_reads_16bit;
   return cs;
 }
 

@@ -64,6 +64,10 @@ struct ComputeSetup {
   double weight_bytes;  // bytes per parameter as stored for compute
   double weight_work_bytes;  // the same as parameter gathers send it and the strata executor stores it
   CpComm cp_comm;           // how context parallelism moves keys and values (resolve_cp_comm)
+  // The strata executor's 16-bit GEMMs on a device that reads 16-bit operands (Device::
+  // gemm_reads_16bit): its GEMM inputs are stored in 16 bits where they are made
+  // (executor/gpt.cpp sixteen_operands; compute_acc.h casts_weights).
+  bool sixteen_operands = false;
 };
 ComputeSetup compute_setup(const ModelSpec& m, const Cluster& cl, const Plan& p);
 

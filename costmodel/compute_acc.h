@@ -121,8 +121,7 @@ struct Acc {
     const bool tc_flash = !cs.stack.strata || (cuda::flash_tc_head_dim(m.D()) && dev.peak_bf16_flops > 0);
     peak_flash = tc_flash ? peak_attn : dev.peak_fp32_flops;
     lin_bytes = p.precision == Precision::fp8 ? 1.0 : cs.work_bytes;
-    casts_weights = cs.stack.strata && (p.precision == Precision::bf16 || p.precision == Precision::fp16) &&
-                    dev.gemm_reads_16bit;
+    casts_weights = cs.sixteen_operands;
     qkv16 = casts_weights && cs.attention == AttentionKernel::flash && p.c == 1 && tc_flash;
     ub = cs.stack.userbuffers;
   }

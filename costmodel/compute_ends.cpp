@@ -50,8 +50,8 @@ void output_and_loss(Acc& a, const char* norm) {
   // (executor/gpt.cpp head_forward). Where the device's GEMMs read 16-bit operands
   // (compute_acc.h casts_weights) the norm writes its output in 16 bits for the GEMMs, or
   // with sequence parallelism it is gathered and then packed so; the weight is cast for
-  // each GEMM that reads it; in the backward the logit gradients are packed for both GEMMs
-  // (executor/gpt.cpp).
+  // each GEMM that reads it; in the backward the cross-entropy writes the logit gradients
+  // in 16 bits for both GEMMs (executor/gpt.cpp head_backward).
   const bool gathered = p.sp && p.t > 1;
   a.mem(norm, Phase::forward, (e + (a.casts_weights && !gathered ? 2.0 : e)) * cs.Tn * H, MemKind::norm);
   a.tp_gather("sp_all_gather", Phase::forward);
@@ -73,10 +73,11 @@ void output_and_loss(Acc& a, const char* norm) {
   // - the strata executor's (executor/cuda/cross_entropy.cu, the CPU backend's alike) on
   //   its fp32 logits: max (4), the sum of exponentials (4), reading the logits only = 8;
   //   backward: each probability computed again from its logit, the gradient written in
-  //   its place, rounded to 16 bits in the same pass (8).
+  //   its place, rounded to 16 bits in the same pass (8); where the GEMMs read 16-bit
+  //   operands written in 16-bit storage beside them instead (4 + 2), for both GEMMs.
   const bool fused_ce = cs.stack.modern;
   const double fwd_ce = cs.stack.strata ? 8.0 : fused_ce ? 3.0 * e : e + 36.0;
-  const double bwd_ce = cs.stack.strata ? 8.0 : fused_ce ? 2.0 * e : 20.0 + e;
+  const double bwd_ce = cs.stack.strata ? (a.casts_weights ? 6.0 : 8.0) : fused_ce ? 2.0 * e : 20.0 + e;
   a.mem("cross_entropy", Phase::forward, fwd_ce * T * Vt);
   if (p.t > 1 && cs.stack.strata) {  // the executor's two: the maximum, then the sum and target logit together
     a.comm("ce_all_reduce", Phase::forward, OpKind::tp_comm, a.tp, Collective::all_reduce, 4.0 * T);
@@ -88,10 +89,7 @@ void output_and_loss(Acc& a, const char* norm) {
   a.mem("cross_entropy", Phase::backward, bwd_ce * T * Vt);
   if (!cs.stack.grad_accumulation_fusion)
     a.mem("grad_accumulation", Phase::backward, grad_accumulation_bytes(p.precision, a.cs.grad_bytes) * H * Vt);
-  if (a.casts_weights) {
-    a.mem("pack16", Phase::backward, 6.0 * T * Vt);
-    a.mem("lm_head", Phase::backward, 6.0 * Vt * H);
-  }
+  if (a.casts_weights) a.mem("lm_head", Phase::backward, 6.0 * Vt * H);
   a.gemm("lm_head", Phase::backward, T, H, Vt, peak, eb);   // dgrad
   a.wgrad("lm_head", Phase::backward, H, Vt, T, peak, eb);  // wgrad
   a.tp_reduce(p.sp ? "sp_reduce_scatter" : "tp_all_reduce", Phase::backward);

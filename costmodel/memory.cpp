@@ -236,11 +236,16 @@ double head_activation_bytes(const ModelSpec& m, const Plan& p, const ComputeSet
 
 double head_working_bytes(const ModelSpec& m, const Plan& p, const ComputeSetup& cs) {
   const double Vt = static_cast<double>(m.padded_vocab(p.t)) / static_cast<double>(p.t);
-  // The strata executor keeps its fp32 logits, normalises them in place and turns them into
-  // their gradient in place (executor/gpt.cpp head_forward, head_backward): beside them only
-  // the gradient of the final norm's output (all T rows, gathered with sequence
-  // parallelism) and of its input (this rank's rows), in fp32.
-  if (cs.stack.strata) return 4.0 * (cs.T + cs.Tn) * static_cast<double>(m.H);
+  // The strata executor keeps its fp32 logits and turns them into their gradient in place
+  // (executor/gpt.cpp head_forward, head_backward): beside them only the gradient of the
+  // final norm's output (all T rows, gathered with sequence parallelism) and of its input
+  // (this rank's rows), in fp32.
+  // Where its GEMMs read 16-bit operands (ComputeSetup::sixteen_operands) the gradient is
+  // written in 16 bits beside the logits instead, which are freed then: the 2 bytes a logit
+  // with the logits, then with the two gradients.
+  const double norm_grads = 4.0 * (cs.T + cs.Tn) * static_cast<double>(m.H);
+  if (cs.stack.strata && cs.sixteen_operands) return 2.0 * cs.T * Vt + std::max(0.0, norm_grads - 4.0 * cs.T * Vt);
+  if (cs.stack.strata) return norm_grads;
   // Legacy: the half-precision logits being cast, then the fp32 gradient of the logits.
   // Modern fused cross-entropy: the gradient of the logits in place of the logits.
   return (cs.stack.modern ? cs.act_bytes : cs.act_bytes + 4.0) * cs.T * Vt;

@@ -118,6 +118,13 @@ void Backend::activation_backward_packed(Activation a, uint16_t* du, const float
   pack16(du, d.p, n, p);
 }
 
+void Backend::cross_entropy_backward_packed(uint16_t* dz, float* z, const float* mx, const float* st,
+                                            const int32_t* targets, int64_t N, int64_t Vt, int64_t lo, float scale,
+                                            Precision p) {
+  cross_entropy_backward(z, mx, st, targets, N, Vt, lo, scale, p);
+  pack16(dz, z, N * Vt, p);
+}
+
 void Backend::bias_grad_stored(float* db, Operand dy, int64_t N, int64_t F) {
   Unpacked ud{this};
   bias_grad(db, as_floats(this, dy, N * F, &ud), N, F);

@@ -252,6 +252,12 @@ class Backend {
                                      int64_t Vt, int64_t lo) = 0;
   virtual void cross_entropy_backward(float* z, const float* mx, const float* st, const int32_t* targets, int64_t N,
                                       int64_t Vt, int64_t lo, float scale, Precision p) = 0;
+  // The same gradient written into dz in 16-bit storage (pack16's layout, rounded to p:
+  // bf16 or fp16) for GEMMs that read it so (gemm_reads_16bit), in the same one pass; z is
+  // left undefined. The default runs the float op over z and pack16s it.
+  virtual void cross_entropy_backward_packed(uint16_t* dz, float* z, const float* mx, const float* st,
+                                             const int32_t* targets, int64_t N, int64_t Vt, int64_t lo, float scale,
+                                             Precision p);
   // The optimizer on an owned shard (executor/zero.h's adamw_update) and the clipping
   // norm's terms (zero.h's grad_norm_terms; acc on the host, added to); decay and counted
   // are bit masks (zero.h's FlagBits) in this backend's memory.

@@ -765,16 +765,26 @@ Buf head_backward(const ModelCtx& c, const UnitView& fu, const float* out_w, flo
                   float dloss_scale) {
   const ModelSpec& m = *c.m;
   const int64_t H = m.H, N = c.N(), Vt = executor_vocab(m) / c.t, lo = c.r * Vt;
-  float* z = h->probs.data();  // becomes dlogits, rounded to the training precision (the
-                               // GEMMs' input) in the same pass
-  c.be->cross_entropy_backward(z, h->mx.data(), h->st.data(), reinterpret_cast<const int32_t*>(h->targets.data()), N,
-                               Vt, lo, dloss_scale, c.precision);
+  // dlogits, rounded to the training precision (the GEMMs' input) in the same pass: over the
+  // logits, or (sixteen_operands: both GEMMs read it in 16 bits) written in 16-bit storage
+  // beside them, which are freed then. Either is held to the end, as the logits were.
+  float* z = h->probs.data();
+  const int32_t* tg = reinterpret_cast<const int32_t*>(h->targets.data());
+  Buf dz;
+  if (sixteen_operands(c)) {
+    dz = packed_out(c, N * Vt);
+    c.be->cross_entropy_backward_packed(dz.data16(), z, h->mx.data(), h->st.data(), tg, N, Vt, lo, dloss_scale,
+                                        c.precision);
+    h->probs.release();
+  } else {
+    c.be->cross_entropy_backward(z, h->mx.data(), h->st.data(), tg, N, Vt, lo, dloss_scale, c.precision);
+    dz = std::move(h->probs);
+  }
   const Buf& hf = (c.sp && c.t > 1) ? h->hf_full : h->hf;
-  pack_operand(c, h->probs, false);  // (sixteen_operands: both GEMMs read the gradient in 16 bits)
-  gemm(c, true, false, Vt, H, N, operand(h->probs), Vt, operand(hf), H, 1.0f, out_grad, H);
+  gemm(c, true, false, Vt, H, N, operand(dz), Vt, operand(hf), H, 1.0f, out_grad, H);
   c.tick();
   Buf dhf = c.f32_out(N * H);
-  gemm(c, false, false, N, H, Vt, operand(h->probs), Vt, operand(out_w), H, 0.0f, dhf.data(), H);
+  gemm(c, false, false, N, H, Vt, operand(dz), Vt, operand(out_w), H, 0.0f, dhf.data(), H);
   c.tick();
   dhf = reduce_rows(c, std::move(dhf), H);
   Buf dx = c.f32(c.n() * H);

@@ -8,7 +8,8 @@
 #      synccheck (where compute-sanitizer is installed);
 #   3. the kernels' speed (cuda_bench: GEMMs in fp32, bf16, fp16; the unfused attention
 #      with its GEMMs in fp32 and bf16, and the flash kernels in fp32 and on the tensor
-#      cores in bf16, at the gpt2-124m shape);
+#      cores in bf16, at the gpt2-124m shape; its memory-bound kernels in GB/s beside a
+#      device-to-device copy);
 #   4. tiny-gpt, 30 steps bf16, on the GPU and on the CPU: the loss curves compared, with
 #      the unfused and with the fused attention;
 #   5. gpt2-124m (sequence 1024, bf16, micro-batch 8), 6 steps on the GPU with the unfused

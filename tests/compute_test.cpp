@@ -378,12 +378,17 @@ TEST(Compute, CrossEntropyBytesPerStack) {
   EXPECT_DOUBLE_EQ(ce_bytes(Phase::backward), 4.0 * logits);
   // The strata executor's kernels on its fp32 logits (executor/cuda/cross_entropy.cu):
   // max 4, the sum of exponentials 4 (the logits read, not written); backward the gradient
-  // written over the logits 8, rounded to 16 bits in that pass (StrataOutputLayerRounds16Bit).
+  // written over the logits 8, rounded to 16 bits in that pass (StrataOutputLayerRounds16Bit),
+  // or, where the GEMMs read 16-bit operands, written in 16 bits beside them: 4 + 2.
   c.modern_stack = false;
   c.strata_stack = true;
+  c.device.gemm_reads_16bit = false;
   ASSERT_TRUE(compute_setup(m, c, p).stack.strata);
   EXPECT_DOUBLE_EQ(ce_bytes(Phase::forward), 8.0 * logits);
   EXPECT_DOUBLE_EQ(ce_bytes(Phase::backward), 8.0 * logits);
+  c.device.gemm_reads_16bit = true;
+  EXPECT_DOUBLE_EQ(ce_bytes(Phase::forward), 8.0 * logits);
+  EXPECT_DOUBLE_EQ(ce_bytes(Phase::backward), 6.0 * logits);
   p = load_plan("tp=8,mbs=1,precision=fp32");
   EXPECT_DOUBLE_EQ(ce_bytes(Phase::forward), 8.0 * logits);
   EXPECT_DOUBLE_EQ(ce_bytes(Phase::backward), 8.0 * logits);
@@ -646,8 +651,9 @@ TEST(Compute, StrataOutputLayerRounds16Bit) {
   // Where the GEMMs read 16-bit operands: the final norm writes its output for them in 16
   // bits ((4 + 2) T H = 393,216 bytes, no pack16; with sequence parallelism, tp 2, its 128
   // rows as floats, 262,144, gathered and packed after: 6 T H = 6 x 65,536) and the weight
-  // is cast (6 Vt H = 6 x 131,072) in the forward; the logit gradients packed (6 T Vt = 6 x
-  // 131,072) and the weight cast again in the backward.
+  // is cast (6 Vt H = 6 x 131,072) in the forward; in the backward the cross-entropy writes
+  // the logit gradients in 16 bits ((4 + 2) T Vt = 6 x 131,072, no pack16) and the weight is
+  // cast again.
   c.strata_stack = true;
   c.device.gemm_reads_16bit = true;
   auto memory_named = [&](const std::string& name, Phase ph) {
@@ -661,7 +667,8 @@ TEST(Compute, StrataOutputLayerRounds16Bit) {
   EXPECT_DOUBLE_EQ(bytes(tp2, "final_norm", Phase::forward), 262144.0);
   EXPECT_DOUBLE_EQ(sum_of(head_ops(m, c, load_plan(tp2)), "pack16", Phase::forward, &OpCost::bytes), 6.0 * 65536);
   EXPECT_DOUBLE_EQ(memory_named("lm_head", Phase::forward), 6.0 * 131072);
-  EXPECT_DOUBLE_EQ(memory_named("pack16", Phase::backward), 6.0 * 131072);
+  EXPECT_DOUBLE_EQ(memory_named("pack16", Phase::backward), 0.0);
+  EXPECT_DOUBLE_EQ(memory_named("cross_entropy", Phase::backward), 6.0 * 131072);
   EXPECT_DOUBLE_EQ(memory_named("lm_head", Phase::backward), 6.0 * 131072);
   EXPECT_DOUBLE_EQ(bytes(bf16, "round16", Phase::backward), 0.0);
 }

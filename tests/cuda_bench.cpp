@@ -2,8 +2,9 @@
 // runs it): GEMMs in fp32 and on the tensor cores in bf16 / fp16 (fp32 accumulation, the
 // operand casts included), and attention forward + backward for the gpt2-124m shape
 // (S 1024, micro-batch 8, 12 heads of 64), unfused (probabilities kept; its GEMMs in fp32
-// and in bf16) against the tiled, fused kernels (fp32, and bf16 on the tensor cores). Each line is the median of 10 timed runs
-// after 3 warm-up runs. Without a GPU it says why and exits 0: it asserts nothing.
+// and in bf16) against the tiled, fused kernels (fp32, and bf16 on the tensor cores); then
+// the step's memory-bound kernels in GB/s beside a copy. Each line is the median of 10 timed
+// runs after 3 warm-up runs. Without a GPU it says why and exits 0: it asserts nothing.
 #include <algorithm>
 #include <chrono>
 #include <cmath>
@@ -41,6 +42,59 @@ float* filled(CudaBackend& be, int64_t n, std::mt19937& rng) {
   float* p = be.device_alloc(n);
   be.to_device(p, h.data(), n);
   return p;
+}
+
+// The memory-bound kernels of a gpt2-124m step (micro-batch 8: 8,192 rows of 768, 3,072 and
+// 50,304) as bytes moved over time, beside a device-to-device copy: how near each comes to
+// what the memory gives (the element-wise kernels over rows step through their rows without
+// a division an element: reduce.cuh's row_grid).
+void memory_bound_table(CudaBackend& be, std::mt19937& rng) {
+  const int64_t N = 8192, H = 768, F = 3072, V = 50304;
+  const Precision bf16 = Precision::bf16;
+  float* a = filled(be, N * F, rng);
+  float* b = filled(be, N * F, rng);
+  float* c = filled(be, N * F, rng);
+  float* w = filled(be, F, rng);
+  float* z = be.device_alloc(N * V);  // (logits: a's values again and again, not 412M fresh draws on the host)
+  for (int64_t at = 0; at < N * V; at += N * F) be.copy(z + at, a, std::min(N * F, N * V - at));
+  float* mx = filled(be, N, rng);
+  std::vector<float> sums(static_cast<size_t>(2 * N), 1000.0f);  // (positive row sums)
+  float* st = be.device_alloc(2 * N);
+  be.to_device(st, sums.data(), 2 * N);
+  std::vector<int32_t> tg(static_cast<size_t>(N));
+  for (int64_t i = 0; i < N; ++i) tg[static_cast<size_t>(i)] = static_cast<int32_t>((i * 7919) % V);
+  auto* targets = static_cast<int32_t*>(be.allocate_bytes(tg.size() * sizeof(int32_t)));
+  be.bytes_to_device(targets, tg.data(), tg.size() * sizeof(int32_t));
+  auto* d16 = static_cast<uint16_t*>(be.allocate_bytes(static_cast<size_t>(N * V) * 2));
+  auto* u16 = static_cast<uint16_t*>(be.allocate_bytes(static_cast<size_t>(N * F) * 2));
+  float* mean = be.device_alloc(N);
+  float* rstd = be.device_alloc(N);
+  std::printf("\n| memory-bound kernel | shape | ms | GB/s |\n|---|---|---|---|\n");
+  auto row = [&](const char* name, const char* shape, double bytes, const std::function<void()>& run) {
+    const double s = median_seconds(be, run);
+    std::printf("| %s | %s | %.3f | %.0f |\n", name, shape, 1e3 * s, bytes / s / 1e9);
+  };
+  const double nf = static_cast<double>(N * F), nh = static_cast<double>(N * H), nv = static_cast<double>(N * V);
+  row("copy (device to device)", "8192 x 3072", 8 * nf, [&] { be.copy(b, a, N * F); });
+  row("add (rounded to bf16)", "8192 x 768", 12 * nh, [&] { be.add(c, a, b, N * H, bf16); });
+  row("add_bias", "8192 x 3072", 8 * nf, [&] { be.add_bias(c, w, N, F); });
+  row("GELU forward (float out)", "8192 x 3072", 8 * nf, [&] { be.activation_forward(strata::Activation::gelu, c, a, N, F, bf16); });
+  row("GELU forward (16-bit out and u)", "8192 x 3072", 8 * nf,
+      [&] { be.activation_forward_packed(strata::Activation::gelu, d16, u16, a, N, F, bf16); });
+  row("GELU backward (float du)", "8192 x 3072", 12 * nf,
+      [&] { be.activation_backward(strata::Activation::gelu, c, b, a, N, F, bf16); });
+  row("LayerNorm forward (16-bit out)", "8192 x 768", 6 * nh,
+      [&] { be.layernorm_forward_packed(d16, mean, rstd, a, w, w, N, H, bf16); });
+  row("pack16 (bf16)", "8192 x 3072", 6 * nf, [&] { be.pack16(u16, a, N * F, bf16); });
+  row("cross-entropy max", "8192 x 50304", 4 * nv, [&] { be.cross_entropy_max(mx, z, N, V); });
+  row("cross-entropy exp-sum", "8192 x 50304", 4 * nv, [&] { be.cross_entropy_exp_sum(st, z, mx, targets, N, V, 0); });
+  be.to_device(st, sums.data(), 2 * N);
+  row("cross-entropy backward (16-bit out)", "8192 x 50304", 6 * nv,
+      [&] { be.cross_entropy_backward_packed(d16, z, mx, st, targets, N, V, 0, 1.0f / 8192, bf16); });
+  row("cross-entropy backward (in place)", "8192 x 50304", 8 * nv,
+      [&] { be.cross_entropy_backward(z, mx, st, targets, N, V, 0, 1.0f / 8192, bf16); });
+  for (float* p : {a, b, c, w, z, mx, st, mean, rstd}) be.device_free(p);
+  for (void* p : {static_cast<void*>(targets), static_cast<void*>(d16), static_cast<void*>(u16)}) be.deallocate_bytes(p);
 }
 
 }  // namespace
@@ -112,5 +166,6 @@ int main() {
   }
   be->set_gemm_precision(Precision::fp32);
   for (float* p : {qkv, out, dout, dqkv, lse, probs}) be->device_free(p);
+  memory_bound_table(*be, rng);
   return 0;
 }

@@ -591,6 +591,10 @@ template <class Kernel, class... Args>
 void launch(Order order, Dim3 grid, Dim3 block_dim, size_t shared, Kernel kernel, Args... args) {
   const unsigned threads = block_dim.x * block_dim.y * block_dim.z;
   if (threads == 0 || threads % 32 != 0) throw std::invalid_argument("launch: threads must be a multiple of 32");
+  // A GPU's limits on a launch's shape (compute capability 8.0 and 9.0): refused there.
+  if (threads > 1024 || block_dim.z > 64) throw std::invalid_argument("launch: at most 1024 threads a block, 64 along z");
+  if (grid.x == 0 || grid.y == 0 || grid.z == 0 || grid.x > 2147483647u || grid.y > 65535 || grid.z > 65535)
+    throw std::invalid_argument("launch: a grid of 1 to 2^31 - 1 blocks along x, 1 to 65,535 along y and z");
   gridDim = grid;
   blockDim = block_dim;
   const unsigned warps = threads / 32;

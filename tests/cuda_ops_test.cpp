@@ -25,6 +25,9 @@
 #include <thread>
 #include <vector>
 
+#include "costmodel/estimate.h"
+#include "costmodel/hardware.h"
+#include "costmodel/stack.h"
 #include "executor/backend.h"
 #include "executor/comm.h"
 #include "executor/cuda/cuda_backend.h"
@@ -163,6 +166,14 @@ class CudaOps : public ::testing::Test {
   static Vec nans(size_t n) { return Vec(n, std::numeric_limits<float>::quiet_NaN()); }
 
   void attention_case(int64_t S, int64_t B, int64_t A, int64_t G, int64_t D, bool keep);
+  // Cases run again under a lowered row grid (RowKernelsStepThroughRowsPastTheirGrid).
+  void gemm_views_case();
+  void gemm_16bit_case();
+  void cross_entropy_case();
+  void activations_case();
+  void rope_case();
+  void embedding_case();
+  void elementwise_case();
 
   std::unique_ptr<CudaBackend> gpu_;
   std::unique_ptr<Backend> cpu_;
@@ -209,7 +220,7 @@ TEST_F(CudaOps, GemmEveryTransposition) {
   }
 }
 
-TEST_F(CudaOps, GemmOnUnalignedViewsBetaZeroOverNanAndEmptyK) {
+void CudaOps::gemm_views_case() {
   const int64_t M = 33, N = 17, K = 45;
   const Vec a = random(static_cast<size_t>(M * K + 1)), b = random(static_cast<size_t>(K * N + 1));
   // Views one float into their buffers (4-byte aligned only), C full of NaN with beta = 0.
@@ -227,11 +238,12 @@ TEST_F(CudaOps, GemmOnUnalignedViewsBetaZeroOverNanAndEmptyK) {
   cpu_->gemm(false, false, M, N, 0, 1.0f, a.data(), 1, b.data(), N, 0.5f, e.data(), N);
   expect_close(host(de, e.size()), e, 1e-6, "gemm with K = 0");
 }
+TEST_F(CudaOps, GemmOnUnalignedViewsBetaZeroOverNanAndEmptyK) { gemm_views_case(); }
 
 // 16-bit GEMMs on the tensor cores: on operands already rounded to bf16 / fp16 (what the
 // executor passes) they match the CPU's fp32 GEMM of the same operands to fp32 accuracy
 // (both accumulate in fp32); on unrounded operands within the bf16 tolerance 1e-2.
-TEST_F(CudaOps, GemmBf16AndFp16OnTensorCores) {
+void CudaOps::gemm_16bit_case() {
   const int64_t M = 70, N = 96, K = 200, pad = 5;
   for (Precision p : {Precision::bf16, Precision::fp16}) {
     gpu_->set_gemm_precision(p);
@@ -259,6 +271,7 @@ TEST_F(CudaOps, GemmBf16AndFp16OnTensorCores) {
   gpu_->set_gemm_precision(Precision::fp32);
   EXPECT_THROW(gpu_->set_gemm_precision(Precision::fp8), std::invalid_argument);
 }
+TEST_F(CudaOps, GemmBf16AndFp16OnTensorCores) { gemm_16bit_case(); }
 
 // A 16-bit product whose operand copies pass the scratch limit runs in parts (C's rows, its
 // columns, or K, accumulating): the same product, and the scratch stays near the limit.
@@ -494,7 +507,7 @@ TEST_F(CudaOps, OpsWriteSixteenBitOutputsAsPack16Would) {
 // The vocab-parallel cross-entropy's three phases on a slice [lo, lo + Vt) of the
 // vocabulary, with targets inside and outside the slice: the forward reads the logits only,
 // the backward writes the gradient rounded to the precision (fp32: none; bf16, fp16).
-TEST_F(CudaOps, VocabParallelCrossEntropyPhases) {
+void CudaOps::cross_entropy_case() {
   const int64_t N = 37, Vt = 1000, lo = 2000;
   const Vec logits = random(static_cast<size_t>(N * Vt), 3.0f);
   std::vector<int32_t> targets(static_cast<size_t>(N));
@@ -516,12 +529,22 @@ TEST_F(CudaOps, VocabParallelCrossEntropyPhases) {
     expect_close(host(dst, st.size()), st, 1e-5, "cross-entropy sums and target logits");
     const Vec after = host(dz, z.size());
     EXPECT_EQ(std::memcmp(after.data(), logits.data(), logits.size() * sizeof(float)), 0) << "the forward wrote the logits";
+    if (p != Precision::fp32) {
+      // Written in 16-bit storage (for GEMMs that read it so), bit for bit the float op
+      // and pack16 on the same backend (the default), every value written.
+      uint16_t *got = out16(z.size()), *want = out16(z.size());
+      gpu_->cross_entropy_backward_packed(got, dz, dmx, dst, dt, N, Vt, lo, 0.25f, p);
+      float* scratch = dev(logits);
+      gpu_->Backend::cross_entropy_backward_packed(want, scratch, dmx, dst, dt, N, Vt, lo, 0.25f, p);
+      EXPECT_EQ(host16(got, z.size()), host16(want, z.size())) << "packed dlogits";
+    }
     gpu_->cross_entropy_backward(dz, dmx, dst, dt, N, Vt, lo, 0.25f, p);
     cpu_->cross_entropy_backward(z.data(), mx.data(), st.data(), targets.data(), N, Vt, lo, 0.25f, p);
     expect_close(host(dz, z.size()), z, p == Precision::fp32 ? 1e-5 : 1e-2, "cross-entropy dlogits");
   }
   gpu_->deallocate_bytes(dt);
 }
+TEST_F(CudaOps, VocabParallelCrossEntropyPhases) { cross_entropy_case(); }
 
 TEST_F(CudaOps, LayerNormForwardBackward) { layernorm_case(13, 300); }
 
@@ -542,7 +565,7 @@ TEST_F(CudaOps, ColumnReductionsOverManyRows) {
   expect_close(host(gdb, db.size()), db, 1e-5, "bias_grad over many rows");
 }
 
-TEST_F(CudaOps, ActivationsForwardBackward) {
+void CudaOps::activations_case() {
   const int64_t N = 9, F = 70;
   for (Activation a : {Activation::gelu, Activation::swiglu, Activation::geglu}) {
     const int64_t width = a == Activation::gelu ? F : 2 * F;
@@ -557,8 +580,9 @@ TEST_F(CudaOps, ActivationsForwardBackward) {
     expect_close(host(gdu, du.size()), du, 1e-5, "activation backward " + std::to_string(static_cast<int>(a)));
   }
 }
+TEST_F(CudaOps, ActivationsForwardBackward) { activations_case(); }
 
-TEST_F(CudaOps, RopeForwardAndInverse) {
+void CudaOps::rope_case() {
   const int64_t S = 19, B = 2, heads = 3, D = 16, ld = heads * D + 5;
   Vec x = random(S * B * ld);
   const Vec x0 = x;
@@ -570,6 +594,7 @@ TEST_F(CudaOps, RopeForwardAndInverse) {
   }
   expect_close(x, x0, 1e-5, "rope then inverse is the identity (CPU)");
 }
+TEST_F(CudaOps, RopeForwardAndInverse) { rope_case(); }
 
 TEST_F(CudaOps, AttentionForwardBackwardWithAndWithoutProbs) {
   struct Shape {
@@ -945,7 +970,7 @@ TEST_F(CudaOps, GradNormTermsMatchTheCpu) {
   }
 }
 
-TEST_F(CudaOps, EmbeddingOfAVocabularySliceForwardBackward) {
+void CudaOps::embedding_case() {
   const int64_t S = 7, B = 3, H = 16, Vt = 50, lo = 50;
   std::vector<int32_t> tokens(static_cast<size_t>(B * S));
   for (size_t i = 0; i < tokens.size(); ++i) tokens[i] = static_cast<int32_t>((i * 37 + 11) % 150);  // some repeat
@@ -964,10 +989,11 @@ TEST_F(CudaOps, EmbeddingOfAVocabularySliceForwardBackward) {
   expect_close(host(gdw, dwte.size()), dwte, 1e-6, "embedding backward");
   gpu_->deallocate_bytes(gt);
 }
+TEST_F(CudaOps, EmbeddingOfAVocabularySliceForwardBackward) { embedding_case(); }
 
 // Residual add, bias add and gradient, learned positions and their gradient (with the
 // row offset of a sequence-parallel rank), copy.
-TEST_F(CudaOps, ElementwiseOpsOfTheLayer) {
+void CudaOps::elementwise_case() {
   const int64_t N = 45, F = 70, H = 24, B = 3, n = 20, row0 = 7;  // rows 7..26: positions 2..8, partial at both ends
   const Vec a = random(static_cast<size_t>(N * F)), b = random(static_cast<size_t>(N * F)), bias = random(static_cast<size_t>(F));
   Vec sum = nans(a.size()), y = a, db = random(static_cast<size_t>(F));
@@ -995,6 +1021,28 @@ TEST_F(CudaOps, ElementwiseOpsOfTheLayer) {
   gpu_->position_grad(gdP, gdx, n, H, B, row0);
   cpu_->position_grad(dP.data(), dx.data(), n, H, B, row0);
   expect_close(host(gdP, dP.size()), dP, 1e-5, "position_grad");
+}
+TEST_F(CudaOps, ElementwiseOpsOfTheLayer) { elementwise_case(); }
+
+// The element-wise kernels over rows (reduce.cuh's row_grid: no division per element) with
+// their grid cut to 1 and 3 blocks along y, so that each thread steps through many rows
+// (past 65,535 blocks on a GPU): the same cases against the CPU backend as above.
+TEST_F(CudaOps, RowKernelsStepThroughRowsPastTheirGrid) {
+  struct Restore {
+    CudaBackend* be;
+    ~Restore() { be->set_row_grid_limit(65535); }
+  } restore{gpu_.get()};
+  for (unsigned limit : {1u, 3u}) {
+    SCOPED_TRACE(::testing::Message() << "row grid of " << limit);
+    gpu_->set_row_grid_limit(limit);
+    gemm_views_case();
+    gemm_16bit_case();
+    cross_entropy_case();
+    activations_case();
+    rope_case();
+    embedding_case();
+    elementwise_case();
+  }
 }
 
 // The ops that round their output to a 16-bit precision as they write it (backend.h's
@@ -1181,6 +1229,38 @@ TEST_F(CudaOps, TinyGptTrainsAsOnTheCpu) {
       EXPECT_NEAR(g.loss, w.loss, loss_tol * std::fabs(w.loss)) << "step " << i + 1;
       EXPECT_NEAR(g.grad_norm, w.grad_norm, norm_tol * std::fabs(w.grad_norm)) << "step " << i + 1;
     }
+  }
+}
+
+// The activations this backend's training run holds at its peak against the cost model's
+// strata stack on a device whose GEMMs read 16-bit operands (ComputeSetup::
+// sixteen_operands), for a model whose output layer outweighs its layers: there the
+// cross-entropy writes the logit gradients in 16 bits beside the fp32 logits, which are freed
+// then (memory.cpp head_working_bytes), and the layers' GEMM inputs are kept in 16 bits.
+TEST_F(CudaOps, ActivationsOfALargeVocabularyMatchTheCostModel) {
+  ModelSpec m = load_model("tiny-gpt");
+  m.L = 2;  // (small, as in the emulation's training case)
+  m.F = m.F * 64 / m.H;
+  m.H = 64;
+  m.S = 32;
+  m.V = 8000;  // T x V: 64 tokens x 8,064 (padded) logits, 2 MB of fp32 logits against ~0.4 MB of a layer
+  Cluster cl = load_cluster("local-cpu");
+  cl.device.gemm_reads_16bit = true;
+  ASSERT_TRUE(cl.device.peak_bf16_flops > 0);
+  for (const char* plan : {"mbs=2,gbs=2,precision=bf16,attention=unfused", "mbs=2,gbs=2,precision=fp16,attention=flash"}) {
+    SCOPED_TRACE(plan);
+    const Plan p = load_plan(plan);
+    TrainOptions o;
+    o.steps = 1;
+    gpu_->set_gemm_precision(p.precision);
+    auto comm = make_staged_comm(make_local_comm(), gpu_->staging_copier());
+    const TrainResult got = train(m, p, o, *comm, *gpu_);
+    gpu_->set_gemm_precision(Precision::fp32);
+    const Estimate e = estimate(model_on_stack(m, cl), cl, p);
+    ASSERT_TRUE(e.valid);
+    const double tracked = static_cast<double>(got.peak_activations), predicted = e.memory.activations;
+    std::printf("  %s: activations %.0f bytes tracked, %.0f predicted\n", plan, tracked, predicted);
+    EXPECT_NEAR(predicted / tracked, 1.0, 0.01) << "predicted " << predicted << ", tracked " << tracked;
   }
 }
 

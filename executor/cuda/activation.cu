@@ -10,7 +10,6 @@ namespace {
 
 constexpr float kGeluK = 0.7978845608028654f;  // sqrt(2/pi)
 constexpr float kGeluA = 0.044715f;
-constexpr int kThreads = 256;
 
 __device__ inline float gelu(float x, float* grad) {
   const float th = tanhf(kGeluK * (x + kGeluA * x * x * x));
@@ -27,43 +26,48 @@ __device__ inline float silu(float x, float* grad) {
 __device__ inline float act(int kind, float x, float* grad) { return kind == 1 ? silu(x, grad) : gelu(x, grad); }
 
 // out in either storage (ok: round.cuh's store_value); u16, where not null, gets u as
-// pack16 stores it in kind ok (1 or 2).
+// pack16 stores it in kind ok (1 or 2). row_grid's threads (reduce.cuh) over the N rows and
+// F output columns: no division per element.
 __global__ void forward(int kind, void* out, int ok, unsigned short* u16, const float* u, long long N, long long F,
                         int round) {
-  const long long t = blockIdx.x * static_cast<long long>(blockDim.x) + threadIdx.x;
-  if (t >= N * F) return;
-  if (kind == 0) {
-    const float x = u[t];
-    store_value(out, t, gelu(x, nullptr), ok, round);
-    if (u16) u16[t] = pack_value(x, ok);
-    return;
-  }
-  const long long i = t / F, j = t % F;
-  const float* row = u + i * 2 * F;
-  const float gate = row[j], up = row[F + j];
-  store_value(out, t, act(kind, gate, nullptr) * up, ok, round);
-  if (u16) {
-    u16[i * 2 * F + j] = pack_value(gate, ok);
-    u16[i * 2 * F + F + j] = pack_value(up, ok);
+  const long long j = row_col();
+  if (j >= F) return;
+  for (long long i = row_first(); i < N; i += row_step()) {
+    const long long t = i * F + j;
+    if (kind == 0) {
+      const float x = u[t];
+      store_value(out, t, gelu(x, nullptr), ok, round);
+      if (u16) u16[t] = pack_value(x, ok);
+      continue;
+    }
+    const float* row = u + i * 2 * F;
+    const float gate = row[j], up = row[F + j];
+    store_value(out, t, act(kind, gate, nullptr) * up, ok, round);
+    if (u16) {
+      u16[i * 2 * F + j] = pack_value(gate, ok);
+      u16[i * 2 * F + F + j] = pack_value(up, ok);
+    }
   }
 }
 
 // u in either storage (uk: round.cuh's load_stored), du too (dk: store_value).
 __global__ void backward(int kind, void* du, int dk, const float* dout, const void* u, int uk, long long N,
                          long long F, int round) {
-  const long long t = blockIdx.x * static_cast<long long>(blockDim.x) + threadIdx.x;
-  if (t >= N * F) return;
-  float g = 0.0f;
-  if (kind == 0) {
-    gelu(load_stored(u, t, uk), &g);
-    store_value(du, t, dout[t] * g, dk, round);
-    return;
+  const long long j = row_col();
+  if (j >= F) return;
+  for (long long i = row_first(); i < N; i += row_step()) {
+    const long long t = i * F + j;
+    float g = 0.0f;
+    if (kind == 0) {
+      gelu(load_stored(u, t, uk), &g);
+      store_value(du, t, dout[t] * g, dk, round);
+      continue;
+    }
+    const float gate = load_stored(u, i * 2 * F + j, uk), up = load_stored(u, i * 2 * F + F + j, uk);
+    const float a = act(kind, gate, &g);
+    store_value(du, i * 2 * F + j, dout[t] * up * g, dk, round);
+    store_value(du, i * 2 * F + F + j, dout[t] * a, dk, round);
   }
-  const long long i = t / F, j = t % F;
-  const float gate = load_stored(u, i * 2 * F + j, uk), up = load_stored(u, i * 2 * F + F + j, uk);
-  const float a = act(kind, gate, &g);
-  store_value(du, i * 2 * F + j, dout[t] * up * g, dk, round);
-  store_value(du, i * 2 * F + F + j, dout[t] * a, dk, round);
 }
 
 }  // namespace
@@ -71,7 +75,8 @@ __global__ void backward(int kind, void* du, int dk, const float* dout, const vo
 void activation_forward(int kind, void* out, int out_kind, uint16_t* u16, const float* u, int64_t N, int64_t F,
                         int round, cudaStream_t s) {
   if (N * F == 0) return;
-  STRATA_LAUNCH(forward, blocks_for(N * F, kThreads), kThreads, 0, s)(kind, out, out_kind, u16, u, N, F, round);
+  const RowGrid g = row_grid(N, F);
+  STRATA_LAUNCH(forward, g.grid, g.block, 0, s)(kind, out, out_kind, u16, u, N, F, round);
   CUDA_CHECK_LAUNCH();
 }
 
@@ -82,8 +87,8 @@ void activation_forward(int kind, float* out, const float* u, int64_t N, int64_t
 void activation_backward(int kind, void* du, int du_kind, const float* dout, const void* u, int u_kind, int64_t N,
                          int64_t F, int round, cudaStream_t s) {
   if (N * F == 0) return;
-  STRATA_LAUNCH(backward, blocks_for(N * F, kThreads), kThreads, 0, s)(kind, du, du_kind, dout, u, u_kind, N, F,
-                                                                        round);
+  const RowGrid g = row_grid(N, F);
+  STRATA_LAUNCH(backward, g.grid, g.block, 0, s)(kind, du, du_kind, dout, u, u_kind, N, F, round);
   CUDA_CHECK_LAUNCH();
 }
 

@@ -15,14 +15,12 @@
 namespace strata::cuda {
 namespace {
 
-constexpr int kThreads = 256;
-
+// row_grid's threads (reduce.cuh): no division per element.
 template <typename T>
 __global__ void cast_kernel(T* dst, long long ld_dst, const float* src, long long rows, long long cols, long long ld) {
-  const long long t = blockIdx.x * static_cast<long long>(blockDim.x) + threadIdx.x;
-  if (t >= rows * cols) return;
-  const long long r = t / cols, c = t % cols;
-  dst[r * ld_dst + c] = from_float<T>(src[r * ld + c]);
+  const long long c = row_col();
+  if (c >= cols) return;
+  for (long long r = row_first(); r < rows; r += row_step()) dst[r * ld_dst + c] = from_float<T>(src[r * ld + c]);
 }
 
 }  // namespace
@@ -30,12 +28,12 @@ __global__ void cast_kernel(T* dst, long long ld_dst, const float* src, long lon
 void cast_matrix(void* dst, int64_t ld_dst, const float* src, int64_t rows, int64_t cols, int64_t ld, int kind,
                  cudaStream_t s) {
   if (rows * cols == 0) return;
+  const RowGrid g = row_grid(rows, cols);
   if (kind == 1)
-    STRATA_LAUNCH(cast_kernel<__nv_bfloat16>, blocks_for(rows * cols, kThreads), kThreads, 0, s)(
-        static_cast<__nv_bfloat16*>(dst), ld_dst, src, rows, cols, ld);
+    STRATA_LAUNCH(cast_kernel<__nv_bfloat16>, g.grid, g.block, 0, s)(static_cast<__nv_bfloat16*>(dst), ld_dst, src, rows,
+                                                                      cols, ld);
   else
-    STRATA_LAUNCH(cast_kernel<__half>, blocks_for(rows * cols, kThreads), kThreads, 0, s)(static_cast<__half*>(dst),
-                                                                                           ld_dst, src, rows, cols, ld);
+    STRATA_LAUNCH(cast_kernel<__half>, g.grid, g.block, 0, s)(static_cast<__half*>(dst), ld_dst, src, rows, cols, ld);
   CUDA_CHECK_LAUNCH();
 }
 

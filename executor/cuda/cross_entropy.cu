@@ -1,7 +1,8 @@
 // Vocab-parallel cross-entropy in the phases of backend.h (the caller reduces mx and st
 // over the tensor-parallel ranks between them): one block per row of logits for the row
 // maximum and the sum of exponentials (reading the logits only), elementwise for the
-// backward, which computes each probability again and writes the rounded gradient.
+// backward, which computes each probability again and writes the rounded gradient (over the
+// logits, or in 16-bit storage for GEMMs that read it so).
 #include "executor/cuda/check.h"
 #include "executor/cuda/kernels.h"
 #include "executor/cuda/reduce.cuh"
@@ -38,15 +39,19 @@ __global__ void xent_exp_sum(float* st, const float* z, const float* mx, const i
 // The probability from the logit as exp_sum's exponential times the reciprocal of the
 // row's sum, less one at the target, times the scale, rounded: each step rounded on its own
 // (no contraction into a fused multiply-add), as the separate passes that did it before.
-__global__ void xent_backward(float* z, const float* mx, const float* st, const int* targets, long long N, long long Vt,
-                              long long lo, float scale, int kind) {
-  const long long t = blockIdx.x * static_cast<long long>(blockDim.x) + threadIdx.x;
-  if (t >= N * Vt) return;
-  const long long i = t / Vt, j = t % Vt;
-  const long long tg = targets[i];
-  float v = __fmul_rn(expf(z[t] - mx[i]), 1.0f / st[2 * i]);
-  if (tg - lo == j) v = __fsub_rn(v, 1.0f);
-  z[t] = round_value(__fmul_rn(v, scale), kind);
+// Written over the logits (dk 0: floats rounded to `round`) or into dz in 16-bit storage
+// (dk 1 bf16, 2 fp16: round.cuh's store_value). row_grid's threads (reduce.cuh): no
+// division per logit; the row's values once per row a thread visits.
+__global__ void xent_backward(void* dz, int dk, const float* z, const float* mx, const float* st, const int* targets,
+                              long long N, long long Vt, long long lo, float scale, int round) {
+  const long long j = row_col();
+  if (j >= Vt) return;
+  for (long long i = row_first(); i < N; i += row_step()) {
+    const long long t = i * Vt + j;
+    float v = __fmul_rn(expf(z[t] - mx[i]), 1.0f / st[2 * i]);
+    if (targets[i] - lo == j) v = __fsub_rn(v, 1.0f);
+    store_value(dz, t, __fmul_rn(v, scale), dk, round);
+  }
 }
 
 }  // namespace
@@ -67,8 +72,16 @@ void cross_entropy_exp_sum(float* st, const float* z, const float* mx, const int
 void cross_entropy_backward(float* z, const float* mx, const float* st, const int* targets, int64_t N, int64_t Vt,
                             int64_t lo, float scale, int kind, cudaStream_t s) {
   if (N * Vt == 0) return;
-  STRATA_LAUNCH(xent_backward, blocks_for(N * Vt, kThreads), kThreads, 0, s)
-  (z, mx, st, targets, N, Vt, lo, scale, kind);
+  const RowGrid g = row_grid(N, Vt);
+  STRATA_LAUNCH(xent_backward, g.grid, g.block, 0, s)(z, 0, z, mx, st, targets, N, Vt, lo, scale, kind);
+  CUDA_CHECK_LAUNCH();
+}
+
+void cross_entropy_backward_packed(uint16_t* dz, const float* z, const float* mx, const float* st, const int* targets,
+                                   int64_t N, int64_t Vt, int64_t lo, float scale, int kind, cudaStream_t s) {
+  if (N * Vt == 0) return;
+  const RowGrid g = row_grid(N, Vt);
+  STRATA_LAUNCH(xent_backward, g.grid, g.block, 0, s)(dz, kind, z, mx, st, targets, N, Vt, lo, scale, 0);
   CUDA_CHECK_LAUNCH();
 }
 

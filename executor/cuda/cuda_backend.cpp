@@ -343,6 +343,7 @@ class CudaBackendImpl final : public CudaBackend {
   }
   void set_gemm_scratch_limit(size_t bytes) override { scratch_limit_ = std::max<size_t>(bytes, 4096); }
   void set_attention_workspace_limit(size_t bytes) override { attention_limit_ = static_cast<int64_t>(bytes); }
+  void set_row_grid_limit(unsigned blocks) override { cuda::set_row_grid_limit(blocks); }
   // 16-bit copies of the float operands in the scratch buffer, rows padded to 8 elements
   // (16 bytes, what the fast tensor-core kernels want) and B's copy 256-byte aligned after
   // A's; a 16-bit operand (gemm_mixed) is read where it is, with its own row stride; then the
@@ -529,6 +530,10 @@ class CudaBackendImpl final : public CudaBackend {
   void cross_entropy_backward(float* z, const float* mx, const float* st, const int32_t* targets, int64_t N, int64_t Vt,
                               int64_t lo, float scale, Precision p) override {
     cuda::cross_entropy_backward(z, mx, st, targets, N, Vt, lo, scale, round_kind(p), stream_);
+  }
+  void cross_entropy_backward_packed(uint16_t* dz, float* z, const float* mx, const float* st, const int32_t* targets,
+                                     int64_t N, int64_t Vt, int64_t lo, float scale, Precision p) override {
+    cuda::cross_entropy_backward_packed(dz, z, mx, st, targets, N, Vt, lo, scale, sixteen_kind(p), stream_);
   }
   static int round_kind(Precision p) {
     return p == Precision::fp16 ? 2 : (p == Precision::bf16 || p == Precision::fp8) ? 1 : 0;

@@ -59,6 +59,10 @@ class CudaBackend : public Backend {
   // at): the query groups of one micro-batch row run as many to a batched product as fit, at
   // least one (attention_plan.h; tests lower it to check the passes).
   virtual void set_attention_workspace_limit(size_t bytes) = 0;
+  // The most blocks the element-wise kernels over rows launch along y (reduce.cuh's
+  // row_grid; default and at most 65,535, a GPU's limit): past it each thread steps
+  // through several rows (tests lower it to check that). For the whole process.
+  virtual void set_row_grid_limit(unsigned blocks) = 0;
 };
 
 // 256 MiB: a product needing more (the output layer's input and weight gradients with a

@@ -9,30 +9,32 @@
 namespace strata::cuda {
 namespace {
 
-constexpr int kThreads = 256;
-
-// Element t of x (S*B rows of H): its wte element (tok - lo) * H + j, or -1 outside the slice.
-__device__ inline long long source(long long t, const int* tokens, long long S, long long B, long long H, long long lo,
-                                   long long Vt) {
-  const long long row = t / H, j = t % H, s = row / B, b = row % B;
-  const long long tok = tokens[b * S + s];
-  return tok >= lo && tok < lo + Vt ? (tok - lo) * H + j : -1;
+// Row r = s*B + b of x (S*B rows of H) takes the wte row of tokens[b*S + s] less lo when that
+// token falls in the slice. row_grid's threads (reduce.cuh), no division per element: op(x's
+// element, its wte element or -1 outside the slice) for each of the thread's rows.
+template <class Op>
+__device__ inline void each_row(const int* tokens, long long S, long long B, long long H, long long lo, long long Vt,
+                                Op op) {
+  const long long j = row_col();
+  if (j >= H) return;
+  const long long first = row_first(), step = row_step();
+  SeqRow sr(first, step, B);
+  for (long long r = first; r < S * B; r += step, sr.next()) {
+    const long long tok = tokens[sr.b * S + sr.s];
+    op(r * H + j, tok >= lo && tok < lo + Vt ? (tok - lo) * H + j : -1);
+  }
 }
 
 __global__ void gather(float* x, const float* wte, const int* tokens, long long S, long long B, long long H,
                        long long lo, long long Vt) {
-  const long long t = blockIdx.x * static_cast<long long>(blockDim.x) + threadIdx.x;
-  if (t >= S * B * H) return;
-  const long long k = source(t, tokens, S, B, H, lo, Vt);
-  x[t] = k >= 0 ? wte[k] : 0.0f;
+  each_row(tokens, S, B, H, lo, Vt, [&](long long i, long long k) { x[i] = k >= 0 ? wte[k] : 0.0f; });
 }
 
 __global__ void scatter(float* dwte, const float* dx, const int* tokens, long long S, long long B, long long H,
                         long long lo, long long Vt) {
-  const long long t = blockIdx.x * static_cast<long long>(blockDim.x) + threadIdx.x;
-  if (t >= S * B * H) return;
-  const long long k = source(t, tokens, S, B, H, lo, Vt);
-  if (k >= 0) atomicAdd(dwte + k, dx[t]);
+  each_row(tokens, S, B, H, lo, Vt, [&](long long i, long long k) {
+    if (k >= 0) atomicAdd(dwte + k, dx[i]);
+  });
 }
 
 }  // namespace
@@ -40,14 +42,16 @@ __global__ void scatter(float* dwte, const float* dx, const int* tokens, long lo
 void embedding_forward(float* x, const float* wte, const int* tokens, int64_t S, int64_t B, int64_t H, int64_t lo,
                        int64_t Vt, cudaStream_t s) {
   if (S * B * H == 0) return;
-  STRATA_LAUNCH(gather, blocks_for(S * B * H, kThreads), kThreads, 0, s)(x, wte, tokens, S, B, H, lo, Vt);
+  const RowGrid g = row_grid(S * B, H);
+  STRATA_LAUNCH(gather, g.grid, g.block, 0, s)(x, wte, tokens, S, B, H, lo, Vt);
   CUDA_CHECK_LAUNCH();
 }
 
 void embedding_backward(float* dwte, const float* dx, const int* tokens, int64_t S, int64_t B, int64_t H, int64_t lo,
                         int64_t Vt, cudaStream_t s) {
   if (S * B * H == 0) return;
-  STRATA_LAUNCH(scatter, blocks_for(S * B * H, kThreads), kThreads, 0, s)(dwte, dx, tokens, S, B, H, lo, Vt);
+  const RowGrid g = row_grid(S * B, H);
+  STRATA_LAUNCH(scatter, g.grid, g.block, 0, s)(dwte, dx, tokens, S, B, H, lo, Vt);
   CUDA_CHECK_LAUNCH();
 }
 

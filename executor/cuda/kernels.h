@@ -134,6 +134,13 @@ void cross_entropy_exp_sum(float* st, const float* z, const float* mx, const int
 // kind: round_to's (1 bf16, 2 fp16, 0 none).
 void cross_entropy_backward(float* z, const float* mx, const float* st, const int* targets, int64_t N, int64_t Vt,
                             int64_t lo, float scale, int kind, cudaStream_t s);
+// The same gradient into dz (N, Vt) in 16-bit storage as pack16 stores it (kind 1 bf16, 2
+// fp16), z left as it is.
+void cross_entropy_backward_packed(uint16_t* dz, const float* z, const float* mx, const float* st, const int* targets,
+                                   int64_t N, int64_t Vt, int64_t lo, float scale, int kind, cudaStream_t s);
+// The most blocks the element-wise kernels over rows launch along y (reduce.cuh's
+// row_grid), 1 to 65,535 (clamped).
+void set_row_grid_limit(unsigned blocks);
 // C (M, N, row stride ldc) = beta * C; beta = 0 writes zeros.
 void scale_matrix(float* c, int64_t M, int64_t N, int64_t ldc, float beta, cudaStream_t s);
 // kind: 1 bf16, 2 fp16 (round to nearest even; fp16 overflows to inf).

@@ -39,6 +39,47 @@ __device__ inline float block_max(float v, float* scratch) {
 
 inline unsigned blocks_for(long long n, int threads) { return static_cast<unsigned>((n + threads - 1) / threads); }
 
+// Element-wise kernels over a (rows, cols) matrix without an integer division per element
+// (a 64-bit division or remainder is a software routine of dozens of instructions on a GPU,
+// more than a memory-bound kernel's bytes leave time for): a thread's column is
+// row_col() along x (a row's threads read consecutive values), its rows row_first(),
+// row_first() + row_step(), ... along y. The block is 256 threads: the columns rounded up to
+// a warp (at most 256) by as many rows as fill it; the grid covers the columns, and the
+// rows up to row_grid_limit() blocks (a GPU takes at most 65,535 along y; tests lower it
+// so that threads step through several rows).
+constexpr int kRowThreads = 256;
+inline unsigned& row_grid_limit() {
+  static unsigned limit = 65535;
+  return limit;
+}
+struct RowGrid {
+  dim3 grid, block;
+};
+inline RowGrid row_grid(long long rows, long long cols) {
+  const long long warps = (cols + 31) / 32;
+  const unsigned bx = warps >= kRowThreads / 32 ? kRowThreads : static_cast<unsigned>(warps * 32);
+  const unsigned by = kRowThreads / bx;
+  const long long gy = (rows + by - 1) / by;
+  return RowGrid{dim3(blocks_for(cols, static_cast<int>(bx)),
+                      static_cast<unsigned>(gy < row_grid_limit() ? gy : row_grid_limit())),
+                 dim3(bx, by)};
+}
+__device__ inline long long row_col() { return blockIdx.x * static_cast<long long>(blockDim.x) + threadIdx.x; }
+__device__ inline long long row_first() { return blockIdx.y * static_cast<long long>(blockDim.y) + threadIdx.y; }
+__device__ inline long long row_step() { return static_cast<long long>(gridDim.y) * blockDim.y; }
+// Row r = s * B + b of an (S, B) layout as a row_grid thread steps through rows from `first`
+// by `step`: s and b carried from row to row (two divisions a thread, none an element).
+struct SeqRow {
+  long long s, b, step_s, step_b, B;
+  __device__ SeqRow(long long first, long long step, long long B_)
+      : s(first / B_), b(first % B_), step_s(step / B_), step_b(step % B_), B(B_) {}
+  __device__ void next() {
+    s += step_s;
+    b += step_b;
+    if (b >= B) b -= B, ++s;
+  }
+};
+
 // Column sums of (N, F) row-major data (parameter gradients: dw, db): a block holds
 // kColTile columns x kRowLanes row lanes, so every warp reads 8 consecutive values (one
 // 32-byte sector) of each of 4 rows; lane r of a column sums rows r, r + kRowLanes, ... in

@@ -8,20 +8,23 @@
 namespace strata::cuda {
 namespace {
 
-constexpr int kThreads = 256;
-
+// row_grid's threads (reduce.cuh) over the S*B rows and heads * D/2 pairs: a thread's pair
+// (i, h) and its frequency once, the row's position carried (SeqRow); no division an element.
 __global__ void rotate(float* x, long long S, long long B, long long heads, long long D, long long ld, bool inverse) {
-  const long long half = D / 2;
-  const long long t = blockIdx.x * static_cast<long long>(blockDim.x) + threadIdx.x;
-  if (t >= S * B * heads * half) return;
-  const long long i = t % half, h = (t / half) % heads, row = t / (half * heads), s = row / B;
+  const long long half = D / 2, c = row_col();
+  if (c >= heads * half) return;
+  const long long i = c % half, h = c / half;
   const double freq = pow(10000.0, -2.0 * static_cast<double>(i) / static_cast<double>(D));
-  const double ang = static_cast<double>(s) * freq;
-  const float c = static_cast<float>(cos(ang)), sn = static_cast<float>(inverse ? -sin(ang) : sin(ang));
-  float* v = x + row * ld + h * D;
-  const float x1 = v[i], x2 = v[i + half];
-  v[i] = x1 * c - x2 * sn;
-  v[i + half] = x2 * c + x1 * sn;
+  const long long first = row_first(), step = row_step();
+  SeqRow sr(first, step, B);
+  for (long long row = first; row < S * B; row += step, sr.next()) {
+    const double ang = static_cast<double>(sr.s) * freq;
+    const float co = static_cast<float>(cos(ang)), sn = static_cast<float>(inverse ? -sin(ang) : sin(ang));
+    float* v = x + row * ld + h * D;
+    const float x1 = v[i], x2 = v[i + half];
+    v[i] = x1 * co - x2 * sn;
+    v[i + half] = x2 * co + x1 * sn;
+  }
 }
 
 }  // namespace
@@ -29,7 +32,8 @@ __global__ void rotate(float* x, long long S, long long B, long long heads, long
 void rope(float* x, int64_t S, int64_t B, int64_t heads, int64_t D, int64_t ld, bool inverse, cudaStream_t s) {
   const int64_t n = S * B * heads * (D / 2);
   if (n == 0) return;
-  STRATA_LAUNCH(rotate, blocks_for(n, kThreads), kThreads, 0, s)(x, S, B, heads, D, ld, inverse);
+  const RowGrid g = row_grid(S * B, heads * (D / 2));
+  STRATA_LAUNCH(rotate, g.grid, g.block, 0, s)(x, S, B, heads, D, ld, inverse);
   CUDA_CHECK_LAUNCH();
 }
 

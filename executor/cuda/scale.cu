@@ -7,20 +7,21 @@
 namespace strata::cuda {
 namespace {
 
-constexpr int kThreads = 256;
-
 __global__ void scale_kernel(float* c, long long M, long long N, long long ldc, float beta) {
-  const long long t = blockIdx.x * static_cast<long long>(blockDim.x) + threadIdx.x;
-  if (t >= M * N) return;
-  float* p = c + (t / N) * ldc + t % N;
-  *p = beta == 0.0f ? 0.0f : beta * *p;
+  const long long j = row_col();
+  if (j >= N) return;
+  for (long long i = row_first(); i < M; i += row_step()) {
+    float* p = c + i * ldc + j;
+    *p = beta == 0.0f ? 0.0f : beta * *p;
+  }
 }
 
 }  // namespace
 
 void scale_matrix(float* c, int64_t M, int64_t N, int64_t ldc, float beta, cudaStream_t s) {
   if (M * N == 0) return;
-  STRATA_LAUNCH(scale_kernel, blocks_for(M * N, kThreads), kThreads, 0, s)(c, M, N, ldc, beta);
+  const RowGrid g = row_grid(M, N);
+  STRATA_LAUNCH(scale_kernel, g.grid, g.block, 0, s)(c, M, N, ldc, beta);
   CUDA_CHECK_LAUNCH();
 }
 
