@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# A check of the H100 and B200 presets against runs they were never fitted to: the rows of
+# A check of the H100, H200 and B200 presets against runs they were never fitted to: the rows of
 # tests/data/hopper_runs.csv (calibration_test's HopperAndBlackwellRuns asserts its bounds on
 # the same rows; this script prints them through the binary, as the harness would run it).
 # Sources, by the csv's group column:
@@ -19,6 +19,11 @@
 #                    DGX-H100; docs/performance-summary.mdx of NVIDIA-NeMo/Automodel, 2026-04:
 #                    18.90 s per step; recompute is not stated, and full is the only setting
 #                    that fits).
+#   mlperf           MLPerf Training results on DGX-H200-class nodes (github.com/mlcommons/
+#                    training_results_v5.1): Nebius' llama31_405b on 64 and 128 nodes (NeMo
+#                    25.01, also in v5.0) and HPE's llama31_8b on 8 Cray XD670 nodes (NeMo
+#                    25.09); the median train_step_time of their result logs; bf16 gradient
+#                    reduction and fp8 parameter gathers, as the logs' DDP config says.
 # Each plan is the table's: NeMo's and Bridge's recipes use the distributed optimizer
 # (zero=1) unless the table says FSDP (zero=3), and sequence parallelism with TP; Bridge's
 # reduce gradients in bf16 (grad_reduce_in_fp32=0, as every Bridge performance recipe of

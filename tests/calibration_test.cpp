@@ -197,7 +197,8 @@ TEST(Calibration, EveryRowThroughTheBinary) {
 
 // Runs on newer GPUs that no parameter was fitted to (tests/data/hopper_runs.csv: NVIDIA's
 // published NeMo and Megatron-Bridge pre-training tables, H100 and B200, mostly FP8, with
-// context parallelism and FSDP; one BF16 FSDP2 run of NeMo AutoModel), each through
+// context parallelism and FSDP; one BF16 FSDP2 run of NeMo AutoModel; three MLPerf Training
+// runs on H200), each through
 // estimate() as the harness would give it. Measured step = global batch x sequence /
 // (tokens per second per GPU x GPUs). A guard, not a fit: the presets stay datasheet-scaled,
 // and these bounds say how far each software generation has been from them, so a change to
@@ -211,16 +212,28 @@ TEST(Calibration, EveryRowThroughTheBinary) {
 // today as well, so a run well inside its bound cannot drift unseen. Every run ran, so
 // every one must fit. The Bridge plans reduce gradients in bf16 (grad_reduce_in_fp32=0),
 // as every Megatron-Bridge performance recipe of Llama 3 sets it; NeMo 24.12 and 25.02's
-// scripts kept fp32 (NeMo set it off for FP8 from 2025-04).
+// scripts kept fp32 (NeMo set it off for FP8 from 2025-04). The H200 runs are MLPerf
+// Training's (mlcommons/training_results_v5.1: Nebius' Llama 3.1 405B on 512 and 1024 H200s,
+// NeMo 25.01, also submitted to v5.0; HPE's Llama 3.1 8B on 64 H200s, NeMo 25.09; each the
+// median of the logged train_step_time over its 3 and 10 runs, bf16 gradients and fp8
+// parameter gathers as their logs' DistributedDataParallelConfig says): NVIDIA's tuned
+// MLPerf code, held to 25 % per run (the 405B runs -2 to -3 %, the 8B run's one micro-batch
+// a step -22 %: today's model misses something there) and a median of 5 %.
 TEST(Calibration, HopperAndBlackwellRuns) {
   const std::string dir = std::string(STRATA_SOURCE_DIR) + "/tests/data/";
   const auto rows = testing::read_csv(dir + "hopper_runs.csv");
-  ASSERT_EQ(rows.size(), 24u);
-  // Per run and for the group's median |error| (7.2 %, 10.2 %, 13.8 % and 12.2 % today).
-  const std::map<std::string, double> bound = {
-      {"megatron-bridge", 0.12}, {"nemo-automodel", 0.15}, {"nemo-24.12", 0.30}, {"nemo-25.02", 0.30}};
-  const std::map<std::string, double> median_bound = {
-      {"megatron-bridge", 0.09}, {"nemo-automodel", 0.15}, {"nemo-24.12", 0.16}, {"nemo-25.02", 0.15}};
+  ASSERT_EQ(rows.size(), 27u);
+  // Per run and for the group's median |error| (7.3 %, 10.2 %, 13.8 %, 12.2 % and 2.8 % today).
+  const std::map<std::string, double> bound = {{"megatron-bridge", 0.12},
+                                               {"nemo-automodel", 0.15},
+                                               {"nemo-24.12", 0.30},
+                                               {"nemo-25.02", 0.30},
+                                               {"mlperf", 0.25}};
+  const std::map<std::string, double> median_bound = {{"megatron-bridge", 0.09},
+                                                      {"nemo-automodel", 0.15},
+                                                      {"nemo-24.12", 0.16},
+                                                      {"nemo-25.02", 0.15},
+                                                      {"mlperf", 0.05}};
   std::map<std::string, std::vector<double>> by_group;
   std::vector<double> all;
   fmt::print("{:<16} {:<12} {:<14} {:>5} {:>5} {:<52} {:>8} {:>8} {:>7} {:>7} {:>4}\n", "group", "model", "cluster",
