@@ -70,13 +70,15 @@ void output_and_loss(Acc& a, const char* norm) {
   //   Engine's kernel): one pass reads the e-byte logits for the running max and sum, a
   //   second reads them again and writes the gradient in their place (3e); backward scales
   //   that gradient in place (2e).
-  // - the strata executor's (executor/cuda/cross_entropy.cu, the CPU backend's alike) on
-  //   its fp32 logits: max (4), the sum of exponentials (4), reading the logits only = 8;
-  //   backward: each probability computed again from its logit, the gradient written in
-  //   its place, rounded to 16 bits in the same pass (8); where the GEMMs read 16-bit
-  //   operands written in 16-bit storage beside them instead (4 + 2), for both GEMMs.
+  // - the strata executor's (executor/cuda/cross_entropy.cu, executor/cpu's) on its fp32
+  //   logits, reading them only: max (4), the sum of exponentials (4) = 8, or both at once
+  //   (4) where the device does it in one pass (Device::cross_entropy_one_pass: the CUDA
+  //   backend); backward: each probability computed again from its logit, the gradient
+  //   written in its place, rounded to 16 bits in the same pass (8); where the GEMMs read
+  //   16-bit operands written in 16-bit storage beside them instead (4 + 2), for both GEMMs.
   const bool fused_ce = cs.stack.modern;
-  const double fwd_ce = cs.stack.strata ? 8.0 : fused_ce ? 3.0 * e : e + 36.0;
+  const double strata_fwd = a.cl.device.cross_entropy_one_pass ? 4.0 : 8.0;
+  const double fwd_ce = cs.stack.strata ? strata_fwd : fused_ce ? 3.0 * e : e + 36.0;
   const double bwd_ce = cs.stack.strata ? (a.casts_weights ? 6.0 : 8.0) : fused_ce ? 2.0 * e : 20.0 + e;
   a.mem("cross_entropy", Phase::forward, fwd_ce * T * Vt);
   if (p.t > 1 && cs.stack.strata) {  // the executor's two: the maximum, then the sum and target logit together

@@ -155,6 +155,9 @@ Cluster cluster_from_json(const Json& j, const std::string& source) {
     c.device.gemm_reads_16bit =
         d.choice_or("gemm_16bit_operands", c.device.batched_gemm_per_matrix ? "unpacked" : "as_stored",
                     {"as_stored", "unpacked"}) == "as_stored";
+    // (Absent: one pass, but two in a profile of the CPU backend's: as above.)
+    c.device.cross_entropy_one_pass =
+        d.integer_or("cross_entropy_passes", c.device.batched_gemm_per_matrix ? 2 : 1, 1, 2) == 1;
     d.ignore("description");
     d.ignore("_source");
     d.reject_unknown();
@@ -229,7 +232,8 @@ Json cluster_to_json(const Cluster& c) {
         {"flash_attention_efficiency", {{"forward", d.flash_fwd_efficiency}, {"backward", d.flash_bwd_efficiency}}},
         {"kernel_launch_us", d.kernel_launch_s * 1e6},
         {"batched_gemm", d.batched_gemm_per_matrix ? "per_matrix" : "batched"},
-        {"gemm_16bit_operands", d.gemm_reads_16bit ? "as_stored" : "unpacked"}}},
+        {"gemm_16bit_operands", d.gemm_reads_16bit ? "as_stored" : "unpacked"},
+        {"cross_entropy_passes", d.cross_entropy_one_pass ? 1 : 2}}},
       {"devices_per_node", c.devices_per_node},
       {"links", {{"intra_node", link(c.intra)}, {"inter_node", link(c.inter)}}},
       {"framework",

@@ -117,6 +117,11 @@ struct Device {
   // 16-bit tensors are unpacked for them. Backend::gemm_reads_16bit, as strata profile
   // writes it ("gemm_16bit_operands": "as_stored" | "unpacked").
   bool gemm_reads_16bit = true;
+  // The strata executor's cross-entropy reads its logits once in the forward (each row's
+  // maximum and sum of exponentials together, online: the CUDA backend) rather than twice
+  // (the maximum, then the sum: the CPU backend). Backend::cross_entropy_one_pass, as strata
+  // profile writes it ("cross_entropy_passes": 1 | 2).
+  bool cross_entropy_one_pass = true;
 
   double peak_flops(Precision p) const;
 };

@@ -118,6 +118,16 @@ void Backend::activation_backward_packed(Activation a, uint16_t* du, const float
   pack16(du, d.p, n, p);
 }
 
+void Backend::cross_entropy_forward(float* mx, float* st, const float* z, const int32_t* targets, int64_t N, int64_t Vt,
+                                    int64_t lo) {
+  cross_entropy_max(mx, z, N, Vt);
+  cross_entropy_exp_sum(st, z, mx, targets, N, Vt, lo);
+}
+
+void Backend::cross_entropy_rescale(float*, const float*, const float*, const int32_t*, int64_t, int64_t, int64_t) {
+  throw std::logic_error("Backend::cross_entropy_rescale: only a backend whose cross_entropy_one_pass() is true has it");
+}
+
 void Backend::cross_entropy_backward_packed(uint16_t* dz, float* z, const float* mx, const float* st,
                                             const int32_t* targets, int64_t N, int64_t Vt, int64_t lo, float scale,
                                             Precision p) {

@@ -252,6 +252,20 @@ class Backend {
                                      int64_t Vt, int64_t lo) = 0;
   virtual void cross_entropy_backward(float* z, const float* mx, const float* st, const int32_t* targets, int64_t N,
                                       int64_t Vt, int64_t lo, float scale, Precision p) = 0;
+  // The forward's two phases in one pass over the logits, where the backend has it
+  // (cross_entropy_one_pass; Device::cross_entropy_one_pass, which strata profile writes from
+  // it): mx (N) each row's maximum over this rank's slice, st as exp_sum gives it against
+  // that maximum (the sum of exponentials reckoned online, rescaled as the maximum grows).
+  // With tensor parallelism the caller then takes the maximum over the ranks into mg, and
+  // cross_entropy_rescale moves st to it (the sum times exp(mx - mg), the target's logit
+  // less mg where it is in the slice) before the sums' all-reduce; mg is then the maximum
+  // the backward takes. The default forward runs max and exp_sum; the default rescale
+  // throws std::logic_error (only a one-pass backend is asked for it).
+  virtual bool cross_entropy_one_pass() const { return false; }
+  virtual void cross_entropy_forward(float* mx, float* st, const float* z, const int32_t* targets, int64_t N,
+                                     int64_t Vt, int64_t lo);
+  virtual void cross_entropy_rescale(float* st, const float* mx, const float* mg, const int32_t* targets, int64_t N,
+                                     int64_t Vt, int64_t lo);
   // The same gradient written into dz in 16-bit storage (pack16's layout, rounded to p:
   // bf16 or fp16) for GEMMs that read it so (gemm_reads_16bit), in the same one pass; z is
   // left undefined. The default runs the float op over z and pack16s it.

@@ -748,9 +748,21 @@ double head_forward(const ModelCtx& c, const UnitView& fu, const float* out_w, B
   // row maxima and the sums in one pass (backend.h).
   h->mx = Buf::untracked(c.be, N);
   h->st = Buf::untracked(c.be, 2 * N);
-  c.be->cross_entropy_max(h->mx.data(), z, N, Vt);
-  if (c.t > 1) timed(c, "all_reduce", [&] { c.comm->all_reduce(h->mx.data(), N, c.tp, ReduceOp::max); });
-  c.be->cross_entropy_exp_sum(h->st.data(), z, h->mx.data(), dtg, N, Vt, lo);
+  if (c.be->cross_entropy_one_pass()) {
+    // Both in one pass against this rank's maxima; with tp, moved to the ranks' maxima.
+    c.be->cross_entropy_forward(h->mx.data(), h->st.data(), z, dtg, N, Vt, lo);
+    if (c.t > 1) {
+      Buf mg = Buf::untracked(c.be, N);
+      c.be->copy(mg.data(), h->mx.data(), N);
+      timed(c, "all_reduce", [&] { c.comm->all_reduce(mg.data(), N, c.tp, ReduceOp::max); });
+      c.be->cross_entropy_rescale(h->st.data(), h->mx.data(), mg.data(), dtg, N, Vt, lo);
+      h->mx = std::move(mg);
+    }
+  } else {
+    c.be->cross_entropy_max(h->mx.data(), z, N, Vt);
+    if (c.t > 1) timed(c, "all_reduce", [&] { c.comm->all_reduce(h->mx.data(), N, c.tp, ReduceOp::max); });
+    c.be->cross_entropy_exp_sum(h->st.data(), z, h->mx.data(), dtg, N, Vt, lo);
+  }
   if (c.t > 1) timed(c, "all_reduce", [&] { c.comm->all_reduce(h->st.data(), 2 * N, c.tp); });
   std::vector<float> hst(static_cast<size_t>(2 * N));
   c.be->to_host(hst.data(), h->st.data(), 2 * N);

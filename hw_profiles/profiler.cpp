@@ -491,6 +491,7 @@ ProfileResult run_profile(Comm& comm, Backend& be, const ProfileOptions& o) {
   c.device.name = o.device_name.empty() ? "CPU core per rank (Eigen fp32), measured" : o.device_name + ", measured";
   c.device.batched_gemm_per_matrix = be.batched_gemm_per_matrix();
   c.device.gemm_reads_16bit = be.gemm_reads_16bit();
+  c.device.cross_entropy_one_pass = be.cross_entropy_one_pass();
   c.device.peak_fp32_flops = c.device.peak_tf32_flops = c.device.peak_bf16_flops = c.device.peak_fp16_flops = peak;
   if (fp32_peak > 0) c.device.peak_fp32_flops = c.device.peak_tf32_flops = fp32_peak;  // the sweep was 16-bit
   // The fused attention as a fraction of the 16-bit peak, what the cost model charges it

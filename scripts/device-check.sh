@@ -156,7 +156,7 @@ python3 -c "import json,sys; c=json.load(open('hw_profiles/$PRESET.json')); c['f
 # instead of kept, packed to 16 bits and unpacked: whether that is the faster plan here.
 # flash_mbs32: the fused attention on micro-batches of 32, nearer llm.c's 64 a GPU: its
 # GEMMs larger and the optimizer's pass over the weights a fourth as large a share of the
-# step; predicted 40 % MFU on the H200 preset against 34.5 % at 8.)
+# step; predicted 41 % MFU on the H200 preset against 35 % at 8, 2026-12-07.)
 for att in unfused flash selective flash_mbs32; do
   P124="tp=1,mbs=8,gbs=8,precision=bf16,attention=$att"
   [ "$att" = selective ] && P124="tp=1,mbs=8,gbs=8,precision=bf16,attention=unfused,recompute=selective"

@@ -616,6 +616,8 @@ TEST(Cli, BadInputExits2NamingTheField) {
       {cluster_with("c9.json", [](Json& j) { j["device"]["peak_tflops"]["bf16"] = "fast"; }), "bf16"},
       {cluster_with("c10.json", [](Json& j) { j["framework"]["default_attention"] = "sparse"; }), "default_attention"},
       {cluster_with("c18.json", [](Json& j) { j["device"]["gemm_16bit_operands"] = "converted"; }), "gemm_16bit_operands"},
+      {cluster_with("c19.json", [](Json& j) { j["device"]["cross_entropy_passes"] = 3; }), "cross_entropy_passes"},
+      {cluster_with("c20.json", [](Json& j) { j["device"]["cross_entropy_passes"] = "one"; }), "cross_entropy_passes"},
       // Command line
       {S + "--global-batch-size 8", "--gpus"},
       {S + "--gpus 0 --global-batch-size 8", "--gpus"},

@@ -376,22 +376,30 @@ TEST(Compute, CrossEntropyBytesPerStack) {
   ASSERT_TRUE(compute_setup(m, c, p).stack.modern);
   EXPECT_DOUBLE_EQ(ce_bytes(Phase::forward), 6.0 * logits);
   EXPECT_DOUBLE_EQ(ce_bytes(Phase::backward), 4.0 * logits);
-  // The strata executor's kernels on its fp32 logits (executor/cuda/cross_entropy.cu):
-  // max 4, the sum of exponentials 4 (the logits read, not written); backward the gradient
-  // written over the logits 8, rounded to 16 bits in that pass (StrataOutputLayerRounds16Bit),
-  // or, where the GEMMs read 16-bit operands, written in 16 bits beside them: 4 + 2.
+  // The strata executor's kernels on its fp32 logits (executor/cuda/cross_entropy.cu, the
+  // CPU backend's): max 4, the sum of exponentials 4 (the logits read, not written), or both
+  // in one pass, 4, where the device has it (Device::cross_entropy_one_pass: the CUDA
+  // backend); backward the gradient written over the logits 8, rounded to 16 bits in that
+  // pass (StrataOutputLayerRounds16Bit), or, where the GEMMs read 16-bit operands, written in
+  // 16 bits beside them: 4 + 2.
   c.modern_stack = false;
   c.strata_stack = true;
   c.device.gemm_reads_16bit = false;
+  c.device.cross_entropy_one_pass = false;
   ASSERT_TRUE(compute_setup(m, c, p).stack.strata);
   EXPECT_DOUBLE_EQ(ce_bytes(Phase::forward), 8.0 * logits);
   EXPECT_DOUBLE_EQ(ce_bytes(Phase::backward), 8.0 * logits);
   c.device.gemm_reads_16bit = true;
   EXPECT_DOUBLE_EQ(ce_bytes(Phase::forward), 8.0 * logits);
   EXPECT_DOUBLE_EQ(ce_bytes(Phase::backward), 6.0 * logits);
+  c.device.cross_entropy_one_pass = true;
+  EXPECT_DOUBLE_EQ(ce_bytes(Phase::forward), 4.0 * logits);
+  EXPECT_DOUBLE_EQ(ce_bytes(Phase::backward), 6.0 * logits);
   p = load_plan("tp=8,mbs=1,precision=fp32");
-  EXPECT_DOUBLE_EQ(ce_bytes(Phase::forward), 8.0 * logits);
+  EXPECT_DOUBLE_EQ(ce_bytes(Phase::forward), 4.0 * logits);
   EXPECT_DOUBLE_EQ(ce_bytes(Phase::backward), 8.0 * logits);
+  c.device.cross_entropy_one_pass = false;
+  EXPECT_DOUBLE_EQ(ce_bytes(Phase::forward), 8.0 * logits);
 }
 
 // A multi-token prediction module's work beside its transformer layer (head_cost with

@@ -543,6 +543,51 @@ void CudaOps::cross_entropy_case() {
     expect_close(host(dz, z.size()), z, p == Precision::fp32 ? 1e-5 : 1e-2, "cross-entropy dlogits");
   }
   gpu_->deallocate_bytes(dt);
+  // The forward in one pass (cross_entropy_one_pass) over two slices of a vocabulary of
+  // 2 Vt, as two tensor-parallel ranks run it: each slice's maxima and sums, the maxima over
+  // both, each slice's sums moved to them and added, against the CPU's two phases over the
+  // whole vocabulary; and on one slice, against the two phases themselves.
+  if (!gpu_->cross_entropy_one_pass()) return;
+  const int64_t V = 2 * Vt;
+  const Vec full = random(static_cast<size_t>(N * V), 3.0f);
+  std::vector<int32_t> tv(static_cast<size_t>(N));
+  std::uniform_int_distribution<int32_t> any(0, static_cast<int32_t>(V - 1));
+  for (auto& x : tv) x = any(rng_);
+  auto* gt = static_cast<int32_t*>(gpu_->allocate_bytes(tv.size() * sizeof(int32_t)));
+  gpu_->bytes_to_device(gt, tv.data(), tv.size() * sizeof(int32_t));
+  Vec want_mx(static_cast<size_t>(N)), want_st(static_cast<size_t>(2 * N));
+  cpu_->cross_entropy_max(want_mx.data(), full.data(), N, V);
+  cpu_->cross_entropy_exp_sum(want_st.data(), full.data(), want_mx.data(), tv.data(), N, V, 0);
+  Vec one_mx = nans(static_cast<size_t>(N)), one_st = nans(static_cast<size_t>(2 * N));
+  {
+    float *gz = dev(full), *gmx = dev(one_mx), *gst = dev(one_st);
+    gpu_->cross_entropy_forward(gmx, gst, gz, gt, N, V, 0);
+    expect_close(host(gmx, one_mx.size()), want_mx, 0.0, "one pass: maxima (exact)");
+    expect_close(host(gst, one_st.size()), want_st, 1e-5, "one pass: sums and target logits");
+  }
+  std::vector<float*> mx(2), st(2);
+  Vec top(static_cast<size_t>(N), -std::numeric_limits<float>::infinity());
+  for (int r = 0; r < 2; ++r) {
+    Vec slice(static_cast<size_t>(N * Vt));
+    for (int64_t i = 0; i < N; ++i)
+      std::copy_n(full.begin() + i * V + r * Vt, Vt, slice.begin() + i * Vt);
+    float* gz = dev(slice);
+    mx[r] = dev(nans(static_cast<size_t>(N)));
+    st[r] = dev(nans(static_cast<size_t>(2 * N)));
+    gpu_->cross_entropy_forward(mx[r], st[r], gz, gt, N, Vt, r * Vt);
+    const Vec m = host(mx[r], static_cast<size_t>(N));
+    for (int64_t i = 0; i < N; ++i) top[i] = std::max(top[i], m[i]);
+  }
+  float* mg = dev(top);
+  Vec sum(static_cast<size_t>(2 * N), 0.0f);
+  for (int r = 0; r < 2; ++r) {
+    gpu_->cross_entropy_rescale(st[r], mx[r], mg, gt, N, Vt, r * Vt);
+    const Vec part = host(st[r], static_cast<size_t>(2 * N));
+    for (size_t k = 0; k < sum.size(); ++k) sum[k] += part[k];
+  }
+  expect_close(top, want_mx, 0.0, "two slices: maxima over both (exact)");
+  expect_close(sum, want_st, 1e-5, "two slices: sums and target logits, moved to the maxima over both");
+  gpu_->deallocate_bytes(gt);
 }
 TEST_F(CudaOps, VocabParallelCrossEntropyPhases) { cross_entropy_case(); }
 

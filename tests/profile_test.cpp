@@ -105,6 +105,8 @@ TEST(Profile, TwoRanksTableIsCheckedAndTheProfileLoads) {
   // Its GEMMs run on floats: the executor's 16-bit tensors are unpacked for them
   // ("gemm_16bit_operands": "unpacked"; the CUDA backend's profile says "as_stored").
   EXPECT_FALSE(c.device.gemm_reads_16bit);
+  // Its loss reads the logits twice (the maximum, then the sum; the CUDA backend's once).
+  EXPECT_FALSE(c.device.cross_entropy_one_pass);
   EXPECT_EQ(sh(std::string(STRATA_BINARY) + " estimate --model tiny-gpt --cluster " + out +
                " --plan dp=2,mbs=2,gbs=8 --json > " + dir + "strata_profile_est.json"),
             0);

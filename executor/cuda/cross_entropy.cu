@@ -1,6 +1,7 @@
 // Vocab-parallel cross-entropy in the phases of backend.h (the caller reduces mx and st
 // over the tensor-parallel ranks between them): one block per row of logits for the row
-// maximum and the sum of exponentials (reading the logits only), elementwise for the
+// maximum and the sum of exponentials (reading the logits only; both in one pass, then moved
+// to the ranks' maximum, for cross_entropy_forward), elementwise for the
 // backward, which computes each probability again and writes the rounded gradient (over the
 // logits, or in 16-bit storage for GEMMs that read it so).
 #include "executor/cuda/check.h"
@@ -36,6 +37,44 @@ __global__ void xent_exp_sum(float* st, const float* z, const float* mx, const i
   if (threadIdx.x == 0) st[2 * i] = sum;
 }
 
+// max and exp_sum in one pass: each thread keeps the maximum of its values and their sum of
+// exponentials against it, rescaled when the maximum grows (a -inf logit adds nothing); the
+// block takes the maximum, then the sum of the threads' sums moved to it.
+__global__ void xent_forward(float* mx, float* st, const float* z, const int* targets, long long Vt, long long lo) {
+  STRATA_SHARED(float, scratch, [32]);
+  const long long i = blockIdx.x;
+  const float* row = z + i * Vt;
+  float m = -INFINITY, sum = 0.0f;
+  for (long long j = threadIdx.x; j < Vt; j += blockDim.x) {
+    const float x = row[j];
+    if (x > m) {
+      sum = sum * expf(m - x) + 1.0f;
+      m = x;
+    } else if (x != -INFINITY) {
+      sum += expf(x - m);
+    }
+  }
+  const float top = block_max(m, scratch);
+  sum = block_sum(m == -INFINITY ? 0.0f : sum * expf(m - top), scratch);
+  if (threadIdx.x == 0) {
+    const long long tg = targets[i];
+    mx[i] = top;
+    st[2 * i] = sum;
+    st[2 * i + 1] = tg >= lo && tg < lo + Vt ? row[tg - lo] - top : 0.0f;
+  }
+}
+
+// st against this rank's maxima mx moved to the maxima over the ranks mg.
+__global__ void xent_rescale(float* st, const float* mx, const float* mg, const int* targets, long long N, long long Vt,
+                             long long lo) {
+  const long long i = blockIdx.x * static_cast<long long>(blockDim.x) + threadIdx.x;
+  if (i >= N) return;
+  const float d = mx[i] - mg[i];
+  st[2 * i] *= expf(d);
+  const long long tg = targets[i];
+  if (tg >= lo && tg < lo + Vt) st[2 * i + 1] += d;
+}
+
 // The probability from the logit as exp_sum's exponential times the reciprocal of the
 // row's sum, less one at the target, times the scale, rounded: each step rounded on its own
 // (no contraction into a fused multiply-add), as the separate passes that did it before.
@@ -66,6 +105,20 @@ void cross_entropy_exp_sum(float* st, const float* z, const float* mx, const int
                            int64_t lo, cudaStream_t s) {
   if (N == 0) return;
   STRATA_LAUNCH(xent_exp_sum, static_cast<unsigned>(N), kThreads, 0, s)(st, z, mx, targets, Vt, lo);
+  CUDA_CHECK_LAUNCH();
+}
+
+void cross_entropy_forward(float* mx, float* st, const float* z, const int* targets, int64_t N, int64_t Vt, int64_t lo,
+                           cudaStream_t s) {
+  if (N == 0) return;
+  STRATA_LAUNCH(xent_forward, static_cast<unsigned>(N), kThreads, 0, s)(mx, st, z, targets, Vt, lo);
+  CUDA_CHECK_LAUNCH();
+}
+
+void cross_entropy_rescale(float* st, const float* mx, const float* mg, const int* targets, int64_t N, int64_t Vt,
+                           int64_t lo, cudaStream_t s) {
+  if (N == 0) return;
+  STRATA_LAUNCH(xent_rescale, blocks_for(N, kThreads), kThreads, 0, s)(st, mx, mg, targets, N, Vt, lo);
   CUDA_CHECK_LAUNCH();
 }
 

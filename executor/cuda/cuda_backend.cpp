@@ -527,6 +527,15 @@ class CudaBackendImpl final : public CudaBackend {
                              int64_t lo) override {
     cuda::cross_entropy_exp_sum(st, z, mx, targets, N, Vt, lo, stream_);
   }
+  bool cross_entropy_one_pass() const override { return true; }
+  void cross_entropy_forward(float* mx, float* st, const float* z, const int32_t* targets, int64_t N, int64_t Vt,
+                             int64_t lo) override {
+    cuda::cross_entropy_forward(mx, st, z, targets, N, Vt, lo, stream_);
+  }
+  void cross_entropy_rescale(float* st, const float* mx, const float* mg, const int32_t* targets, int64_t N, int64_t Vt,
+                             int64_t lo) override {
+    cuda::cross_entropy_rescale(st, mx, mg, targets, N, Vt, lo, stream_);
+  }
   void cross_entropy_backward(float* z, const float* mx, const float* st, const int32_t* targets, int64_t N, int64_t Vt,
                               int64_t lo, float scale, Precision p) override {
     cuda::cross_entropy_backward(z, mx, st, targets, N, Vt, lo, scale, round_kind(p), stream_);

@@ -131,6 +131,11 @@ void position_grad(float* dP, const float* dx, int64_t n, int64_t H, int64_t B, 
 void cross_entropy_max(float* mx, const float* z, int64_t N, int64_t Vt, cudaStream_t s);
 void cross_entropy_exp_sum(float* st, const float* z, const float* mx, const int* targets, int64_t N, int64_t Vt,
                            int64_t lo, cudaStream_t s);
+// Both in one pass (backend.h's cross_entropy_forward), and st moved to the maxima mg.
+void cross_entropy_forward(float* mx, float* st, const float* z, const int* targets, int64_t N, int64_t Vt, int64_t lo,
+                           cudaStream_t s);
+void cross_entropy_rescale(float* st, const float* mx, const float* mg, const int* targets, int64_t N, int64_t Vt,
+                           int64_t lo, cudaStream_t s);
 // kind: round_to's (1 bf16, 2 fp16, 0 none).
 void cross_entropy_backward(float* z, const float* mx, const float* st, const int* targets, int64_t N, int64_t Vt,
                             int64_t lo, float scale, int kind, cudaStream_t s);
