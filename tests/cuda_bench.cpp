@@ -86,6 +86,8 @@ void memory_bound_table(CudaBackend& be, std::mt19937& rng) {
   row("LayerNorm forward (16-bit out)", "8192 x 768", 6 * nh,
       [&] { be.layernorm_forward_packed(d16, mean, rstd, a, w, w, N, H, bf16); });
   row("pack16 (bf16)", "8192 x 3072", 6 * nf, [&] { be.pack16(u16, a, N * F, bf16); });
+  row("cross-entropy forward, one pass", "8192 x 50304", 4 * nv,
+      [&] { be.cross_entropy_forward(mx, st, z, targets, N, V, 0); });
   row("cross-entropy max", "8192 x 50304", 4 * nv, [&] { be.cross_entropy_max(mx, z, N, V); });
   row("cross-entropy exp-sum", "8192 x 50304", 4 * nv, [&] { be.cross_entropy_exp_sum(st, z, mx, targets, N, V, 0); });
   be.to_device(st, sums.data(), 2 * N);

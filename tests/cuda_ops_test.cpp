@@ -588,6 +588,36 @@ void CudaOps::cross_entropy_case() {
   expect_close(top, want_mx, 0.0, "two slices: maxima over both (exact)");
   expect_close(sum, want_st, 1e-5, "two slices: sums and target logits, moved to the maxima over both");
   gpu_->deallocate_bytes(gt);
+  // Rows shorter than the block (most threads hold no value) with -inf logits among them, a
+  // row of -inf but one logit, and a NaN: the maxima equal, the sums close, a NaN kept.
+  {
+    const int64_t n = 4, w = 100;
+    const float inf = std::numeric_limits<float>::infinity();
+    Vec zz = random(static_cast<size_t>(n * w), 3.0f);
+    for (int64_t j = 0; j < w; j += 7) zz[static_cast<size_t>(w + j)] = -inf;  // row 1: some -inf
+    for (int64_t j = 0; j < w; ++j) zz[static_cast<size_t>(2 * w + j)] = j == 37 ? 1.5f : -inf;  // row 2
+    zz[static_cast<size_t>(3 * w + 50)] = std::numeric_limits<float>::quiet_NaN();  // row 3
+    const std::vector<int32_t> tt = {3, 14, 37, 60};
+    auto* g = static_cast<int32_t*>(gpu_->allocate_bytes(tt.size() * sizeof(int32_t)));
+    gpu_->bytes_to_device(g, tt.data(), tt.size() * sizeof(int32_t));
+    Vec m(static_cast<size_t>(n)), t(static_cast<size_t>(2 * n));
+    cpu_->cross_entropy_max(m.data(), zz.data(), n, w);
+    cpu_->cross_entropy_exp_sum(t.data(), zz.data(), m.data(), tt.data(), n, w, 0);
+    float *gm = dev(nans(m.size())), *gs = dev(nans(t.size()));
+    gpu_->cross_entropy_forward(gm, gs, dev(zz), g, n, w, 0);
+    const Vec hm = host(gm, m.size()), hs = host(gs, t.size());
+    for (int64_t i = 0; i < 3; ++i) {
+      EXPECT_EQ(hm[static_cast<size_t>(i)], m[static_cast<size_t>(i)]) << "row " << i;
+      for (int k = 0; k < 2; ++k) {
+        const float got = hs[static_cast<size_t>(2 * i + k)], want = t[static_cast<size_t>(2 * i + k)];
+        if (std::isinf(want)) EXPECT_EQ(got, want) << "row " << i << " term " << k;  // (row 1's target: -inf)
+        else EXPECT_NEAR(got, want, 1e-5 * std::max(1.0f, std::fabs(want))) << "row " << i << " term " << k;
+      }
+    }
+    EXPECT_TRUE(std::isnan(t[6])) << "(the CPU's sum over a NaN)";
+    EXPECT_TRUE(std::isnan(hs[6])) << "a NaN logit's row sums to NaN";
+    gpu_->deallocate_bytes(g);
+  }
 }
 TEST_F(CudaOps, VocabParallelCrossEntropyPhases) { cross_entropy_case(); }
 

@@ -55,12 +55,14 @@ __global__ void xent_forward(float* mx, float* st, const float* z, const int* ta
     }
   }
   const float top = block_max(m, scratch);
-  sum = block_sum(m == -INFINITY ? 0.0f : sum * expf(m - top), scratch);
+  // (A thread whose values were all -inf or NaN keeps its sum, 0 or NaN, unscaled.)
+  sum = block_sum(m == -INFINITY ? sum : sum * expf(m - top), scratch);
   if (threadIdx.x == 0) {
     const long long tg = targets[i];
     mx[i] = top;
     st[2 * i] = sum;
-    st[2 * i + 1] = tg >= lo && tg < lo + Vt ? row[tg - lo] - top : 0.0f;
+    // (A slice of -inf alone: its target's -inf as it is, which the rescale keeps -inf.)
+    st[2 * i + 1] = tg >= lo && tg < lo + Vt ? (top == -INFINITY ? row[tg - lo] : row[tg - lo] - top) : 0.0f;
   }
 }
 

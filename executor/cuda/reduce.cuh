@@ -43,8 +43,8 @@ inline unsigned blocks_for(long long n, int threads) { return static_cast<unsign
 // (a 64-bit division or remainder is a software routine of dozens of instructions on a GPU,
 // more than a memory-bound kernel's bytes leave time for): a thread's column is
 // row_col() along x (a row's threads read consecutive values), its rows row_first(),
-// row_first() + row_step(), ... along y. The block is 256 threads: the columns rounded up to
-// a warp (at most 256) by as many rows as fill it; the grid covers the columns, and the
+// row_first() + row_step(), ... along y. The block is 256 threads: a width along the
+// columns (below) by as many rows as fill it; the grid covers the columns, and the
 // rows up to row_grid_limit() blocks (a GPU takes at most 65,535 along y; tests lower it
 // so that threads step through several rows).
 constexpr int kRowThreads = 256;
@@ -55,9 +55,18 @@ inline unsigned& row_grid_limit() {
 struct RowGrid {
   dim3 grid, block;
 };
+// (rows, cols >= 1: the callers launch nothing for an empty tensor.) The block's width is
+// the one of 256, 128, 64 and 32 threads that leaves the fewest idle past the last column
+// (384 columns: 3 x 128, not 2 x 256), the widest of those that tie.
 inline RowGrid row_grid(long long rows, long long cols) {
-  const long long warps = (cols + 31) / 32;
-  const unsigned bx = warps >= kRowThreads / 32 ? kRowThreads : static_cast<unsigned>(warps * 32);
+  if (rows < 1) rows = 1;
+  if (cols < 1) cols = 1;
+  unsigned bx = kRowThreads;
+  long long idle = blocks_for(cols, kRowThreads) * static_cast<long long>(kRowThreads) - cols;
+  for (unsigned w = kRowThreads / 2; w >= 32; w /= 2) {
+    const long long i = blocks_for(cols, static_cast<int>(w)) * static_cast<long long>(w) - cols;
+    if (i < idle) bx = w, idle = i;
+  }
   const unsigned by = kRowThreads / bx;
   const long long gy = (rows + by - 1) / by;
   return RowGrid{dim3(blocks_for(cols, static_cast<int>(bx)),
