@@ -124,16 +124,18 @@ void check_output_file(const std::string& flag, const std::string& path) {
     fail_field(flag, "'" + path + "'", "cannot be written: its folder " + dir.string() + " is not writable");
 }
 
-void check_output_folder(const std::string& flag, const std::string& path) {
+void check_output_folder(const std::string& flag, const std::string& path, bool written) {
   if (path.empty()) return;
   namespace fs = std::filesystem;
   std::error_code ec;
   fs::path at = path;
   if (fs::exists(at, ec)) {
     if (!fs::is_directory(at, ec)) fail_field(flag, "'" + path + "'", "is not a folder");
-    if (access(path.c_str(), W_OK | X_OK) != 0) fail_field(flag, "'" + path + "'", "is a folder that cannot be written");
+    if (written && access(path.c_str(), W_OK | X_OK) != 0)
+      fail_field(flag, "'" + path + "'", "is a folder that cannot be written");
     return;
   }
+  if (!written) return;
   // The nearest existing folder above it must let the rest be created.
   at = fs::absolute(at, ec);
   while (at.has_parent_path() && at != at.parent_path() && !fs::exists(at, ec)) at = at.parent_path();

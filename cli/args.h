@@ -45,8 +45,10 @@ void check_backend(const std::string& backend, const std::string& command);
 // pass. Callers check on the rank that writes it.
 void check_output_file(const std::string& flag, const std::string& path);
 // An output folder (--checkpoint-dir, --report): a folder where it exists, else creatable
-// (the nearest existing folder above it writable), and writable. "" passes.
-void check_output_folder(const std::string& flag, const std::string& path);
+// (the nearest existing folder above it writable), and writable. "" passes. Not `written`
+// (a folder only read: --resume without new checkpoints), only a path that exists and is
+// not a folder fails.
+void check_output_folder(const std::string& flag, const std::string& path, bool written = true);
 // Two output flags naming one file: the second would overwrite the first.
 void check_distinct_outputs(const std::vector<std::pair<std::string, std::string>>& flag_paths);
 

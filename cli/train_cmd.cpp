@@ -5,7 +5,6 @@
 
 #include <cmath>
 #include <cstdio>
-#include <filesystem>
 #include <fstream>
 #include <iostream>
 #include <optional>
@@ -119,12 +118,7 @@ int cmd_train(const std::vector<std::string>& argv) {
                        " needs --checkpoint-dir D");
     // The checkpoint folder and the output files are checked now, on every rank, not when
     // the first checkpoint or the end of the run writes them.
-    if (!o.checkpoint_dir.empty()) {
-      std::error_code ec;
-      if (std::filesystem::exists(o.checkpoint_dir, ec) && !std::filesystem::is_directory(o.checkpoint_dir, ec))
-        fail_field("--checkpoint-dir", "'" + o.checkpoint_dir + "'", "is not a folder");
-      if (o.checkpoint_every > 0) check_output_folder("--checkpoint-dir", o.checkpoint_dir);
-    }
+    check_output_folder("--checkpoint-dir", o.checkpoint_dir, /*written=*/o.checkpoint_every > 0);
     // A new run must not mix its checkpoints with another run's (keep-K would prune by step
     // across both, and a later --resume would pick the other run's newest).
     if (o.checkpoint_every > 0 && !o.resume && !checkpoints_in(o.checkpoint_dir).empty())

@@ -662,20 +662,23 @@ SearchResult search(const ModelSpec& m, const Cluster& cl, const SearchOptions& 
           // strata's own uneven pipelines are searched only in the (L+2)/p embedding-slot
           // form (estimate also takes the as-even-as-possible split); Megatron's first/last
           // split that balances the ends (balanced_end_split) may still hold the layers.
+          // The unit's candidates --fix allows: micro-batch sizes, schedules, sp, recompute
+          // modes (full counted `full_weight` times: once per recompute_num_layers setting),
+          // ZeRO units and cp_comm_types.
+          auto unit_candidates = [&](int64_t full_weight) {
+            int64_t recompute_choices = 0;
+            for (Recompute rc : recomputes)
+              if (allowed(fx.recompute, rc)) recompute_choices += rc == Recompute::full ? full_weight : 1;
+            return count(mbss, fx.mbs) *
+                   (v > 1 || p == 1 ? count(std::vector<bool>{false}, fx.gpipe)
+                                    : count(std::vector<bool>{false, true}, fx.gpipe)) *
+                   (t > 1 ? count(std::vector<bool>{false, true}, fx.sp) : count(std::vector<bool>{false}, fx.sp)) *
+                   recompute_choices * zero_units(zeros) * count(cps, fx.cp_comm);
+          };
           // A unit none of whose candidates --fix allows (a micro-batch size that does not
           // divide its batch, sp=1 with tp=1, ...) has no candidate to count, rejected or not:
           // a --fix that leaves none anywhere is bad input (cli), not an infeasible search.
-          {
-            int64_t recompute_choices = 0;
-            for (Recompute rc : recomputes) recompute_choices += allowed(fx.recompute, rc) ? 1 : 0;
-            if (count(mbss, fx.mbs) *
-                    (v > 1 || p == 1 ? count(std::vector<bool>{false}, fx.gpipe)
-                                     : count(std::vector<bool>{false, true}, fx.gpipe)) *
-                    (t > 1 ? count(std::vector<bool>{false, true}, fx.sp) : count(std::vector<bool>{false}, fx.sp)) *
-                    recompute_choices * zero_units(zeros) * count(cps, fx.cp_comm) ==
-                0)
-              continue;
-          }
+          if (unit_candidates(1) == 0) continue;
           const bool own_ok = !(v == 1 && p > 1 && m.L % p != 0 && (m.L + 2) % p != 0);
           const bool splits = p > 1 && allowed(fx.uneven_split, true);
           if (!own_ok && !splits) {
@@ -710,13 +713,7 @@ SearchResult search(const ModelSpec& m, const Cluster& cl, const SearchOptions& 
               reject("layers_uneven", 1);
               continue;
             }
-            int64_t recompute_choices = 0;
-            for (Recompute rc : recomputes)
-              if (allowed(fx.recompute, rc)) recompute_choices += rc == Recompute::full ? chunk_max : 1;
-            reject(why.front().key, count(mbss, fx.mbs) *
-                                        (v > 1 || p == 1 ? 1 : count(std::vector<bool>{false, true}, fx.gpipe)) *
-                                        (t > 1 ? count(std::vector<bool>{false, true}, fx.sp) : 1) *
-                                        recompute_choices * zero_units(zeros) * count(cps, fx.cp_comm));
+            reject(why.front().key, unit_candidates(chunk_max));
             continue;
           }
           if (!own_ok) reject("layers_uneven", 1);  // strata's own layout, once; the splits below
