@@ -2,15 +2,20 @@
 // seeded per-epoch sample order.
 #include "executor/data.h"
 
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
 #include <algorithm>
+#include <cerrno>
 #include <cmath>
+#include <cstring>
 #include <filesystem>
-#include <fstream>
 #include <numeric>
 
 #include "costmodel/json_input.h"
 #include "executor/hash.h"
-#include "executor/memory_tracker.h"
 
 namespace strata {
 namespace {
@@ -97,32 +102,38 @@ TokenSource::TokenSource(const std::string& spec, int64_t V, int64_t S, uint64_t
   // (A pipe or a device would block or never end: a token file is a regular file.)
   if (std::filesystem::exists(spec, ec) && !std::filesystem::is_regular_file(spec, ec))
     throw InputError("--data: '" + spec + "' is not a regular file (a pipe or a device?); expected a file of uint16 tokens");
-  std::ifstream f(spec, std::ios::binary | std::ios::ate);
-  if (!f) throw InputError("--data: cannot open token file '" + spec + "'");
-  const auto bytes = static_cast<int64_t>(f.tellg());
-  if (bytes < 0) throw InputError("--data: '" + spec + "' is not a readable token file (a folder?)");
-  // The tokens are read into memory: refuse a file larger than half of this machine's memory
-  // before allocating for it.
-  const double ram = physical_memory_bytes();
-  if (ram > 0 && static_cast<double>(bytes) > ram / 2)
-    throw InputError("--data: token file '" + spec + "' has " + std::to_string(bytes) +
-                     " bytes, more than half of this machine's memory; strata reads token files into memory");
+  // Mapped, not read: the ranks of a node share the file's pages in the page cache (each
+  // read its own copy before: a node's memory for the tokens times its ranks), and a file
+  // larger than the memory streams through it.
+  const int fd = ::open(spec.c_str(), O_RDONLY | O_CLOEXEC);
+  if (fd < 0) throw InputError("--data: cannot open token file '" + spec + "': " + std::strerror(errno));
+  struct stat st {};
+  if (::fstat(fd, &st) != 0 || !S_ISREG(st.st_mode)) {
+    ::close(fd);
+    throw InputError("--data: '" + spec + "' is not a readable token file (a folder?)");
+  }
+  const auto bytes = static_cast<int64_t>(st.st_size);
+  auto refuse = [&](const std::string& why) {
+    ::close(fd);
+    throw InputError("--data: token file '" + spec + "' " + why);
+  };
   if (bytes % 2 != 0)
-    throw InputError("--data: token file '" + spec + "' has " + std::to_string(bytes) +
-                     " bytes; a file of uint16 tokens has an even number (truncated?)");
+    refuse("has " + std::to_string(bytes) + " bytes; a file of uint16 tokens has an even number (truncated?)");
   const int64_t n = bytes / 2;
   if (n < S + 1)
-    throw InputError("--data: token file '" + spec + "' holds " + std::to_string(n) + " tokens; seq_length " +
-                     std::to_string(S) + " needs at least " + std::to_string(S + 1));
-  tokens_.resize(static_cast<size_t>(n));
-  f.seekg(0);
-  f.read(reinterpret_cast<char*>(tokens_.data()), bytes);
-  if (!f) throw InputError("--data: reading token file '" + spec + "' failed");
+    refuse("holds " + std::to_string(n) + " tokens; seq_length " + std::to_string(S) + " needs at least " +
+           std::to_string(S + 1));
+  void* at = ::mmap(nullptr, static_cast<size_t>(bytes), PROT_READ, MAP_SHARED, fd, 0);
+  ::close(fd);  // (the mapping keeps the file)
+  if (at == MAP_FAILED) throw InputError("--data: cannot map token file '" + spec + "': " + std::strerror(errno));
+  const size_t len = static_cast<size_t>(bytes);
+  map_ = std::shared_ptr<const void>(at, [len](const void* p) { ::munmap(const_cast<void*>(p), len); });
+  tokens_ = static_cast<const uint16_t*>(at);
   for (int64_t i = 0; i < n; ++i)
-    if (tokens_[static_cast<size_t>(i)] >= V)
-      throw InputError("--data: token file '" + spec + "' has token " + std::to_string(tokens_[static_cast<size_t>(i)]) +
-                       " at position " + std::to_string(i) + "; the model's vocab_size is " + std::to_string(V) +
-                       " (tokens 0 to " + std::to_string(V - 1) + ")");
+    if (tokens_[i] >= V)
+      throw InputError("--data: token file '" + spec + "' has token " + std::to_string(tokens_[i]) + " at position " +
+                       std::to_string(i) + "; the model's vocab_size is " + std::to_string(V) + " (tokens 0 to " +
+                       std::to_string(V - 1) + ")");
   samples_ = (n - 1) / S;
 }
 
@@ -143,7 +154,7 @@ int64_t TokenSource::index_of(int64_t g) {
 void TokenSource::sample(int64_t g, int32_t* out) {
   const int64_t idx = index_of(g);
   if (!synthetic_) {
-    for (int64_t i = 0; i <= S_; ++i) out[i] = tokens_[static_cast<size_t>(idx * S_ + i)];
+    for (int64_t i = 0; i <= S_; ++i) out[i] = tokens_[idx * S_ + i];
     return;
   }
   const MarkovChain& c = chain_;

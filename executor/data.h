@@ -7,6 +7,7 @@
 #pragma once
 
 #include <cstdint>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -42,7 +43,8 @@ class TokenSource {
   uint64_t seed_;
   bool synthetic_ = true;
   MarkovChain chain_;
-  std::vector<uint16_t> tokens_;
+  std::shared_ptr<const void> map_;  // the token file, mapped read-only (shared by copies)
+  const uint16_t* tokens_ = nullptr;
   int64_t samples_ = 0;
   int64_t epoch_ = -1;
   std::vector<int64_t> order_;  // permutation of the current epoch

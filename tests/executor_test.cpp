@@ -14,6 +14,7 @@
 #include <fstream>
 #include <limits>
 #include <map>
+#include <memory>
 #include <random>
 #include <set>
 
@@ -986,7 +987,18 @@ TEST(Data, TokenFilesAndTheirErrors) {
     firsts.insert(s[0]);
   }
   EXPECT_GE(firsts.size(), 97u);  // sample k starts at token 10k mod 97: 97 distinct starts
+  // The file is mapped, not read: a copy shares the mapping and outlives the original.
+  {
+    auto first = std::make_unique<TokenSource>(dir + "ok.bin", 128, 10, 1);
+    std::vector<int32_t> want(11), got(11);
+    first->sample(5, want.data());
+    TokenSource copy = *first;
+    first.reset();
+    copy.sample(5, got.data());
+    EXPECT_EQ(got, want);
+  }
   EXPECT_THROW(TokenSource(dir + "missing.bin", 128, 10, 1), InputError);
+  EXPECT_THROW(TokenSource(dir, 128, 10, 1), InputError);  // a folder
   EXPECT_THROW(TokenSource(write("odd.bin", toks, true), 128, 10, 1), InputError);
   EXPECT_THROW(TokenSource(write("short.bin", {1, 2, 3}, false), 128, 10, 1), InputError);
   EXPECT_THROW(TokenSource(write("big.bin", toks, false), 64, 10, 1), InputError);  // token 96 >= V 64
