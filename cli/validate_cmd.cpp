@@ -55,15 +55,18 @@ void write_file(const fs::path& path, const std::string& text) {
   if (!f) throw InputError("--report: cannot write '" + path.string() + "'");
 }
 
+// The last line of a run's log (it says why), and where the whole log is; a run that wrote
+// nothing (killed, or its mpirun failed before it started) says so.
 std::string tail_of(const fs::path& path, size_t max_chars) {
   std::ifstream f(path);
   std::stringstream ss;
   ss << f.rdbuf();
   std::string s = ss.str();
   if (s.size() > max_chars) s = s.substr(s.size() - max_chars);
-  while (!s.empty() && (s.back() == '\n' || s.back() == ' ')) s.pop_back();
+  while (!s.empty() && (s.back() == '\n' || s.back() == ' ' || s.back() == '\r')) s.pop_back();
   const size_t nl = s.rfind('\n');
-  return nl == std::string::npos ? s : s.substr(nl + 1);  // the last line says why
+  if (nl != std::string::npos) s = s.substr(nl + 1);
+  return (s.empty() ? std::string("no output") : s) + " (log: " + path.string() + ")";
 }
 
 struct Launcher {

@@ -296,6 +296,12 @@ TEST(Validation, BadInputExitsTwo) {
   // A launcher that is not there, said before anything runs (not exit 1 from each run)
   EXPECT_EQ(run_strata("validate --model tiny-gpt --cluster local-cpu --ranks 2 --mpirun /nonexistent/mpirun", &err), 2);
   EXPECT_NE(err.find("--mpirun: '/nonexistent/mpirun' is invalid: is not an executable file"), std::string::npos) << err;
+  // A launcher that runs but fails without a word: the failure says so and where its log is
+  // (it ended in "exit 1: " and nothing).
+  const std::string report = ::testing::TempDir() + "validate_silent_launcher";
+  EXPECT_EQ(run_strata("validate --model tiny-gpt --cluster measure --ranks 2 --mpirun /bin/false --report " + report, &err), 1);
+  EXPECT_NE(err.find("strata profile failed (exit 1): no output (log: " + report + "/profile.log)"), std::string::npos)
+      << err;
 }
 
 }  // namespace
