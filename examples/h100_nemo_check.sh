@@ -27,7 +27,7 @@
 # Each plan is the table's: NeMo's and Bridge's recipes use the distributed optimizer
 # (zero=1) unless the table says FSDP (zero=3), and sequence parallelism with TP; Bridge's
 # Llama 3 8B H100 FP8 recipe recomputes 5 layers in full (scripts/performance/configs/llama3/
-# workload_base_configs.py, recompute_num_layers=5, Megatron-Bridge 0.2.1); Bridge's
+# workload_base_configs.py, recompute_num_layers=5, Megatron-Bridge 0.2.1); Bridge's recipes
 # reduce gradients in bf16 (grad_reduce_in_fp32=0, as every Bridge performance recipe of
 # these models sets it; NeMo 24.12's and 25.02's scripts kept fp32). Measured
 # step time = global batch x sequence / (tokens per second per GPU x GPUs). Prints one table;
