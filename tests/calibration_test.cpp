@@ -262,6 +262,39 @@ TEST(Calibration, HopperAndBlackwellRuns) {
   EXPECT_LE(median(all), 0.10);
 }
 
+// PyTorch FSDP2 runs on A100s (tests/data/fsdp_runs.csv): torchtitan's published Llama 2
+// and Llama 3 table (docs/performance.md as of 2024, commit 0413364: 64 A100 80GB, FSDP2
+// over all 64, bf16 parameters with fp32 gradient reduction, local batch 1 or 2), a stack
+// of its own (eager PyTorch, not Megatron-core) that no parameter was fitted to. Its
+// "selective layer" checkpointing wraps every second block (full recompute of half the
+// layers: recompute_num_layers L/2); its "selective op" rows save every other matmul's
+// output, which no plan setting describes, and are left out. Today the 8B and 13B runs are
+// predicted 6-8 % fast and the 70B ones within 0.5 % (the small-model bias of the Hopper
+// table, README "Accuracy"); the bounds hold them there.
+TEST(Calibration, TorchtitanFsdpRuns) {
+  const std::string dir = std::string(STRATA_SOURCE_DIR) + "/tests/data/";
+  const auto rows = testing::read_csv(dir + "fsdp_runs.csv");
+  ASSERT_EQ(rows.size(), 5u);
+  std::vector<double> errs;
+  fmt::print("{:<16} {:<12} {:<14} {:>5} {:>5} {:<74} {:>8} {:>8} {:>7} {:>7} {:>4}\n", "group", "model", "cluster",
+             "gpus", "gbs", "plan", "meas_s", "pred_s", "err%", "memGiB", "fits");
+  for (const auto& r : rows) {
+    const PublishedRun x = run_published(r, dir);
+    const Estimate& e = x.e;
+    if (!e.valid) continue;
+    fmt::print("{:<16} {:<12} {:<14} {:>5} {:>5} {:<74} {:>8.2f} {:>8.2f} {:>+7.1f} {:>7.1f} {:>4}\n", r.at("group"),
+               r.at("label"), r.at("cluster"), r.at("gpus"), r.at("global_batch_size"), r.at("plan"), x.measured,
+               e.step_time_s, 100 * x.err, e.memory.peak / 1073741824.0, e.fits ? "yes" : "NO");
+    errs.push_back(std::fabs(x.err));
+    EXPECT_LE(std::fabs(x.err), 0.12) << r.at("label") << " " << r.at("plan");
+    EXPECT_TRUE(e.fits) << r.at("label") << " " << r.at("plan") << ": ran but is predicted not to fit";
+  }
+  fmt::print("  {:>2} runs  median |error| {:>5.1f}%  max {:>5.1f}%\n", errs.size(), 100 * median(errs),
+             100 * *std::max_element(errs.begin(), errs.end()));
+  EXPECT_EQ(errs.size(), rows.size());
+  EXPECT_LE(median(errs), 0.08);
+}
+
 // Mixture-of-experts runs (tests/data/moe_runs.csv): Megatron-Bridge 26.04.01's Qwen3
 // 30B-A3B, Qwen3 235B-A22B and GPT-OSS 120B rows on H100 and B200 and NeMo 25.02's Mixtral
 // 8x7B on B200, all with the token load forced even over the experts (as their pages say),
