@@ -50,6 +50,22 @@ PublishedRun run_published(const std::map<std::string, std::string>& r, const st
   return x;
 }
 
+// The table of a published-runs CSV: the header, then a row per run (column widths: the
+// group's, the model label's and the plan's).
+struct RunTable {
+  int group_w, label_w, plan_w;
+  void header() const {
+    fmt::print("{:<{}} {:<{}} {:<14} {:>5} {:>5} {:<{}} {:>8} {:>8} {:>7} {:>7} {:>4}\n", "group", group_w, "model",
+               label_w, "cluster", "gpus", "gbs", "plan", plan_w, "meas_s", "pred_s", "err%", "memGiB", "fits");
+  }
+  void row(const std::map<std::string, std::string>& r, const PublishedRun& x) const {
+    fmt::print("{:<{}} {:<{}} {:<14} {:>5} {:>5} {:<{}} {:>8.2f} {:>8.2f} {:>+7.1f} {:>7.1f} {:>4}\n", r.at("group"),
+               group_w, r.at("label"), label_w, r.at("cluster"), r.at("gpus"), r.at("global_batch_size"), r.at("plan"),
+               plan_w, x.measured, x.e.step_time_s, 100 * x.err, x.e.memory.peak / 1073741824.0,
+               x.e.fits ? "yes" : "NO");
+  }
+};
+
 struct Scored {
   testing::Case c;
   Estimate e;
@@ -236,18 +252,16 @@ TEST(Calibration, HopperAndBlackwellRuns) {
                                                       {"mlperf", 0.05}};
   std::map<std::string, std::vector<double>> by_group;
   std::vector<double> all;
-  fmt::print("{:<16} {:<12} {:<14} {:>5} {:>5} {:<52} {:>8} {:>8} {:>7} {:>7} {:>4}\n", "group", "model", "cluster",
-             "gpus", "gbs", "plan", "meas_s", "pred_s", "err%", "memGiB", "fits");
+  const RunTable table{16, 12, 52};
+  table.header();
   for (const auto& r : rows) {
     const PublishedRun x = run_published(r, dir);
     const Estimate& e = x.e;
-    const double measured = x.measured, err = x.err;
+    const double err = x.err;
     if (!e.valid) continue;
     const std::string run = r.at("group") + " " + r.at("label") + " on " + r.at("gpus") + " x " + r.at("cluster") +
                             ", gbs " + r.at("global_batch_size") + ", " + r.at("plan");
-    fmt::print("{:<16} {:<12} {:<14} {:>5} {:>5} {:<52} {:>8.2f} {:>8.2f} {:>+7.1f} {:>7.1f} {:>4}\n", r.at("group"),
-               r.at("label"), r.at("cluster"), r.at("gpus"), r.at("global_batch_size"), r.at("plan"), measured,
-               e.step_time_s, 100 * err, e.memory.peak / 1073741824.0, e.fits ? "yes" : "NO");
+    table.row(r, x);
     by_group[r.at("group")].push_back(std::fabs(err));
     all.push_back(std::fabs(err));
     EXPECT_LE(std::fabs(err), bound.at(r.at("group"))) << run;
@@ -276,15 +290,13 @@ TEST(Calibration, TorchtitanFsdpRuns) {
   const auto rows = testing::read_csv(dir + "fsdp_runs.csv");
   ASSERT_EQ(rows.size(), 5u);
   std::vector<double> errs;
-  fmt::print("{:<16} {:<12} {:<14} {:>5} {:>5} {:<74} {:>8} {:>8} {:>7} {:>7} {:>4}\n", "group", "model", "cluster",
-             "gpus", "gbs", "plan", "meas_s", "pred_s", "err%", "memGiB", "fits");
+  const RunTable table{16, 12, 74};
+  table.header();
   for (const auto& r : rows) {
     const PublishedRun x = run_published(r, dir);
     const Estimate& e = x.e;
     if (!e.valid) continue;
-    fmt::print("{:<16} {:<12} {:<14} {:>5} {:>5} {:<74} {:>8.2f} {:>8.2f} {:>+7.1f} {:>7.1f} {:>4}\n", r.at("group"),
-               r.at("label"), r.at("cluster"), r.at("gpus"), r.at("global_batch_size"), r.at("plan"), x.measured,
-               e.step_time_s, 100 * x.err, e.memory.peak / 1073741824.0, e.fits ? "yes" : "NO");
+    table.row(r, x);
     errs.push_back(std::fabs(x.err));
     EXPECT_LE(std::fabs(x.err), 0.12) << r.at("label") << " " << r.at("plan");
     EXPECT_TRUE(e.fits) << r.at("label") << " " << r.at("plan") << ": ran but is predicted not to fit";
@@ -311,17 +323,15 @@ TEST(Calibration, MixtureOfExpertsRuns) {
   const auto rows = testing::read_csv(dir + "moe_runs.csv");
   ASSERT_EQ(rows.size(), 7u);
   std::vector<double> errs;
-  fmt::print("{:<25} {:<16} {:<14} {:>5} {:>5} {:<64} {:>8} {:>8} {:>7} {:>7} {:>4}\n", "group", "model", "cluster",
-             "gpus", "gbs", "plan", "meas_s", "pred_s", "err%", "memGiB", "fits");
+  const RunTable table{25, 16, 64};
+  table.header();
   for (const auto& r : rows) {
     const PublishedRun x = run_published(r, dir);
     const Estimate& e = x.e;
-    const double measured = x.measured, err = x.err;
+    const double err = x.err;
     EXPECT_TRUE(x.m.moe()) << r.at("label");
     if (!e.valid) continue;
-    fmt::print("{:<25} {:<16} {:<14} {:>5} {:>5} {:<64} {:>8.2f} {:>8.2f} {:>+7.1f} {:>7.1f} {:>4}\n", r.at("group"),
-               r.at("label"), r.at("cluster"), r.at("gpus"), r.at("global_batch_size"), r.at("plan"), measured,
-               e.step_time_s, 100 * err, e.memory.peak / 1073741824.0, e.fits ? "yes" : "NO");
+    table.row(r, x);
     errs.push_back(std::fabs(err));
     EXPECT_LE(std::fabs(err), 0.45) << r.at("label") << " on " << r.at("cluster");
     // (A run whose memory strata over-counts is predicted out of memory: its not_modelled
