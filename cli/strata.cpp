@@ -222,6 +222,11 @@ void note_extended_context(const ModelSpec& m) {
                "strata: note: {}: sequence {} from max_position_embeddings; its RoPE scaling extends a model "
                "pre-trained at {} (original_max_position_embeddings): give --seq-length {} to plan pre-training\n",
                m.name, m.S, m.pretrain_seq_length, m.pretrain_seq_length);
+  if (m.learned_positions_in_config > 0)
+    fmt::print(stderr,
+               "strata: note: {}: sequence {} is longer than its config's learned position table ({} rows, "
+               "n_positions): costed with a table of {} rows ({} parameters more)\n",
+               m.name, m.S, m.learned_positions_in_config, m.S, (m.S - m.learned_positions_in_config) * m.H);
 }
 
 int cmd_estimate(const std::vector<std::string>& argv) {

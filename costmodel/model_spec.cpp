@@ -2,6 +2,7 @@
 #include "costmodel/model_spec.h"
 
 #include <algorithm>
+#include <cctype>
 #include <filesystem>
 
 #include <fmt/format.h>
@@ -205,6 +206,34 @@ void read_experts(Fields& f, const Json& j, const std::string& source, ModelSpec
 
 // Hugging Face model types of encoder-only models: bidirectional attention and no causal
 // language-model head, which the cost model and the executor do not have.
+// A config without model_type: the family from its first architectures entry (Hugging
+// Face's class name, e.g. GemmaForCausalLM), as the model_type the families above test for
+// (GPTNeoX -> gpt_neox, DeepseekV3 -> deepseek_v3, ...); "" where none is given.
+std::string model_type_of_architectures(const Json& j) {
+  if (!j.contains("architectures") || !j["architectures"].is_array() || j["architectures"].empty() ||
+      !j["architectures"][0].is_string())
+    return "";
+  std::string name = j["architectures"][0].get<std::string>();
+  for (const char* suffix : {"ForCausalLM", "LMHeadModel", "ForConditionalGeneration", "Model"}) {
+    const std::string x = suffix;
+    if (name.size() > x.size() && name.compare(name.size() - x.size(), x.size(), x) == 0) {
+      name.resize(name.size() - x.size());
+      break;
+    }
+  }
+  std::string lower;
+  for (const char c : name) lower += static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
+  // The model_types whose names have an underscore the class name drops.
+  for (const char* t : {"gpt_neox", "gpt_bigcode", "gpt_oss", "deepseek_v2", "deepseek_v3", "kimi_k2", "glm4_moe",
+                        "qwen2_moe", "qwen3_moe"}) {
+    std::string bare;
+    for (const char* c = t; *c; ++c)
+      if (*c != '_') bare += *c;
+    if (lower == bare) return t;
+  }
+  return lower;
+}
+
 bool encoder_only(const std::string& model_type) {
   for (const char* t : {"bert", "roberta", "xlm-roberta", "deberta", "deberta-v2", "electra", "albert",
                         "distilbert", "mpnet", "modernbert", "camembert", "ernie"})
@@ -648,6 +677,7 @@ ModelSpec model_from_hf_config(const Json& j, const std::string& source, int64_t
   ModelSpec m;
   std::string model_type;
   if (j.contains("model_type") && j["model_type"].is_string()) model_type = j["model_type"].get<std::string>();
+  if (model_type.empty()) model_type = model_type_of_architectures(j);
   if (j.contains("_name_or_path") && j["_name_or_path"].is_string()) m.name = j["_name_or_path"].get<std::string>();
   if (m.name.empty()) m.name = model_type.empty() ? "hf-model" : model_type;
   // BLOOM, Falcon and GPT-J share GPT-2's short key names (n_layer, n_head) but not its
@@ -662,7 +692,13 @@ ModelSpec model_from_hf_config(const Json& j, const std::string& source, int64_t
   const bool qwen1 = model_type == "qwen";
   const bool gpt2 = model_type == "gpt2" || (j.contains("n_layer") && !j.contains("num_hidden_layers") && !bloom &&
                                              !falcon && model_type != "gptj" && !qwen1 && model_type != "phi-msft");
-  auto flag = [&](const char* k) { return j.contains(k) && j[k].is_boolean() && j[k].get<bool>(); };
+  // A yes/no key (attention_bias, multi_query, ...): absent or null is no; anything but a
+  // boolean is refused rather than read as no.
+  auto flag = [&](const char* k) {
+    if (!j.contains(k) || j[k].is_null()) return false;
+    if (!j[k].is_boolean()) fail_field(source + "." + k, show_value(j[k]), "must be true or false");
+    return j[k].get<bool>();
+  };
   if (!j.contains("num_hidden_layers") && !j.contains("n_layer") && j.contains("text_config") &&
       j["text_config"].is_object())
     fail_field(source + ".text_config", "{...}",
@@ -715,6 +751,7 @@ ModelSpec model_from_hf_config(const Json& j, const std::string& source, int64_t
   // BLOOM's config has no length (ALiBi): --seq-length gives it.
   m.S = get_int({"max_position_embeddings", "n_positions", "n_ctx", "seq_length"}, 1, kMaxSeq, false,
                 falcon ? 2048 : 0);  // (FalconConfig's default: Falcon's configs name none)
+  const int64_t config_positions = m.S;
   if (seq_length_override > 0) m.S = seq_length_override;
   else if (m.S == 0)
     throw InputError(source + ".max_position_embeddings: missing: an integer is required (or give --seq-length)");
@@ -733,10 +770,12 @@ ModelSpec model_from_hf_config(const Json& j, const std::string& source, int64_t
   // Transformers' defaults when the key is absent: GPT-2 "gelu_new", BLOOM and Falcon
   // "gelu", the rest (Llama, Mistral, Qwen2, ...) "silu".
   std::string act = gpt2 || model_type == "gptj" ? "gelu_new" : bloom || falcon ? "gelu" : "silu";
+  std::string act_key = "hidden_act";  // (the key read, for the error below)
   for (const char* k : {"hidden_act", "activation_function", "hidden_activation"}) {  // (Gemma 3: the last)
-    if (j.contains(k)) {
+    if (j.contains(k) && !j[k].is_null()) {  // (Gemma's configs give hidden_activation null beside hidden_act)
       if (!j[k].is_string()) fail_field(source + "." + k, show_value(j[k]), "must be a string");
       act = j[k].get<std::string>();
+      act_key = k;
       break;
     }
   }
@@ -746,7 +785,7 @@ ModelSpec model_from_hf_config(const Json& j, const std::string& source, int64_t
   } else if (act.rfind("gelu", 0) == 0) {
     m.activation = gemma ? Activation::geglu : Activation::gelu;
   } else {
-    fail_field(source + ".hidden_act", show_value(Json(act)), "must be silu (SwiGLU MLP) or a gelu variant");
+    fail_field(source + "." + act_key, show_value(Json(act)), "must be silu (SwiGLU MLP) or a gelu variant");
   }
   const bool llama = m.gated();
   m.F = get_int({"intermediate_size", "n_inner"}, 1, kMaxFfn, false, llama ? llama_ffn_size(m.H) : 4 * m.H);
@@ -843,6 +882,8 @@ ModelSpec model_from_hf_config(const Json& j, const std::string& source, int64_t
   m.normalization = (j.contains("rms_norm_eps") || (llama && !layernorm_gated)) && !gpt2 ? Norm::rmsnorm : Norm::layernorm;
   m.position = gpt2 ? Position::learned  // RoPE sets the modern stack for the Llama family
              : bloom || (falcon && flag("alibi")) ? Position::alibi : Position::rope;
+  if (m.position == Position::learned && config_positions > 0 && m.S > config_positions)
+    m.learned_positions_in_config = config_positions;
   // Their config classes' defaults where the key is absent (Starcoder2Config, CohereConfig: tied).
   m.tie_embeddings = gpt2 || gemma || bloom || falcon || cohere || model_type == "starcoder2";
   if (j.contains("tie_word_embeddings")) {

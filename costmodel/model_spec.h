@@ -58,6 +58,10 @@ struct ModelSpec {
   // at, when shorter than S (taken from max_position_embeddings); 0 otherwise. Nothing is
   // costed from it: the CLI names it when no --seq-length was given.
   int64_t pretrain_seq_length = 0;
+  // A Hugging Face config with learned positions (GPT-2's n_positions) given a longer
+  // --seq-length: its table's length (the model is costed with S rows, as a model trained
+  // at S has them); 0 otherwise. The CLI names it.
+  int64_t learned_positions_in_config = 0;
   // Mixture of experts (Megatron-core's MoE layer, on every layer): num_experts routed
   // experts of moe_ffn_hidden_size each (the model's activation), moe_router_topk of them
   // per token, and a shared expert of moe_shared_expert_intermediate_size (0: none) that

@@ -294,6 +294,40 @@ TEST(ModelSpec, HuggingFaceGemmaConfigWithHeadDim) {
   EXPECT_EQ(m.name, "gemma");
 }
 
+// A config without model_type is read by the family of its architectures entry (the
+// Gemma 7B above without it: gated GELU, tied embedding, 8.54B; GPTNeoX's class name for
+// model_type gpt_neox); Gemma's configs give one activation key and leave the other null.
+TEST(ModelSpec, HuggingFaceConfigWithoutModelTypeAndNullActivation) {
+  const Json gemma = Json::parse(R"({"architectures":["GemmaForCausalLM"],"hidden_size":3072,
+      "intermediate_size":24576,"num_attention_heads":16,"num_key_value_heads":16,"head_dim":256,
+      "num_hidden_layers":28,"vocab_size":256000,"max_position_embeddings":8192,"hidden_act":"gelu_pytorch_tanh",
+      "rms_norm_eps":1e-06})");
+  const ModelSpec m = model_from_hf_config(gemma, "config.json");
+  EXPECT_EQ(m.activation, Activation::geglu);
+  EXPECT_TRUE(m.tie_embeddings);
+  EXPECT_DOUBLE_EQ(m.total_params(), 8537680896.0);
+  Json null_first = gemma;
+  null_first["hidden_act"] = nullptr;
+  null_first["hidden_activation"] = "gelu_pytorch_tanh";
+  EXPECT_DOUBLE_EQ(model_from_hf_config(null_first, "config.json").total_params(), 8537680896.0);
+  const Json neox = Json::parse(R"({"architectures":["GPTNeoXForCausalLM"],"hidden_size":1024,
+      "intermediate_size":4096,"num_attention_heads":16,"num_hidden_layers":2,"vocab_size":50304,
+      "max_position_embeddings":2048,"hidden_act":"gelu"})");
+  EXPECT_TRUE(model_from_hf_config(neox, "config.json").bias);  // (gpt_neox: biases on every linear layer)
+}
+
+// A longer --seq-length than GPT-2's learned table: costed with S rows, and the table's
+// length kept for the CLI's note; none at or below it.
+TEST(ModelSpec, HuggingFaceLearnedPositionsShorterThanTheSequence) {
+  const Json hf = Json::parse(R"({"model_type":"gpt2","n_layer":12,"n_embd":768,"n_head":12,"n_positions":1024,
+      "vocab_size":50257})");
+  EXPECT_EQ(model_from_hf_config(hf, "config.json").learned_positions_in_config, 0);
+  EXPECT_EQ(model_from_hf_config(hf, "config.json", 1024).learned_positions_in_config, 0);
+  const ModelSpec m = model_from_hf_config(hf, "config.json", 4096);
+  EXPECT_EQ(m.learned_positions_in_config, 1024);
+  EXPECT_EQ(m.position_params(), 4096 * 768);
+}
+
 TEST(ModelSpec, HuggingFaceLlamaWithoutHiddenActIsSilu) {
   const Json hf = Json::parse(R"({"model_type":"llama","hidden_size":4096,"intermediate_size":14336,
       "num_attention_heads":32,"num_hidden_layers":32,"num_key_value_heads":8,"vocab_size":128256,
@@ -326,6 +360,10 @@ TEST(ModelSpec, HuggingFaceConfigsOutsideTheModelAreRefused) {
   refused(R"("model_type":"glm4_moe","n_routed_experts":8,"num_experts_per_tok":2,"first_k_dense_replace":32)",
           "first_k_dense_replace", "no MoE layer");
   refused(R"("model_type":"mixtral","num_local_experts":8)", "num_experts_per_tok", "missing");
+  // Yes/no keys are booleans (a string was read as no); the activation's error names the key read.
+  refused(R"("model_type":"llama","attention_bias":"true")", "attention_bias", "must be true or false");
+  refused(R"("model_type":"falcon","multi_query":1)", "multi_query", "must be true or false");
+  refused(R"("model_type":"gpt2","activation_function":"relu")", "activation_function", "a gelu variant");
   refused(R"("model_type":"mixtral","num_local_experts":8,"num_experts_per_tok":9)", "num_experts_per_tok", "[1, 8]");
   refused(R"("model_type":"deepseek_v3","n_routed_experts":256)", "kv_lora_rank", "missing");
   refused(R"("model_type":"llama","n_routed_experts":256)", "n_routed_experts", "read for model_type glm4_moe");
