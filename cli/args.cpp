@@ -80,13 +80,13 @@ Precision parse_precision(const std::string& s, bool allow_fp8) {
              allow_fp8 ? "must be one of bf16, fp16, fp8, fp32" : "must be one of fp32, bf16, fp16 (what the CPU executor runs)");
 }
 
-void check_precision_on(const Cluster& cl, Precision p) {
+void check_precision_on(const Cluster& cl, Precision p, const std::string& field) {
   if (p == Precision::fp8 && cl.device.peak_bf16_flops <= 0)
-    fail_field("--precision", "fp8",
+    fail_field(field, "fp8",
                fmt::format("runs attention and the output layer in bf16, which {} ({}) does not support", cl.device.name,
                            cl.name));
   if (cl.device.peak_flops(p) <= 0)
-    fail_field("--precision", to_string(p), fmt::format("is not supported by {} ({})", cl.device.name, cl.name));
+    fail_field(field, to_string(p), fmt::format("is not supported by {} ({})", cl.device.name, cl.name));
 }
 
 void check_backend(const std::string& backend, const std::string& command) {

@@ -31,7 +31,7 @@ class Args {
 Precision parse_precision(const std::string& s, bool allow_fp8 = true);
 // A --precision the cluster's device cannot run is bad input (exit 2), not a search in
 // which every candidate is rejected: the rule of check_plan's "precision" reason.
-void check_precision_on(const Cluster& cl, Precision p);
+void check_precision_on(const Cluster& cl, Precision p, const std::string& field = "--precision");
 
 // --backend of `command` (train, profile): "cpu" passes; "cuda" throws InputError saying
 // why it cannot run here (no GPU, a build without CUDA, or not yet wired for the command);

@@ -244,7 +244,13 @@ int cmd_estimate(const std::vector<std::string>& argv) {
              : load_model(a.required("model", "a preset or a model JSON"), a.integer("seq-length", 0, 1, 1 << 24)),
       cl);
   note_extended_context(m);
-  const Plan p = launch ? launch->plan : load_plan(a.required("plan", "a plan JSON or tp=..,pp=..,dp=.. pairs"));
+  Plan p = launch ? launch->plan : load_plan(a.required("plan", "a plan JSON or tp=..,pp=..,dp=.. pairs"));
+  // A plan without a precision on a GPU without bf16 (V100): fp16, as strata plan's default.
+  if (!launch && !p.precision_given && cl.device.peak_flops(Precision::bf16) <= 0 &&
+      cl.device.peak_flops(Precision::fp16) > 0) {
+    p.precision = Precision::fp16;
+    fmt::print(stderr, "strata: note: the plan gives no precision and {} has no bf16: fp16\n", cl.device.name);
+  }
   if (a.has("gpus") && a.integer("gpus", 1, 1, 1 << 24) != p.world_size())
     fail_field("--gpus", a.get("gpus"),
                fmt::format("must equal tp*pp*dp*cp = {} of the plan", p.world_size()));
@@ -361,18 +367,30 @@ int cmd_plan(const std::vector<std::string>& argv) {
       cl);
   note_extended_context(m);
   SearchOptions so;
+  if (a.has("fix")) so.fixed = parse_fixed(a.get("fix"));
   so.gpus = launch ? launch->plan.world_size() : a.integer("gpus", 0, 1, 1 << 24);
   if (!a.has("gpus") && !launch) a.required("gpus", "the number of GPUs to plan for");
-  so.gbs = a.has("global-batch-size") || !launch ? a.integer("global-batch-size", 0, 1, int64_t{1} << 30)
-                                                 : launch->plan.gbs;
-  if (!a.has("global-batch-size") && !launch) a.required("global-batch-size", "sequences per optimizer step");
+  // (--fix gbs=B says it too; given both ways, they must agree.)
+  so.gbs = a.has("global-batch-size") ? a.integer("global-batch-size", 0, 1, int64_t{1} << 30)
+           : so.fixed.gbs              ? *so.fixed.gbs
+           : launch                    ? launch->plan.gbs
+                                       : 0;
+  if (!so.gbs) a.required("global-batch-size", "sequences per optimizer step");
+  if (so.fixed.gbs && *so.fixed.gbs != so.gbs)
+    fail_field("--fix gbs", std::to_string(*so.fixed.gbs),
+               fmt::format("disagrees with --global-batch-size {}: give one of them", so.gbs));
+  if (so.fixed.precision && a.has("precision") && parse_precision(a.get("precision")) != *so.fixed.precision)
+    fail_field("--fix precision", to_string(*so.fixed.precision),
+               fmt::format("disagrees with --precision {}: give one of them", a.get("precision")));
   so.top_k = static_cast<int>(a.integer("top", 10, 1, 1000));
   // Default bf16, or fp16 on a GPU without bf16 (V100), as Megatron-LM runs there.
   so.precision = a.has("precision") ? parse_precision(a.get("precision"))
+                 : so.fixed.precision                         ? *so.fixed.precision
                  : launch                                     ? launch->plan.precision
                  : cl.device.peak_flops(Precision::bf16) > 0 ? Precision::bf16
                                                              : Precision::fp16;
-  if (a.has("precision")) check_precision_on(cl, so.precision);
+  if (a.has("precision") || so.fixed.precision)
+    check_precision_on(cl, so.precision, a.has("precision") ? "--precision" : "--fix precision");
   so.pareto = a.has("pareto");
   so.search_offload = a.has("search-offload");
   const std::string att = a.get("attention", "auto");
@@ -380,7 +398,6 @@ int cmd_plan(const std::vector<std::string>& argv) {
     fail_field("--attention", "'" + att + "'", "must be auto, flash or unfused");
   so.attention = att == "flash" ? AttentionChoice::flash : att == "unfused" ? AttentionChoice::unfused
                                                                             : AttentionChoice::automatic;
-  if (a.has("fix")) so.fixed = parse_fixed(a.get("fix"));
   // A launch's main-gradient type (--grad-reduce-in-bf16) and precision-aware optimizer (for
   // the ZeRO-1 candidates) hold for the search unless --fix says (Megatron ignores both in
   // fp32 training).

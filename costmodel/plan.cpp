@@ -604,6 +604,7 @@ Plan plan_from_json(const Json& in, const std::string& source) {
   }
   f.ignore("recompute_modules");
   p.sp = f.boolean_or("sequence_parallel", false);
+  p.precision_given = j.contains("precision");
   const std::string pr = f.choice_or("precision", "bf16", {"fp32", "bf16", "fp16", "fp8"});
   p.precision = pr == "fp32" ? Precision::fp32 : pr == "bf16" ? Precision::bf16
               : pr == "fp16" ? Precision::fp16 : Precision::fp8;

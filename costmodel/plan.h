@@ -118,6 +118,9 @@ struct Plan {
                                  // 0 = all of them
   bool sp = false;  // sequence_parallel
   Precision precision = Precision::bf16;
+  // The plan named its precision (false: bf16 by default, which strata estimate turns into
+  // fp16 on a GPU without bf16, as strata plan's default does).
+  bool precision_given = false;
   bool gpipe = false;  // pipeline_schedule "gpipe"; otherwise 1F1B (interleaved when v > 1)
   // Extensions (Megatron-LM names); "auto" follows the software stack (resolve_stack).
   AttentionChoice attention = AttentionChoice::automatic;

@@ -126,41 +126,57 @@ std::string format_estimate(const ModelSpec& m, const Cluster& cl, const Estimat
   return o;
 }
 
-// The simulated timeline, one process per pipeline stage (its t x c x d ranks run alike),
-// threads compute / p2p / collectives / p2p recv. Each forward and backward of a chunk is a
-// slice (args microbatch, chunk, layers) holding one slice per layer (args microbatch,
-// chunk, layer), and the embedding's and the output layer's, laid end to end from the
-// cost model's per-layer times; a recomputed layer's backward holds its recompute first;
-// a layer's exposed tensor-, context- and data-parallel collectives are slices on the
-// collectives thread at its end, and every send has its matching recv on the receiving
-// stage. Past about kMaxLayerSlices layer slices they are left out (otherData says so) and
-// a backward holds one recompute slice.
+// The simulated timeline, in the form of strata train's trace (SPEC: one track per rank and
+// stream): one process per rank, "rank r (stage s, predicted)", with threads compute / p2p /
+// collectives / p2p recv; a stage's t x c x d ranks run alike, so each repeats its stage's
+// slices (rank = tp + t (cp + c (dp + d pp)), executor/process_grid.h). Past 64 ranks, or
+// where the repeats would pass kMaxRankSlices layer slices, one process per stage instead
+// ("stage s (predicted, n ranks)"; otherData's tracks says which). Each forward and
+// backward of a chunk is a slice (args microbatch, chunk, layers) holding one slice per
+// layer (args microbatch, chunk, layer), and the embedding's and the output layer's, laid
+// end to end from the cost model's per-layer times; a recomputed layer's backward holds its
+// recompute first; a layer's exposed tensor-, context- and data-parallel collectives are
+// slices on the collectives thread at its end, and every send has its matching recv on the
+// receiving stage. Past about kMaxLayerSlices layer slices they are left out (otherData
+// says so) and a backward holds one recompute slice.
 void write_trace(std::ostream& out, const ModelSpec& m, const Estimate& e, const EstimateDetail& d) {
-  constexpr int64_t kMaxLayerSlices = 2000000;
+  constexpr int64_t kMaxLayerSlices = 2000000, kMaxRankTracks = 64, kMaxRankSlices = 500000;
   const double us = 1e6;
   const Plan& p = e.plan;
   bool first = true;
-  auto event = [&](const std::string& json) {
+  auto emit = [&](const std::string& json) {
     out << (first ? "\n" : ",\n") << json;
     first = false;
   };
   int64_t layer_slices = 0;
   for (const SimEvent& x : d.sim.events) layer_slices += d.layout.chunk_layers(x.stage, x.chunk) * (x.forward ? 1 : 2);
   const bool per_layer = layer_slices <= kMaxLayerSlices;
+  const int64_t alike = p.t * p.c * p.d;  // the ranks of a stage
+  const bool per_rank = p.world_size() <= kMaxRankTracks && layer_slices * alike <= kMaxRankSlices;
   out << "{\"displayTimeUnit\": \"ms\", \"otherData\": "
       << Json{{"model", m.name}, {"plan", plan_to_inline(p)}, {"step_time_s", e.step_time_s},
               {"source", "strata estimate (simulated)"},
+              {"tracks", per_rank ? "one process per rank"
+                                  : fmt::format("one process per pipeline stage (its {} ranks run alike)", alike)},
               {"layer_slices", per_layer ? "yes" : fmt::format("left out ({} would exceed {})", layer_slices,
                                                                 kMaxLayerSlices)}}.dump()
       << ", \"traceEvents\": [";
-  for (int64_t s = 0; s < p.p; ++s) {
-    event(fmt::format(R"j({{"name": "process_name", "ph": "M", "pid": {}, "args": {{"name": "stage {} (predicted, {} ranks)"}}}})j",
-                      s, s, p.t * p.c * p.d));
-    event(fmt::format(R"j({{"name": "thread_name", "ph": "M", "pid": {}, "tid": 0, "args": {{"name": "compute"}}}})j", s));
-    event(fmt::format(R"j({{"name": "thread_name", "ph": "M", "pid": {}, "tid": 1, "args": {{"name": "p2p"}}}})j", s));
-    event(fmt::format(R"j({{"name": "thread_name", "ph": "M", "pid": {}, "tid": 2, "args": {{"name": "collectives"}}}})j", s));
-    event(fmt::format(R"j({{"name": "thread_name", "ph": "M", "pid": {}, "tid": 3, "args": {{"name": "p2p recv"}}}})j", s));
-  }
+  auto tracks = [&](int64_t pid, const std::string& name) {
+    emit(fmt::format(R"j({{"name": "process_name", "ph": "M", "pid": {}, "args": {{"name": "{}"}}}})j", pid, name));
+    int tid = 0;
+    for (const char* thread : {"compute", "p2p", "collectives", "p2p recv"})
+      emit(fmt::format(R"j({{"name": "thread_name", "ph": "M", "pid": {}, "tid": {}, "args": {{"name": "{}"}}}})j", pid,
+                       tid++, thread));
+  };
+  // A stage's events without their pid (`"name": ...}`): written as they come, one process
+  // a stage, or kept a stage and written once for each of its ranks.
+  std::vector<std::vector<std::string>> kept(per_rank ? static_cast<size_t>(p.p) : 0);
+  auto event = [&](int64_t stage, const std::string& rest) {
+    if (per_rank) kept[static_cast<size_t>(stage)].push_back(rest);
+    else emit(fmt::format("{{\"pid\": {}, {}", stage, rest));
+  };
+  if (!per_rank)
+    for (int64_t s = 0; s < p.p; ++s) tracks(s, fmt::format("stage {} (predicted, {} ranks)", s, alike));
   // First layer of each (stage, chunk), for the args.
   std::vector<int64_t> first_layer(static_cast<size_t>(p.p * d.layout.v), 0);
   int64_t next = 0;
@@ -171,10 +187,10 @@ void write_trace(std::ostream& out, const ModelSpec& m, const Estimate& e, const
     }
   // Endpoints rounded to the nanosecond, the duration their difference: a child that ends
   // where its parent ends is drawn ending there.
-  auto slice = [&](const char* name, int64_t pid, int tid, double start_s, double end_s, const std::string& args) {
+  auto slice = [&](const char* name, int64_t stage, int tid, double start_s, double end_s, const std::string& args) {
     const double a = std::round(start_s * us * 1e3) / 1e3, b = std::round(end_s * us * 1e3) / 1e3;
-    event(fmt::format(R"j({{"name": "{}", "ph": "X", "pid": {}, "tid": {}, "ts": {:.3f}, "dur": {:.3f}, "args": {}}})j",
-                      name, pid, tid, a, std::max(0.0, b - a), args));
+    event(stage, fmt::format(R"j("name": "{}", "ph": "X", "tid": {}, "ts": {:.3f}, "dur": {:.3f}, "args": {}}})j", name,
+                             tid, a, std::max(0.0, b - a), args));
   };
   // The exposed collectives of work w, on the collectives thread, ending at `end`.
   auto collectives = [&](const SimEvent& x, const Work& w, double end, const std::string& args) {
@@ -272,6 +288,12 @@ void write_trace(std::ostream& out, const ModelSpec& m, const Estimate& e, const
     }
     slice("optimizer", s, 0, t0, t0 + d.stage_optimizer_s[i], "{}");
   }
+  if (per_rank)
+    for (int64_t r = 0; r < p.world_size(); ++r) {
+      const int64_t s = r / alike;
+      tracks(r, fmt::format("rank {} (stage {}, predicted)", r, s));
+      for (const std::string& rest : kept[static_cast<size_t>(s)]) emit(fmt::format("{{\"pid\": {}, {}", r, rest));
+    }
   out << "\n]}\n";
 }
 

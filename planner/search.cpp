@@ -55,6 +55,15 @@ FixedDims parse_fixed(const std::string& text) {
     else if (k == "ep" || k == "expert_model_parallel_size") f.ep = integer(1, 1 << 20);
     else if (k == "uneven_split") f.uneven_split = integer(0, 1) == 1;
     else if (k == "num_distributed_optimizer_instances") f.dp_instances = integer(1, 1 << 20);
+    else if (k == "gbs" || k == "global_batch_size") f.gbs = integer(1, int64_t{1} << 30);
+    else if (k == "precision") {
+      const std::string s = v.is_string() ? v.get<std::string>() : "";
+      if (s == "fp32") f.precision = Precision::fp32;
+      else if (s == "bf16") f.precision = Precision::bf16;
+      else if (s == "fp16") f.precision = Precision::fp16;
+      else if (s == "fp8") f.precision = Precision::fp8;
+      else fail_field("--fix precision", show_value(v), "must be one of fp32, bf16, fp16, fp8");
+    }
     else if (k == "data_parallel_shard_size") f.dp_shard_size = integer(1, 1 << 20);
     else if (k == "offload" || k == "optimizer_offload_fraction") {
       if (!v.is_number() || v.get<double>() < 0 || v.get<double>() > 1)
@@ -93,7 +102,8 @@ FixedDims parse_fixed(const std::string& text) {
       else fail_field("--fix schedule", show_value(v), "must be one of 1f1b, gpipe, interleaved");
     } else {
       fail_field("--fix " + k, show_value(v),
-                 "unknown key: use tp, pp, dp, cp, vp, mbs, zero, recompute, recompute_num_layers, sp, schedule, "
+                 "unknown key: use tp, pp, dp, cp, vp, mbs, gbs, zero, recompute, recompute_num_layers, sp, schedule, "
+                 "precision, "
                  "uneven_split, cp_comm_type, offload, ep, grad_reduce_in_fp32, tp_comm_overlap, moe_token_dispatcher_type (and "
                  "its moe_flex_dispatcher_backend), overlap_moe_expert_parallel_comm, use_precision_aware_optimizer (and "
                  "its exp_avg_dtype, exp_avg_sq_dtype, main_params_dtype, store_param_remainders), offload_modules "

@@ -52,6 +52,11 @@ struct FixedDims {
   // (N instances) or data_parallel_shard_size=S (shard groups of S replicas, e.g. a node's);
   // candidates whose replicas it does not split are rejected (dp_instances).
   std::optional<int64_t> dp_instances, dp_shard_size;
+  // The plan's other short keys (SPEC: tp pp dp cp vp mbs gbs zero recompute sp precision
+  // schedule): the global batch and the precision, which the search takes as given anyway;
+  // strata plan reads them as --global-batch-size and --precision (and refuses a disagreement).
+  std::optional<int64_t> gbs;
+  std::optional<Precision> precision;
 };
 FixedDims parse_fixed(const std::string& text);  // "tp=8,pp=4,recompute=full"
 

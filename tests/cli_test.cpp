@@ -262,7 +262,7 @@ TEST(Cli, PlanJsonExportsAndTrace) {
                         "output layer backward", "tp_comm", "send activations", "recv activations", "send gradients",
                         "recv gradients", "optimizer"})
     EXPECT_GT(n[k], 0) << k;
-  EXPECT_EQ(n["layer forward"], 96 * 8);  // 96 layers, 8 micro-batches
+  EXPECT_EQ(n["layer forward"], 96 * 8 * 16);  // 96 layers, 8 micro-batches, on each of a stage's 16 ranks
 }
 
 TEST(Cli, PlanExplainsAgainstAComparedPlan) {
@@ -379,6 +379,24 @@ TEST(Cli, NothingFeasibleExits3WithCounts) {
   EXPECT_NE(v.err.find("no plan of gpt3-175b on 2 ranks"), std::string::npos) << v.err;
   EXPECT_NE(v.err.find("rejected: "), std::string::npos) << v.err;
   EXPECT_NE(v.err.find("out_of_memory"), std::string::npos) << v.err;
+}
+
+// SPEC's short plan keys in --fix: gbs and precision stand for --global-batch-size and
+// --precision; strata estimate of a plan without a precision on V100 (no bf16) takes fp16.
+TEST(Cli, FixTakesTheBatchAndThePrecision) {
+  const Outcome r = strata("plan --model gpt2-124m --cluster dgx-h100-80g --gpus 8 --fix gbs=64,precision=fp16 --top 2 --json");
+  ASSERT_EQ(r.code, 0) << r.err;
+  const Json j = Json::parse(r.out);
+  ASSERT_FALSE(j["plans"].empty());
+  for (const Json& e : j["plans"]) {
+    EXPECT_EQ(e["plan"]["global_batch_size"], 64) << e["plan"].dump();
+    EXPECT_EQ(e["plan"]["precision"], "fp16") << e["plan"].dump();
+  }
+  const Outcome v = strata("estimate --model gpt2-124m --cluster dgx2-v100-32g --plan tp=1 --json");
+  ASSERT_EQ(v.code, 0) << v.err;
+  EXPECT_EQ(Json::parse(v.out)["plan"]["precision"], "fp16");
+  EXPECT_NE(v.err.find("no bf16: fp16"), std::string::npos) << v.err;
+  EXPECT_EQ(strata("estimate --model gpt2-124m --cluster dgx2-v100-32g --plan tp=1,precision=bf16").code, 2);
 }
 
 // Megatron's --recompute-num-layers is full recompute's: fixing it fixes that (it was once
@@ -632,6 +650,10 @@ TEST(Cli, BadInputExits2NamingTheField) {
       {S + "--gpus 8 --global-batch-size 8 --fix tp=16", "--fix"},
       {S + "--gpus 8 --global-batch-size 8 --fix uneven_split=2", "--fix uneven_split"},
       {S + "--gpus 8 --global-batch-size 8 --fix cp_comm_type=ring", "--fix cp_comm_type"},
+      {S + "--gpus 8 --global-batch-size 8 --fix gbs=16", "--fix gbs"},
+      {S + "--gpus 8 --global-batch-size 8 --fix precision=int4", "--fix precision"},
+      {S + "--gpus 8 --global-batch-size 8 --precision bf16 --fix precision=fp16", "--fix precision"},
+      {"plan --model gpt2-124m --cluster dgx2-v100-32g --gpus 8 --global-batch-size 8 --fix precision=bf16", "--fix precision"},
       {P + "tp=4,cp=2,cp_comm_type=ring", "cp_comm_type"},
       {P + "tp=8,dp=2,zero=1,offload=1.5", "optimizer_offload_fraction"},
       {P + "tp=8,dp=2,zero=1,offload=-0.5", "optimizer_offload_fraction"},

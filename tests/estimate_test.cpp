@@ -334,10 +334,37 @@ TEST(Estimate, TraceHasOneSlicePerStepAndStage) {
       EXPECT_TRUE(ev.contains("args"));
     }
   }
-  EXPECT_EQ(fwd, 4 * 8);  // p stages x m micro-batches
-  EXPECT_EQ(bwd, 4 * 8);
-  EXPECT_EQ(rec, 96 * 8);  // every layer's recompute, inside its backward, per micro-batch
-  EXPECT_EQ(opt, 4);
+  // One process per rank (64), each with its stage's slices: p stages x m micro-batches
+  // forwards and backwards over the 16 ranks of a stage, every layer's recompute inside its
+  // backward per micro-batch, an optimizer step per rank.
+  EXPECT_EQ(t["otherData"]["tracks"], "one process per rank");
+  EXPECT_EQ(fwd, 4 * 8 * 16);
+  EXPECT_EQ(bwd, 4 * 8 * 16);
+  EXPECT_EQ(rec, 96 * 8 * 16);
+  EXPECT_EQ(opt, 64);
+  std::map<int64_t, std::string> names;
+  for (const auto& ev : t["traceEvents"])
+    if (ev["name"] == "process_name") names[ev["pid"].get<int64_t>()] = ev["args"]["name"];
+  ASSERT_EQ(names.size(), 64u);
+  EXPECT_EQ(names[0], "rank 0 (stage 0, predicted)");
+  EXPECT_EQ(names[17], "rank 17 (stage 1, predicted)");  // (rank = tp + 8 (dp + 2 pp))
+  // Past 64 ranks, one process per stage, its ranks named.
+  EstimateDetail wide;
+  const Estimate big = estimate(m, c, load_plan("tp=8,pp=4,dp=4,gbs=16,recompute=selective"), o, &wide);
+  std::stringstream ws;
+  write_trace(ws, m, big, wide);
+  const Json w = Json::parse(ws.str());
+  EXPECT_NE(w["otherData"]["tracks"].get<std::string>().find("per pipeline stage"), std::string::npos);
+  int wide_fwd = 0, stages = 0;
+  for (const auto& ev : w["traceEvents"]) {
+    wide_fwd += ev["name"] == "forward";
+    if (ev["name"] == "process_name") {
+      EXPECT_EQ(ev["args"]["name"], "stage " + std::to_string(stages) + " (predicted, 32 ranks)");
+      ++stages;
+    }
+  }
+  EXPECT_EQ(stages, 4);
+  EXPECT_EQ(wide_fwd, 4 * 4);  // (gbs 16 over dp 4: 4 micro-batches)
 }
 
 // Hardware FLOPs count what recompute_modules runs again: DeepSeek-V3, one sequence of
@@ -386,8 +413,8 @@ TEST(Estimate, MultiTokenPredictionRunsWithTheOutputLayer) {
       if (ev["name"] == "mtp layer forward") ++forwards;
       if (ev["name"] == "mtp layer backward") ++backwards;
     }
-    EXPECT_EQ(forwards, 4);  // 16 / (1 x 4) micro-batches, on the last stage
-    EXPECT_EQ(backwards, 4);
+    EXPECT_EQ(forwards, 4 * 8);  // 16 / (1 x 4) micro-batches, on each of the last stage's 8 ranks
+    EXPECT_EQ(backwards, 4 * 8);
   }
 }
 
@@ -412,7 +439,7 @@ TEST(Estimate, TraceAndOpsOfAMixedModelTakeEachLayersKind) {
   const Json t = Json::parse(ss.str());
   int seen = 0;
   for (const auto& ev : t["traceEvents"]) {
-    if (ev["name"] != "layer forward" || ev["args"]["microbatch"] != 0) continue;
+    if (ev["name"] != "layer forward" || ev["args"]["microbatch"] != 0 || ev["pid"] != 0) continue;  // (rank 0's)
     const int64_t l = ev["args"]["layer"];
     const double expected = (l < 8 ? d.dense_layer : d.layer).forward.total() * 1e6;
     EXPECT_NEAR(ev["dur"].get<double>(), expected, 2e-3) << "layer " << l;
