@@ -210,6 +210,9 @@ std::optional<LaunchInputs> megatron_launch(const Args& a, std::initializer_list
     if (launch.ignored.size() > 12) list += fmt::format(", ... ({} in all)", launch.ignored.size());
     fmt::print(stderr, "strata: --megatron-args: not modelled (no effect on the estimate): {}\n", list);
   }
+  for (const std::string& u : launch.undecided)
+    fmt::print(stderr, "strata: --megatron-args: note: every branch of `{}` read: a condition strata does not evaluate\n",
+               u);
   return in;
 }
 

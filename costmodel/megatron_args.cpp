@@ -3,6 +3,7 @@
 
 #include <algorithm>
 #include <cctype>
+#include <cstdint>
 #include <cstring>
 #include <filesystem>
 #include <map>
@@ -10,6 +11,7 @@
 #include <sstream>
 
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 #include <nlohmann/json.hpp>
 
 namespace strata {
@@ -29,7 +31,8 @@ const std::set<std::string>& model_flags() {
       "moe_shared_expert_intermediate_size", "moe_layer_freq", "moe_grouped_gemm", "moe_router_num_groups",
       "moe_router_group_topk", "moe_router_load_balancing_type", "moe_aux_loss_coeff", "moe_z_loss_coeff", "moe_permute_fusion",
       "moe_expert_capacity_factor", "multi_latent_attention", "q_lora_rank", "kv_lora_rank", "qk_head_dim",
-      "qk_pos_emb_head_dim", "v_head_dim", "mtp_num_layers", "mtp_loss_scaling_factor"};
+      "qk_pos_emb_head_dim", "v_head_dim", "mtp_num_layers", "mtp_loss_scaling_factor",
+      "num_key_value_heads"};  // (Megatron-DeepSpeed's name of num_query_groups)
   return s;
 }
 // Megatron's store_true flags among them: never followed by a value.
@@ -42,14 +45,23 @@ const std::set<std::string>& switch_flags() {
       "account_for_embedding_in_pipeline_split", "account_for_loss_in_pipeline_split", "optimizer_cpu_offload",
       "moe_grouped_gemm", "moe_permute_fusion", "grad_reduce_in_bf16", "accumulate_allreduce_grads_in_fp32",
       "use_precision_aware_optimizer", "no_store_param_remainders", "fine_grained_activation_offloading",
-      "multi_latent_attention", "moe_enable_deepep", "overlap_moe_expert_parallel_comm", "delay_wgrad_compute"};
+      "multi_latent_attention", "moe_enable_deepep", "overlap_moe_expert_parallel_comm", "delay_wgrad_compute",
+      "checkpoint_activations"};
   return s;
 }
 // Flags that set what strata does not take from a launch: refused, naming the way to say it.
 const std::map<std::string, std::string>& refused_flags() {
   static const std::map<std::string, std::string> s = {
       {"window_size", "give the model as a model JSON with window_size (and window_attn_skip_freq)"},
-      {"window_attn_skip_freq", "give the model as a model JSON with window_size and window_attn_skip_freq"}};
+      {"window_attn_skip_freq", "give the model as a model JSON with window_size and window_attn_skip_freq"},
+      // Megatron-DeepSpeed's mixture of experts (experts every --expert-interval layers,
+      // default 2; --topk, default 1), which Megatron-LM's --num-experts does not describe.
+      {"expert_interval", "Megatron-DeepSpeed's MoE is not read: give the model as a model JSON with num_experts, "
+                          "moe_router_topk and moe_layer_freq"},
+      {"topk", "Megatron-DeepSpeed's MoE is not read: give the model as a model JSON with num_experts, "
+               "moe_router_topk and moe_layer_freq"},
+      {"moe_expert_parallel_size", "Megatron-DeepSpeed's MoE is not read: give the model as a model JSON and "
+                                   "expert_model_parallel_size in the plan"}};
   return s;
 }
 const std::set<std::string>& plan_flags() {
@@ -69,7 +81,9 @@ const std::set<std::string>& plan_flags() {
       "fine_grained_activation_offloading", "offload_modules", "activation_offload_fraction",
       "min_offloaded_tensor_size", "delta_offload_bytes_across_pp_ranks", "num_distributed_optimizer_instances",
       "moe_token_dispatcher_type", "moe_flex_dispatcher_backend", "moe_enable_deepep",
-      "overlap_moe_expert_parallel_comm", "delay_wgrad_compute"};
+      "overlap_moe_expert_parallel_comm", "delay_wgrad_compute", "data_parallel_sharding_strategy",
+      "checkpoint_activations",  // (Megatron-DeepSpeed's full recompute)
+      "zero_stage"};             // (Megatron-DeepSpeed's, for DeepSpeed's ZeRO)
   return s;
 }
 
@@ -80,16 +94,26 @@ bool is_name(const std::string& s) {
 
 // The words of a shell text: comments and line continuations removed, quotes and array
 // parentheses taken as blanks (a quoted list of flags, GPT_ARGS="--num-layers 24 ...", is
-// read as its flags).
-std::vector<std::string> words_of(const std::string& text) {
-  std::string clean;
-  clean.reserve(text.size());
+// read as its flags), quotes inside ${...} dropped (${TP:-"8"} is ${TP:-8}). Each word
+// says whether it begins a command (the text's start, after a newline or a ';'), where a
+// NAME=value is an assignment and `if` a keyword.
+struct Words {
+  std::vector<std::string> w;
+  std::vector<bool> starts;  // w[i] begins a command
+  size_t size() const { return w.size(); }
+  const std::string& operator[](size_t i) const { return w[i]; }
+};
+Words words_of(const std::string& text) {
+  constexpr char kCommand = '\x01';  // (a command boundary in `clean`)
+  std::string clean(1, kCommand);
+  clean.reserve(text.size() + 1);
   bool comment = false;
   int open_parens = 0;  // kept '(' of the current word not yet closed
+  int braces = 0;       // open ${ ... }
   for (size_t i = 0; i < text.size(); ++i) {
     const char c = text[i];
     if (comment) {
-      if (c == '\n') comment = false, clean += ' ';
+      if (c == '\n') comment = false, clean += kCommand;
       continue;
     }
     if (c == '#' && (i == 0 || std::isspace(static_cast<unsigned char>(text[i - 1])))) {
@@ -99,8 +123,13 @@ std::vector<std::string> words_of(const std::string& text) {
     if (c == '\\' && i + 1 < text.size() &&
         (text[i + 1] == '\n' || text[i + 1] == '\r' || text[i + 1] == '"' || text[i + 1] == '\'')) {
       clean += ' ';  // a continuation, or an escaped quote inside quotes
+      if (text[i + 1] == '\r' && i + 2 < text.size() && text[i + 2] == '\n') ++i;
+      if (text[i + 1] == '\n' || text[i + 1] == '\r') ++i;  // (not a command boundary)
       continue;
     }
+    if (c == '{' && i > 0 && text[i - 1] == '$') ++braces;
+    if (c == '}' && braces > 0) --braces;
+    if (braces > 0 && (c == '"' || c == '\'')) continue;
     // A pipeline layout's parentheses ("Et|(t*2|)*34,tL") are kept: '(' after a layout
     // character; so are --moe-layer-freq's ("([1]*3+[0]*1)*3"): '(' before a list or another
     // '(', or after '+' or '*'; and the ')' that closes a kept '(' in the same word. Every
@@ -114,14 +143,166 @@ std::vector<std::string> words_of(const std::string& text) {
       kept_paren = true;
       --open_parens;
     }
-    const bool blank = c == '"' || c == '\'' || c == ';' || ((c == '(' || c == ')') && !kept_paren);
-    if (blank || std::isspace(static_cast<unsigned char>(c))) open_parens = 0;  // a word ends
-    clean += blank ? ' ' : c;
+    const bool blank = c == '"' || c == '\'' || ((c == '(' || c == ')') && !kept_paren);
+    if (blank || c == ';' || std::isspace(static_cast<unsigned char>(c))) open_parens = 0;  // a word ends
+    clean += c == ';' || c == '\n' ? kCommand : blank ? ' ' : c;
   }
-  std::istringstream in(clean);
-  std::vector<std::string> words;
-  for (std::string w; in >> w;) words.push_back(w);
-  return words;
+  Words out;
+  bool start = false;
+  std::string word;
+  auto flush = [&] {
+    if (word.empty()) return;
+    out.w.push_back(word);
+    out.starts.push_back(start);
+    start = false;
+    word.clear();
+  };
+  for (const char c : clean) {
+    if (c == kCommand || std::isspace(static_cast<unsigned char>(c))) {
+      flush();
+      if (c == kCommand) start = true;
+    } else {
+      word += c;
+    }
+  }
+  flush();
+  return out;
+}
+
+// Whether words[i] is where a command begins: first on its line or after a ';', or after
+// a keyword or an operator that begins one (export NAME=value, then NAME=value, a && b).
+bool command_position(const Words& words, size_t i) {
+  if (words.starts[i]) return true;
+  if (i == 0) return true;
+  static const std::set<std::string> before = {"export", "local", "declare", "readonly", "typeset", "then",
+                                               "else",   "do",    "&&",      "||",       "|",       "{"};
+  return before.count(words[i - 1]) > 0;
+}
+
+// An if ... then ... [elif ... then ...] [else ...] fi of the text (keywords where a
+// command begins): each branch's condition words [cond_begin, cond_end) (none: else) and
+// body words [body_begin, body_end); begin and end the positions of `if` and `fi`.
+struct IfBranch {
+  size_t cond_begin = 0, cond_end = 0, body_begin = 0, body_end = 0;
+};
+struct IfBlock {
+  size_t begin = 0, end = 0;
+  std::vector<IfBranch> branches;
+};
+using IfBlocks = std::vector<IfBlock>;  // outer blocks before the blocks inside them
+
+IfBlocks if_blocks_of(const Words& words) {
+  IfBlocks done;
+  std::vector<IfBlock> open;
+  std::vector<size_t> order;  // each open block's place in `done`, reserved at its `if`
+  for (size_t i = 0; i < words.size(); ++i) {
+    if (!command_position(words, i)) continue;
+    const std::string& w = words[i];
+    if (w == "if") {
+      IfBlock b;
+      b.begin = i;
+      b.branches.push_back(IfBranch{i + 1, i + 1, i + 1, i + 1});
+      open.push_back(b);
+      order.push_back(done.size());
+      done.emplace_back();
+      continue;
+    }
+    if (open.empty()) continue;
+    IfBlock& b = open.back();
+    IfBranch& br = b.branches.back();
+    if (w == "then" && br.body_begin == br.cond_begin) {
+      br.cond_end = i;
+      br.body_begin = i + 1;
+    } else if (w == "elif" || w == "else") {
+      br.body_end = i;
+      b.branches.push_back(w == "elif" ? IfBranch{i + 1, i + 1, i + 1, i + 1} : IfBranch{i + 1, i + 1, i + 1, i + 1});
+      if (w == "else") b.branches.back().cond_end = i + 1;  // (no condition; the body begins here)
+    } else if (w == "fi") {
+      br.body_end = i;
+      b.end = i;
+      done[order.back()] = b;
+      open.pop_back();
+      order.pop_back();
+    }
+  }
+  // (An if without its fi: dropped, its words read as before.)
+  done.erase(std::remove_if(done.begin(), done.end(), [](const IfBlock& b) { return b.end == 0; }), done.end());
+  return done;
+}
+
+// An if's condition, `[ ... ]`, `[[ ... ]]` or `test ...` joined by && and ||: 1 true, 0
+// false, -1 undecided (a shell expression, an unresolved variable, a pattern, arithmetic).
+// Each test is A = B, A == B, A != B, A -eq|-ne|-lt|-le|-gt|-ge B (integers), -z A, -n A
+// or A, optionally after !; an empty quoted string leaves no word, so `[ -z "" ]` is -z
+// alone. resolve() gives a word's value.
+template <class Resolve>
+int evaluate_condition(const Words& words, size_t begin, size_t end, Resolve&& resolve) {
+  int result = -1;
+  std::string join;  // the operator before the test being read ("" for the first)
+  std::vector<std::string> test;
+  auto one = [&]() -> int {  // the test in `test`
+    bool negate = false;
+    std::vector<std::string> t = test;
+    if (!t.empty() && t[0] == "!") negate = true, t.erase(t.begin());
+    for (std::string& x : t) {
+      if (x == "-eq" || x == "-ne" || x == "-lt" || x == "-le" || x == "-gt" || x == "-ge" || x == "=" || x == "==" ||
+          x == "!=" || x == "-z" || x == "-n")
+        continue;
+      x = resolve(x);
+      if (x.find_first_of("$`*?[") != std::string::npos) return -1;
+    }
+    int r = -1;
+    auto integer = [](const std::string& x, long long* v) {
+      if (x.empty() || x.size() > 18) return false;
+      for (size_t k = 0; k < x.size(); ++k)
+        if (!std::isdigit(static_cast<unsigned char>(x[k])) && !(k == 0 && x[k] == '-' && x.size() > 1)) return false;
+      *v = std::stoll(x);
+      return true;
+    };
+    if (t.size() == 1 && (t[0] == "-z" || t[0] == "-n")) r = t[0] == "-z";  // (an empty word)
+    else if (t.size() == 1) r = !t[0].empty();
+    else if (t.size() == 2 && (t[0] == "-z" || t[0] == "-n")) r = (t[0] == "-z") == t[1].empty();
+    else if (t.size() == 3 && (t[1] == "=" || t[1] == "==")) r = t[0] == t[2];
+    else if (t.size() == 3 && t[1] == "!=") r = t[0] != t[2];
+    else if (t.size() == 3) {
+      long long a = 0, b = 0;
+      if (!integer(t[0], &a) || !integer(t[2], &b)) return -1;
+      const std::string& op = t[1];
+      r = op == "-eq" ? a == b : op == "-ne" ? a != b : op == "-lt" ? a < b : op == "-le" ? a <= b
+        : op == "-gt" ? a > b : op == "-ge" ? a >= b : -1;
+    }
+    if (r < 0) return -1;
+    return negate ? !r : r;
+  };
+  auto fold = [&]() -> bool {  // the test read so far into result; false: undecided
+    if (test.empty()) return join.empty() ? false : false;
+    const int r = one();
+    test.clear();
+    if (r < 0) return false;
+    result = join.empty() ? r : join == "&&" ? (result && r) : (result || r);
+    return true;
+  };
+  bool bracketed = false;
+  for (size_t i = begin; i < end; ++i) {
+    const std::string& w = words[i];
+    if (w == "[" || w == "[[") {
+      bracketed = true;
+      continue;
+    }
+    if (w == "]" || w == "]]") continue;
+    if (w == "test" && test.empty()) {
+      bracketed = true;
+      continue;
+    }
+    if (w == "&&" || w == "||") {
+      if (!fold()) return -1;
+      join = w;
+      continue;
+    }
+    test.push_back(w);
+  }
+  if (!bracketed || !fold()) return -1;  // (a command's exit status: not evaluated)
+  return result;
 }
 
 // A flag's value as JSON: integers and reals as numbers, true/false, else the string.
@@ -154,23 +335,48 @@ std::string flag_of(const std::string& key) {
 }  // namespace
 
 MegatronLaunch parse_megatron_launch(const std::string& text, const std::string& source) {
-  const std::vector<std::string> words = words_of(text);
-  // The text's own assignments (NAME=value, `export NAME=value`), for $NAME and ${NAME}.
-  // A name set twice to two values (branches of an if or a case) resolves to nothing.
+  const Words words = words_of(text);
+  const IfBlocks blocks = if_blocks_of(words);
+  // The text's own assignments (NAME=value where a command begins, `export NAME=value`), for
+  // $NAME and ${NAME}, from the words not skipped. A name set twice to two values (the
+  // branches of an if strata cannot decide, or of a case) resolves to nothing.
   std::map<std::string, std::string> vars;
   std::set<std::string> ambiguous;
-  for (size_t i = 0; i < words.size(); ++i) {
-    const std::string& w = words[i];
-    const size_t eq = w.find('=');
-    if (w.rfind("--", 0) == 0 || eq == std::string::npos || eq == 0 || !is_name(w.substr(0, eq))) continue;
-    std::string v = w.substr(eq + 1);
-    if (v.empty() && i + 1 < words.size() && words[i + 1].rfind("-", 0) != 0) v = words[i + 1];  // NAME="value"
-    const std::string name = w.substr(0, eq);
-    if (const auto it = vars.find(name); it != vars.end() && it->second != v) ambiguous.insert(name);
-    vars[name] = v;
-  }
-  for (const std::string& name : ambiguous) vars.erase(name);
-  // $NAME, ${NAME} and ${NAME:-default} (${NAME-default}), followed through other names.
+  std::vector<bool> skip(words.size(), false);
+  auto collect = [&](const std::vector<bool>& leave_out) {
+    vars.clear();
+    ambiguous.clear();
+    size_t after_assignment = SIZE_MAX;  // (A=1 B=2 cmd: B=2 is an assignment too)
+    for (size_t i = 0; i < words.size(); ++i) {
+      const std::string& w = words[i];
+      const size_t eq = w.find('=');
+      if (leave_out[i] || !(command_position(words, i) || i == after_assignment) || w.rfind("--", 0) == 0 ||
+          eq == std::string::npos || eq == 0 || !is_name(w.substr(0, eq)))
+        continue;
+      std::string v = w.substr(eq + 1);
+      after_assignment = i + 1;
+      if (v.empty() && i + 1 < words.size() && !words.starts[i + 1] && words[i + 1].rfind("-", 0) != 0) {
+        v = words[i + 1];  // NAME="value"
+        after_assignment = i + 2;
+      }
+      const std::string name = w.substr(0, eq);
+      if (const auto it = vars.find(name); it != vars.end() && it->second != v) ambiguous.insert(name);
+      vars[name] = v;
+    }
+    for (const std::string& name : ambiguous) vars.erase(name);
+  };
+  // $NAME, ${NAME} and ${NAME:-default} (${NAME-default}), followed through other names; a
+  // name whose value is its own default (TP=${TP:-8}, as scripts take the environment's) is
+  // the default.
+  auto mentions = [](const std::string& v, const std::string& name) {
+    for (const std::string& ref : {"$" + name, "${" + name}) {
+      for (size_t at = v.find(ref); at != std::string::npos; at = v.find(ref, at + 1)) {
+        const size_t after = at + ref.size();
+        if (after == v.size() || !(std::isalnum(static_cast<unsigned char>(v[after])) || v[after] == '_')) return true;
+      }
+    }
+    return false;
+  };
   auto resolve = [&](std::string v) {
     for (int depth = 0; depth < 8 && !v.empty() && v[0] == '$'; ++depth) {
       std::string name = v.substr(1), fallback;
@@ -186,27 +392,79 @@ MegatronLaunch parse_megatron_launch(const std::string& text, const std::string&
       }
       if (!is_name(name)) break;
       const auto it = vars.find(name);
-      if (it != vars.end() && !(it->second.empty() && has_default)) v = it->second;
+      const bool self = it != vars.end() && mentions(it->second, name);
+      if (it != vars.end() && !self && !(it->second.empty() && has_default)) v = it->second;
       else if (has_default) v = fallback;
+      else if (it != vars.end() && self) v = it->second;  // (its own default, the next round)
       else break;
     }
     return v;
   };
+  // The if blocks whose conditions strata can decide, from the assignments outside every
+  // block: the branches not taken are skipped, their flags and assignments too; the others
+  // keep every branch, and the flags in them are named (unevaluated).
+  std::vector<bool> inside(words.size(), false);
+  for (const IfBlock& b : blocks)
+    for (size_t i = b.begin; i <= b.end; ++i) inside[i] = true;
+  collect(inside);
+  std::vector<std::string> undecided;
+  for (const IfBlock& b : blocks) {
+    if (skip[b.begin]) continue;  // (inside a branch not taken)
+    int taken = -1;
+    bool decided = true;
+    for (size_t k = 0; k < b.branches.size() && taken < 0; ++k) {
+      const IfBranch& br = b.branches[k];
+      if (br.cond_begin == br.cond_end) {
+        taken = static_cast<int>(k);  // else
+        break;
+      }
+      const int r = evaluate_condition(words, br.cond_begin, br.cond_end, resolve);
+      if (r < 0) {
+        decided = false;
+        break;
+      }
+      if (r == 1) taken = static_cast<int>(k);
+    }
+    for (size_t k = 0; k < b.branches.size(); ++k) {
+      const IfBranch& br = b.branches[k];
+      for (size_t i = br.cond_begin; i < br.cond_end; ++i) skip[i] = true;  // (a condition's words are no flags)
+      if (decided && static_cast<int>(k) != taken)
+        for (size_t i = br.body_begin; i < br.body_end; ++i) skip[i] = true;
+    }
+    if (!decided) {
+      std::vector<std::string> flags;
+      for (size_t i = b.begin; i <= b.end; ++i) {  // (the flags strata reads: the others change nothing)
+        if (words[i].rfind("--", 0) != 0 || words[i].size() <= 2) continue;
+        const std::string f = words[i].substr(0, words[i].find('='));
+        std::string snake = f.substr(2);
+        std::replace(snake.begin(), snake.end(), '-', '_');
+        if (!model_flags().count(snake) && !plan_flags().count(snake)) continue;
+        if (std::find(flags.begin(), flags.end(), f) == flags.end()) flags.push_back(f);
+      }
+      if (!flags.empty()) {
+        const std::vector<std::string> cond(words.w.begin() + static_cast<std::ptrdiff_t>(b.branches[0].cond_begin),
+                                            words.w.begin() + static_cast<std::ptrdiff_t>(b.branches[0].cond_end));
+        undecided.push_back(fmt::format("if {} ({})", fmt::join(cond, " "), fmt::join(flags, " ")));
+      }
+    }
+  }
+  collect(skip);
   MegatronLaunch out;
   out.model = Json::object();
   out.plan = Json::object();
+  out.undecided = undecided;
   std::map<std::string, std::string> seen;  // flag -> its value as written (resolved)
   std::set<std::string> ignored;
   int64_t nproc = 0, nnodes = 0;
   for (size_t i = 0; i < words.size(); ++i) {
     const std::string& w = words[i];
-    if (w.size() < 3 || w.rfind("--", 0) != 0) continue;
+    if (skip[i] || w.size() < 3 || w.rfind("--", 0) != 0) continue;
     std::string key = w.substr(2), raw;
     bool bare = true;
     // The next word is a value unless it is a flag or a shell assignment (NAME=...), or this
     // flag is a switch.
     auto value_next = [&] {
-      if (i + 1 >= words.size() || words[i + 1].rfind("--", 0) == 0) return false;
+      if (i + 1 >= words.size() || skip[i + 1] || words[i + 1].rfind("--", 0) == 0) return false;
       const std::string& n = words[i + 1];
       const size_t eq = n.find('=');
       return eq == std::string::npos || eq == 0 || !is_name(n.substr(0, eq));
@@ -302,6 +560,17 @@ MegatronLaunch parse_megatron_launch(const std::string& text, const std::string&
   // What Megatron-LM assumes where a flag is absent (its arguments.py), not strata's
   // Llama-style defaults for a gated MLP.
   Json& m = out.model;
+  // Megatron-DeepSpeed's --num-key-value-heads: grouped-query attention of that many groups.
+  if (m.contains("num_key_value_heads")) {
+    if (m.contains("num_query_groups"))
+      throw InputError(fmt::format("{}: --num-key-value-heads and --num-query-groups both given: keep one", source));
+    m["num_query_groups"] = m.at("num_key_value_heads");
+    m["group_query_attention"] = true;
+    m.erase("num_key_value_heads");
+  }
+  // --group-query-attention alone: Megatron's --num-query-groups default, 1 (multi-query).
+  if (m.contains("group_query_attention") && m.at("group_query_attention") == true && !m.contains("num_query_groups"))
+    m["num_query_groups"] = 1;
   if (m.contains("num_query_groups") && !(m.contains("group_query_attention") && m.at("group_query_attention") == true)) {
     m.erase("num_query_groups");  // read only with --group-query-attention
     out.ignored.push_back("--num-query-groups (without --group-query-attention)");
@@ -357,6 +626,34 @@ LaunchInputs launch_inputs(const MegatronLaunch& launch, int64_t gpus, const std
                                  source, emb ? "embedding" : "loss", emb ? "loss" : "embedding"));
   plan.erase("account_for_embedding_in_pipeline_split");
   plan.erase("account_for_loss_in_pipeline_split");
+  // Megatron-FSDP: its sharding strategy is the ZeRO stage (no_shard 0, optim 1, optim_grads
+  // 2, optim_grads_params 3; 3 when not given, as strata has read --use-megatron-fsdp); it
+  // runs with the distributed optimizer, which NVIDIA's launches also name. Megatron reads
+  // the strategy only with it.
+  if (plan.contains("data_parallel_sharding_strategy")) {
+    const Json strategy = plan.at("data_parallel_sharding_strategy");
+    plan.erase("data_parallel_sharding_strategy");
+    if (set("use_megatron_fsdp")) {
+      const std::string s = strategy.is_string() ? strategy.get<std::string>() : "";
+      const int zero = s == "no_shard" ? 0 : s == "optim" ? 1 : s == "optim_grads" ? 2 : s == "optim_grads_params" ? 3 : -1;
+      if (zero < 0)
+        fail_field(source + ": --data-parallel-sharding-strategy", show_value(strategy),
+                   "must be one of no_shard, optim, optim_grads, optim_grads_params");
+      plan.erase("use_megatron_fsdp");
+      plan["zero_stage"] = zero;
+      plan.erase("use_distributed_optimizer");
+    }
+  }
+  if (set("use_megatron_fsdp")) plan.erase("use_distributed_optimizer");
+  // Megatron-DeepSpeed's --checkpoint-activations: every layer recomputed in full.
+  if (plan.contains("checkpoint_activations")) {
+    const bool on = set("checkpoint_activations");
+    plan.erase("checkpoint_activations");
+    if (on && plan.contains("recompute_granularity") && plan.at("recompute_granularity") != "full")
+      throw InputError(fmt::format("{}: --checkpoint-activations and --recompute-granularity {} both given: keep one",
+                                   source, plan.at("recompute_granularity").dump()));
+    if (on) plan["recompute_granularity"] = "full";
+  }
   // Megatron asserts --tp-comm-overlap only with sequence parallelism, which it turns off
   // at tensor-parallel size 1.
   if (set("tp_comm_overlap") && (t == 1 || !set("sequence_parallel")))

@@ -24,6 +24,11 @@ struct MegatronLaunch {
   int64_t gpus = 0;                  // torchrun's nproc-per-node x nnodes; 0: not given
   std::string world_unread;          // why not, where the launch gives them: "--nproc-per-node ${N}" ...
   std::vector<std::string> ignored;  // flags read but not modelled, in order of appearance
+  // The if blocks whose condition strata does not evaluate (an unset variable, a command's
+  // status, arithmetic): every branch's flags were read; each "if CONDITION (--flags ...)".
+  // Those it evaluates (tests of the text's own variables and their defaults) have their
+  // untaken branches skipped.
+  std::vector<std::string> undecided;
 };
 
 // Parses `text`: `#` comments, backslash-newline continuations, single and double quotes,

@@ -475,6 +475,68 @@ TEST(MegatronArgs, FlagForms) {
   EXPECT_NE(error_of(base + "p2p a2a").find("a type per layer"), std::string::npos) << error_of(base + "p2p a2a");
 }
 
+// The shell around the flags: an if whose condition tests the text's own variables takes
+// its branch (flags and assignments of the others skipped), elif and else, nested ifs, and
+// a condition strata cannot decide reads every branch and names the flags read; a
+// variable that is its own default (TP=${TP:-8}) is the default, quotes inside ${...} are
+// dropped, and only a command's first words assign (echo TP=$TP does not).
+TEST(MegatronArgs, ShellConditionsAndDefaults) {
+  const std::string model = "--num-layers 4 --hidden-size 1024 --num-attention-heads 16 --seq-length 1024 "
+                            "--vocab-size 32768 --micro-batch-size 1 --global-batch-size 8 ";
+  auto launch = [&](const std::string& shell) { return parse_megatron_launch(shell + "\nrun " + model + "$ARGS", "launch"); };
+  auto plan = [&](const std::string& shell) { return launch_inputs(launch(shell), 8, "launch").plan; };
+  const std::string dtype = "ARGS=\"--bf16\"\nif [[ \"$DTYPE\" == \"fp8\" ]]; then\n  ARGS=\"--bf16 --fp8-format hybrid\"\nfi\n"
+                            "if [ \"$RECOMPUTE\" -eq 1 ]; then\n  run --recompute-granularity full --recompute-method uniform "
+                            "--recompute-num-layers 1\nfi\n";
+  EXPECT_EQ(plan("DTYPE=bf16\nRECOMPUTE=0\n" + dtype).precision, Precision::bf16);
+  EXPECT_EQ(plan("DTYPE=bf16\nRECOMPUTE=0\n" + dtype).recompute, Recompute::none);
+  EXPECT_EQ(plan("DTYPE=fp8\nRECOMPUTE=1\n" + dtype).precision, Precision::fp8);
+  EXPECT_EQ(plan("DTYPE=fp8\nRECOMPUTE=1\n" + dtype).recompute, Recompute::full);
+  EXPECT_TRUE(launch("DTYPE=bf16\nRECOMPUTE=0\n" + dtype).undecided.empty());
+  // elif / else, nested, && and ||, test, !, -z / -n, the environment's default.
+  const std::string chain = "if [ $TP_SIZE = 2 ]; then\n ARGS=\"--tensor-model-parallel-size 2\"\n"
+                            "elif [[ $TP_SIZE == 4 ]] && [ -n \"$TP_SIZE\" ]; then\n ARGS=\"--tensor-model-parallel-size 4\"\n"
+                            "else\n if test ! $TP_SIZE -lt 8 || [ -z \"\" ]; then ARGS=\"--tensor-model-parallel-size 8\"; fi\nfi\n";
+  EXPECT_EQ(plan("TP_SIZE=2\n" + chain).t, 2);
+  EXPECT_EQ(plan("TP_SIZE=4\n" + chain).t, 4);
+  EXPECT_EQ(plan("TP_SIZE=${TP_SIZE:-\"8\"}\n" + chain).t, 8);
+  // Undecided: a variable the text does not set, a command's status; every branch read.
+  const MegatronLaunch u = launch("if [ -n \"$WANDB_KEY\" ]; then\n run --sequence-parallel\nfi\n"
+                                  "if $USE_LOG; then echo --log-interval 1; fi\nARGS=\"--tensor-model-parallel-size 2\"");
+  ASSERT_EQ(u.undecided.size(), 1u);  // (the second if holds no flag strata reads)
+  EXPECT_NE(u.undecided[0].find("--sequence-parallel"), std::string::npos) << u.undecided[0];
+  EXPECT_TRUE(launch_inputs(u, 8, "launch").plan.sp);  // (read)
+  // Defaults and assignments.
+  EXPECT_EQ(plan("TP=${TP:-8}\nARGS=\"--tensor-model-parallel-size $TP\"").t, 8);
+  EXPECT_EQ(plan("TP=${TP:-8}\nTP=${TP:-8}\nARGS=\"--tensor-model-parallel-size ${TP}\"").t, 8);
+  EXPECT_EQ(plan("TP=2\necho \"Resetting TP=$TP\"\nARGS=\"--tensor-model-parallel-size $TP\"").t, 2);
+  EXPECT_EQ(plan("A=1 TP=4 env\nARGS=\"--tensor-model-parallel-size $TP\"").t, 4);
+}
+
+// Other launchers' flags: Megatron-FSDP's sharding strategy is the ZeRO stage (with the
+// distributed optimizer that NVIDIA's FSDP launches also name), Megatron-DeepSpeed's
+// --num-key-value-heads and --checkpoint-activations read as grouped-query attention and
+// full recompute, --group-query-attention alone as Megatron's one group, and
+// Megatron-DeepSpeed's MoE refused.
+TEST(MegatronArgs, FsdpAndMegatronDeepSpeedFlags) {
+  const std::string model = "--num-layers 4 --hidden-size 1024 --num-attention-heads 16 --seq-length 1024 "
+                            "--vocab-size 32768 --micro-batch-size 1 --global-batch-size 8 --bf16 ";
+  auto in = [&](const std::string& flags) { return launch_inputs(parse_megatron_launch(model + flags, "launch"), 8, "launch"); };
+  EXPECT_EQ(in("--use-megatron-fsdp --use-distributed-optimizer --data-parallel-sharding-strategy optim_grads_params").plan.zero, 3);
+  EXPECT_EQ(in("--use-megatron-fsdp --use-distributed-optimizer --data-parallel-sharding-strategy optim_grads").plan.zero, 2);
+  EXPECT_EQ(in("--use-megatron-fsdp --data-parallel-sharding-strategy optim").plan.zero, 1);
+  EXPECT_EQ(in("--use-megatron-fsdp --use-distributed-optimizer").plan.zero, 3);
+  EXPECT_EQ(in("--use-distributed-optimizer --data-parallel-sharding-strategy optim_grads_params").plan.zero, 1);
+  EXPECT_NE(error_of(model + "--use-megatron-fsdp --data-parallel-sharding-strategy full", 8).find("--data-parallel-sharding-strategy"),
+            std::string::npos);
+  EXPECT_EQ(in("--num-key-value-heads 4").model.G, 4);
+  EXPECT_EQ(in("--group-query-attention").model.G, 1);
+  EXPECT_EQ(in("--checkpoint-activations").plan.recompute, Recompute::full);
+  EXPECT_EQ(in("--checkpoint-activations").plan.recompute_layers, 0);  // (every layer)
+  for (const char* ds : {"--expert-interval 2", "--topk 1", "--moe-expert-parallel-size 8"})
+    EXPECT_NE(error_of(model + "--num-experts 8 " + ds, 8).find("Megatron-DeepSpeed's MoE"), std::string::npos) << ds;
+}
+
 TEST(MegatronArgs, ErrorsNameTheFlag) {
   const std::string model = "--num-layers 8 --hidden-size 64 --num-attention-heads 4 --seq-length 32 ";
   EXPECT_NE(error_of(model + "--vocab-size 100 --tensor-model-parallel-size $TP", 8).find("--tensor-model-parallel-size $TP"),
