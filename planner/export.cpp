@@ -18,6 +18,10 @@ SplitForm split_form(const ModelSpec& m, const Plan& p) {
   return (m.L + 2) % (p.p * p.v) == 0 ? SplitForm::slots : SplitForm::uneven;
 }
 
+// Megatron-core's (and Transformer Engine's) name of a context-parallel exchange:
+// "all_gather", where strata's plan says allgather.
+const char* megatron_cp_comm(CpComm c) { return c == CpComm::allgather ? "all_gather" : to_string(c); }
+
 }  // namespace
 
 std::string export_megatron(const ModelSpec& m, const Plan& p, const Stack& stack) {
@@ -48,25 +52,26 @@ std::string export_megatron(const ModelSpec& m, const Plan& p, const Stack& stac
   }
   if (p.c > 1) {
     flag(fmt::format("--context-parallel-size {}", p.c));
-    flag(fmt::format("--cp-comm-type {}", to_string(resolve_cp_comm(m, p))));
+    flag(fmt::format("--cp-comm-type {}", megatron_cp_comm(resolve_cp_comm(m, p))));
   }
   flag(fmt::format("--micro-batch-size {}", p.mbs));
   flag(fmt::format("--global-batch-size {}", p.gbs));
   if (p.sp) flag("--sequence-parallel");
-  if (p.zero == 1) flag("--use-distributed-optimizer");
-  if (p.zero == 2) {
-    flag("--use-distributed-optimizer");
-    notes += "# zero_stage=2: Megatron-LM shards optimizer states (distributed optimizer) but keeps full gradient\n"
-             "# buffers and reduces them once per step; strata costed ZeRO-2 proper (a reduce-scatter every\n"
-             "# micro-batch, sharded gradients): for that use --export deepspeed.\n";
-  }
-  if (p.zero == 3 && p.dp_instances > 1) {  // (torch FSDP2's wrapper shards over the whole data-parallel group)
+  if (p.zero >= 1) flag("--use-distributed-optimizer");
+  // ZeRO-2 and -3: Megatron-FSDP, with the flags NVIDIA's Megatron-FSDP guide requires (the
+  // distributed optimizer, no fused gradient accumulation, its checkpoint format); torch
+  // FSDP2's path (--use-torch-fsdp2) refuses tied embeddings, fp16 and fused accumulation.
+  const bool fsdp = p.zero >= 2;
+  if (fsdp) {
     flag("--use-megatron-fsdp");
-    flag("--data-parallel-sharding-strategy optim_grads_params");
-    notes += "# zero_stage=3 with hybrid sharding: Megatron-FSDP (its instances shard within and replicate across).\n";
-  } else if (p.zero == 3) {
-    flag("--use-torch-fsdp2");
-    notes += "# zero_stage=3: Megatron-LM's FSDP2 path (--use-torch-fsdp2) shards parameters, gradients and optimizer states.\n";
+    flag(p.zero == 2 ? "--data-parallel-sharding-strategy optim_grads" : "--data-parallel-sharding-strategy optim_grads_params");
+    flag("--no-gradient-accumulation-fusion");
+    flag("--ckpt-format fsdp_dtensor");
+    notes += fmt::format("# zero_stage={}: Megatron-FSDP ({}){}.\n", p.zero,
+                         p.zero == 2 ? "gradients and optimizer states sharded" : "parameters, gradients and optimizer states sharded",
+                         p.dp_instances > 1 ? "; its instances shard within and replicate across" : "");
+    if (stack.grad_accumulation_fusion)
+      notes += "# (strata costed fused gradient accumulation; Megatron-FSDP runs without it: a pass over the gradients more.)\n";
   }
   if (p.offload > 0) {
     flag("--optimizer-cpu-offload");
@@ -90,10 +95,11 @@ std::string export_megatron(const ModelSpec& m, const Plan& p, const Stack& stac
   switch (p.precision) {
     case Precision::bf16: flag("--bf16"); break;
     case Precision::fp16: flag("--fp16"); break;
-    case Precision::fp8:
+    case Precision::fp8:  // current (per-tensor) scaling, as the Bridge export's recipe
       flag("--bf16");
       flag("--fp8-format hybrid");
-      flag("--fp8-param-gather");
+      flag("--fp8-recipe tensorwise");
+      if (p.zero >= 1) flag("--fp8-param-gather");  // (Megatron: only with sharded parameters' gathers)
       break;
     case Precision::fp32: break;
   }
@@ -101,7 +107,7 @@ std::string export_megatron(const ModelSpec& m, const Plan& p, const Stack& stac
   if (stack.overlap_param_gather && p.replicas() > 1 && p.zero >= 1) flag("--overlap-param-gather");
   // Megatron's user buffers, as the plan asked (Megatron asserts sequence parallelism for them).
   if (p.tp_comm_overlap == Tristate::on && p.sp && p.t > 1) flag("--tp-comm-overlap");
-  if (!stack.grad_accumulation_fusion) flag("--no-gradient-accumulation-fusion");
+  if (!stack.grad_accumulation_fusion && !fsdp) flag("--no-gradient-accumulation-fusion");
   // Megatron-LM runs --optimizer-cpu-offload only with the precision-aware optimizer.
   if (p.offload > 0 && !p.precision_aware_optimizer) {
     flag("--use-precision-aware-optimizer");
@@ -113,7 +119,9 @@ std::string export_megatron(const ModelSpec& m, const Plan& p, const Stack& stac
     if (p.exp_avg_dtype != OptDtype::fp32) flag(fmt::format("--exp-avg-dtype {}", to_string(p.exp_avg_dtype)));
     if (p.exp_avg_sq_dtype != OptDtype::fp32) flag(fmt::format("--exp-avg-sq-dtype {}", to_string(p.exp_avg_sq_dtype)));
     if (p.main_params_dtype != OptDtype::fp32) flag(fmt::format("--main-params-dtype {}", to_string(p.main_params_dtype)));
-    if (!p.store_param_remainders) flag("--no-store-param-remainders");
+    if (!p.store_param_remainders)  // (Megatron-LM has no flag for it)
+      notes += "# store_param_remainders=false: set OptimizerConfig.store_param_remainders = False (Megatron-LM has "
+               "no flag for it).\n";
   }
   if (p.dp_instances > 1) flag(fmt::format("--num-distributed-optimizer-instances {}", p.dp_instances));
   if (p.offload_modules) {
@@ -220,16 +228,17 @@ std::string export_deepspeed(const ModelSpec& m, const Plan& p, const Stack& sta
   }
   if (p.offload > 0) {
     z["offload_optimizer"] = {{"device", "cpu"}, {"pin_memory", true}};
-    // (DeepSpeed reads a ratio below 1 with ZeRO stage 3 only; with stages 1 and 2 it
-    // offloads all of them.)
-    if (p.offload < 1) z["offload_optimizer"]["ratio"] = p.offload;
+    // (DeepSpeed takes a ratio below 1 with ZeRO stage 3 only and refuses it with stages 1
+    // and 2 (zero/config.py), which offload all of the states: not what strata costed, whose
+    // fraction strata_parallel_layout records.)
+    if (p.offload < 1 && p.zero == 3) z["offload_optimizer"]["ratio"] = p.offload;
   }
   j["zero_optimization"] = z;
   // The gradients' type as the plan says it (DeepSpeed's defaults vary by stage); its
   // optimizer sanity check refuses a type other than the model's without ZeRO, so there it
   // is recorded for the launcher only.
   const char* grad_type = stack.grad_reduce_in_fp32 ? "fp32" : p.precision == Precision::fp16 ? "fp16" : "bf16";
-  if (p.grad_reduce_in_fp32 != Tristate::automatic && p.zero >= 1) {
+  if (p.zero >= 1) {  // (said even when the plan leaves it to "auto": DeepSpeed's ZeRO defaults to 16 bits)
     j["data_types"] = {{"grad_accum_dtype", grad_type}};
     j["communication_data_type"] = grad_type;
   }
@@ -296,7 +305,7 @@ std::string export_bridge(const ModelSpec& m, const Plan& p, const Stack& stack)
   // not layers per virtual stage; null is one chunk.
   set("model.virtual_pipeline_model_parallel_size", p.v > 1 ? num(p.v) : "null");
   set("model.context_parallel_size", num(p.c));
-  if (p.c > 1) set("model.cp_comm_type", to_string(resolve_cp_comm(m, p)));
+  if (p.c > 1) set("model.cp_comm_type", megatron_cp_comm(resolve_cp_comm(m, p)));
   set("model.sequence_parallel", yes(p.sp));
   const SplitForm form = split_form(m, p);
   if (p.layout) {

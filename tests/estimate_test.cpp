@@ -713,9 +713,14 @@ TEST(Estimate, RandomPlansKeepTheInvariants) {
       if (f.valid) {
         EXPECT_LE(state(f.memory), state(e.memory) * (1 + 1e-12)) << what << ": zero " << q.zero;
       }
+      // (but for fp8 from ZeRO 0 to 1: the distributed optimizer brings fp8 parameters,
+      // --fp8-param-gather, 1 byte a weight instead of bf16's 2)
       if (f.valid && p.replicas() == 1) {
         EXPECT_EQ(f.step_time_s, e.step_time_s) << what << ": one replica, zero " << q.zero;
-        EXPECT_EQ(f.memory.peak, e.memory.peak) << what << ": one replica, zero " << q.zero;
+        if (p.precision == Precision::fp8 && p.zero == 0)
+          EXPECT_LT(f.memory.peak, e.memory.peak) << what;
+        else
+          EXPECT_EQ(f.memory.peak, e.memory.peak) << what << ": one replica, zero " << q.zero;
       }
     }
     if (p.recompute != Recompute::full) {

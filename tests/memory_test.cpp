@@ -330,6 +330,10 @@ TEST(Memory, PrecisionAwareOptimizer) {
   EXPECT_DOUBLE_EQ(memory(c, base + ",exp_avg_dtype=bf16,exp_avg_sq_dtype=bf16").optimizer_states, 6 * P / 8);
   EXPECT_DOUBLE_EQ(memory(c, base + ",store_param_remainders=0").optimizer_states, 12 * P / 8);
   EXPECT_DOUBLE_EQ(memory(c, base + ",exp_avg_dtype=fp8,exp_avg_sq_dtype=fp16").optimizer_states, (2 + 1 + 2) * P / 8);
+  // fp8 weights of 1 byte come with the sharded optimizer (Megatron's --fp8-param-gather);
+  // without ZeRO the model keeps bf16 weights.
+  EXPECT_DOUBLE_EQ(memory(c, "dp=8,zero=1,mbs=1,precision=fp8").weights, 1 * P);
+  EXPECT_DOUBLE_EQ(memory(c, "dp=8,zero=0,mbs=1,precision=fp8").weights, 2 * P);
   const MemoryBreakdown plain = memory(c, "dp=8,zero=1,mbs=1,recompute=full,grad_reduce_in_fp32=0");
   const MemoryBreakdown aware = memory(c, base + ",recompute=full,grad_reduce_in_fp32=0");
   EXPECT_TRUE(plain.at_optimizer_step);

@@ -943,8 +943,9 @@ TEST(Planner, Exports) {
   // Context parallelism names how keys and values travel, in all three exports.
   const Plan cp = load_plan("tp=4,pp=2,dp=2,cp=4,gbs=64,cp_comm_type=allgather");
   const Stack cst = resolve_stack(m, load_cluster("dgx-h100-80g"), cp);
-  EXPECT_NE(export_megatron(m, cp, cst).find("--cp-comm-type allgather"), std::string::npos);
-  EXPECT_TRUE(has(lines_of(export_bridge(m, cp, cst)), "model.cp_comm_type=allgather"));
+  // (Megatron-core and Transformer Engine spell it all_gather.)
+  EXPECT_NE(export_megatron(m, cp, cst).find("--cp-comm-type all_gather"), std::string::npos);
+  EXPECT_TRUE(has(lines_of(export_bridge(m, cp, cst)), "model.cp_comm_type=all_gather"));
   EXPECT_EQ(Json::parse(export_deepspeed(m, cp, cst))["strata_parallel_layout"]["cp_comm_type"], "allgather");
   EXPECT_NE(export_megatron(m, load_plan("cp=2,gbs=8"), cst).find("--cp-comm-type p2p"), std::string::npos);
   EXPECT_EQ(export_megatron(m, p, st).find("--cp-comm-type"), std::string::npos);
@@ -960,7 +961,9 @@ TEST(Planner, Exports) {
   EXPECT_EQ(dg["communication_data_type"], "bf16");
   const Json back = {{"data_types", dg["data_types"]}, {"communication_data_type", dg["communication_data_type"]}};
   EXPECT_EQ(plan_from_json(back, "deepspeed").grad_reduce_in_fp32, Tristate::off);
-  EXPECT_FALSE(ds.contains("data_types"));
+  // Said also where the plan leaves it to auto (fp32 in bf16): DeepSpeed's ZeRO defaults to 16 bits.
+  EXPECT_EQ(ds["data_types"]["grad_accum_dtype"], "fp32");
+  EXPECT_EQ(ds["communication_data_type"], "fp32");
   // The precision-aware optimizer: Megatron's flags, Bridge's optimizer settings.
   const Plan pa = load_plan("tp=8,pp=4,dp=8,gbs=512,zero=1,use_precision_aware_optimizer=1,exp_avg_dtype=bf16");
   const Stack pst = resolve_stack(m, load_cluster("dgx-h100-80g"), pa);
