@@ -106,7 +106,7 @@ ComputeSetup compute_setup(const ModelSpec& m, const Cluster& cl, const Plan& p)
   // default in fp16 training) in 16 bits (resolve_stack). The strata executor keeps fp32
   // gradients in every precision.
   cs.grad_bytes = cs.stack.grad_reduce_in_fp32 || p.precision == Precision::fp32 ? 4.0 : 2.0;
-  cs.weight_bytes = p.precision == Precision::fp32 ? 4.0 : p.precision == Precision::fp8 ? 1.0 : 2.0;
+  cs.weight_bytes = p.precision == Precision::fp32 ? 4.0 : p.fp8_weights() ? 1.0 : 2.0;
   cs.weight_work_bytes = cs.stack.strata ? 4.0 : cs.weight_bytes;  // its parameter gathers send floats
   cs.cp_comm = p.c > 1 ? resolve_cp_comm(m, cl, p) : CpComm::p2p;  // (nothing to move without context parallelism)
   cs.sixteen_operands = cs.stack.strata && (p.precision == Precision::bf16 || p.precision == Precision::fp16) &&

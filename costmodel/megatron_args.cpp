@@ -46,7 +46,7 @@ const std::set<std::string>& switch_flags() {
       "moe_grouped_gemm", "moe_permute_fusion", "grad_reduce_in_bf16", "accumulate_allreduce_grads_in_fp32",
       "use_precision_aware_optimizer", "no_store_param_remainders", "fine_grained_activation_offloading",
       "multi_latent_attention", "moe_enable_deepep", "overlap_moe_expert_parallel_comm", "delay_wgrad_compute",
-      "checkpoint_activations"};
+      "checkpoint_activations", "fp8_param_gather"};
   return s;
 }
 // Flags that set what strata does not take from a launch: refused, naming the way to say it.
@@ -83,7 +83,8 @@ const std::set<std::string>& plan_flags() {
       "moe_token_dispatcher_type", "moe_flex_dispatcher_backend", "moe_enable_deepep",
       "overlap_moe_expert_parallel_comm", "delay_wgrad_compute", "data_parallel_sharding_strategy",
       "checkpoint_activations",  // (Megatron-DeepSpeed's full recompute)
-      "zero_stage"};             // (Megatron-DeepSpeed's, for DeepSpeed's ZeRO)
+      "zero_stage",              // (Megatron-DeepSpeed's, for DeepSpeed's ZeRO)
+      "fp8_param_gather"};
   return s;
 }
 
@@ -587,6 +588,8 @@ MegatronLaunch parse_megatron_launch(const std::string& text, const std::string&
     if (h > 0 && h <= (int64_t{1} << 24))
       m["ffn_hidden_size"] = m.contains("swiglu") && m.at("swiglu") == true ? (8 * h / 3) / 64 * 64 : 4 * h;
   }
+  // FP8 without --fp8-param-gather: Megatron's default, bf16 parameters.
+  if (out.plan.contains("fp8_format") && !out.plan.contains("fp8_param_gather")) out.plan["fp8_param_gather"] = false;
   // Neither --bf16 nor --fp16 (nor FP8): Megatron trains in fp32.
   if (!out.plan.contains("bf16") && !out.plan.contains("fp16") && !out.plan.contains("fp8_format"))
     out.plan["precision"] = "fp32";

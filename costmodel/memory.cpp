@@ -452,9 +452,9 @@ StageShape stage_shape(const ModelSpec& m, const Plan& p, const StageLayout& lay
   // precision only) and Adam moments.
   if (cs.stack.strata) sb = {cs.weight_work_bytes, 4.0, p.precision == Precision::fp32 ? 8.0 : 12.0};
   // fp8 weights of 1 byte are Megatron's --fp8-param-gather, which it runs only where the
-  // parameters are gathered (the distributed optimizer, FSDP): without ZeRO the model keeps
-  // bf16 weights, which Transformer Engine casts to fp8 for each GEMM.
-  else if (p.precision == Precision::fp8 && p.zero == 0) sb.weights = 2.0;
+  // parameters are gathered (the distributed optimizer, FSDP; Plan::fp8_weights): without it
+  // the model keeps bf16 weights, which Transformer Engine casts to fp8 for each GEMM.
+  else if (p.precision == Precision::fp8 && !p.fp8_weights()) sb.weights = 2.0;
   // Megatron-core with 16-bit main gradients (grad_reduce_in_fp32 off; fp16's default): the
   // optimizer casts its shard's gradients to fp32 at the step (shard_main_param.grad =
   // grad.float()) and drops them when the next step zeroes its gradients (set to None),

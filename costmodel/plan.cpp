@@ -541,7 +541,8 @@ Plan plan_from_json(const Json& in, const std::string& source) {
                            "pipeline_model_parallel_layout", "decoder_first_pipeline_num_layers",
                            "decoder_last_pipeline_num_layers", "gradient_accumulation_steps", "num_gpus",
                            "optimizer_offload_fraction", "expert_model_parallel_size", "recompute_modules",
-                           "expert_tensor_parallel_size", "grad_reduce_in_fp32", "use_precision_aware_optimizer",
+                           "expert_tensor_parallel_size", "grad_reduce_in_fp32", "fp8_param_gather",
+                           "use_precision_aware_optimizer",
                            "exp_avg_dtype", "exp_avg_sq_dtype", "main_params_dtype", "store_param_remainders",
                            "fine_grained_activation_offloading", "offload_modules", "activation_offload_fraction",
                            "min_offloaded_tensor_size", "delta_offload_bytes_across_pp_ranks",
@@ -629,6 +630,7 @@ Plan plan_from_json(const Json& in, const std::string& source) {
   p.tp_comm_overlap = tristate("tp_comm_overlap");
   p.grad_accumulation_fusion = tristate("grad_accumulation_fusion");
   p.grad_reduce_in_fp32 = tristate("grad_reduce_in_fp32");
+  p.fp8_param_gather = tristate("fp8_param_gather");
   // Megatron-core's precision-aware optimizer and the types of its tensors (torch's names
   // too: "float32", "bfloat16", "torch.bfloat16", ...).
   p.precision_aware_optimizer = f.boolean_or("use_precision_aware_optimizer", false);
@@ -923,6 +925,7 @@ Json plan_to_json(const Plan& p) {
     j["moe_flex_dispatcher_backend"] = to_string(p.moe_dispatcher);
   }
   if (p.grad_reduce_in_fp32 != Tristate::automatic) j["grad_reduce_in_fp32"] = p.grad_reduce_in_fp32 == Tristate::on;
+  if (p.fp8_param_gather != Tristate::automatic) j["fp8_param_gather"] = p.fp8_param_gather == Tristate::on;
   if (p.precision_aware_optimizer) {
     j["use_precision_aware_optimizer"] = true;
     j["exp_avg_dtype"] = to_string(p.exp_avg_dtype);
@@ -973,6 +976,7 @@ std::string plan_to_inline(const Plan& p) {
   tri("tp_comm_overlap", p.tp_comm_overlap);
   tri("grad_accumulation_fusion", p.grad_accumulation_fusion);
   tri("grad_reduce_in_fp32", p.grad_reduce_in_fp32);
+  tri("fp8_param_gather", p.fp8_param_gather);
   if (p.precision_aware_optimizer) {
     s += ",use_precision_aware_optimizer=1";
     if (p.exp_avg_dtype != OptDtype::fp32) s += fmt::format(",exp_avg_dtype={}", to_string(p.exp_avg_dtype));
@@ -1181,6 +1185,11 @@ std::vector<Reason> check_plan(const ModelSpec& m, const Cluster& cl, const Plan
       add("grad_reduce", [&] { return fmt::format("grad_reduce_in_fp32=false: {} runs the strata executor, which "
                                                   "accumulates and reduces its gradients in fp32", cl.name); });
   }
+  if (p.fp8_param_gather != Tristate::automatic && p.precision != Precision::fp8)
+    add("fp8_param_gather", [&] { return fmt::format("fp8_param_gather is fp8's (precision {})", to_string(p.precision)); });
+  else if (p.fp8_param_gather == Tristate::on && p.zero == 0)
+    add("fp8_param_gather", [&] { return std::string("fp8_param_gather=1 needs zero_stage 1-3 (Megatron gathers fp8 "
+                                                     "parameters only where they are sharded)"); });
   if (p.precision_aware_optimizer) {
     if (p.zero != 1)
       add("precision_aware", [&] { return fmt::format("use_precision_aware_optimizer needs zero_stage 1 (Megatron's "

@@ -149,6 +149,15 @@ struct Plan {
   // fp32, or (off) in the parameters' 16-bit type, bf16 with fp8. "auto": on, but off in
   // fp16 (Megatron's defaults); the strata executor keeps fp32 gradients.
   Tristate grad_reduce_in_fp32 = Tristate::automatic;
+  // fp8_param_gather (Megatron's --fp8-param-gather): fp8 plans keep their parameters in fp8
+  // (1 byte a weight) and gather them so; Megatron runs it only where parameters are sharded
+  // (ZeRO 1-3). "auto": on with ZeRO (the NeMo and Megatron-Bridge fp8 recipes), off
+  // without; off: bf16 weights (2 bytes) and bf16 gathers. A Megatron launch without the
+  // flag is off (Megatron's default). Only fp8 plans may give it; on needs ZeRO.
+  Tristate fp8_param_gather = Tristate::automatic;
+  bool fp8_weights() const {
+    return precision == Precision::fp8 && zero >= 1 && fp8_param_gather != Tristate::off;
+  }
   // use_precision_aware_optimizer (Megatron-core's, with its distributed optimizer):
   // Transformer Engine's FusedAdam keeps the optimizer's tensors in the types below and
   // steps on the main gradients as they are (no fp32 copy): the Adam moments

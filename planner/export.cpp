@@ -99,7 +99,7 @@ std::string export_megatron(const ModelSpec& m, const Plan& p, const Stack& stac
       flag("--bf16");
       flag("--fp8-format hybrid");
       flag("--fp8-recipe tensorwise");
-      if (p.zero >= 1) flag("--fp8-param-gather");  // (Megatron: only with sharded parameters' gathers)
+      if (p.fp8_weights()) flag("--fp8-param-gather");  // (Megatron: only with sharded parameters' gathers)
       break;
     case Precision::fp32: break;
   }

@@ -537,6 +537,9 @@ TEST(MegatronArgs, FsdpAndMegatronDeepSpeedFlags) {
   EXPECT_EQ(in("--group-query-attention").model.G, 1);
   EXPECT_EQ(in("--checkpoint-activations").plan.recompute, Recompute::full);
   EXPECT_EQ(in("--checkpoint-activations").plan.recompute_layers, 0);  // (every layer)
+  // FP8 parameters only with --fp8-param-gather (Megatron's default is off).
+  EXPECT_EQ(in("--fp8-format hybrid --use-distributed-optimizer").plan.fp8_param_gather, Tristate::off);
+  EXPECT_TRUE(in("--fp8-format hybrid --use-distributed-optimizer --fp8-param-gather").plan.fp8_weights());
   for (const char* ds : {"--expert-interval 2", "--topk 1", "--moe-expert-parallel-size 8"})
     EXPECT_NE(error_of(model + "--num-experts 8 " + ds, 8).find("Megatron-DeepSpeed's MoE"), std::string::npos) << ds;
 }

@@ -7,6 +7,7 @@
 
 #include <tuple>
 
+#include "costmodel/estimate.h"
 #include "costmodel/layout.h"
 #include "costmodel/plan.h"
 #include "costmodel/stack.h"
@@ -460,6 +461,25 @@ TEST(Plan, PrecisionAwareOptimizer) {
       check_plan(load_model("tiny-llama"), load_cluster("local-cpu"), load_plan("dp=8,zero=1,use_precision_aware_optimizer=1"));
   ASSERT_FALSE(cpu.empty());
   EXPECT_EQ(cpu.at(0).key, "precision_aware");
+}
+
+// fp8_param_gather: fp8 weights of 1 byte with ZeRO (auto), bf16 weights without it or when
+// off; fp8's only, and on needs ZeRO; inline and JSON round trips keep it.
+TEST(Plan, Fp8ParamGather) {
+  EXPECT_TRUE(load_plan("dp=8,zero=1,precision=fp8").fp8_weights());
+  EXPECT_FALSE(load_plan("dp=8,zero=0,precision=fp8").fp8_weights());
+  EXPECT_FALSE(load_plan("dp=8,zero=1,precision=fp8,fp8_param_gather=0").fp8_weights());
+  EXPECT_FALSE(load_plan("dp=8,zero=1,precision=bf16").fp8_weights());
+  const ModelSpec m = load_model("llama3-8b");
+  const Cluster h100 = load_cluster("dgx-h100-80g");
+  EXPECT_EQ(check_plan(m, h100, load_plan("dp=8,zero=0,precision=fp8,fp8_param_gather=1")).at(0).key, "fp8_param_gather");
+  EXPECT_EQ(check_plan(m, h100, load_plan("dp=8,zero=1,precision=bf16,fp8_param_gather=0")).at(0).key, "fp8_param_gather");
+  EXPECT_TRUE(check_plan(m, h100, load_plan("dp=8,zero=3,precision=fp8,fp8_param_gather=1")).empty());
+  const Plan off = load_plan("dp=8,zero=1,gbs=8,precision=fp8,fp8_param_gather=0");
+  EXPECT_EQ(load_plan(plan_to_inline(off)).fp8_param_gather, Tristate::off);
+  EXPECT_EQ(plan_from_json(plan_to_json(off), "plan").fp8_param_gather, Tristate::off);
+  const Estimate on = estimate(m, h100, load_plan("dp=8,zero=1,gbs=8,precision=fp8")), bf = estimate(m, h100, off);
+  EXPECT_DOUBLE_EQ(bf.memory.weights - on.memory.weights, on.memory.params);  // 2 bytes a weight against 1
 }
 
 // Optimizer offload under its names: this schema's optimizer_offload_fraction (inline
