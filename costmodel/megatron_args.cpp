@@ -96,75 +96,94 @@ bool is_name(const std::string& s) {
 // The words of a shell text: comments and line continuations removed, quotes and array
 // parentheses taken as blanks (a quoted list of flags, GPT_ARGS="--num-layers 24 ...", is
 // read as its flags), quotes inside ${...} dropped (${TP:-"8"} is ${TP:-8}). Each word
-// says whether it begins a command (the text's start, after a newline or a ';'), where a
-// NAME=value is an assignment and `if` a keyword.
+// says whether it begins a command (the text's start, after a newline, a ';' or a case
+// arm's ')' outside quotes), where a NAME=value is an assignment and `if` a keyword, and
+// which quoted string holds it (group: 0 outside quotes), so that NAME="a b" is one value.
 struct Words {
   std::vector<std::string> w;
   std::vector<bool> starts;  // w[i] begins a command
+  std::vector<int> group;    // the quoted string w[i] is in (numbered from 1), or 0
   size_t size() const { return w.size(); }
   const std::string& operator[](size_t i) const { return w[i]; }
 };
 Words words_of(const std::string& text) {
-  constexpr char kCommand = '\x01';  // (a command boundary in `clean`)
-  std::string clean(1, kCommand);
-  clean.reserve(text.size() + 1);
-  bool comment = false;
+  Words out;
+  std::string word;
+  bool next_start = true, comment = false, single = false, dbl = false;
   int open_parens = 0;  // kept '(' of the current word not yet closed
   int braces = 0;       // open ${ ... }
+  int groups = 0, group = 0;
+  auto flush = [&] {
+    open_parens = 0;
+    if (word.empty()) return;
+    out.w.push_back(word);
+    out.starts.push_back(next_start);
+    out.group.push_back(group);
+    next_start = false;
+    word.clear();
+  };
   for (size_t i = 0; i < text.size(); ++i) {
     const char c = text[i];
+    const bool quoted = single || dbl;
     if (comment) {
-      if (c == '\n') comment = false, clean += kCommand;
+      if (c == '\n') comment = false, next_start = true;
       continue;
     }
-    if (c == '#' && (i == 0 || std::isspace(static_cast<unsigned char>(text[i - 1])))) {
+    if (!quoted && c == '#' && (i == 0 || std::isspace(static_cast<unsigned char>(text[i - 1])))) {
+      flush();
       comment = true;
       continue;
     }
-    if (c == '\\' && i + 1 < text.size() &&
+    if (c == '\\' && !single && i + 1 < text.size() &&
         (text[i + 1] == '\n' || text[i + 1] == '\r' || text[i + 1] == '"' || text[i + 1] == '\'')) {
-      clean += ' ';  // a continuation, or an escaped quote inside quotes
-      if (text[i + 1] == '\r' && i + 2 < text.size() && text[i + 2] == '\n') ++i;
-      if (text[i + 1] == '\n' || text[i + 1] == '\r') ++i;  // (not a command boundary)
+      flush();  // a continuation (not a command boundary), or an escaped quote (a blank)
+      ++i;
+      if (text[i] == '\r' && i + 1 < text.size() && text[i + 1] == '\n') ++i;
       continue;
     }
-    if (c == '{' && i > 0 && text[i - 1] == '$') ++braces;
+    if (c == '{' && i > 0 && text[i - 1] == '$' && !single) ++braces;
     if (c == '}' && braces > 0) --braces;
     if (braces > 0 && (c == '"' || c == '\'')) continue;
+    if ((c == '\'' && !dbl) || (c == '"' && !single)) {
+      flush();
+      (c == '\'' ? single : dbl) = !quoted;
+      group = quoted ? 0 : ++groups;
+      continue;
+    }
     // A pipeline layout's parentheses ("Et|(t*2|)*34,tL") are kept: '(' after a layout
     // character; so are --moe-layer-freq's ("([1]*3+[0]*1)*3"): '(' before a list or another
     // '(', or after '+' or '*'; and the ')' that closes a kept '(' in the same word. Every
-    // other one (arrays, subshells) is a blank.
-    bool kept_paren = false;
+    // other one (arrays, subshells, case arms) is a blank.
     if (c == '(') {
       const char before = i > 0 ? text[i - 1] : ' ', after = i + 1 < text.size() ? text[i + 1] : ' ';
-      kept_paren = (before != '\0' && std::strchr("EtL|,+*", before) != nullptr) || after == '[' || after == '(';
-      open_parens += kept_paren ? 1 : 0;
-    } else if (c == ')' && open_parens > 0) {
-      kept_paren = true;
-      --open_parens;
+      if ((before != '\0' && std::strchr("EtL|,+*", before) != nullptr) || after == '[' || after == '(') {
+        ++open_parens;
+        word += c;
+      } else {
+        flush();
+      }
+      continue;
     }
-    const bool blank = c == '"' || c == '\'' || ((c == '(' || c == ')') && !kept_paren);
-    if (blank || c == ';' || std::isspace(static_cast<unsigned char>(c))) open_parens = 0;  // a word ends
-    clean += c == ';' || c == '\n' ? kCommand : blank ? ' ' : c;
-  }
-  Words out;
-  bool start = false;
-  std::string word;
-  auto flush = [&] {
-    if (word.empty()) return;
-    out.w.push_back(word);
-    out.starts.push_back(start);
-    start = false;
-    word.clear();
-  };
-  for (const char c : clean) {
-    if (c == kCommand || std::isspace(static_cast<unsigned char>(c))) {
+    if (c == ')') {
+      if (open_parens > 0) {
+        --open_parens;
+        word += c;
+      } else {
+        flush();
+        if (!quoted) next_start = true;  // (a case arm's pattern ends: its commands begin)
+      }
+      continue;
+    }
+    if (!quoted && (c == ';' || c == '\n')) {
       flush();
-      if (c == kCommand) start = true;
-    } else {
-      word += c;
+      next_start = true;
+      continue;
     }
+    if (c == ';' || std::isspace(static_cast<unsigned char>(c))) {
+      flush();
+      continue;
+    }
+    word += c;
   }
   flush();
   return out;
@@ -275,26 +294,25 @@ int evaluate_condition(const Words& words, size_t begin, size_t end, Resolve&& r
     if (r < 0) return -1;
     return negate ? !r : r;
   };
+  // Each test between && and || is [ ... ], [[ ... ]] or test ...: anything else is a
+  // command, whose exit status strata does not evaluate.
+  bool bracketed = false;
   auto fold = [&]() -> bool {  // the test read so far into result; false: undecided
-    if (test.empty()) return join.empty() ? false : false;
+    if (!bracketed) return false;
     const int r = one();
     test.clear();
+    bracketed = false;
     if (r < 0) return false;
     result = join.empty() ? r : join == "&&" ? (result && r) : (result || r);
     return true;
   };
-  bool bracketed = false;
   for (size_t i = begin; i < end; ++i) {
     const std::string& w = words[i];
-    if (w == "[" || w == "[[") {
+    if ((w == "[" || w == "[[" || w == "test") && test.empty() && !bracketed) {
       bracketed = true;
       continue;
     }
     if (w == "]" || w == "]]") continue;
-    if (w == "test" && test.empty()) {
-      bracketed = true;
-      continue;
-    }
     if (w == "&&" || w == "||") {
       if (!fold()) return -1;
       join = w;
@@ -302,7 +320,7 @@ int evaluate_condition(const Words& words, size_t begin, size_t end, Resolve&& r
     }
     test.push_back(w);
   }
-  if (!bracketed || !fold()) return -1;  // (a command's exit status: not evaluated)
+  if (!fold()) return -1;
   return result;
 }
 
@@ -338,37 +356,34 @@ std::string flag_of(const std::string& key) {
 MegatronLaunch parse_megatron_launch(const std::string& text, const std::string& source) {
   const Words words = words_of(text);
   const IfBlocks blocks = if_blocks_of(words);
-  // The text's own assignments (NAME=value where a command begins, `export NAME=value`), for
-  // $NAME and ${NAME}, from the words not skipped. A name set twice to two values (the
-  // branches of an if strata cannot decide, or of a case) resolves to nothing.
-  std::map<std::string, std::string> vars;
-  std::set<std::string> ambiguous;
-  std::vector<bool> skip(words.size(), false);
-  auto collect = [&](const std::vector<bool>& leave_out) {
-    vars.clear();
-    ambiguous.clear();
-    size_t after_assignment = SIZE_MAX;  // (A=1 B=2 cmd: B=2 is an assignment too)
-    for (size_t i = 0; i < words.size(); ++i) {
-      const std::string& w = words[i];
-      const size_t eq = w.find('=');
-      if (leave_out[i] || !(command_position(words, i) || i == after_assignment) || w.rfind("--", 0) == 0 ||
-          eq == std::string::npos || eq == 0 || !is_name(w.substr(0, eq)))
-        continue;
-      std::string v = w.substr(eq + 1);
-      after_assignment = i + 1;
-      if (v.empty() && i + 1 < words.size() && !words.starts[i + 1] && words[i + 1].rfind("-", 0) != 0) {
-        v = words[i + 1];  // NAME="value"
-        after_assignment = i + 2;
-      }
-      const std::string name = w.substr(0, eq);
-      if (const auto it = vars.find(name); it != vars.end() && it->second != v) ambiguous.insert(name);
-      vars[name] = v;
-    }
-    for (const std::string& name : ambiguous) vars.erase(name);
+  // An assignment at word i (NAME=value where a command begins, `export NAME=value`, or
+  // after another assignment: A=1 B=2 cmd), with its value (a quoted one whole: NAME="a b")
+  // and the word after it; `after` is the word after the previous one.
+  struct Assignment {
+    std::string name, value;
+    size_t next = 0;
   };
-  // $NAME, ${NAME} and ${NAME:-default} (${NAME-default}), followed through other names; a
-  // name whose value is its own default (TP=${TP:-8}, as scripts take the environment's) is
-  // the default.
+  auto assignment_at = [&](size_t i, size_t after, Assignment* a) {
+    const std::string& w = words[i];
+    const size_t eq = w.find('=');
+    if (!(command_position(words, i) || i == after) || w.rfind("--", 0) == 0 || eq == std::string::npos || eq == 0 ||
+        !is_name(w.substr(0, eq)))
+      return false;
+    a->name = w.substr(0, eq);
+    a->value = w.substr(eq + 1);
+    a->next = i + 1;
+    const int g = i + 1 < words.size() ? words.group[i + 1] : 0;
+    if (a->value.empty() && g != 0 && g != words.group[i]) {  // NAME="value ..."
+      std::vector<std::string> parts;
+      for (; a->next < words.size() && words.group[a->next] == g; ++a->next) parts.push_back(words[a->next]);
+      a->value = fmt::format("{}", fmt::join(parts, " "));
+    }
+    return true;
+  };
+  // $NAME, ${NAME} and ${NAME:-default} (${NAME-default}) through `vars`, followed through
+  // other names; a name in `unknown` (set to two values, or in a branch not decided) has no
+  // value and no default; a name whose value is its own default (TP=${TP:-8}, as scripts
+  // take the environment's) is the default.
   auto mentions = [](const std::string& v, const std::string& name) {
     for (const std::string& ref : {"$" + name, "${" + name}) {
       for (size_t at = v.find(ref); at != std::string::npos; at = v.find(ref, at + 1)) {
@@ -378,7 +393,8 @@ MegatronLaunch parse_megatron_launch(const std::string& text, const std::string&
     }
     return false;
   };
-  auto resolve = [&](std::string v) {
+  auto resolve_in = [&](const std::map<std::string, std::string>& vars, const std::set<std::string>& unknown,
+                        std::string v) {
     for (int depth = 0; depth < 8 && !v.empty() && v[0] == '$'; ++depth) {
       std::string name = v.substr(1), fallback;
       bool braces = false, has_default = false;
@@ -389,9 +405,9 @@ MegatronLaunch parse_megatron_launch(const std::string& text, const std::string&
       if (const size_t d = name.find('-'); braces && d != std::string::npos && d > 0) {
         fallback = name.substr(d + 1);
         name = name.substr(0, name[d - 1] == ':' ? d - 1 : d);
-        has_default = !ambiguous.count(name);
+        has_default = !unknown.count(name);
       }
-      if (!is_name(name)) break;
+      if (!is_name(name) || unknown.count(name)) break;
       const auto it = vars.find(name);
       const bool self = it != vars.end() && mentions(it->second, name);
       if (it != vars.end() && !self && !(it->second.empty() && has_default)) v = it->second;
@@ -401,55 +417,92 @@ MegatronLaunch parse_megatron_launch(const std::string& text, const std::string&
     }
     return v;
   };
-  // The if blocks whose conditions strata can decide, from the assignments outside every
-  // block: the branches not taken are skipped, their flags and assignments too; the others
-  // keep every branch, and the flags in them are named (unevaluated).
-  std::vector<bool> inside(words.size(), false);
-  for (const IfBlock& b : blocks)
-    for (size_t i = b.begin; i <= b.end; ++i) inside[i] = true;
-  collect(inside);
+  // The text in order, as the shell runs it: each if block decided from the assignments
+  // made before it (a condition on the text's own variables: the branches not taken are
+  // skipped, their flags and assignments too) or not (every branch read, its flags named,
+  // and the variables it assigns unknown to the conditions after it).
+  std::vector<bool> skip(words.size(), false);
   std::vector<std::string> undecided;
-  for (const IfBlock& b : blocks) {
-    if (skip[b.begin]) continue;  // (inside a branch not taken)
-    int taken = -1;
-    bool decided = true;
-    for (size_t k = 0; k < b.branches.size() && taken < 0; ++k) {
-      const IfBranch& br = b.branches[k];
-      if (br.cond_begin == br.cond_end) {
-        taken = static_cast<int>(k);  // else
-        break;
+  {
+    std::map<std::string, std::string> now;
+    std::set<std::string> unknown;
+    auto resolve_now = [&](const std::string& v) { return resolve_in(now, unknown, v); };
+    std::vector<size_t> open_undecided;  // the ends of the undecided blocks around the word
+    size_t k = 0, after = SIZE_MAX;
+    for (size_t i = 0; i < words.size(); ++i) {
+      while (!open_undecided.empty() && open_undecided.back() < i) open_undecided.pop_back();
+      while (k < blocks.size() && blocks[k].begin < i) ++k;  // (blocks in skipped words)
+      if (skip[i]) continue;
+      if (k < blocks.size() && blocks[k].begin == i) {
+        const IfBlock& b = blocks[k++];
+        int taken = -1;
+        bool decided = true;
+        for (size_t n = 0; n < b.branches.size() && taken < 0; ++n) {
+          const IfBranch& br = b.branches[n];
+          if (br.cond_begin == br.cond_end) {
+            taken = static_cast<int>(n);  // else
+            break;
+          }
+          const int r = evaluate_condition(words, br.cond_begin, br.cond_end, resolve_now);
+          if (r < 0) {
+            decided = false;
+            break;
+          }
+          if (r == 1) taken = static_cast<int>(n);
+        }
+        for (size_t n = 0; n < b.branches.size(); ++n) {
+          const IfBranch& br = b.branches[n];
+          for (size_t j = br.cond_begin; j < br.cond_end; ++j) skip[j] = true;  // (a condition's words are no flags)
+          if (decided && static_cast<int>(n) != taken)
+            for (size_t j = br.body_begin; j < br.body_end; ++j) skip[j] = true;
+        }
+        if (!decided && open_undecided.empty()) {  // (an outer block's note names the flags within)
+          std::vector<std::string> flags;
+          for (size_t j = b.begin; j <= b.end; ++j) {  // (the flags strata reads: the others change nothing)
+            if (words[j].rfind("--", 0) != 0 || words[j].size() <= 2) continue;
+            const std::string f = words[j].substr(0, words[j].find('='));
+            std::string snake = f.substr(2);
+            std::replace(snake.begin(), snake.end(), '-', '_');
+            if (!model_flags().count(snake) && !plan_flags().count(snake)) continue;
+            if (std::find(flags.begin(), flags.end(), f) == flags.end()) flags.push_back(f);
+          }
+          if (!flags.empty()) {
+            const std::vector<std::string> cond(words.w.begin() + static_cast<std::ptrdiff_t>(b.branches[0].cond_begin),
+                                                words.w.begin() + static_cast<std::ptrdiff_t>(b.branches[0].cond_end));
+            undecided.push_back(fmt::format("if {} ({})", fmt::join(cond, " "), fmt::join(flags, " ")));
+          }
+        }
+        if (!decided) open_undecided.push_back(b.end);
+        continue;
       }
-      const int r = evaluate_condition(words, br.cond_begin, br.cond_end, resolve);
-      if (r < 0) {
-        decided = false;
-        break;
-      }
-      if (r == 1) taken = static_cast<int>(k);
-    }
-    for (size_t k = 0; k < b.branches.size(); ++k) {
-      const IfBranch& br = b.branches[k];
-      for (size_t i = br.cond_begin; i < br.cond_end; ++i) skip[i] = true;  // (a condition's words are no flags)
-      if (decided && static_cast<int>(k) != taken)
-        for (size_t i = br.body_begin; i < br.body_end; ++i) skip[i] = true;
-    }
-    if (!decided) {
-      std::vector<std::string> flags;
-      for (size_t i = b.begin; i <= b.end; ++i) {  // (the flags strata reads: the others change nothing)
-        if (words[i].rfind("--", 0) != 0 || words[i].size() <= 2) continue;
-        const std::string f = words[i].substr(0, words[i].find('='));
-        std::string snake = f.substr(2);
-        std::replace(snake.begin(), snake.end(), '-', '_');
-        if (!model_flags().count(snake) && !plan_flags().count(snake)) continue;
-        if (std::find(flags.begin(), flags.end(), f) == flags.end()) flags.push_back(f);
-      }
-      if (!flags.empty()) {
-        const std::vector<std::string> cond(words.w.begin() + static_cast<std::ptrdiff_t>(b.branches[0].cond_begin),
-                                            words.w.begin() + static_cast<std::ptrdiff_t>(b.branches[0].cond_end));
-        undecided.push_back(fmt::format("if {} ({})", fmt::join(cond, " "), fmt::join(flags, " ")));
+      Assignment a;
+      if (!assignment_at(i, after, &a)) continue;
+      after = a.next;
+      if (open_undecided.empty()) {
+        now[a.name] = a.value;
+        unknown.erase(a.name);
+      } else {
+        now.erase(a.name);
+        unknown.insert(a.name);
       }
     }
   }
-  collect(skip);
+  // The flags' variables: every assignment not skipped; a name set to two values (in the
+  // branches of an if not decided, or of a case) resolves to nothing.
+  std::map<std::string, std::string> vars;
+  std::set<std::string> ambiguous;
+  {
+    size_t after = SIZE_MAX;
+    for (size_t i = 0; i < words.size(); ++i) {
+      Assignment a;
+      if (skip[i] || !assignment_at(i, after, &a)) continue;
+      after = a.next;
+      if (const auto it = vars.find(a.name); it != vars.end() && it->second != a.value) ambiguous.insert(a.name);
+      vars[a.name] = a.value;
+    }
+    for (const std::string& name : ambiguous) vars.erase(name);
+  }
+  auto resolve = [&](const std::string& v) { return resolve_in(vars, ambiguous, v); };
   MegatronLaunch out;
   out.model = Json::object();
   out.plan = Json::object();

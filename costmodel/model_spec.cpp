@@ -235,9 +235,16 @@ std::string model_type_of_architectures(const Json& j) {
 }
 
 bool encoder_only(const std::string& model_type) {
+  // (Compared without '-' and '_': a type from an architectures class name, XLMRobertaModel,
+  // is xlmroberta.)
+  auto bare = [](std::string s) {
+    s.erase(std::remove_if(s.begin(), s.end(), [](char c) { return c == '-' || c == '_'; }), s.end());
+    return s;
+  };
+  const std::string type = bare(model_type);
   for (const char* t : {"bert", "roberta", "xlm-roberta", "deberta", "deberta-v2", "electra", "albert",
                         "distilbert", "mpnet", "modernbert", "camembert", "ernie"})
-    if (model_type == t) return true;
+    if (type == bare(t)) return true;
   return false;
 }
 }  // namespace

@@ -510,6 +510,33 @@ TEST(MegatronArgs, ShellConditionsAndDefaults) {
   ASSERT_EQ(u.undecided.size(), 1u);  // (the second if holds no flag strata reads)
   EXPECT_NE(u.undecided[0].find("--sequence-parallel"), std::string::npos) << u.undecided[0];
   EXPECT_TRUE(launch_inputs(u, 8, "launch").plan.sp);  // (read)
+  // A command among a condition's tests is not evaluated: undecided, every branch read.
+  const MegatronLaunch cmd =
+      launch("USE=0\nif [ \"$USE\" = 1 ] || is_hopper; then\n run --sequence-parallel --tensor-model-parallel-size 2\nfi\n");
+  ASSERT_EQ(cmd.undecided.size(), 1u);
+  EXPECT_TRUE(launch_inputs(cmd, 8, "launch").plan.sp);
+  // A quoted value is whole (a flag list, words with blanks); a branch's assignment counts
+  // for the conditions after it; one made in an undecided branch makes them undecided.
+  EXPECT_EQ(plan("V=\"--foo bar\"\nif [ -z \"$V\" ]; then ARGS=\"--tensor-model-parallel-size 2\"; "
+                 "else ARGS=\"--tensor-model-parallel-size 4\"; fi").t, 4);
+  EXPECT_EQ(plan("MODE=\"a b\"\nif [ \"$MODE\" = a ]; then ARGS=\"--tensor-model-parallel-size 4\"; "
+                 "else ARGS=\"--tensor-model-parallel-size 2\"; fi").t, 2);
+  EXPECT_TRUE(plan("SIZE=big\nSP=0\nif [ \"$SIZE\" = big ]; then SP=1; fi\n"
+                   "if [ \"$SP\" = 1 ]; then ARGS=\"--sequence-parallel --tensor-model-parallel-size 2\"; fi").sp);
+  EXPECT_NE(error_of(model + "\nX=1\nif [ \"$Y\" = a ]; then X=2; fi\nif [ \"$X\" = 1 ]; then ARGS=\"--tensor-model-parallel-size 4\"; "
+                     "else ARGS=\"--tensor-model-parallel-size 2\"; fi\nrun $ARGS", 8).find("given twice"),
+            std::string::npos);
+  // A case arm's assignments are assignments (two values: exit 2); '${' in single quotes is text.
+  EXPECT_NE(error_of("M=small\nTP=8\ncase $M in small) TP=1 ;; *) TP=8 ;; esac\nrun " + model +
+                     "--tensor-model-parallel-size $TP", 8).find("--tensor-model-parallel-size $TP"),
+            std::string::npos);
+  EXPECT_EQ(plan("echo '${'\nARGS=\"--tensor-model-parallel-size 2\"").t, 2);
+  // Deep nesting reads in linear time: 5,000 nested ifs, every one taken.
+  std::string deep = "GO=1\n";
+  for (int i = 0; i < 5000; ++i) deep += "if [ $GO = 1 ]; then\n";
+  deep += "ARGS=\"--tensor-model-parallel-size 4\"\n";
+  for (int i = 0; i < 5000; ++i) deep += "fi\n";
+  EXPECT_EQ(plan(deep).t, 4);
   // Defaults and assignments.
   EXPECT_EQ(plan("TP=${TP:-8}\nARGS=\"--tensor-model-parallel-size $TP\"").t, 8);
   EXPECT_EQ(plan("TP=${TP:-8}\nTP=${TP:-8}\nARGS=\"--tensor-model-parallel-size ${TP}\"").t, 8);

@@ -364,6 +364,7 @@ TEST(ModelSpec, HuggingFaceConfigsOutsideTheModelAreRefused) {
   refused(R"("model_type":"llama","attention_bias":"true")", "attention_bias", "must be true or false");
   refused(R"("model_type":"falcon","multi_query":1)", "multi_query", "must be true or false");
   refused(R"("model_type":"gpt2","activation_function":"relu")", "activation_function", "a gelu variant");
+  refused(R"("architectures":["XLMRobertaModel"])", "model_type", "encoder-only");  // (as xlmroberta)
   refused(R"("model_type":"mixtral","num_local_experts":8,"num_experts_per_tok":9)", "num_experts_per_tok", "[1, 8]");
   refused(R"("model_type":"deepseek_v3","n_routed_experts":256)", "kv_lora_rank", "missing");
   refused(R"("model_type":"llama","n_routed_experts":256)", "n_routed_experts", "read for model_type glm4_moe");
