@@ -216,6 +216,13 @@ std::optional<LaunchInputs> megatron_launch(const Args& a, std::initializer_list
   return in;
 }
 
+// The precision where none is given: bf16, else fp16 on a GPU without it (V100, as
+// Megatron-LM runs there), else fp32 (a device with neither).
+Precision default_precision(const Cluster& cl) {
+  if (cl.device.peak_flops(Precision::bf16) > 0) return Precision::bf16;
+  return cl.device.peak_flops(Precision::fp16) > 0 ? Precision::fp16 : Precision::fp32;
+}
+
 // A Hugging Face config of a context-extended model gives its extended length as
 // max_position_embeddings, which becomes the sequence unless --seq-length gives one: said on
 // stderr (stdout keeps the table or the one JSON document), with the pre-training length.
@@ -248,11 +255,11 @@ int cmd_estimate(const std::vector<std::string>& argv) {
       cl);
   note_extended_context(m);
   Plan p = launch ? launch->plan : load_plan(a.required("plan", "a plan JSON or tp=..,pp=..,dp=.. pairs"));
-  // A plan without a precision on a GPU without bf16 (V100): fp16, as strata plan's default.
-  if (!launch && !p.precision_given && cl.device.peak_flops(Precision::bf16) <= 0 &&
-      cl.device.peak_flops(Precision::fp16) > 0) {
-    p.precision = Precision::fp16;
-    fmt::print(stderr, "strata: note: the plan gives no precision and {} has no bf16: fp16\n", cl.device.name);
+  // A plan without a precision on a device without bf16 (V100): strata plan's default.
+  if (!launch && !p.precision_given && cl.device.peak_flops(Precision::bf16) <= 0) {
+    p.precision = default_precision(cl);
+    fmt::print(stderr, "strata: note: the plan gives no precision and {} has no bf16: {}\n", cl.device.name,
+               to_string(p.precision));
   }
   if (a.has("gpus") && a.integer("gpus", 1, 1, 1 << 24) != p.world_size())
     fail_field("--gpus", a.get("gpus"),
@@ -390,8 +397,7 @@ int cmd_plan(const std::vector<std::string>& argv) {
   so.precision = a.has("precision") ? parse_precision(a.get("precision"))
                  : so.fixed.precision                         ? *so.fixed.precision
                  : launch                                     ? launch->plan.precision
-                 : cl.device.peak_flops(Precision::bf16) > 0 ? Precision::bf16
-                                                             : Precision::fp16;
+                                                              : default_precision(cl);
   if (a.has("precision") || so.fixed.precision)
     check_precision_on(cl, so.precision, a.has("precision") ? "--precision" : "--fix precision");
   so.pareto = a.has("pareto");

@@ -39,6 +39,13 @@ int bytes_of(Precision p) { return p == Precision::fp32 ? 4 : 2; }
 thread_local Curve::ValueCache Curve::value_cache;
 
 namespace {
+
+// Every object of a cluster JSON takes notes: "description" and "_source" (README's schema).
+void reject_unknown_but_notes(Fields& f) {
+  f.ignore("description");
+  f.ignore("_source");
+  f.reject_unknown();
+}
 std::atomic<uint64_t> curves_made{0};
 }
 
@@ -107,10 +114,10 @@ LinkTier read_link(const Json& j, const std::string& path) {
   // (Context parallelism's all-to-all; clusters written before it have none: the
   // all-gather's, the same bytes per rank over the same links.)
   l.eff_all_to_all = e.real_or("all_to_all", l.eff_all_gather, 1e-3, 1.0);
-  e.reject_unknown();
+  reject_unknown_but_notes(e);
   f.ignore("description");
   f.ignore("_source");
-  f.reject_unknown();
+  reject_unknown_but_notes(f);
   return l;
 }
 
@@ -132,7 +139,7 @@ Cluster cluster_from_json(const Json& j, const std::string& source) {
     c.device.peak_bf16_flops = p.real("bf16", 0, 1e6) * 1e12;  // 0: not supported (V100)
     c.device.peak_fp16_flops = p.real("fp16", 0, 1e6) * 1e12;
     c.device.peak_fp8_flops = p.real_or("fp8", 0, 0, 1e6) * 1e12;
-    p.reject_unknown();
+    reject_unknown_but_notes(p);
     c.device.memory_bandwidth_bytes_per_s = d.real("memory_bandwidth_gbps", 1e-3, 1e6) * 1e9;
     c.device.gemm_efficiency = read_curve(d, "gemm_efficiency", 1.0);
     c.device.memory_efficiency = read_curve(d, "memory_efficiency", 1.0);
@@ -142,12 +149,12 @@ Cluster cluster_from_json(const Json& j, const std::string& source) {
         const char* kind = to_string(static_cast<MemKind>(i));
         if (k.peek(kind)) c.device.kernel_efficiency[i] = read_curve(k, kind, 1.0);
       }
-      k.reject_unknown();
+      reject_unknown_but_notes(k);
     }
     Fields fa(d.object("flash_attention_efficiency"), d.path_of("flash_attention_efficiency"));
     c.device.flash_fwd_efficiency = fa.real("forward", 1e-3, 1.0);
     c.device.flash_bwd_efficiency = fa.real("backward", 1e-3, 1.0);
-    fa.reject_unknown();
+    reject_unknown_but_notes(fa);
     c.device.kernel_launch_s = d.real_or("kernel_launch_us", 0, 0, 1e5) * 1e-6;
     c.device.batched_gemm_per_matrix = d.choice_or("batched_gemm", "batched", {"batched", "per_matrix"}) == "per_matrix";
     // (Absent: as stored, but in a profile of batches run matrix by matrix: the CPU
@@ -160,7 +167,7 @@ Cluster cluster_from_json(const Json& j, const std::string& source) {
         d.integer_or("cross_entropy_passes", c.device.batched_gemm_per_matrix ? 2 : 1, 1, 2) == 1;
     d.ignore("description");
     d.ignore("_source");
-    d.reject_unknown();
+    reject_unknown_but_notes(d);
   }
   c.devices_per_node = f.integer("devices_per_node", 1, 1 << 16);
   c.processors_per_node = f.integer_or("processors_per_node", 0, 1, 1 << 16);
@@ -168,7 +175,7 @@ Cluster cluster_from_json(const Json& j, const std::string& source) {
     Fields l(f.object("links"), f.path_of("links"));
     c.intra = read_link(l.object("intra_node"), l.path_of("intra_node"));
     c.inter = read_link(l.object("inter_node"), l.path_of("inter_node"));
-    l.reject_unknown();
+    reject_unknown_but_notes(l);
   }
   if (const Json* h = f.peek("host"); h && !h->is_null()) {
     Fields o(f.object("host"), f.path_of("host"));
@@ -179,7 +186,7 @@ Cluster cluster_from_json(const Json& j, const std::string& source) {
     c.host.pcie_efficiency = o.real("pcie_efficiency", 1e-3, 1.0);
     o.ignore("description");
     o.ignore("_source");
-    o.reject_unknown();
+    reject_unknown_but_notes(o);
   } else {
     f.ignore("host");
   }
@@ -193,9 +200,9 @@ Cluster cluster_from_json(const Json& j, const std::string& source) {
     c.modern_stack = stack == "modern";
     c.strata_stack = stack == "strata";
     w.ignore("description");
-    w.reject_unknown();
+    reject_unknown_but_notes(w);
   }
-  f.reject_unknown();
+  reject_unknown_but_notes(f);
   if (c.device.peak_fp8_flops <= 0) c.device.peak_fp8_flops = 0;
   return c;
 }
@@ -271,7 +278,10 @@ Cluster load_cluster(const std::string& name_or_path) {
     for (const auto& n : cluster_preset_names()) names += (names.empty() ? "" : ", ") + n;
     throw InputError(fmt::format("--cluster: '{}' is neither a preset ({}) nor a readable file", name_or_path, names));
   }
-  return cluster_from_json(read_json_file(name_or_path, "--cluster"), "cluster");
+  const Json j = read_json_file(name_or_path, "--cluster");
+  Cluster c = cluster_from_json(j, "cluster");
+  if (!(j.is_object() && j.contains("name"))) c.name = std::filesystem::path(name_or_path).stem().string();  // (the file's)
+  return c;
 }
 
 const char* to_string(MemKind k) {

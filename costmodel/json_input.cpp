@@ -2,6 +2,7 @@
 #include "costmodel/json_input.h"
 
 #include <algorithm>
+#include <vector>
 #include <cctype>
 #include <cmath>
 #include <cstring>
@@ -151,11 +152,35 @@ const Json* Fields::peek(const std::string& key) const {
 
 bool Fields::has(const std::string& key) const { return obj_.contains(key) && !obj_.at(key).is_null(); }
 
+namespace {
+// Levenshtein distance of two short keys (for "did you mean").
+size_t edit_distance(const std::string& a, const std::string& b) {
+  std::vector<size_t> row(b.size() + 1);
+  for (size_t j = 0; j <= b.size(); ++j) row[j] = j;
+  for (size_t i = 1; i <= a.size(); ++i) {
+    size_t diag = row[0];
+    row[0] = i;
+    for (size_t j = 1; j <= b.size(); ++j) {
+      const size_t up = row[j];
+      row[j] = std::min({row[j] + 1, row[j - 1] + 1, diag + (a[i - 1] == b[j - 1] ? 0 : 1)});
+      diag = up;
+    }
+  }
+  return row[b.size()];
+}
+}  // namespace
+
 const Json& Fields::get(const std::string& key, const char* expected_type) {
   seen_.insert(key);
-  if (!obj_.contains(key))
-    throw InputError(fmt::format("{}: missing: {} {} is required", path_of(key),
-                                 std::strchr("aeiou", expected_type[0]) ? "an" : "a", expected_type));
+  if (!obj_.contains(key)) {
+    // A key of the object within two edits of the missing one is named (a misspelling).
+    std::string near;
+    for (auto it = obj_.begin(); it != obj_.end() && near.empty(); ++it)
+      if (it.key() != key && edit_distance(it.key(), key) <= 2) near = it.key();
+    throw InputError(fmt::format("{}: missing: {} {} is required{}", path_of(key),
+                                 std::strchr("aeiou", expected_type[0]) ? "an" : "a", expected_type,
+                                 near.empty() ? "" : fmt::format(" (the object has '{}': a misspelling?)", near)));
+  }
   return obj_.at(key);
 }
 

@@ -397,6 +397,17 @@ TEST(Cli, FixTakesTheBatchAndThePrecision) {
   EXPECT_EQ(Json::parse(v.out)["plan"]["precision"], "fp16");
   EXPECT_NE(v.err.find("no bf16: fp16"), std::string::npos) << v.err;
   EXPECT_EQ(strata("estimate --model gpt2-124m --cluster dgx2-v100-32g --plan tp=1,precision=bf16").code, 2);
+  // A device with neither bf16 nor fp16: fp32 by default (plan and estimate), not every plan refused.
+  Json fp32_only = cluster_to_json(load_cluster("dgx-a100-80g"));
+  for (const char* k : {"bf16", "fp16", "fp8"}) fp32_only["device"]["peak_tflops"][k] = 0;
+  const std::string f32 = (scratch() / "fp32-only.json").string();
+  std::ofstream(f32) << fp32_only.dump();
+  const Outcome pf = strata("plan --model gpt2-124m --cluster " + f32 + " --gpus 8 --global-batch-size 8 --json --top 1");
+  ASSERT_EQ(pf.code, 0) << pf.err;
+  EXPECT_EQ(Json::parse(pf.out)["plans"][0]["plan"]["precision"], "fp32");
+  const Outcome ef = strata("estimate --model gpt2-124m --cluster " + f32 + " --plan tp=1 --json");
+  ASSERT_EQ(ef.code, 0) << ef.err;
+  EXPECT_EQ(Json::parse(ef.out)["plan"]["precision"], "fp32");
 }
 
 // Megatron's --recompute-num-layers is full recompute's: fixing it fixes that (it was once

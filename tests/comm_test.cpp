@@ -1,4 +1,7 @@
 // Collective times against hand-computed numbers on the round cluster (test_cluster.h).
+#include <filesystem>
+#include <fstream>
+
 #include <gtest/gtest.h>
 #include <nlohmann/json.hpp>
 
@@ -87,6 +90,30 @@ TEST(Comm, AllToAll) {
   EXPECT_DOUBLE_EQ(back.inter.eff_all_to_all, 0.7);
   j["links"]["intra_node"]["efficiency"]["all_to_all"] = 0;
   EXPECT_THROW(cluster_from_json(j, "cluster"), InputError);
+}
+
+// A user's cluster JSON: notes (description, _source) in every object, a misspelt required
+// key named beside the missing one, and the file's name where it gives none.
+TEST(ClusterJson, NotesMisspellingsAndName) {
+  Json j = cluster_to_json(load_cluster("dgx-h100-80g"));
+  j["device"]["peak_tflops"]["description"] = "dense";
+  j["links"]["inter_node"]["efficiency"]["_source"] = "nccl-tests";
+  j["framework"]["description"] = "TE 2.x";
+  EXPECT_NO_THROW(cluster_from_json(j, "cluster"));
+  Json typo = j;
+  typo["links"]["intra_node"]["bandwith_gbps"] = typo["links"]["intra_node"]["bandwidth_gbps"];
+  typo["links"]["intra_node"].erase("bandwidth_gbps");
+  try {
+    (void)cluster_from_json(typo, "cluster");
+    ADD_FAILURE() << "accepted";
+  } catch (const InputError& e) {
+    EXPECT_NE(std::string(e.what()).find("'bandwith_gbps': a misspelling?"), std::string::npos) << e.what();
+  }
+  j.erase("name");
+  const std::string path = (std::filesystem::temp_directory_path() / "my-mi300x.json").string();
+  std::ofstream(path) << j.dump();
+  EXPECT_EQ(load_cluster(path).name, "my-mi300x");
+  std::filesystem::remove(path);
 }
 
 }  // namespace
