@@ -414,6 +414,14 @@ int cmd_plan(const std::vector<std::string>& argv) {
   if (launch && sixteen && launch->plan.grad_reduce_in_fp32 != Tristate::automatic && !so.fixed.grad_reduce_in_fp32)
     so.fixed.grad_reduce_in_fp32 = launch->plan.grad_reduce_in_fp32 == Tristate::on;
   if (launch && sixteen && launch->plan.precision_aware_optimizer && !so.fixed.optimizer) so.fixed.optimizer = launch->plan;
+  // A launch's fp8 parameters (--fp8-param-gather, or Megatron's default without it) hold
+  // for an fp8 search; fixing them needs one.
+  if (launch && so.precision == Precision::fp8 && launch->plan.fp8_param_gather != Tristate::automatic &&
+      !so.fixed.fp8_param_gather)
+    so.fixed.fp8_param_gather = launch->plan.fp8_param_gather == Tristate::on;
+  if (so.fixed.fp8_param_gather && so.precision != Precision::fp8)
+    fail_field("--fix fp8_param_gather", *so.fixed.fp8_param_gather ? "1" : "0",
+               fmt::format("is fp8's (the search's precision is {})", to_string(so.precision)));
   const std::string from = launch ? "--fix or --megatron-args" : "--fix";
   if (so.fixed.optimizer) {
     if (!sixteen) fail_field(from + " use_precision_aware_optimizer", "1", "needs 16-bit or fp8 parameters (--precision bf16, fp16 or fp8)");
@@ -471,6 +479,7 @@ int cmd_plan(const std::vector<std::string>& argv) {
     if (!a.has("compare")) {  // the launch's plan at the batch and in the precision searched
       compare.gbs = so.gbs;
       compare.precision = so.precision;
+      if (compare.precision != Precision::fp8) compare.fp8_param_gather = Tristate::automatic;  // (fp8's only)
     }
     // With the optimizer settings every candidate gets, where the plan does not say.
     if (so.fixed.grad_reduce_in_fp32 && compare.grad_reduce_in_fp32 == Tristate::automatic)

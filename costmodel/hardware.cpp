@@ -194,7 +194,7 @@ Cluster cluster_from_json(const Json& j, const std::string& source) {
     Fields w(f.object("framework"), f.path_of("framework"));
     c.framework_overhead_bytes = w.real("overhead_bytes", 0, 1e15);
     c.allocator_fragmentation = w.real("allocator_fragmentation", 0, 10);
-    c.step_overhead_s = w.real("step_overhead_s", 0, 1e4);
+    c.step_overhead_s = w.real_or("step_overhead_s", 0, 0, 1e4);
     c.overlap_slowdown = w.real_or("overlap_slowdown", 0, 0, 1);
     const std::string stack = w.choice_or("software_stack", "modern", {"modern", "legacy", "strata"});
     c.modern_stack = stack == "modern";
@@ -280,7 +280,8 @@ Cluster load_cluster(const std::string& name_or_path) {
   }
   const Json j = read_json_file(name_or_path, "--cluster");
   Cluster c = cluster_from_json(j, "cluster");
-  if (!(j.is_object() && j.contains("name"))) c.name = std::filesystem::path(name_or_path).stem().string();  // (the file's)
+  if (!(j.is_object() && j.contains("name") && !j["name"].is_null()))
+    c.name = std::filesystem::path(name_or_path).stem().string();  // (the file's)
   return c;
 }
 

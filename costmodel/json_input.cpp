@@ -175,8 +175,10 @@ const Json& Fields::get(const std::string& key, const char* expected_type) {
   if (!obj_.contains(key)) {
     // A key of the object within two edits of the missing one is named (a misspelling).
     std::string near;
+    // (Keys of 6 letters or more: short ones, fp16 beside fp32, are too alike to guess.)
     for (auto it = obj_.begin(); it != obj_.end() && near.empty(); ++it)
-      if (it.key() != key && edit_distance(it.key(), key) <= 2) near = it.key();
+      if (it.key() != key && key.size() >= 6 && it.key().size() >= 6 && edit_distance(it.key(), key) <= 2)
+        near = it.key();
     throw InputError(fmt::format("{}: missing: {} {} is required{}", path_of(key),
                                  std::strchr("aeiou", expected_type[0]) ? "an" : "a", expected_type,
                                  near.empty() ? "" : fmt::format(" (the object has '{}': a misspelling?)", near)));

@@ -65,13 +65,13 @@ std::string export_megatron(const ModelSpec& m, const Plan& p, const Stack& stac
   if (fsdp) {
     flag("--use-megatron-fsdp");
     flag(p.zero == 2 ? "--data-parallel-sharding-strategy optim_grads" : "--data-parallel-sharding-strategy optim_grads_params");
-    flag("--no-gradient-accumulation-fusion");
     flag("--ckpt-format fsdp_dtensor");
     notes += fmt::format("# zero_stage={}: Megatron-FSDP ({}){}.\n", p.zero,
                          p.zero == 2 ? "gradients and optimizer states sharded" : "parameters, gradients and optimizer states sharded",
                          p.dp_instances > 1 ? "; its instances shard within and replicate across" : "");
     if (stack.grad_accumulation_fusion)
-      notes += "# (strata costed fused gradient accumulation; Megatron-FSDP runs without it: a pass over the gradients more.)\n";
+      notes += "# Megatron-FSDP fuses gradient accumulation (as strata costed it) with Transformer Engine >= 2.10; with an\n"
+               "# older one add --no-gradient-accumulation-fusion (strata's grad_accumulation_fusion=0).\n";
   }
   if (p.offload > 0) {
     flag("--optimizer-cpu-offload");
@@ -107,7 +107,7 @@ std::string export_megatron(const ModelSpec& m, const Plan& p, const Stack& stac
   if (stack.overlap_param_gather && p.replicas() > 1 && p.zero >= 1) flag("--overlap-param-gather");
   // Megatron's user buffers, as the plan asked (Megatron asserts sequence parallelism for them).
   if (p.tp_comm_overlap == Tristate::on && p.sp && p.t > 1) flag("--tp-comm-overlap");
-  if (!stack.grad_accumulation_fusion && !fsdp) flag("--no-gradient-accumulation-fusion");
+  if (!stack.grad_accumulation_fusion) flag("--no-gradient-accumulation-fusion");
   // Megatron-LM runs --optimizer-cpu-offload only with the precision-aware optimizer.
   if (p.offload > 0 && !p.precision_aware_optimizer) {
     flag("--use-precision-aware-optimizer");
@@ -371,7 +371,10 @@ std::string export_bridge(const ModelSpec& m, const Plan& p, const Stack& stack)
   switch (p.precision) {  // registered recipe names (megatron.bridge.training.mixed_precision)
     case Precision::bf16: set("mixed_precision", "bf16_mixed"); break;
     case Precision::fp16: set("mixed_precision", "fp16_mixed"); break;
-    case Precision::fp8: set("mixed_precision", "bf16_with_fp8_current_scaling_mixed"); break;
+    case Precision::fp8:
+      set("mixed_precision", "bf16_with_fp8_current_scaling_mixed");
+      set("mixed_precision.fp8_param_gather", yes(p.fp8_weights()));  // (as costed: the recipe's own is true)
+      break;
     case Precision::fp32:
       set("mixed_precision", "null");
       notes += "# fp32: a recipe's model provider may still set bf16 or params_dtype; set them to fp32 as well.\n";

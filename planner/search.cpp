@@ -83,6 +83,9 @@ FixedDims parse_fixed(const std::string& text) {
     } else if (k == "grad_reduce_in_fp32") {
       if (v.is_boolean()) f.grad_reduce_in_fp32 = v.get<bool>();
       else f.grad_reduce_in_fp32 = integer(0, 1) == 1;
+    } else if (k == "fp8_param_gather") {
+      if (v.is_boolean()) f.fp8_param_gather = v.get<bool>();
+      else f.fp8_param_gather = integer(0, 1) == 1;
     } else if (k == "tp_comm_overlap") {
       if (v.is_boolean()) f.tp_comm_overlap = v.get<bool>();
       else f.tp_comm_overlap = integer(0, 1) == 1;
@@ -104,7 +107,8 @@ FixedDims parse_fixed(const std::string& text) {
       fail_field("--fix " + k, show_value(v),
                  "unknown key: use tp, pp, dp, cp, vp, mbs, gbs, zero, recompute, recompute_num_layers, sp, schedule, "
                  "precision, "
-                 "uneven_split, cp_comm_type, offload, ep, grad_reduce_in_fp32, tp_comm_overlap, moe_token_dispatcher_type (and "
+                 "uneven_split, cp_comm_type, offload, ep, grad_reduce_in_fp32, fp8_param_gather, tp_comm_overlap, "
+                 "moe_token_dispatcher_type (and "
                  "its moe_flex_dispatcher_backend), overlap_moe_expert_parallel_comm, use_precision_aware_optimizer (and "
                  "its exp_avg_dtype, exp_avg_sq_dtype, main_params_dtype, store_param_remainders), offload_modules "
                  "(and its activation_offload_fraction, min_offloaded_tensor_size), num_distributed_optimizer_instances "
@@ -705,6 +709,7 @@ SearchResult search(const ModelSpec& m, const Cluster& cl, const SearchOptions& 
           probe_tpcv.mbs = mbss.front(); probe_tpcv.gbs = opt.gbs; probe_tpcv.precision = opt.precision;
           probe_tpcv.attention = opt.attention;
           probe_tpcv.grad_reduce_in_fp32 = grad_reduce_of(fx);
+          if (fx.fp8_param_gather) probe_tpcv.fp8_param_gather = *fx.fp8_param_gather ? Tristate::on : Tristate::off;
           if (fx.tp_comm_overlap) probe_tpcv.tp_comm_overlap = *fx.tp_comm_overlap ? Tristate::on : Tristate::off;
           if (fx.moe_dispatcher) probe_tpcv.moe_dispatcher = *fx.moe_dispatcher;
           if (fx.moe_a2a_overlap) {  // (with delay_wgrad_compute, as Megatron-Bridge's recipes run it)

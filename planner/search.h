@@ -57,6 +57,9 @@ struct FixedDims {
   // strata plan reads them as --global-batch-size and --precision (and refuses a disagreement).
   std::optional<int64_t> gbs;
   std::optional<Precision> precision;
+  // fp8_param_gather of every candidate (Plan::fp8_param_gather; fp8 searches only): on
+  // refuses the candidates without ZeRO; a Megatron launch's holds for its search.
+  std::optional<bool> fp8_param_gather;
 };
 FixedDims parse_fixed(const std::string& text);  // "tp=8,pp=4,recompute=full"
 

@@ -410,6 +410,26 @@ TEST(Cli, FixTakesTheBatchAndThePrecision) {
   EXPECT_EQ(Json::parse(ef.out)["plan"]["precision"], "fp32");
 }
 
+// A launch's fp8 parameters hold for its fp8 search (Megatron's default without the flag:
+// bf16 weights), and the launch compared in another precision drops them.
+TEST(Cli, LaunchFp8ParamGatherHoldsForItsSearch) {
+  const std::string launch = "\"--num-layers 8 --hidden-size 4096 --num-attention-heads 32 --seq-length 4096 "
+                             "--vocab-size 32000 --micro-batch-size 1 --global-batch-size 64 --bf16 --fp8-format hybrid "
+                             "--use-distributed-optimizer --tensor-model-parallel-size 2\"";
+  const std::string base = "plan --megatron-args " + launch + " --cluster dgx-h100-80g --gpus 8 --top 3 --json ";
+  const Outcome f = strata(base + "--precision fp8");
+  ASSERT_EQ(f.code, 0) << f.err;
+  for (const Json& e : Json::parse(f.out)["plans"]) EXPECT_EQ(e["plan"]["fp8_param_gather"], false) << e["plan"].dump();
+  const Outcome b = strata(base + "--precision bf16");
+  EXPECT_EQ(b.code, 0) << b.err;
+  const Outcome on = strata(base + "--precision fp8 --fix fp8_param_gather=1");
+  ASSERT_EQ(on.code, 0) << on.err;
+  for (const Json& e : Json::parse(on.out)["plans"]) {
+    EXPECT_EQ(e["plan"]["fp8_param_gather"], true) << e["plan"].dump();
+    EXPECT_GE(e["plan"]["zero_stage"].get<int>(), 1) << e["plan"].dump();
+  }
+}
+
 // Megatron's --recompute-num-layers is full recompute's: fixing it fixes that (it was once
 // dropped, and the search returned plans without recompute).
 TEST(Cli, FixedRecomputeNumLayersMeansFullRecompute) {
@@ -662,6 +682,7 @@ TEST(Cli, BadInputExits2NamingTheField) {
       {S + "--gpus 8 --global-batch-size 8 --fix uneven_split=2", "--fix uneven_split"},
       {S + "--gpus 8 --global-batch-size 8 --fix cp_comm_type=ring", "--fix cp_comm_type"},
       {S + "--gpus 8 --global-batch-size 8 --fix gbs=16", "--fix gbs"},
+      {S + "--gpus 8 --global-batch-size 8 --fix fp8_param_gather=1", "--fix fp8_param_gather"},
       {S + "--gpus 8 --global-batch-size 8 --fix precision=int4", "--fix precision"},
       {S + "--gpus 8 --global-batch-size 8 --precision bf16 --fix precision=fp16", "--fix precision"},
       {"plan --model gpt2-124m --cluster dgx2-v100-32g --gpus 8 --global-batch-size 8 --fix precision=bf16", "--fix precision"},

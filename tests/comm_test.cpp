@@ -109,10 +109,26 @@ TEST(ClusterJson, NotesMisspellingsAndName) {
   } catch (const InputError& e) {
     EXPECT_NE(std::string(e.what()).find("'bandwith_gbps': a misspelling?"), std::string::npos) << e.what();
   }
-  j.erase("name");
+  // (Short keys are too alike to guess: fp32 missing names no fp16.)
+  Json no32 = j;
+  no32["device"]["peak_tflops"].erase("fp32");
+  try {
+    (void)cluster_from_json(no32, "cluster");
+    ADD_FAILURE() << "accepted";
+  } catch (const InputError& e) {
+    EXPECT_EQ(std::string(e.what()).find("misspelling"), std::string::npos) << e.what();
+  }
+  // Optional: step_overhead_s (0); the name (the file's, also when null).
+  j["framework"].erase("step_overhead_s");
+  EXPECT_DOUBLE_EQ(cluster_from_json(j, "cluster").step_overhead_s, 0.0);
   const std::string path = (std::filesystem::temp_directory_path() / "my-mi300x.json").string();
-  std::ofstream(path) << j.dump();
-  EXPECT_EQ(load_cluster(path).name, "my-mi300x");
+  for (const Json name : {Json(), Json::object()}) {
+    Json k = j;
+    if (name.is_null()) k["name"] = nullptr;
+    else k.erase("name");
+    std::ofstream(path) << k.dump();
+    EXPECT_EQ(load_cluster(path).name, "my-mi300x");
+  }
   std::filesystem::remove(path);
 }
 

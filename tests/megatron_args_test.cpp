@@ -129,6 +129,15 @@ TEST(MegatronArgs, ExportedFlagsReadBackAsThePlan) {
       EXPECT_NE(flags.find("# store_param_remainders=false"), std::string::npos) << flags;
     }
     EXPECT_EQ(q.dp_instances, p.dp_instances) << inline_plan << "\n" << flags;
+    // The launch costs as the plan did (the export says what strata costed: Megatron-FSDP's
+    // fused accumulation, fp8 parameters exactly where the plan has them); but offload,
+    // which Megatron runs only with the precision-aware optimizer the export adds, and
+    // store_param_remainders, which has no flag.
+    if (p.offload == 0 && p.store_param_remainders) {
+      const Estimate ep = estimate(m, h100, p), eq = estimate(in.model, h100, q);
+      EXPECT_NEAR(eq.step_time_s, ep.step_time_s, 1e-9 * ep.step_time_s) << inline_plan << "\n" << flags;
+      EXPECT_NEAR(eq.memory.peak, ep.memory.peak, 1e-9 * ep.memory.peak) << inline_plan << "\n" << flags;
+    }
     EXPECT_EQ(std::tie(q.offload_modules, q.activation_offload_fraction, q.min_offloaded_tensor_size),
               std::tie(p.offload_modules, p.activation_offload_fraction, p.min_offloaded_tensor_size))
         << inline_plan << "\n" << flags;

@@ -914,10 +914,17 @@ TEST(Planner, Exports) {
   for (const char* o : {"model.virtual_pipeline_model_parallel_size=4", "model.account_for_embedding_in_pipeline_split=true",
                         "model.account_for_loss_in_pipeline_split=true", "model.recompute_granularity=full",
                         "model.recompute_method=block", "model.recompute_num_layers=1",
-                        "mixed_precision=bf16_with_fp8_current_scaling_mixed", "ddp.use_megatron_fsdp=true",
+                        "mixed_precision=bf16_with_fp8_current_scaling_mixed", "mixed_precision.fp8_param_gather=true",
+                        "ddp.use_megatron_fsdp=true",
                         "ddp.data_parallel_sharding_strategy=optim_grads_params"})
     EXPECT_TRUE(has(bb, o)) << o;
   EXPECT_FALSE(has(bb, "model.microbatch_group_size_per_vp_stage=16"));  // 64 micro-batches: groups of p, unset
+  // fp8 without ZeRO: bf16 weights as costed, where the recipe would gather fp8 ones.
+  const Plan f0 = load_plan("tp=8,pp=16,dp=8,gbs=512,precision=fp8,zero=0");
+  EXPECT_TRUE(has(lines_of(export_bridge(big, f0, resolve_stack(big, load_cluster("dgx-h100-80g"), f0))),
+                  "mixed_precision.fp8_param_gather=false"));
+  EXPECT_EQ(export_megatron(big, f0, resolve_stack(big, load_cluster("dgx-h100-80g"), f0)).find("--fp8-param-gather"),
+            std::string::npos);
   // Megatron's groups where p does not divide the micro-batches; ZeRO-2; no virtual stages;
   // the split a plan gives.
   const Plan z2 = load_plan("tp=8,pp=16,dp=8,vp=4,gbs=320,zero=2,precision=fp16");
