@@ -419,12 +419,16 @@ TEST(Cli, LaunchFp8ParamGatherHoldsForItsSearch) {
   const std::string base = "plan --megatron-args " + launch + " --cluster dgx-h100-80g --gpus 8 --top 3 --json ";
   const Outcome f = strata(base + "--precision fp8");
   ASSERT_EQ(f.code, 0) << f.err;
-  for (const Json& e : Json::parse(f.out)["plans"]) EXPECT_EQ(e["plan"]["fp8_param_gather"], false) << e["plan"].dump();
+  const Json fj = Json::parse(f.out);  // (kept: a range over a temporary's member would dangle)
+  ASSERT_FALSE(fj["plans"].empty());
+  for (const Json& e : fj["plans"]) EXPECT_EQ(e["plan"]["fp8_param_gather"], false) << e["plan"].dump();
   const Outcome b = strata(base + "--precision bf16");
   EXPECT_EQ(b.code, 0) << b.err;
   const Outcome on = strata(base + "--precision fp8 --fix fp8_param_gather=1");
   ASSERT_EQ(on.code, 0) << on.err;
-  for (const Json& e : Json::parse(on.out)["plans"]) {
+  const Json onj = Json::parse(on.out);
+  ASSERT_FALSE(onj["plans"].empty());
+  for (const Json& e : onj["plans"]) {
     EXPECT_EQ(e["plan"]["fp8_param_gather"], true) << e["plan"].dump();
     EXPECT_GE(e["plan"]["zero_stage"].get<int>(), 1) << e["plan"].dump();
   }
