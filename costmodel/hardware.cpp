@@ -115,8 +115,6 @@ LinkTier read_link(const Json& j, const std::string& path) {
   // all-gather's, the same bytes per rank over the same links.)
   l.eff_all_to_all = e.real_or("all_to_all", l.eff_all_gather, 1e-3, 1.0);
   reject_unknown_but_notes(e);
-  f.ignore("description");
-  f.ignore("_source");
   reject_unknown_but_notes(f);
   return l;
 }
@@ -128,7 +126,6 @@ Cluster cluster_from_json(const Json& j, const std::string& source) {
   Cluster c;
   c.name = f.string_or("name", std::filesystem::path(source).stem().string());
   c.description = f.string_or("description", "");
-  f.ignore("_source");
   {
     Fields d(f.object("device"), f.path_of("device"));
     c.device.name = d.string("name");
@@ -165,8 +162,6 @@ Cluster cluster_from_json(const Json& j, const std::string& source) {
     // (Absent: one pass, but two in a profile of the CPU backend's: as above.)
     c.device.cross_entropy_one_pass =
         d.integer_or("cross_entropy_passes", c.device.batched_gemm_per_matrix ? 2 : 1, 1, 2) == 1;
-    d.ignore("description");
-    d.ignore("_source");
     reject_unknown_but_notes(d);
   }
   c.devices_per_node = f.integer("devices_per_node", 1, 1 << 16);
@@ -184,8 +179,6 @@ Cluster cluster_from_json(const Json& j, const std::string& source) {
     c.host.memory_efficiency = o.real("memory_efficiency", 1e-3, 1.0);
     c.host.pcie_bandwidth_bytes_per_s = o.real("pcie_bandwidth_gbps", 1e-3, 1e6) * 1e9;
     c.host.pcie_efficiency = o.real("pcie_efficiency", 1e-3, 1.0);
-    o.ignore("description");
-    o.ignore("_source");
     reject_unknown_but_notes(o);
   } else {
     f.ignore("host");
@@ -199,7 +192,6 @@ Cluster cluster_from_json(const Json& j, const std::string& source) {
     const std::string stack = w.choice_or("software_stack", "modern", {"modern", "legacy", "strata"});
     c.modern_stack = stack == "modern";
     c.strata_stack = stack == "strata";
-    w.ignore("description");
     reject_unknown_but_notes(w);
   }
   reject_unknown_but_notes(f);

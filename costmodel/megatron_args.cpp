@@ -235,8 +235,7 @@ IfBlocks if_blocks_of(const Words& words) {
       br.body_begin = i + 1;
     } else if (w == "elif" || w == "else") {
       br.body_end = i;
-      b.branches.push_back(w == "elif" ? IfBranch{i + 1, i + 1, i + 1, i + 1} : IfBranch{i + 1, i + 1, i + 1, i + 1});
-      if (w == "else") b.branches.back().cond_end = i + 1;  // (no condition; the body begins here)
+      b.branches.push_back(IfBranch{i + 1, i + 1, i + 1, i + 1});  // (else: no condition, the body from here)
     } else if (w == "fi") {
       br.body_end = i;
       b.end = i;
