@@ -277,6 +277,12 @@ int cmd_estimate(const std::vector<std::string>& argv) {
   if (a.has("json")) {
     Json j = estimate_to_json(e);
     if (limit > 0) j["memory_limit_bytes"] = limit;
+    // The model's parameters: all of them, those a token passes through (with and without the
+    // input embedding, the two ways model cards count), the multi-token prediction modules'.
+    j["model_parameters"] = {{"total", std::llround(m.total_params())},
+                             {"active", std::llround(m.active_params())},
+                             {"active_without_input_embedding", std::llround(m.active_params_without_input_embedding())},
+                             {"mtp", m.mtp_params(1)}};
     if (a.has("ops")) {  // one layer's operations, per micro-batch, as the text table has them
       auto rows = [](const std::vector<OpCost>& ops) {
         Json r = Json::array();

@@ -397,6 +397,10 @@ double ModelSpec::active_params() const {
          static_cast<double>(moe_layer_count()) * static_cast<double>(E - K) * static_cast<double>(expert_params(1));
 }
 
+double ModelSpec::active_params_without_input_embedding() const {
+  return active_params() - (tie_embeddings ? 0.0 : static_cast<double>(word_embedding_params(1)));
+}
+
 double ModelSpec::layer_forward_flops(int64_t B) const {
   if (!mixed()) return layer_forward_flops(B, moe());
   const double moe_layers = static_cast<double>(moe_layer_count()), l = static_cast<double>(L);
@@ -723,14 +727,53 @@ ModelSpec model_from_hf_config(const Json& j, const std::string& source, int64_t
     fail_field(source + ".model_type", show_value(Json(model_type)),
                "encoder-only models (bidirectional attention, no causal language-model head) are not modelled: "
                "strata plans decoder-only transformers");
+  // Hybrids of attention with state-space (Mamba) or linear-attention layers: by their family,
+  // or by the keys that lay their layers out, else they would read as a transformer whose
+  // every layer is attention.
+  {
+    static const char* const kHybridTypes[] = {
+        "jamba",    "nemotron_h", "falcon_h1", "granitemoehybrid", "zamba",       "zamba2",       "bamba",
+        "qwen3_next", "qwen3_5",  "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text", "lfm2",      "lfm2_moe",
+        "mamba",    "mamba2",     "falcon_mamba", "rwkv",        "rwkv5",       "rwkv6",        "rwkv7",
+        "recurrent_gemma", "minimax", "minimax_text_01", "plamo2", "hymba",      "kimi_linear"};
+    const bool by_type = std::find_if(std::begin(kHybridTypes), std::end(kHybridTypes), [&](const char* t) {
+                           return model_type == t;
+                         }) != std::end(kHybridTypes);
+    std::string key;
+    for (const char* k : {"hybrid_override_pattern", "layers_block_type", "attn_layer_period", "attn_layer_offset",
+                          "linear_num_key_heads", "linear_attn_config", "block_types"})
+      if (key.empty() && j.contains(k) && !j[k].is_null()) key = k;
+    for (auto it = j.begin(); key.empty() && it != j.end(); ++it)
+      if ((it.key().rfind("mamba_", 0) == 0 || it.key().rfind("ssm_", 0) == 0) && !it.value().is_null()) key = it.key();
+    const char* const hybrid_rule =
+        "a hybrid of attention with state-space (Mamba) or linear-attention layers is not modelled: strata plans "
+        "transformers whose every layer is attention";
+    if (by_type || !key.empty())
+      fail_field(source + (key.empty() ? std::string(".model_type") : "." + key),
+                 key.empty() ? show_value(Json(model_type)) : show_value(j[key]).substr(0, 80), hybrid_rule);
+    // layer_types: each layer full or sliding-window attention (with or without a window).
+    if (j.contains("layer_types") && j["layer_types"].is_array())
+      for (size_t i = 0; i < j["layer_types"].size(); ++i) {
+        const Json& t = j["layer_types"][i];
+        const std::string kind = t.is_string() ? t.get<std::string>() : "";
+        if (kind == "full_attention" || kind == "sliding_attention") continue;
+        bool other_layer = false;  // a recurrent, convolutional or linear-attention layer
+        for (const char* s : {"linear", "mamba", "ssm", "recurren", "conv", "delta", "rwkv", "lightning", "hybrid"})
+          other_layer = other_layer || kind.find(s) != std::string::npos;
+        fail_field(fmt::format("{}.layer_types[{}]", source, i), show_value(t),
+                   other_layer ? hybrid_rule
+                               : "must be \"full_attention\" or \"sliding_attention\" (other attention kinds are not "
+                                 "modelled)");
+      }
+  }
   // DBRX's experts are in its own ffn_config, not read. (GLM-4.5's and DeepSeek's
   // n_routed_experts are read below.)
   const bool glm_moe = model_type == "glm4_moe";
   const bool deepseek = model_type == "deepseek_v2" || model_type == "deepseek_v3" || model_type == "kimi_k2";
   if (!glm_moe && !deepseek)
     reject_experts(j, source, {"n_routed_experts", "moe_num_experts", "num_routed_experts"},
-                   "read for model_type glm4_moe, deepseek_v2, deepseek_v3 and kimi_k2 only: give the model as a "
-                   "model JSON with num_experts");
+                   "not read for this model_type (n_routed_experts is glm4_moe's, deepseek_v2's, deepseek_v3's and "
+                   "kimi_k2's): give the model as a model JSON with num_experts");
   if (j.contains("ffn_config") && j["ffn_config"].is_object())  // DBRX
     reject_experts(j["ffn_config"], source + ".ffn_config", {"moe_num_experts"},
                    "DBRX's ffn_config is not read: give the model as a model JSON with num_experts");
@@ -818,10 +861,26 @@ ModelSpec model_from_hf_config(const Json& j, const std::string& source, int64_t
   // each with num_experts_per_tok. The dense layers among them: Qwen-MoE's mlp_only_layers
   // and those not on every decoder_sparse_step-th (layer l is an MoE layer where
   // (l + 1) % step == 0), GLM's first first_k_dense_replace; their MLP is intermediate_size.
-  // (Glm4MoeConfig's defaults where a key is missing: 128 experts of 1408, 8 per token, one
-  // shared, the first layer dense.)
-  const int64_t experts =
-      get_int({"num_local_experts", "num_experts", "n_routed_experts"}, 0, kMaxExperts, false, glm_moe ? 128 : 0);
+  // Where a key is missing, its config class's default (as transformers reads the file):
+  // Glm4MoeConfig 128 experts of 1408, 8 per token, one shared, the first layer dense;
+  // DeepseekV3Config (Kimi K2's too) 256 of 2048, 8 per token, one shared, the first 3
+  // dense; Qwen2MoeConfig 60 of 1408, 4 per token, a shared expert of 5632; Qwen3MoeConfig
+  // 128 of 768, 8 per token; MixtralConfig 8, 2 per token; GptOssConfig 128, 4 per token;
+  // OlmoeConfig 64, 8 per token. (DeepseekV2Config's default is dense: no experts.)
+  const bool deepseek_v3 = model_type == "deepseek_v3" || model_type == "kimi_k2";
+  struct FamilyMoe {
+    int64_t experts, topk, expert_ffn, shared_ffn, shared_experts, first_dense;  // expert_ffn 0: intermediate_size
+  };
+  const FamilyMoe fam = glm_moe                    ? FamilyMoe{128, 8, 1408, 0, 1, 1}
+                        : deepseek_v3              ? FamilyMoe{256, 8, 2048, 0, 1, 3}
+                        : model_type == "qwen2_moe" ? FamilyMoe{60, 4, 1408, 5632, 0, 0}
+                        : model_type == "qwen3_moe" ? FamilyMoe{128, 8, 768, 0, 0, 0}
+                        : model_type == "mixtral"   ? FamilyMoe{8, 2, 0, 0, 0, 0}
+                        : model_type == "gpt_oss"   ? FamilyMoe{128, 4, 0, 0, 0, 0}
+                        : model_type == "olmoe"     ? FamilyMoe{64, 8, 0, 0, 0, 0}
+                                                    : FamilyMoe{0, 8, 0, 0, 0, 0};
+  const int64_t experts = get_int({"num_local_experts", "num_experts", "n_routed_experts"}, 0, kMaxExperts, false,
+                                  fam.experts);
   // Only the families whose layers are MoE layers of these keys: others (Llama 4's
   // interleaved layers and shared expert, Jamba, GraniteMoE, ...) would be misread.
   const bool known_moe = model_type == "mixtral" || model_type == "gpt_oss" || model_type == "qwen2_moe" ||
@@ -832,17 +891,18 @@ ModelSpec model_from_hf_config(const Json& j, const std::string& source, int64_t
   if (experts > 1 && !known_moe)
     fail_field(source + experts_key, std::to_string(experts),
                fmt::format("mixture-of-experts configs are read for model_type mixtral, gpt_oss, qwen2_moe, qwen3_moe, "
-                           "olmoe and glm4_moe, not {}: give the model as a model JSON with num_experts, moe_router_topk, "
+                           "olmoe, glm4_moe, deepseek_v2, deepseek_v3 and kimi_k2, not {}: give the model as a model JSON with num_experts, moe_router_topk, "
                            "moe_ffn_hidden_size and moe_layer_freq",
                            show_value(Json(model_type))));
   if (experts > 1) {
     m.E = experts;
-    m.K = get_int({"num_experts_per_tok", "moe_topk", "top_k"}, 1, experts, !glm_moe, 8);
-    m.Fe = j.contains("moe_intermediate_size") ? get_int({"moe_intermediate_size"}, 1, kMaxFfn, true, 0)
-           : glm_moe                          ? 1408
-                                              : m.F;
-    m.Fs = get_int({"shared_expert_intermediate_size"}, 0, kMaxFfn, false, 0);
-    if (glm_moe || deepseek) m.Fs = get_int({"n_shared_experts"}, 0, 64, false, glm_moe ? 1 : 0) * m.Fe;
+    m.K = get_int({"num_experts_per_tok", "moe_topk", "top_k"}, 1, experts, fam.experts == 0, std::min(fam.topk, experts));
+    m.Fe = j.contains("moe_intermediate_size") && !j["moe_intermediate_size"].is_null()
+               ? get_int({"moe_intermediate_size"}, 1, kMaxFfn, true, 0)
+           : fam.expert_ffn > 0 ? fam.expert_ffn
+                                : m.F;
+    m.Fs = get_int({"shared_expert_intermediate_size"}, 0, kMaxFfn, false, fam.shared_ffn);
+    if (glm_moe || deepseek) m.Fs = get_int({"n_shared_experts"}, 0, 64, false, fam.shared_experts) * m.Fe;
     if (deepseek || glm_moe) {  // group-limited routing: n_group groups, topk_group of them per token
       const int64_t ng = get_int({"n_group"}, 1, experts, false, 1), gt = get_int({"topk_group"}, 1, ng, false, 1);
       if (ng > 1 && gt < ng) {
@@ -869,7 +929,7 @@ ModelSpec model_from_hf_config(const Json& j, const std::string& source, int64_t
       if (!only.empty()) key = ".mlp_only_layers", value = show_value(only);
     }
     if (glm_moe || deepseek) {
-      const int64_t k = get_int({"first_k_dense_replace"}, 0, m.L, false, glm_moe ? 1 : 0);
+      const int64_t k = get_int({"first_k_dense_replace"}, 0, m.L, false, std::min(fam.first_dense, m.L));
       for (int64_t l = 0; l < k; ++l) flags[static_cast<size_t>(l)] = 0;
       key = ".first_k_dense_replace", value = std::to_string(k);
     }

@@ -155,8 +155,11 @@ struct ModelSpec {
   // Total parameters of the model (t = 1, padded vocab of t = 1); the multi-token prediction
   // modules' not among them (DeepSeek-V3's 671B; mtp_params(1) more are trained).
   double total_params() const;
-  // Parameters one token passes through: total_params with K of the E experts.
+  // Parameters one token passes through: total_params with K of the E experts (Mistral's,
+  // Qwen's and OLMoE's model cards count so); without the input embedding table (a lookup,
+  // as OpenAI's, DeepSeek's and GLM's cards count; a tied table stays as the output layer).
   double active_params() const;
+  double active_params_without_input_embedding() const;
 
   // Model FLOPs of one forward pass over B sequences: every GEMM (2 per MAC),
   // attention over every key a query may see (Megatron's convention: the full S x S, causal

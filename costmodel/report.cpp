@@ -39,9 +39,10 @@ std::string format_estimate(const ModelSpec& m, const Cluster& cl, const Estimat
   o += fmt::format("model    {} ({} parameters: L={} H={} A={} G={} F={} V={} S={})\n", m.name,
                    human_count(m.total_params()), m.L, m.H, m.A, m.G, m.F, m.padded_vocab(p.t), m.S);
   if (m.moe())
-    o += fmt::format("         {} experts of {} ({} per token{}): {} parameters active, {} experts per GPU\n", m.E,
-                     m.Fe, m.K, m.Fs > 0 ? fmt::format(", shared expert {}", m.Fs) : std::string(),
-                     human_count(m.active_params()), m.E / p.ep);
+    o += fmt::format("         {} experts of {} ({} per token{}): {} parameters active ({} without the input "
+                     "embedding), {} experts per GPU\n",
+                     m.E, m.Fe, m.K, m.Fs > 0 ? fmt::format(", shared expert {}", m.Fs) : std::string(),
+                     human_count(m.active_params()), human_count(m.active_params_without_input_embedding()), m.E / p.ep);
   if (m.mixed())
     o += fmt::format("         MoE on {} of the {} layers, dense MLP of {} on the others (moe_layer_freq {})\n",
                      m.moe_layer_count(), m.L, m.F, moe_layer_freq_text(m.moe_layer));

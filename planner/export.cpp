@@ -4,6 +4,9 @@
 #include <fmt/format.h>
 #include <nlohmann/json.hpp>
 
+#include <string>
+#include <vector>
+
 namespace strata {
 
 namespace {
@@ -294,11 +297,19 @@ std::string export_deepspeed(const ModelSpec& m, const Plan& p, const Stack& sta
 }
 
 std::string export_bridge(const ModelSpec& m, const Plan& p, const Stack& stack) {
-  std::string notes, f;
+  // Three parts: Hydra overrides (KEY=VALUE, what Bridge's override parser reaches), Python
+  // for what it cannot (fields of a named mixed_precision recipe, a comm_overlap config the
+  // recipe may leave None, enum fields), and notes. Every setting a recipe may hold that
+  // changes what was costed is said, at its default too, so that a recipe's own value
+  // (its pipeline split, recompute, expert sizes, Megatron-FSDP) cannot survive the
+  // overrides unnoticed.
+  std::string notes, python, f;
   auto line = [&](const std::string& text) { f += (f.empty() ? "" : " \\\n") + text; };
   auto set = [&](const std::string& key, const std::string& value) { line(key + "=" + value); };
+  auto py = [&](const std::string& text) { python += "#   " + text + "\n"; };
   auto num = [](int64_t x) { return fmt::format("{}", x); };
   auto yes = [](bool b) { return std::string(b ? "true" : "false"); };
+  auto py_bool = [](bool b) { return std::string(b ? "True" : "False"); };
   set("model.tensor_model_parallel_size", num(p.t));
   set("model.pipeline_model_parallel_size", num(p.p));
   // Bridge counts virtual stages per rank (Megatron-LM's --num-virtual-stages-per-pipeline-rank),
@@ -307,49 +318,63 @@ std::string export_bridge(const ModelSpec& m, const Plan& p, const Stack& stack)
   set("model.context_parallel_size", num(p.c));
   if (p.c > 1) set("model.cp_comm_type", megatron_cp_comm(resolve_cp_comm(m, p)));
   set("model.sequence_parallel", yes(p.sp));
+  // The split, all five of its settings: a recipe's layout (which Bridge's runner rebuilds
+  // when the pipeline size changes), first/last-stage counts or account_for_* would
+  // otherwise stay beside strata's, and Megatron-core refuses a layout with either.
   const SplitForm form = split_form(m, p);
   if (p.layout) {
     // Quoted for Hydra's override parser ('|', '(' and ',' are its syntax), and the whole
     // override again for the shell, as Bridge's own examples quote theirs.
     line("\"model.pipeline_model_parallel_layout='" + p.layout->text + "'\"");
-  } else if (form == SplitForm::own) {
-    if (p.first_stage_layers > 0) set("model.num_layers_in_first_pipeline_stage", num(p.first_stage_layers));
-    if (p.last_stage_layers > 0) set("model.num_layers_in_last_pipeline_stage", num(p.last_stage_layers));
-  } else if (form == SplitForm::slots) {
-    set("model.account_for_embedding_in_pipeline_split", "true");
-    set("model.account_for_loss_in_pipeline_split", "true");
-  } else if (form == SplitForm::uneven) {
+  } else {
+    set("model.pipeline_model_parallel_layout", "null");
+  }
+  const bool own = !p.layout && form == SplitForm::own;
+  set("model.num_layers_in_first_pipeline_stage", own && p.first_stage_layers > 0 ? num(p.first_stage_layers) : "null");
+  set("model.num_layers_in_last_pipeline_stage", own && p.last_stage_layers > 0 ? num(p.last_stage_layers) : "null");
+  const bool slots = !p.layout && form == SplitForm::slots;
+  set("model.account_for_embedding_in_pipeline_split", yes(slots));
+  set("model.account_for_loss_in_pipeline_split", yes(slots));
+  if (!p.layout && form == SplitForm::uneven)
     notes += fmt::format("# {} layers do not split evenly over {} stages: strata assumed the extra layers on the middle\n"
                          "# stages; give Bridge the same split with model.num_layers_in_first/last_pipeline_stage.\n",
                          m.L, p.p);
-  }
   if (p.v > 1 && p.vp_group_size() != p.p) set("model.microbatch_group_size_per_vp_stage", num(p.vp_group_size()));
   set("train.micro_batch_size", num(p.mbs));
   set("train.global_batch_size", num(p.gbs));
   set("dataset.seq_length", num(m.S));  // run_recipe.py sets the model's from it; a ConfigContainer needs both
   set("model.seq_length", num(m.S));
-  if (p.ep > 1) set("model.expert_model_parallel_size", num(p.ep));
-  if (m.moe() && p.expert_tp() != p.t) set("model.expert_tensor_parallel_size", num(p.expert_tp()));
+  if (m.moe()) {  // (said at 1 and at tp too: recipes hard-set both)
+    set("model.expert_model_parallel_size", num(p.ep));
+    set("model.expert_tensor_parallel_size", num(p.expert_tp()));
+  }
   // Multi-token prediction as costed; null where none (Bridge's DeepSeek and GLM recipes
   // turn it on from their models' configs).
   if (m.mtp_layers > 0 || m.moe()) set("model.mtp_num_layers", m.mtp_layers > 0 ? num(m.mtp_layers) : "null");
+  // CommOverlapConfig: a recipe may leave it None, where an override of one of its fields
+  // fails, so it is set in Python; it also derives ddp's overlap settings (from a data-
+  // parallel size without context parallelism), so those are given to it as costed.
+  std::vector<std::string> overlap;
+  if (p.t > 1) overlap.push_back("tp_comm_overlap = " + py_bool(stack.userbuffers));
   if (m.moe()) {
     // (Bridge's recipes name a flex backend and let apply_flex_dispatcher_backend switch to it.)
     set("model.moe_token_dispatcher_type", p.flex() ? "flex" : to_string(p.moe_dispatcher));
     if (p.flex()) set("model.moe_flex_dispatcher_backend", to_string(p.moe_dispatcher));
+    overlap.push_back("overlap_moe_expert_parallel_comm = " + py_bool(p.moe_a2a_overlap));
     if (p.moe_a2a_overlap) {
-      set("comm_overlap.overlap_moe_expert_parallel_comm", "true");
-      set("comm_overlap.delay_wgrad_compute", p.delay_wgrad ? "true" : "false");
+      overlap.push_back("delay_wgrad_compute = " + py_bool(p.delay_wgrad));
       // (Bridge asserts it off with the overlap; its DeepSeek recipes set it on.)
       if (m.Fs > 0) set("model.moe_shared_expert_overlap", "false");
     }
   }
   // ZeRO: the distributed optimizer shards the optimizer states (1); Megatron-FSDP shards
-  // gradients too (2) and the parameters (3).
+  // gradients too (2) and the parameters (3). Bridge turns Megatron-FSDP on where either of
+  // its two settings is, so both are said either way.
   set("ddp.use_distributed_optimizer", yes(p.zero >= 1));
   set("optimizer.use_distributed_optimizer", yes(p.zero >= 1));
+  set("ddp.use_megatron_fsdp", yes(p.zero >= 2));
+  set("dist.use_megatron_fsdp", yes(p.zero >= 2));
   if (p.zero >= 2) {
-    set("ddp.use_megatron_fsdp", "true");
     set("ddp.data_parallel_sharding_strategy", p.zero == 2 ? "optim_grads" : "optim_grads_params");
     set("checkpoint.ckpt_format", "fsdp_dtensor");  // (Bridge's validate() requires it with Megatron-FSDP)
   }
@@ -357,37 +382,55 @@ std::string export_bridge(const ModelSpec& m, const Plan& p, const Stack& stack)
     set("optimizer.optimizer_cpu_offload", "true");
     set("optimizer.optimizer_offload_fraction", fmt::format("{}", p.offload));
   }
+  // Recompute: all four settings, so that a recipe's method, layer count or modules cannot
+  // stay beside another granularity (Megatron-core refuses a layer count with selective, and
+  // a method, a count or moe with the experts' overlapped exchanges).
   if (p.recompute == Recompute::full) {
     set("model.recompute_granularity", "full");
     set("model.recompute_method", p.recompute_layers > 0 ? "block" : "uniform");
     set("model.recompute_num_layers", num(p.recompute_layers > 0 ? p.recompute_layers : 1));
-  } else if (p.recompute == Recompute::selective) {
-    set("model.recompute_granularity", "selective");
-    if (p.recompute_modules != kRecomputeCoreAttn)
-      set("model.recompute_modules", fmt::format("[{}]", recompute_modules_text(p.recompute_modules, ",")));
+    set("model.recompute_modules", "null");
   } else {
-    set("model.recompute_granularity", "null");
+    set("model.recompute_granularity", p.recompute == Recompute::selective ? "selective" : "null");
+    set("model.recompute_method", "null");
+    set("model.recompute_num_layers", "null");
+    set("model.recompute_modules", p.recompute == Recompute::selective
+                                       ? fmt::format("[{}]", recompute_modules_text(p.recompute_modules, ","))
+                                       : std::string("null"));
   }
-  switch (p.precision) {  // registered recipe names (megatron.bridge.training.mixed_precision)
-    case Precision::bf16: set("mixed_precision", "bf16_mixed"); break;
-    case Precision::fp16: set("mixed_precision", "fp16_mixed"); break;
-    case Precision::fp8:
-      set("mixed_precision", "bf16_with_fp8_current_scaling_mixed");
-      set("mixed_precision.fp8_param_gather", yes(p.fp8_weights()));  // (as costed: the recipe's own is true)
-      break;
+  // The registered mixed-precision recipes (megatron.bridge.training.mixed_precision) and
+  // what each sets that strata costs otherwise: the main gradients' type (bf16_mixed and the
+  // FP8 recipe built on it reduce in fp32, fp16_mixed in fp16), the FP8 recipe's gathered
+  // FP8 weights and its first and last layers in bf16 (strata costs every layer in FP8).
+  const char* recipe = nullptr;
+  bool recipe_fp32_reduce = true;
+  switch (p.precision) {
+    case Precision::bf16: recipe = "bf16_mixed"; break;
+    case Precision::fp16: recipe = "fp16_mixed"; recipe_fp32_reduce = false; break;
+    case Precision::fp8: recipe = "bf16_with_fp8_current_scaling_mixed"; break;
     case Precision::fp32:
       set("mixed_precision", "null");
       notes += "# fp32: a recipe's model provider may still set bf16 or params_dtype; set them to fp32 as well.\n";
       break;
   }
+  std::vector<std::string> precision;
+  if (recipe) {
+    set("mixed_precision", recipe);
+    if (stack.grad_reduce_in_fp32 != recipe_fp32_reduce)
+      precision.push_back("grad_reduce_in_fp32 = " + py_bool(stack.grad_reduce_in_fp32));
+    if (p.precision == Precision::fp8) {
+      precision.push_back("first_last_layers_bf16 = False");
+      if (!p.fp8_weights()) precision.push_back("fp8_param_gather = False");  // (bf16 weights, as costed)
+    }
+  }
   const bool replicated = p.replicas() > 1;
-  set("ddp.overlap_grad_reduce", yes(stack.overlap_grad_reduce && replicated));
-  set("ddp.overlap_param_gather", yes(stack.overlap_param_gather && replicated && p.zero >= 1));
-  // (Megatron-Bridge's recipes of tensor-parallel models set user buffers on: said either way.)
-  if (p.t > 1) set("comm_overlap.tp_comm_overlap", yes(stack.userbuffers));
+  const bool overlap_reduce = stack.overlap_grad_reduce && replicated;
+  const bool overlap_gather = stack.overlap_param_gather && replicated && p.zero >= 1;
+  set("ddp.overlap_grad_reduce", yes(overlap_reduce));
+  set("ddp.overlap_param_gather", yes(overlap_gather));
   set("model.gradient_accumulation_fusion", yes(stack.grad_accumulation_fusion));
+  set("optimizer.use_precision_aware_optimizer", yes(p.precision_aware_optimizer));
   if (p.precision_aware_optimizer) {
-    set("optimizer.use_precision_aware_optimizer", "true");
     set("optimizer.store_param_remainders", yes(p.store_param_remainders));
     if (p.exp_avg_dtype != OptDtype::fp32 || p.exp_avg_sq_dtype != OptDtype::fp32 || p.main_params_dtype != OptDtype::fp32)
       notes += fmt::format("# precision-aware optimizer types (torch dtypes in the recipe's OptimizerConfig): "
@@ -405,18 +448,24 @@ std::string export_bridge(const ModelSpec& m, const Plan& p, const Stack& stack)
     if (p.min_offloaded_tensor_size != kMinOffloadedTensorSize)
       set("model.min_offloaded_tensor_size", num(p.min_offloaded_tensor_size));
   }
-  // The recipes' mixed-precision configs reduce in fp32 (their ddp settings follow them);
-  // Megatron-Bridge's performance recipes set both to False.
-  if (p.precision != Precision::fp32 && !stack.grad_reduce_in_fp32) {
-    set("mixed_precision.grad_reduce_in_fp32", "false");
-    set("ddp.grad_reduce_in_fp32", "false");
-  } else if (p.precision == Precision::fp16 && stack.grad_reduce_in_fp32) {
-    set("mixed_precision.grad_reduce_in_fp32", "true");
-    set("ddp.grad_reduce_in_fp32", "true");
+  // strata's fused attention is any fused kernel (FlashAttention or cuDNN's), which the
+  // recipes' default backend picks; unfused is an enum an override cannot give.
+  if (stack.attention != AttentionKernel::flash) {
+    py("from megatron.core.transformer.enums import AttnBackend");
+    py("cfg.model.attention_backend = AttnBackend.unfused  # (or NVTE_FLASH_ATTN=0 NVTE_FUSED_ATTN=0)");
   }
-  // strata's fused attention is any fused kernel (FlashAttention or cuDNN's): Megatron-core's
-  // auto picks one; unfused is its own backend.
-  set("model.attention_backend", stack.attention == AttentionKernel::flash ? "auto" : "unfused");
+  if (!precision.empty()) {
+    py("from megatron.bridge.training.mixed_precision import get_mixed_precision_config");
+    py(fmt::format("cfg.mixed_precision = get_mixed_precision_config(\"{}\")", recipe));
+    for (const std::string& s : precision) py("cfg.mixed_precision." + s);
+  }
+  if (!overlap.empty() || p.c > 1) {
+    py("from megatron.bridge.training.comm_overlap import CommOverlapConfig");
+    py("cfg.comm_overlap = cfg.comm_overlap or CommOverlapConfig(tp_comm_overlap=False)");
+    for (const std::string& s : overlap) py("cfg.comm_overlap." + s);
+    py("cfg.comm_overlap.overlap_grad_reduce = " + py_bool(overlap_reduce));
+    py("cfg.comm_overlap.overlap_param_gather = " + py_bool(overlap_gather));
+  }
   if (p.gpipe) notes += "# pipeline_schedule=gpipe: Megatron-core runs 1F1B only; these give its 1F1B schedule.\n";
   // The model's shape, so that the chosen recipe's can be checked (or a neighbour's reused).
   set("model.num_layers", num(m.L));
@@ -455,10 +504,16 @@ std::string export_bridge(const ModelSpec& m, const Plan& p, const Stack& stack)
                        : m.position == Position::learned ? "learned"
                                                          : "no",
                        m.tie_embeddings ? "tied" : "untied", m.bias ? ", linear biases" : "");
+  if (!python.empty())
+    python = "# and in Python on the recipe's ConfigContainer cfg, what overrides cannot reach (the fields of a\n"
+             "# named mixed_precision recipe, a comm_overlap the recipe may leave None, enums):\n" +
+             python;
   return fmt::format("# Megatron-Bridge overrides for {} ({} GPUs: tp {} x pp {} x dp {} x cp {}): append them to\n"
                      "# scripts/training/train.sh --recipe <the model's pretrain recipe> (or run_recipe.py), or set\n"
-                     "# cfg.<key> = <value> on the recipe's ConfigContainer.\n{}{}\n",
-                     m.name, p.world_size(), p.t, p.p, p.d, p.c, notes, f);
+                     "# cfg.<key> = <value> on the recipe's ConfigContainer. Bridge's Llama 2/3 recipes build their\n"
+                     "# model as a GPTModelConfig: there the model.* keys but model.seq_length are model.transformer.*.\n"
+                     "{}{}{}\n",
+                     m.name, p.world_size(), p.t, p.p, p.d, p.c, notes, python, f);
 }
 
 }  // namespace strata

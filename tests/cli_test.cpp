@@ -578,7 +578,7 @@ TEST(Cli, BadInputExits2NamingTheField) {
       {model("h3.json", R"({"hidden_size":64,"num_key_value_heads":0,)" + hf_ok + "}"), "num_key_value_heads"},
       {model("h4.json", R"({"hidden_size":64,"num_hidden_layers":-2,"model_type":"llama","num_attention_heads":4,"vocab_size":100,"max_position_embeddings":32})"), "num_hidden_layers"},
       {model("h5.json", R"({"hidden_size":64,"num_local_experts":8,)" + hf_ok + "}"), "read for model_type mixtral"},
-      {model("h10.json", R"({"hidden_size":64,"num_local_experts":8,)" + hf_moe + "}"), "num_experts_per_tok: missing"},
+      {model("h10.json", R"({"hidden_size":64,"num_local_experts":8,"num_experts_per_tok":"2",)" + hf_moe + "}"), "num_experts_per_tok"},
       {model("h8.json", R"({"hidden_size":64,"n_routed_experts":64,)" + hf_ok + "}"), "n_routed_experts"},
       {model("h9.json", R"({"hidden_size":64,"num_experts":8,"num_experts_per_tok":2,"decoder_sparse_step":3,)" + hf_moe + "}"),
        "decoder_sparse_step"},

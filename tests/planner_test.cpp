@@ -908,21 +908,60 @@ TEST(Planner, Exports) {
                         "mixed_precision=bf16_mixed", "model.num_layers=80", "model.num_query_groups=8"})
     EXPECT_TRUE(has(br, o)) << o;
   for (const std::string& line : br) EXPECT_NE(line.find('='), std::string::npos) << line;  // KEY=VALUE only
+  // Every setting a recipe may hold said, at its default too (a recipe's split, recompute
+  // layer count or Megatron-FSDP would otherwise survive the overrides).
+  for (const char* o : {"model.recompute_method=null", "model.recompute_num_layers=null",
+                        "model.recompute_modules=[core_attn]", "ddp.use_megatron_fsdp=false", "dist.use_megatron_fsdp=false",
+                        "optimizer.use_precision_aware_optimizer=false", "model.account_for_embedding_in_pipeline_split=false",
+                        "model.account_for_loss_in_pipeline_split=false", "model.pipeline_model_parallel_layout=null"})
+    EXPECT_TRUE(has(br, o)) << o;
+  // What overrides cannot reach, in Python: user buffers off (a recipe's CommOverlapConfig
+  // may have them on, or be None, where an override of its field fails); the attention
+  // backend an enum, left to the recipe where fused.
+  const std::string br_text = export_bridge(m, p, st);
+  EXPECT_NE(br_text.find("#   cfg.comm_overlap = cfg.comm_overlap or CommOverlapConfig(tp_comm_overlap=False)\n"
+                         "#   cfg.comm_overlap.tp_comm_overlap = False\n"
+                         "#   cfg.comm_overlap.overlap_grad_reduce = True\n"),
+            std::string::npos)
+      << br_text;
+  EXPECT_EQ(br_text.find("attention_backend"), std::string::npos) << br_text;
+  for (const std::string& line : br) EXPECT_NE(line.rfind("comm_overlap.", 0), 0u) << line;
+  // Experts: both sizes said at 1 (recipes hard-set them), the exchange overlap in Python.
+  const ModelSpec qm = load_model("qwen3-30b-a3b");
+  const Plan qp = load_plan("tp=2,dp=4,mbs=1,gbs=64,sp=1,zero=1");
+  const std::string qb = export_bridge(qm, qp, resolve_stack(qm, load_cluster("dgx-h100-80g"), qp));
+  const std::vector<std::string> ql = lines_of(qb);
+  EXPECT_TRUE(has(ql, "model.expert_model_parallel_size=1")) << qb;
+  EXPECT_TRUE(has(ql, "model.expert_tensor_parallel_size=2")) << qb;
+  EXPECT_NE(qb.find("#   cfg.comm_overlap.overlap_moe_expert_parallel_comm = False\n"), std::string::npos) << qb;
+  // Unfused attention: an enum, set in Python.
+  const Plan up = load_plan("tp=8,pp=4,dp=8,mbs=1,gbs=512,zero=1,attention=unfused");
+  EXPECT_NE(export_bridge(m, up, resolve_stack(m, load_cluster("dgx-h100-80g"), up)).find("AttnBackend.unfused"),
+            std::string::npos);
   // 126 layers in (L + 2) / p slots; partial recompute; FP8; ZeRO-3 as Megatron-FSDP.
   const Plan fp = load_plan("tp=8,pp=16,dp=8,vp=4,gbs=512,recompute=full,recompute_num_layers=1,precision=fp8,zero=3");
   const std::vector<std::string> bb = lines_of(export_bridge(big, fp, resolve_stack(big, load_cluster("dgx-h100-80g"), fp)));
   for (const char* o : {"model.virtual_pipeline_model_parallel_size=4", "model.account_for_embedding_in_pipeline_split=true",
                         "model.account_for_loss_in_pipeline_split=true", "model.recompute_granularity=full",
                         "model.recompute_method=block", "model.recompute_num_layers=1",
-                        "mixed_precision=bf16_with_fp8_current_scaling_mixed", "mixed_precision.fp8_param_gather=true",
-                        "ddp.use_megatron_fsdp=true",
-                        "ddp.data_parallel_sharding_strategy=optim_grads_params"})
+                        "mixed_precision=bf16_with_fp8_current_scaling_mixed", "ddp.use_megatron_fsdp=true",
+                        "dist.use_megatron_fsdp=true", "ddp.data_parallel_sharding_strategy=optim_grads_params",
+                        "model.recompute_modules=null", "model.pipeline_model_parallel_layout=null",
+                        "model.num_layers_in_first_pipeline_stage=null", "model.num_layers_in_last_pipeline_stage=null"})
     EXPECT_TRUE(has(bb, o)) << o;
+  // No override of a named mixed_precision recipe's own fields (Bridge's parser refuses them
+  // in struct mode): the FP8 recipe's bf16 first and last layers turned off in Python, its
+  // FP8 weight gathers kept (as costed with ZeRO).
+  for (const std::string& line : bb) EXPECT_NE(line.rfind("mixed_precision.", 0), 0u) << line;
+  const std::string bb_text = export_bridge(big, fp, resolve_stack(big, load_cluster("dgx-h100-80g"), fp));
+  EXPECT_NE(bb_text.find("#   cfg.mixed_precision.first_last_layers_bf16 = False"), std::string::npos) << bb_text;
+  EXPECT_EQ(bb_text.find("fp8_param_gather"), std::string::npos) << bb_text;
   EXPECT_FALSE(has(bb, "model.microbatch_group_size_per_vp_stage=16"));  // 64 micro-batches: groups of p, unset
   // fp8 without ZeRO: bf16 weights as costed, where the recipe would gather fp8 ones.
   const Plan f0 = load_plan("tp=8,pp=16,dp=8,gbs=512,precision=fp8,zero=0");
-  EXPECT_TRUE(has(lines_of(export_bridge(big, f0, resolve_stack(big, load_cluster("dgx-h100-80g"), f0))),
-                  "mixed_precision.fp8_param_gather=false"));
+  EXPECT_NE(export_bridge(big, f0, resolve_stack(big, load_cluster("dgx-h100-80g"), f0))
+                .find("#   cfg.mixed_precision.fp8_param_gather = False"),
+            std::string::npos);
   EXPECT_EQ(export_megatron(big, f0, resolve_stack(big, load_cluster("dgx-h100-80g"), f0)).find("--fp8-param-gather"),
             std::string::npos);
   // Megatron's groups where p does not divide the micro-batches; ZeRO-2; no virtual stages;
@@ -959,10 +998,12 @@ TEST(Planner, Exports) {
   // 16-bit main gradients: Megatron-Bridge's two settings, DeepSpeed's data types.
   const Plan g = load_plan("tp=8,pp=4,dp=8,gbs=512,zero=1,grad_reduce_in_fp32=0");
   const Stack gst = resolve_stack(m, load_cluster("dgx-h100-80g"), g);
-  const std::vector<std::string> bg16 = lines_of(export_bridge(m, g, gst));
-  EXPECT_TRUE(has(bg16, "mixed_precision.grad_reduce_in_fp32=false"));
-  EXPECT_TRUE(has(bg16, "ddp.grad_reduce_in_fp32=false"));
-  EXPECT_FALSE(has(br, "ddp.grad_reduce_in_fp32=false"));
+  const std::string bg16 = export_bridge(m, g, gst);
+  EXPECT_NE(bg16.find("#   cfg.mixed_precision = get_mixed_precision_config(\"bf16_mixed\")\n"
+                      "#   cfg.mixed_precision.grad_reduce_in_fp32 = False\n"),
+            std::string::npos)
+      << bg16;
+  EXPECT_EQ(export_bridge(m, p, st).find("grad_reduce_in_fp32"), std::string::npos);  // bf16_mixed's own
   const Json dg = Json::parse(export_deepspeed(m, g, gst));
   EXPECT_EQ(dg["data_types"]["grad_accum_dtype"], "bf16");
   EXPECT_EQ(dg["communication_data_type"], "bf16");
