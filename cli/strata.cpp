@@ -16,6 +16,7 @@
 #include <vector>
 
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 #include <nlohmann/json.hpp>
 
 #include "cli/args.h"
@@ -210,6 +211,9 @@ std::optional<LaunchInputs> megatron_launch(const Args& a, std::initializer_list
     if (launch.ignored.size() > 12) list += fmt::format(", ... ({} in all)", launch.ignored.size());
     fmt::print(stderr, "strata: --megatron-args: not modelled (no effect on the estimate): {}\n", list);
   }
+  if (!launch.costly.empty())
+    fmt::print(stderr, "strata: --megatron-args: note: not modelled, may change the step time or memory: {}\n",
+               fmt::join(launch.costly, ", "));
   for (const std::string& u : launch.undecided)
     fmt::print(stderr, "strata: --megatron-args: note: every branch of `{}` read: a condition strata does not evaluate\n",
                u);

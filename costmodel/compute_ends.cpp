@@ -66,7 +66,7 @@ void output_and_loss(Acc& a, const char* norm) {
   // - unfused (Megatron-LM's, DeepSpeed's, this repository's): cast to fp32 (e + 4), max (4),
   //   subtract (8), exp (8), sum (4), normalise in place and keep for backward (8) = e + 36;
   //   backward: copy the softmax (8), subtract the one-hot and scale (8), cast back (4 + e).
-  // - fused (the modern stack: Megatron-core's cross_entropy_loss_fusion, Transformer
+  // - fused (Megatron-core's cross_entropy_loss_fusion, the modern stack's default; Transformer
   //   Engine's kernel): one pass reads the e-byte logits for the running max and sum, a
   //   second reads them again and writes the gradient in their place (3e); backward scales
   //   that gradient in place (2e).
@@ -76,7 +76,7 @@ void output_and_loss(Acc& a, const char* norm) {
   //   backend); backward: each probability computed again from its logit, the gradient
   //   written in its place, rounded to 16 bits in the same pass (8); where the GEMMs read
   //   16-bit operands written in 16-bit storage beside them instead (4 + 2), for both GEMMs.
-  const bool fused_ce = cs.stack.modern;
+  const bool fused_ce = cs.stack.cross_entropy_fusion;
   const double strata_fwd = a.cl.device.cross_entropy_one_pass ? 4.0 : 8.0;
   const double fwd_ce = cs.stack.strata ? strata_fwd : fused_ce ? 3.0 * e : e + 36.0;
   const double bwd_ce = cs.stack.strata ? (a.casts_weights ? 6.0 : 8.0) : fused_ce ? 2.0 * e : 20.0 + e;

@@ -46,7 +46,7 @@ const std::set<std::string>& switch_flags() {
       "moe_grouped_gemm", "moe_permute_fusion", "grad_reduce_in_bf16", "accumulate_allreduce_grads_in_fp32",
       "use_precision_aware_optimizer", "no_store_param_remainders", "fine_grained_activation_offloading",
       "multi_latent_attention", "moe_enable_deepep", "overlap_moe_expert_parallel_comm", "delay_wgrad_compute",
-      "checkpoint_activations", "fp8_param_gather"};
+      "checkpoint_activations", "fp8_param_gather", "cross_entropy_loss_fusion"};
   return s;
 }
 // Flags that set what strata does not take from a launch: refused, naming the way to say it.
@@ -61,7 +61,48 @@ const std::map<std::string, std::string>& refused_flags() {
       {"topk", "Megatron-DeepSpeed's MoE is not read: give the model as a model JSON with num_experts, "
                "moe_router_topk and moe_layer_freq"},
       {"moe_expert_parallel_size", "Megatron-DeepSpeed's MoE is not read: give the model as a model JSON and "
-                                   "expert_model_parallel_size in the plan"}};
+                                   "expert_model_parallel_size in the plan"},
+      // What changes the layers themselves, or the whole argument list: not a model strata
+      // would cost right.
+      {"yaml_cfg", "a YAML file replaces every argument: give its flags instead"},
+      {"spec", "a custom layer spec is not modelled: strata costs Megatron-core's GPT layer"},
+      {"heterogeneous_layers_config_path", "heterogeneous layers are not modelled: strata costs every layer alike"},
+      {"heterogeneous_layers_config_encoded_json", "heterogeneous layers are not modelled: strata costs every layer alike"},
+      {"hybrid_override_pattern", "hybrid Mamba/attention layers are not modelled: strata costs attention layers"},
+      {"hybrid_layer_pattern", "hybrid Mamba/attention layers are not modelled: strata costs attention layers"},
+      {"experimental_attention_variant", "attention variants are not modelled: strata costs softmax attention"},
+      {"linear_attention_freq", "linear-attention layers are not modelled: strata costs softmax attention"},
+      {"enable_mhc_connections", "hyper-connections are not modelled: strata costs one residual stream"},
+      {"moe_latent_size", "latent MoE projections are not modelled: give the experts as a model JSON"},
+      {"quick_geglu", "a gated GELU MLP is not read from a launch: give the model as a model JSON with "
+                      "activation geglu"},
+      {"attention_output_gate", "a gated attention output is not modelled"},
+      {"fp4_format", "FP4 training is not modelled: strata costs bf16, fp16, fp8 or fp32"},
+      {"moe_layer_recompute", "recomputing the whole MoE layer is not modelled: recompute its parts with "
+                              "--recompute-modules (moe_act, layernorm, ...)"},
+      {"first_last_layers_bf16", "FP8 with the first and last layers in bf16 is not modelled: strata costs every "
+                                 "layer in FP8 (drop the flag to cost that)"},
+      {"no_fp8_wgrad", "FP8 with bf16 weight gradients is not modelled: strata costs every GEMM in FP8 (drop the "
+                       "flag to cost that)"}};
+  return s;
+}
+// Flags strata does not model that change the step time or the memory (unlike the learning
+// rates, data paths and logging the rest of a launch holds): each named on stderr.
+const std::set<std::string>& costly_unmodelled_flags() {
+  static const std::set<std::string> s = {
+      "cuda_graph_impl", "enable_cuda_graph", "cuda_graph_scope", "cuda_graph_modules", "external_cuda_graph",
+      "cuda_graph_warmup_steps", "manual_gc", "manual_gc_interval", "no_masked_softmax_fusion", "no_bias_gelu_fusion",
+      "no_bias_swiglu_fusion", "no_bias_dropout_fusion", "no_rope_fusion", "no_persist_layer_norm",
+      "defer_embedding_wgrad_compute", "cpu_offloading", "cpu_offloading_num_layers", "fp32_residual_connection",
+      "fp8_recipe", "fp8_amax_history_len", "fp8_amax_compute_algo", "fp8_margin", "fp8_interval",
+      "num_layers_at_start_in_bf16", "num_layers_at_end_in_bf16", "moe_permute_fusion", "moe_router_fusion",
+      "moe_router_dtype", "moe_expert_capacity_factor", "moe_pad_expert_input_to_capacity", "moe_token_drop_policy",
+      "moe_shared_expert_overlap", "overlap_p2p_communication", "no_overlap_p2p_communication",
+      "overlap_p2p_communication_warmup_flush", "distribute_saved_activations", "ddp_bucket_size",
+      "ddp_average_in_collective", "overlap_param_gather_with_optimizer_step", "megatron_fsdp_main_grads_dtype",
+      "megatron_fsdp_main_params_dtype", "calculate_per_token_loss", "use_cpu_initialization",
+      "tp_comm_overlap_cfg", "tp_comm_bulk_wgrad", "tp_comm_bulk_dgrad", "tp_comm_overlap_ag", "tp_comm_overlap_rs",
+      "cross_entropy_fusion_impl", "use_legacy_models"};
   return s;
 }
 const std::set<std::string>& plan_flags() {
@@ -84,7 +125,7 @@ const std::set<std::string>& plan_flags() {
       "overlap_moe_expert_parallel_comm", "delay_wgrad_compute", "data_parallel_sharding_strategy",
       "checkpoint_activations",  // (Megatron-DeepSpeed's full recompute)
       "zero_stage",              // (Megatron-DeepSpeed's, for DeepSpeed's ZeRO)
-      "fp8_param_gather"};
+      "fp8_param_gather", "cross_entropy_loss_fusion"};
   return s;
 }
 
@@ -507,7 +548,8 @@ MegatronLaunch parse_megatron_launch(const std::string& text, const std::string&
   out.plan = Json::object();
   out.undecided = undecided;
   std::map<std::string, std::string> seen;  // flag -> its value as written (resolved)
-  std::set<std::string> ignored;
+  std::set<std::string> ignored, present;
+  std::map<std::string, std::string> launch_values;
   int64_t nproc = 0, nnodes = 0;
   for (size_t i = 0; i < words.size(); ++i) {
     const std::string& w = words[i];
@@ -551,8 +593,19 @@ MegatronLaunch parse_megatron_launch(const std::string& text, const std::string&
     if (const auto r = refused_flags().find(key); r != refused_flags().end())
       throw InputError(fmt::format("{}: {}: not read from a launch: {}", source, flag_of(key), r->second));
     const bool read = model_flags().count(key) || plan_flags().count(key) || key == "nproc_per_node" || key == "nnodes";
+    // Megatron's names of values strata reads: --encoder-seq-length is its alias of the
+    // sequence length; --optimizer adam is what strata costs (others are refused below);
+    // --transformer-impl local runs Megatron's own layers, with unfused attention.
+    if (key == "encoder_seq_length" || key == "optimizer" || key == "transformer_impl") {
+      launch_values[key] = value;
+      continue;
+    }
+    if (key == "moe_grouped_gemm" || key == "overlap_grad_reduce" || key == "overlap_param_gather" ||
+        key == "moe_token_dispatcher_type")
+      present.insert(key);
     if (!read) {
-      if (ignored.insert(flag_of(key)).second) out.ignored.push_back(flag_of(key));
+      if (ignored.insert(flag_of(key)).second)
+        (costly_unmodelled_flags().count(key) ? out.costly : out.ignored).push_back(flag_of(key));
       continue;
     }
     if (const auto it = seen.find(key); it != seen.end()) {
@@ -640,6 +693,65 @@ MegatronLaunch parse_megatron_launch(const std::string& text, const std::string&
     if (h > 0 && h <= (int64_t{1} << 24))
       m["ffn_hidden_size"] = m.contains("swiglu") && m.at("swiglu") == true ? (8 * h / 3) / 64 * 64 : 4 * h;
   }
+  // --encoder-seq-length: Megatron's alias of --seq-length (arguments.py sets one from the other).
+  if (const auto e = launch_values.find("encoder_seq_length"); e != launch_values.end()) {
+    const Json v = value_of(e->second);
+    if (m.contains("seq_length") && m.at("seq_length") != v)
+      throw InputError(fmt::format("{}: --encoder-seq-length {} and --seq-length {} disagree: keep one", source,
+                                   e->second, m.at("seq_length").dump()));
+    m["seq_length"] = v;
+  }
+  // YaRN is RoPE with its frequencies rescaled: the same costs.
+  if (m.contains("position_embedding_type") && m.at("position_embedding_type") == "yarn")
+    m["position_embedding_type"] = "rope";
+  if (const auto o = launch_values.find("optimizer"); o != launch_values.end() && o->second != "adam")
+    throw InputError(fmt::format("{}: --optimizer {}: not read from a launch: strata costs Adam (two fp32 states a "
+                                 "parameter; drop the flag, or give --optimizer adam, to cost that)",
+                                 source, o->second));
+  if (const auto ti = launch_values.find("transformer_impl"); ti != launch_values.end()) {
+    if (ti->second != "local" && ti->second != "transformer_engine" && ti->second != "inference_optimized")
+      fail_field(source + ": --transformer-impl", show_value(Json(ti->second)),
+                 "must be local or transformer_engine");
+    if (ti->second == "local" && !out.plan.contains("attention")) out.plan["attention"] = "unfused";
+  }
+  // Absent flags mean what they mean to Megatron: no overlapped gradient reduction or
+  // parameter gather (arguments.py defaults both off), and MoE tokens dispatched by
+  // all-gather (TransformerConfig's moe_token_dispatcher_type).
+  for (const char* k : {"overlap_grad_reduce", "overlap_param_gather"})
+    if (!present.count(k)) out.plan[k] = false;
+  const bool experts = m.contains("num_experts") && m.at("num_experts").is_number_integer() &&
+                       m.at("num_experts").get<int64_t>() > 1;
+  if (experts && !present.count("moe_token_dispatcher_type") && !out.plan.contains("moe_flex_dispatcher_backend") &&
+      !out.plan.contains("moe_enable_deepep"))
+    out.plan["moe_token_dispatcher_type"] = "allgather";
+  if (experts && !present.count("moe_grouped_gemm")) out.costly.push_back("--moe-grouped-gemm absent (a loop of "
+                                                                        "per-expert GEMMs; costed as grouped ones)");
+  // Megatron's asserts on recompute, which a launch that breaks them never gets past.
+  const std::string granularity =
+      out.plan.contains("recompute_granularity") && out.plan.at("recompute_granularity").is_string()
+          ? out.plan.at("recompute_granularity").get<std::string>()
+          : "";
+  if (granularity == "full" && !out.plan.contains("recompute_method") && !out.plan.contains("checkpoint_activations"))
+    throw InputError(fmt::format("{}: --recompute-granularity full without --recompute-method: Megatron-core "
+                                 "raises (give uniform, or block with --recompute-num-layers)",
+                                 source));
+  if (granularity == "selective" && out.plan.contains("recompute_method"))
+    throw InputError(fmt::format("{}: --recompute-granularity selective with --recompute-method: Megatron-LM "
+                                 "asserts (the method is for full recompute)",
+                                 source));
+  if (granularity == "full" && out.plan.contains("recompute_method") && out.plan.at("recompute_method") == "uniform" &&
+      out.plan.contains("recompute_num_layers") && out.plan.at("recompute_num_layers") != 1)
+    out.costly.push_back(fmt::format("--recompute-num-layers {} with uniform (checkpoints of that many layers; "
+                                     "costed one layer each)",
+                                     out.plan.at("recompute_num_layers").dump()));
+  if (out.plan.contains("overlap_param_gather") && out.plan.at("overlap_param_gather") == true &&
+      !out.plan.contains("use_distributed_optimizer") && !out.plan.contains("use_megatron_fsdp") &&
+      !out.plan.contains("use_torch_fsdp2") && !out.plan.contains("zero_stage"))
+    throw InputError(fmt::format("{}: --overlap-param-gather without --use-distributed-optimizer: Megatron-LM "
+                                 "asserts (the parameters are gathered only where the optimizer shards them)",
+                                 source));
+  // Without --cross-entropy-loss-fusion Megatron-LM runs the unfused loss.
+  if (!out.plan.contains("cross_entropy_loss_fusion")) out.plan["cross_entropy_loss_fusion"] = false;
   // FP8 without --fp8-param-gather: Megatron's default, bf16 parameters.
   if (out.plan.contains("fp8_format") && !out.plan.contains("fp8_param_gather")) out.plan["fp8_param_gather"] = false;
   // Neither --bf16 nor --fp16 (nor FP8): Megatron trains in fp32.

@@ -24,6 +24,10 @@ struct MegatronLaunch {
   int64_t gpus = 0;                  // torchrun's nproc-per-node x nnodes; 0: not given
   std::string world_unread;          // why not, where the launch gives them: "--nproc-per-node ${N}" ...
   std::vector<std::string> ignored;  // flags read but not modelled, in order of appearance
+  // Those among them that change the step time or the memory (CUDA graphs, unfused kernels,
+  // the FP8 recipe, ...), and absent flags whose Megatron default strata does not model:
+  // each said, never cut from a list.
+  std::vector<std::string> costly;
   // The if blocks whose condition strata does not evaluate (an unset variable, a command's
   // status, arithmetic): every branch's flags were read; each "if CONDITION (--flags ...)".
   // Those it evaluates (tests of the text's own variables and their defaults) have their

@@ -228,10 +228,10 @@ double head_activation_bytes(const ModelSpec& m, const Plan& p, const ComputeSet
   const double H = static_cast<double>(m.H);
   const double Vt = static_cast<double>(m.padded_vocab(p.t)) / static_cast<double>(p.t);
   // Final norm input and output (the output layer's input), and what the loss keeps for
-  // backward: legacy stacks an fp32 softmax, modern fused cross-entropy the logits as they are.
+  // backward: the unfused loss an fp32 softmax, the fused cross-entropy the logits as they are.
   // The strata executor keeps the gathered (full-sequence) norm output as well.
   const double gathered = cs.stack.strata && p.sp && p.t > 1 ? cs.act_bytes * cs.T * H : 0.0;
-  return 2.0 * cs.act_bytes * cs.Tn * H + gathered + (cs.stack.modern ? cs.act_bytes : 4.0) * cs.T * Vt;
+  return 2.0 * cs.act_bytes * cs.Tn * H + gathered + (cs.stack.cross_entropy_fusion ? cs.act_bytes : 4.0) * cs.T * Vt;
 }
 
 double head_working_bytes(const ModelSpec& m, const Plan& p, const ComputeSetup& cs) {
@@ -246,9 +246,9 @@ double head_working_bytes(const ModelSpec& m, const Plan& p, const ComputeSetup&
   const double norm_grads = 4.0 * (cs.T + cs.Tn) * static_cast<double>(m.H);
   if (cs.stack.strata && cs.sixteen_operands) return 2.0 * cs.T * Vt + std::max(0.0, norm_grads - 4.0 * cs.T * Vt);
   if (cs.stack.strata) return norm_grads;
-  // Legacy: the half-precision logits being cast, then the fp32 gradient of the logits.
-  // Modern fused cross-entropy: the gradient of the logits in place of the logits.
-  return (cs.stack.modern ? cs.act_bytes : cs.act_bytes + 4.0) * cs.T * Vt;
+  // Unfused: the half-precision logits being cast, then the fp32 gradient of the logits.
+  // Fused cross-entropy: the gradient of the logits in place of the logits.
+  return (cs.stack.cross_entropy_fusion ? cs.act_bytes : cs.act_bytes + 4.0) * cs.T * Vt;
 }
 
 namespace {

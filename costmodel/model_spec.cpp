@@ -847,7 +847,8 @@ ModelSpec model_from_hf_config(const Json& j, const std::string& source, int64_t
   // DeepSeek-V2/V3 and Kimi K2: multi-head latent attention (q_lora_rank null: one query
   // projection), each head's query and key qk_nope_head_dim + qk_rope_head_dim wide.
   if (deepseek) {
-    m.q_lora_rank = get_int({"q_lora_rank"}, 0, kMaxHidden, false, 0);
+    // (absent: the config classes' 1536, DeepSeek's own and transformers' alike; null: none)
+    m.q_lora_rank = j.contains("q_lora_rank") ? get_int({"q_lora_rank"}, 0, kMaxHidden, false, 0) : 1536;
     m.kv_lora_rank = get_int({"kv_lora_rank"}, 1, kMaxHidden, true, 0);
     m.qk_pos_emb_head_dim = get_int({"qk_rope_head_dim"}, 1, kMaxHidden, true, 0);
     m.v_head_dim = get_int({"v_head_dim"}, 1, kMaxHidden, true, 0);
@@ -866,7 +867,8 @@ ModelSpec model_from_hf_config(const Json& j, const std::string& source, int64_t
   // DeepseekV3Config (Kimi K2's too) 256 of 2048, 8 per token, one shared, the first 3
   // dense; Qwen2MoeConfig 60 of 1408, 4 per token, a shared expert of 5632; Qwen3MoeConfig
   // 128 of 768, 8 per token; MixtralConfig 8, 2 per token; GptOssConfig 128, 4 per token;
-  // OlmoeConfig 64, 8 per token. (DeepseekV2Config's default is dense: no experts.)
+  // OlmoeConfig 64, 8 per token. (DeepSeek's own DeepseekV2Config, which its configs name,
+  // defaults to dense, no experts, as here; transformers' later class to 64.)
   const bool deepseek_v3 = model_type == "deepseek_v3" || model_type == "kimi_k2";
   struct FamilyMoe {
     int64_t experts, topk, expert_ffn, shared_ffn, shared_experts, first_dense;  // expert_ffn 0: intermediate_size
@@ -885,9 +887,11 @@ ModelSpec model_from_hf_config(const Json& j, const std::string& source, int64_t
   // interleaved layers and shared expert, Jamba, GraniteMoE, ...) would be misread.
   const bool known_moe = model_type == "mixtral" || model_type == "gpt_oss" || model_type == "qwen2_moe" ||
                          model_type == "qwen3_moe" || model_type == "olmoe" || glm_moe || deepseek;
-  const char* experts_key = j.contains("num_local_experts") ? ".num_local_experts"
-                            : j.contains("num_experts")     ? ".num_experts"
-                                                            : ".n_routed_experts";
+  const char* experts_key = j.contains("num_local_experts")                                ? ".num_local_experts"
+                            : j.contains("num_experts")                                      ? ".num_experts"
+                            : j.contains("n_routed_experts") || glm_moe || deepseek          ? ".n_routed_experts"
+                            : model_type == "mixtral" || model_type == "gpt_oss"             ? ".num_local_experts"
+                                                                                             : ".num_experts";
   if (experts > 1 && !known_moe)
     fail_field(source + experts_key, std::to_string(experts),
                fmt::format("mixture-of-experts configs are read for model_type mixtral, gpt_oss, qwen2_moe, qwen3_moe, "
@@ -904,7 +908,9 @@ ModelSpec model_from_hf_config(const Json& j, const std::string& source, int64_t
     m.Fs = get_int({"shared_expert_intermediate_size"}, 0, kMaxFfn, false, fam.shared_ffn);
     if (glm_moe || deepseek) m.Fs = get_int({"n_shared_experts"}, 0, 64, false, fam.shared_experts) * m.Fe;
     if (deepseek || glm_moe) {  // group-limited routing: n_group groups, topk_group of them per token
-      const int64_t ng = get_int({"n_group"}, 1, experts, false, 1), gt = get_int({"topk_group"}, 1, ng, false, 1);
+      // (DeepseekV3Config's defaults: 8 groups, 4 per token)
+      const int64_t ng = get_int({"n_group"}, 1, experts, false, deepseek_v3 && experts % 8 == 0 ? 8 : 1),
+                    gt = get_int({"topk_group"}, 1, ng, false, deepseek_v3 && ng == 8 ? 4 : 1);
       if (ng > 1 && gt < ng) {
         m.moe_groups = ng;
         m.moe_group_topk = gt;

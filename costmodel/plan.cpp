@@ -537,7 +537,8 @@ Plan plan_from_json(const Json& in, const std::string& source) {
                            "virtual_pipeline_stages", "microbatch_group_size_per_vp_stage", "micro_batch_size",
                            "global_batch_size", "zero_stage", "recompute", "recompute_num_layers", "sequence_parallel",
                            "precision", "pipeline_schedule", "attention", "overlap_grad_reduce", "overlap_param_gather",
-                           "tp_comm_overlap", "grad_accumulation_fusion", "software_stack", "cp_comm_type",
+                           "tp_comm_overlap", "grad_accumulation_fusion", "cross_entropy_loss_fusion",
+                           "software_stack", "cp_comm_type",
                            "pipeline_model_parallel_layout", "decoder_first_pipeline_num_layers",
                            "decoder_last_pipeline_num_layers", "gradient_accumulation_steps", "num_gpus",
                            "optimizer_offload_fraction", "expert_model_parallel_size", "recompute_modules",
@@ -629,6 +630,7 @@ Plan plan_from_json(const Json& in, const std::string& source) {
   p.overlap_param_gather = tristate("overlap_param_gather");
   p.tp_comm_overlap = tristate("tp_comm_overlap");
   p.grad_accumulation_fusion = tristate("grad_accumulation_fusion");
+  p.cross_entropy_loss_fusion = tristate("cross_entropy_loss_fusion");
   p.grad_reduce_in_fp32 = tristate("grad_reduce_in_fp32");
   p.fp8_param_gather = tristate("fp8_param_gather");
   // Megatron-core's precision-aware optimizer and the types of its tensors (torch's names
@@ -908,6 +910,7 @@ Json plan_to_json(const Plan& p) {
          {"overlap_param_gather", tristate_json(p.overlap_param_gather)},
          {"tp_comm_overlap", tristate_json(p.tp_comm_overlap)},
          {"grad_accumulation_fusion", tristate_json(p.grad_accumulation_fusion)},
+         {"cross_entropy_loss_fusion", tristate_json(p.cross_entropy_loss_fusion)},
          {"software_stack", p.software_stack == StackChoice::automatic ? "auto"
                             : p.software_stack == StackChoice::legacy  ? "legacy" : "modern"},
          {"num_gpus", p.world_size()},
@@ -975,6 +978,7 @@ std::string plan_to_inline(const Plan& p) {
   tri("overlap_param_gather", p.overlap_param_gather);
   tri("tp_comm_overlap", p.tp_comm_overlap);
   tri("grad_accumulation_fusion", p.grad_accumulation_fusion);
+  tri("cross_entropy_loss_fusion", p.cross_entropy_loss_fusion);
   tri("grad_reduce_in_fp32", p.grad_reduce_in_fp32);
   tri("fp8_param_gather", p.fp8_param_gather);
   if (p.precision_aware_optimizer) {
@@ -1177,6 +1181,10 @@ std::vector<Reason> check_plan(const ModelSpec& m, const Cluster& cl, const Plan
     add("software_stack", [&] { return fmt::format("software_stack={} names a GPU framework's stack; {} runs the strata "
                                                    "executor's own (leave it auto)",
                                                    p.software_stack == StackChoice::legacy ? "legacy" : "modern", cl.name); });
+  if (p.cross_entropy_loss_fusion == Tristate::on && cl.strata_stack)
+    add("software_stack", [&] { return fmt::format("cross_entropy_loss_fusion=1 is Megatron-core's kernel; {} runs the "
+                                                   "strata executor's own loss (leave it auto)",
+                                                   cl.name); });
   if (p.grad_reduce_in_fp32 == Tristate::off) {
     if (p.precision == Precision::fp32)
       add("grad_reduce", [&] { return std::string("grad_reduce_in_fp32=false needs 16-bit parameters (precision bf16, "

@@ -128,6 +128,10 @@ struct Plan {
   Tristate overlap_param_gather = Tristate::automatic;      // ZeRO-1/2 parameter all-gather beside the next forward
   Tristate tp_comm_overlap = Tristate::automatic;           // TP collectives beside GEMMs (Stack::userbuffers)
   Tristate grad_accumulation_fusion = Tristate::automatic;  // wgrad GEMMs accumulate into fp32 main grads
+  // Megatron-core's fused vocab-parallel cross-entropy (--cross-entropy-loss-fusion, off in
+  // Megatron-LM unless given; on in the NeMo and Megatron-Bridge recipes): the loss in two
+  // passes over the 16-bit logits, which keeps no fp32 copy (Stack::cross_entropy_fusion).
+  Tristate cross_entropy_loss_fusion = Tristate::automatic;
   StackChoice software_stack = StackChoice::automatic;      // legacy | modern: the defaults of the five above
   CpComm cp_comm = CpComm::automatic;                       // cp_comm_type (context_parallel > 1)
   // The MoE layers' token dispatcher. flex (either backend: DeepEP, NVIDIA's HybridEP)

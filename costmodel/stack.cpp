@@ -45,6 +45,7 @@ Stack resolve_stack(const ModelSpec& m, const Cluster& cl, const Plan& p) {
   s.overlap_param_gather = pick(p.overlap_param_gather);
   s.tp_comm_overlap = pick(p.tp_comm_overlap);
   s.grad_accumulation_fusion = pick(p.grad_accumulation_fusion);
+  s.cross_entropy_fusion = pick(p.cross_entropy_loss_fusion);
   s.userbuffers = s.modern && p.tp_comm_overlap == Tristate::on && p.sp && p.t > 1;
   s.grad_reduce_in_fp32 = p.grad_reduce_in_fp32 == Tristate::automatic ? p.precision != Precision::fp16
                                                                         : p.grad_reduce_in_fp32 == Tristate::on;
@@ -69,6 +70,7 @@ Json stack_to_json(const Stack& s) {
               {"tp_comm_overlap", s.tp_comm_overlap},
               {"tp_comm_overlap_userbuffers", s.userbuffers},
               {"grad_accumulation_fusion", s.grad_accumulation_fusion},
+              {"cross_entropy_loss_fusion", s.cross_entropy_fusion},
               {"grad_reduce_in_fp32", s.grad_reduce_in_fp32}};
 }
 

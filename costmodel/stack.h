@@ -33,6 +33,10 @@ struct Stack {
   AttentionKernel attention = AttentionKernel::unfused;
   bool overlap_grad_reduce = false, overlap_param_gather = false, tp_comm_overlap = false,
        grad_accumulation_fusion = false;
+  // Megatron-core's fused cross-entropy (Plan::cross_entropy_loss_fusion; the modern stack's
+  // default): two passes over the 16-bit logits, no fp32 copy kept (compute_ends.cpp,
+  // memory.cpp's head terms). Never on the strata stack, whose executor has its own.
+  bool cross_entropy_fusion = false;
   // tp_comm_overlap overlaps the input-gradient collectives of the column-parallel layers
   // with their weight-gradient GEMMs (Megatron-core does so by default). A plan that sets
   // tp_comm_overlap on explicitly, on the modern stack with sequence parallelism (which

@@ -4,6 +4,8 @@
 #include <fmt/format.h>
 #include <nlohmann/json.hpp>
 
+#include <algorithm>
+#include <cctype>
 #include <string>
 #include <vector>
 
@@ -111,6 +113,7 @@ std::string export_megatron(const ModelSpec& m, const Plan& p, const Stack& stac
   // Megatron's user buffers, as the plan asked (Megatron asserts sequence parallelism for them).
   if (p.tp_comm_overlap == Tristate::on && p.sp && p.t > 1) flag("--tp-comm-overlap");
   if (!stack.grad_accumulation_fusion) flag("--no-gradient-accumulation-fusion");
+  if (stack.cross_entropy_fusion) flag("--cross-entropy-loss-fusion");  // (off in Megatron-LM unless given)
   // Megatron-LM runs --optimizer-cpu-offload only with the precision-aware optimizer.
   if (p.offload > 0 && !p.precision_aware_optimizer) {
     flag("--use-precision-aware-optimizer");
@@ -305,7 +308,18 @@ std::string export_bridge(const ModelSpec& m, const Plan& p, const Stack& stack)
   // overrides unnoticed.
   std::string notes, python, f;
   auto line = [&](const std::string& text) { f += (f.empty() ? "" : " \\\n") + text; };
-  auto set = [&](const std::string& key, const std::string& value) { line(key + "=" + value); };
+  // Bridge's Llama 2/3 recipes build their model as a GPTModelConfig, which holds the
+  // TransformerConfig fields under model.transformer (its other keys, seq_length among
+  // them, stay at model.*); the other families' providers are TransformerConfigs.
+  std::string lower = m.name;
+  std::transform(lower.begin(), lower.end(), lower.begin(), [](unsigned char ch) { return std::tolower(ch); });
+  const bool gpt_model_config = lower.find("llama4") == std::string::npos && lower.find("llama-4") == std::string::npos &&
+                                (lower.find("llama2") != std::string::npos || lower.find("llama-2") != std::string::npos ||
+                                 lower.find("llama3") != std::string::npos || lower.find("llama-3") != std::string::npos);
+  auto set = [&](const std::string& key, const std::string& value) {
+    const bool nested = gpt_model_config && key.rfind("model.", 0) == 0 && key != "model.seq_length";
+    line((nested ? "model.transformer." + key.substr(6) : key) + "=" + value);
+  };
   auto py = [&](const std::string& text) { python += "#   " + text + "\n"; };
   auto num = [](int64_t x) { return fmt::format("{}", x); };
   auto yes = [](bool b) { return std::string(b ? "true" : "false"); };
@@ -325,7 +339,8 @@ std::string export_bridge(const ModelSpec& m, const Plan& p, const Stack& stack)
   if (p.layout) {
     // Quoted for Hydra's override parser ('|', '(' and ',' are its syntax), and the whole
     // override again for the shell, as Bridge's own examples quote theirs.
-    line("\"model.pipeline_model_parallel_layout='" + p.layout->text + "'\"");
+    line(std::string("\"model.") + (gpt_model_config ? "transformer." : "") + "pipeline_model_parallel_layout='" +
+         p.layout->text + "'\"");
   } else {
     set("model.pipeline_model_parallel_layout", "null");
   }
@@ -361,11 +376,11 @@ std::string export_bridge(const ModelSpec& m, const Plan& p, const Stack& stack)
     set("model.moe_token_dispatcher_type", p.flex() ? "flex" : to_string(p.moe_dispatcher));
     if (p.flex()) set("model.moe_flex_dispatcher_backend", to_string(p.moe_dispatcher));
     overlap.push_back("overlap_moe_expert_parallel_comm = " + py_bool(p.moe_a2a_overlap));
-    if (p.moe_a2a_overlap) {
-      overlap.push_back("delay_wgrad_compute = " + py_bool(p.delay_wgrad));
-      // (Bridge asserts it off with the overlap; its DeepSeek recipes set it on.)
-      if (m.Fs > 0) set("model.moe_shared_expert_overlap", "false");
-    }
+    if (p.moe_a2a_overlap) overlap.push_back("delay_wgrad_compute = " + py_bool(p.delay_wgrad));
+    // The shared expert beside the dispatch is not modelled (Bridge asserts it off with the
+    // overlap, Megatron-core with the all-gather dispatcher; the DeepSeek and GLM recipes set
+    // it on): off, said.
+    if (m.Fs > 0) set("model.moe_shared_expert_overlap", "false");
   }
   // ZeRO: the distributed optimizer shards the optimizer states (1); Megatron-FSDP shards
   // gradients too (2) and the parameters (3). Bridge turns Megatron-FSDP on where either of
@@ -415,7 +430,6 @@ std::string export_bridge(const ModelSpec& m, const Plan& p, const Stack& stack)
   }
   std::vector<std::string> precision;
   if (recipe) {
-    set("mixed_precision", recipe);
     if (stack.grad_reduce_in_fp32 != recipe_fp32_reduce)
       precision.push_back("grad_reduce_in_fp32 = " + py_bool(stack.grad_reduce_in_fp32));
     if (p.precision == Precision::fp8) {
@@ -429,14 +443,17 @@ std::string export_bridge(const ModelSpec& m, const Plan& p, const Stack& stack)
   set("ddp.overlap_grad_reduce", yes(overlap_reduce));
   set("ddp.overlap_param_gather", yes(overlap_gather));
   set("model.gradient_accumulation_fusion", yes(stack.grad_accumulation_fusion));
+  set("model.cross_entropy_loss_fusion", yes(stack.cross_entropy_fusion));
+  // The optimizer's tensor types, fp32 without the precision-aware optimizer (Megatron-core
+  // asserts it there; some recipes, DeepSeek-V3's, hold bf16 ones); Bridge turns the names
+  // into torch dtypes.
   set("optimizer.use_precision_aware_optimizer", yes(p.precision_aware_optimizer));
-  if (p.precision_aware_optimizer) {
-    set("optimizer.store_param_remainders", yes(p.store_param_remainders));
-    if (p.exp_avg_dtype != OptDtype::fp32 || p.exp_avg_sq_dtype != OptDtype::fp32 || p.main_params_dtype != OptDtype::fp32)
-      notes += fmt::format("# precision-aware optimizer types (torch dtypes in the recipe's OptimizerConfig): "
-                           "exp_avg_dtype {}, exp_avg_sq_dtype {}, main_params_dtype {}.\n",
-                           to_string(p.exp_avg_dtype), to_string(p.exp_avg_sq_dtype), to_string(p.main_params_dtype));
-  }
+  const bool pa = p.precision_aware_optimizer;
+  set("optimizer.main_grads_dtype", "fp32");
+  set("optimizer.main_params_dtype", pa ? to_string(p.main_params_dtype) : "fp32");
+  set("optimizer.exp_avg_dtype", pa ? to_string(p.exp_avg_dtype) : "fp32");
+  set("optimizer.exp_avg_sq_dtype", pa ? to_string(p.exp_avg_sq_dtype) : "fp32");
+  if (pa) set("optimizer.store_param_remainders", yes(p.store_param_remainders));
   if (p.dp_instances > 1) set("ddp.num_distributed_optimizer_instances", num(p.dp_instances));
   if (p.offload_modules) {
     notes += "# fine-grained activation offloading: set NVTE_CPU_OFFLOAD_V1=1 in the job's environment (Megatron-LM "
@@ -454,12 +471,15 @@ std::string export_bridge(const ModelSpec& m, const Plan& p, const Stack& stack)
     py("from megatron.core.transformer.enums import AttnBackend");
     py("cfg.model.attention_backend = AttnBackend.unfused  # (or NVTE_FLASH_ATTN=0 NVTE_FUSED_ATTN=0)");
   }
+  // An override of mixed_precision replaces the object the Python tuned with the named
+  // recipe again: given as an override only where nothing is tuned.
+  if (recipe && precision.empty()) set("mixed_precision", recipe);
   if (!precision.empty()) {
     py("from megatron.bridge.training.mixed_precision import get_mixed_precision_config");
     py(fmt::format("cfg.mixed_precision = get_mixed_precision_config(\"{}\")", recipe));
     for (const std::string& s : precision) py("cfg.mixed_precision." + s);
   }
-  if (!overlap.empty() || p.c > 1) {
+  {  // (a recipe's CommOverlapConfig derives ddp's overlaps again unless told: said always)
     py("from megatron.bridge.training.comm_overlap import CommOverlapConfig");
     py("cfg.comm_overlap = cfg.comm_overlap or CommOverlapConfig(tp_comm_overlap=False)");
     for (const std::string& s : overlap) py("cfg.comm_overlap." + s);
@@ -504,16 +524,19 @@ std::string export_bridge(const ModelSpec& m, const Plan& p, const Stack& stack)
                        : m.position == Position::learned ? "learned"
                                                          : "no",
                        m.tie_embeddings ? "tied" : "untied", m.bias ? ", linear biases" : "");
-  if (!python.empty())
-    python = "# and in Python on the recipe's ConfigContainer cfg, what overrides cannot reach (the fields of a\n"
-             "# named mixed_precision recipe, a comm_overlap the recipe may leave None, enums):\n" +
-             python;
+  python = "# and in Python on the recipe's ConfigContainer cfg (in the recipe function, or after the overrides,\n"
+           "# which leave these alone), what overrides cannot reach (the fields of a named mixed_precision recipe,\n"
+           "# a comm_overlap the recipe may leave None, enums):\n" +
+           python;
   return fmt::format("# Megatron-Bridge overrides for {} ({} GPUs: tp {} x pp {} x dp {} x cp {}): append them to\n"
                      "# scripts/training/train.sh --recipe <the model's pretrain recipe> (or run_recipe.py), or set\n"
-                     "# cfg.<key> = <value> on the recipe's ConfigContainer. Bridge's Llama 2/3 recipes build their\n"
-                     "# model as a GPTModelConfig: there the model.* keys but model.seq_length are model.transformer.*.\n"
+                     "# cfg.<key> = <value> on the recipe's ConfigContainer.{}\n"
                      "{}{}{}\n",
-                     m.name, p.world_size(), p.t, p.p, p.d, p.c, notes, python, f);
+                     m.name, p.world_size(), p.t, p.p, p.d, p.c,
+                     gpt_model_config ? "\n# A Llama 2/3 recipe builds its model as a GPTModelConfig: its TransformerConfig "
+                                        "fields are\n# model.transformer.* (model.seq_length stays model.*)."
+                                      : "",
+                     notes, python, f);
 }
 
 }  // namespace strata

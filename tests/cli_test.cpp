@@ -192,7 +192,7 @@ TEST(Cli, PlanJsonExportsAndTrace) {
   const Outcome br = strata("plan --model llama3-8b --cluster dgx-h100-80g --gpus 64 --global-batch-size 512 --export bridge");
   ASSERT_EQ(br.code, 0) << br.err;
   EXPECT_NE(br.out.find("train.global_batch_size=512"), std::string::npos) << br.out;
-  EXPECT_NE(br.out.find("model.tensor_model_parallel_size="), std::string::npos) << br.out;
+  EXPECT_NE(br.out.find("model.transformer.tensor_model_parallel_size="), std::string::npos) << br.out;
 
   // Optimizer offload in each export (70B on 8 A100s: nothing fits without it).
   const std::string off = "plan --model llama3-70b --cluster dgx-a100-80g --gpus 8 --global-batch-size 64 ";

@@ -621,5 +621,67 @@ TEST(MegatronArgs, ErrorsNameTheFlag) {
             std::string::npos);
 }
 
+
+// An absent flag means what it means to Megatron-LM (arguments.py, TransformerConfig): no
+// overlapped gradient reduction or parameter gather, MoE tokens dispatched by all-gather;
+// Megatron's aliases and asserts; flags that change the layers refused; those that change
+// time or memory but are not modelled each named (a helper's audit of Megatron-LM d98e8a6's
+// arguments, 2026-12-07).
+TEST(MegatronArgs, AbsentFlagsAndMegatronsRules) {
+  const Plan plain = small_launch_plan("--bf16 --use-distributed-optimizer");
+  EXPECT_EQ(plain.overlap_grad_reduce, Tristate::off);
+  EXPECT_EQ(plain.overlap_param_gather, Tristate::off);
+  EXPECT_EQ(plain.cross_entropy_loss_fusion, Tristate::off);  // Megatron-LM's unfused loss unless given
+  EXPECT_EQ(small_launch_plan("--bf16 --cross-entropy-loss-fusion").cross_entropy_loss_fusion, Tristate::on);
+  const Plan both = small_launch_plan("--bf16 --use-distributed-optimizer --overlap-grad-reduce --overlap-param-gather");
+  EXPECT_EQ(both.overlap_grad_reduce, Tristate::on);
+  EXPECT_EQ(both.overlap_param_gather, Tristate::on);
+  EXPECT_EQ(small_launch_plan("--num-experts 8 --moe-router-topk 2").moe_dispatcher, MoeDispatcher::allgather);
+  EXPECT_EQ(small_launch_plan("--num-experts 8 --moe-router-topk 2 --moe-token-dispatcher-type alltoall").moe_dispatcher,
+            MoeDispatcher::alltoall);
+  // --transformer-impl local: Megatron's own layers, unfused attention (unless a backend is named).
+  EXPECT_EQ(small_launch_plan("--transformer-impl local").attention, AttentionChoice::unfused);
+  EXPECT_EQ(small_launch_plan("--transformer-impl transformer_engine").attention, AttentionChoice::automatic);
+  // --encoder-seq-length is --seq-length; YaRN costs as RoPE.
+  auto model_of = [](const std::string& flags) {
+    return launch_inputs(parse_megatron_launch("--num-layers 2 --hidden-size 64 --num-attention-heads 4 "
+                                               "--max-position-embeddings 64 --vocab-size 100 --micro-batch-size 1 "
+                                               "--global-batch-size 8 " + flags, "launch"),
+                         8, "launch")
+        .model;
+  };
+  EXPECT_EQ(model_of("--encoder-seq-length 16").S, 16);
+  EXPECT_EQ(model_of("--seq-length 16 --position-embedding-type yarn").position, Position::rope);
+  EXPECT_THROW(model_of("--seq-length 16 --encoder-seq-length 32"), InputError);
+  // Refused: what changes the layers, what strata cannot cost, what Megatron asserts.
+  for (const char* bad : {"--spec local_spec", "--yaml-cfg run.yaml", "--hybrid-override-pattern M*M*",
+                          "--fp8-format hybrid --first-last-layers-bf16", "--optimizer sgd", "--attention-output-gate",
+                          "--recompute-granularity full", "--recompute-granularity selective --recompute-method uniform",
+                          "--bf16 --overlap-param-gather", "--transformer-impl fast"}) {
+    try {
+      (void)small_launch_plan(bad);
+      ADD_FAILURE() << bad << ": accepted";
+    } catch (const InputError& e) {
+      const std::string what = e.what();
+      std::string flag = std::string(bad).substr(std::string(bad).rfind("--"));
+      flag = flag.substr(0, flag.find(' '));
+      EXPECT_NE(what.find(flag), std::string::npos) << what;
+    }
+  }
+  EXPECT_EQ(small_launch_plan("--optimizer adam").zero, 0);
+  EXPECT_EQ(small_launch_plan("--recompute-granularity full --recompute-method uniform").recompute, Recompute::full);
+  // Named on stderr, every one: 13 harmless flags first do not hide them.
+  std::string text = "--num-layers 2 ";
+  for (int i = 0; i < 13; ++i) text += fmt::format("--log-thing-{} ", i);
+  const MegatronLaunch l = parse_megatron_launch(
+      text + "--num-experts 8 --cuda-graph-impl local --fp8-recipe mxfp8 --no-bias-swiglu-fusion --manual-gc", "launch");
+  for (const char* f : {"--cuda-graph-impl", "--fp8-recipe", "--no-bias-swiglu-fusion", "--manual-gc"})
+    EXPECT_NE(std::find(l.costly.begin(), l.costly.end(), std::string(f)), l.costly.end()) << f;
+  EXPECT_EQ(std::count_if(l.costly.begin(), l.costly.end(),
+                          [](const std::string& s) { return s.rfind("--moe-grouped-gemm absent", 0) == 0; }),
+            1);
+  EXPECT_EQ(l.ignored.size(), 13u);
+}
+
 }  // namespace
 }  // namespace strata

@@ -792,6 +792,27 @@ TEST(Memory, MultiLatentAttentionActivations) {
   EXPECT_GT(plan_bytes, 0.0);
 }
 
+// The loss's logits, kept for backward (head_activation_bytes) and worked on
+// (head_working_bytes): Megatron-core's fused cross-entropy keeps the 16-bit logits and
+// writes their gradient in place; unfused (Megatron-LM without --cross-entropy-loss-fusion)
+// an fp32 softmax, and the 16-bit logits beside their fp32 gradient. Llama 3 8B, one
+// sequence of 8192 tokens, vocabulary 128,256 (divisible by 128, unpadded), bf16:
+//   kept     fused 2 x 8192 x 128256, unfused 4 x 8192 x 128256: 2,101,346,304 bytes more
+//   working  fused 2 x 8192 x 128256, unfused (2 + 4) x 8192 x 128256: 4,202,692,608 more
+TEST(Memory, FusedAndUnfusedCrossEntropy) {
+  const ModelSpec m = load_model("llama3-8b");
+  const Cluster c = load_cluster("dgx-h100-80g");
+  const Plan fused = load_plan("dp=8,mbs=1,gbs=8");
+  const Plan unfused = load_plan("dp=8,mbs=1,gbs=8,cross_entropy_loss_fusion=0");
+  const ComputeSetup fs = compute_setup(m, c, fused), us = compute_setup(m, c, unfused);
+  EXPECT_TRUE(fs.stack.cross_entropy_fusion);  // the modern stack's default
+  EXPECT_FALSE(us.stack.cross_entropy_fusion);
+  EXPECT_DOUBLE_EQ(head_activation_bytes(m, unfused, us) - head_activation_bytes(m, fused, fs), 2101346304.0);
+  EXPECT_DOUBLE_EQ(head_working_bytes(m, unfused, us) - head_working_bytes(m, fused, fs), 4202692608.0);
+  // and the step is slower: the unfused loss's e + 36 and 20 + e bytes a logit against 3e and 2e.
+  EXPECT_GT(estimate(m, c, unfused).step_time_s, estimate(m, c, fused).step_time_s);
+}
+
 TEST(Memory, FrameworkOverheadAndPeak) {
   const ModelSpec m = load_model("tiny-gpt");
   Cluster c = testing::round_cluster();

@@ -900,20 +900,20 @@ TEST(Planner, Exports) {
     return std::find(lines.begin(), lines.end(), line) != lines.end();
   };
   const std::vector<std::string> br = lines_of(export_bridge(m, p, st));
-  for (const char* o : {"model.tensor_model_parallel_size=8", "model.pipeline_model_parallel_size=4",
-                        "model.virtual_pipeline_model_parallel_size=5", "model.context_parallel_size=1",
-                        "model.sequence_parallel=true", "train.micro_batch_size=1", "train.global_batch_size=512",
+  for (const char* o : {"model.transformer.tensor_model_parallel_size=8", "model.transformer.pipeline_model_parallel_size=4",
+                        "model.transformer.virtual_pipeline_model_parallel_size=5", "model.transformer.context_parallel_size=1",
+                        "model.transformer.sequence_parallel=true", "train.micro_batch_size=1", "train.global_batch_size=512",
                         "dataset.seq_length=8192", "ddp.use_distributed_optimizer=true",
-                        "optimizer.use_distributed_optimizer=true", "model.recompute_granularity=selective",
-                        "mixed_precision=bf16_mixed", "model.num_layers=80", "model.num_query_groups=8"})
+                        "optimizer.use_distributed_optimizer=true", "model.transformer.recompute_granularity=selective",
+                        "mixed_precision=bf16_mixed", "model.transformer.num_layers=80", "model.transformer.num_query_groups=8"})
     EXPECT_TRUE(has(br, o)) << o;
   for (const std::string& line : br) EXPECT_NE(line.find('='), std::string::npos) << line;  // KEY=VALUE only
   // Every setting a recipe may hold said, at its default too (a recipe's split, recompute
   // layer count or Megatron-FSDP would otherwise survive the overrides).
-  for (const char* o : {"model.recompute_method=null", "model.recompute_num_layers=null",
-                        "model.recompute_modules=[core_attn]", "ddp.use_megatron_fsdp=false", "dist.use_megatron_fsdp=false",
-                        "optimizer.use_precision_aware_optimizer=false", "model.account_for_embedding_in_pipeline_split=false",
-                        "model.account_for_loss_in_pipeline_split=false", "model.pipeline_model_parallel_layout=null"})
+  for (const char* o : {"model.transformer.recompute_method=null", "model.transformer.recompute_num_layers=null",
+                        "model.transformer.recompute_modules=[core_attn]", "ddp.use_megatron_fsdp=false", "dist.use_megatron_fsdp=false",
+                        "optimizer.use_precision_aware_optimizer=false", "model.transformer.account_for_embedding_in_pipeline_split=false",
+                        "model.transformer.account_for_loss_in_pipeline_split=false", "model.transformer.pipeline_model_parallel_layout=null"})
     EXPECT_TRUE(has(br, o)) << o;
   // What overrides cannot reach, in Python: user buffers off (a recipe's CommOverlapConfig
   // may have them on, or be None, where an override of its field fails); the attention
@@ -941,22 +941,27 @@ TEST(Planner, Exports) {
   // 126 layers in (L + 2) / p slots; partial recompute; FP8; ZeRO-3 as Megatron-FSDP.
   const Plan fp = load_plan("tp=8,pp=16,dp=8,vp=4,gbs=512,recompute=full,recompute_num_layers=1,precision=fp8,zero=3");
   const std::vector<std::string> bb = lines_of(export_bridge(big, fp, resolve_stack(big, load_cluster("dgx-h100-80g"), fp)));
-  for (const char* o : {"model.virtual_pipeline_model_parallel_size=4", "model.account_for_embedding_in_pipeline_split=true",
-                        "model.account_for_loss_in_pipeline_split=true", "model.recompute_granularity=full",
-                        "model.recompute_method=block", "model.recompute_num_layers=1",
-                        "mixed_precision=bf16_with_fp8_current_scaling_mixed", "ddp.use_megatron_fsdp=true",
+  for (const char* o : {"model.transformer.virtual_pipeline_model_parallel_size=4", "model.transformer.account_for_embedding_in_pipeline_split=true",
+                        "model.transformer.account_for_loss_in_pipeline_split=true", "model.transformer.recompute_granularity=full",
+                        "model.transformer.recompute_method=block", "model.transformer.recompute_num_layers=1",
+                        "ddp.use_megatron_fsdp=true",
                         "dist.use_megatron_fsdp=true", "ddp.data_parallel_sharding_strategy=optim_grads_params",
-                        "model.recompute_modules=null", "model.pipeline_model_parallel_layout=null",
-                        "model.num_layers_in_first_pipeline_stage=null", "model.num_layers_in_last_pipeline_stage=null"})
+                        "model.transformer.recompute_modules=null", "model.transformer.pipeline_model_parallel_layout=null",
+                        "model.transformer.num_layers_in_first_pipeline_stage=null", "model.transformer.num_layers_in_last_pipeline_stage=null"})
     EXPECT_TRUE(has(bb, o)) << o;
   // No override of a named mixed_precision recipe's own fields (Bridge's parser refuses them
   // in struct mode): the FP8 recipe's bf16 first and last layers turned off in Python, its
   // FP8 weight gathers kept (as costed with ZeRO).
   for (const std::string& line : bb) EXPECT_NE(line.rfind("mixed_precision.", 0), 0u) << line;
   const std::string bb_text = export_bridge(big, fp, resolve_stack(big, load_cluster("dgx-h100-80g"), fp));
-  EXPECT_NE(bb_text.find("#   cfg.mixed_precision.first_last_layers_bf16 = False"), std::string::npos) << bb_text;
+  EXPECT_NE(bb_text.find("#   cfg.mixed_precision = get_mixed_precision_config(\"bf16_with_fp8_current_scaling_mixed\")\n"
+                         "#   cfg.mixed_precision.first_last_layers_bf16 = False\n"),
+            std::string::npos)
+      << bb_text;
+  // (an override of mixed_precision would put the named recipe back over the Python's)
+  for (const std::string& line : bb) EXPECT_NE(line.rfind("mixed_precision=", 0), 0u) << line;
   EXPECT_EQ(bb_text.find("fp8_param_gather"), std::string::npos) << bb_text;
-  EXPECT_FALSE(has(bb, "model.microbatch_group_size_per_vp_stage=16"));  // 64 micro-batches: groups of p, unset
+  EXPECT_FALSE(has(bb, "model.transformer.microbatch_group_size_per_vp_stage=16"));  // 64 micro-batches: groups of p, unset
   // fp8 without ZeRO: bf16 weights as costed, where the recipe would gather fp8 ones.
   const Plan f0 = load_plan("tp=8,pp=16,dp=8,gbs=512,precision=fp8,zero=0");
   EXPECT_NE(export_bridge(big, f0, resolve_stack(big, load_cluster("dgx-h100-80g"), f0))
@@ -968,13 +973,13 @@ TEST(Planner, Exports) {
   // the split a plan gives.
   const Plan z2 = load_plan("tp=8,pp=16,dp=8,vp=4,gbs=320,zero=2,precision=fp16");
   const std::vector<std::string> b2 = lines_of(export_bridge(big, z2, resolve_stack(big, load_cluster("dgx-h100-80g"), z2)));
-  for (const char* o : {"model.microbatch_group_size_per_vp_stage=20", "ddp.data_parallel_sharding_strategy=optim_grads",
-                        "mixed_precision=fp16_mixed", "model.recompute_granularity=null"})
+  for (const char* o : {"model.transformer.microbatch_group_size_per_vp_stage=20", "ddp.data_parallel_sharding_strategy=optim_grads",
+                        "mixed_precision=fp16_mixed", "model.transformer.recompute_granularity=null"})
     EXPECT_TRUE(has(b2, o)) << o;
   const Plan split = load_plan("tp=8,pp=4,dp=2,gbs=64,decoder_first_pipeline_num_layers=18,decoder_last_pipeline_num_layers=18");
   const std::vector<std::string> bs = lines_of(export_bridge(m, split, resolve_stack(m, load_cluster("dgx-h100-80g"), split)));
-  for (const char* o : {"model.virtual_pipeline_model_parallel_size=null", "model.num_layers_in_first_pipeline_stage=18",
-                        "model.num_layers_in_last_pipeline_stage=18", "ddp.use_distributed_optimizer=false"})
+  for (const char* o : {"model.transformer.virtual_pipeline_model_parallel_size=null", "model.transformer.num_layers_in_first_pipeline_stage=18",
+                        "model.transformer.num_layers_in_last_pipeline_stage=18", "ddp.use_distributed_optimizer=false"})
     EXPECT_TRUE(has(bs, o)) << o;
   // A layout: Hydra's override parser takes '|', '(' and ',' only in a quoted value, and the
   // shell takes the quotes only inside its own.
@@ -982,8 +987,8 @@ TEST(Planner, Exports) {
   laid.layout = std::make_shared<const PipelineLayout>(
       parse_pipeline_layout("Et*2|(t*2|)*34,t*3|(t*2|)*3,tL", "pipeline_model_parallel_layout"));
   const std::vector<std::string> bl = lines_of(export_bridge(m, laid, resolve_stack(m, load_cluster("dgx-h100-80g"), laid)));
-  for (const char* o : {"\"model.pipeline_model_parallel_layout='Et*2|(t*2|)*34,t*3|(t*2|)*3,tL'\"",
-                        "model.virtual_pipeline_model_parallel_size=5", "checkpoint.ckpt_format=fsdp_dtensor",
+  for (const char* o : {"\"model.transformer.pipeline_model_parallel_layout='Et*2|(t*2|)*34,t*3|(t*2|)*3,tL'\"",
+                        "model.transformer.virtual_pipeline_model_parallel_size=5", "checkpoint.ckpt_format=fsdp_dtensor",
                         "model.seq_length=8192", "dataset.seq_length=8192"})
     EXPECT_TRUE(has(bl, o)) << o;
   // Context parallelism names how keys and values travel, in all three exports.
@@ -991,7 +996,7 @@ TEST(Planner, Exports) {
   const Stack cst = resolve_stack(m, load_cluster("dgx-h100-80g"), cp);
   // (Megatron-core and Transformer Engine spell it all_gather.)
   EXPECT_NE(export_megatron(m, cp, cst).find("--cp-comm-type all_gather"), std::string::npos);
-  EXPECT_TRUE(has(lines_of(export_bridge(m, cp, cst)), "model.cp_comm_type=all_gather"));
+  EXPECT_TRUE(has(lines_of(export_bridge(m, cp, cst)), "model.transformer.cp_comm_type=all_gather"));
   EXPECT_EQ(Json::parse(export_deepspeed(m, cp, cst))["strata_parallel_layout"]["cp_comm_type"], "allgather");
   EXPECT_NE(export_megatron(m, load_plan("cp=2,gbs=8"), cst).find("--cp-comm-type p2p"), std::string::npos);
   EXPECT_EQ(export_megatron(m, p, st).find("--cp-comm-type"), std::string::npos);
@@ -1021,7 +1026,12 @@ TEST(Planner, Exports) {
   EXPECT_EQ(pm.find("--exp-avg-sq-dtype"), std::string::npos) << pm;
   const std::string pb = export_bridge(m, pa, pst);
   EXPECT_TRUE(has(lines_of(pb), "optimizer.use_precision_aware_optimizer=true"));
-  EXPECT_NE(pb.find("exp_avg_dtype bf16"), std::string::npos) << pb;
+  for (const char* o : {"optimizer.exp_avg_dtype=bf16", "optimizer.exp_avg_sq_dtype=fp32", "optimizer.main_params_dtype=fp32",
+                        "optimizer.main_grads_dtype=fp32"})
+    EXPECT_TRUE(has(lines_of(pb), o)) << o;
+  // Without it every type fp32, said (DeepSeek-V3's recipe holds bf16 ones, which Megatron-core
+  // refuses without the precision-aware optimizer).
+  for (const char* o : {"optimizer.exp_avg_dtype=fp32", "optimizer.main_grads_dtype=fp32"}) EXPECT_TRUE(has(br, o)) << o;
 }
 
 }  // namespace
