@@ -83,7 +83,9 @@ const std::map<std::string, std::string>& refused_flags() {
       {"first_last_layers_bf16", "FP8 with the first and last layers in bf16 is not modelled: strata costs every "
                                  "layer in FP8 (drop the flag to cost that)"},
       {"no_fp8_wgrad", "FP8 with bf16 weight gradients is not modelled: strata costs every GEMM in FP8 (drop the "
-                       "flag to cost that)"}};
+                       "flag to cost that)"},
+      {"disable_fp8_wgrad", "FP8 with bf16 weight gradients is not modelled: strata costs every GEMM in FP8 (drop the "
+                            "flag to cost that)"}};
   return s;
 }
 // Flags strata does not model that change the step time or the memory (unlike the learning
@@ -101,8 +103,10 @@ const std::set<std::string>& costly_unmodelled_flags() {
       "overlap_p2p_communication_warmup_flush", "distribute_saved_activations", "ddp_bucket_size",
       "ddp_average_in_collective", "overlap_param_gather_with_optimizer_step", "megatron_fsdp_main_grads_dtype",
       "megatron_fsdp_main_params_dtype", "calculate_per_token_loss", "use_cpu_initialization",
-      "tp_comm_overlap_cfg", "tp_comm_bulk_wgrad", "tp_comm_bulk_dgrad", "tp_comm_overlap_ag", "tp_comm_overlap_rs",
-      "cross_entropy_fusion_impl", "use_legacy_models"};
+      "tp_comm_overlap_cfg", "disable_tp_comm_overlap_ag", "disable_tp_comm_overlap_rs", "tp_comm_overlap_rs_dgrad",
+      "disable_tp_comm_bulk_dgrad", "disable_tp_comm_bulk_wgrad", "disable_tp_comm_split_ag",
+      "disable_tp_comm_split_rs", "cross_entropy_fusion_impl", "use_legacy_models", "overlap_cpu_optimizer_d2h_h2d",
+      "empty_unused_memory_level", "partition_activations", "no_async_tensor_model_parallel_allreduce"};
   return s;
 }
 const std::set<std::string>& plan_flags() {
@@ -576,6 +580,7 @@ MegatronLaunch parse_megatron_launch(const std::string& text, const std::string&
     }
     key = snake;
     if (!is_name(key)) continue;
+    if (key == "use_flash_attn_v2") key = "use_flash_attn";  // (Megatron-DeepSpeed's name)
     // Megatron-LM takes --cp-comm-type once per layer too (a list of words): one type for
     // every layer is read, a mix refused.
     // --recompute-modules and --offload-modules take a list of words: kept as one string of blanks.
@@ -596,6 +601,8 @@ MegatronLaunch parse_megatron_launch(const std::string& text, const std::string&
     // Megatron's names of values strata reads: --encoder-seq-length is its alias of the
     // sequence length; --optimizer adam is what strata costs (others are refused below);
     // --transformer-impl local runs Megatron's own layers, with unfused attention.
+    // (per-tensor current scaling: the FP8 strata costs, as its exports name it)
+    if (key == "fp8_recipe" && value == "tensorwise") continue;
     if (key == "encoder_seq_length" || key == "optimizer" || key == "transformer_impl") {
       launch_values[key] = value;
       continue;
@@ -712,13 +719,24 @@ MegatronLaunch parse_megatron_launch(const std::string& text, const std::string&
     if (ti->second != "local" && ti->second != "transformer_engine" && ti->second != "inference_optimized")
       fail_field(source + ": --transformer-impl", show_value(Json(ti->second)),
                  "must be local or transformer_engine");
-    if (ti->second == "local" && !out.plan.contains("attention")) out.plan["attention"] = "unfused";
+    if (ti->second == "local" && !out.plan.contains("attention") && !out.plan.contains("use_flash_attn"))
+      out.plan["attention"] = "unfused";
   }
   // Absent flags mean what they mean to Megatron: no overlapped gradient reduction or
   // parameter gather (arguments.py defaults both off), and MoE tokens dispatched by
   // all-gather (TransformerConfig's moe_token_dispatcher_type).
-  for (const char* k : {"overlap_grad_reduce", "overlap_param_gather"})
-    if (!present.count(k)) out.plan[k] = false;
+  // Megatron-FSDP turns both on itself where it shards gradients (optim_grads: the reduction)
+  // and parameters (optim_grads_params, its default: the gather too).
+  std::string strategy;
+  if (out.plan.contains("use_megatron_fsdp") && out.plan.at("use_megatron_fsdp") == true)
+    strategy = out.plan.contains("data_parallel_sharding_strategy") &&
+                       out.plan.at("data_parallel_sharding_strategy").is_string()
+                   ? out.plan.at("data_parallel_sharding_strategy").get<std::string>()
+                   : "optim_grads_params";
+  const bool fsdp_reduce = strategy == "optim_grads" || strategy == "optim_grads_params",
+             fsdp_gather = strategy == "optim_grads_params";
+  if (!present.count("overlap_grad_reduce")) out.plan["overlap_grad_reduce"] = fsdp_reduce;
+  if (!present.count("overlap_param_gather")) out.plan["overlap_param_gather"] = fsdp_gather;
   const bool experts = m.contains("num_experts") && m.at("num_experts").is_number_integer() &&
                        m.at("num_experts").get<int64_t>() > 1;
   if (experts && !present.count("moe_token_dispatcher_type") && !out.plan.contains("moe_flex_dispatcher_backend") &&
@@ -726,6 +744,9 @@ MegatronLaunch parse_megatron_launch(const std::string& text, const std::string&
     out.plan["moe_token_dispatcher_type"] = "allgather";
   if (experts && !present.count("moe_grouped_gemm")) out.costly.push_back("--moe-grouped-gemm absent (a loop of "
                                                                         "per-expert GEMMs; costed as grouped ones)");
+  if (experts && m.contains("moe_expert_capacity_factor") && !m.at("moe_expert_capacity_factor").is_null())
+    out.costly.push_back(fmt::format("--moe-expert-capacity-factor {} (tokens capped per expert; costed dropless)",
+                                     m.at("moe_expert_capacity_factor").dump()));
   // Megatron's asserts on recompute, which a launch that breaks them never gets past.
   const std::string granularity =
       out.plan.contains("recompute_granularity") && out.plan.at("recompute_granularity").is_string()
@@ -733,11 +754,23 @@ MegatronLaunch parse_megatron_launch(const std::string& text, const std::string&
           : "";
   if (granularity == "full" && !out.plan.contains("recompute_method") && !out.plan.contains("checkpoint_activations"))
     throw InputError(fmt::format("{}: --recompute-granularity full without --recompute-method: Megatron-core "
-                                 "raises (give uniform, or block with --recompute-num-layers)",
+                                 "raises (give uniform with --recompute-num-layers 1, or block with the layers per "
+                                 "stage)",
                                  source));
+  if (granularity == "full" && out.plan.contains("recompute_method") && !out.plan.contains("recompute_num_layers"))
+    throw InputError(fmt::format("{}: --recompute-granularity full --recompute-method {} without "
+                                 "--recompute-num-layers: Megatron-core raises (give 1 with uniform for every layer, or "
+                                 "the layers per stage with block)",
+                                 source, out.plan.at("recompute_method").is_string()
+                                             ? out.plan.at("recompute_method").get<std::string>()
+                                             : out.plan.at("recompute_method").dump()));
   if (granularity == "selective" && out.plan.contains("recompute_method"))
     throw InputError(fmt::format("{}: --recompute-granularity selective with --recompute-method: Megatron-LM "
                                  "asserts (the method is for full recompute)",
+                                 source));
+  if (granularity == "selective" && out.plan.contains("recompute_num_layers"))
+    throw InputError(fmt::format("{}: --recompute-granularity selective with --recompute-num-layers: Megatron-core "
+                                 "raises (the count is for full recompute)",
                                  source));
   if (granularity == "full" && out.plan.contains("recompute_method") && out.plan.at("recompute_method") == "uniform" &&
       out.plan.contains("recompute_num_layers") && out.plan.at("recompute_num_layers") != 1)
@@ -750,6 +783,9 @@ MegatronLaunch parse_megatron_launch(const std::string& text, const std::string&
     throw InputError(fmt::format("{}: --overlap-param-gather without --use-distributed-optimizer: Megatron-LM "
                                  "asserts (the parameters are gathered only where the optimizer shards them)",
                                  source));
+  if (present.count("overlap_param_gather") && out.plan.at("overlap_param_gather") == true &&
+      !(out.plan.contains("overlap_grad_reduce") && out.plan.at("overlap_grad_reduce") == true))
+    throw InputError(fmt::format("{}: --overlap-param-gather without --overlap-grad-reduce: Megatron-LM asserts", source));
   // Without --cross-entropy-loss-fusion Megatron-LM runs the unfused loss.
   if (!out.plan.contains("cross_entropy_loss_fusion")) out.plan["cross_entropy_loss_fusion"] = false;
   // FP8 without --fp8-param-gather: Megatron's default, bf16 parameters.

@@ -108,8 +108,10 @@ std::string export_megatron(const ModelSpec& m, const Plan& p, const Stack& stac
       break;
     case Precision::fp32: break;
   }
-  if (stack.overlap_grad_reduce && p.replicas() > 1) flag("--overlap-grad-reduce");
-  if (stack.overlap_param_gather && p.replicas() > 1 && p.zero >= 1) flag("--overlap-param-gather");
+  // (said also where nothing is replicated: an MoE plan's experts may still reduce, and a
+  // launch without the flags is read as Megatron runs it, without the overlap)
+  if (stack.overlap_grad_reduce) flag("--overlap-grad-reduce");
+  if (stack.overlap_grad_reduce && stack.overlap_param_gather && p.zero >= 1) flag("--overlap-param-gather");
   // Megatron's user buffers, as the plan asked (Megatron asserts sequence parallelism for them).
   if (p.tp_comm_overlap == Tristate::on && p.sp && p.t > 1) flag("--tp-comm-overlap");
   if (!stack.grad_accumulation_fusion) flag("--no-gradient-accumulation-fusion");
@@ -437,9 +439,8 @@ std::string export_bridge(const ModelSpec& m, const Plan& p, const Stack& stack)
       if (!p.fp8_weights()) precision.push_back("fp8_param_gather = False");  // (bf16 weights, as costed)
     }
   }
-  const bool replicated = p.replicas() > 1;
-  const bool overlap_reduce = stack.overlap_grad_reduce && replicated;
-  const bool overlap_gather = stack.overlap_param_gather && replicated && p.zero >= 1;
+  const bool overlap_reduce = stack.overlap_grad_reduce;
+  const bool overlap_gather = stack.overlap_param_gather && p.zero >= 1;
   set("ddp.overlap_grad_reduce", yes(overlap_reduce));
   set("ddp.overlap_param_gather", yes(overlap_gather));
   set("model.gradient_accumulation_fusion", yes(stack.grad_accumulation_fusion));
@@ -533,9 +534,11 @@ std::string export_bridge(const ModelSpec& m, const Plan& p, const Stack& stack)
                      "# cfg.<key> = <value> on the recipe's ConfigContainer.{}\n"
                      "{}{}{}\n",
                      m.name, p.world_size(), p.t, p.p, p.d, p.c,
-                     gpt_model_config ? "\n# A Llama 2/3 recipe builds its model as a GPTModelConfig: its TransformerConfig "
-                                        "fields are\n# model.transformer.* (model.seq_length stays model.*)."
-                                      : "",
+                     gpt_model_config
+                         ? "\n# A Llama 2/3 recipe builds its model as a GPTModelConfig: its TransformerConfig fields "
+                           "are\n# model.transformer.* (model.seq_length stays model.*)."
+                         : "\n# (Bridge's Llama 2/3 recipes build their model as a GPTModelConfig: for one of those, "
+                           "write\n# model.transformer.<key> for each model.<key> but model.seq_length.)",
                      notes, python, f);
 }
 

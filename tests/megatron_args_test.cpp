@@ -169,6 +169,12 @@ TEST(MegatronArgs, ExpertFlagsRoundTrip) {
   for (const char* name : {"mixtral-8x7b", "qwen3-30b-a3b"}) {
     const ModelSpec m = load_model(name);
     const Plan p = load_plan("tp=2,pp=2,dp=16,ep=8,mbs=1,gbs=256,zero=1,sp=1,recompute=selective");
+    // (one replica whose experts still reduce over 2: the overlap is said for them too)
+    const Plan one = load_plan("tp=4,pp=4,dp=1,ep=2,mbs=1,gbs=64,sp=1");
+    const std::string one_flags = export_megatron(m, one, resolve_stack(m, cl, one)) + fmt::format(" --vocab-size {}", m.V);
+    EXPECT_EQ(estimate(m, cl, one).step_time_s,
+              estimate(m, cl, launch_inputs(parse_megatron_launch(one_flags, "export"), 16, "export").plan).step_time_s)
+        << name << "\n" << one_flags;
     const std::string flags = export_megatron(m, p, resolve_stack(m, cl, p)) + fmt::format(" --vocab-size {}", m.V);
     const LaunchInputs in = launch_inputs(parse_megatron_launch(flags, "export"), p.world_size(), "export");
     EXPECT_EQ(std::tie(in.model.E, in.model.K, in.model.Fe, in.model.Fs), std::tie(m.E, m.K, m.Fe, m.Fs)) << name;
@@ -657,7 +663,10 @@ TEST(MegatronArgs, AbsentFlagsAndMegatronsRules) {
   for (const char* bad : {"--spec local_spec", "--yaml-cfg run.yaml", "--hybrid-override-pattern M*M*",
                           "--fp8-format hybrid --first-last-layers-bf16", "--optimizer sgd", "--attention-output-gate",
                           "--recompute-granularity full", "--recompute-granularity selective --recompute-method uniform",
-                          "--bf16 --overlap-param-gather", "--transformer-impl fast"}) {
+                          "--recompute-granularity full --recompute-method uniform",
+                          "--recompute-granularity selective --recompute-num-layers 2", "--bf16 --overlap-param-gather",
+                          "--bf16 --use-distributed-optimizer --overlap-param-gather", "--transformer-impl fast",
+                          "--fp8-format hybrid --disable-fp8-wgrad"}) {
     try {
       (void)small_launch_plan(bad);
       ADD_FAILURE() << bad << ": accepted";
@@ -669,14 +678,33 @@ TEST(MegatronArgs, AbsentFlagsAndMegatronsRules) {
     }
   }
   EXPECT_EQ(small_launch_plan("--optimizer adam").zero, 0);
-  EXPECT_EQ(small_launch_plan("--recompute-granularity full --recompute-method uniform").recompute, Recompute::full);
+  EXPECT_EQ(small_launch_plan("--recompute-granularity full --recompute-method uniform --recompute-num-layers 1").recompute,
+            Recompute::full);
+  // Megatron-FSDP overlaps what it shards itself: the reduction with optim_grads, the gather
+  // too with optim_grads_params (its default).
+  const Plan fsdp2 = small_launch_plan("--bf16 --use-megatron-fsdp --data-parallel-sharding-strategy optim_grads");
+  EXPECT_EQ(fsdp2.overlap_grad_reduce, Tristate::on);
+  EXPECT_EQ(fsdp2.overlap_param_gather, Tristate::off);
+  const Plan fsdp3 = small_launch_plan("--bf16 --use-megatron-fsdp");
+  EXPECT_EQ(fsdp3.overlap_grad_reduce, Tristate::on);
+  EXPECT_EQ(fsdp3.overlap_param_gather, Tristate::on);
+  // 2023's Megatron-LM: its own layers with FlashAttention; Megatron-DeepSpeed's name of it.
+  EXPECT_EQ(small_launch_plan("--transformer-impl local --use-flash-attn").attention, AttentionChoice::flash);
+  EXPECT_EQ(small_launch_plan("--use-flash-attn-v2").attention, AttentionChoice::flash);
   // Named on stderr, every one: 13 harmless flags first do not hide them.
   std::string text = "--num-layers 2 ";
   for (int i = 0; i < 13; ++i) text += fmt::format("--log-thing-{} ", i);
   const MegatronLaunch l = parse_megatron_launch(
-      text + "--num-experts 8 --cuda-graph-impl local --fp8-recipe mxfp8 --no-bias-swiglu-fusion --manual-gc", "launch");
-  for (const char* f : {"--cuda-graph-impl", "--fp8-recipe", "--no-bias-swiglu-fusion", "--manual-gc"})
+      text + "--num-experts 8 --cuda-graph-impl local --fp8-recipe mxfp8 --no-bias-swiglu-fusion --manual-gc "
+             "--disable-tp-comm-bulk-wgrad --moe-expert-capacity-factor 1.0",
+      "launch");
+  for (const char* f : {"--cuda-graph-impl", "--fp8-recipe", "--no-bias-swiglu-fusion", "--manual-gc",
+                        "--disable-tp-comm-bulk-wgrad", "--moe-expert-capacity-factor 1.0 (tokens capped per expert; "
+                                                        "costed dropless)"})
     EXPECT_NE(std::find(l.costly.begin(), l.costly.end(), std::string(f)), l.costly.end()) << f;
+  // The FP8 strata costs (per-tensor current scaling) is no note.
+  const MegatronLaunch tw = parse_megatron_launch("--num-layers 2 --fp8-format hybrid --fp8-recipe tensorwise", "launch");
+  EXPECT_TRUE(tw.costly.empty() && tw.ignored.empty());
   EXPECT_EQ(std::count_if(l.costly.begin(), l.costly.end(),
                           [](const std::string& s) { return s.rfind("--moe-grouped-gemm absent", 0) == 0; }),
             1);
