@@ -77,6 +77,10 @@ std::string export_megatron(const ModelSpec& m, const Plan& p, const Stack& stac
     if (stack.grad_accumulation_fusion)
       notes += "# Megatron-FSDP fuses gradient accumulation (as strata costed it) with Transformer Engine >= 2.10; with an\n"
                "# older one add --no-gradient-accumulation-fusion (strata's grad_accumulation_fusion=0).\n";
+    if (!stack.modern && !stack.strata)  // (the search kept the plain plan's legacy stack)
+      notes += "# strata costed this plan on the legacy software stack (unfused attention and loss, DeepSpeed-style\n"
+               "# buffers), as DeepSpeed runs ZeRO-2/3; Megatron-FSDP runs Megatron-core's, which\n"
+               "# software_stack=modern costs.\n";
   }
   if (p.offload > 0) {
     flag("--optimizer-cpu-offload");

@@ -967,6 +967,11 @@ TEST(Planner, Exports) {
   EXPECT_NE(export_bridge(big, f0, resolve_stack(big, load_cluster("dgx-h100-80g"), f0))
                 .find("#   cfg.mixed_precision.fp8_param_gather = False"),
             std::string::npos);
+  // ZeRO-2/3 costed on the legacy stack (as the search keeps it where the plain plan is):
+  // Megatron-FSDP runs Megatron-core's, which the export says.
+  const Plan lz = load_plan("tp=8,pp=4,dp=8,gbs=512,zero=2,software_stack=legacy");
+  EXPECT_NE(export_megatron(m, lz, resolve_stack(m, load_cluster("dgx-h100-80g"), lz)).find("legacy software stack"),
+            std::string::npos);
   EXPECT_EQ(export_megatron(big, f0, resolve_stack(big, load_cluster("dgx-h100-80g"), f0)).find("--fp8-param-gather"),
             std::string::npos);
   // Megatron's groups where p does not divide the micro-batches; ZeRO-2; no virtual stages;
