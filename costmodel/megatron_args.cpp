@@ -602,6 +602,7 @@ MegatronLaunch parse_megatron_launch(const std::string& text, const std::string&
     // sequence length; --optimizer adam is what strata costs (others are refused below);
     // --transformer-impl local runs Megatron's own layers, with unfused attention.
     // (per-tensor current scaling: the FP8 strata costs, as its exports name it)
+    if (key == "fp8_recipe") present.insert(key);
     if (key == "fp8_recipe" && value == "tensorwise") continue;
     if (key == "encoder_seq_length" || key == "optimizer" || key == "transformer_impl") {
       launch_values[key] = value;
@@ -744,6 +745,9 @@ MegatronLaunch parse_megatron_launch(const std::string& text, const std::string&
     out.plan["moe_token_dispatcher_type"] = "allgather";
   if (experts && !present.count("moe_grouped_gemm")) out.costly.push_back("--moe-grouped-gemm absent (a loop of "
                                                                         "per-expert GEMMs; costed as grouped ones)");
+  if (out.plan.contains("fp8_format") && !present.count("fp8_recipe"))
+    out.costly.push_back("--fp8-recipe absent (Megatron's delayed scaling; costed as per-tensor current scaling, "
+                         "tensorwise)");
   if (experts && m.contains("moe_expert_capacity_factor") && !m.at("moe_expert_capacity_factor").is_null())
     out.costly.push_back(fmt::format("--moe-expert-capacity-factor {} (tokens capped per expert; costed dropless)",
                                      m.at("moe_expert_capacity_factor").dump()));

@@ -705,6 +705,10 @@ TEST(MegatronArgs, AbsentFlagsAndMegatronsRules) {
   // The FP8 strata costs (per-tensor current scaling) is no note.
   const MegatronLaunch tw = parse_megatron_launch("--num-layers 2 --fp8-format hybrid --fp8-recipe tensorwise", "launch");
   EXPECT_TRUE(tw.costly.empty() && tw.ignored.empty());
+  // Without the flag Megatron runs delayed scaling: said.
+  const MegatronLaunch dl = parse_megatron_launch("--num-layers 2 --fp8-format hybrid", "launch");
+  ASSERT_EQ(dl.costly.size(), 1u);
+  EXPECT_EQ(dl.costly[0].rfind("--fp8-recipe absent", 0), 0u);
   EXPECT_EQ(std::count_if(l.costly.begin(), l.costly.end(),
                           [](const std::string& s) { return s.rfind("--moe-grouped-gemm absent", 0) == 0; }),
             1);
