@@ -1000,14 +1000,8 @@ ModelSpec model_from_hf_config(const Json& j, const std::string& source, int64_t
       if (j["layer_types"].size() != static_cast<size_t>(m.L))
         fail_field(source + ".layer_types", fmt::format("({} entries)", j["layer_types"].size()),
                    fmt::format("must name one attention type per layer ({})", m.L));
-      for (size_t i = 0; i < j["layer_types"].size(); ++i) {
-        const Json& t = j["layer_types"][i];
-        const std::string kind = t.is_string() ? t.get<std::string>() : "";
-        if (kind != "sliding_attention" && kind != "full_attention")
-          fail_field(fmt::format("{}.layer_types[{}]", source, i), show_value(t),
-                     "must be \"full_attention\" or \"sliding_attention\" (other attention kinds are not modelled)");
-        m.window_layers += kind == "sliding_attention";
-      }
+      for (const Json& t : j["layer_types"])  // (each entry one of the two, checked above)
+        m.window_layers += t == "sliding_attention";
     } else if (j.contains("sliding_window_pattern") && !j["sliding_window_pattern"].is_null()) {
       m.window_layers = m.L - m.L / get_int({"sliding_window_pattern"}, 1, kMaxLayers, true, 1);
     } else if (model_type.rfind("gemma3", 0) == 0) {  // Gemma3TextConfig's default pattern: 6
