@@ -117,7 +117,7 @@ struct Acc {
     edp_across = group_span(p.dp_instances, p.expert_tp() * p.ep * p.expert_shard_ranks(), N);
     const Device& dev = cl.device;
     peak_attn = p.precision == Precision::fp8 ? dev.peak_bf16_flops : dev.peak_flops(p.precision);
-    peak_linear = dev.peak_flops(p.precision);
+    peak_linear = dev.gemm_peak(p.precision);
     const bool tc_flash = !cs.stack.strata || (cuda::flash_tc_head_dim(m.D()) && dev.peak_bf16_flops > 0);
     peak_flash = tc_flash ? peak_attn : dev.peak_fp32_flops;
     lin_bytes = p.precision == Precision::fp8 ? 1.0 : cs.work_bytes;

@@ -78,6 +78,11 @@ double Device::peak_flops(Precision p) const {
   return 0;
 }
 
+double Device::gemm_peak(Precision p) const {
+  if (p != Precision::fp8 || fp8_gemm_speedup <= 0) return peak_flops(p);
+  return std::min(peak_fp8_flops, peak_bf16_flops * fp8_gemm_speedup);
+}
+
 namespace {
 
 Curve read_curve(Fields& f, const std::string& key, double max_y) {
@@ -153,6 +158,16 @@ Cluster cluster_from_json(const Json& j, const std::string& source) {
     c.device.flash_bwd_efficiency = fa.real("backward", 1e-3, 1.0);
     reject_unknown_but_notes(fa);
     c.device.kernel_launch_s = d.real_or("kernel_launch_us", 0, 0, 1e5) * 1e-6;
+    if (d.peek("fp8_gemm_speedup")) {
+      c.device.fp8_gemm_speedup = d.real("fp8_gemm_speedup", 1e-3, 100);
+      const double most = c.device.peak_bf16_flops > 0 ? c.device.peak_fp8_flops / c.device.peak_bf16_flops : 0;
+      if (!(most > 0))
+        fail_field(d.path_of("fp8_gemm_speedup"), fmt::format("{}", c.device.fp8_gemm_speedup),
+                   "the device needs peak_tflops.fp8 and .bf16 for it");
+      if (c.device.fp8_gemm_speedup > most * (1 + 1e-9))
+        fail_field(d.path_of("fp8_gemm_speedup"), fmt::format("{}", c.device.fp8_gemm_speedup),
+                   fmt::format("at most peak_tflops.fp8 / peak_tflops.bf16 = {:.4g}", most));
+    }
     c.device.batched_gemm_per_matrix = d.choice_or("batched_gemm", "batched", {"batched", "per_matrix"}) == "per_matrix";
     // (Absent: as stored, but in a profile of batches run matrix by matrix: the CPU
     // backend's, written before the field was.)
@@ -242,6 +257,7 @@ Json cluster_to_json(const Cluster& c) {
         {"overlap_slowdown", c.overlap_slowdown},
         {"software_stack", c.strata_stack ? "strata" : c.modern_stack ? "modern" : "legacy"}}}};
   if (c.processors_per_node > 0) j["processors_per_node"] = c.processors_per_node;
+  if (d.fp8_gemm_speedup > 0) j["device"]["fp8_gemm_speedup"] = d.fp8_gemm_speedup;
   for (int i = 1; i < kMemKinds; ++i)
     if (!d.kernel_efficiency[i].empty())
       j["device"]["kernel_efficiency"][to_string(static_cast<MemKind>(i))] = curve(d.kernel_efficiency[i]);

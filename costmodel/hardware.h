@@ -107,6 +107,10 @@ struct Device {
   // (compute_acc.h's peak_flash).
   double flash_fwd_efficiency = 0.5, flash_bwd_efficiency = 0.4;
   double kernel_launch_s = 0;  // the least time any kernel takes
+  // fp8 GEMMs' measured throughput over bf16's at the same sizes (at least 10^12 FLOPs),
+  // below the datasheet's 2x on Hopper and Blackwell (hw_profiles/README.md): fp8 GEMMs
+  // run on the efficiency curve against bf16 peak x this. 0: the datasheet peaks' ratio.
+  double fp8_gemm_speedup = 0;
   // A batched GEMM (the attention core's, one product per head) runs as one GEMM per
   // matrix, each at the efficiency of its own size (a CPU library looping over heads),
   // rather than as one kernel at the efficiency of the whole batch (cuBLAS batched).
@@ -124,6 +128,9 @@ struct Device {
   bool cross_entropy_one_pass = true;
 
   double peak_flops(Precision p) const;
+  // The peak a GEMM of precision p runs against: peak_flops(p), for fp8 at most bf16 peak
+  // x fp8_gemm_speedup.
+  double gemm_peak(Precision p) const;
 };
 
 struct LinkTier {

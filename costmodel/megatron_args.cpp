@@ -609,7 +609,7 @@ MegatronLaunch parse_megatron_launch(const std::string& text, const std::string&
       continue;
     }
     if (key == "moe_grouped_gemm" || key == "overlap_grad_reduce" || key == "overlap_param_gather" ||
-        key == "moe_token_dispatcher_type")
+        key == "moe_token_dispatcher_type" || key == "tp_comm_overlap")
       present.insert(key);
     if (!read) {
       if (ignored.insert(flag_of(key)).second)
@@ -724,7 +724,7 @@ MegatronLaunch parse_megatron_launch(const std::string& text, const std::string&
       out.plan["attention"] = "unfused";
   }
   // Absent flags mean what they mean to Megatron: no overlapped gradient reduction or
-  // parameter gather (arguments.py defaults both off), and MoE tokens dispatched by
+  // parameter gather (arguments.py defaults both off), no user buffers, and MoE tokens dispatched by
   // all-gather (TransformerConfig's moe_token_dispatcher_type).
   // Megatron-FSDP turns both on itself where it shards gradients (optim_grads: the reduction)
   // and parameters (optim_grads_params, its default: the gather too).
@@ -738,6 +738,8 @@ MegatronLaunch parse_megatron_launch(const std::string& text, const std::string&
              fsdp_gather = strategy == "optim_grads_params";
   if (!present.count("overlap_grad_reduce")) out.plan["overlap_grad_reduce"] = fsdp_reduce;
   if (!present.count("overlap_param_gather")) out.plan["overlap_param_gather"] = fsdp_gather;
+  // No --tp-comm-overlap: no user buffers (a plan's "auto" runs them, stack.h).
+  if (!present.count("tp_comm_overlap")) out.plan["tp_comm_overlap"] = false;
   const bool experts = m.contains("num_experts") && m.at("num_experts").is_number_integer() &&
                        m.at("num_experts").get<int64_t>() > 1;
   if (experts && !present.count("moe_token_dispatcher_type") && !out.plan.contains("moe_flex_dispatcher_backend") &&

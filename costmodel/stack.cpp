@@ -43,10 +43,16 @@ Stack resolve_stack(const ModelSpec& m, const Cluster& cl, const Plan& p) {
                                                           : AttentionKernel::unfused;
   s.overlap_grad_reduce = pick(p.overlap_grad_reduce);
   s.overlap_param_gather = pick(p.overlap_param_gather);
-  s.tp_comm_overlap = pick(p.tp_comm_overlap);
+  // (Transformer Engine overlaps its backward's collectives on the modern stack whatever
+  // --tp-comm-overlap says; that flag is the user buffers below.)
+  s.tp_comm_overlap = s.modern || p.tp_comm_overlap == Tristate::on;
   s.grad_accumulation_fusion = pick(p.grad_accumulation_fusion);
   s.cross_entropy_fusion = pick(p.cross_entropy_loss_fusion);
-  s.userbuffers = s.modern && p.tp_comm_overlap == Tristate::on && p.sp && p.t > 1;
+  // User buffers: asked for, or under "auto" where they can run (a tensor-parallel group
+  // inside one node's NVLink), as NVIDIA's performance recipes run them (stack.h).
+  s.userbuffers = s.modern && p.sp && p.t > 1 &&
+                  (p.tp_comm_overlap == Tristate::on ||
+                   (p.tp_comm_overlap == Tristate::automatic && p.t <= cl.devices_per_node));
   s.grad_reduce_in_fp32 = p.grad_reduce_in_fp32 == Tristate::automatic ? p.precision != Precision::fp16
                                                                         : p.grad_reduce_in_fp32 == Tristate::on;
   return s;

@@ -38,12 +38,16 @@ struct Stack {
   // memory.cpp's head terms). Never on the strata stack, whose executor has its own.
   bool cross_entropy_fusion = false;
   // tp_comm_overlap overlaps the input-gradient collectives of the column-parallel layers
-  // with their weight-gradient GEMMs (Megatron-core does so by default). A plan that sets
-  // tp_comm_overlap on explicitly, on the modern stack with sequence parallelism (which
-  // Megatron requires for it), also gets Transformer Engine's user buffers (Megatron's
-  // --tp-comm-overlap, which Megatron-Bridge's and NeMo's performance recipes set for their
-  // tensor-parallel models; off by default in Megatron-LM, and so under "auto"): every
-  // collective of the attention and MLP blocks beside the GEMM it feeds or follows.
+  // with their weight-gradient GEMMs: always on the modern stack (Transformer Engine's
+  // backward does so by itself), on a legacy one where the plan's tp_comm_overlap says on.
+  // On the modern stack with sequence parallelism (which Megatron requires for it) the
+  // plan's tp_comm_overlap is Transformer Engine's user buffers (Megatron's
+  // --tp-comm-overlap): every
+  // collective of the attention and MLP blocks beside the GEMM it feeds or follows. "auto"
+  // runs them where the tensor-parallel group sits inside one node, as Megatron-Bridge's,
+  // NeMo's and MLPerf's performance recipes do for their tensor-parallel models (as it
+  // overlaps the data-parallel reduction and gathers, which Megatron-LM also leaves off by
+  // default); a Megatron-LM launch without --tp-comm-overlap says off (megatron_args.cpp).
   bool userbuffers = false;
   // Main gradients accumulated and reduced in fp32 (else in the parameters' 16-bit type):
   // the plan's grad_reduce_in_fp32, "auto" on but in fp16 (Megatron's defaults; not a

@@ -239,17 +239,19 @@ TEST(Calibration, HopperAndBlackwellRuns) {
   const std::string dir = std::string(STRATA_SOURCE_DIR) + "/tests/data/";
   const auto rows = testing::read_csv(dir + "hopper_runs.csv");
   ASSERT_EQ(rows.size(), 27u);
-  // Per run and for the group's median |error| (7.3 %, 10.2 %, 13.8 %, 12.2 % and 2.8 % today).
-  const std::map<std::string, double> bound = {{"megatron-bridge", 0.12},
+  // Per run and for the group's median |error| (4.8 %, 10.2 %, 6.3 %, 11.9 % and 5.3 % today,
+  // with fp8 GEMMs at the measured 1.6x of bf16 and "auto" user buffers; 7.3 %, 10.2 %,
+  // 13.8 %, 12.2 % and 2.8 % before, by cancellation: see the README).
+  const std::map<std::string, double> bound = {{"megatron-bridge", 0.15},
                                                {"nemo-automodel", 0.15},
-                                               {"nemo-24.12", 0.30},
-                                               {"nemo-25.02", 0.30},
-                                               {"mlperf", 0.25}};
-  const std::map<std::string, double> median_bound = {{"megatron-bridge", 0.09},
+                                               {"nemo-24.12", 0.12},
+                                               {"nemo-25.02", 0.20},
+                                               {"mlperf", 0.15}};
+  const std::map<std::string, double> median_bound = {{"megatron-bridge", 0.07},
                                                       {"nemo-automodel", 0.15},
-                                                      {"nemo-24.12", 0.16},
+                                                      {"nemo-24.12", 0.09},
                                                       {"nemo-25.02", 0.15},
-                                                      {"mlperf", 0.05}};
+                                                      {"mlperf", 0.07}};
   std::map<std::string, std::vector<double>> by_group;
   std::vector<double> all;
   const RunTable table{16, 12, 52};
@@ -273,7 +275,7 @@ TEST(Calibration, HopperAndBlackwellRuns) {
     EXPECT_LE(median(v), median_bound.at(g)) << g;
   }
   fmt::print("  all              {:>2} runs  median |error| {:>5.1f}%\n", all.size(), 100 * median(all));
-  EXPECT_LE(median(all), 0.10);
+  EXPECT_LE(median(all), 0.08);
 }
 
 // PyTorch FSDP2 runs on A100s (tests/data/fsdp_runs.csv): torchtitan's published Llama 2

@@ -6,6 +6,7 @@
 #include <nlohmann/json.hpp>
 
 #include "costmodel/comm.h"
+#include "costmodel/compute.h"
 #include "test_cluster.h"
 
 namespace strata {
@@ -90,6 +91,47 @@ TEST(Comm, AllToAll) {
   EXPECT_DOUBLE_EQ(back.inter.eff_all_to_all, 0.7);
   j["links"]["intra_node"]["efficiency"]["all_to_all"] = 0;
   EXPECT_THROW(cluster_from_json(j, "cluster"), InputError);
+}
+
+// fp8_gemm_speedup: the preset's measured fp8 : bf16 GEMM throughput (1.62 on H100), kept
+// by the JSON round trip, the peak fp8 GEMMs run against (at most the fp8 peak); absent,
+// the datasheet's ratio (the fp8 peak itself); refused above that ratio, without an fp8
+// peak, or at zero, each naming the field.
+TEST(ClusterJson, Fp8GemmSpeedup) {
+  const Cluster h100 = load_cluster("dgx-h100-80g");
+  EXPECT_DOUBLE_EQ(h100.device.fp8_gemm_speedup, 1.62);
+  EXPECT_DOUBLE_EQ(h100.device.gemm_peak(Precision::fp8), 1.62 * 989.4e12);
+  EXPECT_DOUBLE_EQ(h100.device.gemm_peak(Precision::bf16), 989.4e12);
+  Json j = cluster_to_json(h100);
+  EXPECT_DOUBLE_EQ(cluster_from_json(j, "c").device.fp8_gemm_speedup, 1.62);
+  j["device"].erase("fp8_gemm_speedup");
+  const Cluster datasheet = cluster_from_json(j, "c");
+  EXPECT_DOUBLE_EQ(datasheet.device.gemm_peak(Precision::fp8), 1978.9e12);
+  EXPECT_FALSE(cluster_to_json(datasheet)["device"].contains("fp8_gemm_speedup"));
+  auto refused = [&](const Json& bad, const char* rule) {
+    try {
+      (void)cluster_from_json(bad, "c");
+      ADD_FAILURE() << "accepted " << bad["device"].dump();
+    } catch (const InputError& e) {
+      EXPECT_NE(std::string(e.what()).find("c.device.fp8_gemm_speedup"), std::string::npos) << e.what();
+      EXPECT_NE(std::string(e.what()).find(rule), std::string::npos) << e.what();
+    }
+  };
+  Json over = j;
+  over["device"]["fp8_gemm_speedup"] = 2.5;
+  refused(over, "at most peak_tflops.fp8 / peak_tflops.bf16 = 2");
+  Json no_fp8 = over;
+  no_fp8["device"]["fp8_gemm_speedup"] = 1.5;
+  no_fp8["device"]["peak_tflops"].erase("fp8");
+  refused(no_fp8, "needs peak_tflops.fp8");
+  Json zero = j;
+  zero["device"]["fp8_gemm_speedup"] = 0;
+  refused(zero, "");
+  // An fp8 GEMM of the preset: the curve against 1.62 x the bf16 peak, read where a bf16
+  // GEMM of flops / 1.62 reads it.
+  const double flops = 2.0 * 8192 * 8192 * 8192, peak = 1.62 * 989.4e12;
+  EXPECT_DOUBLE_EQ(gemm_time(h100.device, h100.device.gemm_peak(Precision::fp8), 8192, 8192, 8192, 1),
+                   flops / (peak * h100.device.gemm_efficiency.at(flops / 1.62)));
 }
 
 // A user's cluster JSON: notes (description, _source) in every object, a misspelt required

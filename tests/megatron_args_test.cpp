@@ -369,9 +369,10 @@ TEST(MegatronArgs, GradReduceFlags) {
   EXPECT_EQ(plain.find("--accumulate-allreduce"), std::string::npos);
 }
 
-// --tp-comm-overlap (Transformer Engine's user buffers) is what a plan's explicit
-// tp_comm_overlap=1 exports, with sequence parallelism only (Megatron asserts it); the
-// default plan, like Megatron-LM's default, runs without it, and reads back the same.
+// --tp-comm-overlap (Transformer Engine's user buffers) is what a plan with user buffers
+// exports (tp_comm_overlap=1, or "auto" on the modern stack with the group inside a node),
+// with sequence parallelism only (Megatron asserts it); a plan saying 0 runs without them,
+// and a launch without the flag, like Megatron-LM's default, reads back as 0.
 TEST(MegatronArgs, TpCommOverlapFlag) {
   const ModelSpec m = load_model("llama3-70b");
   const Cluster h100 = load_cluster("dgx-h100-80g");
@@ -381,7 +382,13 @@ TEST(MegatronArgs, TpCommOverlapFlag) {
   };
   const std::string ub = flags("tp=4,dp=2,sp=1,zero=1,precision=fp8,tp_comm_overlap=1");
   EXPECT_NE(ub.find("--tp-comm-overlap"), std::string::npos) << ub;
-  EXPECT_EQ(flags("tp=4,dp=2,sp=1,zero=1,precision=fp8").find("--tp-comm-overlap"), std::string::npos);
+  EXPECT_NE(flags("tp=4,dp=2,sp=1,zero=1,precision=fp8").find("--tp-comm-overlap"), std::string::npos);
+  const std::string plain = flags("tp=4,dp=2,sp=1,zero=1,precision=fp8,tp_comm_overlap=0");
+  EXPECT_EQ(plain.find("--tp-comm-overlap"), std::string::npos) << plain;
+  const Plan r = launch_inputs(parse_megatron_launch(plain + fmt::format(" --vocab-size {}", m.V), "export"), 8, "export").plan;
+  EXPECT_EQ(r.tp_comm_overlap, Tristate::off);
+  EXPECT_FALSE(resolve_stack(m, h100, r).userbuffers);
+  EXPECT_TRUE(resolve_stack(m, h100, r).tp_comm_overlap);  // (Transformer Engine's own backward overlap)
   EXPECT_EQ(flags("tp=4,dp=2,sp=0,zero=1,precision=fp8,tp_comm_overlap=1").find("--tp-comm-overlap"), std::string::npos);
   const Plan q = launch_inputs(parse_megatron_launch(ub + fmt::format(" --vocab-size {}", m.V), "export"), 8, "export").plan;
   EXPECT_TRUE(resolve_stack(m, h100, q).userbuffers);

@@ -139,6 +139,7 @@ TEST(Planner, UserBuffersAreSearchedWhenFixed) {
   o.fixed.sp = true;
   const ModelSpec m = load_model("llama3-70b");
   const Cluster h100 = load_cluster("dgx-h100-80g");
+  o.fixed.tp_comm_overlap = false;
   const SearchResult plain = search(m, h100, o);
   o.fixed.tp_comm_overlap = true;
   const SearchResult ub = search(m, h100, o);
@@ -915,15 +916,22 @@ TEST(Planner, Exports) {
                         "optimizer.use_precision_aware_optimizer=false", "model.transformer.account_for_embedding_in_pipeline_split=false",
                         "model.transformer.account_for_loss_in_pipeline_split=false", "model.transformer.pipeline_model_parallel_layout=null"})
     EXPECT_TRUE(has(br, o)) << o;
-  // What overrides cannot reach, in Python: user buffers off (a recipe's CommOverlapConfig
-  // may have them on, or be None, where an override of its field fails); the attention
-  // backend an enum, left to the recipe where fused.
+  // What overrides cannot reach, in Python: user buffers as costed (on: "auto" on the
+  // modern stack with tp 8 in a node; a recipe's CommOverlapConfig may be None, where an
+  // override of its field fails); the attention backend an enum, left to the recipe where
+  // fused.
   const std::string br_text = export_bridge(m, p, st);
   EXPECT_NE(br_text.find("#   cfg.comm_overlap = cfg.comm_overlap or CommOverlapConfig(tp_comm_overlap=False)\n"
-                         "#   cfg.comm_overlap.tp_comm_overlap = False\n"
+                         "#   cfg.comm_overlap.tp_comm_overlap = True\n"
                          "#   cfg.comm_overlap.overlap_grad_reduce = True\n"),
             std::string::npos)
       << br_text;
+  {
+    Plan q = p;  // tp_comm_overlap=0: off
+    q.tp_comm_overlap = Tristate::off;
+    const std::string off_text = export_bridge(m, q, resolve_stack(m, load_cluster("dgx-h100-80g"), q));
+    EXPECT_NE(off_text.find("#   cfg.comm_overlap.tp_comm_overlap = False\n"), std::string::npos) << off_text;
+  }
   EXPECT_EQ(br_text.find("attention_backend"), std::string::npos) << br_text;
   for (const std::string& line : br) EXPECT_NE(line.rfind("comm_overlap.", 0), 0u) << line;
   // Experts: both sizes said at 1 (recipes hard-set them), the exchange overlap in Python.
