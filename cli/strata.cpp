@@ -424,6 +424,10 @@ int cmd_plan(const std::vector<std::string>& argv) {
   if (launch && sixteen && launch->plan.grad_reduce_in_fp32 != Tristate::automatic && !so.fixed.grad_reduce_in_fp32)
     so.fixed.grad_reduce_in_fp32 = launch->plan.grad_reduce_in_fp32 == Tristate::on;
   if (launch && sixteen && launch->plan.precision_aware_optimizer && !so.fixed.optimizer) so.fixed.optimizer = launch->plan;
+  // A launch's user buffers (--tp-comm-overlap, or none without it) hold for the search
+  // unless --fix says, as the compared launch is costed.
+  if (launch && launch->plan.tp_comm_overlap != Tristate::automatic && !so.fixed.tp_comm_overlap)
+    so.fixed.tp_comm_overlap = launch->plan.tp_comm_overlap == Tristate::on;
   // A launch's fp8 parameters (--fp8-param-gather, or Megatron's default without it) hold
   // for an fp8 search; fixing them needs one.
   if (launch && so.precision == Precision::fp8 && launch->plan.fp8_param_gather != Tristate::automatic &&

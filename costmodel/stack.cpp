@@ -48,11 +48,13 @@ Stack resolve_stack(const ModelSpec& m, const Cluster& cl, const Plan& p) {
   s.tp_comm_overlap = s.modern || p.tp_comm_overlap == Tristate::on;
   s.grad_accumulation_fusion = pick(p.grad_accumulation_fusion);
   s.cross_entropy_fusion = pick(p.cross_entropy_loss_fusion);
-  // User buffers: asked for, or under "auto" where they can run (a tensor-parallel group
-  // inside one node's NVLink), as NVIDIA's performance recipes run them (stack.h).
+  // User buffers: asked for, or under "auto" on a GPU with fp8 (Hopper and newer) where
+  // they can run (a tensor-parallel group inside one node's NVLink), as NVIDIA's
+  // performance recipes run them there (stack.h).
   s.userbuffers = s.modern && p.sp && p.t > 1 &&
                   (p.tp_comm_overlap == Tristate::on ||
-                   (p.tp_comm_overlap == Tristate::automatic && p.t <= cl.devices_per_node));
+                   (p.tp_comm_overlap == Tristate::automatic && cl.device.peak_fp8_flops > 0 &&
+                    p.t <= cl.devices_per_node));
   s.grad_reduce_in_fp32 = p.grad_reduce_in_fp32 == Tristate::automatic ? p.precision != Precision::fp16
                                                                         : p.grad_reduce_in_fp32 == Tristate::on;
   return s;

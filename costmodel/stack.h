@@ -44,10 +44,12 @@ struct Stack {
   // plan's tp_comm_overlap is Transformer Engine's user buffers (Megatron's
   // --tp-comm-overlap): every
   // collective of the attention and MLP blocks beside the GEMM it feeds or follows. "auto"
-  // runs them where the tensor-parallel group sits inside one node, as Megatron-Bridge's,
-  // NeMo's and MLPerf's performance recipes do for their tensor-parallel models (as it
-  // overlaps the data-parallel reduction and gathers, which Megatron-LM also leaves off by
-  // default); a Megatron-LM launch without --tp-comm-overlap says off (megatron_args.cpp).
+  // runs them on GPUs with fp8 (Hopper, Blackwell) where the tensor-parallel group sits
+  // inside one node, as Megatron-Bridge's, NeMo's and MLPerf's performance recipes do there
+  // for their tensor-parallel models (as it overlaps the data-parallel reduction and
+  // gathers, which Megatron-LM also leaves off by default; the A100-era recipes, NeMo-
+  // Megatron-Launcher's, mostly left user buffers off); a Megatron-LM launch without
+  // --tp-comm-overlap says off (megatron_args.cpp).
   bool userbuffers = false;
   // Main gradients accumulated and reduced in fp32 (else in the parameters' 16-bit type):
   // the plan's grad_reduce_in_fp32, "auto" on but in fp16 (Megatron's defaults; not a

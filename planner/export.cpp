@@ -286,6 +286,9 @@ std::string export_deepspeed(const ModelSpec& m, const Plan& p, const Stack& sta
                                                    {"exp_avg_sq_dtype", to_string(p.exp_avg_sq_dtype)},
                                                    {"main_params_dtype", to_string(p.main_params_dtype)},
                                                    {"store_param_remainders", p.store_param_remainders}};
+  // Nor has Transformer Engine's user-buffer overlap (Megatron's --tp-comm-overlap), which a
+  // tensor-parallel plan on the modern stack is costed with by default: said.
+  if (stack.userbuffers) split["megatron_tp_comm_overlap"] = true;
   // Nor has Megatron-core's fine-grained activation offloading (DeepSpeed's activation
   // checkpointing moves checkpoints, not module activations): costed with it, so said.
   if (p.offload_modules)

@@ -29,9 +29,10 @@ struct FixedDims {
   std::optional<double> offload;     // optimizer_offload_fraction of every candidate (ZeRO >= 1)
   std::optional<int64_t> ep;         // expert_model_parallel_size (mixture-of-experts models)
   std::optional<bool> grad_reduce_in_fp32;  // the main gradients' type of every candidate (not searched)
-  // tp_comm_overlap of every candidate (not searched): on, the sequence-parallel ones on the
-  // modern stack run Transformer Engine's user buffers (Stack::userbuffers), as Megatron-Bridge's
-  // and NeMo's recipes do; off, no tensor-parallel collective overlaps.
+  // tp_comm_overlap of every candidate (not searched; unset, "auto": Stack::userbuffers): on,
+  // the sequence-parallel ones on the modern stack run Transformer Engine's user buffers, as
+  // Megatron-Bridge's and NeMo's recipes do; off, none (Transformer Engine's own backward
+  // overlap stays on the modern stack; on a legacy stack no collective overlaps).
   std::optional<bool> tp_comm_overlap;
   // --fix moe_token_dispatcher_type=flex (with moe_flex_dispatcher_backend): the MoE token
   // dispatcher of every candidate (Plan::moe_dispatcher; not searched).

@@ -1,6 +1,7 @@
 // The strata binary end to end: JSON outputs parse and carry the SPEC fields, exports and
 // traces are written, infeasible searches exit 3, and more than fifty kinds of bad input
 // each exit 2 with one message naming the field, on stderr, with nothing crashing.
+#include <tuple>
 #include <gtest/gtest.h>
 #include <sys/wait.h>
 
@@ -210,7 +211,7 @@ TEST(Cli, PlanJsonExportsAndTrace) {
   ASSERT_EQ(oj.code, 0) << oj.err;
   const Outcome ot = strata(off + "--search-offload --top 2");  // the table's rows say it
   ASSERT_EQ(ot.code, 0) << ot.err;
-  EXPECT_NE(ot.out.find("-  offload="), std::string::npos) << ot.out;
+  EXPECT_NE(ot.out.find("-  offload=1\n"), std::string::npos) << ot.out;
   const Json offload_plans = Json::parse(oj.out);
   for (const auto& e : offload_plans["plans"]) {
     EXPECT_EQ(e["plan"]["optimizer_offload_fraction"], 1.0);
@@ -431,6 +432,35 @@ TEST(Cli, LaunchFp8ParamGatherHoldsForItsSearch) {
   for (const Json& e : onj["plans"]) {
     EXPECT_EQ(e["plan"]["fp8_param_gather"], true) << e["plan"].dump();
     EXPECT_GE(e["plan"]["zero_stage"].get<int>(), 1) << e["plan"].dump();
+  }
+}
+
+// A launch's user buffers hold for its search, as the launch is costed: without
+// --tp-comm-overlap every candidate runs none (else the launch's own layout, searched,
+// came out faster than itself), with it the tensor-parallel sequence-parallel ones run
+// them; --fix says otherwise.
+TEST(Cli, LaunchUserBuffersHoldForItsSearch) {
+  const std::string flags = "--num-layers 8 --hidden-size 4096 --num-attention-heads 32 --seq-length 4096 "
+                            "--vocab-size 32000 --micro-batch-size 1 --global-batch-size 64 --bf16 "
+                            "--use-distributed-optimizer --tensor-model-parallel-size 4 --sequence-parallel";
+  auto search = [&](const std::string& extra, const std::string& fix) {
+    const Outcome o = strata("plan --megatron-args \"" + flags + extra + "\" --cluster dgx-h100-80g --gpus 8 --fix tp=4,sp=1" +
+                             fix + " --top 3 --json");
+    EXPECT_EQ(o.code, 0) << o.err;
+    return o.code == 0 ? Json::parse(o.out) : Json::object();
+  };
+  for (const auto& [extra, fix, ub] : {std::tuple<std::string, std::string, bool>{"", "", false},
+                                       {" --tp-comm-overlap", "", true},
+                                       {"", ",tp_comm_overlap=1", true}}) {
+    const Json j = search(extra, fix);
+    ASSERT_FALSE(j["plans"].empty()) << extra << fix;
+    for (const Json& e : j["plans"]) {
+      EXPECT_EQ(e["plan"]["tp_comm_overlap"], ub) << extra << fix << " " << e["plan"].dump();
+      EXPECT_EQ(e["stack"]["tp_comm_overlap_userbuffers"], ub) << extra << fix;
+    }
+    // The launch's own plan is among the candidates: none is faster than it for its layout.
+    if (j.contains("compared")) EXPECT_LE(j["plans"][0]["step_time_s"].get<double>(),
+                                          j["compared"]["step_time_s"].get<double>() * (1 + 1e-12));
   }
 }
 

@@ -878,6 +878,9 @@ TEST(Planner, Exports) {
                 .find("--microbatch-group-size-per-virtual-pipeline-stage 20"),
             std::string::npos);
   const Json ds = Json::parse(export_deepspeed(m, p, st));
+  // User buffers ("auto" on the H100 with tp 8 in a node) have no DeepSpeed field: said.
+  EXPECT_EQ(ds["strata_parallel_layout"]["megatron_tp_comm_overlap"], true);
+  EXPECT_NE(mg.find("--tp-comm-overlap"), std::string::npos);
   EXPECT_EQ(ds["train_micro_batch_size_per_gpu"], 1);
   EXPECT_EQ(ds["gradient_accumulation_steps"], 64);
   EXPECT_EQ(ds["zero_optimization"]["stage"], 1);
