@@ -57,11 +57,11 @@ for r in csv.DictReader(open('tests/data/hopper_runs.csv')):
     model = 'tests/data/' + r['model'] if '/' in r['model'] else r['model']
     measured = int(r['global_batch_size']) * int(r['seq_length']) / (float(r['tokens_per_s_per_gpu']) * int(r['gpus']))
     j = estimate(r, model, r['plan'])
-    ub = ''
+    noub = ''
     if 'sp=1' in r['plan'].split(','):
         u = estimate(r, model, r['plan'] + ',tp_comm_overlap=0')
-        ub = '%8.2f %+7.1f%%' % (u['step_time_s'], 100 * (u['step_time_s'] / measured - 1))
+        noub = '%8.2f %+8.1f%%' % (u['step_time_s'], 100 * (u['step_time_s'] / measured - 1))
     print('%-16s %-12s %-14s %5s %5s %-52s %8.2f %8.2f %+6.1f%% %7.1f %4s %s' %
           (r['group'], r['label'], r['cluster'], r['gpus'], r['global_batch_size'], r['plan'], measured, j['step_time_s'],
-           100 * (j['step_time_s'] / measured - 1), j['memory_bytes']['peak'] / 2**30, 'yes' if j['fits'] else 'NO', ub))
+           100 * (j['step_time_s'] / measured - 1), j['memory_bytes']['peak'] / 2**30, 'yes' if j['fits'] else 'NO', noub))
 EOF
