@@ -45,16 +45,15 @@ Stack resolve_stack(const ModelSpec& m, const Cluster& cl, const Plan& p) {
   s.overlap_param_gather = pick(p.overlap_param_gather);
   // (Transformer Engine overlaps its backward's collectives on the modern stack whatever
   // --tp-comm-overlap says; that flag is the user buffers below.)
-  s.tp_comm_overlap = s.modern || p.tp_comm_overlap == Tristate::on;
+  s.tp_comm_overlap = s.modern || (p.tp_comm_overlap == Tristate::on && p.sp);
   s.grad_accumulation_fusion = pick(p.grad_accumulation_fusion);
   s.cross_entropy_fusion = pick(p.cross_entropy_loss_fusion);
-  // User buffers: asked for, or under "auto" on a GPU with fp8 (Hopper and newer) where
-  // they can run (a tensor-parallel group inside one node's NVLink), as NVIDIA's
-  // performance recipes run them there (stack.h).
-  s.userbuffers = s.modern && p.sp && p.t > 1 &&
+  // User buffers: where they can run (sequence parallelism, a tensor-parallel group inside
+  // one node's NVLink), asked for, or under "auto" on a GPU with fp8 (Hopper and newer), as
+  // NVIDIA's performance recipes run them there (stack.h).
+  s.userbuffers = s.modern && p.sp && p.t > 1 && p.t <= cl.devices_per_node &&
                   (p.tp_comm_overlap == Tristate::on ||
-                   (p.tp_comm_overlap == Tristate::automatic && cl.device.peak_fp8_flops > 0 &&
-                    p.t <= cl.devices_per_node));
+                   (p.tp_comm_overlap == Tristate::automatic && cl.device.peak_fp8_flops > 0));
   s.grad_reduce_in_fp32 = p.grad_reduce_in_fp32 == Tristate::automatic ? p.precision != Precision::fp16
                                                                         : p.grad_reduce_in_fp32 == Tristate::on;
   return s;

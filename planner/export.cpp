@@ -116,9 +116,10 @@ std::string export_megatron(const ModelSpec& m, const Plan& p, const Stack& stac
   // launch without the flags is read as Megatron runs it, without the overlap)
   if (stack.overlap_grad_reduce) flag("--overlap-grad-reduce");
   if (stack.overlap_grad_reduce && stack.overlap_param_gather && p.zero >= 1) flag("--overlap-param-gather");
-  // Megatron's user buffers where the plan runs them ("auto" or asked for; Megatron asserts
-  // sequence parallelism for them); on a legacy stack only as asked.
-  if (stack.userbuffers || (p.tp_comm_overlap == Tristate::on && p.sp && p.t > 1)) flag("--tp-comm-overlap");
+  // Megatron's user buffers where the plan runs them ("auto" or asked for, with sequence
+  // parallelism, which Megatron asserts, and the group in a node); on a legacy stack as asked.
+  if (stack.userbuffers || (!stack.modern && p.tp_comm_overlap == Tristate::on && p.sp && p.t > 1))
+    flag("--tp-comm-overlap");
   if (!stack.grad_accumulation_fusion) flag("--no-gradient-accumulation-fusion");
   if (stack.cross_entropy_fusion) flag("--cross-entropy-loss-fusion");  // (off in Megatron-LM unless given)
   // Megatron-LM runs --optimizer-cpu-offload only with the precision-aware optimizer.

@@ -289,8 +289,8 @@ std::optional<Plan> balanced_end_split(const ModelSpec& m, const Plan& p, double
       layers.back() -= b;
       // The output layer's on the last chunk of the first middle stages, the embedding's on the
       // first chunk of the last ones (the other way about, the walk puts the extra layer on
-      // the critical path: Llama 3 70B tp4 pp8 vp5 in FP8 on H100, 20.81 s with it on stage 1
-      // or 3, 20.90 s on stage 6, against 21.71 s for the even layout).
+      // the critical path: Llama 3 70B tp4 pp8 vp5 in FP8 on H100, 21.38 s with it on stage 1,
+      // 21.40 s on stage 3, 21.49 s on stage 6, against 22.25 s for the even layout).
       for (int64_t i = 1; i <= a; ++i) ++layers[static_cast<size_t>(P - 1 - i)];           // chunk 0, stage p - 1 - i
       for (int64_t j = 1; j <= b; ++j) ++layers[static_cast<size_t>((v - 1) * P + j)];  // chunk v - 1, stage j
       // Megatron's notation, runs of like virtual stages as "(t*2|)*32", a comma after each

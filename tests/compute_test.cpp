@@ -212,11 +212,16 @@ TEST(Compute, UserBuffersOverlapTheBlocksCollectives) {
   EXPECT_TRUE(compute_setup(m, c, load_plan("tp=8,sp=1,precision=fp8,tp_comm_overlap=0")).stack.tp_comm_overlap);
   EXPECT_FALSE(compute_setup(m, c, load_plan("tp=8,sp=1,precision=bf16")).stack.userbuffers);  // (legacy)
   {
-    Cluster four = c;  // a group of 8 across two nodes of 4: no user buffers unless asked
+    Cluster four = c;  // a group of 8 across two nodes of 4: no user buffers, asked or not
     four.devices_per_node = 4;
     EXPECT_FALSE(compute_setup(m, four, load_plan("tp=8,sp=1,precision=fp8")).stack.userbuffers);
-    EXPECT_TRUE(compute_setup(m, four, load_plan("tp=8,sp=1,precision=fp8,tp_comm_overlap=1")).stack.userbuffers);
+    EXPECT_FALSE(compute_setup(m, four, load_plan("tp=8,sp=1,precision=fp8,tp_comm_overlap=1")).stack.userbuffers);
+    EXPECT_TRUE(compute_setup(m, four, load_plan("tp=4,sp=1,precision=fp8,tp_comm_overlap=1")).stack.userbuffers);
   }
+  // On a legacy stack tp_comm_overlap=1 is the weight-gradient overlap, with sequence
+  // parallelism only (Megatron refuses --tp-comm-overlap without it).
+  EXPECT_TRUE(compute_setup(m, c, load_plan("tp=8,sp=1,precision=bf16,tp_comm_overlap=1")).stack.tp_comm_overlap);
+  EXPECT_FALSE(compute_setup(m, c, load_plan("tp=8,sp=0,precision=bf16,tp_comm_overlap=1")).stack.tp_comm_overlap);
   EXPECT_FALSE(compute_setup(m, c, load_plan("tp=8,sp=0,precision=fp8,tp_comm_overlap=1")).stack.userbuffers);
   EXPECT_FALSE(compute_setup(m, c, load_plan("tp=8,sp=1,precision=bf16,tp_comm_overlap=1")).stack.userbuffers);
   EXPECT_TRUE(compute_setup(m, c, load_plan("tp=8,sp=1,precision=bf16,tp_comm_overlap=1,software_stack=modern"))
