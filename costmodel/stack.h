@@ -41,13 +41,12 @@ struct Stack {
   // with their weight-gradient GEMMs: always on the modern stack (Transformer Engine's
   // backward does so by itself), on a legacy one where the plan's tp_comm_overlap says on
   // with sequence parallelism (Megatron refuses --tp-comm-overlap without it).
-  // On the modern stack with sequence parallelism (which Megatron requires for it) the
-  // plan's tp_comm_overlap is Transformer Engine's user buffers (Megatron's
-  // --tp-comm-overlap): every
-  // collective of the attention and MLP blocks beside the GEMM it feeds or follows, only
-  // where the tensor-parallel group sits inside one node (they need its NVLink). "auto"
-  // runs them on GPUs with fp8 (Hopper, Blackwell), as Megatron-Bridge's, NeMo's and MLPerf's performance recipes do there
-  // for their tensor-parallel models (as it overlaps the data-parallel reduction and
+  // userbuffers: on the modern stack with sequence parallelism and the tensor-parallel
+  // group inside one node (they need its NVLink), the plan's tp_comm_overlap is Transformer
+  // Engine's user buffers (Megatron's --tp-comm-overlap): every collective of the attention
+  // and MLP blocks beside the GEMM it feeds or follows. "auto" runs them on GPUs with fp8
+  // (Hopper, Blackwell), as Megatron-Bridge's, NeMo's and MLPerf's performance recipes do
+  // there for their tensor-parallel models (as it overlaps the data-parallel reduction and
   // gathers, which Megatron-LM also leaves off by default; the A100-era recipes, NeMo-
   // Megatron-Launcher's, mostly left user buffers off); a Megatron-LM launch without
   // --tp-comm-overlap says off (megatron_args.cpp).
