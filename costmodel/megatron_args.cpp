@@ -24,7 +24,7 @@ const std::set<std::string>& model_flags() {
   static const std::set<std::string> s = {
       "num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups",
       "group_query_attention", "kv_channels", "seq_length", "max_position_embeddings", "vocab_size",
-      "make_vocab_size_divisible_by", "swiglu", "normalization", "position_embedding_type",
+      "make_vocab_size_divisible_by", "swiglu", "squared_relu", "normalization", "position_embedding_type",
       "use_rotary_position_embeddings", "untie_embeddings_and_output_weights", "disable_bias_linear",
       "attention_dropout", "hidden_dropout", "norm_epsilon", "layernorm_epsilon", "rotary_base", "rotary_percent",
       "init_method_std", "apply_query_key_layer_scaling", "num_experts", "moe_router_topk", "moe_ffn_hidden_size",
@@ -38,9 +38,9 @@ const std::set<std::string>& model_flags() {
 // Megatron's store_true flags among them: never followed by a value.
 const std::set<std::string>& switch_flags() {
   static const std::set<std::string> s = {
-      "group_query_attention", "swiglu", "use_rotary_position_embeddings", "untie_embeddings_and_output_weights",
-      "disable_bias_linear", "apply_query_key_layer_scaling", "sequence_parallel", "use_distributed_optimizer",
-      "use_torch_fsdp2", "bf16", "fp16", "overlap_grad_reduce", "overlap_param_gather", "tp_comm_overlap",
+      "group_query_attention", "swiglu", "squared_relu", "use_rotary_position_embeddings",
+      "untie_embeddings_and_output_weights", "disable_bias_linear", "apply_query_key_layer_scaling",
+      "sequence_parallel", "use_distributed_optimizer", "use_torch_fsdp2", "bf16", "fp16", "overlap_grad_reduce", "overlap_param_gather", "tp_comm_overlap",
       "use_flash_attn", "no_gradient_accumulation_fusion", "recompute_activations", "use_megatron_fsdp",
       "account_for_embedding_in_pipeline_split", "account_for_loss_in_pipeline_split", "optimizer_cpu_offload",
       "moe_grouped_gemm", "moe_permute_fusion", "grad_reduce_in_bf16", "accumulate_allreduce_grads_in_fp32",

@@ -254,6 +254,7 @@ const char* to_string(Activation a) {
     case Activation::gelu: return "gelu";
     case Activation::swiglu: return "swiglu";
     case Activation::geglu: return "geglu";
+    case Activation::squared_relu: return "squared_relu";
   }
   return "?";
 }
@@ -563,6 +564,8 @@ Json adopt_megatron_names(const Json& in, const std::string& source) {
             [](const Json& v, const std::string& path) { return Json(!flag_value(v, path)); });
   adopt_key(j, source, "swiglu", "activation",
             [](const Json& v, const std::string& path) { return flag_value(v, path) ? Json("swiglu") : Json(); });
+  adopt_key(j, source, "squared_relu", "activation",
+            [](const Json& v, const std::string& path) { return flag_value(v, path) ? Json("squared_relu") : Json(); });
   adopt_key(j, source, "disable_bias_linear", "add_bias_linear",
             [](const Json& v, const std::string& path) { return flag_value(v, path) ? Json(false) : Json(); });
   // The trained sequence where no seq_length is given; beside it, only the RoPE table's size.
@@ -599,8 +602,11 @@ ModelSpec model_from_json(const Json& in, const std::string& source) {
   m.H = f.integer("hidden_size", 1, kMaxHidden);
   m.A = f.integer("num_attention_heads", 1, kMaxHeads);
   m.G = f.integer_or("num_query_groups", m.A, 1, kMaxHeads);
-  const std::string act = f.choice_or("activation", "gelu", {"gelu", "swiglu", "geglu"});
-  m.activation = act == "gelu" ? Activation::gelu : act == "swiglu" ? Activation::swiglu : Activation::geglu;
+  const std::string act = f.choice_or("activation", "gelu", {"gelu", "swiglu", "geglu", "squared_relu"});
+  m.activation = act == "gelu"     ? Activation::gelu
+               : act == "swiglu"   ? Activation::swiglu
+               : act == "geglu"    ? Activation::geglu
+                                   : Activation::squared_relu;
   const bool llama = m.gated();
   m.F = f.integer_or("ffn_hidden_size", llama ? llama_ffn_size(m.H) : 4 * m.H, 1, kMaxFfn);
   m.V = f.integer("vocab_size", 1, kMaxVocab);
@@ -818,8 +824,11 @@ ModelSpec model_from_hf_config(const Json& j, const std::string& source, int64_t
     }
   }
   // Transformers' defaults when the key is absent: GPT-2 "gelu_new", BLOOM and Falcon
-  // "gelu", the rest (Llama, Mistral, Qwen2, ...) "silu".
-  std::string act = gpt2 || model_type == "gptj" ? "gelu_new" : bloom || falcon ? "gelu" : "silu";
+  // "gelu", Nemotron "relu2", the rest (Llama, Mistral, Qwen2, ...) "silu".
+  std::string act = gpt2 || model_type == "gptj"  ? "gelu_new"
+                    : bloom || falcon             ? "gelu"
+                    : model_type == "nemotron"    ? "relu2"
+                                                  : "silu";
   std::string act_key = "hidden_act";  // (the key read, for the error below)
   for (const char* k : {"hidden_act", "activation_function", "hidden_activation"}) {  // (Gemma 3: the last)
     if (j.contains(k) && !j[k].is_null()) {  // (Gemma's configs give hidden_activation null beside hidden_act)
@@ -834,8 +843,11 @@ ModelSpec model_from_hf_config(const Json& j, const std::string& source, int64_t
     m.activation = Activation::swiglu;
   } else if (act.rfind("gelu", 0) == 0) {
     m.activation = gemma ? Activation::geglu : Activation::gelu;
+  } else if (act == "relu2") {  // squared ReLU, ungated (Nemotron-4, Minitron)
+    m.activation = Activation::squared_relu;
   } else {
-    fail_field(source + "." + act_key, show_value(Json(act)), "must be silu (SwiGLU MLP) or a gelu variant");
+    fail_field(source + "." + act_key, show_value(Json(act)),
+               "must be silu (SwiGLU MLP), a gelu variant or relu2 (squared ReLU)");
   }
   const bool llama = m.gated();
   m.F = get_int({"intermediate_size", "n_inner"}, 1, kMaxFfn, false, llama ? llama_ffn_size(m.H) : 4 * m.H);

@@ -16,7 +16,10 @@
 
 namespace strata {
 
-enum class Activation { gelu, swiglu, geglu };  // swiglu and geglu are gated: fc1 is 2F wide
+// swiglu and geglu are gated: fc1 is 2F wide. squared_relu: max(x, 0)^2 on fc1's F outputs
+// (Megatron-LM's --squared-relu; Nemotron-4's MLP, Hugging Face's hidden_act "relu2").
+enum class Activation { gelu, swiglu, geglu, squared_relu };
+inline bool gated(Activation a) { return a == Activation::swiglu || a == Activation::geglu; }
 enum class Norm { layernorm, rmsnorm };
 enum class Position { learned, rope, alibi, none };
 
@@ -108,7 +111,7 @@ struct ModelSpec {
   // projections and their norms on every rank (Megatron's "duplicated" linears), the up
   // projections and the output projection split.
   int64_t mla_attention_params(int64_t t) const;
-  bool gated() const { return activation != Activation::gelu; }
+  bool gated() const { return strata::gated(activation); }
   // A sliding window that cuts something: shorter than the sequence, on some layer.
   bool windowed() const { return window_size > 0 && window_size < S && window_layers > 0; }
   // The share of the S x S score block a causal layer's fused attention computes, averaged

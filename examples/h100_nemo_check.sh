@@ -6,6 +6,11 @@
 #   nemo-24.12       NVIDIA NeMo Framework 24.12 "Performance Benchmarks", pre-training, FP8,
 #                    DGX-H100 (docs.nvidia.com/nemo-framework/user-guide/24.12/nemotoolkit/
 #                    performance/performance_summary.html; the 24.09 table has the same rows).
+#   nemo-24.07       the Nemotron rows of NeMo 24.07's table (NVIDIA/NeMo docs/source/performance/
+#                    performance_summary.md at 9c5c5e9709; its GPT-3 and Llama rows are the
+#                    24.12 rows' numbers): squared-ReLU models, their JSONs in tests/data/models;
+#                    the 340B with selective recompute and bf16 gradients, as
+#                    NeMo-Framework-Launcher's nemotron_340b.yaml trains it.
 #   nemo-25.02       the NeMo 25.02 performance summary (FP8, NeMo 2.0): GPT-3 175B on DGX-H100
 #                    and the dense models on DGX-B200 (the page docs.nvidia.com/nemo-framework/
 #                    user-guide/latest/performance/performance_summary.html while 25.02 was the

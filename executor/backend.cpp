@@ -56,7 +56,7 @@ float* scratch(Backend* be, int64_t n, Unpacked* keep) {
   if (n > 0) keep->p = be->allocate_uninitialised_in(n, kMemPools - 1);
   return keep->p;
 }
-int64_t activation_width(Activation a, int64_t F) { return a == Activation::gelu ? F : 2 * F; }
+int64_t activation_width(Activation a, int64_t F) { return gated(a) ? 2 * F : F; }
 // The values a row-major (rows x cols) operand of row stride ld spans.
 int64_t span(int64_t rows, int64_t cols, int64_t ld) { return rows == 0 || cols == 0 ? 0 : (rows - 1) * ld + cols; }
 

@@ -154,7 +154,7 @@ void matmul_backward(double* dx, double* dW, double* db, const double* dout, con
 }
 
 // ---------------------------------------------------------------------------------------
-// Activations. gelu is elementwise; the gated pair reads gate g = u[:, j] and up = u[:, F + j]:
+// Activations. gelu and squared ReLU are elementwise; the gated pair reads gate g = u[:, j] and up = u[:, F + j]:
 //   out = act(g) * up,  dg += dout * up * act'(g),  dup += dout * act(g).
 
 void gelu_forward(double* out, const double* x, int64_t N, int64_t F) {
@@ -163,6 +163,15 @@ void gelu_forward(double* out, const double* x, int64_t N, int64_t F) {
 
 void gelu_backward(double* dx, const double* dout, const double* x, int64_t N, int64_t F) {
   for (int64_t i = 0; i < N * F; ++i) dx[i] += dout[i] * gelu_grad(x[i]);
+}
+
+// Squared ReLU: out = max(x, 0)^2, d/dx = 2 max(x, 0).
+void squared_relu_forward(double* out, const double* x, int64_t N, int64_t F) {
+  for (int64_t i = 0; i < N * F; ++i) out[i] = x[i] > 0 ? x[i] * x[i] : 0.0;
+}
+
+void squared_relu_backward(double* dx, const double* dout, const double* x, int64_t N, int64_t F) {
+  for (int64_t i = 0; i < N * F; ++i) dx[i] += x[i] > 0 ? dout[i] * 2.0 * x[i] : 0.0;
 }
 
 namespace {
@@ -390,7 +399,7 @@ void embedding_backward(double* dwte, double* dwpe, const double* dout, const in
 //     x   = x + a proj_w^T + proj_b
 //     h   = norm2(x)
 //     u   = h fc1_w^T + fc1_b               // (N, fc1_out): gated: [gate F | up F]
-//     y   = gelu(u) | swiglu(u) | geglu(u)  // (N, F)
+//     y   = gelu(u) | swiglu(u) | geglu(u) | squared_relu(u)  // (N, F)
 //     x   = x + y fc2_w^T + fc2_b
 //   x = normf(x);  logits = x W^T, W = wte (tied) or lm_head    // (N, V)
 //   loss = mean_n cross-entropy(logits[n], targets[n])
@@ -437,6 +446,7 @@ void act_forward(const ModelSpec& m, double* out, const double* u, int64_t N, in
     case Activation::gelu: gelu_forward(out, u, N, F); break;
     case Activation::swiglu: swiglu_forward(out, u, N, F); break;
     case Activation::geglu: geglu_forward(out, u, N, F); break;
+    case Activation::squared_relu: squared_relu_forward(out, u, N, F); break;
   }
 }
 
@@ -446,6 +456,7 @@ void act_backward(const ModelSpec& m, double* du, const double* dout, const doub
     case Activation::gelu: gelu_backward(du, dout, u, N, F); break;
     case Activation::swiglu: swiglu_backward(du, dout, u, N, F); break;
     case Activation::geglu: geglu_backward(du, dout, u, N, F); break;
+    case Activation::squared_relu: squared_relu_backward(du, dout, u, N, F); break;
   }
 }
 

@@ -76,6 +76,15 @@ void gelu_backward(double* dx,          // (N, F) +=
                    const double* x,     // (N, F)
                    int64_t N, int64_t F);
 
+// ---- Squared ReLU (Megatron-LM's --squared-relu): out = max(x, 0)^2, elementwise.
+void squared_relu_forward(double* out,      // (N, F)
+                          const double* x,  // (N, F)
+                          int64_t N, int64_t F);
+void squared_relu_backward(double* dx,          // (N, F) +=
+                           const double* dout,  // (N, F)
+                           const double* x,     // (N, F)
+                           int64_t N, int64_t F);
+
 // ---- Gated activations on u = [gate | up]: columns [0, F) are the gate g, [F, 2F) the up.
 // swiglu: out = silu(g) * up, silu(g) = g / (1 + exp(-g)).  geglu: out = gelu_tanh(g) * up.
 void swiglu_forward(double* out,      // (N, F)

@@ -175,8 +175,8 @@ CollectiveFit fit(Collective op, const std::vector<CollectiveRow>& rows, int n) 
 double time_kernel(Comm& comm, Backend& be, const MemoryKernel& k, double min_time_s) {
   const Precision r = k.rounded ? Precision::bf16 : Precision::fp32;
   const int64_t n = k.rows * k.width;
-  const bool gated = k.act != Activation::gelu;
-  const int64_t un = gated && (k.kind == KernelKind::activation_forward || k.kind == KernelKind::activation_backward)
+  const bool two_halves = gated(k.act);  // a gated activation reads [gate | up]
+  const int64_t un = two_halves && (k.kind == KernelKind::activation_forward || k.kind == KernelKind::activation_backward)
                          ? 2 * n
                          : n;
   std::vector<float> xh(static_cast<size_t>(un));
@@ -242,12 +242,12 @@ double bus_factor_of(Collective c, int n) {
 
 double kernel_bytes(const MemoryKernel& k) {
   const double n = static_cast<double>(k.rows) * static_cast<double>(k.width), e = 4.0;
-  const bool gated = k.act != Activation::gelu;
+  const bool two_halves = gated(k.act);
   switch (k.kind) {
     case KernelKind::norm_forward: return 2.0 * e * n;
     case KernelKind::norm_backward: return 3.0 * e * n;
-    case KernelKind::activation_forward: return (gated ? 3.0 : 2.0) * e * n;
-    case KernelKind::activation_backward: return (gated ? 5.0 : 3.0) * e * n;
+    case KernelKind::activation_forward: return (two_halves ? 3.0 : 2.0) * e * n;
+    case KernelKind::activation_backward: return (two_halves ? 5.0 : 3.0) * e * n;
     case KernelKind::optimizer: return 40.0 * static_cast<double>(k.width);
     case KernelKind::round16: return 8.0 * n;  // as the cost model charges it (compute.cpp)
   }

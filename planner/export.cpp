@@ -206,6 +206,7 @@ std::string export_megatron(const ModelSpec& m, const Plan& p, const Stack& stac
   flag(fmt::format("--seq-length {}", m.S));
   flag(fmt::format("--max-position-embeddings {}", m.S));
   if (m.activation == Activation::swiglu) flag("--swiglu");
+  if (m.activation == Activation::squared_relu) flag("--squared-relu");
   if (m.activation == Activation::geglu) notes += "# geglu MLP: Megatron-LM needs a gated-GELU activation function (no flag).\n";
   if (m.normalization == Norm::rmsnorm) flag("--normalization RMSNorm");
   if (m.position == Position::rope) flag("--position-embedding-type rope");

@@ -235,27 +235,37 @@ TEST(Calibration, EveryRowThroughTheBinary) {
 // median of the logged train_step_time over its 3 and 10 runs, bf16 gradients and fp8
 // parameter gathers as their logs' DistributedDataParallelConfig says): NVIDIA's tuned
 // MLPerf code, held to 15 % per run (the 405B runs +5 %, the 8B run's one micro-batch a
-// step -14 %: today's model misses something there) and a median of 7 %.
+// step -14 %: today's model misses something there) and a median of 7 %. The three nemo-24.07
+// rows are the Nemotron models of NeMo 24.07's table (NVIDIA/NeMo docs/source/performance/
+// performance_summary.md at 9c5c5e9709; its GPT-3 and Llama rows are the nemo-24.12 rows'
+// numbers): squared-ReLU MLPs, their model JSONs in tests/data/models from NeMo's
+// NemotronConfig (Nemotron3 8B and 22B, Nemotron4 340B: LayerNorm, rope, untied, no biases,
+// 256,000 tokens); the 340B as NeMo-Framework-Launcher's nemotron_340b.yaml trains it
+// (selective recompute, distributed_fused_adam with grad_sync_dtype bf16:
+// grad_reduce_in_fp32=0; with fp32 gradients it would need 87.7 GiB). Held to 15 % per run.
 TEST(Calibration, HopperAndBlackwellRuns) {
   const std::string dir = std::string(STRATA_SOURCE_DIR) + "/tests/data/";
   const auto rows = testing::read_csv(dir + "hopper_runs.csv");
-  ASSERT_EQ(rows.size(), 27u);
+  ASSERT_EQ(rows.size(), 30u);
   // Per run and for the group's median |error| (4.8 %, 10.2 %, 6.3 %, 11.9 % and 5.3 % today,
+  // nemo-24.07's 2.6 %,
   // with fp8 GEMMs at the measured 1.6x of bf16 and "auto" user buffers; 7.3 %, 10.2 %,
   // 13.8 %, 12.2 % and 2.8 % before, by cancellation: see the README).
   const std::map<std::string, double> bound = {{"megatron-bridge", 0.15},
                                                {"nemo-automodel", 0.15},
+                                               {"nemo-24.07", 0.15},
                                                {"nemo-24.12", 0.12},
                                                {"nemo-25.02", 0.20},
                                                {"mlperf", 0.15}};
   const std::map<std::string, double> median_bound = {{"megatron-bridge", 0.07},
                                                       {"nemo-automodel", 0.15},
+                                                      {"nemo-24.07", 0.07},
                                                       {"nemo-24.12", 0.09},
                                                       {"nemo-25.02", 0.15},
                                                       {"mlperf", 0.07}};
   std::map<std::string, std::vector<double>> by_group;
   std::vector<double> all;
-  const RunTable table{16, 12, 52};
+  const RunTable table{16, 14, 52};
   table.header();
   for (const auto& r : rows) {
     const PublishedRun x = run_published(r, dir);
@@ -276,7 +286,7 @@ TEST(Calibration, HopperAndBlackwellRuns) {
     EXPECT_LE(median(v), median_bound.at(g)) << g;
   }
   fmt::print("  all              {:>2} runs  median |error| {:>5.1f}%\n", all.size(), 100 * median(all));
-  EXPECT_LE(median(all), 0.08);
+  EXPECT_LE(median(all), 0.08);  // 6.1 % today
 }
 
 // PyTorch FSDP2 runs on A100s (tests/data/fsdp_runs.csv): torchtitan's published Llama 2
@@ -308,6 +318,64 @@ TEST(Calibration, TorchtitanFsdpRuns) {
              100 * *std::max_element(errs.begin(), errs.end()));
   EXPECT_EQ(errs.size(), rows.size());
   EXPECT_LE(median(errs), 0.08);
+}
+
+// Long sequences under context parallelism (tests/data/long_sequence_runs.csv): NeMo's
+// "Long Sequence Performance" page (NVIDIA/NeMo docs/source/performance/
+// performance_long_sequence.md, as of 19fadb67b0, 2025-05-08): Llama 2 7B on H100 (NeMo
+// 24.03.01) at 4K-1M tokens, 4-1024 GPUs, and Llama 3 8B on B200 (NeMo 25.04.rc2) at 8K-1M
+// tokens, 2-256 GPUs, FP8, each with its table's TP, PP, DP and CP and 4M tokens a step.
+// The B200 rows' GPU counts are TP x CP x DP, as the page's first version of that table
+// (14d427f575) gave them; the later one repeats the H100 table's counts, which its own
+// parallel sizes do not multiply to. The page gives model TFLOP/s per GPU by NeMo's
+// formula of its day (nemo/utils/flops_formulas.py llama2 and llama3 before 6251117f4c,
+// 2025-08, which halved the attention term for causal masks): per token
+// L H^2 (12 + 12 G/A + 18 F/H + 12 S/H + 6 V/(L H)), V unpadded. The csv carries that figure
+// and tokens per second: the H100 rows' as measured (the same table in NeMo's
+// performance_summary.md at 35029a0c84, "Long Input Sequences"), the B200 rows' from the
+// formula; the test checks that the two agree (the H100 rows within 0.2 %, the TFLOP/s being
+// rounded to three figures).
+// Micro-batch 1, the distributed optimizer and sequence parallelism with TP (NeMo's
+// defaults), nothing else. Attention is 14 % of the model FLOPs at 4K and 97 % at 1M, so these
+// rows judge the fused attention's efficiency and the context-parallel ring: the H100
+// runs of 2024 ran 10-13 % slower than the preset's 45 % / 35 % of peak gives from 16K
+// on, the B200 ones of 2025 up to 12 % faster at 256K-1M. A guard as above, not a fit.
+TEST(Calibration, LongSequenceContextParallelRuns) {
+  const std::string dir = std::string(STRATA_SOURCE_DIR) + "/tests/data/";
+  const auto rows = testing::read_csv(dir + "long_sequence_runs.csv");
+  ASSERT_EQ(rows.size(), 17u);
+  const std::map<std::string, double> median_bound = {{"nemo-24.03-cp", 0.13}, {"nemo-25.04-cp", 0.08}};
+  std::map<std::string, std::vector<double>> by_group;
+  std::vector<double> all;
+  const RunTable table{14, 16, 48};
+  table.header();
+  for (const auto& r : rows) {
+    const PublishedRun x = run_published(r, dir);
+    if (!x.e.valid) continue;
+    // NeMo's count, from the model's own dimensions (V as given, before Megatron's padding).
+    const ModelSpec& m = x.m;
+    const double L = static_cast<double>(m.L), H = static_cast<double>(m.H);
+    const double per_token = L * H * H *
+                             (12.0 + 12.0 * static_cast<double>(m.G) / static_cast<double>(m.A) +
+                              18.0 * static_cast<double>(m.F) / H + 12.0 * static_cast<double>(m.S) / H +
+                              6.0 * static_cast<double>(m.V) / (L * H));
+    EXPECT_NEAR(std::stod(r.at("model_tflops_per_gpu")) * 1e12 / per_token / std::stod(r.at("tokens_per_s_per_gpu")),
+                1.0, 3e-3)
+        << r.at("label");
+    table.row(r, x);
+    by_group[r.at("group")].push_back(std::fabs(x.err));
+    all.push_back(std::fabs(x.err));
+    EXPECT_LE(std::fabs(x.err), 0.15) << r.at("label") << " " << r.at("plan");
+    EXPECT_TRUE(x.e.fits) << r.at("label") << " " << r.at("plan") << ": ran but is predicted not to fit";
+  }
+  for (const auto& [g, v] : by_group) {
+    fmt::print("  {:<14} {:>2} runs  median |error| {:>5.1f}%  max {:>5.1f}%\n", g, v.size(), 100 * median(v),
+               100 * *std::max_element(v.begin(), v.end()));
+    EXPECT_LE(median(v), median_bound.at(g)) << g;
+  }
+  fmt::print("  all            {:>2} runs  median |error| {:>5.1f}%\n", all.size(), 100 * median(all));
+  EXPECT_EQ(all.size(), rows.size());
+  EXPECT_LE(median(all), 0.11);
 }
 
 // Mixture-of-experts runs (tests/data/moe_runs.csv): Megatron-Bridge 26.04.01's Qwen3

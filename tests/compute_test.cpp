@@ -535,6 +535,40 @@ TEST(Compute, StrataSixteenBitPasses) {
   EXPECT_DOUBLE_EQ(bytes(bf16, "pack16", Phase::forward), 0.0);
 }
 
+// Squared ReLU is ungated like GELU and elementwise: on every stack and recompute mode each op
+// of its layer costs as GELU's does (the same fc1 of F columns, the same bytes through the
+// activation: tiny-gpt's bf16 forward 2,097,152, StrataSixteenBitOperandsAsStored below), under
+// its own name.
+TEST(Compute, SquaredReluCostsAsGelu) {
+  const ModelSpec g = load_model("tiny-gpt");
+  ModelSpec r = g;
+  r.activation = Activation::squared_relu;
+  for (bool strata : {false, true}) {
+    Cluster c = testing::round_cluster();
+    c.strata_stack = strata;
+    for (const char* plan : {"tp=1,mbs=2,precision=bf16", "tp=2,sp=1,mbs=2,precision=bf16,recompute=full",
+                             "tp=2,mbs=1,precision=fp32,recompute=selective"}) {
+      const auto a = layer_ops(g, c, load_plan(plan)), b = layer_ops(r, c, load_plan(plan));
+      ASSERT_EQ(a.size(), b.size()) << plan;
+      int renamed = 0;
+      for (size_t i = 0; i < a.size(); ++i) {
+        EXPECT_EQ(a[i].name == "gelu" ? "squared_relu" : a[i].name, b[i].name) << plan;
+        renamed += a[i].name == "gelu" ? 1 : 0;
+        EXPECT_EQ(a[i].phase, b[i].phase);
+        EXPECT_EQ(a[i].flops, b[i].flops) << a[i].name;
+        EXPECT_EQ(a[i].bytes, b[i].bytes) << a[i].name;
+        EXPECT_EQ(a[i].time_s, b[i].time_s) << a[i].name;
+      }
+      EXPECT_GE(renamed, 2) << plan;  // forward and backward
+    }
+    if (strata) {
+      EXPECT_DOUBLE_EQ(sum_of(layer_ops(r, c, load_plan("tp=1,mbs=2,precision=bf16")), "squared_relu", Phase::forward,
+                              &OpCost::bytes),
+                       2097152.0);
+    }
+  }
+}
+
 // The same where the GEMMs read 16-bit operands as stored (a GPU: the CUDA backend). Every
 // GEMM input is stored in 16 bits once where it is made and read so: written so by the op
 // that makes it (the norms, the activation, the activation's backward) or packed after it

@@ -315,9 +315,10 @@ TEST_F(Emulated, SixteenBitRoundingBitForBit) {
 
 TEST_F(Emulated, ActivationsForwardAndBackward) {
   const int64_t N = 33, F = 70;
-  for (auto [a, kind] : {std::pair{Activation::gelu, 0}, {Activation::swiglu, 1}, {Activation::geglu, 2}}) {
+  for (auto [a, kind] : {std::pair{Activation::gelu, 0}, {Activation::swiglu, 1}, {Activation::geglu, 2},
+                         {Activation::squared_relu, 3}}) {
     SCOPED_TRACE(to_string(a));
-    const int64_t width = a == Activation::gelu ? F : 2 * F;
+    const int64_t width = gated(a) ? 2 * F : F;
     const Vec u = random(N * width, 2.0f), dout = random(N * F);
     Vec out(N * F), du(N * width);
     cpu_->activation_forward(a, out.data(), u.data(), N, F);

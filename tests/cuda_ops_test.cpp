@@ -413,9 +413,9 @@ TEST_F(CudaOps, NormAndActivationBackwardsReadStoredInputs) {
       EXPECT_EQ(sw, dw);
       EXPECT_EQ(sb, db);
     }
-    for (Activation a : {Activation::gelu, Activation::swiglu, Activation::geglu}) {
+    for (Activation a : {Activation::gelu, Activation::swiglu, Activation::geglu, Activation::squared_relu}) {
       SCOPED_TRACE(to_string(a));
-      const int64_t width = a == Activation::gelu ? F : 2 * F;
+      const int64_t width = gated(a) ? 2 * F : F;
       Vec u = random(N * width, 2.0f);
       cpu_->round_to(u.data(), N * width, p);
       const std::vector<uint16_t> u16 = sixteen(u, p);
@@ -472,9 +472,9 @@ TEST_F(CudaOps, OpsWriteSixteenBitOutputsAsPack16Would) {
       cpu_->unpack16(back.data(), got.data(), N * H, p);
       expect_close(back, out, 1e-2, "16-bit norm output");
     }
-    for (Activation a : {Activation::gelu, Activation::swiglu, Activation::geglu}) {
+    for (Activation a : {Activation::gelu, Activation::swiglu, Activation::geglu, Activation::squared_relu}) {
       SCOPED_TRACE(to_string(a));
-      const int64_t width = a == Activation::gelu ? F : 2 * F;
+      const int64_t width = gated(a) ? 2 * F : F;
       Vec u = random(N * width, 2.0f);
       cpu_->round_to(u.data(), N * width, p);
       const float* gu = dev(u);
@@ -642,8 +642,8 @@ TEST_F(CudaOps, ColumnReductionsOverManyRows) {
 
 void CudaOps::activations_case() {
   const int64_t N = 9, F = 70;
-  for (Activation a : {Activation::gelu, Activation::swiglu, Activation::geglu}) {
-    const int64_t width = a == Activation::gelu ? F : 2 * F;
+  for (Activation a : {Activation::gelu, Activation::swiglu, Activation::geglu, Activation::squared_relu}) {
+    const int64_t width = gated(a) ? 2 * F : F;
     const Vec u = random(N * width, 3.0f), dout = random(N * F);
     Vec out = nans(N * F), du = nans(N * width);
     float *gu = dev(u), *gout = dev(out), *gdout = dev(dout), *gdu = dev(du);
@@ -1155,8 +1155,8 @@ TEST_F(CudaOps, OutputsRoundedAsTheyAreWritten) {
     check("rmsnorm", N * H, p, [&](Backend* be, float* o, float* st, Precision r, bool g) {
       be->rmsnorm_forward(o, st, g ? gx : x.data(), g ? gw : w.data(), N, H, r);
     });
-    for (Activation act : {Activation::gelu, Activation::swiglu}) {
-      const int64_t width = act == Activation::gelu ? F : 2 * F;
+    for (Activation act : {Activation::gelu, Activation::swiglu, Activation::squared_relu}) {
+      const int64_t width = gated(act) ? 2 * F : F;
       check("activation", N * F, p, [&](Backend* be, float* o, float*, Precision r, bool g) {
         be->activation_forward(act, o, g ? gu : u.data(), N, F, r);
       });

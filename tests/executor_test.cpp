@@ -249,8 +249,8 @@ TEST(CpuBackend, ActivationsMatchReference) {
   auto be = make_cpu_backend();
   Rand r;
   const int64_t N = 5, F = 24;
-  for (Activation act : {Activation::gelu, Activation::swiglu, Activation::geglu}) {
-    const int64_t W = act == Activation::gelu ? F : 2 * F;
+  for (Activation act : {Activation::gelu, Activation::swiglu, Activation::geglu, Activation::squared_relu}) {
+    const int64_t W = gated(act) ? 2 * F : F;
     auto u = r.normal(N * W, 2.0), dout = r.normal(N * F);
     std::vector<float> out(static_cast<size_t>(N * F)), du(static_cast<size_t>(N * W));
     be->activation_forward(act, out.data(), u.data(), N, F);
@@ -259,6 +259,9 @@ TEST(CpuBackend, ActivationsMatchReference) {
     if (act == Activation::gelu) {
       ref::gelu_forward(o.data(), ud.data(), N, F);
       ref::gelu_backward(dud.data(), dd.data(), ud.data(), N, F);
+    } else if (act == Activation::squared_relu) {
+      ref::squared_relu_forward(o.data(), ud.data(), N, F);
+      ref::squared_relu_backward(dud.data(), dd.data(), ud.data(), N, F);
     } else if (act == Activation::swiglu) {
       ref::swiglu_forward(o.data(), ud.data(), N, F);
       ref::swiglu_backward(dud.data(), dd.data(), ud.data(), N, F);
@@ -705,6 +708,14 @@ ModelSpec spec_mixed() {  // geglu, layernorm, rope, untied, biases, G = 1, D = 
   return m;
 }
 
+ModelSpec spec_nemotron() {  // squared ReLU (ungated), layernorm, rope, untied, no biases
+  ModelSpec m = spec_llama();
+  m.name = "exec-nemotron";
+  m.activation = Activation::squared_relu;
+  m.normalization = Norm::layernorm;
+  return m;
+}
+
 // One forward and backward of the executor's model functions over the global layout.
 double executor_loss_and_grads(const ModelSpec& m, Recompute rc, bool flash, const std::vector<float>& params,
                                const std::vector<int32_t>& tokens, const std::vector<int32_t>& targets, int64_t B,
@@ -802,6 +813,11 @@ TEST(ExecutorModel, LlamaMatchesReference) {
   for (Recompute rc : {Recompute::none, Recompute::selective, Recompute::full}) check_against_reference(spec_llama(), rc);
 }
 TEST(ExecutorModel, MixedMatchesReference) { check_against_reference(spec_mixed(), Recompute::none); }
+TEST(ExecutorModel, NemotronMatchesReference) {
+  for (Recompute rc : {Recompute::none, Recompute::full}) check_against_reference(spec_nemotron(), rc);
+  check_against_reference(spec_nemotron(), Recompute::selective, true);
+  check_against_reference(spec_nemotron(), Recompute::none, true, Precision::bf16, 2e-2);
+}
 // The fused attention (the plan's attention: flash) in the whole model: every gradient as
 // the double reference's, with the log-sum-exp kept, recomputed (selective) and under full
 // recompute.
@@ -849,7 +865,7 @@ TEST(ProcessGrid, MegatronOrderExample) {
 }
 
 TEST(ParamLayout, TensorParallelShardsCoverTheGlobalTensorsOnce) {
-  for (const ModelSpec& m : {spec_gpt(), spec_llama(), spec_mixed()}) {
+  for (const ModelSpec& m : {spec_gpt(), spec_llama(), spec_mixed(), spec_nemotron()}) {
     const ParamLayout g = global_param_layout(m);
     for (int64_t t : {2, 4}) {
       if (m.G % t) continue;

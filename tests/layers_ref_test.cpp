@@ -260,20 +260,38 @@ TEST(LayersRef, ActivationsForwardKnownValues) {
   EXPECT_NEAR(y[1], 0.5 * -0.04540230591222494, 1e-15);
 }
 
-TEST(LayersRef, GeluBackwardMatchesFiniteDifferences) {
-  const int64_t N = 4, F = 9;
-  Rng rng(4);
-  Vec x = randn(rng, N * F, 2.0), R = randn(rng, N * F);
-  auto f = [&] {
-    Vec out(N * F);
-    ref::gelu_forward(out.data(), x.data(), N, F);
-    return dot(out, R);
-  };
-  Accum dx(rng, N * F);
-  ref::gelu_backward(dx.data(), R.data(), x.data(), N, F);
-  double worst = 0.0;
-  expect_fd("gelu dx", &x, dx.grad(), f, &worst);
-  print_worst("gelu", worst);
+TEST(LayersRef, SquaredReluKnownValues) {
+  // max(x, 0)^2: 0 at x <= 0, 2.25 at 1.5; its derivative 2 max(x, 0): 3 at 1.5, 0 below 0.
+  const Vec x0 = {-2.0, 0.0, 1.5};
+  Vec out(3), d(3, 0.0);
+  const Vec ones(3, 1.0);
+  ref::squared_relu_forward(out.data(), x0.data(), 1, 3);
+  ref::squared_relu_backward(d.data(), ones.data(), x0.data(), 1, 3);
+  EXPECT_EQ(out, (Vec{0.0, 0.0, 2.25}));
+  EXPECT_EQ(d, (Vec{0.0, 0.0, 3.0}));
+}
+
+TEST(LayersRef, UngatedBackwardsMatchFiniteDifferences) {  // gelu and squared ReLU
+  using Fwd = void (*)(double*, const double*, int64_t, int64_t);
+  using Bwd = void (*)(double*, const double*, const double*, int64_t, int64_t);
+  const struct { const char* name; Fwd fwd; Bwd bwd; uint64_t seed; } cases[] = {
+      {"gelu", ref::gelu_forward, ref::gelu_backward, 4},
+      {"squared_relu", ref::squared_relu_forward, ref::squared_relu_backward, 7}};
+  for (const auto& k : cases) {
+    const int64_t N = 4, F = 9;
+    Rng rng(k.seed);
+    Vec x = randn(rng, N * F, 2.0), R = randn(rng, N * F);
+    auto f = [&] {
+      Vec out(N * F);
+      k.fwd(out.data(), x.data(), N, F);
+      return dot(out, R);
+    };
+    Accum dx(rng, N * F);
+    k.bwd(dx.data(), R.data(), x.data(), N, F);
+    double worst = 0.0;
+    expect_fd(std::string(k.name) + " dx", &x, dx.grad(), f, &worst);
+    print_worst(k.name, worst);
+  }
 }
 
 TEST(LayersRef, GatedBackwardsMatchFiniteDifferences) {  // swiglu and geglu
@@ -553,6 +571,17 @@ ModelSpec tiny_mixed() {
   return m;
 }
 
+// Nemotron-4's layer: squared ReLU (ungated, fc1 F wide) with layernorm, rope, untied, no
+// biases and grouped-query attention.
+ModelSpec tiny_nemotron() {
+  ModelSpec m = tiny_llama();
+  m.name = "test-nemotron";
+  m.F = 32;
+  m.activation = Activation::squared_relu;
+  m.normalization = Norm::layernorm;
+  return m;
+}
+
 bool is_norm_or_bias(TensorKind k) {
   switch (k) {
     case TensorKind::ln1_w: case TensorKind::ln1_b: case TensorKind::ln2_w: case TensorKind::ln2_b:
@@ -577,7 +606,11 @@ Vec model_params(const ModelSpec& m, bool perturb, Rng& rng) {
   return p;
 }
 
-void check_model_gradients(const ModelSpec& m, int64_t B, int64_t S, uint64_t seed) {
+// fd_how: the stencil, its step scaled to each tensor's values (the five-point stencil, or for
+// a kinked activation, squared ReLU, whose second derivative jumps at 0, central differences
+// over a step 100x smaller: a pre-activation the step carries across 0 costs an error of the
+// step's order, which the smooth stencil's wide step made 1e-5).
+void check_model_gradients(const ModelSpec& m, int64_t B, int64_t S, uint64_t seed, Fd fd_how = Fd{kModelStep, true}) {
   Rng rng(seed);
   const ParamLayout lay = global_param_layout(m);
   const int64_t V = executor_vocab(m);
@@ -610,8 +643,8 @@ void check_model_gradients(const ModelSpec& m, int64_t B, int64_t S, uint64_t se
     const double rms = std::sqrt(sq / static_cast<double>(s.size()));
     std::string what = m.name + " " + to_string(s.kind);
     if (s.layer >= 0) what += "[" + std::to_string(s.layer) + "]";
-    std::printf("  %-28s max |grad| %.2e, step %.1e\n", what.c_str(), max_abs(g), kModelStep * rms);
-    expect_fd(what, &params, g, f, &worst, which, Fd{kModelStep * rms, true});
+    std::printf("  %-28s max |grad| %.2e, step %.1e\n", what.c_str(), max_abs(g), fd_how.step * rms);
+    expect_fd(what, &params, g, f, &worst, which, Fd{fd_how.step * rms, fd_how.fourth_order});
   }
   print_worst(m.name.c_str(), worst);
   // Learned positions past S get no gradient.
@@ -627,12 +660,16 @@ TEST(ModelRef, LlamaGradientsMatchFiniteDifferences) { check_model_gradients(tin
 
 TEST(ModelRef, MixedGradientsMatchFiniteDifferences) { check_model_gradients(tiny_mixed(), 2, 8, 23); }
 
+TEST(ModelRef, NemotronGradientsMatchFiniteDifferences) {
+  check_model_gradients(tiny_nemotron(), 2, 8, 24, Fd{kModelStep / 100, false});
+}
+
 TEST(ModelRef, LossAtInitIsNearLogV) {
   // At initialisation a logit is x . w with x of unit rms (the final norm's output) and w
   // ~ N(0, 0.02^2): spread ~0.02 * sqrt(H) = 0.08. A token's loss is then log V - z_target +
   // ~0.08^2 / 2, and the mean over B*S = 32 tokens lies within a few 0.08 / sqrt(32) = 0.014
   // of log V = log 128 = 4.852.
-  for (const ModelSpec& m : {tiny_gpt(), tiny_llama(), tiny_mixed()}) {
+  for (const ModelSpec& m : {tiny_gpt(), tiny_llama(), tiny_mixed(), tiny_nemotron()}) {
     Rng rng(31);
     const int64_t B = 4, S = 8, V = executor_vocab(m);
     ASSERT_EQ(V, 128);

@@ -428,6 +428,35 @@ TEST(MegatronArgs, ActivationOffloadingFlags) {
             std::string::npos);
 }
 
+// Squared ReLU (Nemotron-4's MLP): the export says --squared-relu, and the launch reads it
+// back as the same model, its MLP ungated and 4h wide where no --ffn-hidden-size is given.
+TEST(MegatronArgs, SquaredReluRoundTrips) {
+  const ModelSpec m = model_from_json(Json::parse(R"({"num_layers":4,"hidden_size":1024,"num_attention_heads":16,
+      "num_query_groups":4,"ffn_hidden_size":4096,"vocab_size":32000,"seq_length":2048,"activation":"squared_relu",
+      "position_embedding":"rope","tie_embeddings":false,"add_bias_linear":false,"attention_dropout":0,
+      "hidden_dropout":0})"), "model");
+  const Plan p = load_plan("tp=2,dp=4,mbs=1,gbs=32,zero=1,sp=1,precision=bf16");
+  const std::string flags = export_megatron(m, p, resolve_stack(m, load_cluster("dgx-h100-80g"), p)) +
+                            fmt::format(" --vocab-size {}", m.V);
+  EXPECT_NE(flags.find("--squared-relu"), std::string::npos) << flags;
+  EXPECT_EQ(flags.find("--swiglu"), std::string::npos) << flags;
+  const LaunchInputs in = launch_inputs(parse_megatron_launch(flags, "export"), p.world_size(), "export");
+  EXPECT_EQ(in.model.activation, Activation::squared_relu);
+  EXPECT_EQ(in.model.total_params(), m.total_params());
+  const LaunchInputs d = launch_inputs(
+      parse_megatron_launch("--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 128 "
+                            "--vocab-size 1000 --squared-relu",
+                            "launch"),
+      1, "launch");
+  EXPECT_EQ(d.model.activation, Activation::squared_relu);
+  EXPECT_EQ(d.model.F, 256);
+  EXPECT_NE(error_of("--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 128 --vocab-size 512 "
+                     "--swiglu --squared-relu",
+                     1)
+                .find("keep one"),
+            std::string::npos);
+}
+
 TEST(MegatronArgs, MegatronDefaultsForAbsentFlags) {
   const MegatronLaunch l = parse_megatron_launch(
       "--num-layers 2 --hidden-size 4096 --num-attention-heads 32 --num-query-groups 8 --seq-length 128 "

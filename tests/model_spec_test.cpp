@@ -109,6 +109,17 @@ TEST(ModelSpec, ModelJsonDefaultsFollowTheActivation) {
   EXPECT_FALSE(l.tie_embeddings);
   EXPECT_FALSE(l.bias);
   EXPECT_EQ(l.position, Position::rope);
+  // Squared ReLU is ungated: fc1 is F wide, F = 4H, and the GPT-style defaults stay.
+  const ModelSpec r = model_from_json(Json::parse(R"({"num_layers":2,"hidden_size":64,"num_attention_heads":4,
+      "vocab_size":100,"seq_length":32,"activation":"squared_relu"})"), "model");
+  EXPECT_EQ(r.activation, Activation::squared_relu);
+  EXPECT_FALSE(r.gated());
+  EXPECT_EQ(r.F, 256);
+  EXPECT_EQ(r.fc1_out(), 256);
+  EXPECT_EQ(r.normalization, Norm::layernorm);
+  EXPECT_TRUE(r.tie_embeddings);
+  EXPECT_EQ(std::string(to_string(r.activation)), "squared_relu");
+  EXPECT_EQ(model_to_json(r).at("activation"), "squared_relu");
 }
 
 // A model JSON written with Megatron-LM's argument names (as its launch flags or a config
@@ -154,6 +165,11 @@ TEST(ModelSpec, MegatronArgumentNames) {
     EXPECT_NE(message(json.c_str()).find("keep one"), std::string::npos) << json;
   }
   EXPECT_NE(message(("{" + base + R"(,"swiglu":"yes"})").c_str()).find("model.swiglu"), std::string::npos);
+  // Megatron-LM's --squared-relu, and beside --swiglu: one activation too many.
+  EXPECT_EQ(model_from_json(Json::parse("{" + base + R"(,"squared_relu":true})"), "model").activation,
+            Activation::squared_relu);
+  EXPECT_NE(message(("{" + base + R"(,"swiglu":true,"squared_relu":true})").c_str()).find("keep one"),
+            std::string::npos);
   // The same value under two names is one; GQA groups without Megatron's switch contradict it.
   EXPECT_EQ(message(("{" + base + R"(,"position_embedding_type":"rope","use_rotary_position_embeddings":true})").c_str()),
             "no error");
@@ -285,6 +301,43 @@ TEST(ModelSpec, HuggingFaceFamiliesTheirClassDefaults) {
 // rope_scaling names the pre-training length (8192). The sequence stays the config's, as
 // documented; the pre-training length is kept for the CLI's note, and dropped when
 // --seq-length gives the sequence or when the scaling does not shorten it.
+// Nemotron-4 and Minitron (model_type nemotron): squared ReLU ("relu2", NemotronConfig's
+// default), LayerNorm (norm_eps; Nemotron's LayerNorm1P costs as one), untied, no biases,
+// rotary positions (on partial_rotary_factor of each head: costed as whole heads). Minitron-8B-
+// Base's config.json; parameters by hand: embedding and output layer 2 x 256000 x 4096 =
+// 2,097,152,000; a layer's QKV 4096 x (48 + 2 x 8) x 128 = 33,554,432, projection 6144 x 4096 =
+// 25,165,824, fc1 and fc2 2 x 4096 x 16384 = 134,217,728, two LayerNorms 4 x 4096 = 16,384:
+// 192,954,368, x 32 = 6,174,539,776; the final LayerNorm 8,192: 8,271,699,968 (its model card's
+// 8.27B).
+TEST(ModelSpec, HuggingFaceNemotronConfig) {
+  const ModelSpec m = model_from_hf_config(Json::parse(R"({"architectures":["NemotronForCausalLM"],"head_dim":128,
+      "hidden_act":"relu2","hidden_size":4096,"intermediate_size":16384,"max_position_embeddings":4096,
+      "model_type":"nemotron","norm_eps":1e-05,"num_attention_heads":48,"num_hidden_layers":32,"num_key_value_heads":8,
+      "partial_rotary_factor":0.5,"rope_theta":10000,"tie_word_embeddings":false,"vocab_size":256000})"), "config.json");
+  EXPECT_EQ(m.activation, Activation::squared_relu);
+  EXPECT_EQ(m.fc1_out(), 16384);
+  EXPECT_EQ(m.normalization, Norm::layernorm);
+  EXPECT_EQ(m.position, Position::rope);
+  EXPECT_FALSE(m.tie_embeddings);
+  EXPECT_FALSE(m.bias);
+  EXPECT_EQ(m.D(), 128);
+  EXPECT_EQ(m.G, 8);
+  EXPECT_EQ(m.total_params(), 8271699968.0);
+  // Without hidden_act, NemotronConfig's relu2; ReLU alone is not read.
+  EXPECT_EQ(model_from_hf_config(Json::parse(R"({"model_type":"nemotron","num_hidden_layers":2,"hidden_size":64,
+      "num_attention_heads":4,"vocab_size":100,"max_position_embeddings":32})"), "config.json").activation,
+            Activation::squared_relu);
+  try {
+    model_from_hf_config(Json::parse(R"({"model_type":"opt","num_hidden_layers":2,"hidden_size":64,
+        "num_attention_heads":4,"vocab_size":100,"max_position_embeddings":32,"activation_function":"relu"})"),
+                         "config.json");
+    ADD_FAILURE() << "relu read";
+  } catch (const InputError& e) {
+    EXPECT_NE(std::string(e.what()).find("config.json.activation_function: \"relu\""), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find("relu2 (squared ReLU)"), std::string::npos) << e.what();
+  }
+}
+
 TEST(ModelSpec, HuggingFaceRopeScalingKeepsThePretrainingLength) {
   const Json hf = Json::parse(R"({"model_type":"llama","hidden_size":4096,"intermediate_size":14336,
       "num_attention_heads":32,"num_hidden_layers":32,"num_key_value_heads":8,"vocab_size":128256,

@@ -145,6 +145,35 @@ TEST(Profile, BusFactorsAreNcclTests) {
   EXPECT_DOUBLE_EQ(bus_factor_of(Collective::send_recv, 8), 1.0);
 }
 
+// The activation kernels' bytes in the cost model's units (compute.cpp): an ungated activation
+// (GELU, squared ReLU) reads u and writes y, 2 x 4 bytes a value forward, and reads u and dy
+// and writes du backward, 3 x 4; a gated one reads both halves: 3 x 4 and 5 x 4. Over 8 rows of
+// 16 values (128): 1,024 and 1,536 ungated, 1,536 and 2,560 gated.
+TEST(Profile, ActivationKernelBytes) {
+  for (Activation a : {Activation::gelu, Activation::squared_relu, Activation::swiglu, Activation::geglu}) {
+    MemoryKernel k;
+    k.rows = 8;
+    k.width = 16;
+    k.act = a;
+    k.kind = KernelKind::activation_forward;
+    EXPECT_DOUBLE_EQ(kernel_bytes(k), gated(a) ? 1536.0 : 1024.0) << to_string(a);
+    k.kind = KernelKind::activation_backward;
+    EXPECT_DOUBLE_EQ(kernel_bytes(k), gated(a) ? 2560.0 : 1536.0) << to_string(a);
+  }
+  // Squared ReLU's model profiles its own activation, ungated.
+  ModelSpec m = load_model("tiny-gpt");
+  m.activation = Activation::squared_relu;
+  int activations = 0;
+  for (const MemoryKernel& k : model_memory_kernels(m, 1))
+    if (k.kind == KernelKind::activation_forward || k.kind == KernelKind::activation_backward) {
+      EXPECT_EQ(k.act, Activation::squared_relu);
+      EXPECT_DOUBLE_EQ(kernel_bytes(k), static_cast<double>(k.rows * k.width) * 4.0 *
+                                            (k.kind == KernelKind::activation_forward ? 2.0 : 3.0));
+      ++activations;
+    }
+  EXPECT_GT(activations, 0);
+}
+
 TEST(Profile, BadBackendExitsTwoOnEveryRank) {
   const std::string err = ::testing::TempDir() + "strata_profile_bad.err";
   EXPECT_EQ(sh(kMpi + " profile --backend tpu > /dev/null 2> " + err), 2);

@@ -224,7 +224,7 @@ class CpuBackend final : public Backend {
   // Eigen's vectorised tanh and exp, uninstrumented under the sanitizers (cpu_eltwise.h).
   // (With `round`, in blocks of rows, each rounded while it is in cache.)
   void activation_forward(Activation act, float* out, const float* u, int64_t N, int64_t F, Precision round) override {
-    const int64_t U = act == Activation::gelu ? F : 2 * F;
+    const int64_t U = gated(act) ? 2 * F : F;
     check_span(u, N, U, U);
     check_span(out, N, F, F);
     by_row_blocks(N, U + F, round, [&](int64_t r0, int64_t rows) {
@@ -234,7 +234,7 @@ class CpuBackend final : public Backend {
   }
   void activation_backward(Activation act, float* du, const float* dout, const float* u, int64_t N, int64_t F,
                            Precision round) override {
-    const int64_t U = act == Activation::gelu ? F : 2 * F;
+    const int64_t U = gated(act) ? 2 * F : F;
     check_span(u, N, U, U);
     check_span(du, N, U, U);
     check_span(dout, N, F, F);

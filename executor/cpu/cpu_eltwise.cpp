@@ -31,11 +31,24 @@ void silu_row(float* out, const float* x_, int64_t n, float* grad) {
   AMap(out, n) = x * s;
 }
 
+// Squared ReLU max(x, 0)^2 and its derivative 2 max(x, 0) (a NaN input gives 0, as the
+// reference's x > 0 test and the CUDA kernel's fmaxf do).
+void squared_relu_row(float* out, const float* x_, int64_t n, float* grad) {
+  const CAMap x(x_, n);
+  const Eigen::ArrayXf r = (x > 0.0f).select(x, 0.0f);
+  if (grad) AMap(grad, n) = 2.0f * r;
+  AMap(out, n) = r.square();
+}
+
 }  // namespace
 
 void cpu_activation_forward(Activation act, float* out, const float* u, int64_t N, int64_t F) {
   if (act == Activation::gelu) {
     for (int64_t i = 0; i < N; ++i) gelu_row(out + i * F, u + i * F, F, nullptr);
+    return;
+  }
+  if (act == Activation::squared_relu) {
+    for (int64_t i = 0; i < N; ++i) squared_relu_row(out + i * F, u + i * F, F, nullptr);
     return;
   }
   thread_local Eigen::ArrayXf a;  // scratch (no standard containers here: cpu_eltwise.h)
@@ -52,9 +65,10 @@ void cpu_activation_backward(Activation act, float* du, const float* dout, const
   thread_local Eigen::ArrayXf a, da;  // scratch
   if (a.size() < F) a.resize(F);
   if (da.size() < F) da.resize(F);
-  if (act == Activation::gelu) {
+  if (!gated(act)) {
     for (int64_t i = 0; i < N; ++i) {
-      gelu_row(a.data(), u + i * F, F, da.data());
+      if (act == Activation::gelu) gelu_row(a.data(), u + i * F, F, da.data());
+      else squared_relu_row(a.data(), u + i * F, F, da.data());
       AMap(du + i * F, F) = CAMap(dout + i * F, F) * CAMap(da.data(), F);
     }
     return;

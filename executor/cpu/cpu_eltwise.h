@@ -15,7 +15,8 @@
 
 namespace strata {
 
-// out(N, F) = act(u) where u is (N, F), or (N, 2F) for the gated activations (gate, then up).
+// out(N, F) = act(u) where u is (N, F) (gelu, squared_relu), or (N, 2F) for the gated
+// activations (gate, then up).
 void cpu_activation_forward(Activation act, float* out, const float* u, int64_t N, int64_t F);
 // du (the shape of u) = dout(N, F) * act'(u), the gated ones' two halves.
 void cpu_activation_backward(Activation act, float* du, const float* dout, const float* u, int64_t N, int64_t F);

@@ -1,5 +1,6 @@
-// GELU (tanh form), SwiGLU and GeGLU forward and backward, element-wise, as the CPU backend:
-// gelu on u (N, F); the gated ones read gate = u[:, j] and up = u[:, F + j] of u (N, 2F).
+// GELU (tanh form), squared ReLU, SwiGLU and GeGLU forward and backward, element-wise, as the
+// CPU backend: gelu and squared ReLU on u (N, F); the gated ones read gate = u[:, j] and
+// up = u[:, F + j] of u (N, 2F).
 #include "executor/cuda/check.h"
 #include "executor/cuda/kernels.h"
 #include "executor/cuda/reduce.cuh"
@@ -23,7 +24,18 @@ __device__ inline float silu(float x, float* grad) {
   return x * s;
 }
 
+__device__ inline float squared_relu(float x, float* grad) {
+  const float r = fmaxf(x, 0.0f);
+  if (grad) *grad = 2.0f * r;
+  return r * r;
+}
+
 __device__ inline float act(int kind, float x, float* grad) { return kind == 1 ? silu(x, grad) : gelu(x, grad); }
+// The ungated kinds, 0 and 3, on u (N, F).
+__device__ inline bool ungated(int kind) { return kind == 0 || kind == 3; }
+__device__ inline float ungated_act(int kind, float x, float* grad) {
+  return kind == 3 ? squared_relu(x, grad) : gelu(x, grad);
+}
 
 // out in either storage (ok: round.cuh's store_value); u16, where not null, gets u as
 // pack16 stores it in kind ok (1 or 2). row_grid's threads (reduce.cuh) over the N rows and
@@ -34,9 +46,9 @@ __global__ void forward(int kind, void* out, int ok, unsigned short* u16, const 
   if (j >= F) return;
   for (long long i = row_first(); i < N; i += row_step()) {
     const long long t = i * F + j;
-    if (kind == 0) {
+    if (ungated(kind)) {
       const float x = u[t];
-      store_value(out, t, gelu(x, nullptr), ok, round);
+      store_value(out, t, ungated_act(kind, x, nullptr), ok, round);
       if (u16) u16[t] = pack_value(x, ok);
       continue;
     }
@@ -58,8 +70,8 @@ __global__ void backward(int kind, void* du, int dk, const float* dout, const vo
   for (long long i = row_first(); i < N; i += row_step()) {
     const long long t = i * F + j;
     float g = 0.0f;
-    if (kind == 0) {
-      gelu(load_stored(u, t, uk), &g);
+    if (ungated(kind)) {
+      ungated_act(kind, load_stored(u, t, uk), &g);
       store_value(du, t, dout[t] * g, dk, round);
       continue;
     }

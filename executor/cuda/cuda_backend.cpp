@@ -740,7 +740,15 @@ class CudaBackendImpl final : public CudaBackend {
       plain_.erase(it);
     }
   }
-  static int kind(Activation a) { return a == Activation::gelu ? 0 : a == Activation::swiglu ? 1 : 2; }
+  static int kind(Activation a) {
+    switch (a) {
+      case Activation::gelu: return 0;
+      case Activation::swiglu: return 1;
+      case Activation::geglu: return 2;
+      case Activation::squared_relu: return 3;
+    }
+    return 0;
+  }
   [[noreturn]] static void fail_gemm(int64_t M, int64_t N, int64_t K) {
     cuda::fail("cublasLtMatmulAlgoGetHeuristic", __FILE__, __LINE__,
                "no algorithm for M=" + std::to_string(M) + " N=" + std::to_string(N) + " K=" + std::to_string(K));

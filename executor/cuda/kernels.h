@@ -37,7 +37,7 @@ void rmsnorm_backward(float* dx, float* dw, const float* dout, const float* x, c
                       int64_t N, int64_t H, cudaStream_t s);
 void rmsnorm_backward(float* dx, float* dw, const float* dout, const void* x, int x_kind, const float* rstd,
                       const float* w, int64_t N, int64_t H, cudaStream_t s);
-// kind: 0 gelu (u (N, F)), 1 swiglu, 2 geglu (u (N, 2F) = [gate | up]).
+// kind: 0 gelu, 3 squared ReLU (u (N, F)); 1 swiglu, 2 geglu (u (N, 2F) = [gate | up]).
 void activation_forward(int kind, float* out, const float* u, int64_t N, int64_t F, int round, cudaStream_t s);
 // u16, where not null (out_kind 1 or 2 only), gets u in that storage in the same pass.
 void activation_forward(int kind, void* out, int out_kind, uint16_t* u16, const float* u, int64_t N, int64_t F,
