@@ -213,8 +213,8 @@ TEST(Calibration, EveryRowThroughTheBinary) {
 
 // Runs on newer GPUs that no parameter was fitted to (tests/data/hopper_runs.csv: NVIDIA's
 // published NeMo and Megatron-Bridge pre-training tables, H100 and B200, mostly FP8, with
-// context parallelism and FSDP; one BF16 FSDP2 run of NeMo AutoModel; three MLPerf Training
-// runs on H200), each through
+// context parallelism and FSDP; one BF16 FSDP2 run of NeMo AutoModel; 26 MLPerf Training
+// results on H100, H200 and B200), each through
 // estimate() as the harness would give it. Measured step = global batch x sequence /
 // (tokens per second per GPU x GPUs). A guard, not a fit: the presets stay datasheet-scaled,
 // and these bounds say how far each software generation has been from them, so a change to
@@ -229,13 +229,19 @@ TEST(Calibration, EveryRowThroughTheBinary) {
 // today as well, so a run well inside its bound cannot drift unseen. Every run ran, so
 // every one must fit. The Bridge plans reduce gradients in bf16 (grad_reduce_in_fp32=0),
 // as every Megatron-Bridge performance recipe of Llama 3 sets it; NeMo 24.12 and 25.02's
-// scripts kept fp32 (NeMo set it off for FP8 from 2025-04). The H200 runs are MLPerf
-// Training's (mlcommons/training_results_v5.1: Nebius' Llama 3.1 405B on 512 and 1024 H200s,
-// NeMo 25.01, also submitted to v5.0; HPE's Llama 3.1 8B on 64 H200s, NeMo 25.09; each the
-// median of the logged train_step_time over its 3 and 10 runs, bf16 gradients and fp8
-// parameter gathers as their logs' DistributedDataParallelConfig says): NVIDIA's tuned
-// MLPerf code, held to 15 % per run (the 405B runs +5 %, the 8B run's one micro-batch a
-// step -14 %: today's model misses something there) and a median of 7 %. The three nemo-24.07
+// scripts kept fp32 (NeMo set it off for FP8 from 2025-04). The mlperf rows are MLPerf
+// Training results run with NVIDIA's NeMo code (mlcommons/training_results_v5.1, v5.0 and
+// v4.1; each the median of the train_step_time its result logs give, over all steps of its
+// 3 or 10 runs; bf16 gradients and fp8 parameter gathers as the logs' or configs' DDP
+// settings say; the label names the submitter and the nodes): Llama 3.1 405B on 512 and
+// 1024 H200s (Nebius, v5.1 and v5.0), on 256 and 448 B200s (University of Florida, v5.1,
+// whose config leaves the user buffers off: tp_comm_overlap=0) and on 512-8192 H100s
+// (NVIDIA, v5.0), GPT-3 175B on 256-3072 H100s (NVIDIA and Oracle, v4.1): held to 15 % per
+// run and a median of 7 %. The mlperf-8b rows are Llama 3.1 8B (v5.1): HPE's 64 H200s, the
+// FP8 B200 results (University of Florida 1-32 nodes, Dell, Oracle, Verda; the FP4 results
+// left out) and Cisco's 8 and 16 H100 nodes, every one a single micro-batch a GPU a step.
+// Those are a known miss, held to 35 % and a median of 25 % as a guard: on one node within
+// 1 %, with data parallelism across nodes 6-34 % fast (README, Accuracy). The three nemo-24.07
 // rows are the Nemotron models of NeMo 24.07's table (NVIDIA/NeMo docs/source/performance/
 // performance_summary.md at 9c5c5e9709; its GPT-3 and Llama rows are the nemo-24.12 rows'
 // numbers): squared-ReLU MLPs, their model JSONs in tests/data/models from NeMo's
@@ -246,9 +252,9 @@ TEST(Calibration, EveryRowThroughTheBinary) {
 TEST(Calibration, HopperAndBlackwellRuns) {
   const std::string dir = std::string(STRATA_SOURCE_DIR) + "/tests/data/";
   const auto rows = testing::read_csv(dir + "hopper_runs.csv");
-  ASSERT_EQ(rows.size(), 30u);
+  ASSERT_EQ(rows.size(), 53u);
   // Per run and for the group's median |error| (4.8 %, 10.2 %, 6.3 %, 11.9 % and 5.3 % today,
-  // nemo-24.07's 2.6 %,
+  // nemo-24.07's 2.6 %; mlperf's 5.2 % and mlperf-8b's 21.4 % since its 23 added rows;
   // with fp8 GEMMs at the measured 1.6x of bf16 and "auto" user buffers; 7.3 %, 10.2 %,
   // 13.8 %, 12.2 % and 2.8 % before, by cancellation: see the README).
   const std::map<std::string, double> bound = {{"megatron-bridge", 0.15},
@@ -256,16 +262,18 @@ TEST(Calibration, HopperAndBlackwellRuns) {
                                                {"nemo-24.07", 0.15},
                                                {"nemo-24.12", 0.12},
                                                {"nemo-25.02", 0.20},
-                                               {"mlperf", 0.15}};
+                                               {"mlperf", 0.15},
+                                               {"mlperf-8b", 0.35}};
   const std::map<std::string, double> median_bound = {{"megatron-bridge", 0.07},
                                                       {"nemo-automodel", 0.15},
                                                       {"nemo-24.07", 0.07},
                                                       {"nemo-24.12", 0.09},
                                                       {"nemo-25.02", 0.15},
-                                                      {"mlperf", 0.07}};
+                                                      {"mlperf", 0.07},
+                                                      {"mlperf-8b", 0.25}};
   std::map<std::string, std::vector<double>> by_group;
   std::vector<double> all;
-  const RunTable table{16, 14, 52};
+  const RunTable table{16, 24, 52};
   table.header();
   for (const auto& r : rows) {
     const PublishedRun x = run_published(r, dir);
@@ -286,7 +294,7 @@ TEST(Calibration, HopperAndBlackwellRuns) {
     EXPECT_LE(median(v), median_bound.at(g)) << g;
   }
   fmt::print("  all              {:>2} runs  median |error| {:>5.1f}%\n", all.size(), 100 * median(all));
-  EXPECT_LE(median(all), 0.08);  // 6.1 % today
+  EXPECT_LE(median(all), 0.08);  // 6.3 % today
 }
 
 // PyTorch FSDP2 runs on A100s (tests/data/fsdp_runs.csv): torchtitan's published Llama 2
