@@ -32,8 +32,9 @@
 #                    submitter and nodes; the median train_step_time of their result logs;
 #                    bf16 gradient reduction and fp8 parameter gathers, as their DDP configs say.
 #   mlperf-8b        MLPerf Training v5.1 llama31_8b, FP8, one micro-batch a GPU a step: HPE's
-#                    8 H200 nodes, the B200 results (University of Florida 1-32 nodes, Dell,
-#                    Oracle, Verda; the FP4 results left out), Cisco's 8 and 16 H100 nodes.
+#                    8 H200 nodes, the B200 results (University of Florida 1-32 nodes, Dell's
+#                    2xXE9680L (Dell-n2) and 2xXE9685L (Dell-n2b), Oracle, Verda; the FP4
+#                    results left out), Cisco's 8 and 16 H100 nodes.
 # Each plan is the table's: NeMo's and Bridge's recipes use the distributed optimizer
 # (zero=1) unless the table says FSDP (zero=3), and sequence parallelism with TP; Bridge's
 # Llama 3 8B H100 FP8 recipe recomputes 5 layers in full (scripts/performance/configs/llama3/

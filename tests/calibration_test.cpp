@@ -231,8 +231,8 @@ TEST(Calibration, EveryRowThroughTheBinary) {
 // as every Megatron-Bridge performance recipe of Llama 3 sets it; NeMo 24.12 and 25.02's
 // scripts kept fp32 (NeMo set it off for FP8 from 2025-04). The mlperf rows are MLPerf
 // Training results run with NVIDIA's NeMo code (mlcommons/training_results_v5.1, v5.0 and
-// v4.1; each the median of the train_step_time its result logs give, over all steps of its
-// 3 or 10 runs; bf16 gradients and fp8 parameter gathers as the logs' or configs' DDP
+// v4.1; each the median of the train_step_time its result logs give, over every logged step
+// (every 32nd in the v5.1 8B configs) of its 3 or 10 runs; bf16 gradients and fp8 parameter gathers as the logs' or configs' DDP
 // settings say; the label names the submitter and the nodes): Llama 3.1 405B on 512 and
 // 1024 H200s (Nebius, v5.1 and v5.0), on 256 and 448 B200s (University of Florida, v5.1,
 // whose config leaves the user buffers off: tp_comm_overlap=0) and on 512-8192 H100s
@@ -253,8 +253,8 @@ TEST(Calibration, HopperAndBlackwellRuns) {
   const std::string dir = std::string(STRATA_SOURCE_DIR) + "/tests/data/";
   const auto rows = testing::read_csv(dir + "hopper_runs.csv");
   ASSERT_EQ(rows.size(), 53u);
-  // Per run and for the group's median |error| (4.8 %, 10.2 %, 6.3 %, 11.9 % and 5.3 % today,
-  // nemo-24.07's 2.6 %; mlperf's 5.2 % and mlperf-8b's 21.4 % since its 23 added rows;
+  // Per run and for the group's median |error| (4.8 %, 10.2 %, 6.3 % and 11.9 % today,
+  // nemo-24.07's 2.6 %, mlperf's 5.2 % and mlperf-8b's 21.4 %;
   // with fp8 GEMMs at the measured 1.6x of bf16 and "auto" user buffers; 7.3 %, 10.2 %,
   // 13.8 %, 12.2 % and 2.8 % before, by cancellation: see the README).
   const std::map<std::string, double> bound = {{"megatron-bridge", 0.15},
