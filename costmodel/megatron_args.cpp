@@ -40,13 +40,14 @@ const std::set<std::string>& switch_flags() {
   static const std::set<std::string> s = {
       "group_query_attention", "swiglu", "squared_relu", "use_rotary_position_embeddings",
       "untie_embeddings_and_output_weights", "disable_bias_linear", "apply_query_key_layer_scaling",
-      "sequence_parallel", "use_distributed_optimizer", "use_torch_fsdp2", "bf16", "fp16", "overlap_grad_reduce", "overlap_param_gather", "tp_comm_overlap",
-      "use_flash_attn", "no_gradient_accumulation_fusion", "recompute_activations", "use_megatron_fsdp",
-      "account_for_embedding_in_pipeline_split", "account_for_loss_in_pipeline_split", "optimizer_cpu_offload",
-      "moe_grouped_gemm", "moe_permute_fusion", "grad_reduce_in_bf16", "accumulate_allreduce_grads_in_fp32",
-      "use_precision_aware_optimizer", "no_store_param_remainders", "fine_grained_activation_offloading",
-      "multi_latent_attention", "moe_enable_deepep", "overlap_moe_expert_parallel_comm", "delay_wgrad_compute",
-      "checkpoint_activations", "fp8_param_gather", "cross_entropy_loss_fusion"};
+      "sequence_parallel", "use_distributed_optimizer", "use_torch_fsdp2", "bf16", "fp16", "overlap_grad_reduce",
+      "overlap_param_gather", "tp_comm_overlap", "use_flash_attn", "no_gradient_accumulation_fusion",
+      "recompute_activations", "use_megatron_fsdp", "account_for_embedding_in_pipeline_split",
+      "account_for_loss_in_pipeline_split", "optimizer_cpu_offload", "moe_grouped_gemm", "moe_permute_fusion",
+      "grad_reduce_in_bf16", "accumulate_allreduce_grads_in_fp32", "use_precision_aware_optimizer",
+      "no_store_param_remainders", "fine_grained_activation_offloading", "multi_latent_attention",
+      "moe_enable_deepep", "overlap_moe_expert_parallel_comm", "delay_wgrad_compute", "checkpoint_activations",
+      "fp8_param_gather", "cross_entropy_loss_fusion"};
   return s;
 }
 // Flags that set what strata does not take from a launch: refused, naming the way to say it.

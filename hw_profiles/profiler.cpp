@@ -176,9 +176,8 @@ double time_kernel(Comm& comm, Backend& be, const MemoryKernel& k, double min_ti
   const Precision r = k.rounded ? Precision::bf16 : Precision::fp32;
   const int64_t n = k.rows * k.width;
   const bool two_halves = gated(k.act);  // a gated activation reads [gate | up]
-  const int64_t un = two_halves && (k.kind == KernelKind::activation_forward || k.kind == KernelKind::activation_backward)
-                         ? 2 * n
-                         : n;
+  const bool activation = k.kind == KernelKind::activation_forward || k.kind == KernelKind::activation_backward;
+  const int64_t un = two_halves && activation ? 2 * n : n;
   std::vector<float> xh(static_cast<size_t>(un));
   for (size_t i = 0; i < xh.size(); ++i) xh[i] = 0.001f * static_cast<float>(static_cast<int64_t>(i % 2001) - 1000);
   // Every buffer in the backend's memory.

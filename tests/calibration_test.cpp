@@ -229,26 +229,25 @@ TEST(Calibration, EveryRowThroughTheBinary) {
 // today as well, so a run well inside its bound cannot drift unseen. Every run ran, so
 // every one must fit. The Bridge plans reduce gradients in bf16 (grad_reduce_in_fp32=0),
 // as every Megatron-Bridge performance recipe of Llama 3 sets it; NeMo 24.12 and 25.02's
-// scripts kept fp32 (NeMo set it off for FP8 from 2025-04). The mlperf rows are MLPerf
-// Training results run with NVIDIA's NeMo code (mlcommons/training_results_v5.1, v5.0 and
-// v4.1; each the median of the train_step_time its result logs give, over every logged step
-// (every 32nd in the v5.1 8B configs) of its 3 or 10 runs; bf16 gradients and fp8 parameter gathers as the logs' or configs' DDP
-// settings say; the label names the submitter and the nodes): Llama 3.1 405B on 512 and
-// 1024 H200s (Nebius, v5.1 and v5.0), on 256 and 448 B200s (University of Florida, v5.1,
-// whose config leaves the user buffers off: tp_comm_overlap=0) and on 512-8192 H100s
-// (NVIDIA, v5.0), GPT-3 175B on 256-3072 H100s (NVIDIA and Oracle, v4.1): held to 15 % per
-// run and a median of 7 %. The mlperf-8b rows are Llama 3.1 8B (v5.1): HPE's 64 H200s, the
-// FP8 B200 results (University of Florida 1-32 nodes, Dell, Oracle, Verda; the FP4 results
-// left out) and Cisco's 8 and 16 H100 nodes, every one a single micro-batch a GPU a step.
-// Those are a known miss, held to 35 % and a median of 25 % as a guard: on one node within
-// 1 %, with data parallelism across nodes 6-34 % fast (README, Accuracy). The three nemo-24.07
-// rows are the Nemotron models of NeMo 24.07's table (NVIDIA/NeMo docs/source/performance/
-// performance_summary.md at 9c5c5e9709; its GPT-3 and Llama rows are the nemo-24.12 rows'
-// numbers): squared-ReLU MLPs, their model JSONs in tests/data/models from NeMo's
-// NemotronConfig (Nemotron3 8B and 22B, Nemotron4 340B: LayerNorm, rope, untied, no biases,
-// 256,000 tokens); the 340B as NeMo-Framework-Launcher's nemotron_340b.yaml trains it
-// (selective recompute, distributed_fused_adam with grad_sync_dtype bf16:
-// grad_reduce_in_fp32=0; with fp32 gradients it would need 87.7 GiB). Held to 15 % per run.
+// scripts kept fp32 (NeMo set it off for FP8 from 2025-04). The mlperf rows are MLPerf Training
+// results run with NVIDIA's NeMo code (mlcommons/training_results_v5.1, v5.0 and v4.1; each the
+// median of the train_step_time its result logs give, over every logged step (every 32nd in the
+// v5.1 8B configs) of its 3 or 10 runs; bf16 gradients and fp8 parameter gathers as the logs' or
+// configs' DDP settings say; the label names the submitter and the nodes): Llama 3.1 405B on 512
+// and 1024 H200s (Nebius, v5.1 and v5.0), on 256 and 448 B200s (University of Florida, v5.1, whose
+// config leaves the user buffers off: tp_comm_overlap=0) and on 512-8192 H100s (NVIDIA, v5.0),
+// GPT-3 175B on 256-3072 H100s (NVIDIA and Oracle, v4.1): held to 15 % per run and a median of 7 %.
+// The mlperf-8b rows are Llama 3.1 8B (v5.1): HPE's 64 H200s, the FP8 B200 results (University of
+// Florida 1-32 nodes, Dell, Oracle, Verda; the FP4 results left out) and Cisco's 8 and 16 H100
+// nodes, every one a single micro-batch a GPU a step. Those are a known miss, held to 35 % and a
+// median of 25 % as a guard: on one node within 1 %, with data parallelism across nodes 6-34 % fast
+// (README, Accuracy). The three nemo-24.07 rows are the Nemotron models of NeMo 24.07's table
+// (NVIDIA/NeMo docs/source/performance/performance_summary.md at 9c5c5e9709; its GPT-3 and Llama
+// rows are the nemo-24.12 rows' numbers): squared-ReLU MLPs, their model JSONs in tests/data/models
+// from NeMo's NemotronConfig (Nemotron3 8B and 22B, Nemotron4 340B: LayerNorm, rope, untied, no
+// biases, 256,000 tokens); the 340B as NeMo-Framework-Launcher's nemotron_340b.yaml trains it
+// (selective recompute, distributed_fused_adam with grad_sync_dtype bf16: grad_reduce_in_fp32=0;
+// with fp32 gradients it would need 87.7 GiB). Held to 15 % per run.
 TEST(Calibration, HopperAndBlackwellRuns) {
   const std::string dir = std::string(STRATA_SOURCE_DIR) + "/tests/data/";
   const auto rows = testing::read_csv(dir + "hopper_runs.csv");
