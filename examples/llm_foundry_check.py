@@ -1,9 +1,9 @@
 #!/usr/bin/env python3
 """A check against runs of another framework that strata was never fitted to: MosaicML
 llm-foundry's MPT training benchmarks (github.com/mosaicml/llm-foundry,
-scripts/train/benchmarking/README.md: Composer on PyTorch FSDP, FlashAttention of 2023,
-H100 80GB in BF16 and FP8, A100 80GB and 40GB in BF16, 125M-70B models at 512-65536
-tokens, 8-512 GPUs), through the strata binary.
+scripts/train/benchmarking/README.md: Composer on PyTorch FSDP, llm-foundry's Triton
+FlashAttention kernel, H100 80GB in BF16 and FP8, A100 80GB and 40GB in BF16, 125M-70B
+models at 512-65536 tokens, 8-512 GPUs), through the strata binary.
 
 The rows are tests/data/mosaic_fsdp_runs.csv (all 216 of the five tables; how each column
 was read, and the bounds the test holds them to: tests/calibration_test.cpp,
