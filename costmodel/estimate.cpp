@@ -241,7 +241,10 @@ struct DpTail {
 DpTail data_parallel_tail(const ModelSpec& m, const Cluster& cl, const Plan& p, const ComputeSetup& cs, int64_t stage,
                           double params, double expert_params, double last_backward_s, double first_forward_s,
                           int64_t layers) {
-  constexpr double kMegatronGradBucketParams = 40e6;  // Megatron-core's default bucket
+  // Megatron-core's default bucket: max(40M, 1M x the data-parallel size) parameters
+  // (DistributedDataParallel: larger groups get larger buckets, so that each rank's chunk of
+  // a ring stays bandwidth-bound).
+  const double bucket_params = std::max(40e6, 1e6 * static_cast<double>(p.d));
   const int64_t N = cl.devices_per_node, I = p.dp_instances;
   // The shard group (one instance's replicas, every replica without hybrid sharding) and the
   // instances holding alike shards, whose shards' gradients are all-reduced after the
@@ -267,7 +270,7 @@ DpTail data_parallel_tail(const ModelSpec& m, const Cluster& cl, const Plan& p, 
   }
   double exposed = reduce;
   if (cs.stack.overlap_grad_reduce) {
-    const double last_bucket = reduce * std::min(1.0, kMegatronGradBucketParams / std::max(params, 1.0));
+    const double last_bucket = reduce * std::min(1.0, bucket_params / std::max(params, 1.0));
     exposed = std::max(reduce - last_backward_s, last_bucket);
     exposed += cl.overlap_slowdown * (reduce - exposed);
   }

@@ -1,5 +1,6 @@
 // estimate(): the SPEC terms add up to the step time, simple cases reduce to sums of
 // their parts, and the memory and time trends every planner relies on hold.
+#include <fmt/format.h>
 #include <gtest/gtest.h>
 #include <nlohmann/json.hpp>
 
@@ -8,6 +9,7 @@
 #include <sstream>
 #include <tuple>
 
+#include "costmodel/comm.h"
 #include "costmodel/estimate.h"
 #include "costmodel/report.h"
 #include "test_cluster.h"
@@ -741,6 +743,36 @@ TEST(Estimate, RandomPlansKeepTheInvariants) {
     }
   }
   EXPECT_GT(checked, 800);
+}
+
+}  // namespace
+}  // namespace strata
+
+namespace strata {
+namespace {
+
+// Megatron-core's default gradient bucket is max(40M, 1M x the data-parallel size)
+// parameters. gpt2-124m (124.5M parameters) on 128 replicas: one bucket of 128M holds them
+// all, so the whole all-reduce waits for the last backward, exposed (the round cluster
+// charges nothing for hidden communication, and without ZeRO there is no gather). On 32
+// replicas the 40M buckets start during the backward and less is exposed.
+TEST(DataParallelTail, MegatronBucketGrowsWithTheDataParallelGroup) {
+  const ModelSpec m = load_model("gpt2-124m");
+  const Cluster c = testing::round_cluster();
+  for (const int64_t d : {128, 32}) {
+    const Plan p = load_plan(fmt::format("dp={},gbs={},overlap_grad_reduce=1", d, d));
+    const Estimate e = estimate(m, c, p);
+    ASSERT_TRUE(e.valid);
+    const double P = e.memory.params;
+    ASSERT_GT(P, 40e6);
+    ASSERT_LT(P, 128e6);
+    const double reduce = collective_time(c, group_span(d, 1, c.devices_per_node), Collective::all_reduce,
+                                          compute_setup(m, c, p).grad_bytes * P);
+    if (d == 128)
+      EXPECT_NEAR(e.time.dp_comm, reduce, 1e-12 * reduce);
+    else
+      EXPECT_LT(e.time.dp_comm, 0.99 * reduce);
+  }
 }
 
 }  // namespace
