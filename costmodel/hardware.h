@@ -178,7 +178,15 @@ struct Cluster {
   LinkTier intra, inter;
   Host host;
   double framework_overhead_bytes = 0;   // CUDA context, library workspaces, NCCL buffers
-  double allocator_fragmentation = 0;    // reserved beyond live tensors, as a fraction of them
+  // What the caching allocator reserves beyond the live tensors, as a fraction of them:
+  // allocator_fragmentation of what is allocated and freed out of order during the step
+  // (a recomputed layer's activations, rebuilt in the backward among its gradients and the
+  // layers' kept inputs; on legacy stacks autograd's per-parameter gradients);
+  // allocator_fragmentation_stored of activations kept from a layer's forward to its
+  // backward without recompute, freed in the reverse order they were allocated and
+  // allocated again at the same sizes every micro-batch (memory.cpp, with_in_flight).
+  double allocator_fragmentation = 0;
+  double allocator_fragmentation_stored = 0;
   double step_overhead_s = 0;            // per step: data loading, logging, launch gaps
   double overlap_slowdown = 0;           // compute time lost per second of communication hidden behind it
   // The software stack published runs on this hardware use: modern (Megatron-core / TE /

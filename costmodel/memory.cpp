@@ -426,6 +426,9 @@ struct StageShape {
   MemoryBreakdown fixed;
   double per_chunk = 0, working = 0;
   double step_copy = 0;  // the optimizer step's fp32 copy of 16-bit main gradients, where transient
+  // The share of the stage's layers whose whole forward is recomputed (with_in_flight's
+  // fragmentation): 0 without full recompute, 1 when every layer is.
+  double recomputed_share = 0;
   // Each chunk's activations, with the embedding's on stage 0's first chunk and the output
   // layer's on the last stage's last, where a plan's own split leaves the stage's chunks
   // unlike (else empty: the average above is exact).
@@ -529,6 +532,11 @@ StageShape stage_shape(const ModelSpec& m, const Plan& p, const StageLayout& lay
     return static_cast<double>(k - kd) * per_layer + static_cast<double>(n - k - (nd - kd)) * per_full_layer +
            static_cast<double>(kd) * in.dense.per_layer + static_cast<double>(nd - kd) * in.dense.per_full_layer;
   };
+  if (p.recompute == Recompute::full && layers_here > 0) {
+    int64_t recomputed = 0;
+    for (int64_t c = 0; c < lay.v; ++c) recomputed += p.recomputed_layers(lay.chunk_layers(s, c));
+    shape.recomputed_share = static_cast<double>(recomputed) / static_cast<double>(layers_here);
+  }
   bool alike = true;
   if (dense_layers == 0) {
     for (int64_t c = 0; c < lay.v; ++c) {
@@ -720,9 +728,16 @@ void with_in_flight(const StageShape& shape, const Cluster& cl, const Plan& p, c
   // what the caching allocator reserves beyond the live tensors, as a fraction of them.
   // Fragmentation hits what is allocated and freed during the step: activations, and on
   // legacy stacks the per-parameter gradients autograd allocates (modern stacks keep them
-  // in one contiguous buffer).
-  const double churn = mb.activations + (cs.stack.modern ? 0.0 : mb.gradients);
-  mb.framework_overhead = cl.framework_overhead_bytes + cl.allocator_fragmentation * churn;
+  // in one contiguous buffer). Activations kept from forward to backward are freed in the
+  // reverse order of their allocation and asked for again at the same sizes by the next
+  // micro-batch, so the allocator's cached blocks fit them (allocator_fragmentation_stored);
+  // a recomputed layer's are rebuilt in the backward among the gradients and the kept
+  // inputs (allocator_fragmentation): the stage's activations take the two fractions in
+  // the shares of its layers kept and recomputed.
+  const double share = shape.recomputed_share;
+  const double act_fraction = (1.0 - share) * cl.allocator_fragmentation_stored + share * cl.allocator_fragmentation;
+  mb.framework_overhead = cl.framework_overhead_bytes + act_fraction * mb.activations +
+                          (cs.stack.modern ? 0.0 : cl.allocator_fragmentation * mb.gradients);
   mb.peak = mb.weights + mb.gradients + mb.optimizer_states + mb.activations + mb.comm_buffers + mb.framework_overhead;
   if (shape.step_copy > 0) at_optimizer_step(cl, shape.step_copy, mb);
 }

@@ -82,8 +82,9 @@ def main():
         t0, t1 = j0.get("step_time_s"), j1.get("step_time_s")
         same_time = (t0 is None and t1 is None) or (t0 is not None and t1 is not None and abs(t0 - t1) <= a.rtol * abs(t0))
         if not same_time or j0.get("memory_bytes") != j1.get("memory_bytes") or j0.get("fits") != j1.get("fits"):
+            fit = f", fits {j0.get('fits')} -> {j1.get('fits')}" if j0.get("fits") != j1.get("fits") else ""
             print(f"differs: {what}: step {t0} -> {t1}, peak {j0.get('memory_bytes', {}).get('peak')} -> "
-                  f"{j1.get('memory_bytes', {}).get('peak')}")
+                  f"{j1.get('memory_bytes', {}).get('peak')}{fit}")
             bad += 1
         else:
             agree += 1

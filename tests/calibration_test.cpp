@@ -262,7 +262,7 @@ TEST(Calibration, EveryRowThroughTheBinary) {
 // from NeMo's NemotronConfig (Nemotron3 8B and 22B, Nemotron4 340B: LayerNorm, rope, untied, no
 // biases, 256,000 tokens); the 340B as NeMo-Framework-Launcher's nemotron_340b.yaml trains it
 // (selective recompute, distributed_fused_adam with grad_sync_dtype bf16: grad_reduce_in_fp32=0;
-// with fp32 gradients it would need 87.7 GiB). Held to 15 % per run.
+// with fp32 gradients it would need 83.6 GiB). Held to 15 % per run.
 TEST(Calibration, HopperAndBlackwellRuns) {
   const std::string dir = std::string(STRATA_SOURCE_DIR) + "/tests/data/";
   const auto rows = testing::read_csv(dir + "hopper_runs.csv");
@@ -357,9 +357,11 @@ TEST(Calibration, TorchtitanFsdpRuns) {
 // fast; 8K-64K tokens ~24 % fast), H100 ~30 % fast (2023 software on H100; the presets follow
 // NVIDIA's 2024-2026 runs). README "Accuracy" says what that shows. So this is a guard, not a
 // claim of accuracy: each group's median (A100 20 % and 18 %, H100 bf16 33 %, fp8 40 %) and
-// each run are held near where they are, every run must be within 7 % of fitting its GPU
-// (they all ran; 20 of 216 are predicted 1-6 % over, each at the largest micro-batch its
-// table ran), and the count of those may not grow.
+// each run are held near where they are. Memory is asserted: every run ran, so every run
+// must be predicted to fit, each at the largest micro-batch its table ran (the no-recompute
+// runs at 79-85 % of the GPU in activations alone). With one allocator fraction, the 15 %
+// fitted on BLOOM's full-recompute runs, 20 were predicted 1-6 % over; the presets' 5 % for
+// activations kept without recompute (allocator_fragmentation_stored) fits them all.
 TEST(Calibration, MosaicFsdpRuns) {
   const std::string dir = std::string(STRATA_SOURCE_DIR) + "/tests/data/";
   const auto rows = testing::read_csv(dir + "mosaic_fsdp_runs.csv");
@@ -371,8 +373,7 @@ TEST(Calibration, MosaicFsdpRuns) {
   std::map<std::string, std::vector<double>> by_group;
   std::map<std::string, std::vector<double>> signed_by_group;
   std::map<std::string, double> capacity;  // each cluster's device memory
-  int over = 0;
-  double worst_over = 0;
+  double least_headroom = 1;
   const RunTable table{16, 16, 72};
   table.header();
   for (const auto& r : rows) {
@@ -388,19 +389,15 @@ TEST(Calibration, MosaicFsdpRuns) {
     if (!capacity.count(r.at("cluster")))
       capacity[r.at("cluster")] = load_cluster(r.at("cluster")).device.memory_bytes;
     const double share = x.e.memory.peak / capacity.at(r.at("cluster"));
-    EXPECT_LE(share, 1.07) << run << ": ran, but is predicted " << 100 * (share - 1) << " % over";
-    if (!x.e.fits) {
-      ++over;
-      worst_over = std::max(worst_over, share - 1);
-    }
+    EXPECT_TRUE(x.e.fits) << run << ": ran, but is predicted " << 100 * (share - 1) << " % over";
+    least_headroom = std::min(least_headroom, 1 - share);
   }
   const std::vector<double> all = group_medians(by_group, median_bound, 16);
   EXPECT_EQ(all.size(), rows.size());
   // Fast, not slow: the signed medians stay below zero (a change that turned them would be
   // news, whichever way it moved the absolute ones).
   for (const auto& [g, v] : signed_by_group) EXPECT_LT(median(v), 0.0) << g;
-  fmt::print("  {} of {} runs predicted not to fit (the most {:.1f} % over)\n", over, rows.size(), 100 * worst_over);
-  EXPECT_LE(over, 20);
+  fmt::print("  every run predicted to fit; the least headroom {:.1f} % of the GPU\n", 100 * least_headroom);
 }
 
 // Long sequences under context parallelism (tests/data/long_sequence_runs.csv): NeMo's

@@ -813,20 +813,47 @@ TEST(Memory, FusedAndUnfusedCrossEntropy) {
   EXPECT_GT(estimate(m, c, unfused).step_time_s, estimate(m, c, fused).step_time_s);
 }
 
+// The framework's reserve: 1e9 bytes (round_cluster) plus the allocator's fractions, here
+// 0.5 of what a recomputed layer rebuilds and of a legacy stack's autograd gradients, 0.1 of
+// activations kept from forward to backward. tiny-gpt has 4 layers on its one stage:
+//   no recompute              1e9 + 0.1 x activations (+ 0.5 x gradients on a legacy stack)
+//   full recompute, 2 layers  1e9 + (0.1 x 2/4 + 0.5 x 2/4) x activations = 1e9 + 0.3 x activations
+//   full recompute, all 4     1e9 + 0.5 x activations
 TEST(Memory, FrameworkOverheadAndPeak) {
   const ModelSpec m = load_model("tiny-gpt");
+  ASSERT_EQ(m.L, 4);
   Cluster c = testing::round_cluster();
   c.allocator_fragmentation = 0.5;
+  c.allocator_fragmentation_stored = 0.1;
   const Plan p = load_plan("tp=1");
   const MemoryBreakdown mb = stage_memory(m, c, p, make_layout(m.L, 1, 1), compute_setup(m, c, p), 0, 1, 1, 1);
-  EXPECT_DOUBLE_EQ(mb.framework_overhead, 1e9 + 0.5 * (mb.activations + mb.gradients));  // legacy stack
+  EXPECT_DOUBLE_EQ(mb.framework_overhead, 1e9 + 0.1 * mb.activations + 0.5 * mb.gradients);  // legacy stack
   Cluster modern = c;
   modern.modern_stack = true;
-  const MemoryBreakdown mm =
-      stage_memory(m, modern, p, make_layout(m.L, 1, 1), compute_setup(m, modern, p), 0, 1, 1, 1);
-  EXPECT_DOUBLE_EQ(mm.framework_overhead, 1e9 + 0.5 * mm.activations);
+  auto on_modern = [&](const Plan& q) {
+    return stage_memory(m, modern, q, make_layout(m.L, 1, 1), compute_setup(m, modern, q), 0, 1, 1, 1);
+  };
+  const MemoryBreakdown mm = on_modern(p);
+  EXPECT_DOUBLE_EQ(mm.framework_overhead, 1e9 + 0.1 * mm.activations);
+  const MemoryBreakdown one = on_modern(load_plan("tp=1,recompute=full,recompute_num_layers=2"));
+  EXPECT_DOUBLE_EQ(one.framework_overhead, 1e9 + 0.3 * one.activations);
+  const MemoryBreakdown both = on_modern(load_plan("tp=1,recompute=full"));
+  EXPECT_DOUBLE_EQ(both.framework_overhead, 1e9 + 0.5 * both.activations);
+  EXPECT_LT(both.activations, one.activations);
+  EXPECT_LT(one.activations, mm.activations);
   EXPECT_DOUBLE_EQ(mb.peak, mb.weights + mb.gradients + mb.optimizer_states + mb.activations + mb.comm_buffers +
                                 mb.framework_overhead);
+}
+
+// A cluster file without allocator_fragmentation_stored keeps one fraction for both, as
+// before the split; the presets give their own.
+TEST(Memory, StoredFragmentationDefaultsToTheOther) {
+  Json j = cluster_to_json(load_cluster("dgx-a100-80g"));
+  EXPECT_DOUBLE_EQ(j["framework"]["allocator_fragmentation_stored"].get<double>(), 0.05);
+  j["framework"].erase("allocator_fragmentation_stored");
+  const Cluster c = cluster_from_json(j, "test");
+  EXPECT_DOUBLE_EQ(c.allocator_fragmentation_stored, c.allocator_fragmentation);
+  EXPECT_DOUBLE_EQ(c.allocator_fragmentation, 0.15);
 }
 
 }  // namespace
