@@ -203,8 +203,8 @@ Cluster cluster_from_json(const Json& j, const std::string& source) {
     c.framework_overhead_bytes = w.real("overhead_bytes", 0, 1e15);
     c.allocator_fragmentation = w.real("allocator_fragmentation", 0, 10);
     // (A cluster file without it keeps one fraction for both, as before the split.)
-    c.allocator_fragmentation_stored =
-        w.real_or("allocator_fragmentation_stored", c.allocator_fragmentation, 0, 10);
+    c.allocator_fragmentation_saved =
+        w.real_or("allocator_fragmentation_saved", c.allocator_fragmentation, 0, 10);
     c.step_overhead_s = w.real_or("step_overhead_s", 0, 0, 1e4);
     c.overlap_slowdown = w.real_or("overlap_slowdown", 0, 0, 1);
     const std::string stack = w.choice_or("software_stack", "modern", {"modern", "legacy", "strata"});
@@ -256,7 +256,7 @@ Json cluster_to_json(const Cluster& c) {
       {"framework",
        {{"overhead_bytes", c.framework_overhead_bytes},
         {"allocator_fragmentation", c.allocator_fragmentation},
-        {"allocator_fragmentation_stored", c.allocator_fragmentation_stored},
+        {"allocator_fragmentation_saved", c.allocator_fragmentation_saved},
         {"step_overhead_s", c.step_overhead_s},
         {"overlap_slowdown", c.overlap_slowdown},
         {"software_stack", c.strata_stack ? "strata" : c.modern_stack ? "modern" : "legacy"}}}};

@@ -179,14 +179,15 @@ struct Cluster {
   Host host;
   double framework_overhead_bytes = 0;   // CUDA context, library workspaces, NCCL buffers
   // What the caching allocator reserves beyond the live tensors, as a fraction of them:
-  // allocator_fragmentation of what is allocated and freed out of order during the step
-  // (a recomputed layer's activations, rebuilt in the backward among its gradients and the
-  // layers' kept inputs; on legacy stacks autograd's per-parameter gradients);
-  // allocator_fragmentation_stored of activations kept from a layer's forward to its
-  // backward without recompute, freed in the reverse order they were allocated and
-  // allocated again at the same sizes every micro-batch (memory.cpp, with_in_flight).
+  // allocator_fragmentation of the churn (the backward's working set, a recomputed layer's
+  // activations rebuilt in it, what recomputed layers keep, whose segments those split; on
+  // legacy stacks autograd's per-parameter gradients); allocator_fragmentation_saved of the
+  // tensors saved from a layer's forward for its backward without recompute, freed in the
+  // reverse order they were allocated and asked for again at the same sizes every
+  // micro-batch (memory.cpp, with_in_flight). A cluster file without the second gives it
+  // the first's value.
   double allocator_fragmentation = 0;
-  double allocator_fragmentation_stored = 0;
+  double allocator_fragmentation_saved = 0;
   double step_overhead_s = 0;            // per step: data loading, logging, launch gaps
   double overlap_slowdown = 0;           // compute time lost per second of communication hidden behind it
   // The software stack published runs on this hardware use: modern (Megatron-core / TE /

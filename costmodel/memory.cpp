@@ -426,9 +426,10 @@ struct StageShape {
   MemoryBreakdown fixed;
   double per_chunk = 0, working = 0;
   double step_copy = 0;  // the optimizer step's fp32 copy of 16-bit main gradients, where transient
-  // The share of the stage's layers whose whole forward is recomputed (with_in_flight's
-  // fragmentation): 0 without full recompute, 1 when every layer is.
-  double recomputed_share = 0;
+  // The part of per_chunk that recomputed layers keep (their inputs), and of the chunk
+  // weights' sum where there are weights: with_in_flight charges it the allocator's
+  // fraction for recompute, and the rest of what the stage keeps the one for saved tensors.
+  double per_chunk_recomputed = 0, weights_recomputed_share = 0;
   // Each chunk's activations, with the embedding's on stage 0's first chunk and the output
   // layer's on the last stage's last, where a plan's own split leaves the stage's chunks
   // unlike (else empty: the average above is exact).
@@ -532,11 +533,14 @@ StageShape stage_shape(const ModelSpec& m, const Plan& p, const StageLayout& lay
     return static_cast<double>(k - kd) * per_layer + static_cast<double>(n - k - (nd - kd)) * per_full_layer +
            static_cast<double>(kd) * in.dense.per_layer + static_cast<double>(nd - kd) * in.dense.per_full_layer;
   };
-  if (p.recompute == Recompute::full && layers_here > 0) {
-    int64_t recomputed = 0;
-    for (int64_t c = 0; c < lay.v; ++c) recomputed += p.recomputed_layers(lay.chunk_layers(s, c));
-    shape.recomputed_share = static_cast<double>(recomputed) / static_cast<double>(layers_here);
-  }
+  // What a chunk's recomputed layers keep: their inputs (a mixed model's dense ones their own).
+  auto chunk_recomputed = [&](int64_t c) {
+    if (p.recompute != Recompute::full) return 0.0;
+    const int64_t k = p.recomputed_layers(lay.chunk_layers(s, c));
+    if (dense_layers == 0) return static_cast<double>(k) * per_layer;
+    const int64_t kd = lay.chunk_dense_recomputed(s, c);
+    return static_cast<double>(k - kd) * per_layer + static_cast<double>(kd) * in.dense.per_layer;
+  };
   bool alike = true;
   if (dense_layers == 0) {
     for (int64_t c = 0; c < lay.v; ++c) {
@@ -550,15 +554,22 @@ StageShape stage_shape(const ModelSpec& m, const Plan& p, const StageLayout& lay
               lay.chunk_dense_recomputed(s, c) == lay.chunk_dense_recomputed(s, 0);
     }
   }
+  for (int64_t c = 0; c < lay.v; ++c) shape.per_chunk_recomputed += chunk_recomputed(c);
   if ((p.explicit_split() || dense_layers > 0) && !alike) {
+    double sum = 0;
     for (int64_t c = 0; c < lay.v; ++c) {
       double w = dense_layers == 0 ? chunk_act(c) : mixed_chunk_act(c);
       if (lay.has_embedding(s, c)) w += in.embedding_act;
       if (lay.has_head(s, c)) w += in.head_act;
       shape.chunk_weights.push_back(w);
+      sum += w;
     }
+    // (The walked peak's recomputed part, as the weights' share: exact where the chunks'
+    // mixes of kept and recomputed layers are alike.)
+    if (sum > 0) shape.weights_recomputed_share = shape.per_chunk_recomputed / sum;
   }
   per_chunk /= static_cast<double>(lay.v);
+  shape.per_chunk_recomputed /= static_cast<double>(lay.v);
   // Of the layer kinds a mixed model's stage holds (one or both), the larger of what follows.
   const bool moe_here = layers_here > dense_layers;
   auto larger = [&](double moe_kind, double dense_kind) { return std::max(moe_here ? moe_kind : 0.0, dense_kind); };
@@ -715,28 +726,37 @@ void with_in_flight(const StageShape& shape, const Cluster& cl, const Plan& p, c
   mb.stage = s;
   const double per_chunk = shape.per_chunk, working = shape.working;
   double act = static_cast<double>(in_flight) * per_chunk;
+  double act_recomputed = static_cast<double>(in_flight) * shape.per_chunk_recomputed;
   if (s == 0) act += static_cast<double>(in_flight_first) * in.embedding_act;
   if (s == p.p - 1) act += static_cast<double>(in_flight_last) * in.head_act;
-  if (!shape.chunk_weights.empty()) act = weighted_activation_peak(p, s, shape.chunk_weights.data());
-  mb.activations = act + working;
+  if (!shape.chunk_weights.empty()) {
+    act = weighted_activation_peak(p, s, shape.chunk_weights.data());
+    act_recomputed = act * shape.weights_recomputed_share;
+  }
+  // What is kept from forward to backward (act) and the working set beside it at the peak.
+  double kept = act, transient = working;
   // The last stage: while the loss and its gradient are formed the current micro-batch's
   // output-layer activations are alive; the layers' backward starts after they are freed.
-  if (s == p.p - 1)
-    mb.activations = std::max(act + in.head_working, act - in.head_act + working);
+  if (s == p.p - 1) {
+    if (in.head_working >= working - in.head_act) transient = in.head_working;
+    else kept = act - in.head_act;
+  }
+  mb.activations = kept + transient;
 
   // The framework's own memory (CUDA context, library workspaces, communicator buffers) and
   // what the caching allocator reserves beyond the live tensors, as a fraction of them.
   // Fragmentation hits what is allocated and freed during the step: activations, and on
   // legacy stacks the per-parameter gradients autograd allocates (modern stacks keep them
-  // in one contiguous buffer). Activations kept from forward to backward are freed in the
-  // reverse order of their allocation and asked for again at the same sizes by the next
-  // micro-batch, so the allocator's cached blocks fit them (allocator_fragmentation_stored);
-  // a recomputed layer's are rebuilt in the backward among the gradients and the kept
-  // inputs (allocator_fragmentation): the stage's activations take the two fractions in
-  // the shares of its layers kept and recomputed.
-  const double share = shape.recomputed_share;
-  const double act_fraction = (1.0 - share) * cl.allocator_fragmentation_stored + share * cl.allocator_fragmentation;
-  mb.framework_overhead = cl.framework_overhead_bytes + act_fraction * mb.activations +
+  // in one contiguous buffer). Tensors saved from a layer's forward for its backward are
+  // freed in the reverse order of their allocation and asked for again at the same sizes
+  // by the next micro-batch, so the allocator's cached blocks fit them
+  // (allocator_fragmentation_saved). The backward's working set is allocated and freed
+  // out of that order, and a recomputed layer's activations are rebuilt in the backward
+  // among it and the layers' kept inputs, whose segments they split
+  // (allocator_fragmentation: the working set, and what recomputed layers keep).
+  const double churn = transient + std::min(act_recomputed, kept);
+  mb.framework_overhead = cl.framework_overhead_bytes + cl.allocator_fragmentation * churn +
+                          cl.allocator_fragmentation_saved * (mb.activations - churn) +
                           (cs.stack.modern ? 0.0 : cl.allocator_fragmentation * mb.gradients);
   mb.peak = mb.weights + mb.gradients + mb.optimizer_states + mb.activations + mb.comm_buffers + mb.framework_overhead;
   if (shape.step_copy > 0) at_optimizer_step(cl, shape.step_copy, mb);

@@ -556,20 +556,28 @@ SearchResult search(const ModelSpec& m, const Cluster& cl, const SearchOptions& 
     res.candidates_evaluated += chunk_max;
     const ComputeSetup cs = compute_setup(m, cl, pl);
     auto fits = [&](int64_t k) { return memory_of(at(k), lay, cs); };
+    // Memory falls with every layer recomputed but the last: recomputing a stage's every
+    // layer adds the rebuilt layer to its working set (memory.cpp), so one fewer may fit
+    // where all do not, and then the fitting k lie below it.
+    int64_t top = chunk_max;
     if (!fits(chunk_max).fits) {
-      res.rejected["out_of_memory"] += chunk_max;
-      return;
+      if (chunk_max == 1 || !fits(chunk_max - 1).fits) {
+        res.rejected["out_of_memory"] += chunk_max;
+        return;
+      }
+      res.rejected["out_of_memory"] += 1;
+      top = chunk_max - 1;
     }
-    int64_t lo = 1, hi = chunk_max;  // the smallest fitting k lies in [lo, hi]
+    int64_t lo = 1, hi = top;  // the smallest fitting k lies in [lo, hi]
     while (lo < hi) {
       const int64_t mid = lo + (hi - lo) / 2;
       if (fits(mid).fits) hi = mid;
       else lo = mid + 1;
     }
     res.rejected["out_of_memory"] += lo - 1;
-    res.feasible += chunk_max - lo + 1;
-    const int64_t stride = opt.pareto ? std::max<int64_t>(1, (chunk_max - lo) / 16) : chunk_max;
-    for (int64_t k = lo; k <= chunk_max; k += stride) {
+    res.feasible += top - lo + 1;
+    const int64_t stride = opt.pareto ? std::max<int64_t>(1, (top - lo) / 16) : top;
+    for (int64_t k = lo; k <= top; k += stride) {
       const Plan q = at(k);
       evaluate(q, lay, cs, fits(k));
       if (!opt.pareto) break;

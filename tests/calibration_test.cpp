@@ -358,10 +358,10 @@ TEST(Calibration, TorchtitanFsdpRuns) {
 // NVIDIA's 2024-2026 runs). README "Accuracy" says what that shows. So this is a guard, not a
 // claim of accuracy: each group's median (A100 20 % and 18 %, H100 bf16 33 %, fp8 40 %) and
 // each run are held near where they are. Memory is asserted: every run ran, so every run
-// must be predicted to fit, each at the largest micro-batch its table ran (the no-recompute
-// runs at 79-85 % of the GPU in activations alone). With one allocator fraction, the 15 %
-// fitted on BLOOM's full-recompute runs, 20 were predicted 1-6 % over; the presets' 5 % for
-// activations kept without recompute (allocator_fragmentation_stored) fits them all.
+// must be predicted to fit at the micro-batch its table gives. With one allocator fraction,
+// the 15 % fitted on BLOOM's full-recompute runs, 20 (all without recompute, 79-85 % of the
+// GPU in activations alone) were predicted 1-6 % over; the presets' 5 % for tensors saved
+// without recompute (allocator_fragmentation_saved) fits them all.
 TEST(Calibration, MosaicFsdpRuns) {
   const std::string dir = std::string(STRATA_SOURCE_DIR) + "/tests/data/";
   const auto rows = testing::read_csv(dir + "mosaic_fsdp_runs.csv");

@@ -358,7 +358,7 @@ TEST(Cli, MemoryLimitIsTheBudgetOfFit) {
   EXPECT_NE(told.out.find("memory limit 30.00 GiB per GPU (--memory-limit 30GiB; the device has 80.00 GiB)"),
             std::string::npos)
       << told.out;
-  EXPECT_NE(told.out.find("the compared plan does not fit: 36.57 GiB on stage 0 against 30.00 GiB per GPU "
+  EXPECT_NE(told.out.find("the compared plan does not fit: 36.53 GiB on stage 0 against 30.00 GiB per GPU "
                           "(--memory-limit)"),
             std::string::npos)
       << told.out;

@@ -517,7 +517,9 @@ TEST(Memory, ActivationOffloadMovesActivationsToTheHost) {
 // every term must equal stage_memory() of that stage alone, to the bit, on plans with
 // uneven layouts, partial recompute, interleaving and every ZeRO stage.
 TEST(Memory, AllStagesAtOnceEqualEachStageAlone) {
-  const Cluster c = testing::round_cluster();
+  Cluster c = testing::round_cluster();
+  c.allocator_fragmentation = 0.15;  // both allocator fractions, so that the reserve's split is compared too
+  c.allocator_fragmentation_saved = 0.05;
   int stages = 0;
   for (const char* model : {"gpt3-175b", "llama3-70b", "tiny-gpt"}) {
     const ModelSpec m = load_model(model);
@@ -814,45 +816,73 @@ TEST(Memory, FusedAndUnfusedCrossEntropy) {
 }
 
 // The framework's reserve: 1e9 bytes (round_cluster) plus the allocator's fractions, here
-// 0.5 of what a recomputed layer rebuilds and of a legacy stack's autograd gradients, 0.1 of
-// activations kept from forward to backward. tiny-gpt has 4 layers on its one stage:
-//   no recompute              1e9 + 0.1 x activations (+ 0.5 x gradients on a legacy stack)
-//   full recompute, 2 layers  1e9 + (0.1 x 2/4 + 0.5 x 2/4) x activations = 1e9 + 0.3 x activations
-//   full recompute, all 4     1e9 + 0.5 x activations
+// 0.5 of the churn (the backward's working set, what recomputed layers keep, a legacy
+// stack's autograd gradients) and 0.1 of the saved tensors (the rest of the activations).
+// tiny-gpt (L 4, H 256, F 1024, GELU, S 128) on 2 stages, micro-batch 1, stage 0 with its 2
+// layers and the embedding and 2 micro-batches in flight (1F1B, p - s). Its working set is
+// the MLP's backward: the gradients of fc1's output and of the activation's, and two of
+// width H, in bf16: 2 x 128 x (1024 + 1024 + 2 x 256) = 655,360 bytes. So, with a the
+// activations, l and L a layer's kept bytes with and without recompute, e the embedding's:
+//   no recompute            1e9 + 0.5 x 655,360 + 0.1 x (a - 655,360)  (+ 0.5 x gradients, legacy)
+//   full, 1 layer a chunk   1e9 + 0.5 x (655,360 + 2 l) + 0.1 x (a - 655,360 - 2 l)
+//   full, both layers       1e9 + 0.5 x (655,360 + L + 4 l) + 0.1 x 2e   (the layer rebuilt
+//                           for its backward joins the working set)
 TEST(Memory, FrameworkOverheadAndPeak) {
   const ModelSpec m = load_model("tiny-gpt");
   ASSERT_EQ(m.L, 4);
+  ASSERT_EQ(m.H, 256);
+  ASSERT_EQ(m.F, 1024);
   Cluster c = testing::round_cluster();
   c.allocator_fragmentation = 0.5;
-  c.allocator_fragmentation_stored = 0.1;
-  const Plan p = load_plan("tp=1");
-  const MemoryBreakdown mb = stage_memory(m, c, p, make_layout(m.L, 1, 1), compute_setup(m, c, p), 0, 1, 1, 1);
-  EXPECT_DOUBLE_EQ(mb.framework_overhead, 1e9 + 0.1 * mb.activations + 0.5 * mb.gradients);  // legacy stack
-  Cluster modern = c;
-  modern.modern_stack = true;
-  auto on_modern = [&](const Plan& q) {
-    return stage_memory(m, modern, q, make_layout(m.L, 1, 1), compute_setup(m, modern, q), 0, 1, 1, 1);
+  c.allocator_fragmentation_saved = 0.1;
+  const double working = 655360.0;
+  auto stage0 = [&](const Cluster& cl, const char* plan) {
+    const Plan p = load_plan(plan);
+    return stage_memory(m, cl, p, make_layout(m.L, 2, 1), compute_setup(m, cl, p), 0, 2, 2, 0);
   };
-  const MemoryBreakdown mm = on_modern(p);
-  EXPECT_DOUBLE_EQ(mm.framework_overhead, 1e9 + 0.1 * mm.activations);
-  const MemoryBreakdown one = on_modern(load_plan("tp=1,recompute=full,recompute_num_layers=2"));
-  EXPECT_DOUBLE_EQ(one.framework_overhead, 1e9 + 0.3 * one.activations);
-  const MemoryBreakdown both = on_modern(load_plan("tp=1,recompute=full"));
-  EXPECT_DOUBLE_EQ(both.framework_overhead, 1e9 + 0.5 * both.activations);
-  EXPECT_LT(both.activations, one.activations);
-  EXPECT_LT(one.activations, mm.activations);
+  const MemoryBreakdown mb = stage0(c, "pp=2,mbs=1,gbs=4");
+  EXPECT_DOUBLE_EQ(mb.framework_overhead, 1e9 + 0.5 * working + 0.1 * (mb.activations - working) +
+                                              0.5 * mb.gradients);  // legacy stack
   EXPECT_DOUBLE_EQ(mb.peak, mb.weights + mb.gradients + mb.optimizer_states + mb.activations + mb.comm_buffers +
                                 mb.framework_overhead);
+  Cluster modern = c;
+  modern.modern_stack = true;
+  const MemoryBreakdown none = stage0(modern, "pp=2,mbs=1,gbs=4");
+  EXPECT_DOUBLE_EQ(none.framework_overhead, 1e9 + 0.5 * working + 0.1 * (none.activations - working));
+  const Plan one_plan = load_plan("pp=2,mbs=1,gbs=4,recompute=full,recompute_num_layers=1");
+  const ComputeSetup cs = compute_setup(m, modern, one_plan);
+  const double l = layer_activation_bytes(m, one_plan, cs), L = layer_full_activation_bytes(m, one_plan, cs);
+  const double e = embedding_activation_bytes(m, one_plan, cs);
+  ASSERT_GT(L, 4 * l);
+  const MemoryBreakdown one = stage0(modern, "pp=2,mbs=1,gbs=4,recompute=full,recompute_num_layers=1");
+  EXPECT_DOUBLE_EQ(one.activations, 2 * (l + L) + 2 * e + working);
+  EXPECT_DOUBLE_EQ(one.framework_overhead, 1e9 + 0.5 * (working + 2 * l) + 0.1 * (one.activations - working - 2 * l));
+  const MemoryBreakdown both = stage0(modern, "pp=2,mbs=1,gbs=4,recompute=full");
+  EXPECT_DOUBLE_EQ(both.activations, 4 * l + 2 * e + working + L);
+  EXPECT_DOUBLE_EQ(both.framework_overhead, 1e9 + 0.5 * (working + L + 4 * l) + 0.1 * 2 * e);
+  EXPECT_LT(both.activations, one.activations);
+  EXPECT_LT(one.activations, none.activations);
 }
 
-// A cluster file without allocator_fragmentation_stored keeps one fraction for both, as
-// before the split; the presets give their own.
-TEST(Memory, StoredFragmentationDefaultsToTheOther) {
+// A cluster file without allocator_fragmentation_saved keeps one fraction for both, as
+// before the split; the presets give their own; a value outside [0, 10] or not a number is
+// refused, naming the field.
+TEST(Memory, SavedFragmentationDefaultsToTheOther) {
   Json j = cluster_to_json(load_cluster("dgx-a100-80g"));
-  EXPECT_DOUBLE_EQ(j["framework"]["allocator_fragmentation_stored"].get<double>(), 0.05);
-  j["framework"].erase("allocator_fragmentation_stored");
+  EXPECT_DOUBLE_EQ(j["framework"]["allocator_fragmentation_saved"].get<double>(), 0.05);
+  for (const Json& bad : {Json(-0.1), Json(11.0), Json("abc"), Json(true)}) {
+    Json b = j;
+    b["framework"]["allocator_fragmentation_saved"] = bad;
+    try {
+      cluster_from_json(b, "test");
+      ADD_FAILURE() << "accepted allocator_fragmentation_saved " << bad.dump();
+    } catch (const InputError& e) {
+      EXPECT_NE(std::string(e.what()).find("allocator_fragmentation_saved"), std::string::npos) << e.what();
+    }
+  }
+  j["framework"].erase("allocator_fragmentation_saved");
   const Cluster c = cluster_from_json(j, "test");
-  EXPECT_DOUBLE_EQ(c.allocator_fragmentation_stored, c.allocator_fragmentation);
+  EXPECT_DOUBLE_EQ(c.allocator_fragmentation_saved, c.allocator_fragmentation);
   EXPECT_DOUBLE_EQ(c.allocator_fragmentation, 0.15);
 }
 

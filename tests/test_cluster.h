@@ -37,7 +37,7 @@ inline Cluster round_cluster() {
   c.inter.eff_all_to_all = 0.8;
   c.framework_overhead_bytes = 1e9;
   c.allocator_fragmentation = 0.0;
-  c.allocator_fragmentation_stored = 0.0;
+  c.allocator_fragmentation_saved = 0.0;
   c.step_overhead_s = 0;
   c.overlap_slowdown = 0;
   c.modern_stack = false;
