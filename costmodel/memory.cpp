@@ -362,33 +362,50 @@ double stage_params(const ModelSpec& m, const Plan& p, const StageLayout& lay, i
   return stage_params(m, p, lay, s, in, lay.stage_layers(s));
 }
 
+namespace {
+std::vector<double>& thread_local_key() {  // weighted_activation_peak's memo key, without an allocation a call
+  thread_local std::vector<double> key;
+  return key;
+}
+}  // namespace
+
 double weighted_activation_peak(const Plan& p, int64_t s, const double* chunk_weights) {
+  double unused = 0;
+  return weighted_activation_peak(p, s, chunk_weights, nullptr, &unused);
+}
+
+double weighted_activation_peak(const Plan& p, int64_t s, const double* chunk_weights, const double* chunk_parts,
+                                double* part_at_peak) {
   const bool interleaved = p.schedule() == ScheduleKind::interleaved;
   const ScheduleShape sh{p.schedule(), p.p, interleaved ? p.v : 1, p.microbatches(), interleaved ? p.vp_group_size() : 0};
   // The last few walks, by their whole input: a search asks again for every ZeRO stage of a
   // candidate (activations do not depend on it), and a middle stage like another for its own.
   struct Memo {
     std::array<int64_t, 6> shape;  // kind, p, v, m, g, s
-    std::vector<double> weights;
-    double peak;
+    std::vector<double> weights;   // the chunk weights, then the parts (none without)
+    double peak, part;
   };
   thread_local std::vector<Memo> memo;
   thread_local size_t memo_next = 0;
   const std::array<int64_t, 6> shape_key{static_cast<int64_t>(sh.kind), sh.p, sh.v, sh.m, sh.g, s};
+  std::vector<double>& key = thread_local_key();
+  key.assign(chunk_weights, chunk_weights + sh.v);
+  if (chunk_parts) key.insert(key.end(), chunk_parts, chunk_parts + sh.v);
   for (const Memo& e : memo)
-    if (e.shape == shape_key && std::equal(e.weights.begin(), e.weights.end(), chunk_weights)) return e.peak;
-  auto remember = [&](double peak) {
-    Memo e{shape_key, std::vector<double>(chunk_weights, chunk_weights + sh.v), peak};
+    if (e.shape == shape_key && e.weights == key) return *part_at_peak = e.part, e.peak;
+  auto remember = [&](double peak, double part) {
+    Memo e{shape_key, key, peak, part};
     if (memo.size() < 8) memo.push_back(std::move(e));
     else memo[memo_next++ % 8] = std::move(e);
+    *part_at_peak = part;
     return peak;
   };
   const int64_t warm = sh.warmup(s), positions = sh.positions();
   // Past its warm-up an interleaved stage alternates a forward and a backward; while both
   // run full groups (forward index (k + warm) / 2 below the last group's head, and before
   // the cool-down) their chunks repeat every group through the chunks, P = 2 g v positions,
-  // each chunk entered g times and left g times. So once a period has left the sum exactly
-  // where it began (the same additions from the same value: bit for bit), every further
+  // each chunk entered g times and left g times. So once a period has left the sums exactly
+  // where they began (the same additions from the same values: bit for bit), every further
   // whole period inside that region repeats it, peak included, and is skipped; the rest is
   // walked. (A search meets layouts with unlike chunks in every one of its plans.)
   int64_t period = 0, region_end = 0;
@@ -399,22 +416,25 @@ double weighted_activation_peak(const Plan& p, int64_t s, const double* chunk_we
     period = 2 * g * sh.v;
     region_end = std::min(2 * head - warm, positions - warm);
   }
-  double now = 0, peak = 0, period_start = 0;
+  double now = 0, peak = 0, period_start = 0, part = 0, part_peak = 0, part_start = 0;
   for (int64_t k = 0; k < positions; ++k) {
     if (period > 0 && k >= warm && (k - warm) % period == 0) {
-      if (k > warm && now == period_start && k <= region_end) {
+      if (k > warm && now == period_start && part == part_start && k <= region_end) {
         k += (region_end - k) / period * period;
         period = 0;
         if (k >= positions) break;
       } else {
         period_start = now;
+        part_start = part;
       }
     }
     const StepAt st = sh.at(s, k, warm);
-    now += st.forward ? chunk_weights[st.chunk] : -chunk_weights[st.chunk];
-    peak = std::max(peak, now);
+    const double sign = st.forward ? 1.0 : -1.0;
+    now += sign * chunk_weights[st.chunk];
+    if (chunk_parts) part += sign * chunk_parts[st.chunk];
+    if (now > peak) peak = now, part_peak = part;
   }
-  return remember(peak);
+  return remember(peak, part_peak);
 }
 
 namespace {
@@ -426,10 +446,11 @@ struct StageShape {
   MemoryBreakdown fixed;
   double per_chunk = 0, working = 0;
   double step_copy = 0;  // the optimizer step's fp32 copy of 16-bit main gradients, where transient
-  // The part of per_chunk that recomputed layers keep (their inputs), and of the chunk
-  // weights' sum where there are weights: with_in_flight charges it the allocator's
-  // fraction for recompute, and the rest of what the stage keeps the one for saved tensors.
-  double per_chunk_recomputed = 0, weights_recomputed_share = 0;
+  // The part of per_chunk that recomputed layers keep (their inputs), and of each chunk
+  // weight where there are weights: with_in_flight charges it the allocator's fraction for
+  // recompute, and the rest of what the stage keeps the one for saved tensors.
+  double per_chunk_recomputed = 0;
+  std::vector<double> chunk_recomputed;
   // Each chunk's activations, with the embedding's on stage 0's first chunk and the output
   // layer's on the last stage's last, where a plan's own split leaves the stage's chunks
   // unlike (else empty: the average above is exact).
@@ -556,17 +577,13 @@ StageShape stage_shape(const ModelSpec& m, const Plan& p, const StageLayout& lay
   }
   for (int64_t c = 0; c < lay.v; ++c) shape.per_chunk_recomputed += chunk_recomputed(c);
   if ((p.explicit_split() || dense_layers > 0) && !alike) {
-    double sum = 0;
     for (int64_t c = 0; c < lay.v; ++c) {
       double w = dense_layers == 0 ? chunk_act(c) : mixed_chunk_act(c);
       if (lay.has_embedding(s, c)) w += in.embedding_act;
       if (lay.has_head(s, c)) w += in.head_act;
       shape.chunk_weights.push_back(w);
-      sum += w;
+      if (p.recompute == Recompute::full) shape.chunk_recomputed.push_back(chunk_recomputed(c));
     }
-    // (The walked peak's recomputed part, as the weights' share: exact where the chunks'
-    // mixes of kept and recomputed layers are alike.)
-    if (sum > 0) shape.weights_recomputed_share = shape.per_chunk_recomputed / sum;
   }
   per_chunk /= static_cast<double>(lay.v);
   shape.per_chunk_recomputed /= static_cast<double>(lay.v);
@@ -729,9 +746,11 @@ void with_in_flight(const StageShape& shape, const Cluster& cl, const Plan& p, c
   double act_recomputed = static_cast<double>(in_flight) * shape.per_chunk_recomputed;
   if (s == 0) act += static_cast<double>(in_flight_first) * in.embedding_act;
   if (s == p.p - 1) act += static_cast<double>(in_flight_last) * in.head_act;
-  if (!shape.chunk_weights.empty()) {
-    act = weighted_activation_peak(p, s, shape.chunk_weights.data());
-    act_recomputed = act * shape.weights_recomputed_share;
+  if (!shape.chunk_weights.empty()) {  // (the recomputed layers' part summed alongside, at the peak)
+    act_recomputed = 0;
+    act = weighted_activation_peak(p, s, shape.chunk_weights.data(),
+                                   shape.chunk_recomputed.empty() ? nullptr : shape.chunk_recomputed.data(),
+                                   &act_recomputed);
   }
   // What is kept from forward to backward (act) and the working set beside it at the peak.
   double kept = act, transient = working;

@@ -108,6 +108,11 @@ StageMemoryInputs stage_memory_inputs(const ModelSpec& m, const Plan& p, const C
 // sum. stage_memory() uses it where a plan's own split (layout.h) leaves a stage's chunks
 // unlike; elsewhere the chunks' average times the chunk-micro-batches in flight is exact.
 double weighted_activation_peak(const Plan& p, int64_t s, const double* chunk_weights);
+// The same walk with a second weight per chunk (a part of the first, such as what its
+// recomputed layers keep), summed alongside: *part_at_peak is that sum where the first peaks
+// (its first peak).
+double weighted_activation_peak(const Plan& p, int64_t s, const double* chunk_weights, const double* chunk_parts,
+                                double* part_at_peak);
 MemoryBreakdown stage_memory(const ModelSpec& m, const Cluster& cl, const Plan& p, const StageLayout& lay,
                              const ComputeSetup& cs, int64_t s, int64_t in_flight, int64_t in_flight_first,
                              int64_t in_flight_last, const StageMemoryInputs* pre = nullptr);

@@ -556,9 +556,12 @@ SearchResult search(const ModelSpec& m, const Cluster& cl, const SearchOptions& 
     res.candidates_evaluated += chunk_max;
     const ComputeSetup cs = compute_setup(m, cl, pl);
     auto fits = [&](int64_t k) { return memory_of(at(k), lay, cs); };
-    // Memory falls with every layer recomputed but the last: recomputing a stage's every
-    // layer adds the rebuilt layer to its working set (memory.cpp), so one fewer may fit
-    // where all do not, and then the fitting k lie below it.
+    // Memory falls with every layer recomputed, but where a stage's every layer becomes
+    // recomputed: the layer rebuilt for its backward joins its working set (memory.cpp). On
+    // the stages with the most layers that is k = chunk_max, so one fewer may fit where all
+    // do not, and then the fitting k lie below it. (A stage with fewer layers reaches it
+    // earlier and may rise by a fraction of a layer's activations there; in no sweep so far
+    // has that moved the plan's peak, docs/MEASUREMENTS.md.)
     int64_t top = chunk_max;
     if (!fits(chunk_max).fits) {
       if (chunk_max == 1 || !fits(chunk_max - 1).fits) {

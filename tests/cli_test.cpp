@@ -225,6 +225,10 @@ TEST(Cli, PlanJsonExportsAndTrace) {
   const Outcome mt = strata(moe + "--top 3");
   ASSERT_EQ(mt.code, 0) << mt.err;
   EXPECT_NE(mt.out.find("  ep=8"), std::string::npos) << mt.out;
+  // Its best plan holds 79.2 of the H100's 79.65 GiB: the search says it has no margin.
+  EXPECT_NE(mt.out.find("note: its predicted peak is 99.5 % of the 79.65 GiB it may use"), std::string::npos)
+      << mt.out;
+  EXPECT_NE(mt.out.find("--memory-limit 95% keeps that margin"), std::string::npos) << mt.out;
   EXPECT_NE(mt.out.find("12.88B parameters active"), std::string::npos) << mt.out;
   const Outcome mj = strata(moe + "--fix ep=8 --json --top 1");
   ASSERT_EQ(mj.code, 0) << mj.err;
@@ -272,6 +276,8 @@ TEST(Cli, PlanExplainsAgainstAComparedPlan) {
   ASSERT_EQ(r.code, 0) << r.err;
   EXPECT_NE(r.out.find("why:"), std::string::npos);
   EXPECT_NE(r.out.find("best plan against"), std::string::npos);
+  // The best plan holds 69.6 of 80 GiB: a margin, so no note.
+  EXPECT_EQ(r.out.find("note: its predicted peak"), std::string::npos) << r.out;
 }
 
 // A Megatron-LM launch (flags in a script, torchrun's world): the plan it runs, estimated

@@ -568,6 +568,16 @@ TEST(Memory, WeightedActivationPeakWalksTheSchedule) {
   const double heavy_first[2] = {7, 1}, heavy_last[2] = {1, 7};
   EXPECT_EQ(weighted_activation_peak(p, 0, heavy_first), 29.0);  // 4 x 7 + 1
   EXPECT_EQ(weighted_activation_peak(p, 0, heavy_last), 17.0);   // 3 + 14 (4w0 + w1 = 11)
+  // A part of each weight summed alongside, read where the weights first peak: 4w0 + w1 and
+  // 3w0 + 2w1 above, so 4 x 2 + 0.5 and 3 x 0.5 + 2 x 2.
+  double part = 0;
+  const double parts_first[2] = {2, 0.5}, parts_last[2] = {0.5, 2};
+  EXPECT_EQ(weighted_activation_peak(p, 0, heavy_first, parts_first, &part), 29.0);
+  EXPECT_EQ(part, 8.5);
+  EXPECT_EQ(weighted_activation_peak(p, 0, heavy_last, parts_last, &part), 17.0);
+  EXPECT_EQ(part, 5.5);
+  EXPECT_EQ(weighted_activation_peak(p, 0, heavy_last, parts_first, &part), 17.0);  // (not the memo's)
+  EXPECT_EQ(part, 3 * 2 + 2 * 0.5);
   // Equal weights: the count of peak_in_flight() times the weight.
   const double even[2] = {1, 1};
   const std::vector<int64_t> counts = peak_in_flight(make_schedule(ScheduleKind::interleaved, 2, 2, 4));
