@@ -368,10 +368,6 @@ std::string explain(const Estimate& best, const Estimate& other) {
   return o;
 }
 
-// The share of the memory a plan may use above which `strata plan` says its best plan has no
-// margin for the memory predictions' own error.
-constexpr double kTightMemoryShare = 0.95;
-
 int cmd_plan(const std::vector<std::string>& argv) {
   const Args a(argv, "plan",
                {"model", "cluster", "gpus", "global-batch-size", "top", "export", "fix", "trace", "precision",
@@ -601,13 +597,6 @@ int cmd_plan(const std::vector<std::string>& argv) {
   EstimateOptions eo;
   const Estimate detailed = estimate(m, cl, best.plan, eo, &d);
   fmt::print("\nbest plan:\n{}", format_estimate(m, cl, detailed, &d, device_bytes));
-  // A best plan at the edge of what it may use: the published runs' measured peaks are
-  // predicted within a few percent (README, Accuracy: BLOOM's 17 within 4.6 %), not exactly.
-  if (const double budget = cl.device.memory_bytes; detailed.memory.peak > kTightMemoryShare * budget)
-    fmt::print("note: its predicted peak is {:.1f} % of the {} it may use, and measured peaks of published runs are "
-               "predicted within about 5 %: --memory-limit {:.0f}% keeps that margin\n",
-               100.0 * detailed.memory.peak / budget, human_bytes(budget),
-               std::floor(100.0 * kTightMemoryShare * budget / device_bytes));
   if (a.has("compare") || launch) {
     fmt::print("{}", explain(best, compared));
     if (!compared.fits)  // a plan the search would have rejected: the reason, not only the times
