@@ -362,13 +362,6 @@ double stage_params(const ModelSpec& m, const Plan& p, const StageLayout& lay, i
   return stage_params(m, p, lay, s, in, lay.stage_layers(s));
 }
 
-namespace {
-std::vector<double>& thread_local_key() {  // weighted_activation_peak's memo key, without an allocation a call
-  thread_local std::vector<double> key;
-  return key;
-}
-}  // namespace
-
 double weighted_activation_peak(const Plan& p, int64_t s, const double* chunk_weights) {
   double unused = 0;
   return weighted_activation_peak(p, s, chunk_weights, nullptr, &unused);
@@ -388,7 +381,7 @@ double weighted_activation_peak(const Plan& p, int64_t s, const double* chunk_we
   thread_local std::vector<Memo> memo;
   thread_local size_t memo_next = 0;
   const std::array<int64_t, 6> shape_key{static_cast<int64_t>(sh.kind), sh.p, sh.v, sh.m, sh.g, s};
-  std::vector<double>& key = thread_local_key();
+  thread_local std::vector<double> key;  // (per thread, as the memo: no allocation a call)
   key.assign(chunk_weights, chunk_weights + sh.v);
   if (chunk_parts) key.insert(key.end(), chunk_parts, chunk_parts + sh.v);
   for (const Memo& e : memo)
