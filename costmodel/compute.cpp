@@ -431,6 +431,36 @@ void layer_forward(Acc& a, Phase ph) {
   }
 }
 
+// What torchtitan's op-level selective recompute (selective_ac_option op) runs again before
+// a layer's backward: its checkpoint replays the forward, taking the fused attention's
+// output and the odd matrix multiplications' (q, v, gate or fc1, down) from what it kept
+// and running the rest, up to the last tensor the backward needs (the down projection's
+// input: eager checkpointing stops there). So the norms, their sequence-parallel gathers
+// (the projections' weight gradients read the gathered inputs), the k and output
+// projections, RoPE, the residual add, and in a gated MLP the up projection and the
+// activation (a GeLU MLP: the activation alone; its fc2, the 6th multiplication, is never
+// reached); and with tensor parallelism but no sequence parallelism the output
+// projection's all-reduce (the policy keeps a reduce-scatter's output, not an all-reduce's).
+void op_sac_recompute(Acc& a) {
+  const ModelSpec& m = a.m;
+  const Plan& p = a.p;
+  const Phase ph = Phase::recompute;
+  const double e = a.cs.work_bytes, T = a.cs.T, Tn = a.cs.Tn, H = static_cast<double>(m.H);
+  const double Ft = static_cast<double>(m.F) / static_cast<double>(p.t), kv_cols = head_columns(m, p.t, 0, 1);
+  const double norm_out = norms_write_16bit(a) ? 2.0 : e;
+  a.mem("norm1", ph, (e + norm_out) * Tn * H, MemKind::norm);
+  a.block_gather("sp_all_gather", ph, T, kv_cols, H, false);
+  a.linear("qkv", ph, T, kv_cols, H);  // k alone
+  if (m.position == Position::rope) a.mem("rope", ph, 2.0 * e * T * head_columns(m, p.t, 1, 1));
+  a.linear("attn_proj", ph, T, H, proj_width(m, p.t));
+  if (!p.sp) a.tp_reduce("tp_all_reduce", ph);
+  a.mem("bias_dropout_add", ph, dropout_bytes(Tn * H, 0.0, a.cs.work_bytes, true));
+  a.mem("norm2", ph, (e + norm_out) * Tn * H, MemKind::norm);
+  a.block_gather("sp_all_gather", ph, T, Ft, H, false);
+  if (m.gated()) a.linear("fc1", ph, T, Ft, H);  // the up half
+  a.mem(to_string(m.activation), ph, (m.gated() ? 3.0 : 2.0) * e * T * Ft, MemKind::activation);
+}
+
 // After the forward (not its replay): the tensors it keeps packed into 16 bits.
 void pack_kept(Acc& a) {
   if (a.cs.stack.strata) passes(a, "pack16", Phase::forward, sixteen_bit_passes(a).kept, 6.0, MemKind::generic);
@@ -581,6 +611,7 @@ LayerCost layer_cost(const ModelSpec& m, const Cluster& cl, const Plan& p, const
   pack_kept(a);
   if (replay && !copied) layer_forward(a, Phase::recompute);
   if (p.recomputes(kRecomputeCoreAttn)) attention_core_forward(a, Phase::recompute);
+  if (p.op_sac()) op_sac_recompute(a);
   if (p.recomputes(kRecomputeLayernorm)) {  // both norms' outputs again
     const double bytes = 2.0 * cs.work_bytes * cs.Tn * static_cast<double>(m.H);
     a.mem("norm1", Phase::recompute, bytes, MemKind::norm);

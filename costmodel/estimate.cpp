@@ -207,6 +207,10 @@ double hardware_flops(const ModelSpec& m, const Plan& p, const StageLayout& lay)
   if (p.recomputes(kRecomputeMlp) && (!m.moe() || m.mixed()))
     f += static_cast<double>(m.L - m.moe_layer_count() + (m.mtp_moe() ? 0 : m.mtp_layers)) * 2.0 * tokens * H *
          static_cast<double>(m.fc1_out() + m.F);
+  // torchtitan's op policy: k, the output projection and (gated) the up projection again.
+  if (p.op_sac())
+    f += L * 2.0 * tokens * H *
+         (static_cast<double>(m.G * m.D()) + static_cast<double>(m.AD()) + (m.gated() ? static_cast<double>(m.F) : 0.0));
   if (p.recomputes(kRecomputeCoreAttn))  // (multi-latent attention: QK^T over D, AV over Dv)
     f += m.mla() ? L * 2.0 * static_cast<double>(p.gbs) * static_cast<double>(m.S) * m.attention_keys() *
                        static_cast<double>(m.AD() + m.VD())

@@ -89,6 +89,35 @@ namespace {
   return bytes;
 }
 
+// torchtitan's op-level selective recompute (selective_ac_option op): a layer keeps its input
+// (the checkpoint's), what the policy saves - the fused attention's output O and
+// log-sum-exp, and the outputs of the odd matrix multiplications in forward order: of q, k,
+// v, o, then gate, up, down (a gated MLP) or fc1, fc2, those of q, v, gate or fc1, and down
+// (row-parallel: the whole sequence at full width, before its reduce-scatter) - and with
+// sequence parallelism the two reduce-scatters' outputs.
+// Everything else is made again before the layer's backward (op_sac_rebuilt_bytes).
+[[gnu::noinline]] double op_sac_activation_bytes(const ModelSpec& m, const Plan& p, const ComputeSetup& cs) {
+  const double e = cs.act_bytes, T = cs.T, Tn = cs.Tn, H = static_cast<double>(m.H), t = static_cast<double>(p.t);
+  const double q = T * static_cast<double>(m.AD()) / t, v = T * static_cast<double>(m.kv_width(p.t));
+  const double first_mlp = T * static_cast<double>(m.F) / t;  // gate, or a GeLU MLP's fc1
+  const double down = m.gated() ? T * H : 0.0;                // the 7th; a GeLU MLP has 6
+  const double heads = static_cast<double>(p.mbs) * static_cast<double>(m.A / p.t);
+  const double Sq = static_cast<double>(m.S) / static_cast<double>(p.c);
+  return e * (Tn * H + q + v + first_mlp + down + q) + 4.0 * heads * Sq + (p.sp && p.t > 1 ? 2.0 * e * Tn * H : 0.0);
+}
+
+// What op_sac rebuilds for one layer's backward, beside the working set: the norms'
+// outputs (gathered too with sequence parallelism), k, the roped q and k, the residual
+// stream between the blocks, and the MLP's up output and activation outputs (silu and the
+// product; a GeLU's output).
+double op_sac_rebuilt_bytes(const ModelSpec& m, const Plan& p, const ComputeSetup& cs) {
+  const double e = cs.act_bytes, T = cs.T, Tn = cs.Tn, H = static_cast<double>(m.H), t = static_cast<double>(p.t);
+  const double q = T * static_cast<double>(m.AD()) / t, k = T * static_cast<double>(m.kv_width(p.t));
+  const double Ft = T * static_cast<double>(m.F) / t;
+  return e * (3.0 * Tn * H + (p.sp && p.t > 1 ? 2.0 * T * H : 0.0) + k + (m.position == Position::rope ? q + k : 0.0) +
+              (m.gated() ? 3.0 : 1.0) * Ft);
+}
+
 // layer_activation_bytes, inlined into it and into layer_full_activation_bytes (both run
 // for every candidate of a search).
 [[gnu::always_inline]] inline double activation_bytes(const ModelSpec& m, const Plan& p, const ComputeSetup& cs) {
@@ -97,6 +126,7 @@ namespace {
   // K or V columns on this rank (each replicated group counted where t > G), and the queries'.
   const double GDt = static_cast<double>(m.kv_width(p.t)), AD = static_cast<double>(m.AD());
   if (p.recompute == Recompute::full) return e * Tn * H;  // the layer's input only
+  if (p.op_sac()) return op_sac_activation_bytes(m, p, cs);
   // With fp8 (Transformer Engine) each linear layer keeps its input as the fp8 copy its
   // GEMM read (LayerNormLinear and LayerNormMLP keep ln_out and the activation's output
   // in fp8, Linear its fp8 input). A fused core that is not recomputed also keeps its
@@ -630,6 +660,7 @@ StageShape stage_shape(const ModelSpec& m, const Plan& p, const StageLayout& lay
       if (p.recomputes(kRecomputeMlp) && (!m.moe() || dense_layers > 0))
         working += cs.act_bytes * cs.T * (static_cast<double>(m.fc1_out()) + static_cast<double>(m.F)) / static_cast<double>(p.t);
     }
+    if (p.op_sac()) working += op_sac_rebuilt_bytes(m, p, cs);
     // Selective recompute of an unfused core rebuilds one layer's S x S probabilities.
     if (p.recomputes(kRecomputeCoreAttn) && cs.attention == AttentionKernel::unfused)
       working += cs.act_bytes * static_cast<double>(p.mbs) * static_cast<double>(m.A / p.t) *

@@ -535,7 +535,7 @@ Plan plan_from_json(const Json& in, const std::string& source) {
   // as such, not reported through the rule of a known key beside it.
   f.reject_unknown_except({"tensor_parallel", "pipeline_parallel", "data_parallel", "context_parallel",
                            "virtual_pipeline_stages", "microbatch_group_size_per_vp_stage", "micro_batch_size",
-                           "global_batch_size", "zero_stage", "recompute", "recompute_num_layers", "sequence_parallel",
+                           "global_batch_size", "zero_stage", "recompute", "recompute_num_layers", "selective_ac_option", "sequence_parallel",
                            "precision", "pipeline_schedule", "attention", "overlap_grad_reduce", "overlap_param_gather",
                            "tp_comm_overlap", "grad_accumulation_fusion", "cross_entropy_loss_fusion",
                            "software_stack", "cp_comm_type",
@@ -605,6 +605,29 @@ Plan plan_from_json(const Json& in, const std::string& source) {
     p.recompute_modules = parse_recompute_modules(*rm, field);
   }
   f.ignore("recompute_modules");
+  // torchtitan's [activation_checkpoint] selective_ac_option: "op", its op-level policy, in
+  // place of Megatron's modules; its other form, an integer N (every N-th layer
+  // checkpointed whole), is full recompute of fewer layers, which recompute_num_layers says.
+  if (const Json* ac = f.peek("selective_ac_option"); ac && !ac->is_null()) {
+    const std::string field = source + ".selective_ac_option";
+    const bool every_nth = ac->is_number_integer() || (ac->is_string() && !ac->get<std::string>().empty() &&
+                                                       ac->get<std::string>().find_first_not_of("0123456789") ==
+                                                           std::string::npos);
+    if (every_nth)
+      fail_field(field, show_value(*ac),
+                 "is torchtitan's layer policy (every N-th layer recomputed whole): give recompute=full with "
+                 "recompute_num_layers, the layers of each model chunk recomputed");
+    if (!ac->is_string() || ac->get<std::string>() != "op")
+      fail_field(field, show_value(*ac), "must be \"op\" (torchtitan's op-level selective recompute)");
+    if (!rc_given) p.recompute = Recompute::selective;
+    if (p.recompute != Recompute::selective)
+      fail_field(field, "\"op\"", fmt::format("needs recompute selective, not {}", to_string(p.recompute)));
+    if (const Json* rm = f.peek("recompute_modules"); rm && !rm->is_null())
+      fail_field(field, "\"op\"", "cannot be combined with recompute_modules: the op policy decides what is "
+                                   "recomputed in place of Megatron's modules");
+    p.selective_ac_op = true;
+  }
+  f.ignore("selective_ac_option");
   p.sp = f.boolean_or("sequence_parallel", false);
   p.precision_given = j.contains("precision");
   const std::string pr = f.choice_or("precision", "bf16", {"fp32", "bf16", "fp16", "fp8"});
@@ -939,7 +962,9 @@ Json plan_to_json(const Plan& p) {
   if (p.offload > 0) j["optimizer_offload_fraction"] = p.offload;
   if (p.ep > 1) j["expert_model_parallel_size"] = p.ep;
   if (p.etp > 0 && p.etp != p.t) j["expert_tensor_parallel_size"] = p.etp;
-  if (p.recompute == Recompute::selective && p.recompute_modules != kRecomputeCoreAttn) {
+  if (p.op_sac()) {
+    j["selective_ac_option"] = "op";
+  } else if (p.recompute == Recompute::selective && p.recompute_modules != kRecomputeCoreAttn) {
     j["recompute_modules"] = module_list(p.recompute_modules, kRecomputeModuleNames);
   }
   if (p.dp_instances > 1) j["num_distributed_optimizer_instances"] = p.dp_instances;
@@ -999,7 +1024,9 @@ std::string plan_to_inline(const Plan& p) {
   if (p.offload > 0) s += fmt::format(",offload={}", p.offload);
   if (p.ep > 1) s += fmt::format(",ep={}", p.ep);
   if (p.etp > 0 && p.etp != p.t) s += fmt::format(",etp={}", p.etp);
-  if (p.recompute == Recompute::selective && p.recompute_modules != kRecomputeCoreAttn)
+  if (p.op_sac())
+    s += ",selective_ac_option=op";
+  else if (p.recompute == Recompute::selective && p.recompute_modules != kRecomputeCoreAttn)
     s += ",recompute_modules=" + recompute_modules_text(p.recompute_modules, "+");
   if (p.dp_instances > 1) s += fmt::format(",num_distributed_optimizer_instances={}", p.dp_instances);
   if (p.offload_modules) {
@@ -1244,6 +1271,20 @@ std::vector<Reason> check_plan(const ModelSpec& m, const Cluster& cl, const Plan
     else if (cl.strata_stack)
       add("dp_instances", [&] { return fmt::format("num_distributed_optimizer_instances={}: {} runs the strata executor, "
                                                    "which shards over every replica", p.dp_instances, cl.name); });
+  }
+  if (p.op_sac()) {
+    // torchtitan's policy counts aten.mm: linear layers with biases run addmm, and the
+    // experts' grouped GEMMs and multi-latent attention's projections run in another order
+    // than the one op_sac costs.
+    std::string why;
+    if (m.moe()) why = "for " + m.name + ", a mixture-of-experts model (its experts' grouped GEMMs are not aten.mm)";
+    else if (m.mla()) why = "for " + m.name + ", whose multi-latent attention runs its projections in another order";
+    else if (m.bias) why = "for " + m.name + ", whose linear layers have biases (they run addmm, which the policy does not keep)";
+    else if (p.offload_modules) why = "with offload_modules (Megatron-core's offload groups follow its modules)";
+    else if (resolve_attention(m, cl, p) == AttentionKernel::unfused)
+      why = "with the unfused attention (the policy keeps the fused attention's output: attention=flash)";
+    if (!why.empty())
+      add("selective_ac_option", [&] { return "selective_ac_option op (torchtitan's op-level policy) is not costed " + why; });
   }
   if (p.offload_modules && m.mla())
     add("activation_offload", [&] { return fmt::format("offload_modules {} with multi-latent attention: its offload "

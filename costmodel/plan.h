@@ -113,6 +113,11 @@ struct Plan {
   int zero = 0;     // 0..3; Megatron's distributed optimizer is 1
   Recompute recompute = Recompute::none;
   unsigned recompute_modules = kRecomputeCoreAttn;  // with selective recompute (RecomputeModule bits)
+  // torchtitan's selective_ac_option "op" in place of the modules, with selective recompute:
+  // its op-level policy, which keeps the outputs of the fused attention and of the odd
+  // (1st, 3rd, ...) matrix multiplications of each layer in forward order and recomputes
+  // every other op (memory.cpp, compute.cpp: op_sac).
+  bool selective_ac_op = false;
   int64_t recompute_layers = 0;  // recompute_num_layers: with full recompute, how many layers of
                                  // each model chunk are recomputed (Megatron's block method);
                                  // 0 = all of them
@@ -220,7 +225,11 @@ struct Plan {
     min_offloaded_tensor_size = o.min_offloaded_tensor_size;
   }
   // Selective recompute of a module (RecomputeModule).
-  bool recomputes(unsigned module) const { return recompute == Recompute::selective && (recompute_modules & module) != 0; }
+  bool recomputes(unsigned module) const {
+    return recompute == Recompute::selective && !selective_ac_op && (recompute_modules & module) != 0;
+  }
+  // torchtitan's op-level selective recompute (selective_ac_op).
+  bool op_sac() const { return recompute == Recompute::selective && selective_ac_op; }
   bool explicit_split() const { return layout || first_stage_layers > 0 || last_stage_layers > 0; }
   // The same plan with nothing recomputed (what partial recompute's other layers run).
   Plan without_recompute() const {

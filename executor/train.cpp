@@ -60,6 +60,9 @@ void validate_train_plan(const ModelSpec& m, const Plan& p, int world_size, bool
   if (p.c > 1 && p.cp_comm != CpComm::automatic && p.cp_comm != CpComm::allgather)
     fail(std::string("plan: cp_comm_type = ") + to_string(p.cp_comm) +
          " is not implemented by the executor: it gathers the keys and values (allgather; leave it auto)");
+  if (p.op_sac())
+    fail("plan: selective_ac_option op (torchtitan's op-level policy) is not implemented by the executor: its "
+         "selective recompute is the attention core (core_attn); strata estimate and plan model it on a GPU cluster");
   if (p.recompute == Recompute::selective && p.recompute_modules != kRecomputeCoreAttn)
     fail("plan: recompute_modules " + recompute_modules_text(p.recompute_modules, " ") +
          " is not implemented by the executor: its selective recompute is the attention core (core_attn)");

@@ -98,6 +98,9 @@ std::string export_megatron(const ModelSpec& m, const Plan& p, const Stack& stac
     flag("--recompute-num-layers 1");
   } else if (p.recompute == Recompute::selective) {
     flag("--recompute-granularity selective");
+    if (p.op_sac())
+      notes += "# selective_ac_option=op is torchtitan's op-level recompute, which Megatron-LM has no flag for: given as\n"
+               "# selective recompute of the attention core, which keeps more and recomputes less than strata costed.\n";
     if (p.recompute_modules != kRecomputeCoreAttn)
       flag("--recompute-modules " + recompute_modules_text(p.recompute_modules, " "));
   }
@@ -291,6 +294,8 @@ std::string export_deepspeed(const ModelSpec& m, const Plan& p, const Stack& sta
   // Nor has Transformer Engine's user-buffer overlap (Megatron's --tp-comm-overlap), which a
   // tensor-parallel plan on the modern stack is costed with by default: said.
   if (stack.userbuffers) split["megatron_tp_comm_overlap"] = true;
+  // Nor has torchtitan's op-level selective recompute: costed with it, so said.
+  if (p.op_sac()) split["torchtitan_selective_ac_option"] = "op";
   // Nor has Megatron-core's fine-grained activation offloading (DeepSpeed's activation
   // checkpointing moves checkpoints, not module activations): costed with it, so said.
   if (p.offload_modules)
@@ -424,6 +429,9 @@ std::string export_bridge(const ModelSpec& m, const Plan& p, const Stack& stack)
     set("model.recompute_modules", p.recompute == Recompute::selective
                                        ? fmt::format("[{}]", recompute_modules_text(p.recompute_modules, ","))
                                        : std::string("null"));
+    if (p.op_sac())
+      notes += "# selective_ac_option=op is torchtitan's op-level recompute, which Megatron-core has no setting for:\n"
+               "# given as selective recompute of the attention core, which keeps more and recomputes less than strata costed.\n";
   }
   // The registered mixed-precision recipes (megatron.bridge.training.mixed_precision) and
   // what each sets that strata costs otherwise: the main gradients' type (bf16_mixed and the

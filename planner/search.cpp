@@ -98,6 +98,10 @@ FixedDims parse_fixed(const std::string& text) {
       else if (s == "selective") f.recompute = Recompute::selective;
       else if (s == "full") f.recompute = Recompute::full;
       else fail_field("--fix recompute", show_value(v), "must be one of none, selective, full");
+    } else if (k == "selective_ac_option") {
+      if (!v.is_string() || v.get<std::string>() != "op")
+        fail_field("--fix selective_ac_option", show_value(v), "must be \"op\" (torchtitan's op-level selective recompute)");
+      f.selective_ac_op = true;
     } else if (k == "schedule" || k == "pipeline_schedule") {
       const std::string s = v.is_string() ? v.get<std::string>() : "";
       if (s == "gpipe") f.gpipe = true;
@@ -108,7 +112,7 @@ FixedDims parse_fixed(const std::string& text) {
                  "unknown key: use tp, pp, dp, cp, vp, mbs, gbs, zero, recompute, recompute_num_layers, sp, schedule, "
                  "precision, "
                  "uneven_split, cp_comm_type, offload, ep, grad_reduce_in_fp32, fp8_param_gather, tp_comm_overlap, "
-                 "moe_token_dispatcher_type (and "
+                 "selective_ac_option, moe_token_dispatcher_type (and "
                  "its moe_flex_dispatcher_backend), overlap_moe_expert_parallel_comm, use_precision_aware_optimizer (and "
                  "its exp_avg_dtype, exp_avg_sq_dtype, main_params_dtype, store_param_remainders), offload_modules "
                  "(and its activation_offload_fraction, min_offloaded_tensor_size), num_distributed_optimizer_instances "
@@ -128,6 +132,14 @@ FixedDims parse_fixed(const std::string& text) {
                  fmt::format("needs recompute=full (--fix gives recompute={})",
                              *f.recompute == Recompute::none ? "none" : "selective"));
     f.recompute = Recompute::full;
+  }
+  // torchtitan's op policy is its selective recompute: fixing it fixes that.
+  if (f.selective_ac_op) {
+    if (f.recompute && *f.recompute != Recompute::selective)
+      fail_field("--fix selective_ac_option", "\"op\"",
+                 fmt::format("needs recompute=selective (--fix gives recompute={})",
+                             *f.recompute == Recompute::none ? "none" : "full"));
+    f.recompute = Recompute::selective;
   }
   if (!dispatcher.empty()) f.moe_dispatcher = plan_from_json(dispatcher, "--fix").moe_dispatcher;
   if (!activations.empty()) {
@@ -728,6 +740,7 @@ SearchResult search(const ModelSpec& m, const Cluster& cl, const SearchOptions& 
             probe_tpcv.delay_wgrad = *fx.moe_a2a_overlap;
           }
           if (fx.activation_offload) probe_tpcv.take_activation_offload_of(*fx.activation_offload);
+          probe_tpcv.selective_ac_op = fx.selective_ac_op;
           // (An MoE model needs sequence parallelism with tp > 1: the probe has it, so that
           // moe_sp does not hide a structural reason.)
           probe_tpcv.sp = m.moe() && t > 1;

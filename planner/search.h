@@ -49,6 +49,9 @@ struct FixedDims {
   // (Plan::offload_modules and its settings only; candidates it cannot run, those with full
   // recompute, are rejected as activation_offload).
   std::optional<Plan> activation_offload;
+  // --fix selective_ac_option=op: torchtitan's op-level policy as every candidate's selective
+  // recompute (Plan::selective_ac_op; it fixes recompute=selective).
+  bool selective_ac_op = false;
   // Hybrid sharding for every ZeRO >= 1 candidate: --fix num_distributed_optimizer_instances=N
   // (N instances) or data_parallel_shard_size=S (shard groups of S replicas, e.g. a node's);
   // candidates whose replicas it does not split are rejected (dp_instances).

@@ -948,6 +948,56 @@ TEST(Compute, MixtureOfExpertsLayer) {
   EXPECT_EQ(other, 0.0);
 }
 
+// torchtitan's op-level selective recompute (selective_ac_option op) on tiny-llama (H 256, 8
+// heads of 32 in 2 groups: k 64 wide; SwiGLU F 704), micro-batch 2 x 128 = 256 tokens,
+// bf16 (2 bytes), one rank. The policy keeps the fused attention's output and the 1st,
+// 3rd, 5th and 7th matrix multiplications' (q, v, gate, down), so before the backward the
+// checkpoint runs again, up to down's input:
+//   k            2 x 256 x 64 x 256  =  8,388,608 FLOPs
+//   attn_proj    2 x 256 x 256 x 256 = 33,554,432
+//   fc1 (up)     2 x 256 x 704 x 256 = 92,274,688  (together 2^27 = 134,217,728)
+//   norm1, norm2 (2 + 2) x 256 x 256 = 262,144 bytes each; rope 2 x 2 x 256 x (256 + 64)
+//   = 327,680; the residual add 3 x 2 x 256 x 256 = 393,216; swiglu 3 x 2 x 256 x 704 =
+//   1,081,344; and neither the attention (kept) nor the down projection (never reached).
+TEST(Compute, TorchtitanOpSelectiveRecompute) {
+  const Cluster c = testing::round_cluster();
+  const ModelSpec m = load_model("tiny-llama");
+  ASSERT_EQ(m.H, 256);
+  ASSERT_EQ(m.F, 704);
+  const std::vector<OpCost> op = layer_ops(m, c, load_plan("dp=8,mbs=2,precision=bf16,selective_ac_option=op"));
+  EXPECT_DOUBLE_EQ(sum_of(op, "qkv", Phase::recompute, &OpCost::flops), 8388608.0);
+  EXPECT_DOUBLE_EQ(sum_of(op, "attn_proj", Phase::recompute, &OpCost::flops), 33554432.0);
+  EXPECT_DOUBLE_EQ(sum_of(op, "fc1", Phase::recompute, &OpCost::flops), 92274688.0);
+  EXPECT_DOUBLE_EQ(sum_of(op, "fc2", Phase::recompute, &OpCost::flops), 0.0);
+  EXPECT_DOUBLE_EQ(sum_of(op, "flash_attention", Phase::recompute, &OpCost::flops), 0.0);
+  EXPECT_DOUBLE_EQ(sum_of(op, "norm1", Phase::recompute, &OpCost::bytes), 262144.0);
+  EXPECT_DOUBLE_EQ(sum_of(op, "norm2", Phase::recompute, &OpCost::bytes), 262144.0);
+  EXPECT_DOUBLE_EQ(sum_of(op, "rope", Phase::recompute, &OpCost::bytes), 327680.0);
+  EXPECT_DOUBLE_EQ(sum_of(op, "bias_dropout_add", Phase::recompute, &OpCost::bytes), 393216.0);
+  EXPECT_DOUBLE_EQ(sum_of(op, "swiglu", Phase::recompute, &OpCost::bytes), 1081344.0);
+  double flops = 0;
+  for (const OpCost& o : op)
+    if (o.phase == Phase::recompute) flops += o.flops;
+  EXPECT_DOUBLE_EQ(flops, 134217728.0);
+  // Megatron's selective recompute (the attention core) runs the fused attention again instead.
+  const std::vector<OpCost> core = layer_ops(m, c, load_plan("dp=8,mbs=2,precision=bf16,recompute=selective"));
+  EXPECT_GT(sum_of(core, "flash_attention", Phase::recompute, &OpCost::flops), 0.0);
+  EXPECT_DOUBLE_EQ(sum_of(core, "qkv", Phase::recompute, &OpCost::flops), 0.0);
+  // The forward and backward are the same ops either way.
+  auto phase_time = [](const std::vector<OpCost>& ops, Phase ph) {
+    double t = 0;
+    for (const OpCost& o : ops)
+      if (o.phase == ph) t += o.time_s;
+    return t;
+  };
+  EXPECT_DOUBLE_EQ(phase_time(op, Phase::forward), phase_time(core, Phase::forward));
+  EXPECT_DOUBLE_EQ(phase_time(op, Phase::backward), phase_time(core, Phase::backward));
+  // Hardware FLOPs count the three projections again on every layer: 4 layers, 8 x 2 x 128
+  // tokens a step (one micro-batch of 2 a rank), 2^27 x 8 x 4 more than with none.
+  const Plan none = load_plan("dp=8,mbs=2,precision=bf16"), ops = load_plan("dp=8,mbs=2,precision=bf16,selective_ac_option=op");
+  EXPECT_DOUBLE_EQ(hardware_flops_per_step(m, ops) - hardware_flops_per_step(m, none), 134217728.0 * 8 * 4);
+}
+
 // The flex dispatcher (DeepEP, HybridEP): 16 experts of 2 per token on ep 16 over two
 // nodes of 8 GPUs (one expert each), mbs 1 x 1024 tokens, H 1024, bf16 (2048-byte rows).
 // - a token misses the other node with P = (8/16)(7/15) = 7/30, so 23/30 of a copy per

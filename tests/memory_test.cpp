@@ -825,6 +825,47 @@ TEST(Memory, FusedAndUnfusedCrossEntropy) {
   EXPECT_GT(estimate(m, c, unfused).step_time_s, estimate(m, c, fused).step_time_s);
 }
 
+// torchtitan's op-level selective recompute (selective_ac_option op), Llama 3 8B (H 4096, 32
+// heads of 128, 8 key/value groups: v 1024 wide, SwiGLU F 14336), one sequence of 8192
+// tokens, bf16. A layer keeps its input, q, v, the attention's output O (each mm's output in
+// 16 bits), the gate and down outputs, and O's fp32 log-sum-exp:
+//   2 x 8192 x (4096 + 4096 + 1024 + 4096 + 14336 + 4096) + 4 x 32 x 8192
+//   = 520,093,696 + 1,048,576 = 521,142,272 bytes (Megatron's selective keeps more: the
+//   norms' inputs and outputs, k, and the whole MLP's fc1 output and fc2 input)
+// With tp 2 and sequence parallelism (Tn 4096; q, O 2048 wide, v 512, gate 7168; down,
+// before its reduce-scatter, all 8192 x 4096; the two reduce-scatters' outputs 4096 x 4096):
+//   2 x (3 x 4096 x 4096 + 2 x 8192 x 2048 + 8192 x 512 + 8192 x 7168 + 8192 x 4096)
+//   + 4 x 16 x 8192 = 360,710,144 + 524,288 = 361,234,432 bytes.
+// Before a layer's backward it rebuilds, beside the MLP's working set: the two norms'
+// outputs and the residual between the blocks (3 x 8192 x 4096), k (8192 x 1024), the
+// roped q and k (8192 x 5120), the up output, silu's and the product (3 x 8192 x 14336):
+//   2 x 8192 x (12288 + 1024 + 5120 + 43008) = 1,006,632,960 bytes.
+TEST(Memory, TorchtitanOpSelectiveRecompute) {
+  const ModelSpec m = load_model("llama3-8b");
+  const Cluster c = load_cluster("dgx-h100-80g");
+  ASSERT_EQ(m.S, 8192);
+  auto per_layer = [&](const char* plan) {
+    const Plan p = load_plan(plan);
+    return layer_activation_bytes(m, p, compute_setup(m, c, p));
+  };
+  EXPECT_DOUBLE_EQ(per_layer("dp=8,mbs=1,gbs=8,selective_ac_option=op"), 521142272.0);
+  EXPECT_DOUBLE_EQ(per_layer("tp=2,sp=1,dp=4,mbs=1,gbs=4,selective_ac_option=op"), 361234432.0);
+  EXPECT_LT(per_layer("dp=8,mbs=1,gbs=8,selective_ac_option=op"), per_layer("dp=8,mbs=1,gbs=8,recompute=selective"));
+  // fp8 changes none of it: the policy keeps the mm outputs, in 16 bits.
+  EXPECT_DOUBLE_EQ(per_layer("dp=8,mbs=1,gbs=8,selective_ac_option=op,precision=fp8"), 521142272.0);
+  // Stage 0 of 2 (pp 2: 16 layers, the embedding, 2 micro-batches in flight): the layers'
+  // kept bytes, the embedding's, and the working set with the rebuilt layer in it.
+  const Plan op = load_plan("pp=2,dp=4,mbs=1,gbs=8,selective_ac_option=op");
+  const Plan none = load_plan("pp=2,dp=4,mbs=1,gbs=8");
+  const ComputeSetup cs = compute_setup(m, c, op), ncs = compute_setup(m, c, none);
+  const StageLayout lay = make_layout(m.L, 2, 1);
+  const MemoryBreakdown a = stage_memory(m, c, op, lay, cs, 0, 2, 2, 0);
+  const MemoryBreakdown b = stage_memory(m, c, none, lay, ncs, 0, 2, 2, 0);
+  const double e = embedding_activation_bytes(m, op, cs);
+  const double working_none = b.activations - 2 * 16 * layer_activation_bytes(m, none, ncs) - 2 * e;
+  EXPECT_DOUBLE_EQ(a.activations, 2 * 16 * 521142272.0 + 2 * e + working_none + 1006632960.0);
+}
+
 // The framework's reserve: 1e9 bytes (round_cluster) plus the allocator's fractions, here
 // 0.5 of the churn (the backward's working set, what recomputed layers keep, a legacy
 // stack's autograd gradients) and 0.1 of the saved tensors (the rest of the activations).

@@ -687,6 +687,43 @@ TEST(Plan, RecomputeModules) {
   EXPECT_EQ(load_plan("recompute_modules=mla_up_proj+mlp").recompute_modules, kRecomputeMlaUpProj | kRecomputeMlp);
 }
 
+// torchtitan's [activation_checkpoint] selective_ac_option "op": its op-level policy as the
+// selective recompute, in place of Megatron's modules; written back as it was read.
+TEST(Plan, TorchtitanSelectiveAcOption) {
+  const Plan p = load_plan("dp=8,selective_ac_option=op");  // implies selective, as torchtitan's mode
+  EXPECT_EQ(p.recompute, Recompute::selective);
+  EXPECT_TRUE(p.op_sac());
+  EXPECT_FALSE(p.recomputes(kRecomputeCoreAttn));  // the op policy, not the modules
+  EXPECT_FALSE(p.without_recompute().op_sac());
+  EXPECT_TRUE(plan_from_json(plan_to_json(p), "plan").op_sac());
+  EXPECT_TRUE(load_plan(plan_to_inline(p)).op_sac());
+  EXPECT_NE(plan_to_inline(p).find("selective_ac_option=op"), std::string::npos);
+  EXPECT_FALSE(load_plan("dp=8,recompute=selective").op_sac());
+  auto refused = [](const char* text, const char* what) {
+    try {
+      plan_from_json(Json::parse(text), "plan");
+      ADD_FAILURE() << text;
+    } catch (const InputError& e) {
+      EXPECT_NE(std::string(e.what()).find("plan.selective_ac_option"), std::string::npos) << e.what();
+      EXPECT_NE(std::string(e.what()).find(what), std::string::npos) << e.what();
+    }
+  };
+  refused(R"({"selective_ac_option":"2"})", "recompute_num_layers");
+  refused(R"({"selective_ac_option":2})", "recompute_num_layers");
+  refused(R"({"selective_ac_option":"ops"})", "must be \"op\"");
+  refused(R"({"selective_ac_option":true})", "must be \"op\"");
+  refused(R"({"recompute":"full","selective_ac_option":"op"})", "needs recompute selective");
+  refused(R"({"recompute":"none","selective_ac_option":"op"})", "needs recompute selective");
+  refused(R"({"selective_ac_option":"op","recompute_modules":["layernorm"]})", "recompute_modules");
+  // What the policy cannot be costed on is a rule of the plan against the model.
+  const std::vector<std::string> sac{"selective_ac_option"};
+  EXPECT_TRUE(keys(load_model("llama3-8b"), load_plan("dp=8,selective_ac_option=op")).empty());
+  EXPECT_EQ(keys(load_model("gpt3-175b"), load_plan("dp=8,selective_ac_option=op,attention=flash")), sac);  // biases
+  EXPECT_EQ(keys(load_model("mixtral-8x7b"), load_plan("dp=8,ep=8,selective_ac_option=op")), sac);
+  EXPECT_EQ(keys(load_model("deepseek-v3"), load_plan("dp=64,ep=64,selective_ac_option=op")), sac);
+  EXPECT_EQ(keys(load_model("llama3-8b"), load_plan("dp=8,selective_ac_option=op,attention=unfused")), sac);
+}
+
 TEST(Plan, PipelineLayoutStrings) {
   const Plan p = load_plan("tp=4,pp=8,mbs=1,gbs=256,pipeline_model_parallel_layout=Et*2|(t*2|)*34,t*3|(t*2|)*3,tL");
   ASSERT_TRUE(p.layout);

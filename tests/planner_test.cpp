@@ -478,6 +478,24 @@ TEST(Planner, FixPinsDimensions) {
   EXPECT_THROW(parse_fixed("grad_reduce_in_fp32=2"), InputError);
 }
 
+// --fix selective_ac_option=op: every candidate recomputes with torchtitan's op policy (the
+// search's selective recompute), each as estimate() gives it, and it fixes the recompute.
+TEST(Planner, TorchtitanOpPolicyForEveryCandidate) {
+  const SearchResult r = search_fixed("llama3-8b", "dgx-h100-80g", 16, 64, "selective_ac_option=op");
+  ASSERT_FALSE(r.plans.empty());
+  const ModelSpec m = load_model("llama3-8b");
+  const Cluster cl = load_cluster("dgx-h100-80g");
+  for (const auto& e : r.plans) {
+    EXPECT_TRUE(e.plan.op_sac());
+    EXPECT_EQ(estimate(m, cl, e.plan).step_time_s, e.step_time_s);
+    EXPECT_EQ(estimate(m, cl, e.plan).memory.peak, e.memory.peak);
+  }
+  EXPECT_EQ(parse_fixed("selective_ac_option=op").recompute, Recompute::selective);
+  EXPECT_THROW(parse_fixed("selective_ac_option=op,recompute=none"), InputError);
+  EXPECT_THROW(parse_fixed("selective_ac_option=op,recompute_num_layers=2"), InputError);
+  EXPECT_THROW(parse_fixed("selective_ac_option=2"), InputError);
+}
+
 // --fix grad_reduce_in_fp32=0 (not searched: it changes the numerics) gives every candidate
 // bf16 main gradients, so the best plan is the one estimate gives with it, and no slower
 // than the best with fp32 gradients (less to hold, half the bytes to reduce).
