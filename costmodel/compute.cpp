@@ -439,8 +439,9 @@ void layer_forward(Acc& a, Phase ph) {
 // (the projections' weight gradients read the gathered inputs), the k and output
 // projections, RoPE, the residual add, and in a gated MLP the up projection and the
 // activation (a GeLU MLP: the activation alone; its fc2, the 6th multiplication, is never
-// reached); and with tensor parallelism but no sequence parallelism the output
-// projection's all-reduce (the policy keeps a reduce-scatter's output, not an all-reduce's).
+// reached); not the reduce-scatters, whose outputs the policy keeps (torchtitan's tensor
+// parallelism is sequence-parallel: check_plan refuses it without). GQA's repeated keys
+// and values (torchtitan's repeat_kv copies) are costed as the forward costs them: not.
 void op_sac_recompute(Acc& a) {
   const ModelSpec& m = a.m;
   const Plan& p = a.p;
@@ -453,7 +454,6 @@ void op_sac_recompute(Acc& a) {
   a.linear("qkv", ph, T, kv_cols, H);  // k alone
   if (m.position == Position::rope) a.mem("rope", ph, 2.0 * e * T * head_columns(m, p.t, 1, 1));
   a.linear("attn_proj", ph, T, H, proj_width(m, p.t));
-  if (!p.sp) a.tp_reduce("tp_all_reduce", ph);
   a.mem("bias_dropout_add", ph, dropout_bytes(Tn * H, 0.0, a.cs.work_bytes, true));
   a.mem("norm2", ph, (e + norm_out) * Tn * H, MemKind::norm);
   a.block_gather("sp_all_gather", ph, T, Ft, H, false);

@@ -107,15 +107,19 @@ namespace {
 }
 
 // What op_sac rebuilds for one layer's backward, beside the working set: the norms'
-// outputs (gathered too with sequence parallelism), k, the roped q and k, the residual
-// stream between the blocks, and the MLP's up output and activation outputs (silu and the
-// product; a GeLU's output).
+// outputs (gathered too with sequence parallelism) and the residual stream between the
+// blocks; the attention's inputs as its backward reads them: the roped q, and k and v
+// repeated to every query head (torchtitan's repeat_kv copies both where a rank has more
+// query heads than key/value heads; else the roped k, v being kept); and the MLP's up
+// output and activation outputs (silu's and the product; a GeLU's output). (torchtitan's
+// eager RMSNorm also holds an fp32 copy of its input; compiled, it does not: not counted.)
 double op_sac_rebuilt_bytes(const ModelSpec& m, const Plan& p, const ComputeSetup& cs) {
   const double e = cs.act_bytes, T = cs.T, Tn = cs.Tn, H = static_cast<double>(m.H), t = static_cast<double>(p.t);
   const double q = T * static_cast<double>(m.AD()) / t, k = T * static_cast<double>(m.kv_width(p.t));
   const double Ft = T * static_cast<double>(m.F) / t;
-  return e * (3.0 * Tn * H + (p.sp && p.t > 1 ? 2.0 * T * H : 0.0) + k + (m.position == Position::rope ? q + k : 0.0) +
-              (m.gated() ? 3.0 : 1.0) * Ft);
+  const bool repeated = q > k;
+  return e * (3.0 * Tn * H + (p.sp && p.t > 1 ? 2.0 * T * H : 0.0) + (m.position == Position::rope ? q : 0.0) +
+              (repeated ? 2.0 * q : k) + (m.gated() ? 3.0 : 1.0) * Ft);
 }
 
 // layer_activation_bytes, inlined into it and into layer_full_activation_bytes (both run

@@ -615,8 +615,9 @@ Plan plan_from_json(const Json& in, const std::string& source) {
                                                            std::string::npos);
     if (every_nth)
       fail_field(field, show_value(*ac),
-                 "is torchtitan's layer policy (every N-th layer recomputed whole): give recompute=full with "
-                 "recompute_num_layers, the layers of each model chunk recomputed");
+                 "must be \"op\": an integer N is torchtitan's layer policy (every N-th layer checkpointed "
+                 "whole), which strata costs as recompute=full with recompute_num_layers (the first layers of "
+                 "each model chunk, as Megatron's block method: as many as torchtitan's L/N, not the same ones)");
     if (!ac->is_string() || ac->get<std::string>() != "op")
       fail_field(field, show_value(*ac), "must be \"op\" (torchtitan's op-level selective recompute)");
     if (!rc_given) p.recompute = Recompute::selective;
@@ -1281,6 +1282,8 @@ std::vector<Reason> check_plan(const ModelSpec& m, const Cluster& cl, const Plan
     else if (m.mla()) why = "for " + m.name + ", whose multi-latent attention runs its projections in another order";
     else if (m.bias) why = "for " + m.name + ", whose linear layers have biases (they run addmm, which the policy does not keep)";
     else if (p.offload_modules) why = "with offload_modules (Megatron-core's offload groups follow its modules)";
+    else if (p.t > 1 && !p.sp)
+      why = "with tensor parallelism but no sequence parallelism (torchtitan's tensor parallelism is sequence-parallel: sp=1)";
     else if (resolve_attention(m, cl, p) == AttentionKernel::unfused)
       why = "with the unfused attention (the policy keeps the fused attention's output: attention=flash)";
     if (!why.empty())

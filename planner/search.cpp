@@ -99,9 +99,7 @@ FixedDims parse_fixed(const std::string& text) {
       else if (s == "full") f.recompute = Recompute::full;
       else fail_field("--fix recompute", show_value(v), "must be one of none, selective, full");
     } else if (k == "selective_ac_option") {
-      if (!v.is_string() || v.get<std::string>() != "op")
-        fail_field("--fix selective_ac_option", show_value(v), "must be \"op\" (torchtitan's op-level selective recompute)");
-      f.selective_ac_op = true;
+      f.selective_ac_op = plan_from_json(Json{{"selective_ac_option", v}}, "--fix").selective_ac_op;  // (its checks)
     } else if (k == "schedule" || k == "pipeline_schedule") {
       const std::string s = v.is_string() ? v.get<std::string>() : "";
       if (s == "gpipe") f.gpipe = true;
@@ -135,6 +133,9 @@ FixedDims parse_fixed(const std::string& text) {
   }
   // torchtitan's op policy is its selective recompute: fixing it fixes that.
   if (f.selective_ac_op) {
+    if (f.recompute_layers && *f.recompute_layers > 0)
+      fail_field("--fix selective_ac_option", "\"op\"",
+                 "cannot be combined with recompute_num_layers (the layers full recompute recomputes)");
     if (f.recompute && *f.recompute != Recompute::selective)
       fail_field("--fix selective_ac_option", "\"op\"",
                  fmt::format("needs recompute=selective (--fix gives recompute={})",
@@ -601,7 +602,8 @@ SearchResult search(const ModelSpec& m, const Cluster& cl, const SearchOptions& 
 
   // Rules that depend only on (t, p, c, v) reject every candidate below them at once.
   const std::set<std::string> structural = {"tp_heads", "tp_ffn", "cp_seq", "cp_attention", "layers_vp",
-                                            "layers_pp", "vp_needs_pp", "precision", "moe_strata"};
+                                            "layers_pp", "vp_needs_pp", "precision", "moe_strata",
+                                            "selective_ac_option"};
   auto count = [](const auto& values, const auto& fixed) {
     int64_t n = 0;
     for (const auto& x : values) n += allowed(fixed, x) ? 1 : 0;
@@ -741,6 +743,7 @@ SearchResult search(const ModelSpec& m, const Cluster& cl, const SearchOptions& 
           }
           if (fx.activation_offload) probe_tpcv.take_activation_offload_of(*fx.activation_offload);
           probe_tpcv.selective_ac_op = fx.selective_ac_op;
+          if (fx.selective_ac_op) probe_tpcv.recompute = Recompute::selective;  // (what the policy cannot cost rejects the unit)
           // (An MoE model needs sequence parallelism with tp > 1: the probe has it, so that
           // moe_sp does not hide a structural reason.)
           probe_tpcv.sp = m.moe() && t > 1;

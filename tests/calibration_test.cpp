@@ -312,9 +312,10 @@ TEST(Calibration, HopperAndBlackwellRuns) {
 // (selective_ac_option op). The model's output is cast to fp32 before F.cross_entropy
 // (model.py and train.py at 0413364): cross_entropy_loss_fusion=0. Today the 8B and 13B runs
 // are predicted 6-9 % fast, the 70B ones within 0.5 % but the 70B's op row 13 % fast (the
-// op policy costs 12 % over none, full recompute 33 %: measured, the op row at batch 1 ran
-// as fast as full recompute at batch 2); the bounds hold them there. The page's footnote:
-// Llama 2 70B at local batch 2 with the op policy ran out of memory (batch 1 ran).
+// op policy costs 11 % over none, full recompute 32 %: measured, the op row at batch 1 ran
+// as fast as full recompute at batch 2); the bounds hold them there (12 % a row, the op
+// rows 15 %). The page's footnote: Llama 2 70B at local batch 2 with the op policy ran out
+// of memory (batch 1 ran).
 TEST(Calibration, TorchtitanFsdpRuns) {
   const std::string dir = std::string(STRATA_SOURCE_DIR) + "/tests/data/";
   const auto rows = testing::read_csv(dir + "fsdp_runs.csv");
@@ -328,7 +329,7 @@ TEST(Calibration, TorchtitanFsdpRuns) {
     if (!e.valid) continue;
     table.row(r, x);
     errs.push_back(std::fabs(x.err));
-    EXPECT_LE(std::fabs(x.err), 0.15) << r.at("label") << " " << r.at("plan");
+    EXPECT_LE(std::fabs(x.err), x.p.op_sac() ? 0.15 : 0.12) << r.at("label") << " " << r.at("plan");
     EXPECT_TRUE(e.fits) << r.at("label") << " " << r.at("plan") << ": ran but is predicted not to fit";
   }
   fmt::print("  {:>2} runs  median |error| {:>5.1f}%  max {:>5.1f}%\n", errs.size(), 100 * median(errs),
@@ -360,9 +361,10 @@ TEST(Calibration, TorchtitanFsdpRuns) {
 // the 700 W, 80 GB dgx-h100-80g: their step times are printed, not judged (predicted 28-52 %
 // fast), nor whether they fit in 80 GB. The H200 rows (WhiteFiber, 4 and 8 nodes of 8, 400
 // Gb/s a GPU; float8 with fp8 all-gathers, compiled) are judged on both. The long-context
-// rows (full recompute, context parallel 1-8) measure ~84 GiB whatever the sequence, 14 %
-// above the prediction (the allocator's cache grows into a 96 GB part's free memory, or the
-// loss at 32K tokens a rank holds more than costed; not separated).
+// rows (full recompute, context parallel 1-8) measure ~84 GiB whatever the sequence and
+// are predicted 14 % under: PyTorch's cross-entropy backward holds three fp32 copies of the
+// logits where strata's unfused loss holds 10 bytes a logit, 8.4 GB at 32K tokens a rank,
+// about 70 % of the gap; the rest not separated (the allocator's cache on a 96 GB part?).
 TEST(Calibration, TorchtitanHopperRuns) {
   const std::string dir = std::string(STRATA_SOURCE_DIR) + "/tests/data/";
   const auto rows = testing::read_csv(dir + "torchtitan_hopper_runs.csv");

@@ -722,6 +722,8 @@ TEST(Plan, TorchtitanSelectiveAcOption) {
   EXPECT_EQ(keys(load_model("mixtral-8x7b"), load_plan("dp=8,ep=8,selective_ac_option=op")), sac);
   EXPECT_EQ(keys(load_model("deepseek-v3"), load_plan("dp=64,ep=64,selective_ac_option=op")), sac);
   EXPECT_EQ(keys(load_model("llama3-8b"), load_plan("dp=8,selective_ac_option=op,attention=unfused")), sac);
+  EXPECT_EQ(keys(load_model("llama3-8b"), load_plan("tp=2,dp=4,selective_ac_option=op")), sac);  // TP without SP
+  EXPECT_TRUE(keys(load_model("llama3-8b"), load_plan("tp=2,sp=1,dp=4,selective_ac_option=op")).empty());
 }
 
 TEST(Plan, PipelineLayoutStrings) {
